@@ -1,0 +1,154 @@
+"""The record schema: the contract between the proxy, the log, the stream and the learner.
+
+Every record is a ``msgspec.Struct``. Change this module deliberately: new fields always get a default (so old
+logs still decode), and a change in meaning bumps ``SCHEMA_VERSION``. Encoders and decoders are built once
+here and reused everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
+StepStatus = Literal["ok", "failed"]
+TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
+Mode = Literal["train", "eval"]
+
+
+class Record(msgspec.Struct, kw_only=True, omit_defaults=False, tag_field="type"):
+    """Base of every record.
+
+    ``kw_only`` lets subclasses add defaulted fields in any order; ``tag_field`` makes the log a tagged union
+    (each record carries ``"type"``), so one decoder reads any record kind.
+    """
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    """The sampling parameters actually sent to the backend (after any forced training values)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None
+    forced: bool = False  # the proxy overrode the agent's values (--force-sampling)
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StepError(msgspec.Struct, kw_only=True):
+    message: str
+    type: str = "backend_error"
+    code: str | None = None
+
+
+class Step(Record, tag="step"):
+    """One model call, one choice (a request with ``n > 1`` gives one step per choice)."""
+
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    index: int = 0
+    choice: int = 0  # which choice of an n>1 request this step is
+    group_id: str | None = None
+    policy_version: int = 0
+    model: str = ""  # as requested by the agent
+    served_model: str = ""  # as served by the backend
+    backend: str = ""  # the backend URL that served it
+    endpoint: str = "chat.completions"  # or "completions"
+    request: dict[str, Any] = {}  # messages/prompt, tools and the agent's parameters exactly as sent
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    prompt_token_ids: list[int] = []
+    response_token_ids: list[int] = []
+    response_logprobs: list[float] = []  # one per response token
+    finish_reason: str | None = None
+    response: dict[str, Any] = {}  # the assistant message: content, tool_calls, reasoning_content
+    status: StepStatus = "ok"
+    error: StepError | None = None
+    prefix: PrefixCause = "first"
+    rewards: dict[str, float] = {}  # named per-step (process) reward components
+    started_at: float = 0.0  # unix seconds
+    latency_s: float = 0.0
+    usage: Usage = msgspec.field(default_factory=Usage)
+
+
+class Trajectory(Record, tag="trajectory"):
+    """One session: the steps of one agent run, its rewards and how it ended."""
+
+    schema_version: int = SCHEMA_VERSION
+    id: str = ""
+    group_id: str | None = None
+    group_size: int | None = None  # expected members of the group, or None
+    mode: Mode = "train"  # eval trajectories are never trained on
+    metadata: dict[str, Any] = {}
+    steps: list[Step] = []
+    rewards: dict[str, float] = {}  # named trajectory-level components; the scalar reward is their sum
+    status: TrajectoryStatus = "running"
+    error: str | None = None  # e.g. a reward callback that raised
+    anonymous: bool = False
+    created_at: float = msgspec.field(default_factory=time.time)
+    finished_at: float | None = None
+    idle_timeout_s: float | None = None
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.rewards.values()))
+
+
+# Session events: what the log needs, besides steps, to rebuild open sessions after a restart.
+
+
+class SessionOpened(Record, tag="session_opened"):
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    group_id: str | None = None
+    group_size: int | None = None
+    mode: Mode = "train"
+    metadata: dict[str, Any] = {}
+    anonymous: bool = False
+    idle_timeout_s: float | None = None
+    key: str | None = None  # the session API key (hash-free: the log is as trusted as the control token)
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class RewardAdded(Record, tag="reward_added"):
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    name: str = "reward"
+    value: float = 0.0
+    step: int | None = None  # None: trajectory-level
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class PolicyVersion(Record, tag="policy_version"):
+    """The proxy's policy version after a weight swap (persisted so a restart keeps counting)."""
+
+    schema_version: int = SCHEMA_VERSION
+    version: int = 0
+    path: str | None = None
+    lora_path: str | None = None
+    at: float = msgspec.field(default_factory=time.time)
+
+
+# A finished trajectory is written whole (a ``Trajectory`` record) when its session closes: the stream then
+# reads one record per trajectory. This costs writing each step twice, and buys a stream that needs no joins.
+LogRecord = Union[Step, Trajectory, SessionOpened, RewardAdded, PolicyVersion]
+
+msgpack_encoder = msgspec.msgpack.Encoder()
+json_encoder = msgspec.json.Encoder()
+log_decoder = msgspec.msgpack.Decoder(LogRecord)
+trajectory_msgpack_decoder = msgspec.msgpack.Decoder(Trajectory)
+trajectory_json_decoder = msgspec.json.Decoder(Trajectory)
+step_json_decoder = msgspec.json.Decoder(Step)
+
+
+def to_builtins(record: msgspec.Struct) -> Any:
+    """A record as plain dicts/lists (for JSON bodies built by hand)."""
+    return msgspec.to_builtins(record)
