@@ -1,0 +1,82 @@
+"""OpenAI-style error bodies (``{"error": {"message", "type", "code"}}``) and the middleware that turns any
+exception raised by a handler into one, so agents and SDKs always see the format they parse."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger("steptap.proxy")
+
+_json = msgspec.json.Encoder()
+
+# HTTP status -> OpenAI error type (what the official SDKs map to exception classes).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "backend_error",
+    503: "backend_unavailable",
+    504: "backend_timeout",
+}
+
+
+def error_body(message: str, status: int, code: str | None = None, type_: str | None = None) -> bytes:
+    err: dict[str, Any] = {
+        "message": message,
+        "type": type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        "code": code,
+    }
+    return _json.encode({"error": err})
+
+
+def error_response(message: str, status: int, code: str | None = None, type_: str | None = None) -> web.Response:
+    return web.Response(
+        body=error_body(message, status, code, type_), status=status, content_type="application/json"
+    )
+
+
+class ApiError(web.HTTPException):
+    """An HTTP error whose body is OpenAI's error object. Raise it anywhere in a handler."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.status_code = status
+        super().__init__(
+            headers=headers, body=error_body(message, status, code, type_), content_type="application/json"
+        )
+        self.message = message
+        self.code = code
+
+
+def bad_request(message: str, code: str | None = "invalid_request") -> ApiError:
+    return ApiError(400, message, code)
+
+
+def not_found(message: str, code: str | None = "not_found") -> ApiError:
+    return ApiError(404, message, code)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error leaves as an OpenAI error body: our ApiErrors pass through, aiohttp's own HTTP errors (404 on
+    an unknown route, 405) are rewritten, and anything unexpected becomes a 500 that is logged, never leaked."""
+    try:
+        return await handler(request)
+    except ApiError:
+        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.reason or "error", exc.status, code=None)
+    except Exception:  # noqa: BLE001 - the boundary: log it, answer 500
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response("internal proxy error", 500, code="internal_error")
