@@ -16,5 +16,9 @@ if [ "$(cat .venv/.steptap-stamp 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/pip install -q -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
   echo "$stamp" > .venv/.steptap-stamp
 fi
+# scripts/test.sh installs the built wheel; go back to the editable install for development.
+if ! .venv/bin/python -c "import sys, steptap.middleware as m; sys.exit('site-packages' in m.__file__)" 2>/dev/null; then
+  .venv/bin/pip install -q --no-deps -e .
+fi
 # The vLLM server lives in its own venv (its transformers pin clashes with verl's): built once per machine.
 .venv/bin/steptap vllm --install-only

@@ -7,4 +7,4 @@ bash scripts/setup.sh
 rm -rf dist && .venv/bin/python -m build --wheel --no-isolation -o dist . >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall dist/steptap-*.whl
 export STEPTAP_WHEEL_TEST=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
