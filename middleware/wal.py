@@ -146,8 +146,9 @@ _peek_decoder = msgspec.msgpack.Decoder(_PeekStep | _PeekOpened | _PeekReward | 
 
 
 def _split_location(location: str, cache_dir: str | None) -> tuple[Path, Any, str | None]:
-    """-> (local dir, remote fsspec filesystem or None, remote root path or None)."""
-    if location.startswith("file://"):
+    """-> (local dir, remote fsspec filesystem or None, remote root path or None). A ``cache_dir`` given with
+    a ``file://`` URL makes that URL the upload target (a second local directory)."""
+    if cache_dir is None and location.startswith("file://"):
         return Path(location[len("file://"):]), None, None
     if "://" not in location:
         return Path(location), None, None
