@@ -1,0 +1,184 @@
+"""Child processes supervised together (used by `steptap up`).
+
+Each child runs in its own session (so its own process group): a Ctrl-C in the terminal reaches only the
+supervisor, which then stops the children in reverse start order (SIGTERM to the group, a grace period, SIGKILL),
+and finally kills any descendant that escaped its group (a child that made its own session, like a server that
+supervises its own server). On Linux each child also gets SIGTERM if the supervisor dies without cleaning up
+(PR_SET_PDEATHSIG), so even a SIGKILLed `steptap up` leaves nothing running for long.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+class Child:
+    """One supervised process with its log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 may_exit: bool = False) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = env
+        self.may_exit = may_exit  # exit code 0 is not a failure (an agent population that finished)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.known: set[int] = set()  # descendants seen while it ran, killed at stop if still alive
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def start(self) -> Child:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        return self
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def remember_descendants(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.known.update(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            data = self.log_path.read_bytes()[-20000:].decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(data.splitlines()[-lines:])
+
+
+class Supervisor:
+    """Children started in order and stopped in reverse order."""
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
+        self.children: list[Child] = []
+
+    def start(self, child: Child) -> Child:
+        self.children.append(child.start())
+        return child
+
+    def get(self, name: str) -> Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    def first_failed(self) -> Child | None:
+        """The first child that exited when it should not have (or exited non-zero)."""
+        for child in self.children:
+            rc = child.returncode
+            if rc is not None and not (child.may_exit and rc == 0):
+                return child
+            child.remember_descendants()
+        return None
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.remember_descendants()
+        for child in reversed(self.children):
+            self._stop(child)
+        # Anything that left its group (or was started by a child that died first) is killed by pid.
+        leftovers = [p for c in self.children for p in c.known if psutil.pid_exists(p)]
+        for pid in leftovers:
+            try:
+                psutil.Process(pid).terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(_procs(leftovers), timeout=self.grace_s)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+    def _stop(self, child: Child) -> None:
+        if child.proc is None:
+            return
+        if child.proc.poll() is None:
+            child.signal_group(signal.SIGTERM)
+            if child.wait(self.grace_s) is None:
+                child.signal_group(signal.SIGKILL)
+                child.wait(5)
+        else:
+            child.signal_group(signal.SIGTERM)  # the leader is gone; its group may not be
+            time.sleep(0.2)
+        child.signal_group(signal.SIGKILL)
+
+
+def _procs(pids: list[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return out
+
+
+def http_ok(url: str, timeout: float = 3.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, should_abort: Callable[[], bool] | None = None,
+               interval: float = 0.5) -> bool:
+    """Poll ``cond`` until true (True) or ``timeout`` passes (False); ``should_abort`` may raise to stop."""
+    end = time.monotonic() + timeout
+    while True:
+        if should_abort is not None and should_abort():
+            return False
+        if cond():
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(interval)

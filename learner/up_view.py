@@ -1,0 +1,207 @@
+"""The live view of `steptap up`: what the proxy and the learner are doing, from their public outputs only.
+
+Sources: the proxy's ``GET /metrics`` (Prometheus text) and ``GET /health`` (JSON), and the learner's metrics
+file (one JSON object per update). Nothing here talks to the learner process or reads the trajectory log, so the
+view can never slow the loop down or hold data back from the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Metric names of the proxy (middleware/metrics.py); the first one present wins.
+ACTIVE_SESSIONS = ("steptap_sessions_active", "steptap_active_sessions", "steptap_sessions_open")
+CALLS = ("steptap_model_calls_total", "steptap_calls_total", "steptap_requests_total",
+         "steptap_chat_requests_total")
+STEPS = ("steptap_steps_total", "steptap_steps_recorded_total", "steptap_steps_written_total")
+FINISHED = ("steptap_trajectories_finished_total", "steptap_trajectories_total", "steptap_sessions_finished_total")
+POLICY_VERSION = ("steptap_policy_version",)
+SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")
+SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds", "steptap_weight_swap_duration_seconds")
+
+# Keys of the learner's metrics rows; the first one present wins.
+K_UPDATE = ("update", "step", "updates")
+K_REWARD = ("reward_mean", "reward/mean", "mean_reward", "reward")
+K_LOSS = ("loss", "policy_loss", "pg_loss", "actor/pg_loss")
+K_VERSION = ("behaviour_version", "data_policy_version", "policy_version", "version")
+
+
+def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        if k in row and row[k] is not None:
+            return row[k]
+    return None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Every sample summed over its labels, by sample name (``_total`` kept as exposed)."""
+    out: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] += float(sample.value)
+    return dict(out)
+
+
+def _pick(values: dict[str, float], names: tuple[str, ...]) -> float | None:
+    for n in names:
+        if n in values:
+            return values[n]
+    return None
+
+
+class StatusBoard:
+    """Polled once a second by `steptap up`; renders a rich table or one status line."""
+
+    def __init__(self, proxy_url: str, metrics_path: Path) -> None:
+        self.proxy_url = proxy_url
+        self.metrics_path = Path(metrics_path)
+        self.prom: dict[str, float] = {}
+        self.health: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self._offset = 0
+        self._calls: list[tuple[float, float]] = []  # (time, calls counter) for a 10 s rate
+
+    # -- polling ---------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        text = _get(f"{self.proxy_url}/metrics")
+        if text is not None:
+            try:
+                self.prom = parse_prometheus(text)
+            except ValueError:
+                pass
+        body = _get(f"{self.proxy_url}/health")
+        if body is not None:
+            try:
+                self.health = json.loads(body)
+            except ValueError:
+                pass
+        calls = _pick(self.prom, CALLS)
+        if calls is not None:
+            now = time.time()
+            self._calls.append((now, calls))
+            self._calls = [(t, c) for t, c in self._calls if now - t <= 10.0]
+        self.read_metrics()
+
+    def read_metrics(self) -> None:
+        """New whole lines of the learner's metrics file (a partly written last line waits for the next poll)."""
+        try:
+            with open(self.metrics_path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and _first(row, K_REWARD) is not None:
+                self.rows.append(row)
+
+    # -- figures ---------------------------------------------------------------------------------------
+    @property
+    def updates(self) -> int:
+        if not self.rows:
+            return 0
+        last = _first(self.rows[-1], K_UPDATE)
+        return int(last) if isinstance(last, (int, float)) else len(self.rows)
+
+    @property
+    def policy_version(self) -> int | None:
+        v = _pick(self.prom, POLICY_VERSION)
+        if v is None and isinstance(self.health.get("policy_version"), (int, float)):
+            v = self.health["policy_version"]
+        return None if v is None else int(v)
+
+    def calls_per_s(self) -> float | None:
+        if len(self._calls) < 2:
+            return None
+        (t0, c0), (t1, c1) = self._calls[0], self._calls[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None
+
+    def first_reward(self, n: int) -> float | None:
+        vals = [float(_first(r, K_REWARD)) for r in self.rows[:n]]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    def recent_reward(self, n: int) -> float | None:
+        vals = [float(_first(r, K_REWARD)) for r in self.rows[-n:]]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    def recent_loss(self) -> float | None:
+        for row in reversed(self.rows):
+            if (loss := _first(row, K_LOSS)) is not None:
+                return float(loss)
+        return None
+
+    def reward_by_version(self) -> dict[str, float]:
+        """Mean reward of the updates' batches, by the policy version that sampled them."""
+        acc: dict[str, list[float]] = defaultdict(list)
+        for row in self.rows:
+            acc[str(_first(row, K_VERSION) if _first(row, K_VERSION) is not None else "?")].append(
+                float(_first(row, K_REWARD)))
+        return {v: round(sum(x) / len(x), 4) for v, x in acc.items()}
+
+    def last_swap(self) -> str:
+        swaps = _pick(self.prom, SWAPS)
+        secs = _pick(self.prom, SWAP_SECONDS)
+        version = self.policy_version
+        if not swaps and not version:
+            return "none yet"
+        parts = [f"version {version}"] if version is not None else []
+        if swaps:
+            parts.append(f"{int(swaps)} swaps")
+        if secs:
+            parts.append(f"last took {secs:.2f} s")
+        return ", ".join(parts)
+
+    # -- rendering -------------------------------------------------------------------------------------
+    def figures(self) -> list[tuple[str, str]]:
+        def fmt(v: float | None, spec: str = ".0f") -> str:
+            return "-" if v is None else format(v, spec)
+
+        by_version = self.reward_by_version()
+        return [
+            ("active sessions", fmt(_pick(self.prom, ACTIVE_SESSIONS))),
+            ("calls/s (10 s)", fmt(self.calls_per_s(), ".1f")),
+            ("steps recorded", fmt(_pick(self.prom, STEPS))),
+            ("trajectories finished", fmt(_pick(self.prom, FINISHED))),
+            ("learner updates", str(self.updates)),
+            ("reward (last 3 updates)", fmt(self.recent_reward(3), ".3f")),
+            ("reward by policy version", "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:])
+             or "-"),
+            ("learner loss", fmt(self.recent_loss(), ".4f")),
+            ("last weight swap", self.last_swap()),
+        ]
+
+    def render(self, title: str) -> Any:
+        from rich.table import Table
+
+        table = Table(title=title, show_header=False, expand=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for name, value in self.figures():
+            table.add_row(name, value)
+        return table
+
+
+def render_line(board: StatusBoard) -> str:
+    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "learner updates", "reward (last 3 updates)",
+            "learner loss", "last weight swap"}
+    return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return resp.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
