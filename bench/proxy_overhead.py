@@ -1,0 +1,399 @@
+"""What the steptap proxy costs on every call: steptap vs a bare pass-through vs the upstream directly.
+
+    .venv/bin/python bench/proxy_overhead.py --out runs/bench.json
+
+One run starts, each in its own process: the replay upstream (recorded vLLM replies, 32 tokens with logprobs
+and token ids, bench/fixtures/), the pass-through proxy (bench/passthrough.py) in front of it, the steptap proxy
+(``steptap serve --backend <replay> --log <tmpdir>``: capture and the durable log on), and the load generator
+(bench/loadgen.py). For each configuration (concurrency 1 and 32, streamed and not) it measures direct,
+pass-through and steptap in alternating rounds (the order rotates each round; this machine is shared and
+noisy) and reports medians over rounds: calls/s, p50 and p99 latency. The targets (issue 2, "Performance"):
+
+- steptap calls/s at c=32 >= 0.5 x pass-through's (median over rounds of the paired ratio);
+- steptap's median latency at c=1 <= pass-through's + 0.6 ms (median over rounds of the paired difference).
+
+They print PASS or MISS; a miss does not fail the run. Correctness is checked on every run: the bodies the
+agent got through steptap equal the recorded ones minus what it did not ask for (logprobs, token ids), the
+direct and pass-through bodies equal the recorded bytes, and after steptap stops its log holds one step per
+call it served. A check that fails makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recorded  # noqa: E402
+from procs import Server, free_port, python_cmd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = "/v1/chat/completions"
+TARGETS = ("direct", "passthrough", "steptap")
+CONTROL_TOKEN = "bench-control-token"
+TARGET_RATIO_C32 = 0.5
+TARGET_ADDED_MS_C1 = 0.6
+
+
+# ---- the processes ---------------------------------------------------------------------------------------
+
+
+class LoadGen(Server):
+    """The load generator worker: commands on stdin, results on stdout."""
+
+    def __init__(self, log: str | None) -> None:
+        super().__init__("loadgen", python_cmd("loadgen.py"), log=log)
+
+    def start(self, timeout: float = 30.0) -> LoadGen:
+        stderr = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                     text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not json.loads(line or "{}").get("ready"):
+            raise RuntimeError("load generator did not start")
+        return self
+
+    def run(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc and self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("load generator exited")
+        return json.loads(line)
+
+
+def steptap_cmd(backend: str, port: int, log_dir: str, extra: list[str]) -> list[str]:
+    exe = Path(sys.executable).with_name("steptap")
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "steptap.middleware.cli"]
+    return [*base, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log", log_dir,
+            "--control-token", CONTROL_TOKEN, *extra]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout:.0f}s")
+
+
+class Steptap(Server):
+    """``steptap serve`` as a subprocess; ready when its /health answers."""
+
+    def start(self, timeout: float = 60.0) -> Steptap:
+        out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(self.env or {})})
+        try:
+            wait_http(f"{self.url}/health", timeout, self.proc)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+
+# ---- statistics ------------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))
+    return s[k]
+
+
+def summarize_run(res: dict[str, Any]) -> dict[str, Any]:
+    lat = res["latencies_ms"]
+    return {
+        "calls": res["calls"],
+        "errors": res["errors"],
+        "elapsed_s": round(res["elapsed_s"], 4),
+        "calls_per_s": res["calls"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
+        "p50_ms": pct(lat, 50),
+        "p99_ms": pct(lat, 99),
+    }
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---- correctness -----------------------------------------------------------------------------------------
+
+
+def check_bodies(target: str, stream: bool, bodies: list[list[Any]], fx: recorded.Fixture) -> list[str]:
+    """Problems with the distinct bodies a run saw (empty: all good)."""
+    problems = []
+    want = fx.stream if stream else fx.reply
+    for text, count in bodies:
+        body = text.encode()
+        if target == "steptap":
+            why = recorded.same_agent_stream(body, want) if stream else recorded.same_agent_body(body, want)
+        else:  # direct and pass-through relay the recorded bytes untouched
+            why = None if body == want else f"bytes differ from the recording ({len(body)} vs {len(want)})"
+        if why:
+            problems.append(f"{target} {'stream' if stream else 'plain'} x{count}: {why}")
+    return problems
+
+
+async def _count_steps(log_dir: str) -> dict[str, int]:
+    from steptap.middleware.records import Step
+    from steptap.middleware.wal import TrajectoryLog
+
+    log = await TrajectoryLog.open(log_dir)
+    counts: dict[str, int] = {}
+    try:
+        for rec in log.records():
+            kind = type(rec).__name__
+            counts[kind] = counts.get(kind, 0) + 1
+            if isinstance(rec, Step) and rec.status != "ok":
+                counts["failed_steps"] = counts.get("failed_steps", 0) + 1
+    finally:
+        await log.close()
+    return counts
+
+
+def count_log(log_dir: str) -> dict[str, int]:
+    return asyncio.run(_count_steps(log_dir))
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    fx = recorded.load(args.fixture)
+    work = Path(tempfile.mkdtemp(prefix="steptap-bench-"))
+    log_dir = str(work / "log")
+    servers: list[Server] = []
+    py_spy: subprocess.Popen[bytes] | None = None
+    result: dict[str, Any] = {"problems": []}
+    try:
+        replay = Server("replay", python_cmd("replay_upstream.py", "--fixture", args.fixture),
+                        log=str(work / "replay.log")).start()
+        servers.append(replay)
+        urls = {"direct": replay.url}
+        if "passthrough" in args.targets:
+            pt = Server("passthrough", python_cmd("passthrough.py", "--backend", replay.url),
+                        log=str(work / "passthrough.log")).start()
+            servers.append(pt)
+            urls["passthrough"] = pt.url
+        steptap = None
+        if "steptap" in args.targets:
+            port = free_port()
+            steptap = Steptap("steptap", steptap_cmd(replay.url, port, log_dir, args.steptap_arg),
+                              log=str(work / "steptap.log"))
+            steptap.port = port
+            steptap.start(timeout=args.start_timeout)
+            servers.append(steptap)
+            urls["steptap"] = steptap.url
+            if args.profile:
+                py_spy = subprocess.Popen(
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(steptap.pid), "-r", "250",
+                     "-f", "raw", "-o", args.profile, "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        loadgen = LoadGen(log=str(work / "loadgen.log")).start()
+        servers.append(loadgen)
+
+        configs = [(mode, c) for mode in args.modes for c in args.concurrency]
+        targets = [t for t in TARGETS if t in args.targets]
+        runs: list[dict[str, Any]] = []
+        sent_to_steptap = 0
+        for rnd in range(args.rounds):
+            for mode, c in configs:
+                stream = mode == "stream"
+                order = targets[rnd % len(targets):] + targets[: rnd % len(targets)]
+                for target in order:
+                    res = loadgen.run(url=urls[target] + CHAT, body=fx.agent_body(stream).decode(),
+                                      headers={"Authorization": "Bearer EMPTY"}, concurrency=c,
+                                      warmup=args.warmup, requests=args.requests, seconds=args.seconds)
+                    if target == "steptap":
+                        sent_to_steptap += res["sent"]
+                    row = {"round": rnd, "mode": mode, "concurrency": c, "target": target, **summarize_run(res)}
+                    runs.append(row)
+                    problems = check_bodies(target, stream, res["bodies"], fx)
+                    if res["errors"] or res["warmup_errors"]:
+                        problems.append(f"{target} {mode} c={c}: {res['errors']} errors "
+                                        f"(+{res['warmup_errors']} in warm-up): {res['error_samples']}")
+                    result["problems"] += problems
+                    if not args.quiet:
+                        print(f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
+                              f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
+                              + ("  BODY/ERR PROBLEM" if problems else ""), flush=True)
+        result["runs"] = runs
+
+        if py_spy is not None:
+            py_spy.send_signal(signal.SIGINT)
+            py_spy.wait(30)
+            py_spy = None
+        if steptap is not None:
+            steptap.stop(timeout=30)
+            counts = count_log(log_dir)
+            steps = counts.get("Step", 0)
+            result["log"] = {"calls_sent": sent_to_steptap, "records": counts, "steps": steps,
+                             "one_step_per_call": steps == sent_to_steptap}
+            if steps != sent_to_steptap:
+                result["problems"].append(f"steptap log holds {steps} steps for {sent_to_steptap} calls")
+            if counts.get("failed_steps"):
+                result["problems"].append(f"steptap log holds {counts['failed_steps']} failed steps")
+        result["replay_stats"] = _replay_stats(replay.url)
+    finally:
+        if py_spy is not None and py_spy.poll() is None:
+            py_spy.send_signal(signal.SIGINT)
+            py_spy.wait(30)
+        for s in reversed(servers):
+            s.stop()
+        if args.keep:
+            print(f"kept logs in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["summary"] = summarize(result["runs"], targets, configs)
+    return result
+
+
+def _replay_stats(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(f"{url}/bench/stats", timeout=5) as r:
+            return json.loads(r.read())
+    except OSError:
+        return {}
+
+
+def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"configs": [], "targets": {}}
+    for mode, c in configs:
+        for t in targets:
+            rs = [r for r in runs if r["mode"] == mode and r["concurrency"] == c and r["target"] == t]
+            out["configs"].append({
+                "mode": mode, "concurrency": c, "target": t, "rounds": len(rs),
+                "calls_per_s": med([r["calls_per_s"] for r in rs]),
+                "p50_ms": med([r["p50_ms"] for r in rs]),
+                "p99_ms": med([r["p99_ms"] for r in rs]),
+                "calls": sum(r["calls"] for r in rs),
+            })
+        if {"passthrough", "steptap"} <= set(targets):
+            pairs = {}
+            for r in runs:
+                if r["mode"] == mode and r["concurrency"] == c and r["target"] in ("passthrough", "steptap"):
+                    pairs.setdefault(r["round"], {})[r["target"]] = r
+            full = [p for p in pairs.values() if len(p) == 2]
+            ratio = med([p["steptap"]["calls_per_s"] / p["passthrough"]["calls_per_s"] for p in full])
+            added = med([p["steptap"]["p50_ms"] - p["passthrough"]["p50_ms"] for p in full])
+            key = f"{mode} c={c}"
+            out["targets"][key] = {"ratio_calls_per_s": ratio, "added_p50_ms": added}
+    verdicts = {}
+    for key, v in out["targets"].items():
+        c = int(key.split("c=")[1])
+        if c == max(cc for _, cc in configs) and c >= 32:
+            verdicts[f"{key}: calls/s >= {TARGET_RATIO_C32} x pass-through"] = (
+                v["ratio_calls_per_s"], v["ratio_calls_per_s"] >= TARGET_RATIO_C32)
+        if c == 1:
+            verdicts[f"{key}: added p50 <= {TARGET_ADDED_MS_C1} ms"] = (
+                v["added_p50_ms"], v["added_p50_ms"] <= TARGET_ADDED_MS_C1)
+    out["verdicts"] = {k: {"value": val, "pass": ok} for k, (val, ok) in verdicts.items()}
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    lines = ["| mode | c | target | calls/s | p50 ms | p99 ms | calls |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in s["configs"]:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['target']} | {r['calls_per_s']:.0f} | "
+                     f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['calls']} |")
+    if s["targets"]:
+        lines += ["", "| config | steptap / pass-through calls/s | steptap - pass-through p50 (ms) |",
+                  "|---|---:|---:|"]
+        for key, v in s["targets"].items():
+            lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['added_p50_ms']:+.3f} |")
+    if s["verdicts"]:
+        lines.append("")
+        for key, v in s["verdicts"].items():
+            lines.append(f"- {'PASS' if v['pass'] else 'MISS'} {key} (measured {v['value']:.3f})")
+    log = result.get("log")
+    lines.append("")
+    if log:
+        lines.append(f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
+                     f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}")
+    probs = result["problems"]
+    lines.append(f"- correctness: {'all bodies and counts as expected' if not probs else f'{len(probs)} problems'}")
+    lines += [f"  - {p}" for p in probs[:20]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians are taken over them)")
+    p.add_argument("--seconds", type=float, default=3.0, help="timed length of one run (bound)")
+    p.add_argument("--requests", type=int, default=20000, help="calls in one run (bound)")
+    p.add_argument("--warmup", type=int, default=64, help="untimed calls before each run")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "stream"])
+    p.add_argument("--targets", type=lambda s: s.split(","), default=list(TARGETS))
+    p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
+    p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
+    p.add_argument("--start-timeout", type=float, default=60.0)
+    p.add_argument("--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file")
+    p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    bad = set(args.targets) - set(TARGETS)
+    if bad:
+        p.error(f"unknown targets {sorted(bad)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    result = run_benchmark(args)
+    result["meta"] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "wall_s": round(time.time() - t0, 1),
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "python": platform.python_version(),
+        "fixture": args.fixture,
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "git": _git_head(),
+    }
+    text = markdown(result)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 1 if result["problems"] else 0
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
