@@ -1,0 +1,403 @@
+"""The Python client of the proxy's control API and trajectory stream (aiohttp only; no ML stack).
+
+    async with SteptapClient("http://127.0.0.1:8100", control_token) as c:
+        s = await c.open_session(group_id="g1", group_size=4)
+        ...  # the agent uses s.base_url / s.api_key
+        await c.finish(s.id, reward=1.0)
+
+    async for d in c.trajectories("learner"):      # at least once, de-duplicated by trajectory id
+        train_on(d.trajectory)
+        await c.ack("learner", d.cursor)            # everything up to d.cursor is done
+
+**Delivery.** The stream reconnects with backoff when the proxy restarts or the connection drops, resuming
+after the last cursor it delivered (before the first delivery: the given cursor, else the consumer's
+acknowledged one). The same trajectory can come twice (a restart re-sends from the acknowledged cursor); with
+``dedup=True`` the iterator drops ids it has already delivered (a bounded seen-set). With ``seen_file`` the ids
+acknowledged through ``ack`` are also written to that file, so after a consumer restart they are still
+recognised; ids delivered but never acknowledged are deliberately re-delivered (the consumer may not have
+finished with them).
+
+``SyncSteptapClient`` offers the session, reward, finish, get_session and ack calls synchronously (urllib).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import struct
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+
+from .records import Trajectory
+
+logger = logging.getLogger("steptap.client")
+
+_LEN = struct.Struct(">I")
+
+
+class SteptapError(Exception):
+    """An error answer from the proxy (OpenAI's error body)."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, code: str | None = None) -> None:
+        super().__init__(f"{status} {type or 'error'}: {message}" + (f" ({code})" if code else ""))
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+
+    @classmethod
+    def from_body(cls, status: int, body: bytes) -> SteptapError:
+        try:
+            err = json.loads(body)["error"]
+            return cls(status, str(err.get("message", "")), err.get("type"), err.get("code"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls(status, body.decode("utf-8", "replace")[:500] or f"HTTP {status}")
+
+
+class SessionInfo(msgspec.Struct, kw_only=True):
+    id: str
+    base_url: str
+    api_key: str
+
+
+class Delivery(msgspec.Struct):
+    """One trajectory from the stream and the cursor to acknowledge once done with it."""
+
+    cursor: str
+    trajectory: Trajectory
+
+
+class _Message(msgspec.Struct, kw_only=True):
+    """Mirror of ``stream.StreamMessage`` (kept here so the client never imports the server side)."""
+
+    cursor: str
+    trajectory: Trajectory | None = None
+    heartbeat: float | None = None
+    end: bool = False
+
+
+_msg_json = msgspec.json.Decoder(_Message)
+_msg_mp = msgspec.msgpack.Decoder(_Message)
+_session_dec = msgspec.json.Decoder(SessionInfo)
+_traj_dec = msgspec.json.Decoder(Trajectory)
+_enc = msgspec.json.Encoder()
+
+
+def _cursor_key(cursor: str) -> tuple[int, int]:
+    seg, _, off = cursor.partition(":")
+    return int(seg), int(off)
+
+
+class SeenSet:
+    """A bounded set of trajectory ids (oldest forgotten first), optionally backed by an append-only file."""
+
+    def __init__(self, max_ids: int = 100_000, path: str | os.PathLike[str] | None = None) -> None:
+        self.max_ids = max_ids
+        self.path = Path(path) if path is not None else None
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._pending: list[tuple[tuple[int, int], str]] = []  # delivered, not yet acknowledged
+        self._lines = 0
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line:
+                    self._remember(line)
+                    self._lines += 1
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _remember(self, tid: str) -> None:
+        self._ids[tid] = None
+        self._ids.move_to_end(tid)
+        while len(self._ids) > self.max_ids:
+            self._ids.popitem(last=False)
+
+    def delivered(self, tid: str, cursor: str) -> None:
+        self._remember(tid)
+        if self.path is not None:
+            self._pending.append((_cursor_key(cursor), tid))
+
+    def acknowledged(self, cursor: str) -> None:
+        """Persist the ids delivered up to ``cursor`` (synced: they must survive a crash of the consumer)."""
+        if self.path is None or not self._pending:
+            return
+        upto = _cursor_key(cursor)
+        done = [tid for key, tid in self._pending if key <= upto]
+        self._pending = [(key, tid) for key, tid in self._pending if key > upto]
+        if not done:
+            return
+        if self._lines + len(done) > 2 * self.max_ids:  # rewrite to the retained ids, atomically
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with open(tmp, "w") as f:
+                f.write("".join(f"{t}\n" for t in self._ids))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            self._lines = len(self._ids)
+            return
+        with open(self.path, "a") as f:
+            f.write("".join(f"{t}\n" for t in done))
+            f.flush()
+            os.fsync(f.fileno())
+        self._lines += len(done)
+
+
+class SteptapClient:
+    """Async client; use as ``async with SteptapClient(base_url, control_token) as c:``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        control_token: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.control_token = control_token or os.environ.get("STEPTAP_CONTROL_TOKEN")
+        self.timeout_s = timeout_s
+        self._session = session
+        self._own_session = session is None
+        self._seen: dict[str, SeenSet] = {}
+
+    async def __aenter__(self) -> SteptapClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(read_bufsize=1 << 20)
+        return self._session
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.control_token:
+            h["Authorization"] = f"Bearer {self.control_token}"
+        return h
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+        data = _enc.encode(body) if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with self._http().request(method, self.base_url + path, data=data, headers=self._headers(),
+                                        timeout=timeout) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise SteptapError.from_body(resp.status, raw)
+            return raw
+
+    # ---- sessions and rewards ----------------------------------------------------------------------------
+
+    async def open_session(
+        self,
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        mode: Literal["train", "eval"] = "train",
+        metadata: dict[str, Any] | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> SessionInfo:
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s)
+        return _session_dec.decode(await self._request("POST", "/sessions", body))
+
+    async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
+                         step: int | Literal["last"] | None = None) -> None:
+        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
+                            _reward_body(value, name, step))
+
+    async def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
+        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))
+
+    async def get_session(self, session_id: str) -> Trajectory:
+        return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+
+    # ---- the stream --------------------------------------------------------------------------------------
+
+    async def ack(self, consumer: str, cursor: str) -> None:
+        await self._request("POST", "/trajectories/ack", {"consumer": consumer, "cursor": cursor})
+        seen = self._seen.get(consumer)
+        if seen is not None:
+            await asyncio.to_thread(seen.acknowledged, cursor)
+
+    async def trajectories(
+        self,
+        consumer: str,
+        *,
+        cursor: str | None = None,
+        follow: bool = True,
+        dedup: bool = True,
+        seen_file: str | os.PathLike[str] | None = None,
+        max_seen: int = 100_000,
+        format: Literal["ndjson", "msgpack"] = "msgpack",
+        heartbeat_s: float = 10.0,
+        max_backoff_s: float = 5.0,
+    ) -> AsyncIterator[Delivery]:
+        """Finished trajectories for ``consumer``, at least once, de-duplicated by id when ``dedup``.
+
+        Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
+        4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
+        seen: SeenSet | None = None
+        if dedup:
+            seen = self._seen.get(consumer)
+            if seen is None or (seen_file is not None and seen.path != Path(seen_file)):
+                seen = SeenSet(max_seen, seen_file)
+                self._seen[consumer] = seen
+        position = cursor
+        backoff = 0.2
+        # Between messages the server writes a heartbeat every heartbeat_s: silence much longer than that is
+        # a dead connection (a proxy killed without closing its sockets), so reconnect.
+        read_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=max(3 * heartbeat_s, 5.0))
+        while True:
+            params = {"consumer": consumer, "format": format, "follow": "1" if follow else "0",
+                      "heartbeat": str(heartbeat_s)}
+            if position is not None:
+                params["cursor"] = position
+            try:
+                async with self._http().get(self.base_url + "/trajectories", params=params,
+                                            headers=self._headers(), timeout=read_timeout) as resp:
+                    if resp.status >= 500:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    if resp.status >= 400:
+                        raise SteptapError.from_body(resp.status, await resp.read())
+                    backoff = 0.2
+                    async for msg in _messages(resp, format):
+                        position = msg.cursor
+                        if msg.end:
+                            return
+                        if msg.trajectory is None:
+                            continue
+                        tid = msg.trajectory.id
+                        if seen is not None:
+                            if tid in seen:
+                                logger.debug("dropping duplicate trajectory %s", tid)
+                                continue
+                            seen.delivered(tid, msg.cursor)
+                        yield Delivery(msg.cursor, msg.trajectory)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc, backoff)
+            else:
+                logger.info("trajectory stream for %s ended by the proxy; reconnecting", consumer)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, max_backoff_s)
+
+
+async def _messages(resp: aiohttp.ClientResponse, fmt: str) -> AsyncIterator[_Message]:
+    if fmt == "ndjson":
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    yield _msg_json.decode(line)
+        return
+    while True:
+        try:
+            head = await resp.content.readexactly(_LEN.size)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise aiohttp.ClientPayloadError("stream cut inside a frame header") from None
+            return
+        (n,) = _LEN.unpack(head)
+        try:
+            body = await resp.content.readexactly(n)
+        except asyncio.IncompleteReadError:
+            raise aiohttp.ClientPayloadError("stream cut inside a frame") from None
+        yield _msg_mp.decode(body)
+
+
+def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
+                  idle_timeout_s: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"mode": mode}
+    for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
+                 ("idle_timeout_s", idle_timeout_s)):
+        if v is not None:
+            body[k] = v
+    return body
+
+
+def _reward_body(value: float, name: str | None, step: int | str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"value": value}
+    if name is not None:
+        body["name"] = name
+    if step is not None:
+        body["step"] = step
+    return body
+
+
+def _finish_body(reward: float | None, status: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"status": status}
+    if reward is not None:
+        body["reward"] = reward
+    return body
+
+
+class SyncSteptapClient:
+    """The session, reward, finish, get_session and ack calls, synchronous (stdlib urllib only)."""
+
+    def __init__(self, base_url: str, control_token: str | None = None, *, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.control_token = control_token or os.environ.get("STEPTAP_CONTROL_TOKEN")
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> SyncSteptapClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass  # urllib keeps no connections open
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+        headers = {"Content-Type": "application/json"}
+        if self.control_token:
+            headers["Authorization"] = f"Bearer {self.control_token}"
+        req = urllib.request.Request(self.base_url + path, method=method, headers=headers,
+                                     data=_enc.encode(body) if body is not None else None)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as exc:
+            raise SteptapError.from_body(exc.code, exc.read()) from None
+
+    def open_session(self, *, group_id: str | None = None, group_size: int | None = None,
+                     mode: Literal["train", "eval"] = "train", metadata: dict[str, Any] | None = None,
+                     idle_timeout_s: float | None = None) -> SessionInfo:
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s)
+        return _session_dec.decode(self._request("POST", "/sessions", body))
+
+    def add_reward(self, session_id: str, value: float, *, name: str | None = None,
+                   step: int | Literal["last"] | None = None) -> None:
+        self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards", _reward_body(value, name, step))
+
+    def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
+        self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))
+
+    def get_session(self, session_id: str) -> Trajectory:
+        return _traj_dec.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+
+    def ack(self, consumer: str, cursor: str) -> None:
+        self._request("POST", "/trajectories/ack", {"consumer": consumer, "cursor": cursor})
+
+
+__all__ = ["SteptapClient", "SyncSteptapClient", "SteptapError", "SessionInfo", "Delivery", "SeenSet"]
