@@ -9,7 +9,8 @@ share its event loop. A command:
 
 ``concurrency`` workers each send a request, read the whole reply, and send the next, over one keep-alive
 pool: first ``warmup`` calls (not timed), then until ``requests`` calls or ``seconds`` have passed, whichever
-comes first. The result holds calls, errors, the elapsed time, every latency (ms, request sent to last byte
+comes first. ``url`` may hold ``{worker}``: each worker then calls its own URL (one agent session each). The
+result holds calls, errors, the elapsed time, every latency (ms, request sent to last byte
 read) and the distinct reply bodies seen with their counts (bounded), which the orchestrator checks after the
 run so checking costs nothing while timing.
 """
@@ -49,12 +50,12 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
                                      auto_decompress=False) as http:
 
-        async def one() -> float | None:
+        async def one(target: str) -> float | None:
             nonlocal sent
             sent += 1
             t0 = time.perf_counter()
             try:
-                async with http.post(url, data=body, headers=headers) as r:
+                async with http.post(target, data=body, headers=headers) as r:
                     data = await r.read()
                     status = r.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -74,12 +75,12 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
         warm = int(cmd.get("warmup", 0))
         left = [warm]
 
-        async def warm_worker() -> None:
+        async def warm_worker(i: int) -> None:
             while left[0] > 0:
                 left[0] -= 1
-                await one()
+                await one(url.format(worker=i))
 
-        await asyncio.gather(*(warm_worker() for _ in range(concurrency)))
+        await asyncio.gather(*(warm_worker(i) for i in range(concurrency)))
         warm_errors = len(errors)
         bodies.clear()
         statuses.clear()
@@ -89,15 +90,16 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
         deadline = start + limit_s
         last = [start]
 
-        async def worker() -> None:
+        async def worker(i: int) -> None:
+            target = url.format(worker=i)
             while done[0] < limit_n and time.perf_counter() < deadline:
                 done[0] += 1
-                dt = await one()
+                dt = await one(target)
                 last[0] = time.perf_counter()
                 if dt is not None:
                     latencies.append(dt)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = last[0] - start
 
     return {

@@ -225,7 +225,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 stream = mode == "stream"
                 order = targets[rnd % len(targets):] + targets[: rnd % len(targets)]
                 for target in order:
-                    res = loadgen.run(url=urls[target] + CHAT, body=fx.agent_body(stream).decode(),
+                    url = urls[target] + CHAT
+                    if target == "steptap" and args.identity == "session":
+                        # One session per worker: each worker is one agent making calls in turn.
+                        url = f"{urls[target]}/s/bench-r{rnd}-{mode}-c{c}-w{{worker}}/v1/chat/completions"
+                    res = loadgen.run(url=url, body=fx.agent_body(stream).decode(),
                                       headers={"Authorization": "Bearer EMPTY"}, concurrency=c,
                                       warmup=args.warmup, requests=args.requests, seconds=args.seconds)
                     if target == "steptap":
@@ -350,6 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "stream"])
     p.add_argument("--targets", type=lambda s: s.split(","), default=list(TARGETS))
+    p.add_argument("--identity", choices=("anonymous", "session"), default="anonymous",
+                   help="steptap calls without a session (one anonymous trajectory each, written whole) or "
+                        "on a session path per worker (/s/<id>/v1)")
     p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
     p.add_argument("--start-timeout", type=float, default=60.0)
