@@ -51,7 +51,7 @@ class ApiError(web.HTTPException):
                  headers: dict[str, str] | None = None) -> None:
         self.status_code = status
         super().__init__(
-            headers=headers, body=error_body(message, status, code, type_), content_type="application/json"
+            headers=headers, text=error_body(message, status, code, type_).decode(), content_type="application/json"
         )
         self.message = message
         self.code = code

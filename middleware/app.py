@@ -1,0 +1,112 @@
+"""``create_app(config)``: wiring only. Routes, ``AppKey``s, and one ``cleanup_ctx`` per resource (the upstream
+session, the trajectory log with the session manager, the weight swapper, background tasks)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from . import control, forward, stream
+from .auth import CONTROL_TOKEN_KEY, generate_token
+from .config import CONFIG_KEY, ProxyConfig
+from .errors import error_middleware
+from .metrics import METRICS_KEY, Metrics, metrics_handler
+from .rewards import RewardFn, load_reward
+from .sessions import SESSIONS_KEY, SessionManager
+from .wal import TrajectoryLog
+from .weights import WeightSwapper
+
+logger = logging.getLogger("steptap.proxy")
+
+TASKS_KEY = web.AppKey("steptap_tasks", set)  # background tasks; shutdown drains them
+REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, or None
+_MAX_BODY = 256 * 1024 * 1024  # long agent histories are big; aiohttp's default (1 MiB) is far too small
+
+
+def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
+    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=_MAX_BODY)
+    app[CONFIG_KEY] = config
+    app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
+    app[METRICS_KEY] = Metrics()
+    app[TASKS_KEY] = set()
+    app[forward.UPSTREAM_KEY] = forward.Upstream(config)
+    app[forward.SWAPPER_KEY] = WeightSwapper(config.backend)
+    app[REWARD_KEY] = reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
+    app.cleanup_ctx.extend([_upstream_ctx, _log_ctx, _swapper_ctx, _tasks_ctx])
+
+    r = app.router
+    for prefix in ("", "/s/{agent_session}"):
+        r.add_post(prefix + "/v1/chat/completions", forward.chat_completions)
+        r.add_post(prefix + "/v1/completions", forward.completions)
+        r.add_get(prefix + "/v1/models", forward.models)
+    r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
+    r.add_get("/health", forward.health)
+    r.add_get("/metrics", metrics_handler)
+    control.add_routes(app)
+    stream.add_routes(app)
+    return app
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    upstream = app[forward.UPSTREAM_KEY]
+    await upstream.start()
+    yield
+    await upstream.close()
+
+
+async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    log = await TrajectoryLog.open(config.log)
+    try:
+        manager = SessionManager(config, log, app[METRICS_KEY], app[REWARD_KEY], app[TASKS_KEY])
+        reopened = await manager.rebuild()
+        if reopened:
+            logger.info("rebuilt %d open sessions from %s", reopened, config.log)
+        app[SESSIONS_KEY] = manager
+        app[stream.LOG_KEY] = log
+        yield
+    finally:
+        await log.close()
+
+
+async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
+    swapper = app[forward.SWAPPER_KEY]
+    assert isinstance(swapper, WeightSwapper)
+    swapper.log = app[stream.LOG_KEY]  # each new policy version is persisted in the log
+    swapper.restore(app[SESSIONS_KEY].policy_versions)
+    await swapper.start()
+    yield
+    await swapper.close()
+
+
+async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
+    tasks = app[TASKS_KEY]
+    sweeper = asyncio.get_running_loop().create_task(app[SESSIONS_KEY].sweeper(), name="steptap-sweeper")
+    yield
+    sweeper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sweeper
+    # persistence tasks (anonymous closes, failed steps, idle closes) finish before the log closes
+    while tasks:
+        await asyncio.gather(*list(tasks), return_exceptions=True)
+
+
+@web.middleware
+async def _count_calls(request: web.Request, handler: Any) -> web.StreamResponse:
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        request.app[METRICS_KEY].calls.labels(route, str(status)).inc()
