@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
@@ -76,9 +77,12 @@ class LoadGen(Server):
         return json.loads(line)
 
 
-def steptap_cmd(backend: str, port: int, log_dir: str, extra: list[str]) -> list[str]:
+def steptap_cmd(backend: str, port: int, log_dir: str, extra: list[str], prefix: str | None) -> list[str]:
     exe = Path(sys.executable).with_name("steptap")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "steptap.middleware.cli"]
+    if prefix:
+        base = shlex.split(prefix)
+    else:
+        base = [str(exe)] if exe.exists() else [sys.executable, "-m", "steptap.middleware.cli"]
     return [*base, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log", log_dir,
             "--control-token", CONTROL_TOKEN, *extra]
 
@@ -202,7 +206,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         steptap = None
         if "steptap" in args.targets:
             port = free_port()
-            steptap = Steptap("steptap", steptap_cmd(replay.url, port, log_dir, args.steptap_arg),
+            steptap = Steptap("steptap", steptap_cmd(replay.url, port, log_dir, args.steptap_arg, args.steptap_cmd),
                               log=str(work / "steptap.log"))
             steptap.port = port
             steptap.start(timeout=args.start_timeout)
@@ -358,6 +362,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steptap calls without a session (one anonymous trajectory each, written whole) or "
                         "on a session path per worker (/s/<id>/v1)")
     p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
+    p.add_argument("--steptap-cmd", help="run this instead of the `steptap` command (e.g. under a profiler); "
+                                        "`serve --backend ... --log ...` is appended")
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument("--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file")
