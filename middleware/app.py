@@ -19,7 +19,7 @@ from .metrics import METRICS_KEY, Metrics, metrics_handler
 from .rewards import RewardFn, load_reward
 from .sessions import SESSIONS_KEY, SessionManager
 from .wal import TrajectoryLog
-from .weights import WeightSwapper
+from .weights import WeightsCollector, WeightSwapper, admin_weights
 
 logger = logging.getLogger("steptap.proxy")
 
@@ -47,6 +47,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
     r.add_get("/health", forward.health)
     r.add_get("/metrics", metrics_handler)
+    r.add_post("/admin/weights", admin_weights)  # weight swap (weights.py)
     control.add_routes(app)
     stream.add_routes(app)
     return app
@@ -79,6 +80,7 @@ async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
     assert isinstance(swapper, WeightSwapper)
     swapper.log = app[stream.LOG_KEY]  # each new policy version is persisted in the log
     swapper.restore(app[SESSIONS_KEY].policy_versions)
+    app[METRICS_KEY].registry.register(WeightsCollector(swapper))  # weight swap metrics (weights.py)
     await swapper.start()
     yield
     await swapper.close()
