@@ -215,7 +215,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if args.profile:
                 py_spy = subprocess.Popen(
                     [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(steptap.pid), "-r", "250",
-                     "-f", "raw", "-o", args.profile, "--nonblocking"],
+                     "-f", "raw", "-o", args.profile, "--nonblocking", *(["--gil"] if args.profile_gil else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         loadgen = LoadGen(log=str(work / "loadgen.log")).start()
         servers.append(loadgen)
@@ -367,6 +367,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument("--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file")
+    p.add_argument("--profile-gil", action="store_true", help="with --profile: only samples holding the GIL")
     p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
     p.add_argument("--quiet", action="store_true")
