@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="", help="task name recorded in summary.json")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds each component may take to "
                    "become healthy (the first vLLM start on a machine builds its virtualenv)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL at shutdown")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL at shutdown")
     p.add_argument("--vllm-args", default="", help="extra arguments for `steptap vllm` (one string)")
     p.add_argument("--serve-args", default="", help="extra arguments for `steptap serve` (one string)")
     p.add_argument("--learn-args", default="", help="extra arguments for `steptap learn` (one string)")
@@ -101,6 +101,8 @@ class Up:
         if self.args.model:
             self.model_dir = self.args.model
             return
+        if self.backend:
+            return  # serve and record only: no model files needed here
         target = self.workdir / "model"
         if not (target / "config.json").exists():
             self._log(f"no --model given: building the offline tiny model in {target}")
@@ -117,7 +119,8 @@ class Up:
             return
         port = self.args.vllm_port or _free_port()
         self.backend = f"http://127.0.0.1:{port}"
-        argv = [*STEPTAP, "vllm", "--model", self.model_dir, "--port", str(port), *_split(self.args.vllm_args)]
+        argv = [*STEPTAP, "vllm", "--model", self.model_dir, "--port", str(port),
+                "--log", str(self.logs / "vllm-server.log"), *_split(self.args.vllm_args)]
         child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
         self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
         self._wait_healthy(child, f"{self.backend}/health")
@@ -137,10 +140,12 @@ class Up:
         argv = [*STEPTAP, "learn"]
         if self.args.config:
             argv += ["--config", self.args.config]
-        argv += ["--proxy", self.proxy_url, "--control-token", self.token, "--model", self.model_dir,
-                 "--metrics", str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
+        argv += ["--proxy-url", self.proxy_url, "--model-dir", self.model_dir,
+                 "--metrics-file", str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
                  *_split(self.args.learn_args)]
-        child = self.sup.start(Child("learn", argv, self.logs / "learn.log"))
+        # The token goes by environment, not argv: argv is visible to every user in `ps`.
+        env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
+        child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env))
         self._log(f"starting the learner (log: {child.log_path}, metrics: {self.metrics_path})")
         # The learner has no health route: alive after a few seconds (its imports done) counts as started.
         wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
@@ -333,7 +338,10 @@ def _served_model(proxy_url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.backend and not args.model and not args.no_learner:
+        parser.error("--backend with the learner needs --model (the weights that server runs), or --no-learner")
     return Up(args).run()
 
 

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # Metric names of the proxy (middleware/metrics.py); the first one present wins.
 ACTIVE_SESSIONS = ("steptap_sessions_active", "steptap_active_sessions", "steptap_sessions_open")
-CALLS = ("steptap_model_calls_total", "steptap_calls_total", "steptap_requests_total",
-         "steptap_chat_requests_total")
-STEPS = ("steptap_steps_total", "steptap_steps_recorded_total", "steptap_steps_written_total")
-FINISHED = ("steptap_trajectories_finished_total", "steptap_trajectories_total", "steptap_sessions_finished_total")
+CALLS = ("steptap_call_latency_seconds_count",)  # model calls only (steptap_calls_total counts every route)
+STEPS = ("steptap_steps_total",)
+FINISHED = ("steptap_trajectories_total",)
+REWARD_SUM, REWARD_COUNT = ("steptap_reward_value_sum",), ("steptap_reward_value_count",)
 POLICY_VERSION = ("steptap_policy_version",)
 SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")
 SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds", "steptap_weight_swap_duration_seconds")
@@ -67,6 +67,7 @@ class StatusBoard:
         self.rows: list[dict[str, Any]] = []
         self._offset = 0
         self._calls: list[tuple[float, float]] = []  # (time, calls counter) for a 10 s rate
+        self._rewards: list[tuple[float, float, float]] = []  # (time, reward sum, count) for a 60 s mean
 
     # -- polling ---------------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -87,6 +88,11 @@ class StatusBoard:
             now = time.time()
             self._calls.append((now, calls))
             self._calls = [(t, c) for t, c in self._calls if now - t <= 10.0]
+        rsum, rcount = _pick(self.prom, REWARD_SUM), _pick(self.prom, REWARD_COUNT)
+        if rsum is not None and rcount is not None:
+            now = time.time()
+            self._rewards.append((now, rsum, rcount))
+            self._rewards = [r for r in self._rewards if now - r[0] <= 60.0]
         self.read_metrics()
 
     def read_metrics(self) -> None:
@@ -127,6 +133,13 @@ class StatusBoard:
             return None
         (t0, c0), (t1, c1) = self._calls[0], self._calls[-1]
         return (c1 - c0) / (t1 - t0) if t1 > t0 else None
+
+    def rollout_reward(self) -> float | None:
+        """Mean reward of the trajectories closed at the proxy in the last minute (what the agents earn now)."""
+        if len(self._rewards) < 2:
+            return None
+        (_, s0, c0), (_, s1, c1) = self._rewards[0], self._rewards[-1]
+        return (s1 - s0) / (c1 - c0) if c1 > c0 else None
 
     def first_reward(self, n: int) -> float | None:
         vals = [float(_first(r, K_REWARD)) for r in self.rows[:n]]
@@ -173,7 +186,8 @@ class StatusBoard:
             ("active sessions", fmt(_pick(self.prom, ACTIVE_SESSIONS))),
             ("calls/s (10 s)", fmt(self.calls_per_s(), ".1f")),
             ("steps recorded", fmt(_pick(self.prom, STEPS))),
-            ("trajectories finished", fmt(_pick(self.prom, FINISHED))),
+            ("trajectories closed", fmt(_pick(self.prom, FINISHED))),
+            ("agents' reward (last 60 s)", fmt(self.rollout_reward(), ".3f")),
             ("learner updates", str(self.updates)),
             ("reward (last 3 updates)", fmt(self.recent_reward(3), ".3f")),
             ("reward by policy version", "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:])
@@ -194,8 +208,8 @@ class StatusBoard:
 
 
 def render_line(board: StatusBoard) -> str:
-    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "learner updates", "reward (last 3 updates)",
-            "learner loss", "last weight swap"}
+    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "agents' reward (last 60 s)", "learner updates",
+            "reward (last 3 updates)", "learner loss", "last weight swap"}
     return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
 
 
