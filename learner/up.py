@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds each component may take to "
                    "become healthy (the first vLLM start on a machine builds its virtualenv)")
     p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL at shutdown")
-    p.add_argument("--vllm-args", default="", help="extra arguments for `steptap vllm` (one string)")
-    p.add_argument("--serve-args", default="", help="extra arguments for `steptap serve` (one string)")
-    p.add_argument("--learn-args", default="", help="extra arguments for `steptap learn` (one string)")
+    p.add_argument("--vllm-args", default="", help="extra arguments for `steptap vllm`, one string: --vllm-args=\"--threads 2\"")
+    p.add_argument("--serve-args", default="", help="extra arguments for `steptap serve`, one string: --serve-args=\"--any-model\"")
+    p.add_argument("--learn-args", default="", help="extra arguments for `steptap learn`, one string: --learn-args=\"--lr 1e-5\"")
     return p
 
 
@@ -225,8 +225,14 @@ class Up:
         ]
         for line in lines:
             self._log(line)
-        (self.workdir / "control_token").write_text(self.token + "\n")
-        os.chmod(self.workdir / "control_token", 0o600)
+        token_file = self.workdir / "control_token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token + "\n")
+        # Where scripts and tests find the running stack (the token stays in its own 0600 file).
+        stack = {"proxy_url": self.proxy_url, "openai_base_url": f"{self.proxy_url}/v1", "backend": self.backend,
+                 "model": self.served_model, "model_dir": self.model_dir, "pid": os.getpid(),
+                 "control_token_file": str(token_file), "metrics": str(self.metrics_path)}
+        (self.workdir / "stack.json").write_text(json.dumps(stack, indent=2) + "\n")
 
     def _write_pids(self) -> None:
         pids = {c.name: c.pid for c in self.sup.children if c.pid}
