@@ -11,7 +11,8 @@ share its event loop. A command:
 pool: first ``warmup`` calls (not timed), then until ``requests`` calls or ``seconds`` have passed, whichever
 comes first. ``url`` may hold ``{worker}``: each worker then calls its own URL (one agent session each). The
 result holds calls, errors, the elapsed time, every latency (ms, request sent to last byte
-read) and the distinct reply bodies seen with their counts (bounded), which the orchestrator checks after the
+read), the CPU time the processes named in ``watch_pids`` used during the timed phase, and the distinct reply
+bodies seen with their counts (bounded), which the orchestrator checks after the
 run so checking costs nothing while timing.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -32,6 +34,16 @@ from procs import use_uvloop  # noqa: E402
 
 MAX_DISTINCT = 64  # distinct bodies kept for checking; more means the proxy varies replies per call
 REQUEST_TIMEOUT_S = 60.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (``/proc/PID/stat``, clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 async def run(cmd: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +97,8 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
         bodies.clear()
         statuses.clear()
 
+        watch = [int(p) for p in cmd.get("watch_pids", [])]
+        cpu0 = [cpu_seconds(p) for p in watch]
         done = [0]
         start = time.perf_counter()
         deadline = start + limit_s
@@ -101,6 +115,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = last[0] - start
+        cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0)]
 
     return {
         "sent": sent,
@@ -111,6 +126,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
         "statuses": {str(k): v for k, v in statuses.items()},
         "elapsed_s": elapsed,
         "latencies_ms": latencies,
+        "cpu_s": dict(zip(map(str, watch), cpu)),  # CPU (user+system, all threads) each watched pid used
         "bodies": [[b.decode("utf-8", "replace"), n] for b, n in bodies.most_common()],
     }
 

@@ -189,7 +189,8 @@ def count_log(log_dir: str) -> dict[str, int]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     fx = recorded.load(args.fixture)
     work = Path(tempfile.mkdtemp(prefix="steptap-bench-"))
-    log_dir = str(work / "log")
+    log_dir = tempfile.mkdtemp(prefix="steptap-bench-log-", dir=args.log_root) if args.log_root else str(work / "log")
+    result_fsync_before = fsync_probe(args.log_root or str(work))
     servers: list[Server] = []
     py_spy: subprocess.Popen[bytes] | None = None
     result: dict[str, Any] = {"problems": []}
@@ -198,11 +199,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         log=str(work / "replay.log")).start()
         servers.append(replay)
         urls = {"direct": replay.url}
+        pids = {"direct": replay.pid}
         if "passthrough" in args.targets:
             pt = Server("passthrough", python_cmd("passthrough.py", "--backend", replay.url),
                         log=str(work / "passthrough.log")).start()
             servers.append(pt)
             urls["passthrough"] = pt.url
+            pids["passthrough"] = pt.pid
         steptap = None
         if "steptap" in args.targets:
             port = free_port()
@@ -212,6 +215,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             steptap.start(timeout=args.start_timeout)
             servers.append(steptap)
             urls["steptap"] = steptap.url
+            pids["steptap"] = steptap.pid
             if args.profile:
                 py_spy = subprocess.Popen(
                     [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(steptap.pid), "-r", "250",
@@ -235,10 +239,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         url = f"{urls[target]}/s/bench-r{rnd}-{mode}-c{c}-w{{worker}}/v1/chat/completions"
                     res = loadgen.run(url=url, body=fx.agent_body(stream).decode(),
                                       headers={"Authorization": "Bearer EMPTY"}, concurrency=c,
-                                      warmup=args.warmup, requests=args.requests, seconds=args.seconds)
+                                      warmup=args.warmup, requests=args.requests, seconds=args.seconds,
+                                      watch_pids=sorted({pids["direct"], pids[target]}))
                     if target == "steptap":
                         sent_to_steptap += res["sent"]
                     row = {"round": rnd, "mode": mode, "concurrency": c, "target": target, **summarize_run(res)}
+                    calls = max(1, res["calls"])
+                    row["upstream_cpu_ms_per_call"] = 1000.0 * res["cpu_s"][str(pids["direct"])] / calls
+                    row["proxy_cpu_ms_per_call"] = (None if target == "direct" else
+                                                    1000.0 * res["cpu_s"][str(pids[target])] / calls)
                     runs.append(row)
                     problems = check_bodies(target, stream, res["bodies"], fx)
                     if res["errors"] or res["warmup_errors"]:
@@ -248,6 +257,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     if not args.quiet:
                         print(f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
                               f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
+                              + (f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
+                                 if row["proxy_cpu_ms_per_call"] is not None else "")
                               + ("  BODY/ERR PROBLEM" if problems else ""), flush=True)
         result["runs"] = runs
 
@@ -259,13 +270,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             steptap.stop(timeout=30)
             counts = count_log(log_dir)
             steps = counts.get("Step", 0)
-            result["log"] = {"calls_sent": sent_to_steptap, "records": counts, "steps": steps,
+            log_bytes = sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
+            result["log"] = {"calls_sent": sent_to_steptap, "records": counts, "steps": steps, "dir": log_dir,
+                             "bytes": log_bytes, "bytes_per_call": round(log_bytes / max(1, sent_to_steptap)),
                              "one_step_per_call": steps == sent_to_steptap}
             if steps != sent_to_steptap:
                 result["problems"].append(f"steptap log holds {steps} steps for {sent_to_steptap} calls")
             if counts.get("failed_steps"):
                 result["problems"].append(f"steptap log holds {counts['failed_steps']} failed steps")
         result["replay_stats"] = _replay_stats(replay.url)
+        result["fsync_ms"] = {"before": result_fsync_before, "after": fsync_probe(args.log_root or str(work))}
     finally:
         if py_spy is not None and py_spy.poll() is None:
             py_spy.send_signal(signal.SIGINT)
@@ -276,8 +290,26 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(f"kept logs in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(log_dir, ignore_errors=True)
     result["summary"] = summarize(result["runs"], targets, configs)
     return result
+
+
+def fsync_probe(directory: str, n: int = 100, size: int = 8192) -> dict[str, float]:
+    """What one append + fdatasync costs where the log lives (ms): at c=1 steptap waits for one per call."""
+    path = os.path.join(directory, f".fsync-probe-{os.getpid()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    times = []
+    try:
+        for _ in range(n):
+            os.write(fd, b"x" * size)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            times.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {"p50": round(pct(times, 50), 3), "p90": round(pct(times, 90), 3), "p99": round(pct(times, 99), 3)}
 
 
 def _replay_stats(url: str) -> dict[str, Any]:
@@ -298,6 +330,8 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
                 "calls_per_s": med([r["calls_per_s"] for r in rs]),
                 "p50_ms": med([r["p50_ms"] for r in rs]),
                 "p99_ms": med([r["p99_ms"] for r in rs]),
+                "proxy_cpu_ms_per_call": (None if t == "direct" else
+                                          med([r["proxy_cpu_ms_per_call"] for r in rs])),
                 "calls": sum(r["calls"] for r in rs),
             })
         if {"passthrough", "steptap"} <= set(targets):
@@ -309,7 +343,9 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
             ratio = med([p["steptap"]["calls_per_s"] / p["passthrough"]["calls_per_s"] for p in full])
             added = med([p["steptap"]["p50_ms"] - p["passthrough"]["p50_ms"] for p in full])
             key = f"{mode} c={c}"
-            out["targets"][key] = {"ratio_calls_per_s": ratio, "added_p50_ms": added}
+            cpu = med([p["steptap"]["proxy_cpu_ms_per_call"] - p["passthrough"]["proxy_cpu_ms_per_call"]
+                       for p in full])
+            out["targets"][key] = {"ratio_calls_per_s": ratio, "added_p50_ms": added, "added_cpu_ms_per_call": cpu}
     verdicts = {}
     for key, v in out["targets"].items():
         c = int(key.split("c=")[1])
@@ -325,15 +361,18 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
 
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
-    lines = ["| mode | c | target | calls/s | p50 ms | p99 ms | calls |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| mode | c | target | calls/s | p50 ms | p99 ms | proxy CPU ms/call | calls |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in s["configs"]:
+        cpu = "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}"
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['target']} | {r['calls_per_s']:.0f} | "
-                     f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['calls']} |")
+                     f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {cpu} | {r['calls']} |")
     if s["targets"]:
-        lines += ["", "| config | steptap / pass-through calls/s | steptap - pass-through p50 (ms) |",
-                  "|---|---:|---:|"]
+        lines += ["", "| config | steptap / pass-through calls/s | steptap - pass-through p50 (ms) | "
+                      "steptap - pass-through CPU ms/call |", "|---|---:|---:|---:|"]
         for key, v in s["targets"].items():
-            lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['added_p50_ms']:+.3f} |")
+            lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['added_p50_ms']:+.3f} | "
+                         f"{v['added_cpu_ms_per_call']:+.3f} |")
     if s["verdicts"]:
         lines.append("")
         for key, v in s["verdicts"].items():
@@ -343,6 +382,12 @@ def markdown(result: dict[str, Any]) -> str:
     if log:
         lines.append(f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
                      f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}")
+    if result.get("fsync_ms"):
+        f = result["fsync_ms"]
+        lines.append(f"- fdatasync of an 8 kB append where the log lives, ms: before {f['before']}, "
+                     f"after {f['after']}")
+    if log:
+        lines.append(f"- log size: {log['bytes']} bytes, {log['bytes_per_call']} bytes per call")
     probs = result["problems"]
     lines.append(f"- correctness: {'all bodies and counts as expected' if not probs else f'{len(probs)} problems'}")
     lines += [f"  - {p}" for p in probs[:20]]
@@ -368,6 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument("--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file")
     p.add_argument("--profile-gil", action="store_true", help="with --profile: only samples holding the GIL")
+    p.add_argument("--log-root", help="make steptap's trajectory log under this directory (default: a temp "
+                                       "dir; /dev/shm takes the disk's fsync out of the measurement)")
     p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
     p.add_argument("--quiet", action="store_true")
