@@ -2,9 +2,10 @@
 
     python examples/digits/agents.py --concurrency 16          # against $STEPTAP_URL, until stopped
 
-Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits.
-A random tiny model starts near 0.03; a policy that learns to answer in digits gets close to 1.0, so the rise
-is visible within a few updates (PLATFORM.md: 0.03 -> 0.96 in 10 GRPO updates of 8 prompts x 8 samples).
+Each agent is asked a short question and rewarded with the fraction of its response tokens that are one- or
+two-digit numbers ("7", " 42"). The tiny model's vocabulary is about half numbers, mostly long ones, so a random
+policy scores about 0.06; a policy that learns to answer in short numbers gets close to 1.0, and the rise shows
+within a few GRPO updates (PLATFORM.md: a dense token reward of this kind goes from 0.03 to 0.96 in 10 updates).
 
 The agents are grouped for GRPO: each prompt is answered by ``--group-size`` sessions sharing a ``group_id``
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the
@@ -36,19 +37,18 @@ PROMPTS = [
 ]
 
 
-def digit_fraction(tokens: list[str]) -> float:
-    """The task's reward: the fraction of response tokens made only of digits (spaces ignored)."""
+def small_number_fraction(tokens: list[str]) -> float:
+    """The task's reward: the fraction of response tokens that are a number below 100 (spaces ignored)."""
     if not tokens:
         return 0.0
-    return sum(1 for t in tokens if t.strip().isdigit()) / len(tokens)
+    return sum(1 for t in tokens if t.strip().isdigit() and int(t.strip()) < 100) / len(tokens)
 
 
 def response_tokens(choice: Any) -> list[str]:
     content = getattr(getattr(choice, "logprobs", None), "content", None) or []
     if content:
         return [c.token for c in content]
-    text = choice.message.content or ""  # no logprobs came back: fall back to characters
-    return [ch for ch in text if not ch.isspace()]
+    return (choice.message.content or "").split()  # no logprobs came back: fall back to words
 
 
 class Population:
@@ -73,10 +73,12 @@ class Population:
                     model=model, messages=[{"role": "user", "content": prompt}],
                     max_tokens=self.args.max_tokens, temperature=1.0, logprobs=True,
                 )
-                reward = digit_fraction(response_tokens(resp.choices[0]))
+                reward = small_number_fraction(response_tokens(resp.choices[0]))
                 s.set_reward(reward)
             self.done += 1
             self.rewards.append(reward)
+            if self.args.print_sessions:
+                print(json.dumps({"session": s.id, "group": group, "reward": reward}), flush=True)
 
     async def group(self, steptap_client: Any, llm: openai.AsyncOpenAI, model: str) -> None:
         prompt = self.rng.choice(PROMPTS)
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run until stopped)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print-sessions", action="store_true", help="one JSON line per finished session")
     p.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
     args = p.parse_args(argv)
     try:
