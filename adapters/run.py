@@ -326,11 +326,15 @@ def _describe(m: Member) -> str:
 
 
 async def _preflight(client: Any, proxy: str) -> None:
-    """Fail fast, in one clear line, on an unreachable proxy or a refused token."""
+    """Fail fast, in one clear line, on an unreachable proxy or a refused token: a control call on a session
+    that cannot exist answers 404 only when the proxy is there and accepts the token."""
     try:
-        await client.health()
+        await client.get_session("steptap-run-preflight")
     except Exception as exc:  # noqa: BLE001
+        if getattr(exc, "status", None) == 404:
+            return
         raise RunError(_explain(exc, proxy)) from None
+    raise RunError(f"{proxy} does not look like a steptap proxy (a probe session exists)")
 
 
 def _explain(exc: BaseException, proxy: str) -> str:
@@ -339,6 +343,7 @@ def _explain(exc: BaseException, proxy: str) -> str:
         return (f"the proxy at {proxy} refused the control token ({status}): pass the token `steptap serve` "
                 f"printed with --control-token or ${TOKEN_ENV}")
     if isinstance(exc, (OSError, asyncio.TimeoutError)) or "connect" in type(exc).__name__.lower():
+        exc = getattr(exc, "os_error", None) or exc  # aiohttp's wrapper: say "connection refused", not its repr
         return f"cannot reach the steptap proxy at {proxy} ({exc}): is `steptap serve` running? (--proxy / ${URL_ENV})"
     return f"the proxy at {proxy} failed: {exc}"
 
