@@ -32,6 +32,7 @@ open session). The latest ``PolicyVersion`` record is re-appended first if its s
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -64,6 +65,10 @@ class CorruptLogError(Exception):
 
 class LogClosedError(RuntimeError):
     pass
+
+
+class LogInUseError(RuntimeError):
+    """Another process has this log open for writing (two writers would interleave frames)."""
 
 
 class LogStats(msgspec.Struct, kw_only=True):
@@ -178,6 +183,9 @@ class TrajectoryLog:
         self._uploads: set[asyncio.Task[None]] = set()
         self._closed = False
         self._fd = -1
+        self._lock_fd = -1
+        self._upload_failed: set[int] = set()
+        self._uploading: set[int] = set()
         self._segno = 0  # the active segment
         self._size = 0  # its committed length
         self._valid_end: dict[int, int] = {}  # sealed segno -> end of its readable frames
@@ -210,8 +218,13 @@ class TrajectoryLog:
         dirpath, fs, root = _split_location(location, cache_dir)
         log = cls(dirpath, segment_bytes, fs, root)
         log.location = location
-        await asyncio.get_running_loop().run_in_executor(log._io, log._recover)
+        try:
+            await asyncio.get_running_loop().run_in_executor(log._io, log._recover)
+        except BaseException:
+            log._release()
+            raise
         log._writer = asyncio.create_task(log._write_loop(), name="steptap-wal-writer")
+        log._writer.add_done_callback(log._writer_done)
         if fs is not None:
             for segno in sorted(log._valid_end):
                 log._schedule_upload(segno, only_if_missing=True)
@@ -226,6 +239,12 @@ class TrajectoryLog:
         """Runs in the I/O thread: restore from remote if empty, validate every segment, truncate a torn tail,
         rebuild the open-session index, and open the active segment for appending."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        # One writer per directory: an exclusive lock the kernel drops when the process dies (even by SIGKILL).
+        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
         segnos = self._segments()
         if not segnos and self._fs is not None:
             segnos = self._download_remote()
@@ -350,10 +369,21 @@ class TrajectoryLog:
                 self._track(record, segno)
                 if not fut.done():  # the caller may have gone away; the record is durable all the same
                     fut.set_result(format_cursor(segno, offset))
-            for segno in sealed:
+            for segno in sealed + sorted(self._upload_failed):
                 self._schedule_upload(segno)
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def _writer_done(self, task: asyncio.Task[None]) -> None:
+        """The writer only ends at close; if it died of a bug, fail what waits instead of hanging forever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("trajectory log writer died", exc_info=task.exception())
+        self._closed = True
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not None and not item[2].done():
+                item[2].set_exception(LogClosedError("trajectory log writer died"))
 
     def _track(self, record: LogRecord, segno: int) -> None:
         if isinstance(record, SessionOpened):
@@ -454,6 +484,28 @@ class TrajectoryLog:
             raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
         return segno, offset
 
+    def check_cursor(self, cursor: str) -> None:
+        """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
+        Reads one frame from disk: call it off the event loop."""
+        segno, offset = parse_cursor(cursor)
+        segs = self._retained()
+        if segno < segs[0]:
+            return
+        end = self._end_of(segno)
+        if segno not in segs or offset < len(HEADER) or offset > end:
+            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
+        if offset == end:
+            return
+        with open(self.dir / _seg_name(segno), "rb") as f:
+            f.seek(offset)
+            head = f.read(_FRAME.size)
+            ok = len(head) == _FRAME.size
+            if ok:
+                length, crc = _FRAME.unpack(head)
+                ok = offset + _FRAME.size + length <= end and zlib.crc32(f.read(length)) == crc
+        if not ok:
+            raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
+
     def _retained(self) -> list[int]:
         with self._lock:
             return sorted(self._valid_end) + [self._segno]
@@ -549,11 +601,12 @@ class TrajectoryLog:
     # ---- remote upload and compaction --------------------------------------------------------------------
 
     def _schedule_upload(self, segno: int, *, only_if_missing: bool = False) -> None:
-        if self._fs is None:
+        if self._fs is None or segno in self._uploading:
             return
+        self._uploading.add(segno)
         task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
         self._uploads.add(task)
-        task.add_done_callback(self._uploads.discard)
+        task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
 
     def _upload(self, segno: int, only_if_missing: bool) -> None:
         local = self.dir / _seg_name(segno)
@@ -564,9 +617,11 @@ class TrajectoryLog:
             self._fs.makedirs(self._remote_root, exist_ok=True)
             self._fs.put_file(str(local), remote)
             self.stats.uploads += 1
+            self._upload_failed.discard(segno)
         except FileNotFoundError:
             pass  # compacted before it was uploaded
-        except Exception:  # noqa: BLE001 - retried at next open; the local copy is kept until compaction
+        except Exception:  # noqa: BLE001 - retried at the next seal and the next open; the local copy stays
+            self._upload_failed.add(segno)
             logger.exception("uploading %s to %s failed", local, remote)
 
     def _download_remote(self) -> list[int]:
@@ -588,6 +643,8 @@ class TrajectoryLog:
         cut, _ = parse_cursor(min_cursor)
         if self._open_sessions:
             cut = min(cut, min(self._open_sessions.values()))
+        if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
+            cut = min(cut, min(self._upload_failed))
         victims = [s for s in self._retained()[:-1] if s < cut]
         if not victims:
             return []
@@ -634,7 +691,13 @@ class TrajectoryLog:
             await asyncio.gather(*list(self._uploads), return_exceptions=True)
         await loop.run_in_executor(self._io, os.close, self._fd)
         self._io.shutdown(wait=True)
+        self._release()
         self._changed.set()  # followers return
+
+    def _release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
 
     async def __aenter__(self) -> TrajectoryLog:
         return self

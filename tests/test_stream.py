@@ -180,10 +180,12 @@ async def test_bad_ack_bodies_are_400(log: TrajectoryLog, aiohttp_client: MakeCl
     assert not (log.dir / "consumers").exists()  # nothing was stored
 
 
-@pytest.mark.parametrize("params", [{"format": "xml"}, {"cursor": "abc"}, {"cursor": "7:8"}, {"follow": "maybe"},
+@pytest.mark.parametrize("params", [{"format": "xml"}, {"cursor": "abc"}, {"cursor": "7:8"}, {"cursor": "1:9"},
+                                    {"follow": "maybe"},
                                     {"heartbeat": "0"}, {"consumer": "a/b"}])
 async def test_bad_stream_parameters_are_400(log: TrajectoryLog, aiohttp_client: MakeClient,
                                              params: dict[str, str]) -> None:
+    await log.append(traj(0))
     client = await aiohttp_client(make_app(log))
     resp = await client.get("/trajectories", params=params, headers=AUTH)
     assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"

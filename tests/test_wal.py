@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
-from steptap.middleware.wal import HEADER, TrajectoryLog, parse_cursor
+from steptap.middleware.wal import HEADER, LogInUseError, TrajectoryLog, parse_cursor
 
 
 def _traj(i: int, status: str = "finished", steps: int = 1) -> Trajectory:
@@ -256,11 +256,28 @@ async def test_compaction_keeps_open_sessions_and_policy_version(tmp_path: Path)
 
 async def test_bad_cursors_are_rejected(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path))
-    await log.append(_traj(0))
+    c = await log.append(_traj(0))
+    await log.append(_traj(1))
     for bad in ("x", "1", "1:-3", "99:8", "1:999999"):
         with pytest.raises(ValueError):
             async for _ in log.follow(bad, until_idle=0):
                 pass
+        with pytest.raises(ValueError):
+            log.check_cursor(bad)
+    seg, off = parse_cursor(c)
+    with pytest.raises(ValueError, match="does not point at a record"):
+        log.check_cursor(f"{seg}:{off + 3}")  # inside a record
+    for good in ("1:8", c, log.end_cursor):
+        log.check_cursor(good)
+    await log.close()
+
+
+async def test_one_writer_per_directory(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path))
+    with pytest.raises(LogInUseError):
+        await TrajectoryLog.open(str(tmp_path))
+    await log.close()
+    log = await TrajectoryLog.open(str(tmp_path))  # free again once closed
     await log.close()
 
 
@@ -270,3 +287,22 @@ async def test_append_after_close_fails(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         await log.append(_traj(0))
     assert os.listdir(tmp_path)
+
+
+async def test_failed_upload_is_retried_and_blocks_compaction(tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    archive.write_text("not a directory")  # the upload target is unusable at first
+    log = await TrajectoryLog.open(str(tmp_path / "wal"), segment_bytes=1024, upload_url=f"file://{archive}")
+    c = ""
+    for i in range(6):
+        c = await log.append(_traj(i))
+    await asyncio.sleep(0.3)
+    assert log.stats.uploads == 0
+    assert await log.compact(c) == []  # the only copy of a segment the remote lacks is never deleted
+    archive.unlink()
+    for i in range(6, 12):  # the next seals retry what failed
+        c = await log.append(_traj(i))
+    await log.close()
+    sealed = {p.name for p in _segs(tmp_path / "wal")[:-1]}  # the last is the fresh one close() started
+    assert len(sealed) > 6 and sealed == {p.name for p in archive.glob("seg-*.log")}
+    assert log.stats.uploads == len(sealed)
