@@ -195,11 +195,11 @@ class WeightSwapper:
         self._in_flight = 0
         self._held = 0
         self._held_wait = 0.0
+        self._first_held_at: float | None = None
         self.swaps = 0
         self.failures = 0
         self.last_swap_at: float | None = None
         self.last_swap_s: float | None = None
-        self.last_held_wait_s: float | None = None
         self.last_error: str | None = None
         self.degraded: str | None = None  # set when a backend failed mid-reload (it needs a restart)
 
@@ -254,13 +254,13 @@ class WeightSwapper:
         """Around every model call: waits while a swap runs, then yields the version that samples this call."""
         if not self._open.is_set():
             self._held += 1
-            t0 = time.monotonic()
+            if self._first_held_at is None:
+                self._first_held_at = time.monotonic()
             try:
                 while not self._open.is_set():  # another swap may start before this task runs again
                     await self._open.wait()
             finally:
                 self._held -= 1
-                self._held_wait = max(self._held_wait, time.monotonic() - t0)
         # No await between the check above and this increment: a swap cannot slip in between.
         self._in_flight += 1
         self._idle.clear()
@@ -277,68 +277,74 @@ class WeightSwapper:
                    version: int | None = None) -> int:
         """Swap in a full-weights directory (``path``) or a peft adapter (``lora_path``); returns the new version.
 
-        Raises ``SwapError`` (nothing changed, old version kept) on a refused or failed swap."""
+        Raises ``SwapError`` on a refused or failed swap: the old version keeps serving."""
         if (path is None) == (lora_path is None):
             raise SwapError(400, "give exactly one of 'path' (full weights) or 'lora_path' (LoRA adapter)",
                             "invalid_request")
         await self.start()
-        async with self._lock:
-            new_version = self.version + 1 if version is None else int(version)
-            if new_version <= self.version:
-                raise SwapError(409, f"version {new_version} is not newer than the current version {self.version}",
-                                "stale_version")
-            if path is not None:
-                if self.cpu_backend is None or self.path is None:
-                    await self._inspect_backends()
-                if self.validate_paths:
-                    check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
-            elif self.validate_paths:
-                check_adapter_dir(lora_path)  # type: ignore[arg-type]
-            t0 = time.monotonic()
-            self._held_wait = 0.0
-            self._open.clear()
+        async with self._lock:  # one swap at a time; the next one waits here
             try:
-                await self._drain()
-                paused: list[str] = []
-                try:
-                    for b in self.backends:
-                        await self._call(b, "POST", "/pause?mode=wait")
-                        paused.append(b)
-                    lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
-                    await self._load(path, lora_path, lora_name)
-                    await self._tell_version(new_version)
-                    for b in self.backends:
-                        await self._reset_prefix_cache(b)
-                    await self._persist(new_version, path, lora_path)
-                    old_lora = self.lora_name
-                    self.version = new_version
-                    if path is not None:
-                        self.path, self.lora_path, self.lora_name = path, None, None
-                    else:
-                        self.lora_path, self.lora_name = lora_path, lora_name
-                    if old_lora is not None and old_lora != self.lora_name:
-                        await self._unload(old_lora)
-                finally:
-                    for b in paused:
-                        try:
-                            await self._call(b, "POST", "/resume")
-                        except SwapError as exc:  # the swap result stands; the backend needs attention
-                            log.error("resume failed on %s: %s", b, exc.message)
+                return await self._swap(path, lora_path, version)
             except SwapError as exc:
                 self.failures += 1
                 self.last_error = exc.message
-                log.error("weight swap to version %d failed: %s", new_version, exc.message)
+                log.error("weight swap refused or failed (version %d keeps serving): %s", self.version, exc.message)
                 raise
+
+    async def _swap(self, path: str | None, lora_path: str | None, version: int | None) -> int:
+        new_version = self.version + 1 if version is None else int(version)
+        if new_version <= self.version:
+            raise SwapError(409, f"version {new_version} is not newer than the current version {self.version}",
+                            "stale_version")
+        if path is not None:
+            if self.cpu_backend is None or self.path is None:
+                await self._inspect_backends()
+            if self.validate_paths:
+                check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
+        elif self.validate_paths:
+            check_adapter_dir(lora_path)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        self._held_wait = 0.0
+        self._open.clear()  # from here new calls wait in the proxy
+        try:
+            await self._drain()
+            paused: list[str] = []
+            try:
+                for b in self.backends:
+                    await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
+                    paused.append(b)
+                lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
+                await self._load(path, lora_path, lora_name)
+                await self._tell_version(new_version)
+                for b in self.backends:
+                    await self._reset_prefix_cache(b)
+                await self._persist(new_version, path, lora_path)
+                old_lora = self.lora_name
+                self.version = new_version
+                if path is not None:
+                    self.path, self.lora_path, self.lora_name = path, None, None
+                else:
+                    self.lora_path, self.lora_name = lora_path, lora_name
+                if old_lora is not None and old_lora != self.lora_name:
+                    await self._unload(old_lora)
             finally:
-                self._open.set()
-                self.last_held_wait_s = self._held_wait if self._held_wait else None
-            self.swaps += 1
-            self.last_error = None
-            self.last_swap_at = time.time()
-            self.last_swap_s = time.monotonic() - t0
-            log.info("policy version %d live (%s) in %.3f s", self.version,
-                     path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s)
-            return self.version
+                for b in paused:
+                    try:
+                        await self._call(b, "POST", "/resume")
+                    except SwapError as exc:  # the swap's outcome stands; the backend needs attention
+                        log.error("resume failed on %s: %s", b, exc.message)
+        finally:
+            self._open.set()  # held calls go now: onto the new version, or the old one after a failure
+            if self._first_held_at is not None:  # the longest wait is that of the first call held
+                self._held_wait = time.monotonic() - self._first_held_at
+                self._first_held_at = None
+        self.swaps += 1
+        self.last_error = None
+        self.last_swap_at = time.time()
+        self.last_swap_s = time.monotonic() - t0
+        log.info("policy version %d live (%s) in %.3f s", self.version,
+                 path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s)
+        return self.version
 
     async def _drain(self) -> None:
         try:
@@ -437,7 +443,7 @@ class WeightSwapper:
             version=self.version, mode="lora" if self.lora_name else "base", path=self.path,
             lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(), swaps=self.swaps,
             failures=self.failures, in_flight=self._in_flight, held=self._held, last_swap_at=self.last_swap_at,
-            last_swap_s=self.last_swap_s, last_held_wait_s=self.last_held_wait_s, last_error=self.last_error,
+            last_swap_s=self.last_swap_s, last_held_wait_s=self._held_wait or None, last_error=self.last_error,
             degraded=self.degraded,
         )
 
