@@ -1,10 +1,10 @@
 """Child processes supervised together (used by `steptap up`).
 
 Each child runs in its own session (so its own process group): a Ctrl-C in the terminal reaches only the
-supervisor, which then stops the children in reverse start order (SIGTERM to the group, a grace period, SIGKILL),
-and finally kills any descendant that escaped its group (a child that made its own session, like a server that
-supervises its own server). On Linux each child also gets SIGTERM if the supervisor dies without cleaning up
-(PR_SET_PDEATHSIG), so even a SIGKILLed `steptap up` leaves nothing running for long.
+supervisor, which then stops the children in reverse start order (SIGTERM to the group, a grace period,
+SIGKILL), and finally kills any descendant that escaped its group (a child that made its own session, like a
+server that supervises its own server). On Linux each child also gets SIGTERM if the supervisor dies without
+cleaning up (PR_SET_PDEATHSIG), so even a SIGKILLed `steptap up` leaves nothing running for long.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """`steptap up`: the whole loop in one command.
 
 Starts the managed vLLM server (the model given, or the offline tiny model), the capture proxy and the learner
-as supervised child processes, each in its own process group with its log in the work directory; waits for each
-to be healthy in order; prints the ``OPENAI_BASE_URL`` and control token; optionally runs an agent population
-against it; and shows a live view. One child dying stops the rest and names it with the tail of its log;
-Ctrl-C or SIGTERM stops everything (SIGTERM, a grace period, then SIGKILL), nothing orphaned.
+as supervised child processes, each in its own process group with its log in the work directory; waits for
+each to be healthy in order; prints the ``OPENAI_BASE_URL`` and control token; optionally runs an agent
+population against it; and shows a live view. One child dying stops the rest and names it with the tail of its
+log; Ctrl-C or SIGTERM stops everything (SIGTERM, a grace period, then SIGKILL), nothing orphaned.
 
 This module only spawns processes and polls HTTP and a JSON-lines file: it never imports torch, so the view
 starts at once and a broken learner install fails in the learner's log, not here.
@@ -42,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address of the proxy")
     p.add_argument("--port", type=int, default=8400, help="proxy port (0: any free port)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: any free port)")
-    p.add_argument("--backend", help="use this running vLLM server (http://host:port) instead of starting one")
+    p.add_argument("--backend", help="use this running vLLM server (http://host:port), do not start one")
     p.add_argument("--workdir", help="where logs, the trajectory log, checkpoints and metrics go "
                    "(default: runs/up-<timestamp>)")
     p.add_argument("--control-token", help="the proxy's control token (default: generated)")
     p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
-    p.add_argument("--no-view", action="store_true", help="no live view: one status line every --status-every s")
+    p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
     p.add_argument("--status-every", type=float, default=15.0)
     p.add_argument("--agents", help="shell command run as the agent population once the stack is up; it gets "
                    "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment")
@@ -58,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="", help="task name recorded in summary.json")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds each component may take to "
                    "become healthy (the first vLLM start on a machine builds its virtualenv)")
-    p.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL at shutdown")
-    p.add_argument("--vllm-args", default="", help="extra arguments for `steptap vllm`, one string: --vllm-args=\"--threads 2\"")
-    p.add_argument("--serve-args", default="", help="extra arguments for `steptap serve`, one string: --serve-args=\"--any-model\"")
-    p.add_argument("--learn-args", default="", help="extra arguments for `steptap learn`, one string: --learn-args=\"--lr 1e-5\"")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds from SIGTERM to SIGKILL at shutdown")
+    # One string each, given with "=" since it starts with "--": --learn-args="--lr 1e-5 --lora-rank 8".
+    p.add_argument("--vllm-args", default="", help='for `steptap vllm`: --vllm-args="--threads 2"')
+    p.add_argument("--serve-args", default="", help='for `steptap serve`: --serve-args="--any-model"')
+    p.add_argument("--learn-args", default="", help='for `steptap learn`: --learn-args="--lr 1e-5"')
     return p
 
 
@@ -76,7 +77,8 @@ class Up:
         self.metrics_path = self.workdir / "metrics.jsonl"
         self.token = args.control_token or secrets.token_urlsafe(24)
         self.proxy_port = args.port or _free_port(args.host)
-        self.proxy_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{self.proxy_port}"
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # a wildcard is reached locally
+        self.proxy_url = f"http://{local}:{self.proxy_port}"
         self.backend = (args.backend or "").rstrip("/")
         self.sup = Supervisor(grace_s=args.grace)
         self.stop_reason: str | None = None
@@ -140,8 +142,8 @@ class Up:
         argv = [*STEPTAP, "learn"]
         if self.args.config:
             argv += ["--config", self.args.config]
-        argv += ["--proxy-url", self.proxy_url, "--model-dir", self.model_dir,
-                 "--metrics-file", str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
+        argv += ["--proxy-url", self.proxy_url, "--model-dir", self.model_dir, "--metrics-file",
+                 str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
                  *_split(self.args.learn_args)]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
@@ -229,8 +231,9 @@ class Up:
         token_file.touch(mode=0o600)
         token_file.write_text(self.token + "\n")
         # Where scripts and tests find the running stack (the token stays in its own 0600 file).
-        stack = {"proxy_url": self.proxy_url, "openai_base_url": f"{self.proxy_url}/v1", "backend": self.backend,
-                 "model": self.served_model, "model_dir": self.model_dir, "pid": os.getpid(),
+        stack = {"proxy_url": self.proxy_url, "openai_base_url": f"{self.proxy_url}/v1",
+                 "backend": self.backend, "model": self.served_model, "model_dir": self.model_dir,
+                 "pid": os.getpid(),
                  "control_token_file": str(token_file), "metrics": str(self.metrics_path)}
         (self.workdir / "stack.json").write_text(json.dumps(stack, indent=2) + "\n")
 
@@ -272,7 +275,8 @@ class Up:
 
     def _header(self) -> str:
         up_s = time.time() - (self.t_ready or self.t_start)
-        return f"steptap up  {self.proxy_url}/v1  model {self.served_model or self.model_dir}  up {up_s:.0f} s"
+        model = self.served_model or self.model_dir
+        return f"steptap up  {self.proxy_url}/v1  model {model}  up {up_s:.0f} s"
 
     def _check_limits(self, board: StatusBoard) -> None:
         a = self.args
@@ -347,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.backend and not args.model and not args.no_learner:
-        parser.error("--backend with the learner needs --model (the weights that server runs), or --no-learner")
+        parser.error("--backend with the learner needs --model (the weights it serves), or --no-learner")
     return Up(args).run()
 
 

@@ -1,8 +1,8 @@
 """The live view of `steptap up`: what the proxy and the learner are doing, from their public outputs only.
 
 Sources: the proxy's ``GET /metrics`` (Prometheus text) and ``GET /health`` (JSON), and the learner's metrics
-file (one JSON object per update). Nothing here talks to the learner process or reads the trajectory log, so the
-view can never slow the loop down or hold data back from the learner.
+file (one JSON object per update). Nothing here talks to the learner process or reads the trajectory log, so
+the view can never slow the loop down or hold data back from the learner.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ FINISHED = ("steptap_trajectories_total",)
 REWARD_SUM, REWARD_COUNT = ("steptap_reward_value_sum",), ("steptap_reward_value_count",)
 POLICY_VERSION = ("steptap_policy_version",)
 SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")
-SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds", "steptap_weight_swap_duration_seconds")
+SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds")
 
 # Keys of the learner's metrics rows; the first one present wins.
 K_UPDATE = ("update", "step", "updates")
@@ -96,7 +96,7 @@ class StatusBoard:
         self.read_metrics()
 
     def read_metrics(self) -> None:
-        """New whole lines of the learner's metrics file (a partly written last line waits for the next poll)."""
+        """New whole lines of the learner's metrics file (a partly written line waits for the next poll)."""
         try:
             with open(self.metrics_path, "rb") as f:
                 f.seek(self._offset)
@@ -135,7 +135,7 @@ class StatusBoard:
         return (c1 - c0) / (t1 - t0) if t1 > t0 else None
 
     def rollout_reward(self) -> float | None:
-        """Mean reward of the trajectories closed at the proxy in the last minute (what the agents earn now)."""
+        """Mean reward of the trajectories closed at the proxy in the last minute (what agents earn now)."""
         if len(self._rewards) < 2:
             return None
         (_, s0, c0), (_, s1, c1) = self._rewards[0], self._rewards[-1]
@@ -208,8 +208,8 @@ class StatusBoard:
 
 
 def render_line(board: StatusBoard) -> str:
-    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "agents' reward (last 60 s)", "learner updates",
-            "reward (last 3 updates)", "learner loss", "last weight swap"}
+    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "agents' reward (last 60 s)",
+            "learner updates", "reward (last 3 updates)", "learner loss", "last weight swap"}
     return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
 
 
