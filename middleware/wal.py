@@ -306,7 +306,12 @@ class TrajectoryLog:
 
     def _create_segment(self, segno: int) -> None:
         path = self.dir / _seg_name(segno)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if path.stat().st_size > len(HEADER):  # never overwrite records
+                raise CorruptLogError(f"{path} already exists and holds records") from None
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # left over from a failed earlier try
         try:
             os.write(fd, HEADER)
             os.fsync(fd)
@@ -436,10 +441,13 @@ class TrajectoryLog:
     def _roll(self) -> int:
         """Seal the active segment (already synced) and start the next; returns the sealed segno."""
         old = self._segno
+        # The next segment exists before any reader can be sent to it; if creating it fails (disk full), the
+        # active segment is untouched and the next batch tries again.
+        self._create_segment(old + 1)
+        fd = os.open(self.dir / _seg_name(old + 1), os.O_WRONLY)
+        os.lseek(fd, len(HEADER), os.SEEK_SET)
         os.close(self._fd)
-        self._create_segment(old + 1)  # exists before any reader can be sent to it
-        self._fd = os.open(self.dir / _seg_name(old + 1), os.O_WRONLY)
-        os.lseek(self._fd, len(HEADER), os.SEEK_SET)
+        self._fd = fd
         with self._lock:
             self._valid_end[old] = self._size
             self._segno = old + 1
@@ -682,7 +690,7 @@ class TrajectoryLog:
         self._closed = True
         self._queue.put_nowait(None)
         if self._writer is not None:
-            await self._writer
+            await asyncio.gather(self._writer, return_exceptions=True)  # a dead writer was reported already
         loop = asyncio.get_running_loop()
         if self._fs is not None and self._size > len(HEADER):
             sealed = await loop.run_in_executor(self._io, self._roll)

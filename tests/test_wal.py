@@ -306,3 +306,45 @@ async def test_failed_upload_is_retried_and_blocks_compaction(tmp_path: Path) ->
     sealed = {p.name for p in _segs(tmp_path / "wal")[:-1]}  # the last is the fresh one close() started
     assert len(sealed) > 6 and sealed == {p.name for p in archive.glob("seg-*.log")}
     assert log.stats.uploads == len(sealed)
+
+
+_FULL_DISK_WRITER = r"""
+import asyncio, resource, signal, sys
+from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.wal import TrajectoryLog
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (48 * 1024, 48 * 1024))
+
+async def main(path):
+    log = await TrajectoryLog.open(path)
+    ok = failed = 0
+    for i in range(200):
+        try:
+            await log.append(Trajectory(id=f"t{i}", status="finished",
+                                        steps=[Step(prompt_token_ids=list(range(300)))]))
+            ok += 1
+            print("OK", i, flush=True)
+        except OSError as exc:
+            failed += 1
+    print("FAILED", failed, flush=True)
+    await log.close()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_write_errors_fail_those_appends_and_leave_the_log_consistent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK_WRITER, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    ok = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("OK")]
+    failed = int(out.stdout.split("FAILED")[1])
+    assert ok and failed > 0 and len(ok) + failed == 200
+    log = await TrajectoryLog.open(str(tmp_path))
+    assert log.stats.torn_records == 0  # the failed group was cut back, not left half-written
+    assert [r.id for r in log.records()] == [f"t{i}" for i in ok]
+    await log.close()
