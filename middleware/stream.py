@@ -22,19 +22,23 @@ acknowledged cursor may see trajectories again, and de-duplicates by trajectory 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 import struct
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from .auth import require_control
 from .errors import ApiError, bad_request
+from .metrics import METRICS_KEY
 from .records import Trajectory
 from .wal import TrajectoryLog, parse_cursor
 
@@ -139,12 +143,45 @@ class _StreamState:
 STREAM_STATE_KEY = web.AppKey("steptap_stream_state", _StreamState)
 
 
-def add_routes(app: web.Application, *, compact: bool = True, heartbeat_s: float = 10.0) -> None:
-    """Add the stream routes to ``app``; ``app[LOG_KEY]`` must hold the open log by the time requests come."""
+def add_routes(app: web.Application, *, compact: bool = True, heartbeat_s: float = 10.0,
+               lag_interval_s: float = 5.0) -> None:
+    """Add the stream routes to ``app``; ``app[LOG_KEY]`` must hold the open log by the time requests come.
+    Call it after the cleanup_ctx that opens the log is registered (the lag updater uses the log)."""
     app[STREAM_STATE_KEY] = _StreamState(compact, heartbeat_s)
     app.router.add_get("/trajectories", get_trajectories)
     app.router.add_post("/trajectories/ack", post_ack)
     app.on_shutdown.append(_end_streams)
+    app.cleanup_ctx.append(_lag_ctx(lag_interval_s))
+
+
+def _lag_ctx(interval_s: float) -> Any:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(_refresh_lag_forever(app, interval_s), name="steptap-stream-lag")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx
+
+
+async def update_lag(app: web.Application) -> None:
+    """Set ``steptap_stream_lag_records{consumer}``: finished trajectories after each consumer's ack."""
+    if LOG_KEY not in app or METRICS_KEY not in app:
+        return
+    log = app[LOG_KEY]
+    gauge = app[METRICS_KEY].stream_lag
+    for consumer, cursor in (await app[STREAM_STATE_KEY].consumer_cursors(log).all()).items():
+        gauge.labels(consumer).set(log.trajectories_after(cursor))
+
+
+async def _refresh_lag_forever(app: web.Application, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await update_lag(app)
+        except Exception:  # noqa: BLE001 - metrics must never take the proxy down
+            logger.exception("updating stream lag failed")
 
 
 async def _end_streams(app: web.Application) -> None:
@@ -262,6 +299,7 @@ async def post_ack(request: web.Request) -> web.Response:
             deleted = await log.compact(floor)
         except Exception:  # noqa: BLE001 - the ack itself is durable; compaction retries at the next one
             logger.exception("compaction after ack from %s failed", consumer)
+    await update_lag(request.app)
     return web.json_response({"consumer": consumer, "cursor": stored, "compacted_segments": len(deleted)})
 
 

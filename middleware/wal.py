@@ -32,6 +32,7 @@ open session). The latest ``PolicyVersion`` record is re-appended first if its s
 from __future__ import annotations
 
 import asyncio
+import bisect
 import fcntl
 import hashlib
 import logging
@@ -41,6 +42,7 @@ import struct
 import threading
 import time
 import zlib
+from array import array
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,6 +97,10 @@ def parse_cursor(cursor: str) -> tuple[int, int]:
     if not sep or not seg.isdigit() or not off.isdigit():
         raise ValueError(f"bad cursor {cursor!r}: expected SEGNO:OFFSET as returned by the log")
     return int(seg), int(off)
+
+
+def _key(segno: int, offset: int) -> int:
+    return (segno << 40) | offset  # cursors as one sortable int (segments stay far below 1 TiB)
 
 
 def _seg_name(segno: int) -> str:
@@ -191,6 +197,7 @@ class TrajectoryLog:
         self._valid_end: dict[int, int] = {}  # sealed segno -> end of its readable frames
         self._open_sessions: dict[str, int] = {}  # trajectory id -> segno of its SessionOpened
         self._last_version: tuple[int, PolicyVersion] | None = None
+        self._traj_ends = array("q")  # _key(cursor) after each finished trajectory, in log order (stream lag)
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
@@ -259,7 +266,7 @@ class TrajectoryLog:
                     raise CorruptLogError(f"{path} is not a steptap log segment (bad header)")
             frames, good_end = _scan(data, len(HEADER)) if data else ([], 0)
             for start, end in frames:
-                self._index(segno, data[start:end])
+                self._index(segno, end, data[start:end])
             if last:
                 if good_end < len(data) or not data:
                     self._truncate_tail(path, data, good_end)
@@ -319,8 +326,9 @@ class TrajectoryLog:
             os.close(fd)
         _fsync_path(self.dir)
 
-    def _index(self, segno: int, payload: bytes | memoryview) -> None:
-        """Track what compaction must keep: open sessions and the latest policy version."""
+    def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
+        """Track what compaction must keep (open sessions, the latest policy version) and where finished
+        trajectories end."""
         try:
             peek = _peek_decoder.decode(payload)
         except msgspec.DecodeError:
@@ -329,6 +337,7 @@ class TrajectoryLog:
             self._open_sessions.setdefault(peek.trajectory_id, segno)
         elif isinstance(peek, _PeekTrajectory) and peek.status != "running":
             self._open_sessions.pop(peek.id, None)
+            self._traj_ends.append(_key(segno, end))
         elif isinstance(peek, _PeekVersion):
             self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
 
@@ -371,7 +380,7 @@ class TrajectoryLog:
             self.stats.records += len(batch)
             self.stats.bytes += size
             for (_, record, fut), (segno, offset) in zip(batch, positions):
-                self._track(record, segno)
+                self._track(record, segno, offset)
                 if not fut.done():  # the caller may have gone away; the record is durable all the same
                     fut.set_result(format_cursor(segno, offset))
             for segno in sealed + sorted(self._upload_failed):
@@ -390,11 +399,12 @@ class TrajectoryLog:
             if item is not None and not item[2].done():
                 item[2].set_exception(LogClosedError("trajectory log writer died"))
 
-    def _track(self, record: LogRecord, segno: int) -> None:
+    def _track(self, record: LogRecord, segno: int, offset: int) -> None:
         if isinstance(record, SessionOpened):
             self._open_sessions.setdefault(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
             self._open_sessions.pop(record.id, None)
+            self._traj_ends.append(_key(segno, offset))
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 
@@ -601,6 +611,12 @@ class TrajectoryLog:
         finally:
             await agen.aclose()
 
+    def trajectories_after(self, cursor: str | None) -> int:
+        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
+        if cursor is None:
+            return len(self._traj_ends)
+        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, _key(*parse_cursor(cursor)))
+
     @property
     def end_cursor(self) -> str:
         """The cursor after the last committed record."""
@@ -663,6 +679,7 @@ class TrajectoryLog:
         with self._lock:
             for segno in victims:
                 self._valid_end.pop(segno, None)
+        del self._traj_ends[: bisect.bisect_left(self._traj_ends, _key(victims[-1] + 1, 0))]
         await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
         self.stats.compacted_segments += len(victims)
         self.stats.segments = len(self._valid_end) + 1

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.errors import error_middleware
+from steptap.middleware.metrics import METRICS_KEY, Metrics
 from steptap.middleware.records import SessionOpened, Step, Trajectory
 from steptap.middleware.stream import LOG_KEY, STREAM_STATE_KEY, StreamMessage, add_routes
 from steptap.middleware.wal import TrajectoryLog, parse_cursor
@@ -202,3 +203,14 @@ async def test_agent_credentials_cannot_read_or_ack(log: TrajectoryLog, aiohttp_
         resp = await client.post("/trajectories/ack", json={"consumer": "x", "cursor": "1:8"}, headers=headers)
         assert resp.status == status
     assert not (log.dir / "consumers").exists()
+
+
+async def test_stream_lag_metric(log: TrajectoryLog, aiohttp_client: MakeClient) -> None:
+    cursors = [await log.append(traj(i)) for i in range(5)]
+    app = make_app(log)
+    app[METRICS_KEY] = Metrics()
+    client = await aiohttp_client(app)
+    await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[1]}, headers=AUTH)
+    assert b'steptap_stream_lag_records{consumer="learner"} 3.0' in app[METRICS_KEY].render()
+    await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[4]}, headers=AUTH)
+    assert b'steptap_stream_lag_records{consumer="learner"} 0.0' in app[METRICS_KEY].render()

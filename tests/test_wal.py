@@ -84,6 +84,11 @@ async def test_rollover_and_follow_across_segments(tmp_path: Path) -> None:
     # Resuming from any cursor gives exactly what came after it.
     got = [t.id async for _, t in log.follow(cursors[11], until_idle=0)]
     assert got == [f"t{i}" for i in range(12, 30)]
+    assert log.trajectories_after(cursors[11]) == 18 and log.trajectories_after(None) == 30
+    assert log.trajectories_after(cursors[-1]) == 0
+    await log.close()
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=2048)  # rebuilt from the segments at open
+    assert log.trajectories_after(cursors[11]) == 18
     await log.close()
 
 
