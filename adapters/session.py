@@ -129,6 +129,12 @@ class _SessionBase:
         self._clients.append(client)
         return client
 
+    def bind(self, adapter: str, **kw: Any) -> Any:
+        """A framework object on this session through its registered adapter: ``s.bind("langchain")``."""
+        from .registry import bind
+
+        return bind(adapter, self, **kw)
+
     def env(self) -> dict[str, str]:
         """Environment variables that point an OpenAI-compatible program at this session."""
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "STEPTAP_SESSION_ID": self.id}

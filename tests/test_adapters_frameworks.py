@@ -193,8 +193,8 @@ def test_langgraph_react_agent(serve_proxy: Any, steptap: dict[str, Any]) -> Non
     script = ScriptedOutputs(TOOL_CALL, ANSWER)
     reward = grade(2)
     with session(**steptap, group_id="adapters-langchain", metadata={"framework": "langgraph"}, reward=reward) as s:
-        llm = registry.bind("langchain", s, max_tokens=64, http_client=script.sync_client(),
-                            http_async_client=script.async_client())
+        llm = s.bind("langchain", max_tokens=64, http_client=script.sync_client(),
+                     http_async_client=script.async_client())
         agent = create_react_agent(llm, [add])
         result = agent.invoke({"messages": [("user", "What is 2 + 3?")]})
     messages = result["messages"]
