@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+_NOISE = re.compile(r'"(GET|HEAD) /(health|metrics|v1/models)[ ?]')
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -89,11 +91,13 @@ class Child:
             pass
 
     def tail(self, lines: int = 25) -> str:
+        """The log's last lines, without access-log lines of health and metrics polls (they bury the cause)."""
         try:
-            data = self.log_path.read_bytes()[-20000:].decode("utf-8", "replace")
+            data = self.log_path.read_bytes()[-200_000:].decode("utf-8", "replace")
         except OSError:
             return "(no log)"
-        return "\n".join(data.splitlines()[-lines:])
+        keep = [line for line in data.splitlines() if not _NOISE.search(line)]
+        return "\n".join(keep[-lines:])
 
 
 class Supervisor:

@@ -123,6 +123,8 @@ class Up:
         self.backend = f"http://127.0.0.1:{port}"
         argv = [*STEPTAP, "vllm", "--model", self.model_dir, "--port", str(port),
                 "--log", str(self.logs / "vllm-server.log"), *_split(self.args.vllm_args)]
+        if not self.args.model and "--served-model-name" not in argv:
+            argv += ["--served-model-name", "tiny"]
         child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
         self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
         self._wait_healthy(child, f"{self.backend}/health")
