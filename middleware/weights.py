@@ -72,7 +72,8 @@ class WeightState(msgspec.Struct, kw_only=True):
     path: str | None
     lora_path: str | None
     lora_name: str | None
-    swapping: bool
+    swapping: bool  # a swap runs (checking, draining, loading)
+    holding: bool  # new calls are being held (from draining to resume)
     swaps: int
     failures: int
     in_flight: int
@@ -169,8 +170,7 @@ class WeightSwapper:
     ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log (anything
     with ``async append(record)``) where each new version is persisted. ``model_dir``: the weights the servers
     started with (read from vLLM's ``/server_info`` when not given; new weights are checked against the served
-    ones). ``cpu_backend``: refuse disk reload of
-    tied-embedding models (None: ask the servers)."""
+    ones). ``cpu_backend``: refuse disk reload of tied-embedding models (None: ask the servers)."""
 
     def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *, model_dir: str | None = None,
                  cpu_backend: bool | None = None, drain_timeout_s: float = 600.0,
@@ -219,18 +219,22 @@ class WeightSwapper:
             self._http = None
 
     def restore(self, records: Iterable[Any]) -> int:
-        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); returns the version."""
+        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); returns the version.
+
+        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its adapter
+        (named after its version, so the name is the same after a restart)."""
         last: PolicyVersion | None = None
         for rec in records:
             if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
                 last = rec
+                if rec.path is not None:
+                    self.path = rec.path
         if last is not None:
             self.version = last.version
             if last.lora_path is not None:
-                self.lora_path = last.lora_path
-                self.lora_name = f"{LORA_PREFIX}-v{last.version}"
-            elif last.path is not None:
-                self.path, self.lora_path, self.lora_name = last.path, None, None
+                self.lora_path, self.lora_name = last.lora_path, f"{LORA_PREFIX}-v{last.version}"
+            else:
+                self.lora_path = self.lora_name = None
         return self.version
 
     async def ensure_adapter(self) -> None:
@@ -441,7 +445,8 @@ class WeightSwapper:
     def state(self) -> WeightState:
         return WeightState(
             version=self.version, mode="lora" if self.lora_name else "base", path=self.path,
-            lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(), swaps=self.swaps,
+            lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(),
+            holding=not self._open.is_set(), swaps=self.swaps,
             failures=self.failures, in_flight=self._in_flight, held=self._held, last_swap_at=self.last_swap_at,
             last_swap_s=self.last_swap_s, last_held_wait_s=self._held_wait or None, last_error=self.last_error,
             degraded=self.degraded,
