@@ -61,6 +61,13 @@ class StreamMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     end: bool = False
 
 
+class _RawStreamMessage(msgspec.Struct, kw_only=True):
+    """A trajectory message whose record is passed through as the log's msgpack bytes (no decode, re-encode)."""
+
+    cursor: str
+    trajectory: msgspec.Raw
+
+
 class AckBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     consumer: str
     cursor: str
@@ -241,17 +248,22 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     if cursor is not None:
         await _check_cursor(log, cursor)
 
-    def encode(msg: StreamMessage) -> bytes:
+    def encode(msg: StreamMessage | _RawStreamMessage) -> bytes:
         if fmt == "ndjson":
             return _json_enc.encode(msg) + b"\n"
         body = _mp_enc.encode(msg)
         return _LEN.pack(len(body)) + body
 
+    def message(cur: str, traj: Any) -> StreamMessage | _RawStreamMessage:
+        if fmt == "msgpack":
+            return _RawStreamMessage(cursor=cur, trajectory=msgspec.Raw(traj))
+        return StreamMessage(cursor=cur, trajectory=traj)
+
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,
                                        "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     # Not following: a short idle wait marks "caught up". Following: idle waits are heartbeats.
-    agen = log.tail(cursor, idle=heartbeat if follow else 0.0)
+    agen = log.tail(cursor, idle=heartbeat if follow else 0.0, raw=fmt == "msgpack")
     sent = 0
     task = asyncio.current_task()
     assert task is not None
@@ -259,7 +271,7 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     try:
         async for cur, traj in agen:
             if traj is not None:
-                await resp.write(encode(StreamMessage(cursor=cur, trajectory=traj)))
+                await resp.write(encode(message(cur, traj)))
                 sent += 1
             elif follow:
                 await resp.write(encode(StreamMessage(cursor=cur, heartbeat=time.time())))

@@ -551,16 +551,17 @@ class TrajectoryLog:
             segno, offset = nxt, len(HEADER)
 
     async def tail(
-        self, cursor: str | None = None, *, idle: float | None = None
-    ) -> AsyncIterator[tuple[str, Trajectory | None]]:
+        self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
+    ) -> AsyncIterator[tuple[str, Any]]:
         """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
-        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does."""
+        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
+        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through)."""
         loop = asyncio.get_running_loop()
         segno, offset = self._start_position(cursor)
         current = format_cursor(segno, offset)
         while True:
             changed = self._changed
-            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset)
+            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
             for cur, traj in batch:
                 current = cur
                 if traj is not None:
@@ -574,20 +575,20 @@ class TrajectoryLog:
             except TimeoutError:
                 yield current, None
 
-    def _read_trajectories(self, segno: int, offset: int) -> tuple[list[tuple[str, Trajectory | None]], int, int]:
+    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
         """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
         records so the position still advances."""
         while True:
             frames, new_offset = self._read_frames(segno, offset, 4 << 20)
             if frames:
-                out: list[tuple[str, Trajectory | None]] = []
+                out: list[tuple[str, Any]] = []
                 for after, payload in frames:
                     try:
                         peek = _peek_decoder.decode(payload)
                     except msgspec.DecodeError:
                         continue  # a record kind this version does not know
                     if isinstance(peek, _PeekTrajectory) and peek.status != "running":
-                        out.append((format_cursor(segno, after), log_decoder.decode(payload)))  # type: ignore[arg-type]
+                        out.append((format_cursor(segno, after), payload if raw else log_decoder.decode(payload)))
                 if not out:
                     out.append((format_cursor(segno, new_offset), None))
                 return out, segno, new_offset
