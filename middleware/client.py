@@ -215,8 +215,10 @@ class SteptapClient:
         mode: Literal["train", "eval"] = "train",
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
+        session_id: str | None = None,
     ) -> SessionInfo:
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s)
+        """Open a session (``session_id``: choose its id instead of letting the proxy generate one)."""
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
         return _session_dec.decode(await self._request("POST", "/sessions", body))
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
@@ -326,10 +328,10 @@ async def _messages(resp: aiohttp.ClientResponse, fmt: str) -> AsyncIterator[_Me
 
 
 def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
-                  idle_timeout_s: float | None) -> dict[str, Any]:
+                  idle_timeout_s: float | None, session_id: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {"mode": mode}
     for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
-                 ("idle_timeout_s", idle_timeout_s)):
+                 ("idle_timeout_s", idle_timeout_s), ("id", session_id)):
         if v is not None:
             body[k] = v
     return body
@@ -382,8 +384,8 @@ class SyncSteptapClient:
 
     def open_session(self, *, group_id: str | None = None, group_size: int | None = None,
                      mode: Literal["train", "eval"] = "train", metadata: dict[str, Any] | None = None,
-                     idle_timeout_s: float | None = None) -> SessionInfo:
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s)
+                     idle_timeout_s: float | None = None, session_id: str | None = None) -> SessionInfo:
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
         return _session_dec.decode(self._request("POST", "/sessions", body))
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,

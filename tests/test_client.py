@@ -234,10 +234,14 @@ async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server)
 
         # The same calls, synchronously.
         sync = SyncSteptapClient(proxy.url, proxy.token)
-        s2 = await asyncio.to_thread(sync.open_session, mode="eval")
+        s2 = await asyncio.to_thread(lambda: sync.open_session(mode="eval", session_id="chosen-id-1"))
+        assert s2.id == "chosen-id-1"
         await asyncio.to_thread(sync.finish, s2.id, status="aborted")
         t2 = await asyncio.to_thread(sync.get_session, s2.id)
         assert t2.status == "aborted" and t2.mode == "eval"
+        with pytest.raises(SteptapError) as ei:  # ids are unique
+            await c.open_session(session_id="chosen-id-1")
+        assert ei.value.status == 409
 
     # What an agent holds (its session key, its session URL) opens none of the control routes.
     async with SteptapClient(proxy.url, info.api_key) as agent:
