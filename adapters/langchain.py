@@ -4,8 +4,8 @@
     agent = langgraph.prebuilt.create_react_agent(llm, tools)
 
 The chat model is all LangGraph needs: graphs and prebuilt agents call it like any other. Extra keywords go
-to ``ChatOpenAI`` (``extra_body``, ``max_tokens``, ``http_client`` ...). The Responses API is switched off (the
-proxy captures chat completions)."""
+to ``ChatOpenAI`` (``extra_body``, ``max_tokens``, ``http_client`` ...). The Responses API is switched off
+(the proxy captures chat completions)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ def bind(session: Any, *, model: str | None = None, **kw: Any) -> Any:
     from langchain_openai import ChatOpenAI
 
     kw.setdefault("use_responses_api", False)
-    return ChatOpenAI(model=resolve_model(session, model), base_url=session.base_url, api_key=session.api_key, **kw)
+    return ChatOpenAI(
+        model=resolve_model(session, model), base_url=session.base_url, api_key=session.api_key, **kw
+    )
 
 
 ADAPTER = Adapter(

@@ -25,21 +25,32 @@ def _client(session: Any, client_kwargs: dict[str, Any] | None) -> Any:
 
 
 def bind(
-    session: Any, *, model: str | None = None, client_kwargs: dict[str, Any] | None = None, tracing: bool = False
+    session: Any,
+    *,
+    model: str | None = None,
+    client_kwargs: dict[str, Any] | None = None,
+    tracing: bool = False,
 ) -> Any:
     """An ``OpenAIChatCompletionsModel`` whose ``AsyncOpenAI`` client is on the session."""
     from agents import OpenAIChatCompletionsModel, set_tracing_disabled
 
     if not tracing:
         set_tracing_disabled(True)
-    return OpenAIChatCompletionsModel(model=resolve_model(session, model), openai_client=_client(session, client_kwargs))
+    return OpenAIChatCompletionsModel(
+        model=resolve_model(session, model), openai_client=_client(session, client_kwargs)
+    )
 
 
 def provider(
-    session: Any, *, model: str | None = None, client_kwargs: dict[str, Any] | None = None, tracing: bool = False
+    session: Any,
+    *,
+    model: str | None = None,
+    client_kwargs: dict[str, Any] | None = None,
+    tracing: bool = False,
 ) -> Any:
-    """A ``ModelProvider`` for ``RunConfig(model_provider=...)``: every agent of the run, whatever model name it
-    asks for, gets a chat-completions model on the session (``model`` when given, else the name asked for)."""
+    """A ``ModelProvider`` for ``RunConfig(model_provider=...)``: every agent of the run, whatever model name
+    it asks for, gets a chat-completions model on the session (``model`` when given, else the name it asked
+    for)."""
     from agents import ModelProvider, OpenAIChatCompletionsModel, set_tracing_disabled
 
     if not tracing:

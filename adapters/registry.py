@@ -1,7 +1,7 @@
 """The adapter registry: the ``steptap.adapters`` entry-point group, and ``steptap adapters``.
 
-An adapter binds one agent framework to a steptap session (its base URL and API key). Ours and third-party ones
-are found the same way, through the entry-point group, so a package can ship its own with one line of
+An adapter binds one agent framework to a steptap session (its base URL and API key). Ours and third-party
+ones are found the same way, through the entry-point group, so a package can ship its own with one line of
 ``pyproject.toml``::
 
     [project.entry-points."steptap.adapters"]
@@ -18,8 +18,9 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 GROUP = "steptap.adapters"
 

@@ -1,8 +1,8 @@
 """``steptap run -- COMMAND...``: any program (a CLI agent in any language) as an agent of a fresh session.
 
 The program gets ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` for its session (plus ``STEPTAP_SESSION_ID``,
-``STEPTAP_REWARD_FILE``, ``STEPTAP_MEMBER_INDEX``, ``STEPTAP_GROUP_ID``), never the control token: the agent is
-untrusted. When it exits, the session is finished with a reward from
+``STEPTAP_REWARD_FILE``, ``STEPTAP_MEMBER_INDEX``, ``STEPTAP_GROUP_ID``), never the control token: the agent
+is untrusted. When it exits, the session is finished with a reward from
 
 - ``--reward-cmd CMD``: a shell command that sees ``STEPTAP_TRAJECTORY_ID``, ``STEPTAP_EXIT_CODE`` (and the
   proxy URL and control token, to fetch the trajectory) and prints a number (or a JSON object of named
@@ -52,22 +52,29 @@ class Member:
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="steptap run",
-        description="Run any program as an agent in a fresh steptap session (OPENAI_BASE_URL/OPENAI_API_KEY set).",
+        description="Run any program as an agent in a fresh steptap session "
+        "(OPENAI_BASE_URL and OPENAI_API_KEY set).",
         epilog="Example: steptap run -n 4 --reward-cmd 'python grade.py' -- ./agent.sh 'task text'",
     )
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
-    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV), help=f"control token (default ${TOKEN_ENV})")
+    p.add_argument(
+        "--control-token", default=os.environ.get(TOKEN_ENV), help=f"control token (default ${TOKEN_ENV})"
+    )
     p.add_argument("--group", default=None, help="group id (default: a fresh one when -n > 1)")
     p.add_argument("--metadata", default=None, help="JSON object stored on each trajectory")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
     p.add_argument("--model", default=None, help="exported to the program as OPENAI_MODEL and STEPTAP_MODEL")
     p.add_argument("--idle-timeout", type=float, default=None, help="session idle timeout in seconds")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--reward-cmd", default=None, help="shell command printing the reward (sees STEPTAP_* env)")
+    src.add_argument(
+        "--reward-cmd", default=None, help="shell command printing the reward (sees STEPTAP_* env)"
+    )
     src.add_argument("--reward-file", default=None, help="file the agent writes its reward to")
     p.add_argument("--reward-timeout", type=float, default=300.0, help="seconds the reward command may take")
     p.add_argument("-n", type=int, default=1, help="members of one group (group_size=N)")
-    p.add_argument("--concurrency", type=int, default=None, help="members running at once (default min(N, 8))")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="members running at once (default min(N, 8))"
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -173,7 +180,9 @@ class Runner:
         return f"{path}.{m.index}" if self.args.n > 1 else path
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}  # the agent never holds the control token
+        env = {
+            k: v for k, v in os.environ.items() if k != TOKEN_ENV
+        }  # the agent never holds the control token
         env.update(
             OPENAI_BASE_URL=info.base_url,
             OPENAI_API_BASE=info.base_url,  # older clients read this name
@@ -193,7 +202,10 @@ class Runner:
         pipe = asyncio.subprocess.PIPE if self.prefixed else None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.args.command, env=env, stdout=pipe, stderr=pipe,
+                *self.args.command,
+                env=env,
+                stdout=pipe,
+                stderr=pipe,
                 stdin=asyncio.subprocess.DEVNULL if self.prefixed else None,
                 start_new_session=True,  # its own process group: Ctrl-C here kills the whole tree
             )
@@ -204,7 +216,10 @@ class Runner:
             pumps = []
             if self.prefixed:
                 tag = f"[{m.index}] ".encode()
-                pumps = [_pump(proc.stdout, sys.stdout.buffer, tag), _pump(proc.stderr, sys.stderr.buffer, tag)]
+                pumps = [
+                    _pump(proc.stdout, sys.stdout.buffer, tag),
+                    _pump(proc.stderr, sys.stderr.buffer, tag),
+                ]
             await asyncio.gather(*pumps, proc.wait())
             return int(proc.returncode or 0)
         finally:
@@ -214,20 +229,27 @@ class Runner:
         if self.args.reward_cmd:
             env = dict(os.environ)
             env.update(
-                STEPTAP_TRAJECTORY_ID=m.session_id, STEPTAP_SESSION_ID=m.session_id,
-                STEPTAP_EXIT_CODE=str(m.exit_code), STEPTAP_MEMBER_INDEX=str(m.index),
-                STEPTAP_REWARD_FILE=reward_file, STEPTAP_URL=self.args.proxy, STEPTAP_CONTROL_TOKEN=self.args.control_token,
+                STEPTAP_TRAJECTORY_ID=m.session_id,
+                STEPTAP_SESSION_ID=m.session_id,
+                STEPTAP_EXIT_CODE=str(m.exit_code),
+                STEPTAP_MEMBER_INDEX=str(m.index),
+                STEPTAP_REWARD_FILE=reward_file,
+                STEPTAP_URL=self.args.proxy,
+                STEPTAP_CONTROL_TOKEN=self.args.control_token,
             )
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id
             proc = await asyncio.create_subprocess_shell(
-                self.args.reward_cmd, env=env, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+                self.args.reward_cmd,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
             )
             self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
             try:
                 out, _ = await asyncio.wait_for(proc.communicate(), self.args.reward_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
                 raise RuntimeError(f"reward command timed out after {self.args.reward_timeout:g}s") from None
             finally:
@@ -298,7 +320,7 @@ def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
 
 
 async def _pump(stream: asyncio.StreamReader | None, out: BinaryIO, tag: bytes) -> None:
-    """Copy a child's output line by line, each line prefixed (lines of any length; a partial last line too)."""
+    """Copy a child's output line by line, each prefixed (lines of any length; a partial last line too)."""
     if stream is None:
         return
     pending = b""
@@ -340,11 +362,18 @@ async def _preflight(client: Any, proxy: str) -> None:
 def _explain(exc: BaseException, proxy: str) -> str:
     status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
     if status in (401, 403):
-        return (f"the proxy at {proxy} refused the control token ({status}): pass the token `steptap serve` "
-                f"printed with --control-token or ${TOKEN_ENV}")
+        return (
+            f"the proxy at {proxy} refused the control token ({status}): pass the token `steptap serve` "
+            f"printed with --control-token or ${TOKEN_ENV}"
+        )
     if isinstance(exc, (OSError, asyncio.TimeoutError)) or "connect" in type(exc).__name__.lower():
-        exc = getattr(exc, "os_error", None) or exc  # aiohttp's wrapper: say "connection refused", not its repr
-        return f"cannot reach the steptap proxy at {proxy} ({exc}): is `steptap serve` running? (--proxy / ${URL_ENV})"
+        exc = (
+            getattr(exc, "os_error", None) or exc
+        )  # aiohttp's wrapper: say "connection refused", not its repr
+        return (
+            f"cannot reach the steptap proxy at {proxy} ({exc}): is `steptap serve` running? "
+            f"(--proxy / ${URL_ENV})"
+        )
     return f"the proxy at {proxy} failed: {exc}"
 
 

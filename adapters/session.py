@@ -8,7 +8,8 @@
 On a clean exit the session is finished with the reward set inside the block (that wins) or, failing that, the
 one the ``reward`` callable computes from the trajectory. On an exception (KeyboardInterrupt and task
 cancellation included) it is finished as ``aborted`` and the exception propagates: the session is never left
-open, and the aborted trajectory is still delivered on the stream (an aborted member does not discard its group).
+open, and the aborted trajectory is still delivered on the stream (an aborted member does not discard its
+group).
 
 Depends on ``steptap.middleware.client`` only; ``openai`` is imported when a client is asked for.
 """
@@ -21,15 +22,16 @@ import logging
 import os
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from steptap.middleware.records import Trajectory
 
 log = logging.getLogger("steptap.adapters")
 
-RewardValue = Union[float, int, dict[str, float], None]
-RewardFn = Callable[["Trajectory"], Union[RewardValue, Awaitable[RewardValue]]]
+RewardValue = float | int | dict[str, float] | None
+RewardFn = Callable[["Trajectory"], RewardValue | Awaitable[RewardValue]]
 
 URL_ENV = "STEPTAP_URL"
 TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
@@ -49,7 +51,9 @@ def proxy_settings(proxy_url: str | None, control_token: str | None) -> tuple[st
 
 def served_model(base_url: str, api_key: str, timeout: float = 10.0) -> str:
     """The first model the proxy serves (``GET {base_url}/models`` with the session's key)."""
-    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {api_key}"})
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {api_key}"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the proxy's own URL
             data = json.loads(resp.read())
@@ -137,10 +141,14 @@ class _SessionBase:
 
     def env(self) -> dict[str, str]:
         """Environment variables that point an OpenAI-compatible program at this session."""
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "STEPTAP_SESSION_ID": self.id}
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "STEPTAP_SESSION_ID": self.id,
+        }
 
     def set_reward(self, value: float, name: str | None = None) -> None:
-        """The trajectory reward to finish with (named components add up). Wins over the ``reward`` callable."""
+        """The trajectory reward to finish with (named components add up); wins over the callable."""
         self._rewards[name] = float(value)
 
     # -- helpers -------------------------------------------------------------------------------------------
@@ -208,7 +216,7 @@ class Session(_SessionBase):
         return self._client.get_session(self.id)
 
     def reward_step(self, value: float, step: int | str = "last", name: str | None = None) -> None:
-        """Attach a per-step (process) reward now: to step ``step`` (an index, or ``"last"``: the latest step)."""
+        """Attach a per-step (process) reward now, to step ``step`` (an index, or ``"last"``: the latest)."""
         self._client.add_reward(self.id, float(value), name=name, step=step)
 
     def _compute_reward(self) -> RewardValue:

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from steptap.adapters import async_session, registry, session
 
 pytestmark = pytest.mark.vllm
@@ -28,6 +27,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture
 def served_model(vllm_server: Any) -> str:
     return vllm_server.served_model
+
 
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
@@ -62,7 +62,9 @@ class ScriptedOutputs:
         if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
             return request
         data = json.loads(body)
-        assert self.calls < len(self.outputs), f"unexpected model call {self.calls + 1}: {data['messages'][-1]}"
+        assert self.calls < len(self.outputs), (
+            f"unexpected model call {self.calls + 1}: {data['messages'][-1]}"
+        )
         data.update(forced(self.outputs[self.calls]))
         self.calls += 1
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
@@ -135,14 +137,16 @@ def closed(serve_proxy: Any, sid: str) -> Any:
 
 def _tool_loop_sync(client: Any, model: str) -> str:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
-    first = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64,
-                                           extra_body=forced(TOOL_CALL))
+    first = client.chat.completions.create(
+        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(TOOL_CALL)
+    )
     call = first.choices[0].message.tool_calls[0]
     args = json.loads(call.function.arguments)
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
-    second = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64,
-                                            extra_body=forced(ANSWER))
+    second = client.chat.completions.create(
+        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(ANSWER)
+    )
     return second.choices[0].message.content
 
 
@@ -161,13 +165,21 @@ async def test_openai_async_client(serve_proxy: Any, steptap: dict[str, Any], se
     async with async_session(**steptap, group_id="adapters-openai-async") as s:
         client = registry.bind("openai", s, async_=True)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "2 + 3?"}]
-        first = await client.chat.completions.create(model=served_model, messages=messages, tools=[ADD_TOOL],
-                                                     max_tokens=64, extra_body=forced(TOOL_CALL))
+        first = await client.chat.completions.create(
+            model=served_model,
+            messages=messages,
+            tools=[ADD_TOOL],
+            max_tokens=64,
+            extra_body=forced(TOOL_CALL),
+        )
         call = first.choices[0].message.tool_calls[0]
-        messages += [first.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-        second = await client.chat.completions.create(model=served_model, messages=messages, tools=[ADD_TOOL],
-                                                      max_tokens=64, extra_body=forced(ANSWER))
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "5"},
+        ]
+        second = await client.chat.completions.create(
+            model=served_model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(ANSWER)
+        )
         assert second.choices[0].message.content == ANSWER
         await s.reward_step(0.5, step=0, name="tool_ok")
         s.set_reward(1.0)
@@ -192,9 +204,15 @@ def test_langgraph_react_agent(serve_proxy: Any, steptap: dict[str, Any]) -> Non
 
     script = ScriptedOutputs(TOOL_CALL, ANSWER)
     reward = grade(2)
-    with session(**steptap, group_id="adapters-langchain", metadata={"framework": "langgraph"}, reward=reward) as s:
-        llm = s.bind("langchain", max_tokens=64, http_client=script.sync_client(),
-                     http_async_client=script.async_client())
+    with session(
+        **steptap, group_id="adapters-langchain", metadata={"framework": "langgraph"}, reward=reward
+    ) as s:
+        llm = s.bind(
+            "langchain",
+            max_tokens=64,
+            http_client=script.sync_client(),
+            http_async_client=script.async_client(),
+        )
         agent = create_react_agent(llm, [add])
         result = agent.invoke({"messages": [("user", "What is 2 + 3?")]})
     messages = result["messages"]
@@ -226,8 +244,13 @@ async def test_openai_agents_sdk(serve_proxy: Any, steptap: dict[str, Any]) -> N
     script = ScriptedOutputs(TOOL_CALL, ANSWER)
     async with async_session(**steptap, group_id="adapters-openai-agents") as s:
         model = registry.bind("openai_agents", s, client_kwargs={"http_client": script.async_client()})
-        agent = Agent(name="adder", instructions="Add numbers with the tool.", tools=[add], model=model,
-                      model_settings=ModelSettings(max_tokens=64))
+        agent = Agent(
+            name="adder",
+            instructions="Add numbers with the tool.",
+            tools=[add],
+            model=model,
+            model_settings=ModelSettings(max_tokens=64),
+        )
         result = await Runner.run(agent, "What is 2 + 3?", max_turns=4)
         s.set_reward(1.0 if result.final_output == ANSWER else 0.0)
     assert result.final_output == ANSWER and ran == [(2, 3)]
@@ -236,10 +259,11 @@ async def test_openai_agents_sdk(serve_proxy: Any, steptap: dict[str, Any]) -> N
     check_steps(traj, 2)
 
 
-async def test_openai_agents_model_provider(serve_proxy: Any, steptap: dict[str, Any], served_model: str) -> None:
+async def test_openai_agents_model_provider(
+    serve_proxy: Any, steptap: dict[str, Any], served_model: str
+) -> None:
     """The provider form: agents naming any model (here ``gpt-4o``) run on the session through RunConfig."""
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
-
     from steptap.adapters.openai_agents import provider
 
     @function_tool(strict_mode=False)
@@ -250,8 +274,11 @@ async def test_openai_agents_model_provider(serve_proxy: Any, steptap: dict[str,
     script = ScriptedOutputs(TOOL_CALL, ANSWER)
     async with async_session(**steptap) as s:
         agent = Agent(name="adder", tools=[add], model="gpt-4o", model_settings=ModelSettings(max_tokens=64))
-        run_config = RunConfig(model_provider=provider(s, model=served_model,
-                                                       client_kwargs={"http_client": script.async_client()}))
+        run_config = RunConfig(
+            model_provider=provider(
+                s, model=served_model, client_kwargs={"http_client": script.async_client()}
+            )
+        )
         result = await Runner.run(agent, "2 + 3?", run_config=run_config, max_turns=4)
         s.set_reward(1.0)
     assert result.final_output == ANSWER
@@ -281,14 +308,22 @@ def test_smolagents_tool_calling_agent(serve_proxy: Any, steptap: dict[str, Any]
     with session(**steptap, group_id="adapters-smolagents", reward=grade(2)) as s:
         # smolagents asks for tool_choice="required" by default; vLLM then replaces our regex with its own
         # JSON schema, which a random model never closes: "auto" lets the hermes parser read the forced block.
-        model = registry.bind("smolagents", s, tool_choice="auto", max_tokens=64,
-                              client_kwargs={"http_client": script.sync_client()})
-        # smolagents' default system prompt is ~1900 tokens for the tiny model's tokenizer, and the test server
-        # allows 2048: a short one, as users configure theirs
+        model = registry.bind(
+            "smolagents",
+            s,
+            tool_choice="auto",
+            max_tokens=64,
+            client_kwargs={"http_client": script.sync_client()},
+        )
+        # smolagents' default system prompt is ~1900 tokens for the tiny model's tokenizer, and the test
+        # server allows 2048: a short one, as users configure theirs
         templates = yaml.safe_load(
-            importlib.resources.files("smolagents.prompts").joinpath("toolcalling_agent.yaml").read_text())
+            importlib.resources.files("smolagents.prompts").joinpath("toolcalling_agent.yaml").read_text()
+        )
         templates["system_prompt"] = "Solve the task with the tools, then call final_answer."
-        agent = ToolCallingAgent(tools=[add], model=model, max_steps=3, verbosity_level=0, prompt_templates=templates)
+        agent = ToolCallingAgent(
+            tools=[add], model=model, max_steps=3, verbosity_level=0, prompt_templates=templates
+        )
         answer = agent.run("What is 2 + 3?")
     assert str(answer) == "5" and script.calls == 2
     traj = closed(serve_proxy, s.id)
@@ -309,9 +344,17 @@ def test_litellm_completion(serve_proxy: Any, steptap: dict[str, Any]) -> None:
         call = first.choices[0].message.tool_calls[0]
         args = json.loads(call.function.arguments)
         messages += [
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": call.id, "type": "function",
-                "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
         ]
         second = llm.completion(messages=messages, tools=[ADD_TOOL], extra_body=forced(ANSWER))
@@ -325,7 +368,9 @@ async def test_litellm_acompletion(serve_proxy: Any, steptap: dict[str, Any], se
     async with async_session(**steptap, model=served_model) as s:
         llm = registry.bind("litellm", s, max_tokens=16)
         for text in ("one", "two"):
-            reply = await llm.acompletion(messages=[{"role": "user", "content": text}], extra_body=forced(text))
+            reply = await llm.acompletion(
+                messages=[{"role": "user", "content": text}], extra_body=forced(text)
+            )
             assert reply.choices[0].message.content == text
         s.set_reward(0.25, name="style")
         s.set_reward(0.5, name="correct")

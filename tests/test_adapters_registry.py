@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from steptap.adapters import registry
 from steptap.adapters.registry import Adapter
 
@@ -23,7 +22,11 @@ def _adapters_cli(env_extra: dict[str, str] | None = None, *args: str) -> subpro
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "steptap.middleware.cli", "adapters", *args],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
     )
 
 
@@ -44,7 +47,9 @@ def test_loading_the_registry_imports_no_framework() -> None:
         "print(json.dumps(sorted(m for m in ('openai', 'langchain_openai', 'agents', 'smolagents', 'litellm',"
         " 'torch') if m in sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
@@ -61,11 +66,14 @@ def test_cli_lists_installed_adapters_with_availability() -> None:
 
 def test_a_third_party_adapter_is_discovered_through_the_entry_point_group(tmp_path: Path) -> None:
     # A minimal installed distribution: a .dist-info with entry_points.txt, and its module, on PYTHONPATH.
-    (tmp_path / "toy_steptap.py").write_text(textwrap.dedent("""
+    (tmp_path / "toy_steptap.py").write_text(
+        textwrap.dedent("""
         from steptap.adapters.registry import Adapter
-        ADAPTER = Adapter(name="toy", framework="toyframework-not-installed", binder=lambda s, **kw: s.base_url,
+        ADAPTER = Adapter(name="toy", framework="toyframework-not-installed",
+                          binder=lambda s, **kw: s.base_url,
                           modules=("toyframework_not_installed",), description="a third-party adapter")
-    """))
+    """)
+    )
     (tmp_path / "broken_steptap.py").write_text("raise RuntimeError('adapter module is broken')\n")
     dist = tmp_path / "toy_steptap-0.1.dist-info"
     dist.mkdir()
@@ -85,7 +93,9 @@ def test_a_third_party_adapter_is_discovered_through_the_entry_point_group(tmp_p
 
 
 def test_bind_without_the_framework_says_what_to_install() -> None:
-    ad = Adapter(name="x", framework="not-a-real-framework", binder=lambda s, **kw: None, modules=("nope_xyz",))
+    ad = Adapter(
+        name="x", framework="not-a-real-framework", binder=lambda s, **kw: None, modules=("nope_xyz",)
+    )
     assert not ad.available()
     with pytest.raises(ImportError, match="pip install not-a-real-framework"):
         ad.bind(SESSION)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from steptap.middleware.client import SteptapClient, SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
@@ -26,13 +25,15 @@ pytestmark = pytest.mark.vllm
 def served_model(vllm_server: Any) -> str:
     return vllm_server.served_model
 
+
 # Two chat calls with curl, each forced to a word; prints what the model said and its own session id.
 AGENT_SH = r"""#!/bin/sh
 set -eu
 ask() {
   curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
     -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
-    -d "{\"model\": \"$OPENAI_MODEL\", \"max_tokens\": 8, \"messages\": [{\"role\": \"user\", \"content\": \"say $1\"}],
+    -d "{\"model\": \"$OPENAI_MODEL\", \"max_tokens\": 8,
+         \"messages\": [{\"role\": \"user\", \"content\": \"say $1\"}],
          \"structured_outputs\": {\"regex\": \"$1\"}}"
 }
 echo "session=$STEPTAP_SESSION_ID token=${STEPTAP_CONTROL_TOKEN:-none}"
@@ -51,8 +52,14 @@ def agent_sh(tmp_path: Path) -> Path:
     return path
 
 
-def steptap_run(serve_proxy: Any, *args: str, env: dict[str, str] | None = None, timeout: float = 300,
-                token: str | None = None, url: str | None = None) -> subprocess.CompletedProcess[str]:
+def steptap_run(
+    serve_proxy: Any,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    token: str | None = None,
+    url: str | None = None,
+) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, **(env or {})}
     full_env["STEPTAP_CONTROL_TOKEN"] = token or serve_proxy.token  # must not reach the agent
     cmd = [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", url or serve_proxy.url, *args]
@@ -72,8 +79,19 @@ def test_a_curl_script_records_its_steps_and_the_reward_command_sets_the_reward(
 ) -> None:
     seen = tmp_path / "grader-saw"
     reward_cmd = f'echo "$STEPTAP_TRAJECTORY_ID $STEPTAP_EXIT_CODE" > {seen}; echo "grading..."; echo 0.75'
-    out = steptap_run(serve_proxy, "--model", served_model, "--group", "run-cmd", "--metadata", '{"task": "curl"}',
-                      "--reward-cmd", reward_cmd, "--", str(agent_sh))
+    out = steptap_run(
+        serve_proxy,
+        "--model",
+        served_model,
+        "--group",
+        "run-cmd",
+        "--metadata",
+        '{"task": "curl"}',
+        "--reward-cmd",
+        reward_cmd,
+        "--",
+        str(agent_sh),
+    )
     assert out.returncode == 0, out.stderr
     assert '"content":"alpha"' in out.stdout and '"content":"beta"' in out.stdout  # streamed through
     assert "token=none" in out.stdout  # the agent never sees the control token
@@ -89,14 +107,28 @@ def test_a_curl_script_records_its_steps_and_the_reward_command_sets_the_reward(
     assert f"session {sid} exit 0 reward 0.75 -> finished 2 steps" in out.stderr
 
 
-async def test_n4_gives_one_complete_group_of_four(serve_proxy: Any, served_model: str, agent_sh: Path) -> None:
+async def test_n4_gives_one_complete_group_of_four(
+    serve_proxy: Any, served_model: str, agent_sh: Path
+) -> None:
     group = f"run-n4-{uuid.uuid4().hex[:6]}"
     # each member writes its reward file: index-dependent rewards, to show they are kept apart
-    script = f'WRITE_REWARD=$(( STEPTAP_MEMBER_INDEX + 1 )) exec {agent_sh}'
+    script = f"WRITE_REWARD=$(( STEPTAP_MEMBER_INDEX + 1 )) exec {agent_sh}"
     t0 = time.monotonic()
     out = await asyncio.to_thread(
-        steptap_run, serve_proxy, "-n", "4", "--concurrency", "2", "--group", group, "--model", served_model,
-        "--", "sh", "-c", script,
+        steptap_run,
+        serve_proxy,
+        "-n",
+        "4",
+        "--concurrency",
+        "2",
+        "--group",
+        group,
+        "--model",
+        served_model,
+        "--",
+        "sh",
+        "-c",
+        script,
     )
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, out.stderr
@@ -116,10 +148,20 @@ async def test_n4_gives_one_complete_group_of_four(serve_proxy: Any, served_mode
     print(f"steptap run -n 4 --concurrency 2: {elapsed:.1f}s")
 
 
-def test_reward_file_and_failing_agents(serve_proxy: Any, served_model: str, agent_sh: Path, tmp_path: Path) -> None:
+def test_reward_file_and_failing_agents(
+    serve_proxy: Any, served_model: str, agent_sh: Path, tmp_path: Path
+) -> None:
     path = tmp_path / "reward.txt"
-    out = steptap_run(serve_proxy, "--model", served_model, "--reward-file", str(path), "--", str(agent_sh),
-                      env={"WRITE_REWARD": '{"pass": 1, "style": 0.5}'})
+    out = steptap_run(
+        serve_proxy,
+        "--model",
+        served_model,
+        "--reward-file",
+        str(path),
+        "--",
+        str(agent_sh),
+        env={"WRITE_REWARD": '{"pass": 1, "style": 0.5}'},
+    )
     assert out.returncode == 0, out.stderr
     assert get(serve_proxy, session_ids(out.stdout)[0]).rewards == {"pass": 1.0, "style": 0.5}
     # a non-zero exit without a reward: aborted, and steptap run exits with the agent's code
@@ -129,12 +171,22 @@ def test_reward_file_and_failing_agents(serve_proxy: Any, served_model: str, age
     assert traj.status == "aborted" and len(traj.steps) == 2
     assert "agent exited 3 with no reward" in out.stderr
     # a non-zero exit with a reward: the reward command saw the exit code and decided
-    out = steptap_run(serve_proxy, "--model", served_model, "--reward-cmd", 'echo "-$STEPTAP_EXIT_CODE"', "--",
-                      str(agent_sh), env={"AGENT_EXIT": "1"})
+    out = steptap_run(
+        serve_proxy,
+        "--model",
+        served_model,
+        "--reward-cmd",
+        'echo "-$STEPTAP_EXIT_CODE"',
+        "--",
+        str(agent_sh),
+        env={"AGENT_EXIT": "1"},
+    )
     traj = get(serve_proxy, session_ids(out.stdout)[0])
     assert out.returncode == 1 and traj.status == "finished" and traj.rewards == {"reward": -1.0}
     # a reward command that fails aborts its session
-    out = steptap_run(serve_proxy, "--reward-cmd", "exit 4", "--", "sh", "-c", "echo session=$STEPTAP_SESSION_ID")
+    out = steptap_run(
+        serve_proxy, "--reward-cmd", "exit 4", "--", "sh", "-c", "echo session=$STEPTAP_SESSION_ID"
+    )
     traj = get(serve_proxy, session_ids(out.stdout)[0])
     assert out.returncode == 1 and traj.status == "aborted" and "reward command exited 4" in out.stderr
 
@@ -142,7 +194,9 @@ def test_reward_file_and_failing_agents(serve_proxy: Any, served_model: str, age
 def test_unreachable_proxy_and_bad_token_are_clear_errors(serve_proxy: Any) -> None:
     out = steptap_run(serve_proxy, "--", "true", url="http://127.0.0.1:1")
     assert out.returncode == 2
-    assert "cannot reach the steptap proxy at http://127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        "cannot reach the steptap proxy at http://127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
+    )
     out = steptap_run(serve_proxy, "--", "true", token="stc-wrong")
     assert out.returncode == 2
     assert re.search(r"refused the control token \(40[13]\)", out.stderr) and "Traceback" not in out.stderr
@@ -150,14 +204,32 @@ def test_unreachable_proxy_and_bad_token_are_clear_errors(serve_proxy: Any) -> N
     assert out.returncode == 2 and "no command given" in out.stderr
 
 
-def test_ctrl_c_kills_the_agents_process_groups_and_aborts_their_sessions(serve_proxy: Any, tmp_path: Path) -> None:
+def test_ctrl_c_kills_the_agents_process_groups_and_aborts_their_sessions(
+    serve_proxy: Any, tmp_path: Path
+) -> None:
     pids = tmp_path / "pids"
     # each member starts a grandchild (sleep) in its own process group: the whole group must die
-    script = f'echo session=$STEPTAP_SESSION_ID; sleep 120 & echo $! >> {pids}; wait'
+    script = f"echo session=$STEPTAP_SESSION_ID; sleep 120 & echo $! >> {pids}; wait"
     env = {**os.environ, "STEPTAP_CONTROL_TOKEN": serve_proxy.token}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", serve_proxy.url, "-n", "2", "--", "sh", "-c",
-         script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "run",
+            "--proxy",
+            serve_proxy.url,
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 60

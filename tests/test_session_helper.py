@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 
 import pytest
-
 from steptap.adapters import async_session, session
 from steptap.middleware.client import SteptapClient, SteptapError, SyncSteptapClient
 
@@ -23,7 +22,9 @@ def served_model(vllm_server: Any) -> str:
 
 def _ask(client: Any, model: str, text: str) -> str:
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": f"say {text}"}], max_tokens=16,
+        model=model,
+        messages=[{"role": "user", "content": f"say {text}"}],
+        max_tokens=16,
         extra_body={"structured_outputs": {"regex": re.escape(text)}},
     )
     return reply.choices[0].message.content
@@ -31,7 +32,9 @@ def _ask(client: Any, model: str, text: str) -> str:
 
 async def _aask(client: Any, model: str, text: str) -> str:
     reply = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": f"say {text}"}], max_tokens=16,
+        model=model,
+        messages=[{"role": "user", "content": f"say {text}"}],
+        max_tokens=16,
         extra_body={"structured_outputs": {"regex": re.escape(text)}},
     )
     return reply.choices[0].message.content
@@ -69,7 +72,9 @@ def test_reward_set_in_the_block_finishes_the_session(serve_proxy: Any, served_m
     assert step.response_token_ids and len(step.response_logprobs) == len(step.response_token_ids)
 
 
-def test_reward_callable_sees_the_trajectory_and_named_components_add_up(serve_proxy: Any, served_model: str) -> None:
+def test_reward_callable_sees_the_trajectory_and_named_components_add_up(
+    serve_proxy: Any, served_model: str
+) -> None:
     seen: list[int] = []
 
     def reward(traj: Any) -> dict[str, float]:
@@ -94,7 +99,9 @@ def test_reward_set_in_the_block_wins_over_the_callable(serve_proxy: Any) -> Non
     assert _get(serve_proxy, s.id).rewards == {"judge": 1.0}
 
 
-async def test_an_exception_aborts_the_session_and_it_is_still_delivered(serve_proxy: Any, served_model: str) -> None:
+async def test_an_exception_aborts_the_session_and_it_is_still_delivered(
+    serve_proxy: Any, served_model: str
+) -> None:
     with pytest.raises(RuntimeError, match="agent crashed"):
         with session(**_kw(serve_proxy), group_id="helper-crash", reward=lambda traj: 1.0) as s:
             _ask(s.openai_client(), served_model, "before")
