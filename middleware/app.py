@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import control, forward, stream
+from . import control, forward, stream, weights
 from .auth import CONTROL_TOKEN_KEY, generate_token
 from .config import CONFIG_KEY, ProxyConfig
 from .errors import error_middleware
@@ -19,7 +19,6 @@ from .metrics import METRICS_KEY, Metrics, metrics_handler
 from .rewards import RewardFn, load_reward
 from .sessions import SESSIONS_KEY, SessionManager
 from .wal import TrajectoryLog
-from .weights import WeightsCollector, WeightSwapper, admin_weights
 
 logger = logging.getLogger("steptap.proxy")
 
@@ -35,7 +34,9 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     app[forward.UPSTREAM_KEY] = forward.Upstream(config)
-    app[forward.SWAPPER_KEY] = WeightSwapper(config.backend)
+    swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir)
+    app[forward.SWAPPER_KEY] = swapper
+    app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
     app.cleanup_ctx.extend([_upstream_ctx, _log_ctx, _swapper_ctx, _tasks_ctx])
 
@@ -47,7 +48,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
     r.add_get("/health", forward.health)
     r.add_get("/metrics", metrics_handler)
-    r.add_post("/admin/weights", admin_weights)  # weight swap (weights.py)
+    r.add_post("/admin/weights", weights.admin_weights)
     control.add_routes(app)
     stream.add_routes(app)
     return app
@@ -76,11 +77,9 @@ async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
-    swapper = app[forward.SWAPPER_KEY]
-    assert isinstance(swapper, WeightSwapper)
+    swapper = weights.swapper_of(app)
     swapper.log = app[stream.LOG_KEY]  # each new policy version is persisted in the log
     swapper.restore(app[SESSIONS_KEY].policy_versions)
-    app[METRICS_KEY].registry.register(WeightsCollector(swapper))  # weight swap metrics (weights.py)
     await swapper.start()
     yield
     await swapper.close()

@@ -25,18 +25,21 @@ class Asked(NamedTuple):
 # --- request side -------------------------------------------------------------------------------------------
 
 
-def sampling_of(body: dict[str, Any], forced: bool) -> Sampling:
-    """The sampling parameters sent to vLLM (after forcing), with vLLM's documented defaults when absent
-    (temperature 1, top_p 1, top_k disabled). A model's generation_config can change vLLM's defaults; agents
-    that rely on them should send explicit values, or the proxy can force them (--force-sampling)."""
-    top_k = body.get("top_k")
+_NO_DEFAULTS: dict[str, float] = {}
+
+
+def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] = _NO_DEFAULTS) -> Sampling:
+    """The sampling parameters sent to vLLM (after forcing). A value the request omits is what vLLM applies:
+    ``defaults`` (the model's generation_config, ``--model-dir``), else OpenAI's (temperature 1, top_p 1,
+    top_k disabled)."""
+    top_k = body.get("top_k", defaults.get("top_k"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    temperature = body.get("temperature")
-    top_p = body.get("top_p")
+    temperature = body.get("temperature", defaults.get("temperature"))
+    top_p = body.get("top_p", defaults.get("top_p"))
     return Sampling(
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
-        top_k=-1 if not top_k or top_k < 0 else int(top_k),
+        top_k=-1 if top_k is None or top_k <= 0 else int(top_k),
         max_tokens=None if max_tokens is None else int(max_tokens),
         forced=forced,
     )

@@ -18,6 +18,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     any_model: bool = False  # route every model name to the backend's served model
     auto_create: bool = True  # an unknown session id on the path opens that session
     force_sampling: dict[str, float] = {}  # e.g. {"temperature": 1.0, "top_p": 1.0} for every call
+    # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets one
+    # (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
+    sampling_defaults: dict[str, float] = {}
+    model_dir: str | None = None  # the served weights (the weight swap's fallback; generation_config source)
+    metrics_need_token: bool = False  # GET /metrics needs the control token too
     reward: str | None = None  # "module:function" called with each finished Trajectory
     reward_timeout_s: float = 30.0
     session_idle_timeout_s: float | None = None  # default idle timeout of sessions that set none
@@ -29,6 +34,19 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+
+def generation_defaults(model_dir: str) -> dict[str, float]:
+    """The sampling defaults vLLM takes from a model's ``generation_config.json`` (temperature, top_p, top_k,
+    min_p); empty when the file is absent or sets none."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {k: float(data[k]) for k in ("temperature", "top_p", "top_k", "min_p") if data.get(k) is not None}
 
 
 def parse_force_sampling(text: str) -> dict[str, float]:

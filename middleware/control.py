@@ -75,7 +75,7 @@ async def open_session(request: web.Request) -> web.Response:
     manager = request.app[SESSIONS_KEY]
     session = await manager.open(group_id=body.group_id, group_size=body.group_size, mode=body.mode,
                                  metadata=body.metadata, idle_timeout_s=body.idle_timeout_s, session_id=body.id)
-    return _json(manager.summary(session), status=201)
+    return _json(manager.summary(session, str(request.url.origin())), status=201)
 
 
 async def get_session(request: web.Request) -> web.Response:

@@ -179,7 +179,7 @@ async def _model_call(request: web.Request, endpoint: str) -> web.StreamResponse
                 served = ticket.served_model
             out, asked = _patch(body, endpoint, served, cfg)
             common: dict[str, Any] = dict(
-                request=body, sampling=capture.sampling_of(out, bool(cfg.force_sampling)),
+                request=body, sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                 model=body.get("model") or served, served_model=served, backend=upstream.base,
                 started_at=started_at, policy_version=ticket.version,
             )

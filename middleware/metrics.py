@@ -6,6 +6,9 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .auth import require_control
+from .config import CONFIG_KEY
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
@@ -46,5 +49,7 @@ METRICS_KEY = web.AppKey("steptap_metrics", Metrics)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    if request.app[CONFIG_KEY].metrics_need_token:
+        require_control(request)
     body = request.app[METRICS_KEY].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .config import DEFAULT_LOG_DIR, ProxyConfig, parse_force_sampling
+from .config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_force_sampling
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="an unknown session id in a model call is a 404 instead of opening that session")
     p.add_argument("--force-sampling", default="", metavar="temperature=1.0,top_p=1.0",
                    help="sampling values sent on every call, whatever the agent asked")
+    p.add_argument("--model-dir", default=None,
+                   help="the served model's directory: its generation_config gives the recorded sampling defaults"
+                        " (as vLLM applies them), and the weight swap reloads it after a failed swap")
+    p.add_argument("--metrics-need-token", action="store_true", help="GET /metrics needs the control token")
     p.add_argument("--reward", default=None, metavar="module:function",
                    help="called with each finished Trajectory; returns a reward or per-step rewards")
     p.add_argument("--reward-timeout", type=float, default=30.0, metavar="S")
@@ -47,7 +51,9 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         public_url=args.public_url, any_model=args.any_model, auto_create=not args.no_auto_create,
         force_sampling=force, reward=args.reward, reward_timeout_s=args.reward_timeout,
         session_idle_timeout_s=args.session_idle_timeout, group_timeout_s=args.group_timeout,
-        upstream_timeout_s=args.upstream_timeout,
+        upstream_timeout_s=args.upstream_timeout, model_dir=args.model_dir,
+        sampling_defaults=generation_defaults(args.model_dir) if args.model_dir else {},
+        metrics_need_token=args.metrics_need_token,
     )
 
 

@@ -214,12 +214,20 @@ class SessionManager:
             m.prefix.labels(step.prefix).inc()
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
+        if traj.anonymous and self.reward_fn is None:
+            # A one-step session closes with its step: queue both records together so that they share one
+            # group commit (one fsync per anonymous call, not two in a row).
+            session.closing = True
+            self._finalize(traj, "finished")
+            await asyncio.gather(*(self._append(s) for s in steps), self._append(traj))
+            self._closed(session)
+            return
         if len(steps) == 1:
             await self._append(steps[0])
         else:  # concurrent appends share one group commit
             await asyncio.gather(*(self._append(s) for s in steps))
-        if traj.anonymous:
-            self.spawn(self._close(session, "finished"))
+        if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
+            self.spawn(self._close_logged(session, "finished"))
 
     # ---- rewards -----------------------------------------------------------------------------------------
 
@@ -270,20 +278,29 @@ class SessionManager:
                 traj.error = error
                 self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
                 logger.warning("session %s: %s", traj.id, error)
+        self._finalize(traj, status)
+        await self._append(traj)
+        self._closed(session)
+        return traj
+
+    @staticmethod
+    def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
         traj.status = status
         traj.finished_at = time.time()
-        await self._append(traj)
-        self.metrics.trajectories.labels(status).inc()
+
+    def _closed(self, session: Session) -> None:
+        """Bookkeeping once the Trajectory record is durable."""
+        traj = session.trajectory
+        self.metrics.trajectories.labels(traj.status).inc()
         if traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
         if not traj.anonymous:
-            self.closed[traj.id] = status
+            self.closed[traj.id] = traj.status
             self.recent[traj.id] = traj
             if len(self.recent) > RECENT_KEEP:
                 self.recent.popitem(last=False)
             self._unregister(session)
             self._group_member_closed(traj)
-        return traj
 
     # ---- groups and timeouts -----------------------------------------------------------------------------
 
@@ -368,8 +385,11 @@ class SessionManager:
         self.metrics.sessions_open.set(len(self.sessions))
         return len(self.sessions)
 
-    def summary(self, session: Session) -> dict[str, Any]:
-        return {"id": session.id, "base_url": f"{self.config.base_url()}/s/{session.id}/v1", "api_key": session.key}
+    def summary(self, session: Session, origin: str | None = None) -> dict[str, Any]:
+        """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)
+        and its session key."""
+        base = self.config.public_url or origin or self.config.base_url()
+        return {"id": session.id, "base_url": f"{base.rstrip('/')}/s/{session.id}/v1", "api_key": session.key}
 
 
 SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)
