@@ -182,6 +182,11 @@ async def _agent(aid: int, proxy: Proxy, model: str, ledger: Ledger, stop: async
             except _RETRY:
                 await asyncio.sleep(0.2)
                 continue
+            except SteptapError as exc:
+                if exc.status < 500:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
             ledger.opened += 1
             messages: list[dict[str, Any]] = [{"role": "user", "content": f"agent {aid}: count"}]
             calls = 0
@@ -219,6 +224,9 @@ async def _agent(aid: int, proxy: Proxy, model: str, ledger: Ledger, stop: async
                 except _RETRY:
                     await asyncio.sleep(0.2)
                 except SteptapError as exc:
+                    if exc.status >= 500:
+                        await asyncio.sleep(0.2)
+                        continue
                     if exc.status == 409:  # the first try was logged before the crash: finished all the same
                         ledger.finished.add(info.id)
                     else:
