@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -151,6 +153,8 @@ class Runner:
             m.session_id = info.id
             reward_file = self._reward_file(m)
             try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(reward_file)  # a reward left by an earlier run is not this run's
                 m.exit_code = await self._run_agent(m, info, reward_file)
                 if self.interrupted:
                     raise asyncio.CancelledError
@@ -180,9 +184,8 @@ class Runner:
         return f"{path}.{m.index}" if self.args.n > 1 else path
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
-        env = {
-            k: v for k, v in os.environ.items() if k != TOKEN_ENV
-        }  # the agent never holds the control token
+        # the agent never holds the control token
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env.update(
             OPENAI_BASE_URL=info.base_url,
             OPENAI_API_BASE=info.base_url,  # older clients read this name
@@ -221,7 +224,8 @@ class Runner:
                     _pump(proc.stderr, sys.stderr.buffer, tag),
                 ]
             await asyncio.gather(*pumps, proc.wait())
-            return int(proc.returncode or 0)
+            code = int(proc.returncode or 0)
+            return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
         finally:
             self.procs.pop(m.index, None)
 
@@ -251,6 +255,7 @@ class Runner:
                 out, _ = await asyncio.wait_for(proc.communicate(), self.args.reward_timeout)
             except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
+                await proc.wait()
                 raise RuntimeError(f"reward command timed out after {self.args.reward_timeout:g}s") from None
             finally:
                 self.procs.pop(-1 - m.index, None)
@@ -380,23 +385,18 @@ def _explain(exc: BaseException, proxy: str) -> str:
 async def _main(args: argparse.Namespace) -> int:
     from steptap.middleware.client import SteptapClient
 
-    client = SteptapClient(args.proxy, args.control_token)
-    runner: Runner | None = None
-    loop = asyncio.get_running_loop()
-    try:
+    async with SteptapClient(args.proxy, args.control_token) as client:
         await _preflight(client, args.proxy)
         runner = Runner(args, client)
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, runner.interrupt)
-        members = await runner.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        close = getattr(client, "aclose", None) or getattr(client, "close", None)
-        if close is not None:
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        try:
+            members = await runner.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            shutil.rmtree(runner.tmpdir, ignore_errors=True)
     for m in members:
         tag = f"[{m.index}] " if args.n > 1 else ""
         print(f"steptap run: {tag}{_describe(m)}", file=sys.stderr)
@@ -418,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as exc:
         print(f"steptap run: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before any session was opened
+        return 130
 
 
 if __name__ == "__main__":
