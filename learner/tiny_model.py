@@ -21,6 +21,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen adds these as plain (not special) added tokens: they stay in decoded text, so vLLM's hermes parser sees
 # them even with skip_special_tokens, and each is one token.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 CORPUS_SEED = 1234  # the tokenizer does not depend on the model seed: same vocab for every tiny model
 
 # Qwen2.5's template, with its default system prompt shortened and `arguments` accepted as a JSON string
@@ -145,11 +148,17 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
 
 
 def _build_tokenizer(out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    # Exactly Qwen2's normalizer and pre-tokenizer: transformers loads a qwen2 model's tokenizer as
+    # Qwen2Tokenizer, which rebuilds these itself; trained with others, tokenizer.json alone would disagree.
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -167,6 +176,10 @@ def _build_tokenizer(out: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"  # say what transformers will load it as anyway
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:

@@ -177,7 +177,7 @@ def served_name(model_dir: Path) -> str:
     return model_dir.resolve().name
 
 
-def _group_alive(pgid: int) -> bool:
+def process_group_alive(pgid: int) -> bool:
     """Whether any non-zombie process is left in the group (zombies wait for a reaper, they hold nothing)."""
     proc = Path("/proc")
     if not proc.is_dir():
@@ -335,7 +335,7 @@ class VLLMServer:
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 self.process.poll()  # reap the leader so it does not linger as a zombie
-                if not _group_alive(pgid):
+                if not process_group_alive(pgid):
                     break
                 time.sleep(0.2)
             else:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from steptap.middleware.vllm_server import VLLMServer, VLLMStartError
+from steptap.middleware.vllm_server import VLLMServer, VLLMStartError, process_group_alive
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -92,6 +92,8 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield Backend(url=server.url, served_model=server.served_model, model_dir=tiny_model_dir, pid=server.pid)
     finally:
         server.stop()
+    # Checked here, on a healthy server, so the suite needs no second one: nothing of its tree may survive.
+    assert not process_group_alive(server.pid), f"vLLM processes left in group {server.pid} after stop()"
 
 
 # --- the capture proxy, in-process (aiohttp test server on port 0) -------------------------------------------

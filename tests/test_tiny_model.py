@@ -100,6 +100,16 @@ def test_template_without_tools_is_plain_chatml(tokenizer) -> None:
     assert default.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
 
 
+def test_tokenizer_json_alone_agrees_with_transformers(tiny_model_dir: Path, tokenizer) -> None:
+    """transformers loads it as Qwen2Tokenizer (its own pre-tokenizer); the file must match it exactly."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    text = "Hello   world!! 12345 don't <tool_call>\n{\"a\": 1}</tool_call> e\u0301te\u0301 日本\r\n<|im_end|>"
+    assert raw.encode(text).ids == tokenizer.encode(text, add_special_tokens=False)
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+
+
 def test_cli_builds_the_model(tmp_path: Path) -> None:
     from steptap.middleware.cli import main
 
