@@ -79,7 +79,8 @@ class WeightState(msgspec.Struct, kw_only=True):
     in_flight: int
     held: int
     last_swap_at: float | None
-    last_swap_s: float | None
+    last_swap_s: float | None  # from closing the gate to opening it (includes draining in-flight calls)
+    last_paused_s: float | None  # how long vLLM was paused (load, cache reset, persist)
     last_held_wait_s: float | None  # longest wait of a call held during the last swap
     last_error: str | None
     degraded: str | None  # a backend failed mid-reload and needs a restart
@@ -200,6 +201,7 @@ class WeightSwapper:
         self.failures = 0
         self.last_swap_at: float | None = None
         self.last_swap_s: float | None = None
+        self.last_paused_s: float | None = None
         self.last_error: str | None = None
         self.degraded: str | None = None  # set when a backend failed mid-reload (it needs a restart)
 
@@ -313,6 +315,7 @@ class WeightSwapper:
         try:
             await self._drain()
             paused: list[str] = []
+            t_pause = time.monotonic()
             try:
                 for b in self.backends:
                     await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
@@ -337,6 +340,7 @@ class WeightSwapper:
                         await self._call(b, "POST", "/resume")
                     except SwapError as exc:  # the swap's outcome stands; the backend needs attention
                         log.error("resume failed on %s: %s", b, exc.message)
+                self.last_paused_s = time.monotonic() - t_pause
         finally:
             self._open.set()  # held calls go now: onto the new version, or the old one after a failure
             if self._first_held_at is not None:  # the longest wait is that of the first call held
@@ -346,8 +350,8 @@ class WeightSwapper:
         self.last_error = None
         self.last_swap_at = time.time()
         self.last_swap_s = time.monotonic() - t0
-        log.info("policy version %d live (%s) in %.3f s", self.version,
-                 path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s)
+        log.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
+                 path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
         return self.version
 
     async def _drain(self) -> None:
@@ -448,7 +452,7 @@ class WeightSwapper:
             lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(),
             holding=not self._open.is_set(), swaps=self.swaps,
             failures=self.failures, in_flight=self._in_flight, held=self._held, last_swap_at=self.last_swap_at,
-            last_swap_s=self.last_swap_s, last_held_wait_s=self._held_wait or None, last_error=self.last_error,
+            last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s, last_held_wait_s=self._held_wait or None, last_error=self.last_error,
             degraded=self.degraded,
         )
 
@@ -502,7 +506,7 @@ async def admin_weights(request: web.Request) -> web.Response:
         raise ApiError(exc.status, exc.message, exc.code) from None
     st = swapper.state()
     return web.Response(body=_json.encode({"version": version, "swap_s": st.last_swap_s,
-                                           "held_wait_s": st.last_held_wait_s}), content_type="application/json")
+                                           "paused_s": st.last_paused_s}), content_type="application/json")
 
 
 class WeightsCollector:
@@ -521,6 +525,8 @@ class WeightsCollector:
         yield CounterMetricFamily("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
         yield GaugeMetricFamily("steptap_weight_swap_seconds", "duration of the last swap (calls held meanwhile)",
                                 st.last_swap_s or 0.0)
+        yield GaugeMetricFamily("steptap_weight_swap_paused_seconds", "how long the backend was paused in the last swap",
+                                st.last_paused_s or 0.0)
         yield GaugeMetricFamily("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
         yield GaugeMetricFamily("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
         yield GaugeMetricFamily("steptap_weight_swap_last_timestamp", "unix time of the last swap",

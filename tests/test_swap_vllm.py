@@ -211,6 +211,8 @@ async def test_full_swap_serves_the_learners_weights(swap_server: Backend, learn
     version = await publish(client, new_model, tmp_path / "weights")
     assert version == 1
     published = newest(tmp_path / "weights")
+    st = swapper(client).state()
+    print(f"\nFIGURE idle full-weights swap (tiny model): swap_s={st.last_swap_s:.3f} paused_s={st.last_paused_s:.3f}")
 
     after = await call(client)
     assert after["policy_version"] == 1
@@ -248,6 +250,8 @@ async def test_lora_swap_routes_to_the_adapter(swap_server: Backend, learner_mod
 
     v1 = await publish(client, lora_model(learner_model, seed=2), out, lora=True)
     assert v1 == 1
+    st = swapper(client).state()
+    print(f"\nFIGURE idle LoRA swap (r=8, 4 projections): swap_s={st.last_swap_s:.3f} paused_s={st.last_paused_s:.3f}")
     adapter1 = newest(out)
     step = await call(client, stream=True)
     assert step["policy_version"] == 1
@@ -313,8 +317,8 @@ async def test_calls_around_a_swap_all_succeed_with_their_own_version(
         assert gap(s["response_logprobs"], ref(own, s)) < TOL
         assert gap(s["response_logprobs"], ref(other, s)) > DIFFERENT
     st = sw.state()
-    print(f"\nFIGURE swap with 4 calls in flight: swap_s={st.last_swap_s:.3f} (incl. draining), "
-          f"held_wait_s={st.last_held_wait_s:.3f}, publish wall {swap_wall:.3f}s")
+    print(f"\nFIGURE swap with 4 x 200-token calls in flight: swap_s={st.last_swap_s:.3f} (incl. draining), "
+          f"paused_s={st.last_paused_s:.3f}, held_wait_s={st.last_held_wait_s:.3f}, publish wall {swap_wall:.3f}s")
 
 
 async def test_refused_swaps_keep_the_old_version(swap_server: Backend, learner_model: Any, tmp_path: Path,

@@ -187,6 +187,7 @@ async def test_new_calls_wait_during_a_swap_and_in_flight_calls_finish_first(
     st = sw.state()
     assert st.held == 0 and st.in_flight == 0 and st.last_held_wait_s is not None and st.last_held_wait_s > 0.1
     assert st.last_swap_s is not None and st.last_swap_s >= st.last_held_wait_s
+    assert st.last_paused_s is not None and 0.05 < st.last_paused_s < st.last_swap_s  # paused while loading only
     await sw.close()
 
 
