@@ -208,6 +208,8 @@ class _Call:
         self.common = common
         self.t0 = t0
         self.strip = not (asked.token_ids and asked.logprobs)
+        self.acc: capture.ChatStream | capture.CompletionStream | None = None  # a stream's chunks so far
+        self.recorded = False  # a step (good or failed) of this call is in the trajectory
 
     def _failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step:
         self.request.app[METRICS_KEY].upstream_errors.labels(type_).inc()
@@ -218,6 +220,7 @@ class _Call:
         return time.perf_counter() - self.t0
 
     async def _record_failed(self, step: Step) -> None:
+        self.recorded = True
         try:
             await self.manager.record(self.session, [step])
         except Exception:  # noqa: BLE001 - the agent already gets an error; do not mask it
@@ -242,6 +245,13 @@ class _Call:
             if stream:
                 return await self._relay_stream(resp)
             return await self._relay_plain(resp)
+        except asyncio.CancelledError:
+            # The agent hung up and the server cancelled this handler: keep what arrived as a failed step
+            # (a new task: this one is being cancelled).
+            if not self.recorded:
+                partial = self.acc.reply() if self.acc is not None else None
+                self.manager.spawn(self._record_failed(self._failed("agent disconnected", "client_gone", partial)))
+            raise
         finally:
             resp.release()
 
@@ -285,6 +295,7 @@ class _Call:
         if self.strip:
             capture.strip_reply(reply, self.asked, self.endpoint)
             data = _encode(reply)
+        self.recorded = True
         await self.manager.record(self.session, steps)  # durable before the reply leaves
         return web.Response(body=data, status=resp.status, content_type="application/json")
 
@@ -292,7 +303,7 @@ class _Call:
         base = self.upstream.base
         out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
         await out.prepare(self.request)
-        acc = capture.new_stream(self.endpoint)
+        acc = self.acc = capture.new_stream(self.endpoint)
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
@@ -334,8 +345,7 @@ class _Call:
             failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
         except _AgentGone:
             # the agent went away: nothing reached it in full; keep what arrived as a failed step
-            self.manager.spawn(self._record_failed(self._failed("agent disconnected mid-stream", "client_gone",
-                                                                acc.reply())))
+            await self._record_failed(self._failed("agent disconnected", "client_gone", acc.reply()))
             return out
         if failure is None and not done:
             failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
@@ -348,6 +358,7 @@ class _Call:
                 tail = b"data: " + _encode({"error": {"message": failure[0], "type": code, "code": code}}) + b"\n\n"
         else:
             steps = capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(), **self.common)
+            self.recorded = True
             await self.manager.record(self.session, steps)  # durable before [DONE]
             tail = _DONE
         try:

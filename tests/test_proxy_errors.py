@@ -4,6 +4,7 @@ injector (tests/faults.py); the agent's own mistakes are checked against the rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -184,3 +185,27 @@ async def test_openai_client_raises_on_a_cut_stream(faulty: tuple[FaultInjector,
                                                             stream=True):
             pass
     await client.close()
+
+
+async def test_agent_hanging_up_mid_stream_records_a_failed_step(aiohttp_server: Any, make_proxy: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    injector = FaultInjector(stall_s=0.5)
+    server = await aiohttp_server(injector.app)
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), upstream_timeout_s=5)
+    injector.mode = "stall"
+    resp = await http.post(f"{proxy.url}/s/gone/v1/chat/completions", json={**good(MODEL), "stream": True})
+    first = await resp.content.readline()
+    assert first.startswith(b"data: ")
+    resp.close()  # the agent hangs up while the backend is still generating
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    for _ in range(60):
+        await asyncio.sleep(0.05)
+        steps = manager.sessions["gone"].trajectory.steps
+        if steps:
+            break
+    (step,) = steps
+    assert step.status == "failed" and step.error.type == "client_gone"
+    # and the proxy keeps serving
+    injector.mode = "ok"
+    status, body = await call(http, f"{proxy.url}/s/gone/v1/chat/completions", good(MODEL))
+    assert status == 200
