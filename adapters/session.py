@@ -164,6 +164,14 @@ class _SessionBase:
     def _adopt(self, info: Any) -> None:
         self.id, self.base_url, self.api_key = info.id, info.base_url, info.api_key
 
+    def _unreachable(self, exc: OSError) -> ConnectionError:
+        reason = getattr(exc, "reason", None) or getattr(exc, "os_error", None) or exc  # urllib's / aiohttp's
+        where = self.proxy_url or "the proxy"
+        return ConnectionError(
+            f"cannot reach the steptap proxy at {where} ({reason}); is `steptap serve` running? "
+            f"(proxy_url= or {URL_ENV})"
+        )
+
     @staticmethod
     def _as_rewards(value: RewardValue) -> dict[str | None, float]:
         if value is None:
@@ -186,6 +194,9 @@ class Session(_SessionBase):
             self._client = SyncSteptapClient(self.proxy_url, self.control_token)
         try:
             self._adopt(self._client.open_session(**self._open_kwargs()))
+        except OSError as exc:
+            self._close_client()
+            raise self._unreachable(exc) from exc
         except BaseException:
             self._close_client()
             raise
@@ -258,6 +269,9 @@ class AsyncSession(_SessionBase):
             self._client = SteptapClient(self.proxy_url, self.control_token)
         try:
             self._adopt(await self._client.open_session(**self._open_kwargs()))
+        except OSError as exc:
+            await self._close_client()
+            raise self._unreachable(exc) from exc
         except BaseException:
             await self._close_client()
             raise

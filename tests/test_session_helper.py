@@ -172,11 +172,16 @@ def test_settings_from_the_environment(serve_proxy: Any, monkeypatch: pytest.Mon
         session()
 
 
-def test_bad_token_and_unreachable_proxy(serve_proxy: Any) -> None:
+async def test_bad_token_and_unreachable_proxy(serve_proxy: Any) -> None:
     with pytest.raises(SteptapError) as err:
         with session(serve_proxy.url, "stc-wrong"):
             pass
     assert err.value.status in (401, 403)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        ConnectionError, match=r"cannot reach the steptap proxy at http://127.0.0.1:1 \(.*refused"
+    ):
         with session("http://127.0.0.1:1", "stc-x"):
+            pass
+    with pytest.raises(ConnectionError, match="cannot reach the steptap proxy at http://127.0.0.1:1"):
+        async with async_session("http://127.0.0.1:1", "stc-x"):
             pass
