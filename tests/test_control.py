@@ -285,3 +285,12 @@ async def test_metrics_exposition(proxy: Proxy, vllm_server: Backend, http: aioh
         assert family in text, family
     assert 'steptap_trajectories_total{status="finished"} 1.0' in text
     assert 'route="/s/{agent_session}/v1/chat/completions",status="200"' in text
+
+
+async def test_metrics_can_require_the_control_token(make_proxy: Any, vllm_server: Backend,
+                                                     http: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(vllm_server.url, metrics_need_token=True)
+    async with http.get(f"{proxy.url}/metrics") as resp:
+        assert resp.status == 401
+    async with http.get(f"{proxy.url}/metrics", headers=proxy.control) as resp:
+        assert resp.status == 200 and "steptap_calls_total" in await resp.text()

@@ -235,3 +235,32 @@ async def test_models_and_health(proxy: Proxy, vllm_server: Backend, http: aioht
         assert resp.status == 200 and health["status"] == "ok"
         assert health["backends"][0]["url"] == vllm_server.url and health["backends"][0]["healthy"]
         assert proxy.token not in json.dumps(health)
+
+
+async def test_force_sampling_overrides_the_agent_and_is_recorded(make_proxy: Any, vllm_server: Backend,
+                                                                  http: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(vllm_server.url, force_sampling={"temperature": 0.0, "top_p": 1.0})
+    greedy = chat(vllm_server)
+    _, direct = await post(http, f"{vllm_server.url}/v1/chat/completions", greedy)
+    body = {**greedy, "temperature": 1.7, "top_p": 0.5, "seed": 3}
+    status, via = await post(http, f"{proxy.url}/s/forced/v1/chat/completions", body)
+    assert status == 200
+    assert via["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]  # sampled greedy
+    (step,) = trajectory(proxy, "forced").steps
+    assert step.request["temperature"] == 1.7  # what the agent sent
+    assert (step.sampling.temperature, step.sampling.top_p, step.sampling.forced) == (0.0, 1.0, True)
+
+
+def test_sampling_defaults_come_from_the_model_generation_config(tmp_path: Any) -> None:
+    from steptap.middleware.capture import sampling_of
+    from steptap.middleware.config import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                                 "eos_token_id": 2}))
+    defaults = generation_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}
+    s = sampling_of({"max_tokens": 5}, False, defaults)
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.7, 0.8, 20, 5)
+    s = sampling_of({"temperature": 1.0, "top_k": -1}, False, defaults)
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 0.8, -1)
+    assert generation_defaults(str(tmp_path / "missing")) == {}
