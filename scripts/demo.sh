@@ -6,7 +6,7 @@
 #
 # It runs `steptap up` (vLLM + the capture proxy + the learner, supervised together) with the digits agent
 # population (examples/digits): agents answer short questions and earn the fraction of their response tokens that
-# are one- or two-digit numbers. The learner trains on their trajectories with GRPO and hot-swaps the weights into
+# are digits. The learner trains on their trajectories with GRPO and hot-swaps the weights into
 # vLLM after every update, while the agents keep running. It stops by itself when the mean reward of the last three
 # updates reaches --target, or after --minutes of learning (set-up not counted), then writes
 # runs/demo-<timestamp>/curves.png (reward and loss per update) and summary.json (task, start and end reward,
@@ -75,7 +75,7 @@ from pathlib import Path
 out, setup_s = Path(sys.argv[1]), float(sys.argv[2])
 up = json.loads((out / "summary.json").read_text())
 summary = {
-    "task": "digits: reward = fraction of response tokens that are one- or two-digit numbers",
+    "task": "digits: reward = fraction of response tokens that are digits",
     "model": up["model"],
     "start_reward": up["start_reward"],
     "end_reward": up["end_reward"],

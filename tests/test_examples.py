@@ -200,6 +200,6 @@ def test_digits_population_rewards_match_the_recorded_tokens(stack: Stack) -> No
         step = traj.steps[0]
         assert step.sampling.temperature == 1.0 and len(step.response_token_ids) <= 24
         pieces = [tok.decode([t]) for t in step.response_token_ids]
-        expected = sum(1 for p in pieces if p.strip().isdigit() and int(p.strip()) < 100) / len(pieces)
+        expected = sum(1 for p in pieces if p.strip().isdigit()) / len(pieces)
         assert traj.rewards == {"reward": pytest.approx(expected)}
         assert row["reward"] == pytest.approx(expected)

@@ -2,10 +2,10 @@
 
     python examples/digits/agents.py --concurrency 16          # against $STEPTAP_URL, until stopped
 
-Each agent is asked a short question and rewarded with the fraction of its response tokens that are one- or
-two-digit numbers ("7", " 42"). The tiny model's vocabulary is about half numbers, mostly long ones, so a random
-policy scores about 0.06; a policy that learns to answer in short numbers gets close to 1.0, and the rise shows
-within a few GRPO updates (PLATFORM.md: a dense token reward of this kind goes from 0.03 to 0.96 in 10 updates).
+Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits. The
+tiny model's tokenizer (Qwen2's pre-tokenizer) makes every digit its own token, so a random policy almost never
+emits one (reward about 0.001-0.03); a policy that learns to answer in digits gets close to 1.0, and the rise
+shows within a few GRPO updates (PLATFORM.md: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
 
 The agents are grouped for GRPO: each prompt is answered by ``--group-size`` sessions sharing a ``group_id``
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the
@@ -37,11 +37,11 @@ PROMPTS = [
 ]
 
 
-def small_number_fraction(tokens: list[str]) -> float:
-    """The task's reward: the fraction of response tokens that are a number below 100 (spaces ignored)."""
+def digit_fraction(tokens: list[str]) -> float:
+    """The task's reward: the fraction of response tokens that are digits (surrounding spaces ignored)."""
     if not tokens:
         return 0.0
-    return sum(1 for t in tokens if t.strip().isdigit() and int(t.strip()) < 100) / len(tokens)
+    return sum(1 for t in tokens if t.strip().isdigit()) / len(tokens)
 
 
 def response_tokens(choice: Any) -> list[str]:
@@ -73,7 +73,7 @@ class Population:
                     model=model, messages=[{"role": "user", "content": prompt}],
                     max_tokens=self.args.max_tokens, temperature=1.0, logprobs=True,
                 )
-                reward = small_number_fraction(response_tokens(resp.choices[0]))
+                reward = digit_fraction(response_tokens(resp.choices[0]))
                 s.set_reward(reward)
             self.done += 1
             self.rewards.append(reward)
