@@ -267,3 +267,29 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_reward_parsing_and_argument_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from steptap.adapters.run import main, parse_reward
+
+    assert parse_reward("working...\n0.5\n\n") == {None: 0.5}
+    assert parse_reward('{"pass": 1, "len": -0.25}') == {"pass": 1.0, "len": -0.25}
+    assert parse_reward("  \n") is None
+    for bad in ("done", '{"a": "x"}', "true", "[1]"):
+        with pytest.raises(ValueError):
+            parse_reward(bad)
+    monkeypatch.delenv("STEPTAP_URL", raising=False)
+    base = ["--proxy", "http://x", "--control-token", "t"]
+    for argv, message in (
+        ([*base, "--metadata", "{", "--", "true"], "--metadata is not JSON"),
+        ([*base, "--metadata", "[1]", "--", "true"], "--metadata must be a JSON object"),
+        ([*base, "-n", "0", "--", "true"], "-n must be at least 1"),
+        (["--control-token", "t", "--", "true"], "no proxy URL"),
+        ([*base, "--reward-cmd", "x", "--reward-file", "y", "--", "true"], "not allowed with"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
