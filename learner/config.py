@@ -1,0 +1,170 @@
+"""``LearnerConfig``: every knob of ``steptap learn``, with its default, in one msgspec Struct.
+
+A config file (TOML) sets any subset of the fields; every field is also a command-line flag
+(``--lr 1e-5``, ``--lora-rank 8``, ``--no-resume``), generated from the Struct so the two never drift.
+Precedence: defaults < file < flags < ``STEPTAP_CONTROL_TOKEN`` (only when no token was given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
+                    "grpo_passk", "remax", "grpo_vectorized", "rloo_vectorized"]
+
+
+class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # -- where the data comes from and where the weights go
+    proxy_url: str = "http://127.0.0.1:8400"
+    control_token: str = ""  # empty: $STEPTAP_CONTROL_TOKEN
+    consumer: str = "learner"  # the stream consumer name: its cursor is acknowledged at checkpoints
+    model_dir: str = ""  # Hugging Face model directory the policy starts from
+    engine: Literal["torch"] = "torch"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    num_threads: int = 0  # torch CPU threads; 0: torch's default
+
+    # -- algorithm (verl.trainer.ppo.core_algos, by name)
+    algorithm: str = "grpo"  # advantage estimator: grpo | rloo | reinforce_plus_plus | ...
+    policy_loss: str = "vanilla"  # vanilla (PPO-clip) | gspo | cispo | ...
+    loss_agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True  # GRPO's std scaling (False: Dr.GRPO)
+    gamma: float = 1.0  # discount over steps for per-step (process) rewards
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0: KL loss to a frozen reference
+    kl_type: str = "low_var_kl"  # verl kl_penalty name: kl | abs | mse | low_var_kl | k3+ ...
+    reference_dir: str = ""  # the reference model; empty: model_dir
+
+    # -- batches and optimisation
+    batch_groups: int = 8  # groups (GRPO prompts) per update
+    group_size: int = 8  # members expected per group when the trajectories do not say
+    group_timeout_s: float = 120.0  # a group that waited this long is used with the members it has
+    min_group_members: int = 2  # fewer complete members after the timeout: dropped (counted)
+    epochs: int = 1  # passes over each batch (PPO epochs); > 1 makes the clip matter
+    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    train_aborted: bool = False  # aborted/timed-out members count toward their group but are not trained on
+
+    # -- LoRA (peft); rank 0 trains all weights
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    # -- off-policy data
+    max_staleness: int = 4  # steps sampled > this many versions behind are dropped / down-weighted; -1: off
+    stale_mode: Literal["drop", "downweight"] = "drop"
+    stale_decay: float = 0.5  # downweight: weight = stale_decay ** (lag - max_staleness)
+    truncation_mode: Literal["correct", "drop"] = "correct"  # steps sampled with top_p < 1 or top_k > 0
+    rollout_is: Literal["none", "token", "sequence"] = "none"  # verl rollout correction (decoupled TIS)
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str = ""  # verl rejection sampling modes, e.g. "token_k1"; empty: off
+    rollout_rs_threshold: str = ""
+    pack_extends: bool = True  # merge `extends` chains into one sequence
+
+    # -- loop, checkpoints, what the user sees
+    push_every: int = 1  # publish weights to the proxy every N updates; 0: never
+    checkpoint_dir: str = "./steptap-checkpoints"  # any fsspec URL
+    checkpoint_every: int = 10  # updates; the stream cursor is acknowledged only here
+    keep_checkpoints: int = 2
+    resume: bool = False
+    max_updates: int = 0  # stop after this many updates; 0: run until stopped
+    metrics_file: str = "steptap-metrics.jsonl"
+    tensorboard_dir: str = ""  # empty: off (needs the tensorboard package)
+    progress: bool = True  # rich progress bar and one status line per update
+
+    def validate(self) -> LearnerConfig:
+        """Raise ``ValueError`` with every problem at once; checks verl's registries by name."""
+        from verl.trainer.ppo import core_algos
+
+        problems = []
+        if not self.model_dir:
+            problems.append("model_dir is required")
+        if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY or self.algorithm == "gae":
+            problems.append(f"algorithm {self.algorithm!r}: not a critic-free verl advantage estimator")
+        if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY or self.policy_loss == "bypass_mode":
+            problems.append(f"policy_loss {self.policy_loss!r}: one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}")
+        for name in ("batch_groups", "group_size", "epochs", "micro_batch_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.lr <= 0:
+            problems.append("lr must be > 0")
+        if not 0 < self.stale_decay <= 1:
+            problems.append("stale_decay must be in (0, 1]")
+        if self.rollout_rs and not self.rollout_rs_threshold:
+            problems.append("rollout_rs needs rollout_rs_threshold")
+        if problems:
+            raise ValueError("invalid learner config:\n  " + "\n  ".join(problems))
+        return self
+
+    def token(self) -> str:
+        return self.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> LearnerConfig:
+    """Defaults, then the TOML file (its ``[learner]`` table if it has one), then ``overrides``."""
+    data: dict[str, Any] = {}
+    if path:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+        data.update(raw.get("learner", raw))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return msgspec.convert(data, LearnerConfig)
+
+
+# -- command-line flags generated from the Struct fields
+
+
+def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]), {"choices": choices}
+    if origin in (list, tuple):
+        return None, {"nargs": "*", "type": typing.get_args(hint)[0]}
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _flag_type(args[0])
+    return hint, {}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--field-name`` per ``LearnerConfig`` field (``--x/--no-x`` for booleans), default None = unset."""
+    hints = typing.get_type_hints(LearnerConfig, include_extras=False)
+    for name in LearnerConfig.__struct_fields__:
+        hint = hints[name]
+        flag = "--" + name.replace("_", "-")
+        if hint is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            continue
+        type_, extra = _flag_type(hint)
+        if "nargs" in extra:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), **extra)
+        else:
+            parser.add_argument(flag, dest=name, type=type_, default=None, metavar=name.upper(), **extra)
+
+
+def config_from_argv(argv: list[str] | None, prog: str = "steptap learn") -> LearnerConfig:
+    parser = argparse.ArgumentParser(prog=prog, description="Train the policy on the steptap trajectory stream.")
+    parser.add_argument("--config", help="TOML file with LearnerConfig fields (top level or [learner])")
+    add_config_flags(parser)
+    args = vars(parser.parse_args(argv))
+    path = args.pop("config")
+    return load_config(path, args).validate()

@@ -1,0 +1,186 @@
+"""Trajectories -> training rows.
+
+One *sample* per trained step: its prompt and response ids, the recorded vLLM logprobs (the behaviour
+policy), its return and group. Samples are laid out in *sequences*: a step whose ``prefix`` is ``extends``
+(its prompt is the previous step's prompt + response + new tokens, token for token) is packed with its
+predecessor, so a chain of k steps costs one forward pass over the last step's prompt + response instead of k.
+In a packed sequence every step's response tokens are in the loss and everything else (system prompt, tool
+results, the tokens re-fed between steps) is masked.
+
+Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
+``Batch.counts``.
+
+Returns (documented choice): a step's return is the discounted sum of the per-step (process) rewards from that
+step on, plus the trajectory reward discounted from the last step,
+``return_k = sum_{j>=k} gamma^(j-k) r_j + gamma^(n-1-k) R``, with n the trajectory's step count. With no
+process rewards and gamma = 1 every step of a trajectory gets the trajectory reward. The advantage estimator
+then normalises over every trained step of the group (``group_id``), see ``algos.compute_advantages``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from steptap.middleware.records import Step, Trajectory
+
+
+@dataclass(slots=True)
+class Sample:
+    """One trained step. ``offset`` is where its response starts inside its sequence."""
+
+    trajectory_id: str
+    group: str  # the advantage estimator's group index (group_id, or the trajectory id when none)
+    step_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # recorded by vLLM: raw (before temperature / truncation), one per response token
+    temperature: float
+    top_p: float
+    top_k: int
+    policy_version: int
+    ret: float  # the step's return (see module docstring)
+    weight: float = 1.0  # < 1: a stale step kept with stale_mode="downweight"
+    seq: int = -1
+    offset: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One forward pass: ``input_ids`` = the last packed step's prompt + response."""
+
+    input_ids: list[int]
+    samples: list[int] = field(default_factory=list)  # indices into Batch.samples
+
+
+@dataclass(slots=True)
+class Batch:
+    samples: list[Sample] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    rewards: list[float] = field(default_factory=list)  # scalar reward of each trained trajectory
+    trajectory_ids: list[str] = field(default_factory=list)  # every trajectory consumed (trained or dropped)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.input_ids) for s in self.sequences)
+
+
+def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[float]:
+    """Per-step discounted returns, in step order: process rewards, plus ``final_reward`` after the last."""
+    out = [0.0] * len(steps)
+    running = final_reward  # arrives with the last step (not discounted there)
+    for k in range(len(steps) - 1, -1, -1):
+        running = float(sum(steps[k].rewards.values())) + (gamma * running if k < len(steps) - 1 else running)
+        out[k] = running
+    return out
+
+
+def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, truncation_mode: str) -> str | None:
+    if step.status != "ok":
+        return "dropped_failed"
+    if not step.response_token_ids:
+        return "dropped_empty"
+    if len(step.response_logprobs) != len(step.response_token_ids):
+        return "dropped_bad_logprobs"
+    if step.sampling.temperature <= 0:  # greedy decoding: no sampling distribution to learn from
+        return "dropped_greedy"
+    if max_staleness >= 0 and lag > max_staleness and stale_mode == "drop":
+        return "dropped_stale"
+    if (step.sampling.top_p < 1.0 or step.sampling.top_k > 0) and truncation_mode == "drop":
+        return "dropped_truncated"
+    return None
+
+
+def build_batch(
+    trajectories: list[Trajectory],
+    *,
+    version: int,
+    gamma: float = 1.0,
+    max_staleness: int = -1,
+    stale_mode: str = "drop",
+    stale_decay: float = 0.5,
+    truncation_mode: str = "correct",
+    pack_extends: bool = True,
+    train_aborted: bool = False,
+) -> Batch:
+    """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
+    policy version (staleness lag = version - step.policy_version)."""
+    batch = Batch()
+    c = batch.counts
+    for traj in trajectories:
+        batch.trajectory_ids.append(traj.id)
+        c["trajectories"] += 1
+        if traj.mode == "eval":
+            c["dropped_eval"] += 1
+            continue
+        if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
+            c[f"dropped_{traj.status}"] += 1
+            continue
+        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
+        rets = step_returns(steps, traj.reward, gamma)
+        prev_kept: Sample | None = None
+        trained_any = False
+        for step, ret in zip(steps, rets):
+            c["steps"] += 1
+            lag = version - step.policy_version
+            reason = _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode)
+            if reason:
+                c[reason] += 1
+                prev_kept = None  # a dropped step breaks the chain: the next step starts a new sequence
+                continue
+            sample = Sample(
+                trajectory_id=traj.id,
+                group=traj.group_id or traj.id,
+                step_index=step.index,
+                prompt_ids=list(step.prompt_token_ids),
+                response_ids=list(step.response_token_ids),
+                logprobs=list(step.response_logprobs),
+                temperature=step.sampling.temperature,
+                top_p=step.sampling.top_p,
+                top_k=step.sampling.top_k,
+                policy_version=step.policy_version,
+                ret=ret,
+            )
+            if max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
+                sample.weight = stale_decay ** (lag - max_staleness)
+                c["downweighted_stale"] += 1
+            if sample.truncated:
+                c["kept_truncated"] += 1
+            _place(batch, sample, prev_kept, step, pack_extends)
+            prev_kept = sample
+            trained_any = True
+            c["trained_steps"] += 1
+        if trained_any:
+            batch.rewards.append(traj.reward)
+            c["trained_trajectories"] += 1
+    return batch
+
+
+def _place(batch: Batch, sample: Sample, prev: Sample | None, step: Step, pack_extends: bool) -> None:
+    """Append ``sample`` to its predecessor's sequence when it extends it token for token, else open one."""
+    idx = len(batch.samples)
+    batch.samples.append(sample)
+    if prev is not None:
+        seq = batch.sequences[prev.seq]
+        packable = (
+            pack_extends
+            and step.prefix == "extends"
+            and sample.prompt_ids[: len(seq.input_ids)] == seq.input_ids
+            and len(sample.prompt_ids) >= len(seq.input_ids)
+        )
+        if packable:
+            sample.seq, sample.offset = prev.seq, len(sample.prompt_ids)
+            seq.input_ids = sample.prompt_ids + sample.response_ids
+            seq.samples.append(idx)
+            batch.counts["packed_steps"] += 1
+            return
+        # Not merged: count why (the proxy's cause, or a claimed `extends` whose tokens disagree).
+        cause = step.prefix if step.prefix != "extends" else ("unpacked" if not pack_extends else "mismatch")
+        batch.counts[f"break_{cause}"] += 1
+    sample.seq, sample.offset = len(batch.sequences), len(sample.prompt_ids)
+    batch.sequences.append(Sequence(input_ids=sample.prompt_ids + sample.response_ids, samples=[idx]))
