@@ -212,10 +212,13 @@ class TrajectoryLog:
         segment_bytes: int = 64 << 20,
         upload_url: str | None = None,
         cache_dir: str | None = None,
+        readonly: bool = False,
     ) -> TrajectoryLog:
         """Open (or create) the log at ``location``: a directory path, ``file://`` URL or remote fsspec URL.
 
         ``upload_url`` is an alternative spelling: a local ``location`` whose sealed segments also go to it.
+        ``readonly`` opens an existing local log beside its writer (no lock, no repair, no appends): for
+        inspection tools; ``records()`` and ``follow(until_idle=0)`` see what was committed at open.
         """
         if upload_url is not None:
             if "://" in location and not location.startswith("file://"):
@@ -225,6 +228,12 @@ class TrajectoryLog:
         dirpath, fs, root = _split_location(location, cache_dir)
         log = cls(dirpath, segment_bytes, fs, root)
         log.location = location
+        if readonly:
+            if not dirpath.is_dir():
+                raise FileNotFoundError(f"no trajectory log at {dirpath}")
+            log._closed = True  # appends refused
+            await asyncio.get_running_loop().run_in_executor(log._io, log._recover, True)
+            return log
         try:
             await asyncio.get_running_loop().run_in_executor(log._io, log._recover)
         except BaseException:
@@ -242,19 +251,32 @@ class TrajectoryLog:
             return []
         return sorted(int(m.group(1)) for p in os.listdir(self.dir) if (m := _SEG_RE.match(p)))
 
-    def _recover(self) -> None:
+    def _recover(self, readonly: bool = False) -> None:
         """Runs in the I/O thread: restore from remote if empty, validate every segment, truncate a torn tail,
         rebuild the open-session index, and open the active segment for appending."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # One writer per directory: an exclusive lock the kernel drops when the process dies (even by SIGKILL).
-        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
+        if not readonly:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # One writer per directory: an exclusive lock the kernel drops when the process dies (even SIGKILL).
+            self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
         segnos = self._segments()
+        if readonly:
+            self._scan_segments(segnos, readonly=True)
+            return
         if not segnos and self._fs is not None:
             segnos = self._download_remote()
+        self._scan_segments(segnos, readonly=False)
+        if not segnos:
+            self._segno, self._size = 1, len(HEADER)
+            self._create_segment(1)
+        self._fd = os.open(self.dir / _seg_name(self._segno), os.O_WRONLY)
+        os.lseek(self._fd, self._size, os.SEEK_SET)
+        self.stats.segments = len(self._valid_end) + 1
+
+    def _scan_segments(self, segnos: list[int], readonly: bool) -> None:
         for i, segno in enumerate(segnos):
             last = i == len(segnos) - 1
             path = self.dir / _seg_name(segno)
@@ -268,7 +290,8 @@ class TrajectoryLog:
             for start, end in frames:
                 self._index(segno, end, data[start:end])
             if last:
-                if good_end < len(data) or not data:
+                # A reader beside a live writer sees its uncommitted tail: not torn, just not there yet.
+                if (good_end < len(data) or not data) and not readonly:
                     self._truncate_tail(path, data, good_end)
                 self._segno = segno
                 self._size = max(good_end, len(HEADER))
@@ -282,10 +305,6 @@ class TrajectoryLog:
                     )
         if not segnos:
             self._segno, self._size = 1, len(HEADER)
-            self._create_segment(1)
-        self._fd = os.open(self.dir / _seg_name(self._segno), os.O_WRONLY)
-        os.lseek(self._fd, self._size, os.SEEK_SET)
-        self.stats.segments = len(self._valid_end) + 1
 
     def _truncate_tail(self, path: Path, data: bytes, good_end: int) -> None:
         if not data:
@@ -346,7 +365,7 @@ class TrajectoryLog:
     async def append(self, record: LogRecord) -> str:
         """Append ``record``; returns the cursor after it once it is on disk (synced)."""
         if self._closed:
-            raise LogClosedError("trajectory log is closed")
+            raise LogClosedError("trajectory log is closed (or opened read-only)")
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((frame(msgpack_encoder.encode(record)), record, fut))
         return await fut
@@ -703,6 +722,10 @@ class TrajectoryLog:
 
     async def close(self) -> None:
         """Finish queued appends, seal and upload the active segment of a remote log, and release the files."""
+        if self._writer is None:  # read-only (or never opened)
+            self._closed = True
+            self._io.shutdown(wait=True)
+            return
         if self._closed:
             return
         self._closed = True

@@ -286,6 +286,26 @@ async def test_one_writer_per_directory(tmp_path: Path) -> None:
     await log.close()
 
 
+async def test_readonly_open_beside_the_writer(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=2048)
+    for i in range(10):
+        await log.append(_traj(i))
+    with open(_segs(tmp_path)[-1], "ab") as f:
+        f.write(b"\x50\x00\x00")  # a frame the writer has only begun: not torn, just not there yet
+    before = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    ro = await TrajectoryLog.open(str(tmp_path), readonly=True)
+    assert [r.id for r in ro.records()] == [f"t{i}" for i in range(10)]
+    assert [t.id async for _, t in ro.follow(None, until_idle=0)] == [f"t{i}" for i in range(10)]
+    assert ro.stats.torn_records == 0
+    with pytest.raises(RuntimeError):
+        await ro.append(_traj(99))
+    await ro.close()
+    assert {p.name: p.stat().st_size for p in tmp_path.iterdir()} == before  # nothing touched
+    await log.close()
+    with pytest.raises(FileNotFoundError):
+        await TrajectoryLog.open(str(tmp_path / "nope"), readonly=True)
+
+
 async def test_append_after_close_fails(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path))
     await log.close()
