@@ -12,6 +12,7 @@ server still answers every call.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -377,3 +378,38 @@ async def test_litellm_acompletion(serve_proxy: Any, steptap: dict[str, Any], se
     traj = closed(serve_proxy, s.id)
     assert traj.rewards == {"style": 0.25, "correct": 0.5} and len(traj.steps) == 2
     assert traj.steps[0].model == served_model
+
+
+async def test_each_frameworks_own_extra_body_parameter_reaches_vllm(
+    serve_proxy: Any, steptap: dict[str, Any]
+) -> None:
+    """Without any transport: each framework's own way to pass extra body fields (here vLLM's regex) works
+    through its adapter, so users can send vLLM-specific parameters."""
+    from agents import Agent, ModelSettings, Runner
+    from langchain_core.messages import HumanMessage
+
+    async with async_session(**steptap) as s:
+        llm = s.bind("langchain", max_tokens=8, extra_body=forced("lc"))
+        assert (await llm.ainvoke([HumanMessage("hi")])).content == "lc"
+
+        model = s.bind("smolagents", max_tokens=8, extra_body=forced("smol"))
+        reply = await asyncio.to_thread(
+            model.generate, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        )
+        assert reply.content == "smol"
+
+        agent = Agent(
+            name="a",
+            model=s.bind("openai_agents"),
+            model_settings=ModelSettings(max_tokens=8, extra_body=forced("agents")),
+        )
+        assert (await Runner.run(agent, "hi")).final_output == "agents"
+
+        lite = s.bind("litellm", max_tokens=8, extra_body=forced("lite"))
+        assert (await lite.acompletion(messages=[{"role": "user", "content": "hi"}])).choices[
+            0
+        ].message.content == "lite"
+        s.set_reward(1.0)
+    traj = closed(serve_proxy, s.id)
+    assert [st.response["content"] for st in traj.steps] == ["lc", "smol", "agents", "lite"]
+    assert all(len(st.response_logprobs) == len(st.response_token_ids) > 0 for st in traj.steps)
