@@ -201,6 +201,7 @@ class TrajectoryLog:
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
+        self._compact_lock = asyncio.Lock()
 
     # ---- opening and recovery ----------------------------------------------------------------------------
 
@@ -684,7 +685,10 @@ class TrajectoryLog:
         """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
         consumers), never one at or after the oldest open session's ``SessionOpened``. Returns the deleted
         segment numbers."""
-        cut, _ = parse_cursor(min_cursor)
+        async with self._compact_lock:  # two acks at once must not both carry the policy version forward
+            return await self._compact(parse_cursor(min_cursor)[0], min_cursor)
+
+    async def _compact(self, cut: int, min_cursor: str) -> list[int]:
         if self._open_sessions:
             cut = min(cut, min(self._open_sessions.values()))
         if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
