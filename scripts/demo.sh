@@ -56,6 +56,10 @@ up_args=(--workdir "$OUT" --task digits --config "$CONFIG" --port 0
          --duration "$(( MINUTES * 60 ))" --stop-at-reward "$TARGET"
          --agents ".venv/bin/python examples/digits/agents.py --concurrency $CONCURRENCY")
 [ -n "$MODEL" ] && up_args+=(--model "$MODEL")
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  # vLLM and the learner share the GPU: vLLM takes only part of its memory (its default is 90%).
+  up_args+=(--vllm-args="-- --gpu-memory-utilization ${GPU_SHARE:-0.4}")
+fi
 [ -t 1 ] || up_args+=(--no-view --status-every 20)
 
 echo "== steptap up ${up_args[*]}"
