@@ -28,7 +28,7 @@ STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]
 def _start_up(workdir: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([*STEPTAP, "up", "--workdir", str(workdir), "--port", "0", "--no-view",
-                             "--grace", "5", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "--grace", "5", "--status-every", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
 
 
@@ -96,6 +96,11 @@ def test_ctrl_c_or_sigterm_stops_everything_and_leaves_no_process(vllm_server: B
         req = urllib.request.Request(f"{stack['openai_base_url']}/models")
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["data"][0]["id"] == vllm_server.served_model
+        body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        req = urllib.request.Request(f"{stack['openai_base_url']}/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert json.loads(resp.read())["choices"]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             pids = json.loads((tmp_path / "up" / "pids.json").read_text())
@@ -111,6 +116,7 @@ def test_ctrl_c_or_sigterm_stops_everything_and_leaves_no_process(vllm_server: B
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert f"interrupted ({sig.name})" in out
+        assert "steps recorded 1 |" in out  # the status line reads the proxy's metrics
         assert not _alive(seen), f"left running: {_alive(seen)}\n{out}"
         assert not _escaped_sleepers(marker), "the grandchild that left its group is still running"
         summary = json.loads((tmp_path / "up" / "summary.json").read_text())
