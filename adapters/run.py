@@ -213,6 +213,7 @@ class Runner:
                 start_new_session=True,  # its own process group: Ctrl-C here kills the whole tree
             )
         except OSError as exc:
+            m.exit_code = 127  # what a shell reports for a command it cannot run
             raise RuntimeError(f"cannot start {self.args.command[0]!r}: {exc}") from exc
         self.procs[m.index] = proc
         try:
@@ -349,7 +350,8 @@ def _describe(m: Member) -> str:
         reward = " reward " + ", ".join(f"{k}={v:g}" if k else f"{v:g}" for k, v in m.reward.items())
     steps = f" {m.steps} steps" if m.steps is not None else ""
     why = f" ({m.error})" if m.error else ""
-    return f"session {m.session_id or '-'} exit {m.exit_code}{reward} -> {m.status}{steps}{why}"
+    code = "-" if m.exit_code is None else m.exit_code
+    return f"session {m.session_id or '-'} exit {code}{reward} -> {m.status}{steps}{why}"
 
 
 async def _preflight(client: Any, proxy: str) -> None:
