@@ -216,6 +216,8 @@ class Session(_SessionBase):
             return False
         finally:
             for client in self._clients:
+                if inspect.iscoroutinefunction(client.close):
+                    continue  # an AsyncOpenAI made in a sync block: its owner's loop closes it
                 try:
                     client.close()
                 except Exception:  # noqa: BLE001 - closing is best effort
