@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -277,6 +278,12 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
             await asyncio.sleep(0.3)
             ledger.inflight_at_kill.append(ledger.inflight)
             proxy.kill()
+            if kill == 1:
+                # SIGKILL rarely cuts a write in half (the kernel finishes the copy); a power cut does. Leave what
+                # it would: the start of a frame that never completed. The restart must cut it and say so.
+                last = sorted((tmp_path / "log").glob("seg-*.log"))[-1]
+                with open(last, "ab") as f:
+                    f.write(struct.pack("<II", 5000, 0) + b"\x85partial")
             if kill == 0:  # the consumer restarts too, while the proxy is down: it resumes from its ack
                 consumers[0].cancel()
                 await asyncio.gather(consumers[0], return_exceptions=True)
@@ -305,6 +312,7 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
         proxy.stop()
 
     assert not ledger.unexpected, ledger.unexpected
+    assert "torn record" in proxy.output()  # the injected torn tail was cut, counted and reported
     # The kills hit sessions mid-way: some were continued after a restart (rebuilt from the log) and finished.
     assert ledger.spanned & ledger.finished, ledger
 
