@@ -321,11 +321,17 @@ class WeightSwapper:
                     await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
                     paused.append(b)
                 lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
-                await self._load(path, lora_path, lora_name)
-                await self._tell_version(new_version)
-                for b in self.backends:
-                    await self._reset_prefix_cache(b)
-                await self._persist(new_version, path, lora_path)
+                loaded: list[str] = []
+                try:
+                    await self._load(path, lora_path, lora_name, loaded)
+                    await self._tell_version(new_version)
+                    for b in self.backends:
+                        await self._reset_prefix_cache(b)
+                    await self._persist(new_version, path, lora_path)
+                except SwapError:
+                    # The old version keeps its number, so it must keep its weights too.
+                    await self._rollback(loaded, lora_name)
+                    raise
                 old_lora = self.lora_name
                 self.version = new_version
                 if path is not None:
@@ -361,10 +367,12 @@ class WeightSwapper:
             raise SwapError(503, f"{self._in_flight} model calls still running after {self.drain_timeout_s:.0f} s; "
                                  "swap abandoned, old weights kept", "swap_drain_timeout") from None
 
-    async def _load(self, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
+    async def _load(self, path: str | None, lora_path: str | None, lora_name: str | None,
+                    loaded: list[str]) -> None:
         for b in self.backends:
             if lora_path is not None:
                 await self._call(b, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+                loaded.append(b)
                 continue
             try:
                 await self._call(b, "POST", "/collective_rpc",
@@ -376,6 +384,25 @@ class WeightSwapper:
                 self.degraded = (f"{b} failed a weight reload and may hold no usable weights; restart it "
                                  f"({exc.message})")
                 raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
+            loaded.append(b)
+
+    async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
+        """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or reload the
+        weights the old version was serving."""
+        for b in loaded:
+            try:
+                if lora_name is not None:
+                    await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
+                elif self.path is not None:
+                    await self._call(b, "POST", "/collective_rpc",
+                                     {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
+                    await self._reset_prefix_cache(b)
+                else:
+                    self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
+            except SwapError as exc:
+                if lora_name is None:
+                    self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
+                log.error("rollback on %s failed: %s", b, exc.message)
 
     async def _tell_version(self, version: int) -> None:
         # vLLM's own label for its weights (its /weight_info and metrics); informational, so failures are ignored.

@@ -230,6 +230,24 @@ async def test_a_failed_reload_resumes_releases_and_keeps_the_version(backend: t
     await sw.close()
 
 
+async def test_a_failure_after_loading_rolls_the_weights_back(backend: tuple[FaultInjector, str],
+                                                              tmp_path: Path) -> None:
+    fake, url = backend
+    base = str(model_dir(tmp_path / "base"))
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=base)
+    fake.fail.add("/reset_prefix_cache")
+    with pytest.raises(SwapError, match="reset_prefix_cache"):
+        await sw.swap(path=str(model_dir(tmp_path / "new")))
+    reloads = [body["kwargs"]["weights_path"] for route, body in fake.calls if route == "/collective_rpc"]
+    assert reloads == [str(tmp_path / "new"), base] and sw.version == 0 and fake.routes()[-1] == "/resume"
+    fake.calls.clear()
+    with pytest.raises(SwapError):
+        await sw.swap(lora_path=str(adapter_dir(tmp_path / "ad")))
+    assert ("/v1/unload_lora_adapter", {"lora_name": f"{LORA_PREFIX}-v1"}) in fake.calls  # never routed to
+    assert fake.adapters == set() and sw.state().lora_name is None and sw.version == 0
+    await sw.close()
+
+
 async def test_drain_timeout_gives_up_without_pausing(backend: tuple[FaultInjector, str], tmp_path: Path) -> None:
     fake, url = backend
     sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1)
@@ -286,6 +304,9 @@ async def test_version_is_persisted_and_restored(backend: tuple[FaultInjector, s
     with pytest.raises(SwapError) as err:  # a version that cannot be persisted never goes live
         await sw.swap(path=str(model_dir(tmp_path / "b")))
     assert err.value.code == "log_error" and sw.version == 4
+    # the new weights were loaded before the log refused: the old version's weights are put back
+    reloads = [body["kwargs"]["weights_path"] for route, body in fake.calls if route == "/collective_rpc"]
+    assert reloads[-2:] == [str(tmp_path / "b"), str(tmp_path / "a")]
     await sw.close()
 
     log = await TrajectoryLog.open(str(tmp_path / "log"))
