@@ -126,3 +126,16 @@ def test_each_adapter_binds_its_framework_object_to_the_session() -> None:
     agent_model = registry.bind("openai_agents", SESSION)
     assert isinstance(agent_model, OpenAIChatCompletionsModel) and agent_model.model == "tiny"
     assert str(agent_model._client.base_url).rstrip("/") == SESSION.base_url
+
+
+def test_adapters_use_the_client_only_never_the_proxy_server() -> None:
+    code = (
+        "import sys, json, importlib\n"
+        "for m in ('session', 'run', 'registry', 'openai_client', 'langchain', 'openai_agents', 'smolagents',"
+        " 'litellm'): importlib.import_module('steptap.adapters.' + m)\n"
+        "import steptap.middleware.client\n"
+        "server = ('app', 'forward', 'sessions', 'control', 'stream', 'wal', 'capture', 'serve', 'weights')\n"
+        "print(json.dumps(sorted(m for m in server if 'steptap.middleware.' + m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
