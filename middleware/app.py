@@ -1,4 +1,5 @@
-"""``create_app(config)``: wiring only. Routes, ``AppKey``s, and one ``cleanup_ctx`` per resource (the upstream
+"""``create_app(config)``: wiring only. Routes, ``AppKey``s, and one ``cleanup_ctx`` per resource (the
+upstream
 session, the trajectory log with the session manager, the weight swapper, background tasks)."""
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir)
     app[forward.SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
-    app[REWARD_KEY] = reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
+    app[REWARD_KEY] = (
+        reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
+    )
     app.cleanup_ctx.extend([_upstream_ctx, _log_ctx, _swapper_ctx, _tasks_ctx])
 
     r = app.router
@@ -71,6 +74,7 @@ async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
             logger.info("rebuilt %d open sessions from %s", reopened, config.log)
         app[SESSIONS_KEY] = manager
         app[stream.LOG_KEY] = log
+        app[METRICS_KEY].watch_log(log)
         yield
     finally:
         await log.close()

@@ -41,7 +41,7 @@ def is_control(request: web.Request) -> bool:
 
 
 def require_control(request: web.Request) -> None:
-    """Raise 401 (no/unknown credential) or 403 (an agent credential) unless the request holds the control token.
+    """Raise 401 (no credential) or 403 (an agent's, or a wrong one) unless it holds the control token.
 
     Agents reach control routes through their session URL (``/s/<id>/...``) or their session key: both are
     refused with 403, the key being valid for model calls only."""
@@ -51,6 +51,10 @@ def require_control(request: web.Request) -> None:
     if request.match_info.get("agent_session") is not None or request.path.startswith("/s/"):
         raise ApiError(403, "agent credentials cannot use control routes", "forbidden")
     if token is None:
-        raise ApiError(401, "this route needs the control token (Authorization: Bearer ...)", "unauthorized",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "this route needs the control token (Authorization: Bearer ...)",
+            "unauthorized",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     raise ApiError(403, "this credential may make model calls only; use the control token", "forbidden")

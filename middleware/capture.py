@@ -1,8 +1,9 @@
-"""Pure functions from vLLM replies to ``Step`` records, and the stripping that makes the agent's reply exactly
-what vLLM would have sent it. No I/O here: ``forward`` does the talking, this module only reshapes dicts.
+"""Pure functions from vLLM replies to ``Step`` records, and the stripping that makes the agent's reply
+exactly what vLLM would have sent it. No I/O here: ``forward`` does the talking, this module only reshapes
+dicts.
 
-A streamed reply is reduced to the shape of a non-streamed one (``ChatStream`` / ``CompletionStream``), so both
-modes go through the same ``steps_from_reply`` and give identical steps.
+A streamed reply is reduced to the shape of a non-streamed one (``ChatStream`` / ``CompletionStream``), so
+both modes go through the same ``steps_from_reply`` and give identical steps.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] =
     )
 
 
-# --- reply side: stripping -----------------------------------------------------------------------------------
-# vLLM serializes absent values as explicit nulls (non-streamed: model_dump(); streamed: the fields it set), so
-# stripping sets a present key to None rather than deleting it: the bytes then match a direct call.
+# --- reply side: stripping --------------------------------------------------------------------------------
+# vLLM serializes absent values as explicit nulls (non-streamed: model_dump(); streamed: the fields it set),
+# so stripping sets a present key to None rather than deleting it: the bytes then match a direct call.
 
 
 def _null(d: dict[str, Any], key: str) -> None:
@@ -83,7 +84,7 @@ def strip_chunk(chunk: dict[str, Any], asked: Asked, endpoint: str) -> bool:
     return False
 
 
-# --- reply side: steps ---------------------------------------------------------------------------------------
+# --- reply side: steps ------------------------------------------------------------------------------------
 
 
 def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[float] | None:
@@ -126,10 +127,12 @@ def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> lis
         logprobs = _choice_logprobs(choice, endpoint)
         error = None
         if prompt is None or ids is None:
-            error = StepError(message="backend reply carries no token ids (return_token_ids)", type="capture_error")
+            error = StepError(
+                message="backend reply carries no token ids (return_token_ids)", type="capture_error"
+            )
         elif logprobs is None or len(logprobs) != len(ids):
             error = StepError(
-                message=f"backend gave {0 if logprobs is None else len(logprobs)} logprobs for {len(ids)} tokens",
+                message=f"backend gave {len(logprobs or ())} logprobs for {len(ids)} tokens",
                 type="capture_error",
             )
         prompt = prompt or []
@@ -145,7 +148,9 @@ def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> lis
                 response=_response_of(choice, endpoint),
                 status="ok" if error is None else "failed",
                 error=error,
-                usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)),
+                usage=Usage(
+                    prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)
+                ),
                 **common,
             )
         )
@@ -153,8 +158,10 @@ def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> lis
     return steps
 
 
-def failed_step(endpoint: str, message: str, type_: str, partial: dict[str, Any] | None = None, **common: Any) -> Step:
-    """A step for a call that failed upstream (cut stream, timeout), keeping what arrived before the failure."""
+def failed_step(
+    endpoint: str, message: str, type_: str, partial: dict[str, Any] | None = None, **common: Any
+) -> Step:
+    """A step for a call that failed (cut stream, timeout, hang-up), keeping what arrived before it."""
     steps = steps_from_reply(partial, endpoint, **common) if partial else []
     step = steps[0] if steps else Step(endpoint=endpoint, **common)
     step.status = "failed"
@@ -162,11 +169,20 @@ def failed_step(endpoint: str, message: str, type_: str, partial: dict[str, Any]
     return step
 
 
-# --- streams: chunks -> the equivalent non-streamed reply ----------------------------------------------------
+# --- streams: chunks -> the equivalent non-streamed reply --------------------------------------------------
 
 
 class _ChatChoice:
-    __slots__ = ("role", "content", "reasoning", "tool_calls", "token_ids", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = (
+        "content",
+        "finish_reason",
+        "logprobs",
+        "reasoning",
+        "role",
+        "stop_reason",
+        "token_ids",
+        "tool_calls",
+    )
 
     def __init__(self) -> None:
         self.role = "assistant"
@@ -210,7 +226,8 @@ class ChatStream:
                 acc.reasoning.append(reasoning)
             for tc in delta.get("tool_calls") or ():
                 cur = acc.tool_calls.setdefault(
-                    tc.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                    tc.get("index", 0),
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
                 )
                 if tc.get("id"):
                     cur["id"] = tc["id"]
@@ -233,21 +250,31 @@ class ChatStream:
     def reply(self) -> dict[str, Any]:
         choices = []
         for index, acc in sorted(self.choices.items()):
-            message: dict[str, Any] = {"role": acc.role, "content": "".join(acc.content) if acc.content else None}
+            message: dict[str, Any] = {
+                "role": acc.role,
+                "content": "".join(acc.content) if acc.content else None,
+            }
             if acc.tool_calls:
                 message["tool_calls"] = [acc.tool_calls[i] for i in sorted(acc.tool_calls)]
             if acc.reasoning:
                 message["reasoning"] = "".join(acc.reasoning)
-            choices.append({
-                "index": index,
-                "message": message,
-                "logprobs": None if acc.logprobs is None else {"content": acc.logprobs},
-                "finish_reason": acc.finish_reason,
-                "stop_reason": acc.stop_reason,
-                "token_ids": acc.token_ids,
-            })
-        return {"id": self.id, "model": self.model, "choices": choices, "usage": self.usage,
-                "prompt_token_ids": self.prompt_token_ids}
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": None if acc.logprobs is None else {"content": acc.logprobs},
+                    "finish_reason": acc.finish_reason,
+                    "stop_reason": acc.stop_reason,
+                    "token_ids": acc.token_ids,
+                }
+            )
+        return {
+            "id": self.id,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage,
+            "prompt_token_ids": self.prompt_token_ids,
+        }
 
 
 class CompletionStream:
@@ -267,8 +294,14 @@ class CompletionStream:
         for ch in chunk.get("choices") or ():
             acc = self.choices.setdefault(
                 ch.get("index", 0),
-                {"index": ch.get("index", 0), "text": "", "token_ids": None, "prompt_token_ids": None,
-                 "logprobs": None, "finish_reason": None},
+                {
+                    "index": ch.get("index", 0),
+                    "text": "",
+                    "token_ids": None,
+                    "prompt_token_ids": None,
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
             )
             acc["text"] += ch.get("text") or ""
             if ch.get("prompt_token_ids") is not None:
@@ -284,8 +317,12 @@ class CompletionStream:
                 acc["finish_reason"] = ch["finish_reason"]
 
     def reply(self) -> dict[str, Any]:
-        return {"id": self.id, "model": self.model, "usage": self.usage,
-                "choices": [self.choices[i] for i in sorted(self.choices)]}
+        return {
+            "id": self.id,
+            "model": self.model,
+            "usage": self.usage,
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+        }
 
 
 def new_stream(endpoint: str) -> ChatStream | CompletionStream:

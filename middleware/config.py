@@ -18,8 +18,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     any_model: bool = False  # route every model name to the backend's served model
     auto_create: bool = True  # an unknown session id on the path opens that session
     force_sampling: dict[str, float] = {}  # e.g. {"temperature": 1.0, "top_p": 1.0} for every call
-    # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets one
-    # (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
+    # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets
+    # one (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
     sampling_defaults: dict[str, float] = {}
     model_dir: str | None = None  # the served weights (the weight swap's fallback; generation_config source)
     metrics_need_token: bool = False  # GET /metrics needs the control token too
@@ -56,7 +56,9 @@ def parse_force_sampling(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep or name.strip() not in allowed:
-            raise ValueError(f"--force-sampling: expected NAME=VALUE with NAME in {sorted(allowed)}, got {part!r}")
+            raise ValueError(
+                f"--force-sampling: expected NAME=VALUE with NAME in {sorted(allowed)}, got {part!r}"
+            )
         out[name.strip()] = float(value)
     return out
 

@@ -66,15 +66,22 @@ async def open_session(request: web.Request) -> web.Response:
     require_control(request)
     body: OpenBody = _decode(await request.read(), OpenBody, empty_ok=True)
     if body.id is not None and not valid_session_id(body.id):
-        raise ApiError(400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
-                       "invalid_session_id")
+        raise ApiError(
+            400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)", "invalid_session_id"
+        )
     if body.group_size is not None and body.group_size < 1:
         raise ApiError(400, "group_size must be at least 1", "invalid_body")
     if body.idle_timeout_s is not None and not body.idle_timeout_s > 0:
         raise ApiError(400, "idle_timeout_s must be positive", "invalid_body")
     manager = request.app[SESSIONS_KEY]
-    session = await manager.open(group_id=body.group_id, group_size=body.group_size, mode=body.mode,
-                                 metadata=body.metadata, idle_timeout_s=body.idle_timeout_s, session_id=body.id)
+    session = await manager.open(
+        group_id=body.group_id,
+        group_size=body.group_size,
+        mode=body.mode,
+        metadata=body.metadata,
+        idle_timeout_s=body.idle_timeout_s,
+        session_id=body.id,
+    )
     return _json(manager.summary(session, str(request.url.origin())), status=201)
 
 
@@ -104,7 +111,7 @@ async def post_reward(request: web.Request) -> web.Response:
     if not body.name or len(body.name) > 64:
         raise ApiError(400, "reward name must be 1 to 64 characters", "invalid_body")
     if isinstance(body.step, int) and body.step < 0:
-        raise ApiError(400, "step must be a non-negative index or \"last\"", "invalid_body")
+        raise ApiError(400, 'step must be a non-negative index or "last"', "invalid_body")
     record = await request.app[SESSIONS_KEY].add_reward(session, value, body.name, body.step)
     return _json({"session_id": session.id, "name": record.name, "value": record.value, "step": record.step})
 
@@ -120,8 +127,16 @@ async def finish_session(request: web.Request) -> web.Response:
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
     traj = await request.app[SESSIONS_KEY].finish(session, body.status, reward)
-    return _json({"id": traj.id, "status": traj.status, "steps": len(traj.steps), "rewards": traj.rewards,
-                  "reward": traj.reward, "error": traj.error})
+    return _json(
+        {
+            "id": traj.id,
+            "status": traj.status,
+            "steps": len(traj.steps),
+            "rewards": traj.rewards,
+            "reward": traj.reward,
+            "error": traj.error,
+        }
+    )
 
 
 async def get_group(request: web.Request) -> web.Response:

@@ -38,7 +38,9 @@ def error_body(message: str, status: int, code: str | None = None, type_: str | 
     return _json.encode({"error": err})
 
 
-def error_response(message: str, status: int, code: str | None = None, type_: str | None = None) -> web.Response:
+def error_response(
+    message: str, status: int, code: str | None = None, type_: str | None = None
+) -> web.Response:
     return web.Response(
         body=error_body(message, status, code, type_), status=status, content_type="application/json"
     )
@@ -47,11 +49,19 @@ def error_response(message: str, status: int, code: str | None = None, type_: st
 class ApiError(web.HTTPException):
     """An HTTP error whose body is OpenAI's error object. Raise it anywhere in a handler."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, type_: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.status_code = status
         super().__init__(
-            headers=headers, text=error_body(message, status, code, type_).decode(), content_type="application/json"
+            headers=headers,
+            text=error_body(message, status, code, type_).decode(),
+            content_type="application/json",
         )
         self.message = message
         self.code = code
@@ -67,8 +77,9 @@ def not_found(message: str, code: str | None = "not_found") -> ApiError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error leaves as an OpenAI error body: our ApiErrors pass through, aiohttp's own HTTP errors (404 on
-    an unknown route, 405) are rewritten, and anything unexpected becomes a 500 that is logged, never leaked."""
+    """Every error leaves as an OpenAI error body: our ApiErrors pass through, aiohttp's own HTTP errors (404
+    on an unknown route, 405) are rewritten, and anything unexpected becomes a 500 that is logged, never
+    leaked."""
     try:
         return await handler(request)
     except ApiError:
@@ -77,6 +88,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if exc.status < 400:
             raise
         return error_response(exc.reason or "error", exc.status, code=None)
-    except Exception:  # noqa: BLE001 - the boundary: log it, answer 500
+    except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response("internal proxy error", 500, code="internal_error")

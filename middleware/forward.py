@@ -42,7 +42,7 @@ class Upstream:
 
     def __init__(self, config: ProxyConfig) -> None:
         base = config.backend.rstrip("/")
-        self.base = base[:-3] if base.endswith("/v1") else base
+        self.base = base.removesuffix("/v1")
         self.config = config
         self.http: aiohttp.ClientSession | None = None
         self.served: list[str] = []
@@ -50,15 +50,22 @@ class Upstream:
 
     async def start(self) -> None:
         cfg = self.config
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.upstream_connect_timeout_s,
-                                        sock_read=cfg.upstream_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
+        )
         # read_bufsize: SSE lines carrying logprobs get long; a line over twice the buffer raises LineTooLong.
-        self.http = aiohttp.ClientSession(timeout=timeout, read_bufsize=cfg.read_bufsize,
-                                          connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+        self.http = aiohttp.ClientSession(
+            timeout=timeout,
+            read_bufsize=cfg.read_bufsize,
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=True,
+        )
         try:
             await self.refresh_models()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            logger.warning("backend %s not answering yet (%s); model names are read on first use", self.base, exc)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            logger.warning(
+                "backend %s not answering yet (%s); model names are read on first use", self.base, exc
+            )
 
     async def close(self) -> None:
         if self.http is not None:
@@ -80,7 +87,7 @@ class Upstream:
         if not self.served or time.monotonic() - self._served_at > _MODELS_REFRESH_S:
             try:  # a LoRA adapter loaded at runtime appears only in a fresh listing
                 await self.refresh_models()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
                 if not self.served:
                     raise unreachable(self.base, exc) from exc
             if model in self.served:
@@ -89,13 +96,17 @@ class Upstream:
             if not self.served:
                 raise ApiError(503, f"backend {self.base} serves no model", "backend_unavailable")
             return self.served[0]
-        raise ApiError(404, f"The model `{model}` does not exist (backend {self.base} serves "
-                            f"{', '.join(self.served) or 'nothing'}).", "model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist (backend {self.base} serves "
+            f"{', '.join(self.served) or 'nothing'}).",
+            "model_not_found",
+        )
 
 
 UPSTREAM_KEY = web.AppKey("steptap_upstream", Upstream)
-# The weight swapper (weights.py) installs itself here: an object with ``gate()`` (an async context manager that
-# holds new calls during a swap) and ``version`` (the policy version of the weights serving the call).
+# The weight swapper (weights.py) installs itself here: an object with ``gate()`` (an async context manager
+# that holds new calls during a swap) and ``version`` (the policy version of the weights serving the call).
 SWAPPER_KEY = web.AppKey("steptap_swapper", object)
 
 
@@ -127,7 +138,9 @@ async def call_gate(app: web.Application) -> AsyncIterator[Ticket]:
 # --- the request --------------------------------------------------------------------------------------------
 
 
-def _patch(body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig) -> tuple[dict[str, Any], Asked]:
+def _patch(
+    body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig
+) -> tuple[dict[str, Any], Asked]:
     out = dict(body)  # shallow: only top-level keys change
     if body.get("model") is not None and body.get("model") != served:
         out["model"] = served
@@ -179,9 +192,13 @@ async def _model_call(request: web.Request, endpoint: str) -> web.StreamResponse
                 served = ticket.served_model
             out, asked = _patch(body, endpoint, served, cfg)
             common: dict[str, Any] = dict(
-                request=body, sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
-                model=body.get("model") or served, served_model=served, backend=upstream.base,
-                started_at=started_at, policy_version=ticket.version,
+                request=body,
+                sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+                model=body.get("model") or served,
+                served_model=served,
+                backend=upstream.base,
+                started_at=started_at,
+                policy_version=ticket.version,
             )
             call = _Call(request, endpoint, manager, session, upstream, asked, common, t0)
             return await call.run(_encode(out), stream)
@@ -197,8 +214,17 @@ class _AgentGone(Exception):
 class _Call:
     """One model call on its way through: upstream request, relay, capture, record."""
 
-    def __init__(self, request: web.Request, endpoint: str, manager: SessionManager, session: Session,
-                 upstream: Upstream, asked: Asked, common: dict[str, Any], t0: float) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        endpoint: str,
+        manager: SessionManager,
+        session: Session,
+        upstream: Upstream,
+        asked: Asked,
+        common: dict[str, Any],
+        t0: float,
+    ) -> None:
         self.request = request
         self.endpoint = endpoint
         self.manager = manager
@@ -213,8 +239,9 @@ class _Call:
 
     def _failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step:
         self.request.app[METRICS_KEY].upstream_errors.labels(type_).inc()
-        return capture.failed_step(self.endpoint, message, type_, partial, latency_s=self._latency(),
-                                   **self.common)
+        return capture.failed_step(
+            self.endpoint, message, type_, partial, latency_s=self._latency(), **self.common
+        )
 
     def _latency(self) -> float:
         return time.perf_counter() - self.t0
@@ -223,7 +250,7 @@ class _Call:
         self.recorded = True
         try:
             await self.manager.record(self.session, [step])
-        except Exception:  # noqa: BLE001 - the agent already gets an error; do not mask it
+        except Exception:
             logger.exception("could not record a failed step")
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
@@ -232,8 +259,10 @@ class _Call:
         url = f"{base}/v1/{'chat/completions' if self.endpoint == CHAT else 'completions'}"
         timeout_s = self.upstream.config.upstream_timeout_s
         try:
-            resp = await self.upstream.http.post(url, data=payload, headers={"Content-Type": "application/json"})
-        except asyncio.TimeoutError:
+            resp = await self.upstream.http.post(
+                url, data=payload, headers={"Content-Type": "application/json"}
+            )
+        except TimeoutError:
             await self._record_failed(self._failed(f"backend {base} timed out", "backend_timeout"))
             raise timed_out(base, timeout_s) from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -250,7 +279,9 @@ class _Call:
             # (a new task: this one is being cancelled).
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
-                self.manager.spawn(self._record_failed(self._failed("agent disconnected", "client_gone", partial)))
+                self.manager.spawn(
+                    self._record_failed(self._failed("agent disconnected", "client_gone", partial))
+                )
             raise
         finally:
             resp.release()
@@ -259,7 +290,7 @@ class _Call:
         base = self.upstream.base
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             data = b""
         if resp.status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
             return web.Response(body=data, status=resp.status, content_type="application/json")
@@ -267,17 +298,21 @@ class _Call:
             message = _decode(data)["error"]["message"]
         except (msgspec.DecodeError, KeyError, TypeError):
             message = data[:200].decode("utf-8", "replace")
-        await self._record_failed(self._failed(f"backend {base} answered {resp.status}: {message}",
-                                               "backend_error"))
+        await self._record_failed(
+            self._failed(f"backend {base} answered {resp.status}: {message}", "backend_error")
+        )
         status = 503 if resp.status == 503 else 502
-        raise ApiError(status, f"backend {base} answered {resp.status}: {message}",
-                       "backend_unavailable" if status == 503 else "backend_error")
+        raise ApiError(
+            status,
+            f"backend {base} answered {resp.status}: {message}",
+            "backend_unavailable" if status == 503 else "backend_error",
+        )
 
     async def _relay_plain(self, resp: aiohttp.ClientResponse) -> web.Response:
         base = self.upstream.base
         try:
             data = await resp.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._record_failed(self._failed(f"backend {base} timed out", "backend_timeout"))
             raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
         except aiohttp.ClientError as exc:
@@ -288,9 +323,14 @@ class _Call:
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
                 raise ValueError("no choices")
         except (msgspec.DecodeError, ValueError):
-            await self._record_failed(self._failed(f"backend {base} sent a malformed reply", "backend_malformed"))
-            raise ApiError(502, f"backend {base} sent a malformed reply (not an OpenAI completion)",
-                           "backend_malformed_reply") from None
+            await self._record_failed(
+                self._failed(f"backend {base} sent a malformed reply", "backend_malformed")
+            )
+            raise ApiError(
+                502,
+                f"backend {base} sent a malformed reply (not an OpenAI completion)",
+                "backend_malformed_reply",
+            ) from None
         steps = capture.steps_from_reply(reply, self.endpoint, latency_s=self._latency(), **self.common)
         if self.strip:
             capture.strip_reply(reply, self.asked, self.endpoint)
@@ -328,8 +368,11 @@ class _Call:
                 if "error" in chunk and not chunk.get("choices"):
                     upstream_error = b"data: " + payload + b"\n\n"
                     err = chunk["error"]
-                    failure = (f"backend {base} error mid-stream: "
-                               f"{err.get('message') if isinstance(err, dict) else err}", "backend_error")
+                    failure = (
+                        f"backend {base} error mid-stream: "
+                        f"{err.get('message') if isinstance(err, dict) else err}",
+                        "backend_error",
+                    )
                     continue  # vLLM follows its error event with [DONE]
                 acc.feed(chunk)
                 if self.strip:
@@ -338,9 +381,11 @@ class _Call:
                     await _send(out, b"data: " + _encode(chunk) + b"\n\n")
                 else:
                     await _send(out, b"data: " + payload + b"\n\n")
-        except asyncio.TimeoutError:
-            failure = (f"backend {base} sent nothing for {self.upstream.config.upstream_timeout_s:g}s mid-stream",
-                       "backend_timeout")
+        except TimeoutError:
+            failure = (
+                f"backend {base} sent nothing for {self.upstream.config.upstream_timeout_s:g}s mid-stream",
+                "backend_timeout",
+            )
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
         except _AgentGone:
@@ -355,9 +400,15 @@ class _Call:
                 tail = upstream_error + _DONE
             else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
                 code = failure[1]
-                tail = b"data: " + _encode({"error": {"message": failure[0], "type": code, "code": code}}) + b"\n\n"
+                tail = (
+                    b"data: "
+                    + _encode({"error": {"message": failure[0], "type": code, "code": code}})
+                    + b"\n\n"
+                )
         else:
-            steps = capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(), **self.common)
+            steps = capture.steps_from_reply(
+                acc.reply(), self.endpoint, latency_s=self._latency(), **self.common
+            )
             self.recorded = True
             await self.manager.record(self.session, steps)  # durable before [DONE]
             tail = _DONE
@@ -380,10 +431,12 @@ async def models(request: web.Request) -> web.Response:
     upstream = request.app[UPSTREAM_KEY]
     assert upstream.http is not None
     try:
-        async with upstream.http.get(f"{upstream.base}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        async with upstream.http.get(
+            f"{upstream.base}/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
             data = await r.read()
             status = r.status
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise timed_out(upstream.base, 10) from None
     except (aiohttp.ClientError, OSError) as exc:
         raise unreachable(upstream.base, exc) from None
@@ -400,7 +453,7 @@ async def health(request: web.Request) -> web.Response:
             state["healthy"] = r.status == 200
             if r.status != 200:
                 state["error"] = f"HTTP {r.status}"
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         state["error"] = f"{type(exc).__name__}: {exc}"
     swapper: Any = request.app.get(SWAPPER_KEY)
     body = {
@@ -409,5 +462,6 @@ async def health(request: web.Request) -> web.Response:
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version) if swapper is not None else 0,
     }
-    return web.Response(body=_encode(body), status=200 if state["healthy"] else 503,
-                        content_type="application/json")
+    return web.Response(
+        body=_encode(body), status=200 if state["healthy"] else 503, content_type="application/json"
+    )

@@ -40,8 +40,11 @@ def identify(request: web.Request) -> Identity:
         source = "header"
     if sid is not None:
         if not valid_session_id(sid):
-            raise ApiError(400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
-                           "invalid_session_id")
+            raise ApiError(
+                400,
+                "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
+                "invalid_session_id",
+            )
         return Identity(source, session_id=sid)
     token = bearer(request)
     if token is not None and token.startswith(SESSION_KEY_PREFIX):

@@ -3,8 +3,19 @@ proxies (tests, one process) keep separate counts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .auth import require_control
 from .config import CONFIG_KEY
@@ -16,33 +27,93 @@ _COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.calls = Counter("steptap_calls", "HTTP calls by route and status", ["route", "status"], registry=r)
-        self.call_latency = Histogram("steptap_call_latency_seconds", "model call latency (proxy view)",
-                                      ["route", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.upstream_errors = Counter("steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r)
+        self.calls = Counter(
+            "steptap_calls", "HTTP calls by route and status", ["route", "status"], registry=r
+        )
+        self.call_latency = Histogram(
+            "steptap_call_latency_seconds",
+            "model call latency (proxy view)",
+            ["route", "stream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r
+        )
         self.steps = Counter("steptap_steps", "recorded steps", ["status", "anonymous"], registry=r)
         self.prompt_tokens = Counter("steptap_prompt_tokens", "prompt tokens of recorded steps", registry=r)
-        self.response_tokens = Counter("steptap_response_tokens", "response tokens of recorded steps", registry=r)
-        self.prefix = Counter("steptap_prefix_steps", "steps by prefix continuity (every break counted by cause)",
-                              ["cause"], registry=r)
-        self.sessions_opened = Counter("steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r)
+        self.response_tokens = Counter(
+            "steptap_response_tokens", "response tokens of recorded steps", registry=r
+        )
+        self.prefix = Counter(
+            "steptap_prefix_steps",
+            "steps by prefix continuity (every break counted by cause)",
+            ["cause"],
+            registry=r,
+        )
+        self.sessions_opened = Counter(
+            "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
+        )
         self.sessions_open = Gauge("steptap_sessions_open", "named sessions currently open", registry=r)
-        self.trajectories = Counter("steptap_trajectories", "closed trajectories by status", ["status"], registry=r)
+        self.trajectories = Counter(
+            "steptap_trajectories", "closed trajectories by status", ["status"], registry=r
+        )
         self.rewards = Counter("steptap_rewards", "rewards attached", ["target", "source"], registry=r)
-        self.reward_values = Histogram("steptap_reward_value", "scalar trajectory rewards at close",
-                                       buckets=(-10, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10), registry=r)
-        self.reward_errors = Counter("steptap_reward_callback_errors", "reward callbacks that raised or timed out",
-                                     ["kind"], registry=r)
-        self.groups_complete = Counter("steptap_groups_complete", "groups complete, by reason", ["reason"],
-                                       registry=r)
-        self.log_commit = Histogram("steptap_log_commit_seconds", "time from append to durable (proxy view)",
-                                    buckets=_COMMIT_BUCKETS, registry=r)
+        self.reward_values = Histogram(
+            "steptap_reward_value",
+            "scalar trajectory rewards at close",
+            buckets=(-10, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10),
+            registry=r,
+        )
+        self.reward_errors = Counter(
+            "steptap_reward_callback_errors",
+            "reward callbacks that raised or timed out",
+            ["kind"],
+            registry=r,
+        )
+        self.groups_complete = Counter(
+            "steptap_groups_complete", "groups complete, by reason", ["reason"], registry=r
+        )
+        self.log_commit = Histogram(
+            "steptap_log_commit_seconds",
+            "time from append to durable (proxy view)",
+            buckets=_COMMIT_BUCKETS,
+            registry=r,
+        )
         # Stream lag is the stream owner's to set (records between the log's end and a consumer's ack).
-        self.stream_lag = Gauge("steptap_stream_lag_records", "records not yet acknowledged by a consumer",
-                                ["consumer"], registry=r)
+        self.stream_lag = Gauge(
+            "steptap_stream_lag_records",
+            "finished trajectories after the consumer's acknowledged cursor",
+            ["consumer"],
+            registry=r,
+        )
+
+    def watch_log(self, log: Any) -> None:
+        """Expose the log's own counters (read at scrape time): appends, commits, torn or corrupt records."""
+        self.registry.register(_LogCollector(log))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LogCollector:
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        st = self.log.stats
+        yield CounterMetricFamily("steptap_log_records", "records appended since start", st.records)
+        yield CounterMetricFamily("steptap_log_commits", "group commits (one fdatasync each)", st.commits)
+        yield GaugeMetricFamily(
+            "steptap_log_torn_records", "torn records cut from the tail at open", st.torn_records
+        )
+        yield GaugeMetricFamily(
+            "steptap_log_corrupt_records", "bad frames found in sealed segments", st.corrupt_records
+        )
+        yield GaugeMetricFamily("steptap_log_segments", "retained local segments", st.segments)
 
 
 METRICS_KEY = web.AppKey("steptap_metrics", Metrics)

@@ -44,8 +44,10 @@ def _norm(msg: Any) -> Any:
         if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(p.get("text", "") for p in content) or None
     calls = tuple(
-        ((c.get("function") or {}).get("name"), json.dumps(_args((c.get("function") or {}).get("arguments")),
-                                                           sort_keys=True))
+        (
+            (c.get("function") or {}).get("name"),
+            json.dumps(_args((c.get("function") or {}).get("arguments")), sort_keys=True),
+        )
         for c in msg.get("tool_calls") or ()
         if isinstance(c, dict)
     )

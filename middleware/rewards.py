@@ -54,7 +54,7 @@ async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float) -> 
             result = await asyncio.wait_for(asyncio.to_thread(fn, trajectory), timeout_s)
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"reward callback timed out after {timeout_s:g}s"
     except Exception as exc:  # noqa: BLE001 - any failure of user code is recorded, never fatal
         return f"reward callback raised {type(exc).__name__}: {exc}"

@@ -11,31 +11,60 @@ from .config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_for
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="steptap serve", description="Run the capture proxy in front of a vLLM server.")
+    p = argparse.ArgumentParser(
+        prog="steptap serve", description="Run the capture proxy in front of a vLLM server."
+    )
     p.add_argument("--backend", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--log", default=DEFAULT_LOG_DIR, help="trajectory log: a directory or an fsspec URL")
-    p.add_argument("--control-token", default=None,
-                   help="bearer token for control routes (default: $STEPTAP_CONTROL_TOKEN, else generated)")
+    p.add_argument(
+        "--control-token",
+        default=None,
+        help="bearer token for control routes (default: $STEPTAP_CONTROL_TOKEN, else generated)",
+    )
     p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://HOST:PORT)")
     p.add_argument("--any-model", action="store_true", help="route every model name to the served model")
-    p.add_argument("--no-auto-create", action="store_true",
-                   help="an unknown session id in a model call is a 404 instead of opening that session")
-    p.add_argument("--force-sampling", default="", metavar="temperature=1.0,top_p=1.0",
-                   help="sampling values sent on every call, whatever the agent asked")
-    p.add_argument("--model-dir", default=None,
-                   help="the served model's directory: its generation_config gives the recorded sampling defaults"
-                        " (as vLLM applies them), and the weight swap reloads it after a failed swap")
+    p.add_argument(
+        "--no-auto-create",
+        action="store_true",
+        help="an unknown session id in a model call is a 404 instead of opening that session",
+    )
+    p.add_argument(
+        "--force-sampling",
+        default="",
+        metavar="temperature=1.0,top_p=1.0",
+        help="sampling values sent on every call, whatever the agent asked",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the served model's directory: its generation_config gives the recorded sampling defaults"
+        " (as vLLM applies them), and the weight swap reloads it after a failed swap",
+    )
     p.add_argument("--metrics-need-token", action="store_true", help="GET /metrics needs the control token")
-    p.add_argument("--reward", default=None, metavar="module:function",
-                   help="called with each finished Trajectory; returns a reward or per-step rewards")
+    p.add_argument(
+        "--reward",
+        default=None,
+        metavar="module:function",
+        help="called with each finished Trajectory; returns a reward or per-step rewards",
+    )
     p.add_argument("--reward-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument("--session-idle-timeout", type=float, default=None, metavar="S",
-                   help="close sessions idle this long as timed_out (per-session value wins)")
+    p.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close sessions idle this long as timed_out (per-session value wins)",
+    )
     p.add_argument("--group-timeout", type=float, default=None, metavar="S")
-    p.add_argument("--upstream-timeout", type=float, default=600.0, metavar="S",
-                   help="no byte from the backend for this long: 504 (or a cut stream)")
+    p.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="no byte from the backend for this long: 504 (or a cut stream)",
+    )
     return p
 
 
@@ -47,11 +76,21 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         _parser().error(str(exc))
     token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
     return ProxyConfig(
-        backend=args.backend, host=args.host, port=args.port, log=args.log, control_token=token,
-        public_url=args.public_url, any_model=args.any_model, auto_create=not args.no_auto_create,
-        force_sampling=force, reward=args.reward, reward_timeout_s=args.reward_timeout,
-        session_idle_timeout_s=args.session_idle_timeout, group_timeout_s=args.group_timeout,
-        upstream_timeout_s=args.upstream_timeout, model_dir=args.model_dir,
+        backend=args.backend,
+        host=args.host,
+        port=args.port,
+        log=args.log,
+        control_token=token,
+        public_url=args.public_url,
+        any_model=args.any_model,
+        auto_create=not args.no_auto_create,
+        force_sampling=force,
+        reward=args.reward,
+        reward_timeout_s=args.reward_timeout,
+        session_idle_timeout_s=args.session_idle_timeout,
+        group_timeout_s=args.group_timeout,
+        upstream_timeout_s=args.upstream_timeout,
+        model_dir=args.model_dir,
         sampling_defaults=generation_defaults(args.model_dir) if args.model_dir else {},
         metrics_need_token=args.metrics_need_token,
     )
@@ -64,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     from .auth import CONTROL_TOKEN_KEY
 
     config = config_from_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         import uvloop  # type: ignore[import-not-found]
 

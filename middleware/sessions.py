@@ -26,7 +26,16 @@ from .errors import ApiError
 from .identity import Identity
 from .metrics import Metrics
 from .prefix import classify
-from .records import LogRecord, Mode, PolicyVersion, RewardAdded, SessionOpened, Step, Trajectory, TrajectoryStatus
+from .records import (
+    LogRecord,
+    Mode,
+    PolicyVersion,
+    RewardAdded,
+    SessionOpened,
+    Step,
+    Trajectory,
+    TrajectoryStatus,
+)
 from .rewards import RewardFn, run_reward
 
 logger = logging.getLogger("steptap.sessions")
@@ -42,7 +51,7 @@ class Log(Protocol):
 
 
 class Session:
-    __slots__ = ("trajectory", "key", "last_active", "inflight", "closing")
+    __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.trajectory = trajectory
@@ -57,7 +66,7 @@ class Session:
 
 
 class Group:
-    __slots__ = ("id", "size", "members", "opened", "complete", "completed_at")
+    __slots__ = ("complete", "completed_at", "id", "members", "opened", "size")
 
     def __init__(self, group_id: str, size: int | None) -> None:
         self.id = group_id
@@ -71,8 +80,14 @@ class Group:
         counts: dict[str, int] = {}
         for status in self.members.values():
             counts[status] = counts.get(status, 0) + 1
-        return {"id": self.id, "size": self.size, "members": dict(self.members), "counts": counts,
-                "complete": self.complete is not None, "reason": self.complete}
+        return {
+            "id": self.id,
+            "size": self.size,
+            "members": dict(self.members),
+            "counts": counts,
+            "complete": self.complete is not None,
+            "reason": self.complete,
+        }
 
 
 def new_key() -> str:
@@ -80,8 +95,14 @@ def new_key() -> str:
 
 
 class SessionManager:
-    def __init__(self, config: ProxyConfig, log: Log, metrics: Metrics, reward_fn: RewardFn | None,
-                 tasks: set[asyncio.Task[Any]]) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        log: Log,
+        metrics: Metrics,
+        reward_fn: RewardFn | None,
+        tasks: set[asyncio.Task[Any]],
+    ) -> None:
         self.config = config
         self.log = log
         self.metrics = metrics
@@ -110,22 +131,43 @@ class SessionManager:
 
     # ---- opening and resolving ---------------------------------------------------------------------------
 
-    async def open(self, *, group_id: str | None = None, group_size: int | None = None, mode: Mode = "train",
-                   metadata: dict[str, Any] | None = None, idle_timeout_s: float | None = None,
-                   session_id: str | None = None) -> Session:
+    async def open(
+        self,
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        mode: Mode = "train",
+        metadata: dict[str, Any] | None = None,
+        idle_timeout_s: float | None = None,
+        session_id: str | None = None,
+    ) -> Session:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise ApiError(409, f"session {sid!r} already exists", "session_exists")
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
-        traj = Trajectory(id=sid, group_id=group_id, group_size=group_size, mode=mode, metadata=metadata or {},
-                          idle_timeout_s=idle_timeout_s)
+        traj = Trajectory(
+            id=sid,
+            group_id=group_id,
+            group_size=group_size,
+            mode=mode,
+            metadata=metadata or {},
+            idle_timeout_s=idle_timeout_s,
+        )
         session = Session(traj, new_key())
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
-            await self._append(SessionOpened(
-                trajectory_id=sid, group_id=group_id, group_size=group_size, mode=mode, metadata=traj.metadata,
-                idle_timeout_s=idle_timeout_s, key=session.key))
+            await self._append(
+                SessionOpened(
+                    trajectory_id=sid,
+                    group_id=group_id,
+                    group_size=group_size,
+                    mode=mode,
+                    metadata=traj.metadata,
+                    idle_timeout_s=idle_timeout_s,
+                    key=session.key,
+                )
+            )
         except BaseException:
             self._unregister(session)
             raise
@@ -173,8 +215,9 @@ class SessionManager:
         sid = ident.session_id or ""
         if sid not in self.sessions and sid not in self.closed:
             if not self.config.auto_create:
-                raise ApiError(404, f"no session {sid!r} (sessions are opened with POST /sessions)",
-                               "session_not_found")
+                raise ApiError(
+                    404, f"no session {sid!r} (sessions are opened with POST /sessions)", "session_not_found"
+                )
             try:
                 return await self.open(session_id=sid)
             except ApiError:  # opened concurrently by another call on the same new id
@@ -205,8 +248,9 @@ class SessionManager:
             # choices of one n>1 call all continue the same previous step
             step.prefix = classify(prev, step)
             if session.closing and not traj.anonymous:
-                logger.warning("step of session %s arrived after it was closed; logged, not in the trajectory",
-                               traj.id)
+                logger.warning(
+                    "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
+                )
             else:
                 traj.steps.append(step)
             m = self.metrics
@@ -231,7 +275,9 @@ class SessionManager:
 
     # ---- rewards -----------------------------------------------------------------------------------------
 
-    async def add_reward(self, session: Session, value: float, name: str, step: int | str | None) -> RewardAdded:
+    async def add_reward(
+        self, session: Session, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
         """Validate everything first, then log, then apply: an error changes nothing."""
         if session.closing:
             raise ApiError(409, f"session {session.id!r} is closing", "session_closed")
@@ -261,8 +307,9 @@ class SessionManager:
 
     # ---- closing -----------------------------------------------------------------------------------------
 
-    async def finish(self, session: Session, status: TrajectoryStatus = "finished",
-                     reward: float | None = None) -> Trajectory:
+    async def finish(
+        self, session: Session, status: TrajectoryStatus = "finished", reward: float | None = None
+    ) -> Trajectory:
         if session.closing:
             raise ApiError(409, f"session {session.id!r} is already closing", "session_closed")
         if reward is not None:
@@ -329,8 +376,12 @@ class SessionManager:
         now = time.monotonic()
         for session in list(self.sessions.values()):
             timeout = session.trajectory.idle_timeout_s
-            if (timeout is not None and not session.closing and session.inflight == 0
-                    and now - session.last_active > timeout):
+            if (
+                timeout is not None
+                and not session.closing
+                and session.inflight == 0
+                and now - session.last_active > timeout
+            ):
                 session.closing = True  # claimed now, so the next sweep does not close it twice
                 self.spawn(self._close_logged(session, "timed_out"))
         gt = self.config.group_timeout_s
@@ -343,7 +394,7 @@ class SessionManager:
     async def _close_logged(self, session: Session, status: TrajectoryStatus) -> None:
         try:
             await self._close(session, status)
-        except Exception:  # noqa: BLE001 - a background close must not die silently
+        except Exception:
             logger.exception("closing session %s as %s failed", session.id, status)
 
     async def sweeper(self) -> None:
@@ -362,9 +413,15 @@ class SessionManager:
             if isinstance(record, SessionOpened):
                 if record.anonymous:
                     continue
-                traj = Trajectory(id=record.trajectory_id, group_id=record.group_id, group_size=record.group_size,
-                                  mode=record.mode, metadata=record.metadata, idle_timeout_s=record.idle_timeout_s,
-                                  created_at=record.at)
+                traj = Trajectory(
+                    id=record.trajectory_id,
+                    group_id=record.group_id,
+                    group_size=record.group_size,
+                    mode=record.mode,
+                    metadata=record.metadata,
+                    idle_timeout_s=record.idle_timeout_s,
+                    created_at=record.at,
+                )
                 self.closed.pop(traj.id, None)
                 self._register(Session(traj, record.key))
             elif isinstance(record, Step):

@@ -29,14 +29,28 @@ TOKENS = [(11, "He", -0.5), (12, "llo", -0.25), (13, "!", -0.125)]
 
 def _reply() -> dict[str, Any]:
     return {
-        "id": "chatcmpl-fault", "object": "chat.completion", "created": 1, "model": MODEL,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(t for _, t, _ in TOKENS), "reasoning": None},
-            "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                     for _, t, lp in TOKENS]},
-            "finish_reason": "stop", "stop_reason": None, "token_ids": [i for i, _, _ in TOKENS],
-        }],
+        "id": "chatcmpl-fault",
+        "object": "chat.completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "".join(t for _, t, _ in TOKENS),
+                    "reasoning": None,
+                },
+                "logprobs": {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for _, t, lp in TOKENS
+                    ]
+                },
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "token_ids": [i for i, _, _ in TOKENS],
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
         "prompt_token_ids": PROMPT_IDS,
     }
@@ -44,10 +58,21 @@ def _reply() -> dict[str, Any]:
 
 def _chunk(i: int) -> bytes:
     tid, text, lp = TOKENS[i]
-    body = {"id": "chatcmpl-fault", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "delta": {"content": text},
-                         "logprobs": {"content": [{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []}]},
-                         "finish_reason": "stop" if i == len(TOKENS) - 1 else None, "token_ids": [tid]}]}
+    body = {
+        "id": "chatcmpl-fault",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": {"content": [{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []}]},
+                "finish_reason": "stop" if i == len(TOKENS) - 1 else None,
+                "token_ids": [tid],
+            }
+        ],
+    }
     if i == 0:
         body["prompt_token_ids"] = PROMPT_IDS
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -74,8 +99,10 @@ class FaultInjector:
         body = await request.json()
         mode = request.headers.get("X-Fault", self.mode)
         if mode == "error500":
-            return web.json_response({"error": {"message": "injected failure", "type": "InternalServerError",
-                                                "code": 500}}, status=500)
+            return web.json_response(
+                {"error": {"message": "injected failure", "type": "InternalServerError", "code": 500}},
+                status=500,
+            )
         if not body.get("stream"):
             if mode == "stall":
                 await asyncio.sleep(self.stall_s)
@@ -95,8 +122,10 @@ class FaultInjector:
         elif mode == "malformed":
             await resp.write(b"data: {this is not json\n\n")
         elif mode == "error_event":
-            await resp.write(b'data: {"error": {"message": "engine died", "type": "InternalServerError", '
-                             b'"code": 500}}\n\ndata: [DONE]\n\n')
+            await resp.write(
+                b'data: {"error": {"message": "engine died", "type": "InternalServerError", '
+                b'"code": 500}}\n\ndata: [DONE]\n\n'
+            )
             return resp
         for i in range(1, len(TOKENS)):
             await resp.write(_chunk(i))

@@ -7,9 +7,17 @@ import copy
 from typing import Any
 
 import msgspec
-
-from steptap.middleware.capture import CHAT, COMPLETIONS, Asked, ChatStream, CompletionStream, sampling_of, \
-    steps_from_reply, strip_chunk, strip_reply
+from steptap.middleware.capture import (
+    CHAT,
+    COMPLETIONS,
+    Asked,
+    ChatStream,
+    CompletionStream,
+    sampling_of,
+    steps_from_reply,
+    strip_chunk,
+    strip_reply,
+)
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.forward import _patch
 
@@ -20,22 +28,51 @@ def lp(*values: float) -> dict[str, Any]:
 
 CALL = {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
 PLAIN = {
-    "id": "x", "model": "m", "prompt_token_ids": [1, 2, 3],
+    "id": "x",
+    "model": "m",
+    "prompt_token_ids": [1, 2, 3],
     "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "Hi there", "reasoning": "think"},
-         "logprobs": lp(-0.1, -0.2, -0.3), "finish_reason": "stop", "token_ids": [10, 11, 12]},
-        {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [CALL]},
-         "logprobs": lp(-1.0, -2.0), "finish_reason": "tool_calls", "token_ids": [20, 21]},
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi there", "reasoning": "think"},
+            "logprobs": lp(-0.1, -0.2, -0.3),
+            "finish_reason": "stop",
+            "token_ids": [10, 11, 12],
+        },
+        {
+            "index": 1,
+            "message": {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            "logprobs": lp(-1.0, -2.0),
+            "finish_reason": "tool_calls",
+            "token_ids": [20, 21],
+        },
     ],
     "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
 }
 
 
-def chunk(index: int, delta: dict[str, Any], ids: list[int] | None, lps: list[float] | None,
-          finish: str | None = None, **top: Any) -> dict[str, Any]:
-    return {"id": "x", "model": "m", **top, "choices": [{
-        "index": index, "delta": delta, "logprobs": None if lps is None else lp(*lps), "finish_reason": finish,
-        "token_ids": ids}]}
+def chunk(
+    index: int,
+    delta: dict[str, Any],
+    ids: list[int] | None,
+    lps: list[float] | None,
+    finish: str | None = None,
+    **top: Any,
+) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "model": "m",
+        **top,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if lps is None else lp(*lps),
+                "finish_reason": finish,
+                "token_ids": ids,
+            }
+        ],
+    }
 
 
 STREAM = [
@@ -44,8 +81,21 @@ STREAM = [
     chunk(0, {"reasoning": "think"}, [10], [-0.1]),
     chunk(1, {}, [20], [-1.0]),  # the tool parser held this token back: only ids and logprobs
     chunk(0, {"content": "Hi"}, [11], [-0.2]),
-    chunk(1, {"tool_calls": [{"index": 0, "id": "call-1", "type": "function",
-                              "function": {"name": "add", "arguments": '{"a"'}}]}, [21], [-2.0]),
+    chunk(
+        1,
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call-1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a"'},
+                }
+            ]
+        },
+        [21],
+        [-2.0],
+    ),
     chunk(1, {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, [], [], "tool_calls"),
     chunk(0, {"content": " there"}, [12], [-0.3], "stop"),
     {"id": "x", "model": "m", "choices": [], "usage": PLAIN["usage"]},
@@ -67,13 +117,46 @@ def test_streamed_chunks_give_the_same_steps_as_the_plain_reply() -> None:
 
 
 def test_completion_stream_reassembles() -> None:
-    plain = {"choices": [{"index": 0, "text": "ab", "prompt_token_ids": [1, 2], "token_ids": [3, 4],
-                          "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "length"}]}
+    plain = {
+        "choices": [
+            {
+                "index": 0,
+                "text": "ab",
+                "prompt_token_ids": [1, 2],
+                "token_ids": [3, 4],
+                "logprobs": {"token_logprobs": [-0.5, -0.25]},
+                "finish_reason": "length",
+            }
+        ]
+    }
     acc = CompletionStream()
-    acc.feed({"choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2], "token_ids": [3],
-                           "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": None}]})
-    acc.feed({"choices": [{"index": 0, "text": "b", "token_ids": [4], "logprobs": {"token_logprobs": [-0.25]},
-                           "finish_reason": "length"}]})
+    acc.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "a",
+                    "prompt_token_ids": [1, 2],
+                    "token_ids": [3],
+                    "logprobs": {"token_logprobs": [-0.5]},
+                    "finish_reason": None,
+                }
+            ]
+        }
+    )
+    acc.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "b",
+                    "token_ids": [4],
+                    "logprobs": {"token_logprobs": [-0.25]},
+                    "finish_reason": "length",
+                }
+            ]
+        }
+    )
     a, b = steps_from_reply(plain, COMPLETIONS), steps_from_reply(acc.reply(), COMPLETIONS)
     assert msgspec.to_builtins(a) == msgspec.to_builtins(b)
     assert a[0].response == {"text": "ab"} and a[0].prompt_token_ids == [1, 2]
@@ -86,7 +169,11 @@ def test_missing_ids_or_misaligned_logprobs_give_failed_steps() -> None:
     reply = copy.deepcopy(PLAIN)
     reply["choices"][0]["logprobs"] = lp(-0.1)
     first, second = steps_from_reply(reply, CHAT)
-    assert first.status == "failed" and "1 logprobs for 3 tokens" in first.error.message and second.status == "ok"
+    assert (
+        first.status == "failed"
+        and "1 logprobs for 3 tokens" in first.error.message
+        and second.status == "ok"
+    )
 
 
 def test_strip_keeps_what_was_asked_and_nulls_the_rest() -> None:
@@ -94,13 +181,18 @@ def test_strip_keeps_what_was_asked_and_nulls_the_rest() -> None:
     strip_reply(reply, Asked(token_ids=False, logprobs=False), CHAT)
     assert reply["prompt_token_ids"] is None
     assert all(c["token_ids"] is None and c["logprobs"] is None for c in reply["choices"])
-    assert reply["choices"][0]["message"] == PLAIN["choices"][0]["message"] and reply["usage"] == PLAIN["usage"]
+    assert (
+        reply["choices"][0]["message"] == PLAIN["choices"][0]["message"] and reply["usage"] == PLAIN["usage"]
+    )
     reply = copy.deepcopy(PLAIN)
     strip_reply(reply, Asked(token_ids=True, logprobs=False), CHAT)
     assert reply["prompt_token_ids"] == [1, 2, 3] and reply["choices"][0]["logprobs"] is None
     reply = copy.deepcopy(PLAIN)
     strip_reply(reply, Asked(token_ids=False, logprobs=True), CHAT)
-    assert reply["choices"][0]["token_ids"] is None and reply["choices"][0]["logprobs"] == PLAIN["choices"][0]["logprobs"]
+    assert (
+        reply["choices"][0]["token_ids"] is None
+        and reply["choices"][0]["logprobs"] == PLAIN["choices"][0]["logprobs"]
+    )
 
 
 def test_chunks_only_carrying_ids_are_dropped_unless_asked() -> None:
@@ -116,7 +208,13 @@ def test_chunks_only_carrying_ids_are_dropped_unless_asked() -> None:
 
 def test_patch_adds_our_keys_and_keeps_unknown_fields() -> None:
     cfg = ProxyConfig(backend="http://x")
-    body = {"model": "gpt-4o", "messages": [], "vendor_field": {"x": [1]}, "logprobs": False, "temperature": 0.3}
+    body = {
+        "model": "gpt-4o",
+        "messages": [],
+        "vendor_field": {"x": [1]},
+        "logprobs": False,
+        "temperature": 0.3,
+    }
     out, asked = _patch(body, CHAT, "tiny", cfg)
     assert out["vendor_field"] == {"x": [1]} and out["return_token_ids"] is True and out["logprobs"] is True
     assert out["model"] == "tiny" and body["model"] == "gpt-4o" and "return_token_ids" not in body

@@ -1,11 +1,10 @@
-"""Prefix continuity: ``extends`` exactly when the ids continue token for token, else the cause of the break."""
+"""Prefix continuity: ``extends`` exactly when the ids continue token for token, else the break's cause."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-
 from steptap.middleware.prefix import classify
 from steptap.middleware.records import Step
 
@@ -25,10 +24,18 @@ def A(c: str | None, calls: list[dict[str, Any]] | None = None, **kw: Any) -> di
     return msg
 
 
-def step(messages: list[dict[str, Any]], prompt: list[int], response: list[int] = (),  # type: ignore[assignment]
-         reply: dict[str, Any] | None = None) -> Step:
-    return Step(request={"messages": messages}, prompt_token_ids=list(prompt), response_token_ids=list(response),
-                response=reply or {"role": "assistant", "content": "a2"})
+def step(
+    messages: list[dict[str, Any]],
+    prompt: list[int],
+    response: list[int] = (),  # type: ignore[assignment]
+    reply: dict[str, Any] | None = None,
+) -> Step:
+    return Step(
+        request={"messages": messages},
+        prompt_token_ids=list(prompt),
+        response_token_ids=list(response),
+        response=reply or {"role": "assistant", "content": "a2"},
+    )
 
 
 PREV = step([S("s"), U("u1"), A("a1"), U("u2")], [1, 2, 3, 4], [5, 6])
@@ -42,21 +49,33 @@ def test_first_and_extends() -> None:
     assert classify(PREV, step([], [1, 2, 3, 4, 5, 6])) == "extends"
 
 
-@pytest.mark.parametrize("messages, cause", [
-    # same conversation, other tokens (the template re-rendered the reply)
-    ([S("s"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "rerendered"),
-    # reasoning dropped and content as text parts: the same messages
-    ([S("s"), U("u1"), A("a1", reasoning_content="hmm"), U("u2"), A("a2"), U([{"type": "text", "text": "u3"}])],
-     "rerendered"),
-    # an earlier message changed
-    ([S("s"), U("u1 edited"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
-    ([S("other"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
-    ([S("s"), U("u1"), A("a1"), U("u2"), A("a2 changed"), U("u3")], "history_edited"),
-    # history dropped: a middle part, the tail, or a retry without the reply
-    ([S("s"), U("u2"), A("a2"), U("u3")], "truncated"),
-    ([S("s"), U("u1"), U("u3")], "truncated"),
-    ([S("s"), U("u1"), A("a1"), U("u2")], "truncated"),
-])
+@pytest.mark.parametrize(
+    "messages, cause",
+    [
+        # same conversation, other tokens (the template re-rendered the reply)
+        ([S("s"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "rerendered"),
+        # reasoning dropped and content as text parts: the same messages
+        (
+            [
+                S("s"),
+                U("u1"),
+                A("a1", reasoning_content="hmm"),
+                U("u2"),
+                A("a2"),
+                U([{"type": "text", "text": "u3"}]),
+            ],
+            "rerendered",
+        ),
+        # an earlier message changed
+        ([S("s"), U("u1 edited"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
+        ([S("other"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
+        ([S("s"), U("u1"), A("a1"), U("u2"), A("a2 changed"), U("u3")], "history_edited"),
+        # history dropped: a middle part, the tail, or a retry without the reply
+        ([S("s"), U("u2"), A("a2"), U("u3")], "truncated"),
+        ([S("s"), U("u1"), U("u3")], "truncated"),
+        ([S("s"), U("u1"), A("a1"), U("u2")], "truncated"),
+    ],
+)
 def test_break_causes(messages: list[dict[str, Any]], cause: str) -> None:
     assert classify(PREV, step(messages, [1, 2, 3, 9, 9, 9, 9])) == cause
 
@@ -72,7 +91,9 @@ def test_tool_call_arguments_compare_as_json() -> None:
 
 
 def test_completions_use_ids_only() -> None:
-    prev = Step(endpoint="completions", request={"prompt": "x"}, prompt_token_ids=[1, 2, 3], response_token_ids=[4])
+    prev = Step(
+        endpoint="completions", request={"prompt": "x"}, prompt_token_ids=[1, 2, 3], response_token_ids=[4]
+    )
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2, 3, 4, 5])) == "extends"
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2])) == "truncated"
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 9, 3, 4])) == "history_edited"

@@ -1,5 +1,5 @@
-"""Bad inputs and backend failures: each gets its OpenAI error body and status, failures are recorded as failed
-steps (never as successes), and the proxy keeps serving afterwards. Backend faults come from the fault
+"""Bad inputs and backend failures: each gets its OpenAI error body and status, failures are recorded as
+failed steps (never as successes), and the proxy keeps serving afterwards. Backend faults come from the fault
 injector (tests/faults.py); the agent's own mistakes are checked against the real server."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from conftest import Backend, Proxy
 from faults import MODEL, FaultInjector, refused_address
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.sessions import SESSIONS_KEY
 
 
-def assert_openai_error(status: int, body: Any, expected_status: int, code: str | None = None) -> dict[str, Any]:
+def assert_openai_error(
+    status: int, body: Any, expected_status: int, code: str | None = None
+) -> dict[str, Any]:
     assert status == expected_status, body
     err = body["error"]
     assert isinstance(err["message"], str) and err["message"] and "type" in err and "code" in err
@@ -29,18 +30,25 @@ def assert_openai_error(status: int, body: Any, expected_status: int, code: str 
 async def call(http: aiohttp.ClientSession, url: str, data: Any, **kw: Any) -> tuple[int, Any]:
     if not isinstance(data, (bytes, str)):
         data = json.dumps(data)
-    async with http.post(url, data=data, headers={"Content-Type": "application/json", **kw.pop("headers", {})},
-                         **kw) as resp:
+    async with http.post(
+        url, data=data, headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw
+    ) as resp:
         return resp.status, await resp.json(content_type=None)
 
 
 def good(model: str) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
 
 
 @pytest.mark.vllm
 async def test_agent_mistakes_get_openai_errors_and_the_proxy_keeps_serving(
-        proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     url = f"{proxy.url}/v1/chat/completions"
     cases: list[tuple[Any, int, str | None]] = [
         (b"{not json", 400, "invalid_json"),
@@ -56,7 +64,9 @@ async def test_agent_mistakes_get_openai_errors_and_the_proxy_keeps_serving(
         if status == 404:
             assert "gpt-4o" in err["message"]
     # invalid session ids on the path/header
-    got_status, body = await call(http, url, good(vllm_server.served_model), headers={"X-Steptap-Session": "a b"})
+    got_status, body = await call(
+        http, url, good(vllm_server.served_model), headers={"X-Steptap-Session": "a b"}
+    )
     assert_openai_error(got_status, body, 400, "invalid_session_id")
     status, body = await call(http, url, good(vllm_server.served_model))
     assert status == 200 and body["choices"][0]["message"]["content"] is not None
@@ -71,10 +81,13 @@ async def test_agent_mistakes_get_openai_errors_and_the_proxy_keeps_serving(
 
 
 @pytest.mark.vllm
-async def test_any_model_routes_every_name_and_records_both(make_proxy: Any, vllm_server: Backend,
-                                                           http: aiohttp.ClientSession) -> None:
+async def test_any_model_routes_every_name_and_records_both(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     proxy = await make_proxy(vllm_server.url, any_model=True)
-    status, body = await call(http, f"{proxy.url}/s/any/v1/chat/completions", {**good("x"), "model": "gpt-4o"})
+    status, body = await call(
+        http, f"{proxy.url}/s/any/v1/chat/completions", {**good("x"), "model": "gpt-4o"}
+    )
     assert status == 200 and body["model"] == vllm_server.served_model
     (step,) = proxy.app[SESSIONS_KEY].sessions["any"].trajectory.steps
     assert step.model == "gpt-4o" and step.served_model == vllm_server.served_model
@@ -82,12 +95,18 @@ async def test_any_model_routes_every_name_and_records_both(make_proxy: Any, vll
 
 
 @pytest.mark.vllm
-async def test_no_auto_create_gives_404(make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+async def test_no_auto_create_gives_404(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     proxy = await make_proxy(vllm_server.url, auto_create=False)
     status, body = await call(http, f"{proxy.url}/s/nope/v1/chat/completions", good(vllm_server.served_model))
     assert_openai_error(status, body, 404, "session_not_found")
-    status, body = await call(http, f"{proxy.url}/v1/chat/completions", good(vllm_server.served_model),
-                              headers={"X-Steptap-Session": "nope"})
+    status, body = await call(
+        http,
+        f"{proxy.url}/v1/chat/completions",
+        good(vllm_server.served_model),
+        headers={"X-Steptap-Session": "nope"},
+    )
     assert_openai_error(status, body, 404, "session_not_found")
     assert "nope" not in proxy.app[SESSIONS_KEY].sessions
 
@@ -121,16 +140,22 @@ async def stream_events(http: aiohttp.ClientSession, url: str, body: dict[str, A
     async with http.post(url, json={**body, "stream": True}, **kw) as resp:
         assert resp.status == 200
         raw = (await resp.read()).decode()
-    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in raw.split("\n\n") if b.startswith("data: ")]
+    return [
+        b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in raw.split("\n\n") if b.startswith("data: ")
+    ]
 
 
-@pytest.mark.parametrize("mode, status, code", [
-    ("error500", 502, "backend_error"),
-    ("stall", 504, "backend_timeout"),
-    ("malformed", 502, "backend_malformed_reply"),
-])
-async def test_backend_faults_plain(faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession,
-                                    mode: str, status: int, code: str) -> None:
+@pytest.mark.parametrize(
+    "mode, status, code",
+    [
+        ("error500", 502, "backend_error"),
+        ("stall", 504, "backend_timeout"),
+        ("malformed", 502, "backend_malformed_reply"),
+    ],
+)
+async def test_backend_faults_plain(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession, mode: str, status: int, code: str
+) -> None:
     injector, proxy = faulty
     url = f"{proxy.url}/s/f/v1/chat/completions"
     injector.mode = mode
@@ -146,12 +171,18 @@ async def test_backend_faults_plain(faulty: tuple[FaultInjector, Proxy], http: a
     assert ok.prefix == "first"  # a failed step is no base for continuity
 
 
-@pytest.mark.parametrize("mode, type_", [
-    ("cut", "backend_cut"), ("stall", "backend_timeout"), ("malformed", "backend_malformed"),
-    ("error_event", "backend_error"),
-])
-async def test_backend_faults_mid_stream(faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession,
-                                         mode: str, type_: str) -> None:
+@pytest.mark.parametrize(
+    "mode, type_",
+    [
+        ("cut", "backend_cut"),
+        ("stall", "backend_timeout"),
+        ("malformed", "backend_malformed"),
+        ("error_event", "backend_error"),
+    ],
+)
+async def test_backend_faults_mid_stream(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession, mode: str, type_: str
+) -> None:
     injector, proxy = faulty
     url = f"{proxy.url}/s/c/v1/chat/completions"
     injector.mode = mode
@@ -181,14 +212,16 @@ async def test_openai_client_raises_on_a_cut_stream(faulty: tuple[FaultInjector,
     injector.mode = "cut"
     client = openai.AsyncOpenAI(base_url=f"{proxy.url}/s/sdk/v1", api_key="EMPTY", max_retries=0)
     with pytest.raises(openai.APIError):
-        async for _ in await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                            stream=True):
+        async for _ in await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True
+        ):
             pass
     await client.close()
 
 
-async def test_agent_hanging_up_mid_stream_records_a_failed_step(aiohttp_server: Any, make_proxy: Any,
-                                                                  http: aiohttp.ClientSession) -> None:
+async def test_agent_hanging_up_mid_stream_records_a_failed_step(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
     injector = FaultInjector(stall_s=0.5)
     server = await aiohttp_server(injector.app)
     proxy = await make_proxy(str(server.make_url("")).rstrip("/"), upstream_timeout_s=5)

@@ -13,14 +13,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from conftest import free_port
 from faults import MODEL, FaultInjector
 
 
 async def start(args: list[str], env: dict[str, str], port: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "steptap.middleware.cli", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env},
+    )
     async with aiohttp.ClientSession() as http:
         for _ in range(200):
             try:
@@ -52,15 +56,20 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
     injector = FaultInjector(stall_s=0.5)
     upstream = str((await aiohttp_server(injector.app)).make_url("")).rstrip("/")
     port = free_port()
-    proc = await start(["--backend", upstream, "--log", str(tmp_path / "log"), "--upstream-timeout", "5"],
-                       {"STEPTAP_CONTROL_TOKEN": "from-env"}, port)
+    proc = await start(
+        ["--backend", upstream, "--log", str(tmp_path / "log"), "--upstream-timeout", "5"],
+        {"STEPTAP_CONTROL_TOKEN": "from-env"},
+        port,
+    )
     base = f"http://127.0.0.1:{port}"
     control = {"Authorization": "Bearer from-env"}
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
             async with http.post(f"{base}/s/a/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200 and (await resp.json())["choices"][0]["message"]["content"] == "Hello!"
+                assert (
+                    resp.status == 200 and (await resp.json())["choices"][0]["message"]["content"] == "Hello!"
+                )
             injector.mode = "stall"
             resp = await http.post(f"{base}/s/gone/v1/chat/completions", json={**body, "stream": True})
             assert (await resp.content.readline()).startswith(b"data: ")
@@ -85,9 +94,24 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
 
     # no token given: one is generated and printed, and it works
     env = {k: v for k, v in os.environ.items() if k != "STEPTAP_CONTROL_TOKEN"}
-    proc = subprocess.Popen([sys.executable, "-m", "steptap.middleware.cli", "serve", "--port", str(port),
-                             "--backend", upstream, "--log", str(tmp_path / "log")], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--backend",
+            upstream,
+            "--log",
+            str(tmp_path / "log"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         line = ""
@@ -100,7 +124,9 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as http:
             for _ in range(200):
                 try:
-                    async with http.get(f"{base}/sessions/a", headers={"Authorization": f"Bearer {token}"}) as r:
+                    async with http.get(
+                        f"{base}/sessions/a", headers={"Authorization": f"Bearer {token}"}
+                    ) as r:
                         # the restarted proxy rebuilt session "a" from the log
                         assert r.status == 200 and len((await r.json())["steps"]) == 1
                         break
@@ -113,6 +139,18 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
 
 
 def test_bad_flags_exit_with_usage() -> None:
-    out = subprocess.run([sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", "http://x",
-                          "--force-sampling", "temperature"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "serve",
+            "--backend",
+            "http://x",
+            "--force-sampling",
+            "temperature",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "--force-sampling" in out.stderr

@@ -9,7 +9,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from conftest import Backend, Proxy
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Step, Trajectory
@@ -35,8 +34,9 @@ def counter(proxy: Proxy, name: str, *labels: str) -> float:
     return (metric.labels(*labels) if labels else metric)._value.get()
 
 
-async def test_openai_client_three_turns_and_an_edited_history(proxy: Proxy, vllm_server: Backend,
-                                                               http: aiohttp.ClientSession) -> None:
+async def test_openai_client_three_turns_and_an_edited_history(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     import openai
 
     info = await open_session(http, proxy, group_id="g1", metadata={"task": "chat"})
@@ -47,12 +47,14 @@ async def test_openai_client_three_turns_and_an_edited_history(proxy: Proxy, vll
     for turn, text in enumerate(["Hello there.", "Tell me more.", "And then?"]):
         messages.append({"role": "user", "content": text})
         if turn == 1:  # the middle turn streams: the SDK's stream path works unchanged too
-            stream = await client.chat.completions.create(model=vllm_server.served_model, messages=messages,
-                                                          max_tokens=8, temperature=0, stream=True)
+            stream = await client.chat.completions.create(
+                model=vllm_server.served_model, messages=messages, max_tokens=8, temperature=0, stream=True
+            )
             content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         else:
-            reply = await client.chat.completions.create(model=vllm_server.served_model, messages=messages,
-                                                         max_tokens=8, temperature=0)
+            reply = await client.chat.completions.create(
+                model=vllm_server.served_model, messages=messages, max_tokens=8, temperature=0
+            )
             content = reply.choices[0].message.content or ""
             assert not hasattr(reply, "prompt_token_ids") or reply.prompt_token_ids is None  # type: ignore[attr-defined]
         replies.append(content)
@@ -61,13 +63,18 @@ async def test_openai_client_three_turns_and_an_edited_history(proxy: Proxy, vll
     steps = traj["steps"]
     assert [s["index"] for s in steps] == [0, 1, 2]
     assert [s["response"]["content"] for s in steps] == replies
-    assert [s["request"]["messages"][-1]["content"] for s in steps] == ["Hello there.", "Tell me more.", "And then?"]
+    assert [s["request"]["messages"][-1]["content"] for s in steps] == [
+        "Hello there.",
+        "Tell me more.",
+        "And then?",
+    ]
     assert traj["group_id"] == "g1" and traj["metadata"] == {"task": "chat"} and traj["status"] == "running"
     assert steps[0]["prefix"] == "first"
     for prev, step in zip(steps, steps[1:]):
         # extends exactly when the ids continue token for token; otherwise the same messages re-rendered
-        continues = step["prompt_token_ids"][: len(prev["prompt_token_ids"]) + len(prev["response_token_ids"])] == (
-            prev["prompt_token_ids"] + prev["response_token_ids"])
+        continues = step["prompt_token_ids"][
+            : len(prev["prompt_token_ids"]) + len(prev["response_token_ids"])
+        ] == (prev["prompt_token_ids"] + prev["response_token_ids"])
         assert step["prefix"] == ("extends" if continues else "rerendered")
         assert len(step["prompt_token_ids"]) > len(prev["prompt_token_ids"])
     print("prefix causes:", [s["prefix"] for s in steps])
@@ -76,10 +83,13 @@ async def test_openai_client_three_turns_and_an_edited_history(proxy: Proxy, vll
     edited = [dict(m) for m in messages]
     edited[1]["content"] = "Goodbye."
     edited.append({"role": "user", "content": "Again."})
-    await client.chat.completions.create(model=vllm_server.served_model, messages=edited, max_tokens=4, temperature=0)
+    await client.chat.completions.create(
+        model=vllm_server.served_model, messages=edited, max_tokens=4, temperature=0
+    )
     # Drop history: truncated
-    await client.chat.completions.create(model=vllm_server.served_model, messages=[messages[0], messages[-2]],
-                                         max_tokens=4, temperature=0)
+    await client.chat.completions.create(
+        model=vllm_server.served_model, messages=[messages[0], messages[-2]], max_tokens=4, temperature=0
+    )
     await client.close()
     steps = (await get_session(http, proxy, info["id"]))["steps"]
     assert [s["prefix"] for s in steps[3:]] == ["history_edited", "truncated"]
@@ -90,10 +100,15 @@ async def test_openai_client_three_turns_and_an_edited_history(proxy: Proxy, vll
     assert 'steptap_steps_total{anonymous="false",status="ok"} 5.0' in text
 
 
-async def test_identity_by_key_header_and_anonymous(proxy: Proxy, vllm_server: Backend,
-                                                    http: aiohttp.ClientSession) -> None:
+async def test_identity_by_key_header_and_anonymous(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     info = await open_session(http, proxy)
-    body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = {
+        "model": vllm_server.served_model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
     url = f"{proxy.url}/v1/chat/completions"
     async with http.post(url, json=body, headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
         assert resp.status == 200
@@ -116,13 +131,19 @@ async def test_identity_by_key_header_and_anonymous(proxy: Proxy, vllm_server: B
     assert len(anon) == 3 and all(len(t.steps) == 1 and t.status == "finished" for t in anon)
 
 
-async def test_concurrent_calls_on_one_session_get_consecutive_indexes(proxy: Proxy, vllm_server: Backend,
-                                                                       http: aiohttp.ClientSession) -> None:
+async def test_concurrent_calls_on_one_session_get_consecutive_indexes(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
     url = f"{proxy.url}/s/par/v1/chat/completions"
 
     async def one(i: int) -> str:
-        body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": f"question {i}"}],
-                "max_tokens": 4, "temperature": 0, "stream": i % 2 == 0}
+        body = {
+            "model": vllm_server.served_model,
+            "messages": [{"role": "user", "content": f"question {i}"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": i % 2 == 0,
+        }
         async with http.post(url, json=body) as resp:
             assert resp.status == 200
             return await resp.text()
@@ -130,9 +151,14 @@ async def test_concurrent_calls_on_one_session_get_consecutive_indexes(proxy: Pr
     await asyncio.gather(*(one(i) for i in range(8)))
     steps = proxy.app[SESSIONS_KEY].sessions["par"].trajectory.steps  # type: ignore[index]
     assert [s.index for s in steps] == list(range(8))
-    assert sorted(s.request["messages"][0]["content"] for s in steps) == sorted(f"question {i}" for i in range(8))
+    assert sorted(s.request["messages"][0]["content"] for s in steps) == sorted(
+        f"question {i}" for i in range(8)
+    )
     # every answered step is durable in the log, in index order
-    logged = [r for r in proxy.app[SESSIONS_KEY].log.records()  # type: ignore[index]
-              if isinstance(r, Step) and r.trajectory_id == "par"]
+    logged = [
+        r
+        for r in proxy.app[SESSIONS_KEY].log.records()  # type: ignore[index]
+        if isinstance(r, Step) and r.trajectory_id == "par"
+    ]
     assert [s.index for s in logged] == list(range(8))
     assert [s.response_token_ids for s in logged] == [s.response_token_ids for s in steps]
