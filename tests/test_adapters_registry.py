@@ -137,5 +137,7 @@ def test_adapters_use_the_client_only_never_the_proxy_server() -> None:
         "server = ('app', 'forward', 'sessions', 'control', 'stream', 'wal', 'capture', 'serve', 'weights')\n"
         "print(json.dumps(sorted(m for m in server if 'steptap.middleware.' + m in sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
