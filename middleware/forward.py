@@ -180,9 +180,9 @@ async def _model_call(request: web.Request, endpoint: str) -> web.StreamResponse
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
     cfg = app[CONFIG_KEY]
     manager = app[SESSIONS_KEY]
-    session = await manager.resolve(identify(request))
     upstream = app[UPSTREAM_KEY]
-    served = await upstream.route(body.get("model"))
+    served = await upstream.route(body.get("model"))  # before resolving: a refused call opens no session
+    session = await manager.resolve(identify(request))
     stream = bool(body.get("stream"))
     metrics = app[METRICS_KEY]
     manager.begin_call(session)
