@@ -162,3 +162,24 @@ async def test_concurrent_calls_on_one_session_get_consecutive_indexes(
     ]
     assert [s.index for s in logged] == list(range(8))
     assert [s.response_token_ids for s in logged] == [s.response_token_ids for s in steps]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_step_is_on_disk_when_its_reply_completes(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    log = proxy.app[SESSIONS_KEY].log  # type: ignore[index]
+    for i in range(3):
+        body = {
+            "model": vllm_server.served_model,
+            "messages": [{"role": "user", "content": f"q{i}"}],
+            "max_tokens": 3,
+            "stream": stream,
+        }
+        async with http.post(f"{proxy.url}/s/dur-{stream}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()  # the last byte ([DONE] when streamed) has arrived
+        # read back from the segment files, not from memory
+        on_disk = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == f"dur-{stream}"]
+        assert [s.index for s in on_disk] == list(range(i + 1))
+        assert on_disk[-1].request["messages"][0]["content"] == f"q{i}" and on_disk[-1].status == "ok"
