@@ -145,7 +145,10 @@ async def get_group(request: web.Request) -> web.Response:
 
 
 async def agent_path_forbidden(request: web.Request) -> web.Response:
-    """Anything under an agent's session URL that is not a model route: the agent holds no control rights."""
+    """Anything under an agent's session URL that is not a model route: the agent holds no control rights (an
+    unknown ``v1/`` route is a plain 404: it is a model route this proxy does not serve)."""
+    if request.match_info.get("tail", "").startswith("v1/"):
+        raise ApiError(404, f"no route {request.method} /{request.match_info['tail']}", "not_found")
     raise ApiError(403, "an agent session URL can make model calls only", "forbidden")
 
 

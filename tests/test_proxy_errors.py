@@ -242,3 +242,13 @@ async def test_agent_hanging_up_mid_stream_records_a_failed_step(
     injector.mode = "ok"
     status, body = await call(http, f"{proxy.url}/s/gone/v1/chat/completions", good(MODEL))
     assert status == 200
+
+
+async def test_unknown_model_routes_under_a_session_path_are_404(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
+) -> None:
+    _, proxy = faulty
+    status, body = await call(http, f"{proxy.url}/s/x/v1/embeddings", {"input": "x"})
+    assert_openai_error(status, body, 404, "not_found")
+    status, body = await call(http, f"{proxy.url}/s/x/sessions", {})
+    assert_openai_error(status, body, 403, "forbidden")
