@@ -78,6 +78,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # -- loop, checkpoints, what the user sees
     push_every: int = 1  # publish weights to the proxy every N updates; 0: never
+    weights_dir: str = "./steptap-weights"  # where published weights go (a path vLLM can read)
     checkpoint_dir: str = "./steptap-checkpoints"  # any fsspec URL
     checkpoint_every: int = 10  # updates; the stream cursor is acknowledged only here
     keep_checkpoints: int = 2

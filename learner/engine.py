@@ -1,0 +1,270 @@
+"""The ``torch`` engine: one process, CPU or one GPU, a transformers causal LM, verl's losses.
+
+``TorchEngine.train_step(batch)`` does one update on a ``rows.Batch``: lay the packed sequences out as
+next-token targets, find the behaviour logprobs (see below), compute verl advantages, then for each epoch run
+micro-batches (by token budget) forward + backward with gradient accumulation, clip, and one AdamW step.
+
+Behaviour logprobs. vLLM records raw logprobs (before temperature and top-p/top-k). For a step sampled at
+temperature 1 without truncation they *are* the behaviour policy. Otherwise the learner measures, with its own
+weights before the update (one no-grad "proximal" pass), how much temperature and truncation change each
+sampled token's logprob, and shifts the recorded value by that: behaviour = recorded + (sampler(T, top-p,
+top-k) - raw). This is exact when the learner's weights are the sampler's and keeps the recorded staleness
+otherwise. The current policy's logprobs always use logits / T, untruncated.
+
+Loss modes (verl's): without rollout correction ("bypass", the default) PPO's ratio is taken against the
+behaviour logprobs directly, so the clip handles the mismatch. With ``rollout_is`` set ("decoupled") the ratio
+is taken against the proximal logprobs and verl's truncated importance weights min(proximal/behaviour, c)
+multiply the loss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from steptap.learner import algos
+from steptap.learner.config import LearnerConfig
+from steptap.learner.rows import Batch
+
+
+class StepStats(NamedTuple):
+    loss: float
+    pg_clipfrac: float
+    ppo_kl: float  # behaviour (or proximal) -> current policy, on the trained tokens
+    kl: float  # to the reference (0 without one)
+    entropy: float
+    grad_norm: float
+    tokens: int  # trained (response) tokens
+    seq_tokens: int  # tokens forwarded (prompts included, padding excluded)
+    seconds: float
+    rollout_is_mean: float = 1.0
+
+
+class _Layout(NamedTuple):
+    """The batch as next-token targets: one row per sequence, position t predicts input_ids[t + 1]."""
+
+    ids: list[torch.Tensor]  # [L] per sequence
+    mask: list[torch.Tensor]  # [L-1] bool: a trained response token
+    adv: list[torch.Tensor]  # [L-1]
+    recorded: list[torch.Tensor]  # [L-1] vLLM's raw logprobs (0 where masked)
+    temp: list[torch.Tensor]  # [L-1] sampling temperature (1 where masked)
+    top_p: list[torch.Tensor]
+    top_k: list[torch.Tensor]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits / T)[target]; logits [B, T, V], targets/temp [B, T] -> [B, T]."""
+    scaled = logits.float() / temp.unsqueeze(-1)
+    return torch.gather(F.log_softmax(scaled, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def sampler_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor,
+                     top_k: torch.Tensor) -> torch.Tensor:
+    """The logprob of each target under the sampler's distribution: temperature, then top-k, then top-p
+    (vLLM's order), renormalised. Targets outside the kept set get the log of a tiny floor, not -inf."""
+    scaled = logits.float() / temp.unsqueeze(-1)  # [B, T, V]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
+    keep = ranks < k  # top-k
+    probs = F.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    cum = probs.cumsum(-1) - probs  # mass before each token: keep while it is below top_p
+    keep &= cum < top_p.unsqueeze(-1)
+    keep[..., 0] = True
+    kept_sorted = sorted_logits.masked_fill(~keep, float("-inf"))
+    kept = torch.full_like(scaled, float("-inf")).scatter(-1, order, kept_sorted)
+    logp = F.log_softmax(kept, dim=-1)
+    return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=-30.0)
+
+
+class TorchEngine:
+    def __init__(self, cfg: LearnerConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype).to(self.device)
+        self.reference = None
+        if cfg.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                     lora_dropout=cfg.lora_dropout,
+                                                     target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM"))
+        elif cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just disables the adapter)
+            ref = AutoModelForCausalLM.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
+            self.reference = ref.to(self.device).eval().requires_grad_(False)
+        self.model = model
+        self.model.config.use_cache = False
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=tuple(cfg.betas))
+        self.actor = algos.actor_config(cfg)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+
+    # -- layout -------------------------------------------------------------------------------------
+    def _layout(self, batch: Batch) -> _Layout:
+        advs = algos.compute_advantages(batch.samples, self.cfg)
+        out = _Layout([], [], [], [], [], [], [])
+        for seq in batch.sequences:
+            n = len(seq.input_ids) - 1
+            ids = torch.tensor(seq.input_ids, dtype=torch.long)
+            mask, adv, rec = torch.zeros(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
+            temp, top_p, top_k = torch.ones(n), torch.ones(n), torch.zeros(n, dtype=torch.long)
+            for i in seq.samples:
+                s = batch.samples[i]
+                lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
+                mask[lo:hi] = True
+                adv[lo:hi] = advs[i]
+                rec[lo:hi] = torch.tensor(s.logprobs)
+                temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
+            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k)):
+                getattr(out, name).append(t)
+        return out
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Consecutive groups of sequences whose padded size (count x longest) fits the token budget."""
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i, n in enumerate(lengths):
+            if cur and (len(cur) + 1) * max(longest, n) > self.cfg.micro_batch_tokens:
+                groups.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        return groups + [cur] if cur else groups
+
+    def _pad(self, rows: list[torch.Tensor], value: float | int) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(self.device)
+
+    def _logits(self, model: torch.nn.Module, ids: list[torch.Tensor]) -> torch.Tensor:
+        input_ids = self._pad(ids, self.pad_id)
+        attn = self._pad([torch.ones_like(t) for t in ids], 0)
+        return model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]  # [B, L-1, V]
+
+    # -- one update ---------------------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> StepStats:
+        t0 = time.perf_counter()
+        lay = self._layout(batch)
+        mbs = self._micro_batches([len(t) for t in lay.ids])
+        decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
+        need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
+        n_tokens = int(sum(m.sum() for m in lay.mask))
+        n_seqs = len(lay.ids)
+
+        # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per micro-batch
+        old, masks, is_w, ref = [], [], [], []
+        is_means = []
+        for mb in mbs:
+            targets = self._pad([lay.ids[i][1:] for i in mb], 0)
+            mask = self._pad([lay.mask[i] for i in mb], False)
+            rec = self._pad([lay.recorded[i] for i in mb], 0.0)
+            temp = self._pad([lay.temp[i] for i in mb], 1.0)
+            behaviour, prox = rec, None
+            if need_prox:
+                with torch.no_grad():
+                    logits = self._logits(self.model, [lay.ids[i] for i in mb])
+                    raw = token_logprobs(logits, targets, torch.ones_like(temp))
+                    prox = token_logprobs(logits, targets, temp)
+                    samp = sampler_logprobs(logits, targets, temp, self._pad([lay.top_p[i] for i in mb], 1.0),
+                                            self._pad([lay.top_k[i] for i in mb], 0))
+                    del logits
+                behaviour = torch.where(mask, rec + (samp - raw), rec)
+            if decoupled:
+                w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
+                is_w.append(w)
+                is_means.append(m.get("rollout_corr/rollout_is_mean", 1.0))
+                old.append(prox)
+            else:
+                is_w.append(None)
+                old.append(behaviour)
+            masks.append(mask)
+            ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
+
+        self.model.train()
+        sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0}
+        grad_norm = 0.0
+        for _epoch in range(self.cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for j, mb in enumerate(mbs):
+                targets = self._pad([lay.ids[i][1:] for i in mb], 0)
+                temp = self._pad([lay.temp[i] for i in mb], 1.0)
+                adv = self._pad([lay.adv[i] for i in mb], 0.0)
+                logits = self._logits(self.model, [lay.ids[i] for i in mb])
+                log_prob = token_logprobs(logits, targets, temp)
+                entropy = self._entropy(logits, temp)
+                loss, m = algos.policy_loss(
+                    self.actor, log_prob, old[j], adv, masks[j],
+                    batch_num_tokens=n_tokens, global_batch_size=n_seqs,
+                    rollout_is_weights=is_w[j], ref_log_prob=ref[j], entropy=entropy,
+                )
+                loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the batch's
+                share = float(masks[j].sum()) / max(n_tokens, 1)
+                sums["loss"] += float(loss.detach())
+                sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
+                sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
+                sums["kl_loss"] += m.get("kl_loss", 0.0) * share
+                sums["entropy"] += float((entropy.detach() * masks[j]).sum()) / max(n_tokens, 1)
+                del logits
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
+            self.optimizer.step()  # one optimizer step per epoch over the whole batch
+        k = self.cfg.epochs
+        return StepStats(
+            loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
+            kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
+            seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
+            rollout_is_mean=sum(is_means) / len(is_means) if is_means else 1.0,
+        )
+
+    def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+        """Per-token entropy of the temperature-scaled policy (a statistic; in the loss only with entropy_coef)."""
+        ctx = torch.enable_grad() if self.cfg.entropy_coef else torch.no_grad()
+        with ctx:
+            logp = F.log_softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
+            return -(logp.exp() * logp).sum(-1)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, lay: _Layout, mb: list[int], targets: torch.Tensor,
+                            temp: torch.Tensor) -> torch.Tensor:
+        ids = [lay.ids[i] for i in mb]
+        if self.reference is not None:
+            return token_logprobs(self._logits(self.reference, ids), targets, temp)
+        with self.model.disable_adapter():  # LoRA: the base weights are the reference
+            return token_logprobs(self._logits(self.model, ids), targets, temp)
+
+    # -- sampling (in-process tests and demos without vLLM) -------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[int], n: int, max_new_tokens: int,
+               temperature: float = 1.0) -> list[tuple[list[int], list[float]]]:
+        """``n`` samples of ``prompt_ids`` with transformers ``generate``: (response ids, raw logprobs) each,
+        the logprobs as vLLM would record them (log softmax of the unscaled logits)."""
+        self.model.eval()
+        ids = torch.tensor([prompt_ids] * n, device=self.device)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                  temperature=temperature, top_p=1.0, top_k=None, max_new_tokens=max_new_tokens,
+                                  output_logits=True, return_dict_in_generate=True,
+                                  pad_token_id=self.pad_id, use_cache=True)
+        resp = out.sequences[:, len(prompt_ids):]  # [n, T]
+        logits = torch.stack(out.logits, dim=1).float()  # [n, T, V], raw (before the temperature warper)
+        logps = torch.gather(F.log_softmax(logits, -1), -1, resp.unsqueeze(-1)).squeeze(-1)
+        eos = self.tokenizer.eos_token_id
+        results = []
+        for r, lp in zip(resp.tolist(), logps.tolist()):
+            cut = r.index(eos) + 1 if eos in r else len(r)
+            results.append((r[:cut], lp[:cut]))
+        return results
