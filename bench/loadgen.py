@@ -9,11 +9,14 @@ share its event loop. A command:
 
 ``concurrency`` workers each send a request, read the whole reply, and send the next, over one keep-alive
 pool: first ``warmup`` calls (not timed), then until ``requests`` calls or ``seconds`` have passed, whichever
-comes first. ``url`` may hold ``{worker}``: each worker then calls its own URL (one agent session each). The
-result holds calls, errors, the elapsed time, every latency (ms, request sent to last byte
-read), the CPU time the processes named in ``watch_pids`` used during the timed phase, and the distinct reply
-bodies seen with their counts (bounded), which the orchestrator checks after the
-run so checking costs nothing while timing.
+comes first. With ``"targets": [{"name", "url"}, ...]`` instead of ``url``, each worker calls the targets in
+turn, call after call (the orchestrator does this at concurrency 1, so every target sees the same noise).
+A URL may hold ``{worker}``: each worker then calls its own URL (one agent session each).
+
+The result holds, per target, calls, errors, every latency (ms, request sent to last byte read) and the
+distinct reply bodies seen with their counts (bounded), which the orchestrator checks after the run so that
+checking costs nothing while timing; and the elapsed time and the CPU time that the processes named in
+``watch_pids`` used during the timed phase.
 """
 
 from __future__ import annotations
@@ -46,56 +49,89 @@ def cpu_seconds(pid: int) -> float:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+class _Tally:
+    """What one target's calls gave: latencies, statuses, errors, distinct bodies."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.bodies: Counter[bytes] = Counter()
+        self.statuses: Counter[int] = Counter()
+        self.errors: list[str] = []
+        self.latencies: list[float] = []
+
+    def reset(self) -> None:
+        self.bodies.clear()
+        self.statuses.clear()
+        self.latencies.clear()
+
+    def result(self, warm_errors: int) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "calls": len(self.latencies),
+            "errors": len(self.errors) - warm_errors,
+            "warmup_errors": warm_errors,
+            "error_samples": self.errors[:5],
+            "statuses": {str(k): v for k, v in self.statuses.items()},
+            "latencies_ms": self.latencies,
+            "bodies": [[b.decode("utf-8", "replace"), n] for b, n in self.bodies.most_common()],
+        }
+
+
 async def run(cmd: dict[str, Any]) -> dict[str, Any]:
-    url, body = cmd["url"], cmd["body"].encode()
+    """One run. ``targets`` (``[{"name", "url"}, ...]``) are called in turn, call after call, so that at
+    concurrency 1 every target sees the same moment-to-moment machine noise; ``url`` alone is one target."""
+    targets = cmd.get("targets") or [{"name": "_", "url": cmd["url"]}]
+    names = [t["name"] for t in targets]
+    body = cmd["body"].encode()
     headers = {"Content-Type": "application/json", **cmd.get("headers", {})}
     concurrency = int(cmd["concurrency"])
     limit_n, limit_s = int(cmd["requests"]), float(cmd["seconds"])
-    bodies: Counter[bytes] = Counter()
-    statuses: Counter[int] = Counter()
-    errors: list[str] = []
-    latencies: list[float] = []
-    sent = 0
+    tallies = {n: _Tally() for n in names}
 
-    connector = aiohttp.TCPConnector(limit=concurrency, ttl_dns_cache=None)
+    connector = aiohttp.TCPConnector(limit=concurrency * len(targets), ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
                                      auto_decompress=False) as http:
 
-        async def one(target: str) -> float | None:
-            nonlocal sent
-            sent += 1
+        async def one(name: str, url: str, timed: bool) -> None:
+            tally = tallies[name]
+            tally.sent += 1
             t0 = time.perf_counter()
             try:
-                async with http.post(target, data=body, headers=headers) as r:
+                async with http.post(url, data=body, headers=headers) as r:
                     data = await r.read()
                     status = r.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                return None
+                tally.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                return
             dt = (time.perf_counter() - t0) * 1000.0
-            statuses[status] += 1
+            tally.statuses[status] += 1
             if status != 200:
-                errors.append(f"HTTP {status}: {data[:300]!r}")
-            if data in bodies or len(bodies) < MAX_DISTINCT:
-                bodies[data] += 1
+                tally.errors.append(f"HTTP {status}: {data[:300]!r}")
+            if data in tally.bodies or len(tally.bodies) < MAX_DISTINCT:
+                tally.bodies[data] += 1
             else:
-                bodies[b"<more distinct bodies>"] += 1
-            return dt
+                tally.bodies[b"<more distinct bodies>"] += 1
+            if timed:
+                tally.latencies.append(dt)
 
-        # Warm-up: connections opened, caches and JITs (none) warm; not timed, but counted as sent.
-        warm = int(cmd.get("warmup", 0))
-        left = [warm]
+        def urls_of(i: int) -> list[tuple[str, str]]:
+            return [(t["name"], t["url"].format(worker=i)) for t in targets]
+
+        # Warm-up: connections opened, caches warm; not timed, but counted as sent.
+        left = [int(cmd.get("warmup", 0)) * len(targets)]
 
         async def warm_worker(i: int) -> None:
+            mine, k = urls_of(i), i
             while left[0] > 0:
                 left[0] -= 1
-                await one(url.format(worker=i))
+                await one(*mine[k % len(mine)], timed=False)
+                k += 1
 
         await asyncio.gather(*(warm_worker(i) for i in range(concurrency)))
-        warm_errors = len(errors)
-        bodies.clear()
-        statuses.clear()
+        warm_errors = {n: len(t.errors) for n, t in tallies.items()}
+        for t in tallies.values():
+            t.reset()
 
         watch = [int(p) for p in cmd.get("watch_pids", [])]
         cpu0 = [cpu_seconds(p) for p in watch]
@@ -105,30 +141,26 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
         last = [start]
 
         async def worker(i: int) -> None:
-            target = url.format(worker=i)
+            mine, k = urls_of(i), i
             while done[0] < limit_n and time.perf_counter() < deadline:
                 done[0] += 1
-                dt = await one(target)
+                await one(*mine[k % len(mine)], timed=True)
+                k += 1
                 last[0] = time.perf_counter()
-                if dt is not None:
-                    latencies.append(dt)
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = last[0] - start
         cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0)]
 
-    return {
-        "sent": sent,
-        "calls": len(latencies),
-        "errors": len(errors) - warm_errors,
-        "warmup_errors": warm_errors,
-        "error_samples": errors[:5],
-        "statuses": {str(k): v for k, v in statuses.items()},
+    per_target = {n: t.result(warm_errors[n]) for n, t in tallies.items()}
+    out: dict[str, Any] = {
         "elapsed_s": elapsed,
-        "latencies_ms": latencies,
         "cpu_s": dict(zip(map(str, watch), cpu)),  # CPU (user+system, all threads) each watched pid used
-        "bodies": [[b.decode("utf-8", "replace"), n] for b, n in bodies.most_common()],
+        "targets": per_target,
     }
+    if len(targets) == 1:
+        out.update(per_target[names[0]])
+    return out
 
 
 async def serve_stdin() -> None:

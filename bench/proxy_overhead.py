@@ -128,13 +128,17 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
-def summarize_run(res: dict[str, Any]) -> dict[str, Any]:
+def summarize_run(res: dict[str, Any], elapsed_s: float, interleaved: bool) -> dict[str, Any]:
     lat = res["latencies_ms"]
+    if interleaved:  # the targets shared the run's time: a sequential agent's rate is 1 / mean latency
+        rate = 1000.0 * len(lat) / sum(lat) if lat else 0.0
+    else:
+        rate = res["calls"] / elapsed_s if elapsed_s > 0 else 0.0
     return {
         "calls": res["calls"],
         "errors": res["errors"],
-        "elapsed_s": round(res["elapsed_s"], 4),
-        "calls_per_s": res["calls"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
+        "elapsed_s": round(elapsed_s, 4),
+        "calls_per_s": rate,
         "p50_ms": pct(lat, 50),
         "p99_ms": pct(lat, 99),
     }
@@ -145,6 +149,13 @@ def med(xs: list[float]) -> float:
 
 
 # ---- correctness -----------------------------------------------------------------------------------------
+
+
+def target_url(target: str, urls: dict[str, str], identity: str, rnd: int, mode: str, c: int) -> str:
+    if target == "steptap" and identity == "session":
+        # One session per worker: each worker is one agent making its calls in turn.
+        return f"{urls[target]}/s/bench-r{rnd}-{mode}-c{c}-w{{worker}}/v1/chat/completions"
+    return urls[target] + CHAT
 
 
 def check_bodies(target: str, stream: bool, bodies: list[list[Any]], fx: recorded.Fixture) -> list[str]:
@@ -232,34 +243,37 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for mode, c in configs:
                 stream = mode == "stream"
                 order = targets[rnd % len(targets):] + targets[: rnd % len(targets)]
-                for target in order:
-                    url = urls[target] + CHAT
-                    if target == "steptap" and args.identity == "session":
-                        # One session per worker: each worker is one agent making calls in turn.
-                        url = f"{urls[target]}/s/bench-r{rnd}-{mode}-c{c}-w{{worker}}/v1/chat/completions"
-                    res = loadgen.run(url=url, body=fx.agent_body(stream).decode(),
-                                      headers={"Authorization": "Bearer EMPTY"}, concurrency=c,
-                                      warmup=args.warmup, requests=args.requests, seconds=args.seconds,
-                                      watch_pids=sorted({pids["direct"], pids[target]}))
-                    if target == "steptap":
-                        sent_to_steptap += res["sent"]
-                    row = {"round": rnd, "mode": mode, "concurrency": c, "target": target, **summarize_run(res)}
-                    calls = max(1, res["calls"])
-                    row["upstream_cpu_ms_per_call"] = 1000.0 * res["cpu_s"][str(pids["direct"])] / calls
-                    row["proxy_cpu_ms_per_call"] = (None if target == "direct" else
-                                                    1000.0 * res["cpu_s"][str(pids[target])] / calls)
-                    runs.append(row)
-                    problems = check_bodies(target, stream, res["bodies"], fx)
-                    if res["errors"] or res["warmup_errors"]:
-                        problems.append(f"{target} {mode} c={c}: {res['errors']} errors "
-                                        f"(+{res['warmup_errors']} in warm-up): {res['error_samples']}")
-                    result["problems"] += problems
-                    if not args.quiet:
-                        print(f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
-                              f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
-                              + (f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
-                                 if row["proxy_cpu_ms_per_call"] is not None else "")
-                              + ("  BODY/ERR PROBLEM" if problems else ""), flush=True)
+                # c=1 with interleaving: one run calls the targets in turn, call after call; else one run each.
+                groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
+                for group in groups:
+                    res = loadgen.run(
+                        targets=[{"name": t, "url": target_url(t, urls, args.identity, rnd, mode, c)} for t in group],
+                        body=fx.agent_body(stream).decode(), headers={"Authorization": "Bearer EMPTY"},
+                        concurrency=c, warmup=args.warmup, requests=args.requests * len(group),
+                        seconds=args.seconds * len(group), watch_pids=sorted({pids[t] for t in group} | {pids["direct"]}))
+                    total_calls = max(1, sum(r["calls"] for r in res["targets"].values()))
+                    for target in group:
+                        tres = res["targets"][target]
+                        if target == "steptap":
+                            sent_to_steptap += tres["sent"]
+                        row = {"round": rnd, "mode": mode, "concurrency": c, "target": target,
+                               "interleaved": len(group) > 1, **summarize_run(tres, res["elapsed_s"], len(group) > 1)}
+                        calls = max(1, tres["calls"])
+                        row["upstream_cpu_ms_per_call"] = 1000.0 * res["cpu_s"][str(pids["direct"])] / total_calls
+                        row["proxy_cpu_ms_per_call"] = (None if target == "direct" else
+                                                        1000.0 * res["cpu_s"][str(pids[target])] / calls)
+                        runs.append(row)
+                        problems = check_bodies(target, stream, tres["bodies"], fx)
+                        if tres["errors"] or tres["warmup_errors"]:
+                            problems.append(f"{target} {mode} c={c}: {tres['errors']} errors "
+                                            f"(+{tres['warmup_errors']} in warm-up): {tres['error_samples']}")
+                        result["problems"] += problems
+                        if not args.quiet:
+                            print(f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
+                                  f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
+                                  + (f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
+                                     if row["proxy_cpu_ms_per_call"] is not None else "")
+                                  + ("  BODY/ERR PROBLEM" if problems else ""), flush=True)
         result["runs"] = runs
 
         if py_spy is not None:
@@ -406,6 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--identity", choices=("anonymous", "session"), default="anonymous",
                    help="steptap calls without a session (one anonymous trajectory each, written whole) or "
                         "on a session path per worker (/s/<id>/v1)")
+    p.add_argument("--no-interleave-c1", dest="interleave_c1", action="store_false",
+                   help="at c=1, one run per target instead of one run calling the targets in turn")
     p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
     p.add_argument("--steptap-cmd", help="run this instead of the `steptap` command (e.g. under a profiler); "
                                         "`serve --backend ... --log ...` is appended")
