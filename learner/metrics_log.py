@@ -1,0 +1,100 @@
+"""What the user sees: a progress bar, one status line per update, metrics as JSON lines, optional TensorBoard.
+
+Each update appends one JSON object to the metrics file (flushed at once, so ``steptap plot`` and ``steptap
+up``'s live view can read it while the learner runs). Keys: ``update``, ``time``, ``reward_mean``,
+``reward_std``, ``loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``grad_norm``, ``tokens``,
+``tokens_per_s``, ``policy_version`` (the learner's, after this update's publish), ``behaviour_version`` (the
+version that sampled most of the batch), and the batch's drop/break counts by cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from steptap.learner.engine import StepStats
+from steptap.learner.rows import Batch
+
+
+def update_row(update: int, batch: Batch, stats: StepStats | None, version: int, wall_s: float) -> dict[str, Any]:
+    versions = Counter(s.policy_version for s in batch.samples)
+    row: dict[str, Any] = {
+        "update": update,
+        "time": time.time(),
+        "reward_mean": statistics.fmean(batch.rewards) if batch.rewards else None,
+        "reward_std": statistics.pstdev(batch.rewards) if len(batch.rewards) > 1 else 0.0,
+        "trajectories": len(batch.rewards),
+        "policy_version": version,
+        "behaviour_version": versions.most_common(1)[0][0] if versions else None,
+        "wall_s": round(wall_s, 3),
+    }
+    if stats is not None:
+        row.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in stats._asdict().items()})
+        row["tokens_per_s"] = round(stats.seq_tokens / stats.seconds, 1) if stats.seconds > 0 else None
+    row["counts"] = {k: v for k, v in sorted(batch.counts.items())}
+    return row
+
+
+def status_line(row: dict[str, Any]) -> str:
+    def f(key: str, spec: str) -> str:
+        v = row.get(key)
+        return "-" if v is None else format(v, spec)
+
+    c = row["counts"]
+    stale = c.get("dropped_stale", 0) + c.get("downweighted_stale", 0)
+    return (f"update {row['update']:>5}  reward {f('reward_mean', '.3f')}  loss {f('loss', '+.4f')}  "
+            f"clip {f('pg_clipfrac', '.3f')}  kl {f('ppo_kl', '+.4f')}/{f('kl', '.4f')}  "
+            f"tok/s {f('tokens_per_s', '.0f')}  stale {stale}  version {row['policy_version']}")
+
+
+class MetricsLog:
+    def __init__(self, path: str, tensorboard_dir: str = "", show: bool = True, total: int = 0) -> None:
+        self.path = path
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._fh = open(path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(tensorboard_dir)
+            except ImportError:
+                print("tensorboard is not installed: TensorBoard logging is off (pip install tensorboard)")
+        self.console = Console(stderr=True)
+        self._progress = None
+        if show:
+            self._progress = Progress(TextColumn("[bold]learning"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("updates"), TimeElapsedColumn(), console=self.console,
+                                      transient=False)
+            self._task = self._progress.add_task("updates", total=total or None)
+            self._progress.start()
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()  # readers (steptap plot, steptap up) tail this file while we run
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k not in ("update", "time"):
+                    self._tb.add_scalar(k, v, row["update"])
+            self._tb.flush()
+        if self._progress is not None:
+            self._progress.console.print(status_line(row), highlight=False)
+            self._progress.update(self._task, advance=1)
+
+    def note(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._fh.close()

@@ -1,0 +1,62 @@
+"""``steptap plot METRICS.jsonl -o curves.png``: reward and loss curves from the learner's metrics file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written right now
+            continue
+    return rows
+
+
+def plot(rows: list[dict], out: str | Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    x = [r["update"] for r in rows]
+    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    reward = [r.get("reward_mean") for r in rows]
+    ax_r.plot(x, reward, marker="o", ms=3, label="mean reward")
+    std = [r.get("reward_std") or 0.0 for r in rows]
+    if all(v is not None for v in reward):
+        ax_r.fill_between(x, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)],
+                          alpha=0.2, label="± std")
+    ax_r.set_ylabel("reward")
+    ax_r.legend(loc="best")
+    ax_r.grid(alpha=0.3)
+    ax_l.plot(x, [r.get("loss") for r in rows], color="tab:red", label="loss")
+    if any(r.get("kl") for r in rows):
+        ax_l.plot(x, [r.get("kl") for r in rows], color="tab:green", label="KL to reference")
+    ax_l.set_xlabel("update")
+    ax_l.set_ylabel("loss")
+    ax_l.legend(loc="best")
+    ax_l.grid(alpha=0.3)
+    fig.suptitle(title or "steptap learner")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="steptap plot", description=__doc__.split("\n")[0].split(": ", 1)[-1])
+    p.add_argument("metrics", help="the learner's metrics file (JSON lines)")
+    p.add_argument("-o", "--out", default="curves.png", help="PNG to write (default curves.png)")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    rows = [r for r in read_rows(args.metrics) if "update" in r]
+    if not rows:
+        print(f"steptap plot: no updates in {args.metrics}")
+        return 1
+    print(f"wrote {plot(rows, args.out, args.title)} ({len(rows)} updates)")
+    return 0

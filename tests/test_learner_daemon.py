@@ -1,0 +1,101 @@
+"""The learner daemon on a real proxy and stream: staleness drops are counted, checkpoints acknowledge the
+stream, and ``--resume`` continues the update/version count and the cursor without re-training anything.
+
+The trajectories are written into the proxy's log beforehand (as the proxy itself writes finished ones), with a
+``PolicyVersion`` record so the proxy restarts at version 5; the learner does not publish here (push_every=0:
+the hot swap has its own tests), so no vLLM server is needed and the proxy's backend is a closed port.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from steptap.learner import checkpoint, daemon
+from steptap.learner.config import config_from_argv
+from steptap.middleware.records import PolicyVersion, Sampling, Step, Trajectory
+from steptap.middleware.wal import TrajectoryLog
+
+torch.set_num_threads(1)
+PROXY_VERSION = 5
+
+
+def _traj(group: int, member: int, versions: list[int]) -> Trajectory:
+    steps = [Step(trajectory_id=f"g{group}m{member}", index=i, policy_version=v, prompt_token_ids=[5, 6, 7 + i],
+                  response_token_ids=[100 + member, 200 + i], response_logprobs=[-8.3, -8.3],
+                  sampling=Sampling(temperature=1.0)) for i, v in enumerate(versions)]
+    # Group k's rewards are k and k + 0.5: a batch's mean reward says which group was trained.
+    return Trajectory(id=f"g{group}m{member}", group_id=f"g{group}", group_size=2, status="finished",
+                      steps=steps, rewards={"r": group + 0.5 * member})
+
+
+async def _write_log(log_dir: Path) -> None:
+    log = await TrajectoryLog.open(str(log_dir))
+    await log.append(PolicyVersion(version=PROXY_VERSION))
+    for g in range(4):
+        for m in range(2):
+            # group 0 mixes fresh and stale steps: versions 5 and 1 (lag 4 > max_staleness 2), 3 (lag 2: kept)
+            await log.append(_traj(g, m, [5, 1, 3] if g == 0 else [PROXY_VERSION]))
+    await log.close()
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_staleness_checkpoint_ack_and_resume(make_proxy, tmp_path: Path, tiny_model_dir) -> None:
+    log_dir = tmp_path / "log"
+    await _write_log(log_dir)
+    proxy = await make_proxy("http://127.0.0.1:9", log_dir=log_dir)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    argv = ["--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(tiny_model_dir),
+            "--consumer", "learner-test", "--batch-groups", "1", "--group-size", "2", "--push-every", "0",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--metrics-file", str(metrics),
+            "--max-staleness", "2", "--lr", "1e-3", "--no-progress", "--num-threads", "1"]
+
+    # Run 1: two updates (groups 0 and 1), a checkpoint at update 2 that acknowledges them.
+    await daemon._run(config_from_argv([*argv, "--max-updates", "2"]))
+    rows = _rows(metrics)
+    assert [r["update"] for r in rows] == [1, 2]
+    assert [r["reward_mean"] for r in rows] == [0.25, 1.25]
+    assert rows[0]["counts"]["dropped_stale"] == 2  # one stale step in each member of group 0, counted
+    assert rows[0]["counts"]["trained_steps"] == 4
+    assert rows[0]["policy_version"] == PROXY_VERSION and rows[0]["behaviour_version"] == PROXY_VERSION
+    state = checkpoint.load_latest(str(ckpt))
+    assert state["updates"] == 2 and state["version"] == PROXY_VERSION
+    assert state["config"]["max_staleness"] == 2 and state["consumed_after_cursor"] == []
+    acked = json.loads((log_dir / "consumers" / "learner-test.cursor").read_text())["cursor"]
+    assert acked == state["cursor"]  # acknowledged exactly what the checkpoint covers
+
+    # Run 2, resumed: updates 3 and 4 on groups 2 and 3 only; nothing acknowledged is trained again.
+    await daemon._run(config_from_argv([*argv, "--max-updates", "4", "--resume"]))
+    rows = _rows(metrics)
+    assert [r["update"] for r in rows] == [1, 2, 3, 4]
+    assert [r["reward_mean"] for r in rows[2:]] == [2.25, 3.25]
+    assert all(r["policy_version"] == PROXY_VERSION for r in rows[2:])
+    resumed = checkpoint.load_latest(str(ckpt))
+    assert resumed["updates"] == 4
+    assert resumed["cursor"] != state["cursor"]
+    acked2 = json.loads((log_dir / "consumers" / "learner-test.cursor").read_text())["cursor"]
+    assert acked2 == resumed["cursor"]
+    # The weights did change across the two runs (the resumed run trained from run 1's weights).
+    assert any(not torch.equal(v, state["model"][k]) for k, v in resumed["model"].items())
+
+
+@pytest.mark.parametrize("mode", ["downweight"])
+async def test_stale_downweight_is_counted(make_proxy, tmp_path: Path, tiny_model_dir, mode: str) -> None:
+    log_dir = tmp_path / "log"
+    await _write_log(log_dir)
+    proxy = await make_proxy("http://127.0.0.1:9", log_dir=log_dir)
+    metrics = tmp_path / "m.jsonl"
+    await daemon._run(config_from_argv([
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(tiny_model_dir),
+        "--batch-groups", "1", "--group-size", "2", "--push-every", "0", "--max-updates", "1",
+        "--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(metrics), "--max-staleness", "2",
+        "--stale-mode", mode, "--no-progress"]))
+    (row,) = _rows(metrics)
+    assert row["counts"]["downweighted_stale"] == 2 and row["counts"].get("dropped_stale", 0) == 0
+    assert row["counts"]["trained_steps"] == 6
