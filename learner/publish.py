@@ -36,9 +36,16 @@ class PublishError(RuntimeError):
         self.code = code
 
 
-def write_weights(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], *, version: int | None = None,
-                  lora: bool = False) -> Path:
+def write_weights(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: int | None = None,
+    lora: bool = False,
+) -> Path:
     """Write ``model`` (or its peft adapter, ``lora=True``) into a fresh directory under ``out_dir``."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper saves under prefixed names
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     base = f"v{version:06d}" if version is not None else f"w{time.time_ns()}"
@@ -57,7 +64,9 @@ def write_weights(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], *
         else:
             if hasattr(model, "peft_config"):
                 raise TypeError("a peft model publishes its adapter: pass lora=True (or merge it first)")
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            model.save_pretrained(
+                str(tmp)
+            )  # safetensors: the default since transformers 4.35, the only form in 5
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
         (tmp / MARKER).write_text(json.dumps({"version": version, "lora": lora, "at": time.time()}))
@@ -70,14 +79,23 @@ def write_weights(model: Any, tokenizer: Any, out_dir: str | os.PathLike[str], *
     return final
 
 
-def request_swap(proxy_url: str, control_token: str, weights_dir: str | os.PathLike[str], *, lora: bool = False,
-                 version: int | None = None, timeout_s: float = 900.0) -> int:
+def request_swap(
+    proxy_url: str,
+    control_token: str,
+    weights_dir: str | os.PathLike[str],
+    *,
+    lora: bool = False,
+    version: int | None = None,
+    timeout_s: float = 900.0,
+) -> int:
     """``POST /admin/weights`` and return the proxy's new ``policy_version``."""
     body: dict[str, Any] = {("lora_path" if lora else "path"): str(Path(weights_dir).resolve())}
     if version is not None:
         body["version"] = int(version)
     req = urllib.request.Request(
-        proxy_url.rstrip("/") + "/admin/weights", data=json.dumps(body).encode(), method="POST",
+        proxy_url.rstrip("/") + "/admin/weights",
+        data=json.dumps(body).encode(),
+        method="POST",
         headers={"Authorization": f"Bearer {control_token}", "Content-Type": "application/json"},
     )
     try:
@@ -93,9 +111,18 @@ def request_swap(proxy_url: str, control_token: str, weights_dir: str | os.PathL
         raise PublishError(f"weight swap refused ({exc.code}): {message}", exc.code, code) from None
 
 
-def publish_weights(model: Any, tokenizer: Any, proxy_url: str, control_token: str,
-                    out_dir: str | os.PathLike[str], *, version: int | None = None, lora: bool = False,
-                    keep: int = 3, timeout_s: float = 900.0) -> int:
+def publish_weights(
+    model: Any,
+    tokenizer: Any,
+    proxy_url: str,
+    control_token: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: int | None = None,
+    lora: bool = False,
+    keep: int = 3,
+    timeout_s: float = 900.0,
+) -> int:
     """Write the weights (or the peft adapter with ``lora=True``) and swap them into the proxy's vLLM.
 
     Returns the new ``policy_version``. Raises ``PublishError`` when the proxy refuses or fails the swap (the
@@ -105,12 +132,19 @@ def publish_weights(model: Any, tokenizer: Any, proxy_url: str, control_token: s
     path = write_weights(model, tokenizer, out_dir, version=version, lora=lora)
     written = time.monotonic() - t0
     try:
-        new_version = request_swap(proxy_url, control_token, path, lora=lora, version=version, timeout_s=timeout_s)
+        new_version = request_swap(
+            proxy_url, control_token, path, lora=lora, version=version, timeout_s=timeout_s
+        )
     except PublishError:
         shutil.rmtree(path, ignore_errors=True)
         raise
-    log.info("published %s as policy version %d (write %.2f s, swap %.2f s)", path, new_version, written,
-             time.monotonic() - t0 - written)
+    log.info(
+        "published %s as policy version %d (write %.2f s, swap %.2f s)",
+        path,
+        new_version,
+        written,
+        time.monotonic() - t0 - written,
+    )
     prune(out_dir, keep=keep, protect=path)
     return new_version
 
@@ -118,8 +152,10 @@ def publish_weights(model: Any, tokenizer: Any, proxy_url: str, control_token: s
 def prune(out_dir: str | os.PathLike[str], *, keep: int = 3, protect: Path | None = None) -> list[Path]:
     """Remove all but the newest ``keep`` published directories (never ``protect``, the live one)."""
     root = Path(out_dir)
-    ours = sorted((p for p in root.iterdir() if p.is_dir() and (p / MARKER).is_file()),
-                  key=lambda p: (p / MARKER).stat().st_mtime)
+    ours = sorted(
+        (p for p in root.iterdir() if p.is_dir() and (p / MARKER).is_file()),
+        key=lambda p: (p / MARKER).stat().st_mtime,
+    )
     removed = []
     for p in ours[:-keep] if keep > 0 else ours:
         if protect is not None and p.resolve() == protect.resolve():

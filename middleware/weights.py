@@ -43,7 +43,7 @@ LORA_PREFIX = "steptap-lora"
 
 
 class SwapError(Exception):
-    """A refused or failed swap; ``status`` and ``code`` become the OpenAI error body of ``/admin/weights``."""
+    """A refused or failed swap; ``status`` and ``code`` make the OpenAI error body of ``/admin/weights``."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -87,8 +87,8 @@ class WeightState(msgspec.Struct, kw_only=True):
 
 
 def _ties_embeddings(config: dict[str, Any]) -> bool:
-    # transformers' PretrainedConfig defaults to tied; architectures that untie by default (Qwen2, Llama) write
-    # the key explicitly when saved, so a missing key is read as transformers' own default.
+    # transformers' PretrainedConfig defaults to tied; architectures that untie by default (Qwen2, Llama)
+    # write the key explicitly when saved, so a missing key is read as transformers' own default.
     tied = bool(config.get("tie_word_embeddings", True))
     text = config.get("text_config")
     if isinstance(text, dict) and "tie_word_embeddings" in text:
@@ -97,8 +97,8 @@ def _ties_embeddings(config: dict[str, Any]) -> bool:
 
 
 def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
-    """Every tensor's name and shape in a directory's ``*.safetensors`` files, from the headers alone (an 8-byte
-    little-endian length, then JSON): no torch, no reading of the tensors themselves."""
+    """Every tensor's name and shape in a directory's ``*.safetensors`` files, from the headers alone (an
+    8-byte little-endian length, then JSON): no torch, no reading of the tensors themselves."""
     shapes: dict[str, list[int]] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -113,8 +113,8 @@ def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
 def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = None) -> None:
     """Refuse a directory vLLM cannot reload correctly, before anything is paused.
 
-    With ``reference`` (the weights being served), the tensors' names and shapes must match it: vllm 0.32 reads
-    a reload after setting its parameters aside, so a mismatch found there leaves the engine unusable."""
+    With ``reference`` (the weights being served), the tensors' names and shapes must match it: vllm 0.32
+    reads a reload after setting its parameters aside, so a mismatch found there leaves it unusable."""
     d = Path(path)
     if not d.is_dir():
         raise SwapError(400, f"weights directory not found: {path}", "weights_not_found")
@@ -131,9 +131,9 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
     if cpu_backend and _ties_embeddings(config):
         raise SwapError(
             400,
-            "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), and "
-            "vLLM on CPU keeps the old output layer after a reload, so its logits would be wrong. Swap a LoRA "
-            "adapter instead ({\"lora_path\": ...}), or use a model with tie_word_embeddings=false.",
+            "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), "
+            "and vLLM on CPU keeps the old output layer after a reload, so its logits would be wrong. Swap a "
+            'LoRA adapter instead ({"lora_path": ...}), or use a model with tie_word_embeddings=false.',
             "tied_embeddings",
         )
     if reference is None or not Path(reference).is_dir() or Path(reference).resolve() == d.resolve():
@@ -141,7 +141,8 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
     try:
         new, ref = tensor_shapes(d), tensor_shapes(reference)
     except (OSError, ValueError) as exc:
-        raise SwapError(400, f"cannot read the safetensors headers in {path}: {exc}", "invalid_weights") from exc
+        raise SwapError(400, f"cannot read the safetensors headers in {path}: {exc}",
+                        "invalid_weights") from exc
     if not ref:
         return
     missing = sorted(ref.keys() - new.keys())
@@ -150,7 +151,8 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
     if missing or extra or wrong:
         parts = []
         if wrong:
-            parts.append("shape differs for " + ", ".join(f"{k} {new[k]} (served: {ref[k]})" for k in wrong[:3]))
+            shown = ", ".join(f"{k} {new[k]} (served: {ref[k]})" for k in wrong[:3])
+            parts.append("shape differs for " + shown)
         if missing:
             parts.append("missing " + ", ".join(missing[:3]))
         if extra:
@@ -162,19 +164,21 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
 def check_adapter_dir(path: str) -> None:
     d = Path(path)
     if not (d / "adapter_config.json").is_file():
-        raise SwapError(400, f"{path} is not a peft adapter directory (no adapter_config.json)", "invalid_adapter")
+        raise SwapError(400, f"{path} is not a peft adapter directory (no adapter_config.json)",
+                        "invalid_adapter")
 
 
 class WeightSwapper:
     """Owns ``policy_version`` and swaps weights into one or more vLLM backends.
 
-    ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log (anything
-    with ``async append(record)``) where each new version is persisted. ``model_dir``: the weights the servers
-    started with (read from vLLM's ``/server_info`` when not given; new weights are checked against the served
-    ones). ``cpu_backend``: refuse disk reload of tied-embedding models (None: ask the servers)."""
+    ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log
+    (anything with ``async append(record)``) where each new version is persisted. ``model_dir``: the weights
+    the servers started with (read from vLLM's ``/server_info`` when not given; new weights are checked
+    against the served ones). ``cpu_backend``: refuse disk reload of tied-embedding models (None: ask the
+    servers)."""
 
-    def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *, model_dir: str | None = None,
-                 cpu_backend: bool | None = None, drain_timeout_s: float = 600.0,
+    def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
+                 model_dir: str | None = None, cpu_backend: bool | None = None, drain_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, validate_paths: bool = True) -> None:
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
@@ -205,7 +209,7 @@ class WeightSwapper:
         self.last_error: str | None = None
         self.degraded: str | None = None  # set when a backend failed mid-reload (it needs a restart)
 
-    # --- lifecycle -------------------------------------------------------------------------------------------
+    # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._http is None:
@@ -221,10 +225,10 @@ class WeightSwapper:
             self._http = None
 
     def restore(self, records: Iterable[Any]) -> int:
-        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); returns the version.
+        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.
 
-        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its adapter
-        (named after its version, so the name is the same after a restart)."""
+        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its
+        adapter (named after its version, so the name is the same after a restart)."""
         last: PolicyVersion | None = None
         for rec in records:
             if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
@@ -240,7 +244,7 @@ class WeightSwapper:
         return self.version
 
     async def ensure_adapter(self) -> None:
-        """After a restart in LoRA mode: load the routed adapter into any backend that lacks it (best effort)."""
+        """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
         if self.lora_name is None or self.lora_path is None:
             return
         for b in self.backends:
@@ -253,11 +257,11 @@ class WeightSwapper:
             except SwapError as exc:
                 log.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
 
-    # --- the gate --------------------------------------------------------------------------------------------
+    # --- the gate -------------------------------------------------------------------------------------------
 
     @asynccontextmanager
     async def gate(self) -> AsyncIterator[Ticket]:
-        """Around every model call: waits while a swap runs, then yields the version that samples this call."""
+        """Around every model call: waits while a swap runs, then yields the version that samples it."""
         if not self._open.is_set():
             self._held += 1
             if self._first_held_at is None:
@@ -277,11 +281,12 @@ class WeightSwapper:
             if self._in_flight == 0:
                 self._idle.set()
 
-    # --- the swap --------------------------------------------------------------------------------------------
+    # --- the swap -------------------------------------------------------------------------------------------
 
-    async def swap(self, path: str | None = None, lora_path: str | None = None,
-                   version: int | None = None) -> int:
-        """Swap in a full-weights directory (``path``) or a peft adapter (``lora_path``); returns the new version.
+    async def swap(
+        self, path: str | None = None, lora_path: str | None = None, version: int | None = None
+    ) -> int:
+        """Swap in a full-weights directory (``path``) or a peft adapter (``lora_path``); return the version.
 
         Raises ``SwapError`` on a refused or failed swap: the old version keeps serving."""
         if (path is None) == (lora_path is None):
@@ -294,14 +299,18 @@ class WeightSwapper:
             except SwapError as exc:
                 self.failures += 1
                 self.last_error = exc.message
-                log.error("weight swap refused or failed (version %d keeps serving): %s", self.version, exc.message)
+                log.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
+                          exc.message)
                 raise
 
     async def _swap(self, path: str | None, lora_path: str | None, version: int | None) -> int:
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
-            raise SwapError(409, f"version {new_version} is not newer than the current version {self.version}",
-                            "stale_version")
+            raise SwapError(
+                409,
+                f"version {new_version} is not newer than the current one ({self.version})",
+                "stale_version",
+            )
         if path is not None:
             if self.cpu_backend is None or self.path is None:
                 await self._inspect_backends()
@@ -364,31 +373,40 @@ class WeightSwapper:
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
         except TimeoutError:
-            raise SwapError(503, f"{self._in_flight} model calls still running after {self.drain_timeout_s:.0f} s; "
-                                 "swap abandoned, old weights kept", "swap_drain_timeout") from None
+            raise SwapError(
+                503,
+                f"{self._in_flight} model calls still running after "
+                f"{self.drain_timeout_s:.0f} s; swap abandoned, old weights kept",
+                "swap_drain_timeout",
+            ) from None
 
-    async def _load(self, path: str | None, lora_path: str | None, lora_name: str | None,
-                    loaded: list[str]) -> None:
+    async def _load(
+        self, path: str | None, lora_path: str | None, lora_name: str | None, loaded: list[str]
+    ) -> None:
         for b in self.backends:
             if lora_path is not None:
-                await self._call(b, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+                await self._call(b, "POST", "/v1/load_lora_adapter",
+                                 {"lora_name": lora_name, "lora_path": lora_path})
                 loaded.append(b)
                 continue
             try:
                 await self._call(b, "POST", "/collective_rpc",
                                  {"method": "reload_weights", "kwargs": {"weights_path": path}})
             except SwapError as exc:
-                # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway leaves
-                # the engine without usable weights (its next forward pass kills it), and a second reload crashes
-                # it too. Nothing to restore from here: say so. check_weights_dir exists to make this rare.
-                self.degraded = (f"{b} failed a weight reload and may hold no usable weights; restart it "
-                                 f"({exc.message})")
-                raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
+                # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
+                # leaves the engine without usable weights (its next forward pass kills it), and a second
+                # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
+                self.degraded = (
+                    f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
+                )
+                raise SwapError(
+                    exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code
+                ) from None
             loaded.append(b)
 
     async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
-        """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or reload the
-        weights the old version was serving."""
+        """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or
+        reload the weights the old version was serving."""
         for b in loaded:
             try:
                 if lora_name is not None:
@@ -405,7 +423,7 @@ class WeightSwapper:
                 log.error("rollback on %s failed: %s", b, exc.message)
 
     async def _tell_version(self, version: int) -> None:
-        # vLLM's own label for its weights (its /weight_info and metrics); informational, so failures are ignored.
+        # vLLM's own label for its weights (its /weight_info and metrics); informational: errors ignored.
         for b in self.backends:
             try:
                 await self._call(b, "POST", "/update_weight_version", {"new_version": str(version)})
@@ -437,8 +455,8 @@ class WeightSwapper:
             raise SwapError(500, f"could not persist policy version {version}: {exc}", "log_error") from exc
 
     async def _inspect_backends(self) -> None:
-        """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config string
-        holds ``model='DIR'`` and ``device_config=cpu``; a reload points ``model`` at the new directory).
+        """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config
+        string holds ``model='DIR'`` and ``device_config=cpu``).
         Unknown device counts as CPU, the safe side."""
         cpu, path = False, None
         for b in self.backends:
@@ -464,22 +482,25 @@ class WeightSwapper:
             async with self._http.request(method, url, json=body) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
-                    raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): {_detail(text)}",
+                    raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): "
+                                         f"{_detail(text)}",
                                     "backend_error")
                 try:
                     return json.loads(text) if text else None
                 except ValueError:
                     return text
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise SwapError(502, f"{method} {route} on {backend} failed: {exc!r}", "backend_unreachable") from exc
+            raise SwapError(502, f"{method} {route} on {backend} failed: {exc!r}",
+                            "backend_unreachable") from exc
 
     def state(self) -> WeightState:
         return WeightState(
             version=self.version, mode="lora" if self.lora_name else "base", path=self.path,
             lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(),
             holding=not self._open.is_set(), swaps=self.swaps,
-            failures=self.failures, in_flight=self._in_flight, held=self._held, last_swap_at=self.last_swap_at,
-            last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s, last_held_wait_s=self._held_wait or None, last_error=self.last_error,
+            failures=self.failures, in_flight=self._in_flight, held=self._held,
+            last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
+            last_held_wait_s=self._held_wait or None, last_error=self.last_error,
             degraded=self.degraded,
         )
 
@@ -497,7 +518,7 @@ def _detail(text: str) -> str:
     return text[:500]
 
 
-# --- the proxy's side: POST /admin/weights, startup restore, metrics -------------------------------------------
+# --- the proxy's side: POST /admin/weights, startup restore, metrics ----------------------------------------
 
 
 class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -517,7 +538,7 @@ def swapper_of(app: web.Application) -> WeightSwapper:
 
 
 async def admin_weights(request: web.Request) -> web.Response:
-    """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control token)."""
+    """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control)."""
     require_control(request)
     try:
         body = _weights_request.decode(await request.read())
@@ -537,7 +558,7 @@ async def admin_weights(request: web.Request) -> web.Response:
 
 
 class WeightsCollector:
-    """Prometheus view of the swapper, read at scrape time (``registry.register(WeightsCollector(swapper))``)."""
+    """Prometheus view of the swapper, read at scrape time: ``registry.register(WeightsCollector(sw))``."""
 
     def __init__(self, swapper: WeightSwapper) -> None:
         self.swapper = swapper
@@ -547,14 +568,20 @@ class WeightsCollector:
 
     def collect(self) -> Iterator[Any]:
         st = self.swapper.state()
-        yield GaugeMetricFamily("steptap_policy_version", "policy version of the weights being served", st.version)
-        yield CounterMetricFamily("steptap_weight_swaps", "successful weight swaps", st.swaps)
-        yield CounterMetricFamily("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
-        yield GaugeMetricFamily("steptap_weight_swap_seconds", "duration of the last swap (calls held meanwhile)",
-                                st.last_swap_s or 0.0)
-        yield GaugeMetricFamily("steptap_weight_swap_paused_seconds", "how long the backend was paused in the last swap",
-                                st.last_paused_s or 0.0)
-        yield GaugeMetricFamily("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
-        yield GaugeMetricFamily("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
-        yield GaugeMetricFamily("steptap_weight_swap_last_timestamp", "unix time of the last swap",
-                                st.last_swap_at or 0.0)
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield g("steptap_policy_version", "policy version of the weights being served", st.version)
+        yield c("steptap_weight_swaps", "successful weight swaps", st.swaps)
+        yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
+        yield g(
+            "steptap_weight_swap_seconds",
+            "duration of the last swap (calls held meanwhile)",
+            st.last_swap_s or 0.0,
+        )
+        yield g(
+            "steptap_weight_swap_paused_seconds",
+            "how long the backend was paused in the last swap",
+            st.last_paused_s or 0.0,
+        )
+        yield g("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
+        yield g("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
+        yield g("steptap_weight_swap_last_timestamp", "unix time of the last swap", st.last_swap_at or 0.0)

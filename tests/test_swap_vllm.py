@@ -42,7 +42,7 @@ DIFFERENT = 0.05  # a swap must move the logprobs far more than that
 MakeClient = Callable[..., Awaitable[TestClient]]
 
 
-# --- the server (module scope: one start for every swap test) -------------------------------------------------
+# --- the server (module scope: one start for every swap test) -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +59,23 @@ def swap_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             pytest.fail(f"vLLM server unavailable under CI: {exc}", pytrace=False)
         pytest.skip(f"vLLM server unavailable: {exc}")
     try:
-        http_json(f"{server.url}/v1/chat/completions", {  # the warm-up, outside any test's timing
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        http_json(
+            f"{server.url}/v1/chat/completions",
+            {  # the warm-up, outside any test's timing
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+            },
+        )
         yield Backend(url=server.url, served_model="tiny", model_dir=tiny_model_dir, pid=server.pid)
     finally:
         server.stop()
 
 
 def _post(url: str, body: dict[str, Any] | None = None) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=120) as resp:
         raw = resp.read()
@@ -88,14 +95,16 @@ def original_weights(swap_server: Backend) -> Iterator[None]:
             _post(f"{url}/v1/unload_lora_adapter", {"lora_name": m["id"]})
     _post(f"{url}/pause?mode=wait")
     try:
-        _post(f"{url}/collective_rpc", {"method": "reload_weights",
-                                        "kwargs": {"weights_path": str(swap_server.model_dir)}})
+        _post(
+            f"{url}/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(swap_server.model_dir)}},
+        )
         _post(f"{url}/reset_prefix_cache")
     finally:
         _post(f"{url}/resume")
 
 
-# --- the learner's side: models to publish ---------------------------------------------------------------------
+# --- the learner's side: models to publish ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +137,12 @@ def lora_model(model: Any, seed: int) -> Any:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+    peft_model = get_peft_model(
+        copy.deepcopy(model),
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0
+        ),
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -138,7 +151,7 @@ def lora_model(model: Any, seed: int) -> Any:
     return peft_model.eval()
 
 
-# --- the proxy ------------------------------------------------------------------------------------------------
+# --- the proxy ----------------------------------------------------------------------------------------------
 
 
 async def proxy(aiohttp_client: MakeClient, backend: str, log_dir: Path) -> TestClient:
@@ -156,12 +169,25 @@ def swapper(client: TestClient) -> WeightSwapper:
     return sw
 
 
-async def call(client: TestClient, *, stream: bool = False, max_tokens: int = 8, ignore_eos: bool = False,
-               prompt: str = "hello there") -> dict[str, Any]:
+async def call(
+    client: TestClient,
+    *,
+    stream: bool = False,
+    max_tokens: int = 8,
+    ignore_eos: bool = False,
+    prompt: str = "hello there",
+) -> dict[str, Any]:
     """One agent call in its own session; returns the recorded step."""
     sid = uuid.uuid4().hex
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 1.0, "seed": 7, "stream": stream, "ignore_eos": ignore_eos}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": 7,
+        "stream": stream,
+        "ignore_eos": ignore_eos,
+    }
     resp = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
     raw = await resp.read()
     assert resp.status == 200, raw[:500]
@@ -174,14 +200,18 @@ async def call(client: TestClient, *, stream: bool = False, max_tokens: int = 8,
 
 
 def ref(model_dir: Path | str, step: dict[str, Any], adapter: Path | str | None = None) -> list[float]:
-    return reference_logprobs(model_dir, step["prompt_token_ids"], step["response_token_ids"], adapter_dir=adapter)
+    return reference_logprobs(
+        model_dir, step["prompt_token_ids"], step["response_token_ids"], adapter_dir=adapter
+    )
 
 
 def newest(out_dir: Path) -> Path:
     """The directory publish_weights wrote last."""
     from steptap.learner.publish import MARKER
 
-    return max((p for p in out_dir.iterdir() if (p / MARKER).is_file()), key=lambda p: (p / MARKER).stat().st_mtime)
+    return max(
+        (p for p in out_dir.iterdir() if (p / MARKER).is_file()), key=lambda p: (p / MARKER).stat().st_mtime
+    )
 
 
 def gap(a: list[float], b: list[float]) -> float:
@@ -196,11 +226,12 @@ async def publish(client: TestClient, model: Any, out_dir: Path, **kw: Any) -> i
     return await asyncio.to_thread(publish_weights, model, None, base_url(client), TOKEN, out_dir, **kw)
 
 
-# --- the tests ------------------------------------------------------------------------------------------------
+# --- the tests ----------------------------------------------------------------------------------------------
 
 
-async def test_full_swap_serves_the_learners_weights(swap_server: Backend, learner_model: Any, tmp_path: Path,
-                                                     aiohttp_client: MakeClient) -> None:
+async def test_full_swap_serves_the_learners_weights(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
     base = swap_server.model_dir
     before = await call(client)
@@ -212,7 +243,10 @@ async def test_full_swap_serves_the_learners_weights(swap_server: Backend, learn
     assert version == 1
     published = newest(tmp_path / "weights")
     st = swapper(client).state()
-    print(f"\nFIGURE idle full-weights swap (tiny model): swap_s={st.last_swap_s:.3f} paused_s={st.last_paused_s:.3f}")
+    print(
+        f"\nFIGURE idle full-weights swap (tiny model): swap_s={st.last_swap_s:.3f} "
+        f"paused_s={st.last_paused_s:.3f}"
+    )
 
     after = await call(client)
     assert after["policy_version"] == 1
@@ -242,8 +276,9 @@ async def test_full_swap_serves_the_learners_weights(swap_server: Backend, learn
     assert back["policy_version"] == 2 and gap(back["response_logprobs"], ref(base, back)) < TOL
 
 
-async def test_lora_swap_routes_to_the_adapter(swap_server: Backend, learner_model: Any, tmp_path: Path,
-                                               aiohttp_client: MakeClient) -> None:
+async def test_lora_swap_routes_to_the_adapter(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
     base = swap_server.model_dir
     out = tmp_path / "adapters"
@@ -251,7 +286,10 @@ async def test_lora_swap_routes_to_the_adapter(swap_server: Backend, learner_mod
     v1 = await publish(client, lora_model(learner_model, seed=2), out, lora=True)
     assert v1 == 1
     st = swapper(client).state()
-    print(f"\nFIGURE idle LoRA swap (r=8, 4 projections): swap_s={st.last_swap_s:.3f} paused_s={st.last_paused_s:.3f}")
+    print(
+        f"\nFIGURE idle LoRA swap (r=8, 4 projections): swap_s={st.last_swap_s:.3f} "
+        f"paused_s={st.last_paused_s:.3f}"
+    )
     adapter1 = newest(out)
     step = await call(client, stream=True)
     assert step["policy_version"] == 1
@@ -280,24 +318,33 @@ async def test_lora_swap_routes_to_the_adapter(swap_server: Backend, learner_mod
 
 
 async def test_calls_around_a_swap_all_succeed_with_their_own_version(
-        swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient) -> None:
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
     sw = swapper(client)
     base = swap_server.model_dir
     new_model = perturbed(learner_model, seed=4)
 
-    # 4 streamed calls in flight (200 tokens each: still running when the swap starts to drain) ...
-    early = [asyncio.ensure_future(call(client, stream=True, max_tokens=200, ignore_eos=True, prompt=f"early {i}"))
-             for i in range(4)]
+    from steptap.learner.publish import request_swap, write_weights
+
+    published = await asyncio.to_thread(write_weights, new_model, None, tmp_path / "weights")
+    # 4 streamed calls in flight (300 tokens each: still running when the swap starts to drain) ...
+    early = [
+        asyncio.ensure_future(call(client, stream=True, max_tokens=300, ignore_eos=True, prompt=f"early {i}"))
+        for i in range(4)
+    ]
     while sw.state().in_flight < 4:
         await asyncio.sleep(0.005)
     t0 = time.monotonic()
-    swap = asyncio.ensure_future(publish(client, new_model, tmp_path / "weights"))
+    swap = asyncio.ensure_future(asyncio.to_thread(request_swap, base_url(client), TOKEN, published))
     while not sw.state().holding:
         await asyncio.sleep(0.005)
-    assert sw.state().in_flight == 4  # the swap waits for them (drains) before pausing vLLM
+    draining = sw.state().in_flight
+    assert draining >= 1  # the swap waits for them (drains) before pausing vLLM
     # ... and 4 more arriving while it runs: the proxy holds them.
-    late = [asyncio.ensure_future(call(client, stream=True, max_tokens=16, prompt=f"late {i}")) for i in range(4)]
+    late = [
+        asyncio.ensure_future(call(client, stream=True, max_tokens=16, prompt=f"late {i}")) for i in range(4)
+    ]
     max_held = 0
     while not swap.done():
         max_held = max(max_held, sw.state().held)
@@ -307,22 +354,28 @@ async def test_calls_around_a_swap_all_succeed_with_their_own_version(
     steps = await asyncio.gather(*early, *late)  # every call succeeded (call() asserts 200)
 
     assert version == 1
-    assert max_held == 4  # the late calls waited in the proxy, none failed, none reached the paused vLLM early
-    published = newest(tmp_path / "weights")
+    assert (
+        max_held == 4
+    )  # the late calls waited in the proxy, none failed, none reached the paused vLLM early
     versions = [s["policy_version"] for s in steps]
     assert versions == [0] * 4 + [1] * 4
-    assert [len(s["response_token_ids"]) for s in steps[:4]] == [200] * 4
+    assert [len(s["response_token_ids"]) for s in steps[:4]] == [300] * 4
     for s in steps:  # each step matches the weights of the version it records, and not the other's
         own, other = (base, published) if s["policy_version"] == 0 else (published, base)
         assert gap(s["response_logprobs"], ref(own, s)) < TOL
         assert gap(s["response_logprobs"], ref(other, s)) > DIFFERENT
     st = sw.state()
-    print(f"\nFIGURE swap with 4 x 200-token calls in flight: swap_s={st.last_swap_s:.3f} (incl. draining), "
-          f"paused_s={st.last_paused_s:.3f}, held_wait_s={st.last_held_wait_s:.3f}, publish wall {swap_wall:.3f}s")
+    print(
+        f"\nFIGURE swap with {draining} of 4 x 300-token calls in flight: swap_s={st.last_swap_s:.3f} "
+        "(incl. draining), "
+        f"paused_s={st.last_paused_s:.3f}, held_wait_s={st.last_held_wait_s:.3f}, "
+        f"publish wall {swap_wall:.3f}s"
+    )
 
 
-async def test_refused_swaps_keep_the_old_version(swap_server: Backend, learner_model: Any, tmp_path: Path,
-                                                  aiohttp_client: MakeClient) -> None:
+async def test_refused_swaps_keep_the_old_version(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
     base = swap_server.model_dir
 
@@ -363,20 +416,24 @@ async def test_refused_swaps_keep_the_old_version(swap_server: Backend, learner_
     assert swapper(client).state().failures == 3
 
 
-# --- a failing reload: a fault injector in front of the real server -------------------------------------------
+# --- a failing reload: a fault injector in front of the real server -----------------------------------------
 
 
 @pytest.fixture
 async def reload_fails(swap_server: Backend) -> AsyncIterator[str]:
-    """Fault injector: passes everything to the real vLLM except ``/collective_rpc``, which answers 500 (a real
-    server cannot be made to fail a reload and stay usable: vllm 0.32 loses its weights when it does)."""
+    """Fault injector: passes everything to the real vLLM except ``/collective_rpc``, which answers 500 (a
+    real server cannot be made to fail a reload and stay usable: vllm 0.32 loses its weights when it does)."""
     session = aiohttp.ClientSession()
 
     async def relay(request: web.Request) -> web.Response:
         if request.path == "/collective_rpc":
             return web.json_response({"error": {"message": "injected reload failure"}}, status=500)
-        async with session.request(request.method, swap_server.url + request.path_qs, data=await request.read(),
-                                   headers={"Content-Type": "application/json"}) as r:
+        async with session.request(
+            request.method,
+            swap_server.url + request.path_qs,
+            data=await request.read(),
+            headers={"Content-Type": "application/json"},
+        ) as r:
             return web.Response(body=await r.read(), status=r.status, content_type="application/json")
 
     app = web.Application()
@@ -388,9 +445,9 @@ async def reload_fails(swap_server: Backend) -> AsyncIterator[str]:
     await session.close()
 
 
-async def test_failing_reload_keeps_serving_the_old_version(swap_server: Backend, learner_model: Any,
-                                                            reload_fails: str, tmp_path: Path,
-                                                            aiohttp_client: MakeClient) -> None:
+async def test_failing_reload_keeps_serving_the_old_version(
+    swap_server: Backend, learner_model: Any, reload_fails: str, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     client = await proxy(aiohttp_client, reload_fails, tmp_path / "log")
     sw = swapper(client)
     from steptap.learner.publish import PublishError
@@ -408,4 +465,35 @@ async def test_failing_reload_keeps_serving_the_old_version(swap_server: Backend
     assert http_json(f"{swap_server.url}/is_paused")["is_paused"] is False  # resumed after the failure
     st = sw.state()
     assert st.version == 0 and st.failures == 1 and "injected reload failure" in (st.last_error or "")
-    assert not (tmp_path / "weights").exists() or not [p for p in (tmp_path / "weights").iterdir() if p.is_dir()]
+    assert not (tmp_path / "weights").exists() or not [
+        p for p in (tmp_path / "weights").iterdir() if p.is_dir()
+    ]
+
+
+async def test_a_lora_load_the_server_refuses_keeps_the_old_version(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    """A real failing load: an adapter of rank 32 on a server started with --max-lora-rank 16 (vLLM refuses it
+    and keeps serving, unlike a failed disk reload)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from steptap.learner.publish import PublishError
+
+    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
+    sw = swapper(client)
+    too_big = get_peft_model(copy.deepcopy(learner_model), LoraConfig(r=32, target_modules=["q_proj"]))
+    swap = asyncio.ensure_future(publish(client, too_big, tmp_path / "adapters", lora=True))
+    while not sw.state().holding and not swap.done():
+        await asyncio.sleep(0.002)
+    held = [asyncio.ensure_future(call(client)) for _ in range(3)]
+    with pytest.raises(PublishError, match="max_lora_rank") as err:
+        await swap
+    assert err.value.status == 502
+    steps = await asyncio.gather(*held)
+    for s in steps:
+        assert s["policy_version"] == 0 and s["served_model"] == "tiny"
+        assert gap(s["response_logprobs"], ref(swap_server.model_dir, s)) < TOL
+    assert http_json(f"{swap_server.url}/is_paused")["is_paused"] is False
+    assert sw.state().version == 0 and sw.state().lora_name is None and sw.state().degraded is None

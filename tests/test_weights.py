@@ -2,8 +2,8 @@
 parameters of the backend calls, refusals before anything is paused, persistence of the version in a real log,
 the ``/admin/weights`` route on the real app, and the learner's publishing side.
 
-The backend here is a fault injector: it stalls or fails the reload on demand, which a real vLLM cannot be made
-to do (tests/test_swap_vllm.py swaps a real server). It records every call so the tests can see what reached it.
+The backend here is a fault injector: it stalls or fails the reload on demand, which a real vLLM cannot be
+made to do (tests/test_swap_vllm.py swaps a real server). It records every call, to show what reached it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ class FaultInjector:
         body = await request.json() if request.can_read_body else None
         self.calls.append((request.path_qs, body))
         if request.path in self.fail:
-            return web.json_response({"error": {"message": f"injected failure of {request.path}"}}, status=500)
+            return web.json_response(
+                {"error": {"message": f"injected failure of {request.path}"}}, status=500
+            )
         if request.path == "/collective_rpc":
             await self.reload_gate.wait()
         if request.path == "/v1/models":
@@ -110,27 +112,39 @@ def adapter_dir(root: Path) -> Path:
     return root
 
 
-# --- the swap protocol ----------------------------------------------------------------------------------------
+# --- the swap protocol --------------------------------------------------------------------------------------
 
 
-async def test_swap_calls_the_backend_in_order_with_mode_wait(backend: tuple[FaultInjector, str],
-                                                              tmp_path: Path) -> None:
+async def test_swap_calls_the_backend_in_order_with_mode_wait(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
     base = model_dir(tmp_path / "base")
     fake.model_dir = str(base)
     sw = WeightSwapper(url)
     new = model_dir(tmp_path / "new")
     assert await sw.swap(path=str(new)) == 1
-    assert fake.routes() == ["/server_info", "/pause?mode=wait", "/collective_rpc", "/update_weight_version",
-                             "/reset_prefix_cache", "/resume"]
+    assert fake.routes() == [
+        "/server_info",
+        "/pause?mode=wait",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
     assert fake.calls[2][1] == {"method": "reload_weights", "kwargs": {"weights_path": str(new)}}
     assert sw.path == str(new) and sw.cpu_backend is True
 
     fake.calls.clear()
     ad = adapter_dir(tmp_path / "ad")
     assert await sw.swap(lora_path=str(ad)) == 2
-    assert fake.routes() == ["/pause?mode=wait", "/v1/load_lora_adapter", "/update_weight_version",
-                             "/reset_prefix_cache", "/resume"]
+    assert fake.routes() == [
+        "/pause?mode=wait",
+        "/v1/load_lora_adapter",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
     assert fake.calls[1][1] == {"lora_name": f"{LORA_PREFIX}-v2", "lora_path": str(ad)}
     async with sw.gate() as ticket:
         assert ticket.version == 2 and ticket.served_model == f"{LORA_PREFIX}-v2"
@@ -143,7 +157,8 @@ async def test_swap_calls_the_backend_in_order_with_mode_wait(backend: tuple[Fau
 
 
 async def test_new_calls_wait_during_a_swap_and_in_flight_calls_finish_first(
-        backend: tuple[FaultInjector, str], tmp_path: Path) -> None:
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
     sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
     new = model_dir(tmp_path / "new")
@@ -185,13 +200,19 @@ async def test_new_calls_wait_during_a_swap_and_in_flight_calls_finish_first(
     assert await swap == 1
     assert await asyncio.gather(*held) == [1, 1, 1]  # released onto the new version
     st = sw.state()
-    assert st.held == 0 and st.in_flight == 0 and st.last_held_wait_s is not None and st.last_held_wait_s > 0.1
+    assert (
+        st.held == 0 and st.in_flight == 0 and st.last_held_wait_s is not None and st.last_held_wait_s > 0.1
+    )
     assert st.last_swap_s is not None and st.last_swap_s >= st.last_held_wait_s
-    assert st.last_paused_s is not None and 0.05 < st.last_paused_s < st.last_swap_s  # paused while loading only
+    assert (
+        st.last_paused_s is not None and 0.05 < st.last_paused_s < st.last_swap_s
+    )  # paused while loading only
     await sw.close()
 
 
-async def test_concurrent_swaps_run_one_after_the_other(backend: tuple[FaultInjector, str], tmp_path: Path) -> None:
+async def test_concurrent_swaps_run_one_after_the_other(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
     sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
     dirs = [str(model_dir(tmp_path / f"w{i}")) for i in range(3)]
@@ -203,8 +224,9 @@ async def test_concurrent_swaps_run_one_after_the_other(backend: tuple[FaultInje
     await sw.close()
 
 
-async def test_a_failed_reload_resumes_releases_and_keeps_the_version(backend: tuple[FaultInjector, str],
-                                                                      tmp_path: Path) -> None:
+async def test_a_failed_reload_resumes_releases_and_keeps_the_version(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
     sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
     fake.fail.add("/collective_rpc")
@@ -230,8 +252,9 @@ async def test_a_failed_reload_resumes_releases_and_keeps_the_version(backend: t
     await sw.close()
 
 
-async def test_a_failure_after_loading_rolls_the_weights_back(backend: tuple[FaultInjector, str],
-                                                              tmp_path: Path) -> None:
+async def test_a_failure_after_loading_rolls_the_weights_back(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
     base = str(model_dir(tmp_path / "base"))
     sw = WeightSwapper(url, cpu_backend=True, model_dir=base)
@@ -248,9 +271,13 @@ async def test_a_failure_after_loading_rolls_the_weights_back(backend: tuple[Fau
     await sw.close()
 
 
-async def test_drain_timeout_gives_up_without_pausing(backend: tuple[FaultInjector, str], tmp_path: Path) -> None:
+async def test_drain_timeout_gives_up_without_pausing(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
     fake, url = backend
-    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1)
+    sw = WeightSwapper(
+        url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1
+    )
     async with sw.gate():
         with pytest.raises(SwapError) as err:
             await sw.swap(path=str(model_dir(tmp_path / "new")))
@@ -261,7 +288,7 @@ async def test_drain_timeout_gives_up_without_pausing(backend: tuple[FaultInject
     await sw.close()
 
 
-# --- refusals before anything is paused ----------------------------------------------------------------------
+# --- refusals before anything is paused ---------------------------------------------------------------------
 
 
 def test_check_weights_dir_refusals(tmp_path: Path) -> None:
@@ -273,13 +300,16 @@ def test_check_weights_dir_refusals(tmp_path: Path) -> None:
         assert err.value.code == "tied_embeddings"
     check_weights_dir(str(model_dir(tmp_path / "tied-gpu", tied=True)), cpu_backend=False)  # fine on GPU
     nested = model_dir(tmp_path / "nested")
-    (nested / "config.json").write_text(json.dumps({"tie_word_embeddings": False,
-                                                    "text_config": {"tie_word_embeddings": True}}))
+    (nested / "config.json").write_text(
+        json.dumps({"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": True}})
+    )
     with pytest.raises(SwapError, match="tie_word_embeddings"):
         check_weights_dir(str(nested), cpu_backend=True)
     with pytest.raises(SwapError) as err:
         check_weights_dir(str(model_dir(tmp_path / "wide", rows=5)), cpu_backend=True, reference=str(base))
-    assert err.value.code == "weights_mismatch" and "lm_head.weight [5, 2] (served: [4, 2])" in err.value.message
+    assert (
+        err.value.code == "weights_mismatch" and "lm_head.weight [5, 2] (served: [4, 2])" in err.value.message
+    )
     assert tensor_shapes(base) == {"lm_head.weight": [4, 2], "model.embed_tokens.weight": [4, 2]}
     with pytest.raises(SwapError, match="not found"):
         check_weights_dir(str(tmp_path / "nope"), cpu_backend=True)
@@ -290,7 +320,7 @@ def test_check_weights_dir_refusals(tmp_path: Path) -> None:
         check_weights_dir(str(empty), cpu_backend=True)
 
 
-# --- persistence ----------------------------------------------------------------------------------------------
+# --- persistence --------------------------------------------------------------------------------------------
 
 
 async def test_version_is_persisted_and_restored(backend: tuple[FaultInjector, str], tmp_path: Path) -> None:
@@ -322,22 +352,25 @@ async def test_version_is_persisted_and_restored(backend: tuple[FaultInjector, s
     await log.close()
 
 
-# --- the route on the real app ---------------------------------------------------------------------------------
+# --- the route on the real app ------------------------------------------------------------------------------
 
 
-async def test_admin_weights_route(backend: tuple[FaultInjector, str], tmp_path: Path,
-                                   aiohttp_client: MakeClient) -> None:
+async def test_admin_weights_route(
+    backend: tuple[FaultInjector, str], tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     fake, url = backend
     fake.model_dir = str(model_dir(tmp_path / "base"))
-    client = await aiohttp_client(create_app(ProxyConfig(backend=url, log=str(tmp_path / "log"),
-                                                         control_token=TOKEN)))
+    client = await aiohttp_client(
+        create_app(ProxyConfig(backend=url, log=str(tmp_path / "log"), control_token=TOKEN))
+    )
     new = str(model_dir(tmp_path / "new"))
 
     resp = await client.post("/admin/weights", json={"path": new})
     assert resp.status == 401 and (await resp.json())["error"]["type"] == "authentication_error"
     opened = await (await client.post("/sessions", json={}, headers=AUTH)).json()
-    resp = await client.post("/admin/weights", json={"path": new},
-                             headers={"Authorization": f"Bearer {opened['api_key']}"})
+    resp = await client.post(
+        "/admin/weights", json={"path": new}, headers={"Authorization": f"Bearer {opened['api_key']}"}
+    )
     assert resp.status == 403
     for bad in ({}, {"path": new, "lora_path": new}, {"path": new, "extra": 1}, {"path": 3}):
         resp = await client.post("/admin/weights", json=bad, headers=AUTH)
@@ -361,7 +394,7 @@ async def test_admin_weights_route(backend: tuple[FaultInjector, str], tmp_path:
     assert client.app[SWAPPER_KEY].version == 3
 
 
-# --- the learner's side ---------------------------------------------------------------------------------------
+# --- the learner's side -------------------------------------------------------------------------------------
 
 
 class _Saves:
@@ -406,18 +439,21 @@ def test_write_weights_is_atomic_and_pruned(tmp_path: Path) -> None:
     assert set(removed) == {a, b} and lora.is_dir() and (out / "mine").is_dir()
 
 
-async def test_publish_weights_through_the_proxy(backend: tuple[FaultInjector, str], tmp_path: Path,
-                                                 aiohttp_client: MakeClient) -> None:
+async def test_publish_weights_through_the_proxy(
+    backend: tuple[FaultInjector, str], tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
     from steptap.learner.publish import PublishError, publish_weights
 
     fake, url = backend
     fake.model_dir = str(model_dir(tmp_path / "base"))
-    client = await aiohttp_client(create_app(ProxyConfig(backend=url, log=str(tmp_path / "log"),
-                                                         control_token=TOKEN)))
+    client = await aiohttp_client(
+        create_app(ProxyConfig(backend=url, log=str(tmp_path / "log"), control_token=TOKEN))
+    )
     proxy = str(client.make_url("")).rstrip("/")
     out = tmp_path / "pub"
-    versions = [await asyncio.to_thread(publish_weights, _Saves(), None, proxy, TOKEN, out, keep=2)
-                for _ in range(3)]
+    versions = [
+        await asyncio.to_thread(publish_weights, _Saves(), None, proxy, TOKEN, out, keep=2) for _ in range(3)
+    ]
     assert versions == [1, 2, 3]
     kept = sorted(p.name for p in out.iterdir())
     assert len(kept) == 2  # keep last K
