@@ -178,7 +178,8 @@ class WeightSwapper:
     servers)."""
 
     def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
-                 model_dir: str | None = None, cpu_backend: bool | None = None, drain_timeout_s: float = 600.0,
+                 model_dir: str | None = None, cpu_backend: bool | None = None,
+                 drain_timeout_s: float = 600.0,
                  request_timeout_s: float = 600.0, validate_paths: bool = True) -> None:
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
