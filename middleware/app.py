@@ -114,4 +114,5 @@ async def _count_calls(request: web.Request, handler: Any) -> web.StreamResponse
     finally:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        request.app[METRICS_KEY].calls.labels(route, str(status)).inc()
+        metrics = request.app[METRICS_KEY]
+        metrics.child(metrics.calls, route, str(status)).inc()

@@ -204,7 +204,9 @@ async def _model_call(request: web.Request, endpoint: str) -> web.StreamResponse
             return await call.run(_encode(out), stream)
     finally:
         manager.end_call(session)
-        metrics.call_latency.labels(endpoint, "true" if stream else "false").observe(time.perf_counter() - t0)
+        metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
+            time.perf_counter() - t0
+        )
 
 
 class _AgentGone(Exception):
@@ -417,6 +419,11 @@ class _Call:
             await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass
+        if done:
+            # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
+            # unread closes its connection instead of returning it to the pool (a TCP connect per call).
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.wait_for(resp.content.read(), 1.0)
         return out
 
 

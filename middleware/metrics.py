@@ -88,6 +88,17 @@ class Metrics:
             registry=r,
         )
 
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: prometheus_client validates and locks on every ``labels()``
+        call, which shows on the hot path."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def watch_log(self, log: Any) -> None:
         """Expose the log's own counters (read at scrape time): appends, commits, torn or corrupt records."""
         self.registry.register(_LogCollector(log))

@@ -205,7 +205,7 @@ class SessionManager:
         """The session a model call belongs to; anonymous calls get a fresh one-step session."""
         if ident.source == "anonymous":
             traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
-            self.metrics.sessions_opened.labels("true").inc()
+            self.metrics.child(self.metrics.sessions_opened, "true").inc()
             return Session(traj, None)
         if ident.source == "key":
             sid = self.keys.get(ident.key or "")
@@ -254,8 +254,8 @@ class SessionManager:
             else:
                 traj.steps.append(step)
             m = self.metrics
-            m.steps.labels(step.status, "true" if traj.anonymous else "false").inc()
-            m.prefix.labels(step.prefix).inc()
+            m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
+            m.child(m.prefix, step.prefix).inc()
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
         if traj.anonymous and self.reward_fn is None:
@@ -338,7 +338,7 @@ class SessionManager:
     def _closed(self, session: Session) -> None:
         """Bookkeeping once the Trajectory record is durable."""
         traj = session.trajectory
-        self.metrics.trajectories.labels(traj.status).inc()
+        self.metrics.child(self.metrics.trajectories, traj.status).inc()
         if traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
         if not traj.anonymous:
