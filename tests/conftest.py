@@ -94,6 +94,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
     # Checked here, on a healthy server, so the suite needs no second one: nothing of its tree may survive.
     assert not process_group_alive(server.pid), f"vLLM processes left in group {server.pid} after stop()"
+    assert not server.forced, "a healthy vLLM server needed SIGKILL to stop"
 
 
 # --- the capture proxy, in-process (aiohttp test server on port 0) -------------------------------------------
