@@ -146,6 +146,7 @@ class Up:
             argv += ["--config", self.args.config]
         argv += ["--proxy-url", self.proxy_url, "--model-dir", self.model_dir, "--metrics-file",
                  str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
+                 "--weights-dir", str(self.workdir / "weights"),
                  *_split(self.args.learn_args)]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}

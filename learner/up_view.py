@@ -185,12 +185,13 @@ class StatusBoard:
             return "-" if v is None else format(v, spec)
 
         by_version = self.reward_by_version()
+        rollout = self.rollout_reward()  # needs the histogram's _sum, which a histogram with negative buckets omits
         return [
             ("active sessions", fmt(_pick(self.prom, ACTIVE_SESSIONS))),
             ("calls/s (10 s)", fmt(self.calls_per_s(), ".1f")),
             ("steps recorded", fmt(_pick(self.prom, STEPS))),
             ("trajectories closed", fmt(_pick(self.prom, FINISHED))),
-            ("agents' reward (last 60 s)", fmt(self.rollout_reward(), ".3f")),
+            *([("agents' reward (last 60 s)", fmt(rollout, ".3f"))] if rollout is not None else []),
             ("learner updates", str(self.updates)),
             ("reward (last 3 updates)", fmt(self.recent_reward(3), ".3f")),
             ("reward by policy version", "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:])

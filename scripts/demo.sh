@@ -13,7 +13,8 @@
 # minutes of learning, set-up time, updates, policy versions).
 #
 # Options: --minutes M (10)  --target R (0.85)  --model DIR_OR_NAME (default: tiny model built offline)
-#          --config FILE (examples/digits/learner.toml)  --concurrency N (16)  --skip-setup  --out DIR
+#          --config FILE (examples/digits/learner.toml)  --concurrency N (16)  --round G (8; 0: sample
+#          continuously, overlapping with training)  --skip-setup  --out DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,7 @@ TARGET=0.85
 MODEL=""
 CONFIG=examples/digits/learner.toml
 CONCURRENCY=16
+ROUND=8         # groups per sampling round = the learner's batch_groups: each batch is sampled by the newest policy
 SKIP_SETUP=0
 OUT=""
 while [ $# -gt 0 ]; do
@@ -31,9 +33,10 @@ while [ $# -gt 0 ]; do
     --model) MODEL=$2; shift 2 ;;
     --config) CONFIG=$2; shift 2 ;;
     --concurrency) CONCURRENCY=$2; shift 2 ;;
+    --round) ROUND=$2; shift 2 ;;
     --skip-setup) SKIP_SETUP=1; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -54,7 +57,7 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
 up_args=(--workdir "$OUT" --task digits --config "$CONFIG" --port 0
          --duration "$(( MINUTES * 60 ))" --stop-at-reward "$TARGET"
-         --agents ".venv/bin/python examples/digits/agents.py --concurrency $CONCURRENCY")
+         --agents ".venv/bin/python examples/digits/agents.py --concurrency $CONCURRENCY --round-groups $ROUND")
 [ -n "$MODEL" ] && up_args+=(--model "$MODEL")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # vLLM and the learner share the GPU: vLLM takes only part of its memory (its default is 90%).

@@ -11,6 +11,11 @@ The agents are grouped for GRPO: each prompt is answered by ``--group-size`` ses
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the
 policy's own distribution. The token strings come back with the reply's logprobs (asked for explicitly; the
 proxy strips only what the agent did not ask for), so the reward counts tokens, not characters.
+
+By default the population samples continuously, overlapping with training (off-policy by a version or two,
+which the learner bounds with ``max_staleness``). ``--round-groups N`` samples N groups, then waits until the
+proxy serves a newer policy: on-policy batches, and on a 2-core machine generation and training then take turns
+instead of fighting over the cores. The demo uses it (examples/digits/learner.toml has batch_groups = 8).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import random
 import sys
 import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -49,6 +55,15 @@ def response_tokens(choice: Any) -> list[str]:
     if content:
         return [c.token for c in content]
     return (choice.message.content or "").split()  # no logprobs came back: fall back to words
+
+
+def policy_version(proxy: str) -> int:
+    """The policy version the proxy serves now (``GET /health``; no token needed)."""
+    try:
+        with urllib.request.urlopen(f"{proxy}/health", timeout=10) as resp:
+            return int(json.loads(resp.read()).get("policy_version", 0))
+    except (OSError, ValueError):
+        return -1
 
 
 class Population:
@@ -90,6 +105,16 @@ class Population:
             print(f"group {group}: {len(errors)} member(s) failed: {errors[0]!r}", file=sys.stderr, flush=True)
             await asyncio.sleep(1.0)  # back off (a weight swap or a restart in progress)
 
+    async def wait_for_new_policy(self, version: int) -> int:
+        """Until the proxy serves a newer policy version (the learner swapped its update in), or a timeout."""
+        deadline = time.time() + self.args.round_timeout
+        while time.time() < deadline:
+            now = await asyncio.to_thread(policy_version, self.proxy)
+            if now > version:
+                return now
+            await asyncio.sleep(0.5)
+        return version
+
     async def run(self) -> None:
         from steptap.middleware.client import SteptapClient
 
@@ -100,18 +125,26 @@ class Population:
             model = self.args.model or os.environ.get("STEPTAP_MODEL") or (await llm.models.list()).data[0].id
             # Enough groups in flight to keep every concurrency slot busy while a group's last members finish.
             in_flight = max(1, -(-self.args.concurrency // self.args.group_size) + 1)
-            started = 0
+            started, round_left = 0, self.args.round_groups or None
+            version = await asyncio.to_thread(policy_version, self.proxy)
             tasks: set[asyncio.Task[None]] = set()
             last_report = time.time()
             while self.args.groups is None or started < self.args.groups or tasks:
-                while len(tasks) < in_flight and (self.args.groups is None or started < self.args.groups):
+                while len(tasks) < in_flight and (self.args.groups is None or started < self.args.groups) \
+                        and round_left != 0:
                     tasks.add(asyncio.create_task(self.group(steptap_client, llm, model)))
                     started += 1
-                finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    round_left = None if round_left is None else round_left - 1
+                if tasks:
+                    _, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                elif round_left == 0:  # a round is complete: sample the next one from the next policy
+                    version = await self.wait_for_new_policy(version)
+                    round_left = self.args.round_groups
                 if time.time() - last_report >= self.args.report_every and self.rewards:
                     last_report = time.time()
                     recent = self.rewards[-64:]
                     print(json.dumps({"t": round(time.time() - self.t0, 1), "sessions": self.done,
+                                      "policy_version": version,
                                       "recent_reward": round(sum(recent) / len(recent), 3)}), flush=True)
             await llm.close()
 
@@ -125,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16, help="model calls in flight")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run until stopped)")
+    p.add_argument("--round-groups", type=int, default=0,
+                   help="sample in rounds of this many groups, each round from a newer policy than the last "
+                        "(on-policy batches for a learner with batch_groups equal to it); 0: sample continuously")
+    p.add_argument("--round-timeout", type=float, default=300.0, help="longest wait for a new policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-sessions", action="store_true", help="one JSON line per finished session")
     p.add_argument("--report-every", type=float, default=10.0, help="seconds between progress lines")
