@@ -83,6 +83,7 @@ class FaultInjector:
         self.mode = "ok"
         self.stall_s = stall_s
         self.calls = 0
+        self.connections: set[int] = set()  # distinct upstream connections seen (keep-alive reuse shows here)
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
@@ -96,6 +97,7 @@ class FaultInjector:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
+        self.connections.add(id(request.transport))
         body = await request.json()
         mode = request.headers.get("X-Fault", self.mode)
         if mode == "error500":
@@ -130,6 +132,7 @@ class FaultInjector:
         for i in range(1, len(TOKENS)):
             await resp.write(_chunk(i))
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.02)  # the body's end arrives apart from [DONE], as from a busy server
         return resp
 
 

@@ -252,3 +252,18 @@ async def test_unknown_model_routes_under_a_session_path_are_404(
     assert_openai_error(status, body, 404, "not_found")
     status, body = await call(http, f"{proxy.url}/s/x/sessions", {})
     assert_openai_error(status, body, 403, "forbidden")
+
+
+async def test_sequential_calls_reuse_one_upstream_connection(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
+) -> None:
+    injector, proxy = faulty
+    for i in range(6):
+        if i % 2:
+            assert (await stream_events(http, f"{proxy.url}/v1/chat/completions", good(MODEL)))[
+                -1
+            ] == "[DONE]"
+        else:
+            status, _ = await call(http, f"{proxy.url}/v1/chat/completions", good(MODEL))
+            assert status == 200
+    assert injector.calls == 6 and len(injector.connections) == 1
