@@ -6,8 +6,11 @@ One run starts, each in its own process: the replay upstream (recorded vLLM repl
 and token ids, bench/fixtures/), the pass-through proxy (bench/passthrough.py) in front of it, the steptap proxy
 (``steptap serve --backend <replay> --log <tmpdir>``: capture and the durable log on), and the load generator
 (bench/loadgen.py). For each configuration (concurrency 1 and 32, streamed and not) it measures direct,
-pass-through and steptap in alternating rounds (the order rotates each round; this machine is shared and
-noisy) and reports medians over rounds: calls/s, p50 and p99 latency. The targets (issue 2, "Performance"):
+pass-through and steptap in rounds (this machine is shared and noisy) and reports medians over rounds: calls/s,
+p50 and p99 latency, and the proxy process's CPU time per call (user + system, all threads: the measure that
+noise disturbs least). At c=32 each target gets its own run, in an order that rotates each round; at c=1 one
+run calls the three in turn, call after call, so that they see the same moment-to-moment noise (calls/s is then
+1 / mean latency, what a sequential agent gets). The targets (issue 2, "Performance"):
 
 - steptap calls/s at c=32 >= 0.5 x pass-through's (median over rounds of the paired ratio);
 - steptap's median latency at c=1 <= pass-through's + 0.6 ms (median over rounds of the paired difference).
