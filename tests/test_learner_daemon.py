@@ -99,3 +99,34 @@ async def test_stale_downweight_is_counted(make_proxy, tmp_path: Path, tiny_mode
     (row,) = _rows(metrics)
     assert row["counts"]["downweighted_stale"] == 2 and row["counts"].get("dropped_stale", 0) == 0
     assert row["counts"]["trained_steps"] == 6
+
+
+def test_config_file_flags_env_and_validation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Path(__file__).parent.parent / "examples" / "learner.toml"
+    cfg = config_from_argv(["--config", str(example), "--lr", "3e-4", "--lora-targets", "q_proj", "v_proj",
+                            "--no-progress", "--stale-mode", "downweight"])
+    assert (cfg.lr, cfg.lora_targets, cfg.progress, cfg.stale_mode) == (3e-4, ("q_proj", "v_proj"), False,
+                                                                        "downweight")
+    assert cfg.batch_groups == 4  # from the file
+    monkeypatch.setenv("STEPTAP_CONTROL_TOKEN", "from-env")
+    assert cfg.token() == "from-env"
+    assert config_from_argv(["--config", str(example), "--control-token", "given"]).token() == "given"
+    with pytest.raises(ValueError) as err:
+        config_from_argv(["--config", str(example), "--algorithm", "nope", "--epochs", "0"])
+    assert "algorithm 'nope'" in str(err.value) and "epochs must be >= 1" in str(err.value)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model_dir = "m"\nlearning_rate = 1\n')
+    with pytest.raises(Exception, match="learning_rate"):
+        config_from_argv(["--config", str(bad)])
+
+
+def test_plot_writes_reward_and_loss_curves(tmp_path: Path) -> None:
+    from steptap.learner import plot
+
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"update": i, "reward_mean": i / 10, "reward_std": 0.1,
+                                           "loss": 0.01 * i, "kl": 0.0}) + "\n" for i in range(1, 8))
+                       + '{"update": 8, "rew')  # a line still being written is skipped
+    out = tmp_path / "curves.png"
+    assert plot.main([str(metrics), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
