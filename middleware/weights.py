@@ -293,6 +293,9 @@ class WeightSwapper:
         if (path is None) == (lora_path is None):
             raise SwapError(400, "give exactly one of 'path' (full weights) or 'lora_path' (LoRA adapter)",
                             "invalid_request")
+        if self.validate_paths:  # vLLM runs elsewhere (its own cwd): hand it the path the proxy checked
+            path = str(Path(path).resolve()) if path is not None else None
+            lora_path = str(Path(lora_path).resolve()) if lora_path is not None else None
         await self.start()
         async with self._lock:  # one swap at a time; the next one waits here
             try:

@@ -116,7 +116,7 @@ def adapter_dir(root: Path) -> Path:
 
 
 async def test_swap_calls_the_backend_in_order_with_mode_wait(
-    backend: tuple[FaultInjector, str], tmp_path: Path
+    backend: tuple[FaultInjector, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake, url = backend
     base = model_dir(tmp_path / "base")
@@ -137,7 +137,8 @@ async def test_swap_calls_the_backend_in_order_with_mode_wait(
 
     fake.calls.clear()
     ad = adapter_dir(tmp_path / "ad")
-    assert await sw.swap(lora_path=str(ad)) == 2
+    monkeypatch.chdir(tmp_path)
+    assert await sw.swap(lora_path="ad") == 2  # a relative path is the proxy's, made absolute for vLLM
     assert fake.routes() == [
         "/pause?mode=wait",
         "/v1/load_lora_adapter",
