@@ -468,6 +468,7 @@ async def health(request: web.Request) -> web.Response:
         "backends": [state],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version) if swapper is not None else 0,
+        "weights": swapper.state() if swapper is not None else None,  # swap state (weights.py)
     }
     return web.Response(
         body=_encode(body), status=200 if state["healthy"] else 503, content_type="application/json"

@@ -390,6 +390,8 @@ async def test_admin_weights_route(
 
     health = await (await client.get("/health")).json()
     assert health["policy_version"] == 3
+    assert health["weights"]["version"] == 3 and health["weights"]["failures"] == 2
+    assert health["weights"]["last_swap_s"] >= 0 and health["weights"]["held"] == 0
     metrics = await (await client.get("/metrics")).text()
     assert "steptap_policy_version 3.0" in metrics and "steptap_weight_swap_failures_total 2.0" in metrics
     assert client.app[SWAPPER_KEY].version == 3
