@@ -180,7 +180,10 @@ async def _count_steps(log_dir: str) -> dict[str, int]:
     from steptap.middleware.records import Step
     from steptap.middleware.wal import TrajectoryLog
 
-    log = await TrajectoryLog.open(log_dir)
+    try:  # read-only: inspect, never repair (the proxy has stopped, but a check must not change what it checks)
+        log = await TrajectoryLog.open(log_dir, readonly=True)
+    except TypeError:  # a TrajectoryLog without the read-only mode
+        log = await TrajectoryLog.open(log_dir)
     counts: dict[str, int] = {}
     try:
         for rec in log.records():
