@@ -109,6 +109,10 @@ def request_swap(
         except (ValueError, KeyError, TypeError):
             message, code = raw.decode(errors="replace")[:500], None
         raise PublishError(f"weight swap refused ({exc.code}): {message}", exc.code, code) from None
+    except (urllib.error.URLError, OSError) as exc:  # refused connection, timeout: status None
+        reason = getattr(exc, "reason", exc)
+        raise PublishError(f"proxy {proxy_url} unreachable for the weight swap: {reason}", None,
+                           "proxy_unreachable") from None
 
 
 def publish_weights(
@@ -126,8 +130,9 @@ def publish_weights(
     """Write the weights (or the peft adapter with ``lora=True``) and swap them into the proxy's vLLM.
 
     Returns the new ``policy_version``. Raises ``PublishError`` when the proxy refuses or fails the swap (the
-    directory just written is then removed: nothing refers to it); other errors (proxy unreachable, timeout)
-    propagate and keep the directory, since the swap may still have happened."""
+    directory just written is then removed: nothing refers to it) or cannot be reached (``status`` None; the
+    directory is kept, since after a timeout the swap may still have happened). Training can go on either
+    way: the proxy keeps serving its current version."""
     t0 = time.monotonic()
     path = write_weights(model, tokenizer, out_dir, version=version, lora=lora)
     written = time.monotonic() - t0
@@ -135,8 +140,9 @@ def publish_weights(
         new_version = request_swap(
             proxy_url, control_token, path, lora=lora, version=version, timeout_s=timeout_s
         )
-    except PublishError:
-        shutil.rmtree(path, ignore_errors=True)
+    except PublishError as exc:
+        if exc.status is not None:
+            shutil.rmtree(path, ignore_errors=True)
         raise
     log.info(
         "published %s as policy version %d (write %.2f s, swap %.2f s)",
