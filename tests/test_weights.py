@@ -473,7 +473,8 @@ async def test_publish_weights_through_the_proxy(
     from conftest import free_port
 
     with pytest.raises(PublishError, match="unreachable") as err:  # a proxy restarting: training goes on
-        await asyncio.to_thread(publish_weights, _Saves(), None, f"http://127.0.0.1:{free_port()}", TOKEN, out)
+        gone = f"http://127.0.0.1:{free_port()}"
+        await asyncio.to_thread(publish_weights, _Saves(), None, gone, TOKEN, out)
     assert err.value.status is None and err.value.code == "proxy_unreachable"
     v = await asyncio.to_thread(publish_weights, _Saves(peft=True), None, proxy, TOKEN, out, lora=True)
     assert v == 4 and client.app[SWAPPER_KEY].state().mode == "lora"
