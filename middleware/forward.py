@@ -349,40 +349,44 @@ class _Call:
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
+        batches = _line_batches(resp.content, self.upstream.config.read_bufsize * 2)
         try:
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    if line.strip() and not line.startswith(b":"):  # ignore blank separators and comments
-                        failure = (f"backend {base} sent a malformed stream line", "backend_malformed")
-                        break
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = _decode(payload)
-                    if not isinstance(chunk, dict):
-                        raise ValueError
-                except (msgspec.DecodeError, ValueError):
-                    failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
-                    break
-                if "error" in chunk and not chunk.get("choices"):
-                    upstream_error = b"data: " + payload + b"\n\n"
-                    err = chunk["error"]
-                    failure = (
-                        f"backend {base} error mid-stream: "
-                        f"{err.get('message') if isinstance(err, dict) else err}",
-                        "backend_error",
-                    )
-                    continue  # vLLM follows its error event with [DONE]
-                acc.feed(chunk)
-                if self.strip:
-                    if not capture.strip_chunk(chunk, self.asked, self.endpoint):
+            # One await per network read, not per line, and what one read brought goes out in one write (the
+            # events stay exactly as vLLM framed them).
+            async for lines in batches:
+                parts: list[bytes] = []
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        if line.strip() and not line.startswith(b":"):  # blank separators, comments
+                            failure = (f"backend {base} sent a malformed stream line", "backend_malformed")
+                            break
                         continue
-                    await _send(out, b"data: " + _encode(chunk) + b"\n\n")
-                else:
-                    await _send(out, b"data: " + payload + b"\n\n")
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = _decode(payload)
+                        if not isinstance(chunk, dict):
+                            raise ValueError
+                    except (msgspec.DecodeError, ValueError):
+                        failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
+                        break
+                    if "error" in chunk and not chunk.get("choices"):
+                        upstream_error = b"data: " + payload + b"\n\n"
+                        err = chunk["error"]
+                        message = err.get("message") if isinstance(err, dict) else err
+                        failure = (f"backend {base} error mid-stream: {message}", "backend_error")
+                        continue  # vLLM follows its error event with [DONE]
+                    acc.feed(chunk)
+                    if not self.strip:
+                        parts.append(b"data: " + payload + b"\n\n")
+                    elif capture.strip_chunk(chunk, self.asked, self.endpoint):
+                        parts.append(b"data: " + _encode(chunk) + b"\n\n")
+                if parts:
+                    await _send(out, b"".join(parts))
+                if done or (failure is not None and upstream_error is None):
+                    break
         except TimeoutError:
             failure = (
                 f"backend {base} sent nothing for {self.upstream.config.upstream_timeout_s:g}s mid-stream",
@@ -390,10 +394,14 @@ class _Call:
             )
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
+        except _LineTooLong:
+            failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
         except _AgentGone:
             # the agent went away: nothing reached it in full; keep what arrived as a failed step
             await self._record_failed(self._failed("agent disconnected", "client_gone", acc.reply()))
             return out
+        finally:
+            await batches.aclose()
         if failure is None and not done:
             failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
         if failure is not None:
@@ -425,6 +433,23 @@ class _Call:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(resp.content.read(), 1.0)
         return out
+
+
+class _LineTooLong(Exception):
+    pass
+
+
+async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[list[bytes]]:
+    """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
+    pending = b""
+    async for data in content.iter_any():
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > limit:
+            raise _LineTooLong
+        yield lines
+    if pending:
+        yield [pending]
 
 
 async def _send(out: web.StreamResponse, data: bytes) -> None:

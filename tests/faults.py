@@ -10,7 +10,9 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 - ``stall``: sleeps ``stall_s`` before answering (non-streamed) or after the first chunk (streamed);
 - ``cut``: streams two chunks, then drops the connection (no [DONE]);
 - ``malformed``: HTTP 200 with a body that is not JSON (or, streamed, a garbage data line);
-- ``error_event``: streams one chunk, then vLLM's own mid-stream error event and [DONE].
+- ``error_event``: streams one chunk, then vLLM's own mid-stream error event and [DONE];
+- ``split``: a well-formed stream whose events are cut across network reads, ending ``data: [DONE]`` with no
+  newline (legal framing a proxy must reassemble).
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ class FaultInjector:
             return web.json_response(_reply())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "split":
+            for i in range(len(TOKENS)):
+                data = _chunk(i)
+                for piece in (data[:7], data[7:-1], data[-1:]):
+                    await resp.write(piece)
+                    await asyncio.sleep(0.01)  # separate network reads on the other side
+            await resp.write(b"data: [DONE]")
+            return resp
         await resp.write(_chunk(0))
         if mode == "stall":
             await asyncio.sleep(self.stall_s)

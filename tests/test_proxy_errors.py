@@ -267,3 +267,15 @@ async def test_sequential_calls_reuse_one_upstream_connection(
             status, _ = await call(http, f"{proxy.url}/v1/chat/completions", good(MODEL))
             assert status == 200
     assert injector.calls == 6 and len(injector.connections) == 1
+
+
+async def test_events_cut_across_reads_are_reassembled(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
+) -> None:
+    injector, proxy = faulty
+    injector.mode = "split"
+    events = await stream_events(http, f"{proxy.url}/s/split/v1/chat/completions", good(MODEL))
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == "Hello!"
+    (step,) = proxy.app[SESSIONS_KEY].sessions["split"].trajectory.steps  # type: ignore[index]
+    assert step.status == "ok" and step.response_token_ids == [11, 12, 13]
