@@ -108,11 +108,13 @@ class Up:
         target = self.workdir / "model"
         if not (target / "config.json").exists():
             self._log(f"no --model given: building the offline tiny model in {target}")
-            child = Child("tiny-model", [*STEPTAP, "tiny-model", str(target)], self.logs / "tiny-model.log")
-            child.start()
-            rc = child.wait(timeout=600)
-            if rc != 0:
-                raise StartupError(child, f"exited with {rc}")
+            child = self.sup.start(Child("tiny-model", [*STEPTAP, "tiny-model", str(target)],
+                                         self.logs / "tiny-model.log", may_exit=True))
+            done = wait_until(lambda: child.returncode is not None, timeout=600,
+                              should_abort=self._abort_check(child))  # a failure or Ctrl-C raises here
+            if not done:
+                raise StartupError(child, "did not finish in 600 s")
+            self.sup.children.remove(child)  # done: nothing of it is left to stop
         self.model_dir = str(target)
 
     def _start_vllm(self) -> None:
@@ -126,6 +128,7 @@ class Up:
         if not self.args.model and "--served-model-name" not in argv:
             argv += ["--served-model-name", "tiny"]
         child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
+        self._write_pids()
         self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
         self._wait_healthy(child, f"{self.backend}/health")
 
@@ -134,6 +137,7 @@ class Up:
                 "--port", str(self.proxy_port), "--log", str(self.workdir / "trajectories"),
                 "--control-token", self.token, *_split(self.args.serve_args)]
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))
+        self._write_pids()
         self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
         self._wait_healthy(child, f"{self.proxy_url}/health")
         self.served_model = _served_model(self.proxy_url) or self.served_model
@@ -151,6 +155,7 @@ class Up:
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
         child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env))
+        self._write_pids()
         self._log(f"starting the learner (log: {child.log_path}, metrics: {self.metrics_path})")
         # The learner has no health route: alive after a few seconds (its imports done) counts as started.
         wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
@@ -241,6 +246,7 @@ class Up:
         (self.workdir / "stack.json").write_text(json.dumps(stack, indent=2) + "\n")
 
     def _write_pids(self) -> None:
+        """Every child's pid, rewritten as each starts (for operators and tests)."""
         pids = {c.name: c.pid for c in self.sup.children if c.pid}
         (self.workdir / "pids.json").write_text(json.dumps({"up": os.getpid(), **pids}) + "\n")
 

@@ -55,8 +55,10 @@ echo "== set-up took ${setup_s} s"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
+DURATION=$(awk -v m="$MINUTES" 'BEGIN { if (m + 0 <= 0) exit 1; printf "%d", m * 60 }') ||
+  { echo "demo.sh: --minutes must be a positive number, got '$MINUTES'" >&2; exit 2; }
 up_args=(--workdir "$OUT" --task digits --config "$CONFIG" --port 0
-         --duration "$(( MINUTES * 60 ))" --stop-at-reward "$TARGET"
+         --duration "$DURATION" --stop-at-reward "$TARGET"
          --agents ".venv/bin/python examples/digits/agents.py --concurrency $CONCURRENCY --round-groups $ROUND")
 [ -n "$MODEL" ] && up_args+=(--model "$MODEL")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -168,3 +168,34 @@ def test_failed_agents_stop_the_stack_but_finished_agents_end_it_cleanly(vllm_se
                     "echo agent-went-wrong; exit 3")
     out, _ = bad.communicate(timeout=120)
     assert bad.returncode == 1 and "agents FAILED" in out and "agent-went-wrong" in out, out
+
+
+def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path: Path) -> None:
+    """Its own vLLM (the tiny model built by up): interrupted mid-start, nothing survives, vLLM's engine
+    processes included (vLLM runs in a session of its own under `steptap vllm`)."""
+    from steptap.middleware.vllm_server import default_venv
+
+    if not (default_venv() / "bin" / "python").exists():
+        pytest.skip("no vLLM virtualenv (bash scripts/setup.sh)")
+    proc = _start_up(tmp_path / "up", "--no-learner")
+    seen: set[int] = set()
+    try:
+        pids_file = tmp_path / "up" / "pids.json"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "vLLM was never started"
+            if pids_file.exists() and "vllm" in pids_file.read_text():
+                vllm_pid = json.loads(pids_file.read_text())["vllm"]
+                if len(_tree(vllm_pid)) >= 2:  # steptap vllm and the server it started
+                    break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        seen = _tree(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "interrupted (SIGINT)" in out and "ready in" not in out
+        assert not _alive(seen | _tree(vllm_pid)), f"left running: {_alive(seen)}"
+    finally:
+        _kill_all(proc, seen)
