@@ -182,7 +182,8 @@ class Learner:
         try:
             self.version = publish_weights(self.engine.model, self.engine.tokenizer, self.cfg.proxy_url,
                                            self.cfg.token(), self.cfg.weights_dir, lora=self.cfg.lora_rank > 0)
-        except PublishError as exc:  # the proxy keeps serving the old weights; training goes on
+        except (PublishError, OSError) as exc:  # refused, or the proxy is down: it serves the old weights (or
+            # restarts with them); training goes on and the next push carries this update too
             self.metrics.note(f"[red]publish failed[/red]: {exc}")
 
     async def checkpoint(self) -> None:

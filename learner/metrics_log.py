@@ -85,8 +85,8 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and k not in ("update", "time"):
                     self._tb.add_scalar(k, v, row["update"])
             self._tb.flush()
+        self.console.print(status_line(row), highlight=False)  # above the bar when there is one
         if self._progress is not None:
-            self._progress.console.print(status_line(row), highlight=False)
             self._progress.update(self._task, advance=1)
 
     def note(self, text: str) -> None:
