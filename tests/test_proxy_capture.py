@@ -271,7 +271,8 @@ async def test_completions_plain_and_streamed_equal_direct(
     v_events = await post_stream(http, f"{proxy.url}/s/compl/v1/completions", body)
     assert stream_view(v_events) == stream_view(d_events)
     plain, streamed = trajectory(proxy, "compl").steps
-    assert plain.endpoint == "completions"
+    assert plain.endpoint == "completions" and plain.status == streamed.status == "ok"
+    assert len(plain.response_logprobs) == len(streamed.response_logprobs) == 8
     assert plain.response_token_ids == streamed.response_token_ids and len(plain.response_token_ids) == 8
     assert plain.prompt_token_ids == streamed.prompt_token_ids and plain.prompt_token_ids
     assert plain.response_logprobs == pytest.approx(streamed.response_logprobs, abs=1e-5)
