@@ -149,6 +149,7 @@ async def stream_events(http: aiohttp.ClientSession, url: str, body: dict[str, A
     "mode, status, code",
     [
         ("error500", 502, "backend_error"),
+        ("error503", 503, "backend_unavailable"),
         ("stall", 504, "backend_timeout"),
         ("malformed", 502, "backend_malformed_reply"),
     ],
