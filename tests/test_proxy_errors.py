@@ -280,3 +280,18 @@ async def test_events_cut_across_reads_are_reassembled(
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == "Hello!"
     (step,) = proxy.app[SESSIONS_KEY].sessions["split"].trajectory.steps  # type: ignore[index]
     assert step.status == "ok" and step.response_token_ids == [11, 12, 13]
+
+
+async def test_steps_carry_the_policy_version_read_at_the_gate(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
+) -> None:
+    from steptap.middleware.forward import SWAPPER_KEY
+
+    _, proxy = faulty
+    swapper = proxy.app[SWAPPER_KEY]  # type: ignore[index]
+    for version in (0, 3):
+        swapper.version = version
+        status, _ = await call(http, f"{proxy.url}/s/pv/v1/chat/completions", good(MODEL))
+        assert status == 200
+    steps = proxy.app[SESSIONS_KEY].sessions["pv"].trajectory.steps  # type: ignore[index]
+    assert [s.policy_version for s in steps] == [0, 3]
