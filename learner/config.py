@@ -146,20 +146,32 @@ def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     return hint, {}
 
 
+def _field_comments() -> dict[str, str]:
+    """``name: type = default  # comment`` lines of the Struct above: the comment is the flag's help."""
+    import inspect
+
+    out = {}
+    for line in inspect.getsource(LearnerConfig).splitlines():
+        head, sep, comment = line.partition("  # ")
+        if sep and ":" in head and "=" in head:
+            out[head.split(":")[0].strip()] = comment.strip()
+    return out
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--field-name`` per ``LearnerConfig`` field (``--x/--no-x`` for booleans), default None = unset."""
     hints = typing.get_type_hints(LearnerConfig, include_extras=False)
+    comments, defaults = _field_comments(), LearnerConfig().as_dict()
     for name in LearnerConfig.__struct_fields__:
         hint = hints[name]
         flag = "--" + name.replace("_", "-")
+        help_ = f"{comments.get(name, '')} (default {defaults[name]!r})".lstrip()
         if hint is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
             continue
         type_, extra = _flag_type(hint)
-        if "nargs" in extra:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), **extra)
-        else:
-            parser.add_argument(flag, dest=name, type=type_, default=None, metavar=name.upper(), **extra)
+        kw = {} if "nargs" in extra else {"type": type_}
+        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_, **kw, **extra)
 
 
 def config_from_argv(argv: list[str] | None, prog: str = "steptap learn") -> LearnerConfig:
