@@ -416,8 +416,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians are taken over them)")
-    p.add_argument("--seconds", type=float, default=3.0, help="timed length of one run (bound)")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds (medians are taken over them)")
+    p.add_argument("--seconds", type=float, default=2.0, help="timed length of one run (bound)")
     p.add_argument("--requests", type=int, default=20000, help="calls in one run (bound)")
     p.add_argument("--warmup", type=int, default=64, help="untimed calls before each run")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
