@@ -10,6 +10,7 @@ DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong
 
 class ProxyConfig(msgspec.Struct, kw_only=True):
     backend: str  # the vLLM server's base URL (http://host:port, without /v1)
+    backend_api_key: str | None = None  # sent to the backend as a bearer token (vLLM --api-key)
     host: str = "127.0.0.1"
     port: int = 8400
     log: str = DEFAULT_LOG_DIR  # local directory or fsspec URL of the trajectory log

@@ -54,7 +54,11 @@ class Upstream:
             total=None, sock_connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
         )
         # read_bufsize: SSE lines carrying logprobs get long; a line over twice the buffer raises LineTooLong.
+        # The agent's own credential never reaches the backend: it is a steptap key (or anything); the proxy
+        # authenticates with the backend's key, when it has one.
+        headers = {"Authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else None
         self.http = aiohttp.ClientSession(
+            headers=headers,
             timeout=timeout,
             read_bufsize=cfg.read_bufsize,
             connector=aiohttp.TCPConnector(limit=0),

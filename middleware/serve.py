@@ -15,6 +15,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="steptap serve", description="Run the capture proxy in front of a vLLM server."
     )
     p.add_argument("--backend", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="the backend's API key (vLLM --api-key; default: $STEPTAP_BACKEND_API_KEY)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--log", default=DEFAULT_LOG_DIR, help="trajectory log: a directory or an fsspec URL")
@@ -77,6 +82,7 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
     token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
     return ProxyConfig(
         backend=args.backend,
+        backend_api_key=args.backend_api_key or os.environ.get("STEPTAP_BACKEND_API_KEY") or None,
         host=args.host,
         port=args.port,
         log=args.log,

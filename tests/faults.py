@@ -86,6 +86,7 @@ class FaultInjector:
         self.stall_s = stall_s
         self.calls = 0
         self.connections: set[int] = set()  # distinct upstream connections seen (keep-alive reuse shows here)
+        self.authorization: list[str | None] = []  # the Authorization header of each chat call
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
@@ -100,6 +101,7 @@ class FaultInjector:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         self.connections.add(id(request.transport))
+        self.authorization.append(request.headers.get("Authorization"))
         body = await request.json()
         mode = request.headers.get("X-Fault", self.mode)
         if mode == "error503":  # what vLLM answers while paused or not ready

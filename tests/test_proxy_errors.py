@@ -295,3 +295,22 @@ async def test_steps_carry_the_policy_version_read_at_the_gate(
         assert status == 200
     steps = proxy.app[SESSIONS_KEY].sessions["pv"].trajectory.steps  # type: ignore[index]
     assert [s.policy_version for s in steps] == [0, 3]
+
+
+async def test_agent_credentials_never_reach_the_backend(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, tmp_path: Any
+) -> None:
+    injector = FaultInjector()
+    server = await aiohttp_server(injector.app)
+    for key, expected in ((None, None), ("backend-secret", "Bearer backend-secret")):
+        injector.authorization.clear()
+        proxy = await make_proxy(
+            str(server.make_url("")).rstrip("/"), log_dir=tmp_path / f"log-{key}", backend_api_key=key
+        )
+        status, _ = await call(
+            http,
+            f"{proxy.url}/v1/chat/completions",
+            good(MODEL),
+            headers={"Authorization": "Bearer sk-agent-key"},
+        )
+        assert status == 200 and injector.authorization == [expected]
