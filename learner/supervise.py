@@ -38,8 +38,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class Child:
     """One supervised process with its log file."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 may_exit: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        may_exit: bool = False,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
@@ -62,8 +68,13 @@ class Child:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - up starts children before any thread exists
             )
         return self
 
@@ -174,8 +185,12 @@ def http_ok(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def wait_until(cond: Callable[[], bool], timeout: float, should_abort: Callable[[], bool] | None = None,
-               interval: float = 0.5) -> bool:
+def wait_until(
+    cond: Callable[[], bool],
+    timeout: float,
+    should_abort: Callable[[], bool] | None = None,
+    interval: float = 0.5,
+) -> bool:
     """Poll ``cond`` until true (True) or ``timeout`` passes (False); ``should_abort`` may raise to stop."""
     end = time.monotonic() + timeout
     while True:

@@ -43,21 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8400, help="proxy port (0: any free port)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: any free port)")
     p.add_argument("--backend", help="use this running vLLM server (http://host:port), do not start one")
-    p.add_argument("--workdir", help="where logs, the trajectory log, checkpoints and metrics go "
-                   "(default: runs/up-<timestamp>)")
+    p.add_argument(
+        "--workdir",
+        help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
+    )
     p.add_argument("--control-token", help="the proxy's control token (default: generated)")
     p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
     p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
     p.add_argument("--status-every", type=float, default=15.0)
-    p.add_argument("--agents", help="shell command run as the agent population once the stack is up; it gets "
-                   "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment")
+    p.add_argument(
+        "--agents",
+        help="shell command run as the agent population once the stack is up; it gets "
+        "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment",
+    )
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
-    p.add_argument("--stop-at-reward", type=float,
-                   help="stop once the mean reward of the last 3 updates reaches this value")
+    p.add_argument(
+        "--stop-at-reward",
+        type=float,
+        help="stop once the mean reward of the last 3 updates reaches this value",
+    )
     p.add_argument("--task", default="", help="task name recorded in summary.json")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds each component may take to "
-                   "become healthy (the first vLLM start on a machine builds its virtualenv)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds each component may take to "
+        "become healthy (the first vLLM start on a machine builds its virtualenv)",
+    )
     p.add_argument("--grace", type=float, default=15.0, help="seconds from SIGTERM to SIGKILL at shutdown")
     # One string each, given with "=" since it starts with "--": --learn-args="--lr 1e-5 --lora-rank 8".
     p.add_argument("--vllm-args", default="", help='for `steptap vllm`: --vllm-args="--threads 2"')
@@ -108,10 +121,17 @@ class Up:
         target = self.workdir / "model"
         if not (target / "config.json").exists():
             self._log(f"no --model given: building the offline tiny model in {target}")
-            child = self.sup.start(Child("tiny-model", [*STEPTAP, "tiny-model", str(target)],
-                                         self.logs / "tiny-model.log", may_exit=True))
-            done = wait_until(lambda: child.returncode is not None, timeout=600,
-                              should_abort=self._abort_check(child))  # a failure or Ctrl-C raises here
+            child = self.sup.start(
+                Child(
+                    "tiny-model",
+                    [*STEPTAP, "tiny-model", str(target)],
+                    self.logs / "tiny-model.log",
+                    may_exit=True,
+                )
+            )
+            done = wait_until(
+                lambda: child.returncode is not None, timeout=600, should_abort=self._abort_check(child)
+            )  # a failure or Ctrl-C raises here
             if not done:
                 raise StartupError(child, "did not finish in 600 s")
             self.sup.children.remove(child)  # done: nothing of it is left to stop
@@ -123,8 +143,17 @@ class Up:
             return
         port = self.args.vllm_port or _free_port()
         self.backend = f"http://127.0.0.1:{port}"
-        argv = [*STEPTAP, "vllm", "--model", self.model_dir, "--port", str(port),
-                "--log", str(self.logs / "vllm-server.log"), *_split(self.args.vllm_args)]
+        argv = [
+            *STEPTAP,
+            "vllm",
+            "--model",
+            self.model_dir,
+            "--port",
+            str(port),
+            "--log",
+            str(self.logs / "vllm-server.log"),
+            *_split(self.args.vllm_args),
+        ]
         if not self.args.model and "--served-model-name" not in argv:
             argv += ["--served-model-name", "tiny"]
         child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
@@ -133,9 +162,21 @@ class Up:
         self._wait_healthy(child, f"{self.backend}/health")
 
     def _start_proxy(self) -> None:
-        argv = [*STEPTAP, "serve", "--backend", self.backend, "--host", self.args.host,
-                "--port", str(self.proxy_port), "--log", str(self.workdir / "trajectories"),
-                "--control-token", self.token, *_split(self.args.serve_args)]
+        argv = [
+            *STEPTAP,
+            "serve",
+            "--backend",
+            self.backend,
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.proxy_port),
+            "--log",
+            str(self.workdir / "trajectories"),
+            "--control-token",
+            self.token,
+            *_split(self.args.serve_args),
+        ]
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))
         self._write_pids()
         self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
@@ -148,10 +189,19 @@ class Up:
         argv = [*STEPTAP, "learn"]
         if self.args.config:
             argv += ["--config", self.args.config]
-        argv += ["--proxy-url", self.proxy_url, "--model-dir", self.model_dir, "--metrics-file",
-                 str(self.metrics_path), "--checkpoint-dir", str(self.workdir / "checkpoints"),
-                 "--weights-dir", str(self.workdir / "weights"),
-                 *_split(self.args.learn_args)]
+        argv += [
+            "--proxy-url",
+            self.proxy_url,
+            "--model-dir",
+            self.model_dir,
+            "--metrics-file",
+            str(self.metrics_path),
+            "--checkpoint-dir",
+            str(self.workdir / "checkpoints"),
+            "--weights-dir",
+            str(self.workdir / "weights"),
+            *_split(self.args.learn_args),
+        ]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
         child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env))
@@ -164,8 +214,15 @@ class Up:
         if not self.args.agents:
             return
         env = {**os.environ, **self.agent_env()}
-        child = self.sup.start(Child("agents", ["/bin/sh", "-c", self.args.agents], self.logs / "agents.log",
-                                     env=env, may_exit=True))
+        child = self.sup.start(
+            Child(
+                "agents",
+                ["/bin/sh", "-c", self.args.agents],
+                self.logs / "agents.log",
+                env=env,
+                may_exit=True,
+            )
+        )
         self._log(f"agents: {self.args.agents} (log: {child.log_path})")
 
     def agent_env(self) -> dict[str, str]:
@@ -185,11 +242,13 @@ class Up:
             if (dead := self.sup.first_failed()) is not None:
                 raise StartupError(dead, f"exited with {dead.returncode} during start-up")
             return False
+
         return check
 
     def _wait_healthy(self, child: Child, url: str) -> None:
-        ok = wait_until(lambda: http_ok(url), timeout=self.args.startup_timeout,
-                        should_abort=self._abort_check(child))
+        ok = wait_until(
+            lambda: http_ok(url), timeout=self.args.startup_timeout, should_abort=self._abort_check(child)
+        )
         if not ok:
             raise StartupError(child, f"not healthy at {url} after {self.args.startup_timeout:.0f} s")
 
@@ -239,10 +298,16 @@ class Up:
         token_file.touch(mode=0o600)
         token_file.write_text(self.token + "\n")
         # Where scripts and tests find the running stack (the token stays in its own 0600 file).
-        stack = {"proxy_url": self.proxy_url, "openai_base_url": f"{self.proxy_url}/v1",
-                 "backend": self.backend, "model": self.served_model, "model_dir": self.model_dir,
-                 "pid": os.getpid(),
-                 "control_token_file": str(token_file), "metrics": str(self.metrics_path)}
+        stack = {
+            "proxy_url": self.proxy_url,
+            "openai_base_url": f"{self.proxy_url}/v1",
+            "backend": self.backend,
+            "model": self.served_model,
+            "model_dir": self.model_dir,
+            "pid": os.getpid(),
+            "control_token_file": str(token_file),
+            "metrics": str(self.metrics_path),
+        }
         (self.workdir / "stack.json").write_text(json.dumps(stack, indent=2) + "\n")
 
     def _write_pids(self) -> None:
@@ -293,8 +358,11 @@ class Up:
             self.stop_reason = f"reached --max-updates {a.max_updates}"
         elif a.duration is not None and self.t_ready and time.time() - self.t_ready >= a.duration:
             self.stop_reason = f"reached --duration {a.duration:.0f} s"
-        elif a.stop_at_reward is not None and board.recent_reward(3) is not None \
-                and board.recent_reward(3) >= a.stop_at_reward:
+        elif (
+            a.stop_at_reward is not None
+            and board.recent_reward(3) is not None
+            and board.recent_reward(3) >= a.stop_at_reward
+        ):
             self.stop_reason = f"mean reward of the last 3 updates reached {a.stop_at_reward}"
 
     def _sleep(self, seconds: float) -> None:
@@ -303,8 +371,11 @@ class Up:
             time.sleep(0.1)
 
     def _report_failure(self, child: Child) -> None:
-        print(f"\n[steptap up] {child.name} FAILED ({self.stop_reason}); stopped the others. "
-              f"Last lines of {child.log_path}:", file=sys.stderr)
+        print(
+            f"\n[steptap up] {child.name} FAILED ({self.stop_reason}); stopped the others. "
+            f"Last lines of {child.log_path}:",
+            file=sys.stderr,
+        )
         print(child.tail(25), file=sys.stderr, flush=True)
 
     def _summary(self, failed: Child | None) -> dict:

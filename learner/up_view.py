@@ -163,7 +163,8 @@ class StatusBoard:
         acc: dict[str, list[float]] = defaultdict(list)
         for row in self.rows:
             acc[str(_first(row, K_VERSION) if _first(row, K_VERSION) is not None else "?")].append(
-                float(_first(row, K_REWARD)))
+                float(_first(row, K_REWARD))
+            )
         return {v: round(sum(x) / len(x), 4) for v, x in acc.items()}
 
     def last_swap(self) -> str:
@@ -185,7 +186,9 @@ class StatusBoard:
             return "-" if v is None else format(v, spec)
 
         by_version = self.reward_by_version()
-        rollout = self.rollout_reward()  # needs the histogram's _sum, which a histogram with negative buckets omits
+        rollout = (
+            self.rollout_reward()
+        )  # needs the histogram's _sum, which a histogram with negative buckets omits
         return [
             ("active sessions", fmt(_pick(self.prom, ACTIVE_SESSIONS))),
             ("calls/s (10 s)", fmt(self.calls_per_s(), ".1f")),
@@ -194,8 +197,10 @@ class StatusBoard:
             *([("agents' reward (last 60 s)", fmt(rollout, ".3f"))] if rollout is not None else []),
             ("learner updates", str(self.updates)),
             ("reward (last 3 updates)", fmt(self.recent_reward(3), ".3f")),
-            ("reward by policy version", "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:])
-             or "-"),
+            (
+                "reward by policy version",
+                "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:]) or "-",
+            ),
             ("learner loss", fmt(self.recent_loss(), ".4f")),
             ("last weight swap", self.last_swap()),
         ]
@@ -212,8 +217,16 @@ class StatusBoard:
 
 
 def render_line(board: StatusBoard) -> str:
-    keep = {"active sessions", "calls/s (10 s)", "steps recorded", "agents' reward (last 60 s)",
-            "learner updates", "reward (last 3 updates)", "learner loss", "last weight swap"}
+    keep = {
+        "active sessions",
+        "calls/s (10 s)",
+        "steps recorded",
+        "agents' reward (last 60 s)",
+        "learner updates",
+        "reward (last 3 updates)",
+        "learner loss",
+        "last weight swap",
+    }
     return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
 
 

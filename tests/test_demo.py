@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import IN_CI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +37,24 @@ def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     before = {p.pid for p in psutil.process_iter()}
     proc = subprocess.run(
-        ["bash", "scripts/demo.sh", "--skip-setup", "--minutes", str(MINUTES), "--target", "0.7",
-         "--concurrency", "16", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=int(MINUTES * 60 + 900), check=False,
+        [
+            "bash",
+            "scripts/demo.sh",
+            "--skip-setup",
+            "--minutes",
+            str(MINUTES),
+            "--target",
+            "0.7",
+            "--concurrency",
+            "16",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=int(MINUTES * 60 + 900),
+        check=False,
     )
     text = proc.stdout[-6000:] + proc.stderr[-6000:]
     assert proc.returncode == 0, text
@@ -58,6 +72,9 @@ def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) >= summary["updates"]
     # Nothing of the stack outlives the demo (up stops its children by pid at the end).
-    leftovers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                 if p.info["pid"] not in before and str(out) in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.info["pid"] not in before and str(out) in " ".join(p.info["cmdline"] or [])
+    ]
     assert not leftovers, [p.info for p in leftovers]

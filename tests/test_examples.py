@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import Backend
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.records import Trajectory
@@ -40,8 +39,13 @@ class Stack:
     model_dir: Path
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, "STEPTAP_URL": self.url, "STEPTAP_CONTROL_TOKEN": self.token,
-                "PYTHONUNBUFFERED": "1", **extra}
+        return {
+            **os.environ,
+            "STEPTAP_URL": self.url,
+            "STEPTAP_CONTROL_TOKEN": self.token,
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        }
 
     def trajectory(self, sid: str) -> Trajectory:
         with SyncSteptapClient(self.url, self.token) as client:
@@ -52,9 +56,25 @@ class Stack:
 def stack(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("examples-up")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "up", "--backend", vllm_server.url, "--no-learner",
-         "--no-view", "--port", "0", "--workdir", str(workdir), "--grace", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "up",
+            "--backend",
+            vllm_server.url,
+            "--no-learner",
+            "--no-view",
+            "--port",
+            "0",
+            "--workdir",
+            str(workdir),
+            "--grace",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -76,9 +96,12 @@ def stack(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _run(stack: Stack, argv: list[str], timeout: float = 300, **env: str) -> list[dict[str, Any]]:
-    out = subprocess.run(argv, cwd=ROOT, env=stack.env(**env), capture_output=True, text=True, timeout=timeout,
-                         check=False)
-    assert out.returncode == 0, f"{argv} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    out = subprocess.run(
+        argv, cwd=ROOT, env=stack.env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert out.returncode == 0, (
+        f"{argv} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
     rows = []
     for line in out.stdout.splitlines():
         if line.startswith("{"):
@@ -112,8 +135,20 @@ def _check_tool_run(traj: Trajectory, expression_in_question: str) -> None:
 
 
 def test_arithmetic_tools_scripted_round_trip(stack: Stack) -> None:
-    rows = _run(stack, [sys.executable, "examples/arithmetic_tools/agent.py", "--problems", "1",
-                        "--group-size", "2", "--scripted", "--seed", "3"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/arithmetic_tools/agent.py",
+            "--problems",
+            "1",
+            "--group-size",
+            "2",
+            "--scripted",
+            "--seed",
+            "3",
+        ],
+    )
     assert len(rows) == 2 and all(r["reward"] == 1.0 for r in rows)
     trajs = [stack.trajectory(r["session"]) for r in rows]
     assert {t.group_id for t in trajs} == {rows[0]["group"]} and all(t.group_size == 2 for t in trajs)
@@ -124,8 +159,19 @@ def test_arithmetic_tools_scripted_round_trip(stack: Stack) -> None:
 
 
 def test_arithmetic_tools_unforced_on_the_random_model_is_recorded_and_scored(stack: Stack) -> None:
-    rows = _run(stack, [sys.executable, "examples/arithmetic_tools/agent.py", "--problems", "1",
-                        "--group-size", "1", "--max-turns", "2"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/arithmetic_tools/agent.py",
+            "--problems",
+            "1",
+            "--group-size",
+            "1",
+            "--max-turns",
+            "2",
+        ],
+    )
     traj = stack.trajectory(rows[0]["session"])
     assert traj.status == "finished" and 1 <= len(traj.steps) <= 2
     assert all(s.response_token_ids for s in traj.steps)
@@ -133,8 +179,20 @@ def test_arithmetic_tools_unforced_on_the_random_model_is_recorded_and_scored(st
 
 
 def test_guess_number_has_a_reward_on_every_step(stack: Stack) -> None:
-    rows = _run(stack, [sys.executable, "examples/guess_number/agent.py", "--games", "1", "--group-size", "1",
-                        "--scripted", "--seed", "5"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/guess_number/agent.py",
+            "--games",
+            "1",
+            "--group-size",
+            "1",
+            "--scripted",
+            "--seed",
+            "5",
+        ],
+    )
     row = rows[0]
     assert row["solved"] and row["step_rewards"][-1] == 1.0
     traj = stack.trajectory(row["session"])
@@ -149,8 +207,20 @@ def test_guess_number_has_a_reward_on_every_step(stack: Stack) -> None:
 
 def test_langgraph_agent(stack: Stack) -> None:
     pytest.importorskip("langgraph")
-    rows = _run(stack, [sys.executable, "examples/langgraph_agent/agent.py", "--problems", "1",
-                        "--group-size", "1", "--scripted", "--seed", "7"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/langgraph_agent/agent.py",
+            "--problems",
+            "1",
+            "--group-size",
+            "1",
+            "--scripted",
+            "--seed",
+            "7",
+        ],
+    )
     assert rows[0]["reward"] == 1.0
     traj = stack.trajectory(rows[0]["session"])
     assert traj.metadata["agent"] == "langgraph"
@@ -159,8 +229,20 @@ def test_langgraph_agent(stack: Stack) -> None:
 
 def test_openai_agents_sdk_agent(stack: Stack) -> None:
     pytest.importorskip("agents")
-    rows = _run(stack, [sys.executable, "examples/openai_agents_sdk/agent.py", "--problems", "1",
-                        "--group-size", "1", "--scripted", "--seed", "11"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/openai_agents_sdk/agent.py",
+            "--problems",
+            "1",
+            "--group-size",
+            "1",
+            "--scripted",
+            "--seed",
+            "11",
+        ],
+    )
     assert rows[0]["reward"] == 1.0
     traj = stack.trajectory(rows[0]["session"])
     assert traj.metadata["agent"] == "openai_agents"
@@ -169,9 +251,27 @@ def test_openai_agents_sdk_agent(stack: Stack) -> None:
 
 def test_cli_agent_through_steptap_run(stack: Stack, tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "steptap.middleware.cli", "run", "-n", "2", "--metadata", '{"task": "cli"}', "--",
-         "bash", "examples/cli_agent/agent.sh", "17", "25"],
-        cwd=ROOT, env=stack.env(SCRIPTED="1"), capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "run",
+            "-n",
+            "2",
+            "--metadata",
+            '{"task": "cli"}',
+            "--",
+            "bash",
+            "examples/cli_agent/agent.sh",
+            "17",
+            "25",
+        ],
+        cwd=ROOT,
+        env=stack.env(SCRIPTED="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
@@ -189,8 +289,20 @@ def test_cli_agent_through_steptap_run(stack: Stack, tmp_path: Path) -> None:
 def test_digits_population_rewards_match_the_recorded_tokens(stack: Stack) -> None:
     from tokenizers import Tokenizer
 
-    rows = _run(stack, [sys.executable, "examples/digits/agents.py", "--groups", "2", "--group-size", "4",
-                        "--concurrency", "8", "--print-sessions"])
+    rows = _run(
+        stack,
+        [
+            sys.executable,
+            "examples/digits/agents.py",
+            "--groups",
+            "2",
+            "--group-size",
+            "4",
+            "--concurrency",
+            "8",
+            "--print-sessions",
+        ],
+    )
     assert len(rows) == 8 and len({r["group"] for r in rows}) == 2
     tok = Tokenizer.from_file(str(stack.model_dir / "tokenizer.json"))
     for row in rows:

@@ -17,7 +17,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from conftest import Backend
 
 pytestmark = pytest.mark.vllm
@@ -27,9 +26,26 @@ STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]
 
 def _start_up(workdir: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([*STEPTAP, "up", "--workdir", str(workdir), "--port", "0", "--no-view",
-                             "--grace", "5", "--status-every", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    return subprocess.Popen(
+        [
+            *STEPTAP,
+            "up",
+            "--workdir",
+            str(workdir),
+            "--port",
+            "0",
+            "--no-view",
+            "--grace",
+            "5",
+            "--status-every",
+            "1",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 120.0) -> dict[str, Any]:
@@ -84,11 +100,18 @@ def _kill_all(proc: subprocess.Popen[str], pids: set[int]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_or_sigterm_stops_everything_and_leaves_no_process(vllm_server: Backend, tmp_path: Path,
-                                                                   sig: signal.Signals) -> None:
+def test_ctrl_c_or_sigterm_stops_everything_and_leaves_no_process(
+    vllm_server: Backend, tmp_path: Path, sig: signal.Signals
+) -> None:
     marker = f"steptap-up-test-{os.getpid()}-{sig.value}"
-    proc = _start_up(tmp_path / "up", "--backend", vllm_server.url, "--no-learner",
-                     "--agents", f"sleep 600 & setsid sh -c 'sleep 601; : {marker}' & sleep 602")
+    proc = _start_up(
+        tmp_path / "up",
+        "--backend",
+        vllm_server.url,
+        "--no-learner",
+        "--agents",
+        f"sleep 600 & setsid sh -c 'sleep 601; : {marker}' & sleep 602",
+    )
     seen: set[int] = set()
     try:
         stack = _wait_for(tmp_path / "up" / "stack.json", proc)
@@ -96,9 +119,16 @@ def test_ctrl_c_or_sigterm_stops_everything_and_leaves_no_process(vllm_server: B
         req = urllib.request.Request(f"{stack['openai_base_url']}/models")
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert json.loads(resp.read())["data"][0]["id"] == vllm_server.served_model
-        body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        req = urllib.request.Request(f"{stack['openai_base_url']}/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        body = {
+            "model": vllm_server.served_model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+        }
+        req = urllib.request.Request(
+            f"{stack['openai_base_url']}/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert json.loads(resp.read())["choices"]
         deadline = time.monotonic() + 30
@@ -150,8 +180,9 @@ def test_a_component_that_dies_stops_the_rest_and_is_named(vllm_server: Backend,
 
 
 def test_a_component_that_fails_at_start_is_named_with_its_log(vllm_server: Backend, tmp_path: Path) -> None:
-    proc = _start_up(tmp_path / "up", "--backend", vllm_server.url, "--no-learner",
-                     "--serve-args=--no-such-flag")
+    proc = _start_up(
+        tmp_path / "up", "--backend", vllm_server.url, "--no-learner", "--serve-args=--no-such-flag"
+    )
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
     assert "serve FAILED" in out
@@ -159,13 +190,20 @@ def test_a_component_that_fails_at_start_is_named_with_its_log(vllm_server: Back
     assert not (tmp_path / "up" / "stack.json").exists()  # never announced as ready
 
 
-def test_failed_agents_stop_the_stack_but_finished_agents_end_it_cleanly(vllm_server: Backend,
-                                                                         tmp_path: Path) -> None:
+def test_failed_agents_stop_the_stack_but_finished_agents_end_it_cleanly(
+    vllm_server: Backend, tmp_path: Path
+) -> None:
     ok = _start_up(tmp_path / "ok", "--backend", vllm_server.url, "--no-learner", "--agents", "sleep 1")
     out, _ = ok.communicate(timeout=120)
     assert ok.returncode == 0 and "the agents finished" in out, out
-    bad = _start_up(tmp_path / "bad", "--backend", vllm_server.url, "--no-learner", "--agents",
-                    "echo agent-went-wrong; exit 3")
+    bad = _start_up(
+        tmp_path / "bad",
+        "--backend",
+        vllm_server.url,
+        "--no-learner",
+        "--agents",
+        "echo agent-went-wrong; exit 3",
+    )
     out, _ = bad.communicate(timeout=120)
     assert bad.returncode == 1 and "agents FAILED" in out and "agent-went-wrong" in out, out
 

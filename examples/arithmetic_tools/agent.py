@@ -17,22 +17,34 @@ import sys
 import uuid
 from typing import Any
 
-from toolenv import CalculatorTool, Problem, ToolEnv, forced, make_problem, scripted_turns
-
 import steptap.adapters
 from steptap.adapters.session import resolve_model
+from toolenv import CalculatorTool, Problem, ToolEnv, forced, make_problem, scripted_turns
 
 
-def run_episode(client: Any, model: str, env: ToolEnv, problem: Problem, *, scripted: bool = False,
-                max_tokens: int = 96, temperature: float = 1.0) -> tuple[float, dict[str, Any]]:
+def run_episode(
+    client: Any,
+    model: str,
+    env: ToolEnv,
+    problem: Problem,
+    *,
+    scripted: bool = False,
+    max_tokens: int = 96,
+    temperature: float = 1.0,
+) -> tuple[float, dict[str, Any]]:
     """One attempt: model turn, tool results, model turn ... until an answer or ``env.max_turns``."""
     messages = env.reset(problem)
     script = scripted_turns(problem) if scripted else []
     for turn in range(env.max_turns):
         extra = forced(script[turn]) if turn < len(script) else None
         resp = client.chat.completions.create(
-            model=model, messages=messages, tools=env.tool_schemas(), tool_choice="auto",
-            max_tokens=max_tokens, temperature=temperature, extra_body=extra,
+            model=model,
+            messages=messages,
+            tools=env.tool_schemas(),
+            tool_choice="auto",
+            max_tokens=max_tokens,
+            temperature=temperature,
+            extra_body=extra,
         )
         message = resp.choices[0].message.model_dump(exclude_none=True)
         message.pop("refusal", None)
@@ -64,14 +76,24 @@ def main(argv: list[str] | None = None) -> int:
         for _member in range(args.group_size):
             env = ToolEnv([CalculatorTool()], max_turns=args.max_turns)
             meta = {"task": "arithmetic_tools", "question": problem.question, "answer": problem.answer}
-            with steptap.adapters.session(args.proxy, args.control_token, group_id=group,
-                                          group_size=args.group_size, metadata=meta, model=args.model) as s:
+            with steptap.adapters.session(
+                args.proxy,
+                args.control_token,
+                group_id=group,
+                group_size=args.group_size,
+                metadata=meta,
+                model=args.model,
+            ) as s:
                 model = resolve_model(s, args.model)
                 reward, info = run_episode(s.openai_client(), model, env, problem, scripted=args.scripted)
                 s.set_reward(reward)
             correct += reward == 1.0
-            print(json.dumps({"session": s.id, "group": group, "question": problem.question, "reward": reward,
-                              **info}), flush=True)
+            print(
+                json.dumps(
+                    {"session": s.id, "group": group, "question": problem.question, "reward": reward, **info}
+                ),
+                flush=True,
+            )
     total = args.problems * args.group_size
     print(f"correct {correct}/{total}", file=sys.stderr)
     return 0

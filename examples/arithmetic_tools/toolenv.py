@@ -14,27 +14,37 @@ import operator
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class BaseTool:
     """One executable tool: a name, a description, a JSON schema for its arguments, and ``execute``."""
 
-    name: str = ""
-    description: str = ""
-    parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
 
     def execute(self, args: dict[str, Any]) -> str:
         raise NotImplementedError
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI ``tools`` entry for this tool."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def safe_eval(expression: str) -> float:
@@ -59,7 +69,7 @@ def safe_eval(expression: str) -> float:
 class CalculatorTool(BaseTool):
     name = "calculator"
     description = "Evaluate an arithmetic expression with + - * / and parentheses; returns the number."
-    parameters = {
+    parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {"expression": {"type": "string", "description": "for example: (12 + 7) * 3"}},
         "required": ["expression"],
@@ -104,8 +114,10 @@ class EnvStep:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-SYSTEM = ("You solve arithmetic problems. Call the calculator tool to compute, then give the final answer as "
-          "'The answer is N.'")
+SYSTEM = (
+    "You solve arithmetic problems. Call the calculator tool to compute, then give the final answer as "
+    "'The answer is N.'"
+)
 
 
 class ToolEnv:
@@ -161,7 +173,10 @@ def hermes_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 def scripted_turns(problem: Problem) -> list[str]:
     """A correct two-turn run: call the calculator, then answer."""
-    return [hermes_tool_call("calculator", {"expression": problem.expression}), f"The answer is {problem.answer}."]
+    return [
+        hermes_tool_call("calculator", {"expression": problem.expression}),
+        f"The answer is {problem.answer}.",
+    ]
 
 
 def forced(text: str) -> dict[str, Any]:

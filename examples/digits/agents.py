@@ -32,13 +32,24 @@ import uuid
 from typing import Any
 
 import openai
-
 import steptap.adapters
 
 PROMPTS = [
-    "Tell me something.", "What do you see?", "Say a few words.", "Describe the weather.", "Write a line.",
-    "What is on your mind?", "Give me an answer.", "Continue the story.", "Name a thing.", "Reply briefly.",
-    "What happened today?", "Say anything.", "Report the status.", "What comes next?", "Tell me a fact.",
+    "Tell me something.",
+    "What do you see?",
+    "Say a few words.",
+    "Describe the weather.",
+    "Write a line.",
+    "What is on your mind?",
+    "Give me an answer.",
+    "Continue the story.",
+    "Name a thing.",
+    "Reply briefly.",
+    "What happened today?",
+    "Say anything.",
+    "Report the status.",
+    "What comes next?",
+    "Tell me a fact.",
     "Write a short note.",
 ]
 
@@ -77,16 +88,26 @@ class Population:
         self.rewards: list[float] = []
         self.t0 = time.time()
 
-    async def member(self, steptap_client: Any, llm: openai.AsyncOpenAI, model: str, group: str,
-                     prompt: str) -> None:
+    async def member(
+        self, steptap_client: Any, llm: openai.AsyncOpenAI, model: str, group: str, prompt: str
+    ) -> None:
         async with self.sem:
             meta = {"task": "digits", "prompt": prompt}
-            async with steptap.adapters.async_session(self.proxy, self.token, client=steptap_client, group_id=group,
-                                                      group_size=self.args.group_size, metadata=meta) as s:
+            async with steptap.adapters.async_session(
+                self.proxy,
+                self.token,
+                client=steptap_client,
+                group_id=group,
+                group_size=self.args.group_size,
+                metadata=meta,
+            ) as s:
                 # One shared HTTP client for every agent; each call carries its own session's key.
                 resp = await llm.with_options(base_url=s.base_url, api_key=s.api_key).chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": prompt}],
-                    max_tokens=self.args.max_tokens, temperature=1.0, logprobs=True,
+                    model=model,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=self.args.max_tokens,
+                    temperature=1.0,
+                    logprobs=True,
                 )
                 reward = digit_fraction(response_tokens(resp.choices[0]))
                 s.set_reward(reward)
@@ -98,11 +119,15 @@ class Population:
     async def group(self, steptap_client: Any, llm: openai.AsyncOpenAI, model: str) -> None:
         prompt = self.rng.choice(PROMPTS)
         group = f"digits-{uuid.uuid4().hex[:10]}"
-        members = [self.member(steptap_client, llm, model, group, prompt) for _ in range(self.args.group_size)]
+        members = [
+            self.member(steptap_client, llm, model, group, prompt) for _ in range(self.args.group_size)
+        ]
         results = await asyncio.gather(*members, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            print(f"group {group}: {len(errors)} member(s) failed: {errors[0]!r}", file=sys.stderr, flush=True)
+            print(
+                f"group {group}: {len(errors)} member(s) failed: {errors[0]!r}", file=sys.stderr, flush=True
+            )
             await asyncio.sleep(1.0)  # back off (a weight swap or a restart in progress)
 
     async def wait_for_new_policy(self, version: int) -> int:
@@ -119,7 +144,9 @@ class Population:
         from steptap.middleware.client import SteptapClient
 
         if not self.proxy or not self.token:
-            raise SystemExit("set STEPTAP_URL and STEPTAP_CONTROL_TOKEN (steptap up prints them), or pass flags")
+            raise SystemExit(
+                "set STEPTAP_URL and STEPTAP_CONTROL_TOKEN (steptap up prints them), or pass flags"
+            )
         async with SteptapClient(self.proxy, self.token) as steptap_client:
             llm = openai.AsyncOpenAI(base_url=f"{self.proxy}/v1", api_key="EMPTY", max_retries=2, timeout=300)
             model = self.args.model or os.environ.get("STEPTAP_MODEL") or (await llm.models.list()).data[0].id
@@ -130,8 +157,11 @@ class Population:
             tasks: set[asyncio.Task[None]] = set()
             last_report = time.time()
             while self.args.groups is None or started < self.args.groups or tasks:
-                while len(tasks) < in_flight and (self.args.groups is None or started < self.args.groups) \
-                        and round_left != 0:
+                while (
+                    len(tasks) < in_flight
+                    and (self.args.groups is None or started < self.args.groups)
+                    and round_left != 0
+                ):
                     tasks.add(asyncio.create_task(self.group(steptap_client, llm, model)))
                     started += 1
                     round_left = None if round_left is None else round_left - 1
@@ -143,9 +173,17 @@ class Population:
                 if time.time() - last_report >= self.args.report_every and self.rewards:
                     last_report = time.time()
                     recent = self.rewards[-64:]
-                    print(json.dumps({"t": round(time.time() - self.t0, 1), "sessions": self.done,
-                                      "policy_version": version,
-                                      "recent_reward": round(sum(recent) / len(recent), 3)}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "t": round(time.time() - self.t0, 1),
+                                "sessions": self.done,
+                                "policy_version": version,
+                                "recent_reward": round(sum(recent) / len(recent), 3),
+                            }
+                        ),
+                        flush=True,
+                    )
             await llm.close()
 
 
@@ -157,10 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
     p.add_argument("--concurrency", type=int, default=16, help="model calls in flight")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run until stopped)")
-    p.add_argument("--round-groups", type=int, default=0,
-                   help="sample in rounds of this many groups, each round from a newer policy than the last "
-                        "(on-policy batches for a learner with batch_groups equal to it); 0: sample continuously")
+    p.add_argument(
+        "--groups", type=int, default=None, help="stop after this many groups (default: run until stopped)"
+    )
+    p.add_argument(
+        "--round-groups",
+        type=int,
+        default=0,
+        help="sample in rounds of this many groups, each round from a newer policy than the last "
+        "(on-policy batches for a learner with batch_groups equal to it); 0: sample continuously",
+    )
     p.add_argument("--round-timeout", type=float, default=300.0, help="longest wait for a new policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-sessions", action="store_true", help="one JSON line per finished session")

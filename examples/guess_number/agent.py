@@ -18,23 +18,33 @@ import sys
 import uuid
 from typing import Any
 
-from game import GuessNumberEnv
-
 import steptap.adapters
+from game import GuessNumberEnv
 from steptap.adapters.session import resolve_model
 
 
-def play(s: Any, client: Any, model: str, env: GuessNumberEnv, *, scripted: bool = False,
-         max_tokens: int = 8, temperature: float = 1.0) -> dict[str, Any]:
+def play(
+    s: Any,
+    client: Any,
+    model: str,
+    env: GuessNumberEnv,
+    *,
+    scripted: bool = False,
+    max_tokens: int = 8,
+    temperature: float = 1.0,
+) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You play a guessing game. Reply with a single integer."},
         {"role": "user", "content": env.intro()},
     ]
     rewards = []
     while True:
-        extra = {"structured_outputs": {"regex": re.escape(str(env.binary_search_guess()))}} if scripted else None
-        resp = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                              temperature=temperature, extra_body=extra)
+        extra = (
+            {"structured_outputs": {"regex": re.escape(str(env.binary_search_guess()))}} if scripted else None
+        )
+        resp = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, extra_body=extra
+        )
         reply = resp.choices[0].message.content or ""
         turn = env.step(reply)
         s.reward_step(turn.reward, name="guess")  # a process reward on the step this reply was recorded as
@@ -66,8 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         for _member in range(args.group_size):
             env = GuessNumberEnv(secret, 1, args.high, args.max_turns)
             meta = {"task": "guess_number", "secret": secret, "high": args.high}
-            with steptap.adapters.session(args.proxy, args.control_token, group_id=group,
-                                          group_size=args.group_size, metadata=meta, model=args.model) as s:
+            with steptap.adapters.session(
+                args.proxy,
+                args.control_token,
+                group_id=group,
+                group_size=args.group_size,
+                metadata=meta,
+                model=args.model,
+            ) as s:
                 info = play(s, s.openai_client(), resolve_model(s, args.model), env, scripted=args.scripted)
             print(json.dumps({"session": s.id, "group": group, "secret": secret, **info}), flush=True)
     return 0

@@ -35,8 +35,10 @@ class GuessNumberEnv:
         self.solved = False
 
     def intro(self) -> str:
-        return (f"I am thinking of an integer between {self.low} and {self.high}. Guess it: answer with one "
-                f"number. I will say higher, lower or correct.")
+        return (
+            f"I am thinking of an integer between {self.low} and {self.high}. Guess it: answer with one "
+            f"number. I will say higher, lower or correct."
+        )
 
     def step(self, reply: str | None) -> Turn:
         self.turns += 1

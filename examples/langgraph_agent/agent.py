@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-from toolenv import SYSTEM, CalculatorTool, Problem, forced, make_problem, parse_answer, scripted_turns  # noqa: E402
-
-import steptap.adapters  # noqa: E402
+import steptap.adapters
+from toolenv import SYSTEM, CalculatorTool, Problem, forced, make_problem, parse_answer, scripted_turns
 
 
 def build_graph(llm: Any, script: list[str] | None = None) -> Any:
@@ -55,15 +54,17 @@ def build_graph(llm: Any, script: list[str] | None = None) -> Any:
     return graph.compile()
 
 
-def solve(s: Any, problem: Problem, *, model: str | None = None, scripted: bool = False,
-          max_turns: int = 4) -> tuple[float, dict[str, Any]]:
+def solve(
+    s: Any, problem: Problem, *, model: str | None = None, scripted: bool = False, max_turns: int = 4
+) -> tuple[float, dict[str, Any]]:
     llm = steptap.adapters.bind("langchain", s, model=model, max_tokens=96, temperature=1.0)
     app = build_graph(llm, scripted_turns(problem) if scripted else None)
     try:
         # Each model turn is two graph steps (agent, tools); the limit bounds a model that never answers.
-        state = app.invoke({"messages": [("system", SYSTEM), ("user", problem.question)]},
-                           {"recursion_limit": 2 * max_turns})
-    except Exception as exc:  # noqa: BLE001 - GraphRecursionError: the model never gave an answer
+        state = app.invoke(
+            {"messages": [("system", SYSTEM), ("user", problem.question)]}, {"recursion_limit": 2 * max_turns}
+        )
+    except Exception as exc:
         if type(exc).__name__ != "GraphRecursionError":
             raise
         return 0.0, {"truncated": True}
@@ -88,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         group = f"langgraph-{uuid.uuid4().hex[:8]}"
         for _member in range(args.group_size):
             meta = {"task": "arithmetic_tools", "agent": "langgraph", "question": problem.question}
-            with steptap.adapters.session(args.proxy, args.control_token, group_id=group,
-                                          group_size=args.group_size, metadata=meta, model=args.model) as s:
+            with steptap.adapters.session(
+                args.proxy,
+                args.control_token,
+                group_id=group,
+                group_size=args.group_size,
+                metadata=meta,
+                model=args.model,
+            ) as s:
                 reward, info = solve(s, problem, model=args.model, scripted=args.scripted)
                 s.set_reward(reward)
             print(json.dumps({"session": s.id, "group": group, "reward": reward, **info}), flush=True)

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-from toolenv import SYSTEM, CalculatorTool, Problem, forced, make_problem, parse_answer, scripted_turns  # noqa: E402
-
-import steptap.adapters  # noqa: E402
+import steptap.adapters
+from toolenv import SYSTEM, CalculatorTool, Problem, forced, make_problem, parse_answer, scripted_turns
 
 
 def scripted_model(inner: Any, script: list[str]) -> Any:
@@ -34,20 +33,28 @@ def scripted_model(inner: Any, script: list[str]) -> Any:
 
         def _settings(self, settings: ModelSettings) -> ModelSettings:
             turn, self.turn = self.turn, self.turn + 1
-            return settings.resolve(ModelSettings(extra_body=forced(script[turn]))) if turn < len(script) \
+            return (
+                settings.resolve(ModelSettings(extra_body=forced(script[turn])))
+                if turn < len(script)
                 else settings
+            )
 
-        async def get_response(self, system_instructions, input, model_settings, *args, **kw):  # noqa: A002
-            return await inner.get_response(system_instructions, input, self._settings(model_settings), *args, **kw)
+        async def get_response(self, system_instructions, input, model_settings, *args, **kw):
+            return await inner.get_response(
+                system_instructions, input, self._settings(model_settings), *args, **kw
+            )
 
-        def stream_response(self, system_instructions, input, model_settings, *args, **kw):  # noqa: A002
-            return inner.stream_response(system_instructions, input, self._settings(model_settings), *args, **kw)
+        def stream_response(self, system_instructions, input, model_settings, *args, **kw):
+            return inner.stream_response(
+                system_instructions, input, self._settings(model_settings), *args, **kw
+            )
 
     return Scripted()
 
 
-async def solve(s: Any, problem: Problem, *, model: str | None = None, scripted: bool = False,
-                max_turns: int = 4) -> tuple[float, dict[str, Any]]:
+async def solve(
+    s: Any, problem: Problem, *, model: str | None = None, scripted: bool = False, max_turns: int = 4
+) -> tuple[float, dict[str, Any]]:
     from agents import Agent, MaxTurnsExceeded, ModelSettings, Runner, function_tool
 
     calc = CalculatorTool()
@@ -61,8 +68,13 @@ async def solve(s: Any, problem: Problem, *, model: str | None = None, scripted:
     llm = steptap.adapters.bind("openai_agents", s, model=model)
     if scripted:
         llm = scripted_model(llm, scripted_turns(problem))
-    agent = Agent(name="calculator-agent", instructions=SYSTEM, tools=[calculator], model=llm,
-                  model_settings=ModelSettings(max_tokens=96, temperature=1.0))
+    agent = Agent(
+        name="calculator-agent",
+        instructions=SYSTEM,
+        tools=[calculator],
+        model=llm,
+        model_settings=ModelSettings(max_tokens=96, temperature=1.0),
+    )
     try:
         result = await Runner.run(agent, problem.question, max_turns=max_turns)
     except MaxTurnsExceeded:
@@ -78,9 +90,14 @@ async def amain(args: argparse.Namespace) -> None:
         group = f"agents-sdk-{uuid.uuid4().hex[:8]}"
         for _member in range(args.group_size):
             meta = {"task": "arithmetic_tools", "agent": "openai_agents", "question": problem.question}
-            async with steptap.adapters.async_session(args.proxy, args.control_token, group_id=group,
-                                                      group_size=args.group_size, metadata=meta,
-                                                      model=args.model) as s:
+            async with steptap.adapters.async_session(
+                args.proxy,
+                args.control_token,
+                group_id=group,
+                group_size=args.group_size,
+                metadata=meta,
+                model=args.model,
+            ) as s:
                 reward, info = await solve(s, problem, model=args.model, scripted=args.scripted)
                 s.set_reward(reward)
             print(json.dumps({"session": s.id, "group": group, "reward": reward, **info}), flush=True)
