@@ -33,6 +33,7 @@ logger = logging.getLogger("steptap.forward")
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
+_JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _MODELS_REFRESH_S = 2.0  # at most this often, an unknown model name re-reads the backend's /v1/models
 
@@ -61,7 +62,8 @@ class Upstream:
             headers=headers,
             timeout=timeout,
             read_bufsize=cfg.read_bufsize,
-            connector=aiohttp.TCPConnector(limit=0),
+            # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
             auto_decompress=True,
         )
         try:
@@ -265,9 +267,11 @@ class _Call:
         url = f"{base}/v1/{'chat/completions' if self.endpoint == CHAT else 'completions'}"
         timeout_s = self.upstream.config.upstream_timeout_s
         try:
-            resp = await self.upstream.http.post(
-                url, data=payload, headers={"Content-Type": "application/json"}
-            )
+            try:
+                resp = await self.upstream.http.post(url, data=payload, headers=_JSON_HEADERS)
+            except aiohttp.ServerDisconnectedError:
+                # a pooled connection the backend had just closed: nothing was answered, send it once more
+                resp = await self.upstream.http.post(url, data=payload, headers=_JSON_HEADERS)
         except TimeoutError:
             await self._record_failed(self._failed(f"backend {base} timed out", "backend_timeout"))
             raise timed_out(base, timeout_s) from None

@@ -11,6 +11,7 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 - ``cut``: streams two chunks, then drops the connection (no [DONE]);
 - ``malformed``: HTTP 200 with a body that is not JSON (or, streamed, a garbage data line);
 - ``error_event``: streams one chunk, then vLLM's own mid-stream error event and [DONE];
+- ``disconnect_once``: the next call's connection is closed with no answer (a keep-alive race), then ``ok``;
 - ``split``: a well-formed stream whose events are cut across network reads, ending ``data: [DONE]`` with no
   newline (legal framing a proxy must reassemble).
 """
@@ -104,6 +105,11 @@ class FaultInjector:
         self.authorization.append(request.headers.get("Authorization"))
         body = await request.json()
         mode = request.headers.get("X-Fault", self.mode)
+        if mode == "disconnect_once":  # as a server closing an idle keep-alive connection as it is reused
+            self.mode = mode = "ok"
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if mode == "error503":  # what vLLM answers while paused or not ready
             return web.json_response(
                 {"error": {"message": "paused", "type": "ServiceUnavailable", "code": 503}}, status=503

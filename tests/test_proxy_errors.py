@@ -314,3 +314,14 @@ async def test_agent_credentials_never_reach_the_backend(
             headers={"Authorization": "Bearer sk-agent-key"},
         )
         assert status == 200 and injector.authorization == [expected]
+
+
+async def test_a_connection_closed_unanswered_is_retried_once(
+    faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
+) -> None:
+    injector, proxy = faulty
+    injector.mode = "disconnect_once"
+    status, body = await call(http, f"{proxy.url}/s/retry/v1/chat/completions", good(MODEL))
+    assert status == 200 and injector.calls == 2
+    steps = proxy.app[SESSIONS_KEY].sessions["retry"].trajectory.steps  # type: ignore[index]
+    assert [s.status for s in steps] == ["ok"]
