@@ -105,6 +105,7 @@ class Learner:
         self.client = SteptapClient(cfg.proxy_url, cfg.token() or None)
         self.ledger, self.grouper = Ledger(), Grouper(cfg)
         self.version, self.updates, self.cursor, self.skip = 0, 0, None, set()
+        self.checkpointed = -1  # the update count of the last checkpoint
         self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
         self.stop = asyncio.Event()
         self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates)
@@ -113,7 +114,7 @@ class Learner:
             checkpoint.restore(self.engine.model, self.engine.optimizer, state)
             self.version, self.updates, self.cursor = state["version"], state["updates"], state["cursor"]
             self.skip = set(state.get("consumed_after_cursor", []))
-            self.ledger.acked = self.cursor
+            self.ledger.acked, self.checkpointed = self.cursor, self.updates
             self.metrics.note(f"resumed at update {self.updates}, version {self.version}, cursor {self.cursor}")
         else:
             self.version = _proxy_version(cfg.proxy_url)
@@ -187,6 +188,9 @@ class Learner:
             self.metrics.note(f"[red]publish failed[/red]: {exc}")
 
     async def checkpoint(self) -> None:
+        if self.updates == self.checkpointed:
+            return  # nothing new since the last one (a clean stop right after a periodic checkpoint)
+        self.checkpointed = self.updates
         cursor, consumed_after = self.ledger.frontier()
         state = {
             "model": checkpoint.trainable_state(self.engine.model),

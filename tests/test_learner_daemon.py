@@ -130,3 +130,40 @@ def test_plot_writes_reward_and_loss_curves(tmp_path: Path) -> None:
     out = tmp_path / "curves.png"
     assert plot.main([str(metrics), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_ledger_acknowledges_only_the_consumed_prefix_and_remembers_the_rest() -> None:
+    from steptap.middleware.client import Delivery
+
+    ledger = daemon.Ledger()
+    for i in range(5):
+        ledger.deliver(Delivery(f"0:{(i + 1) * 10}", Trajectory(id=f"t{i}")))
+    ledger.consume(["t1", "t3"])  # a later group finished first
+    assert ledger.frontier() == (None, ["t1", "t3"])  # t0 is still waiting: nothing can be acknowledged
+    ledger.consume(["t0"])
+    assert ledger.frontier() == ("0:20", ["t3"])  # t0, t1 done: ack up to t1's cursor; t3 done beyond it
+    ledger.consume(["t2", "t4"])
+    assert ledger.frontier() == ("0:50", [])
+
+
+def test_grouper_waits_for_the_group_counts_aborted_members_and_times_out() -> None:
+    cfg = config_from_argv(["--model-dir", "m", "--group-size", "3", "--group-timeout-s", "0.05",
+                            "--min-group-members", "2"])
+    grouper = daemon.Grouper(cfg)
+    grouper.add(Trajectory(id="a1", group_id="a", status="finished"))
+    grouper.add(Trajectory(id="a2", group_id="a", status="aborted"))
+    assert grouper.take(5) == ([], [])  # 2 of 3: wait
+    grouper.add(Trajectory(id="a3", group_id="a", group_size=3, status="finished"))
+    (group,), small = grouper.take(5)
+    assert [t.id for t in group] == ["a1", "a2", "a3"] and small == []  # the aborted member did not discard it
+    grouper.add(Trajectory(id="s", status="finished"))  # no group_id: a group of one, ready at once
+    assert [[t.id for t in g] for g in grouper.take(5)[0]] == [["s"]]
+    grouper.add(Trajectory(id="b1", group_id="b", status="finished"))
+    grouper.add(Trajectory(id="b2", group_id="b", status="finished"))
+    grouper.add(Trajectory(id="c1", group_id="c", status="finished"))
+    import time as _time
+
+    _time.sleep(0.1)
+    groups, small = grouper.take(5)
+    assert [[t.id for t in g] for g in groups] == [["b1", "b2"]]  # timed out with enough members: used
+    assert [t.id for t in small] == ["c1"] and grouper.counts["dropped_small_group"] == 1
