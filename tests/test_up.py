@@ -237,3 +237,31 @@ def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path
         assert not _alive(seen | _tree(vllm_pid)), f"left running: {_alive(seen)}"
     finally:
         _kill_all(proc, seen)
+
+
+def test_status_board_reads_whole_lines_of_the_learner_metrics(tmp_path: Path) -> None:
+    from steptap.learner.up_view import StatusBoard, parse_prometheus
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"update": 1, "reward_mean": 0.0, "loss": 0.5, "policy_version": 1, "behaviour_version": 0},
+        {"update": 2, "reward_mean": 0.2, "loss": 0.4, "policy_version": 2, "behaviour_version": 1},
+        {"update": 3, "reward_mean": 0.6, "loss": 0.3, "policy_version": 3, "behaviour_version": 2},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    cut = text.index("\n", text.index("\n") + 1) + 10  # two whole lines and a part of the third
+    path.write_text(text[:cut])
+    board = StatusBoard("http://127.0.0.1:9", path)  # nothing listens: the proxy's figures stay empty
+    board.poll()
+    assert board.updates == 2 and board.recent_loss() == 0.4
+    with open(path, "a") as f:
+        f.write(text[cut:])
+    board.read_metrics()
+    assert board.updates == 3
+    assert board.first_reward(2) == 0.1 and board.recent_reward(3) == round(0.8 / 3, 4)
+    assert board.reward_by_version() == {"0": 0.0, "1": 0.2, "2": 0.6}  # by the version that sampled them
+    prom = parse_prometheus(
+        'steptap_steps_total{anonymous="false",status="ok"} 7.0\n'
+        'steptap_steps_total{anonymous="true",status="ok"} 2.0\nsteptap_sessions_open 3.0\n'
+    )
+    assert prom["steptap_steps_total"] == 9.0 and prom["steptap_sessions_open"] == 3.0
