@@ -24,6 +24,7 @@ import time
 import urllib.request
 from collections import Counter, OrderedDict
 
+import aiohttp
 import torch
 
 from steptap.learner import checkpoint
@@ -31,7 +32,7 @@ from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engine import TorchEngine
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import build_batch
-from steptap.middleware.client import Delivery, SteptapClient
+from steptap.middleware.client import Delivery, SteptapClient, SteptapError
 from steptap.middleware.records import Trajectory
 
 log = logging.getLogger("steptap.learner")
@@ -205,7 +206,12 @@ class Learner:
         path = await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint_dir, state,
                                        keep=self.cfg.keep_checkpoints)
         if cursor is not None:  # acknowledge only once the checkpoint that covers it is durable
-            await self.client.ack(self.cfg.consumer, cursor)
+            try:
+                await self.client.ack(self.cfg.consumer, cursor)
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, SteptapError) as exc:
+                # The proxy is restarting: the next checkpoint acknowledges (its cursor covers this one), and
+                # until then a re-delivery is skipped by the client's de-duplication.
+                self.metrics.note(f"[yellow]ack failed[/yellow] ({exc}); retried at the next checkpoint")
         self.metrics.note(f"checkpoint {path} (cursor {cursor}, version {self.version})")
 
     async def close(self) -> None:

@@ -167,3 +167,66 @@ def test_grouper_waits_for_the_group_counts_aborted_members_and_times_out() -> N
     groups, small = grouper.take(5)
     assert [[t.id for t in g] for g in groups] == [["b1", "b2"]]  # timed out with enough members: used
     assert [t.id for t in small] == ["c1"] and grouper.counts["dropped_small_group"] == 1
+
+
+async def test_learner_survives_a_proxy_restart(tmp_path: Path, tiny_model_dir) -> None:
+    """Proxy A serves groups 0-1 and is stopped; groups 2-3 reach the log; proxy B (same port, same log)
+    comes up and the same learner process, reconnected, trains them: updates 3 and 4, nothing twice."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+    from conftest import CONTROL_TOKEN, free_port
+
+    from steptap.middleware.app import create_app
+    from steptap.middleware.config import ProxyConfig
+
+    log_dir, port = tmp_path / "log", free_port()
+    log = await TrajectoryLog.open(str(log_dir))
+    for g in range(2):
+        for m in range(2):
+            await log.append(_traj(g, m, [0]))
+    await log.close()
+
+    async def start_proxy() -> TestServer:
+        cfg = ProxyConfig(backend="http://127.0.0.1:9", log=str(log_dir), control_token=CONTROL_TOKEN,
+                          port=port)
+        server = TestServer(create_app(cfg), port=port)
+        await server.start_server()
+        return server
+
+    proxy = await start_proxy()
+    metrics = tmp_path / "m.jsonl"
+    learner = asyncio.create_task(daemon._run(config_from_argv([
+        "--proxy-url", f"http://127.0.0.1:{port}", "--control-token", CONTROL_TOKEN,
+        "--model-dir", str(tiny_model_dir), "--batch-groups", "1", "--group-size", "2", "--push-every", "0",
+        "--max-updates", "4", "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "c"),
+        "--metrics-file", str(metrics), "--no-progress", "--num-threads", "1"])))
+
+    async def wait_rows(n: int) -> None:
+        for _ in range(1200):
+            if learner.done():
+                learner.result()  # re-raise
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no {n} updates in time")
+
+    await wait_rows(2)
+    await proxy.close()  # the proxy goes away under the learner's open stream
+    log = await TrajectoryLog.open(str(log_dir))
+    for g in range(2, 4):
+        for m in range(2):
+            await log.append(_traj(g, m, [0]))
+    await log.close()
+    await asyncio.sleep(1.0)  # the learner is reconnecting meanwhile
+    proxy = await start_proxy()
+    try:
+        await asyncio.wait_for(learner, timeout=300)
+    finally:
+        await proxy.close()
+    rows = _rows(metrics)
+    assert [r["update"] for r in rows] == [1, 2, 3, 4]
+    assert [r["reward_mean"] for r in rows] == [0.25, 1.25, 2.25, 3.25]
+    final = checkpoint.load_latest(str(tmp_path / "c"))
+    acked = json.loads((log_dir / "consumers" / "learner.cursor").read_text())["cursor"]
+    assert final["updates"] == 4 and acked == final["cursor"]
