@@ -79,6 +79,17 @@ def classify(prev: Step | None, step: Step) -> PrefixCause:
     return _message_cause(old, new)
 
 
+_RANK: dict[str, int] = {"extends": 0, "rerendered": 1, "truncated": 2, "history_edited": 3, "first": 4}
+
+
+def classify_after(prev_call: list[Step], step: Step) -> PrefixCause:
+    """The cause against the previous call, which may have had several choices (``n > 1``): the agent went on
+    from one of them, so the most continuous verdict wins."""
+    if not prev_call:
+        return "first"
+    return min((classify(prev, step) for prev in prev_call), key=_RANK.__getitem__)
+
+
 def _message_cause(old: list[Any], new: list[Any]) -> PrefixCause:
     if new[: len(old)] == old:
         return "rerendered"

@@ -25,7 +25,7 @@ from .config import ProxyConfig
 from .errors import ApiError
 from .identity import Identity
 from .metrics import Metrics
-from .prefix import classify
+from .prefix import classify_after
 from .records import (
     LogRecord,
     Mode,
@@ -88,6 +88,15 @@ class Group:
             "complete": self.complete is not None,
             "reason": self.complete,
         }
+
+
+def _last_good_call(steps: list[Step]) -> list[Step]:
+    """The ok steps of the latest call that has any (a call's choices share ``started_at``): continuity is
+    judged against them, never against a failed step, which carries no usable ids."""
+    last = next((s for s in reversed(steps) if s.status == "ok"), None)
+    if last is None:
+        return []
+    return [s for s in steps if s.status == "ok" and s.started_at == last.started_at]
 
 
 def new_key() -> str:
@@ -239,14 +248,12 @@ class SessionManager:
     async def record(self, session: Session, steps: list[Step]) -> None:
         """Index, link and append the steps of one call; returns once they are durable."""
         traj = session.trajectory
-        # a failed step carries no usable ids: continuity is judged against the last good one
-        prev = next((s for s in reversed(traj.steps) if s.status == "ok"), None)
+        prev_call = _last_good_call(traj.steps)
         for step in steps:
             step.trajectory_id = traj.id
             step.group_id = traj.group_id
             step.index = len(traj.steps)
-            # choices of one n>1 call all continue the same previous step
-            step.prefix = classify(prev, step)
+            step.prefix = classify_after(prev_call, step)  # choices of one call share the previous call
             if session.closing and not traj.anonymous:
                 logger.warning(
                     "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id

@@ -97,3 +97,13 @@ def test_completions_use_ids_only() -> None:
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2, 3, 4, 5])) == "extends"
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2])) == "truncated"
     assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 9, 3, 4])) == "history_edited"
+
+
+def test_after_an_n_choice_call_the_continued_choice_counts() -> None:
+    from steptap.middleware.prefix import classify_after
+
+    choices = [step([U("q")], [1, 2], [3 + i], reply=A(f"c{i}")) for i in range(3)]
+    nxt = step([U("q"), A("c1"), U("more")], [1, 2, 4, 9])
+    assert classify_after(choices, nxt) == "extends"
+    assert classify(choices[-1], nxt) != "extends"
+    assert classify_after([], nxt) == "first"

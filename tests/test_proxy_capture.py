@@ -250,6 +250,8 @@ async def test_n_choices_give_one_step_each(
         assert step.response["content"] == choice["message"]["content"]
         assert len(step.response_token_ids) == len(step.response_logprobs) == 6
     assert steps[0].prompt_token_ids == steps[3].prompt_token_ids
+    # the second call repeats the prompt without any reply: history dropped, against every choice
+    assert [s.prefix for s in steps] == ["first"] * 3 + ["truncated"] * 3
 
 
 @pytest.mark.parametrize("ask", [False, True])
