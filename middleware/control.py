@@ -92,6 +92,10 @@ async def get_session(request: web.Request) -> web.Response:
     session = manager.sessions.get(sid)
     traj = session.trajectory if session is not None else manager.recent.get(sid)
     if traj is None:
+        if sid in manager.closed:
+            raise ApiError(
+                404, f"session {sid!r} is {manager.closed[sid]}; read it from the stream", "session_evicted"
+            )
         raise ApiError(404, f"no session {sid!r}", "session_not_found")
     data = to_builtins(traj)
     data["reward"] = traj.reward

@@ -41,7 +41,9 @@ from .rewards import RewardFn, run_reward
 logger = logging.getLogger("steptap.sessions")
 
 GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
-RECENT_KEEP = 1000  # closed trajectories kept in memory for GET /sessions/<id> (the log has them all)
+# Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
+# trajectory holds every step's full prompt ids.
+RECENT_KEEP = 128
 
 
 class Log(Protocol):
