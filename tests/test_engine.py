@@ -129,3 +129,20 @@ def test_lora_trains_only_the_adapter_and_checkpoints_round_trip(tiny_model_dir)
     for k, v in checkpoint.trainable_state(fresh.model).items():
         torch.testing.assert_close(v, state["model"][k])
     assert checkpoint.load_latest("memory://steptap-no-such-ckpt") is None
+
+
+def test_decoupled_rollout_correction_and_ppo_epochs(tiny_model_dir) -> None:
+    """rollout_is=token: the ratio is taken against the learner's own (proximal) logprobs and verl's truncated
+    IS weights min(proximal/behaviour, 2) carry the mismatch; a second PPO epoch sees the clip."""
+    cfg = LearnerConfig(model_dir=str(tiny_model_dir), lr=2e-2, epochs=2, rollout_is="token",
+                        rollout_is_threshold=2.0).validate()
+    eng = TorchEngine(cfg)
+    trajs = _chain_trajs(eng)
+    on_policy = eng.train_step(build_batch(trajs, version=0))
+    assert on_policy.rollout_is_mean == pytest.approx(1.0, abs=1e-4)  # proximal == behaviour before the update
+    assert on_policy.pg_clipfrac > 0  # epoch 2 runs on updated weights with a large lr: some tokens clip
+    for t in trajs:  # the sampler gave these tokens less mass than the learner does now: weights > 1, capped
+        for s in t.steps:
+            s.response_logprobs = [lp - 1.0 for lp in s.response_logprobs]
+    stale = eng.train_step(build_batch(trajs, version=0))
+    assert 1.0 < stale.rollout_is_mean <= 2.0 + 1e-6

@@ -95,8 +95,9 @@ async def test_stale_downweight_is_counted(make_proxy, tmp_path: Path, tiny_mode
         "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(tiny_model_dir),
         "--batch-groups", "1", "--group-size", "2", "--push-every", "0", "--max-updates", "1",
         "--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(metrics), "--max-staleness", "2",
-        "--stale-mode", mode, "--no-progress"]))
+        "--stale-mode", mode, "--no-progress", "--tensorboard-dir", str(tmp_path / "tb")]))
     (row,) = _rows(metrics)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # TensorBoard is installed here: it logged
     assert row["counts"]["downweighted_stale"] == 2 and row["counts"].get("dropped_stale", 0) == 0
     assert row["counts"]["trained_steps"] == 6
 
