@@ -81,7 +81,7 @@ echo "== plotting"
 .venv/bin/python - "$OUT" "$setup_s" <<'EOF'
 import json, sys
 from pathlib import Path
-out, setup_s = Path(sys.argv[1]), float(sys.argv[2])
+out, setup_s = Path(sys.argv[1]).resolve(), float(sys.argv[2])
 up = json.loads((out / "summary.json").read_text())
 summary = {
     "task": "digits: reward = fraction of response tokens that are digits",
