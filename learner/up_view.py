@@ -21,7 +21,9 @@ ACTIVE_SESSIONS = ("steptap_sessions_active", "steptap_active_sessions", "stepta
 CALLS = ("steptap_call_latency_seconds_count",)  # model calls only (steptap_calls_total counts every route)
 STEPS = ("steptap_steps_total",)
 FINISHED = ("steptap_trajectories_total",)
-REWARD_SUM, REWARD_COUNT = ("steptap_reward_value_sum",), ("steptap_reward_value_count",)
+# The histogram has negative buckets, so prometheus_client omits its _sum; a plain counter of the sum works.
+REWARD_SUM = ("steptap_reward_value_sum", "steptap_reward_sum_total")
+REWARD_COUNT = ("steptap_reward_value_count", "steptap_reward_count_total")
 POLICY_VERSION = ("steptap_policy_version",)
 SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")
 SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds")

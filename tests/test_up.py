@@ -265,3 +265,33 @@ def test_status_board_reads_whole_lines_of_the_learner_metrics(tmp_path: Path) -
         'steptap_steps_total{anonymous="true",status="ok"} 2.0\nsteptap_sessions_open 3.0\n'
     )
     assert prom["steptap_steps_total"] == 9.0 and prom["steptap_sessions_open"] == 3.0
+
+
+def test_the_learner_dying_stops_the_stack_and_is_named(vllm_server: Backend, tmp_path: Path) -> None:
+    """With the learner: it is killed before any trajectory exists (no agents, a fresh log), so it never
+    publishes weights to the shared server."""
+    proc = _start_up(
+        tmp_path / "up",
+        "--backend",
+        vllm_server.url,
+        "--model",
+        str(vllm_server.model_dir),
+        "--config",
+        "examples/digits/learner.toml",
+    )
+    seen: set[int] = set()
+    try:
+        _wait_for(tmp_path / "up" / "stack.json", proc)
+        pids = json.loads((tmp_path / "up" / "pids.json").read_text())
+        assert {"serve", "learn"} <= set(pids)
+        seen = _tree(proc.pid)
+        time.sleep(1.5)
+        os.kill(pids["learn"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1, out
+        assert "learn FAILED" in out and "learn exited with -9" in out
+        assert str(tmp_path / "up" / "logs" / "learn.log") in out
+        assert not _alive(seen), f"left running: {_alive(seen)}"
+        assert json.loads((tmp_path / "up" / "summary.json").read_text())["failed"] == "learn"
+    finally:
+        _kill_all(proc, seen)
