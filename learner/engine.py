@@ -177,13 +177,15 @@ class TorchEngine:
             behaviour, prox = rec, None
             if need_prox:
                 with torch.no_grad():
-                    logits = self._logits(self.model, [lay.ids[i] for i in mb])
-                    raw = token_logprobs(logits, targets, torch.ones_like(temp))
-                    prox = token_logprobs(logits, targets, temp)
-                    samp = sampler_logprobs(logits, targets, temp, self._pad([lay.top_p[i] for i in mb], 1.0),
-                                            self._pad([lay.top_k[i] for i in mb], 0))
+                    # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T, V].
+                    logits = self._logits(self.model, [lay.ids[i] for i in mb])[mask].unsqueeze(0)  # [1, N, V]
+                    tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
+                    raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
+                    prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(logits, tg, tp)[0])
+                    samp = sampler_logprobs(logits, tg, tp, self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
+                                            self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
                     del logits
-                behaviour = torch.where(mask, rec + (samp - raw), rec)
+                behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
                 is_w.append(w)
