@@ -101,6 +101,31 @@ def own_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  #
         server.stop()
 
 
+@pytest.fixture
+def fresh_vllm(own_vllm):  # type: ignore[no-untyped-def]
+    """``own_vllm`` given back on its original weights, without our adapters, whatever the test did."""
+    import urllib.request
+
+    from conftest import http_json
+
+    yield own_vllm
+
+    def post(path: str, body: dict | None = None) -> None:
+        req = urllib.request.Request(own_vllm.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120).read()
+
+    for m in http_json(f"{own_vllm.url}/v1/models")["data"]:
+        if m["id"] != own_vllm.served_model:
+            post("/v1/unload_lora_adapter", {"lora_name": m["id"]})
+    post("/pause?mode=wait")
+    try:
+        post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(own_vllm.model_dir)}})
+        post("/reset_prefix_cache")
+    finally:
+        post("/resume")
+
+
 async def _agent(client, openai_client, group: str, prompt: str, digits: set[int]) -> None:  # type: ignore[no-untyped-def]
     """One agent run: a session, one chat call, graded by the environment from the recorded step."""
     info = await client.open_session(group_id=group, group_size=GROUP_SIZE)
@@ -113,7 +138,10 @@ async def _agent(client, openai_client, group: str, prompt: str, digits: set[int
 
 @pytest.mark.vllm
 @pytest.mark.slow
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(own_vllm, make_proxy, tmp_path: Path) -> None:
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(fresh_vllm, make_proxy, tmp_path: Path) -> None:
+    """Full-weight swaps. (LoRA mode is not run here: on a random-init model an adapter on the attention/MLP
+    layers barely moves the output distribution, so this task does not learn with it; the LoRA swap itself is
+    tested in test_swap_vllm, the LoRA training path in test_engine.)"""
     import aiohttp
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
@@ -122,6 +150,7 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(own_vllm, make_pr
     from steptap.learner.config import config_from_argv
     from steptap.middleware.client import SteptapClient
 
+    own_vllm = fresh_vllm
     torch.set_num_threads(1)
     proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
     digits = _digit_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))
