@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import use_uvloop  # noqa: E402
+from procs import use_uvloop
 
 MAX_DISTINCT = 64  # distinct bodies kept for checking; more means the proxy varies replies per call
 REQUEST_TIMEOUT_S = 60.0
@@ -90,8 +90,9 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
 
     connector = aiohttp.TCPConnector(limit=concurrency * len(targets), ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20,
-                                     auto_decompress=False) as http:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, read_bufsize=2**20, auto_decompress=False
+    ) as http:
 
         async def one(name: str, url: str, timed: bool) -> None:
             tally = tallies[name]
@@ -101,7 +102,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
                 async with http.post(url, data=body, headers=headers) as r:
                     data = await r.read()
                     status = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 tally.errors.append(f"{type(exc).__name__}: {exc}"[:300])
                 return
             dt = (time.perf_counter() - t0) * 1000.0

@@ -20,14 +20,23 @@ import aiohttp
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import serve  # noqa: E402
+from procs import serve
 
 BACKEND = web.AppKey("backend", str)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 
 # RFC 9110 hop-by-hop headers, plus those the client library sets itself.
-_DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-                 "proxy-connection", "proxy-authorization"}
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-connection",
+    "proxy-authorization",
+}
 _KEEP_RESPONSE = ("Content-Type", "Content-Encoding")
 
 
@@ -50,8 +59,12 @@ async def forward(request: web.Request) -> web.StreamResponse:
 async def _http(app: web.Application) -> AsyncIterator[None]:
     # No pool limit (the load generator bounds concurrency); large read buffer, as for long SSE lines.
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False, read_bufsize=2**20,
-                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as http:
+    async with aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        read_bufsize=2**20,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+    ) as http:
         app[HTTP] = http
         yield
 

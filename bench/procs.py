@@ -68,8 +68,9 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> Server:
         stderr = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (kept for the child)
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(self.env or {})}
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()  # type: ignore[union-attr]

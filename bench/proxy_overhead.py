@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import recorded  # noqa: E402
-from procs import Server, free_port, python_cmd  # noqa: E402
+import recorded
+from procs import Server, free_port, python_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -63,8 +63,9 @@ class LoadGen(Server):
 
     def start(self, timeout: float = 30.0) -> LoadGen:
         stderr = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not json.loads(line or "{}").get("ready"):
             raise RuntimeError("load generator did not start")
@@ -86,8 +87,21 @@ def steptap_cmd(backend: str, port: int, log_dir: str, extra: list[str], prefix:
         base = shlex.split(prefix)
     else:
         base = [str(exe)] if exe.exists() else [sys.executable, "-m", "steptap.middleware.cli"]
-    return [*base, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log", log_dir,
-            "--control-token", CONTROL_TOKEN, *extra]
+    return [
+        *base,
+        "serve",
+        "--backend",
+        backend,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log",
+        log_dir,
+        "--control-token",
+        CONTROL_TOKEN,
+        *extra,
+    ]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
@@ -110,8 +124,9 @@ class Steptap(Server):
 
     def start(self, timeout: float = 60.0) -> Steptap:
         out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(self.env or {})}
+        )
         try:
             wait_http(f"{self.url}/health", timeout, self.proc)
         except RuntimeError:
@@ -206,28 +221,41 @@ def count_log(log_dir: str) -> dict[str, int]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     fx = recorded.load(args.fixture)
     work = Path(tempfile.mkdtemp(prefix="steptap-bench-"))
-    log_dir = tempfile.mkdtemp(prefix="steptap-bench-log-", dir=args.log_root) if args.log_root else str(work / "log")
+    log_dir = (
+        tempfile.mkdtemp(prefix="steptap-bench-log-", dir=args.log_root)
+        if args.log_root
+        else str(work / "log")
+    )
     result_fsync_before = fsync_probe(args.log_root or str(work))
     servers: list[Server] = []
     py_spy: subprocess.Popen[bytes] | None = None
     result: dict[str, Any] = {"problems": []}
     try:
-        replay = Server("replay", python_cmd("replay_upstream.py", "--fixture", args.fixture),
-                        log=str(work / "replay.log")).start()
+        replay = Server(
+            "replay",
+            python_cmd("replay_upstream.py", "--fixture", args.fixture),
+            log=str(work / "replay.log"),
+        ).start()
         servers.append(replay)
         urls = {"direct": replay.url}
         pids = {"direct": replay.pid}
         if "passthrough" in args.targets:
-            pt = Server("passthrough", python_cmd("passthrough.py", "--backend", replay.url),
-                        log=str(work / "passthrough.log")).start()
+            pt = Server(
+                "passthrough",
+                python_cmd("passthrough.py", "--backend", replay.url),
+                log=str(work / "passthrough.log"),
+            ).start()
             servers.append(pt)
             urls["passthrough"] = pt.url
             pids["passthrough"] = pt.pid
         steptap = None
         if "steptap" in args.targets:
             port = free_port()
-            steptap = Steptap("steptap", steptap_cmd(replay.url, port, log_dir, args.steptap_arg, args.steptap_cmd),
-                              log=str(work / "steptap.log"))
+            steptap = Steptap(
+                "steptap",
+                steptap_cmd(replay.url, port, log_dir, args.steptap_arg, args.steptap_cmd),
+                log=str(work / "steptap.log"),
+            )
             steptap.port = port
             steptap.start(timeout=args.start_timeout)
             servers.append(steptap)
@@ -235,9 +263,23 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             pids["steptap"] = steptap.pid
             if args.profile:
                 py_spy = subprocess.Popen(
-                    [str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(steptap.pid), "-r", "250",
-                     "-f", "raw", "-o", args.profile, "--nonblocking", *(["--gil"] if args.profile_gil else [])],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    [
+                        str(Path(sys.executable).with_name("py-spy")),
+                        "record",
+                        "-p",
+                        str(steptap.pid),
+                        "-r",
+                        "250",
+                        "-f",
+                        "raw",
+                        "-o",
+                        args.profile,
+                        "--nonblocking",
+                        *(["--gil"] if args.profile_gil else []),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
         loadgen = LoadGen(log=str(work / "loadgen.log")).start()
         servers.append(loadgen)
 
@@ -248,38 +290,63 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             for mode, c in configs:
                 stream = mode == "stream"
-                order = targets[rnd % len(targets):] + targets[: rnd % len(targets)]
+                order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
                 # c=1 with interleaving: one run calls the targets in turn, call after call; else one run each.
                 groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
                 for group in groups:
                     res = loadgen.run(
-                        targets=[{"name": t, "url": target_url(t, urls, args.identity, rnd, mode, c)} for t in group],
-                        body=fx.agent_body(stream).decode(), headers={"Authorization": "Bearer EMPTY"},
-                        concurrency=c, warmup=args.warmup, requests=args.requests * len(group),
-                        seconds=args.seconds * len(group), watch_pids=sorted({pids[t] for t in group} | {pids["direct"]}))
+                        targets=[
+                            {"name": t, "url": target_url(t, urls, args.identity, rnd, mode, c)}
+                            for t in group
+                        ],
+                        body=fx.agent_body(stream).decode(),
+                        headers={"Authorization": "Bearer EMPTY"},
+                        concurrency=c,
+                        warmup=args.warmup,
+                        requests=args.requests * len(group),
+                        seconds=args.seconds * len(group),
+                        watch_pids=sorted({pids[t] for t in group} | {pids["direct"]}),
+                    )
                     total_calls = max(1, sum(r["calls"] for r in res["targets"].values()))
                     for target in group:
                         tres = res["targets"][target]
                         if target == "steptap":
                             sent_to_steptap += tres["sent"]
-                        row = {"round": rnd, "mode": mode, "concurrency": c, "target": target,
-                               "interleaved": len(group) > 1, **summarize_run(tres, res["elapsed_s"], len(group) > 1)}
+                        row = {
+                            "round": rnd,
+                            "mode": mode,
+                            "concurrency": c,
+                            "target": target,
+                            "interleaved": len(group) > 1,
+                            **summarize_run(tres, res["elapsed_s"], len(group) > 1),
+                        }
                         calls = max(1, tres["calls"])
-                        row["upstream_cpu_ms_per_call"] = 1000.0 * res["cpu_s"][str(pids["direct"])] / total_calls
-                        row["proxy_cpu_ms_per_call"] = (None if target == "direct" else
-                                                        1000.0 * res["cpu_s"][str(pids[target])] / calls)
+                        row["upstream_cpu_ms_per_call"] = (
+                            1000.0 * res["cpu_s"][str(pids["direct"])] / total_calls
+                        )
+                        row["proxy_cpu_ms_per_call"] = (
+                            None if target == "direct" else 1000.0 * res["cpu_s"][str(pids[target])] / calls
+                        )
                         runs.append(row)
                         problems = check_bodies(target, stream, tres["bodies"], fx)
                         if tres["errors"] or tres["warmup_errors"]:
-                            problems.append(f"{target} {mode} c={c}: {tres['errors']} errors "
-                                            f"(+{tres['warmup_errors']} in warm-up): {tres['error_samples']}")
+                            problems.append(
+                                f"{target} {mode} c={c}: {tres['errors']} errors "
+                                f"(+{tres['warmup_errors']} in warm-up): {tres['error_samples']}"
+                            )
                         result["problems"] += problems
                         if not args.quiet:
-                            print(f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
-                                  f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
-                                  + (f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
-                                     if row["proxy_cpu_ms_per_call"] is not None else "")
-                                  + ("  BODY/ERR PROBLEM" if problems else ""), flush=True)
+                            print(
+                                f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
+                                f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
+                                + (
+                                    f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
+                                    if row["proxy_cpu_ms_per_call"] is not None
+                                    else ""
+                                )
+                                + ("  BODY/ERR PROBLEM" if problems else ""),
+                                flush=True,
+                            )
         result["runs"] = runs
 
         if py_spy is not None:
@@ -291,9 +358,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             counts = count_log(log_dir)
             steps = counts.get("Step", 0)
             log_bytes = sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
-            result["log"] = {"calls_sent": sent_to_steptap, "records": counts, "steps": steps, "dir": log_dir,
-                             "bytes": log_bytes, "bytes_per_call": round(log_bytes / max(1, sent_to_steptap)),
-                             "one_step_per_call": steps == sent_to_steptap}
+            result["log"] = {
+                "calls_sent": sent_to_steptap,
+                "records": counts,
+                "steps": steps,
+                "dir": log_dir,
+                "bytes": log_bytes,
+                "bytes_per_call": round(log_bytes / max(1, sent_to_steptap)),
+                "one_step_per_call": steps == sent_to_steptap,
+            }
             if steps != sent_to_steptap:
                 result["problems"].append(f"steptap log holds {steps} steps for {sent_to_steptap} calls")
             if counts.get("failed_steps"):
@@ -340,20 +413,28 @@ def _replay_stats(url: str) -> dict[str, Any]:
         return {}
 
 
-def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]) -> dict[str, Any]:
+def summarize(
+    runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]
+) -> dict[str, Any]:
     out: dict[str, Any] = {"configs": [], "targets": {}}
     for mode, c in configs:
         for t in targets:
             rs = [r for r in runs if r["mode"] == mode and r["concurrency"] == c and r["target"] == t]
-            out["configs"].append({
-                "mode": mode, "concurrency": c, "target": t, "rounds": len(rs),
-                "calls_per_s": med([r["calls_per_s"] for r in rs]),
-                "p50_ms": med([r["p50_ms"] for r in rs]),
-                "p99_ms": med([r["p99_ms"] for r in rs]),
-                "proxy_cpu_ms_per_call": (None if t == "direct" else
-                                          med([r["proxy_cpu_ms_per_call"] for r in rs])),
-                "calls": sum(r["calls"] for r in rs),
-            })
+            out["configs"].append(
+                {
+                    "mode": mode,
+                    "concurrency": c,
+                    "target": t,
+                    "rounds": len(rs),
+                    "calls_per_s": med([r["calls_per_s"] for r in rs]),
+                    "p50_ms": med([r["p50_ms"] for r in rs]),
+                    "p99_ms": med([r["p99_ms"] for r in rs]),
+                    "proxy_cpu_ms_per_call": (
+                        None if t == "direct" else med([r["proxy_cpu_ms_per_call"] for r in rs])
+                    ),
+                    "calls": sum(r["calls"] for r in rs),
+                }
+            )
         if {"passthrough", "steptap"} <= set(targets):
             pairs = {}
             for r in runs:
@@ -363,36 +444,60 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
             ratio = med([p["steptap"]["calls_per_s"] / p["passthrough"]["calls_per_s"] for p in full])
             added = med([p["steptap"]["p50_ms"] - p["passthrough"]["p50_ms"] for p in full])
             key = f"{mode} c={c}"
-            cpu = med([p["steptap"]["proxy_cpu_ms_per_call"] - p["passthrough"]["proxy_cpu_ms_per_call"]
-                       for p in full])
-            out["targets"][key] = {"ratio_calls_per_s": ratio, "added_p50_ms": added, "added_cpu_ms_per_call": cpu}
+            cpu = med(
+                [
+                    p["steptap"]["proxy_cpu_ms_per_call"] - p["passthrough"]["proxy_cpu_ms_per_call"]
+                    for p in full
+                ]
+            )
+            out["targets"][key] = {
+                "ratio_calls_per_s": ratio,
+                "added_p50_ms": added,
+                "added_cpu_ms_per_call": cpu,
+            }
     verdicts = {}
     for key, v in out["targets"].items():
         c = int(key.split("c=")[1])
         if c == max(cc for _, cc in configs) and c >= 32:
             verdicts[f"{key}: calls/s >= {TARGET_RATIO_C32} x pass-through"] = (
-                v["ratio_calls_per_s"], v["ratio_calls_per_s"] >= TARGET_RATIO_C32)
+                v["ratio_calls_per_s"],
+                v["ratio_calls_per_s"] >= TARGET_RATIO_C32,
+            )
         if c == 1:
             verdicts[f"{key}: added p50 <= {TARGET_ADDED_MS_C1} ms"] = (
-                v["added_p50_ms"], v["added_p50_ms"] <= TARGET_ADDED_MS_C1)
+                v["added_p50_ms"],
+                v["added_p50_ms"] <= TARGET_ADDED_MS_C1,
+            )
     out["verdicts"] = {k: {"value": val, "pass": ok} for k, (val, ok) in verdicts.items()}
     return out
 
 
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
-    lines = ["| mode | c | target | calls/s | p50 ms | p99 ms | proxy CPU ms/call | calls |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| mode | c | target | calls/s | p50 ms | p99 ms | proxy CPU ms/call | calls |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in s["configs"]:
         cpu = "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}"
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['target']} | {r['calls_per_s']:.0f} | "
-                     f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {cpu} | {r['calls']} |")
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['target']} | {r['calls_per_s']:.0f} | "
+            f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {cpu} | {r['calls']} |"
+        )
     if s["targets"]:
-        lines += ["", "| config | steptap / pass-through calls/s | steptap - pass-through p50 (ms) | "
-                      "steptap - pass-through CPU ms/call |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            (
+                "| config | steptap / pass-through calls/s | steptap - pass-through p50 (ms) | "
+                "steptap - pass-through CPU ms/call |"
+            ),
+            "|---|---:|---:|---:|",
+        ]
         for key, v in s["targets"].items():
-            lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['added_p50_ms']:+.3f} | "
-                         f"{v['added_cpu_ms_per_call']:+.3f} |")
+            lines.append(
+                f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['added_p50_ms']:+.3f} | "
+                f"{v['added_cpu_ms_per_call']:+.3f} |"
+            )
     if s["verdicts"]:
         lines.append("")
         for key, v in s["verdicts"].items():
@@ -400,16 +505,21 @@ def markdown(result: dict[str, Any]) -> str:
     log = result.get("log")
     lines.append("")
     if log:
-        lines.append(f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
-                     f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}")
+        lines.append(
+            f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
+            f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}"
+        )
     if result.get("fsync_ms"):
         f = result["fsync_ms"]
-        lines.append(f"- fdatasync of an 8 kB append where the log lives, ms: before {f['before']}, "
-                     f"after {f['after']}")
+        lines.append(
+            f"- fdatasync of an 8 kB append where the log lives, ms: before {f['before']}, after {f['after']}"
+        )
     if log:
         lines.append(f"- log size: {log['bytes']} bytes, {log['bytes_per_call']} bytes per call")
     probs = result["problems"]
-    lines.append(f"- correctness: {'all bodies and counts as expected' if not probs else f'{len(probs)} problems'}")
+    lines.append(
+        f"- correctness: {'all bodies and counts as expected' if not probs else f'{len(probs)} problems'}"
+    )
     lines += [f"  - {p}" for p in probs[:20]]
     return "\n".join(lines)
 
@@ -423,20 +533,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "stream"])
     p.add_argument("--targets", type=lambda s: s.split(","), default=list(TARGETS))
-    p.add_argument("--identity", choices=("anonymous", "session"), default="anonymous",
-                   help="steptap calls without a session (one anonymous trajectory each, written whole) or "
-                        "on a session path per worker (/s/<id>/v1)")
-    p.add_argument("--no-interleave-c1", dest="interleave_c1", action="store_false",
-                   help="at c=1, one run per target instead of one run calling the targets in turn")
+    p.add_argument(
+        "--identity",
+        choices=("anonymous", "session"),
+        default="anonymous",
+        help="steptap calls without a session (one anonymous trajectory each, written whole) or "
+        "on a session path per worker (/s/<id>/v1)",
+    )
+    p.add_argument(
+        "--no-interleave-c1",
+        dest="interleave_c1",
+        action="store_false",
+        help="at c=1, one run per target instead of one run calling the targets in turn",
+    )
     p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
-    p.add_argument("--steptap-cmd", help="run this instead of the `steptap` command (e.g. under a profiler); "
-                                        "`serve --backend ... --log ...` is appended")
+    p.add_argument(
+        "--steptap-cmd",
+        help="run this instead of the `steptap` command (e.g. under a profiler); "
+        "`serve --backend ... --log ...` is appended",
+    )
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
     p.add_argument("--start-timeout", type=float, default=60.0)
-    p.add_argument("--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file")
+    p.add_argument(
+        "--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file"
+    )
     p.add_argument("--profile-gil", action="store_true", help="with --profile: only samples holding the GIL")
-    p.add_argument("--log-root", help="make steptap's trajectory log under this directory (default: a temp "
-                                       "dir; /dev/shm takes the disk's fsync out of the measurement)")
+    p.add_argument(
+        "--log-root",
+        help="make steptap's trajectory log under this directory (default: a temp "
+        "dir; /dev/shm takes the disk's fsync out of the measurement)",
+    )
     p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
     p.add_argument("--quiet", action="store_true")
@@ -472,8 +598,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _git_head() -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         return None
 

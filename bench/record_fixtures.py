@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recorded import DEFAULT_FIXTURE, FIXTURES, sse_data  # noqa: E402
+from recorded import DEFAULT_FIXTURE, FIXTURES, sse_data
 
 MAX_TOKENS = 32
 
@@ -95,8 +95,13 @@ async def record(backend: str, name: str) -> Path:
     ids = plain["choices"][0]["token_ids"]
     if len(ids) != MAX_TOKENS or len(plain["choices"][0]["logprobs"]["content"]) != MAX_TOKENS:
         raise SystemExit(f"expected {MAX_TOKENS} tokens with logprobs, got {len(ids)}")
-    streamed_ids = [t for d in sse_data(stream) if isinstance(d, dict) for c in d.get("choices", [])
-                    for t in (c.get("token_ids") or [])]
+    streamed_ids = [
+        t
+        for d in sse_data(stream)
+        if isinstance(d, dict)
+        for c in d.get("choices", [])
+        for t in (c.get("token_ids") or [])
+    ]
     if streamed_ids != ids:
         raise SystemExit("streamed and plain replies carry different token ids (not greedy?)")
 
@@ -121,7 +126,9 @@ async def record(backend: str, name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", required=True, help="a running vLLM OpenAI server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--backend", required=True, help="a running vLLM OpenAI server, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument("--name", default=DEFAULT_FIXTURE)
     args = p.parse_args(argv)
     path = asyncio.run(record(args.backend, args.name))

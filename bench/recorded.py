@@ -139,6 +139,8 @@ def _diff(got: Any, want: Any) -> str:
     if isinstance(got, dict) and isinstance(want, dict):
         keys = sorted(set(got) | set(want))
         bad = [k for k in keys if got.get(k, "<absent>") != want.get(k, "<absent>")]
-        return "; ".join(f"{k}: got {str(got.get(k, '<absent>'))[:120]} want {str(want.get(k, '<absent>'))[:120]}"
-                         for k in bad[:4])
+        return "; ".join(
+            f"{k}: got {str(got.get(k, '<absent>'))[:120]} want {str(want.get(k, '<absent>'))[:120]}"
+            for k in bad[:4]
+        )
     return f"got {str(got)[:200]} want {str(want)[:200]}"

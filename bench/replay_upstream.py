@@ -20,8 +20,8 @@ from pathlib import Path
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import serve  # noqa: E402
-from recorded import DEFAULT_FIXTURE, Fixture, load  # noqa: E402
+from procs import serve
+from recorded import DEFAULT_FIXTURE, Fixture, load
 
 # Streamed or not is the one thing read from the request; a byte search, not a JSON parse.
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
@@ -70,9 +70,16 @@ async def stats(request: web.Request) -> web.Response:
 
 async def not_found(request: web.Request) -> web.Response:
     request.app[STATS][f"404 {request.method} {request.path}"] += 1
-    return web.json_response({"error": {"message": f"replay upstream has no {request.path}",
-                                        "type": "NotFoundError", "code": 404}}, status=404)
-
+    return web.json_response(
+        {
+            "error": {
+                "message": f"replay upstream has no {request.path}",
+                "type": "NotFoundError",
+                "code": 404,
+            }
+        },
+        status=404,
+    )
 
 
 def create_app(fixture: Fixture) -> web.Application:

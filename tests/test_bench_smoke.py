@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
-import recorded  # noqa: E402
+import recorded
 
 
 def test_fixture_is_a_real_32_token_reply_with_ids_and_logprobs():
@@ -50,25 +50,45 @@ def test_checks_catch_leaks_and_accept_stripped_bodies():
     # Streams: the recorded stream leaks; the stripped one passes; a lost chunk fails.
     assert recorded.same_agent_stream(fx.stream, fx.stream) is not None
     events = [e if e == "[DONE]" else recorded.agent_view(e) for e in recorded.sse_data(fx.stream)]
-    sse = b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events)
+    sse = b"".join(
+        b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events
+    )
     assert recorded.same_agent_stream(sse, fx.stream) is None
-    cut = b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n"
-                   for e in events[:5] + events[6:])
+    cut = b"".join(
+        b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n"
+        for e in events[:5] + events[6:]
+    )
     assert recorded.same_agent_stream(cut, fx.stream) is not None
 
 
 @pytest.mark.timeout(300)
 def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(BENCH / "proxy_overhead.py"), "--rounds", "1", "--seconds", "2", "--requests", "24",
-           "--warmup", "4", "--concurrency", "1,4", "--out", str(out), "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    cmd = [
+        sys.executable,
+        str(BENCH / "proxy_overhead.py"),
+        "--rounds",
+        "1",
+        "--seconds",
+        "2",
+        "--requests",
+        "24",
+        "--warmup",
+        "4",
+        "--concurrency",
+        "1,4",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["problems"] == []
     rows = result["summary"]["configs"]
     assert {(r["mode"], r["concurrency"], r["target"]) for r in rows} == {
-        (m, c, t) for m in ("plain", "stream") for c in (1, 4) for t in ("direct", "passthrough", "steptap")}
+        (m, c, t) for m in ("plain", "stream") for c in (1, 4) for t in ("direct", "passthrough", "steptap")
+    }
     for r in rows:
         assert r["calls"] == 24, r
         assert r["calls_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
