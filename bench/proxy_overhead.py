@@ -294,6 +294,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 # c=1 with interleaving: one run calls the targets in turn, call after call; else one run each.
                 groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
                 for group in groups:
+                    wait0 = log_wait(urls["steptap"]) if "steptap" in group else None
                     res = loadgen.run(
                         targets=[
                             {"name": t, "url": target_url(t, urls, args.identity, rnd, mode, c)}
@@ -308,6 +309,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         watch_pids=sorted({pids[t] for t in group} | {pids["direct"]}),
                     )
                     total_calls = max(1, sum(r["calls"] for r in res["targets"].values()))
+                    wait1 = log_wait(urls["steptap"]) if wait0 is not None else None
                     for target in group:
                         tres = res["targets"][target]
                         if target == "steptap":
@@ -324,6 +326,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         row["upstream_cpu_ms_per_call"] = (
                             1000.0 * res["cpu_s"][str(pids["direct"])] / total_calls
                         )
+                        if target == "steptap" and wait0 and wait1 and wait1[1] > wait0[1]:
+                            row["log_wait_ms"] = 1000.0 * (wait1[0] - wait0[0]) / (wait1[1] - wait0[1])
                         row["proxy_cpu_ms_per_call"] = (
                             None if target == "direct" else 1000.0 * res["cpu_s"][str(pids[target])] / calls
                         )
@@ -405,6 +409,23 @@ def fsync_probe(directory: str, n: int = 100, size: int = 8192) -> dict[str, flo
     return {"p50": round(pct(times, 50), 3), "p90": round(pct(times, 90), 3), "p99": round(pct(times, 99), 3)}
 
 
+def log_wait(url: str) -> tuple[float, float] | None:
+    """(sum of seconds, count) of steptap's ``steptap_log_commit_seconds``: how long calls waited for their log
+    commit, from the proxy's own /metrics; None when it does not answer."""
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {CONTROL_TOKEN}"})
+    total = count = None
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("steptap_log_commit_seconds_sum"):
+                    total = float(line.split()[-1])
+                elif line.startswith("steptap_log_commit_seconds_count"):
+                    count = float(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None if total is None or count is None else (total, count)
+
+
 def _replay_stats(url: str) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(f"{url}/bench/stats", timeout=5) as r:
@@ -433,6 +454,9 @@ def summarize(
                         None if t == "direct" else med([r["proxy_cpu_ms_per_call"] for r in rs])
                     ),
                     "calls": sum(r["calls"] for r in rs),
+                    "log_wait_ms": med([r["log_wait_ms"] for r in rs if "log_wait_ms" in r])
+                    if t == "steptap"
+                    else None,
                 }
             )
         if {"passthrough", "steptap"} <= set(targets):
@@ -508,6 +532,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
             f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}"
+        )
+    waits = [
+        r for r in s["configs"] if r.get("log_wait_ms") is not None and r["log_wait_ms"] == r["log_wait_ms"]
+    ]
+    if waits:
+        lines.append(
+            "- steptap's wait for its log commit (its own `steptap_log_commit_seconds`), mean ms per record: "
+            + ", ".join(f"{r['mode']} c={r['concurrency']} {r['log_wait_ms']:.2f}" for r in waits)
         )
     if result.get("fsync_ms"):
         f = result["fsync_ms"]
