@@ -121,7 +121,7 @@ class Learner:
             self.version = _proxy_version(cfg.proxy_url)
 
     async def train(self) -> None:
-        pump = asyncio.create_task(self._pump())
+        self.pump = pump = asyncio.create_task(self._pump())
         try:
             while not self._finished():
                 groups, t0 = await self._next_groups(), time.perf_counter()
@@ -131,8 +131,10 @@ class Learner:
                 self.grouper.counts.clear()
                 stats = await asyncio.to_thread(self.engine.train_step, batch) if batch.samples else None
                 self.ledger.consume(batch.trajectory_ids)
-                if stats is None:
-                    continue  # nothing trainable (all dropped): consumed and counted, not an update
+                if stats is None:  # nothing trainable: consumed and counted, not an update
+                    self.metrics.note(f"nothing to train in {len(batch.trajectory_ids)} trajectories: "
+                                      f"{dict(batch.counts)}")
+                    continue
                 self.updates += 1
                 if self.cfg.push_every and self.updates % self.cfg.push_every == 0:
                     await asyncio.to_thread(self._publish)
@@ -146,9 +148,10 @@ class Learner:
     async def _pump(self) -> None:
         """Stream -> grouper. The client reconnects by itself when the proxy restarts."""
         async for d in self.client.trajectories(self.cfg.consumer, cursor=self.cursor):
-            if d.trajectory.id in self.skip:  # consumed before the checkpoint we resumed from
-                continue
             self.ledger.deliver(d)
+            if d.trajectory.id in self.skip:  # consumed before the checkpoint we resumed from: stays consumed
+                self.ledger.consume([d.trajectory.id])
+                continue
             if d.trajectory.mode == "eval":
                 self.pass_through.append(d.trajectory)
             else:
@@ -157,6 +160,9 @@ class Learner:
     async def _next_groups(self) -> list[list[Trajectory]]:
         groups: list[list[Trajectory]] = []
         while len(groups) < self.cfg.batch_groups and not self.stop.is_set():
+            if self.pump.done():  # the stream gave up (a 4xx: wrong token, unknown route): say why
+                self.pump.result()
+                raise RuntimeError("the trajectory stream ended")
             more, small = self.grouper.take(self.cfg.batch_groups - len(groups))
             groups += more
             self.pass_through += small
