@@ -204,7 +204,8 @@ class Up:
         ]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
-        child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env))
+        # may_exit: a learner with max_updates in its config ends by itself (exit 0), and that ends the run.
+        child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env, may_exit=True))
         self._write_pids()
         self._log(f"starting the learner (log: {child.log_path}, metrics: {self.metrics_path})")
         # The learner has no health route: alive after a few seconds (its imports done) counts as started.
@@ -331,6 +332,9 @@ class Up:
                     return dead
                 if (agents := self.sup.get("agents")) is not None and agents.returncode == 0:
                     self.stop_reason = "the agents finished"
+                    break
+                if (learner := self.sup.get("learn")) is not None and learner.returncode == 0:
+                    self.stop_reason = "the learner finished (its max_updates)"
                     break
                 board.poll()
                 self._check_limits(board)
