@@ -22,7 +22,7 @@ CALLS = ("steptap_call_latency_seconds_count",)  # model calls only (steptap_cal
 STEPS = ("steptap_steps_total",)
 FINISHED = ("steptap_trajectories_total",)
 # The histogram has negative buckets, so prometheus_client omits its _sum; a plain counter of the sum works.
-REWARD_SUM = ("steptap_reward_value_sum", "steptap_reward_sum_total")
+REWARD_SUM = ("steptap_reward_sum", "steptap_reward_value_sum", "steptap_reward_sum_total")
 REWARD_COUNT = ("steptap_reward_value_count", "steptap_reward_count_total")
 POLICY_VERSION = ("steptap_policy_version",)
 SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")

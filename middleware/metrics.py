@@ -65,6 +65,9 @@ class Metrics:
             buckets=(-10, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10),
             registry=r,
         )
+        # The histogram has negative buckets, so prometheus_client leaves out its _sum: keep the sum here
+        # (a gauge, since rewards may be negative) for the mean reward of closed trajectories.
+        self.reward_sum = Gauge("steptap_reward_sum", "sum of scalar trajectory rewards at close", registry=r)
         self.reward_errors = Counter(
             "steptap_reward_callback_errors",
             "reward callbacks that raised or timed out",

@@ -350,6 +350,7 @@ class SessionManager:
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
         if traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
+            self.metrics.reward_sum.inc(traj.reward)
         if not traj.anonymous:
             self.closed[traj.id] = traj.status
             self.recent[traj.id] = traj
