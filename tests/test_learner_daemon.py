@@ -231,3 +231,16 @@ async def test_learner_survives_a_proxy_restart(tmp_path: Path, tiny_model_dir) 
     final = checkpoint.load_latest(str(tmp_path / "c"))
     acked = json.loads((log_dir / "consumers" / "learner.cursor").read_text())["cursor"]
     assert final["updates"] == 4 and acked == final["cursor"]
+
+
+async def test_a_wrong_control_token_stops_the_learner_with_the_proxys_error(make_proxy, tmp_path: Path,
+                                                                            tiny_model_dir) -> None:
+    from steptap.middleware.client import SteptapError
+
+    proxy = await make_proxy("http://127.0.0.1:9", log_dir=tmp_path / "log")
+    with pytest.raises(SteptapError) as err:
+        await daemon._run(config_from_argv([
+            "--proxy-url", proxy.url, "--control-token", "not-the-token", "--model-dir", str(tiny_model_dir),
+            "--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(tmp_path / "m.jsonl"),
+            "--no-progress"]))
+    assert err.value.status in (401, 403)  # no token / not the control token
