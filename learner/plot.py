@@ -24,7 +24,9 @@ def plot(rows: list[dict], out: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     x = [r["update"] for r in rows]
-    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    has_entropy = any(r.get("entropy") is not None for r in rows)
+    fig, axes = plt.subplots(3 if has_entropy else 2, 1, figsize=(8, 8 if has_entropy else 6), sharex=True)
+    ax_r, ax_l = axes[0], axes[1]
     reward = [r.get("reward_mean") for r in rows]
     ax_r.plot(x, reward, marker="o", ms=3, label="mean reward")
     std = [r.get("reward_std") or 0.0 for r in rows]
@@ -37,10 +39,14 @@ def plot(rows: list[dict], out: str | Path, title: str = "") -> Path:
     ax_l.plot(x, [r.get("loss") for r in rows], color="tab:red", label="loss")
     if any(r.get("kl") for r in rows):
         ax_l.plot(x, [r.get("kl") for r in rows], color="tab:green", label="KL to reference")
-    ax_l.set_xlabel("update")
     ax_l.set_ylabel("loss")
     ax_l.legend(loc="best")
     ax_l.grid(alpha=0.3)
+    if has_entropy:  # on-policy GRPO losses hover near 0; the policy's entropy shows it sharpening
+        axes[2].plot(x, [r.get("entropy") for r in rows], color="tab:purple", label="entropy (nats/token)")
+        axes[2].legend(loc="best")
+        axes[2].grid(alpha=0.3)
+    axes[-1].set_xlabel("update")
     fig.suptitle(title or "steptap learner")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
