@@ -238,11 +238,16 @@ class ChatStream:
                     cur["function"]["name"] += fn["name"]
                 if fn.get("arguments"):
                     cur["function"]["arguments"] += fn["arguments"]
+            # extend in place: rebuilding the list per chunk is quadratic in the response length
             if ch.get("token_ids") is not None:
-                acc.token_ids = (acc.token_ids or []) + ch["token_ids"]
+                if acc.token_ids is None:
+                    acc.token_ids = []
+                acc.token_ids.extend(ch["token_ids"])
             lp = ch.get("logprobs")
             if lp and lp.get("content") is not None:
-                acc.logprobs = (acc.logprobs or []) + lp["content"]
+                if acc.logprobs is None:
+                    acc.logprobs = []
+                acc.logprobs.extend(lp["content"])
             if ch.get("finish_reason") is not None:
                 acc.finish_reason = ch["finish_reason"]
                 acc.stop_reason = ch.get("stop_reason")
@@ -307,7 +312,9 @@ class CompletionStream:
             if ch.get("prompt_token_ids") is not None:
                 acc["prompt_token_ids"] = ch["prompt_token_ids"]
             if ch.get("token_ids") is not None:
-                acc["token_ids"] = (acc["token_ids"] or []) + ch["token_ids"]
+                if acc["token_ids"] is None:
+                    acc["token_ids"] = []
+                acc["token_ids"].extend(ch["token_ids"])
             lp = ch.get("logprobs")
             if lp and lp.get("token_logprobs") is not None:
                 if acc["logprobs"] is None:
