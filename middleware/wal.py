@@ -1,13 +1,7 @@
 """The trajectory log: append-only segment files of checksummed msgpack records, durable before ``append``
 returns.
 
-On disk, a log directory holds ``seg-00000001.log``, ``seg-00000002.log``, ... Each segment starts with an
-8-byte header (``STAPLOG`` + a format byte) followed by frames::
-
-    u32 length (little endian) | u32 crc32 of the payload | payload (a msgspec msgpack ``LogRecord``)
-
-A **cursor** names the position just after a record: ``"SEGNO:OFFSET"`` (``"3:1048576"``). It is opaque to
-clients: they only hand back what they were given. Reading "after cursor C" starts at that byte.
+The on-disk format (segments, frames, cursors) is in ``segments.py``.
 
 **Group commit.** One writer task drains a queue of encoded frames. It writes what is queued in one ``write``
 and one ``fdatasync`` in a worker thread (never on the event loop). A lone record is thus written and synced
@@ -34,14 +28,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import struct
 import threading
 import time
-import zlib
 from array import array
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,18 +41,35 @@ from typing import Any
 import msgspec
 
 from .records import LogRecord, PolicyVersion, SessionOpened, Trajectory, log_decoder, msgpack_encoder
+from .segments import (
+    FRAME,
+    HEADER,
+    MAX_RECORD,
+    SEG_RE,
+    CorruptLogError,
+    create_segment,
+    cursor_key,
+    datasync,
+    format_cursor,
+    frame,
+    frame_at,
+    fsync_path,
+    list_segments,
+    parse_cursor,
+    scan_frames,
+    seg_name,
+    split_location,
+)
+
+# Format names are re-exported: callers import them from here.
+__all__ = [
+    "HEADER", "MAX_RECORD", "CorruptLogError", "LogClosedError", "LogInUseError", "LogStats", "TrajectoryLog",
+    "format_cursor", "frame", "parse_cursor",
+]
 
 logger = logging.getLogger("steptap.wal")
 
-HEADER = b"STAPLOG\x01"  # magic + format version 1
-_FRAME = struct.Struct("<II")  # length, crc32
-MAX_RECORD = 1 << 30  # a length above this is corruption, not a record
-_SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 _MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
-
-
-class CorruptLogError(Exception):
-    """A log that cannot be read as one (bad header); torn tails and bad frames never raise."""
 
 
 class LogClosedError(RuntimeError):
@@ -85,47 +92,6 @@ class LogStats(msgspec.Struct, kw_only=True):
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
     compacted_segments: int = 0
-
-
-def format_cursor(segno: int, offset: int) -> str:
-    return f"{segno}:{offset}"
-
-
-def parse_cursor(cursor: str) -> tuple[int, int]:
-    """``"SEGNO:OFFSET"`` -> ints; ``ValueError`` for anything else."""
-    seg, sep, off = str(cursor).partition(":")
-    if not sep or not seg.isdigit() or not off.isdigit():
-        raise ValueError(f"bad cursor {cursor!r}: expected SEGNO:OFFSET as returned by the log")
-    return int(seg), int(off)
-
-
-def _key(segno: int, offset: int) -> int:
-    return (segno << 40) | offset  # cursors as one sortable int (segments stay far below 1 TiB)
-
-
-def _seg_name(segno: int) -> str:
-    return f"seg-{segno:08d}.log"
-
-
-def frame(payload: bytes) -> bytes:
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def _scan(data: bytes | memoryview, start: int) -> tuple[list[tuple[int, int]], int]:
-    """Walk frames from ``start``: ([(payload_offset, payload_end)], offset of the first bad or partial frame
-    or len(data) when all are good)."""
-    out: list[tuple[int, int]] = []
-    pos, n = start, len(data)
-    while pos < n:
-        if n - pos < _FRAME.size:
-            return out, pos
-        length, crc = _FRAME.unpack_from(data, pos)
-        end = pos + _FRAME.size + length
-        if length > MAX_RECORD or end > n or zlib.crc32(data[pos + _FRAME.size:end]) != crc:
-            return out, pos
-        out.append((pos + _FRAME.size, end))
-        pos = end
-    return out, pos
 
 
 class _Peek(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -156,23 +122,6 @@ class _PeekVersion(_Peek, tag="policy_version"):
 _peek_decoder = msgspec.msgpack.Decoder(_PeekStep | _PeekOpened | _PeekReward | _PeekTrajectory | _PeekVersion)
 
 
-def _split_location(location: str, cache_dir: str | None) -> tuple[Path, Any, str | None]:
-    """-> (local dir, remote fsspec filesystem or None, remote root path or None). A ``cache_dir`` given with
-    a ``file://`` URL makes that URL the upload target (a second local directory)."""
-    if cache_dir is None and location.startswith("file://"):
-        return Path(location[len("file://"):]), None, None
-    if "://" not in location:
-        return Path(location), None, None
-    import fsspec  # only remote logs need it
-
-    fs, root = fsspec.core.url_to_fs(location)
-    if cache_dir is None:
-        digest = hashlib.sha256(location.encode()).hexdigest()[:16]
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "steptap" / "wal"
-        cache_dir = str(base / digest)
-    return Path(cache_dir), fs, root.rstrip("/")
-
-
 class TrajectoryLog:
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
 
@@ -197,7 +146,7 @@ class TrajectoryLog:
         self._valid_end: dict[int, int] = {}  # sealed segno -> end of its readable frames
         self._open_sessions: dict[str, int] = {}  # trajectory id -> segno of its SessionOpened
         self._last_version: tuple[int, PolicyVersion] | None = None
-        self._traj_ends = array("q")  # _key(cursor) after each finished trajectory, in log order (stream lag)
+        self._traj_ends = array("q")  # cursor_key() after each finished trajectory, in log order (stream lag)
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
@@ -226,7 +175,7 @@ class TrajectoryLog:
                 raise ValueError("give either a remote location or upload_url, not both")
             cache_dir = location.removeprefix("file://")
             location = upload_url
-        dirpath, fs, root = _split_location(location, cache_dir)
+        dirpath, fs, root = split_location(location, cache_dir)
         log = cls(dirpath, segment_bytes, fs, root)
         log.location = location
         if readonly:
@@ -247,11 +196,6 @@ class TrajectoryLog:
                 log._schedule_upload(segno, only_if_missing=True)
         return log
 
-    def _segments(self) -> list[int]:
-        if not self.dir.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in os.listdir(self.dir) if (m := _SEG_RE.match(p)))
-
     def _recover(self, readonly: bool = False) -> None:
         """Runs in the I/O thread: restore from remote if empty, validate every segment, truncate a torn tail,
         rebuild the open-session index, and open the active segment for appending."""
@@ -263,7 +207,7 @@ class TrajectoryLog:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
-        segnos = self._segments()
+        segnos = list_segments(self.dir)
         if readonly:
             self._scan_segments(segnos, readonly=True)
             return
@@ -272,22 +216,22 @@ class TrajectoryLog:
         self._scan_segments(segnos, readonly=False)
         if not segnos:
             self._segno, self._size = 1, len(HEADER)
-            self._create_segment(1)
-        self._fd = os.open(self.dir / _seg_name(self._segno), os.O_WRONLY)
+            create_segment(self.dir, 1)
+        self._fd = os.open(self.dir / seg_name(self._segno), os.O_WRONLY)
         os.lseek(self._fd, self._size, os.SEEK_SET)
         self.stats.segments = len(self._valid_end) + 1
 
     def _scan_segments(self, segnos: list[int], readonly: bool) -> None:
         for i, segno in enumerate(segnos):
             last = i == len(segnos) - 1
-            path = self.dir / _seg_name(segno)
+            path = self.dir / seg_name(segno)
             data = path.read_bytes()
             if data[: len(HEADER)] != HEADER:
                 if last and len(data) < len(HEADER) and HEADER.startswith(data):
                     data = b""  # crashed while creating it: rewrite the header below
                 else:
                     raise CorruptLogError(f"{path} is not a steptap log segment (bad header)")
-            frames, good_end = _scan(data, len(HEADER)) if data else ([], 0)
+            frames, good_end = scan_frames(data, len(HEADER)) if data else ([], 0)
             for start, end in frames:
                 self._index(segno, end, data[start:end])
             if last:
@@ -310,19 +254,19 @@ class TrajectoryLog:
     def _truncate_tail(self, path: Path, data: bytes, good_end: int) -> None:
         if not data:
             path.write_bytes(HEADER)
-            _fsync_path(path)
-            _fsync_path(self.dir)
+            fsync_path(path)
+            fsync_path(self.dir)
             return
         torn = data[good_end:]
         # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted out
         # of order on power loss): none of them was acknowledged, since the sync covering them never returned.
-        later, _ = _scan(data, good_end + 1) if len(torn) > _FRAME.size else ([], 0)
+        later, _ = scan_frames(data, good_end + 1) if len(torn) > FRAME.size else ([], 0)
         aside = path.with_name(f"{path.name}.torn-{good_end}")
         aside.write_bytes(torn)
         with open(path, "r+b") as f:
             f.truncate(good_end)
             os.fsync(f.fileno())
-        _fsync_path(self.dir)
+        fsync_path(self.dir)
         self.stats.torn_records += 1
         self.stats.torn_bytes += len(torn)
         logger.warning(
@@ -330,21 +274,6 @@ class TrajectoryLog:
             "(unacknowledged; kept in %s)%s", path, good_end, len(torn), aside.name,
             f"; {len(later)} later frame(s) in them looked intact" if later else "",
         )
-
-    def _create_segment(self, segno: int) -> None:
-        path = self.dir / _seg_name(segno)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            if path.stat().st_size > len(HEADER):  # never overwrite records
-                raise CorruptLogError(f"{path} already exists and holds records") from None
-            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # left over from a failed earlier try
-        try:
-            os.write(fd, HEADER)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_path(self.dir)
 
     def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
         """Track what compaction must keep (open sessions, the latest policy version) and where finished
@@ -357,7 +286,7 @@ class TrajectoryLog:
             self._open_sessions.setdefault(peek.trajectory_id, segno)
         elif isinstance(peek, _PeekTrajectory) and peek.status != "running":
             self._open_sessions.pop(peek.id, None)
-            self._traj_ends.append(_key(segno, end))
+            self._traj_ends.append(cursor_key(segno, end))
         elif isinstance(peek, _PeekVersion):
             self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
 
@@ -424,7 +353,7 @@ class TrajectoryLog:
             self._open_sessions.setdefault(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
             self._open_sessions.pop(record.id, None)
-            self._traj_ends.append(_key(segno, offset))
+            self._traj_ends.append(cursor_key(segno, offset))
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 
@@ -463,7 +392,7 @@ class TrajectoryLog:
         while data:
             n = os.write(self._fd, data)
             data = data[n:]
-        _datasync(self._fd)
+        datasync(self._fd)
         self.stats.commits += 1
         with self._lock:
             self._size += sum(len(b) for b in buf)
@@ -473,8 +402,8 @@ class TrajectoryLog:
         old = self._segno
         # The next segment exists before any reader can be sent to it; if creating it fails (disk full), the
         # active segment is untouched and the next batch tries again.
-        self._create_segment(old + 1)
-        fd = os.open(self.dir / _seg_name(old + 1), os.O_WRONLY)
+        create_segment(self.dir, old + 1)
+        fd = os.open(self.dir / seg_name(old + 1), os.O_WRONLY)
         os.lseek(fd, len(HEADER), os.SEEK_SET)
         os.close(self._fd)
         self._fd = fd
@@ -497,16 +426,16 @@ class TrajectoryLog:
         if offset >= end:
             return [], offset
         try:
-            with open(self.dir / _seg_name(segno), "rb") as f:
+            with open(self.dir / seg_name(segno), "rb") as f:
                 f.seek(offset)
                 data = f.read(min(end - offset, max(limit_bytes, 1)))
         except FileNotFoundError:
             return [], end  # compacted under us
-        frames, good = _scan(data, 0)
+        frames, good = scan_frames(data, 0)
         if not frames and good == 0 and len(data) < end - offset:
             # One frame larger than limit_bytes: read exactly it.
-            length, _ = _FRAME.unpack_from(data, 0)
-            return self._read_frames(segno, offset, _FRAME.size + length)
+            length, _ = FRAME.unpack_from(data, 0)
+            return self._read_frames(segno, offset, FRAME.size + length)
         if not frames and len(data) == end - offset and good < len(data):
             raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
         return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + (frames[-1][1] if frames else 0)
@@ -534,14 +463,7 @@ class TrajectoryLog:
             raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
         if offset == end:
             return
-        with open(self.dir / _seg_name(segno), "rb") as f:
-            f.seek(offset)
-            head = f.read(_FRAME.size)
-            ok = len(head) == _FRAME.size
-            if ok:
-                length, crc = _FRAME.unpack(head)
-                ok = offset + _FRAME.size + length <= end and zlib.crc32(f.read(length)) == crc
-        if not ok:
+        if not frame_at(self.dir / seg_name(segno), offset, end):
             raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
 
     def _retained(self) -> list[int]:
@@ -636,7 +558,7 @@ class TrajectoryLog:
         """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
         if cursor is None:
             return len(self._traj_ends)
-        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, _key(*parse_cursor(cursor)))
+        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
 
     @property
     def end_cursor(self) -> str:
@@ -654,8 +576,8 @@ class TrajectoryLog:
         task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
 
     def _upload(self, segno: int, only_if_missing: bool) -> None:
-        local = self.dir / _seg_name(segno)
-        remote = f"{self._remote_root}/{_seg_name(segno)}"
+        local = self.dir / seg_name(segno)
+        remote = f"{self._remote_root}/{seg_name(segno)}"
         try:
             if only_if_missing and self._fs.exists(remote) and self._fs.size(remote) == local.stat().st_size:
                 return
@@ -674,9 +596,9 @@ class TrajectoryLog:
             names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._remote_root, detail=False)]
         except FileNotFoundError:
             return []
-        segnos = sorted(int(m.group(1)) for n in names if (m := _SEG_RE.match(n)))
+        segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
         for segno in segnos:
-            self._fs.get_file(f"{self._remote_root}/{_seg_name(segno)}", str(self.dir / _seg_name(segno)))
+            self._fs.get_file(f"{self._remote_root}/{seg_name(segno)}", str(self.dir / seg_name(segno)))
         if segnos:
             logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
         return segnos
@@ -703,7 +625,7 @@ class TrajectoryLog:
         with self._lock:
             for segno in victims:
                 self._valid_end.pop(segno, None)
-        del self._traj_ends[: bisect.bisect_left(self._traj_ends, _key(victims[-1] + 1, 0))]
+        del self._traj_ends[: bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))]
         await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
         self.stats.compacted_segments += len(victims)
         self.stats.segments = len(self._valid_end) + 1
@@ -712,15 +634,15 @@ class TrajectoryLog:
 
     def _delete(self, segnos: list[int]) -> None:
         for segno in segnos:
-            (self.dir / _seg_name(segno)).unlink(missing_ok=True)
+            (self.dir / seg_name(segno)).unlink(missing_ok=True)
             if self._fs is not None:
                 try:
-                    self._fs.rm_file(f"{self._remote_root}/{_seg_name(segno)}")
+                    self._fs.rm_file(f"{self._remote_root}/{seg_name(segno)}")
                 except FileNotFoundError:
                     pass
                 except Exception:  # noqa: BLE001
                     logger.exception("deleting remote segment %d failed", segno)
-        _fsync_path(self.dir)
+        fsync_path(self.dir)
 
     # ---- closing -----------------------------------------------------------------------------------------
 
@@ -758,15 +680,3 @@ class TrajectoryLog:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-
-def _datasync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
-
-
-def _fsync_path(path: Path) -> None:
-    """Sync a directory (a new or removed entry) or file by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

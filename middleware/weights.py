@@ -36,20 +36,17 @@ from .auth import require_control
 from .errors import ApiError
 from .forward import SWAPPER_KEY
 from .records import PolicyVersion
+from .weights_check import SwapError, check_adapter_dir, check_weights_dir, tensor_shapes
+
+# Re-exported: callers import these from here.
+__all__ = [
+    "LORA_PREFIX", "SwapError", "Ticket", "WeightState", "WeightSwapper", "WeightsCollector", "WeightsRequest",
+    "admin_weights", "check_adapter_dir", "check_weights_dir", "swapper_of", "tensor_shapes",
+]
 
 log = logging.getLogger("steptap.weights")
 
 LORA_PREFIX = "steptap-lora"
-
-
-class SwapError(Exception):
-    """A refused or failed swap; ``status`` and ``code`` make the OpenAI error body of ``/admin/weights``."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
 
 
 class _Log(Protocol):
@@ -84,88 +81,6 @@ class WeightState(msgspec.Struct, kw_only=True):
     last_held_wait_s: float | None  # longest wait of a call held during the last swap
     last_error: str | None
     degraded: str | None  # a backend failed mid-reload and needs a restart
-
-
-def _ties_embeddings(config: dict[str, Any]) -> bool:
-    # transformers' PretrainedConfig defaults to tied; architectures that untie by default (Qwen2, Llama)
-    # write the key explicitly when saved, so a missing key is read as transformers' own default.
-    tied = bool(config.get("tie_word_embeddings", True))
-    text = config.get("text_config")
-    if isinstance(text, dict) and "tie_word_embeddings" in text:
-        tied = tied or bool(text["tie_word_embeddings"])
-    return tied
-
-
-def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
-    """Every tensor's name and shape in a directory's ``*.safetensors`` files, from the headers alone (an
-    8-byte little-endian length, then JSON): no torch, no reading of the tensors themselves."""
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            if size <= 0 or size > 100 << 20:
-                raise ValueError(f"{f.name}: not a safetensors file (header length {size})")
-            header = json.loads(fh.read(size))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
-def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = None) -> None:
-    """Refuse a directory vLLM cannot reload correctly, before anything is paused.
-
-    With ``reference`` (the weights being served), the tensors' names and shapes must match it: vllm 0.32
-    reads a reload after setting its parameters aside, so a mismatch found there leaves it unusable."""
-    d = Path(path)
-    if not d.is_dir():
-        raise SwapError(400, f"weights directory not found: {path}", "weights_not_found")
-    cfg = d / "config.json"
-    if not cfg.is_file():
-        raise SwapError(400, f"{path} has no config.json (expected a Hugging Face model directory)",
-                        "invalid_weights")
-    if not any(d.glob("*.safetensors")):
-        raise SwapError(400, f"{path} has no *.safetensors files", "invalid_weights")
-    try:
-        config = json.loads(cfg.read_text())
-    except (OSError, ValueError) as exc:
-        raise SwapError(400, f"cannot read {cfg}: {exc}", "invalid_weights") from exc
-    if cpu_backend and _ties_embeddings(config):
-        raise SwapError(
-            400,
-            "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), "
-            "and vLLM on CPU keeps the old output layer after a reload, so its logits would be wrong. Swap a "
-            'LoRA adapter instead ({"lora_path": ...}), or use a model with tie_word_embeddings=false.',
-            "tied_embeddings",
-        )
-    if reference is None or not Path(reference).is_dir() or Path(reference).resolve() == d.resolve():
-        return
-    try:
-        new, ref = tensor_shapes(d), tensor_shapes(reference)
-    except (OSError, ValueError) as exc:
-        raise SwapError(400, f"cannot read the safetensors headers in {path}: {exc}",
-                        "invalid_weights") from exc
-    if not ref:
-        return
-    missing = sorted(ref.keys() - new.keys())
-    extra = sorted(new.keys() - ref.keys())
-    wrong = sorted(k for k in ref.keys() & new.keys() if list(ref[k]) != list(new[k]))
-    if missing or extra or wrong:
-        parts = []
-        if wrong:
-            shown = ", ".join(f"{k} {new[k]} (served: {ref[k]})" for k in wrong[:3])
-            parts.append("shape differs for " + shown)
-        if missing:
-            parts.append("missing " + ", ".join(missing[:3]))
-        if extra:
-            parts.append("unknown " + ", ".join(extra[:3]))
-        raise SwapError(400, f"{path} does not fit the served model ({reference}): " + "; ".join(parts),
-                        "weights_mismatch")
-
-
-def check_adapter_dir(path: str) -> None:
-    d = Path(path)
-    if not (d / "adapter_config.json").is_file():
-        raise SwapError(400, f"{path} is not a peft adapter directory (no adapter_config.json)",
-                        "invalid_adapter")
 
 
 class WeightSwapper:
