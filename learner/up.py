@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (scripts, tests, the demo) poll these files while we run: never let them see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Up:
     """One `steptap up` run: start, watch, stop, summarize."""
 
@@ -282,7 +290,7 @@ class Up:
             rc = 1
             self._report_failure(failed)
         summary = self._summary(failed)
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self._log(f"stopped: {self.stop_reason}. Summary: {self.workdir / 'summary.json'}")
         return rc
 
@@ -309,12 +317,12 @@ class Up:
             "control_token_file": str(token_file),
             "metrics": str(self.metrics_path),
         }
-        (self.workdir / "stack.json").write_text(json.dumps(stack, indent=2) + "\n")
+        _write_atomic(self.workdir / "stack.json", json.dumps(stack, indent=2) + "\n")
 
     def _write_pids(self) -> None:
         """Every child's pid, rewritten as each starts (for operators and tests)."""
         pids = {c.name: c.pid for c in self.sup.children if c.pid}
-        (self.workdir / "pids.json").write_text(json.dumps({"up": os.getpid(), **pids}) + "\n")
+        _write_atomic(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
 
     def _watch(self) -> Child | None:
         board = StatusBoard(self.proxy_url, self.metrics_path)
