@@ -219,47 +219,19 @@ def _framework(module: str) -> None:
         pytest.skip(f"{module} is not installed: {exc}")
 
 
-def test_langgraph_agent(stack: Stack) -> None:
-    _framework("langgraph")
-    rows = _run(
-        stack,
-        [
-            sys.executable,
-            "examples/langgraph_agent/agent.py",
-            "--problems",
-            "1",
-            "--group-size",
-            "1",
-            "--scripted",
-            "--seed",
-            "7",
-        ],
-    )
+@pytest.mark.parametrize(
+    ("module", "folder", "agent", "seed"),
+    [("langgraph", "langgraph_agent", "langgraph", 7), ("agents", "openai_agents_sdk", "openai_agents", 11)],
+    ids=["langgraph", "openai_agents_sdk"],
+)
+def test_framework_agent(stack: Stack, module: str, folder: str, agent: str, seed: int) -> None:
+    """The arithmetic agent written with a framework, through its adapter: the same tool run is recorded."""
+    _framework(module)
+    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1", "--scripted"]
+    rows = _run(stack, [*cmd, "--seed", str(seed)])
     assert rows[0]["reward"] == 1.0
     traj = stack.trajectory(rows[0]["session"])
-    assert traj.metadata["agent"] == "langgraph"
-    _check_tool_run(traj, traj.metadata["question"])
-
-
-def test_openai_agents_sdk_agent(stack: Stack) -> None:
-    _framework("agents")
-    rows = _run(
-        stack,
-        [
-            sys.executable,
-            "examples/openai_agents_sdk/agent.py",
-            "--problems",
-            "1",
-            "--group-size",
-            "1",
-            "--scripted",
-            "--seed",
-            "11",
-        ],
-    )
-    assert rows[0]["reward"] == 1.0
-    traj = stack.trajectory(rows[0]["session"])
-    assert traj.metadata["agent"] == "openai_agents"
+    assert traj.metadata["agent"] == agent
     _check_tool_run(traj, traj.metadata["question"])
 
 
