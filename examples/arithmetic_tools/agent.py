@@ -10,7 +10,6 @@ outputs (a random test model cannot call tools on its own), which makes the run 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 import steptap.adapters
 from steptap.adapters.session import resolve_model
-from toolenv import CalculatorTool, Problem, ToolEnv, forced, make_problem, scripted_turns
+from toolenv import CalculatorTool, Problem, ToolEnv, agent_arguments, forced, make_problem, scripted_turns
 
 
 def run_episode(
@@ -57,15 +56,8 @@ def run_episode(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
-    p.add_argument("--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN)")
-    p.add_argument("--model", help="model name (default: the one the proxy serves)")
-    p.add_argument("--problems", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=2, help="attempts per problem (one GRPO group)")
-    p.add_argument("--seed", type=int, default=0)
+    p = agent_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--max-turns", type=int, default=4)
-    p.add_argument("--scripted", action="store_true", help="force a correct run (structured outputs)")
     args = p.parse_args(argv)
 
     rng = random.Random(args.seed)

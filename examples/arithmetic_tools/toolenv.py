@@ -8,6 +8,7 @@ when the episode ends and what it earned. Nothing here knows about steptap or th
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import operator
@@ -182,3 +183,16 @@ def scripted_turns(problem: Problem) -> list[str]:
 def forced(text: str) -> dict[str, Any]:
     """``extra_body`` that makes vLLM emit exactly ``text`` (structured outputs with a regex)."""
     return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def agent_arguments(description: str) -> argparse.ArgumentParser:
+    """The flags every arithmetic agent takes (plain openai, LangGraph, Agents SDK)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
+    p.add_argument("--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN)")
+    p.add_argument("--model", help="model name (default: the one the proxy serves)")
+    p.add_argument("--problems", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=2, help="attempts per problem (one GRPO group)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scripted", action="store_true", help="force a correct run (structured outputs)")
+    return p

@@ -20,7 +20,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
 import steptap.adapters
-from toolenv import SYSTEM, CalculatorTool, Problem, forced, make_problem, parse_answer, scripted_turns
+from toolenv import (
+    SYSTEM,
+    CalculatorTool,
+    Problem,
+    agent_arguments,
+    forced,
+    make_problem,
+    parse_answer,
+    scripted_turns,
+)
 
 
 def scripted_model(inner: Any, script: list[str]) -> Any:
@@ -104,14 +113,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
-    p.add_argument("--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN)")
-    p.add_argument("--model", help="model name (default: the one the proxy serves)")
-    p.add_argument("--problems", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scripted", action="store_true", help="force a correct run (structured outputs)")
+    p = agent_arguments(__doc__.split("\n\n")[0])
     asyncio.run(amain(p.parse_args(argv)))
     return 0
 
