@@ -3,7 +3,7 @@ steptap sessions. Depends on the middleware's client only; each framework is imp
 
 from __future__ import annotations
 
-from .registry import Adapter, bind, entries, get
-from .session import AsyncSession, Session, async_session, session
+from steptap.adapters.registry import Adapter, bind, entries, get
+from steptap.adapters.session import AsyncSession, Session, async_session, session
 
 __all__ = ["Adapter", "AsyncSession", "Session", "async_session", "bind", "entries", "get", "session"]

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .session import TOKEN_ENV, URL_ENV
+from steptap.adapters.session import TOKEN_ENV, URL_ENV
 
 KILL_GRACE_S = 3.0
 

@@ -135,7 +135,7 @@ class _SessionBase:
 
     def bind(self, adapter: str, **kw: Any) -> Any:
         """A framework object on this session through its registered adapter: ``s.bind("langchain")``."""
-        from .registry import bind
+        from steptap.adapters.registry import bind
 
         return bind(adapter, self, **kw)
 

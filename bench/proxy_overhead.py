@@ -193,7 +193,7 @@ def check_bodies(target: str, stream: bool, bodies: list[list[Any]], fx: recorde
 
 async def _count_steps(log_dir: str) -> dict[str, int]:
     from steptap.middleware.records import Step
-    from steptap.middleware.wal import TrajectoryLog
+    from steptap.middleware.log.wal import TrajectoryLog
 
     try:  # read-only: inspect, never repair (the proxy has stopped, but a check must not change what it checks)
         log = await TrajectoryLog.open(log_dir, readonly=True)

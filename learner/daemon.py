@@ -29,7 +29,7 @@ import torch
 
 from steptap.learner import checkpoint
 from steptap.learner.config import LearnerConfig, config_from_argv
-from steptap.learner.engine import TorchEngine
+from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import build_batch
 from steptap.middleware.client import Delivery, SteptapClient, SteptapError

@@ -12,14 +12,17 @@ from typing import Any
 
 from aiohttp import web
 
-from . import control, forward, stream, weights
-from .auth import CONTROL_TOKEN_KEY, generate_token
-from .config import CONFIG_KEY, ProxyConfig
-from .errors import error_middleware
-from .metrics import METRICS_KEY, Metrics, metrics_handler
-from .rewards import RewardFn, load_reward
-from .sessions import SESSIONS_KEY, SessionManager
-from .wal import TrajectoryLog
+from steptap.middleware.log import stream
+from steptap.middleware.proxy import relay
+from steptap.middleware.sessions import control
+from steptap.middleware.weights import swapper as weights
+from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
+from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.errors import error_middleware
+from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
+from steptap.middleware.sessions.rewards import RewardFn, load_reward
+from steptap.middleware.sessions.manager import SESSIONS_KEY, SessionManager
+from steptap.middleware.log.wal import TrajectoryLog
 
 logger = logging.getLogger("steptap.proxy")
 
@@ -34,9 +37,9 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
-    app[forward.UPSTREAM_KEY] = forward.Upstream(config)
+    app[relay.UPSTREAM_KEY] = relay.Upstream(config)
     swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir)
-    app[forward.SWAPPER_KEY] = swapper
+    app[relay.SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = (
         reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
@@ -45,11 +48,11 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
 
     r = app.router
     for prefix in ("", "/s/{agent_session}"):
-        r.add_post(prefix + "/v1/chat/completions", forward.chat_completions)
-        r.add_post(prefix + "/v1/completions", forward.completions)
-        r.add_get(prefix + "/v1/models", forward.models)
+        r.add_post(prefix + "/v1/chat/completions", relay.chat_completions)
+        r.add_post(prefix + "/v1/completions", relay.completions)
+        r.add_get(prefix + "/v1/models", relay.models)
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
-    r.add_get("/health", forward.health)
+    r.add_get("/health", relay.health)
     r.add_get("/metrics", metrics_handler)
     r.add_post("/admin/weights", weights.admin_weights)
     control.add_routes(app)
@@ -58,7 +61,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstream = app[forward.UPSTREAM_KEY]
+    upstream = app[relay.UPSTREAM_KEY]
     await upstream.start()
     yield
     await upstream.close()

@@ -10,7 +10,7 @@ import secrets
 
 from aiohttp import web
 
-from .errors import ApiError
+from steptap.middleware.errors import ApiError
 
 CONTROL_TOKEN_KEY = web.AppKey("steptap_control_token", str)
 SESSION_KEY_PREFIX = "stk-"

@@ -9,11 +9,11 @@ import sys
 # name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server"),
-    "vllm": ("steptap.middleware.vllm_server:main", "start and supervise a vLLM server in its own virtualenv"),
+    "vllm": ("steptap.middleware.launch.vllm_server:main", "start and supervise a vLLM server in its own virtualenv"),
     "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model"),
     "learn": ("steptap.learner.daemon:main", "run the learner daemon on the trajectory stream"),
     "plot": ("steptap.learner.plot:main", "plot reward and loss curves from a metrics file"),
-    "up": ("steptap.learner.up:main", "start vLLM, the proxy and the learner together"),
+    "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together"),
     "run": ("steptap.adapters.run:main", "run any program as an agent in a fresh session"),
     "adapters": ("steptap.adapters.registry:main", "list the installed agent-framework adapters"),
 }

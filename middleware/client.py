@@ -38,7 +38,7 @@ from urllib.parse import quote
 import aiohttp
 import msgspec
 
-from .records import Trajectory
+from steptap.middleware.records import Trajectory
 
 logger = logging.getLogger("steptap.client")
 

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_force_sampling
+from steptap.middleware.config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_force_sampling
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,8 +105,8 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
-    from .app import create_app
-    from .auth import CONTROL_TOKEN_KEY
+    from steptap.middleware.app import create_app
+    from steptap.middleware.auth import CONTROL_TOKEN_KEY
 
     config = config_from_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(

@@ -15,9 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import sys
+
 import pytest
 
-from steptap.middleware.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+
+# tests/unit and tests/integration import the shared helpers here (faults, reference, conftest) by name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

@@ -1,0 +1,1 @@
+"""One adapter per agent framework; each imports its framework lazily."""

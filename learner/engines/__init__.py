@@ -1,0 +1,1 @@
+"""Training engines behind one interface: `torch` (one process) and `verl` (verl workers on Ray)."""

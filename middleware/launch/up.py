@@ -1,0 +1,451 @@
+"""`steptap up`: the whole loop in one command.
+
+Starts the managed vLLM server (the model given, or the offline tiny model), the capture proxy and the learner
+as supervised child processes, each in its own process group with its log in the work directory; waits for
+each to be healthy in order; prints the ``OPENAI_BASE_URL`` and control token; optionally runs an agent
+population against it; and shows a live view. One child dying stops the rest and names it with the tail of its
+log; Ctrl-C or SIGTERM stops everything (SIGTERM, a grace period, then SIGKILL), nothing orphaned.
+
+This module only spawns processes and polls HTTP and a JSON-lines file: it never imports torch, so the view
+starts at once and a broken learner install fails in the learner's log, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from steptap.middleware.launch.supervise import Child, Supervisor, http_ok, wait_until
+from steptap.middleware.launch.view import StatusBoard, render_line
+
+PY = sys.executable
+STEPTAP = [PY, "-m", "steptap.middleware.cli"]  # the same interpreter and install as this process
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steptap up", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory or hub name (default: build the offline tiny model)")
+    p.add_argument("--config", help="learner TOML (steptap learn --config); overrides below win")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the proxy")
+    p.add_argument("--port", type=int, default=8400, help="proxy port (0: any free port)")
+    p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: any free port)")
+    p.add_argument("--backend", help="use this running vLLM server (http://host:port), do not start one")
+    p.add_argument(
+        "--workdir",
+        help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
+    )
+    p.add_argument("--control-token", help="the proxy's control token (default: generated)")
+    p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
+    p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
+    p.add_argument("--status-every", type=float, default=15.0)
+    p.add_argument(
+        "--agents",
+        help="shell command run as the agent population once the stack is up; it gets "
+        "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment",
+    )
+    p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
+    p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
+    p.add_argument(
+        "--stop-at-reward",
+        type=float,
+        help="stop once the mean reward of the last 3 updates reaches this value",
+    )
+    p.add_argument("--task", default="", help="task name recorded in summary.json")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds each component may take to "
+        "become healthy (the first vLLM start on a machine builds its virtualenv)",
+    )
+    p.add_argument("--grace", type=float, default=15.0, help="seconds from SIGTERM to SIGKILL at shutdown")
+    # One string each, given with "=" since it starts with "--": --learn-args="--lr 1e-5 --lora-rank 8".
+    p.add_argument("--vllm-args", default="", help='for `steptap vllm`: --vllm-args="--threads 2"')
+    p.add_argument("--serve-args", default="", help='for `steptap serve`: --serve-args="--any-model"')
+    p.add_argument("--learn-args", default="", help='for `steptap learn`: --learn-args="--lr 1e-5"')
+    return p
+
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (scripts, tests, the demo) poll these files while we run: never let them see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Up:
+    """One `steptap up` run: start, watch, stop, summarize."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.workdir = Path(args.workdir or f"runs/up-{stamp}").resolve()
+        self.logs = self.workdir / "logs"
+        self.metrics_path = self.workdir / "metrics.jsonl"
+        self.token = args.control_token or secrets.token_urlsafe(24)
+        self.proxy_port = args.port or _free_port(args.host)
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # a wildcard is reached locally
+        self.proxy_url = f"http://{local}:{self.proxy_port}"
+        self.backend = (args.backend or "").rstrip("/")
+        self.sup = Supervisor(grace_s=args.grace)
+        self.stop_reason: str | None = None
+        self.t_start = time.time()
+        self.t_ready: float | None = None
+        self.model_dir = ""
+        self.served_model = ""
+
+    # -- signals ---------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = f"interrupted ({signal.Signals(signum).name})"
+
+    def _stopping(self) -> bool:
+        return self.stop_reason is not None
+
+    # -- start-up --------------------------------------------------------------------------------------
+    def _log(self, msg: str) -> None:
+        print(f"[steptap up] {msg}", flush=True)
+
+    def _prepare_model(self) -> None:
+        if self.args.model:
+            self.model_dir = self.args.model
+            return
+        if self.backend:
+            return  # serve and record only: no model files needed here
+        target = self.workdir / "model"
+        if not (target / "config.json").exists():
+            self._log(f"no --model given: building the offline tiny model in {target}")
+            child = self.sup.start(
+                Child(
+                    "tiny-model",
+                    [*STEPTAP, "tiny-model", str(target)],
+                    self.logs / "tiny-model.log",
+                    may_exit=True,
+                )
+            )
+            done = wait_until(
+                lambda: child.returncode is not None, timeout=600, should_abort=self._abort_check(child)
+            )  # a failure or Ctrl-C raises here
+            if not done:
+                raise StartupError(child, "did not finish in 600 s")
+            self.sup.children.remove(child)  # done: nothing of it is left to stop
+        self.model_dir = str(target)
+
+    def _start_vllm(self) -> None:
+        if self.backend:
+            self._log(f"using the running vLLM server at {self.backend}")
+            return
+        port = self.args.vllm_port or _free_port()
+        self.backend = f"http://127.0.0.1:{port}"
+        argv = [
+            *STEPTAP,
+            "vllm",
+            "--model",
+            self.model_dir,
+            "--port",
+            str(port),
+            "--log",
+            str(self.logs / "vllm-server.log"),
+            *_split(self.args.vllm_args),
+        ]
+        if not self.args.model and "--served-model-name" not in argv:
+            argv += ["--served-model-name", "tiny"]
+        child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
+        self._write_pids()
+        self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
+        self._wait_healthy(child, f"{self.backend}/health")
+
+    def _start_proxy(self) -> None:
+        argv = [
+            *STEPTAP,
+            "serve",
+            "--backend",
+            self.backend,
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.proxy_port),
+            "--log",
+            str(self.workdir / "trajectories"),
+            "--control-token",
+            self.token,
+            *_split(self.args.serve_args),
+        ]
+        child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))
+        self._write_pids()
+        self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
+        self._wait_healthy(child, f"{self.proxy_url}/health")
+        self.served_model = _served_model(self.proxy_url) or self.served_model
+
+    def _start_learner(self) -> None:
+        if self.args.no_learner:
+            return
+        argv = [*STEPTAP, "learn"]
+        if self.args.config:
+            argv += ["--config", self.args.config]
+        argv += [
+            "--proxy-url",
+            self.proxy_url,
+            "--model-dir",
+            self.model_dir,
+            "--metrics-file",
+            str(self.metrics_path),
+            "--checkpoint-dir",
+            str(self.workdir / "checkpoints"),
+            "--weights-dir",
+            str(self.workdir / "weights"),
+            *_split(self.args.learn_args),
+        ]
+        # The token goes by environment, not argv: argv is visible to every user in `ps`.
+        env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
+        # may_exit: a learner with max_updates in its config ends by itself (exit 0), and that ends the run.
+        child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env, may_exit=True))
+        self._write_pids()
+        self._log(f"starting the learner (log: {child.log_path}, metrics: {self.metrics_path})")
+        # The learner has no health route: alive after a few seconds (its imports done) counts as started.
+        wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
+
+    def _start_agents(self) -> None:
+        if not self.args.agents:
+            return
+        env = {**os.environ, **self.agent_env()}
+        child = self.sup.start(
+            Child(
+                "agents",
+                ["/bin/sh", "-c", self.args.agents],
+                self.logs / "agents.log",
+                env=env,
+                may_exit=True,
+            )
+        )
+        self._log(f"agents: {self.args.agents} (log: {child.log_path})")
+
+    def agent_env(self) -> dict[str, str]:
+        return {
+            "OPENAI_BASE_URL": f"{self.proxy_url}/v1",
+            "OPENAI_API_KEY": "EMPTY",
+            "STEPTAP_URL": self.proxy_url,
+            "STEPTAP_CONTROL_TOKEN": self.token,
+            "STEPTAP_MODEL": self.served_model,
+            "STEPTAP_WORKDIR": str(self.workdir),
+        }
+
+    def _abort_check(self, child: Child):
+        def check() -> bool:
+            if self._stopping():
+                raise Interrupted(self.stop_reason or "interrupted")
+            if (dead := self.sup.first_failed()) is not None:
+                raise StartupError(dead, f"exited with {dead.returncode} during start-up")
+            return False
+
+        return check
+
+    def _wait_healthy(self, child: Child, url: str) -> None:
+        ok = wait_until(
+            lambda: http_ok(url), timeout=self.args.startup_timeout, should_abort=self._abort_check(child)
+        )
+        if not ok:
+            raise StartupError(child, f"not healthy at {url} after {self.args.startup_timeout:.0f} s")
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        rc = 0
+        failed: Child | None = None
+        try:
+            self._prepare_model()
+            self._start_vllm()
+            self._start_proxy()
+            self._start_learner()
+            self.t_ready = time.time()
+            self._write_pids()
+            self._announce()
+            self._start_agents()
+            self._write_pids()
+            failed = self._watch()
+        except StartupError as exc:
+            failed, rc = exc.child, 1
+            self.stop_reason = f"{exc.child.name} failed: {exc.reason}"
+        except Interrupted as exc:
+            self.stop_reason = str(exc)
+        finally:
+            self.sup.stop_all()
+        if failed is not None:
+            rc = 1
+            self._report_failure(failed)
+        summary = self._summary(failed)
+        _write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self._log(f"stopped: {self.stop_reason}. Summary: {self.workdir / 'summary.json'}")
+        return rc
+
+    def _announce(self) -> None:
+        lines = [
+            f"ready in {self.t_ready - self.t_start:.0f} s; work directory {self.workdir}",
+            f"  export OPENAI_BASE_URL={self.proxy_url}/v1",
+            f"  export STEPTAP_CONTROL_TOKEN={self.token}",
+            f"  model: {self.served_model or self.model_dir}",
+        ]
+        for line in lines:
+            self._log(line)
+        token_file = self.workdir / "control_token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token + "\n")
+        # Where scripts and tests find the running stack (the token stays in its own 0600 file).
+        stack = {
+            "proxy_url": self.proxy_url,
+            "openai_base_url": f"{self.proxy_url}/v1",
+            "backend": self.backend,
+            "model": self.served_model,
+            "model_dir": self.model_dir,
+            "pid": os.getpid(),
+            "control_token_file": str(token_file),
+            "metrics": str(self.metrics_path),
+        }
+        _write_atomic(self.workdir / "stack.json", json.dumps(stack, indent=2) + "\n")
+
+    def _write_pids(self) -> None:
+        """Every child's pid, rewritten as each starts (for operators and tests)."""
+        pids = {c.name: c.pid for c in self.sup.children if c.pid}
+        _write_atomic(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
+
+    def _watch(self) -> Child | None:
+        board = StatusBoard(self.proxy_url, self.metrics_path)
+        view = None
+        if not self.args.no_view and sys.stdout.isatty():
+            from rich.live import Live  # imported here: --no-view runs never need a terminal library
+
+            view = Live(board.render(self._header()), auto_refresh=False, transient=False)
+            view.start()
+        last_line = 0.0
+        try:
+            while not self._stopping():
+                if (dead := self.sup.first_failed()) is not None:
+                    self.stop_reason = f"{dead.name} exited with {dead.returncode}"
+                    return dead
+                if (agents := self.sup.get("agents")) is not None and agents.returncode == 0:
+                    self.stop_reason = "the agents finished"
+                    break
+                if (learner := self.sup.get("learn")) is not None and learner.returncode == 0:
+                    self.stop_reason = "the learner finished (its max_updates)"
+                    break
+                board.poll()
+                self._check_limits(board)
+                if view is not None:
+                    view.update(board.render(self._header()), refresh=True)
+                elif time.time() - last_line >= self.args.status_every:
+                    last_line = time.time()
+                    self._log(render_line(board))
+                self._sleep(1.0)
+        finally:
+            if view is not None:
+                view.stop()
+            board.poll()
+            self.board = board
+        return None
+
+    def _header(self) -> str:
+        up_s = time.time() - (self.t_ready or self.t_start)
+        model = self.served_model or self.model_dir
+        return f"steptap up  {self.proxy_url}/v1  model {model}  up {up_s:.0f} s"
+
+    def _check_limits(self, board: StatusBoard) -> None:
+        a = self.args
+        if a.max_updates is not None and board.updates >= a.max_updates:
+            self.stop_reason = f"reached --max-updates {a.max_updates}"
+        elif a.duration is not None and self.t_ready and time.time() - self.t_ready >= a.duration:
+            self.stop_reason = f"reached --duration {a.duration:.0f} s"
+        elif (
+            a.stop_at_reward is not None
+            and board.recent_reward(3) is not None
+            and board.recent_reward(3) >= a.stop_at_reward
+        ):
+            self.stop_reason = f"mean reward of the last 3 updates reached {a.stop_at_reward}"
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.time() + seconds
+        while time.time() < end and not self._stopping():
+            time.sleep(0.1)
+
+    def _report_failure(self, child: Child) -> None:
+        print(
+            f"\n[steptap up] {child.name} FAILED ({self.stop_reason}); stopped the others. "
+            f"Last lines of {child.log_path}:",
+            file=sys.stderr,
+        )
+        print(child.tail(25), file=sys.stderr, flush=True)
+
+    def _summary(self, failed: Child | None) -> dict:
+        board = getattr(self, "board", None) or StatusBoard(self.proxy_url, self.metrics_path)
+        board.read_metrics()
+        learn_s = (time.time() - self.t_ready) if self.t_ready else 0.0
+        return {
+            "task": self.args.task,
+            "model": self.served_model or self.model_dir,
+            "model_dir": self.model_dir,
+            "workdir": str(self.workdir),
+            "startup_s": round((self.t_ready or time.time()) - self.t_start, 1),
+            "learning_minutes": round(learn_s / 60.0, 2),
+            "updates": board.updates,
+            "start_reward": board.first_reward(2),
+            "end_reward": board.recent_reward(3),
+            "reward_by_policy_version": board.reward_by_version(),
+            "policy_versions": board.policy_version,
+            "stop_reason": self.stop_reason,
+            "failed": failed.name if failed else None,
+            "metrics": str(self.metrics_path),
+        }
+
+
+class StartupError(Exception):
+    def __init__(self, child: Child, reason: str) -> None:
+        super().__init__(f"{child.name}: {reason}")
+        self.child, self.reason = child, reason
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _split(text: str) -> list[str]:
+    import shlex
+
+    return shlex.split(text) if text else []
+
+
+def _served_model(proxy_url: str) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as resp:
+            data = json.loads(resp.read())
+        return str(data["data"][0]["id"])
+    except Exception:  # noqa: BLE001 - the name is only shown; the agents can ask /v1/models themselves
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.backend and not args.model and not args.no_learner:
+        parser.error("--backend with the learner needs --model (the weights it serves), or --no-learner")
+    return Up(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Pure functions from vLLM replies to ``Step`` records, and the stripping that makes the agent's reply
+exactly what vLLM would have sent it. No I/O here: ``forward`` does the talking, this module only reshapes
+dicts.
+
+A streamed reply is reduced to the shape of a non-streamed one (``ChatStream`` / ``CompletionStream``), so
+both modes go through the same ``steps_from_reply`` and give identical steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from steptap.middleware.records import Sampling, Step, StepError, Usage
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+
+
+class Asked(NamedTuple):
+    """What the agent itself asked vLLM for; anything else we added is removed from its reply."""
+
+    token_ids: bool
+    logprobs: bool
+
+
+# --- request side -------------------------------------------------------------------------------------------
+
+
+_NO_DEFAULTS: dict[str, float] = {}
+
+
+def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] = _NO_DEFAULTS) -> Sampling:
+    """The sampling parameters sent to vLLM (after forcing). A value the request omits is what vLLM applies:
+    ``defaults`` (the model's generation_config, ``--model-dir``), else OpenAI's (temperature 1, top_p 1,
+    top_k disabled)."""
+    top_k = body.get("top_k", defaults.get("top_k"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    temperature = body.get("temperature", defaults.get("temperature"))
+    top_p = body.get("top_p", defaults.get("top_p"))
+    return Sampling(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=-1 if top_k is None or top_k <= 0 else int(top_k),
+        max_tokens=None if max_tokens is None else int(max_tokens),
+        forced=forced,
+    )
+
+
+# --- reply side: stripping --------------------------------------------------------------------------------
+# vLLM serializes absent values as explicit nulls (non-streamed: model_dump(); streamed: the fields it set),
+# so stripping sets a present key to None rather than deleting it: the bytes then match a direct call.
+
+
+def _null(d: dict[str, Any], key: str) -> None:
+    if d.get(key) is not None:
+        d[key] = None
+
+
+def strip_reply(reply: dict[str, Any], asked: Asked, endpoint: str) -> None:
+    """Remove (in place) from a non-streamed reply what the agent did not ask for."""
+    if not asked.token_ids:
+        _null(reply, "prompt_token_ids")
+    for choice in reply.get("choices") or ():
+        if not asked.token_ids:
+            _null(choice, "token_ids")
+            if endpoint == COMPLETIONS:
+                _null(choice, "prompt_token_ids")
+        if not asked.logprobs:
+            _null(choice, "logprobs")
+
+
+def strip_chunk(chunk: dict[str, Any], asked: Asked, endpoint: str) -> bool:
+    """Strip one SSE chunk in place; False when vLLM would not have sent it at all (a chunk it emits only to
+    carry token ids or logprobs, e.g. while the tool parser holds text back)."""
+    strip_reply(chunk, asked, endpoint)
+    if asked.token_ids or asked.logprobs or endpoint != CHAT:
+        return True
+    choices = chunk.get("choices")
+    if not choices or chunk.get("usage"):
+        return True
+    for choice in choices:
+        if choice.get("finish_reason") is not None or choice.get("delta"):
+            return True
+    return False
+
+
+# --- reply side: steps ------------------------------------------------------------------------------------
+
+
+def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[float] | None:
+    lp = choice.get("logprobs")
+    if not lp:
+        return None
+    if endpoint == CHAT:
+        content = lp.get("content")
+        if content is None:
+            return None
+        return [float(item["logprob"]) for item in content]
+    values = lp.get("token_logprobs")
+    if values is None:
+        return None
+    return [float("nan") if v is None else float(v) for v in values]
+
+
+def _response_of(choice: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    if endpoint != CHAT:
+        return {"text": choice.get("text")}
+    msg = choice.get("message") or {}
+    out: dict[str, Any] = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
+    if msg.get("tool_calls"):
+        out["tool_calls"] = msg["tool_calls"]
+    reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> list[Step]:
+    """One ``Step`` per choice of a (non-streamed, or reassembled) vLLM reply. ``common`` holds the fields
+    every choice shares (request, sampling, model, timings...). Token ids and logprobs are vLLM's own; a reply
+    that lacks them gives a failed step (the agent still gets its answer)."""
+    steps: list[Step] = []
+    top_prompt = reply.get("prompt_token_ids")
+    for choice in reply.get("choices") or ():
+        prompt = top_prompt if endpoint == CHAT else choice.get("prompt_token_ids")
+        ids = choice.get("token_ids")
+        logprobs = _choice_logprobs(choice, endpoint)
+        error = None
+        if prompt is None or ids is None:
+            error = StepError(
+                message="backend reply carries no token ids (return_token_ids)", type="capture_error"
+            )
+        elif logprobs is None or len(logprobs) != len(ids):
+            error = StepError(
+                message=f"backend gave {len(logprobs or ())} logprobs for {len(ids)} tokens",
+                type="capture_error",
+            )
+        prompt = prompt or []
+        ids = ids or []
+        steps.append(
+            Step(
+                choice=int(choice.get("index", 0)),
+                endpoint=endpoint,
+                prompt_token_ids=prompt,
+                response_token_ids=ids,
+                response_logprobs=logprobs or [],
+                finish_reason=choice.get("finish_reason"),
+                response=_response_of(choice, endpoint),
+                status="ok" if error is None else "failed",
+                error=error,
+                usage=Usage(
+                    prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)
+                ),
+                **common,
+            )
+        )
+    steps.sort(key=lambda s: s.choice)
+    return steps
+
+
+def failed_step(
+    endpoint: str, message: str, type_: str, partial: dict[str, Any] | None = None, **common: Any
+) -> Step:
+    """A step for a call that failed (cut stream, timeout, hang-up), keeping what arrived before it."""
+    steps = steps_from_reply(partial, endpoint, **common) if partial else []
+    step = steps[0] if steps else Step(endpoint=endpoint, **common)
+    step.status = "failed"
+    step.error = StepError(message=message, type=type_)
+    return step
+
+
+# --- streams: chunks -> the equivalent non-streamed reply --------------------------------------------------
+
+
+class _ChatChoice:
+    __slots__ = (
+        "content",
+        "finish_reason",
+        "logprobs",
+        "reasoning",
+        "role",
+        "stop_reason",
+        "token_ids",
+        "tool_calls",
+    )
+
+    def __init__(self) -> None:
+        self.role = "assistant"
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.token_ids: list[int] | None = None
+        self.logprobs: list[dict[str, Any]] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+
+class ChatStream:
+    """Accumulates chat SSE chunks (token ids and logprobs per chunk, content/tool-call deltas)."""
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.choices: dict[int, _ChatChoice] = {}
+        self.usage: dict[str, Any] | None = None
+        self.model: str | None = None
+        self.id: str | None = None
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if self.id is None:
+            self.id, self.model = chunk.get("id"), chunk.get("model")
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for ch in chunk.get("choices") or ():
+            acc = self.choices.get(ch.get("index", 0))
+            if acc is None:
+                acc = self.choices[ch.get("index", 0)] = _ChatChoice()
+            delta = ch.get("delta") or {}
+            if delta.get("role"):
+                acc.role = delta["role"]
+            if delta.get("content"):
+                acc.content.append(delta["content"])
+            reasoning = delta.get("reasoning_content", delta.get("reasoning"))
+            if reasoning:
+                acc.reasoning.append(reasoning)
+            for tc in delta.get("tool_calls") or ():
+                cur = acc.tool_calls.setdefault(
+                    tc.get("index", 0),
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
+                if tc.get("id"):
+                    cur["id"] = tc["id"]
+                if tc.get("type"):
+                    cur["type"] = tc["type"]
+                fn = tc.get("function") or {}
+                if fn.get("name"):
+                    cur["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    cur["function"]["arguments"] += fn["arguments"]
+            # extend in place: rebuilding the list per chunk is quadratic in the response length
+            if ch.get("token_ids") is not None:
+                if acc.token_ids is None:
+                    acc.token_ids = []
+                acc.token_ids.extend(ch["token_ids"])
+            lp = ch.get("logprobs")
+            if lp and lp.get("content") is not None:
+                if acc.logprobs is None:
+                    acc.logprobs = []
+                acc.logprobs.extend(lp["content"])
+            if ch.get("finish_reason") is not None:
+                acc.finish_reason = ch["finish_reason"]
+                acc.stop_reason = ch.get("stop_reason")
+
+    def reply(self) -> dict[str, Any]:
+        choices = []
+        for index, acc in sorted(self.choices.items()):
+            message: dict[str, Any] = {
+                "role": acc.role,
+                "content": "".join(acc.content) if acc.content else None,
+            }
+            if acc.tool_calls:
+                message["tool_calls"] = [acc.tool_calls[i] for i in sorted(acc.tool_calls)]
+            if acc.reasoning:
+                message["reasoning"] = "".join(acc.reasoning)
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": None if acc.logprobs is None else {"content": acc.logprobs},
+                    "finish_reason": acc.finish_reason,
+                    "stop_reason": acc.stop_reason,
+                    "token_ids": acc.token_ids,
+                }
+            )
+        return {
+            "id": self.id,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage,
+            "prompt_token_ids": self.prompt_token_ids,
+        }
+
+
+class CompletionStream:
+    """Accumulates /v1/completions SSE chunks (prompt ids per choice arrive in its first chunk)."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.model: str | None = None
+        self.id: str | None = None
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if self.id is None:
+            self.id, self.model = chunk.get("id"), chunk.get("model")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for ch in chunk.get("choices") or ():
+            acc = self.choices.setdefault(
+                ch.get("index", 0),
+                {
+                    "index": ch.get("index", 0),
+                    "text": "",
+                    "token_ids": None,
+                    "prompt_token_ids": None,
+                    "logprobs": None,
+                    "finish_reason": None,
+                },
+            )
+            acc["text"] += ch.get("text") or ""
+            if ch.get("prompt_token_ids") is not None:
+                acc["prompt_token_ids"] = ch["prompt_token_ids"]
+            if ch.get("token_ids") is not None:
+                if acc["token_ids"] is None:
+                    acc["token_ids"] = []
+                acc["token_ids"].extend(ch["token_ids"])
+            lp = ch.get("logprobs")
+            if lp and lp.get("token_logprobs") is not None:
+                if acc["logprobs"] is None:
+                    acc["logprobs"] = {"token_logprobs": []}
+                acc["logprobs"]["token_logprobs"] += lp["token_logprobs"]
+            if ch.get("finish_reason") is not None:
+                acc["finish_reason"] = ch["finish_reason"]
+
+    def reply(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "usage": self.usage,
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+        }
+
+
+def new_stream(endpoint: str) -> ChatStream | CompletionStream:
+    return ChatStream() if endpoint == CHAT else CompletionStream()

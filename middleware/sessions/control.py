@@ -1,0 +1,165 @@
+"""Control routes (DESIGN.md's table): open sessions, read them, attach rewards, finish them, read groups.
+
+Every route needs the control token (``auth.require_control``). Bodies are validated completely before
+anything changes: an error leaves the session as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from steptap.middleware.auth import require_control
+from steptap.middleware.errors import ApiError
+from steptap.middleware.sessions.identity import valid_session_id
+from steptap.middleware.records import Mode, to_builtins
+from steptap.middleware.sessions.rewards import finite
+from steptap.middleware.sessions.manager import SESSIONS_KEY, Session
+
+_encode = msgspec.json.Encoder().encode
+
+
+class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str | None = None
+    group_id: str | None = None
+    group_size: int | None = None
+    mode: Mode = "train"
+    metadata: dict[str, Any] = {}
+    idle_timeout_s: float | None = None
+
+
+class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    value: float
+    name: str = "reward"
+    step: int | Literal["last"] | None = None
+
+
+class FinishBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    reward: float | None = None
+    status: Literal["finished", "aborted"] = "finished"
+
+
+def _decode(raw: bytes, type_: type[Any], empty_ok: bool = False) -> Any:
+    if not raw.strip():
+        if empty_ok:
+            return type_()
+        raise ApiError(400, "request body is empty (a JSON object is expected)", "invalid_body")
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid body: {exc}", "invalid_body") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(data), status=status, content_type="application/json")
+
+
+def _session(request: web.Request) -> Session:
+    return request.app[SESSIONS_KEY].get(request.match_info["session_id"])
+
+
+async def open_session(request: web.Request) -> web.Response:
+    require_control(request)
+    body: OpenBody = _decode(await request.read(), OpenBody, empty_ok=True)
+    if body.id is not None and not valid_session_id(body.id):
+        raise ApiError(
+            400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)", "invalid_session_id"
+        )
+    if body.group_size is not None and body.group_size < 1:
+        raise ApiError(400, "group_size must be at least 1", "invalid_body")
+    if body.idle_timeout_s is not None and not body.idle_timeout_s > 0:
+        raise ApiError(400, "idle_timeout_s must be positive", "invalid_body")
+    manager = request.app[SESSIONS_KEY]
+    session = await manager.open(
+        group_id=body.group_id,
+        group_size=body.group_size,
+        mode=body.mode,
+        metadata=body.metadata,
+        idle_timeout_s=body.idle_timeout_s,
+        session_id=body.id,
+    )
+    return _json(manager.summary(session, str(request.url.origin())), status=201)
+
+
+async def get_session(request: web.Request) -> web.Response:
+    require_control(request)
+    manager = request.app[SESSIONS_KEY]
+    sid = request.match_info["session_id"]
+    session = manager.sessions.get(sid)
+    traj = session.trajectory if session is not None else manager.recent.get(sid)
+    if traj is None:
+        if sid in manager.closed:
+            raise ApiError(
+                404, f"session {sid!r} is {manager.closed[sid]}; read it from the stream", "session_evicted"
+            )
+        raise ApiError(404, f"no session {sid!r}", "session_not_found")
+    data = to_builtins(traj)
+    data["reward"] = traj.reward
+    if traj.group_id is not None and traj.group_id in manager.groups:
+        data["group"] = manager.groups[traj.group_id].state()
+    return _json(data)
+
+
+async def post_reward(request: web.Request) -> web.Response:
+    require_control(request)
+    session = _session(request)
+    body: RewardBody = _decode(await request.read(), RewardBody)
+    try:
+        value = finite(body.value)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_reward") from None
+    if not body.name or len(body.name) > 64:
+        raise ApiError(400, "reward name must be 1 to 64 characters", "invalid_body")
+    if isinstance(body.step, int) and body.step < 0:
+        raise ApiError(400, 'step must be a non-negative index or "last"', "invalid_body")
+    record = await request.app[SESSIONS_KEY].add_reward(session, value, body.name, body.step)
+    return _json({"session_id": session.id, "name": record.name, "value": record.value, "step": record.step})
+
+
+async def finish_session(request: web.Request) -> web.Response:
+    require_control(request)
+    session = _session(request)
+    body: FinishBody = _decode(await request.read(), FinishBody, empty_ok=True)
+    reward = None
+    if body.reward is not None:
+        try:
+            reward = finite(body.reward)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_reward") from None
+    traj = await request.app[SESSIONS_KEY].finish(session, body.status, reward)
+    return _json(
+        {
+            "id": traj.id,
+            "status": traj.status,
+            "steps": len(traj.steps),
+            "rewards": traj.rewards,
+            "reward": traj.reward,
+            "error": traj.error,
+        }
+    )
+
+
+async def get_group(request: web.Request) -> web.Response:
+    require_control(request)
+    return _json(request.app[SESSIONS_KEY].group(request.match_info["group_id"]).state())
+
+
+async def agent_path_forbidden(request: web.Request) -> web.Response:
+    """Anything under an agent's session URL that is not a model route: the agent holds no control rights (an
+    unknown ``v1/`` route is a plain 404: it is a model route this proxy does not serve)."""
+    if request.match_info.get("tail", "").startswith("v1/"):
+        raise ApiError(404, f"no route {request.method} /{request.match_info['tail']}", "not_found")
+    raise ApiError(403, "an agent session URL can make model calls only", "forbidden")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/sessions", open_session)
+    r.add_get("/sessions/{session_id}", get_session)
+    r.add_post("/sessions/{session_id}/rewards", post_reward)
+    r.add_post("/sessions/{session_id}/finish", finish_session)
+    r.add_get("/groups/{group_id}", get_group)

@@ -1,0 +1,462 @@
+"""``SessionManager``: opens sessions, ties model calls to them, appends their steps, rewards and closing
+records to the trajectory log, enforces idle timeouts, tracks groups, and rebuilds open sessions from the log
+after a restart.
+
+Ordering: a step's ``index`` is given when its reply is complete (completion order), synchronously, so
+concurrent calls on one session get consecutive indexes and each step's ``prefix`` is judged against the step
+indexed just before it. Every record is durable (``await log.append``) before the call that caused it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from steptap.middleware.auth import SESSION_KEY_PREFIX
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.errors import ApiError
+from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.metrics import Metrics
+from steptap.middleware.sessions.prefix import classify_after
+from steptap.middleware.records import (
+    LogRecord,
+    Mode,
+    PolicyVersion,
+    RewardAdded,
+    SessionOpened,
+    Step,
+    Trajectory,
+    TrajectoryStatus,
+)
+from steptap.middleware.sessions.rewards import RewardFn, run_reward
+
+logger = logging.getLogger("steptap.sessions")
+
+GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
+# Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
+# trajectory holds every step's full prompt ids.
+RECENT_KEEP = 128
+
+
+class Log(Protocol):
+    async def append(self, record: LogRecord) -> str: ...
+
+    def records(self) -> Any: ...
+
+
+class Session:
+    __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
+
+    def __init__(self, trajectory: Trajectory, key: str | None) -> None:
+        self.trajectory = trajectory
+        self.key = key
+        self.last_active = time.monotonic()
+        self.inflight = 0
+        self.closing = False
+
+    @property
+    def id(self) -> str:
+        return self.trajectory.id
+
+
+class Group:
+    __slots__ = ("complete", "completed_at", "id", "members", "opened", "size")
+
+    def __init__(self, group_id: str, size: int | None) -> None:
+        self.id = group_id
+        self.size = size
+        self.members: dict[str, TrajectoryStatus] = {}
+        self.opened = time.monotonic()
+        self.complete: str | None = None  # None, "full" or "timeout"
+        self.completed_at: float | None = None
+
+    def state(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for status in self.members.values():
+            counts[status] = counts.get(status, 0) + 1
+        return {
+            "id": self.id,
+            "size": self.size,
+            "members": dict(self.members),
+            "counts": counts,
+            "complete": self.complete is not None,
+            "reason": self.complete,
+        }
+
+
+def _last_good_call(steps: list[Step]) -> list[Step]:
+    """The ok steps of the latest call that has any (a call's choices share ``started_at``): continuity is
+    judged against them, never against a failed step, which carries no usable ids."""
+    last = next((s for s in reversed(steps) if s.status == "ok"), None)
+    if last is None:
+        return []
+    return [s for s in steps if s.status == "ok" and s.started_at == last.started_at]
+
+
+def new_key() -> str:
+    return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+class SessionManager:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        log: Log,
+        metrics: Metrics,
+        reward_fn: RewardFn | None,
+        tasks: set[asyncio.Task[Any]],
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.metrics = metrics
+        self.reward_fn = reward_fn
+        self._tasks = tasks  # the app's background tasks, drained at shutdown
+        self.sessions: dict[str, Session] = {}  # open named sessions by id
+        self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
+        self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
+        self.groups: dict[str, Group] = {}
+        self.recent: OrderedDict[str, Trajectory] = OrderedDict()
+        self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
+
+    # ---- background work --------------------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _append(self, record: LogRecord) -> str:
+        t0 = time.perf_counter()
+        cursor = await self.log.append(record)
+        self.metrics.log_commit.observe(time.perf_counter() - t0)
+        return cursor
+
+    # ---- opening and resolving ---------------------------------------------------------------------------
+
+    async def open(
+        self,
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        mode: Mode = "train",
+        metadata: dict[str, Any] | None = None,
+        idle_timeout_s: float | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.sessions or sid in self.closed:
+            raise ApiError(409, f"session {sid!r} already exists", "session_exists")
+        if idle_timeout_s is None:
+            idle_timeout_s = self.config.session_idle_timeout_s
+        traj = Trajectory(
+            id=sid,
+            group_id=group_id,
+            group_size=group_size,
+            mode=mode,
+            metadata=metadata or {},
+            idle_timeout_s=idle_timeout_s,
+        )
+        session = Session(traj, new_key())
+        self._register(session)  # before the await: a concurrent open of the same id sees it
+        try:
+            await self._append(
+                SessionOpened(
+                    trajectory_id=sid,
+                    group_id=group_id,
+                    group_size=group_size,
+                    mode=mode,
+                    metadata=traj.metadata,
+                    idle_timeout_s=idle_timeout_s,
+                    key=session.key,
+                )
+            )
+        except BaseException:
+            self._unregister(session)
+            raise
+        self.metrics.sessions_opened.labels("false").inc()
+        return session
+
+    def _register(self, session: Session) -> None:
+        self.sessions[session.id] = session
+        if session.key:
+            self.keys[session.key] = session.id
+        traj = session.trajectory
+        if traj.group_id is not None:
+            group = self.groups.get(traj.group_id)
+            if group is None:
+                group = self.groups[traj.group_id] = Group(traj.group_id, traj.group_size)
+            elif group.size is None:
+                group.size = traj.group_size
+            group.members[session.id] = traj.status
+        self.metrics.sessions_open.set(len(self.sessions))
+
+    def _unregister(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        self.metrics.sessions_open.set(len(self.sessions))
+
+    def get(self, sid: str) -> Session:
+        """An open session (404 when unknown, 409 when already closed)."""
+        session = self.sessions.get(sid)
+        if session is None:
+            if sid in self.closed:
+                raise ApiError(409, f"session {sid!r} is {self.closed[sid]}", "session_closed")
+            raise ApiError(404, f"no session {sid!r}", "session_not_found")
+        return session
+
+    async def resolve(self, ident: Identity) -> Session:
+        """The session a model call belongs to; anonymous calls get a fresh one-step session."""
+        if ident.source == "anonymous":
+            traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
+            self.metrics.child(self.metrics.sessions_opened, "true").inc()
+            return Session(traj, None)
+        if ident.source == "key":
+            sid = self.keys.get(ident.key or "")
+            if sid is None:
+                raise ApiError(401, "unknown steptap session key", "invalid_api_key")
+            return self.get(sid)
+        sid = ident.session_id or ""
+        if sid not in self.sessions and sid not in self.closed:
+            if not self.config.auto_create:
+                raise ApiError(
+                    404, f"no session {sid!r} (sessions are opened with POST /sessions)", "session_not_found"
+                )
+            try:
+                return await self.open(session_id=sid)
+            except ApiError:  # opened concurrently by another call on the same new id
+                pass
+        return self.get(sid)
+
+    def begin_call(self, session: Session) -> None:
+        if session.closing:
+            raise ApiError(409, f"session {session.id!r} is closing", "session_closed")
+        session.inflight += 1
+        session.last_active = time.monotonic()
+
+    def end_call(self, session: Session) -> None:
+        session.inflight -= 1
+        session.last_active = time.monotonic()
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+
+    async def record(self, session: Session, steps: list[Step]) -> None:
+        """Index, link and append the steps of one call; returns once they are durable."""
+        traj = session.trajectory
+        prev_call = _last_good_call(traj.steps)
+        for step in steps:
+            step.trajectory_id = traj.id
+            step.group_id = traj.group_id
+            step.index = len(traj.steps)
+            step.prefix = classify_after(prev_call, step)  # choices of one call share the previous call
+            if session.closing and not traj.anonymous:
+                logger.warning(
+                    "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
+                )
+            else:
+                traj.steps.append(step)
+            m = self.metrics
+            m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
+            m.child(m.prefix, step.prefix).inc()
+            m.prompt_tokens.inc(len(step.prompt_token_ids))
+            m.response_tokens.inc(len(step.response_token_ids))
+        if traj.anonymous and self.reward_fn is None:
+            # A one-step session closes with its step: queue both records together so that they share one
+            # group commit (one fsync per anonymous call, not two in a row).
+            session.closing = True
+            self._finalize(traj, "finished")
+            await asyncio.gather(*(self._append(s) for s in steps), self._append(traj))
+            self._closed(session)
+            return
+        if len(steps) == 1:
+            await self._append(steps[0])
+        else:  # concurrent appends share one group commit
+            await asyncio.gather(*(self._append(s) for s in steps))
+        if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
+            self.spawn(self._close_logged(session, "finished"))
+
+    # ---- rewards -----------------------------------------------------------------------------------------
+
+    async def add_reward(
+        self, session: Session, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
+        """Validate everything first, then log, then apply: an error changes nothing."""
+        if session.closing:
+            raise ApiError(409, f"session {session.id!r} is closing", "session_closed")
+        steps = session.trajectory.steps
+        index: int | None = None
+        if step == "last":
+            if not steps:
+                raise ApiError(404, "the session has no steps yet", "step_not_found")
+            index = len(steps) - 1
+        elif step is not None:
+            index = int(step)
+            if not 0 <= index < len(steps):
+                raise ApiError(404, f"no step {index} (the session has {len(steps)})", "step_not_found")
+        record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
+        await self._append(record)
+        self._apply_reward(session.trajectory, record)
+        session.last_active = time.monotonic()
+        self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
+        return record
+
+    @staticmethod
+    def _apply_reward(traj: Trajectory, record: RewardAdded) -> None:
+        if record.step is None:
+            traj.rewards[record.name] = record.value
+        elif 0 <= record.step < len(traj.steps):
+            traj.steps[record.step].rewards[record.name] = record.value
+
+    # ---- closing -----------------------------------------------------------------------------------------
+
+    async def finish(
+        self, session: Session, status: TrajectoryStatus = "finished", reward: float | None = None
+    ) -> Trajectory:
+        if session.closing:
+            raise ApiError(409, f"session {session.id!r} is already closing", "session_closed")
+        if reward is not None:
+            session.trajectory.rewards["reward"] = reward
+        return await self._close(session, status)
+
+    async def _close(self, session: Session, status: TrajectoryStatus) -> Trajectory:
+        session.closing = True
+        traj = session.trajectory
+        if self.reward_fn is not None:
+            error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s)
+            if error is not None:
+                traj.error = error
+                self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
+                logger.warning("session %s: %s", traj.id, error)
+        self._finalize(traj, status)
+        await self._append(traj)
+        self._closed(session)
+        return traj
+
+    @staticmethod
+    def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
+        traj.status = status
+        traj.finished_at = time.time()
+
+    def _closed(self, session: Session) -> None:
+        """Bookkeeping once the Trajectory record is durable."""
+        traj = session.trajectory
+        self.metrics.child(self.metrics.trajectories, traj.status).inc()
+        if traj.rewards:
+            self.metrics.reward_values.observe(traj.reward)
+            self.metrics.reward_sum.inc(traj.reward)
+        if not traj.anonymous:
+            self.closed[traj.id] = traj.status
+            self.recent[traj.id] = traj
+            if len(self.recent) > RECENT_KEEP:
+                self.recent.popitem(last=False)
+            self._unregister(session)
+            self._group_member_closed(traj)
+
+    # ---- groups and timeouts -----------------------------------------------------------------------------
+
+    def _group_member_closed(self, traj: Trajectory) -> None:
+        if traj.group_id is None or traj.group_id not in self.groups:
+            return
+        group = self.groups[traj.group_id]
+        group.members[traj.id] = traj.status
+        closed = sum(1 for s in group.members.values() if s != "running")
+        if group.complete is None and group.size is not None and closed >= group.size:
+            self._complete(group, "full")
+
+    def _complete(self, group: Group, reason: str) -> None:
+        group.complete = reason
+        group.completed_at = time.monotonic()
+        self.metrics.groups_complete.labels(reason).inc()
+
+    def group(self, group_id: str) -> Group:
+        group = self.groups.get(group_id)
+        if group is None:
+            raise ApiError(404, f"no group {group_id!r}", "group_not_found")
+        return group
+
+    def sweep(self) -> None:
+        """Close sessions idle past their timeout (``timed_out``, still delivered) and time out groups."""
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            timeout = session.trajectory.idle_timeout_s
+            if (
+                timeout is not None
+                and not session.closing
+                and session.inflight == 0
+                and now - session.last_active > timeout
+            ):
+                session.closing = True  # claimed now, so the next sweep does not close it twice
+                self.spawn(self._close_logged(session, "timed_out"))
+        gt = self.config.group_timeout_s
+        for gid, group in list(self.groups.items()):
+            if group.complete is None and gt is not None and now - group.opened > gt:
+                self._complete(group, "timeout")
+            elif group.completed_at is not None and now - group.completed_at > GROUP_RETENTION_S:
+                del self.groups[gid]
+
+    async def _close_logged(self, session: Session, status: TrajectoryStatus) -> None:
+        try:
+            await self._close(session, status)
+        except Exception:
+            logger.exception("closing session %s as %s failed", session.id, status)
+
+    async def sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            self.sweep()
+
+    # ---- restart -----------------------------------------------------------------------------------------
+
+    async def rebuild(self) -> int:
+        """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
+        return await asyncio.to_thread(self._rebuild_sync)
+
+    def _rebuild_sync(self) -> int:
+        for record in self.log.records():
+            if isinstance(record, SessionOpened):
+                if record.anonymous:
+                    continue
+                traj = Trajectory(
+                    id=record.trajectory_id,
+                    group_id=record.group_id,
+                    group_size=record.group_size,
+                    mode=record.mode,
+                    metadata=record.metadata,
+                    idle_timeout_s=record.idle_timeout_s,
+                    created_at=record.at,
+                )
+                self.closed.pop(traj.id, None)
+                self._register(Session(traj, record.key))
+            elif isinstance(record, Step):
+                session = self.sessions.get(record.trajectory_id)
+                if session is not None and record.index == len(session.trajectory.steps):
+                    session.trajectory.steps.append(record)
+            elif isinstance(record, RewardAdded):
+                session = self.sessions.get(record.trajectory_id)
+                if session is not None:
+                    self._apply_reward(session.trajectory, record)
+            elif isinstance(record, PolicyVersion):
+                self.policy_versions.append(record)
+            elif isinstance(record, Trajectory) and not record.anonymous:
+                session = self.sessions.pop(record.id, None)
+                self.closed[record.id] = record.status
+                if session is not None:
+                    self._group_member_closed(record)
+        self.metrics.sessions_open.set(len(self.sessions))
+        return len(self.sessions)
+
+    def summary(self, session: Session, origin: str | None = None) -> dict[str, Any]:
+        """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)
+        and its session key."""
+        base = self.config.public_url or origin or self.config.base_url()
+        return {"id": session.id, "base_url": f"{base.rstrip('/')}/s/{session.id}/v1", "api_key": session.key}
+
+
+SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)

@@ -1,0 +1,120 @@
+"""Prefix continuity between consecutive steps of a session.
+
+A step ``extends`` the previous one when its prompt ids start with the previous prompt + response ids, token
+for token: the two can then be merged into one training sequence. Otherwise the break gets a cause, decided
+from the messages (what the agent sent) and the ids (what the template rendered):
+
+- ``first``: no previous step;
+- ``rerendered``: the conversation so far is unchanged (previous messages + previous reply come back as the
+  start of this request), yet the template rendered other tokens (e.g. the assistant turn re-rendered without
+  its reasoning, or tool-call JSON re-serialized);
+- ``truncated``: history was dropped (messages removed, or a retry of the previous prompt without the reply);
+- ``history_edited``: an earlier message was changed.
+
+Pure functions; the cost is one list compare per step (no tokenization).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from steptap.middleware.records import PrefixCause, Step
+
+
+def _args(value: Any) -> Any:
+    # Tool-call arguments are a JSON string; agents re-serialize them (spacing, key order): compare parsed.
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _norm(msg: Any) -> Any:
+    """A message reduced to what identifies it in a conversation (reasoning and tool-call ids are ignored:
+    agents commonly drop the first and rewrite the second; both only change the rendering)."""
+    if not isinstance(msg, dict):
+        return msg
+    content = msg.get("content")
+    if content == "":
+        content = None
+    if isinstance(content, list):  # [{"type": "text", "text": ...}] is the same as the joined text
+        if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(p.get("text", "") for p in content) or None
+    calls = tuple(
+        (
+            (c.get("function") or {}).get("name"),
+            json.dumps(_args((c.get("function") or {}).get("arguments")), sort_keys=True),
+        )
+        for c in msg.get("tool_calls") or ()
+        if isinstance(c, dict)
+    )
+    return (msg.get("role"), json.dumps(content, sort_keys=True), calls, msg.get("name"))
+
+
+def _conversation(step: Step) -> list[Any] | None:
+    messages = step.request.get("messages")
+    if not isinstance(messages, list):
+        return None
+    return [_norm(m) for m in messages]
+
+
+def classify(prev: Step | None, step: Step) -> PrefixCause:
+    """The prefix cause of ``step`` given the session's previous step."""
+    if prev is None:
+        return "first"
+    before = prev.prompt_token_ids + prev.response_token_ids
+    ids = step.prompt_token_ids
+    if len(ids) >= len(before) and ids[: len(before)] == before:
+        return "extends"
+    old = _conversation(prev)
+    new = _conversation(step)
+    if old is None or new is None:  # /v1/completions: only the ids to go by
+        if len(ids) < len(before) and before[: len(ids)] == ids:
+            return "truncated"
+        return "history_edited"
+    old.append(_norm(prev.response))
+    return _message_cause(old, new)
+
+
+_RANK: dict[str, int] = {"extends": 0, "rerendered": 1, "truncated": 2, "history_edited": 3, "first": 4}
+
+
+def classify_after(prev_call: list[Step], step: Step) -> PrefixCause:
+    """The cause against the previous call, which may have had several choices (``n > 1``): the agent went on
+    from one of them, so the most continuous verdict wins."""
+    if not prev_call:
+        return "first"
+    return min((classify(prev, step) for prev in prev_call), key=_RANK.__getitem__)
+
+
+def _message_cause(old: list[Any], new: list[Any]) -> PrefixCause:
+    if new[: len(old)] == old:
+        return "rerendered"
+    # Longest prefix of `new` that is a subsequence of `old`; `skipped`: did the match jump over old messages?
+    j = 0
+    skipped = False
+    m = 0
+    for msg in new:
+        k = j
+        while k < len(old) and old[k] != msg:
+            k += 1
+        if k == len(old):
+            break
+        skipped = skipped or k > j
+        j = k + 1
+        m += 1
+    rest = new[m:]
+    if skipped:
+        # messages were dropped; if an old message reappears after a new one, something was also edited
+        return "history_edited" if any(msg in old for msg in rest) else "truncated"
+    # new[:m] == old[:m]; the next new message, if any, replaced old[m]
+    if not rest:
+        return "truncated"  # a prefix of the old conversation (e.g. a retry without the reply)
+    if m < len(old) and isinstance(rest[0], tuple) and rest[0][0] == old[m][0]:
+        return "history_edited"  # same role at the same position, other content
+    if m < len(old) and not any(msg in old for msg in rest):
+        return "truncated"  # rolled back to an earlier point and went on from there
+    return "history_edited"

@@ -1,0 +1,85 @@
+"""``--reward module:function``: a callback called with each finished ``Trajectory``.
+
+It may be sync (run in a thread, off the event loop) or async, and returns a float (the trajectory's reward,
+kept under the name ``callback``), per-step rewards (a list aligned with the steps, or a dict step index ->
+float), or None. An exception, a timeout or a bad return value is recorded in ``trajectory.error``; the
+trajectory is delivered either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from steptap.middleware.records import Trajectory
+
+CALLBACK_NAME = "callback"
+
+RewardFn = Callable[[Trajectory], Any]
+
+
+def load_reward(spec: str) -> RewardFn:
+    """``"package.module:function"`` -> the function (ValueError with a clear message when it is not one)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--reward expects module:function, got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"--reward {spec!r} is not callable")
+    return obj
+
+
+def finite(value: Any) -> float:
+    """A reward value as float; ValueError unless a finite real number (bools are not rewards)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"reward must be a finite number, got {type(value).__name__}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"reward must be a finite number, got {out}")
+    return out
+
+
+async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float) -> str | None:
+    """Call ``fn`` and apply what it returns to ``trajectory`` in place. Returns an error message or None."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await asyncio.wait_for(fn(trajectory), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(fn, trajectory), timeout_s)
+            if inspect.isawaitable(result):
+                result = await asyncio.wait_for(result, timeout_s)
+    except TimeoutError:
+        return f"reward callback timed out after {timeout_s:g}s"
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is recorded, never fatal
+        return f"reward callback raised {type(exc).__name__}: {exc}"
+    try:
+        apply_result(trajectory, result)
+    except (ValueError, TypeError, IndexError) as exc:
+        return f"reward callback returned an unusable value: {exc}"
+    return None
+
+
+def apply_result(trajectory: Trajectory, result: Any) -> None:
+    if result is None:
+        return
+    if isinstance(result, dict):
+        per_step = {int(k): finite(v) for k, v in result.items()}
+        for index in per_step:
+            if not 0 <= index < len(trajectory.steps):
+                raise IndexError(f"no step {index} (trajectory has {len(trajectory.steps)})")
+        for index, value in per_step.items():
+            trajectory.steps[index].rewards[CALLBACK_NAME] = value
+    elif isinstance(result, (list, tuple)):
+        values = [finite(v) for v in result]
+        if len(values) != len(trajectory.steps):
+            raise ValueError(f"{len(values)} per-step rewards for {len(trajectory.steps)} steps")
+        for step, value in zip(trajectory.steps, values):
+            step.rewards[CALLBACK_NAME] = value
+    else:
+        trajectory.rewards[CALLBACK_NAME] = finite(result)

