@@ -14,8 +14,10 @@ from aiohttp import web
 
 from steptap.middleware.log import stream
 from steptap.middleware.proxy import relay
+from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream
 from steptap.middleware.sessions import control
-from steptap.middleware.weights import swapper as weights
+from steptap.middleware.weights import routes as weights
+from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import error_middleware
@@ -37,8 +39,8 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
-    app[relay.UPSTREAM_KEY] = relay.Upstream(config)
-    swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir)
+    app[UPSTREAM_KEY] = Upstream(config)
+    swapper = WeightSwapper(config.backend, model_dir=config.model_dir)
     app[relay.SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = (
@@ -61,7 +63,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstream = app[relay.UPSTREAM_KEY]
+    upstream = app[UPSTREAM_KEY]
     await upstream.start()
     yield
     await upstream.close()

@@ -9,7 +9,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-log = logging.getLogger("steptap.proxy")
+from steptap.middleware import exceptions as ex
+
+logger = logging.getLogger("steptap.proxy")
 
 _json = msgspec.json.Encoder()
 
@@ -67,6 +69,42 @@ class ApiError(web.HTTPException):
         self.code = code
 
 
+# Domain error -> HTTP status: the one place the domain meets HTTP.
+_STATUS: dict[type[ex.DomainError], int] = {
+    ex.SessionNotFound: 404,
+    ex.SessionEvicted: 404,
+    ex.SessionClosed: 409,
+    ex.SessionExists: 409,
+    ex.UnknownSessionKey: 401,
+    ex.WrongSessionKey: 403,
+    ex.StepNotFound: 404,
+    ex.GroupNotFound: 404,
+    ex.SessionFull: 409,
+    ex.Overloaded: 429,
+    ex.ModelNotFound: 404,
+    ex.BackendUnreachable: 502,
+    ex.BackendUnavailable: 503,
+    ex.BackendTimeout: 504,
+    ex.BackendError: 502,
+    ex.BackendCut: 502,
+    ex.BackendMalformed: 502,
+    ex.RecordTooLarge: 413,
+    ex.LogUnavailable: 503,
+}
+
+
+def status_of(exc: ex.DomainError) -> int:
+    return next((s for cls, s in _STATUS.items() if isinstance(exc, cls)), 500)
+
+
+def api_error(exc: ex.DomainError) -> ApiError:
+    """The OpenAI error a domain error leaves the proxy as."""
+    headers = None
+    if exc.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return ApiError(status_of(exc), exc.message, exc.code, headers=headers)
+
+
 def bad_request(message: str, code: str | None = "invalid_request") -> ApiError:
     return ApiError(400, message, code)
 
@@ -84,10 +122,12 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except ApiError:
         raise
+    except ex.DomainError as exc:
+        raise api_error(exc) from None
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return error_response(exc.reason or "error", exc.status, code=None)
     except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response("internal proxy error", 500, code="internal_error")

@@ -1,4 +1,4 @@
-"""Control routes (DESIGN.md's table): open sessions, read them, attach rewards, finish them, read groups.
+"""Control routes (docs/design.md): open sessions, read them, attach rewards, finish them, read groups.
 
 Every route needs the control token (``auth.require_control``). Bodies are validated completely before
 anything changes: an error leaves the session as it was.
@@ -16,7 +16,8 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.records import Mode, to_builtins
 from steptap.middleware.sessions.rewards import finite
-from steptap.middleware.sessions.manager import SESSIONS_KEY, Session
+from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
+from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession
 
 _encode = msgspec.json.Encoder().encode
 
@@ -58,7 +59,7 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=_encode(data), status=status, content_type="application/json")
 
 
-def _session(request: web.Request) -> Session:
+def _session(request: web.Request) -> LiveSession:
     return request.app[SESSIONS_KEY].get(request.match_info["session_id"])
 
 
@@ -93,10 +94,8 @@ async def get_session(request: web.Request) -> web.Response:
     traj = session.trajectory if session is not None else manager.recent.get(sid)
     if traj is None:
         if sid in manager.closed:
-            raise ApiError(
-                404, f"session {sid!r} is {manager.closed[sid]}; read it from the stream", "session_evicted"
-            )
-        raise ApiError(404, f"no session {sid!r}", "session_not_found")
+            raise SessionEvicted(f"session {sid!r} is {manager.closed[sid]}; read it from the stream")
+        raise SessionNotFound(f"no session {sid!r}")
     data = to_builtins(traj)
     data["reward"] = traj.reward
     if traj.group_id is not None and traj.group_id in manager.groups:

@@ -15,14 +15,22 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import (
+    GroupNotFound,
+    SessionClosed,
+    SessionExists,
+    SessionNotFound,
+    StepNotFound,
+    UnknownSessionKey,
+)
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.sessions.prefix import classify_after
@@ -52,7 +60,9 @@ class Log(Protocol):
     def records(self) -> Any: ...
 
 
-class Session:
+class LiveSession:
+    """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
+
     __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
@@ -119,7 +129,7 @@ class SessionManager:
         self.metrics = metrics
         self.reward_fn = reward_fn
         self._tasks = tasks  # the app's background tasks, drained at shutdown
-        self.sessions: dict[str, Session] = {}  # open named sessions by id
+        self.sessions: dict[str, LiveSession] = {}  # open named sessions by id
         self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
@@ -151,10 +161,10 @@ class SessionManager:
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
-    ) -> Session:
+    ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
-            raise ApiError(409, f"session {sid!r} already exists", "session_exists")
+            raise SessionExists(f"session {sid!r} already exists")
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
@@ -165,7 +175,7 @@ class SessionManager:
             metadata=metadata or {},
             idle_timeout_s=idle_timeout_s,
         )
-        session = Session(traj, new_key())
+        session = LiveSession(traj, new_key())
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
             await self._append(
@@ -185,7 +195,7 @@ class SessionManager:
         self.metrics.sessions_opened.labels("false").inc()
         return session
 
-    def _register(self, session: Session) -> None:
+    def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session
         if session.key:
             self.keys[session.key] = session.id
@@ -199,55 +209,57 @@ class SessionManager:
             group.members[session.id] = traj.status
         self.metrics.sessions_open.set(len(self.sessions))
 
-    def _unregister(self, session: Session) -> None:
+    def _unregister(self, session: LiveSession) -> None:
         self.sessions.pop(session.id, None)
         self.metrics.sessions_open.set(len(self.sessions))
 
-    def get(self, sid: str) -> Session:
+    def get(self, sid: str) -> LiveSession:
         """An open session (404 when unknown, 409 when already closed)."""
         session = self.sessions.get(sid)
         if session is None:
             if sid in self.closed:
-                raise ApiError(409, f"session {sid!r} is {self.closed[sid]}", "session_closed")
-            raise ApiError(404, f"no session {sid!r}", "session_not_found")
+                raise SessionClosed(f"session {sid!r} is {self.closed[sid]}")
+            raise SessionNotFound(f"no session {sid!r}")
         return session
 
-    async def resolve(self, ident: Identity) -> Session:
+    async def resolve(self, ident: Identity) -> LiveSession:
         """The session a model call belongs to; anonymous calls get a fresh one-step session."""
         if ident.source == "anonymous":
             traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
             self.metrics.child(self.metrics.sessions_opened, "true").inc()
-            return Session(traj, None)
+            return LiveSession(traj, None)
         if ident.source == "key":
             sid = self.keys.get(ident.key or "")
             if sid is None:
-                raise ApiError(401, "unknown steptap session key", "invalid_api_key")
+                raise UnknownSessionKey("unknown steptap session key")
             return self.get(sid)
         sid = ident.session_id or ""
         if sid not in self.sessions and sid not in self.closed:
             if not self.config.auto_create:
-                raise ApiError(
-                    404, f"no session {sid!r} (sessions are opened with POST /sessions)", "session_not_found"
-                )
+                raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
             try:
                 return await self.open(session_id=sid)
-            except ApiError:  # opened concurrently by another call on the same new id
+            except SessionExists:  # opened concurrently by another call on the same new id
                 pass
         return self.get(sid)
 
-    def begin_call(self, session: Session) -> None:
+    @asynccontextmanager
+    async def call(self, session: LiveSession) -> AsyncIterator[None]:
+        """Around one model call: a closing session takes none, and an idle timeout never closes a session
+        while one of its calls is in flight."""
         if session.closing:
-            raise ApiError(409, f"session {session.id!r} is closing", "session_closed")
+            raise SessionClosed(f"session {session.id!r} is closing")
         session.inflight += 1
         session.last_active = time.monotonic()
-
-    def end_call(self, session: Session) -> None:
-        session.inflight -= 1
-        session.last_active = time.monotonic()
+        try:
+            yield
+        finally:
+            session.inflight -= 1
+            session.last_active = time.monotonic()
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    async def record(self, session: Session, steps: list[Step]) -> None:
+    async def record(self, session: LiveSession, steps: list[Step]) -> None:
         """Index, link and append the steps of one call; returns once they are durable."""
         traj = session.trajectory
         prev_call = _last_good_call(traj.steps)
@@ -285,21 +297,21 @@ class SessionManager:
     # ---- rewards -----------------------------------------------------------------------------------------
 
     async def add_reward(
-        self, session: Session, value: float, name: str, step: int | str | None
+        self, session: LiveSession, value: float, name: str, step: int | str | None
     ) -> RewardAdded:
         """Validate everything first, then log, then apply: an error changes nothing."""
         if session.closing:
-            raise ApiError(409, f"session {session.id!r} is closing", "session_closed")
+            raise SessionClosed(f"session {session.id!r} is closing")
         steps = session.trajectory.steps
         index: int | None = None
         if step == "last":
             if not steps:
-                raise ApiError(404, "the session has no steps yet", "step_not_found")
+                raise StepNotFound("the session has no steps yet")
             index = len(steps) - 1
         elif step is not None:
             index = int(step)
             if not 0 <= index < len(steps):
-                raise ApiError(404, f"no step {index} (the session has {len(steps)})", "step_not_found")
+                raise StepNotFound(f"no step {index} (the session has {len(steps)})")
         record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
         await self._append(record)
         self._apply_reward(session.trajectory, record)
@@ -317,15 +329,15 @@ class SessionManager:
     # ---- closing -----------------------------------------------------------------------------------------
 
     async def finish(
-        self, session: Session, status: TrajectoryStatus = "finished", reward: float | None = None
+        self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
     ) -> Trajectory:
         if session.closing:
-            raise ApiError(409, f"session {session.id!r} is already closing", "session_closed")
+            raise SessionClosed(f"session {session.id!r} is already closing")
         if reward is not None:
             session.trajectory.rewards["reward"] = reward
         return await self._close(session, status)
 
-    async def _close(self, session: Session, status: TrajectoryStatus) -> Trajectory:
+    async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         session.closing = True
         traj = session.trajectory
         if self.reward_fn is not None:
@@ -344,7 +356,7 @@ class SessionManager:
         traj.status = status
         traj.finished_at = time.time()
 
-    def _closed(self, session: Session) -> None:
+    def _closed(self, session: LiveSession) -> None:
         """Bookkeeping once the Trajectory record is durable."""
         traj = session.trajectory
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
@@ -378,7 +390,7 @@ class SessionManager:
     def group(self, group_id: str) -> Group:
         group = self.groups.get(group_id)
         if group is None:
-            raise ApiError(404, f"no group {group_id!r}", "group_not_found")
+            raise GroupNotFound(f"no group {group_id!r}")
         return group
 
     def sweep(self) -> None:
@@ -401,7 +413,7 @@ class SessionManager:
             elif group.completed_at is not None and now - group.completed_at > GROUP_RETENTION_S:
                 del self.groups[gid]
 
-    async def _close_logged(self, session: Session, status: TrajectoryStatus) -> None:
+    async def _close_logged(self, session: LiveSession, status: TrajectoryStatus) -> None:
         try:
             await self._close(session, status)
         except Exception:
@@ -433,7 +445,7 @@ class SessionManager:
                     created_at=record.at,
                 )
                 self.closed.pop(traj.id, None)
-                self._register(Session(traj, record.key))
+                self._register(LiveSession(traj, record.key))
             elif isinstance(record, Step):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):
@@ -452,7 +464,7 @@ class SessionManager:
         self.metrics.sessions_open.set(len(self.sessions))
         return len(self.sessions)
 
-    def summary(self, session: Session, origin: str | None = None) -> dict[str, Any]:
+    def summary(self, session: LiveSession, origin: str | None = None) -> dict[str, Any]:
         """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)
         and its session key."""
         base = self.config.public_url or origin or self.config.base_url()

@@ -1,4 +1,4 @@
-"""The weight hot swap (DESIGN.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
+"""The weight hot swap (docs/design.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
 
 ``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
 normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
@@ -22,27 +22,17 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from steptap.middleware.auth import require_control
-from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir, tensor_shapes
 
-# Re-exported: callers import these from here.
-__all__ = [
-    "LORA_PREFIX", "SwapError", "Ticket", "WeightState", "WeightSwapper", "WeightsCollector", "WeightsRequest",
-    "admin_weights", "check_adapter_dir", "check_weights_dir", "swapper_of", "tensor_shapes",
-]
 
 log = logging.getLogger("steptap.weights")
 
@@ -435,72 +425,3 @@ def _detail(text: str) -> str:
             err = err.get("message", err)
         return str(err)[:500]
     return text[:500]
-
-
-# --- the proxy's side: POST /admin/weights, startup restore, metrics ----------------------------------------
-
-
-class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
-    path: str | None = None
-    lora_path: str | None = None
-    version: int | None = None
-
-
-_weights_request = msgspec.json.Decoder(WeightsRequest)
-_json = msgspec.json.Encoder()
-
-
-def swapper_of(app: web.Application) -> WeightSwapper:
-    swapper = app[SWAPPER_KEY]
-    assert isinstance(swapper, WeightSwapper)
-    return swapper
-
-
-async def admin_weights(request: web.Request) -> web.Response:
-    """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control)."""
-    require_control(request)
-    try:
-        body = _weights_request.decode(await request.read())
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ApiError(400, f"expected {{\"path\": DIR}} or {{\"lora_path\": DIR}} (+ \"version\"): {exc}",
-                       "invalid_request") from None
-    swapper = swapper_of(request.app)
-    # Shielded: an admin client that hangs up must not cancel a swap halfway (calls held, backend paused).
-    task = asyncio.ensure_future(swapper.swap(path=body.path, lora_path=body.lora_path, version=body.version))
-    try:
-        version = await asyncio.shield(task)
-    except SwapError as exc:
-        raise ApiError(exc.status, exc.message, exc.code) from None
-    st = swapper.state()
-    return web.Response(body=_json.encode({"version": version, "swap_s": st.last_swap_s,
-                                           "paused_s": st.last_paused_s}), content_type="application/json")
-
-
-class WeightsCollector:
-    """Prometheus view of the swapper, read at scrape time: ``registry.register(WeightsCollector(sw))``."""
-
-    def __init__(self, swapper: WeightSwapper) -> None:
-        self.swapper = swapper
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        st = self.swapper.state()
-        g, c = GaugeMetricFamily, CounterMetricFamily
-        yield g("steptap_policy_version", "policy version of the weights being served", st.version)
-        yield c("steptap_weight_swaps", "successful weight swaps", st.swaps)
-        yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
-        yield g(
-            "steptap_weight_swap_seconds",
-            "duration of the last swap (calls held meanwhile)",
-            st.last_swap_s or 0.0,
-        )
-        yield g(
-            "steptap_weight_swap_paused_seconds",
-            "how long the backend was paused in the last swap",
-            st.last_paused_s or 0.0,
-        )
-        yield g("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
-        yield g("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
-        yield g("steptap_weight_swap_last_timestamp", "unix time of the last swap", st.last_swap_at or 0.0)

@@ -19,7 +19,7 @@ from steptap.middleware.proxy.capture import (
     strip_reply,
 )
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.proxy.relay import _patch
+from steptap.middleware.proxy.relay import patch_request as _patch
 
 
 def lp(*values: float) -> dict[str, Any]:

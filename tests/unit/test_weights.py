@@ -24,13 +24,8 @@ from steptap.middleware.config import ProxyConfig
 from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import PolicyVersion, Step
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.weights.swapper import (
-    LORA_PREFIX,
-    SwapError,
-    WeightSwapper,
-    check_weights_dir,
-    tensor_shapes,
-)
+from steptap.middleware.weights.checks import SwapError, check_weights_dir, tensor_shapes
+from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
 TOKEN = "stc-weights-test"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

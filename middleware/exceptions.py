@@ -1,0 +1,107 @@
+"""Domain errors: what the session domain, the log, the upstream client and the weight swapper raise when a
+request cannot be served. They know nothing of HTTP; ``errors.py`` (the edge) turns each into an OpenAI error
+body with its status, so the domain reads as plain Python and the routes stay thin."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class DomainError(Exception):
+    """Base of every error a request can end in. ``code`` is the machine-readable code agents see."""
+
+    code: ClassVar[str] = "error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s  # set on errors worth retrying (overload): sent as Retry-After
+
+
+# --- sessions -------------------------------------------------------------------------------------------------
+class SessionNotFound(DomainError):
+    code = "session_not_found"
+
+
+class SessionEvicted(DomainError):
+    """Closed long enough ago that only the stream still has it."""
+
+    code = "session_evicted"
+
+
+class SessionClosed(DomainError):
+    code = "session_closed"
+
+
+class SessionExists(DomainError):
+    code = "session_exists"
+
+
+class UnknownSessionKey(DomainError):
+    code = "invalid_api_key"
+
+
+class WrongSessionKey(DomainError):
+    """A keyed session reached without its key (a path or header id alone, or another session's key)."""
+
+    code = "session_key_required"
+
+
+class StepNotFound(DomainError):
+    code = "step_not_found"
+
+
+class GroupNotFound(DomainError):
+    code = "group_not_found"
+
+
+class SessionFull(DomainError):
+    """An open session holds as many steps or bytes as it may: finish it, or raise the limit."""
+
+    code = "session_full"
+
+
+class Overloaded(DomainError):
+    """Too many model calls in flight: the caller should retry later."""
+
+    code = "too_many_calls"
+
+
+# --- the backend ---------------------------------------------------------------------------------------------
+class ModelNotFound(DomainError):
+    code = "model_not_found"
+
+
+class BackendUnreachable(DomainError):
+    code = "backend_unreachable"
+
+
+class BackendUnavailable(DomainError):
+    code = "backend_unavailable"
+
+
+class BackendTimeout(DomainError):
+    code = "backend_timeout"
+
+
+class BackendError(DomainError):
+    code = "backend_error"
+
+
+class BackendCut(DomainError):
+    code = "backend_cut"
+
+
+class BackendMalformed(DomainError):
+    code = "backend_malformed_reply"
+
+
+# --- the log -------------------------------------------------------------------------------------------------
+class RecordTooLarge(DomainError):
+    code = "record_too_large"
+
+
+class LogUnavailable(DomainError):
+    """The trajectory log cannot write (disk full, I/O error): nothing new is accepted until it can."""
+
+    code = "log_unavailable"
