@@ -17,7 +17,7 @@ from steptap.middleware.proxy import relay
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream
 from steptap.middleware.sessions import control
 from steptap.middleware.weights import routes as weights
-from steptap.middleware.weights.swapper import WeightSwapper
+from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import error_middleware
@@ -41,7 +41,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[TASKS_KEY] = set()
     app[UPSTREAM_KEY] = Upstream(config)
     swapper = WeightSwapper(config.backend, model_dir=config.model_dir)
-    app[relay.SWAPPER_KEY] = swapper
+    app[SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = (
         reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)

@@ -36,6 +36,7 @@ from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
+from steptap.middleware.weights.swapper import SWAPPER_KEY
 
 logger = logging.getLogger("steptap.relay")
 
@@ -43,10 +44,6 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-# The weight swapper (weights/swapper.py) installs itself here: ``gate()`` holds new calls during a swap and
-# yields the ticket (policy version, served model) that samples the call.
-SWAPPER_KEY = web.AppKey("steptap_swapper", object)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -374,7 +371,7 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """Liveness and the backend's state (never a secret): 200 when the backend answers, else 503."""
     state = await request.app[UPSTREAM_KEY].health()
-    swapper: Any = request.app[SWAPPER_KEY]
+    swapper = request.app[SWAPPER_KEY]
     body = {
         "status": "ok" if state["healthy"] else "degraded",
         "backends": [state],

@@ -12,9 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.weights.checks import SwapError
-from steptap.middleware.weights.swapper import WeightSwapper
+from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
 
 class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
+from aiohttp import web
 
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir, tensor_shapes
@@ -425,3 +426,7 @@ def _detail(text: str) -> str:
             err = err.get("message", err)
         return str(err)[:500]
     return text[:500]
+
+
+# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
+SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)

@@ -285,7 +285,7 @@ async def test_events_cut_across_reads_are_reassembled(
 async def test_steps_carry_the_policy_version_read_at_the_gate(
     faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
 ) -> None:
-    from steptap.middleware.proxy.relay import SWAPPER_KEY
+    from steptap.middleware.weights.swapper import SWAPPER_KEY
 
     _, proxy = faulty
     swapper = proxy.app[SWAPPER_KEY]  # type: ignore[index]

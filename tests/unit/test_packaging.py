@@ -73,3 +73,114 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
     for command in ("serve", "vllm", "learn", "up", "run", "tiny-model", "adapters", "plot"):
         assert f"  {command} " in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# --- the import arrows (docs/design.md, "Layering"), read from the source with ast ---------------------------
+# Within the middleware: routes -> domain -> log; proxy may use sessions and weights; sessions and weights reach
+# the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it drives the
+# others through their command lines). The kernel (the modules directly in middleware/) imports no subpackage,
+# except the composition root (app.py, serve.py) and cli.py (lazily, by name).
+SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch")
+ALLOWED = {
+    "kernel": set(),
+    "proxy": {"sessions", "weights"},
+    "sessions": set(),
+    "log": set(),
+    "weights": set(),
+    "launch": set(),
+}
+ROOTS = {"app", "serve"}  # may import every part
+ML = {"torch", "transformers", "ray", "verl", "peft", "accelerate", "vllm"}
+LAUNCH_ONLY = {"rich", "psutil"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name a file imports, at any depth (lazy imports inside functions count too)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _middleware_part(module: str) -> str | None:
+    """'proxy' for steptap.middleware.proxy.relay, 'kernel' for steptap.middleware.records, None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["steptap", "middleware"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in SUBPACKAGES else "kernel"
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_middleware_imports_follow_the_arrows() -> None:
+    wrong = []
+    for path in _files("middleware"):
+        rel = path.relative_to(ROOT / "middleware")
+        if rel.parts[0] in SUBPACKAGES:
+            part = rel.parts[0]
+        elif rel.stem in ROOTS or rel.stem == "cli":
+            continue
+        else:
+            part = "kernel"
+        for name in _imports(path):
+            target = _middleware_part(name)
+            if target is None:
+                continue
+            if target == "kernel" and name.split(".")[2] in ROOTS:
+                wrong.append(f"{rel}: imports {name} (only the composition root is app/serve)")
+            elif target not in ("kernel", part) and target not in ALLOWED[part]:
+                wrong.append(f"{rel} ({part}) imports {name} ({target})")
+        top = {n.split(".")[0] for n in _imports(path)}
+        if top & ML:
+            wrong.append(f"{rel}: imports the ML stack {sorted(top & ML)}")
+        if top & LAUNCH_ONLY and part != "launch":
+            wrong.append(f"{rel}: imports {sorted(top & LAUNCH_ONLY)} outside launch/")
+        if any(n.startswith(("steptap.learner", "steptap.adapters")) for n in _imports(path)):
+            wrong.append(f"{rel}: the middleware imports the learner or the adapters")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
+    """The learner and the adapters talk to the proxy over HTTP (client.py) and share its record schema; they
+    never import its server parts. The one exception: adapters may read a log directory through the log's
+    read-only reader (``steptap export --log``)."""
+    wrong = []
+    for folder in ("learner", "adapters"):
+        for path in _files(folder):
+            rel = f"{folder}/{path.relative_to(ROOT / folder)}"
+            for name in _imports(path):
+                part = _middleware_part(name)
+                if part is None or part == "kernel" and name.split(".")[2] not in ROOTS:
+                    continue
+                if folder == "adapters" and name.startswith("steptap.middleware.log.reader"):
+                    continue
+                wrong.append(f"{rel} imports {name}")
+            if folder == "adapters":
+                heavy = {n.split(".")[0] for n in _imports(path)} & ML
+                if heavy:
+                    wrong.append(f"{rel}: imports the ML stack {sorted(heavy)}")
+                if any(n.startswith("steptap.learner") for n in _imports(path)):
+                    wrong.append(f"{rel}: imports the learner")
+            elif any(n.startswith("steptap.adapters") for n in _imports(path)):
+                wrong.append(f"{rel}: the learner imports the adapters")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_subpackage_is_in_the_wheel_mapping() -> None:
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = set()
+    for folder, package in PACKAGES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            on_disk.add(".".join([package, *rel.parts]))
+    assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"

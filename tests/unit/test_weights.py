@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.proxy.relay import SWAPPER_KEY
+from steptap.middleware.weights.swapper import SWAPPER_KEY
 from steptap.middleware.records import PolicyVersion, Step
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.weights.checks import SwapError, check_weights_dir, tensor_shapes
