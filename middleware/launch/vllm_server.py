@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from steptap.middleware.weights.checks import ties_embeddings
+
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.
 CPU_FLAVOR = (
@@ -150,28 +152,6 @@ def pick_tool_parser(model_dir: Path) -> str | None:
         if (model_dir / name).exists():
             template += (model_dir / name).read_text(errors="replace")
     return "hermes" if "<tool_call>" in template else None
-
-
-def _safetensors_keys(model_dir: Path) -> set[str] | None:
-    index = _read_json(model_dir / "model.safetensors.index.json")
-    if index.get("weight_map"):
-        return set(index["weight_map"])
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        return None
-    with open(single, "rb") as f:  # the header: 8-byte little-endian length, then JSON
-        size = int.from_bytes(f.read(8), "little")
-        return set(json.loads(f.read(size)))
-
-
-def ties_embeddings(model_dir: Path) -> bool:
-    """Whether the output layer shares the input embeddings (config flag, else: no lm_head in the weights)."""
-    config = _read_json(model_dir / "config.json")
-    tie = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
-    if tie is not None:
-        return bool(tie)
-    keys = _safetensors_keys(model_dir)
-    return keys is not None and not any(k.endswith("lm_head.weight") for k in keys)
 
 
 def served_name(model_dir: Path) -> str:

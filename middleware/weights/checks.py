@@ -1,6 +1,6 @@
 """Checks of a weights directory before a swap pauses anything: path validation, tied embeddings, and the
 served model's tensor names and shapes read from the safetensors headers (no torch). Stateless: the swapper
-in ``weights.py`` calls them."""
+(``weights/swapper.py``) and ``launch/vllm_server.py`` call them."""
 
 from __future__ import annotations
 
@@ -19,16 +19,6 @@ class SwapError(Exception):
         self.code = code
 
 
-def _ties_embeddings(config: dict[str, Any]) -> bool:
-    # transformers' PretrainedConfig defaults to tied; architectures that untie by default (Qwen2, Llama)
-    # write the key explicitly when saved, so a missing key is read as transformers' own default.
-    tied = bool(config.get("tie_word_embeddings", True))
-    text = config.get("text_config")
-    if isinstance(text, dict) and "tie_word_embeddings" in text:
-        tied = tied or bool(text["tie_word_embeddings"])
-    return tied
-
-
 def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
     """Every tensor's name and shape in a directory's ``*.safetensors`` files, from the headers alone (an
     8-byte little-endian length, then JSON): no torch, no reading of the tensors themselves."""
@@ -41,6 +31,41 @@ def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
             header = json.loads(fh.read(size))
         shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
     return shapes
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def ties_embeddings(model_dir: str | Path, config: dict[str, Any] | None = None) -> bool:
+    """Whether a model's output layer shares its input embeddings: the one answer for the weight swap and for
+    ``steptap vllm``/``up``.
+
+    An explicit ``tie_word_embeddings`` (top level, or in ``text_config`` for multimodal configs) decides.
+    Without one, the architecture's own default applies, which differs by model class (Llama and Qwen2 untie,
+    the base class ties) and cannot be read without transformers; the weights tell instead: a tied model is
+    saved without an ``lm_head.weight`` tensor, an untied one with it. With no readable weights either: tied
+    (transformers' base default, and the safe answer, since a tied model must not get a full-weight reload)."""
+    d = Path(model_dir)
+    config = _read_config(d) if config is None else config
+    flags = [config.get("tie_word_embeddings")]
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        flags.append(text.get("tie_word_embeddings"))
+    given = [bool(f) for f in flags if f is not None]
+    if given:
+        return any(given)
+    try:
+        names = tensor_shapes(d)
+    except (OSError, ValueError):
+        names = {}
+    if not names:
+        return True
+    return not any(k.endswith("lm_head.weight") for k in names)
 
 
 def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = None) -> None:
@@ -61,7 +86,7 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
         config = json.loads(cfg.read_text())
     except (OSError, ValueError) as exc:
         raise SwapError(400, f"cannot read {cfg}: {exc}", "invalid_weights") from exc
-    if cpu_backend and _ties_embeddings(config):
+    if cpu_backend and ties_embeddings(d, config):
         raise SwapError(
             400,
             "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), "
