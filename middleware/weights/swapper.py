@@ -32,7 +32,9 @@ import msgspec
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
+from steptap.middleware.config import backend_session
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import PolicyVersion
@@ -95,7 +97,8 @@ class WeightSwapper:
     def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
                  model_dir: str | None = None, cpu_backend: bool | None = None,
                  drain_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, validate_paths: bool = True) -> None:
+                 request_timeout_s: float = 600.0, validate_paths: bool = True,
+                 api_key: str | None = None) -> None:
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
         self.log = log
@@ -107,7 +110,8 @@ class WeightSwapper:
         self.drain_timeout_s = drain_timeout_s
         self.request_timeout_s = request_timeout_s
         self.validate_paths = validate_paths
-        self._http: aiohttp.ClientSession | None = None
+        self.api_key = api_key  # the backends' key (vLLM --api-key), sent on every call
+        self._http: dict[str, tuple[str, aiohttp.ClientSession]] | None = None  # backend -> (base URL, session)
         self._lock = asyncio.Lock()  # serializes swaps
         self._open = asyncio.Event()
         self._open.set()
@@ -131,13 +135,16 @@ class WeightSwapper:
         if self._http is None:
             # A fresh connection per call: uvicorn drops a connection after a 500 from an unhandled exception,
             # and a swap's few calls gain nothing from keep-alive.
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                                               connector=aiohttp.TCPConnector(force_close=True))
+            # One session per backend: a backend on a unix socket needs a connector of its own.
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            self._http = {b: backend_session(b, self.api_key, connector_args={"force_close": True},
+                                             timeout=timeout) for b in self.backends}
             await self.ensure_adapter()
 
     async def close(self) -> None:
         if self._http is not None:
-            await self._http.close()
+            for _, http in self._http.values():
+                await http.close()
             self._http = None
 
     def restore(self, records: Iterable[Any]) -> int:
@@ -396,9 +403,10 @@ class WeightSwapper:
 
     async def _call(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         assert self._http is not None
-        url = backend + route
+        base, http = self._http[backend]
+        url = base + route
         try:
-            async with self._http.request(method, url, json=body) as resp:
+            async with http.request(method, url, json=body) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): "
@@ -488,11 +496,11 @@ class WeightsCollector:
     def collect(self) -> Iterator[Any]:
         st = self.swapper.state()
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield g("steptap_policy_version", "policy version of the weights being served", st.version)
-        yield c("steptap_weight_swaps", "successful weight swaps", st.swaps)
+        yield g(metric_names.POLICY_VERSION, "policy version of the weights being served", st.version)
+        yield c(metric_names.WEIGHT_SWAPS, "successful weight swaps", st.swaps)
         yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
         yield g(
-            "steptap_weight_swap_seconds",
+            metric_names.WEIGHT_SWAP_SECONDS,
             "duration of the last swap (calls held meanwhile)",
             st.last_swap_s or 0.0,
         )
