@@ -38,7 +38,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     app[relay.UPSTREAM_KEY] = relay.Upstream(config)
-    swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir)
+    swapper = weights.WeightSwapper(config.backend, model_dir=config.model_dir, api_key=config.backend_api_key)
     app[relay.SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = (
