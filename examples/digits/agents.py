@@ -5,7 +5,7 @@
 Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits. The
 tiny model's tokenizer (Qwen2's pre-tokenizer) makes every digit its own token, so a random policy almost never
 emits one (reward about 0.001-0.03); a policy that learns to answer in digits gets close to 1.0, and the rise
-shows within a few GRPO updates (PLATFORM.md: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
+shows within a few GRPO updates (measured: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
 
 The agents are grouped for GRPO: each prompt is answered by ``--group-size`` sessions sharing a ``group_id``
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the

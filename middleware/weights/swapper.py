@@ -1,4 +1,4 @@
-"""The weight hot swap (DESIGN.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
+"""The weight hot swap (docs/platform.md, "Weight swaps"): new weights reach the running vLLM with no agent failing.
 
 ``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
 normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
