@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
+from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token
 
 KILL_GRACE_S = 3.0
 
@@ -60,7 +61,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
     p.add_argument(
-        "--control-token", default=os.environ.get(TOKEN_ENV), help=f"control token (default ${TOKEN_ENV})"
+        "--control-token", default=default_control_token(),
+        help=f"control token (default ${TOKEN_ENV}, else the file ${TOKEN_FILE_ENV} names)"
     )
     p.add_argument("--group", default=None, help="group id (default: a fresh one when -n > 1)")
     p.add_argument("--metadata", default=None, help="JSON object stored on each trajectory")
@@ -185,7 +187,7 @@ class Runner:
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
         # the agent never holds the control token
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
         env.update(
             OPENAI_BASE_URL=info.base_url,
             OPENAI_API_BASE=info.base_url,  # older clients read this name

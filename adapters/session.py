@@ -17,11 +17,8 @@ Depends on ``steptap.middleware.client`` only; ``openai`` is imported when a cli
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +38,9 @@ MODEL_ENV = "STEPTAP_MODEL"
 def proxy_settings(proxy_url: str | None, control_token: str | None) -> tuple[str, str]:
     """The proxy URL and control token, from the arguments or STEPTAP_URL / STEPTAP_CONTROL_TOKEN."""
     url = proxy_url or os.environ.get(URL_ENV)
-    token = control_token or os.environ.get(TOKEN_ENV)
+    from steptap.middleware.client import default_control_token
+
+    token = control_token or default_control_token()
     if not url:
         raise ValueError(f"no steptap proxy URL: pass proxy_url= or set {URL_ENV}")
     if not token:
@@ -51,15 +50,13 @@ def proxy_settings(proxy_url: str | None, control_token: str | None) -> tuple[st
 
 def served_model(base_url: str, api_key: str, timeout: float = 10.0) -> str:
     """The first model the proxy serves (``GET {base_url}/models`` with the session's key)."""
-    req = urllib.request.Request(
-        base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {api_key}"}
-    )
+    from steptap.middleware.client import SteptapError, SyncSteptapClient
+
+    client = SyncSteptapClient(base_url.rstrip("/").removesuffix("/v1"), api_key, timeout_s=timeout)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the proxy's own URL
-            data = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        models = client.models()
+    except (OSError, ValueError, SteptapError) as exc:
         raise RuntimeError(f"cannot list the models served at {base_url}: {exc}") from exc
-    models = [m.get("id") for m in data.get("data", []) if m.get("id")]
     if not models:
         raise RuntimeError(f"the proxy at {base_url} serves no model")
     return models[0]

@@ -17,11 +17,9 @@ re-trains) what came after the last checkpoint, never loses it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
-import urllib.request
 from collections import Counter, OrderedDict
 
 import aiohttp
@@ -32,7 +30,7 @@ from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import build_batch
-from steptap.middleware.client import Delivery, SteptapClient, SteptapError
+from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient
 from steptap.middleware.records import Trajectory
 
 log = logging.getLogger("steptap.learner")
@@ -227,15 +225,10 @@ class Learner:
 
 def _proxy_version(proxy_url: str) -> int:
     """The proxy's current policy version (its /health), or 0 when it cannot be asked."""
-    try:
-        with urllib.request.urlopen(proxy_url.rstrip("/") + "/health", timeout=5) as resp:
-            return int(json.loads(resp.read()).get("policy_version", 0))
-    except Exception as exc:  # a 503 (backend down) still has a body, but the version is not worth a retry
-        body = getattr(exc, "read", None)
-        try:
-            return int(json.loads(body()).get("policy_version", 0)) if body else 0
-        except Exception:
-            return 0
+    try:  # a 503 (backend down) is an answer too: its body has the version
+        return int(SyncSteptapClient(proxy_url, timeout_s=5.0).health().get("policy_version") or 0)
+    except (OSError, ValueError, TypeError, SteptapError):
+        return 0
 
 
 async def _run(cfg: LearnerConfig) -> None:

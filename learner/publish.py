@@ -17,10 +17,10 @@ import logging
 import os
 import shutil
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from steptap.middleware.client import SteptapError, SyncSteptapClient
 
 log = logging.getLogger("steptap.learner.publish")
 
@@ -89,29 +89,15 @@ def request_swap(
     timeout_s: float = 900.0,
 ) -> int:
     """``POST /admin/weights`` and return the proxy's new ``policy_version``."""
-    body: dict[str, Any] = {("lora_path" if lora else "path"): str(Path(weights_dir).resolve())}
-    if version is not None:
-        body["version"] = int(version)
-    req = urllib.request.Request(
-        proxy_url.rstrip("/") + "/admin/weights",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Authorization": f"Bearer {control_token}", "Content-Type": "application/json"},
-    )
+    where = str(Path(weights_dir).resolve())
+    client = SyncSteptapClient(proxy_url, control_token)
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return int(json.loads(resp.read())["version"])
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            err = json.loads(raw)["error"]
-            message, code = err.get("message", ""), err.get("code")
-        except (ValueError, KeyError, TypeError):
-            message, code = raw.decode(errors="replace")[:500], None
-        raise PublishError(f"weight swap refused ({exc.code}): {message}", exc.code, code) from None
-    except (urllib.error.URLError, OSError) as exc:  # refused connection, timeout: status None
-        reason = getattr(exc, "reason", exc)
-        raise PublishError(f"proxy {proxy_url} unreachable for the weight swap: {reason}", None,
+        return client.swap_weights(path=None if lora else where, lora_path=where if lora else None,
+                                   version=version, timeout_s=timeout_s)
+    except SteptapError as exc:
+        raise PublishError(f"weight swap refused ({exc.status}): {exc.message}", exc.status, exc.code) from None
+    except OSError as exc:  # refused connection, timeout: status None
+        raise PublishError(f"proxy {proxy_url} unreachable for the weight swap: {exc}", None,
                            "proxy_unreachable") from None
 
 

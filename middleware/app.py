@@ -40,7 +40,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     app[UPSTREAM_KEY] = Upstream(config)
-    swapper = WeightSwapper(config.backend, model_dir=config.model_dir)
+    swapper = WeightSwapper(config.backend, model_dir=config.model_dir, api_key=config.backend_api_key)
     app[SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
     app[REWARD_KEY] = (

@@ -6,22 +6,27 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server"),
-    "vllm": ("steptap.middleware.launch.vllm_server:main", "start and supervise a vLLM server in its own virtualenv"),
-    "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model"),
-    "learn": ("steptap.learner.daemon:main", "run the learner daemon on the trajectory stream"),
-    "plot": ("steptap.learner.plot:main", "plot reward and loss curves from a metrics file"),
-    "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together"),
-    "run": ("steptap.adapters.run:main", "run any program as an agent in a fresh session"),
-    "adapters": ("steptap.adapters.registry:main", "list the installed agent-framework adapters"),
+# name -> ("module:function", one-line help, the install extra it needs beyond the proxy's own dependencies).
+# Each function takes argv (list[str]) and returns an exit code.
+COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server", None),
+    "vllm": ("steptap.middleware.launch.vllm_server:main",
+             "start and supervise a vLLM server in its own virtualenv", None),
+    "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model", "learner"),
+    "learn": ("steptap.learner.daemon:main", "run the learner daemon on the trajectory stream", "learner"),
+    "plot": ("steptap.learner.plot:main", "plot reward and loss curves from a metrics file", "learner"),
+    "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together", "up"),
+    "run": ("steptap.adapters.run:main", "run any program as an agent in a fresh session", None),
+    "adapters": ("steptap.adapters.registry:main", "list the installed agent-framework adapters", None),
 }
 
 
 def _usage() -> str:
     lines = ["usage: steptap COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [
+        f"  {name:<11} {help_}" + (f"  [needs steptap[{extra}]]" if extra else "")
+        for name, (_, help_, extra) in COMMANDS.items()
+    ]
     return "\n".join(lines)
 
 
@@ -34,17 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"steptap: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    target, _ = COMMANDS[name]
+    target, _, extra = COMMANDS[name]
     module_name, func_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        extra = "learner" if ".learner." in module_name else "adapters"
-        print(
-            f"steptap {name}: cannot import {module_name} ({exc}).\n"
-            f"Install the extra it needs: pip install 'steptap[{extra}]'",
-            file=sys.stderr,
-        )
+        missing = getattr(exc, "name", None) or str(exc)
+        hint = (f"Install the extra it needs: pip install 'steptap[{extra}]'" if extra
+                else "Reinstall steptap: pip install --force-reinstall steptap")
+        print(f"steptap {name}: needs {missing!r}, which is not installed ({exc}).\n{hint}", file=sys.stderr)
         return 2
     return int(getattr(module, func_name)(rest) or 0)
 

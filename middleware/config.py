@@ -2,36 +2,59 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
+import aiohttp
 import msgspec
 from aiohttp import web
 
 DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong: log locally unless told
 
 
+def _help(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
 class ProxyConfig(msgspec.Struct, kw_only=True):
-    backend: str  # the vLLM server's base URL (http://host:port, without /v1)
-    backend_api_key: str | None = None  # sent to the backend as a bearer token (vLLM --api-key)
-    host: str = "127.0.0.1"
-    port: int = 8400
-    log: str = DEFAULT_LOG_DIR  # local directory or fsspec URL of the trajectory log
-    control_token: str = ""  # empty: generated at start (auth.generate_token) and printed
-    public_url: str | None = None  # base of the URLs handed to agents; default http://host:port
-    any_model: bool = False  # route every model name to the backend's served model
-    auto_create: bool = True  # an unknown session id on the path opens that session
-    force_sampling: dict[str, float] = {}  # e.g. {"temperature": 1.0, "top_p": 1.0} for every call
+    """Each field is a ``steptap serve`` flag (``serve.py`` generates them; the description is the help)."""
+
+    backend: Annotated[str, _help(
+        "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix socket")]
+    backend_api_key: Annotated[str | None, _help(
+        "sent to the backend as a bearer token on every call (vLLM --api-key)")] = None
+    host: Annotated[str, _help("bind address")] = "127.0.0.1"
+    port: Annotated[int, _help("port (0: any free port)")] = 8400
+    log: Annotated[str, _help("trajectory log: a local directory or an fsspec URL")] = DEFAULT_LOG_DIR
+    control_token: Annotated[str, _help(
+        "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
+    public_url: Annotated[str | None, _help("base URL handed to agents (default http://HOST:PORT)")] = None
+    any_model: Annotated[bool, _help("route every model name to the backend's served model")] = False
+    auto_create: Annotated[bool, _help("an unknown session id in a model call opens that session")] = True
+    force_sampling: Annotated[dict[str, float], _help(
+        "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
     # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets
     # one (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
-    sampling_defaults: dict[str, float] = {}
-    model_dir: str | None = None  # the served weights (the weight swap's fallback; generation_config source)
-    metrics_need_token: bool = False  # GET /metrics needs the control token too
-    reward: str | None = None  # "module:function" called with each finished Trajectory
-    reward_timeout_s: float = 30.0
-    session_idle_timeout_s: float | None = None  # default idle timeout of sessions that set none
-    group_timeout_s: float | None = None  # a group is complete when full or when this has passed
-    upstream_timeout_s: float = 600.0  # no byte from the backend for this long: 504 (or a cut stream)
-    upstream_connect_timeout_s: float = 10.0
-    read_bufsize: int = 4 * 1024 * 1024  # SSE lines with logprobs get long; a line > 2x this fails
-    sweep_interval_s: float = 1.0  # how often idle sessions and group timeouts are checked
+    sampling_defaults: Annotated[dict[str, float], _help(
+        "read from --model-dir's generation_config.json (not a flag)")] = {}
+    model_dir: Annotated[str | None, _help(
+        "the served model's directory: its generation_config gives the recorded sampling defaults (as vLLM "
+        "applies them), and the weight swap reloads it after a failed swap")] = None
+    metrics_need_token: Annotated[bool, _help("GET /metrics needs the control token too")] = False
+    reward: Annotated[str | None, _help(
+        "module:function called with each finished Trajectory; returns a reward or per-step rewards")] = None
+    reward_timeout_s: Annotated[float, _help("seconds a reward callback may take")] = 30.0
+    session_idle_timeout_s: Annotated[float | None, _help(
+        "close sessions idle this long as timed_out (a session's own value wins)")] = None
+    group_timeout_s: Annotated[float | None, _help(
+        "a group is complete when full or when this has passed")] = None
+    upstream_timeout_s: Annotated[float, _help(
+        "no byte from the backend for this long: 504 (or a cut stream)")] = 600.0
+    upstream_connect_timeout_s: Annotated[float, _help("seconds to connect to the backend")] = 10.0
+    read_bufsize: Annotated[int, _help(
+        "upstream read buffer in bytes: SSE lines with logprobs get long, and a line over twice this fails")
+    ] = 4 * 1024 * 1024
+    sweep_interval_s: Annotated[float, _help(
+        "how often idle sessions and group timeouts are checked")] = 1.0
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
@@ -62,6 +85,27 @@ def parse_force_sampling(text: str) -> dict[str, float]:
             )
         out[name.strip()] = float(value)
     return out
+
+
+def backend_session(backend: str, api_key: str | None = None, *, connector_args: dict[str, Any] | None = None,
+                    **session_args: Any) -> tuple[str, aiohttp.ClientSession]:
+    """``(base URL for requests, ClientSession)`` for a backend given as ``http://host:port`` or ``unix:PATH``.
+
+    A unix socket is reached through aiohttp's ``UnixConnector`` with ``http://localhost`` as the base (vLLM
+    started with ``--uds``: its admin routes are then out of reach of other local users). The backend's API
+    key, when there is one, goes on every call the session makes. Call inside a running event loop."""
+    connector_args = connector_args or {}
+    if backend.startswith("unix:"):
+        path = backend[len("unix:"):]
+        if not path:
+            raise ValueError(f"backend {backend!r}: expected unix:/path/to/socket")
+        base, connector = "http://localhost", aiohttp.UnixConnector(path=path, **connector_args)
+    else:
+        base, connector = backend.rstrip("/").removesuffix("/v1"), aiohttp.TCPConnector(**connector_args)
+    headers = dict(session_args.pop("headers", None) or {})
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return base, aiohttp.ClientSession(connector=connector, headers=headers or None, **session_args)
 
 
 CONFIG_KEY = web.AppKey("steptap_config", ProxyConfig)

@@ -20,6 +20,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 
+# Metric names, the one definition: the proxy exports them and readers (`steptap up`'s live view, dashboards)
+# use these constants. prometheus_client adds ``_total`` to a counter's sample, ``_count``/``_sum``/``_bucket``
+# to a histogram's; ``sample()`` says which sample a reader wants.
+CALLS = "steptap_calls"
+CALL_LATENCY = "steptap_call_latency_seconds"
+STEPS = "steptap_steps"
+SESSIONS_OPEN = "steptap_sessions_open"
+TRAJECTORIES = "steptap_trajectories"
+REWARD_VALUE = "steptap_reward_value"
+REWARD_SUM = "steptap_reward_sum"
+POLICY_VERSION = "steptap_policy_version"  # exported by the weight swapper's collector
+WEIGHT_SWAPS = "steptap_weight_swaps"
+WEIGHT_SWAP_SECONDS = "steptap_weight_swap_seconds"
+
+
+def sample(name: str, kind: str = "") -> str:
+    """The sample name a reader sees: ``sample(STEPS, "total")`` is ``steptap_steps_total``."""
+    return f"{name}_{kind}" if kind else name
+
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
@@ -28,10 +48,10 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.calls = Counter(
-            "steptap_calls", "HTTP calls by route and status", ["route", "status"], registry=r
+            CALLS, "HTTP calls by route and status", ["route", "status"], registry=r
         )
         self.call_latency = Histogram(
-            "steptap_call_latency_seconds",
+            CALL_LATENCY,
             "model call latency (proxy view)",
             ["route", "stream"],
             buckets=_LATENCY_BUCKETS,
@@ -40,7 +60,7 @@ class Metrics:
         self.upstream_errors = Counter(
             "steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r
         )
-        self.steps = Counter("steptap_steps", "recorded steps", ["status", "anonymous"], registry=r)
+        self.steps = Counter(STEPS, "recorded steps", ["status", "anonymous"], registry=r)
         self.prompt_tokens = Counter("steptap_prompt_tokens", "prompt tokens of recorded steps", registry=r)
         self.response_tokens = Counter(
             "steptap_response_tokens", "response tokens of recorded steps", registry=r
@@ -54,20 +74,20 @@ class Metrics:
         self.sessions_opened = Counter(
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )
-        self.sessions_open = Gauge("steptap_sessions_open", "named sessions currently open", registry=r)
+        self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
         self.trajectories = Counter(
-            "steptap_trajectories", "closed trajectories by status", ["status"], registry=r
+            TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )
         self.rewards = Counter("steptap_rewards", "rewards attached", ["target", "source"], registry=r)
         self.reward_values = Histogram(
-            "steptap_reward_value",
+            REWARD_VALUE,
             "scalar trajectory rewards at close",
             buckets=(-10, -1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 10),
             registry=r,
         )
         # The histogram has negative buckets, so prometheus_client leaves out its _sum: keep the sum here
         # (a gauge, since rewards may be negative) for the mean reward of closed trajectories.
-        self.reward_sum = Gauge("steptap_reward_sum", "sum of scalar trajectory rewards at close", registry=r)
+        self.reward_sum = Gauge(REWARD_SUM, "sum of scalar trajectory rewards at close", registry=r)
         self.reward_errors = Counter(
             "steptap_reward_callback_errors",
             "reward callbacks that raised or timed out",

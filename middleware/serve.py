@@ -7,108 +7,79 @@ import logging
 import os
 import sys
 
-from steptap.middleware.config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_force_sampling
+import msgspec
+
+from steptap.middleware.config import ProxyConfig, generation_defaults, parse_force_sampling
+from steptap.middleware.flags import SECRET_ENV, add_proxy_flags
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="steptap serve", description="Run the capture proxy in front of a vLLM server."
     )
-    p.add_argument("--backend", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument(
-        "--backend-api-key",
-        default=None,
-        help="the backend's API key (vLLM --api-key; default: $STEPTAP_BACKEND_API_KEY)",
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8400)
-    p.add_argument("--log", default=DEFAULT_LOG_DIR, help="trajectory log: a directory or an fsspec URL")
-    p.add_argument(
-        "--control-token",
-        default=None,
-        help="bearer token for control routes (default: $STEPTAP_CONTROL_TOKEN, else generated)",
-    )
-    p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://HOST:PORT)")
-    p.add_argument("--any-model", action="store_true", help="route every model name to the served model")
-    p.add_argument(
-        "--no-auto-create",
-        action="store_true",
-        help="an unknown session id in a model call is a 404 instead of opening that session",
-    )
-    p.add_argument(
-        "--force-sampling",
-        default="",
-        metavar="temperature=1.0,top_p=1.0",
-        help="sampling values sent on every call, whatever the agent asked",
-    )
-    p.add_argument(
-        "--model-dir",
-        default=None,
-        help="the served model's directory: its generation_config gives the recorded sampling defaults"
-        " (as vLLM applies them), and the weight swap reloads it after a failed swap",
-    )
-    p.add_argument("--metrics-need-token", action="store_true", help="GET /metrics needs the control token")
-    p.add_argument(
-        "--reward",
-        default=None,
-        metavar="module:function",
-        help="called with each finished Trajectory; returns a reward or per-step rewards",
-    )
-    p.add_argument("--reward-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument(
-        "--session-idle-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="close sessions idle this long as timed_out (per-session value wins)",
-    )
-    p.add_argument("--group-timeout", type=float, default=None, metavar="S")
-    p.add_argument(
-        "--upstream-timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="no byte from the backend for this long: 504 (or a cut stream)",
-    )
+    add_proxy_flags(p)
     return p
 
 
+def _secret(args: argparse.Namespace, name: str) -> str | None:
+    """A secret from its flag, else its file flag, else its environment variable."""
+    value = getattr(args, name)
+    path = getattr(args, name + "_file")
+    if not value and path and os.path.exists(path):  # a missing control token file is written at start
+        from steptap.middleware.launch.private_files import read_token_file
+
+        value = read_token_file(path)
+    return value or os.environ.get(SECRET_ENV[name]) or None
+
+
 def config_from_args(argv: list[str]) -> ProxyConfig:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    values = vars(args)
     try:
-        force = parse_force_sampling(args.force_sampling)
-    except ValueError as exc:
-        _parser().error(str(exc))
-    token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
-    return ProxyConfig(
-        backend=args.backend,
-        backend_api_key=args.backend_api_key or os.environ.get("STEPTAP_BACKEND_API_KEY") or None,
-        host=args.host,
-        port=args.port,
-        log=args.log,
-        control_token=token,
-        public_url=args.public_url,
-        any_model=args.any_model,
-        auto_create=not args.no_auto_create,
-        force_sampling=force,
-        reward=args.reward,
-        reward_timeout_s=args.reward_timeout,
-        session_idle_timeout_s=args.session_idle_timeout,
-        group_timeout_s=args.group_timeout,
-        upstream_timeout_s=args.upstream_timeout,
-        model_dir=args.model_dir,
-        sampling_defaults=generation_defaults(args.model_dir) if args.model_dir else {},
-        metrics_need_token=args.metrics_need_token,
-    )
+        values["force_sampling"] = parse_force_sampling(args.force_sampling)
+        for name in SECRET_ENV:
+            values[name] = _secret(args, name)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    values["control_token"] = values["control_token"] or ""
+    if args.model_dir:
+        values["sampling_defaults"] = generation_defaults(args.model_dir)
+    fields = set(ProxyConfig.__struct_fields__)
+    try:
+        return msgspec.convert({k: v for k, v in values.items() if k in fields}, ProxyConfig)
+    except msgspec.ValidationError as exc:
+        parser.error(str(exc))
+
+
+def args_of(argv: list[str]) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
+    """Where a generated control token goes: ``--control-token-file`` when given, else a 0600 file in a 0700
+    directory of the user cache, named for the port."""
+    from pathlib import Path
+
+    from steptap.middleware.launch.private_files import private_dir, write_private
+
+    if path is None:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap" / "tokens"
+        path = str(private_dir(cache) / f"serve-{config.port or os.getpid()}.token")
+    elif not Path(path).parent.exists():
+        private_dir(Path(path).parent)
+    write_private(path, config.control_token + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
     from steptap.middleware.app import create_app
-    from steptap.middleware.auth import CONTROL_TOKEN_KEY
+    from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 
-    config = config_from_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config = config_from_args(argv)
     logging.basicConfig(
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -119,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
+    token_file = None
+    if not config.control_token:  # generated: kept in a 0600 file, never printed
+        config.control_token = generate_token()
+        token_file = _write_generated_token(args_of(argv).control_token_file, config)
     app = create_app(config)
-    token = app[CONTROL_TOKEN_KEY]
+    assert app[CONTROL_TOKEN_KEY] == config.control_token
     print(f"steptap proxy on {config.base_url()} -> {config.backend}; log: {config.log}", flush=True)
-    if not config.control_token:
-        print(f"control token (generated): {token}", flush=True)
+    if token_file is not None:
+        print(f"control token (generated) in {token_file}", flush=True)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
     return 0

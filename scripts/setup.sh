@@ -1,24 +1,65 @@
 #!/usr/bin/env bash
 # Creates (or updates) the project's virtualenv at .venv with everything the tests and the demo need, and the
 # vLLM server's own virtualenv in the user cache (built once per machine; see `steptap vllm --install-only`).
-# Idempotent: a stamp of pyproject.toml + constraints.txt skips pip when nothing changed.
+# Idempotent: a stamp of pyproject.toml + constraints.txt skips the installs when nothing changed.
+# Prints a few progress lines; the installers' full output goes to .venv/setup.log. Uses uv (from PyPI, put
+# into the venv first) for the project's packages when it can, else pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+t0=$SECONDS
+say() { echo "[setup] $*"; }
+
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
   "$PY" -m venv .venv
-  .venv/bin/pip install -q -U pip
 fi
+log=.venv/setup.log
+echo "=== $(date -u '+%Y-%m-%d %H:%M:%S') scripts/setup.sh" >>"$log"
+run() {  # a command with its output in the log; on failure, the end of the log and exit
+  echo "--- $*" >>"$log"
+  if ! "$@" >>"$log" 2>&1; then
+    say "failed: $*; the end of $log:"
+    tail -n 40 "$log"
+    exit 1
+  fi
+}
+pip=(.venv/bin/python -m pip)
+
+# uv does not read pip's configuration: hand it the machine's constraints and local wheels, if pip has any.
+pip_setting() { "${pip[@]}" config list 2>/dev/null | sed -n "s/^global\.$1='\(.*\)'\$/\1/p"; }
+uv_args=(--python .venv/bin/python)
+for c in ${PIP_CONSTRAINT:-} $(pip_setting constraint); do
+  [ -f "$c" ] && uv_args+=(-c "$c")
+done
+for links in ${PIP_FIND_LINKS:-} $(pip_setting find-links); do
+  uv_args+=(--find-links "$links")
+done
+have_uv() { [ -x .venv/bin/uv ] && .venv/bin/uv --version >/dev/null 2>&1; }
+
 stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.steptap-stamp 2>/dev/null)" != "$stamp" ]; then
-  # torch first, pinned: anything that pulls plain `torch` would otherwise fetch a multi-GB CUDA build.
-  .venv/bin/pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/pip install -q -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
-  echo "$stamp" > .venv/.steptap-stamp
+  say "installing the project with its extras into .venv (log: $log)"
+  run "${pip[@]}" install -U pip
+  have_uv || "${pip[@]}" install uv >>"$log" 2>&1 || say "uv not available; using pip"
+  # torch first, pinned, by pip (it finds the machine's local CPU wheel): anything that pulls plain `torch`
+  # would otherwise fetch a multi-GB CUDA build. The installs below keep it: it already satisfies the pin.
+  run "${pip[@]}" install -c constraints.txt torch==2.13.0
+  if have_uv; then
+    run .venv/bin/uv pip install "${uv_args[@]}" -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
+  else
+    run "${pip[@]}" install -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
+  fi
+  echo "$stamp" >.venv/.steptap-stamp
+else
+  say ".venv is up to date"
 fi
 # scripts/test.sh installs the built wheel; go back to the editable install for development.
 if ! .venv/bin/python -c "import sys, steptap.middleware as m; sys.exit('site-packages' in m.__file__)" 2>/dev/null; then
-  .venv/bin/pip install -q --no-deps -e .
+  say "back to the editable install"
+  run "${pip[@]}" install --no-deps -e .
 fi
 # The vLLM server lives in its own venv (its transformers pin clashes with verl's): built once per machine.
-.venv/bin/steptap vllm --install-only
+say "the vLLM virtualenv (built once per machine, minutes the first time; log: $log)"
+run .venv/bin/steptap vllm --install-only
+say "done in $((SECONDS - t0)) s"

@@ -1,6 +1,6 @@
 """A tool-calling agent on generated arithmetic problems, with the plain ``openai`` client.
 
-    steptap up                      # prints STEPTAP_URL / STEPTAP_CONTROL_TOKEN; then, in another shell:
+    steptap up                      # prints STEPTAP_URL / STEPTAP_CONTROL_TOKEN_FILE; then, in another shell:
     python examples/arithmetic_tools/agent.py --problems 4 --group-size 4
 
 Each problem is asked ``--group-size`` times (one GRPO group); each attempt is one steptap session whose

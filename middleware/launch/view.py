@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# Metric names of the proxy (middleware/metrics.py); the first one present wins.
-ACTIVE_SESSIONS = ("steptap_sessions_active", "steptap_active_sessions", "steptap_sessions_open")
-CALLS = ("steptap_call_latency_seconds_count",)  # model calls only (steptap_calls_total counts every route)
-STEPS = ("steptap_steps_total",)
-FINISHED = ("steptap_trajectories_total",)
-# The histogram has negative buckets, so prometheus_client omits its _sum; a plain counter of the sum works.
-REWARD_SUM = ("steptap_reward_sum", "steptap_reward_value_sum", "steptap_reward_sum_total")
-REWARD_COUNT = ("steptap_reward_value_count", "steptap_reward_count_total")
-POLICY_VERSION = ("steptap_policy_version",)
-SWAPS = ("steptap_weight_swaps_total", "steptap_swaps_total")
-SWAP_SECONDS = ("steptap_last_swap_seconds", "steptap_weight_swap_seconds")
+from steptap.middleware import metrics as m
+from steptap.middleware.client import SteptapError, SyncSteptapClient
+
+# What the view reads from the proxy's /metrics: sample names built from the proxy's own constants (a test
+# checks that a running proxy exports every one of them).
+ACTIVE_SESSIONS = m.sample(m.SESSIONS_OPEN)
+CALLS = m.sample(m.CALL_LATENCY, "count")  # model calls only (steptap_calls_total counts every route)
+STEPS = m.sample(m.STEPS, "total")
+FINISHED = m.sample(m.TRAJECTORIES, "total")
+# The histogram has negative buckets, so prometheus_client omits its _sum: the proxy keeps the sum in a gauge.
+REWARD_SUM = m.sample(m.REWARD_SUM)
+REWARD_COUNT = m.sample(m.REWARD_VALUE, "count")
+POLICY_VERSION = m.sample(m.POLICY_VERSION)
+SWAPS = m.sample(m.WEIGHT_SWAPS, "total")
+SWAP_SECONDS = m.sample(m.WEIGHT_SWAP_SECONDS)
+READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS, SWAP_SECONDS)
 
 # Keys of the learner's metrics rows; the first one present wins.
 K_UPDATE = ("update", "step", "updates")
@@ -51,18 +55,16 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return dict(out)
 
 
-def _pick(values: dict[str, float], names: tuple[str, ...]) -> float | None:
-    for n in names:
-        if n in values:
-            return values[n]
-    return None
+def _pick(values: dict[str, float], name: str) -> float | None:
+    return values.get(name)
 
 
 class StatusBoard:
     """Polled once a second by `steptap up`; renders a rich table or one status line."""
 
-    def __init__(self, proxy_url: str, metrics_path: Path) -> None:
+    def __init__(self, proxy_url: str, metrics_path: Path, control_token: str | None = None) -> None:
         self.proxy_url = proxy_url
+        self.client = SyncSteptapClient(proxy_url, control_token, timeout_s=2.0)
         self.metrics_path = Path(metrics_path)
         self.prom: dict[str, float] = {}
         self.health: dict[str, Any] = {}
@@ -74,14 +76,14 @@ class StatusBoard:
 
     # -- polling ---------------------------------------------------------------------------------------
     def poll(self) -> None:
-        text = _get(f"{self.proxy_url}/metrics")
+        text = _get(self.client, "metrics")
         if text is not None:
             try:
                 self.prom = parse_prometheus(text)
             except ValueError:
                 pass
         # /health asks the backends too: every 5 s is enough, and keeps vLLM's access log readable.
-        body = _get(f"{self.proxy_url}/health") if time.time() - self._health_at >= 5.0 else None
+        body = _get(self.client, "health") if time.time() - self._health_at >= 5.0 else None
         if body is not None:
             self._health_at = time.time()
             try:
@@ -232,9 +234,10 @@ def render_line(board: StatusBoard) -> str:
     return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
 
 
-def _get(url: str) -> str | None:
+def _get(client: SyncSteptapClient, what: str) -> str | None:
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            return resp.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
+        if what == "metrics":
+            return client.metrics_text()
+        return json.dumps(client.health())
+    except (OSError, ValueError, SteptapError):
         return None

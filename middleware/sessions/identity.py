@@ -1,4 +1,4 @@
-"""Which session a model call belongs to (DESIGN.md, "Session identity").
+"""Which session a model call belongs to (docs/SECURITY.md, "Parties and credentials").
 
 In order: the path (``/s/<id>/v1/...``), the ``X-Steptap-Session`` header, a steptap API key
 (``Authorization: Bearer stk-...``). Anything else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the

@@ -1,12 +1,13 @@
 """Checks of a weights directory before a swap pauses anything: path validation, tied embeddings, and the
 served model's tensor names and shapes read from the safetensors headers (no torch). Stateless: the swapper
-in ``weights.py`` calls them."""
+(``weights/swapper.py``) calls them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
+from steptap.middleware.model_files import tensor_shapes, ties_embeddings
 
 
 class SwapError(Exception):
@@ -17,30 +18,6 @@ class SwapError(Exception):
         self.status = status
         self.message = message
         self.code = code
-
-
-def _ties_embeddings(config: dict[str, Any]) -> bool:
-    # transformers' PretrainedConfig defaults to tied; architectures that untie by default (Qwen2, Llama)
-    # write the key explicitly when saved, so a missing key is read as transformers' own default.
-    tied = bool(config.get("tie_word_embeddings", True))
-    text = config.get("text_config")
-    if isinstance(text, dict) and "tie_word_embeddings" in text:
-        tied = tied or bool(text["tie_word_embeddings"])
-    return tied
-
-
-def tensor_shapes(path: str | Path) -> dict[str, list[int]]:
-    """Every tensor's name and shape in a directory's ``*.safetensors`` files, from the headers alone (an
-    8-byte little-endian length, then JSON): no torch, no reading of the tensors themselves."""
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            if size <= 0 or size > 100 << 20:
-                raise ValueError(f"{f.name}: not a safetensors file (header length {size})")
-            header = json.loads(fh.read(size))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
 
 
 def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = None) -> None:
@@ -61,7 +38,7 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
         config = json.loads(cfg.read_text())
     except (OSError, ValueError) as exc:
         raise SwapError(400, f"cannot read {cfg}: {exc}", "invalid_weights") from exc
-    if cpu_backend and _ties_embeddings(config):
+    if cpu_backend and ties_embeddings(d, config):
         raise SwapError(
             400,
             "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), "

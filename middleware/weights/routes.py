@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError
 from steptap.middleware.weights.checks import SwapError
@@ -63,11 +64,11 @@ class WeightsCollector:
     def collect(self) -> Iterator[Any]:
         st = self.swapper.state()
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield g("steptap_policy_version", "policy version of the weights being served", st.version)
-        yield c("steptap_weight_swaps", "successful weight swaps", st.swaps)
+        yield g(metric_names.POLICY_VERSION, "policy version of the weights being served", st.version)
+        yield c(metric_names.WEIGHT_SWAPS, "successful weight swaps", st.swaps)
         yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
         yield g(
-            "steptap_weight_swap_seconds",
+            metric_names.WEIGHT_SWAP_SECONDS,
             "duration of the last swap (calls held meanwhile)",
             st.last_swap_s or 0.0,
         )

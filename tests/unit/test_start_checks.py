@@ -1,0 +1,94 @@
+"""What `steptap vllm` and `steptap up` decide from a model directory before starting anything, on models the
+tiny-model builder makes: the tool-call parser comes from what the chat template and tokenizer contain (a
+Llama config without ``<|python_tag|>`` made vLLM refuse to start with ``llama3_json``), and a tied-embedding
+model with a full-weight learner is refused at start, with the advice to use LoRA."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steptap.learner.tiny_model import build_tiny_model
+from steptap.middleware.launch import up
+from steptap.middleware.launch.model_info import choose_tool_parser, tokenizer_tokens
+from steptap.middleware.launch.vllm_server import VLLMServer
+
+STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tied"), tied=True)
+
+
+def _command(model_dir: Path) -> list[str]:
+    return VLLMServer(model_dir, gpu=False, port=1).command(Path("python"))
+
+
+def test_a_llama_model_without_the_python_tag_gets_the_parser_its_template_asks_for(llama_dir: Path) -> None:
+    assert json.loads((llama_dir / "config.json").read_text())["model_type"] == "llama"
+    tokens = tokenizer_tokens(llama_dir)
+    assert tokens is not None and "<tool_call>" in tokens and "<|python_tag|>" not in tokens
+    parser, why = choose_tool_parser(llama_dir)
+    assert parser == "hermes" and "<|python_tag|>" in why  # says why not llama3_json
+    cmd = _command(llama_dir)
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "llama3_json" not in cmd
+
+
+def test_a_model_with_no_tool_format_starts_without_a_parser_and_says_so(llama_dir: Path, tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    shutil.copytree(llama_dir, plain)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (plain / "chat_template.jinja").write_text(template)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert choose_tool_parser(plain)[0] is None
+    server = VLLMServer(plain, gpu=False, port=1)
+    assert "--tool-call-parser" not in server.command(Path("python"))
+    assert "--enable-auto-tool-choice" not in server.command(Path("python"))
+    (notice,) = server.notices()
+    assert "without a tool-call parser" in notice and "--tool-call-parser NAME" in notice
+    # Given explicitly, the user's choice wins and nothing is said.
+    given = VLLMServer(plain, gpu=False, port=1, tool_parser="pythonic")
+    assert given.notices() == [] and "pythonic" in given.command(Path("python"))
+
+
+def test_up_refuses_a_tied_model_with_a_full_weight_learner_before_starting_anything(
+    tied_dir: Path, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "up"
+    out = subprocess.run(
+        [*STEPTAP, "up", "--model", str(tied_dir), "--workdir", str(workdir), "--no-view", "--port", "0"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "ties its input and output embeddings" in out.stderr and "--lora-rank" in out.stderr
+    pids = json.loads((workdir / "pids.json").read_text()) if (workdir / "pids.json").exists() else {}
+    assert "vllm" not in pids and not (workdir / "logs" / "vllm.log").exists()  # nothing was started
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("refused:")
+
+
+def test_a_tied_model_with_a_lora_learner_is_accepted(tied_dir: Path, tmp_path: Path) -> None:
+    args = up.build_parser().parse_args(
+        ["--model", str(tied_dir), "--workdir", str(tmp_path / "up"), "--learn-args=--lora-rank 8"]
+    )
+    runner = up.Up(args)
+    runner.model_dir = str(tied_dir)
+    assert up._learner_lora_rank(runner._learner_argv()) == 8  # read by the learner's own config parser
+    runner._refuse_tied_full_weights()  # no exception: LoRA never reloads the tied base weights
+    runner.args.learn_args = ""
+    with pytest.raises(up.Refused, match="LoRA"):
+        runner._refuse_tied_full_weights()
