@@ -16,6 +16,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together"),
     "run": ("steptap.adapters.run:main", "run any program as an agent in a fresh session"),
     "adapters": ("steptap.adapters.registry:main", "list the installed agent-framework adapters"),
+    "env": ("steptap.adapters.env.cli:main_env", "run a parquet dataset of environment tasks as GRPO groups"),
+    "eval": ("steptap.adapters.env.cli:main_eval", "evaluate a dataset as eval sessions: accuracy by version"),
+    "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step"),
 }
 
 
