@@ -36,7 +36,7 @@ class RunConfig:
     concurrency: int = 16  # episodes at once
     epochs: int = 1
     mode: str = "train"  # "eval": never trained on
-    env: str | None = None  # overrides each row's agent_name
+    env: str | Callable[[], Any] | None = None  # overrides each row's agent_name (a name, or a factory)
     model: str | None = None
     max_tokens: int = 256
     temperature: float = 1.0
@@ -59,6 +59,7 @@ class Episode:
     steps: int = 0
     step_rewards: list[Any] = field(default_factory=list)
     policy_version: int | None = None  # the version of its last step (eval runs)
+    info: dict[str, Any] = field(default_factory=dict)  # the flow's last info (answer, correct, turns, ...)
     error: str | None = None
 
 
@@ -167,6 +168,8 @@ class DatasetRunner:
         return self._model
 
     def _factory(self, row: Row) -> Any:
+        if callable(self.cfg.env):
+            return self.cfg.env
         name = self.cfg.env or row.agent_name
         if not name:
             raise ValueError(f"row {row.index} has no agent_name and no --env was given")
@@ -178,8 +181,8 @@ class DatasetRunner:
                        group_id: str) -> Episode:
         cfg = self.cfg
         ep = Episode(epoch=epoch, row=row.index, member=index, group_id=group_id)
-        name = cfg.env or row.agent_name
-        meta = {"task": name, "dataset": cfg.name, "row": row.index, "epoch": epoch, "member": index,
+        name = cfg.env if isinstance(cfg.env, str) else row.agent_name
+        meta = {"task": name or getattr(cfg.env, "__name__", None), "dataset": cfg.name, "row": row.index, "epoch": epoch, "member": index,
                 "reward_model": row.reward_model, "env_kwargs": row.env_kwargs,
                 **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))}}
         try:
@@ -201,7 +204,7 @@ class DatasetRunner:
                         s.set_reward(float(value), name=str(part))
                 elif reward is not None:
                     s.set_reward(float(reward))
-                ep.reward = _total(reward)
+                ep.reward, ep.info = _total(reward), dict(info)
                 correct = info.get("correct")
                 ep.correct = bool(correct) if isinstance(correct, bool) else (ep.reward is not None and ep.reward >= 1.0)
                 if cfg.mode == "eval":
