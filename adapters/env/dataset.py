@@ -106,12 +106,16 @@ def read_rows(path: str | Path) -> list[Row]:
 
 
 def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write dataset rows (dicts with Agent-R1's columns) as parquet; ``env_kwargs`` and ``reward_model`` are
-    stored as JSON strings so rows with different keys never turn into null-padded structs."""
+    """Write dataset rows (dicts with Agent-R1's columns) as parquet. Text prompts become one user message (one
+    column type); ``env_kwargs`` and ``reward_model`` are stored as JSON strings so rows with different keys
+    never turn into null-padded structs."""
+    from steptap.adapters.env.base import as_messages
+
     pa = _pyarrow()
     out = []
     for row in rows:
         row = dict(row)
+        row["prompt"] = as_messages(row.get("prompt"))
         for col in ("reward_model", "env_kwargs", "extra_info"):
             if isinstance(row.get(col), dict):
                 row[col] = json.dumps(row[col])
