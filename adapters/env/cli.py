@@ -184,12 +184,15 @@ def main_eval(argv: list[str] | None = None) -> int:
         _print_report(report, args.json)
         return 0 if report["failed_to_start"] == 0 else 1
     last: int | None = None
-    while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest)
-        version = _proxy_version(cfg.proxy_url, cfg.control_token)
-        if version is not None and (last is None or version >= last + args.every):
-            last = version
-            _print_report(evaluate(rows, cfg, args.metrics_file), args.json)
-        time.sleep(args.poll)
+    try:
+        while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest)
+            version = _proxy_version(cfg.proxy_url, cfg.control_token)
+            if version is not None and (last is None or version >= last + args.every):
+                last = version
+                _print_report(evaluate(rows, cfg, args.metrics_file), args.json)
+            time.sleep(args.poll)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _print_report(report: dict[str, Any], as_json: bool) -> None:

@@ -172,3 +172,33 @@ async def test_eval_reports_accuracy_for_two_policy_versions(make_proxy, swap_vl
     recorded = list(LogReader(str(proxy.log_dir)).trajectories())
     assert len(recorded) == 8 and all(t.mode == "eval" for t in recorded)  # never trained on
     assert sorted(t.steps[-1].policy_version for t in recorded) == [0] * 4 + [1] * 4
+
+
+def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backend, tmp_path: Path) -> None:
+    """`steptap up --eval`: an evaluation at start (version 0) lands in the metrics file the curves and the
+    live view read. No learner: nothing is published to the shared server."""
+    import signal
+    import time
+
+    data = _dataset(tmp_path, 2)
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steptap.middleware.cli", "up", "--backend", vllm_server.url, "--no-learner",
+         "--no-view", "--port", "0", "--workdir", str(workdir), "--grace", "5", "--eval", str(data),
+         "--eval-every", "1", f"--eval-args=--env {SCRIPTED} --max-tokens 64 --poll 1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        rows: list[dict] = []
+        while not rows and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            if metrics.exists():
+                rows = [json.loads(line) for line in metrics.read_text().splitlines() if "eval_accuracy" in line]
+            time.sleep(0.5)
+        assert rows, f"no eval row in {metrics} within 180 s; eval log: {(workdir / 'logs' / 'eval.log').read_text()[-2000:]}"
+        assert rows[0]["eval_version"] == 0 and rows[0]["eval_accuracy"] == 1.0 and rows[0]["eval_episodes"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "eval:" in out and proc.returncode == 0, out[-3000:]
