@@ -30,7 +30,7 @@ CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
 def _pa() -> Any:
     try:
         import pyarrow
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.parquet
     except ImportError as exc:
         raise ImportError("steptap export needs pyarrow: pip install 'steptap[env]'") from exc
     return pyarrow
@@ -38,44 +38,85 @@ def _pa() -> Any:
 
 def schema() -> Any:
     pa = _pa()
-    return pa.schema([
-        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("group_size", pa.int32()),
-        ("mode", pa.string()), ("trajectory_status", pa.string()), ("trajectory_reward", pa.float64()),
-        ("trajectory_rewards", pa.string()), ("metadata", pa.string()), ("num_steps", pa.int32()),
-        ("step_index", pa.int32()), ("choice", pa.int32()), ("policy_version", pa.int64()),
-        ("model", pa.string()), ("served_model", pa.string()), ("endpoint", pa.string()),
-        ("status", pa.string()), ("prefix", pa.string()), ("finish_reason", pa.string()),
-        ("prompt_token_ids", pa.list_(pa.int32())), ("response_token_ids", pa.list_(pa.int32())),
-        ("response_logprobs", pa.list_(pa.float64())), ("step_reward", pa.float64()),
-        ("step_rewards", pa.string()), ("temperature", pa.float64()), ("top_p", pa.float64()),
-        ("top_k", pa.int32()), ("max_tokens", pa.int32()), ("messages", pa.string()), ("response", pa.string()),
-        ("started_at", pa.float64()), ("latency_s", pa.float64()), ("prompt_tokens", pa.int32()),
-        ("completion_tokens", pa.int32()),
-    ])
+    return pa.schema(
+        [
+            ("trajectory_id", pa.string()),
+            ("group_id", pa.string()),
+            ("group_size", pa.int32()),
+            ("mode", pa.string()),
+            ("trajectory_status", pa.string()),
+            ("trajectory_reward", pa.float64()),
+            ("trajectory_rewards", pa.string()),
+            ("metadata", pa.string()),
+            ("num_steps", pa.int32()),
+            ("step_index", pa.int32()),
+            ("choice", pa.int32()),
+            ("policy_version", pa.int64()),
+            ("model", pa.string()),
+            ("served_model", pa.string()),
+            ("endpoint", pa.string()),
+            ("status", pa.string()),
+            ("prefix", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("response_token_ids", pa.list_(pa.int32())),
+            ("response_logprobs", pa.list_(pa.float64())),
+            ("step_reward", pa.float64()),
+            ("step_rewards", pa.string()),
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int32()),
+            ("max_tokens", pa.int32()),
+            ("messages", pa.string()),
+            ("response", pa.string()),
+            ("started_at", pa.float64()),
+            ("latency_s", pa.float64()),
+            ("prompt_tokens", pa.int32()),
+            ("completion_tokens", pa.int32()),
+        ]
+    )
 
 
 def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
     """One dict per step of ``traj`` (the columns of ``schema()``)."""
     common = {
-        "trajectory_id": traj.id, "group_id": traj.group_id, "group_size": traj.group_size, "mode": traj.mode,
-        "trajectory_status": traj.status, "trajectory_reward": traj.reward,
-        "trajectory_rewards": json.dumps(traj.rewards), "metadata": json.dumps(traj.metadata, default=str),
+        "trajectory_id": traj.id,
+        "group_id": traj.group_id,
+        "group_size": traj.group_size,
+        "mode": traj.mode,
+        "trajectory_status": traj.status,
+        "trajectory_reward": traj.reward,
+        "trajectory_rewards": json.dumps(traj.rewards),
+        "metadata": json.dumps(traj.metadata, default=str),
         "num_steps": len(traj.steps),
     }
     for step in traj.steps:
         request = step.request or {}
         yield {
             **common,
-            "step_index": step.index, "choice": step.choice, "policy_version": step.policy_version,
-            "model": step.model, "served_model": step.served_model, "endpoint": step.endpoint,
-            "status": step.status, "prefix": step.prefix, "finish_reason": step.finish_reason,
-            "prompt_token_ids": step.prompt_token_ids, "response_token_ids": step.response_token_ids,
-            "response_logprobs": step.response_logprobs, "step_reward": float(sum(step.rewards.values())),
-            "step_rewards": json.dumps(step.rewards), "temperature": step.sampling.temperature,
-            "top_p": step.sampling.top_p, "top_k": step.sampling.top_k, "max_tokens": step.sampling.max_tokens,
+            "step_index": step.index,
+            "choice": step.choice,
+            "policy_version": step.policy_version,
+            "model": step.model,
+            "served_model": step.served_model,
+            "endpoint": step.endpoint,
+            "status": step.status,
+            "prefix": step.prefix,
+            "finish_reason": step.finish_reason,
+            "prompt_token_ids": step.prompt_token_ids,
+            "response_token_ids": step.response_token_ids,
+            "response_logprobs": step.response_logprobs,
+            "step_reward": float(sum(step.rewards.values())),
+            "step_rewards": json.dumps(step.rewards),
+            "temperature": step.sampling.temperature,
+            "top_p": step.sampling.top_p,
+            "top_k": step.sampling.top_k,
+            "max_tokens": step.sampling.max_tokens,
             "messages": json.dumps(request.get("messages", request.get("prompt")), default=str),
-            "response": json.dumps(step.response, default=str), "started_at": step.started_at,
-            "latency_s": step.latency_s, "prompt_tokens": step.usage.prompt_tokens,
+            "response": json.dumps(step.response, default=str),
+            "started_at": step.started_at,
+            "latency_s": step.latency_s,
+            "prompt_tokens": step.usage.prompt_tokens,
             "completion_tokens": step.usage.completion_tokens,
         }
 
@@ -143,7 +184,6 @@ def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any)
 async def proxy_trajectories(url: str, token: str) -> AsyncIterator[Trajectory]:
     """The finished trajectories a proxy's stream holds now (from the start of its log; no ack)."""
     import aiohttp
-
     from steptap.middleware.client import SteptapClient, SteptapError
 
     async with SteptapClient(url, token, timeout_s=10) as client:
@@ -152,7 +192,7 @@ async def proxy_trajectories(url: str, token: str) -> AsyncIterator[Trajectory]:
         except SteptapError as exc:
             if exc.status != 503:  # 503: up, its backend degraded (the log is still readable)
                 raise
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ConnectionError(f"cannot reach the steptap proxy at {url}: {exc}") from exc
         async for delivery in client.trajectories(CONSUMER, follow=False, cursor=None, dedup=True):
             yield delivery.trajectory
@@ -172,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="steptap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--log", help="trajectory log directory or fsspec URL (read-only, no proxy needed)")
-    src.add_argument("--proxy", help="a running proxy's URL (its stream; the control token from "
-                                     "--control-token or $STEPTAP_CONTROL_TOKEN)")
+    src.add_argument(
+        "--proxy",
+        help="a running proxy's URL (its stream; the control token from "
+        "--control-token or $STEPTAP_CONTROL_TOKEN)",
+    )
     p.add_argument("--control-token", default=os.environ.get("STEPTAP_CONTROL_TOKEN"))
     p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
     p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
@@ -193,18 +236,36 @@ def main(argv: list[str] | None = None) -> int:
             from steptap.middleware.log.reader import LogReader
 
             reader = LogReader(args.log)
-            writer = export_trajectories(reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file)
+            writer = export_trajectories(
+                reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file
+            )
             skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes}
         else:
             if not args.control_token:
                 p.error("--proxy needs the control token (--control-token or $STEPTAP_CONTROL_TOKEN)")
-            writer = asyncio.run(_export_proxy(args.proxy.rstrip("/"), args.control_token, str(out), args.mode,
-                                               rows_per_file=args.rows_per_file))
+            writer = asyncio.run(
+                _export_proxy(
+                    args.proxy.rstrip("/"),
+                    args.control_token,
+                    str(out),
+                    args.mode,
+                    rows_per_file=args.rows_per_file,
+                )
+            )
             skipped = {}
     except (FileNotFoundError, ImportError, OSError, SteptapError) as exc:
         p.exit(2, f"steptap export: {exc}\n")
-    print(json.dumps({"out": str(out), "trajectories": writer.trajectories, "rows": writer.rows,
-                      "files": [f.name for f in writer.files], **skipped}))
+    print(
+        json.dumps(
+            {
+                "out": str(out),
+                "trajectories": writer.trajectories,
+                "rows": writer.rows,
+                "files": [f.name for f in writer.files],
+                **skipped,
+            }
+        )
+    )
     return 0
 
 

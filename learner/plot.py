@@ -25,7 +25,8 @@ def eval_points(rows: list[dict], evals: list[dict]) -> list[tuple[int, float]]:
     points = []
     for e in evals:
         version = e["eval_version"]
-        x = 0 if version <= 0 else next((r["update"] for r in rows if (r.get("policy_version") or 0) >= version), None)
+        published = (r["update"] for r in rows if (r.get("policy_version") or 0) >= version)
+        x = 0 if version <= 0 else next(published, None)
         if x is not None:
             points.append((x, float(e["eval_accuracy"])))
     return points

@@ -1,10 +1,11 @@
 """Agent-R1's environment layer: ``BaseTool``, ``AgentEnv`` and the tool-calling ``ToolEnv``.
 
 A **tool** executes one action and returns its raw result (and, optionally, a process reward for it). An
-**environment** is the orchestrator: ``reset(**env_kwargs)`` gives the first observation, ``step(action)`` takes
-the model's assistant message and returns the next observation, the step's reward, whether the episode is done,
-and an info dict. An observation is the whole message list the model sees next: the environment decides what
-that is (append, truncate, summarise), and the proxy's ``prefix`` cause records what happened to the history.
+**environment** is the orchestrator: ``reset(**env_kwargs)`` gives the first observation, ``step(action)``
+takes the model's assistant message and returns the next observation, the step's reward, whether the episode
+is done, and an info dict. An observation is the whole message list the model sees next: the environment
+decides what that is (append, truncate, summarise), and the proxy's ``prefix`` cause records what happened to
+the history.
 
 Nothing here knows the model or the proxy: ``AgentEnvLoop`` (loop.py) connects the two.
 """
@@ -64,7 +65,9 @@ class AgentEnv:
         self.messages: Observation = []
         self.reward_model: dict[str, Any] = {}
 
-    def reset(self, *, prompt: Any = None, reward_model: dict[str, Any] | None = None, **env_kwargs: Any) -> Observation:
+    def reset(
+        self, *, prompt: Any = None, reward_model: dict[str, Any] | None = None, **env_kwargs: Any
+    ) -> Observation:
         self.messages = as_messages(prompt)
         self.reward_model = dict(reward_model or {})
         return list(self.messages)
@@ -103,7 +106,9 @@ class ToolEnv(AgentEnv):
     def tools(self) -> list[dict[str, Any]] | None:
         return [t.schema() for t in self.tool_map.values()]
 
-    def reset(self, *, prompt: Any = None, reward_model: dict[str, Any] | None = None, **env_kwargs: Any) -> Observation:
+    def reset(
+        self, *, prompt: Any = None, reward_model: dict[str, Any] | None = None, **env_kwargs: Any
+    ) -> Observation:
         super().reset(prompt=prompt, reward_model=reward_model)
         if self.system and not any(m.get("role") == "system" for m in self.messages):
             self.messages.insert(0, {"role": "system", "content": self.system})
@@ -118,16 +123,28 @@ class ToolEnv(AgentEnv):
         if not calls:
             self.answer = action.get("content") or ""
             score = self.score(self.answer)
-            return list(self.messages), None, True, {"answer": self.answer, "correct": score >= 1.0, "score": score}
+            return (
+                list(self.messages),
+                None,
+                True,
+                {"answer": self.answer, "correct": score >= 1.0, "score": score},
+            )
         rewards: list[float] = []
         for call in calls[:MAX_TOOL_CALLS]:
             text, reward = await self.run_tool(call)
             if reward is not None:
                 rewards.append(float(reward))
-            self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": text[:MAX_TOOL_RESULT_CHARS]})
+            self.messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": text[:MAX_TOOL_RESULT_CHARS]}
+            )
         for call in calls[MAX_TOOL_CALLS:]:
-            self.messages.append({"role": "tool", "tool_call_id": call["id"],
-                                  "content": json.dumps({"error": f"at most {MAX_TOOL_CALLS} tool calls a turn"})})
+            self.messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": json.dumps({"error": f"at most {MAX_TOOL_CALLS} tool calls a turn"}),
+                }
+            )
         done = self.turn >= self.max_steps
         info = {"tool_calls": len(calls), "truncated": done}
         return list(self.messages), (sum(rewards) if rewards else None), done, info
@@ -139,7 +156,9 @@ class ToolEnv(AgentEnv):
         if tool is None:
             return json.dumps({"error": f"unknown tool {call['name']!r}"}), None
         if not isinstance(call["arguments"], dict):
-            return json.dumps({"error": f"arguments are not a JSON object: {str(call['arguments'])[:200]}"}), None
+            return json.dumps(
+                {"error": f"arguments are not a JSON object: {str(call['arguments'])[:200]}"}
+            ), None
         try:
             result = tool.execute(call["arguments"])
             if hasattr(result, "__await__"):
@@ -160,14 +179,15 @@ class ToolEnv(AgentEnv):
         return self.score(self.answer) if self.answer is not None else 0.0
 
 
-# ---- parsing -------------------------------------------------------------------------------------------------
+# ---- parsing ----------------------------------------------------------------------------------------------
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def as_messages(prompt: Any) -> Observation:
-    """A dataset prompt as chat messages: a list of ``{role, content}`` dicts, a JSON string of one, or text."""
+    """A dataset prompt as chat messages: a list of ``{role, content}`` dicts, a JSON string of one, or
+    text."""
     if prompt is None:
         return []
     if isinstance(prompt, str):
@@ -188,8 +208,14 @@ def parse_tool_calls(message: Message) -> list[dict[str, Any]]:
     out = []
     for i, call in enumerate(message.get("tool_calls") or []):
         fn = call.get("function") or {}
-        out.append({"id": call.get("id") or f"call_{i}", "name": str(fn.get("name", "")),
-                    "arguments": _arguments(fn.get("arguments")), "raw": call})
+        out.append(
+            {
+                "id": call.get("id") or f"call_{i}",
+                "name": str(fn.get("name", "")),
+                "arguments": _arguments(fn.get("arguments")),
+                "raw": call,
+            }
+        )
     if out:
         return out
     for i, block in enumerate(_HERMES.findall(message.get("content") or "")):
@@ -199,7 +225,13 @@ def parse_tool_calls(message: Message) -> list[dict[str, Any]]:
             data = {"name": "", "arguments": block}
         if not isinstance(data, dict):
             data = {"name": "", "arguments": block}
-        out.append({"id": f"call_{i}", "name": str(data.get("name", "")), "arguments": _arguments(data.get("arguments"))})
+        out.append(
+            {
+                "id": f"call_{i}",
+                "name": str(data.get("name", "")),
+                "arguments": _arguments(data.get("arguments")),
+            }
+        )
     return out
 
 

@@ -39,7 +39,11 @@ def safe_eval(expression: str) -> float:
     def ev(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             value = node.value
         elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             value = _OPS[type(node.op)](ev(node.left), ev(node.right))

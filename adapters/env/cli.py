@@ -4,7 +4,8 @@
     steptap eval data/test.parquet                       # accuracy by policy version, as eval sessions
     steptap eval data/test.parquet --every 5 --metrics-file runs/x/metrics.jsonl   # beside a learner
 
-The proxy URL and control token come from ``--proxy``/``--control-token`` or STEPTAP_URL / STEPTAP_CONTROL_TOKEN.
+The proxy URL and control token come from ``--proxy``/``--control-token`` or STEPTAP_URL /
+STEPTAP_CONTROL_TOKEN.
 ``env run`` keeps a state file (default ``DATA.parquet.state.jsonl``) so that a restarted run skips the groups
 already finished; ``--fresh`` starts over. ``eval --every K`` watches the proxy's policy version and evaluates
 at the start and after every K new versions, appending one row per version to the metrics file
@@ -32,7 +33,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="parquet dataset (prompt, reward_model, agent_name, env_kwargs)")
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
     p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV), help=f"default ${TOKEN_ENV}")
-    p.add_argument("--env", help="environment for every row (a registered name or module:attr / file.py:attr)")
+    p.add_argument(
+        "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
+    )
     p.add_argument("--model", help="model name to request (default: the one the proxy serves)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes at once")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -42,10 +45,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, mode: str, n: int, epochs: int, state: str | None) -> RunConfig:
-    return RunConfig(proxy_url=args.proxy.rstrip("/"), control_token=args.control_token, n=n,
-                     concurrency=args.concurrency, epochs=epochs, mode=mode, env=args.env, model=args.model,
-                     max_tokens=args.max_tokens, temperature=args.temperature, max_steps=args.max_steps,
-                     state_file=state, name=Path(args.data).stem)
+    return RunConfig(
+        proxy_url=args.proxy.rstrip("/"),
+        control_token=args.control_token,
+        n=n,
+        concurrency=args.concurrency,
+        epochs=epochs,
+        mode=mode,
+        env=args.env,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        max_steps=args.max_steps,
+        state_file=state,
+        name=Path(args.data).stem,
+    )
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -142,7 +156,7 @@ def main_env(argv: list[str] | None = None) -> int:
 def _proxy_version(url: str, token: str) -> int | None:
     req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - the proxy's own URL
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return int(json.loads(resp.read()).get("policy_version", 0))
     except urllib.error.HTTPError as exc:  # 503: degraded backend, the body still has the version
         try:
@@ -160,9 +174,16 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
     if metrics_file:
         Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
         with open(metrics_file, "a", encoding="utf-8") as f:
-            for version, acc in by_version.items():
-                f.write(json.dumps({"time": time.time(), "eval_version": version, "eval_accuracy": acc["accuracy"],
-                                    "eval_episodes": acc["episodes"], "eval_reward_mean": acc["reward_mean"]}) + "\n")
+            f.writelines(json.dumps(
+                        {
+                            "time": time.time(),
+                            "eval_version": version,
+                            "eval_accuracy": acc["accuracy"],
+                            "eval_episodes": acc["episodes"],
+                            "eval_reward_mean": acc["reward_mean"],
+                        }
+                    )
+                    + "\n" for version, acc in by_version.items())
     return {"by_version": by_version, **summary(episodes)}
 
 
@@ -172,7 +193,9 @@ def main_eval(argv: list[str] | None = None) -> int:
     _common(p)
     p.add_argument("--n", type=int, default=1, help="sessions per row")
     p.add_argument("--metrics-file", help="append eval_accuracy rows here (the learner's metrics file)")
-    p.add_argument("--every", type=int, help="watch the proxy: evaluate again after every K new policy versions")
+    p.add_argument(
+        "--every", type=int, help="watch the proxy: evaluate again after every K new policy versions"
+    )
     p.add_argument("--poll", type=float, default=5.0, help="seconds between version checks with --every")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -200,8 +223,10 @@ def _print_report(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report), flush=True)
         return
     for version, acc in report["by_version"].items():
-        print(f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})",
-              flush=True)
+        print(
+            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})",
+            flush=True,
+        )
     if not report["by_version"]:
         print(f"no episode finished ({report['errors'] or 'no rows'})", flush=True)
 

@@ -53,7 +53,7 @@ class Row:
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.parquet  # noqa: F401 - the submodule is what we use
+        import pyarrow.parquet
     except ImportError as exc:
         raise ImportError("parquet datasets need pyarrow: pip install 'steptap[env]'") from exc
     return pyarrow
@@ -94,21 +94,23 @@ def read_rows(path: str | Path) -> list[Row]:
         name = rec.get("agent_name")
         if name is not None and not isinstance(name, str):
             raise DatasetError(f"row {i}: agent_name must be a string")
-        rows.append(Row(
-            index=i,
-            prompt=rec["prompt"],
-            reward_model=_as_dict(rec.get("reward_model"), "reward_model", i),
-            agent_name=name or None,
-            env_kwargs=_as_dict(rec.get("env_kwargs"), "env_kwargs", i),
-            extra={k: v for k, v in rec.items() if k not in KNOWN},
-        ))
+        rows.append(
+            Row(
+                index=i,
+                prompt=rec["prompt"],
+                reward_model=_as_dict(rec.get("reward_model"), "reward_model", i),
+                agent_name=name or None,
+                env_kwargs=_as_dict(rec.get("env_kwargs"), "env_kwargs", i),
+                extra={k: v for k, v in rec.items() if k not in KNOWN},
+            )
+        )
     return rows
 
 
 def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write dataset rows (dicts with Agent-R1's columns) as parquet. Text prompts become one user message (one
-    column type); ``env_kwargs`` and ``reward_model`` are stored as JSON strings so rows with different keys
-    never turn into null-padded structs."""
+    """Write dataset rows (dicts with Agent-R1's columns) as parquet. Text prompts become one user message
+    (one column type); ``env_kwargs`` and ``reward_model`` are stored as JSON strings so rows with different
+    keys never turn into null-padded structs."""
     from steptap.adapters.env.base import as_messages
 
     pa = _pyarrow()
@@ -125,7 +127,7 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
-# ---- the environment registry --------------------------------------------------------------------------------
+# ---- the environment registry -----------------------------------------------------------------------------
 
 Factory = Callable[[], Any]  # -> AgentEnv | AgentFlowBase
 

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-
 from steptap.adapters.env.base import AgentEnv, Message, RewardValue
 
 MAX_REPLY_BYTES = 16 << 20  # a chat completion larger than this is refused, not buffered
@@ -38,7 +37,9 @@ class ModelCallError(RuntimeError):
 class FlowContext:
     """What a flow gets for one episode: model calls and process rewards on its session."""
 
-    def __init__(self, http: aiohttp.ClientSession, session: Any, model: str, defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, session: Any, model: str, defaults: dict[str, Any]
+    ) -> None:
         self.http = http
         self.session = session  # steptap.adapters.AsyncSession: id, base_url, api_key, reward_step
         self.model = model
@@ -46,8 +47,9 @@ class FlowContext:
         self.calls = 0
         self.step_rewards: list[RewardValue] = []
 
-    async def chat(self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None,
-                   **params: Any) -> Message:
+    async def chat(
+        self, messages: list[Message], *, tools: list[dict[str, Any]] | None = None, **params: Any
+    ) -> Message:
         """One chat completion on the session; returns the assistant message (``content``, ``tool_calls``).
         ``params`` are request fields (``extra_body`` is merged into the body, as the openai client does)."""
         body: dict[str, Any] = {"model": self.model, "messages": messages, **self.defaults}
@@ -59,8 +61,11 @@ class FlowContext:
             body.setdefault("tool_choice", "auto")
         self.calls += 1
         self.step_rewards.append(None)
-        async with self.http.post(self.session.base_url.rstrip("/") + "/chat/completions", json=body,
-                                  headers={"Authorization": f"Bearer {self.session.api_key}"}) as resp:
+        async with self.http.post(
+            self.session.base_url.rstrip("/") + "/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {self.session.api_key}"},
+        ) as resp:
             raw = await resp.content.read(MAX_REPLY_BYTES + 1)
             if len(raw) > MAX_REPLY_BYTES:
                 raise ModelCallError(resp.status, f"reply larger than {MAX_REPLY_BYTES} bytes")
@@ -97,8 +102,14 @@ class AgentFlowBase:
     reward (a number, named parts, or ``None``); ``info["correct"]`` (a bool) is what ``steptap eval`` counts.
     """
 
-    async def run(self, ctx: FlowContext, *, prompt: Any = None, reward_model: dict[str, Any] | None = None,
-                  **env_kwargs: Any) -> tuple[RewardValue, dict[str, Any]]:
+    async def run(
+        self,
+        ctx: FlowContext,
+        *,
+        prompt: Any = None,
+        reward_model: dict[str, Any] | None = None,
+        **env_kwargs: Any,
+    ) -> tuple[RewardValue, dict[str, Any]]:
         raise NotImplementedError
 
 
@@ -109,8 +120,14 @@ class AgentEnvLoop(AgentFlowBase):
         self.env_factory = env_factory
         self.max_steps = max_steps
 
-    async def run(self, ctx: FlowContext, *, prompt: Any = None, reward_model: dict[str, Any] | None = None,
-                  **env_kwargs: Any) -> tuple[RewardValue, dict[str, Any]]:
+    async def run(
+        self,
+        ctx: FlowContext,
+        *,
+        prompt: Any = None,
+        reward_model: dict[str, Any] | None = None,
+        **env_kwargs: Any,
+    ) -> tuple[RewardValue, dict[str, Any]]:
         env = self.env_factory()
         observation = env.reset(prompt=prompt, reward_model=reward_model, **env_kwargs)
         max_steps = self.max_steps or env.max_steps

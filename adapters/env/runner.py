@@ -2,9 +2,10 @@
 
 Each row (times ``epochs``) becomes one group of ``n`` sessions (``group_id`` per row and epoch,
 ``group_size=n``); at most ``concurrency`` episodes run at once. With a state file, each finished group is
-appended to it (one JSON line, fsync'd), and a restarted run skips the groups it lists: finished rows are never
-redone. A group counts as finished once every member's session was closed (``finished`` or ``aborted``); one
-whose sessions could not even be opened (proxy down) is not written and is run again next time.
+appended to it (one JSON line, fsync'd), and a restarted run skips the groups it lists: finished rows are
+never redone. A group counts as finished once every member's session was closed (``finished`` or
+``aborted``); one whose sessions could not even be opened (proxy down) is not written and is run again next
+time.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import statistics
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-
 from steptap.adapters.env.base import AgentEnv
 from steptap.adapters.env.dataset import Row, resolve_env
 from steptap.adapters.env.loop import AgentEnvLoop, AgentFlowBase, FlowContext
@@ -68,7 +68,9 @@ def as_flow(obj: Any) -> AgentFlowBase:
         return obj
     if isinstance(obj, AgentEnv):
         return AgentEnvLoop(lambda: obj)
-    raise TypeError(f"an environment factory must return an AgentEnv or an AgentFlowBase, got {type(obj).__name__}")
+    raise TypeError(
+        f"an environment factory must return an AgentEnv or an AgentFlowBase, got {type(obj).__name__}"
+    )
 
 
 def _total(reward: Any) -> float | None:
@@ -80,8 +82,9 @@ def _total(reward: Any) -> float | None:
 
 
 class DatasetRunner:
-    def __init__(self, rows: list[Row], cfg: RunConfig,
-                 on_episode: Callable[[Episode], None] | None = None) -> None:
+    def __init__(
+        self, rows: list[Row], cfg: RunConfig, on_episode: Callable[[Episode], None] | None = None
+    ) -> None:
         if cfg.n < 1 or cfg.concurrency < 1 or cfg.epochs < 1:
             raise ValueError("n, concurrency and epochs must be at least 1")
         self.rows, self.cfg, self.on_episode = rows, cfg, on_episode
@@ -109,8 +112,15 @@ class DatasetRunner:
     def _record(self, epoch: int, row: int, members: list[Episode]) -> None:
         if not self.cfg.state_file:
             return
-        line = json.dumps({"epoch": epoch, "row": row, "group_id": members[0].group_id,
-                           "rewards": [m.reward for m in members], "statuses": [m.status for m in members]})
+        line = json.dumps(
+            {
+                "epoch": epoch,
+                "row": row,
+                "group_id": members[0].group_id,
+                "rewards": [m.reward for m in members],
+                "statuses": [m.status for m in members],
+            }
+        )
         with open(self.cfg.state_file, "a") as f:
             f.write(line + "\n")
             f.flush()
@@ -149,8 +159,9 @@ class DatasetRunner:
                     await asyncio.gather(*tasks, return_exceptions=True)
         return self.episodes
 
-    async def _group(self, http: aiohttp.ClientSession, client: Any, slots: asyncio.Semaphore, epoch: int,
-                     row: Row) -> None:
+    async def _group(
+        self, http: aiohttp.ClientSession, client: Any, slots: asyncio.Semaphore, epoch: int, row: Row
+    ) -> None:
         group_id = f"{self.cfg.name}-e{epoch}-r{row.index}-{uuid.uuid4().hex[:6]}"
 
         async def member(i: int) -> Episode:
@@ -177,26 +188,45 @@ class DatasetRunner:
             self._factories[name] = resolve_env(name)
         return self._factories[name]
 
-    async def _episode(self, http: aiohttp.ClientSession, client: Any, epoch: int, row: Row, index: int,
-                       group_id: str) -> Episode:
+    async def _episode(
+        self, http: aiohttp.ClientSession, client: Any, epoch: int, row: Row, index: int, group_id: str
+    ) -> Episode:
         cfg = self.cfg
         ep = Episode(epoch=epoch, row=row.index, member=index, group_id=group_id)
         name = cfg.env if isinstance(cfg.env, str) else row.agent_name
-        meta = {"task": name or getattr(cfg.env, "__name__", None), "dataset": cfg.name, "row": row.index, "epoch": epoch, "member": index,
-                "reward_model": row.reward_model, "env_kwargs": row.env_kwargs,
-                **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))}}
+        meta = {
+            "task": name or getattr(cfg.env, "__name__", None),
+            "dataset": cfg.name,
+            "row": row.index,
+            "epoch": epoch,
+            "member": index,
+            "reward_model": row.reward_model,
+            "env_kwargs": row.env_kwargs,
+            **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))},
+        }
         try:
             flow = as_flow(self._factory(row)())
-            async with async_session(client=client, group_id=group_id, group_size=cfg.n, mode=cfg.mode,
-                                     metadata=meta, idle_timeout_s=cfg.idle_timeout_s) as s:
+            async with async_session(
+                client=client,
+                group_id=group_id,
+                group_size=cfg.n,
+                mode=cfg.mode,
+                metadata=meta,
+                idle_timeout_s=cfg.idle_timeout_s,
+            ) as s:
                 ep.session_id = s.id
-                ctx = FlowContext(http, s, await self._resolve_model(s),
-                                  {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature})
+                ctx = FlowContext(
+                    http,
+                    s,
+                    await self._resolve_model(s),
+                    {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+                )
                 if cfg.max_steps is not None and isinstance(flow, AgentEnvLoop):
                     flow.max_steps = cfg.max_steps
                 try:
-                    reward, info = await flow.run(ctx, prompt=row.prompt, reward_model=row.reward_model,
-                                                  **row.env_kwargs)
+                    reward, info = await flow.run(
+                        ctx, prompt=row.prompt, reward_model=row.reward_model, **row.env_kwargs
+                    )
                 finally:
                     ep.steps, ep.step_rewards = ctx.calls, list(ctx.step_rewards)
                 if isinstance(reward, dict):
@@ -206,7 +236,11 @@ class DatasetRunner:
                     s.set_reward(float(reward))
                 ep.reward, ep.info = _total(reward), dict(info)
                 correct = info.get("correct")
-                ep.correct = bool(correct) if isinstance(correct, bool) else (ep.reward is not None and ep.reward >= 1.0)
+                ep.correct = (
+                    bool(correct)
+                    if isinstance(correct, bool)
+                    else (ep.reward is not None and ep.reward >= 1.0)
+                )
                 if cfg.mode == "eval":
                     traj = await s.trajectory()
                     ep.policy_version = traj.steps[-1].policy_version if traj.steps else None
@@ -233,8 +267,12 @@ def accuracy_by_version(episodes: list[Episode]) -> dict[int, dict[str, Any]]:
     for version, eps in sorted(groups.items()):
         correct = sum(1 for e in eps if e.correct)
         rewards = [e.reward for e in eps if e.reward is not None]
-        out[version] = {"episodes": len(eps), "correct": correct, "accuracy": correct / len(eps),
-                        "reward_mean": statistics.fmean(rewards) if rewards else None}
+        out[version] = {
+            "episodes": len(eps),
+            "correct": correct,
+            "accuracy": correct / len(eps),
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+        }
     return out
 
 

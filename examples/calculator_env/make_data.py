@@ -21,7 +21,10 @@ TEMPLATES = [
     ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", "+"),
     ("A shelf holds {a} books. {name} takes {b} of them away. How many books are left on the shelf?", "-"),
     ("{name} packs {a} boxes with {b} pencils in each box. How many pencils does {name} pack?", "*"),
-    ("A train carries {a} passengers and {b} more get on at the next stop. How many passengers are on it?", "+"),
+    (
+        "A train carries {a} passengers and {b} more get on at the next stop. How many passengers are on it?",
+        "+",
+    ),
     ("{name} saved {a} dollars and spent {b} dollars on a gift. How many dollars are left?", "-"),
     ("There are {a} rows of chairs with {b} chairs in each row. How many chairs are there?", "*"),
 ]

@@ -2,9 +2,10 @@
 examples/calculator_env/scripted.py:make_env``).
 
 A random-weight model never writes a well-formed tool call, so this variant constrains each reply with vLLM's
-structured outputs: first the calculator call for the row's expression, then ``The answer is N.`` (``N`` from
-the row's ``env_kwargs``, or ``say`` when given: a deliberately wrong answer, to test scoring). Everything else
-(tool execution, process rewards, scoring, the recorded tokens and logprobs) is the real environment's.
+structured outputs: first the calculator call for the row's expression, then ``The answer is N.`` (``N``
+from the row's ``env_kwargs``, or ``say`` when given: a deliberately wrong answer, to test scoring).
+Everything else (tool execution, process rewards, scoring, the recorded tokens and logprobs) is the real
+environment's.
 """
 
 from __future__ import annotations

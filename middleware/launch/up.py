@@ -56,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shell command run as the agent population once the stack is up; it gets "
         "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment",
     )
-    p.add_argument("--eval", metavar="DATA.parquet",
-                   help="evaluate this dataset (steptap eval) at start and every --eval-every policy versions; "
-                   "its accuracy goes into the metrics file beside the training reward")
+    p.add_argument(
+        "--eval",
+        metavar="DATA.parquet",
+        help="evaluate this dataset (steptap eval) at start and every --eval-every policy versions; "
+        "its accuracy goes into the metrics file beside the training reward",
+    )
     p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
     p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
@@ -227,8 +230,9 @@ class Up:
     def _start_eval(self) -> None:
         if not self.args.eval:
             return
-        argv = [*STEPTAP, "eval", self.args.eval, "--proxy", self.proxy_url, "--every", str(self.args.eval_every),
-                "--metrics-file", str(self.metrics_path), *_split(self.args.eval_args)]
+        argv = [*STEPTAP, "eval", self.args.eval, "--proxy", self.proxy_url]
+        argv += ["--every", str(self.args.eval_every), "--metrics-file", str(self.metrics_path)]
+        argv += _split(self.args.eval_args)
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token, "STEPTAP_MODEL": self.served_model}
         child = self.sup.start(Child("eval", argv, self.logs / "eval.log", env=env, may_exit=True))
         self._log(f"eval: {self.args.eval} every {self.args.eval_every} versions (log: {child.log_path})")

@@ -172,6 +172,10 @@ class StatusBoard:
             )
         return {v: round(sum(x) / len(x), 4) for v, x in acc.items()}
 
+    def eval_line(self) -> str:
+        """steptap eval's accuracy for the last few policy versions."""
+        return "  ".join(f"v{k}: {v:.3f}" for k, v in sorted(self.evals.items())[-6:])
+
     def last_swap(self) -> str:
         swaps = _pick(self.prom, SWAPS)
         secs = _pick(self.prom, SWAP_SECONDS)
@@ -206,8 +210,7 @@ class StatusBoard:
                 "reward by policy version",
                 "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:]) or "-",
             ),
-            *([("eval accuracy by version",
-                "  ".join(f"v{k}: {v:.3f}" for k, v in sorted(self.evals.items())[-6:]))] if self.evals else []),
+            *([("eval accuracy by version", self.eval_line())] if self.evals else []),
             ("learner loss", fmt(self.recent_loss(), ".4f")),
             ("last weight swap", self.last_swap()),
         ]

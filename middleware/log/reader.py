@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from steptap.middleware.log.segments import HEADER, SEG_RE, CorruptLogError, scan_frames, seg_name
 from steptap.middleware.records import Trajectory, log_decoder
 
@@ -89,7 +88,9 @@ class LogReader:
             if data[: len(HEADER)] != HEADER:
                 if len(data) < len(HEADER) and HEADER.startswith(data):
                     continue  # a segment being created right now
-                raise CorruptLogError(f"segment {seg_name(segno)} of {self.location} is not a steptap log segment")
+                raise CorruptLogError(
+                    f"segment {seg_name(segno)} of {self.location} is not a steptap log segment"
+                )
             frames, good_end = scan_frames(data, len(HEADER))
             self.stats.corrupt_bytes += len(data) - good_end if segno != segnos[-1] else 0
             for start, end in frames:

@@ -26,9 +26,8 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED = str(ROOT / "examples/calculator_env/scripted.py") + ":make_env"
 sys.path.insert(0, str(ROOT / "examples/calculator_env"))
-from make_data import make_rows  # noqa: E402
-
-from steptap.adapters.env import write_rows  # noqa: E402
+from make_data import make_rows
+from steptap.adapters.env import write_rows
 
 
 def _dataset(tmp_path: Path, n: int, **kw: object) -> Path:
@@ -44,8 +43,14 @@ def _env(proxy: Proxy) -> dict[str, str]:
 
 
 def _steptap(proxy: Proxy, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "steptap.middleware.cli", *args], env=_env(proxy),
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", *args],
+        env=_env(proxy),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, f"{args}: {out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -54,7 +59,9 @@ def _recorded(log_dir: Path, dataset: Path) -> list[Trajectory]:
     return [t for t in LogReader(str(log_dir)).trajectories() if t.metadata.get("dataset") == dataset.stem]
 
 
-def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(serve_proxy: Proxy, tmp_path: Path) -> None:
+def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(
+    serve_proxy: Proxy, tmp_path: Path
+) -> None:
     data = _dataset(tmp_path, 2)
     run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]
     report = _steptap(serve_proxy, *run)
@@ -77,10 +84,13 @@ def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(serve_
         assert call.rewards == {"process": 0.1} and answer.rewards == {}
         (tc,) = call.response["tool_calls"]
         assert tc["function"]["name"] == "calculator"
-        assert json.loads(tc["function"]["arguments"]) == {"expression": t.metadata["env_kwargs"]["expression"]}
+        assert json.loads(tc["function"]["arguments"]) == {
+            "expression": t.metadata["env_kwargs"]["expression"]
+        }
         tool_msg = answer.request["messages"][-1]
         assert tool_msg["role"] == "tool" and json.loads(tool_msg["content"]) == {
-            "result": t.metadata["env_kwargs"]["answer"]}
+            "result": t.metadata["env_kwargs"]["answer"]
+        }
         assert answer.response["content"] == f"The answer is {t.metadata['env_kwargs']['answer']}."
         assert answer.prompt_token_ids[: len(call.prompt_token_ids)] == call.prompt_token_ids
         assert answer.prefix in ("extends", "rerendered")
@@ -103,24 +113,32 @@ def test_the_registered_calculator_env_runs_unforced(serve_proxy: Proxy, tmp_pat
     """agent_name from the dataset, found through the steptap.envs entry point; the random model's reply is
     recorded and scored whatever it is."""
     data = _dataset(tmp_path, 1)
-    report = _steptap(serve_proxy, "env", "run", str(data), "--n", "1", "--max-steps", "1", "--max-tokens", "8")
+    report = _steptap(
+        serve_proxy, "env", "run", str(data), "--n", "1", "--max-steps", "1", "--max-tokens", "8"
+    )
     assert report["finished"] == 1
     (traj,) = _recorded(serve_proxy.log_dir, data)
     assert traj.metadata["task"] == "calculator" and len(traj.steps) == 1
     assert traj.reward in (0.0, 1.0) and traj.steps[0].response_token_ids
 
 
-def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(serve_proxy: Proxy, tmp_path: Path) -> None:
+def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
+    serve_proxy: Proxy, tmp_path: Path
+) -> None:
     import datasets
     import pyarrow.parquet as pq
 
     data = _dataset(tmp_path, 1)
     _steptap(serve_proxy, "env", "run", str(data), "--env", SCRIPTED, "--n", "1", "--max-tokens", "64")
-    from_log = _steptap(serve_proxy, "export", "--log", str(serve_proxy.log_dir), "--out", str(tmp_path / "a"))
+    from_log = _steptap(
+        serve_proxy, "export", "--log", str(serve_proxy.log_dir), "--out", str(tmp_path / "a")
+    )
     from_proxy = _steptap(serve_proxy, "export", "--proxy", serve_proxy.url, "--out", str(tmp_path / "b"))
     trajs = list(LogReader(str(serve_proxy.log_dir)).trajectories())
     steps = sum(len(t.steps) for t in trajs)
-    assert from_log["rows"] == steps and from_log["trajectories"] == len(trajs) and from_log["undecodable"] == 0
+    assert (
+        from_log["rows"] == steps and from_log["trajectories"] == len(trajs) and from_log["undecodable"] == 0
+    )
     assert from_proxy["rows"] == steps and from_proxy["trajectories"] == len(trajs)
 
     table = pq.read_table(tmp_path / "a")
@@ -140,7 +158,9 @@ def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(serve_proxy
             assert json.loads(row["metadata"])["dataset"] == data.stem
 
 
-async def test_eval_reports_accuracy_for_two_policy_versions(make_proxy, swap_vllm: Backend, http, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_eval_reports_accuracy_for_two_policy_versions(
+    make_proxy, swap_vllm: Backend, http, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     proxy = await make_proxy(swap_vllm.url)
     rows = make_rows(4, seed=5)
     for row in rows[:2]:  # two rows answered wrongly on purpose: accuracy 2/4 at every version
@@ -151,16 +171,30 @@ async def test_eval_reports_accuracy_for_two_policy_versions(make_proxy, swap_vl
     async def steptap_eval() -> dict:
         # A subprocess awaited on this loop, which also serves the in-process proxy.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "steptap.middleware.cli", "eval", str(data), "--env", SCRIPTED, "--json",
-            "--max-tokens", "64", "--metrics-file", str(metrics), env=_env(proxy),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "eval",
+            str(data),
+            "--env",
+            SCRIPTED,
+            "--json",
+            "--max-tokens",
+            "64",
+            "--metrics-file",
+            str(metrics),
+            env=_env(proxy),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 300)
         assert proc.returncode == 0, err.decode()[-3000:]
         return json.loads(out.decode().strip().splitlines()[-1])
 
     first = await steptap_eval()
-    async with http.post(f"{proxy.url}/admin/weights", json={"path": str(swap_vllm.model_dir)},
-                         headers=proxy.control) as resp:
+    async with http.post(
+        f"{proxy.url}/admin/weights", json={"path": str(swap_vllm.model_dir)}, headers=proxy.control
+    ) as resp:
         assert resp.status == 200, await resp.text()
         assert (await resp.json())["version"] == 1
     second = await steptap_eval()
@@ -183,10 +217,31 @@ def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backen
     data = _dataset(tmp_path, 2)
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "up", "--backend", vllm_server.url, "--no-learner",
-         "--no-view", "--port", "0", "--workdir", str(workdir), "--grace", "5", "--eval", str(data),
-         "--eval-every", "1", f"--eval-args=--env {SCRIPTED} --max-tokens 64 --poll 1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "up",
+            "--backend",
+            vllm_server.url,
+            "--no-learner",
+            "--no-view",
+            "--port",
+            "0",
+            "--workdir",
+            str(workdir),
+            "--grace",
+            "5",
+            "--eval",
+            str(data),
+            "--eval-every",
+            "1",
+            f"--eval-args=--env {SCRIPTED} --max-tokens 64 --poll 1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         metrics = workdir / "metrics.jsonl"
         deadline = time.monotonic() + 180
@@ -194,10 +249,17 @@ def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backen
         while not rows and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             if metrics.exists():
-                rows = [json.loads(line) for line in metrics.read_text().splitlines() if "eval_accuracy" in line]
+                rows = [
+                    json.loads(line) for line in metrics.read_text().splitlines() if "eval_accuracy" in line
+                ]
             time.sleep(0.5)
-        assert rows, f"no eval row in {metrics} within 180 s; eval log: {(workdir / 'logs' / 'eval.log').read_text()[-2000:]}"
-        assert rows[0]["eval_version"] == 0 and rows[0]["eval_accuracy"] == 1.0 and rows[0]["eval_episodes"] == 2
+        assert rows, (
+            f"no eval row in {metrics} within 180 s; eval log: "
+            f"{(workdir / 'logs' / 'eval.log').read_text()[-2000:]}"
+        )
+        assert (
+            rows[0]["eval_version"] == 0 and rows[0]["eval_accuracy"] == 1.0 and rows[0]["eval_episodes"] == 2
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

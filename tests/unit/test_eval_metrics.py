@@ -10,8 +10,11 @@ from steptap.learner.plot import eval_points, main
 
 def test_eval_rows_land_on_the_update_that_published_their_version(tmp_path: Path) -> None:
     updates = [{"update": u, "policy_version": u, "reward_mean": 0.1 * u, "loss": 0.0} for u in range(1, 7)]
-    evals = [{"eval_version": 0, "eval_accuracy": 0.25}, {"eval_version": 3, "eval_accuracy": 0.5},
-             {"eval_version": 9, "eval_accuracy": 1.0}]  # not yet published by any update: left out
+    evals = [
+        {"eval_version": 0, "eval_accuracy": 0.25},
+        {"eval_version": 3, "eval_accuracy": 0.5},
+        {"eval_version": 9, "eval_accuracy": 1.0},
+    ]  # not yet published by any update: left out
     assert eval_points(updates, evals) == [(0, 0.25), (3, 0.5)]
 
     metrics = tmp_path / "metrics.jsonl"
@@ -24,9 +27,11 @@ def test_the_live_view_shows_eval_accuracy_beside_the_training_reward(tmp_path: 
     from steptap.middleware.launch.view import StatusBoard, render_line
 
     path = tmp_path / "metrics.jsonl"
-    rows = [{"time": 1.0, "eval_version": 0, "eval_accuracy": 0.25, "eval_episodes": 4},
-            {"update": 1, "reward_mean": 0.5, "loss": 0.1, "policy_version": 1},
-            {"time": 2.0, "eval_version": 1, "eval_accuracy": 0.75, "eval_episodes": 4}]
+    rows = [
+        {"time": 1.0, "eval_version": 0, "eval_accuracy": 0.25, "eval_episodes": 4},
+        {"update": 1, "reward_mean": 0.5, "loss": 0.1, "policy_version": 1},
+        {"time": 2.0, "eval_version": 1, "eval_accuracy": 0.75, "eval_episodes": 4},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     board = StatusBoard("http://127.0.0.1:9", path)  # nothing listens: the proxy's figures stay empty
     board.read_metrics()
