@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
-from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, accuracy_by_version, summary
+from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 
 
@@ -108,14 +108,15 @@ def _load(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any]:
     return rows[: args.limit] if args.limit else rows
 
 
-def _run(rows: list[Any], cfg: RunConfig, desc: str) -> list[Episode]:
+def _run(rows: list[Any], cfg: RunConfig, desc: str) -> Tally:
     runner = DatasetRunner(rows, cfg)
     progress = _Progress(len(runner.todo()) * cfg.n, desc)
     runner.on_episode = progress
     try:
-        return asyncio.run(runner.run())
+        asyncio.run(runner.run())
     finally:
         progress.close()
+    return runner.tally
 
 
 def main_env(argv: list[str] | None = None) -> int:
@@ -147,8 +148,7 @@ def main_env(argv: list[str] | None = None) -> int:
         Path(state).unlink()
     rows = _load(p, args)
     cfg = _config(args, "train", args.n, args.epochs, state)
-    episodes = _run(rows, cfg, "episodes")
-    report = {**summary(episodes), "state_file": state}
+    report = {**_run(rows, cfg, "episodes").summary(), "state_file": state}
     print(json.dumps(report))
     return 0 if report["failed_to_start"] == 0 else 1
 
@@ -169,8 +169,8 @@ def _proxy_version(url: str, token: str) -> int | None:
 
 def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -> dict[str, Any]:
     """One evaluation pass; returns ``{"by_version": {...}, **summary}`` and appends to ``metrics_file``."""
-    episodes = _run(rows, cfg, "eval")
-    by_version = accuracy_by_version(episodes)
+    tally = _run(rows, cfg, "eval")
+    by_version = tally.by_version()
     if metrics_file:
         Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
         with open(metrics_file, "a", encoding="utf-8") as f:
@@ -184,7 +184,7 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
                         }
                     )
                     + "\n" for version, acc in by_version.items())
-    return {"by_version": by_version, **summary(episodes)}
+    return {"by_version": by_version, **tally.summary()}
 
 
 def main_eval(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
@@ -44,6 +43,7 @@ class RunConfig:
     state_file: str | None = None
     idle_timeout_s: float | None = 600.0
     name: str = "data"  # group ids start with it
+    keep_episodes: int = 10_000  # Episode objects kept in DatasetRunner.episodes (counts cover them all)
 
 
 @dataclass
@@ -88,7 +88,8 @@ class DatasetRunner:
         if cfg.n < 1 or cfg.concurrency < 1 or cfg.epochs < 1:
             raise ValueError("n, concurrency and epochs must be at least 1")
         self.rows, self.cfg, self.on_episode = rows, cfg, on_episode
-        self.episodes: list[Episode] = []
+        self.episodes: list[Episode] = []  # the first cfg.keep_episodes, for callers that want details
+        self.tally = Tally()
         self.done = self._load_state()
         self._factories: dict[str, Any] = {}
         self._model: str | None = cfg.model or os.environ.get(MODEL_ENV)
@@ -251,42 +252,73 @@ class DatasetRunner:
             ep.error = f"{type(exc).__name__}: {exc}"
             if ep.session_id:
                 ep.status = "aborted"
-        self.episodes.append(ep)
+        self.tally.add(ep)
+        if len(self.episodes) < self.cfg.keep_episodes:
+            self.episodes.append(ep)
         if self.on_episode is not None:
             self.on_episode(ep)
         return ep
 
 
-def accuracy_by_version(episodes: list[Episode]) -> dict[int, dict[str, Any]]:
-    """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean"}}`` over the scored episodes."""
-    groups: dict[int, list[Episode]] = defaultdict(list)
-    for ep in episodes:
+class Tally:
+    """Counts over a run's episodes, kept as they finish (so a long run holds counts, not every episode)."""
+
+    MAX_ERRORS = 5
+
+    def __init__(self) -> None:
+        self.episodes = self.finished = self.aborted = self.failed_to_start = self.steps = 0
+        self.reward_sum, self.rewarded = 0.0, 0
+        self.errors: list[str] = []
+        # policy version -> [episodes, correct, reward sum, rewarded]
+        self.versions: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0])
+
+    def add(self, ep: Episode) -> None:
+        self.episodes += 1
+        self.finished += ep.status == "finished"
+        self.aborted += ep.status == "aborted"
+        self.failed_to_start += not ep.status
+        self.steps += ep.steps
+        if ep.reward is not None:
+            self.reward_sum, self.rewarded = self.reward_sum + ep.reward, self.rewarded + 1
+        if ep.error and ep.error not in self.errors and len(self.errors) < self.MAX_ERRORS:
+            self.errors.append(ep.error)
         if ep.status == "finished" and ep.policy_version is not None:
-            groups[ep.policy_version].append(ep)
-    out = {}
-    for version, eps in sorted(groups.items()):
-        correct = sum(1 for e in eps if e.correct)
-        rewards = [e.reward for e in eps if e.reward is not None]
-        out[version] = {
-            "episodes": len(eps),
-            "correct": correct,
-            "accuracy": correct / len(eps),
-            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            v = self.versions[ep.policy_version]
+            v[0] += 1
+            v[1] += bool(ep.correct)
+            if ep.reward is not None:
+                v[2] += ep.reward
+                v[3] += 1
+
+    def by_version(self) -> dict[int, dict[str, Any]]:
+        """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean"}}`` over finished episodes."""
+        return {
+            version: {
+                "episodes": int(n),
+                "correct": int(correct),
+                "accuracy": correct / n,
+                "reward_mean": rsum / rn if rn else None,
+            }
+            for version, (n, correct, rsum, rn) in sorted(self.versions.items())
         }
-    return out
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "episodes": self.episodes,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "failed_to_start": self.failed_to_start,
+            "steps": self.steps,
+            "reward_mean": self.reward_sum / self.rewarded if self.rewarded else None,
+            "errors": self.errors,
+        }
 
 
-def summary(episodes: list[Episode]) -> dict[str, Any]:
-    rewards = [e.reward for e in episodes if e.reward is not None]
-    return {
-        "episodes": len(episodes),
-        "finished": sum(e.status == "finished" for e in episodes),
-        "aborted": sum(e.status == "aborted" for e in episodes),
-        "failed_to_start": sum(not e.status for e in episodes),
-        "steps": sum(e.steps for e in episodes),
-        "reward_mean": statistics.fmean(rewards) if rewards else None,
-        "errors": sorted({e.error for e in episodes if e.error})[:5],
-    }
+def accuracy_by_version(episodes: list[Episode]) -> dict[int, dict[str, Any]]:
+    tally = Tally()
+    for ep in episodes:
+        tally.add(ep)
+    return tally.by_version()
 
 
-__all__ = ["DatasetRunner", "Episode", "RunConfig", "accuracy_by_version", "as_flow", "summary"]
+__all__ = ["DatasetRunner", "Episode", "RunConfig", "Tally", "accuracy_by_version", "as_flow"]

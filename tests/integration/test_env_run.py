@@ -264,3 +264,50 @@ def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backen
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert "eval:" in out and proc.returncode == 0, out[-3000:]
+
+
+async def test_a_flow_in_full_control_edits_its_history_and_the_proxy_records_the_break(proxy: Proxy) -> None:
+    """AgentFlowBase: the flow builds every prompt itself. It continues the chat once, then replaces it with a
+    summary; each call is a recorded step, the process rewards land on the steps they were given for, and
+    the proxy's prefix causes say what the flow did to the history."""
+    from steptap.adapters.env import AgentFlowBase, DatasetRunner, Row, RunConfig
+
+    class SummarisingFlow(AgentFlowBase):
+        async def run(self, ctx, *, prompt, reward_model, **kw):  # type: ignore[no-untyped-def]
+            history = [{"role": "system", "content": "Be brief."}, *prompt]
+            first = await ctx.chat(history)
+            await ctx.reward_step(0.25, name="progress")
+            history += [
+                {"role": "assistant", "content": first.get("content") or ""},
+                {"role": "user", "content": "Go on."},
+            ]
+            await ctx.chat(history)
+            summary = [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "In short: go."},
+            ]
+            await ctx.chat(summary)
+            await ctx.reward_step({"progress": 0.5, "format": 1.0})
+            return {"outcome": 1.0, "style": 0.5}, {"correct": True}
+
+    rows = [Row(index=0, prompt=[{"role": "user", "content": "Count to three."}])]
+    cfg = RunConfig(
+        proxy_url=proxy.url,
+        control_token=proxy.token,
+        n=2,
+        env=SummarisingFlow,
+        max_tokens=6,
+        name=f"flow-{uuid.uuid4().hex[:6]}",
+    )
+    runner = DatasetRunner(rows, cfg)
+    episodes = await runner.run()
+    assert [e.status for e in episodes] == ["finished", "finished"], [e.error for e in episodes]
+    assert runner.tally.summary()["reward_mean"] == 1.5 and runner.tally.steps == 6
+    trajs = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.metadata.get("dataset") == cfg.name]
+    assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1
+    for t in trajs:
+        assert t.rewards == {"outcome": 1.0, "style": 0.5} and t.group_size == 2
+        assert [s.rewards for s in t.steps] == [{"progress": 0.25}, {}, {"progress": 0.5, "format": 1.0}]
+        assert [s.prefix for s in t.steps][0] == "first"
+        assert t.steps[1].prefix in ("extends", "rerendered")  # the chat continued
+        assert t.steps[2].prefix in ("truncated", "history_edited")  # replaced by a summary: a counted break
