@@ -208,6 +208,8 @@ class DatasetRunner:
         try:
             flow = as_flow(self._factory(row)())
             async with async_session(
+                cfg.proxy_url,
+                cfg.control_token,
                 client=client,
                 group_id=group_id,
                 group_size=cfg.n,
