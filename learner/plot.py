@@ -1,4 +1,7 @@
-"""``steptap plot METRICS.jsonl -o curves.png``: reward and loss curves from the learner's metrics file."""
+"""``steptap plot METRICS.jsonl -o curves.png``: reward and loss curves from the learner's metrics file.
+
+Rows written by ``steptap eval --metrics-file`` (``eval_version``, ``eval_accuracy``) are drawn on the reward
+panel at the update that published that policy version (version 0: before the first update)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,19 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], out: str | Path, title: str = "") -> Path:
+def eval_points(rows: list[dict], evals: list[dict]) -> list[tuple[int, float]]:
+    """(update, accuracy) for each eval row: the first update whose published version reached its version."""
+    points = []
+    for e in evals:
+        version = e["eval_version"]
+        published = (r["update"] for r in rows if (r.get("policy_version") or 0) >= version)
+        x = 0 if version <= 0 else next(published, None)
+        if x is not None:
+            points.append((x, float(e["eval_accuracy"])))
+    return points
+
+
+def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -33,6 +48,10 @@ def plot(rows: list[dict], out: str | Path, title: str = "") -> Path:
     if all(v is not None for v in reward):
         ax_r.fill_between(x, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)],
                           alpha=0.2, label="± std")
+    points = eval_points(rows, evals or [])
+    if points:
+        ax_r.plot([p[0] for p in points], [p[1] for p in points], marker="s", ms=5, color="tab:orange",
+                  label="eval accuracy")
     ax_r.set_ylabel("reward")
     ax_r.legend(loc="best")
     ax_r.grid(alpha=0.3)
@@ -60,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", default="curves.png", help="PNG to write (default curves.png)")
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
-    rows = [r for r in read_rows(args.metrics) if "update" in r]
+    everything = read_rows(args.metrics)
+    rows = [r for r in everything if "update" in r]
+    evals = [r for r in everything if "eval_accuracy" in r and "eval_version" in r]
     if not rows:
         print(f"steptap plot: no updates in {args.metrics}")
         return 1
-    print(f"wrote {plot(rows, args.out, args.title)} ({len(rows)} updates)")
+    extra = f", {len(evals)} evaluations" if evals else ""
+    print(f"wrote {plot(rows, args.out, args.title, evals)} ({len(rows)} updates{extra})")
     return 0

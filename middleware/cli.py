@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together", "up"),
     "run": ("steptap.adapters.run:main", "run any program as an agent in a fresh session", None),
     "adapters": ("steptap.adapters.registry:main", "list the installed agent-framework adapters", None),
+    "env": ("steptap.adapters.env.cli:main_env", "run a parquet dataset of environment tasks as GRPO groups", "env"),
+    "eval": ("steptap.adapters.env.cli:main_eval", "evaluate a dataset as eval sessions: accuracy by version", "env"),
+    "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step", "env"),
 }
 
 

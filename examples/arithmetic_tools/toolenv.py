@@ -1,4 +1,6 @@
-"""Tools and a tool environment in the shape of Agent-R1's ``BaseTool`` / ``ToolEnv``, as plain Python.
+"""Tools and a tool environment in the shape of Agent-R1's ``BaseTool`` / ``ToolEnv``, as plain synchronous
+Python for the plain-``openai`` and framework agents. The library's version (async, with process rewards and a
+generic loop) is ``steptap.adapters.env``; the ``calculator_env`` example runs it from a parquet dataset.
 
 A ``BaseTool`` executes one action and returns its raw result; the ``ToolEnv`` is the orchestrator: it runs
 the tool calls of an assistant message, turns the results into the next observation (tool messages), decides
@@ -9,81 +11,25 @@ when the episode ends and what it earned. Nothing here knows about steptap or th
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import operator
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
+
+from steptap.adapters.env.base import BaseTool
+from steptap.adapters.env.calculator import CalculatorTool as LibraryCalculatorTool
+from steptap.adapters.env.calculator import hermes_tool_call, safe_eval
+
+__all__ = ["BaseTool", "CalculatorTool", "ToolEnv", "hermes_tool_call", "safe_eval"]
 
 
-class BaseTool:
-    """One executable tool: a name, a description, a JSON schema for its arguments, and ``execute``."""
+class CalculatorTool(LibraryCalculatorTool):
+    """The library's calculator tool (``steptap.adapters.env.calculator``), returning only its text: the
+    frameworks' tool functions in the sibling examples return a string."""
 
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
-
-    def execute(self, args: dict[str, Any]) -> str:
-        raise NotImplementedError
-
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI ``tools`` entry for this tool."""
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
-
-
-_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def safe_eval(expression: str) -> float:
-    """+ - * / // % and parentheses on numbers; anything else is refused (never ``eval``)."""
-
-    def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.operand))
-        raise ValueError(f"unsupported expression element: {type(node).__name__}")
-
-    if len(expression) > 200:
-        raise ValueError("expression too long")
-    return ev(ast.parse(expression, mode="eval"))
-
-
-class CalculatorTool(BaseTool):
-    name = "calculator"
-    description = "Evaluate an arithmetic expression with + - * / and parentheses; returns the number."
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {"expression": {"type": "string", "description": "for example: (12 + 7) * 3"}},
-        "required": ["expression"],
-    }
-
-    def execute(self, args: dict[str, Any]) -> str:
-        try:
-            value = safe_eval(str(args["expression"]))
-        except (KeyError, ValueError, SyntaxError, ZeroDivisionError, TypeError) as exc:
-            return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        return json.dumps({"result": value})
+    def execute(self, args: dict[str, Any]) -> str:  # type: ignore[override]
+        return super().execute(args)[0]
 
 
 @dataclass
@@ -164,12 +110,6 @@ class ToolEnv:
             except ValueError as exc:
                 result = json.dumps({"error": f"arguments are not JSON: {exc}"})
         return {"role": "tool", "tool_call_id": call.get("id", ""), "content": result}
-
-
-def hermes_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """The exact text a hermes-style (Qwen) model emits for a tool call; vLLM's hermes parser turns it into
-    ``tool_calls``. Used to force a correct run on a random model (``--scripted``)."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def scripted_turns(problem: Problem) -> list[str]:

@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"token; never ${TOKEN_ENV}) in its environment, and should keep the token from the agents it starts "
         "(`steptap run` does)",
     )
+    p.add_argument(
+        "--eval",
+        metavar="DATA.parquet",
+        help="evaluate this dataset (steptap eval) at start and every --eval-every policy versions; "
+        "its accuracy goes into the metrics file beside the training reward",
+    )
+    p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
+    p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
     p.add_argument(
@@ -284,6 +292,16 @@ class Up:
         # The learner has no health route: alive after a few seconds (its imports done) counts as started.
         wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
 
+    def _start_eval(self) -> None:
+        if not self.args.eval:
+            return
+        argv = [*STEPTAP, "eval", self.args.eval, "--proxy", self.proxy_url]
+        argv += ["--every", str(self.args.eval_every), "--metrics-file", str(self.metrics_path)]
+        argv += _split(self.args.eval_args)
+        env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token, "STEPTAP_MODEL": self.served_model}
+        child = self.sup.start(Child("eval", argv, self.logs / "eval.log", env=env, may_exit=True))
+        self._log(f"eval: {self.args.eval} every {self.args.eval_every} versions (log: {child.log_path})")
+
     def _start_agents(self) -> None:
         if not self.args.agents:
             return
@@ -345,6 +363,7 @@ class Up:
             self.t_ready = time.time()
             self._write_pids()
             self._announce()
+            self._start_eval()
             self._start_agents()
             self._write_pids()
             failed = self._watch()

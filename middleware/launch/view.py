@@ -69,6 +69,7 @@ class StatusBoard:
         self.prom: dict[str, float] = {}
         self.health: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
+        self.evals: dict[int, float] = {}  # steptap eval's accuracy by policy version (same metrics file)
         self._offset = 0
         self._health_at = 0.0
         self._calls: list[tuple[float, float]] = []  # (time, calls counter) for a 10 s rate
@@ -119,6 +120,8 @@ class StatusBoard:
                 continue
             if isinstance(row, dict) and _first(row, K_REWARD) is not None:
                 self.rows.append(row)
+            elif isinstance(row, dict) and isinstance(row.get("eval_accuracy"), (int, float)):
+                self.evals[int(row.get("eval_version") or 0)] = float(row["eval_accuracy"])
 
     # -- figures ---------------------------------------------------------------------------------------
     @property
@@ -171,6 +174,10 @@ class StatusBoard:
             )
         return {v: round(sum(x) / len(x), 4) for v, x in acc.items()}
 
+    def eval_line(self) -> str:
+        """steptap eval's accuracy for the last few policy versions."""
+        return "  ".join(f"v{k}: {v:.3f}" for k, v in sorted(self.evals.items())[-6:])
+
     def last_swap(self) -> str:
         swaps = _pick(self.prom, SWAPS)
         secs = _pick(self.prom, SWAP_SECONDS)
@@ -205,6 +212,7 @@ class StatusBoard:
                 "reward by policy version",
                 "  ".join(f"v{k}: {v:.3f}" for k, v in list(by_version.items())[-6:]) or "-",
             ),
+            *([("eval accuracy by version", self.eval_line())] if self.evals else []),
             ("learner loss", fmt(self.recent_loss(), ".4f")),
             ("last weight swap", self.last_swap()),
         ]
@@ -228,6 +236,7 @@ def render_line(board: StatusBoard) -> str:
         "agents' reward (last 60 s)",
         "learner updates",
         "reward (last 3 updates)",
+        "eval accuracy by version",
         "learner loss",
         "last weight swap",
     }

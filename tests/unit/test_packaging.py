@@ -70,7 +70,7 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
          f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))"],
         capture_output=True, text=True, timeout=120, check=True,
     )
-    for command in ("serve", "vllm", "learn", "up", "run", "tiny-model", "adapters", "plot"):
+    for command in ("serve", "vllm", "learn", "up", "run", "tiny-model", "adapters", "plot", "env", "eval", "export"):
         assert f"  {command} " in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]"
 

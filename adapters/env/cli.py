@@ -1,0 +1,234 @@
+"""``steptap env run DATA.parquet`` (GRPO groups from a dataset), ``steptap env list``, and ``steptap eval``.
+
+    steptap env run data/train.parquet --n 8 --concurrency 16 --epochs 2
+    steptap eval data/test.parquet                       # accuracy by policy version, as eval sessions
+    steptap eval data/test.parquet --every 5 --metrics-file runs/x/metrics.jsonl   # beside a learner
+
+The proxy URL and control token come from ``--proxy``/``--control-token`` or STEPTAP_URL /
+STEPTAP_CONTROL_TOKEN.
+``env run`` keeps a state file (default ``DATA.parquet.state.jsonl``) so that a restarted run skips the groups
+already finished; ``--fresh`` starts over. ``eval --every K`` watches the proxy's policy version and evaluates
+at the start and after every K new versions, appending one row per version to the metrics file
+(``eval_accuracy``, ``eval_version``), which ``steptap plot`` draws beside the training reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
+from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
+from steptap.adapters.session import TOKEN_ENV, URL_ENV
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help="parquet dataset (prompt, reward_model, agent_name, env_kwargs)")
+    p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
+    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV), help=f"default ${TOKEN_ENV}")
+    p.add_argument(
+        "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
+    )
+    p.add_argument("--model", help="model name to request (default: the one the proxy serves)")
+    p.add_argument("--concurrency", type=int, default=16, help="episodes at once")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, help="model calls per episode (default: the environment's)")
+    p.add_argument("--limit", type=int, help="only the first N rows")
+
+
+def _config(args: argparse.Namespace, mode: str, n: int, epochs: int, state: str | None) -> RunConfig:
+    return RunConfig(
+        proxy_url=args.proxy.rstrip("/"),
+        control_token=args.control_token,
+        n=n,
+        concurrency=args.concurrency,
+        epochs=epochs,
+        mode=mode,
+        env=args.env,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        max_steps=args.max_steps,
+        state_file=state,
+        name=Path(args.data).stem,
+    )
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.proxy:
+        p.error(f"no proxy URL: pass --proxy or set {URL_ENV}")
+    if not args.control_token:
+        p.error(f"no control token: pass --control-token or set {TOKEN_ENV}")
+    if args.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+
+
+class _Progress:
+    """A tqdm bar on stderr when tqdm is installed, else a line per finished group's worth of episodes."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.count, self.rewards = total, 0, []
+        try:
+            from tqdm import tqdm
+
+            self.bar: Any = tqdm(total=total, desc=desc, unit="ep", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def __call__(self, ep: Episode) -> None:
+        self.count += 1
+        if ep.reward is not None:
+            self.rewards.append(ep.reward)
+        recent = self.rewards[-64:]
+        mean = sum(recent) / len(recent) if recent else float("nan")
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{mean:.3f}", refresh=False)
+            self.bar.update(1)
+        elif self.count % 16 == 0 or self.count == self.total:
+            print(f"{self.count}/{self.total} episodes, mean reward {mean:.3f}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _load(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any]:
+    try:
+        rows = read_rows(args.data)
+    except (DatasetError, ImportError) as exc:
+        p.exit(2, f"{p.prog}: {exc}\n")
+    return rows[: args.limit] if args.limit else rows
+
+
+def _run(rows: list[Any], cfg: RunConfig, desc: str) -> Tally:
+    runner = DatasetRunner(rows, cfg)
+    progress = _Progress(len(runner.todo()) * cfg.n, desc)
+    runner.on_episode = progress
+    try:
+        asyncio.run(runner.run())
+    finally:
+        progress.close()
+    return runner.tally
+
+
+def main_env(argv: list[str] | None = None) -> int:
+    """``steptap env run|list``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["list"]:
+        names = env_names()
+        for name, target in sorted(names.items()):
+            print(f"{name:<16} {target}")
+        if not names:
+            print("no environments registered (entry-point group 'steptap.envs')")
+        return 0
+    p = argparse.ArgumentParser(prog="steptap env run", description="Run a parquet dataset as GRPO groups.")
+    _common(p)
+    p.add_argument("--n", type=int, default=8, help="sessions per row (one GRPO group)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--state", help="state file of finished groups (default DATA.state.jsonl)")
+    p.add_argument("--fresh", action="store_true", help="ignore (and replace) the state file: redo every row")
+    if argv[:1] != ["run"]:
+        p.print_usage(sys.stderr)
+        print("steptap env: expected `run DATA.parquet [...]` or `list`", file=sys.stderr)
+        return 2
+    args = p.parse_args(argv[1:])
+    _check(p, args)
+    if args.n < 1 or args.epochs < 1:
+        p.error("--n and --epochs must be at least 1")
+    state = args.state or f"{args.data}.state.jsonl"
+    if args.fresh and Path(state).exists():
+        Path(state).unlink()
+    rows = _load(p, args)
+    cfg = _config(args, "train", args.n, args.epochs, state)
+    report = {**_run(rows, cfg, "episodes").summary(), "state_file": state}
+    print(json.dumps(report))
+    return 0 if report["failed_to_start"] == 0 else 1
+
+
+def _proxy_version(url: str, token: str) -> int | None:
+    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(json.loads(resp.read()).get("policy_version", 0))
+    except urllib.error.HTTPError as exc:  # 503: degraded backend, the body still has the version
+        try:
+            return int(json.loads(exc.read()).get("policy_version", 0))
+        except (ValueError, TypeError):
+            return None
+    except (OSError, ValueError):
+        return None
+
+
+def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -> dict[str, Any]:
+    """One evaluation pass; returns ``{"by_version": {...}, **summary}`` and appends to ``metrics_file``."""
+    tally = _run(rows, cfg, "eval")
+    by_version = tally.by_version()
+    if metrics_file:
+        Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(metrics_file, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(
+                        {
+                            "time": time.time(),
+                            "eval_version": version,
+                            "eval_accuracy": acc["accuracy"],
+                            "eval_episodes": acc["episodes"],
+                            "eval_reward_mean": acc["reward_mean"],
+                        }
+                    )
+                    + "\n" for version, acc in by_version.items())
+    return {"by_version": by_version, **tally.summary()}
+
+
+def main_eval(argv: list[str] | None = None) -> int:
+    """``steptap eval DATA.parquet``: eval sessions; accuracy by policy version."""
+    p = argparse.ArgumentParser(prog="steptap eval", description=main_eval.__doc__.split(": ", 1)[1])
+    _common(p)
+    p.add_argument("--n", type=int, default=1, help="sessions per row")
+    p.add_argument("--metrics-file", help="append eval_accuracy rows here (the learner's metrics file)")
+    p.add_argument(
+        "--every", type=int, help="watch the proxy: evaluate again after every K new policy versions"
+    )
+    p.add_argument("--poll", type=float, default=5.0, help="seconds between version checks with --every")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    _check(p, args)
+    rows = _load(p, args)
+    cfg = _config(args, "eval", max(1, args.n), 1, None)
+    if not args.every:
+        report = evaluate(rows, cfg, args.metrics_file)
+        _print_report(report, args.json)
+        return 0 if report["failed_to_start"] == 0 else 1
+    last: int | None = None
+    try:
+        while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest)
+            version = _proxy_version(cfg.proxy_url, cfg.control_token)
+            if version is not None and (last is None or version >= last + args.every):
+                last = version
+                _print_report(evaluate(rows, cfg, args.metrics_file), args.json)
+            time.sleep(args.poll)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _print_report(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report), flush=True)
+        return
+    for version, acc in report["by_version"].items():
+        print(
+            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})",
+            flush=True,
+        )
+    if not report["by_version"]:
+        print(f"no episode finished ({report['errors'] or 'no rows'})", flush=True)
+
+
+__all__ = ["evaluate", "main_env", "main_eval"]

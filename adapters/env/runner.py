@@ -1,0 +1,326 @@
+"""Running a dataset through the proxy: GRPO groups of sessions, resumable, and evaluation by policy version.
+
+Each row (times ``epochs``) becomes one group of ``n`` sessions (``group_id`` per row and epoch,
+``group_size=n``); at most ``concurrency`` episodes run at once. With a state file, each finished group is
+appended to it (one JSON line, fsync'd), and a restarted run skips the groups it lists: finished rows are
+never redone. A group counts as finished once every member's session was closed (``finished`` or
+``aborted``); one whose sessions could not even be opened (proxy down) is not written and is run again next
+time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from steptap.adapters.env.base import AgentEnv
+from steptap.adapters.env.dataset import Row, resolve_env
+from steptap.adapters.env.loop import AgentEnvLoop, AgentFlowBase, FlowContext
+from steptap.adapters.session import MODEL_ENV, async_session, served_model
+
+
+@dataclass
+class RunConfig:
+    proxy_url: str
+    control_token: str
+    n: int = 1  # members per group
+    concurrency: int = 16  # episodes at once
+    epochs: int = 1
+    mode: str = "train"  # "eval": never trained on
+    env: str | Callable[[], Any] | None = None  # overrides each row's agent_name (a name, or a factory)
+    model: str | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    max_steps: int | None = None  # overrides the environment's
+    state_file: str | None = None
+    idle_timeout_s: float | None = 600.0
+    name: str = "data"  # group ids start with it
+    keep_episodes: int = 10_000  # Episode objects kept in DatasetRunner.episodes (counts cover them all)
+
+
+@dataclass
+class Episode:
+    epoch: int
+    row: int
+    member: int
+    group_id: str
+    session_id: str = ""
+    status: str = ""  # finished | aborted | "" (no session)
+    reward: float | None = None  # the trajectory reward (sum of its parts)
+    correct: bool | None = None
+    steps: int = 0
+    step_rewards: list[Any] = field(default_factory=list)
+    policy_version: int | None = None  # the version of its last step (eval runs)
+    info: dict[str, Any] = field(default_factory=dict)  # the flow's last info (answer, correct, turns, ...)
+    error: str | None = None
+
+
+def as_flow(obj: Any) -> AgentFlowBase:
+    if isinstance(obj, AgentFlowBase):
+        return obj
+    if isinstance(obj, AgentEnv):
+        return AgentEnvLoop(lambda: obj)
+    raise TypeError(
+        f"an environment factory must return an AgentEnv or an AgentFlowBase, got {type(obj).__name__}"
+    )
+
+
+def _total(reward: Any) -> float | None:
+    if reward is None:
+        return None
+    if isinstance(reward, dict):
+        return float(sum(float(v) for v in reward.values()))
+    return float(reward)
+
+
+class DatasetRunner:
+    def __init__(
+        self, rows: list[Row], cfg: RunConfig, on_episode: Callable[[Episode], None] | None = None
+    ) -> None:
+        if cfg.n < 1 or cfg.concurrency < 1 or cfg.epochs < 1:
+            raise ValueError("n, concurrency and epochs must be at least 1")
+        self.rows, self.cfg, self.on_episode = rows, cfg, on_episode
+        self.episodes: list[Episode] = []  # the first cfg.keep_episodes, for callers that want details
+        self.tally = Tally()
+        self.done = self._load_state()
+        self._factories: dict[str, Any] = {}
+        self._model: str | None = cfg.model or os.environ.get(MODEL_ENV)
+        self._model_lock = asyncio.Lock()
+
+    # ---- the durable state -------------------------------------------------------------------------------
+
+    def _load_state(self) -> set[tuple[int, int]]:
+        path = self.cfg.state_file
+        if not path or not Path(path).exists():
+            return set()
+        done = set()
+        for line in Path(path).read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                done.add((int(rec["epoch"]), int(rec["row"])))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a crash: that group is redone
+        return done
+
+    def _record(self, epoch: int, row: int, members: list[Episode]) -> None:
+        if not self.cfg.state_file:
+            return
+        line = json.dumps(
+            {
+                "epoch": epoch,
+                "row": row,
+                "group_id": members[0].group_id,
+                "rewards": [m.reward for m in members],
+                "statuses": [m.status for m in members],
+            }
+        )
+        with open(self.cfg.state_file, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def todo(self) -> list[tuple[int, Row]]:
+        return [(e, r) for e in range(self.cfg.epochs) for r in self.rows if (e, r.index) not in self.done]
+
+    # ---- running -----------------------------------------------------------------------------------------
+
+    async def run(self) -> list[Episode]:
+        cfg = self.cfg
+        if cfg.state_file:
+            Path(cfg.state_file).parent.mkdir(parents=True, exist_ok=True)
+        member_slots = asyncio.Semaphore(cfg.concurrency)
+        group_slots = asyncio.Semaphore(-(-cfg.concurrency // cfg.n) + 1)  # bounds the tasks in flight
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        from steptap.middleware.client import SteptapClient
+
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            client = SteptapClient(cfg.proxy_url, cfg.control_token, session=http)
+            tasks: set[asyncio.Task[None]] = set()
+            try:
+                for epoch, row in self.todo():
+                    await group_slots.acquire()
+                    task = asyncio.create_task(self._group(http, client, member_slots, epoch, row))
+                    task.add_done_callback(lambda _t: group_slots.release())
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        return self.episodes
+
+    async def _group(
+        self, http: aiohttp.ClientSession, client: Any, slots: asyncio.Semaphore, epoch: int, row: Row
+    ) -> None:
+        group_id = f"{self.cfg.name}-e{epoch}-r{row.index}-{uuid.uuid4().hex[:6]}"
+
+        async def member(i: int) -> Episode:
+            async with slots:
+                return await self._episode(http, client, epoch, row, i, group_id)
+
+        members = list(await asyncio.gather(*(member(i) for i in range(self.cfg.n))))
+        if all(m.status for m in members):
+            self._record(epoch, row.index, members)
+
+    async def _resolve_model(self, session: Any) -> str:
+        async with self._model_lock:
+            if self._model is None:
+                self._model = await asyncio.to_thread(served_model, session.base_url, session.api_key)
+        return self._model
+
+    def _factory(self, row: Row) -> Any:
+        if callable(self.cfg.env):
+            return self.cfg.env
+        name = self.cfg.env or row.agent_name
+        if not name:
+            raise ValueError(f"row {row.index} has no agent_name and no --env was given")
+        if name not in self._factories:
+            self._factories[name] = resolve_env(name)
+        return self._factories[name]
+
+    async def _episode(
+        self, http: aiohttp.ClientSession, client: Any, epoch: int, row: Row, index: int, group_id: str
+    ) -> Episode:
+        cfg = self.cfg
+        ep = Episode(epoch=epoch, row=row.index, member=index, group_id=group_id)
+        name = cfg.env if isinstance(cfg.env, str) else row.agent_name
+        meta = {
+            "task": name or getattr(cfg.env, "__name__", None),
+            "dataset": cfg.name,
+            "row": row.index,
+            "epoch": epoch,
+            "member": index,
+            "reward_model": row.reward_model,
+            "env_kwargs": row.env_kwargs,
+            **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))},
+        }
+        try:
+            flow = as_flow(self._factory(row)())
+            async with async_session(
+                cfg.proxy_url,
+                cfg.control_token,
+                client=client,
+                group_id=group_id,
+                group_size=cfg.n,
+                mode=cfg.mode,
+                metadata=meta,
+                idle_timeout_s=cfg.idle_timeout_s,
+            ) as s:
+                ep.session_id = s.id
+                ctx = FlowContext(
+                    http,
+                    s,
+                    await self._resolve_model(s),
+                    {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+                )
+                if cfg.max_steps is not None and isinstance(flow, AgentEnvLoop):
+                    flow.max_steps = cfg.max_steps
+                try:
+                    reward, info = await flow.run(
+                        ctx, prompt=row.prompt, reward_model=row.reward_model, **row.env_kwargs
+                    )
+                finally:
+                    ep.steps, ep.step_rewards = ctx.calls, list(ctx.step_rewards)
+                if isinstance(reward, dict):
+                    for part, value in reward.items():
+                        s.set_reward(float(value), name=str(part))
+                elif reward is not None:
+                    s.set_reward(float(reward))
+                ep.reward, ep.info = _total(reward), dict(info)
+                correct = info.get("correct")
+                ep.correct = (
+                    bool(correct)
+                    if isinstance(correct, bool)
+                    else (ep.reward is not None and ep.reward >= 1.0)
+                )
+                if cfg.mode == "eval":
+                    traj = await s.trajectory()
+                    ep.policy_version = traj.steps[-1].policy_version if traj.steps else None
+            ep.status = s.status or ""
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad episode must not end the run; it is reported
+            ep.error = f"{type(exc).__name__}: {exc}"
+            if ep.session_id:
+                ep.status = "aborted"
+        self.tally.add(ep)
+        if len(self.episodes) < self.cfg.keep_episodes:
+            self.episodes.append(ep)
+        if self.on_episode is not None:
+            self.on_episode(ep)
+        return ep
+
+
+class Tally:
+    """Counts over a run's episodes, kept as they finish (so a long run holds counts, not every episode)."""
+
+    MAX_ERRORS = 5
+
+    def __init__(self) -> None:
+        self.episodes = self.finished = self.aborted = self.failed_to_start = self.steps = 0
+        self.reward_sum, self.rewarded = 0.0, 0
+        self.errors: list[str] = []
+        # policy version -> [episodes, correct, reward sum, rewarded]
+        self.versions: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0])
+
+    def add(self, ep: Episode) -> None:
+        self.episodes += 1
+        self.finished += ep.status == "finished"
+        self.aborted += ep.status == "aborted"
+        self.failed_to_start += not ep.status
+        self.steps += ep.steps
+        if ep.reward is not None:
+            self.reward_sum, self.rewarded = self.reward_sum + ep.reward, self.rewarded + 1
+        if ep.error and ep.error not in self.errors and len(self.errors) < self.MAX_ERRORS:
+            self.errors.append(ep.error)
+        if ep.status == "finished" and ep.policy_version is not None:
+            v = self.versions[ep.policy_version]
+            v[0] += 1
+            v[1] += bool(ep.correct)
+            if ep.reward is not None:
+                v[2] += ep.reward
+                v[3] += 1
+
+    def by_version(self) -> dict[int, dict[str, Any]]:
+        """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean"}}`` over finished episodes."""
+        return {
+            version: {
+                "episodes": int(n),
+                "correct": int(correct),
+                "accuracy": correct / n,
+                "reward_mean": rsum / rn if rn else None,
+            }
+            for version, (n, correct, rsum, rn) in sorted(self.versions.items())
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "episodes": self.episodes,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "failed_to_start": self.failed_to_start,
+            "steps": self.steps,
+            "reward_mean": self.reward_sum / self.rewarded if self.rewarded else None,
+            "errors": self.errors,
+        }
+
+
+def accuracy_by_version(episodes: list[Episode]) -> dict[int, dict[str, Any]]:
+    tally = Tally()
+    for ep in episodes:
+        tally.add(ep)
+    return tally.by_version()
+
+
+__all__ = ["DatasetRunner", "Episode", "RunConfig", "Tally", "accuracy_by_version", "as_flow"]

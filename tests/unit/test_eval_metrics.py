@@ -1,0 +1,40 @@
+"""`steptap plot` draws `steptap eval` rows at the update that published their policy version."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from steptap.learner.plot import eval_points, main
+
+
+def test_eval_rows_land_on_the_update_that_published_their_version(tmp_path: Path) -> None:
+    updates = [{"update": u, "policy_version": u, "reward_mean": 0.1 * u, "loss": 0.0} for u in range(1, 7)]
+    evals = [
+        {"eval_version": 0, "eval_accuracy": 0.25},
+        {"eval_version": 3, "eval_accuracy": 0.5},
+        {"eval_version": 9, "eval_accuracy": 1.0},
+    ]  # not yet published by any update: left out
+    assert eval_points(updates, evals) == [(0, 0.25), (3, 0.5)]
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*updates, *evals]))
+    assert main([str(metrics), "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_live_view_shows_eval_accuracy_beside_the_training_reward(tmp_path: Path) -> None:
+    from steptap.middleware.launch.view import StatusBoard, render_line
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"time": 1.0, "eval_version": 0, "eval_accuracy": 0.25, "eval_episodes": 4},
+        {"update": 1, "reward_mean": 0.5, "loss": 0.1, "policy_version": 1},
+        {"time": 2.0, "eval_version": 1, "eval_accuracy": 0.75, "eval_episodes": 4},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    board = StatusBoard("http://127.0.0.1:9", path)  # nothing listens: the proxy's figures stay empty
+    board.read_metrics()
+    assert board.updates == 1 and board.recent_reward(3) == 0.5  # eval rows are not training updates
+    assert board.evals == {0: 0.25, 1: 0.75}
+    assert "eval accuracy by version v0: 0.250  v1: 0.750" in render_line(board)
