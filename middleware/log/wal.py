@@ -8,14 +8,9 @@ and one ``fdatasync`` in a worker thread (never on the event loop). A lone recor
 at once; records that arrive while a sync is in progress wait for the next one and share it. Each ``append``
 resolves only after the sync that covered its record.
 
-**Recovery.** Only the last segment can end in a torn record (a crash mid-write: every earlier segment was
-synced before the next was created). Opening truncates the last segment at its first bad frame, keeps the cut
-bytes beside it (``seg-N.log.torn-OFFSET``), counts it and logs a warning. A bad frame inside a sealed segment is
-disk corruption: it is logged as an error, counted, and the rest of that segment is skipped by every reader.
-
-**Remote logs.** For an fsspec URL (``s3://``, ``gs://``, ``memory://``) the write-ahead log stays in a local
-directory (``cache_dir``, or one derived from the URL under ``~/.cache/steptap/wal``) and each sealed segment
-is uploaded under the URL with the same name. A fresh local directory is first filled from the remote copy.
+**Recovery** at open (``recovery.py``) cuts a torn tail and rebuilds what the writer tracks; **reading**
+(``reader.py``) serves start-up, the stream and cursor checks; **remote logs** (``remote.py``) keep the
+write-ahead log local and upload sealed segments.
 
 **Compaction rule** (``compact(min_cursor)``): only a prefix of sealed segments is ever deleted, locally and
 remotely: the segments wholly before ``min_cursor`` (every consumer has acknowledged them) and before the
@@ -27,39 +22,34 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import fcntl
 import logging
 import os
 import threading
 import time
 from array import array
-from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, log_decoder, msgpack_encoder
+from steptap.middleware import files
+from steptap.middleware.log.reader import Reader
+from steptap.middleware.log.recovery import LogInUseError, Recovery
+from steptap.middleware.log.remote import Remote
 from steptap.middleware.log.segments import (
-    FRAME,
     HEADER,
     MAX_RECORD,
-    SEG_RE,
     CorruptLogError,
     create_segment,
     cursor_key,
-    datasync,
     format_cursor,
     frame,
-    frame_at,
-    fsync_path,
-    list_segments,
     parse_cursor,
-    scan_frames,
     seg_name,
     split_location,
 )
+from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, msgpack_encoder
 
 # Format names are re-exported: callers import them from here.
 __all__ = [
@@ -76,10 +66,6 @@ class LogClosedError(RuntimeError):
     pass
 
 
-class LogInUseError(RuntimeError):
-    """Another process has this log open for writing (two writers would interleave frames)."""
-
-
 class LogStats(msgspec.Struct, kw_only=True):
     records: int = 0  # records appended since open
     bytes: int = 0  # bytes appended since open
@@ -94,35 +80,7 @@ class LogStats(msgspec.Struct, kw_only=True):
     compacted_segments: int = 0
 
 
-class _Peek(msgspec.Struct, kw_only=True, tag_field="type"):
-    trajectory_id: str = ""
-
-
-class _PeekStep(_Peek, tag="step"):
-    pass
-
-
-class _PeekOpened(_Peek, tag="session_opened"):
-    pass
-
-
-class _PeekReward(_Peek, tag="reward_added"):
-    pass
-
-
-class _PeekTrajectory(_Peek, tag="trajectory"):
-    id: str = ""
-    status: str = "running"
-
-
-class _PeekVersion(_Peek, tag="policy_version"):
-    pass
-
-
-_peek_decoder = msgspec.msgpack.Decoder(_PeekStep | _PeekOpened | _PeekReward | _PeekTrajectory | _PeekVersion)
-
-
-class TrajectoryLog:
+class TrajectoryLog(Recovery, Reader, Remote):
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
 
     def __init__(self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None) -> None:
@@ -195,100 +153,6 @@ class TrajectoryLog:
             for segno in sorted(log._valid_end):
                 log._schedule_upload(segno, only_if_missing=True)
         return log
-
-    def _recover(self, readonly: bool = False) -> None:
-        """Runs in the I/O thread: restore from remote if empty, validate every segment, truncate a torn tail,
-        rebuild the open-session index, and open the active segment for appending."""
-        if not readonly:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # One writer per directory: an exclusive lock the kernel drops when the process dies (even SIGKILL).
-            self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
-        segnos = list_segments(self.dir)
-        if readonly:
-            self._scan_segments(segnos, readonly=True)
-            return
-        if not segnos and self._fs is not None:
-            segnos = self._download_remote()
-        self._scan_segments(segnos, readonly=False)
-        if not segnos:
-            self._segno, self._size = 1, len(HEADER)
-            create_segment(self.dir, 1)
-        self._fd = os.open(self.dir / seg_name(self._segno), os.O_WRONLY)
-        os.lseek(self._fd, self._size, os.SEEK_SET)
-        self.stats.segments = len(self._valid_end) + 1
-
-    def _scan_segments(self, segnos: list[int], readonly: bool) -> None:
-        for i, segno in enumerate(segnos):
-            last = i == len(segnos) - 1
-            path = self.dir / seg_name(segno)
-            data = path.read_bytes()
-            if data[: len(HEADER)] != HEADER:
-                if last and len(data) < len(HEADER) and HEADER.startswith(data):
-                    data = b""  # crashed while creating it: rewrite the header below
-                else:
-                    raise CorruptLogError(f"{path} is not a steptap log segment (bad header)")
-            frames, good_end = scan_frames(data, len(HEADER)) if data else ([], 0)
-            for start, end in frames:
-                self._index(segno, end, data[start:end])
-            if last:
-                # A reader beside a live writer sees its uncommitted tail: not torn, just not there yet.
-                if (good_end < len(data) or not data) and not readonly:
-                    self._truncate_tail(path, data, good_end)
-                self._segno = segno
-                self._size = max(good_end, len(HEADER))
-            else:
-                self._valid_end[segno] = good_end
-                if good_end < len(data):
-                    self.stats.corrupt_records += 1
-                    logger.error(
-                        "trajectory log %s is corrupt at offset %d (bad frame inside a sealed segment): "
-                        "%d bytes after it are skipped by every reader", path, good_end, len(data) - good_end,
-                    )
-        if not segnos:
-            self._segno, self._size = 1, len(HEADER)
-
-    def _truncate_tail(self, path: Path, data: bytes, good_end: int) -> None:
-        if not data:
-            path.write_bytes(HEADER)
-            fsync_path(path)
-            fsync_path(self.dir)
-            return
-        torn = data[good_end:]
-        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted out
-        # of order on power loss): none of them was acknowledged, since the sync covering them never returned.
-        later, _ = scan_frames(data, good_end + 1) if len(torn) > FRAME.size else ([], 0)
-        aside = path.with_name(f"{path.name}.torn-{good_end}")
-        aside.write_bytes(torn)
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            os.fsync(f.fileno())
-        fsync_path(self.dir)
-        self.stats.torn_records += 1
-        self.stats.torn_bytes += len(torn)
-        logger.warning(
-            "trajectory log %s ended in a torn record at offset %d (crash mid-write): dropped %d bytes "
-            "(unacknowledged; kept in %s)%s", path, good_end, len(torn), aside.name,
-            f"; {len(later)} later frame(s) in them looked intact" if later else "",
-        )
-
-    def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
-        """Track what compaction must keep (open sessions, the latest policy version) and where finished
-        trajectories end."""
-        try:
-            peek = _peek_decoder.decode(payload)
-        except msgspec.DecodeError:
-            return  # an unknown record kind (newer writer): nothing to track
-        if isinstance(peek, _PeekOpened):
-            self._open_sessions.setdefault(peek.trajectory_id, segno)
-        elif isinstance(peek, _PeekTrajectory) and peek.status != "running":
-            self._open_sessions.pop(peek.id, None)
-            self._traj_ends.append(cursor_key(segno, end))
-        elif isinstance(peek, _PeekVersion):
-            self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
 
     # ---- appending (group commit) ------------------------------------------------------------------------
 
@@ -388,11 +252,8 @@ class TrajectoryLog:
     def _flush(self, buf: list[bytes]) -> None:
         if not buf:
             return
-        data = memoryview(b"".join(buf))
-        while data:
-            n = os.write(self._fd, data)
-            data = data[n:]
-        datasync(self._fd)
+        files.write_all(self._fd, b"".join(buf))
+        files.datasync(self._fd)
         self.stats.commits += 1
         with self._lock:
             self._size += sum(len(b) for b in buf)
@@ -414,194 +275,8 @@ class TrajectoryLog:
         self.stats.segments = len(self._valid_end) + 1
         return old
 
-    # ---- reading -----------------------------------------------------------------------------------------
-
-    def _end_of(self, segno: int) -> int:
-        with self._lock:
-            return self._size if segno == self._segno else self._valid_end.get(segno, 0)
-
-    def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
-        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset)."""
-        end = self._end_of(segno)
-        if offset >= end:
-            return [], offset
-        try:
-            with open(self.dir / seg_name(segno), "rb") as f:
-                f.seek(offset)
-                data = f.read(min(end - offset, max(limit_bytes, 1)))
-        except FileNotFoundError:
-            return [], end  # compacted under us
-        frames, good = scan_frames(data, 0)
-        if not frames and good == 0 and len(data) < end - offset:
-            # One frame larger than limit_bytes: read exactly it.
-            length, _ = FRAME.unpack_from(data, 0)
-            return self._read_frames(segno, offset, FRAME.size + length)
-        if not frames and len(data) == end - offset and good < len(data):
-            raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
-        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + (frames[-1][1] if frames else 0)
-
-    def _start_position(self, cursor: str | None) -> tuple[int, int]:
-        segs = self._retained()
-        if cursor is None:
-            return segs[0], len(HEADER)
-        segno, offset = parse_cursor(cursor)
-        if segno < segs[0]:
-            return segs[0], len(HEADER)  # compacted: everything still retained is after it
-        if segno > self._segno or offset > self._end_of(segno) or offset < len(HEADER):
-            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
-        return segno, offset
-
-    def check_cursor(self, cursor: str) -> None:
-        """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
-        Reads one frame from disk: call it off the event loop."""
-        segno, offset = parse_cursor(cursor)
-        segs = self._retained()
-        if segno < segs[0]:
-            return
-        end = self._end_of(segno)
-        if segno not in segs or offset < len(HEADER) or offset > end:
-            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
-        if offset == end:
-            return
-        if not frame_at(self.dir / seg_name(segno), offset, end):
-            raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
-
-    def _retained(self) -> list[int]:
-        with self._lock:
-            return sorted(self._valid_end) + [self._segno]
-
-    def _next_segment(self, segno: int) -> int | None:
-        later = [s for s in self._retained() if s > segno]
-        return later[0] if later else None
-
-    def records(self) -> Iterator[LogRecord]:
-        """Every retained, committed record in log order (for rebuilding open sessions at startup)."""
-        for _, payload in self._iter_payloads(None):
-            yield log_decoder.decode(payload)
-
-    def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
-        segno, offset = self._start_position(cursor)
-        while True:
-            frames, offset = self._read_frames(segno, offset, 4 << 20)
-            for after, payload in frames:
-                yield format_cursor(segno, after), payload
-            if frames:
-                continue
-            nxt = self._next_segment(segno)
-            if nxt is None:
-                return
-            segno, offset = nxt, len(HEADER)
-
-    async def tail(
-        self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
-    ) -> AsyncIterator[tuple[str, Any]]:
-        """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
-        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
-        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through)."""
-        loop = asyncio.get_running_loop()
-        segno, offset = self._start_position(cursor)
-        current = format_cursor(segno, offset)
-        while True:
-            changed = self._changed
-            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
-            for cur, traj in batch:
-                current = cur
-                if traj is not None:
-                    yield cur, traj
-            if batch:
-                continue
-            if self._closed:
-                return
-            try:
-                await asyncio.wait_for(changed.wait(), idle)
-            except TimeoutError:
-                yield current, None
-
-    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
-        """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
-        records so the position still advances."""
-        while True:
-            frames, new_offset = self._read_frames(segno, offset, 4 << 20)
-            if frames:
-                out: list[tuple[str, Any]] = []
-                for after, payload in frames:
-                    try:
-                        peek = _peek_decoder.decode(payload)
-                    except msgspec.DecodeError:
-                        continue  # a record kind this version does not know
-                    if isinstance(peek, _PeekTrajectory) and peek.status != "running":
-                        out.append((format_cursor(segno, after), payload if raw else log_decoder.decode(payload)))
-                if not out:
-                    out.append((format_cursor(segno, new_offset), None))
-                return out, segno, new_offset
-            nxt = self._next_segment(segno)
-            if nxt is None:
-                return [], segno, offset
-            segno, offset = nxt, len(HEADER)
-
-    async def follow(
-        self, cursor: str | None = None, *, until_idle: float | None = None
-    ) -> AsyncIterator[tuple[str, Trajectory]]:
-        """Finished trajectories after ``cursor`` (``None``: from the oldest retained), in log order, with the
-        cursor after each, waiting for new ones like ``tail -f``. ``until_idle``: stop after that many seconds
-        without a new one (0: stop at the current end)."""
-        agen = self.tail(cursor, idle=until_idle)
-        try:
-            async for cur, traj in agen:
-                if traj is None:
-                    return
-                yield cur, traj
-        finally:
-            await agen.aclose()
-
-    def trajectories_after(self, cursor: str | None) -> int:
-        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
-        if cursor is None:
-            return len(self._traj_ends)
-        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
-
-    @property
-    def end_cursor(self) -> str:
-        """The cursor after the last committed record."""
-        return format_cursor(self._segno, self._size)
 
     # ---- remote upload and compaction --------------------------------------------------------------------
-
-    def _schedule_upload(self, segno: int, *, only_if_missing: bool = False) -> None:
-        if self._fs is None or segno in self._uploading:
-            return
-        self._uploading.add(segno)
-        task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
-        self._uploads.add(task)
-        task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
-
-    def _upload(self, segno: int, only_if_missing: bool) -> None:
-        local = self.dir / seg_name(segno)
-        remote = f"{self._remote_root}/{seg_name(segno)}"
-        try:
-            if only_if_missing and self._fs.exists(remote) and self._fs.size(remote) == local.stat().st_size:
-                return
-            self._fs.makedirs(self._remote_root, exist_ok=True)
-            self._fs.put_file(str(local), remote)
-            self.stats.uploads += 1
-            self._upload_failed.discard(segno)
-        except FileNotFoundError:
-            pass  # compacted before it was uploaded
-        except Exception:  # noqa: BLE001 - retried at the next seal and the next open; the local copy stays
-            self._upload_failed.add(segno)
-            logger.exception("uploading %s to %s failed", local, remote)
-
-    def _download_remote(self) -> list[int]:
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._remote_root, detail=False)]
-        except FileNotFoundError:
-            return []
-        segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
-        for segno in segnos:
-            self._fs.get_file(f"{self._remote_root}/{seg_name(segno)}", str(self.dir / seg_name(segno)))
-        if segnos:
-            logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
-        return segnos
 
     async def compact(self, min_cursor: str) -> list[int]:
         """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
@@ -642,7 +317,7 @@ class TrajectoryLog:
                     pass
                 except Exception:  # noqa: BLE001
                     logger.exception("deleting remote segment %d failed", segno)
-        fsync_path(self.dir)
+        files.fsync_path(self.dir)
 
     # ---- closing -----------------------------------------------------------------------------------------
 

@@ -1,0 +1,181 @@
+"""Reading a log: committed frames by position, every record in order (start-up), and finished trajectories
+after a cursor, following the log like ``tail -f`` (the stream). Reads run in threads; the segment table is
+shared with the writer under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.log.recovery import PeekTrajectory, peek_decoder
+from steptap.middleware.log.segments import (
+    FRAME,
+    HEADER,
+    cursor_key,
+    format_cursor,
+    frame_at,
+    parse_cursor,
+    scan_frames,
+    seg_name,
+)
+from steptap.middleware.records import LogRecord, Trajectory, log_decoder
+
+
+class Reader:
+    """Mixin of ``TrajectoryLog``: everything that reads committed records."""
+
+    # ---- reading -----------------------------------------------------------------------------------------
+
+    def _end_of(self, segno: int) -> int:
+        with self._lock:
+            return self._size if segno == self._segno else self._valid_end.get(segno, 0)
+
+    def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
+        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset)."""
+        end = self._end_of(segno)
+        if offset >= end:
+            return [], offset
+        try:
+            with open(self.dir / seg_name(segno), "rb") as f:
+                f.seek(offset)
+                data = f.read(min(end - offset, max(limit_bytes, 1)))
+        except FileNotFoundError:
+            return [], end  # compacted under us
+        frames, good = scan_frames(data, 0)
+        if not frames and good == 0 and len(data) < end - offset:
+            # One frame larger than limit_bytes: read exactly it.
+            length, _ = FRAME.unpack_from(data, 0)
+            return self._read_frames(segno, offset, FRAME.size + length)
+        if not frames and len(data) == end - offset and good < len(data):
+            raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
+        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + (frames[-1][1] if frames else 0)
+
+    def _start_position(self, cursor: str | None) -> tuple[int, int]:
+        segs = self._retained()
+        if cursor is None:
+            return segs[0], len(HEADER)
+        segno, offset = parse_cursor(cursor)
+        if segno < segs[0]:
+            return segs[0], len(HEADER)  # compacted: everything still retained is after it
+        if segno > self._segno or offset > self._end_of(segno) or offset < len(HEADER):
+            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
+        return segno, offset
+
+    def check_cursor(self, cursor: str) -> None:
+        """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
+        Reads one frame from disk: call it off the event loop."""
+        segno, offset = parse_cursor(cursor)
+        segs = self._retained()
+        if segno < segs[0]:
+            return
+        end = self._end_of(segno)
+        if segno not in segs or offset < len(HEADER) or offset > end:
+            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
+        if offset == end:
+            return
+        if not frame_at(self.dir / seg_name(segno), offset, end):
+            raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
+
+    def _retained(self) -> list[int]:
+        with self._lock:
+            return sorted(self._valid_end) + [self._segno]
+
+    def _next_segment(self, segno: int) -> int | None:
+        later = [s for s in self._retained() if s > segno]
+        return later[0] if later else None
+
+    def records(self) -> Iterator[LogRecord]:
+        """Every retained, committed record in log order (for rebuilding open sessions at startup)."""
+        for _, payload in self._iter_payloads(None):
+            yield log_decoder.decode(payload)
+
+    def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
+        segno, offset = self._start_position(cursor)
+        while True:
+            frames, offset = self._read_frames(segno, offset, 4 << 20)
+            for after, payload in frames:
+                yield format_cursor(segno, after), payload
+            if frames:
+                continue
+            nxt = self._next_segment(segno)
+            if nxt is None:
+                return
+            segno, offset = nxt, len(HEADER)
+
+    async def tail(
+        self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
+        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
+        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through)."""
+        loop = asyncio.get_running_loop()
+        segno, offset = self._start_position(cursor)
+        current = format_cursor(segno, offset)
+        while True:
+            changed = self._changed
+            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
+            for cur, traj in batch:
+                current = cur
+                if traj is not None:
+                    yield cur, traj
+            if batch:
+                continue
+            if self._closed:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), idle)
+            except TimeoutError:
+                yield current, None
+
+    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
+        """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
+        records so the position still advances."""
+        while True:
+            frames, new_offset = self._read_frames(segno, offset, 4 << 20)
+            if frames:
+                out: list[tuple[str, Any]] = []
+                for after, payload in frames:
+                    try:
+                        peek = peek_decoder.decode(payload)
+                    except msgspec.DecodeError:
+                        continue  # a record kind this version does not know
+                    if isinstance(peek, PeekTrajectory) and peek.status != "running":
+                        out.append((format_cursor(segno, after), payload if raw else log_decoder.decode(payload)))
+                if not out:
+                    out.append((format_cursor(segno, new_offset), None))
+                return out, segno, new_offset
+            nxt = self._next_segment(segno)
+            if nxt is None:
+                return [], segno, offset
+            segno, offset = nxt, len(HEADER)
+
+    async def follow(
+        self, cursor: str | None = None, *, until_idle: float | None = None
+    ) -> AsyncIterator[tuple[str, Trajectory]]:
+        """Finished trajectories after ``cursor`` (``None``: from the oldest retained), in log order, with the
+        cursor after each, waiting for new ones like ``tail -f``. ``until_idle``: stop after that many seconds
+        without a new one (0: stop at the current end)."""
+        agen = self.tail(cursor, idle=until_idle)
+        try:
+            async for cur, traj in agen:
+                if traj is None:
+                    return
+                yield cur, traj
+        finally:
+            await agen.aclose()
+
+    def trajectories_after(self, cursor: str | None) -> int:
+        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
+        if cursor is None:
+            return len(self._traj_ends)
+        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
+
+    @property
+    def end_cursor(self) -> str:
+        """The cursor after the last committed record."""
+        return format_cursor(self._segno, self._size)
