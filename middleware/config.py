@@ -14,6 +14,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8400
     log: str = DEFAULT_LOG_DIR  # local directory or fsspec URL of the trajectory log
+    # The largest record the log takes (a 413 above it); the request body limit is derived from it.
+    max_record_bytes: int = 256 * 1024 * 1024
+    log_upload_interval_s: float | None = 30.0  # remote logs: upload the active segment this often
     control_token: str = ""  # empty: generated at start (auth.generate_token) and printed
     public_url: str | None = None  # base of the URLs handed to agents; default http://host:port
     any_model: bool = False  # route every model name to the backend's served model

@@ -67,6 +67,15 @@ class ApiError(web.HTTPException):
         self.code = code
 
 
+class DomainError(Exception):
+    """An error of the domain (the log, sessions, weights) that has an HTTP meaning: raised below the routes,
+    turned into an OpenAI error body by ``error_middleware``. Subclasses set ``status`` and ``code``."""
+
+    status = 500
+    code = "internal_error"
+    retry_after_s: float | None = None  # sent as Retry-After when set
+
+
 def bad_request(message: str, code: str | None = "invalid_request") -> ApiError:
     return ApiError(400, message, code)
 
@@ -84,6 +93,11 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except ApiError:
         raise
+    except DomainError as exc:
+        resp = error_response(str(exc), exc.status, exc.code)
+        if exc.retry_after_s is not None:
+            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

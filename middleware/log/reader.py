@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from steptap.middleware.log.recovery import PeekTrajectory, peek_decoder
+from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
 from steptap.middleware.log.segments import (
     FRAME,
     HEADER,
@@ -26,6 +27,15 @@ from steptap.middleware.log.segments import (
 from steptap.middleware.records import LogRecord, Trajectory, log_decoder
 
 
+logger = logging.getLogger("steptap.wal")
+
+
+class Skipped(NamedTuple):
+    """A finished trajectory the reader could not decode, in place of it (the position still moves on)."""
+
+    reason: str
+
+
 class Reader:
     """Mixin of ``TrajectoryLog``: everything that reads committed records."""
 
@@ -36,24 +46,28 @@ class Reader:
             return self._size if segno == self._segno else self._valid_end.get(segno, 0)
 
     def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
-        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset)."""
+        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset). Reads about
+        ``limit_bytes``, or exactly one frame when the next is larger (its length is checked against the
+        committed end first, so a bad length never becomes a huge read)."""
         end = self._end_of(segno)
         if offset >= end:
             return [], offset
         try:
             with open(self.dir / seg_name(segno), "rb") as f:
                 f.seek(offset)
-                data = f.read(min(end - offset, max(limit_bytes, 1)))
+                data = f.read(min(end - offset, max(limit_bytes, FRAME.size)))
+                frames, _ = scan_frames(data, 0)
+                if not frames and len(data) < end - offset:
+                    length, _ = FRAME.unpack_from(data, 0)
+                    if FRAME.size + length <= end - offset:
+                        f.seek(offset)
+                        data = f.read(FRAME.size + length)
+                        frames, _ = scan_frames(data, 0)
         except FileNotFoundError:
             return [], end  # compacted under us
-        frames, good = scan_frames(data, 0)
-        if not frames and good == 0 and len(data) < end - offset:
-            # One frame larger than limit_bytes: read exactly it.
-            length, _ = FRAME.unpack_from(data, 0)
-            return self._read_frames(segno, offset, FRAME.size + length)
-        if not frames and len(data) == end - offset and good < len(data):
+        if not frames:
             raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
-        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + (frames[-1][1] if frames else 0)
+        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + frames[-1][1]
 
     def _start_position(self, cursor: str | None) -> tuple[int, int]:
         segs = self._retained()
@@ -90,9 +104,18 @@ class Reader:
         return later[0] if later else None
 
     def records(self) -> Iterator[LogRecord]:
-        """Every retained, committed record in log order (for rebuilding open sessions at startup)."""
-        for _, payload in self._iter_payloads(None):
-            yield log_decoder.decode(payload)
+        """Every retained, committed record in log order (for rebuilding open sessions at startup). A record
+        that does not decode (a writer accepted what the schema rejects) is skipped, counted and logged."""
+        for cursor, payload in self._iter_payloads(None):
+            try:
+                yield log_decoder.decode(payload)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                if known_kind(payload):
+                    self._undecodable(cursor, exc)
+
+    def _undecodable(self, cursor: str, exc: Exception) -> None:
+        self.stats.undecodable_records += 1
+        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir, cursor, exc)
 
     def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
         segno, offset = self._start_position(cursor)
@@ -112,7 +135,8 @@ class Reader:
     ) -> AsyncIterator[tuple[str, Any]]:
         """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
         trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
-        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through)."""
+        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through). A
+        finished trajectory that does not decode is yielded as a ``Skipped`` (counted in the stats)."""
         loop = asyncio.get_running_loop()
         segno, offset = self._start_position(cursor)
         current = format_cursor(segno, offset)
@@ -140,12 +164,24 @@ class Reader:
             if frames:
                 out: list[tuple[str, Any]] = []
                 for after, payload in frames:
+                    cursor = format_cursor(segno, after)
                     try:
                         peek = peek_decoder.decode(payload)
-                    except msgspec.DecodeError:
-                        continue  # a record kind this version does not know
-                    if isinstance(peek, PeekTrajectory) and peek.status != "running":
-                        out.append((format_cursor(segno, after), payload if raw else log_decoder.decode(payload)))
+                    except msgspec.DecodeError as exc:
+                        if known_kind(payload) == "trajectory":
+                            self._undecodable(cursor, exc)
+                            out.append((cursor, Skipped(str(exc))))
+                        continue  # another kind, or one this version does not know
+                    if not (isinstance(peek, PeekTrajectory) and peek.status != "running"):
+                        continue
+                    if raw:
+                        out.append((cursor, payload))
+                        continue
+                    try:
+                        out.append((cursor, log_decoder.decode(payload)))
+                    except msgspec.DecodeError as exc:
+                        self._undecodable(cursor, exc)
+                        out.append((cursor, Skipped(str(exc))))
                 if not out:
                     out.append((format_cursor(segno, new_offset), None))
                 return out, segno, new_offset
@@ -159,12 +195,14 @@ class Reader:
     ) -> AsyncIterator[tuple[str, Trajectory]]:
         """Finished trajectories after ``cursor`` (``None``: from the oldest retained), in log order, with the
         cursor after each, waiting for new ones like ``tail -f``. ``until_idle``: stop after that many seconds
-        without a new one (0: stop at the current end)."""
+        without a new one (0: stop at the current end). Undecodable ones are skipped (and counted)."""
         agen = self.tail(cursor, idle=until_idle)
         try:
             async for cur, traj in agen:
                 if traj is None:
                     return
+                if isinstance(traj, Skipped):
+                    continue
                 yield cur, traj
         finally:
             await agen.aclose()

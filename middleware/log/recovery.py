@@ -67,6 +67,24 @@ class PeekVersion(Peek, tag="policy_version"):
 peek_decoder = msgspec.msgpack.Decoder(PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion)
 
 
+class _Kind(msgspec.Struct):
+    type: str = ""
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_Kind)
+KINDS = frozenset(("step", "session_opened", "reward_added", "trajectory", "policy_version"))
+
+
+def known_kind(payload: bytes | memoryview) -> str | None:
+    """The record kind of ``payload`` if it is one this version writes (then a failed decode is a bad
+    record, not a newer writer's record kind), else None."""
+    try:
+        kind = _kind_decoder.decode(payload).type
+    except msgspec.DecodeError:
+        return None
+    return kind if kind in KINDS else None
+
+
 class Recovery:
     """Mixin of ``TrajectoryLog``: the start-up scan (runs in the log's I/O thread)."""
 
@@ -159,12 +177,15 @@ class Recovery:
         try:
             peek = peek_decoder.decode(payload)
         except msgspec.DecodeError:
-            return  # an unknown record kind (newer writer): nothing to track
+            return  # an unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
         if isinstance(peek, PeekOpened):
             self._open_sessions.setdefault(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
             self._open_sessions.pop(peek.id, None)
             self._traj_ends.append(cursor_key(segno, end))
         elif isinstance(peek, PeekVersion):
-            self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
+            try:
+                self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
+            except msgspec.DecodeError:
+                pass  # skipped (and counted) by records(), like any undecodable record
 

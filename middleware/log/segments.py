@@ -26,7 +26,7 @@ from steptap.middleware.wire import cursor_key, format_cursor, parse_cursor
 
 HEADER = b"STAPLOG\x01"  # magic + format version 1
 FRAME = struct.Struct("<II")  # length, crc32
-MAX_RECORD = 1 << 30  # a length above this is corruption, not a record
+MAX_RECORD = 1 << 30  # the format's ceiling for a record limit (``TrajectoryLog.max_record_bytes``)
 SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 
 
@@ -51,7 +51,8 @@ def frame(payload: bytes) -> bytes:
 
 def scan_frames(data: bytes | memoryview, start: int) -> tuple[list[tuple[int, int]], int]:
     """Walk frames from ``start``: ([(payload_offset, payload_end)], offset of the first bad or partial frame
-    or len(data) when all are good)."""
+    or len(data) when all are good). A frame whose length fits in ``data`` and whose checksum matches is good
+    whatever its size: no reader's limit may turn an intact, acknowledged record into "corruption"."""
     out: list[tuple[int, int]] = []
     pos, n = start, len(data)
     while pos < n:
@@ -59,7 +60,7 @@ def scan_frames(data: bytes | memoryview, start: int) -> tuple[list[tuple[int, i
             return out, pos
         length, crc = FRAME.unpack_from(data, pos)
         end = pos + FRAME.size + length
-        if length > MAX_RECORD or end > n or zlib.crc32(data[pos + FRAME.size:end]) != crc:
+        if end > n or zlib.crc32(data[pos + FRAME.size:end]) != crc:
             return out, pos
         out.append((pos + FRAME.size, end))
         pos = end

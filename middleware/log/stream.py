@@ -1,34 +1,24 @@
-"""The stream to the learner: ``GET /trajectories`` and ``POST /trajectories/ack`` (control token only).
+"""The stream to the learner (control token only): ``GET /trajectories``, ``POST /trajectories/ack`` and
+``DELETE /trajectories/consumers/NAME``.
 
 ``GET /trajectories?consumer=NAME&cursor=C&format=ndjson|msgpack&follow=1&heartbeat=S`` sends the finished
 trajectories after cursor ``C`` (default: the consumer's acknowledged cursor, else the start of the log), each
 with the cursor after it. With ``follow=1`` (the default) the response stays open and new trajectories are sent
 as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbeat is written so idle connections
 stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with an ``end``
-message once it has caught up.
+message once it has caught up. A record that does not decode is not sent: a ``skipped`` message takes its
+place (the NDJSON stream decodes every record; the msgpack stream passes records through and the client
+skips what it cannot decode).
 
 Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
 msgpack frames.
 
-``POST /trajectories/ack`` (control token only).
-
-``GET /trajectories?consumer=NAME&cursor=C&format=ndjson|msgpack&follow=1&heartbeat=S`` sends the finished
-trajectories after cursor ``C`` (default: the consumer's acknowledged cursor, else the start of the log), each
-with the cursor after it. With ``follow=1`` (the default) the response stays open and new trajectories are sent
-as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbeat is written so idle connections
-stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with an ``end``
-message once it has caught up.
-
-Framing (one ``StreamMessage`` each):
-- ``format=ndjson``: one JSON object per line: ``{"cursor": C, "trajectory": {...}}``, ``{"cursor": C,
-  "heartbeat": T}`` or ``{"cursor": C, "end": true}``.
-- ``format=msgpack``: a 4-byte big-endian length, then the same object as msgpack.
-
 ``POST /trajectories/ack {"consumer", "cursor"}`` records that the consumer is done with everything up to the
-cursor, durably (``cursors.py``). Acknowledged cursors only
-move forward. With compaction on, segments every known consumer has acknowledged are then deleted (the log's
-rule keeps the segments of open sessions). Delivery is at least once: a consumer that reconnects from its
-acknowledged cursor may see trajectories again, and de-duplicates by trajectory id (the client does).
+cursor, durably (``cursors.py``). Acknowledged cursors only move forward. With compaction on, segments every
+known consumer has acknowledged are then deleted (the log's rule keeps the segments of open sessions).
+``DELETE /trajectories/consumers/NAME`` forgets a consumer, so an abandoned one stops holding compaction back.
+Delivery is at least once: a consumer that reconnects from its acknowledged cursor may see trajectories again,
+and de-duplicates them (the client does).
 """
 
 from __future__ import annotations
@@ -45,7 +35,8 @@ from aiohttp import web
 
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError, bad_request
-from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors
+from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors, TooManyConsumers
+from steptap.middleware.log.reader import Skipped
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.wire import (
@@ -97,6 +88,7 @@ def add_routes(app: web.Application, *, compact: bool = True, heartbeat_s: float
     app[STREAM_STATE_KEY] = _StreamState(compact, heartbeat_s)
     app.router.add_get("/trajectories", get_trajectories)
     app.router.add_post("/trajectories/ack", post_ack)
+    app.router.add_delete("/trajectories/consumers/{consumer}", delete_consumer)
     app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_lag_ctx(lag_interval_s))
 
@@ -207,7 +199,9 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     state.streams.add(task)
     try:
         async for cur, traj in agen:
-            if traj is not None:
+            if isinstance(traj, Skipped):  # undecodable: say so (the client counts it) and move past it
+                await resp.write(encode(StreamMessage(cursor=cur, skipped=traj.reason)))
+            elif traj is not None:
                 await resp.write(encode(message(cur, traj)))
                 sent += 1
             elif follow:
@@ -239,17 +233,45 @@ async def post_ack(request: web.Request) -> web.Response:
     assert consumer is not None
     await _check_cursor(log, body.cursor)
     store = state.consumer_cursors(log)
-    stored = await store.ack(consumer, body.cursor)
+    try:
+        stored = await store.ack(consumer, body.cursor)
+    except TooManyConsumers as exc:
+        raise ApiError(409, str(exc), "too_many_consumers") from None
+    deleted = await _compact(request.app, consumer)
+    return web.json_response({"consumer": consumer, "cursor": stored, "compacted_segments": len(deleted)})
+
+
+async def delete_consumer(request: web.Request) -> web.Response:
+    """Forget a consumer (an abandoned learner): its cursor no longer holds compaction back."""
+    require_control(request)
+    consumer = _consumer(request.match_info["consumer"], required=True)
+    assert consumer is not None
+    log = request.app[LOG_KEY]
+    if not await request.app[STREAM_STATE_KEY].consumer_cursors(log).remove(consumer):
+        raise ApiError(404, f"no consumer {consumer!r} has acknowledged this log", "consumer_not_found")
+    if METRICS_KEY in request.app:
+        try:
+            request.app[METRICS_KEY].stream_lag.remove(consumer)
+        except KeyError:
+            pass
+    deleted = await _compact(request.app, consumer)
+    return web.json_response({"consumer": consumer, "deleted": True, "compacted_segments": len(deleted)})
+
+
+async def _compact(app: web.Application, why: str) -> list[int]:
+    """With compaction on, delete the segments every remaining consumer has acknowledged."""
+    log = app[LOG_KEY]
+    state = app[STREAM_STATE_KEY]
     deleted: list[int] = []
-    if state.compact:
-        cursors = await store.all()
+    cursors = await state.consumer_cursors(log).all()
+    if state.compact and cursors:
         floor = min(cursors.values(), key=parse_cursor)
         try:
             deleted = await log.compact(floor)
         except Exception:  # noqa: BLE001 - the ack itself is durable; compaction retries at the next one
-            logger.exception("compaction after ack from %s failed", consumer)
-    await update_lag(request.app)
-    return web.json_response({"consumer": consumer, "cursor": stored, "compacted_segments": len(deleted)})
+            logger.exception("compaction after %s failed", why)
+    await update_lag(app)
+    return deleted
 
 
-__all__ = ["LOG_KEY", "StreamMessage", "ConsumerCursors", "add_routes", "ApiError"]
+__all__ = ["LOG_KEY", "StreamMessage", "ConsumerCursors", "add_routes", "ApiError", "delete_consumer"]

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from steptap.middleware import files
+from steptap.middleware.errors import DomainError
 from steptap.middleware.log.reader import Reader
 from steptap.middleware.log.recovery import LogInUseError, Recovery
 from steptap.middleware.log.remote import Remote
@@ -53,17 +54,33 @@ from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, 
 
 # Format names are re-exported: callers import them from here.
 __all__ = [
-    "HEADER", "MAX_RECORD", "CorruptLogError", "LogClosedError", "LogInUseError", "LogStats", "TrajectoryLog",
-    "format_cursor", "frame", "parse_cursor",
+    "DEFAULT_MAX_RECORD", "HEADER", "MAX_RECORD", "CorruptLogError", "LogClosedError", "LogInUseError",
+    "LogStats", "LogUnavailable", "RecordTooLarge", "TrajectoryLog", "format_cursor", "frame", "parse_cursor",
 ]
 
 logger = logging.getLogger("steptap.wal")
 
 _MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
+DEFAULT_MAX_RECORD = 256 << 20  # the largest record append() takes (a finished session's Trajectory must fit)
+PROBE_BYTES = 1 << 20  # while degraded, the log is writable again once this much can be written and synced
 
 
 class LogClosedError(RuntimeError):
     pass
+
+
+class RecordTooLarge(DomainError):
+    """A record above the log's ``max_record_bytes``: refused before anything is written."""
+
+    status = 413
+    code = "record_too_large"
+
+
+class LogUnavailable(DomainError):
+    """The log cannot write (disk full, I/O error): nothing new is accepted until it can again."""
+
+    status = 503
+    code = "log_unavailable"
 
 
 class LogStats(msgspec.Struct, kw_only=True):
@@ -77,16 +94,30 @@ class LogStats(msgspec.Struct, kw_only=True):
     last_batch_records: int = 0
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
+    active_uploads: int = 0  # uploads of the active segment's committed part (timer)
     compacted_segments: int = 0
+    undecodable_records: int = 0  # records that did not decode, skipped by a reader (each time one reads them)
+    write_errors: int = 0  # failed group commits (disk full, I/O error)
 
 
 class TrajectoryLog(Recovery, Reader, Remote):
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
 
-    def __init__(self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None) -> None:
+    _active_uploader: asyncio.Task[None] | None = None
+
+    def __init__(
+        self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None,
+        max_record_bytes: int = DEFAULT_MAX_RECORD, probe_interval_s: float = 1.0,
+    ) -> None:
+        if not 0 < max_record_bytes <= MAX_RECORD:
+            raise ValueError(f"max_record_bytes must be between 1 and {MAX_RECORD}")
         self.dir = dirpath
         self.location = str(dirpath)  # what open() was given
         self.segment_bytes = segment_bytes
+        self.max_record_bytes = max_record_bytes
+        self.probe_interval_s = probe_interval_s
+        self.degraded_reason: str | None = None  # why the log cannot write, while it cannot
+        self._probe: asyncio.Task[None] | None = None
         self.stats = LogStats()
         self._fs = fs
         self._remote_root = remote_root
@@ -108,6 +139,7 @@ class TrajectoryLog(Recovery, Reader, Remote):
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
+        self._upload_lock = threading.Lock()  # one upload at a time (remote.py)
         self._compact_lock = asyncio.Lock()
 
     # ---- opening and recovery ----------------------------------------------------------------------------
@@ -121,12 +153,18 @@ class TrajectoryLog(Recovery, Reader, Remote):
         upload_url: str | None = None,
         cache_dir: str | None = None,
         readonly: bool = False,
+        max_record_bytes: int = DEFAULT_MAX_RECORD,
+        upload_interval_s: float | None = 30.0,
+        probe_interval_s: float = 1.0,
     ) -> TrajectoryLog:
         """Open (or create) the log at ``location``: a directory path, ``file://`` URL or remote fsspec URL.
 
         ``upload_url`` is an alternative spelling: a local ``location`` whose sealed segments also go to it.
         ``readonly`` opens an existing local log beside its writer (no lock, no repair, no appends): for
         inspection tools; ``records()`` and ``follow(until_idle=0)`` see what was committed at open.
+        ``max_record_bytes``: the largest record ``append`` takes. ``upload_interval_s`` (remote logs): how
+        often the active segment's committed part is uploaded too (None: only sealed segments).
+        ``probe_interval_s``: how often a degraded log checks whether it can write again.
         """
         if upload_url is not None:
             if "://" in location and not location.startswith("file://"):
@@ -134,7 +172,7 @@ class TrajectoryLog(Recovery, Reader, Remote):
             cache_dir = location.removeprefix("file://")
             location = upload_url
         dirpath, fs, root = split_location(location, cache_dir)
-        log = cls(dirpath, segment_bytes, fs, root)
+        log = cls(dirpath, segment_bytes, fs, root, max_record_bytes, probe_interval_s)
         log.location = location
         if readonly:
             if not dirpath.is_dir():
@@ -152,17 +190,80 @@ class TrajectoryLog(Recovery, Reader, Remote):
         if fs is not None:
             for segno in sorted(log._valid_end):
                 log._schedule_upload(segno, only_if_missing=True)
+            if upload_interval_s:
+                log._start_active_uploads(upload_interval_s)
         return log
 
     # ---- appending (group commit) ------------------------------------------------------------------------
 
     async def append(self, record: LogRecord) -> str:
-        """Append ``record``; returns the cursor after it once it is on disk (synced)."""
+        """Append ``record``; returns the cursor after it once it is on disk (synced). ``RecordTooLarge`` when
+        it exceeds ``max_record_bytes``; ``LogUnavailable`` while the log cannot write (``degraded``)."""
         if self._closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
+        self.ensure_writable()
+        payload = msgpack_encoder.encode(record)
+        if len(payload) > self.max_record_bytes:
+            raise RecordTooLarge(
+                f"the record is {len(payload)} bytes, above the trajectory log's limit of "
+                f"{self.max_record_bytes} bytes"
+            )
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((frame(msgpack_encoder.encode(record)), record, fut))
+        self._queue.put_nowait((frame(payload), record, fut))
         return await fut
+
+    # ---- degraded: the disk cannot take writes -------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """True while the log cannot write (its last group commit failed and no probe has succeeded since)."""
+        return self.degraded_reason is not None
+
+    def ensure_writable(self) -> None:
+        """``LogUnavailable`` while degraded: callers refuse new work instead of doing it and losing it."""
+        if self.degraded_reason is not None:
+            raise LogUnavailable(
+                f"the trajectory log cannot write ({self.degraded_reason}); retry once it has space again",
+            )
+
+    def _degrade(self, exc: BaseException) -> None:
+        self.stats.write_errors += 1
+        if self.degraded_reason is None:
+            logger.error("trajectory log %s cannot write (%s): refusing new records until it can", self.dir, exc)
+        self.degraded_reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else (
+            f"{exc.strerror or exc}" + (f" [errno {exc.errno}]" if exc.errno else ""))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_writable(), name="steptap-wal-probe")
+
+    async def _probe_until_writable(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.degraded_reason is not None and not self._closed:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await loop.run_in_executor(self._io, self._probe_write)
+            except OSError:
+                continue
+            logger.warning("trajectory log %s can write again: accepting records", self.dir)
+            self.degraded_reason = None
+
+    def _probe_write(self) -> None:
+        """I/O thread: write and sync ``PROBE_BYTES`` beside the segments, then remove them."""
+        path = self.dir / ".write-probe"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.FILE_MODE)
+            try:
+                files.write_all(fd, bytes(PROBE_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            path.unlink(missing_ok=True)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes held by the retained local segments."""
+        with self._lock:
+            return sum(self._valid_end.values()) + self._size
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -181,21 +282,30 @@ class TrajectoryLog(Recovery, Reader, Remote):
                 size += len(nxt[0])
             t0 = time.perf_counter()
             try:
-                positions, sealed = await loop.run_in_executor(self._io, self._write_batch, [b[0] for b in batch])
-            except Exception as exc:  # noqa: BLE001 - disk full, I/O error: fail these appends, keep serving
-                logger.exception("trajectory log write failed; %d append(s) fail", len(batch))
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
+                positions, sealed, error = await loop.run_in_executor(
+                    self._io, self._write_batch, [b[0] for b in batch]
+                )
+            except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail these appends, keep serving
+                positions, sealed, error = [], [], exc
             self.stats.last_commit_latency_s = time.perf_counter() - t0
-            self.stats.last_batch_records = len(batch)
-            self.stats.records += len(batch)
-            self.stats.bytes += size
+            self.stats.last_batch_records = len(positions)
+            self.stats.records += len(positions)
+            self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
             for (_, record, fut), (segno, offset) in zip(batch, positions):
                 self._track(record, segno, offset)
                 if not fut.done():  # the caller may have gone away; the record is durable all the same
                     fut.set_result(format_cursor(segno, offset))
+            if error is not None:
+                # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
+                # the log refuses new records until a probe write succeeds, so memory and log stay in step.
+                failed = batch[len(positions):]
+                logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
+                self._degrade(error)
+                for _, _, fut in failed:
+                    if not fut.done():
+                        unavailable = LogUnavailable(f"the trajectory log could not write: {self.degraded_reason}")
+                        unavailable.__cause__ = error
+                        fut.set_exception(unavailable)
             for segno in sealed + sorted(self._upload_failed):
                 self._schedule_upload(segno)
             self._changed.set()
@@ -221,10 +331,14 @@ class TrajectoryLog(Recovery, Reader, Remote):
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 
-    def _write_batch(self, frames: list[bytes]) -> tuple[list[tuple[int, int]], list[int]]:
+    def _write_batch(
+        self, frames: list[bytes]
+    ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
         """I/O thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
-        after each frame and the segments sealed on the way."""
+        after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error that
+        stopped it, if any."""
         positions: list[tuple[int, int]] = []
+        committed = 0
         sealed: list[int] = []
         buf: list[bytes] = []
         pos = self._size
@@ -232,22 +346,22 @@ class TrajectoryLog(Recovery, Reader, Remote):
             for fr in frames:
                 if pos > len(HEADER) and pos + len(fr) > self.segment_bytes:
                     self._flush(buf)
-                    buf = []
+                    committed, buf = len(positions), []
                     sealed.append(self._roll())
                     pos = self._size
                 buf.append(fr)
                 pos += len(fr)
                 positions.append((self._segno, pos))
             self._flush(buf)
-        except BaseException:
+        except OSError as exc:
             # Leave no half-written group behind: cut back to what was committed.
             try:
                 os.ftruncate(self._fd, self._size)
                 os.lseek(self._fd, self._size, os.SEEK_SET)
             except OSError:
                 pass
-            raise
-        return positions, sealed
+            return positions[:committed], sealed, exc
+        return positions, sealed, None
 
     def _flush(self, buf: list[bytes]) -> None:
         if not buf:
@@ -275,8 +389,7 @@ class TrajectoryLog(Recovery, Reader, Remote):
         self.stats.segments = len(self._valid_end) + 1
         return old
 
-
-    # ---- remote upload and compaction --------------------------------------------------------------------
+    # ---- compaction --------------------------------------------------------------------
 
     async def compact(self, min_cursor: str) -> list[int]:
         """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
@@ -331,6 +444,9 @@ class TrajectoryLog(Recovery, Reader, Remote):
             return
         self._closed = True
         self._queue.put_nowait(None)
+        for task in (self._probe, self._active_uploader):
+            if task is not None:
+                task.cancel()
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)  # a dead writer was reported already
         loop = asyncio.get_running_loop()

@@ -186,6 +186,7 @@ async def _model_call(request: web.Request, endpoint: str) -> web.StreamResponse
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
     cfg = app[CONFIG_KEY]
     manager = app[SESSIONS_KEY]
+    manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     upstream = app[UPSTREAM_KEY]
     served = await upstream.route(body.get("model"))  # before resolving: a refused call opens no session
     session = await manager.resolve(identify(request))
@@ -496,13 +497,15 @@ async def health(request: web.Request) -> web.Response:
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         state["error"] = f"{type(exc).__name__}: {exc}"
     swapper: Any = request.app.get(SWAPPER_KEY)
+    log: Any = request.app[SESSIONS_KEY].log
+    log_state = {"degraded": log.degraded, "error": log.degraded_reason}
+    healthy = state["healthy"] and not log.degraded
     body = {
-        "status": "ok" if state["healthy"] else "degraded",
+        "status": "ok" if healthy else "degraded",
+        "log": log_state,
         "backends": [state],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version) if swapper is not None else 0,
         "weights": swapper.state() if swapper is not None else None,  # swap state (weights.py)
     }
-    return web.Response(
-        body=_encode(body), status=200 if state["healthy"] else 503, content_type="application/json"
-    )
+    return web.Response(body=_encode(body), status=200 if healthy else 503, content_type="application/json")

@@ -336,7 +336,7 @@ async def test_failed_upload_is_retried_and_blocks_compaction(tmp_path: Path) ->
 _FULL_DISK_WRITER = r"""
 import asyncio, resource, signal, sys
 from steptap.middleware.records import Step, Trajectory
-from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.log.wal import LogUnavailable, TrajectoryLog
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (48 * 1024, 48 * 1024))
@@ -350,8 +350,9 @@ async def main(path):
                                         steps=[Step(prompt_token_ids=list(range(300)))]))
             ok += 1
             print("OK", i, flush=True)
-        except OSError as exc:
+        except LogUnavailable as exc:
             failed += 1
+    assert log.degraded and log.stats.write_errors >= 1, (log.degraded_reason, log.stats)
     print("FAILED", failed, flush=True)
     await log.close()
 
