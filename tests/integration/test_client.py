@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -276,3 +277,38 @@ async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server)
     with pytest.raises(SteptapError) as ei:
         await asyncio.to_thread(SyncSteptapClient(proxy.url, info.api_key).ack, "x", got[0].cursor)
     assert ei.value.status == 403
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "msgpack"])
+async def test_the_client_skips_and_counts_an_undecodable_record_and_reads_nan_logprobs(
+    tmp_path: Path, fmt: str
+) -> None:
+    """The learner's reader: a bad record (``Step.model = 1`` inside a trajectory) is skipped and counted, not
+    fatal (it used to raise out of ``trajectories`` on every resume); a NaN logprob (an ``echo``ed prompt's
+    first token, sent as JSON null) arrives as NaN."""
+    import math
+
+    from steptap.middleware.log.segments import frame
+
+    srv = Server(tmp_path / "log")
+    log = await srv.start()
+    nan_traj = Trajectory(id="nan", status="finished",
+                          steps=[Step(response_token_ids=[1, 2], response_logprobs=[math.nan, -0.5])])
+    await log.append(nan_traj)
+    await srv.stop()
+    bad = msgspec.to_builtins(traj(1))
+    bad["steps"][0]["model"] = 1
+    with open(sorted((tmp_path / "log").glob("seg-*.log"))[-1], "ab") as f:
+        f.write(frame(msgspec.msgpack.encode(bad)))
+    log = await srv.start()
+    await log.append(traj(2))
+    try:
+        async with SteptapClient(srv.url, TOKEN) as c:
+            got = await collect(c.trajectories("learner", follow=False, format=fmt))
+            assert [d.trajectory.id for d in got] == ["nan", "t2"]
+            lps = got[0].trajectory.steps[0].response_logprobs
+            assert math.isnan(lps[0]) and lps[1] == -0.5
+            assert c.skipped == {"learner": 1}
+            await c.ack("learner", got[-1].cursor)
+    finally:
+        await srv.stop()
