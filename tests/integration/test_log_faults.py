@@ -198,3 +198,15 @@ async def test_a_full_disk_refuses_calls_with_503_loses_nothing_replied_and_reco
         assert logged == sorted(replied), (kind, calls)
         assert all(s.status == "ok" and s.response_token_ids for s in steps)
         await proxy.server.close()
+
+
+async def test_the_body_limit_is_derived_from_the_record_limit(
+    make_proxy: Any, vllm_server: Any, http: aiohttp.ClientSession
+) -> None:
+    """A body larger than a log record could never be recorded: refused with 413 in OpenAI's error format."""
+    proxy = await make_proxy(vllm_server.url, max_record_bytes=64 * 1024)
+    text = "x" * (64 * 1024)
+    status, reply = await _chat(http, proxy.url, vllm_server.served_model, text)
+    assert status == 413 and reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]
+    status, reply = await _chat(http, proxy.url, vllm_server.served_model, "small")
+    assert status == 200, reply
