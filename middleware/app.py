@@ -71,7 +71,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
     log = await TrajectoryLog.open(
-        config.log, max_record_bytes=config.max_record_bytes, upload_interval_s=config.log_upload_interval_s
+        config.log, max_record_bytes=config.max_record_bytes, upload_interval_s=config.log_upload_interval_s,
+        durability=config.log_durability,
     )
     try:
         manager = SessionManager(config, log, app[METRICS_KEY], app[REWARD_KEY], app[TASKS_KEY])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 from aiohttp import web
 
@@ -17,6 +19,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     # The largest record the log takes (a 413 above it); the request body limit is derived from it.
     max_record_bytes: int = 256 * 1024 * 1024
     log_upload_interval_s: float | None = 30.0  # remote logs: upload the active segment this often
+    # "fsync": a step is synced before its reply completes (survives a machine crash); "os": written to the OS
+    # before the reply (survives a proxy crash), synced every 0.2 s (docs/log.md).
+    log_durability: Literal["fsync", "os"] = "fsync"
     control_token: str = ""  # empty: generated at start (auth.generate_token) and printed
     public_url: str | None = None  # base of the URLs handed to agents; default http://host:port
     any_model: bool = False  # route every model name to the backend's served model

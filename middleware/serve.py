@@ -24,6 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--log", default=DEFAULT_LOG_DIR, help="trajectory log: a directory or an fsspec URL")
     p.add_argument(
+        "--log-durability",
+        choices=("fsync", "os"),
+        default="fsync",
+        help="fsync: each step synced before its reply (survives a machine crash); os: written to the OS before "
+        "the reply (survives a proxy crash), synced every 0.2 s (docs/log.md)",
+    )
+    p.add_argument("--max-record-bytes", type=int, default=256 * 1024 * 1024, metavar="N",
+                   help="the largest log record (and request body); above it: 413")
+    p.add_argument(
         "--control-token",
         default=None,
         help="bearer token for control routes (default: $STEPTAP_CONTROL_TOKEN, else generated)",
@@ -86,6 +95,8 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         host=args.host,
         port=args.port,
         log=args.log,
+        log_durability=args.log_durability,
+        max_record_bytes=args.max_record_bytes,
         control_token=token,
         public_url=args.public_url,
         any_model=args.any_model,

@@ -12,6 +12,12 @@ resolves only after the sync that covered its record.
 (``reader.py``) serves start-up, the stream and cursor checks; **remote logs** (``remote.py``) keep the
 write-ahead log local and upload sealed segments.
 
+**Durability** (``durability``): ``fsync`` (the default) syncs each group before its appends return: a
+record survives a crash of the machine once ``append`` returns. ``os`` writes each group to the OS before its
+appends return (it survives a crash of the proxy, even SIGKILL) and syncs on a timer every
+``os_sync_interval_s``: a crash of the machine (power, kernel) can lose the records of that last interval.
+Either way every sealed segment is synced before the next is created.
+
 **Compaction rule** (``compact(min_cursor)``): only a prefix of sealed segments is ever deleted, locally and
 remotely: the segments wholly before ``min_cursor`` (every consumer has acknowledged them) and before the
 segment holding the ``SessionOpened`` of the oldest session still open (so a restart can still rebuild every
@@ -63,6 +69,7 @@ logger = logging.getLogger("steptap.wal")
 _MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
 DEFAULT_MAX_RECORD = 256 << 20  # the largest record append() takes (a finished session's Trajectory must fit)
 PROBE_BYTES = 1 << 20  # while degraded, the log is writable again once this much can be written and synced
+DURABILITY = ("fsync", "os")
 
 
 class LogClosedError(RuntimeError):
@@ -108,9 +115,18 @@ class TrajectoryLog(Recovery, Reader, Remote):
     def __init__(
         self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None,
         max_record_bytes: int = DEFAULT_MAX_RECORD, probe_interval_s: float = 1.0,
+        durability: str = "fsync", os_sync_interval_s: float = 0.2,
     ) -> None:
         if not 0 < max_record_bytes <= MAX_RECORD:
             raise ValueError(f"max_record_bytes must be between 1 and {MAX_RECORD}")
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, not {durability!r}")
+        if not os_sync_interval_s > 0:
+            raise ValueError("os_sync_interval_s must be positive")
+        self.durability = durability
+        self.os_sync_interval_s = os_sync_interval_s
+        self._unsynced = False  # durability "os": written groups not yet synced
+        self._syncer: asyncio.Task[None] | None = None
         self.dir = dirpath
         self.location = str(dirpath)  # what open() was given
         self.segment_bytes = segment_bytes
@@ -156,6 +172,8 @@ class TrajectoryLog(Recovery, Reader, Remote):
         max_record_bytes: int = DEFAULT_MAX_RECORD,
         upload_interval_s: float | None = 30.0,
         probe_interval_s: float = 1.0,
+        durability: str = "fsync",
+        os_sync_interval_s: float = 0.2,
     ) -> TrajectoryLog:
         """Open (or create) the log at ``location``: a directory path, ``file://`` URL or remote fsspec URL.
 
@@ -164,7 +182,8 @@ class TrajectoryLog(Recovery, Reader, Remote):
         inspection tools; ``records()`` and ``follow(until_idle=0)`` see what was committed at open.
         ``max_record_bytes``: the largest record ``append`` takes. ``upload_interval_s`` (remote logs): how
         often the active segment's committed part is uploaded too (None: only sealed segments).
-        ``probe_interval_s``: how often a degraded log checks whether it can write again.
+        ``probe_interval_s``: how often a degraded log checks whether it can write again. ``durability``:
+        ``fsync`` or ``os`` (synced every ``os_sync_interval_s``), see the module's doc.
         """
         if upload_url is not None:
             if "://" in location and not location.startswith("file://"):
@@ -172,7 +191,8 @@ class TrajectoryLog(Recovery, Reader, Remote):
             cache_dir = location.removeprefix("file://")
             location = upload_url
         dirpath, fs, root = split_location(location, cache_dir)
-        log = cls(dirpath, segment_bytes, fs, root, max_record_bytes, probe_interval_s)
+        log = cls(dirpath, segment_bytes, fs, root, max_record_bytes, probe_interval_s, durability,
+                  os_sync_interval_s)
         log.location = location
         if readonly:
             if not dirpath.is_dir():
@@ -187,6 +207,8 @@ class TrajectoryLog(Recovery, Reader, Remote):
             raise
         log._writer = asyncio.create_task(log._write_loop(), name="steptap-wal-writer")
         log._writer.add_done_callback(log._writer_done)
+        if durability == "os":
+            log._syncer = asyncio.create_task(log._sync_forever(), name="steptap-wal-syncer")
         if fs is not None:
             for segno in sorted(log._valid_end):
                 log._schedule_upload(segno, only_if_missing=True)
@@ -367,14 +389,18 @@ class TrajectoryLog(Recovery, Reader, Remote):
         if not buf:
             return
         files.write_all(self._fd, b"".join(buf))
-        files.datasync(self._fd)
-        self.stats.commits += 1
+        if self.durability == "fsync":
+            files.datasync(self._fd)
+            self.stats.commits += 1
+        else:
+            self._unsynced = True
         with self._lock:
             self._size += sum(len(b) for b in buf)
 
     def _roll(self) -> int:
         """Seal the active segment (already synced) and start the next; returns the sealed segno."""
         old = self._segno
+        self._sync_now()  # durability "os": a sealed segment is synced like any other
         # The next segment exists before any reader can be sent to it; if creating it fails (disk full), the
         # active segment is untouched and the next batch tries again.
         create_segment(self.dir, old + 1)
@@ -388,6 +414,26 @@ class TrajectoryLog(Recovery, Reader, Remote):
             self._size = len(HEADER)
         self.stats.segments = len(self._valid_end) + 1
         return old
+
+    # ---- durability "os": the timed sync ------------------------------------------------------------------
+
+    def _sync_now(self) -> None:
+        """I/O thread: sync what was written but not yet synced (durability ``os``)."""
+        if self._unsynced:
+            files.datasync(self._fd)
+            self._unsynced = False
+            self.stats.commits += 1
+
+    async def _sync_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(self.os_sync_interval_s)
+            if not self._unsynced:
+                continue
+            try:
+                await loop.run_in_executor(self._io, self._sync_now)
+            except OSError as exc:
+                self._degrade(exc)
 
     # ---- compaction --------------------------------------------------------------------
 
@@ -444,7 +490,7 @@ class TrajectoryLog(Recovery, Reader, Remote):
             return
         self._closed = True
         self._queue.put_nowait(None)
-        for task in (self._probe, self._active_uploader):
+        for task in (self._probe, self._active_uploader, self._syncer):
             if task is not None:
                 task.cancel()
         if self._writer is not None:
@@ -455,6 +501,7 @@ class TrajectoryLog(Recovery, Reader, Remote):
             self._schedule_upload(sealed)
         if self._uploads:
             await asyncio.gather(*list(self._uploads), return_exceptions=True)
+        await loop.run_in_executor(self._io, self._sync_now)
         await loop.run_in_executor(self._io, os.close, self._fd)
         self._io.shutdown(wait=True)
         self._release()

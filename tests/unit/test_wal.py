@@ -612,3 +612,25 @@ async def test_the_committed_v1_log_still_decodes(tmp_path: Path) -> None:
     assert traj.rewards == {"reward": 1.0} and traj.steps[0].response_token_ids == [5, 6, 7]
     assert math.isnan(traj.steps[0].response_logprobs[0]) and traj.steps[0].response_logprobs[1:] == [-0.5, -0.25]
     await log.close()
+
+
+async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), durability="os", os_sync_interval_s=0.05, segment_bytes=2048)
+    cursors = [await log.append(_traj(i)) for i in range(3)]
+    # In the OS (a reader of the file sees it) as soon as append returns, before any sync.
+    reader = await TrajectoryLog.open(str(tmp_path), readonly=True)
+    assert [r.id for r in reader.records()] == ["t0", "t1", "t2"]
+    await reader.close()
+    for _ in range(1000):  # the timer syncs what was written
+        if not log._unsynced:
+            break
+        await asyncio.sleep(0.01)
+    assert not log._unsynced and log.stats.commits >= 1
+    more = [await log.append(_traj(i)) for i in range(3, 30)]  # rolls segments: each sealed one synced first
+    assert parse_cursor(more[-1])[0] > parse_cursor(cursors[0])[0]
+    await log.close()
+    log = await TrajectoryLog.open(str(tmp_path))
+    assert [r.id for r in log.records()] == [f"t{i}" for i in range(30)]
+    await log.close()
+    with pytest.raises(ValueError):
+        await TrajectoryLog.open(str(tmp_path / "x"), durability="never")
