@@ -18,16 +18,13 @@ appends return (it survives a crash of the proxy, even SIGKILL) and syncs on a t
 ``os_sync_interval_s``: a crash of the machine (power, kernel) can lose the records of that last interval.
 Either way every sealed segment is synced before the next is created.
 
-**Compaction rule** (``compact(min_cursor)``): only a prefix of sealed segments is ever deleted, locally and
-remotely: the segments wholly before ``min_cursor`` (every consumer has acknowledged them) and before the
-segment holding the ``SessionOpened`` of the oldest session still open (so a restart can still rebuild every
-open session). The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+**Degraded** (``degraded.py``): after a failed write the log refuses records until a probe write succeeds.
+**Compaction** (``compaction.py``) deletes the prefix of segments every consumer has acknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import os
 import threading
@@ -41,6 +38,8 @@ import msgspec
 
 from steptap.middleware import files
 from steptap.middleware.errors import DomainError
+from steptap.middleware.log.compaction import Compaction
+from steptap.middleware.log.degraded import Degraded, LogUnavailable
 from steptap.middleware.log.reader import Reader
 from steptap.middleware.log.recovery import LogInUseError, Recovery
 from steptap.middleware.log.remote import Remote
@@ -68,7 +67,6 @@ logger = logging.getLogger("steptap.wal")
 
 _MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
 DEFAULT_MAX_RECORD = 256 << 20  # the largest record append() takes (a finished session's Trajectory must fit)
-PROBE_BYTES = 1 << 20  # while degraded, the log is writable again once this much can be written and synced
 DURABILITY = ("fsync", "os")
 
 
@@ -81,13 +79,6 @@ class RecordTooLarge(DomainError):
 
     status = 413
     code = "record_too_large"
-
-
-class LogUnavailable(DomainError):
-    """The log cannot write (disk full, I/O error): nothing new is accepted until it can again."""
-
-    status = 503
-    code = "log_unavailable"
 
 
 class LogStats(msgspec.Struct, kw_only=True):
@@ -107,7 +98,7 @@ class LogStats(msgspec.Struct, kw_only=True):
     write_errors: int = 0  # failed group commits (disk full, I/O error)
 
 
-class TrajectoryLog(Recovery, Reader, Remote):
+class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
 
     _active_uploader: asyncio.Task[None] | None = None
@@ -233,53 +224,6 @@ class TrajectoryLog(Recovery, Reader, Remote):
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((frame(payload), record, fut))
         return await fut
-
-    # ---- degraded: the disk cannot take writes -------------------------------------------------------------
-
-    @property
-    def degraded(self) -> bool:
-        """True while the log cannot write (its last group commit failed and no probe has succeeded since)."""
-        return self.degraded_reason is not None
-
-    def ensure_writable(self) -> None:
-        """``LogUnavailable`` while degraded: callers refuse new work instead of doing it and losing it."""
-        if self.degraded_reason is not None:
-            raise LogUnavailable(
-                f"the trajectory log cannot write ({self.degraded_reason}); retry once it has space again",
-            )
-
-    def _degrade(self, exc: BaseException) -> None:
-        self.stats.write_errors += 1
-        if self.degraded_reason is None:
-            logger.error("trajectory log %s cannot write (%s): refusing new records until it can", self.dir, exc)
-        self.degraded_reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else (
-            f"{exc.strerror or exc}" + (f" [errno {exc.errno}]" if exc.errno else ""))
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.create_task(self._probe_until_writable(), name="steptap-wal-probe")
-
-    async def _probe_until_writable(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.degraded_reason is not None and not self._closed:
-            await asyncio.sleep(self.probe_interval_s)
-            try:
-                await loop.run_in_executor(self._io, self._probe_write)
-            except OSError:
-                continue
-            logger.warning("trajectory log %s can write again: accepting records", self.dir)
-            self.degraded_reason = None
-
-    def _probe_write(self) -> None:
-        """I/O thread: write and sync ``PROBE_BYTES`` beside the segments, then remove them."""
-        path = self.dir / ".write-probe"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, files.FILE_MODE)
-            try:
-                files.write_all(fd, bytes(PROBE_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        finally:
-            path.unlink(missing_ok=True)
 
     @property
     def disk_bytes(self) -> int:
@@ -434,49 +378,6 @@ class TrajectoryLog(Recovery, Reader, Remote):
                 await loop.run_in_executor(self._io, self._sync_now)
             except OSError as exc:
                 self._degrade(exc)
-
-    # ---- compaction --------------------------------------------------------------------
-
-    async def compact(self, min_cursor: str) -> list[int]:
-        """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
-        consumers), never one at or after the oldest open session's ``SessionOpened``. Returns the deleted
-        segment numbers."""
-        async with self._compact_lock:  # two acks at once must not both carry the policy version forward
-            return await self._compact(parse_cursor(min_cursor)[0], min_cursor)
-
-    async def _compact(self, cut: int, min_cursor: str) -> list[int]:
-        if self._open_sessions:
-            cut = min(cut, min(self._open_sessions.values()))
-        if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
-            cut = min(cut, min(self._upload_failed))
-        victims = [s for s in self._retained()[:-1] if s < cut]
-        if not victims:
-            return []
-        if self._last_version is not None and self._last_version[0] in victims:
-            await self.append(self._last_version[1])  # carry the current policy version forward
-            victims = [s for s in self._retained()[:-1] if s < cut]
-        await asyncio.gather(*list(self._uploads), return_exceptions=True)  # never delete before it is uploaded
-        with self._lock:
-            for segno in victims:
-                self._valid_end.pop(segno, None)
-        del self._traj_ends[: bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))]
-        await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
-        self.stats.compacted_segments += len(victims)
-        self.stats.segments = len(self._valid_end) + 1
-        logger.info("compacted %d segment(s) of %s (before %s)", len(victims), self.dir, min_cursor)
-        return victims
-
-    def _delete(self, segnos: list[int]) -> None:
-        for segno in segnos:
-            (self.dir / seg_name(segno)).unlink(missing_ok=True)
-            if self._fs is not None:
-                try:
-                    self._fs.rm_file(f"{self._remote_root}/{seg_name(segno)}")
-                except FileNotFoundError:
-                    pass
-                except Exception:  # noqa: BLE001
-                    logger.exception("deleting remote segment %d failed", segno)
-        files.fsync_path(self.dir)
 
     # ---- closing -----------------------------------------------------------------------------------------
 
