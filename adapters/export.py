@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         f.unlink()
     try:
         if args.log:
-            from steptap.middleware.log.reader import LogReader
+            from steptap.middleware.log.offline import LogReader
 
             reader = LogReader(args.log)
             writer = export_trajectories(

@@ -106,6 +106,7 @@ class Learner:
         self.version, self.updates, self.cursor, self.skip = 0, 0, None, set()
         self.checkpointed = -1  # the update count of the last checkpoint
         self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
+        self.unreadable = 0  # stream records the client could not decode and skipped (reported in the notes)
         self.stop = asyncio.Event()
         self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates)
         state = checkpoint.load_latest(cfg.checkpoint_dir) if cfg.resume else None
@@ -146,6 +147,10 @@ class Learner:
     async def _pump(self) -> None:
         """Stream -> grouper. The client reconnects by itself when the proxy restarts."""
         async for d in self.client.trajectories(self.cfg.consumer, cursor=self.cursor):
+            skipped = self.client.skipped.get(self.cfg.consumer, 0)
+            if skipped != self.unreadable:  # never fatal: the cursor moved past them, an ack covers them
+                self.metrics.note(f"skipped {skipped - self.unreadable} unreadable record(s) in the stream")
+                self.unreadable = skipped
             self.ledger.deliver(d)
             if d.trajectory.id in self.skip:  # consumed before the checkpoint we resumed from: stays consumed
                 self.ledger.consume([d.trajectory.id])

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from steptap.middleware.client import SteptapError, SyncSteptapClient
+from steptap.middleware import files
 
 log = logging.getLogger("steptap.learner.publish")
 
@@ -70,9 +71,9 @@ def write_weights(
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
         (tmp / MARKER).write_text(json.dumps({"version": version, "lora": lora, "at": time.time()}))
-        _fsync_dir(tmp)
+        files.sync_tree(tmp)  # contents durable before the directory appears under its final name
         os.rename(tmp, final)  # atomic on one filesystem
-        _fsync_dir(root)
+        files.fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -156,12 +157,3 @@ def prune(out_dir: str | os.PathLike[str], *, keep: int = 3, protect: Path | Non
         removed.append(p)
     return removed
 
-
-def _fsync_dir(path: Path) -> None:
-    for f in [*path.iterdir(), path] if path.is_dir() else [path]:
-        if f.is_file() or f == path:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)

@@ -30,11 +30,12 @@ logger = logging.getLogger("steptap.proxy")
 
 TASKS_KEY = web.AppKey("steptap_tasks", set)  # background tasks; shutdown drains them
 REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, or None
-_MAX_BODY = 256 * 1024 * 1024  # long agent histories are big; aiohttp's default (1 MiB) is far too small
 
 
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
-    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=_MAX_BODY)
+    # A body is recorded in its step: one larger than a log record could never be recorded (aiohttp's default
+    # of 1 MiB is far too small for long agent histories).
+    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=config.max_record_bytes)
     app[CONFIG_KEY] = config
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()
@@ -71,7 +72,10 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    log = await TrajectoryLog.open(config.log)
+    log = await TrajectoryLog.open(
+        config.log, max_record_bytes=config.max_record_bytes, upload_interval_s=config.log_upload_interval_s,
+        durability=config.log_durability,
+    )
     try:
         manager = SessionManager(config, log, app[METRICS_KEY], app[REWARD_KEY], app[TASKS_KEY])
         reopened = await manager.rebuild()

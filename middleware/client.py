@@ -5,14 +5,16 @@
         ...  # the agent uses s.base_url / s.api_key
         await c.finish(s.id, reward=1.0)
 
-    async for d in c.trajectories("learner"):      # at least once, de-duplicated by trajectory id
+    async for d in c.trajectories("learner"):      # at least once, de-duplicated (delivery_key)
         train_on(d.trajectory)
         await c.ack("learner", d.cursor)            # everything up to d.cursor is done
 
 **Delivery.** The stream reconnects with backoff when the proxy restarts or the connection drops, resuming
 after the last cursor it delivered (before the first delivery: the given cursor, else the consumer's
 acknowledged one). The same trajectory can come twice (a restart re-sends from the acknowledged cursor); with
-``dedup=True`` the iterator drops ids it has already delivered (a bounded seen-set). With ``seen_file`` the ids
+``dedup=True`` the iterator drops records it has already delivered (a bounded seen-set keyed by
+``delivery_key``: trajectory id and ``created_at``, so a session id reused later is still delivered). A record
+that cannot be decoded is skipped, counted in ``client.skipped[consumer]`` and logged, never fatal. With ``seen_file`` the ids
 acknowledged through ``ack`` are also written to that file, so after a consumer restart they are still
 recognised; ids delivered but never acknowledged are deliberately re-delivered (the consumer may not have
 finished with them).
@@ -29,7 +31,6 @@ import json
 import logging
 import os
 import socket
-import struct
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -39,7 +40,9 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 import msgspec
 
+from steptap.middleware import files
 from steptap.middleware.records import Trajectory
+from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
 logger = logging.getLogger("steptap.client")
 
@@ -62,7 +65,6 @@ def default_control_token() -> str | None:
         raise ValueError(f"${TOKEN_FILE_ENV}={path}: cannot read the control token ({exc})") from exc
     return lines[0] if lines else None
 
-_LEN = struct.Struct(">I")
 
 
 class SteptapError(Exception):
@@ -97,29 +99,21 @@ class Delivery(msgspec.Struct):
     trajectory: Trajectory
 
 
-class _Message(msgspec.Struct, kw_only=True):
-    """Mirror of ``stream.StreamMessage`` (kept here so the client never imports the server side)."""
-
-    cursor: str
-    trajectory: Trajectory | None = None
-    heartbeat: float | None = None
-    end: bool = False
-
-
-_msg_json = msgspec.json.Decoder(_Message)
-_msg_mp = msgspec.msgpack.Decoder(_Message)
 _session_dec = msgspec.json.Decoder(SessionInfo)
 _traj_dec = msgspec.json.Decoder(Trajectory)
 _enc = msgspec.json.Encoder()
 
 
-def _cursor_key(cursor: str) -> tuple[int, int]:
-    seg, _, off = cursor.partition(":")
-    return int(seg), int(off)
+def delivery_key(traj: Trajectory) -> str:
+    """What identifies one trajectory record across re-deliveries: its id and its ``created_at``. The id alone
+    is not enough: after compaction (or a restart on a new log) a session id can be used again, and that new
+    trajectory must not be dropped as a duplicate of the old one. ``created_at`` is set once, when the session
+    opens, and is part of the record, so every re-delivery of one record carries the same key."""
+    return f"{traj.id}@{traj.created_at!r}"
 
 
 class SeenSet:
-    """A bounded set of trajectory ids (oldest forgotten first), optionally backed by an append-only file."""
+    """A bounded set of delivery keys (oldest forgotten first), optionally backed by an append-only file."""
 
     def __init__(self, max_ids: int = 100_000, path: str | os.PathLike[str] | None = None) -> None:
         self.max_ids = max_ids
@@ -148,30 +142,22 @@ class SeenSet:
     def delivered(self, tid: str, cursor: str) -> None:
         self._remember(tid)
         if self.path is not None:
-            self._pending.append((_cursor_key(cursor), tid))
+            self._pending.append((parse_cursor(cursor), tid))
 
     def acknowledged(self, cursor: str) -> None:
         """Persist the ids delivered up to ``cursor`` (synced: they must survive a crash of the consumer)."""
         if self.path is None or not self._pending:
             return
-        upto = _cursor_key(cursor)
+        upto = parse_cursor(cursor)
         done = [tid for key, tid in self._pending if key <= upto]
         self._pending = [(key, tid) for key, tid in self._pending if key > upto]
         if not done:
             return
         if self._lines + len(done) > 2 * self.max_ids:  # rewrite to the retained ids, atomically
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with open(tmp, "w") as f:
-                f.write("".join(f"{t}\n" for t in self._ids))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            files.atomic_write(self.path, "".join(f"{t}\n" for t in self._ids))
             self._lines = len(self._ids)
             return
-        with open(self.path, "a") as f:
-            f.write("".join(f"{t}\n" for t in done))
-            f.flush()
-            os.fsync(f.fileno())
+        files.append_durable(self.path, "".join(f"{t}\n" for t in done))
         self._lines += len(done)
 
 
@@ -192,6 +178,14 @@ class SteptapClient:
         self._session = session
         self._own_session = session is None
         self._seen: dict[str, SeenSet] = {}
+        self.skipped: dict[str, int] = {}  # per consumer: stream records that could not be read, skipped
+
+    def _skip(self, consumer: str, cursor: str, why: str) -> None:
+        """A record no reader can decode must not stop the consumer (nor every restart after it): skip,
+        count, report."""
+        self.skipped[consumer] = self.skipped.get(consumer, 0) + 1
+        logger.warning("trajectory stream for %s: skipped an unreadable record before cursor %s (%s)",
+                       consumer, cursor, why)
 
     async def __aenter__(self) -> SteptapClient:
         return self
@@ -273,7 +267,7 @@ class SteptapClient:
         heartbeat_s: float = 10.0,
         max_backoff_s: float = 5.0,
     ) -> AsyncIterator[Delivery]:
-        """Finished trajectories for ``consumer``, at least once, de-duplicated by id when ``dedup``.
+        """Finished trajectories for ``consumer``, at least once, de-duplicated (``delivery_key``) when ``dedup``; unreadable records are skipped and counted.
 
         Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
         4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
@@ -301,50 +295,37 @@ class SteptapClient:
                     if resp.status >= 400:
                         raise SteptapError.from_body(resp.status, await resp.read())
                     backoff = 0.2
-                    async for msg in _messages(resp, format):
+                    async for body in read_frames(resp.content, format):
+                        try:
+                            msg = decode_envelope(body, format)
+                        except msgspec.DecodeError as exc:  # not a record problem: the stream itself is broken
+                            raise StreamCut(f"undecodable stream message: {exc}") from None
                         position = msg.cursor
                         if msg.end:
                             return
-                        if msg.trajectory is None:
+                        if msg.skipped is not None:
+                            self._skip(consumer, msg.cursor, f"skipped by the proxy: {msg.skipped}")
                             continue
-                        tid = msg.trajectory.id
+                        if not msg.trajectory:
+                            continue  # a heartbeat
+                        try:
+                            traj = decode_trajectory(msg.trajectory, format)
+                        except msgspec.DecodeError as exc:  # ValidationError included: a record we cannot read
+                            self._skip(consumer, msg.cursor, str(exc))
+                            continue
                         if seen is not None:
-                            if tid in seen:
-                                logger.debug("dropping duplicate trajectory %s", tid)
+                            key = delivery_key(traj)
+                            if key in seen:
+                                logger.debug("dropping duplicate trajectory %s", traj.id)
                                 continue
-                            seen.delivered(tid, msg.cursor)
-                        yield Delivery(msg.cursor, msg.trajectory)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+                            seen.delivered(key, msg.cursor)
+                        yield Delivery(msg.cursor, traj)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, StreamCut) as exc:
                 logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc, backoff)
             else:
                 logger.info("trajectory stream for %s ended by the proxy; reconnecting", consumer)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max_backoff_s)
-
-
-async def _messages(resp: aiohttp.ClientResponse, fmt: str) -> AsyncIterator[_Message]:
-    if fmt == "ndjson":
-        buf = b""
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if line.strip():
-                    yield _msg_json.decode(line)
-        return
-    while True:
-        try:
-            head = await resp.content.readexactly(_LEN.size)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise aiohttp.ClientPayloadError("stream cut inside a frame header") from None
-            return
-        (n,) = _LEN.unpack(head)
-        try:
-            body = await resp.content.readexactly(n)
-        except asyncio.IncompleteReadError:
-            raise aiohttp.ClientPayloadError("stream cut inside a frame") from None
-        yield _msg_mp.decode(body)
 
 
 def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
@@ -522,4 +503,4 @@ class SyncSteptapClient:
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")
 
 
-__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "SteptapError", "SessionInfo", "Delivery", "SeenSet"]
+__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]

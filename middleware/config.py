@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import aiohttp
 import msgspec
@@ -32,6 +32,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     auto_create: Annotated[bool, _help("an unknown session id in a model call opens that session")] = True
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
+    max_record_bytes: Annotated[int, _help(
+        "the largest record the log takes (413 above it); the request body limit is derived from it")] = 256 << 20
+    log_upload_interval_s: Annotated[float | None, _help(
+        "remote logs: upload the active segment's committed part this often (docs/log.md)")] = 30.0
+    log_durability: Annotated[Literal["fsync", "os"], _help(
+        "fsync: a step is synced before its reply completes (survives a machine crash); os: written to the OS "
+        "before the reply (survives a proxy crash), synced every 0.2 s (docs/log.md)")] = "fsync"
     # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets
     # one (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
     sampling_defaults: Annotated[dict[str, float], _help(

@@ -148,6 +148,14 @@ class _LogCollector:
             "steptap_log_corrupt_records", "bad frames found in sealed segments", st.corrupt_records
         )
         yield GaugeMetricFamily("steptap_log_segments", "retained local segments", st.segments)
+        yield GaugeMetricFamily("steptap_log_disk_bytes", "bytes held by the retained local segments",
+                                self.log.disk_bytes)
+        yield CounterMetricFamily("steptap_log_undecodable_records",
+                                  "records a reader could not decode and skipped", st.undecodable_records)
+        yield CounterMetricFamily("steptap_log_write_errors", "failed group commits (disk full, I/O error)",
+                                  st.write_errors)
+        yield GaugeMetricFamily("steptap_log_degraded", "1 while the log cannot write (model calls get 503)",
+                                1 if self.log.degraded else 0)
 
 
 METRICS_KEY = web.AppKey("steptap_metrics", Metrics)

@@ -164,3 +164,24 @@ def refused_address() -> tuple[socket.socket, str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class DiskFullInjector:
+    """A fault-injecting file layer (a stand-in, named as such): while ``full``, every write steptap makes
+    through ``files.write_all`` (the log's group commits, its probe writes, atomic writes) fails with ENOSPC,
+    as on a full disk. For machines where a size-limited tmpfs cannot be mounted; where it can, tests use
+    the real full filesystem instead. Install with ``monkeypatch.setattr(files, "write_all", injector)``."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.full = False
+        self.refused = 0
+
+    def __call__(self, fd: int, data: Any) -> None:
+        if self.full:
+            self.refused += 1
+            import errno
+            import os
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.real(fd, data)

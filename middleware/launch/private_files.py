@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from steptap.middleware.files import atomic_write
+
 
 def private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` (and parents) if needed and make it 0700."""
@@ -20,26 +22,9 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def write_private(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to a 0600 file atomically (a reader never sees half of it), durable once returned.
-
-    Written inline (temp file, fsync, rename, fsync of the directory) rather than through a shared helper, so
-    the mode is set on the temp file before any byte of the secret is in it."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return target
+    """Write ``text`` to a 0600 file atomically and durably (the mode is set before any byte is written)."""
+    atomic_write(path, text, mode=0o600)
+    return Path(path)
 
 
 def open_private_log(path: str | os.PathLike[str]) -> int:

@@ -31,6 +31,7 @@ from steptap.middleware.launch.private_files import private_dir, read_token_file
 from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
+from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
 from steptap.middleware.launch.view import StatusBoard, render_line
 from steptap.middleware.flags import add_proxy_flags
 from steptap.middleware.model_files import ties_embeddings
@@ -108,14 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default="", help='for `steptap serve`: --serve-args="--any-model"')
     p.add_argument("--learn-args", default="", help='for `steptap learn`: --learn-args="--lr 1e-5"')
     return p
-
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers (scripts, tests, the demo) poll these files while we run: never let them see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Up:
@@ -384,7 +377,7 @@ class Up:
             rc = 1
             self._report_failure(failed)
         summary = self._summary(failed)
-        _write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write(self.workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self._log(f"stopped: {self.stop_reason}. Summary: {self.workdir / 'summary.json'}")
         return rc
 
@@ -409,12 +402,12 @@ class Up:
             "control_token_file": str(token_file),
             "metrics": str(self.metrics_path),
         }
-        _write_atomic(self.workdir / "stack.json", json.dumps(stack, indent=2) + "\n")
+        atomic_write(self.workdir / "stack.json", json.dumps(stack, indent=2) + "\n")
 
     def _write_pids(self) -> None:
         """Every child's pid, rewritten as each starts (for operators and tests)."""
         pids = {c.name: c.pid for c in self.sup.children if c.pid}
-        _write_atomic(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
+        atomic_write(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
 
     def _watch(self) -> Child | None:
         board = StatusBoard(self.proxy_url, self.metrics_path, self.token)

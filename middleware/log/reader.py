@@ -1,126 +1,219 @@
-"""Read a trajectory log without a running proxy: the finished trajectories of a log directory or fsspec URL.
-
-    reader = LogReader("/var/lib/steptap/log")          # or "s3://bucket/steptap-log", "file:///..."
-    for traj in reader.trajectories():
-        ...
-    print(reader.stats)                                 # records, trajectories, undecodable, corrupt_bytes
-
-Read-only: no lock is taken, nothing is repaired or written, so it is safe beside a live writer (it sees what
-was committed when each segment is read; a torn or still-being-written tail is simply where reading stops).
-For a remote URL only the sealed segments uploaded so far are there: the active segment lives in the writer's
-local write-ahead log.
-
-Records this version cannot decode (a newer kind, damage that still passes the checksum) are skipped and
-counted, never raised; a bad frame ends the reading of its segment and its bytes are counted. A trajectory
-written twice (a proxy restart can re-finalize one) is yielded once, the first time (ids remembered in a
-bounded set).
+"""Reading a log: committed frames by position, every record in order (start-up), and finished trajectories
+after a cursor, following the log like ``tail -f`` (the stream). Reads run in threads; the segment table is
+shared with the writer under ``_lock``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+import asyncio
+import bisect
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, NamedTuple
 
 import msgspec
-from steptap.middleware.log.segments import HEADER, SEG_RE, CorruptLogError, scan_frames, seg_name
-from steptap.middleware.records import Trajectory, log_decoder
 
-MAX_REMEMBERED_IDS = 1_000_000  # de-duplication memory: about 100 MB at most
+from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
+from steptap.middleware.log.segments import (
+    FRAME,
+    HEADER,
+    cursor_key,
+    format_cursor,
+    frame_at,
+    parse_cursor,
+    scan_frames,
+    seg_name,
+)
+from steptap.middleware.records import LogRecord, Trajectory, log_decoder
 
 
-class ReaderStats(msgspec.Struct, kw_only=True):
-    segments: int = 0
-    records: int = 0  # frames read intact
-    trajectories: int = 0  # finished trajectories yielded
-    duplicates: int = 0  # finished trajectories seen again and skipped
-    undecodable: int = 0  # intact frames this version could not decode (skipped)
-    corrupt_bytes: int = 0  # bytes after a bad frame inside a segment (skipped)
+logger = logging.getLogger("steptap.wal")
 
 
-class LogReader:
-    """Iterate the finished trajectories (status other than ``running``) of a log, in log order."""
+class Skipped(NamedTuple):
+    """A finished trajectory the reader could not decode, in place of it (the position still moves on)."""
 
-    def __init__(self, location: str, *, storage_options: dict[str, Any] | None = None) -> None:
-        self.location = location
-        self.stats = ReaderStats()
-        self._storage_options = storage_options or {}
+    reason: str
 
-    # ---- where the segments are ---------------------------------------------------------------------------
 
-    def _segments(self) -> tuple[list[int], Any]:
-        """(segment numbers ascending, a function reading one segment's bytes)."""
-        loc = self.location
-        if "://" not in loc or loc.startswith("file://"):
-            root = Path(loc.removeprefix("file://"))
-            if not root.is_dir():
-                raise FileNotFoundError(f"no trajectory log at {root}")
-            names = [p.name for p in root.iterdir()]
-            return _segnos(names), lambda segno: (root / seg_name(segno)).read_bytes()
-        import fsspec  # only remote logs need it
+class Reader:
+    """Mixin of ``TrajectoryLog``: everything that reads committed records."""
 
-        fs, path = fsspec.core.url_to_fs(loc, **self._storage_options)
-        path = path.rstrip("/")
+    # ---- reading -----------------------------------------------------------------------------------------
+
+    def _end_of(self, segno: int) -> int:
+        with self._lock:
+            return self._size if segno == self._segno else self._valid_end.get(segno, 0)
+
+    def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
+        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset). Reads about
+        ``limit_bytes``, or exactly one frame when the next is larger (its length is checked against the
+        committed end first, so a bad length never becomes a huge read)."""
+        end = self._end_of(segno)
+        if offset >= end:
+            return [], offset
         try:
-            names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+            with open(self.dir / seg_name(segno), "rb") as f:
+                f.seek(offset)
+                data = f.read(min(end - offset, max(limit_bytes, FRAME.size)))
+                frames, _ = scan_frames(data, 0)
+                if not frames and len(data) < end - offset:
+                    length, _ = FRAME.unpack_from(data, 0)
+                    if FRAME.size + length <= end - offset:
+                        f.seek(offset)
+                        data = f.read(FRAME.size + length)
+                        frames, _ = scan_frames(data, 0)
         except FileNotFoundError:
-            raise FileNotFoundError(f"no trajectory log at {loc}") from None
+            return [], end  # compacted under us
+        if not frames:
+            raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
+        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + frames[-1][1]
 
-        def read(segno: int) -> bytes:
-            with fs.open(f"{path}/{seg_name(segno)}", "rb") as f:
-                return f.read()
+    def _start_position(self, cursor: str | None) -> tuple[int, int]:
+        segs = self._retained()
+        if cursor is None:
+            return segs[0], len(HEADER)
+        segno, offset = parse_cursor(cursor)
+        if segno < segs[0]:
+            return segs[0], len(HEADER)  # compacted: everything still retained is after it
+        if segno > self._segno or offset > self._end_of(segno) or offset < len(HEADER):
+            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
+        return segno, offset
 
-        return _segnos(names), read
+    def check_cursor(self, cursor: str) -> None:
+        """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
+        Reads one frame from disk: call it off the event loop."""
+        segno, offset = parse_cursor(cursor)
+        segs = self._retained()
+        if segno < segs[0]:
+            return
+        end = self._end_of(segno)
+        if segno not in segs or offset < len(HEADER) or offset > end:
+            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
+        if offset == end:
+            return
+        if not frame_at(self.dir / seg_name(segno), offset, end):
+            raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
 
-    # ---- reading ------------------------------------------------------------------------------------------
+    def _retained(self) -> list[int]:
+        with self._lock:
+            return sorted(self._valid_end) + [self._segno]
 
-    def trajectories(self, *, mode: str | None = None) -> Iterator[Trajectory]:
-        """Finished trajectories (``mode``: only ``train`` or only ``eval`` ones)."""
-        seen: OrderedDict[str, None] = OrderedDict()
-        segnos, read = self._segments()
-        for segno in segnos:
+    def _next_segment(self, segno: int) -> int | None:
+        later = [s for s in self._retained() if s > segno]
+        return later[0] if later else None
+
+    def records(self) -> Iterator[LogRecord]:
+        """Every retained, committed record in log order (for rebuilding open sessions at startup). A record
+        that does not decode (a writer accepted what the schema rejects) is skipped, counted and logged."""
+        for cursor, payload in self._iter_payloads(None):
             try:
-                data = read(segno)
-            except FileNotFoundError:
-                continue  # compacted between listing and reading
-            self.stats.segments += 1
-            if data[: len(HEADER)] != HEADER:
-                if len(data) < len(HEADER) and HEADER.startswith(data):
-                    continue  # a segment being created right now
-                raise CorruptLogError(
-                    f"segment {seg_name(segno)} of {self.location} is not a steptap log segment"
-                )
-            frames, good_end = scan_frames(data, len(HEADER))
-            self.stats.corrupt_bytes += len(data) - good_end if segno != segnos[-1] else 0
-            for start, end in frames:
-                self.stats.records += 1
-                try:
-                    record = log_decoder.decode(data[start:end])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    self.stats.undecodable += 1
+                yield log_decoder.decode(payload)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                if known_kind(payload):
+                    self._undecodable(cursor, exc)
+
+    def _undecodable(self, cursor: str, exc: Exception) -> None:
+        self.stats.undecodable_records += 1
+        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir, cursor, exc)
+
+    def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
+        segno, offset = self._start_position(cursor)
+        while True:
+            frames, offset = self._read_frames(segno, offset, 4 << 20)
+            for after, payload in frames:
+                yield format_cursor(segno, after), payload
+            if frames:
+                continue
+            nxt = self._next_segment(segno)
+            if nxt is None:
+                return
+            segno, offset = nxt, len(HEADER)
+
+    async def tail(
+        self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
+        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
+        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through). A
+        finished trajectory that does not decode is yielded as a ``Skipped`` (counted in the stats)."""
+        loop = asyncio.get_running_loop()
+        segno, offset = self._start_position(cursor)
+        current = format_cursor(segno, offset)
+        while True:
+            changed = self._changed
+            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
+            for cur, traj in batch:
+                current = cur
+                if traj is not None:
+                    yield cur, traj
+            if batch:
+                continue
+            if self._closed:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), idle)
+            except TimeoutError:
+                yield current, None
+
+    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
+        """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
+        records so the position still advances."""
+        while True:
+            frames, new_offset = self._read_frames(segno, offset, 4 << 20)
+            if frames:
+                out: list[tuple[str, Any]] = []
+                for after, payload in frames:
+                    cursor = format_cursor(segno, after)
+                    try:
+                        peek = peek_decoder.decode(payload)
+                    except msgspec.DecodeError as exc:
+                        if known_kind(payload) == "trajectory":
+                            self._undecodable(cursor, exc)
+                            out.append((cursor, Skipped(str(exc))))
+                        continue  # another kind, or one this version does not know
+                    if not (isinstance(peek, PeekTrajectory) and peek.status != "running"):
+                        continue
+                    if raw:
+                        out.append((cursor, payload))
+                        continue
+                    try:
+                        out.append((cursor, log_decoder.decode(payload)))
+                    except msgspec.DecodeError as exc:
+                        self._undecodable(cursor, exc)
+                        out.append((cursor, Skipped(str(exc))))
+                if not out:
+                    out.append((format_cursor(segno, new_offset), None))
+                return out, segno, new_offset
+            nxt = self._next_segment(segno)
+            if nxt is None:
+                return [], segno, offset
+            segno, offset = nxt, len(HEADER)
+
+    async def follow(
+        self, cursor: str | None = None, *, until_idle: float | None = None
+    ) -> AsyncIterator[tuple[str, Trajectory]]:
+        """Finished trajectories after ``cursor`` (``None``: from the oldest retained), in log order, with the
+        cursor after each, waiting for new ones like ``tail -f``. ``until_idle``: stop after that many seconds
+        without a new one (0: stop at the current end). Undecodable ones are skipped (and counted)."""
+        agen = self.tail(cursor, idle=until_idle)
+        try:
+            async for cur, traj in agen:
+                if traj is None:
+                    return
+                if isinstance(traj, Skipped):
                     continue
-                if not isinstance(record, Trajectory) or record.status == "running":
-                    continue
-                if mode is not None and record.mode != mode:
-                    continue
-                if record.id in seen:
-                    self.stats.duplicates += 1
-                    continue
-                seen[record.id] = None
-                if len(seen) > MAX_REMEMBERED_IDS:
-                    seen.popitem(last=False)
-                self.stats.trajectories += 1
-                yield record
+                yield cur, traj
+        finally:
+            await agen.aclose()
 
+    def trajectories_after(self, cursor: str | None) -> int:
+        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
+        if cursor is None:
+            return len(self._traj_ends)
+        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
 
-def _segnos(names: list[str]) -> list[int]:
-    return sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
-
-
-def read_trajectories(location: str, *, mode: str | None = None) -> Iterator[Trajectory]:
-    """Shortcut: the finished trajectories of the log at ``location``."""
-    return LogReader(location).trajectories(mode=mode)
-
-
-__all__ = ["LogReader", "ReaderStats", "read_trajectories"]
+    @property
+    def end_cursor(self) -> str:
+        """The cursor after the last committed record."""
+        return format_cursor(self._segno, self._size)

@@ -5,8 +5,8 @@ header (``STAPLOG`` + a format byte) followed by frames::
 
     u32 length (little endian) | u32 crc32 of the payload | payload (a msgspec msgpack ``LogRecord``)
 
-A **cursor** names the position just after a record: ``"SEGNO:OFFSET"`` (``"3:1048576"``). It is opaque to
-clients: they only hand back what they were given. Reading "after cursor C" starts at that byte.
+A **cursor** names the position just after a record: ``"SEGNO:OFFSET"`` (``"3:1048576"``; defined in
+``wire.py``, which the stream's client shares). Reading "after cursor C" starts at that byte.
 
 Everything here is stateless; ``wal.TrajectoryLog`` holds the segment table and the writer.
 """
@@ -21,30 +21,17 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from steptap.middleware.files import FILE_MODE, datasync, fsync_path, write_all
+from steptap.middleware.wire import cursor_key, format_cursor, parse_cursor
+
 HEADER = b"STAPLOG\x01"  # magic + format version 1
 FRAME = struct.Struct("<II")  # length, crc32
-MAX_RECORD = 1 << 30  # a length above this is corruption, not a record
+MAX_RECORD = 1 << 30  # the format's ceiling for a record limit (``TrajectoryLog.max_record_bytes``)
 SEG_RE = re.compile(r"^seg-(\d{8})\.log$")
 
 
 class CorruptLogError(Exception):
     """A log that cannot be read as one (bad header); torn tails and bad frames never raise."""
-
-
-def format_cursor(segno: int, offset: int) -> str:
-    return f"{segno}:{offset}"
-
-
-def parse_cursor(cursor: str) -> tuple[int, int]:
-    """``"SEGNO:OFFSET"`` -> ints; ``ValueError`` for anything else."""
-    seg, sep, off = str(cursor).partition(":")
-    if not sep or not seg.isdigit() or not off.isdigit():
-        raise ValueError(f"bad cursor {cursor!r}: expected SEGNO:OFFSET as returned by the log")
-    return int(seg), int(off)
-
-
-def cursor_key(segno: int, offset: int) -> int:
-    return (segno << 40) | offset  # cursors as one sortable int (segments stay far below 1 TiB)
 
 
 def seg_name(segno: int) -> str:
@@ -64,7 +51,8 @@ def frame(payload: bytes) -> bytes:
 
 def scan_frames(data: bytes | memoryview, start: int) -> tuple[list[tuple[int, int]], int]:
     """Walk frames from ``start``: ([(payload_offset, payload_end)], offset of the first bad or partial frame
-    or len(data) when all are good)."""
+    or len(data) when all are good). A frame whose length fits in ``data`` and whose checksum matches is good
+    whatever its size: no reader's limit may turn an intact, acknowledged record into "corruption"."""
     out: list[tuple[int, int]] = []
     pos, n = start, len(data)
     while pos < n:
@@ -72,7 +60,7 @@ def scan_frames(data: bytes | memoryview, start: int) -> tuple[list[tuple[int, i
             return out, pos
         length, crc = FRAME.unpack_from(data, pos)
         end = pos + FRAME.size + length
-        if length > MAX_RECORD or end > n or zlib.crc32(data[pos + FRAME.size:end]) != crc:
+        if end > n or zlib.crc32(data[pos + FRAME.size:end]) != crc:
             return out, pos
         out.append((pos + FRAME.size, end))
         pos = end
@@ -94,13 +82,13 @@ def create_segment(dirpath: Path, segno: int) -> None:
     """Create segment ``segno`` holding only the header, synced (file and directory entry)."""
     path = dirpath / seg_name(segno)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
         if path.stat().st_size > len(HEADER):  # never overwrite records
             raise CorruptLogError(f"{path} already exists and holds records") from None
         fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # left over from a failed earlier try
     try:
-        os.write(fd, HEADER)
+        write_all(fd, HEADER)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -124,14 +112,8 @@ def split_location(location: str, cache_dir: str | None) -> tuple[Path, Any, str
     return Path(cache_dir), fs, root.rstrip("/")
 
 
-def datasync(fd: int) -> None:
-    (getattr(os, "fdatasync", None) or os.fsync)(fd)
-
-
-def fsync_path(path: Path) -> None:
-    """Sync a directory (a new or removed entry) or file by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = [
+    "FRAME", "HEADER", "MAX_RECORD", "SEG_RE", "CorruptLogError", "create_segment", "cursor_key", "datasync",
+    "format_cursor", "frame", "frame_at", "fsync_path", "list_segments", "parse_cursor", "scan_frames",
+    "seg_name", "split_location", "write_all",
+]

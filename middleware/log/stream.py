@@ -1,36 +1,33 @@
-"""The stream to the learner: ``GET /trajectories`` and ``POST /trajectories/ack`` (control token only).
+"""The stream to the learner (control token only): ``GET /trajectories``, ``POST /trajectories/ack`` and
+``DELETE /trajectories/consumers/NAME``.
 
 ``GET /trajectories?consumer=NAME&cursor=C&format=ndjson|msgpack&follow=1&heartbeat=S`` sends the finished
 trajectories after cursor ``C`` (default: the consumer's acknowledged cursor, else the start of the log), each
 with the cursor after it. With ``follow=1`` (the default) the response stays open and new trajectories are sent
 as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbeat is written so idle connections
 stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with an ``end``
-message once it has caught up.
+message once it has caught up. A record that does not decode is not sent: a ``skipped`` message takes its
+place (the NDJSON stream decodes every record; the msgpack stream passes records through and the client
+skips what it cannot decode).
 
-Framing (one ``StreamMessage`` each):
-- ``format=ndjson``: one JSON object per line: ``{"cursor": C, "trajectory": {...}}``, ``{"cursor": C,
-  "heartbeat": T}`` or ``{"cursor": C, "end": true}``.
-- ``format=msgpack``: a 4-byte big-endian length, then the same object as msgpack.
+Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
+msgpack frames.
 
 ``POST /trajectories/ack {"consumer", "cursor"}`` records that the consumer is done with everything up to the
-cursor, durably (``consumers/NAME.cursor`` in the log directory, replaced atomically). Acknowledged cursors only
-move forward. With compaction on, segments every known consumer has acknowledged are then deleted (the log's
-rule keeps the segments of open sessions). Delivery is at least once: a consumer that reconnects from its
-acknowledged cursor may see trajectories again, and de-duplicates by trajectory id (the client does).
+cursor, durably (``cursors.py``). Acknowledged cursors only move forward. With compaction on, segments every
+known consumer has acknowledged are then deleted (the log's rule keeps the segments of open sessions).
+``DELETE /trajectories/consumers/NAME`` forgets a consumer, so an abandoned one stops holding compaction back.
+Delivery is at least once: a consumer that reconnects from its acknowledged cursor may see trajectories again,
+and de-duplicates them (the client does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import re
-import struct
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,34 +35,24 @@ from aiohttp import web
 
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError, bad_request
+from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors, TooManyConsumers
+from steptap.middleware.log.reader import Skipped
+from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.records import Trajectory
-from steptap.middleware.log.wal import TrajectoryLog, parse_cursor
+from steptap.middleware.wire import (
+    FORMATS,
+    MSGPACK,
+    NDJSON,
+    Format,
+    RawTrajectoryMessage,
+    StreamMessage,
+    encode_message,
+    parse_cursor,
+)
 
 logger = logging.getLogger("steptap.stream")
 
 LOG_KEY = web.AppKey("steptap_log", TrajectoryLog)
-
-_CONSUMER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_LEN = struct.Struct(">I")
-NDJSON = "application/x-ndjson"
-MSGPACK = "application/x-msgpack"
-
-
-class StreamMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One message of the stream: a trajectory, a heartbeat or the end of a non-following stream."""
-
-    cursor: str
-    trajectory: Trajectory | None = None
-    heartbeat: float | None = None
-    end: bool = False
-
-
-class _RawStreamMessage(msgspec.Struct, kw_only=True):
-    """A trajectory message whose record is passed through as the log's msgpack bytes (no decode, re-encode)."""
-
-    cursor: str
-    trajectory: msgspec.Raw
 
 
 class AckBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,63 +60,7 @@ class AckBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cursor: str
 
 
-_json_enc = msgspec.json.Encoder()
-_mp_enc = msgspec.msgpack.Encoder()
 _ack_dec = msgspec.json.Decoder(AckBody)
-
-
-class ConsumerCursors:
-    """Acknowledged cursors, one small file per consumer under ``<log dir>/consumers``."""
-
-    def __init__(self, dirpath: Path) -> None:
-        self.dir = dirpath
-        self._cache: dict[str, str] | None = None
-        self._lock = asyncio.Lock()
-
-    def _load(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if self.dir.is_dir():
-            for p in self.dir.glob("*.cursor"):
-                try:
-                    out[p.stem] = json.loads(p.read_text())["cursor"]
-                except (OSError, ValueError, KeyError):
-                    logger.warning("ignoring unreadable consumer cursor file %s", p)
-        return out
-
-    async def all(self) -> dict[str, str]:
-        if self._cache is None:
-            self._cache = await asyncio.to_thread(self._load)
-        return dict(self._cache)
-
-    async def get(self, consumer: str) -> str | None:
-        return (await self.all()).get(consumer)
-
-    async def ack(self, consumer: str, cursor: str) -> str:
-        """Store ``cursor`` for ``consumer`` unless it is behind the stored one; returns the stored cursor."""
-        async with self._lock:
-            cursors = await self.all()
-            old = cursors.get(consumer)
-            if old is not None and parse_cursor(old) >= parse_cursor(cursor):
-                return old
-            await asyncio.to_thread(self._write, consumer, cursor)
-            assert self._cache is not None
-            self._cache[consumer] = cursor
-            return cursor
-
-    def _write(self, consumer: str, cursor: str) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"{consumer}.cursor"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"consumer": consumer, "cursor": cursor, "at": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a crash leaves the old cursor or the new one, never half of one
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class _StreamState:
@@ -157,6 +88,7 @@ def add_routes(app: web.Application, *, compact: bool = True, heartbeat_s: float
     app[STREAM_STATE_KEY] = _StreamState(compact, heartbeat_s)
     app.router.add_get("/trajectories", get_trajectories)
     app.router.add_post("/trajectories/ack", post_ack)
+    app.router.add_delete("/trajectories/consumers/{consumer}", delete_consumer)
     app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_lag_ctx(lag_interval_s))
 
@@ -203,7 +135,7 @@ def _consumer(value: str | None, *, required: bool) -> str | None:
         if required:
             raise bad_request("'consumer' is required", "missing_consumer")
         return None
-    if not _CONSUMER_RE.match(value):
+    if not CONSUMER_RE.match(value):
         raise bad_request("'consumer' must be 1-128 letters, digits, '.', '_' or '-'", "invalid_consumer")
     return value
 
@@ -232,8 +164,8 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     state = request.app[STREAM_STATE_KEY]
     q = request.query
     consumer = _consumer(q.get("consumer"), required=False)
-    fmt = q.get("format", "ndjson")
-    if fmt not in ("ndjson", "msgpack"):
+    fmt: Format = q.get("format", "ndjson")  # type: ignore[assignment]
+    if fmt not in FORMATS:
         raise bad_request("'format' must be 'ndjson' or 'msgpack'", "invalid_format")
     follow = _flag(q.get("follow"), True)
     try:
@@ -248,15 +180,12 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     if cursor is not None:
         await _check_cursor(log, cursor)
 
-    def encode(msg: StreamMessage | _RawStreamMessage) -> bytes:
-        if fmt == "ndjson":
-            return _json_enc.encode(msg) + b"\n"
-        body = _mp_enc.encode(msg)
-        return _LEN.pack(len(body)) + body
+    def encode(msg: StreamMessage | RawTrajectoryMessage) -> bytes:
+        return encode_message(msg, fmt)
 
-    def message(cur: str, traj: Any) -> StreamMessage | _RawStreamMessage:
+    def message(cur: str, traj: Any) -> StreamMessage | RawTrajectoryMessage:
         if fmt == "msgpack":
-            return _RawStreamMessage(cursor=cur, trajectory=msgspec.Raw(traj))
+            return RawTrajectoryMessage(cursor=cur, trajectory=msgspec.Raw(traj))
         return StreamMessage(cursor=cur, trajectory=traj)
 
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,
@@ -270,7 +199,9 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     state.streams.add(task)
     try:
         async for cur, traj in agen:
-            if traj is not None:
+            if isinstance(traj, Skipped):  # undecodable: say so (the client counts it) and move past it
+                await resp.write(encode(StreamMessage(cursor=cur, skipped=traj.reason)))
+            elif traj is not None:
                 await resp.write(encode(message(cur, traj)))
                 sent += 1
             elif follow:
@@ -302,17 +233,45 @@ async def post_ack(request: web.Request) -> web.Response:
     assert consumer is not None
     await _check_cursor(log, body.cursor)
     store = state.consumer_cursors(log)
-    stored = await store.ack(consumer, body.cursor)
+    try:
+        stored = await store.ack(consumer, body.cursor)
+    except TooManyConsumers as exc:
+        raise ApiError(409, str(exc), "too_many_consumers") from None
+    deleted = await _compact(request.app, consumer)
+    return web.json_response({"consumer": consumer, "cursor": stored, "compacted_segments": len(deleted)})
+
+
+async def delete_consumer(request: web.Request) -> web.Response:
+    """Forget a consumer (an abandoned learner): its cursor no longer holds compaction back."""
+    require_control(request)
+    consumer = _consumer(request.match_info["consumer"], required=True)
+    assert consumer is not None
+    log = request.app[LOG_KEY]
+    if not await request.app[STREAM_STATE_KEY].consumer_cursors(log).remove(consumer):
+        raise ApiError(404, f"no consumer {consumer!r} has acknowledged this log", "consumer_not_found")
+    if METRICS_KEY in request.app:
+        try:
+            request.app[METRICS_KEY].stream_lag.remove(consumer)
+        except KeyError:
+            pass
+    deleted = await _compact(request.app, consumer)
+    return web.json_response({"consumer": consumer, "deleted": True, "compacted_segments": len(deleted)})
+
+
+async def _compact(app: web.Application, why: str) -> list[int]:
+    """With compaction on, delete the segments every remaining consumer has acknowledged."""
+    log = app[LOG_KEY]
+    state = app[STREAM_STATE_KEY]
     deleted: list[int] = []
-    if state.compact:
-        cursors = await store.all()
+    cursors = await state.consumer_cursors(log).all()
+    if state.compact and cursors:
         floor = min(cursors.values(), key=parse_cursor)
         try:
             deleted = await log.compact(floor)
         except Exception:  # noqa: BLE001 - the ack itself is durable; compaction retries at the next one
-            logger.exception("compaction after ack from %s failed", consumer)
-    await update_lag(request.app)
-    return web.json_response({"consumer": consumer, "cursor": stored, "compacted_segments": len(deleted)})
+            logger.exception("compaction after %s failed", why)
+    await update_lag(app)
+    return deleted
 
 
-__all__ = ["LOG_KEY", "StreamMessage", "ConsumerCursors", "add_routes", "ApiError"]
+__all__ = ["LOG_KEY", "StreamMessage", "ConsumerCursors", "add_routes", "ApiError", "delete_consumer"]

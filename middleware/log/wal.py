@@ -8,76 +8,70 @@ and one ``fdatasync`` in a worker thread (never on the event loop). A lone recor
 at once; records that arrive while a sync is in progress wait for the next one and share it. Each ``append``
 resolves only after the sync that covered its record.
 
-**Recovery.** Only the last segment can end in a torn record (a crash mid-write: every earlier segment was
-synced before the next was created). Opening truncates the last segment at its first bad frame, keeps the cut
-bytes beside it (``seg-N.log.torn-OFFSET``), counts it and logs a warning. A bad frame inside a sealed segment is
-disk corruption: it is logged as an error, counted, and the rest of that segment is skipped by every reader.
+**Recovery** at open (``recovery.py``) cuts a torn tail and rebuilds what the writer tracks; **reading**
+(``reader.py``) serves start-up, the stream and cursor checks; **remote logs** (``remote.py``) keep the
+write-ahead log local and upload sealed segments.
 
-**Remote logs.** For an fsspec URL (``s3://``, ``gs://``, ``memory://``) the write-ahead log stays in a local
-directory (``cache_dir``, or one derived from the URL under ``~/.cache/steptap/wal``) and each sealed segment
-is uploaded under the URL with the same name. A fresh local directory is first filled from the remote copy.
+**Durability** (``durability``): ``fsync`` (the default) syncs each group before its appends return: a
+record survives a crash of the machine once ``append`` returns. ``os`` writes each group to the OS before its
+appends return (it survives a crash of the proxy, even SIGKILL) and syncs on a timer every
+``os_sync_interval_s``: a crash of the machine (power, kernel) can lose the records of that last interval.
+Either way every sealed segment is synced before the next is created.
 
-**Compaction rule** (``compact(min_cursor)``): only a prefix of sealed segments is ever deleted, locally and
-remotely: the segments wholly before ``min_cursor`` (every consumer has acknowledged them) and before the
-segment holding the ``SessionOpened`` of the oldest session still open (so a restart can still rebuild every
-open session). The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+**Degraded** (``degraded.py``): after a failed write the log refuses records until a probe write succeeds.
+**Compaction** (``compaction.py``) deletes the prefix of segments every consumer has acknowledged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import fcntl
 import logging
 import os
 import threading
 import time
 from array import array
-from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, log_decoder, msgpack_encoder
+from steptap.middleware import files
+from steptap.middleware.exceptions import RecordTooLarge
+from steptap.middleware.log.compaction import Compaction
+from steptap.middleware.log.degraded import Degraded, LogUnavailable  # noqa: F401 (re-exported)
+from steptap.middleware.log.reader import Reader
+from steptap.middleware.log.recovery import LogInUseError, Recovery
+from steptap.middleware.log.remote import Remote
 from steptap.middleware.log.segments import (
-    FRAME,
     HEADER,
     MAX_RECORD,
-    SEG_RE,
     CorruptLogError,
     create_segment,
     cursor_key,
-    datasync,
     format_cursor,
     frame,
-    frame_at,
-    fsync_path,
-    list_segments,
     parse_cursor,
-    scan_frames,
     seg_name,
     split_location,
 )
+from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, msgpack_encoder
 
 # Format names are re-exported: callers import them from here.
 __all__ = [
-    "HEADER", "MAX_RECORD", "CorruptLogError", "LogClosedError", "LogInUseError", "LogStats", "TrajectoryLog",
-    "format_cursor", "frame", "parse_cursor",
+    "DEFAULT_MAX_RECORD", "HEADER", "MAX_RECORD", "CorruptLogError", "LogClosedError", "LogInUseError",
+    "LogStats", "LogUnavailable", "RecordTooLarge", "TrajectoryLog", "format_cursor", "frame", "parse_cursor",
 ]
 
 logger = logging.getLogger("steptap.wal")
 
 _MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
+DEFAULT_MAX_RECORD = 256 << 20  # the largest record append() takes (a finished session's Trajectory must fit)
+DURABILITY = ("fsync", "os")
 
 
 class LogClosedError(RuntimeError):
     pass
-
-
-class LogInUseError(RuntimeError):
-    """Another process has this log open for writing (two writers would interleave frames)."""
 
 
 class LogStats(msgspec.Struct, kw_only=True):
@@ -91,44 +85,39 @@ class LogStats(msgspec.Struct, kw_only=True):
     last_batch_records: int = 0
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
+    active_uploads: int = 0  # uploads of the active segment's committed part (timer)
     compacted_segments: int = 0
+    undecodable_records: int = 0  # records that did not decode, skipped by a reader (each time one reads them)
+    write_errors: int = 0  # failed group commits (disk full, I/O error)
 
 
-class _Peek(msgspec.Struct, kw_only=True, tag_field="type"):
-    trajectory_id: str = ""
-
-
-class _PeekStep(_Peek, tag="step"):
-    pass
-
-
-class _PeekOpened(_Peek, tag="session_opened"):
-    pass
-
-
-class _PeekReward(_Peek, tag="reward_added"):
-    pass
-
-
-class _PeekTrajectory(_Peek, tag="trajectory"):
-    id: str = ""
-    status: str = "running"
-
-
-class _PeekVersion(_Peek, tag="policy_version"):
-    pass
-
-
-_peek_decoder = msgspec.msgpack.Decoder(_PeekStep | _PeekOpened | _PeekReward | _PeekTrajectory | _PeekVersion)
-
-
-class TrajectoryLog:
+class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
 
-    def __init__(self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None) -> None:
+    _active_uploader: asyncio.Task[None] | None = None
+
+    def __init__(
+        self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None,
+        max_record_bytes: int = DEFAULT_MAX_RECORD, probe_interval_s: float = 1.0,
+        durability: str = "fsync", os_sync_interval_s: float = 0.2,
+    ) -> None:
+        if not 0 < max_record_bytes <= MAX_RECORD:
+            raise ValueError(f"max_record_bytes must be between 1 and {MAX_RECORD}")
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, not {durability!r}")
+        if not os_sync_interval_s > 0:
+            raise ValueError("os_sync_interval_s must be positive")
+        self.durability = durability
+        self.os_sync_interval_s = os_sync_interval_s
+        self._unsynced = False  # durability "os": written groups not yet synced
+        self._syncer: asyncio.Task[None] | None = None
         self.dir = dirpath
         self.location = str(dirpath)  # what open() was given
         self.segment_bytes = segment_bytes
+        self.max_record_bytes = max_record_bytes
+        self.probe_interval_s = probe_interval_s
+        self.degraded_reason: str | None = None  # why the log cannot write, while it cannot
+        self._probe: asyncio.Task[None] | None = None
         self.stats = LogStats()
         self._fs = fs
         self._remote_root = remote_root
@@ -150,6 +139,7 @@ class TrajectoryLog:
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
+        self._upload_lock = threading.Lock()  # one upload at a time (remote.py)
         self._compact_lock = asyncio.Lock()
 
     # ---- opening and recovery ----------------------------------------------------------------------------
@@ -163,12 +153,21 @@ class TrajectoryLog:
         upload_url: str | None = None,
         cache_dir: str | None = None,
         readonly: bool = False,
+        max_record_bytes: int = DEFAULT_MAX_RECORD,
+        upload_interval_s: float | None = 30.0,
+        probe_interval_s: float = 1.0,
+        durability: str = "fsync",
+        os_sync_interval_s: float = 0.2,
     ) -> TrajectoryLog:
         """Open (or create) the log at ``location``: a directory path, ``file://`` URL or remote fsspec URL.
 
         ``upload_url`` is an alternative spelling: a local ``location`` whose sealed segments also go to it.
         ``readonly`` opens an existing local log beside its writer (no lock, no repair, no appends): for
         inspection tools; ``records()`` and ``follow(until_idle=0)`` see what was committed at open.
+        ``max_record_bytes``: the largest record ``append`` takes. ``upload_interval_s`` (remote logs): how
+        often the active segment's committed part is uploaded too (None: only sealed segments).
+        ``probe_interval_s``: how often a degraded log checks whether it can write again. ``durability``:
+        ``fsync`` or ``os`` (synced every ``os_sync_interval_s``), see the module's doc.
         """
         if upload_url is not None:
             if "://" in location and not location.startswith("file://"):
@@ -176,7 +175,8 @@ class TrajectoryLog:
             cache_dir = location.removeprefix("file://")
             location = upload_url
         dirpath, fs, root = split_location(location, cache_dir)
-        log = cls(dirpath, segment_bytes, fs, root)
+        log = cls(dirpath, segment_bytes, fs, root, max_record_bytes, probe_interval_s, durability,
+                  os_sync_interval_s)
         log.location = location
         if readonly:
             if not dirpath.is_dir():
@@ -191,114 +191,38 @@ class TrajectoryLog:
             raise
         log._writer = asyncio.create_task(log._write_loop(), name="steptap-wal-writer")
         log._writer.add_done_callback(log._writer_done)
+        if durability == "os":
+            log._syncer = asyncio.create_task(log._sync_forever(), name="steptap-wal-syncer")
         if fs is not None:
             for segno in sorted(log._valid_end):
                 log._schedule_upload(segno, only_if_missing=True)
+            if upload_interval_s:
+                log._start_active_uploads(upload_interval_s)
         return log
-
-    def _recover(self, readonly: bool = False) -> None:
-        """Runs in the I/O thread: restore from remote if empty, validate every segment, truncate a torn tail,
-        rebuild the open-session index, and open the active segment for appending."""
-        if not readonly:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # One writer per directory: an exclusive lock the kernel drops when the process dies (even SIGKILL).
-            self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise LogInUseError(f"trajectory log {self.dir} is open in another process") from None
-        segnos = list_segments(self.dir)
-        if readonly:
-            self._scan_segments(segnos, readonly=True)
-            return
-        if not segnos and self._fs is not None:
-            segnos = self._download_remote()
-        self._scan_segments(segnos, readonly=False)
-        if not segnos:
-            self._segno, self._size = 1, len(HEADER)
-            create_segment(self.dir, 1)
-        self._fd = os.open(self.dir / seg_name(self._segno), os.O_WRONLY)
-        os.lseek(self._fd, self._size, os.SEEK_SET)
-        self.stats.segments = len(self._valid_end) + 1
-
-    def _scan_segments(self, segnos: list[int], readonly: bool) -> None:
-        for i, segno in enumerate(segnos):
-            last = i == len(segnos) - 1
-            path = self.dir / seg_name(segno)
-            data = path.read_bytes()
-            if data[: len(HEADER)] != HEADER:
-                if last and len(data) < len(HEADER) and HEADER.startswith(data):
-                    data = b""  # crashed while creating it: rewrite the header below
-                else:
-                    raise CorruptLogError(f"{path} is not a steptap log segment (bad header)")
-            frames, good_end = scan_frames(data, len(HEADER)) if data else ([], 0)
-            for start, end in frames:
-                self._index(segno, end, data[start:end])
-            if last:
-                # A reader beside a live writer sees its uncommitted tail: not torn, just not there yet.
-                if (good_end < len(data) or not data) and not readonly:
-                    self._truncate_tail(path, data, good_end)
-                self._segno = segno
-                self._size = max(good_end, len(HEADER))
-            else:
-                self._valid_end[segno] = good_end
-                if good_end < len(data):
-                    self.stats.corrupt_records += 1
-                    logger.error(
-                        "trajectory log %s is corrupt at offset %d (bad frame inside a sealed segment): "
-                        "%d bytes after it are skipped by every reader", path, good_end, len(data) - good_end,
-                    )
-        if not segnos:
-            self._segno, self._size = 1, len(HEADER)
-
-    def _truncate_tail(self, path: Path, data: bytes, good_end: int) -> None:
-        if not data:
-            path.write_bytes(HEADER)
-            fsync_path(path)
-            fsync_path(self.dir)
-            return
-        torn = data[good_end:]
-        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted out
-        # of order on power loss): none of them was acknowledged, since the sync covering them never returned.
-        later, _ = scan_frames(data, good_end + 1) if len(torn) > FRAME.size else ([], 0)
-        aside = path.with_name(f"{path.name}.torn-{good_end}")
-        aside.write_bytes(torn)
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            os.fsync(f.fileno())
-        fsync_path(self.dir)
-        self.stats.torn_records += 1
-        self.stats.torn_bytes += len(torn)
-        logger.warning(
-            "trajectory log %s ended in a torn record at offset %d (crash mid-write): dropped %d bytes "
-            "(unacknowledged; kept in %s)%s", path, good_end, len(torn), aside.name,
-            f"; {len(later)} later frame(s) in them looked intact" if later else "",
-        )
-
-    def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
-        """Track what compaction must keep (open sessions, the latest policy version) and where finished
-        trajectories end."""
-        try:
-            peek = _peek_decoder.decode(payload)
-        except msgspec.DecodeError:
-            return  # an unknown record kind (newer writer): nothing to track
-        if isinstance(peek, _PeekOpened):
-            self._open_sessions.setdefault(peek.trajectory_id, segno)
-        elif isinstance(peek, _PeekTrajectory) and peek.status != "running":
-            self._open_sessions.pop(peek.id, None)
-            self._traj_ends.append(cursor_key(segno, end))
-        elif isinstance(peek, _PeekVersion):
-            self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
 
     # ---- appending (group commit) ------------------------------------------------------------------------
 
     async def append(self, record: LogRecord) -> str:
-        """Append ``record``; returns the cursor after it once it is on disk (synced)."""
+        """Append ``record``; returns the cursor after it once it is on disk (synced). ``RecordTooLarge`` when
+        it exceeds ``max_record_bytes``; ``LogUnavailable`` while the log cannot write (``degraded``)."""
         if self._closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
+        self.ensure_writable()
+        payload = msgpack_encoder.encode(record)
+        if len(payload) > self.max_record_bytes:
+            raise RecordTooLarge(
+                f"the record is {len(payload)} bytes, above the trajectory log's limit of "
+                f"{self.max_record_bytes} bytes"
+            )
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((frame(msgpack_encoder.encode(record)), record, fut))
+        self._queue.put_nowait((frame(payload), record, fut))
         return await fut
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes held by the retained local segments."""
+        with self._lock:
+            return sum(self._valid_end.values()) + self._size
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -317,21 +241,30 @@ class TrajectoryLog:
                 size += len(nxt[0])
             t0 = time.perf_counter()
             try:
-                positions, sealed = await loop.run_in_executor(self._io, self._write_batch, [b[0] for b in batch])
-            except Exception as exc:  # noqa: BLE001 - disk full, I/O error: fail these appends, keep serving
-                logger.exception("trajectory log write failed; %d append(s) fail", len(batch))
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
+                positions, sealed, error = await loop.run_in_executor(
+                    self._io, self._write_batch, [b[0] for b in batch]
+                )
+            except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail these appends, keep serving
+                positions, sealed, error = [], [], exc
             self.stats.last_commit_latency_s = time.perf_counter() - t0
-            self.stats.last_batch_records = len(batch)
-            self.stats.records += len(batch)
-            self.stats.bytes += size
+            self.stats.last_batch_records = len(positions)
+            self.stats.records += len(positions)
+            self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
             for (_, record, fut), (segno, offset) in zip(batch, positions):
                 self._track(record, segno, offset)
                 if not fut.done():  # the caller may have gone away; the record is durable all the same
                     fut.set_result(format_cursor(segno, offset))
+            if error is not None:
+                # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
+                # the log refuses new records until a probe write succeeds, so memory and log stay in step.
+                failed = batch[len(positions):]
+                logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
+                self._degrade(error)
+                for _, _, fut in failed:
+                    if not fut.done():
+                        unavailable = LogUnavailable(f"the trajectory log could not write: {self.degraded_reason}")
+                        unavailable.__cause__ = error
+                        fut.set_exception(unavailable)
             for segno in sealed + sorted(self._upload_failed):
                 self._schedule_upload(segno)
             self._changed.set()
@@ -357,10 +290,14 @@ class TrajectoryLog:
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 
-    def _write_batch(self, frames: list[bytes]) -> tuple[list[tuple[int, int]], list[int]]:
+    def _write_batch(
+        self, frames: list[bytes]
+    ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
         """I/O thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
-        after each frame and the segments sealed on the way."""
+        after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error that
+        stopped it, if any."""
         positions: list[tuple[int, int]] = []
+        committed = 0
         sealed: list[int] = []
         buf: list[bytes] = []
         pos = self._size
@@ -368,38 +305,39 @@ class TrajectoryLog:
             for fr in frames:
                 if pos > len(HEADER) and pos + len(fr) > self.segment_bytes:
                     self._flush(buf)
-                    buf = []
+                    committed, buf = len(positions), []
                     sealed.append(self._roll())
                     pos = self._size
                 buf.append(fr)
                 pos += len(fr)
                 positions.append((self._segno, pos))
             self._flush(buf)
-        except BaseException:
+        except OSError as exc:
             # Leave no half-written group behind: cut back to what was committed.
             try:
                 os.ftruncate(self._fd, self._size)
                 os.lseek(self._fd, self._size, os.SEEK_SET)
             except OSError:
                 pass
-            raise
-        return positions, sealed
+            return positions[:committed], sealed, exc
+        return positions, sealed, None
 
     def _flush(self, buf: list[bytes]) -> None:
         if not buf:
             return
-        data = memoryview(b"".join(buf))
-        while data:
-            n = os.write(self._fd, data)
-            data = data[n:]
-        datasync(self._fd)
-        self.stats.commits += 1
+        files.write_all(self._fd, b"".join(buf))
+        if self.durability == "fsync":
+            files.datasync(self._fd)
+            self.stats.commits += 1
+        else:
+            self._unsynced = True
         with self._lock:
             self._size += sum(len(b) for b in buf)
 
     def _roll(self) -> int:
         """Seal the active segment (already synced) and start the next; returns the sealed segno."""
         old = self._segno
+        self._sync_now()  # durability "os": a sealed segment is synced like any other
         # The next segment exists before any reader can be sent to it; if creating it fails (disk full), the
         # active segment is untouched and the next batch tries again.
         create_segment(self.dir, old + 1)
@@ -414,235 +352,25 @@ class TrajectoryLog:
         self.stats.segments = len(self._valid_end) + 1
         return old
 
-    # ---- reading -----------------------------------------------------------------------------------------
+    # ---- durability "os": the timed sync ------------------------------------------------------------------
 
-    def _end_of(self, segno: int) -> int:
-        with self._lock:
-            return self._size if segno == self._segno else self._valid_end.get(segno, 0)
+    def _sync_now(self) -> None:
+        """I/O thread: sync what was written but not yet synced (durability ``os``)."""
+        if self._unsynced:
+            files.datasync(self._fd)
+            self._unsynced = False
+            self.stats.commits += 1
 
-    def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
-        """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset)."""
-        end = self._end_of(segno)
-        if offset >= end:
-            return [], offset
-        try:
-            with open(self.dir / seg_name(segno), "rb") as f:
-                f.seek(offset)
-                data = f.read(min(end - offset, max(limit_bytes, 1)))
-        except FileNotFoundError:
-            return [], end  # compacted under us
-        frames, good = scan_frames(data, 0)
-        if not frames and good == 0 and len(data) < end - offset:
-            # One frame larger than limit_bytes: read exactly it.
-            length, _ = FRAME.unpack_from(data, 0)
-            return self._read_frames(segno, offset, FRAME.size + length)
-        if not frames and len(data) == end - offset and good < len(data):
-            raise ValueError(f"cursor {format_cursor(segno, offset)} does not point at a record")
-        return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + (frames[-1][1] if frames else 0)
-
-    def _start_position(self, cursor: str | None) -> tuple[int, int]:
-        segs = self._retained()
-        if cursor is None:
-            return segs[0], len(HEADER)
-        segno, offset = parse_cursor(cursor)
-        if segno < segs[0]:
-            return segs[0], len(HEADER)  # compacted: everything still retained is after it
-        if segno > self._segno or offset > self._end_of(segno) or offset < len(HEADER):
-            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
-        return segno, offset
-
-    def check_cursor(self, cursor: str) -> None:
-        """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
-        Reads one frame from disk: call it off the event loop."""
-        segno, offset = parse_cursor(cursor)
-        segs = self._retained()
-        if segno < segs[0]:
-            return
-        end = self._end_of(segno)
-        if segno not in segs or offset < len(HEADER) or offset > end:
-            raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
-        if offset == end:
-            return
-        if not frame_at(self.dir / seg_name(segno), offset, end):
-            raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
-
-    def _retained(self) -> list[int]:
-        with self._lock:
-            return sorted(self._valid_end) + [self._segno]
-
-    def _next_segment(self, segno: int) -> int | None:
-        later = [s for s in self._retained() if s > segno]
-        return later[0] if later else None
-
-    def records(self) -> Iterator[LogRecord]:
-        """Every retained, committed record in log order (for rebuilding open sessions at startup)."""
-        for _, payload in self._iter_payloads(None):
-            yield log_decoder.decode(payload)
-
-    def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
-        segno, offset = self._start_position(cursor)
-        while True:
-            frames, offset = self._read_frames(segno, offset, 4 << 20)
-            for after, payload in frames:
-                yield format_cursor(segno, after), payload
-            if frames:
-                continue
-            nxt = self._next_segment(segno)
-            if nxt is None:
-                return
-            segno, offset = nxt, len(HEADER)
-
-    async def tail(
-        self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
-    ) -> AsyncIterator[tuple[str, Any]]:
-        """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
-        trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
-        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through)."""
+    async def _sync_forever(self) -> None:
         loop = asyncio.get_running_loop()
-        segno, offset = self._start_position(cursor)
-        current = format_cursor(segno, offset)
-        while True:
-            changed = self._changed
-            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
-            for cur, traj in batch:
-                current = cur
-                if traj is not None:
-                    yield cur, traj
-            if batch:
+        while not self._closed:
+            await asyncio.sleep(self.os_sync_interval_s)
+            if not self._unsynced:
                 continue
-            if self._closed:
-                return
             try:
-                await asyncio.wait_for(changed.wait(), idle)
-            except TimeoutError:
-                yield current, None
-
-    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
-        """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
-        records so the position still advances."""
-        while True:
-            frames, new_offset = self._read_frames(segno, offset, 4 << 20)
-            if frames:
-                out: list[tuple[str, Any]] = []
-                for after, payload in frames:
-                    try:
-                        peek = _peek_decoder.decode(payload)
-                    except msgspec.DecodeError:
-                        continue  # a record kind this version does not know
-                    if isinstance(peek, _PeekTrajectory) and peek.status != "running":
-                        out.append((format_cursor(segno, after), payload if raw else log_decoder.decode(payload)))
-                if not out:
-                    out.append((format_cursor(segno, new_offset), None))
-                return out, segno, new_offset
-            nxt = self._next_segment(segno)
-            if nxt is None:
-                return [], segno, offset
-            segno, offset = nxt, len(HEADER)
-
-    async def follow(
-        self, cursor: str | None = None, *, until_idle: float | None = None
-    ) -> AsyncIterator[tuple[str, Trajectory]]:
-        """Finished trajectories after ``cursor`` (``None``: from the oldest retained), in log order, with the
-        cursor after each, waiting for new ones like ``tail -f``. ``until_idle``: stop after that many seconds
-        without a new one (0: stop at the current end)."""
-        agen = self.tail(cursor, idle=until_idle)
-        try:
-            async for cur, traj in agen:
-                if traj is None:
-                    return
-                yield cur, traj
-        finally:
-            await agen.aclose()
-
-    def trajectories_after(self, cursor: str | None) -> int:
-        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
-        if cursor is None:
-            return len(self._traj_ends)
-        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
-
-    @property
-    def end_cursor(self) -> str:
-        """The cursor after the last committed record."""
-        return format_cursor(self._segno, self._size)
-
-    # ---- remote upload and compaction --------------------------------------------------------------------
-
-    def _schedule_upload(self, segno: int, *, only_if_missing: bool = False) -> None:
-        if self._fs is None or segno in self._uploading:
-            return
-        self._uploading.add(segno)
-        task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
-        self._uploads.add(task)
-        task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
-
-    def _upload(self, segno: int, only_if_missing: bool) -> None:
-        local = self.dir / seg_name(segno)
-        remote = f"{self._remote_root}/{seg_name(segno)}"
-        try:
-            if only_if_missing and self._fs.exists(remote) and self._fs.size(remote) == local.stat().st_size:
-                return
-            self._fs.makedirs(self._remote_root, exist_ok=True)
-            self._fs.put_file(str(local), remote)
-            self.stats.uploads += 1
-            self._upload_failed.discard(segno)
-        except FileNotFoundError:
-            pass  # compacted before it was uploaded
-        except Exception:  # noqa: BLE001 - retried at the next seal and the next open; the local copy stays
-            self._upload_failed.add(segno)
-            logger.exception("uploading %s to %s failed", local, remote)
-
-    def _download_remote(self) -> list[int]:
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._remote_root, detail=False)]
-        except FileNotFoundError:
-            return []
-        segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
-        for segno in segnos:
-            self._fs.get_file(f"{self._remote_root}/{seg_name(segno)}", str(self.dir / seg_name(segno)))
-        if segnos:
-            logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
-        return segnos
-
-    async def compact(self, min_cursor: str) -> list[int]:
-        """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
-        consumers), never one at or after the oldest open session's ``SessionOpened``. Returns the deleted
-        segment numbers."""
-        async with self._compact_lock:  # two acks at once must not both carry the policy version forward
-            return await self._compact(parse_cursor(min_cursor)[0], min_cursor)
-
-    async def _compact(self, cut: int, min_cursor: str) -> list[int]:
-        if self._open_sessions:
-            cut = min(cut, min(self._open_sessions.values()))
-        if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
-            cut = min(cut, min(self._upload_failed))
-        victims = [s for s in self._retained()[:-1] if s < cut]
-        if not victims:
-            return []
-        if self._last_version is not None and self._last_version[0] in victims:
-            await self.append(self._last_version[1])  # carry the current policy version forward
-            victims = [s for s in self._retained()[:-1] if s < cut]
-        await asyncio.gather(*list(self._uploads), return_exceptions=True)  # never delete before it is uploaded
-        with self._lock:
-            for segno in victims:
-                self._valid_end.pop(segno, None)
-        del self._traj_ends[: bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))]
-        await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
-        self.stats.compacted_segments += len(victims)
-        self.stats.segments = len(self._valid_end) + 1
-        logger.info("compacted %d segment(s) of %s (before %s)", len(victims), self.dir, min_cursor)
-        return victims
-
-    def _delete(self, segnos: list[int]) -> None:
-        for segno in segnos:
-            (self.dir / seg_name(segno)).unlink(missing_ok=True)
-            if self._fs is not None:
-                try:
-                    self._fs.rm_file(f"{self._remote_root}/{seg_name(segno)}")
-                except FileNotFoundError:
-                    pass
-                except Exception:  # noqa: BLE001
-                    logger.exception("deleting remote segment %d failed", segno)
-        fsync_path(self.dir)
+                await loop.run_in_executor(self._io, self._sync_now)
+            except OSError as exc:
+                self._degrade(exc)
 
     # ---- closing -----------------------------------------------------------------------------------------
 
@@ -656,6 +384,9 @@ class TrajectoryLog:
             return
         self._closed = True
         self._queue.put_nowait(None)
+        for task in (self._probe, self._active_uploader, self._syncer):
+            if task is not None:
+                task.cancel()
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)  # a dead writer was reported already
         loop = asyncio.get_running_loop()
@@ -664,6 +395,7 @@ class TrajectoryLog:
             self._schedule_upload(sealed)
         if self._uploads:
             await asyncio.gather(*list(self._uploads), return_exceptions=True)
+        await loop.run_in_executor(self._io, self._sync_now)
         await loop.run_in_executor(self._io, os.close, self._fd)
         self._io.shutdown(wait=True)
         self._release()

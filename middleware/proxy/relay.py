@@ -59,6 +59,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     started_at, t0 = time.time(), time.perf_counter()
     body = _json_object(await request.read())
     cfg, manager, upstream = app[CONFIG_KEY], app[SESSIONS_KEY], app[UPSTREAM_KEY]
+    manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     served = await upstream.route(body.get("model"))  # before identifying: a refused call opens no session
     session = await manager.resolve(identify(request))  # identify
     stream = bool(body.get("stream"))
@@ -372,11 +373,15 @@ async def health(request: web.Request) -> web.Response:
     """Liveness and the backend's state (never a secret): 200 when the backend answers, else 503."""
     state = await request.app[UPSTREAM_KEY].health()
     swapper = request.app[SWAPPER_KEY]
+    log: Any = request.app[SESSIONS_KEY].log
+    log_state = {"degraded": log.degraded, "error": log.degraded_reason}
+    healthy = state["healthy"] and not log.degraded
     body = {
-        "status": "ok" if state["healthy"] else "degraded",
+        "status": "ok" if healthy else "degraded",
+        "log": log_state,
         "backends": [state],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version),
         "weights": swapper.state(),  # swap state (weights/swapper.py)
     }
-    return web.Response(body=_encode(body), status=200 if state["healthy"] else 503, content_type="application/json")
+    return web.Response(body=_encode(body), status=200 if healthy else 503, content_type="application/json")

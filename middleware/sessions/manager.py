@@ -57,6 +57,8 @@ RECENT_KEEP = 128
 class Log(Protocol):
     async def append(self, record: LogRecord) -> str: ...
 
+    def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
+
     def records(self) -> Any: ...
 
 
@@ -287,10 +289,15 @@ class SessionManager:
             await asyncio.gather(*(self._append(s) for s in steps), self._append(traj))
             self._closed(session)
             return
-        if len(steps) == 1:
-            await self._append(steps[0])
-        else:  # concurrent appends share one group commit
-            await asyncio.gather(*(self._append(s) for s in steps))
+        try:
+            if len(steps) == 1:
+                await self._append(steps[0])
+            else:  # concurrent appends share one group commit
+                await asyncio.gather(*(self._append(s) for s in steps))
+        except Exception:
+            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the trajectory.
+            traj.steps = [s for s in traj.steps if not any(s is x for x in steps)]
+            raise
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))
 

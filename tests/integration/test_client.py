@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -100,8 +101,9 @@ async def test_stream_both_formats_and_ack(server: Server, fmt: str) -> None:
 
 async def test_dedup_by_trajectory_id(server: Server) -> None:
     assert server.log is not None
-    for i in (0, 1, 0, 2, 1):  # the same trajectory logged twice (e.g. re-sent after a restart)
-        await server.log.append(traj(i))
+    records = [traj(i) for i in range(3)]
+    for i in (0, 1, 0, 2, 1):  # the same trajectory record seen twice (as a re-delivery after a restart shows it)
+        await server.log.append(records[i])
     async with SteptapClient(server.url, TOKEN) as c:
         got = await collect(c.trajectories("a", follow=False))
         assert [d.trajectory.id for d in got] == ["t0", "t1", "t2"]
@@ -109,10 +111,24 @@ async def test_dedup_by_trajectory_id(server: Server) -> None:
         assert [d.trajectory.id for d in got] == ["t0", "t1", "t0", "t2", "t1"]
 
 
+async def test_a_session_id_used_again_later_is_not_dropped_as_a_duplicate(server: Server) -> None:
+    """After compaction a session id can be opened again (the proxy no longer knows it): that is a new
+    trajectory, and a consumer that saw the old one must still get it."""
+    assert server.log is not None
+    first = traj(0)
+    await server.log.append(first)
+    again = Trajectory(id=first.id, status="finished", created_at=first.created_at + 1.0, rewards={"r": 9.0})
+    await server.log.append(again)
+    async with SteptapClient(server.url, TOKEN) as c:
+        got = await collect(c.trajectories("a", follow=False))
+        assert [(d.trajectory.id, d.trajectory.rewards) for d in got] == [("t0", {"r": 0.0}), ("t0", {"r": 9.0})]
+
+
 async def test_follow_reconnects_across_a_server_restart(server: Server) -> None:
     assert server.log is not None
-    for i in range(3):
-        await server.log.append(traj(i))
+    sent = [traj(i) for i in range(3)]
+    for t in sent:
+        await server.log.append(t)
     async with SteptapClient(server.url, TOKEN) as c:
         it = c.trajectories("learner", heartbeat_s=0.2, max_backoff_s=0.3)
         first = await collect(it, 3)
@@ -122,7 +138,7 @@ async def test_follow_reconnects_across_a_server_restart(server: Server) -> None
         async def restart_and_write() -> None:
             await asyncio.sleep(0.5)
             log = await server.start()
-            await log.append(traj(1))  # a duplicate after the restart: dropped by the client
+            await log.append(sent[1])  # the same record again after the restart: dropped by the client
             for i in range(3, 6):
                 await log.append(traj(i))
 
@@ -135,14 +151,15 @@ async def test_follow_reconnects_across_a_server_restart(server: Server) -> None
 
 async def test_seen_file_holds_acknowledged_ids_across_consumer_restarts(server: Server, tmp_path: Path) -> None:
     assert server.log is not None
-    for i in range(4):
-        await server.log.append(traj(i))
+    sent = [traj(i) for i in range(4)]
+    for t in sent:
+        await server.log.append(t)
     seen = tmp_path / "seen.txt"
     async with SteptapClient(server.url, TOKEN) as c:
         got = await collect(c.trajectories("l", follow=False, seen_file=seen))
         await c.ack("l", got[1].cursor)  # done with t0, t1; t2, t3 were delivered but not finished
-    assert seen.read_text().split() == ["t0", "t1"]
-    await server.log.append(traj(0))  # t0 again, after the acknowledged cursor
+    assert [k.split("@")[0] for k in seen.read_text().split()] == ["t0", "t1"]
+    await server.log.append(sent[0])  # t0's record again, after the acknowledged cursor
     async with SteptapClient(server.url, TOKEN) as c:
         got = await collect(c.trajectories("l", follow=False, seen_file=seen))
         # t2, t3 come again (never acknowledged: at least once); t0 is recognised and dropped.
@@ -260,3 +277,38 @@ async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server)
     with pytest.raises(SteptapError) as ei:
         await asyncio.to_thread(SyncSteptapClient(proxy.url, info.api_key).ack, "x", got[0].cursor)
     assert ei.value.status == 403
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "msgpack"])
+async def test_the_client_skips_and_counts_an_undecodable_record_and_reads_nan_logprobs(
+    tmp_path: Path, fmt: str
+) -> None:
+    """The learner's reader: a bad record (``Step.model = 1`` inside a trajectory) is skipped and counted, not
+    fatal (it used to raise out of ``trajectories`` on every resume); a NaN logprob (an ``echo``ed prompt's
+    first token, sent as JSON null) arrives as NaN."""
+    import math
+
+    from steptap.middleware.log.segments import frame
+
+    srv = Server(tmp_path / "log")
+    log = await srv.start()
+    nan_traj = Trajectory(id="nan", status="finished",
+                          steps=[Step(response_token_ids=[1, 2], response_logprobs=[math.nan, -0.5])])
+    await log.append(nan_traj)
+    await srv.stop()
+    bad = msgspec.to_builtins(traj(1))
+    bad["steps"][0]["model"] = 1
+    with open(sorted((tmp_path / "log").glob("seg-*.log"))[-1], "ab") as f:
+        f.write(frame(msgspec.msgpack.encode(bad)))
+    log = await srv.start()
+    await log.append(traj(2))
+    try:
+        async with SteptapClient(srv.url, TOKEN) as c:
+            got = await collect(c.trajectories("learner", follow=False, format=fmt))
+            assert [d.trajectory.id for d in got] == ["nan", "t2"]
+            lps = got[0].trajectory.steps[0].response_logprobs
+            assert math.isnan(lps[0]) and lps[1] == -0.5
+            assert c.skipped == {"learner": 1}
+            await c.ack("learner", got[-1].cursor)
+    finally:
+        await srv.stop()

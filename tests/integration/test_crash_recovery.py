@@ -8,6 +8,9 @@ nothing acknowledged was lost.
    restarted on the same log. Every step whose reply reached an agent must be in the log, and every finished
    trajectory must reach the consumer exactly once after de-duplication, including those finished after the
    restarts.
+
+Both run with each log durability setting (`fsync`, `os`): a SIGKILL of the proxy is not a crash of the machine,
+so `os` must lose nothing replied either.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import asyncio, sys
 from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.log.wal import TrajectoryLog
 
-async def main(path, prefix):
-    log = await TrajectoryLog.open(path, segment_bytes=256 * 1024)
+async def main(path, prefix, durability):
+    log = await TrajectoryLog.open(path, segment_bytes=256 * 1024, durability=durability)
     async def worker(w):
         for i in range(10**9):
             tid = f"{prefix}-{w}-{i}"
@@ -49,17 +52,18 @@ async def main(path, prefix):
             sys.stdout.flush()
     await asyncio.gather(*(worker(w) for w in range(32)))
 
-asyncio.run(main(sys.argv[1], sys.argv[2]))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
-async def test_sigkill_of_a_log_writer_loses_nothing_acknowledged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+async def test_sigkill_of_a_log_writer_loses_nothing_acknowledged(tmp_path: Path, durability: str) -> None:
     logdir = tmp_path / "log"
     acked: dict[str, str] = {}
     torn = 0
     for rnd in range(3):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _WRITER, str(logdir), f"r{rnd}", stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-c", _WRITER, str(logdir), f"r{rnd}", durability, stdout=asyncio.subprocess.PIPE,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.stdout is not None
         n = 0
@@ -108,8 +112,8 @@ CALLS_PER_SESSION = 3
 class Proxy:
     """``steptap serve`` as a subprocess on a fixed port and log directory; killable and restartable."""
 
-    def __init__(self, backend: str, logdir: Path, outdir: Path) -> None:
-        self.backend, self.logdir, self.outdir = backend, logdir, outdir
+    def __init__(self, backend: str, logdir: Path, outdir: Path, durability: str = "fsync") -> None:
+        self.backend, self.logdir, self.outdir, self.durability = backend, logdir, outdir, durability
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -120,7 +124,8 @@ class Proxy:
         out = open(self.outdir / f"proxy-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", self.backend, "--log",
-             str(self.logdir), "--port", str(self.port), "--control-token", TOKEN],
+             str(self.logdir), "--port", str(self.port), "--control-token", TOKEN,
+             "--log-durability", self.durability],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STEPTAP_LOG_LEVEL": "INFO"})
         out.close()
         deadline = time.monotonic() + 60
@@ -253,10 +258,11 @@ async def _consume(proxy: Proxy, name: str, dedup: bool, out: list[Trajectory], 
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("durability", ["fsync", "os"])
 async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory_once(
-    vllm_server: Backend, tmp_path: Path
+    vllm_server: Backend, tmp_path: Path, durability: str
 ) -> None:
-    proxy = Proxy(vllm_server.url, tmp_path / "log", tmp_path)
+    proxy = Proxy(vllm_server.url, tmp_path / "log", tmp_path, durability)
     ledger = Ledger()
     stop = asyncio.Event()
     delivered: list[Trajectory] = []

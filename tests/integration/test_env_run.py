@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Backend, Proxy
-from steptap.middleware.log.reader import LogReader
+from steptap.middleware.log.offline import LogReader
 from steptap.middleware.records import Trajectory
 
 pytestmark = pytest.mark.vllm

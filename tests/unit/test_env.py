@@ -16,7 +16,7 @@ from steptap.adapters.env.base import parse_number, parse_tool_calls
 from steptap.adapters.env.calculator import WELL_FORMED_REWARD, CalculatorTool, make_env, safe_eval
 from steptap.adapters.env.runner import DatasetRunner
 from steptap.adapters.export import export_trajectories
-from steptap.middleware.log.reader import LogReader
+from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.segments import frame
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.records import Step, Trajectory

@@ -151,7 +151,7 @@ def test_middleware_imports_follow_the_arrows() -> None:
 def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
     """The learner and the adapters talk to the proxy over HTTP (client.py) and share its record schema; they
     never import its server parts. The one exception: adapters may read a log directory through the log's
-    read-only reader (``steptap export --log``)."""
+    read-only offline reader (``steptap export --log``)."""
     wrong = []
     for folder in ("learner", "adapters"):
         for path in _files(folder):
@@ -160,7 +160,7 @@ def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
                 part = _middleware_part(name)
                 if part is None or part == "kernel" and name.split(".")[2] not in ROOTS:
                     continue
-                if folder == "adapters" and name.startswith("steptap.middleware.log.reader"):
+                if folder == "adapters" and name.startswith("steptap.middleware.log.offline"):
                     continue
                 wrong.append(f"{rel} imports {name}")
             if folder == "adapters":

@@ -214,3 +214,62 @@ async def test_stream_lag_metric(log: TrajectoryLog, aiohttp_client: MakeClient)
     assert b'steptap_stream_lag_records{consumer="learner"} 3.0' in app[METRICS_KEY].render()
     await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[4]}, headers=AUTH)
     assert b'steptap_stream_lag_records{consumer="learner"} 0.0' in app[METRICS_KEY].render()
+
+
+async def test_an_abandoned_consumer_can_be_removed_and_stops_holding_compaction(
+    tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    log = await TrajectoryLog.open(str(tmp_path / "log"), segment_bytes=1024)
+    try:
+        cursors = [await log.append(traj(i)) for i in range(20)]
+        app = make_app(log)
+        app[METRICS_KEY] = Metrics()
+        app[METRICS_KEY].watch_log(log)
+        client = await aiohttp_client(app)
+        await client.post("/trajectories/ack", json={"consumer": "gone", "cursor": cursors[0]}, headers=AUTH)
+        resp = await client.post("/trajectories/ack", json={"consumer": "live", "cursor": cursors[-1]}, headers=AUTH)
+        assert (await resp.json())["compacted_segments"] == 0  # "gone" holds every segment
+        held = log.disk_bytes
+        assert f"steptap_log_disk_bytes {float(held)}".encode() in app[METRICS_KEY].render()
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 403)):
+            assert (await client.delete("/trajectories/consumers/gone", headers=headers)).status == status
+        resp = await client.delete("/trajectories/consumers/gone", headers=AUTH)
+        body = await resp.json()
+        assert resp.status == 200 and body["deleted"] is True
+        assert body["compacted_segments"] == parse_cursor(cursors[-1])[0] - 1
+        assert not (log.dir / "consumers" / "gone.cursor").exists() and log.disk_bytes < held
+        assert f"steptap_log_disk_bytes {float(log.disk_bytes)}".encode() in app[METRICS_KEY].render()
+        assert b'consumer="gone"' not in app[METRICS_KEY].render()
+        resp = await client.delete("/trajectories/consumers/gone", headers=AUTH)
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "consumer_not_found"
+        resp = await client.delete("/trajectories/consumers/a%0A", headers=AUTH)  # a trailing newline
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_consumer"
+    finally:
+        await log.close()
+
+
+async def test_an_undecodable_trajectory_is_skipped_in_the_ndjson_stream(
+    tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    from steptap.middleware.log.segments import frame
+
+    logdir = tmp_path / "log"
+    log = await TrajectoryLog.open(str(logdir))
+    first = await log.append(traj(0))
+    await log.close()
+    bad = msgspec.to_builtins(traj(1))
+    bad["steps"][0]["model"] = 1  # what a proxy without edge validation wrote
+    with open(sorted(logdir.glob("seg-*.log"))[-1], "ab") as f:
+        f.write(frame(msgspec.msgpack.encode(bad)))
+    log = await TrajectoryLog.open(str(logdir))
+    try:
+        last = await log.append(traj(2))
+        client = await aiohttp_client(make_app(log))
+        msgs = await read_ndjson(await client.get("/trajectories", params={"follow": "0"}, headers=AUTH))
+        assert [m.get("trajectory", {}).get("id") for m in msgs] == ["t0", None, "t2", None]
+        assert msgs[0]["cursor"] == first and msgs[2]["cursor"] == last
+        skipped = msgs[1]
+        assert "model" in skipped["skipped"] and parse_cursor(first) < parse_cursor(skipped["cursor"]) < parse_cursor(last)
+        assert msgs[-1]["end"] is True and log.stats.undecodable_records == 1
+    finally:
+        await log.close()

@@ -13,6 +13,7 @@ import fsspec
 import msgspec
 import pytest
 
+from steptap.middleware.errors import status_of
 from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
 from steptap.middleware.log.wal import HEADER, LogInUseError, TrajectoryLog, parse_cursor
 
@@ -336,7 +337,7 @@ async def test_failed_upload_is_retried_and_blocks_compaction(tmp_path: Path) ->
 _FULL_DISK_WRITER = r"""
 import asyncio, resource, signal, sys
 from steptap.middleware.records import Step, Trajectory
-from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.log.wal import LogUnavailable, TrajectoryLog
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (48 * 1024, 48 * 1024))
@@ -350,8 +351,9 @@ async def main(path):
                                         steps=[Step(prompt_token_ids=list(range(300)))]))
             ok += 1
             print("OK", i, flush=True)
-        except OSError as exc:
+        except LogUnavailable as exc:
             failed += 1
+    assert log.degraded and log.stats.write_errors >= 1, (log.degraded_reason, log.stats)
     print("FAILED", failed, flush=True)
     await log.close()
 
@@ -432,3 +434,204 @@ async def test_followers_see_every_record_once_under_concurrent_appends_and_roll
     expected = [(f"{s}:{o}", tid) for (s, o), tid in order]
     assert got[0] == expected and got[1] == expected  # log order, nothing lost, nothing twice
     await log.close()
+
+
+# ---- hardening: undecodable records, the record limit, large frames, a disk that cannot write ----------------
+
+
+def _bad(record: Trajectory | Step | SessionOpened, **fields: object) -> bytes:
+    """``record`` re-encoded with fields of the wrong type: what a writer without edge validation wrote."""
+    obj = msgspec.to_builtins(record)
+    for path, value in fields.items():
+        target = obj
+        *head, last = path.split("__")
+        for key in head:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[last] = value
+    return msgspec.msgpack.encode(obj)
+
+
+def _append_raw(logdir: Path, payload: bytes) -> None:
+    """Append a framed payload to the last segment of a closed log (as a writer would have written it)."""
+    from steptap.middleware.log.segments import frame
+
+    with open(_segs(logdir)[-1], "ab") as f:
+        f.write(frame(payload))
+
+
+async def test_undecodable_records_are_skipped_counted_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Step.model = 1`` (written by a proxy that did not validate types) stopped every reader: start-up
+    raised ValidationError, and so did the stream."""
+    log = await TrajectoryLog.open(str(tmp_path))
+    await log.append(SessionOpened(trajectory_id="open"))
+    await log.append(_traj(0))
+    await log.close()
+    _append_raw(tmp_path, _bad(Step(trajectory_id="open"), model=1))
+    _append_raw(tmp_path, _bad(_traj(1), steps__0__model=1))
+    _append_raw(tmp_path, _bad(PolicyVersion(version=3), version="three"))
+    log = await TrajectoryLog.open(str(tmp_path))
+    await log.append(_traj(2))
+    caplog.set_level(logging.ERROR, "steptap.wal")
+    kinds = [type(r).__name__ for r in log.records()]
+    assert kinds == ["SessionOpened", "Trajectory", "Trajectory"]
+    assert log.stats.undecodable_records == 3 and log.stats.torn_records == 0
+    assert sum("undecodable record" in r.getMessage() for r in caplog.records) == 3
+    got = [(cur, t.id) async for cur, t in log.follow(until_idle=0)]
+    assert [tid for _, tid in got] == ["t0", "t2"]
+    assert log.stats.undecodable_records == 4  # the stream's reader met the bad trajectory too
+    await log.close()
+
+
+async def test_record_limit_is_enforced_at_append(tmp_path: Path) -> None:
+    from steptap.middleware.log.wal import RecordTooLarge
+
+    log = await TrajectoryLog.open(str(tmp_path), max_record_bytes=4096)
+    await log.append(_traj(0))
+    end = log.end_cursor
+    big = Trajectory(id="big", status="finished", steps=[Step(prompt_token_ids=list(range(5000)))])
+    with pytest.raises(RecordTooLarge) as err:
+        await log.append(big)
+    assert status_of(err.value) == 413 and "4096" in str(err.value)
+    assert log.end_cursor == end  # nothing was written
+    await log.append(_traj(1))
+    assert [r.id for r in log.records()] == ["t0", "t1"]
+    await log.close()
+    with pytest.raises(ValueError):
+        await TrajectoryLog.open(str(tmp_path / "x"), max_record_bytes=0)
+
+
+async def test_an_intact_frame_above_the_readers_limit_is_never_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame whose length and checksum are valid is a record, whatever a reader's size limit: recovery used
+    to treat one above ``MAX_RECORD`` as a torn tail and move it, and every acknowledged record after it, aside.
+    Here the reader's limit is lowered below a 5 MiB record in the middle of the segment (the stream also
+    reads in 4 MiB pieces, so it must read that one frame whole, without recursing)."""
+    from steptap.middleware.log import segments
+
+    log = await TrajectoryLog.open(str(tmp_path))
+    big = Trajectory(id="big", status="finished", metadata={"blob": "x" * (5 << 20)})
+    cursors = [await log.append(r) for r in (_traj(0), big, _traj(1))]
+    await log.close()
+    monkeypatch.setattr(segments, "MAX_RECORD", 1024)
+    log = await TrajectoryLog.open(str(tmp_path))
+    assert log.stats.torn_records == 0 and not list(tmp_path.glob("*.torn-*"))
+    assert [r.id for r in log.records()] == ["t0", "big", "t1"]
+    assert [(c, t.id) async for c, t in log.follow(until_idle=0)] == list(zip(cursors, ["t0", "big", "t1"]))
+    log.check_cursor(cursors[0])  # the cursor before the large frame still names a record
+    await log.close()
+
+
+async def test_a_failed_write_degrades_the_log_until_a_probe_write_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from steptap.middleware import files
+    from steptap.middleware.log.wal import LogUnavailable
+
+    from faults import DiskFullInjector
+
+    disk = DiskFullInjector(files.write_all)
+    monkeypatch.setattr(files, "write_all", disk)
+    log = await TrajectoryLog.open(str(tmp_path), probe_interval_s=0.05)
+    await log.append(_traj(0))
+    disk.full = True
+    with pytest.raises(LogUnavailable) as err:
+        await log.append(_traj(1))
+    assert status_of(err.value) == 503 and log.degraded and "No space left" in (log.degraded_reason or "")
+    refused = disk.refused
+    with pytest.raises(LogUnavailable):  # refused at once: nothing reaches the disk while degraded
+        log.ensure_writable()
+    with pytest.raises(LogUnavailable):
+        await log.append(_traj(2))
+    assert log.stats.write_errors == 1 and [r.id for r in log.records()] == ["t0"]
+    while disk.refused == refused:  # the probe keeps trying (and failing) while the disk is full
+        await asyncio.sleep(0.01)
+    assert log.degraded
+    disk.full = False  # space again: the next probe clears the state by itself
+    for _ in range(1000):
+        if not log.degraded:
+            break
+        await asyncio.sleep(0.01)
+    assert not log.degraded and log.degraded_reason is None
+    await log.append(_traj(3))
+    await log.close()
+    log = await TrajectoryLog.open(str(tmp_path))
+    assert log.stats.torn_records == 0 and [r.id for r in log.records()] == ["t0", "t3"]
+    await log.close()
+
+
+async def test_disk_bytes_follow_appends_and_compaction(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=4096)
+    empty = log.disk_bytes
+    cursors = [await log.append(_traj(i)) for i in range(40)]
+    assert log.disk_bytes == sum(p.stat().st_size for p in _segs(tmp_path)) > empty
+    await log.compact(cursors[-1])
+    assert log.disk_bytes == sum(p.stat().st_size for p in _segs(tmp_path))
+    await log.close()
+
+
+async def test_new_files_and_directories_are_private(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path / "a" / "log"))
+    await log.append(_traj(0))
+    await log.close()
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "a", tmp_path / "a" / "log")} == {"0o700"}
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "a" / "log").iterdir()} == {"0o600"}
+
+
+async def test_the_active_segment_of_a_remote_log_is_uploaded_on_a_timer(tmp_path: Path) -> None:
+    url = f"memory://steptap-test-{uuid.uuid4().hex}/log"
+    log = await TrajectoryLog.open(url, cache_dir=str(tmp_path / "wal"), upload_interval_s=0.05)
+    await log.append(_traj(0))
+    fs = fsspec.filesystem("memory")
+    remote = url.removeprefix("memory://") + "/seg-00000001.log"
+    local = tmp_path / "wal" / "seg-00000001.log"
+    for _ in range(1000):
+        if log.stats.active_uploads and fs.exists(remote):
+            break
+        await asyncio.sleep(0.01)
+    assert fs.cat_file(remote) == local.read_bytes()  # the committed part, not yet sealed
+    await log.close()
+
+
+V1_FIXTURE = Path(__file__).parent.parent / "fixtures" / "log-v1"
+
+
+async def test_the_committed_v1_log_still_decodes(tmp_path: Path) -> None:
+    """A log written by schema version 1 (committed under tests/fixtures): every later reader must read it."""
+    import math
+    import shutil
+
+    shutil.copytree(V1_FIXTURE, tmp_path / "log")
+    log = await TrajectoryLog.open(str(tmp_path / "log"), readonly=True)
+    recs = list(log.records())
+    assert log.stats.undecodable_records == 0 and log.stats.torn_records == 0
+    assert [type(r).__name__ for r in recs] == ["SessionOpened", "Step", "RewardAdded", "Trajectory", "PolicyVersion"]
+    traj = recs[3]
+    assert isinstance(traj, Trajectory) and traj.schema_version == 1 and traj.id == "v1-session"
+    assert traj.rewards == {"reward": 1.0} and traj.steps[0].response_token_ids == [5, 6, 7]
+    assert math.isnan(traj.steps[0].response_logprobs[0]) and traj.steps[0].response_logprobs[1:] == [-0.5, -0.25]
+    await log.close()
+
+
+async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), durability="os", os_sync_interval_s=0.05, segment_bytes=2048)
+    cursors = [await log.append(_traj(i)) for i in range(3)]
+    # In the OS (a reader of the file sees it) as soon as append returns, before any sync.
+    reader = await TrajectoryLog.open(str(tmp_path), readonly=True)
+    assert [r.id for r in reader.records()] == ["t0", "t1", "t2"]
+    await reader.close()
+    for _ in range(1000):  # the timer syncs what was written
+        if not log._unsynced:
+            break
+        await asyncio.sleep(0.01)
+    assert not log._unsynced and log.stats.commits >= 1
+    more = [await log.append(_traj(i)) for i in range(3, 30)]  # rolls segments: each sealed one synced first
+    assert parse_cursor(more[-1])[0] > parse_cursor(cursors[0])[0]
+    await log.close()
+    log = await TrajectoryLog.open(str(tmp_path))
+    assert [r.id for r in log.records()] == [f"t{i}" for i in range(30)]
+    await log.close()
+    with pytest.raises(ValueError):
+        await TrajectoryLog.open(str(tmp_path / "x"), durability="never")

@@ -1,0 +1,121 @@
+"""Durable file writes, in one place: atomic replace, directory sync, durable directory creation.
+
+A rename is atomic but not durable until the directory holding the new name is synced, and a file's data is
+not durable until the file is synced before the rename (else a crash can leave the new name on empty or partial
+contents). ``atomic_write`` does all four steps. Files default to mode 0600 and new directories to 0700: what
+steptap writes holds prompts, session keys and tokens.
+
+Light on purpose (stdlib only): the proxy, the learner and ``steptap up`` all use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+StrPath = str | os.PathLike[str]
+
+
+def datasync(fd: int) -> None:
+    """``fdatasync`` where the platform has it (the file's data and the metadata needed to read it back)."""
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+def fsync_path(path: StrPath) -> None:
+    """Sync a file or a directory (a new, renamed or removed entry) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """``os.write`` until every byte is written (a short write is legal)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:
+    """Create ``path`` and any missing parents, durably: each new directory's entry is synced in its parent, so
+    a crash cannot lose a directory that files were already synced into."""
+    path = Path(path)
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:  # created concurrently
+            continue
+        fsync_path(d.parent)
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    return path
+
+
+def atomic_write(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically: readers see the old contents or the new, never part of
+    either. With ``durable`` (the default) the new contents survive a crash once this returns: the temporary
+    file is synced before the rename and the directory after it. The file gets ``mode`` even when it
+    replaces one with another mode."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask, and a left-over tmp keeps its own
+            write_all(fd, payload)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_path(path.parent)
+
+
+def append_durable(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE) -> None:
+    """Append ``data`` to ``path`` (created with ``mode``) and sync it; a new file's entry is synced too."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    try:
+        write_all(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        fsync_path(path.parent)
+
+
+def sync_tree(path: StrPath) -> None:
+    """Sync every regular file directly in directory ``path``, then the directory (before renaming it into
+    place: a published directory must not appear with unsynced contents)."""
+    root = Path(path)
+    for f in root.iterdir():
+        if f.is_file() and not f.is_symlink():
+            fsync_path(f)
+    fsync_path(root)
+
+
+__all__ = [
+    "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs", "sync_tree",
+    "write_all",
+]

@@ -1,0 +1,64 @@
+"""Compaction: deleting the oldest segments once every consumer has acknowledged them.
+
+Only a prefix of sealed segments is ever deleted, locally and remotely: the segments wholly before
+``min_cursor`` (every consumer has acknowledged them) and before the segment holding the ``SessionOpened`` of
+the oldest session still open (so a restart can still rebuild every open session), and never one the remote
+copy still lacks. The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+
+from steptap.middleware import files
+from steptap.middleware.log.segments import cursor_key, parse_cursor, seg_name
+
+logger = logging.getLogger("steptap.wal")
+
+
+class Compaction:
+    """Mixin of ``TrajectoryLog``: ``compact``."""
+
+    async def compact(self, min_cursor: str) -> list[int]:
+        """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
+        consumers), never one at or after the oldest open session's ``SessionOpened``. Returns the deleted
+        segment numbers."""
+        async with self._compact_lock:  # two acks at once must not both carry the policy version forward
+            return await self._compact(parse_cursor(min_cursor)[0], min_cursor)
+
+    async def _compact(self, cut: int, min_cursor: str) -> list[int]:
+        if self._open_sessions:
+            cut = min(cut, min(self._open_sessions.values()))
+        if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
+            cut = min(cut, min(self._upload_failed))
+        victims = [s for s in self._retained()[:-1] if s < cut]
+        if not victims:
+            return []
+        if self._last_version is not None and self._last_version[0] in victims:
+            await self.append(self._last_version[1])  # carry the current policy version forward
+            victims = [s for s in self._retained()[:-1] if s < cut]
+        await asyncio.gather(*list(self._uploads), return_exceptions=True)  # never delete before it is uploaded
+        with self._lock:
+            for segno in victims:
+                self._valid_end.pop(segno, None)
+        del self._traj_ends[: bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))]
+        await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
+        self.stats.compacted_segments += len(victims)
+        self.stats.segments = len(self._valid_end) + 1
+        logger.info("compacted %d segment(s) of %s (before %s)", len(victims), self.dir, min_cursor)
+        return victims
+
+    def _delete(self, segnos: list[int]) -> None:
+        for segno in segnos:
+            (self.dir / seg_name(segno)).unlink(missing_ok=True)
+            if self._fs is not None:
+                try:
+                    self._fs.rm_file(f"{self._remote_root}/{seg_name(segno)}")
+                except FileNotFoundError:
+                    pass
+                except Exception:  # noqa: BLE001
+                    logger.exception("deleting remote segment %d failed", segno)
+        files.fsync_path(self.dir)
+

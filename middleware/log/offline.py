@@ -1,0 +1,126 @@
+"""Read a trajectory log without a running proxy: the finished trajectories of a log directory or fsspec URL.
+
+    reader = LogReader("/var/lib/steptap/log")          # or "s3://bucket/steptap-log", "file:///..."
+    for traj in reader.trajectories():
+        ...
+    print(reader.stats)                                 # records, trajectories, undecodable, corrupt_bytes
+
+Read-only: no lock is taken, nothing is repaired or written, so it is safe beside a live writer (it sees what
+was committed when each segment is read; a torn or still-being-written tail is simply where reading stops).
+For a remote URL only the sealed segments uploaded so far are there: the active segment lives in the writer's
+local write-ahead log.
+
+Records this version cannot decode (a newer kind, damage that still passes the checksum) are skipped and
+counted, never raised; a bad frame ends the reading of its segment and its bytes are counted. A trajectory
+written twice (a proxy restart can re-finalize one) is yielded once, the first time (ids remembered in a
+bounded set).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from steptap.middleware.log.segments import HEADER, SEG_RE, CorruptLogError, scan_frames, seg_name
+from steptap.middleware.records import Trajectory, log_decoder
+
+MAX_REMEMBERED_IDS = 1_000_000  # de-duplication memory: about 100 MB at most
+
+
+class ReaderStats(msgspec.Struct, kw_only=True):
+    segments: int = 0
+    records: int = 0  # frames read intact
+    trajectories: int = 0  # finished trajectories yielded
+    duplicates: int = 0  # finished trajectories seen again and skipped
+    undecodable: int = 0  # intact frames this version could not decode (skipped)
+    corrupt_bytes: int = 0  # bytes after a bad frame inside a segment (skipped)
+
+
+class LogReader:
+    """Iterate the finished trajectories (status other than ``running``) of a log, in log order."""
+
+    def __init__(self, location: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        self.location = location
+        self.stats = ReaderStats()
+        self._storage_options = storage_options or {}
+
+    # ---- where the segments are ---------------------------------------------------------------------------
+
+    def _segments(self) -> tuple[list[int], Any]:
+        """(segment numbers ascending, a function reading one segment's bytes)."""
+        loc = self.location
+        if "://" not in loc or loc.startswith("file://"):
+            root = Path(loc.removeprefix("file://"))
+            if not root.is_dir():
+                raise FileNotFoundError(f"no trajectory log at {root}")
+            names = [p.name for p in root.iterdir()]
+            return _segnos(names), lambda segno: (root / seg_name(segno)).read_bytes()
+        import fsspec  # only remote logs need it
+
+        fs, path = fsspec.core.url_to_fs(loc, **self._storage_options)
+        path = path.rstrip("/")
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no trajectory log at {loc}") from None
+
+        def read(segno: int) -> bytes:
+            with fs.open(f"{path}/{seg_name(segno)}", "rb") as f:
+                return f.read()
+
+        return _segnos(names), read
+
+    # ---- reading ------------------------------------------------------------------------------------------
+
+    def trajectories(self, *, mode: str | None = None) -> Iterator[Trajectory]:
+        """Finished trajectories (``mode``: only ``train`` or only ``eval`` ones)."""
+        seen: OrderedDict[str, None] = OrderedDict()
+        segnos, read = self._segments()
+        for segno in segnos:
+            try:
+                data = read(segno)
+            except FileNotFoundError:
+                continue  # compacted between listing and reading
+            self.stats.segments += 1
+            if data[: len(HEADER)] != HEADER:
+                if len(data) < len(HEADER) and HEADER.startswith(data):
+                    continue  # a segment being created right now
+                raise CorruptLogError(
+                    f"segment {seg_name(segno)} of {self.location} is not a steptap log segment"
+                )
+            frames, good_end = scan_frames(data, len(HEADER))
+            self.stats.corrupt_bytes += len(data) - good_end if segno != segnos[-1] else 0
+            for start, end in frames:
+                self.stats.records += 1
+                try:
+                    record = log_decoder.decode(data[start:end])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    self.stats.undecodable += 1
+                    continue
+                if not isinstance(record, Trajectory) or record.status == "running":
+                    continue
+                if mode is not None and record.mode != mode:
+                    continue
+                if record.id in seen:
+                    self.stats.duplicates += 1
+                    continue
+                seen[record.id] = None
+                if len(seen) > MAX_REMEMBERED_IDS:
+                    seen.popitem(last=False)
+                self.stats.trajectories += 1
+                yield record
+
+
+def _segnos(names: list[str]) -> list[int]:
+    return sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
+
+
+def read_trajectories(location: str, *, mode: str | None = None) -> Iterator[Trajectory]:
+    """Shortcut: the finished trajectories of the log at ``location``."""
+    return LogReader(location).trajectories(mode=mode)
+
+
+__all__ = ["LogReader", "ReaderStats", "read_trajectories"]

@@ -1,0 +1,55 @@
+"""The durable-write helpers: atomic replace with the right mode, durable directory creation."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from steptap.middleware import files
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_atomic_write_replaces_contents_and_mode(tmp_path: Path) -> None:
+    path = tmp_path / "cursor.json"
+    path.write_text("old")
+    os.chmod(path, 0o644)  # an existing file keeps no looser mode than asked
+    files.atomic_write(path, '{"cursor": "1:8"}')
+    assert path.read_text() == '{"cursor": "1:8"}' and _mode(path) == 0o600
+    files.atomic_write(path, b"\x00\x01", mode=0o640)
+    assert path.read_bytes() == b"\x00\x01" and _mode(path) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cursor.json"]  # no temporary file left behind
+
+
+def test_a_failed_atomic_write_leaves_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f"
+    files.atomic_write(path, "old")
+
+    def fail(fd: int, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_all", fail)
+    with pytest.raises(OSError):
+        files.atomic_write(path, "new")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_makedirs_creates_missing_parents_private(tmp_path: Path) -> None:
+    d = files.makedirs(tmp_path / "a" / "b" / "c")
+    assert d.is_dir() and all(_mode(p) == 0o700 for p in (tmp_path / "a", tmp_path / "a" / "b", d))
+    assert files.makedirs(d) == d  # existing: fine
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        files.makedirs(tmp_path / "file")
+
+
+def test_append_durable(tmp_path: Path) -> None:
+    path = tmp_path / "seen"
+    files.append_durable(path, "a\n")
+    files.append_durable(path, b"b\n")
+    assert path.read_text() == "a\nb\n" and _mode(path) == 0o600
