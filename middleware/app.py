@@ -30,11 +30,14 @@ logger = logging.getLogger("steptap.proxy")
 
 TASKS_KEY = web.AppKey("steptap_tasks", set)  # background tasks; shutdown drains them
 REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, or None
-_MAX_BODY = 256 * 1024 * 1024  # long agent histories are big; aiohttp's default (1 MiB) is far too small
 
 
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
-    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=_MAX_BODY)
+    # A request body becomes (part of) one log record: the record limit bounds it (aiohttp's 1 MiB default
+    # is far too small for long agent histories).
+    app = web.Application(
+        middlewares=[_count_calls, error_middleware], client_max_size=config.max_record_bytes
+    )
     app[CONFIG_KEY] = config
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+MIB = 1024 * 1024
 DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong: log locally unless told
 
 
@@ -26,12 +27,35 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     metrics_need_token: bool = False  # GET /metrics needs the control token too
     reward: str | None = None  # "module:function" called with each finished Trajectory
     reward_timeout_s: float = 30.0
-    session_idle_timeout_s: float | None = None  # default idle timeout of sessions that set none
+    # Sessions idle this long close as timed_out (auto-created ones too); None: never (an abandoned session
+    # then holds its steps in memory until restart).
+    session_idle_timeout_s: float | None = 600.0
     group_timeout_s: float | None = None  # a group is complete when full or when this has passed
     upstream_timeout_s: float = 600.0  # no byte from the backend for this long: 504 (or a cut stream)
     upstream_connect_timeout_s: float = 10.0
     read_bufsize: int = 4 * 1024 * 1024  # SSE lines with logprobs get long; a line > 2x this fails
     sweep_interval_s: float = 1.0  # how often idle sessions and group timeouts are checked
+    # --- limits (docs/limits.md): every queue, dict and body is bounded ---
+    max_record_bytes: int = 64 * MIB  # one log record; also the largest request body the proxy reads
+    max_n: int = 64  # choices per model call (each is a step)
+    max_session_steps: int = 10_000  # steps one open session may hold (SessionFull, 409, beyond)
+    max_session_bytes: int = 48 * MIB  # encoded bytes one open session may hold (<= max_record_bytes)
+    max_concurrent_calls: int = 512  # model calls in flight; more get 429 + Retry-After
+    upstream_max_connections: int = 512  # connections to the backend (aiohttp's pool limit)
+    max_closed_sessions: int = 100_000  # closed session ids remembered (409 instead of 404), oldest dropped
+    max_groups: int = 100_000  # groups tracked; the oldest complete ones are dropped first
+
+    def __post_init__(self) -> None:
+        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes",
+                     "max_concurrent_calls", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_session_bytes > self.max_record_bytes:
+            # a finished session is written as one Trajectory record: it must fit the record limit
+            raise ValueError(
+                f"max_session_bytes ({self.max_session_bytes}) must not exceed max_record_bytes "
+                f"({self.max_record_bytes})"
+            )
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
@@ -47,7 +71,8 @@ def generation_defaults(model_dir: str) -> dict[str, float]:
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    return {k: float(data[k]) for k in ("temperature", "top_p", "top_k", "min_p") if data.get(k) is not None}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: float(data[k]) for k in keys if isinstance(data.get(k), (int, float))}
 
 
 def parse_force_sampling(text: str) -> dict[str, float]:

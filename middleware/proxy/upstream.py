@@ -59,7 +59,7 @@ class Upstream:
             # SSE lines carrying logprobs get long; a line over twice the buffer raises LineTooLong.
             read_bufsize=cfg.read_bufsize,
             # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            connector=aiohttp.TCPConnector(limit=cfg.upstream_max_connections, keepalive_timeout=4.0),
             auto_decompress=True,
         )
         try:

@@ -15,8 +15,8 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -25,11 +25,14 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     GroupNotFound,
+    Overloaded,
     SessionClosed,
     SessionExists,
+    SessionFull,
     SessionNotFound,
     StepNotFound,
     UnknownSessionKey,
+    WrongSessionKey,
 )
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.metrics import Metrics
@@ -43,6 +46,7 @@ from steptap.middleware.records import (
     Step,
     Trajectory,
     TrajectoryStatus,
+    msgpack_encoder,
 )
 from steptap.middleware.sessions.rewards import RewardFn, run_reward
 
@@ -52,6 +56,10 @@ GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) th
 # Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
 # trajectory holds every step's full prompt ids.
 RECENT_KEEP = 128
+# A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
+# its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
+AUTO_PREFIX = "auto:"
+_RECORD_SLACK = 256  # bytes a step gains when it is indexed and linked (ids, index, prefix), over-estimated
 
 
 class Log(Protocol):
@@ -63,14 +71,16 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
+    __slots__ = ("bytes", "closing", "inflight", "key", "last_active", "lock", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.trajectory = trajectory
-        self.key = key
+        self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
         self.inflight = 0
         self.closing = False
+        self.bytes = 0  # encoded size of the trajectory so far (what its Trajectory record will weigh)
+        self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
 
     @property
     def id(self) -> str:
@@ -135,6 +145,9 @@ class SessionManager:
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
         self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
+        self.calls_inflight = 0  # model calls admitted and not yet answered (max_concurrent_calls)
+        self.steps_held = 0  # steps of open sessions, in memory
+        self.bytes_held = 0  # their encoded size
 
     # ---- background work --------------------------------------------------------------------------------
 
@@ -161,6 +174,7 @@ class SessionManager:
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
+        keyed: bool = True,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
@@ -175,7 +189,8 @@ class SessionManager:
             metadata=metadata or {},
             idle_timeout_s=idle_timeout_s,
         )
-        session = LiveSession(traj, new_key())
+        session = LiveSession(traj, new_key() if keyed else None)
+        session.bytes = len(msgpack_encoder.encode(traj))
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
             await self._append(
@@ -195,6 +210,13 @@ class SessionManager:
         self.metrics.sessions_opened.labels("false").inc()
         return session
 
+    def canonical_id(self, sid: str) -> str:
+        """The id a control route means: ``sid`` itself, or the auto-created session of that path id."""
+        if sid in self.sessions or sid in self.closed or sid in self.recent:
+            return sid
+        auto = AUTO_PREFIX + sid
+        return auto if auto in self.sessions or auto in self.closed or auto in self.recent else sid
+
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session
         if session.key:
@@ -204,14 +226,23 @@ class SessionManager:
             group = self.groups.get(traj.group_id)
             if group is None:
                 group = self.groups[traj.group_id] = Group(traj.group_id, traj.group_size)
+                self._prune()
             elif group.size is None:
                 group.size = traj.group_size
             group.members[session.id] = traj.status
         self.metrics.sessions_open.set(len(self.sessions))
+        self._hold(len(traj.steps), session.bytes)
 
     def _unregister(self, session: LiveSession) -> None:
-        self.sessions.pop(session.id, None)
+        if self.sessions.pop(session.id, None) is not None:
+            self._hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
+
+    def _hold(self, steps: int, size: int) -> None:
+        self.steps_held += steps
+        self.bytes_held += size
+        self.metrics.steps_held.set(self.steps_held)
+        self.metrics.bytes_held.set(self.bytes_held)
 
     def get(self, sid: str) -> LiveSession:
         """An open session (404 when unknown, 409 when already closed)."""
@@ -234,21 +265,52 @@ class SessionManager:
                 raise UnknownSessionKey("unknown steptap session key")
             return self.get(sid)
         sid = ident.session_id or ""
-        if sid not in self.sessions and sid not in self.closed:
+        if sid in self.sessions or sid in self.closed:
+            # Opened by POST /sessions: only its key reaches it (the id alone may be guessed or leaked).
+            if ident.key is None or self.keys.get(ident.key) != sid:
+                raise WrongSessionKey(
+                    f"session {sid!r} was opened with a key: send it as the API key (Authorization: Bearer stk-...)"
+                )
+            return self.get(sid)
+        if ident.key is not None and ident.key in self.keys:
+            raise WrongSessionKey(f"this API key belongs to another session than {sid!r}")
+        auto = AUTO_PREFIX + sid
+        if auto not in self.sessions and auto not in self.closed:
             if not self.config.auto_create:
                 raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
             try:
-                return await self.open(session_id=sid)
+                return await self.open(session_id=auto, keyed=False)
             except SessionExists:  # opened concurrently by another call on the same new id
                 pass
-        return self.get(sid)
+        return self.get(auto)
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once get a 429
+        with Retry-After (the backend would only queue them, and each holds memory here)."""
+        if self.calls_inflight >= self.config.max_concurrent_calls:
+            raise Overloaded(
+                f"too many model calls in flight (max_concurrent_calls={self.config.max_concurrent_calls});"
+                " retry later",
+                retry_after_s=1.0,
+            )
+        self.calls_inflight += 1
+        self.metrics.calls_inflight.set(self.calls_inflight)
+        try:
+            yield
+        finally:
+            self.calls_inflight -= 1
+            self.metrics.calls_inflight.set(self.calls_inflight)
 
     @asynccontextmanager
-    async def call(self, session: LiveSession) -> AsyncIterator[None]:
-        """Around one model call: a closing session takes none, and an idle timeout never closes a session
-        while one of its calls is in flight."""
+    async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
+        """Around one model call: a closing or full session takes none, and an idle timeout never closes a
+        session while one of its calls is in flight. ``steps`` and ``size`` (the request body) are what the
+        call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
+        if not session.trajectory.anonymous:
+            self._check_room(session, steps, size)
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
@@ -259,9 +321,30 @@ class SessionManager:
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
+    def _check_room(self, session: LiveSession, steps: int, size: int) -> None:
+        cfg = self.config
+        held = len(session.trajectory.steps)
+        if held + steps > cfg.max_session_steps:
+            raise SessionFull(
+                f"session {session.id!r} holds {held} steps; {steps} more would pass max_session_steps="
+                f"{cfg.max_session_steps}: finish it and open a new one"
+            )
+        if session.bytes + size > cfg.max_session_bytes:
+            raise SessionFull(
+                f"session {session.id!r} holds {session.bytes} bytes; this call's {size} more would pass "
+                f"max_session_bytes={cfg.max_session_bytes}: finish it and open a new one"
+            )
+
     async def record(self, session: LiveSession, steps: list[Step]) -> None:
-        """Index, link and append the steps of one call; returns once they are durable."""
+        """Index, link and append the steps of one call; returns once they are durable. A named session
+        that the steps would take past its limits refuses them (SessionFull) before anything changes."""
         traj = session.trajectory
+        size = 0
+        if not traj.anonymous and not session.closing:
+            size = sum(len(msgpack_encoder.encode(s)) + _RECORD_SLACK for s in steps)
+            self._check_room(session, len(steps), size)
+            session.bytes += size
+            self._hold(len(steps), size)
         prev_call = _last_good_call(traj.steps)
         for step in steps:
             step.trajectory_id = traj.id
@@ -299,7 +382,14 @@ class SessionManager:
     async def add_reward(
         self, session: LiveSession, value: float, name: str, step: int | str | None
     ) -> RewardAdded:
-        """Validate everything first, then log, then apply: an error changes nothing."""
+        """Validate everything first, then log, then apply: an error changes nothing. Under the session's
+        lock, so a reward is either in the closing Trajectory record or refused (409)."""
+        async with session.lock:
+            return await self._add_reward_locked(session, value, name, step)
+
+    async def _add_reward_locked(
+        self, session: LiveSession, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
         steps = session.trajectory.steps
@@ -331,13 +421,18 @@ class SessionManager:
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
     ) -> Trajectory:
-        if session.closing:
-            raise SessionClosed(f"session {session.id!r} is already closing")
-        if reward is not None:
-            session.trajectory.rewards["reward"] = reward
-        return await self._close(session, status)
+        async with session.lock:
+            if session.closing:
+                raise SessionClosed(f"session {session.id!r} is already closing")
+            if reward is not None:
+                session.trajectory.rewards["reward"] = reward
+            return await self._close_locked(session, status)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
+        async with session.lock:
+            return await self._close_locked(session, status)
+
+    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         session.closing = True
         traj = session.trajectory
         if self.reward_fn is not None:
@@ -370,6 +465,21 @@ class SessionManager:
                 self.recent.popitem(last=False)
             self._unregister(session)
             self._group_member_closed(traj)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Bound what closed sessions leave behind: their ids (409 rather than 404), keys and groups."""
+        cap = self.config.max_closed_sessions
+        while len(self.closed) > cap:
+            del self.closed[next(iter(self.closed))]
+        while len(self.keys) > cap + len(self.sessions):
+            key, sid = next(iter(self.keys.items()))
+            del self.keys[key]
+            if sid in self.sessions:  # still open: kept, moved to the end
+                self.keys[key] = sid
+        while len(self.groups) > self.config.max_groups:
+            done = next((g for g in self.groups.values() if g.complete is not None), None)
+            del self.groups[(done or next(iter(self.groups.values()))).id]
 
     # ---- groups and timeouts -----------------------------------------------------------------------------
 
@@ -461,6 +571,12 @@ class SessionManager:
                 self.closed[record.id] = record.status
                 if session is not None:
                     self._group_member_closed(record)
+        for session in self.sessions.values():
+            session.bytes = len(msgpack_encoder.encode(session.trajectory))
+        self._hold(
+            sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
+            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
+        )
         self.metrics.sessions_open.set(len(self.sessions))
         return len(self.sessions)
 
