@@ -41,13 +41,14 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_session_steps: int = 10_000  # steps one open session may hold (SessionFull, 409, beyond)
     max_session_bytes: int = 48 * MIB  # encoded bytes one open session may hold (<= max_record_bytes)
     max_concurrent_calls: int = 512  # model calls in flight; more get 429 + Retry-After
+    max_open_sessions: int = 100_000  # named sessions open at once; more get 429 + Retry-After
     upstream_max_connections: int = 512  # connections to the backend (aiohttp's pool limit)
     max_closed_sessions: int = 100_000  # closed session ids remembered (409 instead of 404), oldest dropped
     max_groups: int = 100_000  # groups tracked; the oldest complete ones are dropped first
 
     def __post_init__(self) -> None:
-        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes",
-                     "max_concurrent_calls", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
+                     "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_session_bytes > self.max_record_bytes:

@@ -179,6 +179,12 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise SessionExists(f"session {sid!r} already exists")
+        if len(self.sessions) >= self.config.max_open_sessions:
+            raise Overloaded(
+                f"{len(self.sessions)} sessions are open (max_open_sessions={self.config.max_open_sessions}):"
+                " finish some, or retry later",
+                retry_after_s=1.0,
+            )
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
