@@ -58,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--session-idle-timeout",
         type=float,
-        default=None,
+        default=600.0,
         metavar="S",
-        help="close sessions idle this long as timed_out (per-session value wins)",
+        help="close sessions idle this long as timed_out (per-session value wins; 0: never); default 600",
     )
     p.add_argument("--group-timeout", type=float, default=None, metavar="S")
     p.add_argument(
@@ -70,7 +70,30 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="no byte from the backend for this long: 504 (or a cut stream)",
     )
+    _limits(p)
     return p
+
+
+# (flag, ProxyConfig field, help): every limit of docs/limits.md, defaults from ProxyConfig.
+_LIMITS = [
+    ("--max-record-bytes", "max_record_bytes", "largest log record, and so request body, in bytes"),
+    ("--max-n", "max_n", "most choices per model call"),
+    ("--max-session-steps", "max_session_steps", "most steps an open session holds (409 beyond)"),
+    ("--max-session-bytes", "max_session_bytes", "most encoded bytes an open session holds (409 beyond)"),
+    ("--max-concurrent-calls", "max_concurrent_calls", "most model calls in flight (429 beyond)"),
+    ("--max-open-sessions", "max_open_sessions", "most named sessions open at once (429 beyond)"),
+    ("--upstream-max-connections", "upstream_max_connections", "most connections to the backend"),
+    ("--max-closed-sessions", "max_closed_sessions", "closed session ids remembered"),
+    ("--max-groups", "max_groups", "groups tracked"),
+]
+
+
+def _limits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits (docs/limits.md)")
+    defaults = ProxyConfig(backend="")
+    for flag, field, text in _LIMITS:
+        default = getattr(defaults, field)
+        g.add_argument(flag, type=int, default=default, metavar="N", help=f"{text}; default {default}")
 
 
 def config_from_args(argv: list[str]) -> ProxyConfig:
@@ -80,6 +103,13 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
     except ValueError as exc:
         _parser().error(str(exc))
     token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
+    try:
+        return _config(args, force, token)
+    except ValueError as exc:  # limits that contradict each other (max_session_bytes > max_record_bytes)
+        _parser().error(str(exc))
+
+
+def _config(args: argparse.Namespace, force: dict[str, float], token: str) -> ProxyConfig:
     return ProxyConfig(
         backend=args.backend,
         backend_api_key=args.backend_api_key or os.environ.get("STEPTAP_BACKEND_API_KEY") or None,
@@ -93,12 +123,13 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         force_sampling=force,
         reward=args.reward,
         reward_timeout_s=args.reward_timeout,
-        session_idle_timeout_s=args.session_idle_timeout,
+        session_idle_timeout_s=args.session_idle_timeout or None,
         group_timeout_s=args.group_timeout,
         upstream_timeout_s=args.upstream_timeout,
         model_dir=args.model_dir,
         sampling_defaults=generation_defaults(args.model_dir) if args.model_dir else {},
         metrics_need_token=args.metrics_need_token,
+        **{field: getattr(args, field) for _, field, _ in _LIMITS},
     )
 
 

@@ -114,3 +114,19 @@ def test_limits_are_checked_at_start() -> None:
         ProxyConfig(backend="x", max_record_bytes=1000, max_session_bytes=2000)
     with pytest.raises(ValueError, match="max_concurrent_calls"):
         ProxyConfig(backend="x", max_concurrent_calls=0)
+
+
+def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    from steptap.middleware.serve import _LIMITS, config_from_args
+
+    args = ["--backend", "http://127.0.0.1:9"]
+    for i, (flag, _, _) in enumerate(_LIMITS):
+        args += [flag, str(1000 + i)]
+    args[args.index("--max-record-bytes") + 1] = str(10**9)  # above max_session_bytes
+    config = config_from_args(args)
+    assert [getattr(config, field) for _, field, _ in _LIMITS] == [10**9] + [1000 + i for i in range(1, len(_LIMITS))]
+    assert config_from_args(["--backend", "x"]).session_idle_timeout_s == 600.0
+    assert config_from_args(["--backend", "x", "--session-idle-timeout", "0"]).session_idle_timeout_s is None
+    with pytest.raises(SystemExit):
+        config_from_args(["--backend", "x", "--max-record-bytes", "1000", "--max-session-bytes", "2000"])
+    assert "must not exceed max_record_bytes" in capsys.readouterr().err
