@@ -44,7 +44,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 class ChatView(_Sampling, kw_only=True):
     model: str | None = None
     stream: bool | None = None
-    messages: list[dict[str, Any]] | None = None
+    # messages (a list of objects) is checked by hand: converting a long history would copy every message
     logprobs: bool | None = None
     top_logprobs: int | None = None
     return_token_ids: bool | None = None
@@ -86,5 +86,11 @@ def check_sampling(view: _Sampling, max_n: int) -> None:
 def check_model_call(body: dict[str, Any], chat: bool, max_n: int) -> ChatView | CompletionView:
     """The edge check of ``/v1/chat/completions`` (``chat``) and ``/v1/completions`` bodies."""
     view: ChatView | CompletionView = check(body, ChatView if chat else CompletionView)
+    if chat:
+        messages = body.get("messages")
+        if messages is not None and not (
+            isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+        ):
+            raise ApiError(400, "invalid request: `messages` must be a list of objects", "invalid_request_body")
     check_sampling(view, max_n)
     return view
