@@ -50,7 +50,8 @@ def _statuses(statuses: Counter) -> str:
 async def test_fuzz_every_route_then_the_log_reads_back(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await make_proxy(vllm_server.url)
+    # --any-model: any model name reaches the backend and the record, the widest path a body can take
+    proxy = await make_proxy(vllm_server.url, any_model=True)
     sessions = await _open(http, proxy, 4)
     keys, ids = [s["api_key"] for s in sessions], [s["id"] for s in sessions]
     statuses: Counter = Counter()
@@ -88,7 +89,7 @@ async def test_fuzz_every_route_then_the_log_reads_back(
     open_before = set(manager.sessions)
     await proxy.server.close()  # type: ignore[attr-defined]
 
-    again = await make_proxy(vllm_server.url, log_dir=proxy.log_dir)
+    again = await make_proxy(vllm_server.url, log_dir=proxy.log_dir, any_model=True)
     assert set(again.app[SESSIONS_KEY].sessions) == open_before  # type: ignore[index]
     async with http.get(
         f"{again.url}/trajectories", params={"consumer": "check", "follow": "0"}, headers=again.control
