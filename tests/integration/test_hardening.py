@@ -182,3 +182,20 @@ async def test_calls_beyond_the_concurrency_cap_get_429_with_retry_after(
     injector.mode = "ok"
     assert (await call(http, f"{proxy.url}{CHAT}", body))[0] == 200  # capacity is back
     assert proxy.app[SESSIONS_KEY].calls_inflight == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_that_would_overfill_a_session_is_refused_and_not_recorded(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    # room for the request, not for the recorded step (prompt and response ids, logprobs, the reply)
+    proxy = await make_proxy(vllm_server.url, max_session_bytes=700)
+    async with http.post(f"{proxy.url}/s/tight{CHAT}", json=chat(vllm_server.served_model, stream=stream)) as r:
+        status, text = r.status, await r.text()
+    if stream:  # the headers were out: an error event instead of [DONE]
+        assert status == 200 and '"code":"session_full"' in text and "data: [DONE]" not in text, text[-300:]
+    else:
+        assert status == 409 and json.loads(text)["error"]["code"] == "session_full", text
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    assert manager.sessions["auto:tight"].trajectory.steps == [] and manager.steps_held == 0
+    assert not [r for r in records(proxy) if isinstance(r, Step)]
