@@ -26,6 +26,7 @@ from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     GroupNotFound,
     Overloaded,
+    RecordTooLarge,
     SessionClosed,
     SessionExists,
     SessionFull,
@@ -197,6 +198,10 @@ class SessionManager:
         )
         session = LiveSession(traj, new_key() if keyed else None)
         session.bytes = len(msgpack_encoder.encode(traj))
+        if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
+            raise RecordTooLarge(
+                f"session metadata of {session.bytes} bytes exceeds max_session_bytes={self.config.max_session_bytes}"
+            )
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
             await self._append(
@@ -409,8 +414,17 @@ class SessionManager:
             if not 0 <= index < len(steps):
                 raise StepNotFound(f"no step {index} (the session has {len(steps)})")
         record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
+        target = session.trajectory.rewards if index is None else steps[index].rewards
+        size = 0 if name in target else len(name.encode()) + 16  # a new name grows the Trajectory record
+        if session.bytes + size > self.config.max_session_bytes:
+            raise SessionFull(
+                f"session {session.id!r} holds {session.bytes} bytes; another reward name would pass "
+                f"max_session_bytes={self.config.max_session_bytes}"
+            )
         await self._append(record)
         self._apply_reward(session.trajectory, record)
+        session.bytes += size
+        self._hold(0, size)
         session.last_active = time.monotonic()
         self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
         return record

@@ -130,3 +130,22 @@ def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         config_from_args(["--backend", "x", "--max-record-bytes", "1000", "--max-session-bytes", "2000"])
     assert "must not exceed max_record_bytes" in capsys.readouterr().err
+
+
+async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    proxy = await control_proxy(max_session_bytes=2000)
+    status, info = await post(http, proxy, "/sessions", {})
+    answered = []
+    for i in range(100):  # each new name grows the Trajectory record: the session fills up
+        status, body = await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 1, "name": f"n{i:03d}"})
+        if status != 200:
+            assert status == 409 and body["error"]["code"] == "session_full", body
+            break
+        answered.append(f"n{i:03d}")
+    assert 10 < len(answered) < 100
+    # a name already there takes no room
+    assert (await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 2, "name": "n000"}))[0] == 200
+    assert (await post(http, proxy, f"/sessions/{info['id']}/finish", {}))[0] == 200
+    assert sorted((await delivered(http, proxy))[info["id"]]["rewards"]) == answered
+    status, body = await post(http, proxy, "/sessions", {"metadata": {"blob": "x" * 3000}})
+    assert status == 413 and body["error"]["code"] == "record_too_large", body
