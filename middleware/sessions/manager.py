@@ -15,8 +15,8 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -25,7 +25,6 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     GroupNotFound,
-    Overloaded,
     RecordTooLarge,
     SessionClosed,
     SessionExists,
@@ -36,6 +35,7 @@ from steptap.middleware.exceptions import (
     WrongSessionKey,
 )
 from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.sessions.prefix import classify_after
 from steptap.middleware.records import (
@@ -60,7 +60,6 @@ RECENT_KEEP = 128
 # A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
 # its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
 AUTO_PREFIX = "auto:"
-_RECORD_SLACK = 256  # bytes a step gains when it is indexed and linked (ids, index, prefix), over-estimated
 
 
 class Log(Protocol):
@@ -146,9 +145,8 @@ class SessionManager:
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
         self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
-        self.calls_inflight = 0  # model calls admitted and not yet answered (max_concurrent_calls)
-        self.steps_held = 0  # steps of open sessions, in memory
-        self.bytes_held = 0  # their encoded size
+        self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
+        self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
 
     # ---- background work --------------------------------------------------------------------------------
 
@@ -180,12 +178,7 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise SessionExists(f"session {sid!r} already exists")
-        if len(self.sessions) >= self.config.max_open_sessions:
-            raise Overloaded(
-                f"{len(self.sessions)} sessions are open (max_open_sessions={self.config.max_open_sessions}):"
-                " finish some, or retry later",
-                retry_after_s=1.0,
-            )
+        self.holdings.check_open(len(self.sessions))
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
@@ -242,18 +235,12 @@ class SessionManager:
                 group.size = traj.group_size
             group.members[session.id] = traj.status
         self.metrics.sessions_open.set(len(self.sessions))
-        self._hold(len(traj.steps), session.bytes)
+        self.holdings.hold(len(traj.steps), session.bytes)
 
     def _unregister(self, session: LiveSession) -> None:
         if self.sessions.pop(session.id, None) is not None:
-            self._hold(-len(session.trajectory.steps), -session.bytes)
+            self.holdings.hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
-
-    def _hold(self, steps: int, size: int) -> None:
-        self.steps_held += steps
-        self.bytes_held += size
-        self.metrics.steps_held.set(self.steps_held)
-        self.metrics.bytes_held.set(self.bytes_held)
 
     def get(self, sid: str) -> LiveSession:
         """An open session (404 when unknown, 409 when already closed)."""
@@ -295,24 +282,6 @@ class SessionManager:
                 pass
         return self.get(auto)
 
-    @contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once get a 429
-        with Retry-After (the backend would only queue them, and each holds memory here)."""
-        if self.calls_inflight >= self.config.max_concurrent_calls:
-            raise Overloaded(
-                f"too many model calls in flight (max_concurrent_calls={self.config.max_concurrent_calls});"
-                " retry later",
-                retry_after_s=1.0,
-            )
-        self.calls_inflight += 1
-        self.metrics.calls_inflight.set(self.calls_inflight)
-        try:
-            yield
-        finally:
-            self.calls_inflight -= 1
-            self.metrics.calls_inflight.set(self.calls_inflight)
-
     @asynccontextmanager
     async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
         """Around one model call: a closing or full session takes none, and an idle timeout never closes a
@@ -333,18 +302,19 @@ class SessionManager:
     # ---- steps ---------------------------------------------------------------------------------------------
 
     def _check_room(self, session: LiveSession, steps: int, size: int) -> None:
-        cfg = self.config
-        held = len(session.trajectory.steps)
-        if held + steps > cfg.max_session_steps:
-            raise SessionFull(
-                f"session {session.id!r} holds {held} steps; {steps} more would pass max_session_steps="
-                f"{cfg.max_session_steps}: finish it and open a new one"
-            )
-        if session.bytes + size > cfg.max_session_bytes:
-            raise SessionFull(
-                f"session {session.id!r} holds {session.bytes} bytes; this call's {size} more would pass "
-                f"max_session_bytes={cfg.max_session_bytes}: finish it and open a new one"
-            )
+        self.holdings.check_room(session.id, len(session.trajectory.steps), session.bytes, steps, size)
+
+    @property
+    def calls_inflight(self) -> int:
+        return self.holdings.calls_inflight
+
+    @property
+    def steps_held(self) -> int:
+        return self.holdings.steps_held
+
+    @property
+    def bytes_held(self) -> int:
+        return self.holdings.bytes_held
 
     async def record(self, session: LiveSession, steps: list[Step]) -> None:
         """Index, link and append the steps of one call; returns once they are durable. A named session
@@ -352,10 +322,10 @@ class SessionManager:
         traj = session.trajectory
         size = 0
         if not traj.anonymous and not session.closing:
-            size = sum(len(msgpack_encoder.encode(s)) + _RECORD_SLACK for s in steps)
+            size = self.holdings.size_of(steps)
             self._check_room(session, len(steps), size)
             session.bytes += size
-            self._hold(len(steps), size)
+            self.holdings.hold(len(steps), size)
         prev_call = _last_good_call(traj.steps)
         for step in steps:
             step.trajectory_id = traj.id
@@ -424,7 +394,7 @@ class SessionManager:
         await self._append(record)
         self._apply_reward(session.trajectory, record)
         session.bytes += size
-        self._hold(0, size)
+        self.holdings.hold(0, size)
         session.last_active = time.monotonic()
         self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
         return record
@@ -593,7 +563,7 @@ class SessionManager:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.bytes = len(msgpack_encoder.encode(session.trajectory))
-        self._hold(
+        self.holdings.hold(
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
         )
