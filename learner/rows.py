@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.records import Sampling, Step, Trajectory
 
 
 @dataclass(slots=True)
@@ -80,6 +80,22 @@ def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[f
     return out
 
 
+def reproducible(sampling: Sampling) -> bool:
+    """Whether the learner can recompute the distribution the tokens were drawn from: temperature and top-p /
+    top-k truncation it handles (scaling, rollout correction); min_p, penalties (which depend on the tokens so
+    far), logit bias, a minimum length (EOS masked) and grammar-like constraints it does not, so such steps are
+    dropped and counted (``dropped_unreproducible``) rather than trained on with a wrong behaviour policy."""
+    return (
+        sampling.min_p == 0.0
+        and sampling.presence_penalty == 0.0
+        and sampling.frequency_penalty == 0.0
+        and sampling.repetition_penalty == 1.0
+        and sampling.min_tokens == 0
+        and not sampling.logit_bias
+        and not sampling.constraints
+    )
+
+
 def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, truncation_mode: str) -> str | None:
     if step.status != "ok":
         return "dropped_failed"
@@ -89,6 +105,8 @@ def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, trun
         return "dropped_bad_logprobs"
     if step.sampling.temperature <= 0:  # greedy decoding: no sampling distribution to learn from
         return "dropped_greedy"
+    if not reproducible(step.sampling):
+        return "dropped_unreproducible"
     if max_staleness >= 0 and lag > max_staleness and stale_mode == "drop":
         return "dropped_stale"
     if (step.sampling.top_p < 1.0 or step.sampling.top_k > 0) and truncation_mode == "drop":

@@ -8,6 +8,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+MIB = 1024 * 1024
 DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong: log locally unless told
 
 
@@ -33,7 +34,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
     max_record_bytes: Annotated[int, _help(
-        "the largest record the log takes (413 above it); the request body limit is derived from it")] = 256 << 20
+        "the largest record the log takes (413 above it); the request body limit is derived from it")] = 64 * MIB
     log_upload_interval_s: Annotated[float | None, _help(
         "remote logs: upload the active segment's committed part this often (docs/log.md)")] = 30.0
     log_durability: Annotated[Literal["fsync", "os"], _help(
@@ -51,7 +52,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "module:function called with each finished Trajectory; returns a reward or per-step rewards")] = None
     reward_timeout_s: Annotated[float, _help("seconds a reward callback may take")] = 30.0
     session_idle_timeout_s: Annotated[float | None, _help(
-        "close sessions idle this long as timed_out (a session's own value wins)")] = None
+        "close sessions idle this long as timed_out, auto-created ones too (a session's own value wins; 0: never, "
+        "and an abandoned session then holds its steps until restart)")] = 600.0
     group_timeout_s: Annotated[float | None, _help(
         "a group is complete when full or when this has passed")] = None
     upstream_timeout_s: Annotated[float, _help(
@@ -62,6 +64,31 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     ] = 4 * 1024 * 1024
     sweep_interval_s: Annotated[float, _help(
         "how often idle sessions and group timeouts are checked")] = 1.0
+    # --- limits (docs/limits.md): every queue, dict and body is bounded ---
+    max_n: Annotated[int, _help("most choices per model call (each is a step)")] = 64
+    max_session_steps: Annotated[int, _help("most steps an open session holds (409 beyond)")] = 10_000
+    max_session_bytes: Annotated[int, _help(
+        "most encoded bytes an open session holds (409 beyond; at most max_record_bytes)")] = 48 * MIB
+    max_concurrent_calls: Annotated[int, _help("most model calls in flight (429 + Retry-After beyond)")] = 512
+    max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
+    upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
+    max_closed_sessions: Annotated[int, _help(
+        "closed session ids remembered (409 instead of 404), oldest dropped")] = 100_000
+    max_groups: Annotated[int, _help("groups tracked; the oldest complete ones are dropped first")] = 100_000
+
+    def __post_init__(self) -> None:
+        if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
+            self.session_idle_timeout_s = None  # 0 on the command line: never
+        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
+                     "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_session_bytes > self.max_record_bytes:
+            # a finished session is written as one Trajectory record: it must fit the record limit
+            raise ValueError(
+                f"max_session_bytes ({self.max_session_bytes}) must not exceed max_record_bytes "
+                f"({self.max_record_bytes})"
+            )
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
@@ -77,7 +104,8 @@ def generation_defaults(model_dir: str) -> dict[str, float]:
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    return {k: float(data[k]) for k in ("temperature", "top_p", "top_k", "min_p") if data.get(k) is not None}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: float(data[k]) for k in keys if isinstance(data.get(k), (int, float))}
 
 
 def parse_force_sampling(text: str) -> dict[str, float]:

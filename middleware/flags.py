@@ -55,6 +55,10 @@ def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = Non
                                 "line is visible to every local user in `ps`")
             parser.add_argument(_flag(name) + "-file", dest=name + "_file", default=None, metavar="PATH",
                                 help=f"read {name.replace('_', ' ')} from this file (first line)")
+        elif typing.get_origin(type_) is typing.Literal:
+            choices = typing.get_args(type_)
+            parser.add_argument(_flag(name), dest=name, choices=choices, default=default,
+                                help=f"{help_} (default {default})")
         elif type_ is dict or typing.get_origin(type_) is dict:
             parser.add_argument(_flag(name), dest=name, default="", metavar="NAME=VALUE,...", help=help_)
         else:

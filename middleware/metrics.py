@@ -75,6 +75,12 @@ class Metrics:
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )
         self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
+        # What open sessions hold in memory, and the calls in flight: each bounded by a limit (docs/limits.md).
+        self.steps_held = Gauge("steptap_session_steps_held", "steps held by open sessions", registry=r)
+        self.bytes_held = Gauge(
+            "steptap_session_bytes_held", "encoded bytes of the steps open sessions hold", registry=r
+        )
+        self.calls_inflight = Gauge("steptap_calls_inflight", "model calls in flight", registry=r)
         self.trajectories = Counter(
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )

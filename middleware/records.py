@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: Sampling records what else shapes the distribution (min_p, penalties, constraints)
 
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
@@ -29,13 +29,24 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=False, tag_field="type"
 
 
 class Sampling(msgspec.Struct, kw_only=True):
-    """The sampling parameters actually sent to the backend (after any forced training values)."""
+    """The sampling parameters actually sent to the backend (after any forced training values): everything
+    that shapes the distribution the response tokens were drawn from. Defaults are the neutral values (no
+    penalty, no bias), so a v1 record decodes as what it was: a request that set none of them."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = None
     forced: bool = False  # the proxy overrode the agent's values (--force-sampling)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS (and stop tokens) masked until this many tokens
+    logit_bias: dict[str, float] = {}
+    # Request keys that constrain the tokens in ways no scalar above describes (structured outputs, bad
+    # words, allowed token ids, a forced tool call): the learner cannot reproduce that distribution.
+    constraints: list[str] = []
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -29,20 +29,51 @@ class Asked(NamedTuple):
 _NO_DEFAULTS: dict[str, float] = {}
 
 
+# Keys that constrain decoding beyond the scalars of ``Sampling`` (vLLM applies each as a logits processor or
+# a grammar): recorded by name in ``Sampling.constraints``.
+_CONSTRAINT_KEYS = (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "bad_words", "allowed_token_ids", "logits_processors", "vllm_xargs",
+)
+
+
+def _num(body: dict[str, Any], defaults: dict[str, float], key: str, neutral: float) -> float:
+    value = body.get(key, defaults.get(key))
+    return neutral if value is None else float(value)
+
+
+def constraints_of(body: dict[str, Any]) -> list[str]:
+    """The request keys (present and non-empty) that constrain decoding beyond temperature and truncation."""
+    found = [k for k in _CONSTRAINT_KEYS if body.get(k)]
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        found.append("response_format")
+    choice = body.get("tool_choice")
+    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        found.append("tool_choice")  # vLLM forces the call with a grammar
+    return found
+
+
 def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] = _NO_DEFAULTS) -> Sampling:
     """The sampling parameters sent to vLLM (after forcing). A value the request omits is what vLLM applies:
     ``defaults`` (the model's generation_config, ``--model-dir``), else OpenAI's (temperature 1, top_p 1,
-    top_k disabled)."""
+    top_k disabled, no penalties). The body's types were checked at the edge (``validate``)."""
     top_k = body.get("top_k", defaults.get("top_k"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    temperature = body.get("temperature", defaults.get("temperature"))
-    top_p = body.get("top_p", defaults.get("top_p"))
+    bias = body.get("logit_bias")
     return Sampling(
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
+        temperature=_num(body, defaults, "temperature", 1.0),
+        top_p=_num(body, defaults, "top_p", 1.0),
         top_k=-1 if top_k is None or top_k <= 0 else int(top_k),
         max_tokens=None if max_tokens is None else int(max_tokens),
         forced=forced,
+        min_p=_num(body, defaults, "min_p", 0.0),
+        presence_penalty=_num(body, defaults, "presence_penalty", 0.0),
+        frequency_penalty=_num(body, defaults, "frequency_penalty", 0.0),
+        repetition_penalty=_num(body, defaults, "repetition_penalty", 1.0),
+        min_tokens=int(body.get("min_tokens") or 0),
+        logit_bias={str(k): float(v) for k, v in bias.items()} if isinstance(bias, dict) else {},
+        constraints=constraints_of(body),
     )
 
 

@@ -22,6 +22,8 @@ from aiohttp import web
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
+    RecordTooLarge,
+    SessionFull,
     BackendCut,
     BackendError,
     BackendMalformed,
@@ -32,6 +34,7 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
+from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
@@ -57,31 +60,45 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
-    body = _json_object(await request.read())
     cfg, manager, upstream = app[CONFIG_KEY], app[SESSIONS_KEY], app[UPSTREAM_KEY]
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
-    served = await upstream.route(body.get("model"))  # before identifying: a refused call opens no session
-    session = await manager.resolve(identify(request))  # identify
-    stream = bool(body.get("stream"))
+    raw = await read_body(request)
+    body = _json_object(raw)
+    view = check_model_call(body, endpoint == CHAT, cfg.max_n)  # types at the edge: a 400, nothing recorded
+    stream = bool(view.stream)
+    ident = identify(request)  # a malformed session id is a 400 too
+    with manager.admitted():  # a 429 beyond max_concurrent_calls
+        served = await upstream.route(view.model)  # before resolving: a refused call opens no session
+        session = await manager.resolve(ident)  # identify
+        try:
+            async with manager.call(session, steps=view.n or 1, size=len(raw)), \
+                    app[SWAPPER_KEY].gate() as ticket:  # gate
+                served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
+                out, asked = patch_request(body, endpoint, served, cfg)
+                call = _Call(request, endpoint, manager, session, upstream, asked, t0, common=dict(
+                    request=body,
+                    sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+                    model=view.model or served,
+                    served_model=served,
+                    backend=upstream.base,
+                    started_at=started_at,
+                    policy_version=ticket.version,
+                ))
+                return await call.run(_encode(out), stream)
+        finally:
+            metrics = app[METRICS_KEY]
+            metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
+                time.perf_counter() - t0
+            )
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, bounded by the record limit (``client_max_size``): a larger one is a 413."""
     try:
-        async with manager.call(session), app[SWAPPER_KEY].gate() as ticket:  # gate
-            served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-            out, asked = patch_request(body, endpoint, served, cfg)
-            call = _Call(request, endpoint, manager, session, upstream, asked, t0, common=dict(
-                request=body,
-                sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
-                model=body.get("model") or served,
-                served_model=served,
-                backend=upstream.base,
-                started_at=started_at,
-                policy_version=ticket.version,
-            ))
-            return await call.run(_encode(out), stream)
-    finally:
-        metrics = app[METRICS_KEY]
-        metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
-            time.perf_counter() - t0
-        )
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG_KEY].max_record_bytes
+        raise RecordTooLarge(f"request body exceeds the record limit of {limit} bytes (max_record_bytes)") from None
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -260,9 +277,13 @@ class _Call:
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
             return out
         if failure is None:
-            await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
-                                                       **self.common))  # durable before [DONE]
-            tail = _DONE
+            try:
+                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
+                                                           **self.common))  # durable before [DONE]
+                tail = _DONE
+            except SessionFull as exc:  # headers are out: the agent learns it from an error event
+                err = {"error": {"message": exc.message, "type": "conflict_error", "code": exc.code}}
+                tail = b"data: " + _encode(err) + b"\n\n"
         else:
             await self.record([self.failed(failure[0], failure[1], acc.reply())])
             if upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it

@@ -58,7 +58,7 @@ class Upstream:
             cfg.backend,
             cfg.backend_api_key,
             # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
-            connector_args={"limit": 0, "keepalive_timeout": 4.0},
+            connector_args={"limit": cfg.upstream_max_connections, "keepalive_timeout": 4.0},
             timeout=timeout,
             # SSE lines carrying logprobs get long; a line over twice the buffer raises LineTooLong.
             read_bufsize=cfg.read_bufsize,

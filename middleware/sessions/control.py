@@ -17,7 +17,7 @@ from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.records import Mode, to_builtins
 from steptap.middleware.sessions.rewards import finite
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
-from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession
+from steptap.middleware.sessions.manager import AUTO_PREFIX, SESSIONS_KEY, LiveSession
 
 _encode = msgspec.json.Encoder().encode
 
@@ -60,7 +60,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 def _session(request: web.Request) -> LiveSession:
-    return request.app[SESSIONS_KEY].get(request.match_info["session_id"])
+    manager = request.app[SESSIONS_KEY]
+    return manager.get(manager.canonical_id(request.match_info["session_id"]))
 
 
 async def open_session(request: web.Request) -> web.Response:
@@ -70,6 +71,8 @@ async def open_session(request: web.Request) -> web.Response:
         raise ApiError(
             400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)", "invalid_session_id"
         )
+    if body.id is not None and body.id.startswith(AUTO_PREFIX):
+        raise ApiError(400, f"session ids starting with {AUTO_PREFIX!r} are auto-created ones", "invalid_session_id")
     if body.group_size is not None and body.group_size < 1:
         raise ApiError(400, "group_size must be at least 1", "invalid_body")
     if body.idle_timeout_s is not None and not body.idle_timeout_s > 0:
@@ -89,7 +92,7 @@ async def open_session(request: web.Request) -> web.Response:
 async def get_session(request: web.Request) -> web.Response:
     require_control(request)
     manager = request.app[SESSIONS_KEY]
-    sid = request.match_info["session_id"]
+    sid = manager.canonical_id(request.match_info["session_id"])
     session = manager.sessions.get(sid)
     traj = session.trajectory if session is not None else manager.recent.get(sid)
     if traj is None:

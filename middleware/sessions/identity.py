@@ -1,7 +1,8 @@
 """Which session a model call belongs to (docs/SECURITY.md, "Parties and credentials").
 
 In order: the path (``/s/<id>/v1/...``), the ``X-Steptap-Session`` header, a steptap API key
-(``Authorization: Bearer stk-...``). Anything else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the
+(``Authorization: Bearer stk-...``). A session opened by ``POST /sessions`` is reached only with its key (with or
+without its id); an id alone reaches an auto-created session in its own namespace (``auto:<id>``). Anything else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the
 call is served and recorded as a one-step session of its own.
 """
 
@@ -17,7 +18,7 @@ from steptap.middleware.errors import ApiError
 
 SESSION_HEADER = "X-Steptap-Session"
 PATH_PARAM = "agent_session"  # the route variable of /s/{agent_session}/v1/...
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # used with fullmatch: `$` would allow a final \n
 
 Source = Literal["path", "header", "key", "anonymous"]
 
@@ -29,7 +30,7 @@ class Identity(NamedTuple):
 
 
 def valid_session_id(value: str) -> bool:
-    return bool(_ID_RE.match(value))
+    return _ID_RE.fullmatch(value) is not None
 
 
 def identify(request: web.Request) -> Identity:
@@ -38,6 +39,8 @@ def identify(request: web.Request) -> Identity:
     if sid is None:
         sid = request.headers.get(SESSION_HEADER)
         source = "header"
+    token = bearer(request)
+    key = token if token is not None and token.startswith(SESSION_KEY_PREFIX) else None
     if sid is not None:
         if not valid_session_id(sid):
             raise ApiError(
@@ -45,8 +48,7 @@ def identify(request: web.Request) -> Identity:
                 "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
                 "invalid_session_id",
             )
-        return Identity(source, session_id=sid)
-    token = bearer(request)
-    if token is not None and token.startswith(SESSION_KEY_PREFIX):
-        return Identity("key", key=token)
+        return Identity(source, session_id=sid, key=key)  # a keyed session needs its key too (manager)
+    if key is not None:
+        return Identity("key", key=key)
     return Identity("anonymous")

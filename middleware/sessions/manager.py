@@ -25,13 +25,17 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     GroupNotFound,
+    RecordTooLarge,
     SessionClosed,
     SessionExists,
+    SessionFull,
     SessionNotFound,
     StepNotFound,
     UnknownSessionKey,
+    WrongSessionKey,
 )
 from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.sessions.prefix import classify_after
 from steptap.middleware.records import (
@@ -43,6 +47,7 @@ from steptap.middleware.records import (
     Step,
     Trajectory,
     TrajectoryStatus,
+    msgpack_encoder,
 )
 from steptap.middleware.sessions.rewards import RewardFn, run_reward
 
@@ -52,6 +57,9 @@ GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) th
 # Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
 # trajectory holds every step's full prompt ids.
 RECENT_KEEP = 128
+# A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
+# its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
+AUTO_PREFIX = "auto:"
 
 
 class Log(Protocol):
@@ -65,14 +73,16 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
+    __slots__ = ("bytes", "closing", "inflight", "key", "last_active", "lock", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.trajectory = trajectory
-        self.key = key
+        self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
         self.inflight = 0
         self.closing = False
+        self.bytes = 0  # encoded size of the trajectory so far (what its Trajectory record will weigh)
+        self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
 
     @property
     def id(self) -> str:
@@ -137,6 +147,8 @@ class SessionManager:
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
         self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
+        self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
+        self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
 
     # ---- background work --------------------------------------------------------------------------------
 
@@ -163,10 +175,12 @@ class SessionManager:
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
+        keyed: bool = True,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise SessionExists(f"session {sid!r} already exists")
+        self.holdings.check_open(len(self.sessions))
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
@@ -177,7 +191,12 @@ class SessionManager:
             metadata=metadata or {},
             idle_timeout_s=idle_timeout_s,
         )
-        session = LiveSession(traj, new_key())
+        session = LiveSession(traj, new_key() if keyed else None)
+        session.bytes = len(msgpack_encoder.encode(traj))
+        if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
+            raise RecordTooLarge(
+                f"session metadata of {session.bytes} bytes exceeds max_session_bytes={self.config.max_session_bytes}"
+            )
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
             await self._append(
@@ -197,6 +216,13 @@ class SessionManager:
         self.metrics.sessions_opened.labels("false").inc()
         return session
 
+    def canonical_id(self, sid: str) -> str:
+        """The id a control route means: ``sid`` itself, or the auto-created session of that path id."""
+        if sid in self.sessions or sid in self.closed or sid in self.recent:
+            return sid
+        auto = AUTO_PREFIX + sid
+        return auto if auto in self.sessions or auto in self.closed or auto in self.recent else sid
+
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session
         if session.key:
@@ -206,13 +232,16 @@ class SessionManager:
             group = self.groups.get(traj.group_id)
             if group is None:
                 group = self.groups[traj.group_id] = Group(traj.group_id, traj.group_size)
+                self._prune()
             elif group.size is None:
                 group.size = traj.group_size
             group.members[session.id] = traj.status
         self.metrics.sessions_open.set(len(self.sessions))
+        self.holdings.hold(len(traj.steps), session.bytes)
 
     def _unregister(self, session: LiveSession) -> None:
-        self.sessions.pop(session.id, None)
+        if self.sessions.pop(session.id, None) is not None:
+            self.holdings.hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
 
     def get(self, sid: str) -> LiveSession:
@@ -236,21 +265,34 @@ class SessionManager:
                 raise UnknownSessionKey("unknown steptap session key")
             return self.get(sid)
         sid = ident.session_id or ""
-        if sid not in self.sessions and sid not in self.closed:
+        if sid in self.sessions or sid in self.closed:
+            # Opened by POST /sessions: only its key reaches it (the id alone may be guessed or leaked).
+            if ident.key is None or self.keys.get(ident.key) != sid:
+                raise WrongSessionKey(
+                    f"session {sid!r} was opened with a key: send it as the API key (Authorization: Bearer stk-...)"
+                )
+            return self.get(sid)
+        if ident.key is not None and ident.key in self.keys:
+            raise WrongSessionKey(f"this API key belongs to another session than {sid!r}")
+        auto = AUTO_PREFIX + sid
+        if auto not in self.sessions and auto not in self.closed:
             if not self.config.auto_create:
                 raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
             try:
-                return await self.open(session_id=sid)
+                return await self.open(session_id=auto, keyed=False)
             except SessionExists:  # opened concurrently by another call on the same new id
                 pass
-        return self.get(sid)
+        return self.get(auto)
 
     @asynccontextmanager
-    async def call(self, session: LiveSession) -> AsyncIterator[None]:
-        """Around one model call: a closing session takes none, and an idle timeout never closes a session
-        while one of its calls is in flight."""
+    async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
+        """Around one model call: a closing or full session takes none, and an idle timeout never closes a
+        session while one of its calls is in flight. ``steps`` and ``size`` (the request body) are what the
+        call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
+        if not session.trajectory.anonymous:
+            self._check_room(session, steps, size)
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
@@ -261,9 +303,31 @@ class SessionManager:
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
+    def _check_room(self, session: LiveSession, steps: int, size: int) -> None:
+        self.holdings.check_room(session.id, len(session.trajectory.steps), session.bytes, steps, size)
+
+    @property
+    def calls_inflight(self) -> int:
+        return self.holdings.calls_inflight
+
+    @property
+    def steps_held(self) -> int:
+        return self.holdings.steps_held
+
+    @property
+    def bytes_held(self) -> int:
+        return self.holdings.bytes_held
+
     async def record(self, session: LiveSession, steps: list[Step]) -> None:
-        """Index, link and append the steps of one call; returns once they are durable."""
+        """Index, link and append the steps of one call; returns once they are durable. A named session
+        that the steps would take past its limits refuses them (SessionFull) before anything changes."""
         traj = session.trajectory
+        size = 0
+        if not traj.anonymous and not session.closing:
+            size = self.holdings.size_of(steps)
+            self._check_room(session, len(steps), size)
+            session.bytes += size
+            self.holdings.hold(len(steps), size)
         prev_call = _last_good_call(traj.steps)
         for step in steps:
             step.trajectory_id = traj.id
@@ -306,7 +370,14 @@ class SessionManager:
     async def add_reward(
         self, session: LiveSession, value: float, name: str, step: int | str | None
     ) -> RewardAdded:
-        """Validate everything first, then log, then apply: an error changes nothing."""
+        """Validate everything first, then log, then apply: an error changes nothing. Under the session's
+        lock, so a reward is either in the closing Trajectory record or refused (409)."""
+        async with session.lock:
+            return await self._add_reward_locked(session, value, name, step)
+
+    async def _add_reward_locked(
+        self, session: LiveSession, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
         steps = session.trajectory.steps
@@ -320,8 +391,17 @@ class SessionManager:
             if not 0 <= index < len(steps):
                 raise StepNotFound(f"no step {index} (the session has {len(steps)})")
         record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
+        target = session.trajectory.rewards if index is None else steps[index].rewards
+        size = 0 if name in target else len(name.encode()) + 16  # a new name grows the Trajectory record
+        if session.bytes + size > self.config.max_session_bytes:
+            raise SessionFull(
+                f"session {session.id!r} holds {session.bytes} bytes; another reward name would pass "
+                f"max_session_bytes={self.config.max_session_bytes}"
+            )
         await self._append(record)
         self._apply_reward(session.trajectory, record)
+        session.bytes += size
+        self.holdings.hold(0, size)
         session.last_active = time.monotonic()
         self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
         return record
@@ -338,13 +418,18 @@ class SessionManager:
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
     ) -> Trajectory:
-        if session.closing:
-            raise SessionClosed(f"session {session.id!r} is already closing")
-        if reward is not None:
-            session.trajectory.rewards["reward"] = reward
-        return await self._close(session, status)
+        async with session.lock:
+            if session.closing:
+                raise SessionClosed(f"session {session.id!r} is already closing")
+            if reward is not None:
+                session.trajectory.rewards["reward"] = reward
+            return await self._close_locked(session, status)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
+        async with session.lock:
+            return await self._close_locked(session, status)
+
+    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         session.closing = True
         traj = session.trajectory
         if self.reward_fn is not None:
@@ -377,6 +462,21 @@ class SessionManager:
                 self.recent.popitem(last=False)
             self._unregister(session)
             self._group_member_closed(traj)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Bound what closed sessions leave behind: their ids (409 rather than 404), keys and groups."""
+        cap = self.config.max_closed_sessions
+        while len(self.closed) > cap:
+            del self.closed[next(iter(self.closed))]
+        while len(self.keys) > cap + len(self.sessions):
+            key, sid = next(iter(self.keys.items()))
+            del self.keys[key]
+            if sid in self.sessions:  # still open: kept, moved to the end
+                self.keys[key] = sid
+        while len(self.groups) > self.config.max_groups:
+            done = next((g for g in self.groups.values() if g.complete is not None), None)
+            del self.groups[(done or next(iter(self.groups.values()))).id]
 
     # ---- groups and timeouts -----------------------------------------------------------------------------
 
@@ -468,6 +568,12 @@ class SessionManager:
                 self.closed[record.id] = record.status
                 if session is not None:
                     self._group_member_closed(record)
+        for session in self.sessions.values():
+            session.bytes = len(msgpack_encoder.encode(session.trajectory))
+        self.holdings.hold(
+            sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
+            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
+        )
         self.metrics.sessions_open.set(len(self.sessions))
         return len(self.sessions)
 

@@ -38,7 +38,11 @@ async def open_session(http: aiohttp.ClientSession, proxy: Proxy, **body: Any) -
     return info
 
 
-async def model_calls(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, sid: str, n: int) -> None:
+async def model_calls(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, info: dict[str, Any], n: int
+) -> None:
+    """``n`` turns in the session ``info`` (from POST /sessions): its URL and its key, as an agent holds them."""
+    sid = info["id"]
     messages: list[dict[str, Any]] = []
     for i in range(n):
         messages.append({"role": "user", "content": f"turn {i}"})
@@ -47,6 +51,7 @@ async def model_calls(http: aiohttp.ClientSession, proxy: Proxy, backend: Backen
             "POST",
             f"{proxy.url}/s/{sid}/v1/chat/completions",
             {"model": backend.served_model, "messages": messages, "max_tokens": 2},
+            {"Authorization": f"Bearer {info['api_key']}"},
         )
         assert status == 200, reply
         messages.append(reply["choices"][0]["message"])
@@ -130,7 +135,7 @@ async def test_bad_reward_bodies_are_4xx_and_change_nothing(
     proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession, body: Any, status: int
 ) -> None:
     info = await open_session(http, proxy)
-    await model_calls(http, proxy, vllm_server, info["id"], 1)
+    await model_calls(http, proxy, vllm_server, info, 1)
     got, err = await req(http, "POST", f"{proxy.url}/sessions/{info['id']}/rewards", body, proxy.control)
     assert got == status and err["error"]["message"], err
     _, traj = await req(http, "GET", f"{proxy.url}/sessions/{info['id']}", None, proxy.control)
@@ -164,6 +169,7 @@ async def test_rewards_finish_and_their_errors(
         "POST",
         f"{proxy.url}/s/{sid}/v1/chat/completions",
         {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "x"}]},
+        {"Authorization": f"Bearer {info['api_key']}"},
     )
     assert got == 409  # a closed session takes no more model calls
     got, traj = await req(http, "GET", f"{base}/{sid}", None, proxy.control)
@@ -179,7 +185,7 @@ async def test_process_rewards_arrive_on_the_right_steps(
 ) -> None:
     info = await open_session(http, proxy, group_id="pr", mode="train")
     sid = info["id"]
-    await model_calls(http, proxy, vllm_server, sid, 3)
+    await model_calls(http, proxy, vllm_server, info, 3)
     for body in (
         {"value": 0.5, "step": 0, "name": "format"},
         {"value": 1, "step": "last"},
@@ -205,7 +211,7 @@ async def test_a_reward_callback_that_raises_still_delivers(
 ) -> None:
     proxy = await make_proxy(vllm_server.url, reward_fn=raising_reward)
     info = await open_session(http, proxy)
-    await model_calls(http, proxy, vllm_server, info["id"], 1)
+    await model_calls(http, proxy, vllm_server, info, 1)
     got, done = await req(
         http, "POST", f"{proxy.url}/sessions/{info['id']}/finish", {"reward": 1}, proxy.control
     )
@@ -254,7 +260,7 @@ async def test_reward_callback_results(
 
     proxy = await make_proxy(vllm_server.url, reward_fn=fn, reward_timeout_s=0.3)
     info = await open_session(http, proxy)
-    await model_calls(http, proxy, vllm_server, info["id"], 2)
+    await model_calls(http, proxy, vllm_server, info, 2)
     got, done = await req(http, "POST", f"{proxy.url}/sessions/{info['id']}/finish", None, proxy.control)
     assert got == 200
     traj = (await delivered(http, proxy))[info["id"]]
@@ -273,7 +279,7 @@ async def test_idle_sessions_time_out_and_are_delivered(
     proxy = await make_proxy(vllm_server.url, session_idle_timeout_s=0.3)
     info = await open_session(http, proxy)
     keep = await open_session(http, proxy, idle_timeout_s=60)
-    await model_calls(http, proxy, vllm_server, info["id"], 1)
+    await model_calls(http, proxy, vllm_server, info, 1)
     for _ in range(100):
         await asyncio.sleep(0.05)
         if info["id"] not in proxy.app[SESSIONS_KEY].sessions:  # type: ignore[index]
@@ -321,7 +327,7 @@ async def test_open_sessions_survive_a_restart(
     proxy = await make_proxy(vllm_server.url)
     info = await open_session(http, proxy, group_id="r", group_size=2, metadata={"k": 1})
     done = await open_session(http, proxy)
-    await model_calls(http, proxy, vllm_server, info["id"], 2)
+    await model_calls(http, proxy, vllm_server, info, 2)
     await req(
         http, "POST", f"{proxy.url}/sessions/{info['id']}/rewards", {"value": 0.5, "step": 1}, proxy.control
     )
@@ -351,7 +357,7 @@ async def test_open_sessions_survive_a_restart(
 
 async def test_metrics_exposition(proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
     info = await open_session(http, proxy)
-    await model_calls(http, proxy, vllm_server, info["id"], 1)
+    await model_calls(http, proxy, vllm_server, info, 1)
     await req(http, "POST", f"{proxy.url}/sessions/{info['id']}/finish", {"reward": 1}, proxy.control)
     async with http.get(f"{proxy.url}/metrics") as resp:
         assert resp.status == 200 and resp.content_type == "text/plain"

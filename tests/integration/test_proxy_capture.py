@@ -99,6 +99,7 @@ def chat(backend: Backend, content: str = "Tell me a story.", **kw: Any) -> dict
 
 def trajectory(proxy: Proxy, sid: str) -> Any:
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    sid = manager.canonical_id(sid)  # a path id alone opens an auto-created session, auto:<id>
     session = manager.sessions.get(sid)
     return session.trajectory if session is not None else manager.recent[sid]
 

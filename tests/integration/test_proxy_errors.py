@@ -89,7 +89,7 @@ async def test_any_model_routes_every_name_and_records_both(
         http, f"{proxy.url}/s/any/v1/chat/completions", {**good("x"), "model": "gpt-4o"}
     )
     assert status == 200 and body["model"] == vllm_server.served_model
-    (step,) = proxy.app[SESSIONS_KEY].sessions["any"].trajectory.steps
+    (step,) = proxy.app[SESSIONS_KEY].sessions["auto:any"].trajectory.steps
     assert step.model == "gpt-4o" and step.served_model == vllm_server.served_model
     assert step.request["model"] == "gpt-4o"
 
@@ -166,7 +166,7 @@ async def test_backend_faults_plain(
     injector.mode = "ok"
     got, body = await call(http, url, good(MODEL))
     assert got == 200 and body["choices"][0]["message"]["content"] == "Hello!"
-    failed, ok = proxy.app[SESSIONS_KEY].sessions["f"].trajectory.steps  # type: ignore[index]
+    failed, ok = proxy.app[SESSIONS_KEY].sessions["auto:f"].trajectory.steps  # type: ignore[index]
     assert failed.status == "failed" and failed.error is not None and ok.status == "ok"
     assert ok.response_token_ids == [11, 12, 13] and ok.response_logprobs == [-0.5, -0.25, -0.125]
     assert ok.prefix == "first"  # a failed step is no base for continuity
@@ -195,7 +195,7 @@ async def test_backend_faults_mid_stream(
         assert errors[0]["error"]["message"] == "engine died" and events[-1] == "[DONE]"
     else:  # the stream ends with our error event, never with a clean [DONE]
         assert events[-1] is errors[0] and errors[0]["error"]["code"] == type_
-    (step,) = proxy.app[SESSIONS_KEY].sessions["c"].trajectory.steps  # type: ignore[index]
+    (step,) = proxy.app[SESSIONS_KEY].sessions["auto:c"].trajectory.steps  # type: ignore[index]
     assert step.status == "failed" and step.error.type == type_
     assert step.response_token_ids[:1] == [11]  # the partial reply is kept for inspection
     m = proxy.app[METRICS_KEY]  # type: ignore[index]
@@ -203,7 +203,7 @@ async def test_backend_faults_mid_stream(
     injector.mode = "ok"
     events = await stream_events(http, url, good(MODEL))
     assert events[-1] == "[DONE]"
-    assert proxy.app[SESSIONS_KEY].sessions["c"].trajectory.steps[-1].status == "ok"  # type: ignore[index]
+    assert proxy.app[SESSIONS_KEY].sessions["auto:c"].trajectory.steps[-1].status == "ok"  # type: ignore[index]
 
 
 async def test_openai_client_raises_on_a_cut_stream(faulty: tuple[FaultInjector, Proxy]) -> None:
@@ -234,7 +234,7 @@ async def test_agent_hanging_up_mid_stream_records_a_failed_step(
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     for _ in range(60):
         await asyncio.sleep(0.05)
-        steps = manager.sessions["gone"].trajectory.steps
+        steps = manager.sessions["auto:gone"].trajectory.steps
         if steps:
             break
     (step,) = steps
@@ -278,7 +278,7 @@ async def test_events_cut_across_reads_are_reassembled(
     events = await stream_events(http, f"{proxy.url}/s/split/v1/chat/completions", good(MODEL))
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == "Hello!"
-    (step,) = proxy.app[SESSIONS_KEY].sessions["split"].trajectory.steps  # type: ignore[index]
+    (step,) = proxy.app[SESSIONS_KEY].sessions["auto:split"].trajectory.steps  # type: ignore[index]
     assert step.status == "ok" and step.response_token_ids == [11, 12, 13]
 
 
@@ -293,7 +293,7 @@ async def test_steps_carry_the_policy_version_read_at_the_gate(
         swapper.version = version
         status, _ = await call(http, f"{proxy.url}/s/pv/v1/chat/completions", good(MODEL))
         assert status == 200
-    steps = proxy.app[SESSIONS_KEY].sessions["pv"].trajectory.steps  # type: ignore[index]
+    steps = proxy.app[SESSIONS_KEY].sessions["auto:pv"].trajectory.steps  # type: ignore[index]
     assert [s.policy_version for s in steps] == [0, 3]
 
 
@@ -323,5 +323,5 @@ async def test_a_connection_closed_unanswered_is_retried_once(
     injector.mode = "disconnect_once"
     status, body = await call(http, f"{proxy.url}/s/retry/v1/chat/completions", good(MODEL))
     assert status == 200 and injector.calls == 2
-    steps = proxy.app[SESSIONS_KEY].sessions["retry"].trajectory.steps  # type: ignore[index]
+    steps = proxy.app[SESSIONS_KEY].sessions["auto:retry"].trajectory.steps  # type: ignore[index]
     assert [s.status for s in steps] == ["ok"]

@@ -41,7 +41,7 @@ async def test_openai_client_three_turns_and_an_edited_history(
 
     info = await open_session(http, proxy, group_id="g1", metadata={"task": "chat"})
     assert info["base_url"] == f"{proxy.url}/s/{info['id']}/v1" and info["api_key"].startswith("stk-")
-    client = openai.AsyncOpenAI(base_url=info["base_url"], api_key="EMPTY", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
     replies = []
     for turn, text in enumerate(["Hello there.", "Tell me more.", "And then?"]):
@@ -110,9 +110,10 @@ async def test_identity_by_key_header_and_anonymous(
         "max_tokens": 2,
     }
     url = f"{proxy.url}/v1/chat/completions"
-    async with http.post(url, json=body, headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+    key = {"Authorization": f"Bearer {info['api_key']}"}
+    async with http.post(url, json=body, headers=key) as resp:
         assert resp.status == 200
-    async with http.post(url, json=body, headers={"X-Steptap-Session": info["id"]}) as resp:
+    async with http.post(url, json=body, headers={"X-Steptap-Session": info["id"], **key}) as resp:
         assert resp.status == 200
     for key in (None, "EMPTY", "sk-abc"):
         headers = {} if key is None else {"Authorization": f"Bearer {key}"}
@@ -149,7 +150,7 @@ async def test_concurrent_calls_on_one_session_get_consecutive_indexes(
             return await resp.text()
 
     await asyncio.gather(*(one(i) for i in range(8)))
-    steps = proxy.app[SESSIONS_KEY].sessions["par"].trajectory.steps  # type: ignore[index]
+    steps = proxy.app[SESSIONS_KEY].sessions["auto:par"].trajectory.steps  # type: ignore[index]
     assert [s.index for s in steps] == list(range(8))
     assert sorted(s.request["messages"][0]["content"] for s in steps) == sorted(
         f"question {i}" for i in range(8)
@@ -158,7 +159,7 @@ async def test_concurrent_calls_on_one_session_get_consecutive_indexes(
     logged = [
         r
         for r in proxy.app[SESSIONS_KEY].log.records()  # type: ignore[index]
-        if isinstance(r, Step) and r.trajectory_id == "par"
+        if isinstance(r, Step) and r.trajectory_id == "auto:par"
     ]
     assert [s.index for s in logged] == list(range(8))
     assert [s.response_token_ids for s in logged] == [s.response_token_ids for s in steps]
@@ -180,6 +181,6 @@ async def test_a_step_is_on_disk_when_its_reply_completes(
             assert resp.status == 200
             await resp.read()  # the last byte ([DONE] when streamed) has arrived
         # read back from the segment files, not from memory
-        on_disk = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == f"dur-{stream}"]
+        on_disk = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == f"auto:dur-{stream}"]
         assert [s.index for s in on_disk] == list(range(i + 1))
         assert on_disk[-1].request["messages"][0]["content"] == f"q{i}" and on_disk[-1].status == "ok"

@@ -1,0 +1,155 @@
+"""The session domain under pressure, over HTTP, with no model call (the backend is a refused address: the
+control plane needs none): a reward racing ``finish`` is either in the delivered trajectory or refused, ids
+with a trailing newline are refused, sessions time out by default, and what closed sessions leave behind is
+bounded (checked with the proxy's own gauges and dictionaries)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import Proxy
+from faults import refused_address
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.sessions.manager import SESSIONS_KEY
+
+
+@pytest.fixture
+async def control_proxy(make_proxy: Any) -> Any:
+    sock, url = refused_address()
+    try:
+        yield lambda **kw: make_proxy(url, **kw)
+    finally:
+        sock.close()
+
+
+async def post(http: aiohttp.ClientSession, proxy: Proxy, path: str, body: Any) -> tuple[int, Any]:
+    async with http.post(f"{proxy.url}{path}", data=json.dumps(body), headers=proxy.control) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def delivered(http: aiohttp.ClientSession, proxy: Proxy) -> dict[str, dict[str, Any]]:
+    async with http.get(
+        f"{proxy.url}/trajectories", params={"consumer": "t", "follow": "0"}, headers=proxy.control
+    ) as resp:
+        assert resp.status == 200
+        lines = [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
+    return {m["trajectory"]["id"]: m["trajectory"] for m in lines if "trajectory" in m}
+
+
+async def test_a_reward_racing_finish_is_in_the_trajectory_or_refused(
+    control_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    proxy = await control_proxy()
+    rounds, rewards = 6, 40
+    answered: dict[str, set[str]] = {}
+    for r in range(rounds):
+        status, info = await post(http, proxy, "/sessions", {})
+        assert status == 201
+        sid = info["id"]
+
+        async def reward(i: int, sid: str = sid) -> tuple[str, int]:
+            status, body = await post(http, proxy, f"/sessions/{sid}/rewards", {"value": 1.0, "name": f"r{i}"})
+            assert status in (200, 409), body
+            return f"r{i}", status
+
+        # the finish is sent from the middle of the rewards, so some land before it and some race it
+        tasks = [asyncio.ensure_future(reward(i)) for i in range(rewards // 2)]
+        finish = asyncio.ensure_future(post(http, proxy, f"/sessions/{sid}/finish", {}))
+        tasks += [asyncio.ensure_future(reward(i)) for i in range(rewards // 2, rewards)]
+        results = await asyncio.gather(*tasks)
+        assert (await finish)[0] == 200
+        answered[sid] = {name for name, status in results if status == 200}
+        refused = [name for name, status in results if status == 409]
+        assert len(answered[sid]) + len(refused) == rewards
+    got = await delivered(http, proxy)
+    for sid, names in answered.items():
+        # every 200'd reward is in the delivered trajectory; nothing refused is
+        assert set(got[sid]["rewards"]) == names, (sid, sorted(names - set(got[sid]["rewards"])))
+
+
+async def test_session_ids_are_matched_whole(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    proxy = await control_proxy()
+    for bad in ("abc\n", "abc\r\n", "-abc", "a" * 129, "auto:taken"):
+        status, body = await post(http, proxy, "/sessions", {"id": bad})
+        assert status == 400 and body["error"]["code"] == "invalid_session_id", (bad, body)
+    status, _ = await post(http, proxy, "/sessions", {"id": "a" * 128})
+    assert status == 201
+    # on an agent's path too (%0A is a newline once the path is decoded)
+    async with http.post(f"{proxy.url}/s/abc%0A/v1/chat/completions", json={"messages": []}) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_session_id"
+
+
+async def test_sessions_time_out_by_default(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    assert ProxyConfig(backend="x").session_idle_timeout_s == 600.0
+    proxy = await control_proxy()
+    status, info = await post(http, proxy, "/sessions", {})
+    async with http.get(f"{proxy.url}/sessions/{info['id']}", headers=proxy.control) as resp:
+        assert (await resp.json())["idle_timeout_s"] == 600.0
+
+
+async def test_closed_sessions_leave_bounded_state(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    proxy = await control_proxy(max_closed_sessions=3, max_groups=2)
+    ids = []
+    for i in range(7):
+        status, info = await post(http, proxy, "/sessions", {"group_id": f"g{i}", "group_size": 1})
+        assert status == 201
+        ids.append(info["id"])
+        assert (await post(http, proxy, f"/sessions/{info['id']}/finish", {}))[0] == 200
+    status, still_open = await post(http, proxy, "/sessions", {"group_id": "open"})
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    assert list(manager.closed) == ids[-3:]
+    assert len(manager.keys) <= 3 + 1 and still_open["api_key"] in manager.keys
+    assert len(manager.groups) <= 2 and "open" in manager.groups
+    assert len(await delivered(http, proxy)) == 7  # the log keeps them all
+    # the most recent closed ids still answer 409, as before
+    assert (await post(http, proxy, f"/sessions/{ids[-1]}/finish", {}))[0] == 409
+
+
+def test_limits_are_checked_at_start() -> None:
+    with pytest.raises(ValueError, match="max_session_bytes"):
+        ProxyConfig(backend="x", max_record_bytes=1000, max_session_bytes=2000)
+    with pytest.raises(ValueError, match="max_concurrent_calls"):
+        ProxyConfig(backend="x", max_concurrent_calls=0)
+
+
+def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    from steptap.middleware.serve import config_from_args
+
+    # every limit of docs/limits.md has its generated flag (flags.py), defaults from ProxyConfig
+    fields = ["max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
+              "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"]
+    _LIMITS = [("--" + f.replace("_", "-"), f, "") for f in fields]
+    args = ["--backend", "http://127.0.0.1:9"]
+    for i, (flag, _, _) in enumerate(_LIMITS):
+        args += [flag, str(1000 + i)]
+    args[args.index("--max-record-bytes") + 1] = str(10**9)  # above max_session_bytes
+    config = config_from_args(args)
+    assert [getattr(config, field) for _, field, _ in _LIMITS] == [10**9] + [1000 + i for i in range(1, len(_LIMITS))]
+    assert config_from_args(["--backend", "x"]).session_idle_timeout_s == 600.0
+    assert config_from_args(["--backend", "x", "--session-idle-timeout", "0"]).session_idle_timeout_s is None
+    with pytest.raises(SystemExit):
+        config_from_args(["--backend", "x", "--max-record-bytes", "1000", "--max-session-bytes", "2000"])
+    assert "must not exceed max_record_bytes" in capsys.readouterr().err
+
+
+async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    proxy = await control_proxy(max_session_bytes=2000)
+    status, info = await post(http, proxy, "/sessions", {})
+    answered = []
+    for i in range(100):  # each new name grows the Trajectory record: the session fills up
+        status, body = await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 1, "name": f"n{i:03d}"})
+        if status != 200:
+            assert status == 409 and body["error"]["code"] == "session_full", body
+            break
+        answered.append(f"n{i:03d}")
+    assert 10 < len(answered) < 100
+    # a name already there takes no room
+    assert (await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 2, "name": "n000"}))[0] == 200
+    assert (await post(http, proxy, f"/sessions/{info['id']}/finish", {}))[0] == 200
+    assert sorted((await delivered(http, proxy))[info["id"]]["rewards"]) == answered
+    status, body = await post(http, proxy, "/sessions", {"metadata": {"blob": "x" * 3000}})
+    assert status == 413 and body["error"]["code"] == "record_too_large", body
