@@ -17,6 +17,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     control_token: str = ""  # empty: generated at start (auth.generate_token) and printed
     public_url: str | None = None  # base of the URLs handed to agents; default http://host:port
     any_model: bool = False  # route every model name to the backend's served model
+    tito: bool = False  # token-in-token-out mode for every session (needs vLLM --enable-scale-out)
     auto_create: bool = True  # an unknown session id on the path opens that session
     force_sampling: dict[str, float] = {}  # e.g. {"temperature": 1.0, "top_p": 1.0} for every call
     # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets

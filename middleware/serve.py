@@ -31,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--public-url", default=None, help="base URL handed to agents (default http://HOST:PORT)")
     p.add_argument("--any-model", action="store_true", help="route every model name to the served model")
     p.add_argument(
+        "--tito",
+        action="store_true",
+        help="token-in-token-out mode for every session (append-only turns sent as token ids; vLLM needs "
+        "--enable-scale-out)",
+    )
+    p.add_argument(
         "--no-auto-create",
         action="store_true",
         help="an unknown session id in a model call is a 404 instead of opening that session",
@@ -89,6 +95,7 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         control_token=token,
         public_url=args.public_url,
         any_model=args.any_model,
+        tito=args.tito,
         auto_create=not args.no_auto_create,
         force_sampling=force,
         reward=args.reward,

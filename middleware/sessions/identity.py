@@ -46,7 +46,7 @@ def identify(request: web.Request) -> Identity:
                 "invalid_session_id",
             )
         return Identity(source, session_id=sid)
-    token = bearer(request)
+    token = bearer(request) or request.headers.get("x-api-key")  # Anthropic's SDK sends its key there
     if token is not None and token.startswith(SESSION_KEY_PREFIX):
         return Identity("key", key=token)
     return Identity("anonymous")

@@ -63,9 +63,11 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("closing", "inflight", "key", "last_active", "trajectory")
+    __slots__ = ("closing", "inflight", "key", "last_active", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
+        self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
+        self.tito_state: Any = None  # what its next turn extends in that mode
         self.trajectory = trajectory
         self.key = key
         self.last_active = time.monotonic()
