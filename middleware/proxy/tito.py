@@ -163,7 +163,7 @@ class Turn:
         chat = {**self.chat, "stream": False}
         chat.pop("stream_options", None)
         self.chat = chat
-        reply = await self._post(ROUTES["chat.derender"], self._derender_body(generate_response=gen))
+        reply = await self._post(ROUTES["chat.derender"], self._derender_body(generate_response=_without_eos(gen)))
         reply["prompt_token_ids"] = self.prompt
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
@@ -196,7 +196,7 @@ class Turn:
                     if not gen.get("choices"):
                         continue  # the usage chunk: the step counts tokens from the ids
                     derendered = await self._post(ROUTES["chat.derender"], self._derender_body(
-                        stream=True, generate_chunk=gen, stream_state=state))
+                        stream=True, generate_chunk=_without_eos(gen), stream_state=state))
                     state = derendered["stream_state"]
                     chunk = derendered["chunk"]
                     if first:
@@ -215,10 +215,27 @@ class Turn:
                 yield out
 
 
+def _without_eos(gen: dict[str, Any]) -> dict[str, Any]:
+    """The generate result as derender should see it: without the end-of-sequence token that ended a choice
+    (vLLM's chat route leaves it out of the text; derender would detokenize it into the content)."""
+    choices = []
+    for ch in gen.get("choices") or ():
+        ids = ch.get("token_ids") or []
+        if ch.get("finish_reason") == "stop" and ch.get("stop_reason") is None and ids:
+            lp = ch.get("logprobs") or {}
+            ch = {**ch, "token_ids": ids[:-1]}
+            if lp.get("content"):
+                ch["logprobs"] = {**lp, "content": lp["content"][:-1]}
+        choices.append(ch)
+    return {**gen, "choices": choices}
+
+
 def _chat_logprobs(derendered: Any, generated: list[dict[str, Any]]) -> dict[str, Any]:
-    """Chat-shaped logprobs whose values are the generated tokens' (one per token id, whatever derender
-    merged); the token text derender gave is kept where it lines up."""
-    content = (derendered or {}).get("content") or []
+    """Chat-shaped logprobs whose values are the generated tokens' (one per token id, the end token
+    included); the token text derender gave is kept where it lines up."""
+    content = list((derendered or {}).get("content") or [])
+    if len(content) == len(generated) - 1:  # the end token derender did not see
+        content.append({"token": "", "logprob": 0.0, "bytes": [], "top_logprobs": []})
     if len(content) == len(generated):
         return {"content": [{**c, "logprob": g["logprob"]} for c, g in zip(content, generated, strict=True)]}
     return {"content": [{"token": f"token_id:{g['token_id']}", "logprob": g["logprob"], "bytes": None,

