@@ -56,6 +56,16 @@ def _norm(msg: Any) -> Any:
 
 def _conversation(step: Step) -> list[Any] | None:
     messages = step.request.get("messages")
+    if step.endpoint in ("responses", "messages"):  # Responses / Anthropic bodies: their chat translation
+        from steptap.middleware.errors import ApiError
+        from steptap.middleware.proxy import messages as anthropic, responses
+
+        try:
+            chat = responses.to_chat(step.request, []) if step.endpoint == "responses" else anthropic.to_chat(
+                step.request)
+        except ApiError:
+            return None
+        messages = chat["messages"]
     if not isinstance(messages, list):
         return None
     return [_norm(m) for m in messages]
