@@ -227,3 +227,75 @@ async def test_malformed_bodies_get_the_protocols_error(proxy: Proxy, http: aioh
         assert 400 <= resp.status < 500, resp.status
         body = await resp.json(content_type=None)
         assert set(body["error"]) == {"message", "type", "code"}, body
+
+
+# --- the OpenAI Agents SDK with its default (Responses) model ----------------------------------------------------
+
+
+def scripted_http(*patches: dict[str, Any]) -> Any:
+    """An httpx client that merges ``patches[n]`` into the n-th Responses call's body (forcing outputs on the
+    random model), leaving the rest of the SDK's request as sent."""
+    import httpx
+
+    class Transport(httpx.AsyncHTTPTransport):
+        calls = 0
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/responses"):
+                data = {**json.loads(await request.aread()), **patches[Transport.calls]}
+                Transport.calls += 1
+                headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+                request = httpx.Request(request.method, request.url, headers=headers, content=json.dumps(data))
+            return await super().handle_async_request(request)
+
+    return httpx.AsyncClient(transport=Transport(), timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_agents_sdk_default_responses_model(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    from agents import Agent, ModelSettings, Runner, function_tool
+    from steptap.adapters.frameworks.openai_agents import bind
+
+    ran: list[tuple[int, int]] = []
+
+    @function_tool(strict_mode=False)  # a strict schema would become vLLM's own constraint, over our regex
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        ran.append((a, b))
+        return a + b
+
+    info = await open_session(http, proxy)
+    session = type("S", (), {"base_url": info["base_url"], "api_key": info["api_key"], "model": None})()
+    model = bind(session, model=vllm_server.served_model,
+                 client_kwargs={"http_client": scripted_http(FORCE_CALL, {"max_output_tokens": 6})})
+    agent = Agent(name="adder", instructions="Add numbers with the tool.", tools=[add], model=model,
+                  model_settings=ModelSettings(temperature=0, max_tokens=64))
+    if stream:
+        result: Any = Runner.run_streamed(agent, "What is 2 + 3?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+    else:
+        result = await Runner.run(agent, "What is 2 + 3?", max_turns=3)
+    assert ran == [(2, 3)]  # the tool really ran on the parsed call
+
+    steps = steps_of(proxy, info["id"])
+    assert [s.endpoint for s in steps] == ["responses", "responses"]
+    for step in steps:
+        assert_exact(step, vllm_server)
+    call_id = steps[0].response["tool_calls"][0]["id"]
+    direct = await direct_chat(http, vllm_server, {
+        "messages": [{"role": "system", "content": "Add numbers with the tool."},
+                     {"role": "user", "content": "What is 2 + 3?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": call_id, "type": "function",
+                          "function": {"name": "add", "arguments": steps[0].response["tool_calls"][0]["function"][
+                              "arguments"]}}]},
+                     {"role": "tool", "tool_call_id": call_id, "content": "5"}],
+        "tools": [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                                    "parameters": steps[1].request["tools"][0]["parameters"]}}],
+        "temperature": 0, "max_tokens": 6})
+    assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
+    assert direct["choices"][0]["token_ids"] == steps[1].response_token_ids
+    assert result.final_output == (direct["choices"][0]["message"]["content"] or "")
