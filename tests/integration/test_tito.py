@@ -136,3 +136,67 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
         assert resp.status == 200
     assert steps[-1].prefix == "history_edited"
     assert metrics.tito_turns.labels("history_edited")._value.get() == 1
+
+
+async def test_tito_for_anthropic_streamed_and_responses_plain(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    """The other chat-style protocols in TITO mode: three turns (tool call, tool result, user) extend token for
+    token, Anthropic streamed and Responses (through previous_response_id) not."""
+    import anthropic
+    import openai
+
+    proxy = await make_proxy(vllm_server.url, tito=True)  # the global flag this time
+    metrics = proxy.app[METRICS_KEY]
+    model = vllm_server.served_model
+    a_tools = [{"name": "add", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    r_tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        a_info = await resp.json()
+    async with anthropic.AsyncAnthropic(base_url=f"{proxy.url}/s/{a_info['id']}", api_key=a_info["api_key"],
+                                        max_retries=0) as client:
+        async def say(messages: list[dict[str, Any]], forced: str | None) -> Any:
+            extra: dict[str, Any] = {"temperature": 0}
+            if forced:
+                extra["structured_outputs"] = {"regex": re.escape(forced)}
+            async with client.messages.stream(model=model, system="You add numbers.", tools=a_tools,
+                                              max_tokens=40 if forced else 4, messages=messages,
+                                              extra_body=extra) as s:
+                return await s.get_final_message()
+
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+        first = await say(messages, call(2, 3))
+        use = next(b for b in first.content if b.type == "tool_use")
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+        second = await say(messages, "It is 5.")
+        assert [b.text for b in second.content] == ["It is 5."]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
+                     {"role": "user", "content": "Thanks."}]
+        await say(messages, None)
+
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        r_info = await resp.json()
+    async with openai.AsyncOpenAI(base_url=r_info["base_url"], api_key=r_info["api_key"], max_retries=0) as oai:
+        async def ask(forced: str | None, **kw: Any) -> Any:
+            extra = {"structured_outputs": {"regex": re.escape(forced)}} if forced else {}
+            return await oai.responses.create(model=model, instructions="You add numbers.", tools=r_tools,
+                                              temperature=0, max_output_tokens=40 if forced else 4,
+                                              extra_body=extra, **kw)
+
+        r1 = await ask(call(2, 3), input="What is 2 + 3?")
+        fc = next(item for item in r1.output if item.type == "function_call")
+        r2 = await ask("It is 5.", previous_response_id=r1.id,
+                       input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "5"}])
+        assert r2.output_text == "It is 5."
+        await ask(None, previous_response_id=r2.id, input="Thanks.")
+
+    for info, endpoint in ((a_info, "messages"), (r_info, "responses")):
+        steps = proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps
+        assert [(s.endpoint, s.status, s.prefix) for s in steps] == [
+            (endpoint, "ok", "first"), (endpoint, "ok", "extends"), (endpoint, "ok", "extends")]
+        for prev, step in zip(steps, steps[1:], strict=False):
+            before = prev.prompt_token_ids + prev.response_token_ids
+            assert step.prompt_token_ids[: len(before)] == before
+    assert metrics.tito_turns.labels("tokens")._value.get() == 4
