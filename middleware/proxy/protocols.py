@@ -27,6 +27,9 @@ class Protocol:
     def prepare(self, session_id: str | None) -> None:
         """Session-dependent parts of the translation (a stored conversation)."""
 
+    def annotate(self, step: Any) -> None:
+        """Protocol facts the step keeps beside the assistant message."""
+
     def reply(self, chat_reply: dict[str, Any]) -> bytes:
         raise NotImplementedError
 
@@ -66,6 +69,10 @@ class Responses(Protocol):
         prev = self.body.get("previous_response_id")
         if prev is not None:
             self.chat = responses.to_chat(self.body, self.store.history(session_id, prev))
+
+    def annotate(self, step: Any) -> None:
+        # which response this is: a later previous_response_id that names it continues this conversation
+        step.response["response_id"] = self.shape.id
 
     def _keep(self, assistant: dict[str, Any]) -> None:
         if self.body.get("store", True) is False:

@@ -287,6 +287,7 @@ class _Call:
         if self.proto is not None:
             for step in steps:
                 step.endpoint = self.proto.endpoint
+                self.proto.annotate(step)
         await self.manager.record(self.session, steps)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = tito.next_state(self.chat, steps[0]) if len(steps) == 1 else None

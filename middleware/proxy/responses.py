@@ -332,7 +332,9 @@ class EventStream:
         finish = choice.get("finish_reason")
         status = "incomplete" if finish == "length" else "completed"
         response = self.shape.response(self.output, status, usage, finish)
-        out += self._ev("response.incomplete" if status == "incomplete" else "response.completed", response=response)
+        # always "response.completed" (its response says "incomplete" when cut), as vLLM's own route sends it:
+        # the openai SDK's stream helper waits for that event and knows no other ending
+        out += self._ev("response.completed", response=response)
         return out, response, assistant_message(self.output)
 
     def error(self, message: str, code: str) -> bytes:

@@ -79,6 +79,11 @@ def classify(prev: Step | None, step: Step) -> PrefixCause:
     ids = step.prompt_token_ids
     if len(ids) >= len(before) and ids[: len(before)] == before:
         return "extends"
+    chained = step.request.get("previous_response_id") if step.endpoint == "responses" else None
+    if chained is not None:  # the proxy carried the history itself: intact if it chains the previous call
+        same = chained == prev.response.get("response_id") and (
+            prev.request.get("instructions") == step.request.get("instructions"))
+        return "rerendered" if same else "history_edited"
     old = _conversation(prev)
     new = _conversation(step)
     if old is None or new is None:  # /v1/completions: only the ids to go by
