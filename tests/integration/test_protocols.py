@@ -299,3 +299,31 @@ async def test_openai_agents_sdk_default_responses_model(
     assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
     assert direct["choices"][0]["token_ids"] == steps[1].response_token_ids
     assert result.final_output == (direct["choices"][0]["message"]["content"] or "")
+
+
+async def test_any_model_applies_to_every_protocol(make_proxy: Any, vllm_server: Backend, tmp_path: Any,
+                                                   http: aiohttp.ClientSession) -> None:
+    """Agents that hard-code a vendor's model name run unchanged on --any-model; without it, a 404 in each
+    protocol's own error shape."""
+    strict = await make_proxy(vllm_server.url)
+    loose = await make_proxy(vllm_server.url, log_dir=tmp_path / "loose", any_model=True)
+    bodies = {"messages": {"model": "claude-sonnet-4-5", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]},
+              "responses": {"model": "gpt-4o", "max_output_tokens": 2, "input": "hi"}}
+    for endpoint, body in bodies.items():
+        async with http.post(f"{strict.url}/v1/{endpoint}", json=body) as resp:
+            assert resp.status == 404
+            err = await resp.json()
+            if endpoint == "messages":
+                assert err["type"] == "error" and err["error"]["type"] == "not_found_error"
+            else:
+                assert err["error"]["type"] == "not_found_error"
+        headers = {"X-Steptap-Session": "anyone"}
+        async with http.post(f"{loose.url}/v1/{endpoint}", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["model"] == body["model"]  # the agent sees the name it asked for
+    steps = loose.app[SESSIONS_KEY].sessions["anyone"].trajectory.steps  # type: ignore[attr-defined]
+    assert [(s.endpoint, s.model, s.served_model) for s in steps] == [
+        ("messages", "claude-sonnet-4-5", vllm_server.served_model),
+        ("responses", "gpt-4o", vllm_server.served_model),
+    ]

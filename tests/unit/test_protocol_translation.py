@@ -151,3 +151,20 @@ def test_tito_extends_only_append_only_histories() -> None:
                              "tools": [{"type": "function"}]}).cause == "tools_changed"
     cut = _state(first, finish="length")
     assert tito.plan(cut, {"messages": [*history, {"role": "user", "content": "b"}]}).cause == "reply_unfinished"
+
+
+def test_prefix_of_a_previous_response_id_call_follows_the_chain() -> None:
+    from steptap.middleware.sessions.prefix import classify
+
+    prev = Step(endpoint="responses", prompt_token_ids=[1, 2], response_token_ids=[3],
+                request={"input": "a", "instructions": "I"}, response={"role": "assistant", "response_id": "r1"})
+
+    def step(prev_id: str, instructions: str = "I") -> Step:
+        return Step(endpoint="responses", prompt_token_ids=[1, 2, 9], response_token_ids=[4],
+                    request={"input": "b", "previous_response_id": prev_id, "instructions": instructions})
+
+    assert classify(prev, step("r1")) == "rerendered"  # ids re-rendered, history intact
+    assert classify(prev, step("r0")) == "history_edited"  # branched from an older response
+    assert classify(prev, step("r1", "J")) == "history_edited"  # other instructions
+    extends = Step(endpoint="responses", prompt_token_ids=[1, 2, 3, 9], request={"previous_response_id": "r1"})
+    assert classify(prev, extends) == "extends"
