@@ -242,13 +242,17 @@ class _Call:
             try:
                 generate = await turn.request(stream)
             except tito.TitoError as exc:
-                raise tito.backend_error(self.upstream.base, exc) from None
+                if exc.status not in (404, 405):
+                    raise tito.backend_error(self.upstream.base, exc) from None
+                generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
+                plan = plan._replace(cause="no_scale_out")
             except (aiohttp.ClientError, OSError) as exc:
                 raise BackendUnreachable(f"backend {self.upstream.base} is unreachable: {exc}") from None
             if generate is not None:
                 metrics.child(metrics.tito_turns, "tokens").inc()
                 return turn, generate
-            plan = plan._replace(cause="template")
+            if plan.cause == "tokens":
+                plan = plan._replace(cause="template")
         metrics.child(metrics.tito_turns, plan.cause).inc()
         return None
 

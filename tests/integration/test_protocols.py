@@ -327,3 +327,71 @@ async def test_any_model_applies_to_every_protocol(make_proxy: Any, vllm_server:
         ("messages", "claude-sonnet-4-5", vllm_server.served_model),
         ("responses", "gpt-4o", vllm_server.served_model),
     ]
+
+
+# --- backend faults (the fault injector: failures a real vLLM cannot be made to produce) --------------------------
+
+
+@pytest.fixture
+async def faulty(aiohttp_server: Any, make_proxy: Any) -> tuple[Any, Proxy]:
+    from faults import FaultInjector
+
+    injector = FaultInjector(stall_s=3.0)
+    server = await aiohttp_server(injector.app)
+    return injector, await make_proxy(str(server.make_url("")).rstrip("/"), upstream_timeout_s=0.5)
+
+
+FAULT_BODIES = {"messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+                "responses": {"input": "hi"}}
+
+
+@pytest.mark.parametrize("endpoint", ["messages", "responses"])
+async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy], http: aiohttp.ClientSession,
+                                                       endpoint: str) -> None:
+    from faults import MODEL
+
+    injector, proxy = faulty
+    url = f"{proxy.url}/s/f/v1/{endpoint}"
+    body = {**FAULT_BODIES[endpoint], "model": MODEL}
+    injector.mode = "error500"
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 502
+        err = await resp.json()
+    assert (err["type"], err["error"]["type"]) == ("error", "api_error") if endpoint == "messages" else (
+        err["error"]["code"] == "backend_error")
+    injector.mode = "cut"  # mid-stream: what arrived is relayed, then the protocol's error event
+    async with http.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    events = [block.split("\n", 1)[0].removeprefix("event: ") for block in raw.split("\n\n") if block]
+    assert events[-1] == "error" and "message_stop" not in events and "response.completed" not in events
+    last = json.loads(raw.strip().split("\n\n")[-1].split("data: ", 1)[1])
+    assert last["error"]["type"] == "api_error" if endpoint == "messages" else last["code"] == "backend_cut"
+    injector.mode = "ok"
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 200
+    steps = proxy.app[SESSIONS_KEY].sessions["f"].trajectory.steps  # type: ignore[attr-defined]
+    assert [(s.endpoint, s.status) for s in steps] == [(endpoint, "failed"), (endpoint, "failed"), (endpoint, "ok")]
+    assert steps[1].response_token_ids[:1] == [11]  # the partial reply is kept
+
+
+async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any, Proxy],
+                                                              http: aiohttp.ClientSession) -> None:
+    """TITO asked of a vLLM started without --enable-scale-out (no render route: 404): normal rendering,
+    counted, never a failed call."""
+    from faults import MODEL
+    from steptap.middleware.metrics import METRICS_KEY
+
+    _, proxy = faulty
+    async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
+        info = await resp.json()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        async with http.post(f"{info['base_url']}/chat/completions", json={"model": MODEL, "messages": messages}) as r:
+            assert r.status == 200
+            messages += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "more"}]
+    metrics = proxy.app[METRICS_KEY]  # type: ignore[index]
+    assert metrics.tito_turns.labels("first")._value.get() == 1
+    assert metrics.tito_turns.labels("no_scale_out")._value.get() == 1
+    steps = proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps  # type: ignore[attr-defined]
+    assert [s.status for s in steps] == ["ok", "ok"]
