@@ -9,12 +9,18 @@ the protocol's name and its ``request`` the agent's body as sent.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
 
+from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.errors import error_body as openai_error
+from steptap.middleware.exceptions import DomainError
 from steptap.middleware.proxy import messages, responses
+
+logger = logging.getLogger("steptap.relay")
 
 STORE_KEY = web.AppKey("steptap_response_store", responses.ResponseStore)
 PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
@@ -137,3 +143,24 @@ def open_protocol(endpoint: str, body: dict[str, Any], app: web.Application) -> 
     if endpoint == responses.ENDPOINT:
         return Responses(body, "", app[STORE_KEY])
     return Messages(body, "")
+
+
+async def anthropic_errors(request: web.Request, call: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Await a Messages call; any error it ends in leaves in Anthropic's shape (its SDK parses no other)."""
+    try:
+        return await call
+    except ApiError as exc:
+        return _anthropic_error(exc.status, exc.message)
+    except DomainError as exc:
+        return _anthropic_error(status_of(exc), exc.message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _anthropic_error(exc.status, exc.reason or "error")
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _anthropic_error(500, "internal proxy error")
+
+
+def _anthropic_error(status: int, message: str) -> web.Response:
+    return web.Response(body=messages.error_body(status, message), status=status, content_type="application/json")

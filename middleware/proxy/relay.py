@@ -20,9 +20,8 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import ApiError, status_of
+from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
-    DomainError,
     BackendCut,
     BackendError,
     BackendMalformed,
@@ -33,7 +32,7 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
-from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, open_protocol
+from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
@@ -65,25 +64,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API: every error leaves in Anthropic's shape (its SDK parses no other)."""
-    try:
-        return await model_call(request, "messages")
-    except ApiError as exc:
-        return _anthropic_error(exc.status, exc.message)
-    except DomainError as exc:
-        return _anthropic_error(status_of(exc), exc.message)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _anthropic_error(exc.status, exc.reason or "error")
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return _anthropic_error(500, "internal proxy error")
-
-
-def _anthropic_error(status: int, message: str) -> web.Response:
-    from steptap.middleware.proxy.messages import error_body
-
-    return web.Response(body=error_body(status, message), status=status, content_type="application/json")
+    return await anthropic_errors(request, model_call(request, "messages"))
 
 
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -198,7 +179,8 @@ class _Call:
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
-            turn = await self._tito_turn(stream)
+            metrics = self.request.app[METRICS_KEY]
+            turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream)
             if turn is not None:
                 return await self._run_tito(*turn, stream)
         try:
@@ -231,30 +213,6 @@ class _Call:
             resp.release()
 
     # --- token-in-token-out --------------------------------------------------------------------------------
-
-    async def _tito_turn(self, stream: bool) -> tuple[tito.Turn, dict[str, Any]] | None:
-        """The turn's generate request when it extends the previous one; else None (normal path, counted)."""
-        plan = tito.plan(self.session.tito_state, self.chat)
-        metrics = self.request.app[METRICS_KEY]
-        if plan.cause == "tokens":
-            assert self.upstream.http is not None
-            turn = tito.Turn(self.upstream.http, self.upstream.base, self.chat, plan)
-            try:
-                generate = await turn.request(stream)
-            except tito.TitoError as exc:
-                if exc.status not in (404, 405):
-                    raise tito.backend_error(self.upstream.base, exc) from None
-                generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
-                plan = plan._replace(cause="no_scale_out")
-            except (aiohttp.ClientError, OSError) as exc:
-                raise BackendUnreachable(f"backend {self.upstream.base} is unreachable: {exc}") from None
-            if generate is not None:
-                metrics.child(metrics.tito_turns, "tokens").inc()
-                return turn, generate
-            if plan.cause == "tokens":
-                plan = plan._replace(cause="template")
-        metrics.child(metrics.tito_turns, plan.cause).inc()
-        return None
 
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
         base = self.upstream.base

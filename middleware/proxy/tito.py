@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import aiohttp
 import msgspec
 
-from steptap.middleware.exceptions import BackendError
+from steptap.middleware.exceptions import BackendError, BackendUnreachable
 from steptap.middleware.proxy.upstream import ROUTES
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.prefix import _message_cause, _norm
@@ -249,3 +249,29 @@ def backend_error(base: str, exc: TitoError) -> BackendError:
         message = exc.body[:200].decode("utf-8", "replace")
     return BackendError(f"backend {base} answered {exc.status} on a token-in-token-out route "
                         f"(is it started with --enable-scale-out?): {message}")
+
+
+async def start_turn(session: Any, chat: dict[str, Any], upstream: Any, metrics: Any,
+                     stream: bool) -> tuple[Turn, dict[str, Any]] | None:
+    """The turn and its generate request when this call extends the session's previous turn; else None (the
+    normal path), counted by cause in either case."""
+    decided = plan(session.tito_state, chat)
+    if decided.cause == "tokens":
+        assert upstream.http is not None
+        turn = Turn(upstream.http, upstream.base, chat, decided)
+        try:
+            generate = await turn.request(stream)
+        except TitoError as exc:
+            if exc.status not in (404, 405):
+                raise backend_error(upstream.base, exc) from None
+            generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
+            decided = decided._replace(cause="no_scale_out")
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
+        if generate is not None:
+            metrics.child(metrics.tito_turns, "tokens").inc()
+            return turn, generate
+        if decided.cause == "tokens":
+            decided = decided._replace(cause="template")
+    metrics.child(metrics.tito_turns, decided.cause).inc()
+    return None
