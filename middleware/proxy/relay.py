@@ -229,6 +229,12 @@ class _Call:
             if not self.recorded:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
             raise BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}") from None
+        except asyncio.CancelledError:  # the agent hung up: keep what arrived as a failed step, as run() does
+            if not self.recorded:
+                partial = self.acc.reply() if self.acc is not None else None
+                self.recorded = True
+                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone", partial)))
+            raise
         return await self._reply_plain(reply, 200, None)
 
     # --- capture and record -------------------------------------------------------------------------------
