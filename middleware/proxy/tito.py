@@ -173,7 +173,15 @@ class Turn:
         return reply
 
     async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
-        """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk."""
+        """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk. A malformed
+        answer ends it as a ``TitoError`` (the relay records the failure and ends the agent's stream)."""
+        try:
+            async for batch in self._chunks(generate):
+                yield batch
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise TitoError(502, f"malformed token-in-token-out answer: {exc!r}".encode()) from None
+
+    async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         state: Any = None
         first = True
         async with self.http.post(self.base + ROUTES["generate"], data=_encode(generate),
