@@ -130,6 +130,28 @@ class _SessionBase:
         self._clients.append(client)
         return client
 
+    def anthropic_client(self, **kw: Any) -> Any:
+        """An ``anthropic.Anthropic`` client bound to this session (base URL ``/s/<id>``: its SDK adds
+        ``/v1/messages``; the session key goes in ``x-api-key``)."""
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=self.anthropic_base_url, api_key=self.api_key, **kw)
+        self._clients.append(client)
+        return client
+
+    def async_anthropic_client(self, **kw: Any) -> Any:
+        """An ``anthropic.AsyncAnthropic`` client bound to this session (closed when an async session closes)."""
+        import anthropic
+
+        client = anthropic.AsyncAnthropic(base_url=self.anthropic_base_url, api_key=self.api_key, **kw)
+        self._clients.append(client)
+        return client
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The session's base URL without ``/v1`` (what Anthropic's SDK and ``ANTHROPIC_BASE_URL`` expect)."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
     def bind(self, adapter: str, **kw: Any) -> Any:
         """A framework object on this session through its registered adapter: ``s.bind("langchain")``."""
         from steptap.adapters.registry import bind

@@ -14,6 +14,8 @@ from aiohttp import web
 
 from steptap.middleware.log import stream
 from steptap.middleware.proxy import relay
+from steptap.middleware.proxy.protocols import STORE_KEY
+from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream
 from steptap.middleware.sessions import control
 from steptap.middleware.weights import routes as weights
@@ -41,6 +43,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     app[UPSTREAM_KEY] = Upstream(config)
+    app[STORE_KEY] = ResponseStore()  # conversations behind previous_response_id
     swapper = WeightSwapper(config.backend, model_dir=config.model_dir, api_key=config.backend_api_key)
     app[SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
@@ -53,6 +56,8 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     for prefix in ("", "/s/{agent_session}"):
         r.add_post(prefix + "/v1/chat/completions", relay.chat_completions)
         r.add_post(prefix + "/v1/completions", relay.completions)
+        r.add_post(prefix + "/v1/responses", relay.responses)
+        r.add_post(prefix + "/v1/messages", relay.messages)
         r.add_get(prefix + "/v1/models", relay.models)
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
     r.add_get("/health", relay.health)

@@ -30,6 +30,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
     public_url: Annotated[str | None, _help("base URL handed to agents (default http://HOST:PORT)")] = None
     any_model: Annotated[bool, _help("route every model name to the backend's served model")] = False
+    tito: Annotated[bool, _help(
+        "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
+        "--enable-scale-out; docs/protocols.md)")] = False
     auto_create: Annotated[bool, _help("an unknown session id in a model call opens that session")] = True
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}

@@ -71,6 +71,12 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        self.tito_turns = Counter(
+            "steptap_tito_turns",
+            "token-in-token-out sessions' turns: 'tokens' when sent as ids, else the fallback's cause",
+            ["path"],
+            registry=r,
+        )
         self.sessions_opened = Counter(
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )

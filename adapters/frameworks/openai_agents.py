@@ -1,4 +1,5 @@
-"""The OpenAI Agents SDK (``openai-agents``): an ``OpenAIChatCompletionsModel`` on the session.
+"""The OpenAI Agents SDK (``openai-agents``): the SDK's default model (``OpenAIResponsesModel``, the Responses
+API) on the session, or ``api="chat"`` for ``OpenAIChatCompletionsModel``.
 
     model = ADAPTER.bind(s, model="my-model")
     agent = agents.Agent(name="a", instructions="...", tools=[...], model=model)
@@ -6,8 +7,8 @@
 
 or, for every agent of a run, ``RunConfig(model_provider=provider(s))``.
 
-The SDK's default model speaks the Responses API, which the proxy does not capture yet: these use chat
-completions. Binding switches the SDK's tracing off (``set_tracing_disabled(True)``, global): by default it
+The proxy captures both APIs with exact token ids (``Step.endpoint`` is ``responses`` or
+``chat.completions``). Binding switches the SDK's tracing off (``set_tracing_disabled(True)``, global): by default it
 uploads traces to OpenAI with the API key, which here is a session key that OpenAI rejects."""
 
 from __future__ import annotations
@@ -24,21 +25,30 @@ def _client(session: Any, client_kwargs: dict[str, Any] | None) -> Any:
     return openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, **(client_kwargs or {}))
 
 
+def _model_class(api: str) -> Any:
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
+
+    if api not in ("responses", "chat"):
+        raise ValueError(f"api must be 'responses' or 'chat', got {api!r}")
+    return OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+
+
 def bind(
     session: Any,
     *,
     model: str | None = None,
     client_kwargs: dict[str, Any] | None = None,
     tracing: bool = False,
+    api: str = "responses",
 ) -> Any:
-    """An ``OpenAIChatCompletionsModel`` whose ``AsyncOpenAI`` client is on the session."""
-    from agents import OpenAIChatCompletionsModel, set_tracing_disabled
+    """The SDK's model (``api="responses"``, its default; ``"chat"``: chat completions) whose ``AsyncOpenAI``
+    client is on the session."""
+    from agents import set_tracing_disabled
 
+    cls = _model_class(api)
     if not tracing:
         set_tracing_disabled(True)
-    return OpenAIChatCompletionsModel(
-        model=resolve_model(session, model), openai_client=_client(session, client_kwargs)
-    )
+    return cls(model=resolve_model(session, model), openai_client=_client(session, client_kwargs))
 
 
 def provider(
@@ -47,11 +57,14 @@ def provider(
     model: str | None = None,
     client_kwargs: dict[str, Any] | None = None,
     tracing: bool = False,
+    api: str = "responses",
 ) -> Any:
     """A ``ModelProvider`` for ``RunConfig(model_provider=...)``: every agent of the run, whatever model name
-    it asks for, gets a chat-completions model on the session (``model`` when given, else the name it asked
-    for)."""
-    from agents import ModelProvider, OpenAIChatCompletionsModel, set_tracing_disabled
+    it asks for, gets a model on the session (``model`` when given, else the name it asked for; the proxy's
+    ``--any-model`` serves names the backend does not)."""
+    from agents import ModelProvider, set_tracing_disabled
+
+    cls = _model_class(api)
 
     if not tracing:
         set_tracing_disabled(True)
@@ -60,7 +73,7 @@ def provider(
     class SessionModelProvider(ModelProvider):
         def get_model(self, model_name: str | None) -> Any:
             name = model or model_name or resolve_model(session, None)
-            return OpenAIChatCompletionsModel(model=name, openai_client=client)
+            return cls(model=name, openai_client=client)
 
     return SessionModelProvider()
 
@@ -70,5 +83,5 @@ ADAPTER = Adapter(
     framework="openai-agents",
     binder=bind,
     modules=("agents", "openai"),
-    description="OpenAI Agents SDK: OpenAIChatCompletionsModel on the session (tracing off)",
+    description="OpenAI Agents SDK: its Responses model (or api='chat') on the session (tracing off)",
 )

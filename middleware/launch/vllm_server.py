@@ -200,6 +200,7 @@ class VLLMServer:
         cmd += ["--served-model-name", self.served_model]
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+        cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]  # token-in-token-out routes
         if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.tool_parser and not _given(extra, "--tool-call-parser"):

@@ -32,9 +32,10 @@ from steptap.middleware.exceptions import (
     BackendUnreachable,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture
+from steptap.middleware.proxy import capture, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
+from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
@@ -57,6 +58,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await model_call(request, COMPLETIONS)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await model_call(request, "responses")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API: every error leaves in Anthropic's shape (its SDK parses no other)."""
+    return await anthropic_errors(request, model_call(request, "messages"))
+
+
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
@@ -64,18 +74,23 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     raw = await read_body(request)
     body = _json_object(raw)
-    view = check_model_call(body, endpoint == CHAT, cfg.max_n)  # types at the edge: a 400, nothing recorded
-    stream = bool(view.stream)
+    # Another protocol rides on chat completions: translated (and checked in its own format) before the rest.
+    proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
+    upstream_endpoint = CHAT if proto is not None else endpoint
+    view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT, cfg.max_n)
+    stream = bool(view.stream)  # types at the edge: a 400, nothing recorded
     ident = identify(request)  # a malformed session id is a 400 too
     with manager.admitted():  # a 429 beyond max_concurrent_calls
         served = await upstream.route(view.model)  # before resolving: a refused call opens no session
         session = await manager.resolve(ident)  # identify
+        if proto is not None:
+            proto.prepare(None if session.trajectory.anonymous else session.id)
         try:
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
                 served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                out, asked = patch_request(body, endpoint, served, cfg)
-                call = _Call(request, endpoint, manager, session, upstream, asked, t0, common=dict(
+                out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
+                call = _Call(request, upstream_endpoint, manager, session, upstream, asked, t0, common=dict(
                     request=body,
                     sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                     model=view.model or served,
@@ -84,6 +99,9 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                     started_at=started_at,
                     policy_version=ticket.version,
                 ))
+                call.proto = proto
+                call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
+                call.chat = out
                 return await call.run(_encode(out), stream)
         finally:
             metrics = app[METRICS_KEY]
@@ -170,8 +188,16 @@ class _Call:
         self.strip = not (asked.token_ids and asked.logprobs)
         self.acc: capture.ChatStream | capture.CompletionStream | None = None  # a stream's chunks so far
         self.recorded = False  # a step (good or failed) of this call is in the trajectory
+        self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
+        self.tito = False  # token-in-token-out mode for this session
+        self.chat: dict[str, Any] = {}  # the chat body sent upstream
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
+        if self.tito:
+            metrics = self.request.app[METRICS_KEY]
+            turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream)
+            if turn is not None:
+                return await self._run_tito(*turn, stream)
         try:
             resp = await self.upstream.post(self.endpoint, payload)  # forward
         except BackendUnreachable:
@@ -184,7 +210,7 @@ class _Call:
             if resp.status >= 400:
                 return await self._upstream_error(resp)
             if stream:
-                return await self._relay_stream(resp)
+                return await self._relay_stream(resp, resp.status)
             return await self._relay_plain(resp)
         except _RECORDED as exc:  # the one place a failed call is recorded before its error leaves
             if not self.recorded:
@@ -201,6 +227,31 @@ class _Call:
         finally:
             resp.release()
 
+    # --- token-in-token-out --------------------------------------------------------------------------------
+
+    async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
+        base = self.upstream.base
+        try:
+            if stream:
+                return await self._relay_stream(turn.chunks(generate), 200)
+            reply = await turn.reply(generate)
+        except tito.TitoError as exc:
+            err = tito.backend_error(base, exc)
+            if not self.recorded:
+                await self.record([self.failed(err.message, "backend_error")])
+            raise err from None
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError) as exc:
+            if not self.recorded:
+                await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
+            raise BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}") from None
+        except asyncio.CancelledError:  # the agent hung up: keep what arrived as a failed step, as run() does
+            if not self.recorded:
+                partial = self.acc.reply() if self.acc is not None else None
+                self.recorded = True
+                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone", partial)))
+            raise
+        return await self._reply_plain(reply, 200, None)
+
     # --- capture and record -------------------------------------------------------------------------------
 
     def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step:
@@ -216,7 +267,13 @@ class _Call:
     async def record(self, steps: list[Step]) -> None:
         """Append this call's steps to its session; durable when it returns (before the reply completes)."""
         self.recorded = True
+        if self.proto is not None:
+            for step in steps:
+                step.endpoint = self.proto.endpoint
+                self.proto.annotate(step)
         await self.manager.record(self.session, steps)
+        if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
+            self.session.tito_state = tito.next_state(self.chat, steps[0]) if len(steps) == 1 else None
 
     async def _record_quietly(self, step: Step) -> None:
         try:
@@ -233,6 +290,8 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError):
             data = b""
         if resp.status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
+            if self.proto is not None:
+                data = self.proto.upstream_error(resp.status, data)
             return web.Response(body=data, status=resp.status, content_type="application/json")
         try:
             message = _decode(data)["error"]["message"]
@@ -258,21 +317,30 @@ class _Call:
                 raise ValueError("no choices")
         except (msgspec.DecodeError, ValueError):
             raise BackendMalformed(f"backend {base} sent a malformed reply (not an OpenAI completion)") from None
+        return await self._reply_plain(reply, resp.status, data)
+
+    async def _reply_plain(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:
         steps = capture.steps_from_reply(reply, self.endpoint, latency_s=self._latency(), **self.common)
-        if self.strip:
+        if self.proto is not None:
+            data = self.proto.reply(reply)
+        elif self.strip or data is None:
             capture.strip_reply(reply, self.asked, self.endpoint)
             data = _encode(reply)
         await self.record(steps)  # durable before the reply leaves
-        return web.Response(body=data, status=resp.status, content_type="application/json")
+        return web.Response(body=data, status=status, content_type="application/json")
 
-    async def _relay_stream(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Relay SSE events as they come; the steps are recorded before ``[DONE]``. Once the headers are out a
-        failure can no longer be an HTTP error: it is recorded as a failed step and sent as an error event."""
-        out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
+    async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
+        """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
+        recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
+        recorded as a failed step and sent as an error event."""
+        out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         await out.prepare(self.request)
         acc = self.acc = capture.new_stream(self.endpoint)
+        proto = self.proto
+        if proto is not None:
+            await _send(out, proto.start())
         try:
-            failure, upstream_error, done = await self._pump(resp, out, acc)
+            failure, upstream_error, done = await self._pump(source, out, acc)
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
             return out
@@ -280,10 +348,16 @@ class _Call:
             try:
                 await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
                                                            **self.common))  # durable before [DONE]
-                tail = _DONE
+                tail = _DONE if proto is None else proto.finish(acc.reply())
             except SessionFull as exc:  # headers are out: the agent learns it from an error event
-                err = {"error": {"message": exc.message, "type": "conflict_error", "code": exc.code}}
-                tail = b"data: " + _encode(err) + b"\n\n"
+                if proto is not None:
+                    tail = proto.stream_error(409, exc.message, exc.code)
+                else:
+                    err = {"error": {"message": exc.message, "type": "conflict_error", "code": exc.code}}
+                    tail = b"data: " + _encode(err) + b"\n\n"
+        elif proto is not None:
+            await self.record([self.failed(failure[0], failure[1], acc.reply())])
+            tail = proto.stream_error(502, failure[0], failure[1])
         else:
             await self.record([self.failed(failure[0], failure[1], acc.reply())])
             if upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
@@ -294,15 +368,15 @@ class _Call:
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
             await out.write(tail)
             await out.write_eof()
-        if done:
+        if done and isinstance(source, aiohttp.ClientResponse):
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
             # unread closes its connection instead of returning it to the pool (a TCP connect per call).
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                await asyncio.wait_for(resp.content.read(), 1.0)
+                await asyncio.wait_for(source.content.read(), 1.0)
         return out
 
     async def _pump(
-        self, resp: aiohttp.ClientResponse, out: web.StreamResponse, acc: Any
+        self, source: Any, out: web.StreamResponse, acc: Any
     ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
         """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
         whether ``[DONE]`` came)."""
@@ -310,7 +384,11 @@ class _Call:
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
-        batches = _line_batches(resp.content, self.upstream.config.read_bufsize * 2)
+        if isinstance(source, aiohttp.ClientResponse):
+            batches = _line_batches(source.content, self.upstream.config.read_bufsize * 2)
+        else:
+            batches = source  # already line batches (token-in-token-out)
+        proto = self.proto
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
@@ -340,7 +418,9 @@ class _Call:
                         failure = (f"backend {base} error mid-stream: {message}", "backend_error")
                         continue  # vLLM follows its error event with [DONE]
                     acc.feed(chunk)
-                    if not self.strip:
+                    if proto is not None:
+                        parts.append(proto.feed(chunk))
+                    elif not self.strip:
                         parts.append(b"data: " + payload + b"\n\n")
                     elif capture.strip_chunk(chunk, self.asked, self.endpoint):
                         parts.append(b"data: " + _encode(chunk) + b"\n\n")
@@ -355,6 +435,8 @@ class _Call:
             failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
         except _LineTooLong:
             failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
+        except tito.TitoError as exc:
+            failure = (tito.backend_error(base, exc).message, "backend_error")
         finally:
             await batches.aclose()
         if failure is None and not done:

@@ -25,7 +25,14 @@ logger = logging.getLogger("steptap.upstream")
 _decode = msgspec.json.decode
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _MODELS_REFRESH_S = 2.0  # at most this often, an unknown model name re-reads the backend's /v1/models
-ROUTES = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+ROUTES = {
+    "chat.completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    # token-in-token-out (proxy/tito.py; vLLM --enable-scale-out); Responses and Messages ride on chat.completions
+    "chat.render": "/v1/chat/completions/render",
+    "generate": "/inference/v1/generate",
+    "chat.derender": "/v1/chat/completions/derender",
+}
 
 
 def unreachable(base: str, exc: BaseException) -> BackendUnreachable:

@@ -29,6 +29,7 @@ class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mode: Mode = "train"
     metadata: dict[str, Any] = {}
     idle_timeout_s: float | None = None
+    tito: bool = False  # token-in-token-out mode (vLLM --enable-scale-out)
 
 
 class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +87,7 @@ async def open_session(request: web.Request) -> web.Response:
         idle_timeout_s=body.idle_timeout_s,
         session_id=body.id,
     )
+    session.tito = body.tito
     return _json(manager.summary(session, str(request.url.origin())), status=201)
 
 

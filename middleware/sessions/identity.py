@@ -39,7 +39,7 @@ def identify(request: web.Request) -> Identity:
     if sid is None:
         sid = request.headers.get(SESSION_HEADER)
         source = "header"
-    token = bearer(request)
+    token = bearer(request) or request.headers.get("x-api-key")  # Anthropic's SDK sends its key there
     key = token if token is not None and token.startswith(SESSION_KEY_PREFIX) else None
     if sid is not None:
         if not valid_session_id(sid):

@@ -73,9 +73,11 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "inflight", "key", "last_active", "lock", "trajectory")
+    __slots__ = ("bytes", "closing", "inflight", "key", "last_active", "lock", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
+        self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
+        self.tito_state: Any = None  # what its next turn extends in that mode
         self.trajectory = trajectory
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()

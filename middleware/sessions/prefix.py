@@ -17,6 +17,7 @@ Pure functions; the cost is one list compare per step (no tokenization).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from steptap.middleware.records import PrefixCause, Step
@@ -54,8 +55,15 @@ def _norm(msg: Any) -> Any:
     return (msg.get("role"), json.dumps(content, sort_keys=True), calls, msg.get("name"))
 
 
+# endpoint -> the chat messages of a request body in that protocol (None when it has none). The protocols that
+# ride on chat completions (proxy/responses.py, proxy/messages.py) register theirs when imported, so continuity
+# is judged on one conversation shape and this module needs none of them.
+CHAT_VIEWS: dict[str, Callable[[dict[str, Any]], list[Any] | None]] = {}
+
+
 def _conversation(step: Step) -> list[Any] | None:
-    messages = step.request.get("messages")
+    view = CHAT_VIEWS.get(step.endpoint)
+    messages = view(step.request) if view is not None else step.request.get("messages")
     if not isinstance(messages, list):
         return None
     return [_norm(m) for m in messages]
@@ -69,6 +77,11 @@ def classify(prev: Step | None, step: Step) -> PrefixCause:
     ids = step.prompt_token_ids
     if len(ids) >= len(before) and ids[: len(before)] == before:
         return "extends"
+    chained = step.request.get("previous_response_id") if step.endpoint == "responses" else None
+    if chained is not None:  # the proxy carried the history itself: intact if it chains the previous call
+        same = chained == prev.response.get("response_id") and (
+            prev.request.get("instructions") == step.request.get("instructions"))
+        return "rerendered" if same else "history_edited"
     old = _conversation(prev)
     new = _conversation(step)
     if old is None or new is None:  # /v1/completions: only the ids to go by

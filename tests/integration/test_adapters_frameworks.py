@@ -60,11 +60,11 @@ class ScriptedOutputs:
         self.calls = 0
 
     def _patch(self, request: httpx.Request, body: bytes) -> httpx.Request:
-        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+        if request.method != "POST" or not request.url.path.endswith(("/chat/completions", "/responses")):
             return request
         data = json.loads(body)
         assert self.calls < len(self.outputs), (
-            f"unexpected model call {self.calls + 1}: {data['messages'][-1]}"
+            f"unexpected model call {self.calls + 1}: {(data.get('messages') or data.get('input'))[-1]}"
         )
         data.update(forced(self.outputs[self.calls]))
         self.calls += 1

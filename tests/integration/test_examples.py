@@ -119,6 +119,17 @@ def _check_steps(traj: Trajectory, n: int) -> None:
         assert all(lp <= 0.0 for lp in step.response_logprobs)
 
 
+def _tool_results(step: Any) -> list[str]:
+    """The tool results a step's request carried, whatever protocol the agent spoke."""
+    if step.endpoint == "responses":
+        items = step.request["input"] if isinstance(step.request["input"], list) else []
+        return [i["output"] for i in items if i.get("type") == "function_call_output"]
+    if step.endpoint == "messages":
+        return [b["content"] for m in step.request["messages"] if isinstance(m["content"], list)
+                for b in m["content"] if b.get("type") == "tool_result"]
+    return [m["content"] for m in step.request["messages"] if m.get("role") == "tool"]
+
+
 def _check_tool_run(traj: Trajectory, expression_in_question: str) -> None:
     """Two steps: a calculator call whose result the second prompt carries, then the right answer."""
     _check_steps(traj, 2)
@@ -127,8 +138,8 @@ def _check_tool_run(traj: Trajectory, expression_in_question: str) -> None:
     assert len(calls) == 1 and calls[0]["function"]["name"] == "calculator"
     expression = json.loads(calls[0]["function"]["arguments"])["expression"]
     assert expression in expression_in_question
-    tool_messages = [m for m in second.request["messages"] if m.get("role") == "tool"]
-    assert tool_messages and '"result"' in tool_messages[-1]["content"]
+    results = _tool_results(second)
+    assert results and '"result"' in results[-1]
     # The second call carries the first exchange: its prompt starts with the first prompt token for token, and
     # the proxy saw the history continued (the framework's re-sent tool call may re-render: `rerendered`).
     assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
@@ -301,3 +312,21 @@ def test_digits_population_rewards_match_the_recorded_tokens(stack: Stack) -> No
         expected = sum(1 for p in pieces if p.strip().isdigit()) / len(pieces)
         assert traj.rewards == {"reward": pytest.approx(expected)}
         assert row["reward"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("module", "folder", "endpoint", "stream"),
+    [("anthropic", "anthropic_agent", "messages", True), ("openai", "responses_agent", "responses", False)],
+    ids=["anthropic_streamed", "responses"],
+)
+def test_protocol_agent(stack: Stack, module: str, folder: str, endpoint: str, stream: bool) -> None:
+    """The arithmetic agent speaking Anthropic Messages (streamed) or the Responses API (previous_response_id):
+    the same tool run is recorded, each step as that protocol."""
+    _framework(module)
+    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1", "--scripted",
+           "--seed", "13", *(["--stream"] if stream else [])]
+    rows = _run(stack, cmd)
+    assert rows[0]["reward"] == 1.0 and rows[0]["turns"] == 2
+    traj = stack.trajectory(rows[0]["session"])
+    assert [s.endpoint for s in traj.steps] == [endpoint, endpoint]
+    _check_tool_run(traj, traj.metadata["question"])

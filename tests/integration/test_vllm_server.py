@@ -74,7 +74,7 @@ def test_command_and_environment_for_cpu(tiny_model_dir: Path, tmp_path: Path) -
     joined = " ".join(cmd)
     for flag in ("--served-model-name " + tiny_model_dir.name, "--port 8123", "--enable-lora", "--max-lora-rank 16",
                  "--enable-auto-tool-choice", "--tool-call-parser hermes", "--dtype float32", "--enforce-eager",
-                 "--max-model-len 2048"):
+                 "--max-model-len 2048", "--enable-scale-out"):
         assert flag in joined
     assert cmd[-2:] == ["--seed", "7"]
     env = server.environment()

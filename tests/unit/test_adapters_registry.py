@@ -121,11 +121,13 @@ def test_each_adapter_binds_its_framework_object_to_the_session() -> None:
     lite = registry.bind("litellm", SESSION)
     assert lite.params == {"model": "openai/tiny", "api_base": SESSION.base_url, "api_key": "stk-test"}
 
-    from agents import OpenAIChatCompletionsModel
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
 
-    agent_model = registry.bind("openai_agents", SESSION)
-    assert isinstance(agent_model, OpenAIChatCompletionsModel) and agent_model.model == "tiny"
+    agent_model = registry.bind("openai_agents", SESSION)  # the SDK's default: the Responses API
+    assert isinstance(agent_model, OpenAIResponsesModel) and agent_model.model == "tiny"
     assert str(agent_model._client.base_url).rstrip("/") == SESSION.base_url
+    chat_model = registry.bind("openai_agents", SESSION, api="chat")
+    assert isinstance(chat_model, OpenAIChatCompletionsModel) and chat_model.model == "tiny"
 
 
 def test_adapters_use_the_client_only_never_the_proxy_server() -> None:

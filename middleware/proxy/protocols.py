@@ -1,0 +1,166 @@
+"""The agent-facing protocols that ride on chat completions: what the relay asks of each.
+
+A ``Protocol`` holds one call's translation: the chat body sent upstream, the agent's reply built from the chat
+reply (plain, or SSE events from chat chunks), and errors in the protocol's own shape. The relay does the rest
+exactly as for chat (capture, record once, durability before the reply completes); the step's ``endpoint`` is
+the protocol's name and its ``request`` the agent's body as sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from steptap.middleware.errors import ApiError, status_of
+from steptap.middleware.errors import error_body as openai_error
+from steptap.middleware.exceptions import DomainError
+from steptap.middleware.proxy import messages, responses
+
+logger = logging.getLogger("steptap.relay")
+
+STORE_KEY = web.AppKey("steptap_response_store", responses.ResponseStore)
+PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
+
+
+class Protocol:
+    endpoint: str
+    chat: dict[str, Any]
+
+    def prepare(self, session_id: str | None) -> None:
+        """Session-dependent parts of the translation (a stored conversation)."""
+
+    def annotate(self, step: Any) -> None:
+        """Protocol facts the step keeps beside the assistant message."""
+
+    def reply(self, chat_reply: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def start(self) -> bytes:
+        return b""
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def finish(self, chat_reply: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        raise NotImplementedError
+
+    def error_body(self, status: int, message: str, code: str | None) -> bytes:
+        return openai_error(message, status, code)
+
+    def upstream_error(self, status: int, data: bytes) -> bytes:
+        """vLLM's OpenAI error body (the agent's mistake) in this protocol's shape."""
+        return data
+
+
+class Responses(Protocol):
+    endpoint = responses.ENDPOINT
+
+    def __init__(self, body: dict[str, Any], model: str, store: responses.ResponseStore) -> None:
+        self.body = body
+        self.store = store
+        self.shape = responses.Shape(body, body.get("model") or model)
+        self.session_id: str | None = None
+        self.chat = responses.to_chat(body, [])  # validates before any session is touched
+        self.events = responses.EventStream(self.shape)
+
+    def prepare(self, session_id: str | None) -> None:
+        self.session_id = session_id
+        prev = self.body.get("previous_response_id")
+        if prev is not None:
+            self.chat = responses.to_chat(self.body, self.store.history(session_id, prev))
+
+    def annotate(self, step: Any) -> None:
+        # which response this is: a later previous_response_id that names it continues this conversation
+        step.response["response_id"] = self.shape.id
+
+    def _keep(self, assistant: dict[str, Any]) -> None:
+        if self.body.get("store", True) is False:
+            return
+        conversation = list(self.chat["messages"])
+        if self.body.get("instructions") is not None:
+            conversation = conversation[1:]  # instructions are not carried over by previous_response_id
+        self.store.put(self.session_id, self.shape.id, conversation + [assistant])
+
+    def reply(self, chat_reply: dict[str, Any]) -> bytes:
+        response, assistant = self.shape.from_chat(chat_reply)
+        self._keep(assistant)
+        return json.dumps(response).encode()
+
+    def start(self) -> bytes:
+        return self.events.start()
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        return self.events.feed(chunk)
+
+    def finish(self, chat_reply: dict[str, Any]) -> bytes:
+        out, _, assistant = self.events.finish(chat_reply)
+        self._keep(assistant)
+        return out
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        return self.events.error(message, code)
+
+
+class Messages(Protocol):
+    endpoint = messages.ENDPOINT
+
+    def __init__(self, body: dict[str, Any], model: str) -> None:
+        self.chat = messages.to_chat(body)
+        self.shape = messages.Shape(body, body.get("model") or model)
+        self.events = messages.EventStream(self.shape)
+
+    def reply(self, chat_reply: dict[str, Any]) -> bytes:
+        return json.dumps(self.shape.from_chat(chat_reply)).encode()
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        return self.events.feed(chunk)
+
+    def finish(self, chat_reply: dict[str, Any]) -> bytes:
+        return self.events.finish(chat_reply)
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        return self.events.error(status, message)
+
+    def error_body(self, status: int, message: str, code: str | None) -> bytes:
+        return messages.error_body(status, message)
+
+    def upstream_error(self, status: int, data: bytes) -> bytes:
+        try:
+            message = json.loads(data)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = data[:500].decode("utf-8", "replace")
+        return messages.error_body(status, message)
+
+
+def open_protocol(endpoint: str, body: dict[str, Any], app: web.Application) -> Protocol:
+    if endpoint == responses.ENDPOINT:
+        return Responses(body, "", app[STORE_KEY])
+    return Messages(body, "")
+
+
+async def anthropic_errors(request: web.Request, call: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Await a Messages call; any error it ends in leaves in Anthropic's shape (its SDK parses no other)."""
+    try:
+        return await call
+    except ApiError as exc:
+        return _anthropic_error(exc.status, exc.message)
+    except DomainError as exc:
+        return _anthropic_error(status_of(exc), exc.message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _anthropic_error(exc.status, exc.reason or "error")
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _anthropic_error(500, "internal proxy error")
+
+
+def _anthropic_error(status: int, message: str) -> web.Response:
+    return web.Response(body=messages.error_body(status, message), status=status, content_type="application/json")

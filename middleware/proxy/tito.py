@@ -1,0 +1,285 @@
+"""Token-in-token-out (TITO) mode: a multi-turn trajectory as one exact token sequence.
+
+In normal mode every turn is rendered again from the messages, and the template may render the model's own
+earlier reply as other tokens than it sampled (re-serialized tool-call JSON, dropped reasoning), which breaks the
+sequence. In TITO mode, when a turn's messages extend the previous turn's (its messages + the assistant reply as
+returned + new messages), the prompt is built from tokens:
+
+    previous prompt ids + previous response ids + template tail after the turn's end token + new messages' ids
+
+and sent to vLLM as token ids (``/inference/v1/generate``); the reply is derendered by vLLM (tool parser
+applied, ``/v1/chat/completions/derender``) into the chat reply the agent expects, streamed or not. The ids of
+only the new messages come from vLLM's render route: the difference between rendering a fixed two-message
+conversation with and without the new messages after it, so the template decides how they open and close (the
+proxy has no tokenizer). These routes need vLLM's ``--enable-scale-out``.
+
+When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
+falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``) and the step's
+``prefix`` names the break as usual.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+import aiohttp
+import msgspec
+
+from steptap.middleware.exceptions import BackendError, BackendUnreachable
+from steptap.middleware.proxy.upstream import ROUTES
+from steptap.middleware.records import Step
+from steptap.middleware.sessions.prefix import _message_cause, _norm
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
+_JSON = {"Content-Type": "application/json"}
+
+# A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
+# what it would put after any assistant turn.
+_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_TAIL_MAX = 4  # tokens a template may put after an assistant turn's end token (ChatML: one newline)
+
+
+class State(NamedTuple):
+    """What the next turn of a TITO session extends."""
+
+    conversation: list[Any]  # normalized messages + the reply as returned
+    tools: str  # the tools, as JSON (a change of tools changes the system prompt: no extension)
+    prompt_ids: list[int]
+    response_ids: list[int]
+    ended: bool  # the reply ended on its own, not by max_tokens
+
+
+class Plan(NamedTuple):
+    """A TITO turn: the new messages after the previous turn (empty: fall back, ``cause`` says why)."""
+
+    new: list[dict[str, Any]]
+    state: State | None
+    cause: str
+
+
+def _tools_key(chat: dict[str, Any]) -> str:
+    return json.dumps(chat.get("tools") or [], sort_keys=True)
+
+
+def plan(state: State | None, chat: dict[str, Any]) -> Plan:
+    """Whether this chat body extends the previous turn, and with which messages."""
+    if state is None:
+        return Plan([], None, "first")
+    messages = chat.get("messages")
+    if not isinstance(messages, list):
+        return Plan([], state, "no_messages")
+    if (chat.get("n") or 1) != 1:
+        return Plan([], state, "n")
+    conv = [_norm(m) for m in messages]
+    old = state.conversation
+    if conv[: len(old)] != old:
+        return Plan([], state, _message_cause(old, conv))
+    if len(conv) == len(old):
+        return Plan([], state, "no_new_messages")
+    if _tools_key(chat) != state.tools:
+        return Plan([], state, "tools_changed")
+    if not state.ended:
+        return Plan([], state, "reply_unfinished")
+    return Plan(messages[len(old):], state, "tokens")
+
+
+def next_state(chat: dict[str, Any], step: Step) -> State | None:
+    """The state after a recorded turn (None when the step cannot be extended)."""
+    messages = chat.get("messages")
+    if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
+        return None
+    ended = step.finish_reason in ("stop", "tool_calls")  # what token ended it is checked against the template
+    return State([_norm(m) for m in messages] + [_norm(step.response)], _tools_key(chat),
+                 list(step.prompt_token_ids), list(step.response_token_ids), ended)
+
+
+class TitoError(Exception):
+    """The backend answered a TITO route with an error (status, its body)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+
+
+class Turn:
+    """One TITO turn against the backend: build the prompt ids, generate, derender."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str, chat: dict[str, Any], plan: Plan) -> None:
+        self.http = http
+        self.base = base
+        self.chat = chat  # the patched chat body (logprobs and token ids on)
+        self.plan = plan
+        self.prompt: list[int] = []
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        async with self.http.post(self.base + path, data=_encode(body), headers=_JSON) as resp:
+            data = await resp.read()
+            if resp.status >= 400:
+                raise TitoError(resp.status, data)
+        return _decode(data)
+
+    async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
+        body = {k: v for k, v in self.chat.items() if k not in ("stream", "stream_options", "n")}
+        body.update(messages=messages, add_generation_prompt=generation, continue_final_message=False)
+        return await self._post(ROUTES["chat.render"], body)
+
+    async def request(self, stream: bool) -> dict[str, Any] | None:
+        """The generate request, or None when the template does not append (fall back)."""
+        state = self.plan.state
+        assert state is not None
+        full = await self._render(_BASE + self.plan.new, True)
+        base = (await self._render(_BASE, False))["token_ids"]
+        ids = full["token_ids"]
+        if ids[: len(base)] != base:
+            return None
+        end = state.response_ids[-1]  # the token that ended the reply (its stop token)
+        at = max((i for i, t in enumerate(base) if t == end), default=-1)
+        if at < 0 or len(base) - at - 1 > _TAIL_MAX:
+            return None
+        self.prompt = state.prompt_ids + state.response_ids + base[at + 1:] + ids[len(base):]
+        params = dict(full["sampling_params"])
+        if self.chat.get("max_tokens") is None and self.chat.get("max_completion_tokens") is None:
+            # render's default is the context left after its own (shorter) prompt
+            params["max_tokens"] = params["max_tokens"] + len(ids) - len(self.prompt)
+            if params["max_tokens"] < 1:
+                return None
+        params["logprobs"] = max(0, int(params.get("logprobs") or 0))
+        out = {**full, "token_ids": self.prompt, "sampling_params": params, "stream": stream}
+        if stream:
+            out["stream_options"] = {"include_usage": True}
+        return out
+
+    def _derender_body(self, **fields: Any) -> dict[str, Any]:
+        return {"model": self.chat.get("model"), "prompt_token_ids": self.prompt, "chat_request": self.chat,
+                **fields}
+
+    async def reply(self, generate: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed turn: the chat reply, with the prompt and response ids vLLM generated with."""
+        gen = await self._post(ROUTES["generate"], generate)
+        chat = {**self.chat, "stream": False}
+        chat.pop("stream_options", None)
+        self.chat = chat
+        reply = await self._post(ROUTES["chat.derender"], self._derender_body(generate_response=_without_eos(gen)))
+        reply["prompt_token_ids"] = self.prompt
+        for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
+            choice["token_ids"] = g.get("token_ids")
+            if g.get("logprobs") and g["logprobs"].get("content") is not None:
+                # the sampled tokens' logprobs as vLLM computed them (derender copies them as text tokens)
+                choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+        return reply
+
+    async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
+        """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk. A malformed
+        answer ends it as a ``TitoError`` (the relay records the failure and ends the agent's stream)."""
+        try:
+            async for batch in self._chunks(generate):
+                yield batch
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise TitoError(502, f"malformed token-in-token-out answer: {exc!r}".encode()) from None
+
+    async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
+        state: Any = None
+        first = True
+        async with self.http.post(self.base + ROUTES["generate"], data=_encode(generate),
+                                  headers=_JSON) as resp:
+            if resp.status >= 400:
+                raise TitoError(resp.status, await resp.read())
+            pending = b""
+            async for data in resp.content.iter_any():
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                out: list[bytes] = []
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        out.append(b"data: [DONE]")
+                        continue
+                    gen = _decode(payload)
+                    if not gen.get("choices"):
+                        continue  # the usage chunk: the step counts tokens from the ids
+                    derendered = await self._post(ROUTES["chat.derender"], self._derender_body(
+                        stream=True, generate_chunk=_without_eos(gen), stream_state=state))
+                    state = derendered["stream_state"]
+                    chunk = derendered["chunk"]
+                    if first:
+                        chunk["prompt_token_ids"] = self.prompt
+                        first = False
+                    for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
+                        choice["token_ids"] = g.get("token_ids")
+                        if g.get("logprobs") and g["logprobs"].get("content") is not None:
+                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+                    if not chunk.get("choices") and gen["choices"]:
+                        chunk["choices"] = [{"index": g["index"], "delta": {}, "token_ids": g.get("token_ids"),
+                                             "logprobs": _chat_logprobs(None, (g.get("logprobs") or {}).get(
+                                                 "content") or []), "finish_reason": g.get("finish_reason")}
+                                            for g in gen["choices"]]
+                    out.append(b"data: " + _encode(chunk))
+                yield out
+
+
+def _without_eos(gen: dict[str, Any]) -> dict[str, Any]:
+    """The generate result as derender should see it: without the end-of-sequence token that ended a choice
+    (vLLM's chat route leaves it out of the text; derender would detokenize it into the content)."""
+    choices = []
+    for ch in gen.get("choices") or ():
+        ids = ch.get("token_ids") or []
+        if ch.get("finish_reason") == "stop" and ch.get("stop_reason") is None and ids:
+            lp = ch.get("logprobs") or {}
+            ch = {**ch, "token_ids": ids[:-1]}
+            if lp.get("content"):
+                ch["logprobs"] = {**lp, "content": lp["content"][:-1]}
+        choices.append(ch)
+    return {**gen, "choices": choices}
+
+
+def _chat_logprobs(derendered: Any, generated: list[dict[str, Any]]) -> dict[str, Any]:
+    """Chat-shaped logprobs whose values are the generated tokens' (one per token id, the end token
+    included); the token text derender gave is kept where it lines up."""
+    content = list((derendered or {}).get("content") or [])
+    if len(content) == len(generated) - 1:  # the end token derender did not see
+        content.append({"token": "", "logprob": 0.0, "bytes": [], "top_logprobs": []})
+    if len(content) == len(generated):
+        return {"content": [{**c, "logprob": g["logprob"]} for c, g in zip(content, generated, strict=True)]}
+    return {"content": [{"token": f"token_id:{g['token_id']}", "logprob": g["logprob"], "bytes": None,
+                         "top_logprobs": []} for g in generated]}
+
+
+def backend_error(base: str, exc: TitoError) -> BackendError:
+    try:
+        message = _decode(exc.body)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        message = exc.body[:200].decode("utf-8", "replace")
+    return BackendError(f"backend {base} answered {exc.status} on a token-in-token-out route "
+                        f"(is it started with --enable-scale-out?): {message}")
+
+
+async def start_turn(session: Any, chat: dict[str, Any], upstream: Any, metrics: Any,
+                     stream: bool) -> tuple[Turn, dict[str, Any]] | None:
+    """The turn and its generate request when this call extends the session's previous turn; else None (the
+    normal path), counted by cause in either case."""
+    decided = plan(session.tito_state, chat)
+    if decided.cause == "tokens":
+        assert upstream.http is not None
+        turn = Turn(upstream.http, upstream.base, chat, decided)
+        try:
+            generate = await turn.request(stream)
+        except TitoError as exc:
+            if exc.status not in (404, 405):
+                raise backend_error(upstream.base, exc) from None
+            generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
+            decided = decided._replace(cause="no_scale_out")
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
+        if generate is not None:
+            metrics.child(metrics.tito_turns, "tokens").inc()
+            return turn, generate
+        if decided.cause == "tokens":
+            decided = decided._replace(cause="template")
+    metrics.child(metrics.tito_turns, decided.cause).inc()
+    return None

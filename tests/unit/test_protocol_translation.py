@@ -1,0 +1,170 @@
+"""The pure translations behind /v1/responses and /v1/messages, and TITO's append-only decision (no server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy import messages, responses, tito
+from steptap.middleware.records import Step
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+CHAT_REPLY = {
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]},
+                 "finish_reason": "tool_calls", "stop_reason": None, "token_ids": [5, 6, 7]}],
+    "usage": {"prompt_tokens": 10, "completion_tokens": 3}, "prompt_token_ids": list(range(10)),
+}
+
+
+def test_responses_input_items_become_chat_messages() -> None:
+    chat = responses.to_chat({"model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "input": [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "2+3?"}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+    ], "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}], "tool_choice": "auto"},
+        [])
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]},  # the call joins its message
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    assert chat["max_tokens"] == 9 and chat["tool_choice"] == "auto"
+    assert chat["tools"] == [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def test_a_response_sent_back_as_input_is_the_same_chat_message() -> None:
+    shape = responses.Shape({"model": "m", "input": "x"}, "m")
+    response, assistant = shape.from_chat(CHAT_REPLY)
+    assert [item["type"] for item in response["output"]] == ["message", "function_call"]
+    assert assistant == {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]}
+    again = responses.input_messages([{**item, "role": "assistant"} if item["type"] == "message" else item
+                                      for item in response["output"]])
+    assert again == [assistant]
+    assert response["usage"]["input_tokens"] == 10 and response["usage"]["output_tokens"] == 3
+
+
+def test_responses_stream_events_are_ordered_and_complete() -> None:
+    events = responses.EventStream(responses.Shape({"model": "m", "input": "x"}, "m"))
+    raw = events.start() + events.feed({"choices": [{"index": 0, "delta": {"content": "Let me add."}}]})
+    tail, response, _ = events.finish(CHAT_REPLY)
+    parsed = [json.loads(block.split(b"\ndata: ", 1)[1]) for block in (raw + tail).split(b"\n\n") if block]
+    assert [e["type"] for e in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
+    assert parsed[-1]["response"]["output"][1]["arguments"] == '{"a": 2, "b": 3}'
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m"}, {"input": 3}, {"input": [{"type": "item_reference", "id": "x"}]},
+    {"input": "x", "tools": [{"type": "web_search"}]}, {"input": "x", "max_output_tokens": 0},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+])
+def test_responses_bodies_it_cannot_serve_are_400(body: dict) -> None:
+    with pytest.raises(ApiError) as err:
+        responses.to_chat(body, [])
+    assert err.value.status == 400
+
+
+def test_response_store_is_per_session_and_bounded() -> None:
+    store = responses.ResponseStore(max_entries=2)
+    store.put("s1", "r1", [{"role": "user", "content": "a"}])
+    assert store.history("s1", "r1") == [{"role": "user", "content": "a"}]
+    with pytest.raises(ApiError):
+        store.history("s2", "r1")  # another session's response
+    store.put("s1", "r2", [])
+    store.put("s1", "r3", [])
+    with pytest.raises(ApiError):
+        store.history("s1", "r1")  # evicted, least recently used first
+
+
+def test_anthropic_blocks_become_chat_messages() -> None:
+    chat = messages.to_chat({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}],
+                             "stop_sequences": ["END"], "tool_choice": {"type": "any"},
+                             "tools": [{"name": "add", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me add."},
+                                          {"type": "tool_use", "id": "call_1", "name": "add",
+                                           "input": {"a": 2, "b": 3}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "5"},
+                                     {"type": "text", "text": "go on"}]},
+    ]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}, {"role": "user", "content": "go on"},
+    ]
+    assert chat["stop"] == ["END"] and chat["tool_choice"] == "required" and chat["max_tokens"] == 5
+
+
+def test_anthropic_reply_and_stop_reasons() -> None:
+    shape = messages.Shape({"stop_sequences": ["END"]}, "m")
+    reply = shape.from_chat(CHAT_REPLY)
+    assert reply["content"] == [{"type": "text", "text": "Let me add."},
+                                {"type": "tool_use", "id": "call_1", "name": "add", "input": {"a": 2, "b": 3}}]
+    assert reply["stop_reason"] == "tool_use"
+    stopped = {"choices": [{"message": {"content": "x"}, "finish_reason": "stop", "stop_reason": "END"}]}
+    assert shape.from_chat(stopped)["stop_reason"] == "stop_sequence"
+    assert shape.from_chat(stopped)["stop_sequence"] == "END"
+    cut = {"choices": [{"message": {"content": "x"}, "finish_reason": "length"}]}
+    assert shape.from_chat(cut)["stop_reason"] == "max_tokens"
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "x"}]}, {"max_tokens": 5, "messages": []},
+    {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"},
+])
+def test_anthropic_bodies_it_cannot_serve_are_400(body: dict) -> None:
+    with pytest.raises(ApiError) as err:
+        messages.to_chat(body)
+    assert err.value.status == 400
+    assert json.loads(messages.error_body(400, "m")) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
+
+
+def _state(chat: dict, finish: str = "stop") -> tito.State | None:
+    step = Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason=finish,
+                response={"role": "assistant", "content": "hi"})
+    return tito.next_state(chat, step)
+
+
+def test_tito_extends_only_append_only_histories() -> None:
+    first = {"messages": [{"role": "user", "content": "a"}]}
+    state = _state(first)
+    history = [*first["messages"], {"role": "assistant", "content": "hi"}]
+    assert tito.plan(None, first).cause == "first"
+    go = tito.plan(state, {"messages": [*history, {"role": "user", "content": "b"}]})
+    assert go.cause == "tokens" and go.new == [{"role": "user", "content": "b"}]
+    assert tito.plan(state, {"messages": [{"role": "user", "content": "A"}, history[1],
+                                          {"role": "user", "content": "b"}]}).cause == "history_edited"
+    assert tito.plan(state, {"messages": history}).cause == "no_new_messages"
+    assert tito.plan(state, {"messages": [*history, {"role": "user", "content": "b"}],
+                             "tools": [{"type": "function"}]}).cause == "tools_changed"
+    cut = _state(first, finish="length")
+    assert tito.plan(cut, {"messages": [*history, {"role": "user", "content": "b"}]}).cause == "reply_unfinished"
+
+
+def test_prefix_of_a_previous_response_id_call_follows_the_chain() -> None:
+    from steptap.middleware.sessions.prefix import classify
+
+    prev = Step(endpoint="responses", prompt_token_ids=[1, 2], response_token_ids=[3],
+                request={"input": "a", "instructions": "I"}, response={"role": "assistant", "response_id": "r1"})
+
+    def step(prev_id: str, instructions: str = "I") -> Step:
+        return Step(endpoint="responses", prompt_token_ids=[1, 2, 9], response_token_ids=[4],
+                    request={"input": "b", "previous_response_id": prev_id, "instructions": instructions})
+
+    assert classify(prev, step("r1")) == "rerendered"  # ids re-rendered, history intact
+    assert classify(prev, step("r0")) == "history_edited"  # branched from an older response
+    assert classify(prev, step("r1", "J")) == "history_edited"  # other instructions
+    extends = Step(endpoint="responses", prompt_token_ids=[1, 2, 3, 9], request={"previous_response_id": "r1"})
+    assert classify(prev, extends) == "extends"
