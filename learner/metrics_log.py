@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from steptap.learner.engines.torch_engine import StepStats
+from steptap.learner.engines.base import StepStats
 from steptap.learner.rows import Batch
 
 
