@@ -242,3 +242,26 @@ def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) 
             proc.kill()
             proc.wait()
         out.close()
+
+
+# --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """``ray.init(num_cpus=2)`` once, with verl's CPU platform selected in every worker; engines built while
+    it runs join it (and kill only their own workers), so the suite pays Ray's start-up once."""
+    try:
+        import ray
+
+        from steptap.learner.engines import verl_cpu
+    except ImportError as exc:
+        _unavailable(f"the verl engine needs ray and verl: {exc}")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    verl_cpu.activate()
+    env = {**verl_cpu.worker_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
