@@ -212,9 +212,3 @@ def activate() -> None:
         platform_manager.set_platform(PlatformCPU())
     register_fsdp2_for_cpu()
 
-
-if os.environ.get("VERL_PLATFORM") == PLATFORM:  # imported by verl in a worker: register the engine too
-    try:
-        register_fsdp2_for_cpu()
-    except ImportError:  # verl.workers not importable yet (circular import while verl itself loads)
-        pass

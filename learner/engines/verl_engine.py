@@ -133,7 +133,11 @@ class VerlEngine:
                 ray.init(num_cpus=max(2, cfg.workers * cfg.worker_cpus), include_dashboard=False,
                          runtime_env=runtime_env)
         self.actor = algos.actor_config(self.cfg)
-        self.wg = self._build_group()
+        try:
+            self.wg = self._build_group()
+        except BaseException:
+            self.close()  # give back what was reserved (placement groups, the cluster we started)
+            raise
         self.startup_s = time.perf_counter() - t0
         log.info("verl %s engine on %s: %d workers ready in %.1f s", self.version_found,
                  "cpu" if self.cpu else "cuda", cfg.workers, self.startup_s)
@@ -170,7 +174,7 @@ class VerlEngine:
         config = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                       optimizer_config=optim)
         per_node = c.workers // c.nodes
-        pool = RayResourcePool([per_node] * c.nodes, use_gpu=not self.cpu, max_colocate_count=c.worker_cpus)
+        self.pool = pool = RayResourcePool([per_node] * c.nodes, use_gpu=not self.cpu, max_colocate_count=c.worker_cpus)
         wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
             cls=_remote_worker(), config=config), device_name="cpu" if self.cpu else "cuda")
         wg.set_loss_fn(partial(ppo_loss, config=self.actor))
@@ -321,8 +325,12 @@ class VerlEngine:
     def close(self) -> None:
         import ray
 
-        for w in getattr(self.wg, "workers", []):
+        from ray.util.placement_group import remove_placement_group
+
+        for w in getattr(getattr(self, "wg", None), "workers", []):
             ray.kill(w)
+        for pg in getattr(self, "pool", None) and self.pool.pgs or []:  # give the CPUs/GPUs back to the cluster
+            remove_placement_group(pg)
         if self._own_ray and ray.is_initialized():
             ray.shutdown()
 
