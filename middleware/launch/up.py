@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_CONTROL_TOKEN, STEPTAP_MODEL in its environment",
     )
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
+    p.add_argument("--engine", choices=("torch", "verl"), help="the learner's engine (steptap learn --engine)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
     p.add_argument(
         "--stop-at-reward",
@@ -208,6 +209,7 @@ class Up:
             str(self.workdir / "checkpoints"),
             "--weights-dir",
             str(self.workdir / "weights"),
+            *(["--engine", self.args.engine] if self.args.engine else []),
             *_split(self.args.learn_args),
         ]
         # The token goes by environment, not argv: argv is visible to every user in `ps`.
