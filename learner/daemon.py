@@ -109,7 +109,8 @@ class Learner:
         self.checkpointed = -1  # the update count of the last checkpoint
         self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
         self.stop = asyncio.Event()
-        self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates)
+        self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates,
+                                 cfg.trackers, cfg.project, cfg.experiment, cfg.as_dict())
         state = checkpoint.load_latest(cfg.checkpoint_dir) if cfg.resume else None
         if state is not None:
             self.engine.load_state_dict(state["engine"] if "engine" in state else state)
