@@ -89,6 +89,25 @@ if TrainingWorker is not object:
             return out if self.rank == 0 else None
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def keep_gradients(self) -> None:
+            """From now on keep a full copy of the gradients each optimizer step used (after clipping), for
+            checks (verl zeroes them when its train step ends). A collective at every step: checks only."""
+            engine, step = self.engine, self.engine.optimizer_step
+
+            def step_and_keep() -> float:
+                norm = step()
+                self._kept_grads = {
+                    n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+                    for n, p in engine.module.named_parameters() if p.grad is not None}
+                return norm
+
+            engine.optimizer_step = step_and_keep
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def last_gradients(self) -> dict[str, torch.Tensor] | None:
+            return getattr(self, "_kept_grads", None) if self.rank == 0 else None
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def full_state(self) -> dict[str, Any] | None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -283,8 +302,9 @@ class VerlEngine:
         n_tokens = int(mask.sum())
         k = self.cfg.epochs
         return StepStats(
-            loss=_mean(metrics.get("loss")), pg_clipfrac=_mean(metrics.get("pg_clipfrac")) if n_tokens else 0.0,
-            ppo_kl=_mean(metrics.get("ppo_kl")), kl=_mean(metrics.get("kl_loss")),
+            # verl's clip fraction and KL are means per micro-batch (per rank), not weighted by token count
+            loss=_mean(metrics.get("loss")), pg_clipfrac=_mean(metrics.get("actor/pg_clipfrac")),
+            ppo_kl=_mean(metrics.get("actor/ppo_kl")), kl=_mean(metrics.get("kl_loss")),
             entropy=_sum(metrics.get("actor/entropy_loss")) / k, grad_norm=_last(metrics.get("grad_norm")),
             tokens=n_tokens, seq_tokens=sum(len(s.input_ids) for s in batch.sequences),
             seconds=time.perf_counter() - t0, rollout_is_mean=is_mean,
@@ -293,6 +313,13 @@ class VerlEngine:
     # -- weights out, checkpoints -------------------------------------------------------------------------
     def hf_weights(self) -> dict[str, torch.Tensor]:
         return next(x for x in self.wg.hf_weights() if x is not None)
+
+    def keep_gradients(self) -> None:
+        self.wg.keep_gradients()
+
+    def last_gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last step (after clipping), after ``keep_gradients()``; for checks."""
+        return next(x for x in self.wg.last_gradients() if x is not None)
 
     def write_weights(self, out_dir: str | Path, version: int | None = None) -> Path:
         from safetensors.torch import save_file
