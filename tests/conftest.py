@@ -25,6 +25,8 @@ from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, pr
 sys.path.insert(0, str(Path(__file__).parent))
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s default.
+os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
 
 
 @dataclass(frozen=True)
