@@ -148,11 +148,9 @@ def verl_engine_problems(cfg: LearnerConfig) -> list[str]:
         out.append("engine verl: steps sampled with top_p < 1 or top_k > 0 cannot be corrected exactly (verl's "
                    "workers return per-token logprobs, not the distribution); use --truncation-mode drop, or "
                    "sample with the proxy's training values (temperature 1, top_p 1)")
-    if cfg.lora_rank > 0:
-        out.append("engine verl: LoRA is not built on this engine yet; use --engine torch for LoRA")
-    if cfg.kl_coef > 0:
-        out.append("engine verl: kl_coef > 0 (a reference model) is not built on this engine yet; use "
-                   "--engine torch for a KL term")
+    if cfg.kl_coef > 0 and cfg.lora_rank == 0:
+        out.append("engine verl: kl_coef > 0 needs lora_rank > 0 (the reference is the base model with the "
+                   "adapter disabled); a separate reference worker group for full fine-tuning is not built yet")
     if cfg.workers < 1 or cfg.nodes < 1 or cfg.workers % cfg.nodes:
         out.append("engine verl: workers must be a positive multiple of nodes")
     return out

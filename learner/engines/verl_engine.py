@@ -89,6 +89,13 @@ if TrainingWorker is not object:
             return out if self.rank == 0 else None
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def adapter(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+            """The LoRA adapter under peft's saved names, and its peft config, on rank 0 (a collective)."""
+            params, peft_config = self.engine.get_per_tensor_param(base_sync_done=True)
+            out = {name: t.detach().to("cpu", torch.float32).clone() for name, t in params}
+            return (out, peft_config) if self.rank == 0 else None
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def keep_gradients(self) -> None:
             """From now on keep a full copy of the gradients each optimizer step used (after clipping), for
             checks (verl zeroes them when its train step ends). A collective at every step: checks only."""
@@ -129,7 +136,7 @@ class VerlEngine:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.version_found = check_verl_version()
         self.cfg = cfg
-        self.lora = False  # full weights (LoRA on this engine: see docs/verl-engine.md)
+        self.lora = cfg.lora_rank > 0  # publishes the peft adapter; the reference (KL) is the base model
         self.cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
         t0 = time.perf_counter()
         if self.cpu:
@@ -178,7 +185,8 @@ class VerlEngine:
 
         c = self.cfg
         model = HFModelConfig(path=c.model_dir, use_remove_padding=not self.cpu,
-                              enable_gradient_checkpointing=c.gradient_checkpointing,
+                              enable_gradient_checkpointing=c.gradient_checkpointing, lora_rank=c.lora_rank,
+                              lora_alpha=c.lora_alpha, target_modules=list(c.lora_targets),
                               override_config={} if not self.cpu else {"attn_implementation": "sdpa"})
         mp = {"param_dtype": c.model_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
         engine = FSDPEngineConfig(
@@ -256,14 +264,16 @@ class VerlEngine:
             td["temperature"] = temperature
         return left_right_2_no_padding(td)
 
-    def _logprobs(self, rows: dict[str, Any], *, unit_temperature: bool = False) -> torch.Tensor:
-        """The workers' current policy logprobs of every response token, [B, R] (no grad)."""
+    def _logprobs(self, rows: dict[str, Any], *, unit_temperature: bool = False,
+                  reference: bool = False) -> torch.Tensor:
+        """The workers' current policy logprobs of every response token, [B, R] (no grad); ``reference``: with
+        the LoRA adapter disabled (the base model is the reference)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
         r = dict(rows, temps=[1.0] * len(rows["temps"])) if unit_temperature else rows
         td = self._tensordict(r)
-        tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=False)
+        tu.assign_non_tensor(td, compute_loss=False, calculate_entropy=False, no_lora_adapter=reference)
         out = self.wg.infer_batch(td).get()
         return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
 
@@ -293,6 +303,8 @@ class VerlEngine:
             else:
                 old = behaviour
         extra["old_log_probs"] = old
+        if self.cfg.kl_coef > 0:
+            extra["ref_log_prob"] = self._logprobs(rows, reference=True)
         td = self._tensordict(rows, **extra)
         n_rows = len(rows["prompts"])
         tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=rows["n_real"], mini_batch_size=n_rows,
@@ -326,6 +338,8 @@ class VerlEngine:
 
         from steptap.learner.publish import write_dir
 
+        if self.lora:
+            return self._write_adapter(out_dir, version)
         weights = self.hf_weights()
 
         def save(tmp: Path) -> None:
@@ -339,6 +353,23 @@ class VerlEngine:
             self.tokenizer.save_pretrained(str(tmp))
 
         return write_dir(out_dir, save, version=version, lora=False)
+
+    def _write_adapter(self, out_dir: str | Path, version: int | None) -> Path:
+        from safetensors.torch import save_file
+
+        from steptap.learner.publish import write_dir
+
+        tensors, peft_config = next(x for x in self.wg.adapter() if x is not None)
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.items()}
+        config["base_model_name_or_path"] = self.cfg.model_dir
+        config["task_type"] = str(getattr(config.get("task_type"), "value", config.get("task_type")))
+        config["peft_type"] = str(getattr(config.get("peft_type"), "value", config.get("peft_type")))
+
+        def save(tmp: Path) -> None:  # what peft's save_pretrained writes
+            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+
+        return write_dir(out_dir, save, version=version, lora=True)
 
     def state_dict(self) -> dict[str, Any]:
         state = next(x for x in self.wg.full_state() if x is not None)

@@ -34,8 +34,9 @@ LR, ADAM_EPS = 1e-3, 1e-8
 
 def _config(model_dir: str, **kw: object) -> LearnerConfig:
     # Matched explicitly: verl's AdamW defaults to weight decay 0.01, the torch engine's to 0.
-    return LearnerConfig(model_dir=model_dir, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
-                         truncation_mode="drop", **kw).validate()
+    fields = dict(model_dir=model_dir, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
+                  truncation_mode="drop")
+    return LearnerConfig(**{**fields, **kw}).validate()
 
 
 def _batch(eng: TorchEngine) -> Batch:
@@ -136,6 +137,49 @@ def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny
         assert bool(((w >= lo - slack) & (w <= hi + slack)).all()), f"{name}: the update differs"
     moved = max(float((weights[k] - reference["w0"][k]).abs().max()) for k in weights)
     assert moved > LR / 2  # and the update did happen
+
+
+
+def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_cluster, tiny_model_dir, reference,
+                                                                           tmp_path) -> None:
+    """LoRA on the verl engine: only the adapter moves; the reference for the KL term is the base model (the
+    adapter disabled), so the KL is exactly 0 before the first update (B starts at 0: identical logits) and
+    positive after it; the published directory is a peft adapter with peft's own names that peft loads."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.utils.save_and_load import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from steptap.learner.engines.verl_engine import VerlEngine
+
+    targets = ("q_proj", "v_proj")
+    eng = VerlEngine(_config(str(tiny_model_dir), engine="verl", workers=1, micro_batch_tokens=64, lora_rank=4,
+                             lora_alpha=8, lora_targets=targets, kl_coef=0.1, lr=1e-2))
+    try:
+        first = eng.train_step(reference["batch"])
+        second = eng.train_step(reference["batch"])
+        state = eng.state_dict()["model"]
+        out = eng.write_weights(tmp_path / "weights", version=1)
+    finally:
+        eng.close()
+    assert first.kl == 0.0 and second.kl > 0
+    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in state.items()
+            if "lora_" not in k}
+    for name, w0 in reference["w0"].items():
+        assert torch.equal(base[name], w0), f"{name}: a base weight moved under LoRA"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    want = set(get_peft_model_state_dict(get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)),
+        LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM"))))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert set(saved) == want  # peft's own saved names: what vLLM's LoRA loader reads
+    assert any("lora_B" in k and bool(v.abs().max() > 0) for k, v in saved.items())  # trained
+    loaded = PeftModel.from_pretrained(model, str(out))
+    for k, v in get_peft_model_state_dict(loaded).items():
+        assert torch.equal(v, saved[k])
 
 
 # --- crash and --resume on the verl engine, through the daemon on a real proxy and stream ----------------------
