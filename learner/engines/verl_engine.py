@@ -14,7 +14,9 @@ step's prompt is verl's prompt (left-padded), the rest is verl's response (right
 ``response_mask`` set on the steps' response tokens only, as verl lays out multi-turn rollouts.
 
 Weights out: the workers' full tensors (``engine.get_per_tensor_param``, what verl's own weight sync uses) are
-written as an HF safetensors directory and swapped in through the proxy, as the torch engine's are.
+written as an HF safetensors directory and swapped in through the proxy, as the torch engine's are. With LoRA
+(verl's peft adapter) only the adapter trains and is published, in peft's format; the KL reference is then the
+base model (verl's ``no_lora_adapter``).
 Checkpoints: the workers' full model and optimizer state (``torch.distributed.checkpoint.state_dict``, gathered
 to rank 0) goes into steptap's safetensors + JSON checkpoint; verl's own pickled sharded checkpoints are never
 written or read.
