@@ -1,21 +1,46 @@
-"""Checkpoints to any fsspec URL (a local path, file://, s3://, gs://, memory:// ...).
+"""Checkpoints to any fsspec URL (a local path, file://, s3://, gs://, memory:// ...): safetensors + JSON.
 
-A checkpoint is one ``torch.save``d plain dict: the trainable weights, the optimizer state, the stream cursor
-(everything up to it has been trained on or deliberately dropped), the policy version, the update count, the
-config as a plain dict and the RNG state. ``latest`` (a small JSON file) names the newest complete one; it is
-written after the checkpoint itself, so a crash mid-save leaves the previous checkpoint in charge.
+A checkpoint is a plain nested dict (the engine's weights and optimizer state, the stream cursor, the policy
+version, the update count, the config, the RNG state). It is stored as a directory ``ckpt-<updates>/``:
+
+- ``tensors.safetensors``: every tensor of the dict, under its path (``engine/optimizer/state/3/exp_avg``);
+- ``state.json``: everything else, with ``{"__tensor__": path}`` where a tensor was (and
+  ``{"__items__": [[key, value], ...]}`` for dicts whose keys are not strings, such as torch optimizer state).
+
+Neither format can run code when read: nothing here calls ``torch.load``/pickle, so a checkpoint fetched from
+a URL anyone can write is data, never a program. An old pickle checkpoint (``ckpt-N.pt``) is refused.
+
+Durability. Locally the directory is written under a temporary name, every file and the directory are
+fsync'd, it is renamed into place and the parent fsync'd; then ``latest.json`` (which names the newest
+complete checkpoint) is replaced the same way. On object stores (no rename) the files are written in place and
+``latest.json``, written last, is the commit point. Either way ``save`` returns only once the checkpoint is
+durable, and a crash mid-save leaves the previous checkpoint in charge. The daemon acknowledges the stream
+only after ``save`` returned.
+
+(The atomic-write helpers live here until the middleware grows a shared one.)
 """
 
 from __future__ import annotations
 
-import io
 import json
+import os
+import shutil
+import uuid
 from typing import Any
 
 import fsspec
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 LATEST = "latest.json"
+TENSORS = "tensors.safetensors"
+STATE = "state.json"
+FORMAT = "steptap-checkpoint/2"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is not in this format, or damaged: refused with the reason."""
 
 
 def _join(url: str, name: str) -> str:
@@ -28,34 +53,161 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items() if k in names}
 
 
+# -- nested dict <-> (JSON skeleton, flat tensors) ---------------------------------------------------------
+
+
+def split_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A JSON-able copy of ``obj`` with its tensors moved into ``tensors`` (keyed by their path)."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "_"
+        tensors[key] = obj.detach().cpu().contiguous().clone()  # safetensors refuses shared or strided storage
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: split_tensors(v, tensors, f"{path}/{k}" if path else k) for k, v in obj.items()}
+        return {"__items__": [[k, split_tensors(v, tensors, f"{path}/{k}" if path else str(k))]
+                              for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [split_tensors(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    raise TypeError(f"cannot checkpoint {type(obj).__name__} at {path!r}: only tensors and JSON values")
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            try:
+                return tensors[obj["__tensor__"]]
+            except KeyError:
+                raise CheckpointError(f"state.json names a tensor {obj['__tensor__']!r} the file lacks") from None
+        if set(obj) == {"__items__"}:
+            return {k: join_tensors(v, tensors) for k, v in obj["__items__"]}
+        return {k: join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [join_tensors(v, tensors) for v in obj]
+    return obj
+
+
+# -- atomic local writes ------------------------------------------------------------------------------------
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local_dir(root: str, name: str, files: dict[str, bytes]) -> None:
+    """``root/name/`` holding ``files``, all-or-nothing: temp dir, fsync files and dir, rename, fsync root."""
+    tmp = os.path.join(root, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp, mode=0o700)
+    try:
+        for fname, data in files.items():
+            with open(os.path.join(tmp, fname), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        _fsync_path(tmp)
+        final = os.path.join(root, name)
+        if os.path.exists(final):  # a re-save of the same update count (a resumed run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_local_file(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path) or ".")
+
+
+# -- save / load --------------------------------------------------------------------------------------------
+
+
 def save(url: str, state: dict[str, Any], *, keep: int = 2) -> str:
-    """Write ``state`` as ``ckpt-<updates>.pt`` under ``url`` and point ``latest`` at it; prune old ones."""
+    """Write ``state`` as ``ckpt-<updates>/`` under ``url``, durably, point ``latest`` at it, prune old ones."""
     fs, root = fsspec.core.url_to_fs(url)
-    fs.makedirs(root, exist_ok=True)
-    name = f"ckpt-{int(state['updates']):08d}.pt"
-    buf = io.BytesIO()
-    torch.save(state, buf)  # one sync point: the model and optimizer tensors are copied to bytes here
-    with fs.open(_join(root, name), "wb") as fh:
-        fh.write(buf.getvalue())
-    with fs.open(_join(root, LATEST), "w") as fh:
-        fh.write(json.dumps({"name": name, "updates": state["updates"], "version": state["version"],
-                             "cursor": state["cursor"]}))
-    old = sorted(p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith("ckpt-"))
-    for path in old[:-keep] if keep > 0 else []:
-        fs.rm(path)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    name = f"ckpt-{int(state['updates']):08d}"
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = split_tensors(state, tensors)  # one sync point: every tensor is copied to CPU here
+    files = {TENSORS: st_save(tensors, metadata={"format": FORMAT}),
+             STATE: json.dumps({"format": FORMAT, "state": skeleton}).encode()}
+    pointer = json.dumps({"name": name, "updates": state["updates"], "version": state.get("version"),
+                          "cursor": state.get("cursor")}).encode()
+    if local:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        _write_local_dir(root, name, files)
+        _write_local_file(os.path.join(root, LATEST), pointer)
+    else:
+        fs.makedirs(root, exist_ok=True)
+        for fname, data in files.items():
+            with fs.open(_join(root, f"{name}/{fname}"), "wb") as fh:
+                fh.write(data)
+        with fs.open(_join(root, LATEST), "wb") as fh:  # the commit point: written after the checkpoint
+            fh.write(pointer)
+    _prune(fs, root, keep, protect=name)
     return _join(url, name)
 
 
+def _prune(fs: Any, root: str, keep: int, protect: str) -> None:
+    if keep <= 0:
+        return
+    ours = sorted(p for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("ckpt-"))
+    for path in ours[:-keep]:
+        if not path.rstrip("/").endswith(protect):
+            fs.rm(path, recursive=True)
+
+
 def load_latest(url: str) -> dict[str, Any] | None:
-    """The newest complete checkpoint under ``url``, or None when there is none."""
+    """The newest complete checkpoint under ``url``, or None when there is none. Raises ``CheckpointError`` for
+    one that is not safetensors + JSON (an old pickle checkpoint included: it is never unpickled)."""
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.exists(_join(root, LATEST)):
         return None
-    with fs.open(_join(root, LATEST), "r") as fh:
-        name = json.loads(fh.read())["name"]
-    with fs.open(_join(root, name), "rb") as fh:
-        data = fh.read()
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    with fs.open(_join(root, LATEST), "rb") as fh:
+        try:
+            name = str(json.loads(fh.read())["name"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{url}/{LATEST} is not a checkpoint pointer ({exc})") from None
+    if "/" in name or name.startswith("."):
+        raise CheckpointError(f"{url}/{LATEST} names {name!r}, not a checkpoint directory under it")
+    return load(_join(url, name))
+
+
+def load(url: str) -> dict[str, Any]:
+    """One checkpoint directory (``.../ckpt-N``) back as the nested dict ``save`` was given."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.isdir(path):
+        raise CheckpointError(f"{url} is not a steptap checkpoint directory (safetensors + JSON); a pickle "
+                              "checkpoint (.pt) from an older steptap is refused: it could run code when loaded")
+    try:
+        with fs.open(_join(path, STATE), "rb") as fh:
+            doc = json.loads(fh.read())
+        with fs.open(_join(path, TENSORS), "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{url} is incomplete: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{url}/{STATE} is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{url}/{STATE}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    try:
+        tensors = st_load(raw)  # parses a JSON header and raw buffers; a pickle here is just a bad header
+    except Exception as exc:  # safetensors raises its own SafetensorError for any malformed file
+        raise CheckpointError(f"{url}/{TENSORS} is not a safetensors file ({exc})") from None
+    return join_tensors(doc["state"], tensors)
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

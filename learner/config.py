@@ -27,10 +27,27 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     control_token: str = ""  # empty: $STEPTAP_CONTROL_TOKEN
     consumer: str = "learner"  # the stream consumer name: its cursor is acknowledged at checkpoints
     model_dir: str = ""  # Hugging Face model directory the policy starts from
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "verl"] = "torch"  # torch: this process; verl: verl's TrainingWorker group on Ray
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     num_threads: int = 0  # torch CPU threads; 0: torch's default
+
+    # -- the verl engine (engine = "verl"): FSDP2 TrainingWorkers on a Ray cluster; see docs/verl-engine.md
+    ray_address: str = ""  # empty: start a local Ray cluster; auto: join the running one; or HOST:PORT
+    workers: int = 1  # training workers: one per GPU (on a CPU-only cluster, one process each)
+    nodes: int = 1  # Ray nodes the workers spread over (workers per node = workers / nodes)
+    worker_cpus: int = 1  # CPUs each worker reserves from Ray
+    fsdp_size: int = -1  # FSDP shard group size; -1: shard over all workers
+    param_offload: bool = False  # FSDP: keep parameters in CPU memory between uses (large models on few GPUs)
+    optimizer_offload: bool = False  # FSDP: keep optimizer state in CPU memory
+    dynamic_bsz: bool = True  # micro-batches by token budget (micro_batch_tokens per worker), verl's packing
+    gradient_checkpointing: bool = False  # recompute activations in backward (GPU memory for time)
+    model_dtype: str = "fp32"  # FSDP parameter dtype: fp32 | bf16 (GPU)
+
+    # -- tracking through verl.utils.tracking.Tracking, besides the JSON-lines metrics file
+    trackers: tuple[str, ...] = ()  # e.g. console tensorboard wandb mlflow (wandb runs offline unless configured)
+    project: str = "steptap"  # the tracker's project name
+    experiment: str = "learn"  # the tracker's run name
 
     # -- algorithm (verl.trainer.ppo.core_algos, by name)
     algorithm: str = "grpo"  # advantage estimator: grpo | rloo | reinforce_plus_plus | ...
@@ -108,6 +125,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("stale_decay must be in (0, 1]")
         if self.rollout_rs and not self.rollout_rs_threshold:
             problems.append("rollout_rs needs rollout_rs_threshold")
+        if self.engine == "verl":
+            problems += verl_engine_problems(self)
         if problems:
             raise ValueError("invalid learner config:\n  " + "\n  ".join(problems))
         return self
@@ -117,6 +136,24 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+def verl_engine_problems(cfg: LearnerConfig) -> list[str]:
+    """What ``--engine verl`` cannot do (yet), each with what to use instead."""
+    out = []
+    if cfg.algorithm == "gae" or getattr(cfg, "value_model", False):
+        out.append("engine verl: the step-level value model (algorithm gae) runs on the torch engine only; "
+                   "use --engine torch, or a critic-free estimator (grpo, rloo, ...)")
+    if cfg.truncation_mode == "correct":
+        out.append("engine verl: steps sampled with top_p < 1 or top_k > 0 cannot be corrected exactly (verl's "
+                   "workers return per-token logprobs, not the distribution); use --truncation-mode drop, or "
+                   "sample with the proxy's training values (temperature 1, top_p 1)")
+    if cfg.kl_coef > 0 and cfg.lora_rank == 0:
+        out.append("engine verl: kl_coef > 0 needs lora_rank > 0 (the reference is the base model with the "
+                   "adapter disabled); a separate reference worker group for full fine-tuning is not built yet")
+    if cfg.workers < 1 or cfg.nodes < 1 or cfg.workers % cfg.nodes:
+        out.append("engine verl: workers must be a positive multiple of nodes")
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> LearnerConfig:

@@ -27,7 +27,7 @@ import torch
 
 from steptap.learner import checkpoint
 from steptap.learner.config import LearnerConfig, config_from_argv
-from steptap.learner.engines.torch_engine import TorchEngine
+from steptap.learner.engines.base import make_engine
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import build_batch
 from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient
@@ -100,7 +100,7 @@ class Learner:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.engine = TorchEngine(cfg)
+        self.engine = make_engine(cfg)
         self.client = SteptapClient(cfg.proxy_url, cfg.token() or None)
         self.ledger, self.grouper = Ledger(), Grouper(cfg)
         self.version, self.updates, self.cursor, self.skip = 0, 0, None, set()
@@ -108,10 +108,11 @@ class Learner:
         self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
         self.unreadable = 0  # stream records the client could not decode and skipped (reported in the notes)
         self.stop = asyncio.Event()
-        self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates)
+        self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates,
+                                 cfg.trackers, cfg.project, cfg.experiment, cfg.as_dict())
         state = checkpoint.load_latest(cfg.checkpoint_dir) if cfg.resume else None
         if state is not None:
-            checkpoint.restore(self.engine.model, self.engine.optimizer, state)
+            self.engine.load_state_dict(state["engine"] if "engine" in state else state)
             self.version, self.updates, self.cursor = state["version"], state["updates"], state["cursor"]
             self.skip = set(state.get("consumed_after_cursor", []))
             self.ledger.acked, self.checkpointed = self.cursor, self.updates
@@ -188,11 +189,13 @@ class Learner:
 
     # -- publish and checkpoint ---------------------------------------------------------------------
     def _publish(self) -> None:
-        from steptap.learner.publish import PublishError, publish_weights
+        from steptap.learner.publish import PublishError, swap_written
 
         try:
-            self.version = publish_weights(self.engine.model, self.engine.tokenizer, self.cfg.proxy_url,
-                                           self.cfg.token(), self.cfg.weights_dir, lora=self.cfg.lora_rank > 0)
+            t0 = time.monotonic()
+            path = self.engine.write_weights(self.cfg.weights_dir)
+            self.version = swap_written(path, self.cfg.proxy_url, self.cfg.token(), self.cfg.weights_dir,
+                                        lora=self.engine.lora, written_s=time.monotonic() - t0)
         except (PublishError, OSError) as exc:  # refused, or the proxy is down: it serves the old weights (or
             # restarts with them); training goes on and the next push carries this update too
             self.metrics.note(f"[red]publish failed[/red]: {exc}")
@@ -203,14 +206,12 @@ class Learner:
         self.checkpointed = self.updates
         cursor, consumed_after = self.ledger.frontier()
         state = {
-            "model": checkpoint.trainable_state(self.engine.model),
-            "optimizer": self.engine.optimizer.state_dict(),
+            "engine": await asyncio.to_thread(self.engine.state_dict),  # weights, optimizer, RNG
             "cursor": cursor,
             "consumed_after_cursor": consumed_after,
             "version": self.version,
             "updates": self.updates,
             "config": self.cfg.as_dict(),
-            "rng": torch.get_rng_state(),
         }
         path = await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint_dir, state,
                                        keep=self.cfg.keep_checkpoints)
@@ -226,6 +227,7 @@ class Learner:
     async def close(self) -> None:
         await self.client.close()
         self.metrics.close()
+        await asyncio.to_thread(self.engine.close)
 
 
 def _proxy_version(proxy_url: str) -> int:

@@ -5,6 +5,13 @@ up``'s live view can read it while the learner runs). Keys: ``update``, ``time``
 ``reward_std``, ``loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``grad_norm``, ``tokens``,
 ``tokens_per_s``, ``policy_version`` (the learner's, after this update's publish), ``behaviour_version`` (the
 version that sampled most of the batch), and the batch's drop/break counts by cause.
+
+Besides that file (which the live view and ``steptap plot`` read), every update goes through verl's
+``verl.utils.tracking.Tracking`` to the backends named in ``trackers`` (console, tensorboard, wandb, mlflow,
+...): the numbers that move on-policy, where the loss stays near 0 (grad norm, ``ppo_kl`` = KL from the
+behaviour policy, clip fraction, entropy), the reward, throughput and the counts (``counts/<cause>``).
+``tensorboard_dir`` alone turns on the tensorboard backend there; W&B runs offline unless ``WANDB_MODE`` says
+otherwise (nothing leaves the machine unasked).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from steptap.learner.engines.torch_engine import StepStats
+from steptap.learner.engines.base import StepStats
 from steptap.learner.rows import Batch
 
 
@@ -54,20 +61,43 @@ def status_line(row: dict[str, Any]) -> str:
             f"tok/s {f('tokens_per_s', '.0f')}  stale {stale}  version {row['policy_version']}")
 
 
+def tracked_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The row's numbers for a tracker: flat names, counts under ``counts/``."""
+    out = {k: float(v) for k, v in row.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("update", "time")}
+    out |= {f"counts/{k}": float(v) for k, v in row.get("counts", {}).items()}
+    return out
+
+
+def make_tracking(trackers: tuple[str, ...] | list[str], tensorboard_dir: str = "", project: str = "steptap",
+                  experiment: str = "learn", config: dict[str, Any] | None = None) -> Any:
+    """verl's ``Tracking`` over ``trackers`` (plus tensorboard when ``tensorboard_dir`` is set), or None."""
+    backends = list(dict.fromkeys([*trackers, *(["tensorboard"] if tensorboard_dir else [])]))
+    if not backends:
+        return None
+    if tensorboard_dir:
+        os.environ["TENSORBOARD_DIR"] = tensorboard_dir  # where verl's tensorboard adapter writes
+    if "wandb" in backends:
+        os.environ.setdefault("WANDB_MODE", "offline")
+    from verl.utils.tracking import Tracking
+
+    return Tracking(project_name=project, experiment_name=experiment, default_backend=backends,
+                    config={"trainer": {}, "steptap": config or {}})
+
+
 class MetricsLog:
-    def __init__(self, path: str, tensorboard_dir: str = "", show: bool = True, total: int = 0) -> None:
+    def __init__(self, path: str, tensorboard_dir: str = "", show: bool = True, total: int = 0,
+                 trackers: tuple[str, ...] | list[str] = (), project: str = "steptap", experiment: str = "learn",
+                 config: dict[str, Any] | None = None) -> None:
         self.path = path
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         self._fh = open(path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(tensorboard_dir)
-            except ImportError:
-                print("tensorboard is not installed: TensorBoard logging is off (pip install tensorboard)")
+        try:
+            self._tracking = make_tracking(trackers, tensorboard_dir, project, experiment, config)
+        except ImportError as exc:  # a backend's package is not installed: say which, keep the JSON lines
+            print(f"tracking is off: {exc} (install the backend's package)")
+            self._tracking = None
         self.console = Console(stderr=True)
         self._progress = None
         if show:
@@ -80,11 +110,8 @@ class MetricsLog:
     def log(self, row: dict[str, Any]) -> None:
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()  # readers (steptap plot, steptap up) tail this file while we run
-        if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k not in ("update", "time"):
-                    self._tb.add_scalar(k, v, row["update"])
-            self._tb.flush()
+        if self._tracking is not None:
+            self._tracking.log(tracked_scalars(row), step=row["update"])
         self.console.print(status_line(row), highlight=False)  # above the bar when there is one
         if self._progress is not None:
             self._progress.update(self._task, advance=1)
@@ -95,6 +122,7 @@ class MetricsLog:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
+        if self._tracking is not None:
+            self._tracking.finish()
+            self._tracking = None
         self._fh.close()

@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from steptap.middleware.client import SteptapError, SyncSteptapClient
 from steptap.middleware import files
@@ -47,6 +47,30 @@ def write_weights(
 ) -> Path:
     """Write ``model`` (or its peft adapter, ``lora=True``) into a fresh directory under ``out_dir``."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper saves under prefixed names
+
+    def save(tmp: Path) -> None:
+        if lora:
+            if not hasattr(model, "peft_config"):
+                raise TypeError("lora=True needs a peft model (PeftModel) to save its adapter")
+            model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
+        else:
+            if hasattr(model, "peft_config"):
+                raise TypeError("a peft model publishes its adapter: pass lora=True (or merge it first)")
+            model.save_pretrained(str(tmp))  # safetensors: the default since transformers 4.35, the only form in 5
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+
+    return write_dir(out_dir, save, version=version, lora=lora)
+
+
+def write_dir(
+    out_dir: str | os.PathLike[str],
+    save: Callable[[Path], None],
+    *,
+    version: int | None = None,
+    lora: bool = False,
+) -> Path:
+    """A fresh directory under ``out_dir`` filled by ``save(tmp)``, renamed into place only once complete."""
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     base = f"v{version:06d}" if version is not None else f"w{time.time_ns()}"
@@ -57,19 +81,9 @@ def write_weights(
         n += 1
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        if lora:
-            if not hasattr(model, "peft_config"):
-                raise TypeError("lora=True needs a peft model (PeftModel) to save its adapter")
-            model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
-        else:
-            if hasattr(model, "peft_config"):
-                raise TypeError("a peft model publishes its adapter: pass lora=True (or merge it first)")
-            model.save_pretrained(
-                str(tmp)
-            )  # safetensors: the default since transformers 4.35, the only form in 5
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
+        save(tmp)
         (tmp / MARKER).write_text(json.dumps({"version": version, "lora": lora, "at": time.time()}))
         files.sync_tree(tmp)  # contents durable before the directory appears under its final name
         os.rename(tmp, final)  # atomic on one filesystem
@@ -122,7 +136,25 @@ def publish_weights(
     way: the proxy keeps serving its current version."""
     t0 = time.monotonic()
     path = write_weights(model, tokenizer, out_dir, version=version, lora=lora)
-    written = time.monotonic() - t0
+    return swap_written(path, proxy_url, control_token, out_dir, version=version, lora=lora, keep=keep,
+                        timeout_s=timeout_s, written_s=time.monotonic() - t0)
+
+
+def swap_written(
+    path: Path,
+    proxy_url: str,
+    control_token: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: int | None = None,
+    lora: bool = False,
+    keep: int = 3,
+    timeout_s: float = 900.0,
+    written_s: float = 0.0,
+) -> int:
+    """Swap a directory ``write_weights`` (or an engine's ``write_weights``) wrote into the proxy's vLLM: the
+    second half of ``publish_weights``, for engines that write their weights themselves."""
+    t0 = time.monotonic()
     try:
         new_version = request_swap(
             proxy_url, control_token, path, lora=lora, version=version, timeout_s=timeout_s
@@ -135,8 +167,8 @@ def publish_weights(
         "published %s as policy version %d (write %.2f s, swap %.2f s)",
         path,
         new_version,
-        written,
-        time.monotonic() - t0 - written,
+        written_s,
+        time.monotonic() - t0,
     )
     prune(out_dir, keep=keep, protect=path)
     return new_version

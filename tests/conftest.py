@@ -25,6 +25,8 @@ from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, pr
 sys.path.insert(0, str(Path(__file__).parent))
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s default.
+os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
 
 
 @dataclass(frozen=True)
@@ -242,3 +244,26 @@ def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) 
             proc.kill()
             proc.wait()
         out.close()
+
+
+# --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """``ray.init(num_cpus=2)`` once, with verl's CPU platform selected in every worker; engines built while
+    it runs join it (and kill only their own workers), so the suite pays Ray's start-up once."""
+    try:
+        import ray
+
+        from steptap.learner.engines import verl_cpu
+    except ImportError as exc:
+        _unavailable(f"the verl engine needs ray and verl: {exc}")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    verl_cpu.activate()
+    env = {**verl_cpu.worker_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -20,27 +20,18 @@ multiply the loss.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
+from steptap.learner.engines.base import StepStats
 from steptap.learner.rows import Batch
 
-
-class StepStats(NamedTuple):
-    loss: float
-    pg_clipfrac: float
-    ppo_kl: float  # behaviour (or proximal) -> current policy, on the trained tokens
-    kl: float  # to the reference (0 without one)
-    entropy: float
-    grad_norm: float
-    tokens: int  # trained (response) tokens
-    seq_tokens: int  # tokens forwarded (prompts included, padding excluded)
-    seconds: float
-    rollout_is_mean: float = 1.0
+__all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
 
 
 class _Layout(NamedTuple):
@@ -114,6 +105,27 @@ class TorchEngine:
                                            betas=tuple(cfg.betas))
         self.actor = algos.actor_config(cfg)
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self.lora = cfg.lora_rank > 0
+
+    # -- the engine interface (engines/base.py) beside train_step -------------------------------------
+    def write_weights(self, out_dir: str | Path, version: int | None = None) -> Path:
+        from steptap.learner.publish import write_weights
+
+        return write_weights(self.model, self.tokenizer, out_dir, version=version, lora=self.lora)
+
+    def state_dict(self) -> dict[str, Any]:
+        from steptap.learner.checkpoint import trainable_state
+
+        return {"model": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from steptap.learner.checkpoint import restore
+
+        restore(self.model, self.optimizer, state)
+
+    def close(self) -> None:
+        return None
 
     # -- layout -------------------------------------------------------------------------------------
     def _layout(self, batch: Batch) -> _Layout:

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
     p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
+    p.add_argument("--engine", choices=("torch", "verl"), help="the learner's engine (steptap learn --engine)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
     p.add_argument(
         "--stop-at-reward",
@@ -269,6 +270,7 @@ class Up:
             str(self.workdir / "checkpoints"),
             "--weights-dir",
             str(self.workdir / "weights"),
+            *(["--engine", self.args.engine] if self.args.engine else []),
             *_split(self.args.learn_args),
         ]
 

@@ -82,7 +82,7 @@ async def test_staleness_checkpoint_ack_and_resume(make_proxy, tmp_path: Path, t
     acked2 = json.loads((log_dir / "consumers" / "learner-test.cursor").read_text())["cursor"]
     assert acked2 == resumed["cursor"]
     # The weights did change across the two runs (the resumed run trained from run 1's weights).
-    assert any(not torch.equal(v, state["model"][k]) for k, v in resumed["model"].items())
+    assert any(not torch.equal(v, state["engine"]["model"][k]) for k, v in resumed["engine"]["model"].items())
 
 
 @pytest.mark.parametrize("mode", ["downweight"])

@@ -91,8 +91,11 @@ async def _agent(client, openai_client, group: str, prompt: str, targets: set[in
 
 @pytest.mark.vllm
 @pytest.mark.slow
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path) -> None:
-    """Full-weight swaps. (LoRA mode is not run here: on a random-init model an adapter on the attention/MLP
+@pytest.mark.parametrize("engine", ["torch", "verl"])
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path, engine: str,
+                                                               request: pytest.FixtureRequest) -> None:
+    """Full-weight swaps, with each engine (verl: one TrainingWorker on the session's Ray cluster; its steps are
+    sampled at temperature 1 without truncation, so ``--truncation-mode drop`` drops nothing). (LoRA mode is not run here: on a random-init model an adapter on the attention/MLP
     layers barely moves the output distribution, so this task does not learn with it; the LoRA swap itself is
     tested in test_swap_vllm, the LoRA training path in test_engine.)"""
     import aiohttp
@@ -104,6 +107,10 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
     from steptap.middleware.client import SteptapClient
 
     own_vllm = swap_vllm  # the learner swaps its weights
+    extra = []
+    if engine == "verl":
+        request.getfixturevalue("ray_cluster")
+        extra = ["--engine", "verl", "--workers", "1", "--truncation-mode", "drop"]
     torch.set_num_threads(1)
     proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
     targets = _target_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))
@@ -113,7 +120,7 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
         "--batch-groups", str(GROUPS), "--group-size", str(GROUP_SIZE), "--lr", "1e-2", "--push-every", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--checkpoint-every", "4", "--metrics-file", str(metrics), "--max-updates", str(N_UPDATES),
-        "--num-threads", "1", "--seed", "0", "--no-progress"])
+        "--num-threads", "1", "--seed", "0", "--no-progress", *extra])
     t0 = time.perf_counter()
     learner = asyncio.create_task(daemon._run(cfg))
 
@@ -139,10 +146,11 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     curve = [r["reward_mean"] for r in rows]
     minutes = (time.perf_counter() - t0) / 60
-    print(f"real loop: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, {minutes:.1f} min; "
+    print(f"real loop ({engine}): reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, {minutes:.1f} min; "
           f"curve {[round(c, 3) for c in curve]}; versions {[r['behaviour_version'] for r in rows]}; "
           f"training {sum(r['seq_tokens'] for r in rows) / sum(r['seconds'] for r in rows):.0f} tokens/s")
     assert len(rows) == N_UPDATES
+    assert not any(r["counts"].get("dropped_truncated", 0) for r in rows)
     # Every update was published: the proxy serves version N, and later batches were sampled by new weights.
     assert [r["policy_version"] for r in rows] == list(range(1, N_UPDATES + 1))
     async with aiohttp.ClientSession() as http, http.get(proxy.url + "/health") as resp:

@@ -1,0 +1,58 @@
+"""What the daemon needs from an engine, and the factory that picks one by ``LearnerConfig.engine``.
+
+An engine owns the policy (and its optimizer) wherever it lives: in this process (``torch``) or in a Ray
+worker group (``verl``). The daemon only ever calls:
+
+- ``train_step(batch) -> StepStats``: one update on a ``rows.Batch`` (advantages, loss, backward, optimizer);
+- ``write_weights(out_dir, version) -> Path``: the current policy as a fresh directory vLLM can load (an HF
+  safetensors model directory, or a peft adapter when ``lora`` is true), handed to ``publish.swap_written``;
+- ``state_dict()`` / ``load_state_dict(state)``: the engine's part of a checkpoint, tensors and plain values
+  only (``checkpoint.py`` stores it as safetensors + JSON);
+- ``close()``: release workers and processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from steptap.learner.config import LearnerConfig
+from steptap.learner.rows import Batch
+
+
+class StepStats(NamedTuple):
+    loss: float
+    pg_clipfrac: float
+    ppo_kl: float  # behaviour (or proximal) -> current policy, on the trained tokens
+    kl: float  # to the reference (0 without one)
+    entropy: float
+    grad_norm: float
+    tokens: int  # trained (response) tokens
+    seq_tokens: int  # tokens forwarded (prompts included, padding excluded)
+    seconds: float
+    rollout_is_mean: float = 1.0
+
+
+class Engine(Protocol):
+    lora: bool  # publishes a peft adapter (LoRA) rather than full weights
+
+    def train_step(self, batch: Batch) -> StepStats: ...
+
+    def write_weights(self, out_dir: str | Path, version: int | None = None) -> Path: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_engine(cfg: LearnerConfig) -> Engine:
+    """The engine ``cfg.engine`` names; imports only what that engine needs."""
+    if cfg.engine == "verl":
+        from steptap.learner.engines.verl_engine import VerlEngine
+
+        return VerlEngine(cfg)
+    from steptap.learner.engines.torch_engine import TorchEngine
+
+    return TorchEngine(cfg)
