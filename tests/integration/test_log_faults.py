@@ -204,7 +204,7 @@ async def test_the_body_limit_is_derived_from_the_record_limit(
     make_proxy: Any, vllm_server: Any, http: aiohttp.ClientSession
 ) -> None:
     """A body larger than a log record could never be recorded: refused with 413 in OpenAI's error format."""
-    proxy = await make_proxy(vllm_server.url, max_record_bytes=64 * 1024)
+    proxy = await make_proxy(vllm_server.url, max_record_bytes=64 * 1024, max_session_bytes=48 * 1024)
     text = "x" * (64 * 1024)
     status, reply = await _chat(http, proxy.url, vllm_server.served_model, text)
     assert status == 413 and reply["error"]["type"] == "invalid_request_error" and reply["error"]["message"]

@@ -20,7 +20,8 @@ async def test_every_metric_the_view_reads_is_exported(proxy: Proxy, vllm_server
     async with http.post(f"{proxy.url}/sessions", json={"group_id": "g"}, headers=proxy.control) as r:
         session = await r.json()
     body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    async with http.post(f"{session['base_url']}/chat/completions", json=body) as r:
+    key = {"Authorization": f"Bearer {session['api_key']}"}  # an opened session takes calls with its key only
+    async with http.post(f"{session['base_url']}/chat/completions", json=body, headers=key) as r:
         assert r.status == 200, await r.text()
     async with http.post(f"{proxy.url}/sessions/{session['id']}/finish", json={"reward": 0.5},
                          headers=proxy.control) as r:
