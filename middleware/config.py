@@ -9,7 +9,11 @@ DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True):
-    backend: str  # the vLLM server's base URL (http://host:port, without /v1)
+    backend: str = ""  # the vLLM server's base URL (http://host:port, without /v1)
+    backends: list[str] = []  # more replicas (--backend repeated); proxy/replicas.py routes among them
+    backends_file: str | None = None  # one replica URL a line, re-read when it changes or on SIGHUP
+    health_interval_s: float = 2.0  # replica health checks (an out replica is readmitted at most this late)
+    swap_drain_timeout_s: float = 60.0  # a swap waits this long for calls in flight, then cuts them (failed)
     backend_api_key: str | None = None  # sent to the backend as a bearer token (vLLM --api-key)
     host: str = "127.0.0.1"
     port: int = 8400

@@ -14,7 +14,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="steptap serve", description="Run the capture proxy in front of a vLLM server."
     )
-    p.add_argument("--backend", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--backend", action="append", default=[],
+                   help="a vLLM server's base URL, e.g. http://127.0.0.1:8000; repeat it for several replicas")
+    p.add_argument("--backends-file", default=None, metavar="FILE",
+                   help="replica URLs, one a line (# comments); re-read when it changes or on SIGHUP")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                   help="how often replicas are health-checked (an out replica returns at most this late)")
+    p.add_argument("--swap-drain-timeout", type=float, default=60.0, metavar="S",
+                   help="a weight swap waits this long for calls in flight, then cuts them (recorded failed)")
     p.add_argument(
         "--backend-api-key",
         default=None,
@@ -75,13 +82,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: list[str]) -> ProxyConfig:
     args = _parser().parse_args(argv)
+    if not args.backend and not args.backends_file:
+        _parser().error("give --backend URL (repeatable) or --backends-file FILE")
     try:
         force = parse_force_sampling(args.force_sampling)
     except ValueError as exc:
         _parser().error(str(exc))
     token = args.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
     return ProxyConfig(
-        backend=args.backend,
+        backend=args.backend[0] if args.backend else "",
+        backends=args.backend[1:],
+        backends_file=args.backends_file,
+        health_interval_s=args.health_interval,
+        swap_drain_timeout_s=args.swap_drain_timeout,
         backend_api_key=args.backend_api_key or os.environ.get("STEPTAP_BACKEND_API_KEY") or None,
         host=args.host,
         port=args.port,
@@ -121,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     app = create_app(config)
     token = app[CONTROL_TOKEN_KEY]
-    print(f"steptap proxy on {config.base_url()} -> {config.backend}; log: {config.log}", flush=True)
+    backends = ", ".join(filter(None, [config.backend, *config.backends, config.backends_file]))
+    print(f"steptap proxy on {config.base_url()} -> {backends}; log: {config.log}", flush=True)
     if not config.control_token:
         print(f"control token (generated): {token}", flush=True)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)

@@ -32,7 +32,8 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
+from steptap.middleware.proxy.replicas import POOL_KEY, Replica
+from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
@@ -61,24 +62,28 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
     body = _json_object(await request.read())
-    cfg, manager, upstream = app[CONFIG_KEY], app[SESSIONS_KEY], app[UPSTREAM_KEY]
-    served = await upstream.route(body.get("model"))  # before identifying: a refused call opens no session
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
+    served = await pool.route(body.get("model"))  # before identifying: a refused call opens no session
     session = await manager.resolve(identify(request))  # identify
     stream = bool(body.get("stream"))
     try:
         async with manager.call(session), app[SWAPPER_KEY].gate() as ticket:  # gate
             served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
+            replica = pool.acquire(pool.pick(session.id))  # the session's replica, or the least loaded
             out, asked = patch_request(body, endpoint, served, cfg)
-            call = _Call(request, endpoint, manager, session, upstream, asked, t0, common=dict(
+            call = _Call(request, endpoint, manager, session, replica, asked, t0, common=dict(
                 request=body,
                 sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                 model=body.get("model") or served,
                 served_model=served,
-                backend=upstream.base,
+                backend=replica.base,
                 started_at=started_at,
                 policy_version=ticket.version,
             ))
-            return await call.run(_encode(out), stream)
+            try:
+                return await call.run(_encode(out), stream)
+            finally:
+                pool.release(call.replica)
     finally:
         metrics = app[METRICS_KEY]
         metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
@@ -139,7 +144,7 @@ class _Call:
         endpoint: str,
         manager: SessionManager,
         session: LiveSession,
-        upstream: Upstream,
+        replica: Replica,
         asked: Asked,
         t0: float,
         common: dict[str, Any],
@@ -148,7 +153,8 @@ class _Call:
         self.endpoint = endpoint
         self.manager = manager
         self.session = session
-        self.upstream = upstream
+        self.replica = replica
+        self.upstream = replica.upstream
         self.asked = asked
         self.t0 = t0
         self.common = common
@@ -157,34 +163,58 @@ class _Call:
         self.recorded = False  # a step (good or failed) of this call is in the trajectory
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
+        resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await self.upstream.post(self.endpoint, payload)  # forward
-        except BackendUnreachable:
-            self._count("backend_unreachable")
-            raise
-        except BackendTimeout as exc:
-            await self.record([self.failed(exc.message, "backend_timeout")])
-            raise
-        try:
+            resp = await self._forward(payload)  # forward
             if resp.status >= 400:
                 return await self._upstream_error(resp)
             if stream:
                 return await self._relay_stream(resp)
             return await self._relay_plain(resp)
+        except BackendUnreachable:
+            self._count("backend_unreachable")  # nothing reached the backend: no step
+            raise
+        except BackendTimeout as exc:
+            if not self.recorded:
+                await self.record([self.failed(exc.message, "backend_timeout")])
+            raise
         except _RECORDED as exc:  # the one place a failed call is recorded before its error leaves
             if not self.recorded:
                 await self.record([self.failed(exc.message, exc.code.removesuffix("_reply"))])
             raise
         except asyncio.CancelledError:
-            # The agent hung up and the server cancelled this handler: keep what arrived as a failed step (in a
-            # new task: this one is being cancelled).
+            # The agent hung up and the server cancelled this handler, or a weight swap cut a call that outlasted
+            # its drain bound: keep what arrived as a failed step (in a new task: this one is being cancelled).
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
-                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone", partial)))
+                if self.request.app[SWAPPER_KEY].was_cut(asyncio.current_task()):
+                    why = ("cut by a weight swap: the call outlasted the swap's drain bound "
+                           "(--swap-drain-timeout)", "swap_cut")
+                else:
+                    why = ("agent disconnected", "client_gone")
+                self.manager.spawn(self._record_quietly(self.failed(*why, partial)))
             raise
         finally:
-            resp.release()
+            if resp is not None:
+                resp.release()
+
+    async def _forward(self, payload: bytes) -> aiohttp.ClientResponse:
+        """Send the call to the session's replica; one that cannot be reached got nothing, so it is taken out
+        and the call (with its session) moves to another healthy replica, once."""
+        try:
+            return await self.upstream.post(self.endpoint, payload)
+        except BackendUnreachable as exc:
+            pool = self.request.app[POOL_KEY]
+            pool.take_out(self.replica.base, exc.message, unreachable=True)
+            try:
+                other = pool.pick(self.session.id, avoid=self.replica.base)
+            except (BackendUnavailable, BackendUnreachable):
+                raise exc from None
+            pool.release(self.replica)
+            self.replica, self.upstream = pool.acquire(other), other.upstream
+            self.common["backend"] = other.base
+            return await self.upstream.post(self.endpoint, payload)
 
     # --- capture and record -------------------------------------------------------------------------------
 
@@ -372,12 +402,14 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness and the backend's state (never a secret): 200 when the backend answers, else 503."""
-    state = await request.app[UPSTREAM_KEY].health()
+    """Liveness and the replicas' state and load (never a secret): 200 when one replica takes calls, else
+    503."""
+    state = await request.app[POOL_KEY].health()
     swapper: Any = request.app[SWAPPER_KEY]
     body = {
         "status": "ok" if state["healthy"] else "degraded",
-        "backends": [state],
+        "backends": state["replicas"],
+        "sessions_moved": state["sessions_moved"],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version),
         "weights": swapper.state(),  # swap state (weights/swapper.py)

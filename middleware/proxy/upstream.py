@@ -38,8 +38,9 @@ def timed_out(base: str, seconds: float) -> BackendTimeout:
 class Upstream:
     """One vLLM backend: its HTTP session and the model names it serves."""
 
-    def __init__(self, config: ProxyConfig) -> None:
-        self.base = config.backend.rstrip("/").removesuffix("/v1")
+    def __init__(self, config: ProxyConfig, base: str | None = None) -> None:
+        # ``base``: one replica of several (proxy/replicas.py); default the config's single backend
+        self.base = (base or config.backend).rstrip("/").removesuffix("/v1")
         self.config = config
         self.http: aiohttp.ClientSession | None = None
         self.served: list[str] = []
