@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
+from typing import Any
 
 from steptap.middleware.config import DEFAULT_LOG_DIR, ProxyConfig, generation_defaults, parse_force_sampling
 
@@ -20,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="replica URLs, one a line (# comments); re-read when it changes or on SIGHUP")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
                    help="how often replicas are health-checked (an out replica returns at most this late)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N proxy processes on one port (SO_REUSEPORT), each with its own log and port PORT+1+i")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker
+    p.add_argument("--worker-port", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--refuse-swaps", default=None, help=argparse.SUPPRESS)
     p.add_argument("--swap-drain-timeout", type=float, default=60.0, metavar="S",
                    help="a weight swap waits this long for calls in flight, then cuts them (recorded failed)")
     p.add_argument(
@@ -95,6 +103,9 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
         backends_file=args.backends_file,
         health_interval_s=args.health_interval,
         swap_drain_timeout_s=args.swap_drain_timeout,
+        reuse_port=args.reuse_port,
+        worker_port=args.worker_port,
+        refuse_swaps=args.refuse_swaps,
         backend_api_key=args.backend_api_key or os.environ.get("STEPTAP_BACKEND_API_KEY") or None,
         host=args.host,
         port=args.port,
@@ -121,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     from steptap.middleware.app import create_app
     from steptap.middleware.auth import CONTROL_TOKEN_KEY
 
-    config = config_from_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config = config_from_args(argv)
+    workers = _parser().parse_args(argv).workers
+    if workers > 1:
+        from steptap.middleware.workers import run_workers
+
+        return run_workers(config, list(argv), workers)
     logging.basicConfig(
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -138,5 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steptap proxy on {config.base_url()} -> {backends}; log: {config.log}", flush=True)
     if not config.control_token:
         print(f"control token (generated): {token}", flush=True)
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+    if config.reuse_port or config.worker_port:
+        asyncio.run(_serve_worker(app, config))
+    else:
+        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
     return 0
+
+
+async def _serve_worker(app: Any, config: ProxyConfig) -> None:
+    """One worker: the shared port (SO_REUSEPORT) and its own, until SIGTERM/SIGINT."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port).start()
+    if config.worker_port:
+        await web.TCPSite(runner, config.host, config.worker_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
