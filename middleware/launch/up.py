@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from steptap.middleware.launch.supervise import Child, Supervisor, http_ok, wait_until
+from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.view import StatusBoard, render_line
 
 PY = sys.executable
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8400, help="proxy port (0: any free port)")
     p.add_argument("--vllm-port", type=int, default=0, help="vLLM port (0: any free port)")
     p.add_argument("--backend", help="use this running vLLM server (http://host:port), do not start one")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among them")
     p.add_argument(
         "--workdir",
         help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
@@ -146,35 +149,38 @@ class Up:
         self.model_dir = str(target)
 
     def _start_vllm(self) -> None:
+        self.backends = [self.backend] if self.backend else []
         if self.backend:
             self._log(f"using the running vLLM server at {self.backend}")
             return
-        port = self.args.vllm_port or _free_port()
-        self.backend = f"http://127.0.0.1:{port}"
-        argv = [
-            *STEPTAP,
-            "vllm",
-            "--model",
-            self.model_dir,
-            "--port",
-            str(port),
-            "--log",
-            str(self.logs / "vllm-server.log"),
-            *_split(self.args.vllm_args),
-        ]
-        if not self.args.model and "--served-model-name" not in argv:
-            argv += ["--served-model-name", "tiny"]
-        child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
+        replicas = max(1, self.args.replicas)
+        extra = _split(self.args.vllm_args)
+        if replicas > 1 and not has_gpu() and "--threads" not in extra:
+            # CPU: the replicas share the cores (vLLM's default would give each half of them)
+            extra += ["--threads", str(max(1, (os.cpu_count() or 2) // (2 * replicas)))]
+        children = []
+        for i in range(replicas):
+            port = (self.args.vllm_port + i if self.args.vllm_port else 0) or _free_port()
+            url = f"http://127.0.0.1:{port}"
+            name = "vllm" if replicas == 1 else f"vllm-{i}"
+            argv = [*STEPTAP, "vllm", "--model", self.model_dir, "--port", str(port),
+                    "--log", str(self.logs / f"{name}-server.log"), *extra]
+            if not self.args.model and "--served-model-name" not in argv:
+                argv += ["--served-model-name", "tiny"]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if replicas > 1 and has_gpu() else None
+            children.append((url, self.sup.start(Child(name, argv, self.logs / f"{name}.log", env=env))))
+            self.backends.append(url)
+            self._log(f"starting vLLM on {url} (log: {children[-1][1].log_path})")
+        self.backend = self.backends[0]
         self._write_pids()
-        self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
-        self._wait_healthy(child, f"{self.backend}/health")
+        for url, child in children:  # they load side by side
+            self._wait_healthy(child, f"{url}/health")
 
     def _start_proxy(self) -> None:
         argv = [
             *STEPTAP,
             "serve",
-            "--backend",
-            self.backend,
+            *[arg for url in self.backends for arg in ("--backend", url)],
             "--host",
             self.args.host,
             "--port",
