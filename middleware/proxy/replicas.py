@@ -268,15 +268,25 @@ class ReplicaPool:
 
     @property
     def served(self) -> list[str]:
-        return self.pick().upstream.served if self.healthy() else []
+        up = self.healthy()
+        return up[0].upstream.served if up else []
+
+    async def ready(self) -> None:
+        """With no replica up, try to admit the out ones now rather than at the next health round, so a call
+        that arrives just after a backend came up is served (and one that cannot be gets that backend's own
+        error at once)."""
+        if not self.healthy():
+            await asyncio.gather(*(self.admit(r) for r in list(self.replicas.values()) if not r.removed))
 
     async def route(self, model: str | None) -> str:
+        await self.ready()
         return await self.pick().upstream.route(model)
 
     async def post(self, endpoint: str, payload: bytes) -> aiohttp.ClientResponse:
         return await self.pick().upstream.post(endpoint, payload)
 
     async def models(self) -> tuple[int, bytes]:
+        await self.ready()
         return await self.pick().upstream.models()
 
     async def health(self) -> dict[str, Any]:
