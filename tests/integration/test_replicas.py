@@ -9,6 +9,7 @@ kill test stops and starts again. Both start side by side, once per module.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import Counter
@@ -21,6 +22,8 @@ import pytest
 from conftest import Backend, _unavailable, free_port, http_json, restore_original_weights
 from reference import reference_logprobs
 
+from steptap.learner import checkpoint
+from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.log.stream import LOG_KEY
 from steptap.middleware.proxy.replicas import POOL_KEY
@@ -279,3 +282,104 @@ async def test_sessions_stick_spread_and_survive_a_killed_replica(
     steps = logged_steps(proxy)
     assert any(steps[sid][0].backend == b.url for sid in fresh)
     assert sum(s.backend == b.url for ss in steps.values() for s in ss if s.status == "ok") > served_by_b
+
+
+async def test_two_proxies_feed_one_learner_that_publishes_to_both(
+    replicas: tuple[Backend, ReplicaB], make_proxy: Any, aiohttp_server: Any, tmp_path: Path
+) -> None:
+    """The real loop with two proxies (one per replica, each with its own log): one learner consumes both
+    streams, acknowledges each on its own, publishes every version to both, and a restart of one proxy neither
+    stalls nor duplicates training."""
+    from openai import AsyncOpenAI
+    from test_learning import GROUP_SIZE, PROMPTS, _agent, _target_tokens
+    from transformers import AutoTokenizer
+
+    from steptap.learner import daemon
+    from steptap.learner.config import config_from_argv
+    from steptap.middleware.app import create_app
+    from steptap.middleware.client import SteptapClient
+
+    a, b = replicas
+    n_updates, groups = 10, 4  # the reward is near 1 by update 10 (seeded); fewer keeps CI time down
+    p1 = await make_proxy(a.url, log_dir=tmp_path / "log1", model_dir=str(a.model_dir))
+    p2 = await make_proxy(b.url, log_dir=tmp_path / "log2", model_dir=str(a.model_dir))
+    proxies = [p1, p2]
+    targets = _target_tokens(AutoTokenizer.from_pretrained(str(a.model_dir)))
+    metrics = tmp_path / "metrics.jsonl"
+    cfg = config_from_argv([
+        "--proxy-urls", p1.url, p2.url, "--control-token", p1.token, "--model-dir", str(a.model_dir),
+        "--batch-groups", str(groups), "--group-size", str(GROUP_SIZE), "--lr", "1e-2", "--push-every", "1",
+        "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--checkpoint-every", "2", "--metrics-file", str(metrics), "--max-updates", str(n_updates),
+        "--num-threads", "1", "--seed", "0", "--no-progress"])
+    learner = await asyncio.to_thread(daemon.Learner, cfg)
+    consumed: Counter[tuple[str, str]] = Counter()  # (source, trajectory id) -> times trained or dropped
+    consume = learner._consume
+
+    def spy(trajs: list[Any]) -> None:
+        for t in trajs:
+            src = learner.origin.get(id(t))
+            consumed[(src.url if src else "?", t.id)] += 1
+        consume(trajs)
+
+    learner._consume = spy  # type: ignore[method-assign]
+
+    async def run_learner() -> None:
+        try:
+            await learner.train()
+            await learner.checkpoint()
+        finally:
+            await learner.close()
+
+    def updates() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    async def restart_p2() -> None:
+        port = p2.server.port
+        await p2.server.close()
+        config = p2.app[CONFIG_KEY]
+        app = create_app(config)
+        p2.server = await aiohttp_server(app, port=port)
+        p2.app = app
+
+    task = asyncio.create_task(run_learner())
+    try:
+        openai_client = AsyncOpenAI(base_url=p1.url + "/v1", api_key="unused")
+        clients = [SteptapClient(p.url, p.token) for p in proxies]
+        rnd, restarted = 0, False
+        while not task.done():
+            if rnd > updates():  # each batch sampled with the newest weights
+                await asyncio.sleep(0.2)
+                continue
+            if rnd == 4 and not restarted:  # after checkpoints acknowledged both streams
+                await restart_p2()
+                restarted = True
+            # Half the groups through each proxy (a group stays on one proxy).
+            await asyncio.gather(*(_agent(clients[i % 2], openai_client, f"r{rnd}p{i}", PROMPTS[i], targets,
+                                          seed=rnd * 1000 + i * GROUP_SIZE + k)
+                                   for i in range(groups) for k in range(GROUP_SIZE)))
+            rnd += 1
+        await task
+        await openai_client.close()
+        for c in clients:
+            await c.close()
+    finally:
+        task.cancel()
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    curve = [r["reward_mean"] for r in rows]
+    print(f"\ntwo proxies, one learner: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates; "
+          f"curve {[round(c, 3) for c in curve]}")
+    assert len(rows) == n_updates and restarted
+    assert curve[0] < 0.15 and sum(curve[-2:]) / 2 > curve[0] + 0.3, curve
+    assert max(consumed.values()) == 1, [k for k, v in consumed.items() if v > 1]  # nothing trained twice
+    assert {src for src, _ in consumed} == {p1.url, p2.url}  # both streams trained on
+    state = checkpoint.load_latest(str(tmp_path / "ckpt"))
+    assert state is not None and set(state["sources"]) == {p1.url, p2.url}
+    async with aiohttp.ClientSession() as http:
+        for p in proxies:  # every version reached both proxies
+            async with http.get(f"{p.url}/health") as resp:
+                assert (await resp.json())["policy_version"] == n_updates
+    for p in proxies:  # each stream acknowledged on its own cursor
+        acked = json.loads((p.log_dir / "consumers" / "learner.cursor").read_text())["cursor"]
+        assert acked == state["sources"][p.url]["cursor"]
