@@ -102,6 +102,9 @@ class ReplicaPool:
         """Add replicas newly configured (out until admitted) and retire those no longer listed."""
         wanted = self.configured()
         for base in wanted:
+            rep = self.replicas.get(base)
+            if rep is not None and rep.removed:  # listed again before it was dropped: admitted again
+                rep.removed, rep.reason = False, "not admitted yet"
             if base not in self.replicas:
                 upstream = Upstream(self.config, base=base)
                 await upstream.start()

@@ -395,9 +395,9 @@ class WeightSwapper:
             # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
             # leaves the engine without usable weights (its next forward pass kills it), and a second
             # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
+            # A swap that fails everywhere keeps the replica in (as with one server: the old version stays);
+            # one that fails here but loads elsewhere takes it out (``_swap``).
             self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
-            if self.pool is not None:
-                self.pool.take_out(b, self.degraded)
             raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
     async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
