@@ -23,7 +23,8 @@ Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- where the data comes from and where the weights go
-    proxy_url: str = "http://127.0.0.1:8400"
+    proxy_url: str = "http://127.0.0.1:8400"  # one proxy (an alias kept for proxy_urls)
+    proxy_urls: tuple[str, ...] = ()  # several proxies: every stream consumed, every version published to all
     control_token: str = ""  # empty: $STEPTAP_CONTROL_TOKEN
     consumer: str = "learner"  # the stream consumer name: its cursor is acknowledged at checkpoints
     model_dir: str = ""  # Hugging Face model directory the policy starts from
@@ -130,6 +131,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if problems:
             raise ValueError("invalid learner config:\n  " + "\n  ".join(problems))
         return self
+
+    def urls(self) -> list[str]:
+        """The proxies to stream from and publish to: ``proxy_urls``, else ``proxy_url``."""
+        return list(dict.fromkeys(u.rstrip("/") for u in (self.proxy_urls or (self.proxy_url,))))
 
     def token(self) -> str:
         return self.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")

@@ -59,6 +59,19 @@ class Ledger:
         return self.acked, [tid for tid, (_, done) in self._pending.items() if done]
 
 
+class Source:
+    """One proxy: its stream client, its own cursor, acknowledgement and ledger (trajectory ids are keyed by
+    source: ids chosen in session paths can repeat across proxies)."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.client = SteptapClient(url, token or None)
+        self.ledger = Ledger()
+        self.cursor: str | None = None
+        self.skip: set[str] = set()
+        self.unreadable = 0  # stream records the client could not decode and skipped (reported in the notes)
+
+
 class Grouper:
     """Collects a group's members (``group_id``) until ``group_size`` have arrived, in any final status
     (an aborted member counts toward its group, it does not discard it), or until the group has waited
@@ -66,12 +79,12 @@ class Grouper:
 
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
-        self.open: dict[str, tuple[float, list[Trajectory]]] = {}
+        self.open: dict[tuple[str, str], tuple[float, list[Trajectory]]] = {}
         self.ready: list[list[Trajectory]] = []
         self.counts: Counter = Counter()
 
-    def add(self, traj: Trajectory) -> None:
-        key = traj.group_id or f"_single:{traj.id}"
+    def add(self, traj: Trajectory, source: str = "") -> None:
+        key = (source, traj.group_id or f"_single:{traj.id}")  # a group never mixes proxies
         _, members = self.open.setdefault(key, (time.monotonic(), []))
         members.append(traj)
         if traj.group_id is None or len(members) >= (traj.group_size or self.cfg.group_size):
@@ -101,36 +114,43 @@ class Learner:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.engine = make_engine(cfg)
-        self.client = SteptapClient(cfg.proxy_url, cfg.token() or None)
-        self.ledger, self.grouper = Ledger(), Grouper(cfg)
-        self.version, self.updates, self.cursor, self.skip = 0, 0, None, set()
+        self.sources = [Source(url, cfg.token()) for url in cfg.urls()]
+        self.origin: dict[int, Source] = {}  # id(trajectory) -> the source that delivered it, until consumed
+        self.grouper = Grouper(cfg)
+        self.version, self.updates = 0, 0
         self.checkpointed = -1  # the update count of the last checkpoint
         self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
-        self.unreadable = 0  # stream records the client could not decode and skipped (reported in the notes)
         self.stop = asyncio.Event()
         self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates,
                                  cfg.trackers, cfg.project, cfg.experiment, cfg.as_dict())
         state = checkpoint.load_latest(cfg.checkpoint_dir) if cfg.resume else None
         if state is not None:
             self.engine.load_state_dict(state["engine"] if "engine" in state else state)
-            self.version, self.updates, self.cursor = state["version"], state["updates"], state["cursor"]
-            self.skip = set(state.get("consumed_after_cursor", []))
-            self.ledger.acked, self.checkpointed = self.cursor, self.updates
-            self.metrics.note(f"resumed at update {self.updates}, version {self.version}, cursor {self.cursor}")
+            self.version, self.updates = state["version"], state["updates"]
+            self.checkpointed = self.updates
+            # One cursor per source; a checkpoint from a single-proxy run holds the first source's.
+            per = state.get("sources") or {self.sources[0].url: {
+                "cursor": state["cursor"], "consumed_after_cursor": state.get("consumed_after_cursor", [])}}
+            for src in self.sources:
+                if src.url in per:
+                    src.cursor = src.ledger.acked = per[src.url]["cursor"]
+                    src.skip = set(per[src.url].get("consumed_after_cursor", []))
+            cursors = {s.url: s.cursor for s in self.sources}
+            self.metrics.note(f"resumed at update {self.updates}, version {self.version}, cursors {cursors}")
         else:
-            self.version = _proxy_version(cfg.proxy_url)
+            self.version = max(_proxy_version(s.url) for s in self.sources)
 
     async def train(self) -> None:
-        self.pump = pump = asyncio.create_task(self._pump())
+        self.pumps = [asyncio.create_task(self._pump(src)) for src in self.sources]
         try:
             while not self._finished():
                 groups, t0 = await self._next_groups(), time.perf_counter()
-                batch = build_batch([t for g in groups for t in g] + self._drain(), version=self.version,
-                                    **self._row_options())
+                trajs = [t for g in groups for t in g] + self._drain()
+                batch = build_batch(trajs, version=self.version, **self._row_options())
                 batch.counts.update(self.grouper.counts)
                 self.grouper.counts.clear()
                 stats = await asyncio.to_thread(self.engine.train_step, batch) if batch.samples else None
-                self.ledger.consume(batch.trajectory_ids)
+                self._consume(trajs)
                 if stats is None:  # nothing trainable: consumed and counted, not an update
                     self.metrics.note(f"nothing to train in {len(batch.trajectory_ids)} trajectories: "
                                       f"{dict(batch.counts)}")
@@ -142,31 +162,42 @@ class Learner:
                 if self.updates % self.cfg.checkpoint_every == 0:
                     await self.checkpoint()
         finally:
-            pump.cancel()
+            for pump in self.pumps:
+                pump.cancel()
 
-    # -- the stream ---------------------------------------------------------------------------------
-    async def _pump(self) -> None:
-        """Stream -> grouper. The client reconnects by itself when the proxy restarts."""
-        async for d in self.client.trajectories(self.cfg.consumer, cursor=self.cursor):
-            skipped = self.client.skipped.get(self.cfg.consumer, 0)
-            if skipped != self.unreadable:  # never fatal: the cursor moved past them, an ack covers them
-                self.metrics.note(f"skipped {skipped - self.unreadable} unreadable record(s) in the stream")
-                self.unreadable = skipped
-            self.ledger.deliver(d)
-            if d.trajectory.id in self.skip:  # consumed before the checkpoint we resumed from: stays consumed
-                self.ledger.consume([d.trajectory.id])
+    # -- the streams --------------------------------------------------------------------------------
+    async def _pump(self, src: Source) -> None:
+        """One proxy's stream -> grouper. The client reconnects by itself when that proxy restarts; the other
+        streams go on meanwhile."""
+        async for d in src.client.trajectories(self.cfg.consumer, cursor=src.cursor):
+            skipped = src.client.skipped.get(self.cfg.consumer, 0)
+            if skipped != src.unreadable:  # never fatal: the cursor moved past them, an ack covers them
+                self.metrics.note(f"skipped {skipped - src.unreadable} unreadable record(s) in {src.url}'s stream")
+                src.unreadable = skipped
+            src.ledger.deliver(d)
+            if d.trajectory.id in src.skip:  # consumed before the checkpoint we resumed from: stays consumed
+                src.ledger.consume([d.trajectory.id])
                 continue
+            self.origin[id(d.trajectory)] = src
             if d.trajectory.mode == "eval":
                 self.pass_through.append(d.trajectory)
             else:
-                self.grouper.add(d.trajectory)
+                self.grouper.add(d.trajectory, src.url)
+
+    def _consume(self, trajs: list[Trajectory]) -> None:
+        """Mark trajectories trained on or dropped in the ledger of the source each came from."""
+        for traj in trajs:
+            src = self.origin.pop(id(traj), None)
+            if src is not None:
+                src.ledger.consume([traj.id])
 
     async def _next_groups(self) -> list[list[Trajectory]]:
         groups: list[list[Trajectory]] = []
         while len(groups) < self.cfg.batch_groups and not self.stop.is_set():
-            if self.pump.done():  # the stream gave up (a 4xx: wrong token, unknown route): say why
-                self.pump.result()
-                raise RuntimeError("the trajectory stream ended")
+            for pump in self.pumps:
+                if pump.done():  # a stream gave up (a 4xx: wrong token, unknown route): say why
+                    pump.result()
+                    raise RuntimeError("the trajectory stream ended")
             more, small = self.grouper.take(self.cfg.batch_groups - len(groups))
             groups += more
             self.pass_through += small
@@ -189,45 +220,76 @@ class Learner:
 
     # -- publish and checkpoint ---------------------------------------------------------------------
     def _publish(self) -> None:
-        from steptap.learner.publish import PublishError, swap_written
+        """Write the weights once (the engine's own writer), swap them into every proxy in parallel under one
+        version number (the learner is the version authority; a proxy that missed one catches up at the next,
+        newer, version). A refused or unreachable proxy keeps serving its version; training goes on."""
+        import shutil
+        from concurrent.futures import ThreadPoolExecutor
 
+        from steptap.learner.publish import PublishError, prune, request_swap
+
+        version, lora = self.version + 1, self.engine.lora
         try:
-            t0 = time.monotonic()
-            path = self.engine.write_weights(self.cfg.weights_dir)
-            self.version = swap_written(path, self.cfg.proxy_url, self.cfg.token(), self.cfg.weights_dir,
-                                        lora=self.engine.lora, written_s=time.monotonic() - t0)
-        except (PublishError, OSError) as exc:  # refused, or the proxy is down: it serves the old weights (or
-            # restarts with them); training goes on and the next push carries this update too
+            path = self.engine.write_weights(self.cfg.weights_dir, version=version)
+        except OSError as exc:
             self.metrics.note(f"[red]publish failed[/red]: {exc}")
+            return
+
+        def swap(url: str) -> PublishError | OSError | None:
+            try:
+                request_swap(url, self.cfg.token(), path, lora=lora, version=version)
+                return None
+            except (PublishError, OSError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(len(self.sources)) as pool:
+            errors = list(pool.map(swap, [s.url for s in self.sources]))
+        for src, err in zip(self.sources, errors):
+            if err is not None:
+                self.metrics.note(f"[red]publish failed[/red] on {src.url}: {err}")
+        if any(e is None for e in errors):
+            self.version = version
+            prune(self.cfg.weights_dir, protect=path)
+        elif all(getattr(e, "status", None) is not None for e in errors):
+            shutil.rmtree(path, ignore_errors=True)  # refused everywhere: nothing refers to it
+            # (after a timeout the swap may still have happened: then the directory stays)
 
     async def checkpoint(self) -> None:
         if self.updates == self.checkpointed:
             return  # nothing new since the last one (a clean stop right after a periodic checkpoint)
         self.checkpointed = self.updates
-        cursor, consumed_after = self.ledger.frontier()
+        fronts = {src.url: src.ledger.frontier() for src in self.sources}
+        cursor, consumed_after = fronts[self.sources[0].url]
         state = {
             "engine": await asyncio.to_thread(self.engine.state_dict),  # weights, optimizer, RNG
-            "cursor": cursor,
+            "cursor": cursor,  # the first source's (the only one's, usually)
             "consumed_after_cursor": consumed_after,
+            "sources": {url: {"cursor": c, "consumed_after_cursor": after} for url, (c, after) in fronts.items()},
             "version": self.version,
             "updates": self.updates,
             "config": self.cfg.as_dict(),
         }
         path = await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint_dir, state,
                                        keep=self.cfg.keep_checkpoints)
-        if cursor is not None:  # acknowledge only once the checkpoint that covers it is durable
+        for src in self.sources:  # each stream acknowledged on its own, once the checkpoint covering it is durable
+            acked = fronts[src.url][0]
+            if acked is None:
+                continue
             try:
-                await self.client.ack(self.cfg.consumer, cursor)
+                await src.client.ack(self.cfg.consumer, acked)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, SteptapError) as exc:
-                # The proxy is restarting: the next checkpoint acknowledges (its cursor covers this one), and
+                # That proxy is restarting: the next checkpoint acknowledges (its cursor covers this one), and
                 # until then a re-delivery is skipped by the client's de-duplication.
-                self.metrics.note(f"[yellow]ack failed[/yellow] ({exc}); retried at the next checkpoint")
-        self.metrics.note(f"checkpoint {path} (cursor {cursor}, version {self.version})")
+                self.metrics.note(f"[yellow]ack failed[/yellow] on {src.url} ({exc}); retried at the next "
+                                  "checkpoint")
+        cursors = cursor if len(fronts) == 1 else {u: c for u, (c, _) in fronts.items()}
+        self.metrics.note(f"checkpoint {path} (cursor {cursors}, version {self.version})")
 
     async def close(self) -> None:
-        await self.client.close()
-        self.metrics.close()
         await asyncio.to_thread(self.engine.close)
+        for src in self.sources:
+            await src.client.close()
+        self.metrics.close()
 
 
 def _proxy_version(proxy_url: str) -> int:

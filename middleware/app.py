@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,8 +16,9 @@ from aiohttp import web
 from steptap.middleware.log import stream
 from steptap.middleware.proxy import relay
 from steptap.middleware.proxy.protocols import STORE_KEY
+from steptap.middleware.proxy.replicas import POOL_KEY, ReplicaCollector, ReplicaPool
 from steptap.middleware.proxy.responses import ResponseStore
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream
+from steptap.middleware.proxy.upstream import UPSTREAM_KEY
 from steptap.middleware.sessions import control
 from steptap.middleware.weights import routes as weights
 from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
@@ -42,11 +44,15 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
-    app[UPSTREAM_KEY] = Upstream(config)
+    pool = app[POOL_KEY] = ReplicaPool(config)
+    app[UPSTREAM_KEY] = pool  # type: ignore[assignment]  # Upstream's interface, over every replica
     app[STORE_KEY] = ResponseStore()  # conversations behind previous_response_id
-    swapper = WeightSwapper(config.backend, model_dir=config.model_dir, api_key=config.backend_api_key)
+    swapper = WeightSwapper(pool.configured(), model_dir=config.model_dir, api_key=config.backend_api_key,
+                            drain_timeout_s=config.swap_drain_timeout_s)
+    swapper.pool = pool
     app[SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))
+    app[METRICS_KEY].registry.register(ReplicaCollector(pool))
     app[REWARD_KEY] = (
         reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
     )
@@ -69,10 +75,10 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstream = app[UPSTREAM_KEY]
-    await upstream.start()
+    pool = app[POOL_KEY]
+    await pool.start()
     yield
-    await upstream.close()
+    await pool.close()
 
 
 async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -99,7 +105,23 @@ async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
     swapper.log = app[stream.LOG_KEY]  # each new policy version is persisted in the log
     swapper.restore(app[SESSIONS_KEY].policy_versions)
     await swapper.start()
+    # Each replica is admitted once reconciled with the persisted version (a proxy killed mid-swap can leave
+    # vLLM paused, or on new weights under the old version); one that cannot be stays out, named in /health.
+    pool = app[POOL_KEY]
+    await pool.admit_all(swapper.reconcile)
+    loop = asyncio.get_running_loop()
+    checker = loop.create_task(pool.health_loop(), name="steptap-replica-health")
+    hup = False
+    if app[CONFIG_KEY].backends_file:  # SIGHUP re-reads it (it is also re-read when it changes)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(signal.SIGHUP, pool.reload)
+            hup = True
     yield
+    if hup:
+        loop.remove_signal_handler(signal.SIGHUP)
+    checker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checker
     await swapper.close()
 
 

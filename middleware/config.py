@@ -20,7 +20,20 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     """Each field is a ``steptap serve`` flag (``serve.py`` generates them; the description is the help)."""
 
     backend: Annotated[str, _help(
-        "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix socket")]
+        "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix socket")] = ""
+    backends: Annotated[list[str], _help(
+        "more vLLM replicas (--backend repeated); proxy/replicas.py routes among them")] = []
+    backends_file: Annotated[str | None, _help(
+        "one replica URL a line, re-read when it changes or on SIGHUP")] = None
+    health_interval_s: Annotated[float, _help(
+        "replica health checks (an out replica is readmitted at most this late)")] = 2.0
+    reuse_port: Annotated[bool, _help("SO_REUSEPORT on the shared port (set by steptap serve --workers)")] = False
+    worker_port: Annotated[int | None, _help(
+        "a worker's own port besides the shared one (set by steptap serve --workers)")] = None
+    refuse_swaps: Annotated[str | None, _help(
+        "why POST /admin/weights is refused (set by steptap serve --workers)")] = None
+    swap_drain_timeout_s: Annotated[float, _help(
+        "a swap waits this long for calls in flight, then cuts them (recorded failed)")] = 60.0
     backend_api_key: Annotated[str | None, _help(
         "sent to the backend as a bearer token on every call (vLLM --api-key)")] = None
     host: Annotated[str, _help("bind address")] = "127.0.0.1"

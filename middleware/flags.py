@@ -14,7 +14,8 @@ from steptap.middleware.config import ProxyConfig
 
 # Fields that are not plain flags: derived at start (sampling_defaults), or read from a file or the environment
 # as well as a flag (the secrets), or parsed from a string (force_sampling).
-NOT_FLAGS = {"sampling_defaults"}
+NOT_FLAGS = {"sampling_defaults", "backends"}  # backends: the second and later --backend
+HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
 SECRET_ENV = {"control_token": "STEPTAP_CONTROL_TOKEN", "backend_api_key": "STEPTAP_BACKEND_API_KEY"}
 
 
@@ -43,7 +44,11 @@ def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = Non
         help_ = meta.description if meta is not None and meta.description else ""
         type_ = _base_type(typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint)
         default = defaults[name]
-        if default is msgspec.NODEFAULT:
+        if name in HIDDEN:
+            help_ = argparse.SUPPRESS
+        if name == "backend":  # repeated for replicas; serve.config_from_args splits it
+            parser.add_argument(_flag(name), dest=name, action="append", default=[], help=help_)
+        elif default is msgspec.NODEFAULT:
             parser.add_argument(_flag(name), dest=name, required=True, help=help_)
         elif type_ is bool:
             flag = _flag(name) if not default else "--no-" + _flag(name)[2:]

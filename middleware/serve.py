@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
+from typing import Any
 
 import msgspec
 
@@ -18,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="steptap serve", description="Run the capture proxy in front of a vLLM server."
     )
     add_proxy_flags(p)
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N proxy processes on one port (SO_REUSEPORT), each with its own log and port PORT+1+i")
     return p
 
 
@@ -43,6 +48,10 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     values["control_token"] = values["control_token"] or ""
+    backends = values.pop("backend") or []  # --backend is repeated: the first, then the other replicas
+    if not backends and not args.backends_file:
+        parser.error("give --backend URL (repeatable) or --backends-file FILE")
+    values["backend"], values["backends"] = (backends[0] if backends else ""), backends[1:]
     if args.model_dir:
         values["sampling_defaults"] = generation_defaults(args.model_dir)
     fields = set(ProxyConfig.__struct_fields__)
@@ -80,6 +89,15 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     config = config_from_args(argv)
+    token_file = None
+    if not config.control_token:  # generated: kept in a 0600 file, never printed; one for all workers
+        config.control_token = generate_token()
+        token_file = _write_generated_token(args_of(argv).control_token_file, config)
+    workers = args_of(argv).workers
+    if workers > 1:
+        from steptap.middleware.workers import run_workers
+
+        return run_workers(config, list(argv), workers)
     logging.basicConfig(
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -90,14 +108,33 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    token_file = None
-    if not config.control_token:  # generated: kept in a 0600 file, never printed
-        config.control_token = generate_token()
-        token_file = _write_generated_token(args_of(argv).control_token_file, config)
     app = create_app(config)
     assert app[CONTROL_TOKEN_KEY] == config.control_token
-    print(f"steptap proxy on {config.base_url()} -> {config.backend}; log: {config.log}", flush=True)
+    backends = ", ".join(filter(None, [config.backend, *config.backends, config.backends_file]))
+    print(f"steptap proxy on {config.base_url()} -> {backends}; log: {config.log}", flush=True)
     if token_file is not None:
         print(f"control token (generated) in {token_file}", flush=True)
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+    if config.reuse_port or config.worker_port:
+        asyncio.run(_serve_worker(app, config))
+    else:
+        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
     return 0
+
+
+async def _serve_worker(app: Any, config: ProxyConfig) -> None:
+    """One worker: the shared port (SO_REUSEPORT) and its own, until SIGTERM/SIGINT."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port).start()
+    if config.worker_port:
+        await web.TCPSite(runner, config.host, config.worker_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend", help="use this running vLLM server (http://host:port or unix:PATH), do not start one"
     )
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among them")
     p.add_argument(
         "--workdir",
         help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
@@ -207,40 +209,44 @@ class Up:
         )
 
     def _start_vllm(self) -> None:
+        self.backends = [self.backend] if self.backend else []
         if self.backend:
             self._log(f"using the running vLLM server at {self.backend}")
             return
-        if self.args.vllm_tcp:
-            port = self.args.vllm_port or _free_port()
-            self.backend = f"http://127.0.0.1:{port}"
-            where = ["--port", str(port)]
-        else:  # a short path: a unix socket path is limited to about 100 bytes
+        replicas = max(1, self.args.replicas)
+        extra = _split(self.args.vllm_args)
+        if replicas > 1 and not has_gpu() and "--threads" not in extra:
+            # CPU: the replicas share the cores (vLLM's default would give each half of them)
+            extra += ["--threads", str(max(1, (os.cpu_count() or 2) // (2 * replicas)))]
+        if not self.args.vllm_tcp:  # a short path: a unix socket path is limited to about 100 bytes
             self.sock_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # 0700
-            self.backend = f"unix:{self.sock_dir}/vllm.sock"
-            where = ["--uds", f"{self.sock_dir}/vllm.sock"]
-        argv = [
-            *STEPTAP,
-            "vllm",
-            "--model",
-            self.model_dir,
-            *where,
-            "--log",
-            str(self.logs / "vllm-server.log"),
-            *_split(self.args.vllm_args),
-        ]
-        if not self.args.model and "--served-model-name" not in argv:
-            argv += ["--served-model-name", "tiny"]
-        child = self.sup.start(Child("vllm", argv, self.logs / "vllm.log"))
+        children = []
+        for i in range(replicas):
+            if self.args.vllm_tcp:
+                port = (self.args.vllm_port + i if self.args.vllm_port else 0) or _free_port()
+                url, where = f"http://127.0.0.1:{port}", ["--port", str(port)]
+            else:
+                sock = f"{self.sock_dir}/vllm-{i}.sock"
+                url, where = f"unix:{sock}", ["--uds", sock]
+            name = "vllm" if replicas == 1 else f"vllm-{i}"
+            argv = [*STEPTAP, "vllm", "--model", self.model_dir, *where,
+                    "--log", str(self.logs / f"{name}-server.log"), *extra]
+            if not self.args.model and "--served-model-name" not in argv:
+                argv += ["--served-model-name", "tiny"]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if replicas > 1 and has_gpu() else None
+            children.append((url, self.sup.start(Child(name, argv, self.logs / f"{name}.log", env=env))))
+            self.backends.append(url)
+            self._log(f"starting vLLM on {url} (log: {children[-1][1].log_path})")
+        self.backend = self.backends[0]
         self._write_pids()
-        self._log(f"starting vLLM on {self.backend} (log: {child.log_path})")
-        self._wait_healthy(child, self.backend)
+        for url, child in children:  # they load side by side
+            self._wait_healthy(child, url)
 
     def _start_proxy(self) -> None:
         argv = [
             *STEPTAP,
             "serve",
-            "--backend",
-            self.backend,
+            *[arg for url in self.backends for arg in ("--backend", url)],
             "--host",
             self.args.host,
             "--port",

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -308,6 +309,45 @@ class VLLMServer:
         self.stop()
 
 
+def _main_replicas(args: argparse.Namespace, extra: list[str]) -> int:
+    """``--replicas N``: start N servers side by side, stop them all when one exits or on a signal."""
+    gpu = has_gpu()
+    threads = args.threads or (None if gpu else max(1, (os.cpu_count() or 2) // (2 * args.replicas)))
+    servers = []
+    for i in range(args.replicas):
+        log = f"{args.log}.{i}" if args.log else None
+        servers.append(VLLMServer(
+            args.model, host=args.host, port=args.port + i, served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
+            threads=threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=log, venv=args.venv,
+            extra_args=extra, env={"CUDA_VISIBLE_DEVICES": str(i)} if gpu else None))
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for server in servers:
+            server.start()
+            _say(f"starting replica {server.url} (pid {server.pid}), log {server.log_path}")
+        for server in servers:
+            server.wait_healthy(args.health_timeout)
+        flags = " ".join(f"--backend {s.url}" for s in servers)
+        _say(f"{len(servers)} replicas ready; the proxy: steptap serve {flags}")
+        while all(s.process is not None and s.process.poll() is None for s in servers):
+            time.sleep(0.5)
+        dead = next(s for s in servers if s.process is None or s.process.poll() is not None)
+        _say(f"replica {dead.url} exited; stopping the others. End of its log:\n{dead.log_tail()}")
+        return 1
+    except VLLMStartError as exc:
+        _say(str(exc))
+        return 1
+    except _Stop as stop:
+        _say(f"{signal.Signals(stop.signum).name}, stopping {len(servers)} replicas")
+        return 0
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for server in servers:
+            server.stop()
+
+
 class _Stop(Exception):
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -360,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", help="the vLLM virtualenv (default: in ~/.cache/steptap, or STEPTAP_VLLM_VENV)")
     p.add_argument("--health-timeout", type=float, default=600.0)
     p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N servers on ports PORT..PORT+N-1 (one per GPU when GPUs are present; on CPU they "
+                        "share the cores); give each to `steptap serve --backend`")
     args = p.parse_args(argv)
 
     if args.install_only:
@@ -367,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model:
         p.error("--model is required")
+    if args.replicas > 1:
+        if args.port is None:
+            p.error("--replicas N serves on TCP: give --port P (replica i listens on P+i)")
+        return _main_replicas(args, extra)
     if args.uds and args.port is not None:
         p.error("--uds and --port exclude each other")
     uds, own_dir = args.uds, None

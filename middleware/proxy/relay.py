@@ -36,7 +36,8 @@ from steptap.middleware.proxy import capture, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY, Upstream, timed_out
+from steptap.middleware.proxy.replicas import POOL_KEY, Replica
+from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
@@ -70,7 +71,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
-    cfg, manager, upstream = app[CONFIG_KEY], app[SESSIONS_KEY], app[UPSTREAM_KEY]
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     raw = await read_body(request)
     body = _json_object(raw)
@@ -81,7 +82,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     stream = bool(view.stream)  # types at the edge: a 400, nothing recorded
     ident = identify(request)  # a malformed session id is a 400 too
     with manager.admitted():  # a 429 beyond max_concurrent_calls
-        served = await upstream.route(view.model)  # before resolving: a refused call opens no session
+        served = await pool.route(view.model)  # before resolving: a refused call opens no session
         session = await manager.resolve(ident)  # identify
         if proto is not None:
             proto.prepare(None if session.trajectory.anonymous else session.id)
@@ -89,20 +90,24 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
                 served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
+                replica = pool.acquire(pool.pick(session.id))  # the session's replica, or the least loaded
                 out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
-                call = _Call(request, upstream_endpoint, manager, session, upstream, asked, t0, common=dict(
+                call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
                     sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                     model=view.model or served,
                     served_model=served,
-                    backend=upstream.base,
+                    backend=replica.base,
                     started_at=started_at,
                     policy_version=ticket.version,
                 ))
                 call.proto = proto
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
-                return await call.run(_encode(out), stream)
+                try:
+                    return await call.run(_encode(out), stream)
+                finally:
+                    pool.release(call.replica)
         finally:
             metrics = app[METRICS_KEY]
             metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
@@ -172,7 +177,7 @@ class _Call:
         endpoint: str,
         manager: SessionManager,
         session: LiveSession,
-        upstream: Upstream,
+        replica: Replica,
         asked: Asked,
         t0: float,
         common: dict[str, Any],
@@ -181,7 +186,8 @@ class _Call:
         self.endpoint = endpoint
         self.manager = manager
         self.session = session
-        self.upstream = upstream
+        self.replica = replica
+        self.upstream = replica.upstream
         self.asked = asked
         self.t0 = t0
         self.common = common
@@ -198,34 +204,58 @@ class _Call:
             turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream)
             if turn is not None:
                 return await self._run_tito(*turn, stream)
+        resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await self.upstream.post(self.endpoint, payload)  # forward
-        except BackendUnreachable:
-            self._count("backend_unreachable")
-            raise
-        except BackendTimeout as exc:
-            await self.record([self.failed(exc.message, "backend_timeout")])
-            raise
-        try:
+            resp = await self._forward(payload)  # forward
             if resp.status >= 400:
                 return await self._upstream_error(resp)
             if stream:
                 return await self._relay_stream(resp, resp.status)
             return await self._relay_plain(resp)
+        except BackendUnreachable:
+            self._count("backend_unreachable")  # nothing reached the backend: no step
+            raise
+        except BackendTimeout as exc:
+            if not self.recorded:
+                await self.record([self.failed(exc.message, "backend_timeout")])
+            raise
         except _RECORDED as exc:  # the one place a failed call is recorded before its error leaves
             if not self.recorded:
                 await self.record([self.failed(exc.message, exc.code.removesuffix("_reply"))])
             raise
         except asyncio.CancelledError:
-            # The agent hung up and the server cancelled this handler: keep what arrived as a failed step (in a
-            # new task: this one is being cancelled).
+            # The agent hung up and the server cancelled this handler, or a weight swap cut a call that outlasted
+            # its drain bound: keep what arrived as a failed step (in a new task: this one is being cancelled).
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
-                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone", partial)))
+                if self.request.app[SWAPPER_KEY].was_cut(asyncio.current_task()):
+                    why = ("cut by a weight swap: the call outlasted the swap's drain bound "
+                           "(--swap-drain-timeout)", "swap_cut")
+                else:
+                    why = ("agent disconnected", "client_gone")
+                self.manager.spawn(self._record_quietly(self.failed(*why, partial)))
             raise
         finally:
-            resp.release()
+            if resp is not None:
+                resp.release()
+
+    async def _forward(self, payload: bytes) -> aiohttp.ClientResponse:
+        """Send the call to the session's replica; one that cannot be reached got nothing, so it is taken out
+        and the call (with its session) moves to another healthy replica, once."""
+        try:
+            return await self.upstream.post(self.endpoint, payload)
+        except BackendUnreachable as exc:
+            pool = self.request.app[POOL_KEY]
+            pool.take_out(self.replica.base, exc.message, unreachable=True)
+            try:
+                other = pool.pick(self.session.id, avoid=self.replica.base)
+            except (BackendUnavailable, BackendUnreachable):
+                raise exc from None
+            pool.release(self.replica)
+            self.replica, self.upstream = pool.acquire(other), other.upstream
+            self.common["backend"] = other.base
+            return await self.upstream.post(self.endpoint, payload)
 
     # --- token-in-token-out --------------------------------------------------------------------------------
 
@@ -473,8 +503,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness and the backend's state (never a secret): 200 when the backend answers, else 503."""
-    state = await request.app[UPSTREAM_KEY].health()
+    """Liveness, the log's state, and the replicas' state and load (never a secret): 200 when the log can write
+    and one replica takes calls, else 503."""
+    state = await request.app[POOL_KEY].health()
     swapper = request.app[SWAPPER_KEY]
     log: Any = request.app[SESSIONS_KEY].log
     log_state = {"degraded": log.degraded, "error": log.degraded_reason}
@@ -482,7 +513,8 @@ async def health(request: web.Request) -> web.Response:
     body = {
         "status": "ok" if healthy else "degraded",
         "log": log_state,
-        "backends": [state],
+        "backends": state["replicas"],
+        "sessions_moved": state["sessions_moved"],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
         "policy_version": int(swapper.version),
         "weights": swapper.state(),  # swap state (weights/swapper.py)

@@ -46,9 +46,11 @@ def timed_out(base: str, seconds: float) -> BackendTimeout:
 class Upstream:
     """One vLLM backend: its HTTP session and the model names it serves."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, base: str | None = None) -> None:
+        # ``base``: one replica of several (proxy/replicas.py); default the config's single backend.
         # http://host:port, or unix:PATH (reached as http://localhost over the socket; see backend_session)
-        self.base = split_url(config.backend)[0].removesuffix("/v1")
+        self.url = (base or config.backend).rstrip("/").removesuffix("/v1")  # its name in errors and records
+        self.base = split_url(self.url)[0].removesuffix("/v1")  # where requests go (http://localhost on a socket)
         self.config = config
         self.http: aiohttp.ClientSession | None = None
         self.served: list[str] = []
@@ -62,7 +64,7 @@ class Upstream:
         # The agent's own credential never reaches the backend: it is a steptap key (or anything); the proxy
         # authenticates with the backend's key, when it has one.
         self.base, self.http = backend_session(
-            cfg.backend,
+            self.url,
             cfg.backend_api_key,
             # idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive closes them
             connector_args={"limit": cfg.upstream_max_connections, "keepalive_timeout": 4.0},
@@ -74,7 +76,7 @@ class Upstream:
         try:
             await self.refresh_models()
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            logger.warning("backend %s not answering yet (%s); model names are read on first use", self.base, exc)
+            logger.warning("backend %s not answering yet (%s); model names are read on first use", self.url, exc)
 
     async def close(self) -> None:
         if self.http is not None:
@@ -98,15 +100,15 @@ class Upstream:
                 await self.refresh_models()
             except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
                 if not self.served:
-                    raise unreachable(self.base, exc) from exc
+                    raise unreachable(self.url, exc) from exc
             if model in self.served:
                 return model  # type: ignore[return-value]
         if model is None or self.config.any_model:
             if not self.served:
-                raise BackendUnavailable(f"backend {self.base} serves no model")
+                raise BackendUnavailable(f"backend {self.url} serves no model")
             return self.served[0]
         raise ModelNotFound(
-            f"The model `{model}` does not exist (backend {self.base} serves {', '.join(self.served) or 'nothing'})."
+            f"The model `{model}` does not exist (backend {self.url} serves {', '.join(self.served) or 'nothing'})."
         )
 
     async def post(self, endpoint: str, payload: bytes) -> aiohttp.ClientResponse:
@@ -120,9 +122,9 @@ class Upstream:
                 # a pooled connection the backend had just closed: nothing was answered, send it once more
                 return await self.http.post(url, data=payload, headers=_JSON_HEADERS)
         except TimeoutError:
-            raise timed_out(self.base, self.config.upstream_timeout_s) from None
+            raise timed_out(self.url, self.config.upstream_timeout_s) from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise unreachable(self.base, exc) from None
+            raise unreachable(self.url, exc) from None
 
     async def models(self) -> tuple[int, bytes]:
         """The backend's ``/v1/models`` reply, as it sent it."""
@@ -131,14 +133,14 @@ class Upstream:
             async with self.http.get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 return r.status, await r.read()
         except TimeoutError:
-            raise timed_out(self.base, 10) from None
+            raise timed_out(self.url, 10) from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise unreachable(self.base, exc) from None
+            raise unreachable(self.url, exc) from None
 
     async def health(self) -> dict[str, Any]:
         """The backend's state for ``/health`` (never a secret)."""
         assert self.http is not None
-        state: dict[str, Any] = {"url": self.base, "healthy": False, "models": self.served}
+        state: dict[str, Any] = {"url": self.url, "healthy": False, "models": self.served}
         try:
             async with self.http.get(f"{self.base}/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
                 state["healthy"] = r.status == 200

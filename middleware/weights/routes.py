@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
+from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.weights.checks import SwapError
 from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
@@ -35,6 +36,12 @@ def swapper_of(app: web.Application) -> WeightSwapper:
 async def admin_weights(request: web.Request) -> web.Response:
     """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control)."""
     require_control(request)
+    refused = request.app[CONFIG_KEY].refuse_swaps
+    if refused:
+        raise ApiError(409, "weight swaps are refused: this proxy is one of several workers sharing the same "
+                            "vLLM replicas, and a swap through one would let the others record the old version "
+                            "for calls the new weights sampled; give `steptap serve --workers N` at least N "
+                            f"--backend replicas ({refused})", "swaps_refused")
     try:
         body = _weights_request.decode(await request.read())
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,8 +42,19 @@ log = logging.getLogger("steptap.weights")
 LORA_PREFIX = "steptap-lora"
 
 
+_CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
+
+
 class _Log(Protocol):
     async def append(self, record: Any) -> Any: ...
+
+
+class _Pool(Protocol):
+    """The replicas (proxy/replicas.py): which to swap, and taking out one that failed."""
+
+    def swap_targets(self) -> list[str]: ...
+
+    def take_out(self, base: str, reason: str) -> None: ...
 
 
 class Ticket(msgspec.Struct, frozen=True):
@@ -73,6 +85,8 @@ class WeightState(msgspec.Struct, kw_only=True):
     last_held_wait_s: float | None  # longest wait of a call held during the last swap
     last_error: str | None
     degraded: str | None  # a backend failed mid-reload and needs a restart
+    cut_calls: int = 0  # calls cut because they outlasted the swap's drain bound
+    replicas: dict[str, dict[str, Any]] = {}  # the last swap per replica: ok, error, paused_s, swap_s
 
 
 class WeightSwapper:
@@ -118,6 +132,11 @@ class WeightSwapper:
         self.last_paused_s: float | None = None
         self.last_error: str | None = None
         self.degraded: str | None = None  # set when a backend failed mid-reload (it needs a restart)
+        self.pool: _Pool | None = None  # set by the app: swaps go to its healthy replicas
+        self._calls: set[asyncio.Task[Any]] = set()  # the tasks of calls through the gate
+        self._cut: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()  # those the drain bound cancelled
+        self.cut_calls = 0
+        self.replica_figures: dict[str, dict[str, Any]] = {}  # the last swap, per replica
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -126,10 +145,19 @@ class WeightSwapper:
             # A fresh connection per call: uvicorn drops a connection after a 500 from an unhandled exception,
             # and a swap's few calls gain nothing from keep-alive.
             # One session per backend: a backend on a unix socket needs a connector of its own.
-            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            self._http = {b: backend_session(b, self.api_key, connector_args={"force_close": True},
-                                             timeout=timeout) for b in self.backends}
+            self._http = {}
+            for b in self.backends:
+                self._session(b)
             await self.ensure_adapter()
+
+    def _session(self, backend: str) -> tuple[str, aiohttp.ClientSession]:
+        """The HTTP session of one backend, made on first use: replicas can join at run time."""
+        assert self._http is not None, "start() first"
+        if backend not in self._http:
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            self._http[backend] = backend_session(backend, self.api_key, connector_args={"force_close": True},
+                                                  timeout=timeout)
+        return self._http[backend]
 
     async def close(self) -> None:
         if self._http is not None:
@@ -160,7 +188,7 @@ class WeightSwapper:
         """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
         if self.lora_name is None or self.lora_path is None:
             return
-        for b in self.backends:
+        for b in self._targets():
             try:
                 models = await self._call(b, "GET", "/v1/models")
                 if any(m.get("id") == self.lora_name for m in models.get("data", [])):
@@ -187,9 +215,13 @@ class WeightSwapper:
         # No await between the check above and this increment: a swap cannot slip in between.
         self._in_flight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._calls.add(task)
         try:
             yield Ticket(self.version, self.lora_name)
         finally:
+            self._calls.discard(task)  # type: ignore[arg-type]
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -234,29 +266,47 @@ class WeightSwapper:
                 check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
         elif self.validate_paths:
             check_adapter_dir(lora_path)  # type: ignore[arg-type]
+        lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
         t0 = time.monotonic()
         self._held_wait = 0.0
+        resume_errors: list[str] = []
         self._open.clear()  # from here new calls wait in the proxy
         try:
             await self._drain()
-            paused: list[str] = []
+            targets = self._targets()
+            if not targets:
+                raise SwapError(503, "no healthy backend replica to swap", "no_backend")
+            figures: dict[str, dict[str, Any]] = {b: {"ok": False, "error": None} for b in targets}
+            paused_at: dict[str, float] = {}
+            touched: list[str] = []  # replicas whose load went through (a later step may still have failed)
             t_pause = time.monotonic()
             try:
-                for b in self.backends:
-                    await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
-                    paused.append(b)
-                lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
-                loaded: list[str] = []
+                # Every replica in parallel: pause, load, label, reset its prefix cache.
+                results = await asyncio.gather(
+                    *(self._swap_one(b, path, lora_path, lora_name, new_version, paused_at, touched)
+                      for b in targets),
+                    return_exceptions=True,
+                )
+                loaded = [b for b, r in zip(targets, results, strict=True) if r is None]
+                failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if r is not None}
+                for b, msg in failed.items():
+                    figures[b]["error"] = msg
+                if failed and (not loaded or self.pool is None):
+                    # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new weights:
+                    # the old version keeps its number, so every replica keeps its weights too.
+                    await self._rollback(touched, lora_name)
+                    raise SwapError(502, "; ".join(failed.values()), _code(results))
                 try:
-                    await self._load(path, lora_path, lora_name, loaded)
-                    await self._tell_version(new_version)
-                    for b in self.backends:
-                        await self._reset_prefix_cache(b)
                     await self._persist(new_version, path, lora_path)
                 except SwapError:
-                    # The old version keeps its number, so it must keep its weights too.
                     await self._rollback(loaded, lora_name)
                     raise
+                for b, msg in failed.items():  # it never serves the old weights under the new version
+                    assert self.pool is not None
+                    self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it "
+                                          f"returns): {msg}")
+                for b in loaded:
+                    figures[b]["ok"] = True
                 old_lora = self.lora_name
                 self.version = new_version
                 if path is not None:
@@ -264,14 +314,11 @@ class WeightSwapper:
                 else:
                     self.lora_path, self.lora_name = lora_path, lora_name
                 if old_lora is not None and old_lora != self.lora_name:
-                    await self._unload(old_lora)
+                    await self._unload(old_lora, loaded)
             finally:
-                for b in paused:
-                    try:
-                        await self._call(b, "POST", "/resume")
-                    except SwapError as exc:  # the swap's outcome stands; the backend needs attention
-                        log.error("resume failed on %s: %s", b, exc.message)
+                resume_errors = await self._resume_all(list(paused_at), paused_at, figures)
                 self.last_paused_s = time.monotonic() - t_pause
+                self.replica_figures = figures
         finally:
             self._open.set()  # held calls go now: onto the new version, or the old one after a failure
             if self._first_held_at is not None:  # the longest wait is that of the first call held
@@ -281,48 +328,97 @@ class WeightSwapper:
         self.last_error = None
         self.last_swap_at = time.time()
         self.last_swap_s = time.monotonic() - t0
+        for fig in self.replica_figures.values():
+            fig["swap_s"] = self.last_swap_s
         log.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
                  path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
+        if resume_errors:  # the version is live (persisted); the replicas that stayed paused must be seen
+            after = "taken out until it resumes" if self.pool is not None else "restart it or POST /resume"
+            raise SwapError(502, f"version {self.version} is live but /resume failed ({after}): "
+                                 + "; ".join(resume_errors), "resume_failed")
         return self.version
 
+    def _targets(self) -> list[str]:
+        return self.pool.swap_targets() if self.pool is not None else list(self.backends)
+
+    async def _swap_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None,
+                        version: int, paused_at: dict[str, float], touched: list[str]) -> None:
+        await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
+        paused_at[b] = time.monotonic()
+        await self._load_one(b, path, lora_path, lora_name)
+        touched.append(b)
+        await self._tell_version(b, version)
+        await self._reset_prefix_cache(b)
+
+    async def _resume_all(self, backends: list[str], paused_at: dict[str, float],
+                          figures: dict[str, dict[str, Any]]) -> list[str]:
+        async def one(b: str) -> str | None:
+            try:
+                await self._call(b, "POST", "/resume")
+                return None
+            except SwapError as exc:
+                return exc.message
+            finally:
+                figures.setdefault(b, {})["paused_s"] = time.monotonic() - paused_at[b]
+
+        errors = []
+        for b, err in zip(backends, await asyncio.gather(*(one(b) for b in backends)), strict=True):
+            if err is not None:
+                errors.append(err)
+                figures[b]["error"] = err
+                log.error("resume failed on %s: %s", b, err)
+                if self.pool is not None:
+                    self.pool.take_out(b, f"/resume failed after a swap: {err}")
+        return errors
+
     async def _drain(self) -> None:
+        """Wait for the calls through the gate; past the bound, cut them (each is recorded as a failed step:
+        relay asks ``was_cut``) so one slow reader cannot hold every agent for long."""
         try:
             await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+            return
+        except TimeoutError:
+            pass
+        slow = [t for t in self._calls if not t.done()]
+        for task in slow:
+            self._cut.add(task)
+            task.cancel()
+        self.cut_calls += len(slow)
+        log.warning("cut %d model calls still running after %.1f s to swap weights", len(slow),
+                    self.drain_timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
         except TimeoutError:
             raise SwapError(
                 503,
-                f"{self._in_flight} model calls still running after "
-                f"{self.drain_timeout_s:.0f} s; swap abandoned, old weights kept",
+                f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
+                "swap abandoned, old weights kept",
                 "swap_drain_timeout",
             ) from None
 
-    async def _load(
-        self, path: str | None, lora_path: str | None, lora_name: str | None, loaded: list[str]
-    ) -> None:
-        for b in self.backends:
-            if lora_path is not None:
-                await self._call(b, "POST", "/v1/load_lora_adapter",
-                                 {"lora_name": lora_name, "lora_path": lora_path})
-                loaded.append(b)
-                continue
-            try:
-                await self._call(b, "POST", "/collective_rpc",
-                                 {"method": "reload_weights", "kwargs": {"weights_path": path}})
-            except SwapError as exc:
-                # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
-                # leaves the engine without usable weights (its next forward pass kills it), and a second
-                # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
-                self.degraded = (
-                    f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
-                )
-                raise SwapError(
-                    exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code
-                ) from None
-            loaded.append(b)
+    def was_cut(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether the swap's drain bound cancelled this call's task."""
+        return task is not None and task in self._cut
+
+    async def _load_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
+        if lora_path is not None:
+            await self._call(b, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+            return
+        try:
+            await self._call(b, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        except SwapError as exc:
+            # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
+            # leaves the engine without usable weights (its next forward pass kills it), and a second
+            # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
+            # A swap that fails everywhere keeps the replica in (as with one server: the old version stays);
+            # one that fails here but loads elsewhere takes it out (``_swap``).
+            self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
+            raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
     async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
         """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or
-        reload the weights the old version was serving."""
+        reload the weights the old version was serving; the label goes back to the old version."""
         for b in loaded:
             try:
                 if lora_name is not None:
@@ -333,18 +429,75 @@ class WeightSwapper:
                     await self._reset_prefix_cache(b)
                 else:
                     self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
+                await self._tell_version(b, self.version)
             except SwapError as exc:
                 if lora_name is None:
                     self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
+                    if self.pool is not None:
+                        self.pool.take_out(b, self.degraded)
                 log.error("rollback on %s failed: %s", b, exc.message)
 
-    async def _tell_version(self, version: int) -> None:
-        # vLLM's own label for its weights (its /weight_info and metrics); informational: errors ignored.
-        for b in self.backends:
-            try:
-                await self._call(b, "POST", "/update_weight_version", {"new_version": str(version)})
-            except SwapError:
-                pass
+    async def _tell_version(self, backend: str, version: int) -> None:
+        # vLLM's own label for its weights (its /weight_info and metrics): ``reconcile`` reads it back after a
+        # restart to tell whether a replica serves the persisted version. Errors ignored (older servers).
+        try:
+            await self._call(backend, "POST", "/update_weight_version", {"new_version": str(version)})
+        except SwapError:
+            pass
+
+    async def reconcile(self, backend: str) -> None:
+        """Bring one backend to the persisted policy version (at start-up, and before a replica is readmitted):
+        a proxy killed mid-swap can leave it paused, or serving new weights under the old version. Reads
+        ``/weight_info`` (the label every swap sets) and ``/is_paused``; reloads the version's weights when the
+        label differs, loads its LoRA adapter when missing, resumes. Raises ``SwapError``."""
+        await self.start()
+        async with self._lock:  # never beside a swap
+            label = await self._label(backend)
+            paused = await self._is_paused(backend)
+            wrong = label is not None and label != str(self.version) and not (
+                self.version == 0 and label == "default")
+            if wrong:
+                if self.path is None:
+                    await self._inspect_backends()
+                if self.path is None:
+                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                                         f"{self.version}, and the version's weights are unknown",
+                                    "version_mismatch")
+                log.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
+                            self.version, self.path)
+                await self._call(backend, "POST", "/pause?mode=wait")
+                paused = True
+                await self._call(backend, "POST", "/collective_rpc",
+                                 {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
+                await self._reset_prefix_cache(backend)
+                await self._tell_version(backend, self.version)
+            if self.lora_name is not None and self.lora_path is not None:
+                models = await self._call(backend, "GET", "/v1/models")
+                if not any(m.get("id") == self.lora_name for m in (models or {}).get("data", [])):
+                    await self._call(backend, "POST", "/v1/load_lora_adapter",
+                                     {"lora_name": self.lora_name, "lora_path": self.lora_path})
+            if paused:
+                log.warning("%s was paused (a swap cut short): resuming it", backend)
+                await self._call(backend, "POST", "/resume")
+
+    async def _label(self, backend: str) -> str | None:
+        try:
+            info = await self._call(backend, "GET", "/weight_info")
+        except SwapError as exc:
+            if exc.code == "backend_unreachable":
+                raise
+            return None  # a server without the route: nothing to compare
+        value = info.get("weight_version") if isinstance(info, dict) else None
+        return str(value) if value is not None else None
+
+    async def _is_paused(self, backend: str) -> bool:
+        try:
+            info = await self._call(backend, "GET", "/is_paused")
+        except SwapError as exc:
+            if exc.code == "backend_unreachable":
+                raise
+            return False
+        return bool(info.get("is_paused")) if isinstance(info, dict) else False
 
     async def _reset_prefix_cache(self, backend: str) -> None:
         # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
@@ -355,8 +508,8 @@ class WeightSwapper:
             await asyncio.sleep(0.05)
         raise SwapError(502, f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
 
-    async def _unload(self, name: str) -> None:
-        for b in self.backends:
+    async def _unload(self, name: str, backends: list[str]) -> None:
+        for b in backends:
             try:
                 await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
             except SwapError as exc:  # harmless: vLLM evicts unused adapters anyway
@@ -375,7 +528,7 @@ class WeightSwapper:
         string holds ``model='DIR'`` and ``device_config=cpu``).
         Unknown device counts as CPU, the safe side."""
         cpu, path = False, None
-        for b in self.backends:
+        for b in self._targets() or self.backends:
             try:
                 info = await self._call(b, "GET", "/server_info")
             except SwapError:
@@ -392,8 +545,7 @@ class WeightSwapper:
             self.path = path
 
     async def _call(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
-        assert self._http is not None
-        base, http = self._http[backend]
+        base, http = self._session(backend)
         url = base + route
         try:
             async with http.request(method, url, json=body) as resp:
@@ -418,8 +570,16 @@ class WeightSwapper:
             failures=self.failures, in_flight=self._in_flight, held=self._held,
             last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
             last_held_wait_s=self._held_wait or None, last_error=self.last_error,
-            degraded=self.degraded,
+            degraded=self.degraded, cut_calls=self.cut_calls, replicas=self.replica_figures,
         )
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, SwapError) else f"{type(exc).__name__}: {exc}"
+
+
+def _code(results: list[Any]) -> str:
+    return next((r.code for r in results if isinstance(r, SwapError)), "backend_error")
 
 
 def _detail(text: str) -> str:

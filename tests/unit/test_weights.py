@@ -43,6 +43,8 @@ class FaultInjector:
         self.fail: set[str] = set()
         self.model_dir = model_dir
         self.adapters: set[str] = set()
+        self.weight_label = "default"
+        self.paused = False
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
@@ -65,6 +67,14 @@ class FaultInjector:
             return web.Response(text="Success")
         if request.path == "/reset_prefix_cache":
             return web.json_response({"success": True})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": self.weight_label})
+        if request.path == "/update_weight_version":
+            self.weight_label = body["new_version"]
+        if request.path == "/is_paused":
+            return web.json_response({"is_paused": self.paused})
+        if request.path in ("/pause", "/resume"):
+            self.paused = request.path == "/pause"
         return web.json_response({"status": "ok"})
 
     def routes(self) -> list[str]:
@@ -267,20 +277,60 @@ async def test_a_failure_after_loading_rolls_the_weights_back(
     await sw.close()
 
 
-async def test_drain_timeout_gives_up_without_pausing(
+async def test_a_call_outlasting_the_drain_bound_is_cut_and_the_swap_goes_on(
     backend: tuple[FaultInjector, str], tmp_path: Path
 ) -> None:
+    """A slow reader must not hold the swap (and every held agent) for long: past ``drain_timeout_s`` its call is
+    cancelled, marked as cut (relay records it as a failed step), and the swap proceeds."""
     fake, url = backend
     sw = WeightSwapper(
         url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1
     )
-    async with sw.gate():
-        with pytest.raises(SwapError) as err:
-            await sw.swap(path=str(model_dir(tmp_path / "new")))
-    assert err.value.status == 503 and err.value.code == "swap_drain_timeout"
-    assert fake.routes() == [] and sw.version == 0
-    async with sw.gate() as t:  # the gate is open again
-        assert t.version == 0
+    entered = asyncio.Event()
+
+    async def slow_call() -> None:
+        async with sw.gate():
+            entered.set()
+            await asyncio.Event().wait()  # a reader that never reads
+
+    call = asyncio.ensure_future(slow_call())
+    await entered.wait()
+    assert await sw.swap(path=str(model_dir(tmp_path / "new"))) == 1
+    assert call.cancelled() and sw.was_cut(call) and sw.state().cut_calls == 1
+    assert fake.routes()[0] == "/pause?mode=wait" and fake.routes()[-1] == "/resume"
+    async with sw.gate() as t:  # the gate is open again, on the new version
+        assert t.version == 1
+    await sw.close()
+
+
+async def test_a_failed_resume_is_an_error_not_a_log_line(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
+    fake, url = backend
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    fake.fail.add("/resume")
+    with pytest.raises(SwapError, match="resume failed") as err:
+        await sw.swap(path=str(model_dir(tmp_path / "new")))
+    # The new weights are loaded and persisted-equivalent: the version moved, and the caller is told.
+    assert err.value.status == 502 and err.value.code == "resume_failed" and sw.version == 1
+    assert sw.state().replicas[url]["error"] is not None and sw.failures == 1
+    await sw.close()
+
+
+async def test_reconcile_resumes_a_paused_backend_and_reloads_weights_under_another_label(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
+    """A proxy killed mid-swap: vLLM left paused and labelled with a version the log never persisted."""
+    fake, url = backend
+    base = str(model_dir(tmp_path / "base"))
+    fake.weight_label, fake.paused = "7", True
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=base)
+    await sw.reconcile(url)
+    reloads = [body["kwargs"]["weights_path"] for route, body in fake.calls if route == "/collective_rpc"]
+    assert reloads == [base] and fake.weight_label == "0" and not fake.paused
+    fake.calls.clear()
+    await sw.reconcile(url)  # now consistent: nothing to do
+    assert fake.routes() == ["/weight_info", "/is_paused"]
     await sw.close()
 
 

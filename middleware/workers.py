@@ -1,0 +1,122 @@
+"""``steptap serve --workers N``: N proxy processes, so one machine's cores serve the agents.
+
+Every worker listens on the shared port with ``SO_REUSEPORT`` (the kernel spreads new connections over them)
+and on a port of its own (``PORT+1+i``), which the learner streams from and publishes to, and which the
+session URLs a worker hands out name, so an agent's calls all reach the worker holding its session. Each worker
+writes its own log (``LOG/worker-i``). Replicas are dealt to the workers round robin when there are at least as
+many as workers: a worker then swaps only its own replicas, so no worker's calls can reach a vLLM that another
+worker paused. With fewer replicas than workers they are shared, and hot swaps are refused (a swap through one
+worker would let another record the old version for calls the new weights sampled).
+
+Sessions opened with ``POST /sessions`` (or one-shot anonymous calls) work through the shared port; a session
+id an agent picks in its path on the shared port is not pinned to one worker: use a worker's own port for that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from steptap.middleware.auth import generate_token
+from steptap.middleware.config import ProxyConfig
+
+SHARED_BACKENDS = "shared"  # the reason a worker refuses swaps (see above)
+
+
+def deal(backends: list[str], workers: int) -> list[list[str]]:
+    """Replicas per worker: round robin when there are enough, else every worker gets them all."""
+    if len(backends) >= workers:
+        return [backends[i::workers] for i in range(workers)]
+    return [list(backends) for _ in range(workers)]
+
+
+def worker_urls(config: ProxyConfig, workers: int) -> list[str]:
+    return [f"http://{config.host}:{config.port + 1 + i}" for i in range(workers)]
+
+
+def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
+    """Start the workers (``steptap serve`` each, with this process's flags), watch them, stop them all when
+    one exits or on SIGINT/SIGTERM."""
+    if config.backends_file:
+        raise SystemExit("steptap serve: --workers deals --backend URLs to workers; --backends-file is per "
+                         "proxy: run one proxy per file instead")
+    backends = [b for b in [config.backend, *config.backends] if b]
+    shares = deal(backends, workers)
+    shared = len(backends) < workers
+    env = dict(os.environ)
+    # One control token for all (the learner uses one): passed by environment, never on a command line.
+    env["STEPTAP_CONTROL_TOKEN"] = config.control_token or generate_token()
+    generated = not config.control_token
+    urls = worker_urls(config, workers)
+    base = _strip(argv, {"--workers", "--backend", "--log", "--public-url", "--control-token"})
+    procs: list[subprocess.Popen[bytes]] = []
+    for i, (share, url) in enumerate(zip(shares, urls, strict=True)):
+        cmd = [sys.executable, "-m", "steptap.middleware.cli", "serve", *base,
+               "--log", f"{config.log.rstrip('/')}/worker-{i}", "--public-url", url,
+               "--reuse-port", "--worker-port", str(config.port + 1 + i)]
+        for b in share:
+            cmd += ["--backend", b]
+        if shared:
+            cmd += ["--refuse-swaps", SHARED_BACKENDS]
+        procs.append(subprocess.Popen(cmd, env=env))
+    print(f"steptap serve: {workers} workers on {config.base_url()} (SO_REUSEPORT); their own URLs, for the "
+          f"learner: --proxy-urls {' '.join(urls)}", flush=True)
+    if generated:
+        print("control token: generated; pass your own with --control-token or $STEPTAP_CONTROL_TOKEN to use "
+              "the control routes", flush=True)
+    if shared:
+        print(f"steptap serve: {len(backends)} replica(s) shared by {workers} workers: weight swaps are refused "
+              "(give at least as many --backend replicas as workers to train)", flush=True)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        while not stop["signal"]:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                code = dead[0].returncode or 1
+                print(f"steptap serve: worker pid {dead[0].pid} exited with {dead[0].returncode}; stopping "
+                      "the others", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return code
+
+
+def _strip(argv: list[str], flags: set[str]) -> list[str]:
+    """``argv`` without ``flags`` and their values (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def worker_log_dirs(log: str) -> list[Path]:
+    """The per-worker logs under a local log directory (for tools that read them)."""
+    return sorted(Path(log).glob("worker-*"))
