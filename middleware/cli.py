@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server"),
     "vllm": ("steptap.middleware.launch.vllm_server:main", "start and supervise a vLLM server in its own virtualenv"),
     "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model"),
+    "pretrained-model": ("steptap.learner.pretrained:main", "convert a pip-shipped pretrained model (smollm2)"),
     "learn": ("steptap.learner.daemon:main", "run the learner daemon on the trajectory stream"),
     "plot": ("steptap.learner.plot:main", "plot reward and loss curves from a metrics file"),
     "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together"),
@@ -21,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: steptap COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 
