@@ -33,10 +33,10 @@ import openai
 
 import steptap.adapters
 
-# Short (SmolLM2's default system prompt is 20 tokens more, and the prompt is most of every training sequence);
-# the instruction in the user turn too: measured greedy, 12 tokens, 24 held-out prompts: 2/24 with it, 1/24
-# with the system prompt alone.
-SYSTEM = "Answer with only the number."
+# `--system TEXT` replaces SmolLM2's own system prompt ("You are a helpful AI assistant named SmolLM, trained by
+# Hugging Face", 20 tokens more). Measured here: with the short "Answer with only the number." the model answered
+# 0 of 128 training samples (T=1, 16 tokens) correctly in two rounds, so GRPO had nothing to learn from; the
+# default keeps the model's own prompt, with the instruction in the user turn.
 EVAL_SEED = 1234  # the held-out prompts: fixed, and never drawn for training
 
 
@@ -104,9 +104,10 @@ class Agents:
                 self.proxy, self.token, client=client, group_id=group,
                 group_size=self.args.group_size if group else None, mode=mode,
                 metadata={"task": "smollm2-arithmetic", "a": pair[0], "b": pair[1]}) as s:
+            system = [{"role": "system", "content": self.args.system}] if self.args.system else []
             resp = await llm.with_options(base_url=s.base_url, api_key=s.api_key).chat.completions.create(
                 model=model, temperature=temperature, max_tokens=self.args.max_tokens,
-                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(*pair)}])
+                messages=[*system, {"role": "user", "content": question(*pair)}])
             r = reward(resp.choices[0].message.content or "", *pair)
             s.set_reward(r)
             return r
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-file", help="default $STEPTAP_WORKDIR/eval.jsonl")
     p.add_argument("--groups", type=int, default=8, help="prompts per round (the learner's batch_groups)")
     p.add_argument("--group-size", type=int, default=8, help="answers per prompt (a GRPO group)")
-    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--system", default="", help="a system prompt instead of the model's own (see above)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--round-timeout", type=float, default=900.0, help="longest wait for the learner's update")
     p.add_argument("--seed", type=int, default=0)
