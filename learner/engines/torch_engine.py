@@ -15,6 +15,12 @@ Loss modes (verl's): without rollout correction ("bypass", the default) PPO's ra
 behaviour logprobs directly, so the clip handles the mismatch. With ``rollout_is`` set ("decoupled") the ratio
 is taken against the proximal logprobs and verl's truncated importance weights min(proximal/behaviour, c)
 multiply the loss.
+
+Step-level credit (``algorithm = "gae"``). The engine adds a value head: one linear layer on the policy's last
+hidden state (detached, so the value loss never moves the policy), with its own AdamW. Before the update a
+no-grad pass reads the value at each step's action boundary (the last prompt token, where the step's first
+response token is predicted); ``algos.step_gae`` turns rewards and values into per-step advantages (spread over
+the step's response tokens) and value targets; each micro-batch then adds verl's value loss to the policy loss.
 """
 
 from __future__ import annotations
@@ -104,6 +110,13 @@ class TorchEngine:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=tuple(cfg.betas))
         self.actor = algos.actor_config(cfg)
+        self.value_head: torch.nn.Linear | None = None
+        if cfg.algorithm == "gae":  # starts at V = 0: the first advantages are the whitened returns
+            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.value_lr,
+                                                     weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.lora = cfg.lora_rank > 0
 
@@ -129,7 +142,8 @@ class TorchEngine:
 
     # -- layout -------------------------------------------------------------------------------------
     def _layout(self, batch: Batch) -> _Layout:
-        advs = algos.compute_advantages(batch.samples, self.cfg)
+        gae = self.value_head is not None  # its advantages need the values first: _fill_advantages
+        advs = None if gae else algos.compute_advantages(batch.samples, self.cfg)
         out = _Layout([], [], [], [], [], [], [])
         for seq in batch.sequences:
             n = len(seq.input_ids) - 1
@@ -140,12 +154,33 @@ class TorchEngine:
                 s = batch.samples[i]
                 lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
                 mask[lo:hi] = True
-                adv[lo:hi] = advs[i]
+                if advs is not None:
+                    adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
                 temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
             for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k)):
                 getattr(out, name).append(t)
         return out
+
+    @staticmethod
+    def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
+        """Spread each step's advantage [S] over its response tokens (scaled by its staleness weight)."""
+        for seq, adv in zip(batch.sequences, lay.adv):
+            for i in seq.samples:
+                s = batch.samples[i]
+                adv[s.offset - 1: s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * s.weight
+
+    def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The value head at each step's action boundary in micro-batch ``mb``: (sample indices, values [n])."""
+        rows, cols, idx = [], [], []
+        for r, q in enumerate(mb):
+            for i in batch.sequences[q].samples:
+                rows.append(r)
+                cols.append(batch.samples[i].offset - 1)  # the last prompt token predicts the first response one
+                idx.append(i)
+        h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]  # [n, H]
+        assert self.value_head is not None
+        return idx, self.value_head(h.detach().float()).squeeze(-1)
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Consecutive groups of sequences whose padded size (count x longest) fits the token budget."""
@@ -164,9 +199,15 @@ class TorchEngine:
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(self.device)
 
     def _logits(self, model: torch.nn.Module, ids: list[torch.Tensor]) -> torch.Tensor:
+        return self._forward(model, ids)[0]
+
+    def _forward(self, model: torch.nn.Module, ids: list[torch.Tensor],
+                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, L-1, V] (position t predicts t + 1) and, when asked, the last hidden state [B, L, H]."""
         input_ids = self._pad(ids, self.pad_id)
         attn = self._pad([torch.ones_like(t) for t in ids], 0)
-        return model(input_ids=input_ids, attention_mask=attn).logits[:, :-1]  # [B, L-1, V]
+        out = model(input_ids=input_ids, attention_mask=attn, output_hidden_states=hidden)
+        return out.logits[:, :-1], out.hidden_states[-1] if hidden else None
 
     # -- one update ---------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepStats:
@@ -177,6 +218,8 @@ class TorchEngine:
         need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
         n_tokens = int(sum(m.sum() for m in lay.mask))
         n_seqs = len(lay.ids)
+        gae = self.value_head is not None
+        values = torch.zeros(len(batch.samples))  # gae: [S] at the action boundaries, before the update
 
         # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per micro-batch
         old, masks, is_w, ref = [], [], [], []
@@ -187,10 +230,18 @@ class TorchEngine:
             rec = self._pad([lay.recorded[i] for i in mb], 0.0)
             temp = self._pad([lay.temp[i] for i in mb], 1.0)
             behaviour, prox = rec, None
+            if gae:
+                with torch.no_grad():
+                    all_logits, hidden = self._forward(self.model, [lay.ids[i] for i in mb], hidden=True)
+                    idx, v = self._boundary_values(hidden, batch, mb)
+                    values[idx] = v.cpu()
+                    del hidden
             if need_prox:
                 with torch.no_grad():
                     # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T, V].
-                    logits = self._logits(self.model, [lay.ids[i] for i in mb])[mask].unsqueeze(0)  # [1, N, V]
+                    if not gae:
+                        all_logits = self._logits(self.model, [lay.ids[i] for i in mb])
+                    logits = all_logits[mask].unsqueeze(0)  # [1, N, V]
                     tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
                     raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
                     prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(logits, tg, tp)[0])
@@ -208,17 +259,23 @@ class TorchEngine:
                 old.append(behaviour)
             masks.append(mask)
             ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
+            all_logits = None
+        if gae:  # step-level advantages need every step's value, so only now (the pass above is the sync point)
+            step_adv, returns = algos.step_gae(batch.samples, values, self.cfg.gamma, self.cfg.lam)
+            self._fill_advantages(lay, batch, step_adv)
 
         self.model.train()
-        sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0}
+        sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
         grad_norm = 0.0
         for _epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
+            if gae:
+                self.value_optimizer.zero_grad(set_to_none=True)
             for j, mb in enumerate(mbs):
                 targets = self._pad([lay.ids[i][1:] for i in mb], 0)
                 temp = self._pad([lay.temp[i] for i in mb], 1.0)
                 adv = self._pad([lay.adv[i] for i in mb], 0.0)
-                logits = self._logits(self.model, [lay.ids[i] for i in mb])
+                logits, hidden = self._forward(self.model, [lay.ids[i] for i in mb], hidden=gae)
                 log_prob = token_logprobs(logits, targets, temp)
                 entropy = self._entropy(logits, temp)
                 loss, m = algos.policy_loss(
@@ -226,23 +283,33 @@ class TorchEngine:
                     batch_num_tokens=n_tokens, global_batch_size=n_seqs,
                     rollout_is_weights=is_w[j], ref_log_prob=ref[j], entropy=entropy,
                 )
-                loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the batch's
+                vloss = torch.zeros(())
+                if gae:  # the head sees detached features: this loss reaches only the head
+                    idx, vpred = self._boundary_values(hidden, batch, mb)
+                    vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), values[idx].to(vpred),
+                                                self.cfg.value_clip, num_steps=len(batch.samples))
+                    sums["value_loss"] += float(vloss.detach())
+                (loss + vloss).backward()  # gradients accumulate: each micro-batch's loss is its share of the batch's
                 share = float(masks[j].sum()) / max(n_tokens, 1)
                 sums["loss"] += float(loss.detach())
                 sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
                 sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
                 sums["kl_loss"] += m.get("kl_loss", 0.0) * share
                 sums["entropy"] += float((entropy.detach() * masks[j]).sum()) / max(n_tokens, 1)
-                del logits
+                del logits, hidden
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
             self.optimizer.step()  # one optimizer step per epoch over the whole batch
+            if gae:
+                torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
+                self.value_optimizer.step()
         k = self.cfg.epochs
         return StepStats(
             loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
             kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
             seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
             rollout_is_mean=sum(is_means) / len(is_means) if is_means else 1.0,
+            value_loss=sums["value_loss"] / k, value_mean=float(values.mean()) if gae else 0.0,
         )
 
     def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:

@@ -63,26 +63,62 @@ def test_sampler_logprobs_reduce_to_plain_softmax_without_truncation() -> None:
     assert bool((nucleus >= token_logprobs(logits, logits.argmax(-1), temp)).all())  # renormalised upward
 
 
+def _rounding_budget(eng: TorchEngine, longest: int) -> float:
+    """How far two float32 evaluations of the same loss may drift apart, relative to the scale of what they
+    compute. A sum of n terms carries at most ~n*u relative error (u = float32 unit roundoff, the standard
+    gamma_n bound); to first order the bounds of composed steps add, so the budget is u times the summed lengths
+    of the reductions between a parameter and the loss: the vocabulary softmax, and per layer the hidden and MLP
+    projections and the attention over the sequence. Packing changes the reduction order (other shapes, other
+    micro-batches), never the mathematics, so anything above this is a packing bug, which moves a gradient by
+    the order of the gradient itself."""
+    c = eng.model.config
+    u = torch.finfo(torch.float32).eps / 2
+    return u * (c.vocab_size + c.num_hidden_layers * (c.hidden_size + c.intermediate_size + longest))
+
+
 def test_packed_and_unpacked_batches_give_the_same_loss_and_gradient(engine: TorchEngine) -> None:
+    """Packing is exact up to float rounding: loss and gradient agree within the rounding budget above.
+
+    Why this once flaked: it compared the weights *after* AdamW's first step, which moves each weight by about
+    lr * g / (|g| + eps). For a weight whose gradient is near Adam's eps (1e-8) a rounding difference of 1e-10
+    in g becomes 1e-5 in the weight (lr/eps = 1e5 amplification); whether such a weight exists depends on the
+    freshly built model, not on packing. The gradient is what packing promises; the update is compared only
+    through it."""
     trajs = _chain_trajs(engine)
     packed = build_batch(trajs, version=0, pack_extends=True)
     flat = build_batch(trajs, version=0, pack_extends=False)
     assert len(packed.sequences) == 4 and len(flat.sequences) == 8
     state = {k: v.clone() for k, v in engine.model.state_dict().items()}
     opt_state = engine.optimizer.state_dict()
-    a = engine.train_step(packed)
-    after_packed = {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    def run(batch) -> tuple:  # type: ignore[no-untyped-def]
+        engine.model.load_state_dict(state)
+        engine.optimizer.load_state_dict(opt_state)
+        stats = engine.train_step(batch)
+        # After train_step each .grad holds the batch's gradient, clipped; both runs clip by their own norm.
+        grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+        return stats, grads, {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+    a, grad_a, after = run(packed)
+    b, grad_b, _ = run(flat)
     engine.model.load_state_dict(state)
     engine.optimizer.load_state_dict(opt_state)
-    b = engine.train_step(flat)
     assert a.tokens == b.tokens == 4 * 5
     assert a.seq_tokens < b.seq_tokens  # packing forwards fewer tokens
-    assert a.loss == pytest.approx(b.loss, abs=1e-5)
-    assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-3)
     assert abs(a.ppo_kl) < 1e-5 and a.pg_clipfrac == 0.0  # recorded logprobs are the model's: on-policy
-    for k, v in engine.model.state_dict().items():
-        torch.testing.assert_close(v, after_packed[k], atol=1e-5, rtol=1e-4)
-    assert any(not torch.equal(v, state[k]) for k, v in after_packed.items())  # the update did happen
+
+    budget = _rounding_budget(engine, max(len(s.input_ids) for s in packed.sequences))
+    # On-policy the ratio is 1, so the loss is -mean(advantage) over the trained tokens: its terms are bounded
+    # by the advantages' magnitudes.
+    from steptap.learner import algos
+
+    adv_scale = float(torch.cat(algos.compute_advantages(packed.samples, engine.cfg)).abs().mean())
+    assert abs(a.loss - b.loss) <= budget * adv_scale, (a.loss, b.loss)
+    assert abs(a.grad_norm - b.grad_norm) <= budget * a.grad_norm
+    scale = max(float(g.abs().max()) for g in grad_a.values())
+    worst = max(float((grad_a[n] - grad_b[n]).abs().max()) for n in grad_a)
+    assert worst <= budget * scale, (worst, budget * scale)
+    assert scale > 0 and any(not torch.equal(v, state[k]) for k, v in after.items())  # the update did happen
 
 
 def test_temperature_and_truncation_shift_the_raw_recorded_logprobs(engine: TorchEngine) -> None:
