@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from steptap.middleware import files
+
 LATEST = "latest.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
@@ -92,43 +94,23 @@ def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # -- atomic local writes ------------------------------------------------------------------------------------
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_local_dir(root: str, name: str, files: dict[str, bytes]) -> None:
-    """``root/name/`` holding ``files``, all-or-nothing: temp dir, fsync files and dir, rename, fsync root."""
+def _write_local_dir(root: str, name: str, payload: dict[str, bytes]) -> None:
+    """``root/name/`` holding ``payload``, all-or-nothing: temp dir, files synced, rename, directories synced."""
+    files.makedirs(root)
     tmp = os.path.join(root, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp, mode=0o700)
     try:
-        for fname, data in files.items():
-            with open(os.path.join(tmp, fname), "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-        _fsync_path(tmp)
+        for fname, data in payload.items():
+            files.atomic_write(os.path.join(tmp, fname), data, durable=False)
+        files.sync_tree(tmp)
         final = os.path.join(root, name)
         if os.path.exists(final):  # a re-save of the same update count (a resumed run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_path(root)
+        files.fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_local_file(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_path(os.path.dirname(path) or ".")
 
 
 # -- save / load --------------------------------------------------------------------------------------------
@@ -141,17 +123,16 @@ def save(url: str, state: dict[str, Any], *, keep: int = 2) -> str:
     name = f"ckpt-{int(state['updates']):08d}"
     tensors: dict[str, torch.Tensor] = {}
     skeleton = split_tensors(state, tensors)  # one sync point: every tensor is copied to CPU here
-    files = {TENSORS: st_save(tensors, metadata={"format": FORMAT}),
-             STATE: json.dumps({"format": FORMAT, "state": skeleton}).encode()}
+    payload = {TENSORS: st_save(tensors, metadata={"format": FORMAT}),
+               STATE: json.dumps({"format": FORMAT, "state": skeleton}).encode()}
     pointer = json.dumps({"name": name, "updates": state["updates"], "version": state.get("version"),
                           "cursor": state.get("cursor")}).encode()
     if local:
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        _write_local_dir(root, name, files)
-        _write_local_file(os.path.join(root, LATEST), pointer)
+        _write_local_dir(root, name, payload)
+        files.atomic_write(os.path.join(root, LATEST), pointer)
     else:
         fs.makedirs(root, exist_ok=True)
-        for fname, data in files.items():
+        for fname, data in payload.items():
             with fs.open(_join(root, f"{name}/{fname}"), "wb") as fh:
                 fh.write(data)
         with fs.open(_join(root, LATEST), "wb") as fh:  # the commit point: written after the checkpoint
