@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from steptap.middleware.records import Trajectory
 
-log = logging.getLogger("steptap.adapters")
+logger = logging.getLogger("steptap.adapters")
 
 RewardValue = float | int | dict[str, float] | None
 RewardFn = Callable[["Trajectory"], RewardValue | Awaitable[RewardValue]]
@@ -271,7 +271,7 @@ class Session(_SessionBase):
             self._client.finish(self.id, status="aborted")
             self.status = "aborted"
         except Exception as err:  # noqa: BLE001 - never mask the agent's own exception
-            log.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)
+            logger.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)
 
     def _close_client(self) -> None:
         if self._owns_client and self._client is not None:
@@ -346,7 +346,7 @@ class AsyncSession(_SessionBase):
             await self._client.finish(self.id, status="aborted")
             self.status = "aborted"
         except Exception as err:  # noqa: BLE001 - never mask the agent's own exception
-            log.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)
+            logger.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)
 
     async def _close_client(self) -> None:
         if self._owns_client and self._client is not None:

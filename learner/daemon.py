@@ -33,7 +33,7 @@ from steptap.learner.rows import build_batch
 from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient
 from steptap.middleware.records import Trajectory
 
-log = logging.getLogger("steptap.learner")
+logger = logging.getLogger("steptap.learner")
 
 
 class Ledger:

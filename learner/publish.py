@@ -23,7 +23,7 @@ from typing import Any, Callable
 from steptap.middleware.client import SteptapError, SyncSteptapClient
 from steptap.middleware import files
 
-log = logging.getLogger("steptap.learner.publish")
+logger = logging.getLogger("steptap.learner.publish")
 
 MARKER = ".steptap-weights"  # only directories holding this file are ever pruned
 
@@ -163,7 +163,7 @@ def swap_written(
         if exc.status is not None:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    log.info(
+    logger.info(
         "published %s as policy version %d (write %.2f s, swap %.2f s)",
         path,
         new_version,

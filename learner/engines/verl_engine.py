@@ -42,7 +42,7 @@ from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
 from steptap.learner.rows import Batch
 
-log = logging.getLogger("steptap.learner.verl")
+logger = logging.getLogger("steptap.learner.verl")
 
 VERL_RANGE = (">=0.9.1", "<0.10")  # the TrainingWorker / engine / platform APIs this module is written against
 
@@ -167,7 +167,7 @@ class VerlEngine:
             self.close()  # give back what was reserved (placement groups, the cluster we started)
             raise
         self.startup_s = time.perf_counter() - t0
-        log.info("verl %s engine on %s: %d workers ready in %.1f s", self.version_found,
+        logger.info("verl %s engine on %s: %d workers ready in %.1f s", self.version_found,
                  "cpu" if self.cpu else "cuda", cfg.workers, self.startup_s)
 
     def _worker_env(self) -> dict[str, str]:

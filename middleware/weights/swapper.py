@@ -37,7 +37,7 @@ from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir
 
 
-log = logging.getLogger("steptap.weights")
+logger = logging.getLogger("steptap.weights")
 
 LORA_PREFIX = "steptap-lora"
 
@@ -196,7 +196,7 @@ class WeightSwapper:
                 await self._call(b, "POST", "/v1/load_lora_adapter",
                                  {"lora_name": self.lora_name, "lora_path": self.lora_path})
             except SwapError as exc:
-                log.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
+                logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
 
     # --- the gate -------------------------------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class WeightSwapper:
             except SwapError as exc:
                 self.failures += 1
                 self.last_error = exc.message
-                log.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
+                logger.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
                           exc.message)
                 raise
 
@@ -330,7 +330,7 @@ class WeightSwapper:
         self.last_swap_s = time.monotonic() - t0
         for fig in self.replica_figures.values():
             fig["swap_s"] = self.last_swap_s
-        log.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
+        logger.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
                  path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
         if resume_errors:  # the version is live (persisted); the replicas that stayed paused must be seen
             after = "taken out until it resumes" if self.pool is not None else "restart it or POST /resume"
@@ -366,7 +366,7 @@ class WeightSwapper:
             if err is not None:
                 errors.append(err)
                 figures[b]["error"] = err
-                log.error("resume failed on %s: %s", b, err)
+                logger.error("resume failed on %s: %s", b, err)
                 if self.pool is not None:
                     self.pool.take_out(b, f"/resume failed after a swap: {err}")
         return errors
@@ -384,7 +384,7 @@ class WeightSwapper:
             self._cut.add(task)
             task.cancel()
         self.cut_calls += len(slow)
-        log.warning("cut %d model calls still running after %.1f s to swap weights", len(slow),
+        logger.warning("cut %d model calls still running after %.1f s to swap weights", len(slow),
                     self.drain_timeout_s)
         try:
             await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
@@ -435,7 +435,7 @@ class WeightSwapper:
                     self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
                     if self.pool is not None:
                         self.pool.take_out(b, self.degraded)
-                log.error("rollback on %s failed: %s", b, exc.message)
+                logger.error("rollback on %s failed: %s", b, exc.message)
 
     async def _tell_version(self, backend: str, version: int) -> None:
         # vLLM's own label for its weights (its /weight_info and metrics): ``reconcile`` reads it back after a
@@ -463,7 +463,7 @@ class WeightSwapper:
                     raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
-                log.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
+                logger.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
                             self.version, self.path)
                 await self._call(backend, "POST", "/pause?mode=wait")
                 paused = True
@@ -477,7 +477,7 @@ class WeightSwapper:
                     await self._call(backend, "POST", "/v1/load_lora_adapter",
                                      {"lora_name": self.lora_name, "lora_path": self.lora_path})
             if paused:
-                log.warning("%s was paused (a swap cut short): resuming it", backend)
+                logger.warning("%s was paused (a swap cut short): resuming it", backend)
                 await self._call(backend, "POST", "/resume")
 
     async def _label(self, backend: str) -> str | None:
@@ -513,7 +513,7 @@ class WeightSwapper:
             try:
                 await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
             except SwapError as exc:  # harmless: vLLM evicts unused adapters anyway
-                log.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
+                logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
 
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
         if self.log is None:
