@@ -226,23 +226,33 @@ class _ChatChoice:
         self.stop_reason: Any = None
 
 
-class ChatStream:
-    """Accumulates chat SSE chunks (token ids and logprobs per chunk, content/tool-call deltas)."""
+class _Stream:
+    """What every stream's chunks carry besides their choices: the reply's id, model and usage."""
 
     def __init__(self) -> None:
-        self.prompt_token_ids: list[int] | None = None
-        self.choices: dict[int, _ChatChoice] = {}
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
         self.id: str | None = None
 
-    def feed(self, chunk: dict[str, Any]) -> None:
+    def _header(self, chunk: dict[str, Any]) -> None:
         if self.id is None:
             self.id, self.model = chunk.get("id"), chunk.get("model")
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+
+
+class ChatStream(_Stream):
+    """Accumulates chat SSE chunks (token ids and logprobs per chunk, content/tool-call deltas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_token_ids: list[int] | None = None
+        self.choices: dict[int, _ChatChoice] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        self._header(chunk)
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in chunk.get("choices") or ():
             acc = self.choices.get(ch.get("index", 0))
             if acc is None:
@@ -313,20 +323,15 @@ class ChatStream:
         }
 
 
-class CompletionStream:
+class CompletionStream(_Stream):
     """Accumulates /v1/completions SSE chunks (prompt ids per choice arrive in its first chunk)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-        self.model: str | None = None
-        self.id: str | None = None
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        if self.id is None:
-            self.id, self.model = chunk.get("id"), chunk.get("model")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+        self._header(chunk)
         for ch in chunk.get("choices") or ():
             acc = self.choices.setdefault(
                 ch.get("index", 0),

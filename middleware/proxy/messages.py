@@ -9,11 +9,11 @@ shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parse
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any
 
-from steptap.middleware.errors import ApiError
-from steptap.middleware.sessions import prefix
+from steptap.middleware.proxy.translation import bad as _bad
+from steptap.middleware.proxy.translation import new_id as _new_id
+from steptap.middleware.proxy.translation import register_chat_view
 
 ENDPOINT = "messages"
 
@@ -30,12 +30,6 @@ def error_body(status: int, message: str) -> bytes:
     return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
 
 
-def _bad(message: str, where: str | None = None) -> ApiError:
-    return ApiError(400, message if where is None else f"{message} (at {where})", "invalid_request")
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 # --- request: Messages body -> chat body ------------------------------------------------------------------------
@@ -277,12 +271,4 @@ class EventStream:
         return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
 
 
-def _chat_messages(body: dict[str, Any]) -> list[Any] | None:
-    """The conversation of a body, for prefix continuity (None when the body does not translate)."""
-    try:
-        return to_chat(body)["messages"]
-    except ApiError:
-        return None
-
-
-prefix.CHAT_VIEWS["messages"] = _chat_messages
+register_chat_view("messages", to_chat)

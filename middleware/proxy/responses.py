@@ -13,13 +13,14 @@ bounded (least recently used out), unless the agent sent ``store: false``.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections import OrderedDict
 from typing import Any
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.sessions import prefix
+from steptap.middleware.proxy.translation import bad as _bad
+from steptap.middleware.proxy.translation import new_id as _new_id
+from steptap.middleware.proxy.translation import register_chat_view
 
 ENDPOINT = "responses"
 
@@ -36,12 +37,6 @@ _IGNORED = {
 }
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message if param is None else f"{message} (at {param})", "invalid_request")
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 # --- request: Responses body -> chat body ----------------------------------------------------------------------
@@ -342,12 +337,4 @@ class EventStream:
         return self._ev("error", code=code, message=message, param=None)
 
 
-def _chat_messages(body: dict[str, Any]) -> list[Any] | None:
-    """The conversation of a body, for prefix continuity (None when the body does not translate)."""
-    try:
-        return to_chat(body, [])["messages"]
-    except ApiError:
-        return None
-
-
-prefix.CHAT_VIEWS["responses"] = _chat_messages
+register_chat_view("responses", lambda body: to_chat(body, []))
