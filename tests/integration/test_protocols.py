@@ -125,11 +125,12 @@ async def test_responses_store_false_and_unknown_previous_id(proxy: Proxy, http:
                                                              vllm_server: Backend) -> None:
     info = await open_session(http, proxy)
     url = f"{info['base_url']}/responses"
+    key = {"Authorization": f"Bearer {info['api_key']}"}  # an opened session takes calls with its key only
     body = {"model": vllm_server.served_model, "input": "hi", "max_output_tokens": 2, "store": False}
-    async with http.post(url, json=body) as resp:
+    async with http.post(url, json=body, headers=key) as resp:
         assert resp.status == 200
         rid = (await resp.json())["id"]
-    async with http.post(url, json={**body, "previous_response_id": rid}) as resp:
+    async with http.post(url, json={**body, "previous_response_id": rid}, headers=key) as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["code"] == "previous_response_not_found"
 
@@ -322,7 +323,7 @@ async def test_any_model_applies_to_every_protocol(make_proxy: Any, vllm_server:
         async with http.post(f"{loose.url}/v1/{endpoint}", json=body, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["model"] == body["model"]  # the agent sees the name it asked for
-    steps = loose.app[SESSIONS_KEY].sessions["anyone"].trajectory.steps  # type: ignore[attr-defined]
+    steps = loose.app[SESSIONS_KEY].sessions["auto:anyone"].trajectory.steps  # type: ignore[attr-defined]  # auto-created id
     assert [(s.endpoint, s.model, s.served_model) for s in steps] == [
         ("messages", "claude-sonnet-4-5", vllm_server.served_model),
         ("responses", "gpt-4o", vllm_server.served_model),
@@ -370,7 +371,7 @@ async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy]
     injector.mode = "ok"
     async with http.post(url, json=body) as resp:
         assert resp.status == 200
-    steps = proxy.app[SESSIONS_KEY].sessions["f"].trajectory.steps  # type: ignore[attr-defined]
+    steps = proxy.app[SESSIONS_KEY].sessions["auto:f"].trajectory.steps  # type: ignore[attr-defined]  # auto-created id
     assert [(s.endpoint, s.status) for s in steps] == [(endpoint, "failed"), (endpoint, "failed"), (endpoint, "ok")]
     assert steps[1].response_token_ids[:1] == [11]  # the partial reply is kept
 
@@ -387,7 +388,8 @@ async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any,
         info = await resp.json()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     for _ in range(2):
-        async with http.post(f"{info['base_url']}/chat/completions", json={"model": MODEL, "messages": messages}) as r:
+        async with http.post(f"{info['base_url']}/chat/completions", json={"model": MODEL, "messages": messages},
+                             headers={"Authorization": f"Bearer {info['api_key']}"}) as r:
             assert r.status == 200
             messages += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "more"}]
     metrics = proxy.app[METRICS_KEY]  # type: ignore[index]

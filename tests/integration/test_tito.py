@@ -40,11 +40,11 @@ TURNS: list[tuple[list[dict[str, Any]], str | None]] = [
 ]
 
 
-async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A streamed chat call, reassembled as the agent sees it (content, tool calls)."""
+async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str) -> dict[str, Any]:
+    """A streamed chat call with the session's key, reassembled as the agent sees it (content, tool calls)."""
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
-    async with http.post(url, json={**body, "stream": True}) as resp:
+    async with http.post(url, json={**body, "stream": True}, headers={"Authorization": f"Bearer {key}"}) as resp:
         assert resp.status == 200, await resp.text()
         text = (await resp.read()).decode()
     for block in text.split("\n\n"):
@@ -82,10 +82,14 @@ async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, 
                                 "temperature": 0, "max_tokens": 40 if forced else 5}
         if forced:
             body["structured_outputs"] = {"regex": forced}
-        reply = await chat_stream(http, url, body)
+        reply = await chat_stream(http, url, body, info["api_key"])
         replies.append(reply)
         messages.append(reply)  # the reply as returned goes back into the history
+    KEYS[info["id"]] = info["api_key"]
     return info["id"], replies
+
+
+KEYS: dict[str, str] = {}  # session id -> its key (an opened session takes calls with its key only)
 
 
 def visible(reply: dict[str, Any]) -> Any:
@@ -143,7 +147,8 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     messages = [m for new, _ in TURNS for m in new]
     edited = [{"role": "system", "content": "You multiply numbers."}, *messages[1:3]]
     body = {"model": vllm_server.served_model, "messages": edited, "temperature": 0, "max_tokens": 3}
-    async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body) as resp:
+    async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEYS[sid]}"}) as resp:
         assert resp.status == 200
     assert steps[-1].prefix == "history_edited"
     assert metrics.tito_turns.labels("history_edited")._value.get() == 1
