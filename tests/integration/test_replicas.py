@@ -115,11 +115,13 @@ async def chat(http: aiohttp.ClientSession, proxy: Any, sid: str, **extra: Any) 
 
 
 def logged_steps(proxy: Any) -> dict[str, list[Step]]:
-    """Every step in the proxy's log on disk, by session."""
+    """Every step in the proxy's log on disk, by the session id the agent put in its path (the proxy opens such
+    a session as ``auto:<id>``)."""
     out: dict[str, list[Step]] = {}
     for rec in proxy.app[LOG_KEY].records():
         if isinstance(rec, Step):
-            out.setdefault(rec.trajectory_id, []).append(rec)
+            assert rec.trajectory_id.startswith("auto:"), rec.trajectory_id
+            out.setdefault(rec.trajectory_id.removeprefix("auto:"), []).append(rec)
     return out
 
 
