@@ -22,6 +22,10 @@ pytestmark = pytest.mark.vllm
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 FORCE_CALL = {"structured_outputs": {"regex": re.escape(CALL)}}
+# The answer after the tool result, forced too: a random model cut at max_output_tokens ends "incomplete",
+# which the Agents SDK raises on, and whether it stops earlier by itself is chance.
+FORCE_ANSWER_CHAT = {"structured_outputs": {"regex": "5"}}
+FORCE_ANSWER = {**FORCE_ANSWER_CHAT, "max_output_tokens": 6}
 ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
               "required": ["a", "b"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two numbers",
@@ -270,7 +274,7 @@ async def test_openai_agents_sdk_default_responses_model(
     info = await open_session(http, proxy)
     session = type("S", (), {"base_url": info["base_url"], "api_key": info["api_key"], "model": None})()
     model = bind(session, model=vllm_server.served_model,
-                 client_kwargs={"http_client": scripted_http(FORCE_CALL, {"max_output_tokens": 6})})
+                 client_kwargs={"http_client": scripted_http(FORCE_CALL, FORCE_ANSWER)})
     agent = Agent(name="adder", instructions="Add numbers with the tool.", tools=[add], model=model,
                   model_settings=ModelSettings(temperature=0, max_tokens=64))
     if stream:
@@ -296,7 +300,7 @@ async def test_openai_agents_sdk_default_responses_model(
                      {"role": "tool", "tool_call_id": call_id, "content": "5"}],
         "tools": [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
                                                     "parameters": steps[1].request["tools"][0]["parameters"]}}],
-        "temperature": 0, "max_tokens": 6})
+        "temperature": 0, "max_tokens": 6, **FORCE_ANSWER_CHAT})
     assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
     assert direct["choices"][0]["token_ids"] == steps[1].response_token_ids
     assert result.final_output == (direct["choices"][0]["message"]["content"] or "")
