@@ -252,7 +252,10 @@ class SteptapClient:
         await self._request("POST", "/trajectories/ack", {"consumer": consumer, "cursor": cursor})
         seen = self._seen.get(consumer)
         if seen is not None:
-            await asyncio.to_thread(seen.acknowledged, cursor)
+            # No await between the acknowledgement and its record in the seen file: a consumer cancelled there
+            # would take the ack as failed while the proxy (and the file) have it, and never see the trajectory
+            # again. One small synced append, once per ack (acks come at checkpoint time).
+            seen.acknowledged(cursor)
 
     async def trajectories(
         self,

@@ -243,18 +243,40 @@ async def _agent(aid: int, proxy: Proxy, model: str, ledger: Ledger, stop: async
         await ctl.close()
 
 
-async def _consume(proxy: Proxy, name: str, dedup: bool, out: list[Trajectory], seen_file: Path | None) -> None:
+class _Consumer:
     """A learner-like consumer: a trajectory counts as processed once its ack went through (retried while the
-    proxy is down); a consumer killed between delivery and ack gets it again after its restart."""
-    async with SteptapClient(proxy.url, TOKEN) as c:
-        async for d in c.trajectories(name, dedup=dedup, heartbeat_s=0.5, max_backoff_s=0.5, seen_file=seen_file):
-            while dedup:
-                try:
-                    await c.ack(name, d.cursor)
-                    break
-                except _RETRY:
-                    await asyncio.sleep(0.2)
-            out.append(d.trajectory)
+    proxy is down). ``stop()`` ends it the way a process dies, but never inside an ack: an ack whose answer was
+    lost may or may not have reached the proxy, which no client can know (a real learner processes before it
+    acknowledges, so either way nothing is lost). What it had been delivered but not acknowledged comes again
+    after ``start()``."""
+
+    def __init__(self, proxy: Proxy, name: str, dedup: bool, out: list[Trajectory], seen_file: Path | None) -> None:
+        self.args = (proxy, name, dedup, out, seen_file)
+        self.acking = asyncio.Lock()
+        self.task: asyncio.Task[None] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        proxy, name, dedup, out, seen_file = self.args
+        async with SteptapClient(proxy.url, TOKEN) as c:
+            async for d in c.trajectories(name, dedup=dedup, heartbeat_s=0.5, max_backoff_s=0.5, seen_file=seen_file):
+                async with self.acking:
+                    while dedup:
+                        try:
+                            await c.ack(name, d.cursor)
+                            break
+                        except _RETRY:
+                            await asyncio.sleep(0.2)
+                    out.append(d.trajectory)
+
+    async def stop(self) -> None:
+        assert self.task is not None
+        async with self.acking:
+            self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 @pytest.mark.vllm
@@ -269,8 +291,8 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
     raw: list[Trajectory] = []
     await proxy.start()
     consumers = [
-        asyncio.create_task(_consume(proxy, "learner", True, delivered, tmp_path / "seen.txt")),
-        asyncio.create_task(_consume(proxy, "raw", False, raw, None)),
+        _Consumer(proxy, "learner", True, delivered, tmp_path / "seen.txt"),
+        _Consumer(proxy, "raw", False, raw, None),
     ]
     agents = [asyncio.create_task(_agent(i, proxy, vllm_server.served_model, ledger, stop)) for i in range(N_AGENTS)]
     try:
@@ -283,6 +305,8 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
                 await asyncio.sleep(0.1)
             await asyncio.sleep(0.3)
             ledger.inflight_at_kill.append(ledger.inflight)
+            if kill == 0:  # the consumer dies too (never inside an ack); it restarts while the proxy is down
+                await consumers[0].stop()
             proxy.kill()
             if kill == 1:
                 # SIGKILL rarely cuts a write in half (the kernel finishes the copy); a power cut does. Leave what
@@ -290,10 +314,8 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
                 last = sorted((tmp_path / "log").glob("seg-*.log"))[-1]
                 with open(last, "ab") as f:
                     f.write(struct.pack("<II", 5000, 0) + b"\x85partial")
-            if kill == 0:  # the consumer restarts too, while the proxy is down: it resumes from its ack
-                consumers[0].cancel()
-                await asyncio.gather(consumers[0], return_exceptions=True)
-                consumers[0] = asyncio.create_task(_consume(proxy, "learner", True, delivered, tmp_path / "seen.txt"))
+            if kill == 0:  # ... and resumes from its ack
+                consumers[0].start()
             await asyncio.sleep(0.5)
             await proxy.start()
         t0 = time.monotonic()
@@ -312,9 +334,11 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
         await asyncio.sleep(1.0)  # give a duplicate the chance to show up
     finally:
         stop.set()
-        for t in [*agents, *consumers]:
+        for t in agents:
             t.cancel()
-        await asyncio.gather(*agents, *consumers, return_exceptions=True)
+        await asyncio.gather(*agents, return_exceptions=True)
+        for consumer in consumers:
+            await consumer.stop()
         proxy.stop()
 
     assert not ledger.unexpected, ledger.unexpected
