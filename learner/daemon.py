@@ -8,9 +8,9 @@ checkpoint (and only then acknowledge the stream) every ``checkpoint_every`` upd
 
 Acknowledgement. Groups finish out of stream order, so the learner keeps a ledger of delivered cursors: it
 acknowledges the longest prefix of the stream whose trajectories were all trained on or deliberately dropped,
-and stores in the checkpoint the ids it has already consumed beyond that prefix. ``--resume`` restores the
+and stores in the checkpoint the delivery keys (id and ``created_at``) it has already consumed beyond that prefix. ``--resume`` restores the
 weights, optimizer, version and update count, reopens the stream at the checkpoint's cursor and skips those
-ids: nothing acknowledged or already trained is trained again; a crash between checkpoints re-delivers (and
+keys: nothing acknowledged or already trained is trained again; a crash between checkpoints re-delivers (and
 re-trains) what came after the last checkpoint, never loses it.
 """
 
@@ -30,33 +30,34 @@ from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engines.base import make_engine
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import build_batch
-from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient
+from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient, delivery_key
 from steptap.middleware.records import Trajectory
 
 logger = logging.getLogger("steptap.learner")
 
 
 class Ledger:
-    """Delivered cursors in stream order; which are consumed; the acknowledgeable prefix."""
+    """Delivered cursors in stream order; which are consumed; the acknowledgeable prefix. Keyed by the
+    client's ``delivery_key`` (id and ``created_at``): a session id used again later is another trajectory."""
 
     def __init__(self) -> None:
-        self._pending: OrderedDict[str, list] = OrderedDict()  # tid -> [cursor, consumed]
+        self._pending: OrderedDict[str, list] = OrderedDict()  # delivery key -> [cursor, consumed]
         self.acked: str | None = None
 
     def deliver(self, d: Delivery) -> None:
-        self._pending[d.trajectory.id] = [d.cursor, False]
+        self._pending[delivery_key(d.trajectory)] = [d.cursor, False]
 
-    def consume(self, tids: list[str]) -> None:
-        for tid in tids:
-            if tid in self._pending:
-                self._pending[tid][1] = True
+    def consume(self, keys: list[str]) -> None:
+        for key in keys:
+            if key in self._pending:
+                self._pending[key][1] = True
 
     def frontier(self) -> tuple[str | None, list[str]]:
-        """(the cursor up to which everything is consumed, ids consumed beyond it); drops the prefix."""
+        """(the cursor up to which everything is consumed, keys consumed beyond it); drops the prefix."""
         while self._pending and next(iter(self._pending.values()))[1]:
             _, (cursor, _) = self._pending.popitem(last=False)
             self.acked = cursor
-        return self.acked, [tid for tid, (_, done) in self._pending.items() if done]
+        return self.acked, [key for key, (_, done) in self._pending.items() if done]
 
 
 class Source:
@@ -175,8 +176,11 @@ class Learner:
                 self.metrics.note(f"skipped {skipped - src.unreadable} unreadable record(s) in {src.url}'s stream")
                 src.unreadable = skipped
             src.ledger.deliver(d)
-            if d.trajectory.id in src.skip:  # consumed before the checkpoint we resumed from: stays consumed
-                src.ledger.consume([d.trajectory.id])
+            key = delivery_key(d.trajectory)
+            # consumed before the checkpoint we resumed from: stays consumed (checkpoints before the delivery
+            # key held bare ids)
+            if key in src.skip or d.trajectory.id in src.skip:
+                src.ledger.consume([key])
                 continue
             self.origin[id(d.trajectory)] = src
             if d.trajectory.mode == "eval":
@@ -189,7 +193,7 @@ class Learner:
         for traj in trajs:
             src = self.origin.pop(id(traj), None)
             if src is not None:
-                src.ledger.consume([traj.id])
+                src.ledger.consume([delivery_key(traj)])
 
     async def _next_groups(self) -> list[list[Trajectory]]:
         groups: list[list[Trajectory]] = []

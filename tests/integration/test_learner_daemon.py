@@ -136,15 +136,22 @@ def test_plot_writes_reward_and_loss_curves(tmp_path: Path) -> None:
 def test_ledger_acknowledges_only_the_consumed_prefix_and_remembers_the_rest() -> None:
     from steptap.middleware.client import Delivery
 
+    from steptap.middleware.client import delivery_key
+
     ledger = daemon.Ledger()
-    for i in range(5):
-        ledger.deliver(Delivery(f"0:{(i + 1) * 10}", Trajectory(id=f"t{i}")))
-    ledger.consume(["t1", "t3"])  # a later group finished first
-    assert ledger.frontier() == (None, ["t1", "t3"])  # t0 is still waiting: nothing can be acknowledged
-    ledger.consume(["t0"])
-    assert ledger.frontier() == ("0:20", ["t3"])  # t0, t1 done: ack up to t1's cursor; t3 done beyond it
-    ledger.consume(["t2", "t4"])
-    assert ledger.frontier() == ("0:50", [])
+    trajs = [Trajectory(id=f"t{i}", created_at=float(i)) for i in range(5)]
+    trajs.append(Trajectory(id="t1", created_at=9.0))  # the id t1 used again by a later session
+    for i, traj in enumerate(trajs):
+        ledger.deliver(Delivery(f"0:{(i + 1) * 10}", traj))
+    k = [delivery_key(t) for t in trajs]
+    ledger.consume([k[1], k[3]])  # a later group finished first
+    assert ledger.frontier() == (None, [k[1], k[3]])  # t0 is still waiting: nothing can be acknowledged
+    ledger.consume([k[0]])
+    assert ledger.frontier() == ("0:20", [k[3]])  # t0, t1 done: ack up to t1's cursor; t3 done beyond it
+    ledger.consume([k[2], k[4]])
+    assert ledger.frontier() == ("0:50", [])  # the second t1 is another trajectory: still pending
+    ledger.consume([k[5]])
+    assert ledger.frontier() == ("0:60", [])
 
 
 def test_grouper_waits_for_the_group_counts_aborted_members_and_times_out() -> None:
