@@ -8,9 +8,9 @@ checkpoint (and only then acknowledge the stream) every ``checkpoint_every`` upd
 
 Acknowledgement. Groups finish out of stream order, so the learner keeps a ledger of delivered cursors: it
 acknowledges the longest prefix of the stream whose trajectories were all trained on or deliberately dropped,
-and stores in the checkpoint the delivery keys (id and ``created_at``) it has already consumed beyond that prefix. ``--resume`` restores the
-weights, optimizer, version and update count, reopens the stream at the checkpoint's cursor and skips those
-keys: nothing acknowledged or already trained is trained again; a crash between checkpoints re-delivers (and
+and stores in the checkpoint the delivery keys (id and ``created_at``) it has already consumed beyond that
+prefix. ``--resume`` restores the weights, optimizer, version and update count, reopens the stream at the
+checkpoint's cursor and skips those keys: nothing acknowledged or already trained is trained again; a crash between checkpoints re-delivers (and
 re-trains) what came after the last checkpoint, never loses it.
 """
 

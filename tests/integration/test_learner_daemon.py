@@ -134,9 +134,7 @@ def test_plot_writes_reward_and_loss_curves(tmp_path: Path) -> None:
 
 
 def test_ledger_acknowledges_only_the_consumed_prefix_and_remembers_the_rest() -> None:
-    from steptap.middleware.client import Delivery
-
-    from steptap.middleware.client import delivery_key
+    from steptap.middleware.client import Delivery, delivery_key
 
     ledger = daemon.Ledger()
     trajs = [Trajectory(id=f"t{i}", created_at=float(i)) for i in range(5)]
