@@ -111,3 +111,21 @@ async def test_a_call_cut_before_its_reply_gets_an_openai_error_body(
     assert error["message"] == CUT_MESSAGE and error["code"] == "swap_cut"
     await _cut_step(http, proxy, "plain")
     await _gate_open(http, proxy, injector, "plain")
+
+
+async def test_an_anthropic_stream_cut_ends_with_its_own_error_event(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    injector, proxy = await _setup(aiohttp_server, make_proxy, tmp_path, "stall")
+    body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    resp = await http.post(f"{proxy.url}/s/msg/v1/messages", json=body)
+    assert resp.status == 200
+    while b"content_block_delta" not in await resp.content.readline():  # the first token is through
+        pass
+    await _swap(http, proxy, tmp_path)
+    lines = (await resp.read()).decode().splitlines()
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[-1] == "error" and "message_stop" not in events  # Anthropic's error event, in its shape
+    last = json.loads(next(line for line in reversed(lines) if line.startswith("data: ")).removeprefix("data: "))
+    assert last["type"] == "error" and last["error"]["message"] == CUT_MESSAGE
+    await _cut_step(http, proxy, "msg")
