@@ -5,9 +5,10 @@
   the log directory; sessions opened on the shared port spread over both workers, every session is recorded in
   exactly one worker's log (on the worker's own replica), and a learner's client reads both streams. SIGINT to
   each command's pid stops its workers and both servers' process groups.
-- `steptap up --replicas 2` runs the loop (two updates) with both replicas serving and swapping.
+- `steptap up --backend R1 --backend R2` over the same two servers runs the loop (two updates) with both
+  replicas serving and swapping.
 
-The two tests start four vLLM servers in all (two each); nothing here touches the session's shared servers.
+Two vLLM server starts in all (CI time); nothing here touches the session's shared servers.
 """
 
 from __future__ import annotations
@@ -152,7 +153,43 @@ async def _stream(url: str) -> list[Trajectory]:
         return [d.trajectory async for d in client.trajectories("learner", follow=False)]
 
 
-def test_vllm_replicas_then_serve_workers_in_front_of_them(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _up_over(urls: list[str], model_dir: Path, tmp_path: Path) -> None:
+    """`steptap up --backend R1 --backend R2`: the proxy over both replicas, the learner and the digits agents;
+    two updates, each swapped into both replicas (the version switches only when both serve it)."""
+    work = tmp_path / "up"
+    agents = (f"{sys.executable} {ROOT / 'examples/digits/agents.py'} --concurrency 8 --group-size 4 "
+              "--round-groups 2")
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [*STEPTAP, "up", "--workdir", str(work), "--port", "0", "--no-view", "--grace", "5",
+             "--status-every", "5", "--backend", urls[0], "--backend", urls[1], "--model", str(model_dir),
+             "--config", str(ROOT / "examples/digits/learner.toml"), "--max-updates", "2",
+             "--learn-args=--batch-groups 2 --group-size 4 --checkpoint-every 100", "--agents", agents],
+            stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            _interrupt(proc)
+    assert code == 0, out.read_text()[-4000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["updates"] == 2 and summary["failed"] is None, summary
+    pids = json.loads((work / "pids.json").read_text())
+    assert {"serve", "learn", "agents"} <= set(pids), pids
+    assert not _gone(set(pids.values())), "processes of `steptap up` left running"
+
+    steps = [s for t in LogReader(str(work / "trajectories")).trajectories() for s in t.steps]
+    versions = {b: sorted({s.policy_version for s in steps if s.backend == b and s.status == "ok"})
+                for b in urls}
+    print(f"\nup over 2 replicas: policy versions served by each replica: {versions}")
+    for b in urls:  # both served, and both sampled on the first swapped weights (the version switched on both)
+        assert 0 in versions[b] and 1 in versions[b], versions
+
+
+def test_vllm_replicas_serve_workers_and_up_over_the_same_two_servers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     _vllm_venv_ready()
     port = free_ports(2)
     urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
@@ -218,6 +255,8 @@ def test_vllm_replicas_then_serve_workers_in_front_of_them(tiny_model_dir: Path,
         assert not _gone(worker_pids), "serve workers left running after SIGINT"
         serve = None
         assert all(http_json(f"{u}/v1/models")["data"] for u in urls)  # the servers outlive their proxy
+
+        _up_over(urls, tiny_model_dir, tmp_path)  # the whole loop over the same two servers
     finally:
         if serve is not None and serve.poll() is None:
             _interrupt(serve)
@@ -227,39 +266,3 @@ def test_vllm_replicas_then_serve_workers_in_front_of_them(tiny_model_dir: Path,
     for pid in groups:  # both process groups (server and engine processes) are gone
         assert not process_group_alive(pid), f"vLLM processes left in group {pid} after SIGINT"
 
-
-def test_up_replicas_runs_the_loop_on_both(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`steptap up --replicas 2`: two vLLM servers, the proxy over both, the learner and the digits agents; two
-    updates, each swapped into both replicas (the version switches only when both serve it)."""
-    _vllm_venv_ready()
-    work = tmp_path / "up"
-    agents = f"{sys.executable} {ROOT / 'examples/digits/agents.py'} --concurrency 8 --group-size 4 --round-groups 2"
-    out = tmp_path / "up.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(
-            [*STEPTAP, "up", "--workdir", str(work), "--port", "0", "--no-view", "--grace", "5",
-             "--status-every", "5", "--replicas", "2", "--model", str(tiny_model_dir),
-             "--config", str(ROOT / "examples/digits/learner.toml"), "--max-updates", "2",
-             "--learn-args=--batch-groups 2 --group-size 4 --checkpoint-every 100", "--agents", agents],
-            stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        code = proc.wait(timeout=START_S + 600)
-    finally:
-        if proc.poll() is None:
-            _interrupt(proc)
-    text = out.read_text()
-    assert code == 0, text[-4000:]
-    summary = json.loads((work / "summary.json").read_text())
-    assert summary["updates"] == 2 and summary["failed"] is None, summary
-    pids = json.loads((work / "pids.json").read_text())
-    assert {"vllm-0", "vllm-1", "serve", "learn", "agents"} <= set(pids), pids
-    assert not _gone(set(pids.values())), "processes of `steptap up` left running"
-
-    steps = [s for t in LogReader(str(work / "trajectories")).trajectories() for s in t.steps]
-    backends = {s.backend for s in steps}
-    assert len(backends) == 2 and all(b.startswith("unix:") for b in backends), backends  # both replicas served
-    versions = {b: sorted({s.policy_version for s in steps if s.backend == b and s.status == "ok"})
-                for b in backends}
-    print(f"\nup --replicas 2: policy versions served by each replica: {versions}")
-    for b in backends:  # both sampled on the first swapped weights (the version switched on both)
-        assert 0 in versions[b] and 1 in versions[b], versions
