@@ -372,8 +372,8 @@ class _Call:
         recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
+        acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         await out.prepare(self.request)
-        acc = self.acc = capture.new_stream(self.endpoint)
         proto = self.proto
         if proto is not None:
             await _send(out, proto.start())
