@@ -11,8 +11,10 @@ Targets, each a ``steptap serve`` process (capture and the durable log on):
 - ``workers2``: ``--workers 2 --backend R1 --backend R2`` (two processes on one port, one replica each).
 
 Rounds alternate the targets (this machine is shared and noisy): at c=1 one run calls the targets in turn, call
-after call; at c=32 each target gets its own run, in an order that rotates each round. Medians over rounds of
-the paired ratios decide: ``two`` within 10% of ``one`` (calls/s at c=32 >= 0.9x, p50 at c=1 <= 1.1x) prints
+after call; at c=32 each target gets its own run, in the order one, two, workers2 on even rounds and the reverse
+on odd ones, so both compared pairs always run back to back and each side goes first in half the rounds (a
+rotation would split ``one`` from ``two`` by a ``workers2`` run in some rounds and let one side go first more
+often: drift over a round then reads as a difference). Medians over rounds of the paired ratios decide: ``two`` within 10% of ``one`` (calls/s at c=32 >= 0.9x, p50 at c=1 <= 1.1x) prints
 PASS or MISS; ``workers2`` against ``two`` is reported (on a 2-core machine the load generator and the replay
 upstreams take the cores a second worker would use). A target that answers anything but 200 fails the run.
 """
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             for mode in args.modes:
                 for c in args.concurrency:
-                    order = list(args.targets[rnd % len(args.targets):]) + list(args.targets[:rnd % len(args.targets)])
+                    order = list(args.targets) if rnd % 2 == 0 else list(reversed(args.targets))
                     groups = [order] if c == 1 else [[t] for t in order]
                     for group in groups:
                         res = loadgen.run(
@@ -121,7 +123,7 @@ def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6, help="even: each order as often as the other")
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--warmup", type=int, default=64)

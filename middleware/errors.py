@@ -88,6 +88,7 @@ _STATUS: dict[type[ex.DomainError], int] = {
     ex.BackendError: 502,
     ex.BackendCut: 502,
     ex.BackendMalformed: 502,
+    ex.SwapCut: 503,
     ex.RecordTooLarge: 413,
     ex.LogUnavailable: 503,
 }

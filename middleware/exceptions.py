@@ -96,6 +96,12 @@ class BackendMalformed(DomainError):
     code = "backend_malformed_reply"
 
 
+class SwapCut(DomainError):
+    """A weight swap cut the call: it outlasted the swap's drain bound. A retry runs on the new weights."""
+
+    code = "swap_cut"
+
+
 # --- the log -------------------------------------------------------------------------------------------------
 class RecordTooLarge(DomainError):
     code = "record_too_large"

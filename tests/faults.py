@@ -14,6 +14,8 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 - ``disconnect_once``: the next call's connection is closed with no answer (a keep-alive race), then ``ok``;
 - ``split``: a well-formed stream whose events are cut across network reads, ending ``data: [DONE]`` with no
   newline (legal framing a proxy must reassemble).
+- ``flood``: a stream that never ends, as fast as its reader takes it (a reader that stops reading fills every
+  buffer on the way: the proxy's writes to it then block).
 """
 
 from __future__ import annotations
@@ -136,6 +138,10 @@ class FaultInjector:
             await resp.write(b"data: [DONE]")
             return resp
         await resp.write(_chunk(0))
+        if mode == "flood":
+            many = _chunk(1) * 200
+            while True:  # until the proxy goes away
+                await resp.write(many)
         if mode == "stall":
             await asyncio.sleep(self.stall_s)
         elif mode == "cut":

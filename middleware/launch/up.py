@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
     p.add_argument(
-        "--backend", help="use this running vLLM server (http://host:port or unix:PATH), do not start one"
+        "--backend", action="append", help="use this running vLLM server (http://host:port or unix:PATH), do not "
+        "start one; repeat it for several replicas (the proxy routes among them, the learner swaps them all)"
     )
     p.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among them")
@@ -130,7 +131,8 @@ class Up:
         self.proxy_port = args.port or _free_port(args.host)
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # a wildcard is reached locally
         self.proxy_url = f"http://{local}:{self.proxy_port}"
-        self.backend = (args.backend or "").rstrip("/")
+        self.given = [b.rstrip("/") for b in args.backend or []]  # running replicas to use
+        self.backend = self.given[0] if self.given else ""
         self.sup = Supervisor(grace_s=args.grace)
         self.stop_reason: str | None = None
         self.t_start = time.time()
@@ -209,9 +211,9 @@ class Up:
         )
 
     def _start_vllm(self) -> None:
-        self.backends = [self.backend] if self.backend else []
-        if self.backend:
-            self._log(f"using the running vLLM server at {self.backend}")
+        self.backends = list(self.given)
+        if self.backends:
+            self._log(f"using the running vLLM server(s) at {', '.join(self.backends)}")
             return
         replicas = max(1, self.args.replicas)
         extra = _split(self.args.vllm_args)
@@ -564,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.backend and not args.model and not args.no_learner:
         parser.error("--backend with the learner needs --model (the weights it serves), or --no-learner")
+    if args.backend and args.replicas > 1:
+        parser.error("--replicas N starts N vLLM servers; with running ones give --backend once for each")
     return Up(args).run()
 
 

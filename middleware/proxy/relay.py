@@ -30,6 +30,7 @@ from steptap.middleware.exceptions import (
     BackendTimeout,
     BackendUnavailable,
     BackendUnreachable,
+    SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, tito
@@ -41,7 +42,7 @@ from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
-from steptap.middleware.weights.swapper import SWAPPER_KEY
+from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S, SWAPPER_KEY
 
 logger = logging.getLogger("steptap.relay")
 
@@ -226,6 +227,10 @@ class _Call:
         except asyncio.CancelledError:
             # The agent hung up and the server cancelled this handler, or a weight swap cut a call that outlasted
             # its drain bound: keep what arrived as a failed step (in a new task: this one is being cancelled).
+            # A swap's cut before the stream began ends as the protocol's error body instead.
+            if not self.recorded and self.acc is None and self.request.app[SWAPPER_KEY].take_cut():
+                await self.record([self.failed(CUT_MESSAGE, "swap_cut")])
+                raise SwapCut(CUT_MESSAGE) from None
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
@@ -275,6 +280,9 @@ class _Call:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
             raise BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}") from None
         except asyncio.CancelledError:  # the agent hung up: keep what arrived as a failed step, as run() does
+            if not self.recorded and self.request.app[SWAPPER_KEY].take_cut():  # a swap's cut: an error body
+                await self.record([self.failed(CUT_MESSAGE, "swap_cut")])
+                raise SwapCut(CUT_MESSAGE) from None
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
@@ -364,8 +372,8 @@ class _Call:
         recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
+        acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         await out.prepare(self.request)
-        acc = self.acc = capture.new_stream(self.endpoint)
         proto = self.proto
         if proto is not None:
             await _send(out, proto.start())
@@ -373,6 +381,15 @@ class _Call:
             failure, upstream_error, done = await self._pump(source, out, acc)
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
+            return out
+        except asyncio.CancelledError:
+            if not self.request.app[SWAPPER_KEY].take_cut():
+                raise
+            await self.record([self.failed(CUT_MESSAGE, "swap_cut", acc.reply())])
+            err = {"error": {"message": CUT_MESSAGE, "type": "swap_cut", "code": "swap_cut"}}
+            tail = proto.stream_error(503, CUT_MESSAGE, "swap_cut") if proto is not None else (
+                b"data: " + _encode(err) + b"\n\n")
+            await self._end_cut(out, tail)
             return out
         if failure is None:
             try:
@@ -404,6 +421,16 @@ class _Call:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out
+
+    async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
+        """A cut stream's error event and end, put on the wire together; its reader may be the slow one that
+        outlasted the drain, so waiting for it is bounded and the connection then closes behind what is
+        buffered (the transport still flushes it)."""
+        try:
+            await asyncio.wait_for(out.write_eof(tail), CUT_WRITE_S)
+        except (TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if self.request.transport is not None:
+                self.request.transport.close()
 
     async def _pump(
         self, source: Any, out: web.StreamResponse, acc: Any

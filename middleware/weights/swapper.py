@@ -43,6 +43,8 @@ LORA_PREFIX = "steptap-lora"
 
 
 _CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
+CUT_WRITE_S = 2.0  # how long a cut call's error event may wait for its reader (it may be the slow one)
+CUT_MESSAGE = "cut by a weight swap: the call outlasted the swap's drain bound (--swap-drain-timeout)"
 
 
 class _Log(Protocol):
@@ -399,6 +401,17 @@ class WeightSwapper:
     def was_cut(self, task: asyncio.Task[Any] | None) -> bool:
         """Whether the swap's drain bound cancelled this call's task."""
         return task is not None and task in self._cut
+
+    def take_cut(self) -> bool:
+        """Called by a call as its task sees the cancellation: when it is this swap's cut (not the agent
+        hanging up), the cancellation is taken back so the call can end as the protocol's error (an error body,
+        or an error event once the stream has begun) and record its step, within ``_CUT_GRACE_S``."""
+        task = asyncio.current_task()
+        if task is None or task not in self._cut:
+            return False
+        self._cut.discard(task)  # once: a second cancellation (the server shutting down) is a real one
+        task.uncancel()
+        return True
 
     async def _load_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
         if lora_path is not None:

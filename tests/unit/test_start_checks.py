@@ -92,3 +92,14 @@ def test_a_tied_model_with_a_lora_learner_is_accepted(tied_dir: Path, tmp_path: 
     runner.args.learn_args = ""
     with pytest.raises(up.Refused, match="LoRA"):
         runner._refuse_tied_full_weights()
+
+
+def test_up_takes_several_running_replicas_but_not_with_replicas(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    args = up.build_parser().parse_args(["--backend", "http://a:1/", "--backend", "unix:/r/b.sock", "--no-learner",
+                                         "--workdir", str(tmp_path / "up")])
+    runner = up.Up(args)
+    assert runner.given == ["http://a:1", "unix:/r/b.sock"] and runner.backend == "http://a:1"
+    with pytest.raises(SystemExit) as exc:  # --replicas starts servers; running ones are named one by one
+        up.main(["--backend", "http://a:1", "--replicas", "2", "--no-learner"])
+    assert exc.value.code == 2 and "--replicas N starts N vLLM servers" in capsys.readouterr().err
