@@ -1,7 +1,8 @@
 """Checkpoints to any fsspec URL (a local path, file://, s3://, gs://, memory:// ...): safetensors + JSON.
 
-A checkpoint is a plain nested dict (the engine's weights and optimizer state, the stream cursor, the policy
-version, the update count, the config, the RNG state). It is stored as a directory ``ckpt-<updates>/``:
+A checkpoint is a plain nested dict (the engine's weights and optimizer state, with algorithm gae its value
+head and the head's optimizer, the stream cursor, the policy version, the update count, the config, the RNG
+state). It is stored as a directory ``ckpt-<updates>/``:
 
 - ``tensors.safetensors``: every tensor of the dict, under its path (``engine/optimizer/state/3/exp_avg``);
 - ``state.json``: everything else, with ``{"__tensor__": path}`` where a tensor was (and
@@ -200,3 +201,20 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
     optimizer.load_state_dict(state["optimizer"])
     if "rng" in state:
         torch.set_rng_state(state["rng"])
+
+
+def restore_value_head(head: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    """The step-level value head (algorithm gae) and its optimizer from ``state``; False, with both left as they
+    are, when the checkpoint has none (written before heads were saved, or by a run without gae)."""
+    if "value_head" not in state:
+        return False
+    saved = state["value_head"]
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    if set(saved) != set(shapes) or any(tuple(saved[k].shape) != shapes[k] for k in shapes):
+        raise ValueError(f"checkpoint's value head {({k: tuple(v.shape) for k, v in saved.items()})} does not fit "
+                         f"this model's {shapes}: was it written for another model?")
+    head.load_state_dict(saved)
+    if "value_optimizer" in state:
+        optimizer.load_state_dict(state["value_optimizer"])
+    return True
+

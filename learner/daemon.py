@@ -138,6 +138,8 @@ class Learner:
                     src.skip = set(per[src.url].get("consumed_after_cursor", []))
             cursors = {s.url: s.cursor for s in self.sources}
             self.metrics.note(f"resumed at update {self.updates}, version {self.version}, cursors {cursors}")
+            if cfg.algorithm == "gae" and not getattr(self.engine, "value_head_restored", True):
+                self.metrics.note("the checkpoint has no value head (older, or not a gae run): it starts at V = 0")
         else:
             self.version = max(_proxy_version(s.url) for s in self.sources)
 

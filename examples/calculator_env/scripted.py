@@ -6,6 +6,10 @@ structured outputs: first the calculator call for the row's expression, then ``T
 from the row's ``env_kwargs``, or ``say`` when given: a deliberately wrong answer, to test scoring).
 Everything else (tool execution, process rewards, scoring, the recorded tokens and logprobs) is the real
 environment's.
+
+A forced reply is recorded, but the learner drops it from training (``dropped_unreproducible``: it cannot
+recompute a grammar-constrained distribution). With ``free_answer`` in ``env_kwargs`` only the tool call is
+forced and the model writes its answer itself: that step is an ordinary sample, and trained on.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ class ScriptedCalculatorEnv(ToolEnv):
             hermes_tool_call("calculator", {"expression": str(self.env_kwargs["expression"])}),
             f"The answer is {answer}.",
         ]
+        self.forced_turns = 1 if self.env_kwargs.get("free_answer") else len(self.script)
         return obs
 
     def request_options(self, turn: int) -> dict[str, Any]:
-        return forced(self.script[turn]) if turn < len(self.script) else {}
+        return forced(self.script[turn]) if turn < self.forced_turns else {}
 
 
 def make_env() -> ScriptedCalculatorEnv:

