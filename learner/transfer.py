@@ -24,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,11 +77,12 @@ def send_collective(
     address: str = "",
     timeout_s: float = 120.0,
     swap_timeout_s: float = 900.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Swap ``weights`` into the proxy's vLLM by broadcast; return the new policy version.
 
     Raises ``PublishError`` when the proxy refuses or fails the swap (its message says what the replicas serve
-    now) or cannot be reached."""
+    now) or cannot be reached. ``progress(sent, total)`` is called after each tensor."""
     if not weights:
         raise ValueError("no tensors to send")
     cuda = weights[0][1].is_cuda
@@ -123,9 +125,11 @@ def send_collective(
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             t_send = time.monotonic()
-            for _, tensor in weights:
+            for i, (_, tensor) in enumerate(weights):
                 send = tensor if tensor.is_contiguous() else tensor.contiguous()
                 group.broadcast([send], opts).wait()
+                if progress is not None:
+                    progress(i + 1, len(weights))
             logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
                         backend, time.monotonic() - t_send)
         thread.join(swap_timeout_s)

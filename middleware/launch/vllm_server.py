@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     served_name,
 )
 from steptap.middleware.launch.private_files import private_dir
+from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.model_files import ties_embeddings
 
@@ -202,6 +204,8 @@ class VLLMServer:
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]  # token-in-token-out routes
+        if not _given(extra, "--weight-transfer-config"):  # full weights by collective transfer (launch/plugin.py)
+            cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.tool_parser and not _given(extra, "--tool-call-parser"):
@@ -240,7 +244,9 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         for notice in self.notices():
             print(f"steptap vllm: {notice}", file=sys.stderr)
-        python = ensure_venv(self.venv, self.gpu) / "bin" / "python"
+        venv = ensure_venv(self.venv, self.gpu)
+        ensure_plugin(venv)
+        python = venv / "bin" / "python"
         if self.uds is not None:
             private_dir(self.uds.parent)
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
