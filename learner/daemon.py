@@ -269,8 +269,12 @@ class Learner:
         done = False
         for src in self.sources:
             try:
+                t0 = time.perf_counter()
                 send_collective(weights, src.url, self.cfg.token(), version=version,
                                 address=self.cfg.transfer_address, timeout_s=self.cfg.transfer_timeout_s)
+                self.metrics.note(f"published version {version} to {src.url} by collective transfer "
+                                  f"({'nccl' if weights[0][1].is_cuda else 'gloo'}, "
+                                  f"{time.perf_counter() - t0:.2f} s)")
                 done = True
             except (PublishError, OSError) as exc:
                 self.metrics.note(f"[red]publish failed[/red] on {src.url}: {exc}")

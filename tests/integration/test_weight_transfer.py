@@ -159,3 +159,37 @@ async def test_a_learner_killed_mid_transfer_never_leaves_mixed_weights(
     step = await call(client)
     assert step["policy_version"] == 3 and gap(step["response_logprobs"], own_logprobs(new_model, step)) < TOL
 
+
+
+async def test_the_learner_publishes_by_transfer_and_every_nth_version_through_disk(
+    swap_vllm: Backend, tmp_path: Path, aiohttp_client: Any
+) -> None:
+    from steptap.learner.config import LearnerConfig
+    from steptap.learner.daemon import Learner
+
+    client = await proxy(aiohttp_client, swap_vllm.url, tmp_path / "log")
+    sw = swapper(client)
+    cfg = LearnerConfig(proxy_url=str(client.make_url("")).rstrip("/"), control_token=TOKEN,
+                        model_dir=str(swap_vllm.model_dir), weight_sync="collective", disk_every=2,
+                        weights_dir=str(tmp_path / "weights"), checkpoint_dir=str(tmp_path / "ckpt"),
+                        metrics_file=str(tmp_path / "metrics.jsonl"), progress=False, num_threads=1)
+    learner = await asyncio.to_thread(Learner, cfg)
+    model = learner.engine.model  # type: ignore[attr-defined]
+    import torch
+
+    with torch.no_grad():  # as a training step would: every weight moves
+        gen = torch.Generator().manual_seed(3)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    await asyncio.to_thread(learner._publish)
+    assert learner.version == sw.version == 1 and sw.on_disk is False
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())  # nothing written
+    step = await call(client)
+    assert step["policy_version"] == 1 and gap(step["response_logprobs"], own_logprobs(model, step)) < TOL
+
+    await asyncio.to_thread(learner._publish)  # version 2: the disk_every one
+    assert learner.version == sw.version == 2 and sw.on_disk is True
+    assert sw.path is not None and Path(sw.path).parent == (tmp_path / "weights").resolve()
+    step = await call(client)
+    assert step["policy_version"] == 2 and gap(step["response_logprobs"], own_logprobs(model, step)) < TOL
+    learner.engine.close()
