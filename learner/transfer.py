@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from steptap.learner.publish import PublishError
 from steptap.middleware.client import SteptapError, SyncSteptapClient
 
@@ -109,6 +108,7 @@ def send_collective(
     thread = threading.Thread(target=swap, name="steptap-transfer-swap", daemon=True)
     thread.start()
     group = None
+    send_error: RuntimeError | None = None
     try:
         prefixed = dist.PrefixStore(PREFIX, store)
         # Wait for the first worker to join (the proxy drains and pauses first), or the proxy's answer.
@@ -121,17 +121,20 @@ def send_collective(
             time.sleep(0.02)
         else:
             world = int(prefixed.get(WORLD_KEY))
-            group = _group(prefixed, world, backend, td)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            t_send = time.monotonic()
-            for i, (_, tensor) in enumerate(weights):
-                send = tensor if tensor.is_contiguous() else tensor.contiguous()
-                group.broadcast([send], opts).wait()
-                if progress is not None:
-                    progress(i + 1, len(weights))
-            logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
-                        backend, time.monotonic() - t_send)
+            try:
+                group = _group(prefixed, world, backend, td)
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                t_send = time.monotonic()
+                for i, (_, tensor) in enumerate(weights):
+                    send = tensor if tensor.is_contiguous() else tensor.contiguous()
+                    group.broadcast([send], opts).wait()
+                    if progress is not None:
+                        progress(i + 1, len(weights))
+                logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
+                            backend, time.monotonic() - t_send)
+            except RuntimeError as exc:  # a worker left or never joined (gloo/nccl errors): the proxy says why
+                send_error = exc
         thread.join(swap_timeout_s)
     finally:
         if group is not None:
@@ -147,6 +150,9 @@ def send_collective(
                            "proxy_unreachable")
     if err is not None:
         raise err
+    if send_error is not None:  # the proxy answered success though this side failed: never expected
+        raise PublishError(f"the weight transfer failed on the learner's side: {send_error}", None,
+                           "transfer_failed")
     return int(answer["version"])
 
 

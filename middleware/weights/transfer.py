@@ -20,7 +20,6 @@ import logging
 from typing import Any, Literal, Protocol
 
 import msgspec
-
 from steptap.middleware.model_files import tensor_shapes
 from steptap.middleware.weights.checks import SwapError
 

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_weight_checks import EMBED, HEAD, _model
-
 from steptap.middleware.launch import plugin
 from steptap.middleware.launch.vllm_server import VLLMServer
 from steptap.middleware.weights.checks import SwapError
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
+from test_weight_checks import EMBED, HEAD, _model
 
 
 def spec(**kw: Any) -> Transfer:
@@ -68,3 +67,23 @@ def test_the_launcher_asks_vllm_for_the_transfer_engine(tmp_path: Path) -> None:
     assert given.command(Path("python")).count("--weight-transfer-config") == 1
     # The plugin's sources ship beside the launcher, hashed for the install marker.
     assert (plugin.PLUGIN_DIR / "steptap_vllm_plugin.py").is_file() and len(plugin.plugin_hash()) == 16
+
+
+async def test_a_refused_transfer_ends_the_learners_wait_with_the_proxys_error(aiohttp_client: Any,
+                                                                                tmp_path: Path) -> None:
+    # A proxy whose only backend is down: it answers 503 before any worker could join the learner's group.
+    import torch
+
+    from steptap.learner.publish import PublishError
+    from steptap.learner.transfer import send_collective
+    from steptap.middleware.app import create_app
+    from steptap.middleware.config import ProxyConfig
+
+    client = await aiohttp_client(create_app(ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"),
+                                                         control_token="t")))
+    url = str(client.make_url("")).rstrip("/")
+    with pytest.raises(PublishError) as err:
+        await asyncio.to_thread(send_collective, [("w", torch.zeros(2))], url, "t", timeout_s=30.0,
+                                swap_timeout_s=60.0)
+    assert err.value.status is not None and err.value.status >= 500, err.value
+    assert "transfer refused" in str(err.value)

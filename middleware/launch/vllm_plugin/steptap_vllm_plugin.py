@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
