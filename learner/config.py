@@ -100,9 +100,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- loop, checkpoints, what the user sees
     push_every: int = 1  # publish weights to the proxy every N updates; 0: never
     weights_dir: str = "./steptap-weights"  # where published weights go (a path vLLM can read)
-    # disk: write a directory and swap it by path; collective: broadcast the tensors into vLLM's workers
-    # (gloo on CPU, NCCL on CUDA; full weights only, LoRA adapters always go through disk; docs/verl-engine.md)
-    weight_sync: Literal["disk", "collective"] = "disk"
+    # (docs/weight-transfer.md; full weights only: LoRA adapters always go through disk)
+    weight_sync: Literal["disk", "collective"] = "disk"  # disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL on CUDA)
     transfer_address: str = ""  # collective: this host's address as vLLM's workers reach it; empty: guessed
     transfer_timeout_s: float = 120.0  # collective: bound on the rendezvous and on each tensor
     disk_every: int = 0  # collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never

@@ -184,6 +184,7 @@ class VLLMServer:
         self.venv = Path(venv) if venv else None
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
+        self.transfer = True  # start vLLM with steptap's transfer engine (off when the installed vLLM refuses it)
         self.process: subprocess.Popen[bytes] | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
@@ -204,7 +205,7 @@ class VLLMServer:
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]  # token-in-token-out routes
-        if not _given(extra, "--weight-transfer-config"):  # full weights by collective transfer (launch/plugin.py)
+        if self.transfer and not _given(extra, "--weight-transfer-config"):  # weights by collective transfer
             cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
@@ -245,7 +246,11 @@ class VLLMServer:
         for notice in self.notices():
             print(f"steptap vllm: {notice}", file=sys.stderr)
         venv = ensure_venv(self.venv, self.gpu)
-        ensure_plugin(venv)
+        unusable = ensure_plugin(venv)  # launch/plugin.py: steptap's weight-transfer engine in vLLM's venv
+        if unusable:
+            self.transfer = False
+            print(f"steptap vllm: weight transfer off (disk swaps only): this vLLM does not take steptap's "
+                  f"transfer engine: {unusable}", file=sys.stderr)
         python = venv / "bin" / "python"
         if self.uds is not None:
             private_dir(self.uds.parent)

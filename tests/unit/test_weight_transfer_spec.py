@@ -63,6 +63,9 @@ def test_the_launcher_asks_vllm_for_the_transfer_engine(tmp_path: Path) -> None:
     served = _model(tmp_path / "m", {"model_type": "llama"}, {**EMBED, **HEAD})
     cmd = VLLMServer(served, gpu=False, port=1).command(Path("python"))
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "steptap"}'
+    off = VLLMServer(served, gpu=False, port=1)
+    off.transfer = False  # what start() sets when the installed vLLM refuses the engine (launch/plugin.py)
+    assert "--weight-transfer-config" not in off.command(Path("python"))
     given = VLLMServer(served, gpu=False, port=1, extra_args=["--weight-transfer-config", "{}"])
     assert given.command(Path("python")).count("--weight-transfer-config") == 1
     # The plugin's sources ship beside the launcher, hashed for the install marker.

@@ -133,6 +133,11 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the base class calls torch.accelerator, which a CPU build may lack
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args):  # type: ignore[no-untyped-def]
+        """Abstract in some vLLM releases (not 0.32): steptap's learner sends by itself (learner/transfer.py)."""
+        raise NotImplementedError("steptap's learner sends with steptap.learner.transfer.send_collective")
+
     def shutdown(self) -> None:
         if self.group is not None:
             group, self.group = self.group, None
