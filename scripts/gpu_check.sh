@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
     --updates) UPDATES=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --skip-setup) SKIP_SETUP=1; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
