@@ -100,6 +100,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- loop, checkpoints, what the user sees
     push_every: int = 1  # publish weights to the proxy every N updates; 0: never
     weights_dir: str = "./steptap-weights"  # where published weights go (a path vLLM can read)
+    # (docs/weight-transfer.md; full weights only: LoRA adapters always go through disk)
+    weight_sync: Literal["disk", "collective"] = "disk"  # disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL on CUDA)
+    transfer_address: str = ""  # collective: this host's address as vLLM's workers reach it; empty: guessed
+    transfer_timeout_s: float = 120.0  # collective: bound on the rendezvous and on each tensor
+    disk_every: int = 0  # collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never
     checkpoint_dir: str = "./steptap-checkpoints"  # any fsspec URL
     checkpoint_every: int = 10  # updates; the stream cursor is acknowledged only here
     keep_checkpoints: int = 2

@@ -235,6 +235,10 @@ class Learner:
         from steptap.learner.publish import PublishError, prune, request_swap
 
         version, lora = self.version + 1, self.engine.lora
+        every = self.cfg.disk_every
+        if self.cfg.weight_sync == "collective" and not lora and not (every and version % every == 0):
+            self._publish_collective(version)
+            return
         try:
             path = self.engine.write_weights(self.cfg.weights_dir, version=version)
         except OSError as exc:
@@ -259,6 +263,30 @@ class Learner:
         elif all(getattr(e, "status", None) is not None for e in errors):
             shutil.rmtree(path, ignore_errors=True)  # refused everywhere: nothing refers to it
             # (after a timeout the swap may still have happened: then the directory stays)
+
+    def _publish_collective(self, version: int) -> None:
+        """``weight_sync = "collective"``: broadcast the full weights into each proxy's vLLM (learner/transfer.py),
+        one proxy after the other (each transfer is its own group). A failed transfer may have made the last
+        weights on disk a newer version at that proxy (its error says so): the next publish goes above it."""
+        from steptap.learner.publish import PublishError
+        from steptap.learner.transfer import send_collective
+
+        weights = self.engine.named_weights()
+        done = False
+        for src in self.sources:
+            try:
+                t0 = time.perf_counter()
+                send_collective(weights, src.url, self.cfg.token(), version=version,
+                                address=self.cfg.transfer_address, timeout_s=self.cfg.transfer_timeout_s)
+                self.metrics.note(f"published version {version} to {src.url} by collective transfer "
+                                  f"({'nccl' if weights[0][1].is_cuda else 'gloo'}, "
+                                  f"{time.perf_counter() - t0:.2f} s)")
+                done = True
+            except (PublishError, OSError) as exc:
+                self.metrics.note(f"[red]publish failed[/red] on {src.url}: {exc}")
+                self.version = max(self.version, _proxy_version(src.url))
+        if done:
+            self.version = max(self.version, version)
 
     async def checkpoint(self) -> None:
         if self.updates == self.checkpointed:

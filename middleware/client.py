@@ -501,6 +501,11 @@ class SyncSteptapClient:
             body["version"] = int(version)
         return int(json.loads(self._request("POST", "/admin/weights", body, timeout_s=timeout_s))["version"])
 
+    def transfer_weights(self, body: dict[str, Any], timeout_s: float = 900.0) -> int:
+        """``POST /admin/weights`` with ``{"transfer": {...}}``: full weights the caller broadcasts meanwhile
+        (``steptap.learner.transfer``); the new policy version once vLLM loaded them."""
+        return int(json.loads(self._request("POST", "/admin/weights", body, timeout_s=timeout_s))["version"])
+
     def metrics_text(self) -> str:
         """``GET /metrics``: the Prometheus text (names in ``steptap.middleware.metrics``)."""
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")

@@ -127,6 +127,11 @@ class TorchEngine:
 
         return write_weights(self.model, self.tokenizer, out_dir, version=version, lora=self.lora)
 
+    def named_weights(self) -> list[tuple[str, Any]]:
+        from steptap.learner.transfer import named_weights
+
+        return named_weights(self.model)
+
     def state_dict(self) -> dict[str, Any]:
         from steptap.learner.checkpoint import trainable_state
 

@@ -356,6 +356,10 @@ class VerlEngine:
 
         return write_dir(out_dir, save, version=version, lora=False)
 
+    def named_weights(self) -> list[tuple[str, Any]]:
+        """The full weights gathered to this driver (CPU): a collective publish sends them over gloo."""
+        return list(self.hf_weights().items())
+
     def _write_adapter(self, out_dir: str | Path, version: int | None) -> Path:
         from safetensors.torch import save_file
 

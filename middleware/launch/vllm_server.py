@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     served_name,
 )
 from steptap.middleware.launch.private_files import private_dir
+from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.model_files import ties_embeddings
 
@@ -182,6 +184,7 @@ class VLLMServer:
         self.venv = Path(venv) if venv else None
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
+        self.transfer = True  # start vLLM with steptap's transfer engine (off when the installed vLLM refuses it)
         self.process: subprocess.Popen[bytes] | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
@@ -202,6 +205,8 @@ class VLLMServer:
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]  # token-in-token-out routes
+        if self.transfer and not _given(extra, "--weight-transfer-config"):  # weights by collective transfer
+            cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         if self.max_model_len and not _given(extra, "--max-model-len"):
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.tool_parser and not _given(extra, "--tool-call-parser"):
@@ -240,7 +245,13 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         for notice in self.notices():
             print(f"steptap vllm: {notice}", file=sys.stderr)
-        python = ensure_venv(self.venv, self.gpu) / "bin" / "python"
+        venv = ensure_venv(self.venv, self.gpu)
+        unusable = ensure_plugin(venv)  # launch/plugin.py: steptap's weight-transfer engine in vLLM's venv
+        if unusable:
+            self.transfer = False
+            print(f"steptap vllm: weight transfer off (disk swaps only): this vLLM does not take steptap's "
+                  f"transfer engine: {unusable}", file=sys.stderr)
+        python = venv / "bin" / "python"
         if self.uds is not None:
             private_dir(self.uds.parent)
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind

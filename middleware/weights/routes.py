@@ -16,11 +16,13 @@ from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.weights.checks import SwapError
 from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
+from steptap.middleware.weights.transfer import Transfer
 
 class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None
     lora_path: str | None = None
     version: int | None = None
+    transfer: Transfer | None = None  # full weights the learner broadcasts meanwhile (weights/transfer.py)
 
 
 _weights_request = msgspec.json.Decoder(WeightsRequest)
@@ -34,7 +36,8 @@ def swapper_of(app: web.Application) -> WeightSwapper:
 
 
 async def admin_weights(request: web.Request) -> web.Response:
-    """``POST /admin/weights`` ``{path}`` or ``{lora_path}`` (+ ``version``) -> ``{version}`` (control)."""
+    """``POST /admin/weights`` ``{path}``, ``{lora_path}`` or ``{transfer}`` (+ ``version``) -> ``{version}``
+    (control)."""
     require_control(request)
     refused = request.app[CONFIG_KEY].refuse_swaps
     if refused:
@@ -45,11 +48,13 @@ async def admin_weights(request: web.Request) -> web.Response:
     try:
         body = _weights_request.decode(await request.read())
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ApiError(400, f"expected {{\"path\": DIR}} or {{\"lora_path\": DIR}} (+ \"version\"): {exc}",
+        raise ApiError(400, f"expected {{\"path\": DIR}}, {{\"lora_path\": DIR}} or {{\"transfer\": {{...}}}} "
+                            f"(+ \"version\"): {exc}",
                        "invalid_request") from None
     swapper = swapper_of(request.app)
     # Shielded: an admin client that hangs up must not cancel a swap halfway (calls held, backend paused).
-    task = asyncio.ensure_future(swapper.swap(path=body.path, lora_path=body.lora_path, version=body.version))
+    task = asyncio.ensure_future(swapper.swap(path=body.path, lora_path=body.lora_path, version=body.version,
+                                              transfer=body.transfer))
     try:
         version = await asyncio.shield(task)
     except SwapError as exc:

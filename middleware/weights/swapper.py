@@ -34,7 +34,10 @@ from aiohttp import web
 
 from steptap.middleware.config import backend_session
 from steptap.middleware.records import PolicyVersion
+from steptap.middleware.model_files import ties_embeddings
+from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir
+from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 
 logger = logging.getLogger("steptap.weights")
@@ -110,6 +113,10 @@ class WeightSwapper:
         self.log = log
         self.version = 0
         self.path: str | None = model_dir
+        # Whether the base weights served now are those at ``path``: not after a collective transfer (there is
+        # no copy on disk), so a replica that loses them cannot get them back (``transfer.py``).
+        self.on_disk = True
+        self._plan: tuple[dict[str, int], int] = ({}, 0)  # a transfer's rank offsets and group size
         self.lora_path: str | None = None
         self.lora_name: str | None = None
         self.cpu_backend = cpu_backend
@@ -177,7 +184,9 @@ class WeightSwapper:
             if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
                 last = rec
                 if rec.path is not None:
-                    self.path = rec.path
+                    self.path, self.on_disk = rec.path, True
+                elif rec.lora_path is None:  # a collective transfer's version: nothing on disk
+                    self.on_disk = False
         if last is not None:
             self.version = last.version
             if last.lora_path is not None:
@@ -231,21 +240,26 @@ class WeightSwapper:
     # --- the swap -------------------------------------------------------------------------------------------
 
     async def swap(
-        self, path: str | None = None, lora_path: str | None = None, version: int | None = None
+        self, path: str | None = None, lora_path: str | None = None, version: int | None = None,
+        transfer: Transfer | None = None,
     ) -> int:
-        """Swap in a full-weights directory (``path``) or a peft adapter (``lora_path``); return the version.
+        """Swap in a full-weights directory (``path``), a peft adapter (``lora_path``) or full weights the
+        learner broadcasts meanwhile (``transfer``, ``transfer.py``); return the version.
 
-        Raises ``SwapError`` on a refused or failed swap: the old version keeps serving."""
-        if (path is None) == (lora_path is None):
-            raise SwapError(400, "give exactly one of 'path' (full weights) or 'lora_path' (LoRA adapter)",
-                            "invalid_request")
+        Raises ``SwapError`` on a refused or failed swap: the old version keeps serving (a failed transfer may
+        instead make the last weights on disk a new version; its message says so)."""
+        if sum(x is not None for x in (path, lora_path, transfer)) != 1:
+            raise SwapError(400, "give exactly one of 'path' (full weights), 'lora_path' (LoRA adapter) or "
+                                 "'transfer' (full weights by collective transfer)", "invalid_request")
+        if transfer is not None:
+            transfer.check()
         if self.validate_paths:  # vLLM runs elsewhere (its own cwd): hand it the path the proxy checked
             path = str(Path(path).resolve()) if path is not None else None
             lora_path = str(Path(lora_path).resolve()) if lora_path is not None else None
         await self.start()
         async with self._lock:  # one swap at a time; the next one waits here
             try:
-                return await self._swap(path, lora_path, version)
+                return await self._swap(path, lora_path, version, transfer)
             except SwapError as exc:
                 self.failures += 1
                 self.last_error = exc.message
@@ -253,7 +267,8 @@ class WeightSwapper:
                           exc.message)
                 raise
 
-    async def _swap(self, path: str | None, lora_path: str | None, version: int | None) -> int:
+    async def _swap(self, path: str | None, lora_path: str | None, version: int | None,
+                    transfer: Transfer | None = None) -> int:
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
             raise SwapError(
@@ -266,6 +281,15 @@ class WeightSwapper:
                 await self._inspect_backends()
             if self.validate_paths:
                 check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
+        elif transfer is not None:
+            if self.cpu_backend is None or self.path is None:
+                await self._inspect_backends()
+            if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
+                raise SwapError(400, "refusing a transfer: the served model ties its input and output embeddings "
+                                     "and vLLM on CPU keeps the old output layer after an in-place load",
+                                "tied_embeddings")
+            if self.validate_paths:
+                transfer.check_fits(self.path)
         elif self.validate_paths:
             check_adapter_dir(lora_path)  # type: ignore[arg-type]
         lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
@@ -279,13 +303,15 @@ class WeightSwapper:
             if not targets:
                 raise SwapError(503, "no healthy backend replica to swap", "no_backend")
             figures: dict[str, dict[str, Any]] = {b: {"ok": False, "error": None} for b in targets}
+            if transfer is not None:
+                self._plan = await collective.plan(self._call, targets)
             paused_at: dict[str, float] = {}
             touched: list[str] = []  # replicas whose load went through (a later step may still have failed)
             t_pause = time.monotonic()
             try:
                 # Every replica in parallel: pause, load, label, reset its prefix cache.
                 results = await asyncio.gather(
-                    *(self._swap_one(b, path, lora_path, lora_name, new_version, paused_at, touched)
+                    *(self._swap_one(b, path, lora_path, lora_name, new_version, paused_at, touched, transfer)
                       for b in targets),
                     return_exceptions=True,
                 )
@@ -293,6 +319,9 @@ class WeightSwapper:
                 failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if r is not None}
                 for b, msg in failed.items():
                     figures[b]["error"] = msg
+                if failed and transfer is not None and not loaded and not self.on_disk and any(
+                        isinstance(r, TransferFailed) and r.touched for r in results):
+                    await self._revert(targets, results, new_version, failed)  # raises
                 if failed and (not loaded or self.pool is None):
                     # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new weights:
                     # the old version keeps its number, so every replica keeps its weights too.
@@ -312,7 +341,9 @@ class WeightSwapper:
                 old_lora = self.lora_name
                 self.version = new_version
                 if path is not None:
-                    self.path, self.lora_path, self.lora_name = path, None, None
+                    self.path, self.lora_path, self.lora_name, self.on_disk = path, None, None, True
+                elif transfer is not None:
+                    self.lora_path, self.lora_name, self.on_disk = None, None, False
                 else:
                     self.lora_path, self.lora_name = lora_path, lora_name
                 if old_lora is not None and old_lora != self.lora_name:
@@ -344,10 +375,14 @@ class WeightSwapper:
         return self.pool.swap_targets() if self.pool is not None else list(self.backends)
 
     async def _swap_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None,
-                        version: int, paused_at: dict[str, float], touched: list[str]) -> None:
+                        version: int, paused_at: dict[str, float], touched: list[str],
+                        transfer: Transfer | None = None) -> None:
         await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
         paused_at[b] = time.monotonic()
-        await self._load_one(b, path, lora_path, lora_name)
+        if transfer is not None:
+            await self._receive_one(b, transfer, version)
+        else:
+            await self._load_one(b, path, lora_path, lora_name)
         touched.append(b)
         await self._tell_version(b, version)
         await self._reset_prefix_cache(b)
@@ -429,6 +464,47 @@ class WeightSwapper:
             self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
             raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
+    async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
+        """One replica's part of a collective transfer; one that failed midway reloads the disk weights."""
+        offsets, world = self._plan
+        try:
+            await collective.receive(self._call, b, transfer, offsets[b], world, version)
+        except TransferFailed as exc:
+            if not exc.touched:
+                raise
+            err = await collective.reload_from_disk(self._call, b, self.path)
+            if err is not None:
+                self.degraded = err
+                if self.pool is not None:
+                    self.pool.take_out(b, err)
+                raise TransferFailed(f"{exc.message}; {err}: restart it", True) from None
+            await self._reset_prefix_cache(b)
+            where = (f"version {self.version}'s weights" if self.on_disk
+                     else "the last weights on disk, not the current version's")
+            raise TransferFailed(f"{exc.message}; {b} reloaded {self.path} from disk ({where})", True) from None
+
+    async def _revert(self, targets: list[str], results: list[Any], new_version: int,
+                      failed: dict[str, str]) -> None:
+        """Every replica failed a transfer and the current version exists on no disk: some replicas reloaded
+        the last weights on disk, so all do, and those weights become ``new_version`` (never two sets of
+        weights under one version). Always raises."""
+        for b, r in zip(targets, results, strict=True):
+            if not (isinstance(r, TransferFailed) and r.touched):
+                err = await collective.reload_from_disk(self._call, b, self.path)
+                if err is not None:
+                    self.degraded = err
+                    if self.pool is not None:
+                        self.pool.take_out(b, err)
+                    continue
+                await self._reset_prefix_cache(b)
+        await self._persist(new_version, self.path, None)
+        self.version, self.on_disk, self.lora_path, self.lora_name = new_version, True, None, None
+        for b in targets:
+            await self._tell_version(b, new_version)
+        raise collective.transfer_error(
+            failed, f"The transferred version was on no disk: every replica now serves {self.path} (reloaded "
+                    f"from disk) as version {new_version}; publish a newer version")
+
     async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
         """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or
         reload the weights the old version was serving; the label goes back to the old version."""
@@ -436,7 +512,7 @@ class WeightSwapper:
             try:
                 if lora_name is not None:
                     await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
-                elif self.path is not None:
+                elif self.path is not None and self.on_disk:
                     await self._call(b, "POST", "/collective_rpc",
                                      {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
                     await self._reset_prefix_cache(b)
@@ -476,6 +552,11 @@ class WeightSwapper:
                     raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
+                if not self.on_disk and [t for t in self._targets() if t != backend]:
+                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                                         f"{self.version}, which came by collective transfer and is on no disk; "
+                                         "it stays out until a version is published through disk",
+                                    "version_mismatch")
                 logger.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
                             self.version, self.path)
                 await self._call(backend, "POST", "/pause?mode=wait")
@@ -483,6 +564,11 @@ class WeightSwapper:
                 await self._call(backend, "POST", "/collective_rpc",
                                  {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
                 await self._reset_prefix_cache(backend)
+                if not self.on_disk:  # the only replica: the disk weights become a version of their own
+                    await self._persist(self.version + 1, self.path, None)
+                    self.version, self.on_disk, self.lora_path, self.lora_name = self.version + 1, True, None, None
+                    logger.warning("version %d came by transfer and is on no disk: %s serves %s as version %d",
+                                   self.version - 1, backend, self.path, self.version)
                 await self._tell_version(backend, self.version)
             if self.lora_name is not None and self.lora_path is not None:
                 models = await self._call(backend, "GET", "/v1/models")

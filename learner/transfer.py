@@ -1,0 +1,172 @@
+"""Publishing full weights to vLLM by a collective transfer instead of a directory on disk.
+
+``weight_sync = "collective"`` (LearnerConfig). The learner is rank 0 of a torch.distributed group made for
+this one transfer (no global default group): it hosts a TCPStore on a free port and asks the proxy to swap with
+``POST /admin/weights {"transfer": {...}}``. The proxy does what it does for a disk swap (hold new calls, drain,
+pause every replica) and then has each vLLM worker join the group through vLLM's weight-transfer routes (the
+``steptap`` engine: ``middleware/launch/vllm_plugin``), while this side broadcasts every tensor from rank 0.
+When the workers have loaded them the proxy resets the prefix cache, persists the version and resumes; the
+HTTP answer carries the new version. The backend is ``gloo`` for CPU tensors and ``nccl`` for CUDA ones: the
+same code path.
+
+The learner learns the group's size from the store (each worker writes it as it joins), so it needs to know
+nothing of the replicas. Every wait is bounded: the proxy's answer (an error too) ends the wait for workers,
+and the group's ``timeout_s`` bounds each broadcast.
+
+LoRA adapters are not sent this way: vLLM's transfer loads base weights in place, while an adapter is a
+separate model vLLM loads by path (``/v1/load_lora_adapter``); LoRA keeps publishing through disk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from steptap.learner.publish import PublishError
+from steptap.middleware.client import SteptapError, SyncSteptapClient
+
+logger = logging.getLogger("steptap.learner.transfer")
+
+PREFIX = "steptap-transfer/"  # as the vLLM plugin's (middleware/launch/vllm_plugin/steptap_vllm_plugin.py)
+WORLD_KEY = "world_size"
+
+
+def named_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a full-weights publish sends: the HF state dict (the names ``save_pretrained`` writes)."""
+    model = getattr(model, "_orig_mod", model)
+    if hasattr(model, "peft_config"):
+        raise TypeError("a peft model publishes its adapter through disk (weight_sync = 'disk')")
+    return [(name, t.detach()) for name, t in model.state_dict().items()]
+
+
+def transfer_spec(weights: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """What vLLM's workers are told to expect, in order (the proxy checks it before anything pauses)."""
+    return {
+        "names": [n for n, _ in weights],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        "shapes": [list(t.shape) for _, t in weights],
+    }
+
+
+def _route_address(proxy_url: str) -> str:
+    """The address vLLM's workers reach this host by: the one this host uses toward the proxy."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(proxy_url).hostname if not proxy_url.startswith("unix:") else None
+    if not host or host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+
+
+def send_collective(
+    weights: list[tuple[str, torch.Tensor]],
+    proxy_url: str,
+    control_token: str,
+    *,
+    version: int | None = None,
+    address: str = "",
+    timeout_s: float = 120.0,
+    swap_timeout_s: float = 900.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Swap ``weights`` into the proxy's vLLM by broadcast; return the new policy version.
+
+    Raises ``PublishError`` when the proxy refuses or fails the swap (its message says what the replicas serve
+    now) or cannot be reached. ``progress(sent, total)`` is called after each tensor."""
+    if not weights:
+        raise ValueError("no tensors to send")
+    cuda = weights[0][1].is_cuda
+    if any(t.is_cuda != cuda for _, t in weights):
+        raise ValueError("the tensors must all be on CUDA or all on CPU")
+    backend = "nccl" if cuda else "gloo"
+    address = address or _route_address(proxy_url)
+    td = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=td)
+    body = {"transfer": {"address": address, "port": store.port, "backend": backend, "timeout_s": timeout_s,
+                         **transfer_spec(weights)}}
+    if version is not None:
+        body["version"] = int(version)
+    answer: dict[str, Any] = {}
+
+    def swap() -> None:  # the proxy answers once the workers loaded everything (or it failed)
+        try:
+            answer["version"] = SyncSteptapClient(proxy_url, control_token).transfer_weights(
+                body, timeout_s=swap_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the sending thread below
+            answer["error"] = exc
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=swap, name="steptap-transfer-swap", daemon=True)
+    thread.start()
+    group = None
+    send_error: RuntimeError | None = None
+    try:
+        prefixed = dist.PrefixStore(PREFIX, store)
+        # Wait for the first worker to join (the proxy drains and pauses first), or the proxy's answer.
+        while not prefixed.check([WORLD_KEY]):
+            if not thread.is_alive():
+                break
+            if time.monotonic() - t0 > swap_timeout_s:
+                raise PublishError(f"no vLLM worker joined the transfer in {swap_timeout_s:g} s", None,
+                                   "transfer_timeout")
+            time.sleep(0.02)
+        else:
+            world = int(prefixed.get(WORLD_KEY))
+            try:
+                group = _group(prefixed, world, backend, td)
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                t_send = time.monotonic()
+                for i, (_, tensor) in enumerate(weights):
+                    send = tensor if tensor.is_contiguous() else tensor.contiguous()
+                    group.broadcast([send], opts).wait()
+                    if progress is not None:
+                        progress(i + 1, len(weights))
+                logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
+                            backend, time.monotonic() - t_send)
+            except RuntimeError as exc:  # a worker left or never joined (gloo/nccl errors): the proxy says why
+                send_error = exc
+        thread.join(swap_timeout_s)
+    finally:
+        if group is not None:
+            group.shutdown()
+    if thread.is_alive():
+        raise PublishError(f"the proxy did not answer the transfer swap in {swap_timeout_s:g} s", None,
+                           "proxy_unreachable")
+    err = answer.get("error")
+    if isinstance(err, SteptapError):
+        raise PublishError(f"weight transfer refused ({err.status}): {err.message}", err.status, err.code)
+    if isinstance(err, OSError):
+        raise PublishError(f"proxy {proxy_url} unreachable for the weight transfer: {err}", None,
+                           "proxy_unreachable")
+    if err is not None:
+        raise err
+    if send_error is not None:  # the proxy answered success though this side failed: never expected
+        raise PublishError(f"the weight transfer failed on the learner's side: {send_error}", None,
+                           "transfer_failed")
+    return int(answer["version"])
+
+
+def _group(store: Any, world: int, backend: str, timeout: datetime.timedelta) -> Any:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, 0, world, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, 0, world, opts)
+
+
+def publish_collective(model: Any, proxy_url: str, control_token: str, *, version: int | None = None,
+                       address: str = "", timeout_s: float = 120.0) -> int:
+    """``publish_weights`` for ``weight_sync = "collective"``: nothing is written to disk."""
+    return send_collective(named_weights(model), proxy_url, control_token, version=version, address=address,
+                           timeout_s=timeout_s)
+
