@@ -14,6 +14,7 @@ A configuration whose concurrency is not in the run gets no verdict (a smoke run
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -123,7 +124,7 @@ def verdicts(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
         if key not in figures:
             continue
         value = figures[key][fig]
-        ok = None if value != value else bool(value >= bound if op == ">=" else value <= bound)  # NaN: no figure
+        ok = None if math.isnan(value) else bool(value >= bound if op == ">=" else value <= bound)  # NaN: no figure
         found[f"{key}: {FIGURE_NAMES[fig]} {op} {bound}"] = {"value": value, "pass": ok}
     return found
 
