@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per call (exactly)")
     p.add_argument("--call-timeout", type=float, default=300.0)
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
+    p.add_argument("--log-root", help="make steptap's log under this directory (/dev/shm: no disk fsync)")
     p.add_argument("--out", help="write every episode and the summary as JSON here")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -197,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0, load_start = time.time(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="steptap-e2e-"))
+    log_dir = tempfile.mkdtemp(prefix="steptap-e2e-log-", dir=args.log_root) if args.log_root else str(work / "log")
     problems: list[str] = []
     port = free_port()
     steptap = Steptap(
-        "steptap", steptap_cmd(args.backend, port, str(work / "log"), args.steptap_arg, None),
+        "steptap", steptap_cmd(args.backend, port, log_dir, args.steptap_arg, None),
         log=str(work / "steptap.log"),
     )
     steptap.port = port
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         steptap.start(timeout=120)
         pairs, sent = asyncio.run(run_pairs(args, steptap.url, problems))
         steptap.stop(timeout=30)
-        counts = count_log(str(work / "log"))
+        counts = count_log(log_dir)
         if counts["steps"] != sent:
             problems.append(f"steptap log holds {counts['steps']} steps for {sent} calls sent to it")
         if counts["failed_steps"]:
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         steptap.stop()
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(log_dir, ignore_errors=True)
     summary = summarize(pairs, args.turns) if pairs else {}
     result = {
         "summary": summary, "pairs": pairs, "log": {**counts, "calls_sent": sent}, "problems": problems,

@@ -186,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="token budget of one forward/backward")
     p.add_argument("--pairs", type=int, default=5, help="timed (bare, engine) step pairs, interleaved")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch's default). 1 by default: on a shared machine other load makes "
+        "multi-threaded kernels wait on each other (2 threads at load 7 on 2 cores: 4-30 s a step, 1: 0.8 s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the pairs and the summary as JSON here")
     p.add_argument("--quiet", action="store_true")
