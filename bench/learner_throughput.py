@@ -79,13 +79,16 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 class BareStep:
     """Forward + backward + AdamW in plain torch/transformers, nothing else."""
 
-    def __init__(self, model_dir: str, lr: float, grad_clip: float, budget: int, pad_id: int) -> None:
+    def __init__(self, model_dir: str, cfg: LearnerConfig, pad_id: int) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.config.use_cache = False
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.grad_clip, self.budget, self.pad_id = grad_clip, budget, pad_id
+        # The engine's optimizer settings, so that the two AdamW steps do the same work.
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas)
+        )
+        self.grad_clip, self.budget, self.pad_id = cfg.grad_clip, cfg.micro_batch_tokens, pad_id
 
     def step(self, batch: Batch) -> float:
         seqs = [torch.tensor(s.input_ids) for s in batch.sequences]
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     ).validate()
     engine = TorchEngine(cfg)
-    bare = BareStep(args.model_dir, args.lr, cfg.grad_clip, args.micro_batch_tokens, engine.pad_id)
+    bare = BareStep(args.model_dir, cfg, engine.pad_id)
     batch = make_batch(args, int(engine.model.config.vocab_size))
     problems: list[str] = []
     seq_tokens, trained = batch.num_tokens, sum(len(s.response_ids) for s in batch.samples)
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--response-tokens", type=int, default=64)
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="token budget of one forward/backward")
-    p.add_argument("--pairs", type=int, default=5, help="timed (bare, engine) step pairs, interleaved")
+    p.add_argument("--pairs", type=int, default=9, help="timed (bare, engine) step pairs, interleaved")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument(
         "--threads",
