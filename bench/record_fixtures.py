@@ -1,10 +1,12 @@
 """Re-record the benchmark's vLLM replies from a real server.
 
     python bench/record_fixtures.py --backend http://127.0.0.1:8000 [--name chat_32_tokens]
+    python bench/record_fixtures.py --backend http://127.0.0.1:8000 --name chat_1400_tokens --max-tokens 1400
 
-Sends one chat call for exactly 32 generated tokens (``max_tokens`` 32, ``ignore_eos``) with logprobs and
-``return_token_ids`` on, once plain and once streamed, and writes both bodies byte for byte, with the request
-that produced them and the server's ``/v1/models`` body, to ``bench/fixtures/NAME.json``. Greedy, so the two
+Sends one chat call for exactly ``--max-tokens`` generated tokens (32 by default, ``ignore_eos``) with logprobs
+and ``return_token_ids`` on, once plain and once streamed, and writes both bodies byte for byte, with the
+request that produced them and the server's ``/v1/models`` body, to ``bench/fixtures/NAME.json`` (gzipped to
+``NAME.json.gz`` when larger than 256 kB: a long reply's logprobs make it megabytes). Greedy, so the two
 bodies carry the same tokens (checked).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import sys
 import time
@@ -23,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recorded import DEFAULT_FIXTURE, FIXTURES, sse_data
 
 MAX_TOKENS = 32
+GZIP_ABOVE = 256 * 1024  # bytes: a fixture this large is committed gzipped
 
 # An agent-shaped prompt: a system prompt with instructions and a user turn with some context (a few hundred
 # tokens), so the recorded prompt_token_ids are of a realistic size for one agent step.
@@ -47,11 +51,11 @@ USER = (
 )
 
 
-def vllm_request(model: str, stream: bool) -> dict:
+def vllm_request(model: str, stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "logprobs": True,
@@ -63,27 +67,27 @@ def vllm_request(model: str, stream: bool) -> dict:
     return body
 
 
-def agent_request(model: str) -> dict:
+def agent_request(model: str, max_tokens: int = MAX_TOKENS) -> dict:
     """What the benchmark's agent sends: the same call with neither logprobs nor token ids asked for."""
     return {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
     }
 
 
-async def record(backend: str, name: str) -> Path:
+async def record(backend: str, name: str, max_tokens: int = MAX_TOKENS) -> Path:
     backend = backend.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         async with http.get(f"{backend}/v1/models") as r:
             r.raise_for_status()
             models = await r.read()
         model = json.loads(models)["data"][0]["id"]
-        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, False)) as r:
+        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, False, max_tokens)) as r:
             r.raise_for_status()
             reply = await r.read()
-        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, True)) as r:
+        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, True, max_tokens)) as r:
             r.raise_for_status()
             stream = await r.read()
         version = None
@@ -93,8 +97,8 @@ async def record(backend: str, name: str) -> Path:
 
     plain = json.loads(reply)
     ids = plain["choices"][0]["token_ids"]
-    if len(ids) != MAX_TOKENS or len(plain["choices"][0]["logprobs"]["content"]) != MAX_TOKENS:
-        raise SystemExit(f"expected {MAX_TOKENS} tokens with logprobs, got {len(ids)}")
+    if len(ids) != max_tokens or len(plain["choices"][0]["logprobs"]["content"]) != max_tokens:
+        raise SystemExit(f"expected {max_tokens} tokens with logprobs, got {len(ids)}")
     streamed_ids = [
         t
         for d in sse_data(stream)
@@ -109,9 +113,9 @@ async def record(backend: str, name: str) -> Path:
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "vllm_version": version,
         "served_model": model,
-        "request": vllm_request(model, False),
-        "stream_request": vllm_request(model, True),
-        "agent_request": agent_request(model),
+        "request": vllm_request(model, False, max_tokens),
+        "stream_request": vllm_request(model, True, max_tokens),
+        "agent_request": agent_request(model, max_tokens),
         "prompt_tokens": plain["usage"]["prompt_tokens"],
         "completion_tokens": plain["usage"]["completion_tokens"],
         "models": models.decode(),
@@ -119,8 +123,15 @@ async def record(backend: str, name: str) -> Path:
         "stream": stream.decode(),
     }
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    path = FIXTURES / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    text = (json.dumps(out, indent=1) + "\n").encode()
+    for stale in (FIXTURES / f"{name}.json", FIXTURES / f"{name}.json.gz"):
+        stale.unlink(missing_ok=True)
+    if len(text) > GZIP_ABOVE:
+        path = FIXTURES / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(text, compresslevel=9, mtime=0))  # mtime 0: same bytes, same file
+    else:
+        path = FIXTURES / f"{name}.json"
+        path.write_bytes(text)
     return path
 
 
@@ -130,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", required=True, help="a running vLLM OpenAI server, e.g. http://127.0.0.1:8000"
     )
     p.add_argument("--name", default=DEFAULT_FIXTURE)
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="generated tokens (exactly: ignore_eos)")
     args = p.parse_args(argv)
-    path = asyncio.run(record(args.backend, args.name))
+    path = asyncio.run(record(args.backend, args.name, args.max_tokens))
     print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0
 

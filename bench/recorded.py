@@ -1,7 +1,7 @@
 """Recorded vLLM replies (bench/fixtures/) and what an agent should see of them through the proxy.
 
-A fixture is one JSON file written by ``record_fixtures.py``: the request sent to vLLM, the non-streamed reply
-body and the streamed reply (raw SSE text), both kept byte for byte. The benchmark replays them from an instant
+A fixture is one JSON file written by ``record_fixtures.py`` (gzipped when large: ``NAME.json.gz``): the request
+sent to vLLM, the non-streamed reply body and the streamed reply (raw SSE text), both kept byte for byte. The benchmark replays them from an instant
 upstream, so it needs no vLLM.
 
 The agent in the benchmark asks for neither logprobs nor token ids; the proxy adds them upstream and must strip
@@ -14,6 +14,7 @@ leaves the key out of stream chunks).
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 DEFAULT_FIXTURE = "chat_32_tokens"
+LONG_FIXTURE = "chat_1400_tokens"  # a long streamed reply: 1,400 tokens, 1,403 SSE events
 
 # What the proxy adds upstream and must strip before the agent sees the reply.
 STRIPPED_TOP = ("prompt_token_ids", "prompt_logprobs")
@@ -38,6 +40,11 @@ class Fixture:
     models: bytes  # vLLM's GET /v1/models body
 
     @property
+    def max_tokens(self) -> int:
+        """What tells this fixture's calls apart at the replay upstream (each fixture has its own)."""
+        return int(self.agent_request["max_tokens"])
+
+    @property
     def stream_events(self) -> list[bytes]:
         """The SSE events, each with its blank-line terminator, in order (the replay writes one per flush)."""
         return split_sse(self.stream)
@@ -51,7 +58,8 @@ class Fixture:
 
 
 def load(name: str = DEFAULT_FIXTURE) -> Fixture:
-    raw = json.loads((FIXTURES / f"{name}.json").read_text())
+    plain, packed = FIXTURES / f"{name}.json", FIXTURES / f"{name}.json.gz"
+    raw = json.loads(plain.read_bytes() if plain.exists() else gzip.decompress(packed.read_bytes()))
     return Fixture(
         name=name,
         served_model=raw["served_model"],
@@ -95,6 +103,15 @@ def agent_view(obj: Any) -> Any:
     return out
 
 
+def _vllm_would_send(chunk: Any) -> bool:
+    """False for a chat chunk that exists only to carry token ids or logprobs (an empty delta, no finish reason,
+    no usage: e.g. a token whose text is held back until the next): vLLM sends none when neither is asked for,
+    so the agent must not get it either."""
+    if not isinstance(chunk, dict) or not chunk.get("choices") or chunk.get("usage"):
+        return True
+    return any(c.get("delta") or c.get("finish_reason") is not None for c in chunk["choices"])
+
+
 def _normalize_seen(obj: Any) -> Any:
     """Drop stripped keys only where they are null: a non-null one is a leak and must fail the comparison."""
     if not isinstance(obj, dict):
@@ -126,7 +143,7 @@ def same_agent_stream(seen: bytes, recorded: bytes) -> str | None:
         got = [_normalize_seen(d) for d in sse_data(seen)]
     except ValueError as exc:
         return f"bad SSE ({exc}): {seen[:200]!r}"
-    want = [agent_view(d) for d in sse_data(recorded)]
+    want = [v for v in map(agent_view, sse_data(recorded)) if _vllm_would_send(v)]
     if len(got) != len(want):
         return f"{len(got)} events, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):

@@ -1,10 +1,11 @@
 """An instant upstream that replays recorded vLLM replies (bench/fixtures/), for the proxy benchmark.
 
-    python bench/replay_upstream.py [--fixture chat_32_tokens] [--port 0]
+    python bench/replay_upstream.py [--fixture chat_32_tokens [--fixture chat_1400_tokens]] [--port 0]
 
 ``POST /v1/chat/completions`` answers with the recorded body: streamed (the recorded SSE events, one write and
-flush each) when the request asks for ``"stream": true``, else the recorded JSON. Nothing else in the request
-is parsed: the cost on this side is the same whoever calls. ``GET /v1/models`` answers with the recorded model
+flush each) when the request asks for ``"stream": true``, else the recorded JSON. With several fixtures, the
+request's ``max_tokens`` picks one (each fixture has its own; the first is the default). Nothing else in the
+request is parsed, and those two by a byte search: the cost on this side is the same whoever calls. ``GET /v1/models`` answers with the recorded model
 list, and the vLLM dev-mode routes a proxy may call at start (health, version, pause state) answer as vLLM
 does. Any other route is a 404 and is counted (``GET /bench/stats``), so a benchmark sees what it missed.
 """
@@ -25,25 +26,29 @@ from recorded import DEFAULT_FIXTURE, Fixture, load
 
 # Streamed or not is the one thing read from the request; a byte search, not a JSON parse.
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+_MAX_TOKENS = re.compile(rb'"max_tokens"\s*:\s*(\d+)')
 
-FIXTURE = web.AppKey("fixture", Fixture)
+FIXTURE = web.AppKey("fixture", Fixture)  # the default (first) fixture
+BY_MAX_TOKENS = web.AppKey("by_max_tokens", dict)  # max_tokens -> (fixture, its SSE events split once)
 STATS = web.AppKey("stats", Counter)
-EVENTS = web.AppKey("events", list)  # the recorded SSE events, split once
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    fixture = request.app[FIXTURE]
     body = await request.read()
     stats = request.app[STATS]
+    table = request.app[BY_MAX_TOKENS]
+    m = _MAX_TOKENS.search(body) if len(table) > 1 else None
+    entry = table.get(int(m.group(1))) if m else None
+    fixture, events = entry or table[request.app[FIXTURE].max_tokens]
     if _STREAM_TRUE.search(body):
-        stats["chat_stream"] += 1
+        stats[f"chat_stream {fixture.name}"] += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
-        for event in request.app[EVENTS]:
+        for event in events:
             await resp.write(event)
         await resp.write_eof()
         return resp
-    stats["chat"] += 1
+    stats[f"chat {fixture.name}"] += 1
     return web.Response(body=fixture.reply, content_type="application/json")
 
 
@@ -82,10 +87,14 @@ async def not_found(request: web.Request) -> web.Response:
     )
 
 
-def create_app(fixture: Fixture) -> web.Application:
+def create_app(fixtures: Fixture | list[Fixture]) -> web.Application:
+    if isinstance(fixtures, Fixture):
+        fixtures = [fixtures]
     app = web.Application(client_max_size=64 * 1024**2)
-    app[FIXTURE] = fixture
-    app[EVENTS] = fixture.stream_events
+    app[FIXTURE] = fixtures[0]
+    app[BY_MAX_TOKENS] = {fx.max_tokens: (fx, fx.stream_events) for fx in fixtures}
+    if len(app[BY_MAX_TOKENS]) != len(fixtures):
+        raise SystemExit("each fixture needs its own max_tokens (the replay tells calls apart by it)")
     app[STATS] = Counter()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
@@ -102,10 +111,10 @@ def create_app(fixture: Fixture) -> web.Application:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fixture", default=DEFAULT_FIXTURE)
+    p.add_argument("--fixture", action="append", help=f"repeatable; default {DEFAULT_FIXTURE}")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)
-    serve(create_app(load(args.fixture)), port=args.port)
+    serve(create_app([load(name) for name in args.fixture or [DEFAULT_FIXTURE]]), port=args.port)
     return 0
 
 

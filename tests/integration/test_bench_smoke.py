@@ -1,6 +1,7 @@
-"""The proxy benchmark (bench/proxy_overhead.py) in a tiny configuration: it runs, produces numbers for every
-target and configuration, and its correctness checks hold. Timing thresholds are not asserted here (this
-machine is shared); the benchmark prints PASS/MISS for those itself."""
+"""The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark (bench/proxy_overhead.py,
+the long streamed reply included), the end-to-end one on the real vLLM (bench/end_to_end.py) and the learner's
+throughput (bench/learner_throughput.py). Each runs, produces numbers, and its own correctness checks hold.
+Timing thresholds are not asserted here (the machine is shared); the benchmarks print PASS/MISS themselves."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
 import recorded
+from overhead_report import verdicts
 
 
 def test_fixture_is_a_real_32_token_reply_with_ids_and_logprobs():
@@ -30,6 +32,49 @@ def test_fixture_is_a_real_32_token_reply_with_ids_and_logprobs():
     assert streamed == choice["token_ids"]
     assert recorded.sse_data(fx.stream)[-1] == "[DONE]"
     assert b"".join(fx.stream_events) == fx.stream
+
+
+def test_long_fixture_is_a_real_1400_token_stream():
+    fx = recorded.load(recorded.LONG_FIXTURE)
+    plain = json.loads(fx.reply)
+    ids = plain["choices"][0]["token_ids"]
+    assert len(ids) == fx.max_tokens == 1400 and plain["usage"]["completion_tokens"] == 1400
+    chunks = [d for d in recorded.sse_data(fx.stream) if isinstance(d, dict)]
+    assert [t for d in chunks for c in d["choices"] for t in (c.get("token_ids") or [])] == ids
+    assert fx.max_tokens != recorded.load().max_tokens  # the replay tells the two apart by it
+    # Chunks that only carry a held-back token's id and logprob: vLLM sends none when neither is asked for, so
+    # the agent must not get them either; a proxy that relayed them (stripped) fails the check.
+    views = [e if e == "[DONE]" else recorded.agent_view(e) for e in recorded.sse_data(fx.stream)]
+    assert any(isinstance(v, dict) and v["choices"] and v["choices"][0]["delta"] == {} for v in views)
+    relayed = b"".join(b"data: " + (v if isinstance(v, str) else json.dumps(v)).encode() + b"\n\n" for v in views)
+    assert recorded.same_agent_stream(relayed, fx.stream) is not None
+    kept = [v for v in views if not (isinstance(v, dict) and v["choices"] and v["choices"][0]["delta"] == {}
+                                     and v["choices"][0]["finish_reason"] is None and not v.get("usage"))]
+    sse = b"".join(b"data: " + (v if isinstance(v, str) else json.dumps(v)).encode() + b"\n\n" for v in kept)
+    assert recorded.same_agent_stream(sse, fx.stream) is None
+
+
+def test_verdicts_judge_each_measured_target():
+    def figures(ratio: float, p99: float, added: float, cpu: float) -> dict[str, float]:
+        return {"ratio_calls_per_s": ratio, "ratio_p99": p99, "added_p50_ms": added, "ratio_cpu": cpu,
+                "added_cpu_ms_per_call": 0.0}
+
+    got = verdicts({
+        "plain c=32": figures(0.81, 9.0, 9.0, 2.5),
+        "stream c=256": figures(0.69, 1.4, 9.0, float("nan")),
+        "stream c=1": figures(0.1, 9.0, 0.5, 2.0),
+        "long c=32": figures(0.1, 9.0, 9.0, 1.0),
+    })
+    assert {k: v["pass"] for k, v in got.items()} == {
+        "plain c=32: calls/s, steptap / pass-through >= 0.8": True,
+        "plain c=32: proxy CPU per call, steptap / pass-through <= 2.0": False,
+        "stream c=256: calls/s, steptap / pass-through >= 0.7": False,
+        "stream c=256: p99, steptap / pass-through <= 1.5": True,
+        "stream c=256: proxy CPU per call, steptap / pass-through <= 2.0": None,  # no figure: not judged
+        "stream c=1: added p50 ms, steptap - pass-through <= 0.5": True,
+        "stream c=1: proxy CPU per call, steptap / pass-through <= 2.0": True,
+        "long c=32: proxy CPU per call, steptap / pass-through <= 2.0": True,
+    }
 
 
 def test_checks_catch_leaks_and_accept_stripped_bodies():
@@ -77,6 +122,8 @@ def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
         "4",
         "--concurrency",
         "1,4",
+        "--long-concurrency",
+        "1",
         "--out",
         str(out),
         "--quiet",
@@ -86,14 +133,50 @@ def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
     result = json.loads(out.read_text())
     assert result["problems"] == []
     rows = result["summary"]["configs"]
+    targets = ("direct", "passthrough", "steptap")
     assert {(r["mode"], r["concurrency"], r["target"]) for r in rows} == {
-        (m, c, t) for m in ("plain", "stream") for c in (1, 4) for t in ("direct", "passthrough", "steptap")
-    }
+        (m, c, t) for m in ("plain", "stream") for c in (1, 4) for t in targets
+    } | {("long", 1, t) for t in targets}
     for r in rows:
         assert r["calls"] == 24, r
         assert r["calls_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
     # Every call through steptap (warm-up included) left exactly one step in its durable log.
     log = result["log"]
-    assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 4 * (24 + 4)
-    assert set(result["summary"]["targets"]) == {"plain c=1", "plain c=4", "stream c=1", "stream c=4"}
+    assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 5 * (24 + 4)
+    assert set(result["summary"]["targets"]) == {"plain c=1", "plain c=4", "stream c=1", "stream c=4", "long c=1"}
+    # The replay served the long reply to the long rows only: 3 targets x (24 + 4) streamed calls.
+    assert result["replay_stats"][f"chat_stream {recorded.LONG_FIXTURE}"] == 3 * (24 + 4)
     assert "| steptap |" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_smallest_run_on_the_real_vllm(vllm_server, tmp_path):
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, str(BENCH / "end_to_end.py"), "--backend", vllm_server.url, "--pairs", "1",
+           "--turns", "2", "--max-tokens", "4", "--out", str(out), "--quiet"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["problems"] == []
+    # One warm-up call and one 2-call episode through steptap, each a step in its log.
+    assert result["log"]["steps"] == result["log"]["calls_sent"] == 3 and result["log"]["failed_steps"] == 0
+    (rnd,) = result["pairs"]
+    for path in ("direct", "direct_lp", "steptap"):
+        assert rnd[path]["calls"] == 2 and 0 < rnd[path]["wall_s"], rnd
+    assert result["summary"]["rounds"] == 1 and "steptap / direct" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_learner_throughput_smallest_run(tiny_model_dir, tmp_path):
+    out = tmp_path / "learner.json"
+    # 4 rows of 24 tokens, a 48-token budget: 2 micro-batches, so accumulation is exercised on both sides.
+    cmd = [sys.executable, str(BENCH / "learner_throughput.py"), "--model-dir", str(tiny_model_dir),
+           "--groups", "2", "--members", "2", "--prompt-tokens", "16", "--response-tokens", "8",
+           "--micro-batch-tokens", "48", "--pairs", "1", "--threads", "1", "--out", str(out), "--quiet"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["problems"] == []
+    s = result["summary"]
+    assert (s["rows"], s["seq_tokens"], s["trained_tokens"], s["micro_batches"]) == (4, 96, 32, 2)
+    assert s["bare_tokens_per_s"] > 0 and s["engine_tokens_per_s"] > 0 and len(result["pairs"]) == 1
