@@ -635,3 +635,30 @@ async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(t
     await log.close()
     with pytest.raises(ValueError):
         await TrajectoryLog.open(str(tmp_path / "x"), durability="never")
+
+
+async def test_a_group_reaches_the_loop_in_one_callback(tmp_path: Path) -> None:
+    """The writer thread hands each group back with one ``call_soon_threadsafe`` (not one per record, and no
+    writer task in between): callbacks from the thread = groups committed (+1 when it stops)."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    calls: list[str] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(threading.current_thread().name)
+        return real(callback, *args, **kwargs)
+
+    log = await TrajectoryLog.open(str(tmp_path))
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        for rounds in range(3):
+            await asyncio.gather(*(log.append(_traj(100 * rounds + i)) for i in range(50)))
+        await log.close()
+    finally:
+        del loop.call_soon_threadsafe  # back to the class's method
+    from_writer = [name for name in calls if name == "steptap-wal-writer"]
+    assert log.stats.records == 150
+    assert len(from_writer) == log.stats.commits + 1  # one per group (each group one sync), one at stop
+    assert log.stats.commits < 150  # records queued together shared groups
