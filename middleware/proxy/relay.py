@@ -32,7 +32,7 @@ from steptap.middleware.exceptions import (
     BackendUnreachable,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture, tito
+from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
@@ -341,6 +341,14 @@ class _Call:
             raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
+        if self.proto is None and self.endpoint == CHAT:  # typed, stripped in vLLM's bytes; else the dict path
+            view = replies.reply_view(data)
+            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(), **self.common)
+            if view is not None and steps is not None:
+                body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
+                if body is not None:
+                    await self.record(steps)  # durable before the reply leaves
+                    return web.Response(body=body, status=resp.status, content_type="application/json")
         try:
             reply = _decode(data)
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
