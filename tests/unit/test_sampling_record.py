@@ -72,3 +72,21 @@ def test_the_learner_drops_and_counts_unreproducible_steps() -> None:
     assert batch.counts["dropped_unreproducible"] == 7
     assert [s.trajectory_id for s in batch.samples] == ["t0", "t8"]
     assert batch.counts["steps"] == len(kinds)
+
+
+FIXTURE_V2 = Path(__file__).parent.parent / "fixtures" / "records-v2.msgpack"
+
+
+def test_a_v2_log_still_decodes() -> None:
+    """Records written by schema v2 (committed under tests/fixtures), an anonymous call's Step and one-step
+    Trajectory among them: every later reader must read them."""
+    records = msgspec.msgpack.Decoder(list[LogRecord]).decode(FIXTURE_V2.read_bytes())
+    assert [type(r).__name__ for r in records] == [
+        "SessionOpened", "Step", "RewardAdded", "Trajectory", "Step", "Trajectory", "PolicyVersion"
+    ]
+    step, traj, anon_step, anon = records[1], records[3], records[4], records[5]
+    assert isinstance(step, Step) and isinstance(traj, Trajectory) and isinstance(anon, Trajectory)
+    assert step.schema_version == 2 and traj.schema_version == 2
+    assert step.sampling == Sampling(temperature=0.7, min_p=0.05, constraints=["response_format"])
+    assert traj.steps == [step] and traj.rewards == {"judge": 1.0}
+    assert anon.anonymous and anon.steps == [anon_step]
