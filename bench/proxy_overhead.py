@@ -192,8 +192,8 @@ def check_bodies(target: str, stream: bool, bodies: list[list[Any]], fx: recorde
 
 
 async def _count_steps(log_dir: str) -> dict[str, int]:
-    from steptap.middleware.records import Step
     from steptap.middleware.log.wal import TrajectoryLog
+    from steptap.middleware.records import steps_of
 
     try:  # read-only: inspect, never repair (the proxy has stopped, but a check must not change what it checks)
         log = await TrajectoryLog.open(log_dir, readonly=True)
@@ -204,8 +204,10 @@ async def _count_steps(log_dir: str) -> dict[str, int]:
         for rec in log.records():
             kind = type(rec).__name__
             counts[kind] = counts.get(kind, 0) + 1
-            if isinstance(rec, Step) and rec.status != "ok":
-                counts["failed_steps"] = counts.get("failed_steps", 0) + 1
+            for step in steps_of([rec]):  # a Step record, or an anonymous call's step inside its Trajectory
+                counts["steps"] = counts.get("steps", 0) + 1
+                if step.status != "ok":
+                    counts["failed_steps"] = counts.get("failed_steps", 0) + 1
     finally:
         await log.close()
     return counts
@@ -360,7 +362,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if steptap is not None:
             steptap.stop(timeout=30)
             counts = count_log(log_dir)
-            steps = counts.get("Step", 0)
+            steps = counts.get("steps", 0)
             log_bytes = sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
             result["log"] = {
                 "calls_sent": sent_to_steptap,

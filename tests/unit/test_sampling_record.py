@@ -11,7 +11,7 @@ import msgspec
 from steptap.learner.rows import build_batch
 from steptap.middleware.config import generation_defaults
 from steptap.middleware.proxy.capture import sampling_of
-from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory
+from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory, steps_of
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "records-v1.msgpack"
 
@@ -90,3 +90,10 @@ def test_a_v2_log_still_decodes() -> None:
     assert step.sampling == Sampling(temperature=0.7, min_p=0.05, constraints=["response_format"])
     assert traj.steps == [step] and traj.rewards == {"judge": 1.0}
     assert anon.anonymous and anon.steps == [anon_step]
+    # v2 logged every step as a Step record too: read as such, each step is found once
+    assert traj.steps_logged and anon.steps_logged
+    assert list(steps_of(records)) == [step, anon_step]
+    # v3 writes an anonymous call as its Trajectory alone; its step is found there
+    alone = Trajectory(id="anon-v3", steps=[anon_step], anonymous=True, status="finished", steps_logged=False)
+    again = msgspec.msgpack.Decoder(LogRecord).decode(msgspec.msgpack.encode(alone))
+    assert list(steps_of([step, again])) == [step, anon_step] and again.schema_version == SCHEMA_VERSION == 3
