@@ -406,9 +406,10 @@ class _Call:
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
             await out.write(tail)
             await out.write_eof()
-        if done and isinstance(source, aiohttp.ClientResponse):
+        if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
-            # unread closes its connection instead of returning it to the pool (a TCP connect per call).
+            # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
+            # it came with [DONE] (no wait, and no task for wait_for).
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out
