@@ -105,7 +105,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
                 try:
-                    return await call.run(_encode(out), stream)
+                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out), stream)
                 finally:
                     pool.release(call.replica)
         finally:
@@ -154,6 +154,20 @@ def patch_request(
     for name, value in cfg.force_sampling.items():
         out[name] = int(value) if name == "top_k" else value
     return out, asked
+
+
+def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
+    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs), the
+    agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
+    if any(out[k] is not v for k, v in body.items()):
+        return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
+    if len(out) == len(body):
+        return raw  # the agent asked for token ids and logprobs itself: forwarded as it came
+    end = raw.rstrip()
+    if not body or not end.endswith(b"}"):
+        return _encode(out)
+    added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
+    return b"".join((end[:-1], b",", added, b"}"))
 
 
 # Backend failures after the call left: the call becomes a failed step (an unreachable backend got nothing).

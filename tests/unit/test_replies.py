@@ -82,3 +82,25 @@ def test_unexpected_shapes_fall_back_to_the_dict_path() -> None:
     bad_lp = replies.reply_view(b'{"choices":[{"index":0,"logprobs":{"content":[{"logprob":"x"}]}}]}')
     assert bad_lp is not None and replies.steps_from_view(bad_lp, **COMMON) is None
 
+
+
+def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> None:
+    """No re-encode of the agent's body when the proxy only adds keys: the same JSON value as encoding the
+    patched dict, the agent's own bytes kept; a changed value (the model name) re-encodes."""
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.proxy.relay import _upstream_body, patch_request
+
+    cfg = ProxyConfig(backend="http://127.0.0.1:1")
+    history = [{"role": "user", "content": "h\u00e9 \"q\" \\ \n"}] * 3
+    cases = {
+        "added": (b'{"model":"tiny", "messages":' + json.dumps(history).encode() + b'} \n', True),
+        "asked both": (b'{"messages":[],"logprobs":true,"return_token_ids":true}', True),
+        "renamed": (b'{"model":"other","messages":[]}', False),
+        "turned on": (b'{"messages":[],"logprobs":false}', False),
+    }
+    for name, (raw, kept) in cases.items():
+        body = msgspec.json.decode(raw)
+        out, _ = patch_request(body, "chat.completions", "tiny", cfg)
+        sent = _upstream_body(raw, body, out)
+        assert msgspec.json.decode(sent) == out, name
+        assert sent.startswith(raw.rstrip()[:-1]) == kept, (name, sent)

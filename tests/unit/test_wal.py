@@ -216,13 +216,11 @@ async def test_upload_url_to_a_second_local_dir(tmp_path: Path) -> None:
         await log.append(_traj(i))
     sealed = _segs(tmp_path / "wal")[:-1]
     assert sealed
-    for _ in range(50):  # uploads run in the background as segments seal
-        if all((tmp_path / "archive" / p.name).exists() for p in sealed):
-            break
-        await asyncio.sleep(0.05)
+    # Uploads run in the background as segments seal; close() waits for them (a file that merely exists may
+    # still be mid-copy: waiting for its name raced with its content).
+    await log.close()
     for p in sealed:
         assert (tmp_path / "archive" / p.name).read_bytes() == p.read_bytes()
-    await log.close()
 
 
 async def test_compaction_keeps_open_sessions_and_policy_version(tmp_path: Path) -> None:
