@@ -90,7 +90,9 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
                 served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                replica = pool.acquire(pool.pick(session.id))  # the session's replica, or the least loaded
+                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky entry
+                # (it would only push named sessions out of the pool's bounded map).
+                replica = pool.acquire(pool.pick(_sticky_id(session)))
                 out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
                 call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
@@ -154,6 +156,10 @@ def patch_request(
     for name, value in cfg.force_sampling.items():
         out[name] = int(value) if name == "top_k" else value
     return out, asked
+
+
+def _sticky_id(session: LiveSession) -> str | None:
+    return None if session.trajectory.anonymous else session.id
 
 
 def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
@@ -263,7 +269,7 @@ class _Call:
             pool = self.request.app[POOL_KEY]
             pool.take_out(self.replica.base, exc.message, unreachable=True)
             try:
-                other = pool.pick(self.session.id, avoid=self.replica.base)
+                other = pool.pick(_sticky_id(self.session), avoid=self.replica.base)
             except (BackendUnavailable, BackendUnreachable):
                 raise exc from None
             pool.release(self.replica)
