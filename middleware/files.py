@@ -11,6 +11,7 @@ Light on purpose (stdlib only): the proxy, the learner and ``steptap up`` all us
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -34,12 +35,41 @@ def fsync_path(path: StrPath) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """``os.write`` until every byte is written (a short write is legal)."""
+# pwritev2's per-write O_DSYNC (Linux 4.7+): the write and its fdatasync in one call. 0 where it is missing (or
+# found unsupported at the first try): a write is then followed by ``datasync``.
+_RWF_DSYNC = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
+
+
+def write_all(fd: int, data: bytes | memoryview, offset: int | None = None, dsync: bool = False) -> None:
+    """``os.write`` until every byte is written (a short write is legal). With ``offset``: positioned writes
+    from there (the file position is not used). With ``dsync``: durable when it returns, as if followed by
+    ``datasync``; where the platform can, each write is synced by the same system call (``RWF_DSYNC``): one
+    call instead of two, and a writer thread takes the GIL back once instead of twice."""
+    global _RWF_DSYNC
     view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+    if offset is None:
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    else:
+        while view:
+            flags = _RWF_DSYNC if dsync else 0
+            if flags:
+                try:
+                    n = os.pwritev(fd, [view], offset, flags)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                        raise
+                    _RWF_DSYNC = 0  # this kernel or filesystem has no per-write sync: write, then datasync
+                    continue
+            else:
+                n = os.pwrite(fd, view, offset)
+            offset += n
+            view = view[n:]
+        if dsync and _RWF_DSYNC:
+            return
+    if dsync:
+        datasync(fd)
 
 
 def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:

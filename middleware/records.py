@@ -8,11 +8,14 @@ here and reused everywhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, Union
 
 import msgspec
 
-SCHEMA_VERSION = 2  # 2: Sampling records what else shapes the distribution (min_p, penalties, constraints)
+# 2: Sampling records what else shapes the distribution (min_p, penalties, constraints).
+# 3: an anonymous call (no reward callback) is logged as its one-step Trajectory alone (``steps_logged=False``).
+SCHEMA_VERSION = 3
 
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
@@ -107,6 +110,9 @@ class Trajectory(Record, tag="trajectory"):
     created_at: float = msgspec.field(default_factory=time.time)
     finished_at: float | None = None
     idle_timeout_s: float | None = None
+    # True: each step was logged as a Step record when it was made (every session before v3). False: the steps
+    # are in this record only (v3: an anonymous call without a reward callback writes one record, not two).
+    steps_logged: bool = True
 
     @property
     def reward(self) -> float:
@@ -151,6 +157,16 @@ class PolicyVersion(Record, tag="policy_version"):
 # A finished trajectory is written whole (a ``Trajectory`` record) when its session closes: the stream then
 # reads one record per trajectory. This costs writing each step twice, and buys a stream that needs no joins.
 LogRecord = Union[Step, Trajectory, SessionOpened, RewardAdded, PolicyVersion]
+
+def steps_of(records: Iterable[LogRecord]) -> Iterator[Step]:
+    """Every step a log holds, once: its Step records and the steps of Trajectory records that are their only
+    record (``steps_logged=False``)."""
+    for record in records:
+        if isinstance(record, Step):
+            yield record
+        elif isinstance(record, Trajectory) and not record.steps_logged:
+            yield from record.steps
+
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

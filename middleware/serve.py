@@ -117,8 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     if config.reuse_port or config.worker_port:
         asyncio.run(_serve_worker(app, config))
     else:
-        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
+        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None, backlog=backlog(config))
     return 0
+
+
+def backlog(config: ProxyConfig) -> int:
+    """The listen backlog: room for as many connections arriving at once as calls the proxy admits (the
+    default, 128, drops the SYNs beyond it: a burst of 256 agents then waits out a 1 s TCP retransmit)."""
+    return max(128, config.max_concurrent_calls)
 
 
 async def _serve_worker(app: Any, config: ProxyConfig) -> None:
@@ -127,9 +133,9 @@ async def _serve_worker(app: Any, config: ProxyConfig) -> None:
 
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port).start()
+    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port, backlog=backlog(config)).start()
     if config.worker_port:
-        await web.TCPSite(runner, config.host, config.worker_port).start()
+        await web.TCPSite(runner, config.host, config.worker_port, backlog=backlog(config)).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

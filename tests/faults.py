@@ -183,11 +183,11 @@ class DiskFullInjector:
         self.full = False
         self.refused = 0
 
-    def __call__(self, fd: int, data: Any) -> None:
+    def __call__(self, fd: int, data: Any, *args: Any, **kwargs: Any) -> None:
         if self.full:
             self.refused += 1
             import errno
             import os
 
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.real(fd, data)
+        self.real(fd, data, *args, **kwargs)

@@ -3,10 +3,10 @@ returns.
 
 The on-disk format (segments, frames, cursors) is in ``segments.py``.
 
-**Group commit.** One writer task drains a queue of encoded frames. It writes what is queued in one ``write``
-and one ``fdatasync`` in a worker thread (never on the event loop). A lone record is thus written and synced
-at once; records that arrive while a sync is in progress wait for the next one and share it. Each ``append``
-resolves only after the sync that covered its record.
+**Group commit.** One writer thread (``writer.py``) drains a queue of encoded frames. It writes what is queued
+in one ``write`` and one ``fdatasync`` (never on the event loop) and hands the group back to the loop in one
+callback. A lone record is thus written and synced at once; records that arrive while a sync is in progress
+wait for the next one and share it. Each ``append`` resolves only after the sync that covered its record.
 
 **Recovery** at open (``recovery.py``) cuts a torn tail and rebuilds what the writer tracks; **reading**
 (``reader.py``) serves start-up, the stream and cursor checks; **remote logs** (``remote.py``) keep the
@@ -28,14 +28,12 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from steptap.middleware import files
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
@@ -55,6 +53,7 @@ from steptap.middleware.log.segments import (
     seg_name,
     split_location,
 )
+from steptap.middleware.log.writer import CommitThread, Item, Written
 from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, msgpack_encoder
 
 # Format names are re-exported: callers import them from here.
@@ -122,8 +121,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self._fs = fs
         self._remote_root = remote_root
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steptap-wal")
-        self._queue: asyncio.Queue[tuple[bytes, LogRecord, asyncio.Future[str]] | None] = asyncio.Queue()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer: CommitThread | None = None
+        self._fd_lock = threading.Lock()  # the active segment: the writer thread vs the timed sync ("os")
         self._uploads: set[asyncio.Task[None]] = set()
         self._closed = False
         self._fd = -1
@@ -189,8 +188,10 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         except BaseException:
             log._release()
             raise
-        log._writer = asyncio.create_task(log._write_loop(), name="steptap-wal-writer")
-        log._writer.add_done_callback(log._writer_done)
+        log._writer = CommitThread(
+            asyncio.get_running_loop(), log._write_batch, log._committed, log._writer_died, _MAX_BATCH_BYTES
+        )
+        log._writer.start()
         if durability == "os":
             log._syncer = asyncio.create_task(log._sync_forever(), name="steptap-wal-syncer")
         if fs is not None:
@@ -215,7 +216,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
                 f"{self.max_record_bytes} bytes"
             )
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((frame(payload), record, fut))
+        assert self._writer is not None  # set by open() whenever _closed is False
+        self._writer.put((frame(payload), record, fut))
         return await fut
 
     @property
@@ -224,62 +226,41 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         with self._lock:
             return sum(self._valid_end.values()) + self._size
 
-    async def _write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        stop = False
-        while not stop:
-            item = await self._queue.get()
-            if item is None:
-                break
-            batch, size = [item], len(item[0])
-            while size < _MAX_BATCH_BYTES and not self._queue.empty():
-                nxt = self._queue.get_nowait()
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
-                size += len(nxt[0])
-            t0 = time.perf_counter()
-            try:
-                positions, sealed, error = await loop.run_in_executor(
-                    self._io, self._write_batch, [b[0] for b in batch]
-                )
-            except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail these appends, keep serving
-                positions, sealed, error = [], [], exc
-            self.stats.last_commit_latency_s = time.perf_counter() - t0
-            self.stats.last_batch_records = len(positions)
-            self.stats.records += len(positions)
-            self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
-            for (_, record, fut), (segno, offset) in zip(batch, positions):
-                self._track(record, segno, offset)
-                if not fut.done():  # the caller may have gone away; the record is durable all the same
-                    fut.set_result(format_cursor(segno, offset))
-            if error is not None:
-                # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
-                # the log refuses new records until a probe write succeeds, so memory and log stay in step.
-                failed = batch[len(positions):]
-                logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
-                self._degrade(error)
-                for _, _, fut in failed:
-                    if not fut.done():
-                        unavailable = LogUnavailable(f"the trajectory log could not write: {self.degraded_reason}")
-                        unavailable.__cause__ = error
-                        fut.set_exception(unavailable)
-            for segno in sealed + sorted(self._upload_failed):
-                self._schedule_upload(segno)
-            self._changed.set()
-            self._changed = asyncio.Event()
+    def _committed(self, batch: list[Item], written: Written, seconds: float) -> None:
+        """On the loop, once per group: resolve its appends, track what readers need, wake the followers."""
+        positions, sealed, error = written
+        self.stats.last_commit_latency_s = seconds
+        self.stats.last_batch_records = len(positions)
+        self.stats.records += len(positions)
+        self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
+        for (_, record, fut), (segno, offset) in zip(batch, positions):
+            self._track(record, segno, offset)
+            if not fut.done():  # the caller may have gone away; the record is durable all the same
+                fut.set_result(format_cursor(segno, offset))
+        if error is not None:
+            # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
+            # the log refuses new records until a probe write succeeds, so memory and log stay in step.
+            failed = batch[len(positions):]
+            logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
+            self._degrade(error)
+            for _, _, fut in failed:
+                if not fut.done():
+                    unavailable = LogUnavailable(f"the trajectory log could not write: {self.degraded_reason}")
+                    unavailable.__cause__ = error
+                    fut.set_exception(unavailable)
+        for segno in sealed + sorted(self._upload_failed):
+            self._schedule_upload(segno)
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-    def _writer_done(self, task: asyncio.Task[None]) -> None:
+    def _writer_died(self, exc: BaseException, batch: list[Item]) -> None:
         """The writer only ends at close; if it died of a bug, fail what waits instead of hanging forever."""
-        if task.cancelled() or task.exception() is None:
-            return
-        logger.error("trajectory log writer died", exc_info=task.exception())
+        logger.error("trajectory log writer died", exc_info=exc)
         self._closed = True
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if item is not None and not item[2].done():
-                item[2].set_exception(LogClosedError("trajectory log writer died"))
+        assert self._writer is not None
+        for _, _, fut in batch + self._writer.pending():
+            if not fut.done():
+                fut.set_exception(LogClosedError("trajectory log writer died"))
 
     def _track(self, record: LogRecord, segno: int, offset: int) -> None:
         if isinstance(record, SessionOpened):
@@ -293,9 +274,15 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     def _write_batch(
         self, frames: list[bytes]
     ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
-        """I/O thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
+        """Writer thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
         after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error that
         stopped it, if any."""
+        with self._fd_lock:
+            return self._write_frames(frames)
+
+    def _write_frames(
+        self, frames: list[bytes]
+    ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
         positions: list[tuple[int, int]] = []
         committed = 0
         sealed: list[int] = []
@@ -325,9 +312,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     def _flush(self, buf: list[bytes]) -> None:
         if not buf:
             return
-        files.write_all(self._fd, b"".join(buf))
+        # At the committed end; with fsync, written and synced by one system call where the platform can.
+        files.write_all(self._fd, b"".join(buf), self._size, dsync=self.durability == "fsync")
         if self.durability == "fsync":
-            files.datasync(self._fd)
             self.stats.commits += 1
         else:
             self._unsynced = True
@@ -354,8 +341,13 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
 
     # ---- durability "os": the timed sync ------------------------------------------------------------------
 
+    def _sync_locked(self) -> None:
+        with self._fd_lock:
+            self._sync_now()
+
     def _sync_now(self) -> None:
-        """I/O thread: sync what was written but not yet synced (durability ``os``)."""
+        """Sync what was written but not yet synced (durability ``os``); the caller holds ``_fd_lock`` or is
+        the only one left touching the segment."""
         if self._unsynced:
             files.datasync(self._fd)
             self._unsynced = False
@@ -368,7 +360,7 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
             if not self._unsynced:
                 continue
             try:
-                await loop.run_in_executor(self._io, self._sync_now)
+                await loop.run_in_executor(self._io, self._sync_locked)
             except OSError as exc:
                 self._degrade(exc)
 
@@ -383,19 +375,18 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         if self._closed:
             return
         self._closed = True
-        self._queue.put_nowait(None)
+        self._writer.stop()
         for task in (self._probe, self._active_uploader, self._syncer):
             if task is not None:
                 task.cancel()
-        if self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)  # a dead writer was reported already
+        await self._writer.stopped  # every queued append resolved (a dead writer failed them)
         loop = asyncio.get_running_loop()
         if self._fs is not None and self._size > len(HEADER):
             sealed = await loop.run_in_executor(self._io, self._roll)
             self._schedule_upload(sealed)
         if self._uploads:
             await asyncio.gather(*list(self._uploads), return_exceptions=True)
-        await loop.run_in_executor(self._io, self._sync_now)
+        await loop.run_in_executor(self._io, self._sync_locked)
         await loop.run_in_executor(self._io, os.close, self._fd)
         self._io.shutdown(wait=True)
         self._release()

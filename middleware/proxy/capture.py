@@ -137,10 +137,17 @@ def _response_of(choice: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if endpoint != CHAT:
         return {"text": choice.get("text")}
     msg = choice.get("message") or {}
-    out: dict[str, Any] = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
-    if msg.get("tool_calls"):
-        out["tool_calls"] = msg["tool_calls"]
-    reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+    return message_response(
+        msg.get("role", "assistant"), msg.get("content"), msg.get("tool_calls"),
+        msg.get("reasoning_content", msg.get("reasoning")),
+    )
+
+
+def message_response(role: Any, content: Any, tool_calls: Any, reasoning: Any) -> dict[str, Any]:
+    """``Step.response`` of a chat choice: the assistant message's content, tool calls and reasoning."""
+    out: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls:
+        out["tool_calls"] = tool_calls
     if reasoning is not None:
         out["reasoning_content"] = reasoning
     return out
@@ -149,44 +156,58 @@ def _response_of(choice: dict[str, Any], endpoint: str) -> dict[str, Any]:
 def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> list[Step]:
     """One ``Step`` per choice of a (non-streamed, or reassembled) vLLM reply. ``common`` holds the fields
     every choice shares (request, sampling, model, timings...). Token ids and logprobs are vLLM's own; a reply
-    that lacks them gives a failed step (the agent still gets its answer)."""
+    that lacks them gives a failed step (the agent still gets its answer). ``replies.py`` builds the same steps
+    from a typed view."""
     steps: list[Step] = []
     top_prompt = reply.get("prompt_token_ids")
     for choice in reply.get("choices") or ():
-        prompt = top_prompt if endpoint == CHAT else choice.get("prompt_token_ids")
-        ids = choice.get("token_ids")
-        logprobs = _choice_logprobs(choice, endpoint)
-        error = None
-        if prompt is None or ids is None:
-            error = StepError(
-                message="backend reply carries no token ids (return_token_ids)", type="capture_error"
-            )
-        elif logprobs is None or len(logprobs) != len(ids):
-            error = StepError(
-                message=f"backend gave {len(logprobs or ())} logprobs for {len(ids)} tokens",
-                type="capture_error",
-            )
-        prompt = prompt or []
-        ids = ids or []
-        steps.append(
-            Step(
-                choice=int(choice.get("index", 0)),
-                endpoint=endpoint,
-                prompt_token_ids=prompt,
-                response_token_ids=ids,
-                response_logprobs=logprobs or [],
-                finish_reason=choice.get("finish_reason"),
-                response=_response_of(choice, endpoint),
-                status="ok" if error is None else "failed",
-                error=error,
-                usage=Usage(
-                    prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)
-                ),
-                **common,
-            )
-        )
+        steps.append(make_step(
+            endpoint,
+            int(choice.get("index", 0)),
+            top_prompt if endpoint == CHAT else choice.get("prompt_token_ids"),
+            choice.get("token_ids"),
+            _choice_logprobs(choice, endpoint),
+            choice.get("finish_reason"),
+            _response_of(choice, endpoint),
+            common,
+        ))
     steps.sort(key=lambda s: s.choice)
     return steps
+
+
+def make_step(
+    endpoint: str,
+    index: int,
+    prompt: list[int] | None,
+    ids: list[int] | None,
+    logprobs: list[float] | None,
+    finish_reason: str | None,
+    response: dict[str, Any],
+    common: dict[str, Any],
+) -> Step:
+    """The step of one choice; a failed one when token ids or logprobs are missing or do not match."""
+    error = None
+    if prompt is None or ids is None:
+        error = StepError(message="backend reply carries no token ids (return_token_ids)", type="capture_error")
+    elif logprobs is None or len(logprobs) != len(ids):
+        error = StepError(
+            message=f"backend gave {len(logprobs or ())} logprobs for {len(ids)} tokens", type="capture_error"
+        )
+    prompt = prompt or []
+    ids = ids or []
+    return Step(
+        choice=index,
+        endpoint=endpoint,
+        prompt_token_ids=prompt,
+        response_token_ids=ids,
+        response_logprobs=logprobs or [],
+        finish_reason=finish_reason,
+        response=response,
+        status="ok" if error is None else "failed",
+        error=error,
+        usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)),
+        **common,
+    )
 
 
 def failed_step(

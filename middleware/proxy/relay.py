@@ -33,7 +33,7 @@ from steptap.middleware.exceptions import (
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture, tito
+from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
@@ -91,7 +91,9 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
                 served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                replica = pool.acquire(pool.pick(session.id))  # the session's replica, or the least loaded
+                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky entry
+                # (it would only push named sessions out of the pool's bounded map).
+                replica = pool.acquire(pool.pick(_sticky_id(session)))
                 out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
                 call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
@@ -106,7 +108,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
                 try:
-                    return await call.run(_encode(out), stream)
+                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out), stream)
                 finally:
                     pool.release(call.replica)
         finally:
@@ -155,6 +157,24 @@ def patch_request(
     for name, value in cfg.force_sampling.items():
         out[name] = int(value) if name == "top_k" else value
     return out, asked
+
+
+def _sticky_id(session: LiveSession) -> str | None:
+    return None if session.trajectory.anonymous else session.id
+
+
+def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
+    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs), the
+    agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
+    if any(out[k] is not v for k, v in body.items()):
+        return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
+    if len(out) == len(body):
+        return raw  # the agent asked for token ids and logprobs itself: forwarded as it came
+    end = raw.rstrip()
+    if not body or not end.endswith(b"}"):
+        return _encode(out)
+    added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
+    return b"".join((end[:-1], b",", added, b"}"))
 
 
 # Backend failures after the call left: the call becomes a failed step (an unreachable backend got nothing).
@@ -254,7 +274,7 @@ class _Call:
             pool = self.request.app[POOL_KEY]
             pool.take_out(self.replica.base, exc.message, unreachable=True)
             try:
-                other = pool.pick(self.session.id, avoid=self.replica.base)
+                other = pool.pick(_sticky_id(self.session), avoid=self.replica.base)
             except (BackendUnavailable, BackendUnreachable):
                 raise exc from None
             pool.release(self.replica)
@@ -349,6 +369,14 @@ class _Call:
             raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
+        if self.proto is None and self.endpoint == CHAT:  # typed, stripped in vLLM's bytes; else the dict path
+            view = replies.reply_view(data)
+            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(), **self.common)
+            if view is not None and steps is not None:
+                body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
+                if body is not None:
+                    await self.record(steps)  # durable before the reply leaves
+                    return web.Response(body=body, status=resp.status, content_type="application/json")
         try:
             reply = _decode(data)
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
@@ -415,9 +443,10 @@ class _Call:
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
             await out.write(tail)
             await out.write_eof()
-        if done and isinstance(source, aiohttp.ClientResponse):
+        if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
-            # unread closes its connection instead of returning it to the pool (a TCP connect per call).
+            # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
+            # it came with [DONE] (no wait, and no task for wait_for).
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out

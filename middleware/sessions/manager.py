@@ -348,11 +348,12 @@ class SessionManager:
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
         if traj.anonymous and self.reward_fn is None:
-            # A one-step session closes with its step: queue both records together so that they share one
-            # group commit (one fsync per anonymous call, not two in a row).
+            # A one-step session closes with its step: one record, the finished Trajectory that holds it (its
+            # steps are logged nowhere else: ``records.steps_of`` finds them).
             session.closing = True
             self._finalize(traj, "finished")
-            await asyncio.gather(*(self._append(s) for s in steps), self._append(traj))
+            traj.steps_logged = False
+            await self._append(traj)
             self._closed(session)
             return
         try:

@@ -19,7 +19,7 @@ from conftest import Backend, Proxy
 from fuzzing import Request, control_call, model_call, send
 from hypothesis import HealthCheck, given, settings
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.records import Trajectory, steps_of
 from steptap.middleware.sessions.manager import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -78,7 +78,7 @@ async def test_fuzz_every_route_then_the_log_reads_back(
     await asyncio.sleep(0.3)  # anonymous closes run in the background
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     records = list(manager.log.records())
-    steps = [r for r in records if isinstance(r, Step)]
+    steps = list(steps_of(records))
     closed = [r for r in records if isinstance(r, Trajectory)]
     metrics = proxy.app[METRICS_KEY]  # type: ignore[index]
     counted_steps = sum(s.value for m in metrics.steps.collect() for s in m.samples if s.name.endswith("_total"))

@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.proxy.replicas import POOL_KEY
+from steptap.middleware.records import Step, Trajectory, steps_of
 from steptap.middleware.sessions.manager import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -130,6 +131,14 @@ async def test_identity_by_key_header_and_anonymous(
     records = list(proxy.app[SESSIONS_KEY].log.records())  # type: ignore[index]
     anon = [r for r in records if isinstance(r, Trajectory) and r.anonymous]
     assert len(anon) == 3 and all(len(t.steps) == 1 and t.status == "finished" for t in anon)
+    # ... and its only record (schema v3): no Step record besides it; every step of the log found once
+    assert not [r for r in records if isinstance(r, Step) and r.trajectory_id.startswith("anon-")]
+    assert all(not t.steps_logged and t.steps[0].trajectory_id == t.id for t in anon)
+    assert sorted(s.trajectory_id for s in steps_of(records)) == sorted(
+        [info["id"]] * 2 + [t.id for t in anon])
+    # one-step sessions hold no replica affinity (the pool's bounded map is for sessions that come back)
+    pool = proxy.app[POOL_KEY]  # type: ignore[index]
+    assert info["id"] in pool._sticky and not [sid for sid in pool._sticky if sid.startswith("anon-")]
 
 
 async def test_concurrent_calls_on_one_session_get_consecutive_indexes(

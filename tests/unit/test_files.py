@@ -53,3 +53,27 @@ def test_append_durable(tmp_path: Path) -> None:
     files.append_durable(path, "a\n")
     files.append_durable(path, b"b\n")
     assert path.read_text() == "a\nb\n" and _mode(path) == 0o600
+
+
+@pytest.mark.parametrize("per_write_sync", [True, False])
+def test_positioned_durable_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_write_sync: bool) -> None:
+    """``write_all(fd, data, offset, dsync=True)``: the bytes land at ``offset`` (the file position is not used)
+    and are synced, by the write itself (RWF_DSYNC) or, where that is missing, by a datasync after it."""
+    import os
+
+    synced: list[int] = []
+    real = files.datasync
+    monkeypatch.setattr(files, "datasync", lambda fd: (synced.append(fd), real(fd)))
+    if not per_write_sync:
+        monkeypatch.setattr(files, "_RWF_DSYNC", 0)
+    path = tmp_path / "seg"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        files.write_all(fd, b"head", 0)
+        files.write_all(fd, memoryview(b"xxTAILxx")[2:6], 4, dsync=True)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 0
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"headTAIL"
+    # one datasync where the write could not sync itself, none where it did
+    assert synced == ([] if per_write_sync and files._RWF_DSYNC else [fd])

@@ -11,7 +11,7 @@ import msgspec
 from steptap.learner.rows import build_batch
 from steptap.middleware.config import generation_defaults
 from steptap.middleware.proxy.capture import sampling_of
-from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory
+from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory, steps_of
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "records-v1.msgpack"
 
@@ -72,3 +72,28 @@ def test_the_learner_drops_and_counts_unreproducible_steps() -> None:
     assert batch.counts["dropped_unreproducible"] == 7
     assert [s.trajectory_id for s in batch.samples] == ["t0", "t8"]
     assert batch.counts["steps"] == len(kinds)
+
+
+FIXTURE_V2 = Path(__file__).parent.parent / "fixtures" / "records-v2.msgpack"
+
+
+def test_a_v2_log_still_decodes() -> None:
+    """Records written by schema v2 (committed under tests/fixtures), an anonymous call's Step and one-step
+    Trajectory among them: every later reader must read them."""
+    records = msgspec.msgpack.Decoder(list[LogRecord]).decode(FIXTURE_V2.read_bytes())
+    assert [type(r).__name__ for r in records] == [
+        "SessionOpened", "Step", "RewardAdded", "Trajectory", "Step", "Trajectory", "PolicyVersion"
+    ]
+    step, traj, anon_step, anon = records[1], records[3], records[4], records[5]
+    assert isinstance(step, Step) and isinstance(traj, Trajectory) and isinstance(anon, Trajectory)
+    assert step.schema_version == 2 and traj.schema_version == 2
+    assert step.sampling == Sampling(temperature=0.7, min_p=0.05, constraints=["response_format"])
+    assert traj.steps == [step] and traj.rewards == {"judge": 1.0}
+    assert anon.anonymous and anon.steps == [anon_step]
+    # v2 logged every step as a Step record too: read as such, each step is found once
+    assert traj.steps_logged and anon.steps_logged
+    assert list(steps_of(records)) == [step, anon_step]
+    # v3 writes an anonymous call as its Trajectory alone; its step is found there
+    alone = Trajectory(id="anon-v3", steps=[anon_step], anonymous=True, status="finished", steps_logged=False)
+    again = msgspec.msgpack.Decoder(LogRecord).decode(msgspec.msgpack.encode(alone))
+    assert list(steps_of([step, again])) == [step, anon_step] and again.schema_version == SCHEMA_VERSION == 3

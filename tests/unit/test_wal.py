@@ -216,13 +216,11 @@ async def test_upload_url_to_a_second_local_dir(tmp_path: Path) -> None:
         await log.append(_traj(i))
     sealed = _segs(tmp_path / "wal")[:-1]
     assert sealed
-    for _ in range(50):  # uploads run in the background as segments seal
-        if all((tmp_path / "archive" / p.name).exists() for p in sealed):
-            break
-        await asyncio.sleep(0.05)
+    # Uploads run in the background as segments seal; close() waits for them (a file that merely exists may
+    # still be mid-copy: waiting for its name raced with its content).
+    await log.close()
     for p in sealed:
         assert (tmp_path / "archive" / p.name).read_bytes() == p.read_bytes()
-    await log.close()
 
 
 async def test_compaction_keeps_open_sessions_and_policy_version(tmp_path: Path) -> None:
@@ -635,3 +633,30 @@ async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(t
     await log.close()
     with pytest.raises(ValueError):
         await TrajectoryLog.open(str(tmp_path / "x"), durability="never")
+
+
+async def test_a_group_reaches_the_loop_in_one_callback(tmp_path: Path) -> None:
+    """The writer thread hands each group back with one ``call_soon_threadsafe`` (not one per record, and no
+    writer task in between): callbacks from the thread = groups committed (+1 when it stops)."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    calls: list[str] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(threading.current_thread().name)
+        return real(callback, *args, **kwargs)
+
+    log = await TrajectoryLog.open(str(tmp_path))
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        for rounds in range(3):
+            await asyncio.gather(*(log.append(_traj(100 * rounds + i)) for i in range(50)))
+        await log.close()
+    finally:
+        del loop.call_soon_threadsafe  # back to the class's method
+    from_writer = [name for name in calls if name == "steptap-wal-writer"]
+    assert log.stats.records == 150
+    assert len(from_writer) == log.stats.commits + 1  # one per group (each group one sync), one at stop
+    assert log.stats.commits < 150  # records queued together shared groups

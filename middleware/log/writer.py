@@ -1,0 +1,115 @@
+"""The trajectory log's writer thread: group commit with a direct hand-off to the event loop.
+
+``append`` puts ``(frame, record, future)`` on a thread-safe queue and awaits its future. The thread takes the
+first item and everything queued behind it (up to ``max_batch_bytes``), writes and syncs them as one group, and
+hands the group back to the loop with **one** ``call_soon_threadsafe``; the loop then resolves every future of
+the group in that one callback. Per group that is one wake-up of the thread and one of the loop: no writer task
+to schedule, no executor future, no hop per record. Records that arrive while a group is being synced wait for
+the next group and share its sync.
+
+The thread owns the write path of the segment files; other threads that touch the active segment (the timed
+sync of durability ``os``) take ``fd_lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+# (frame bytes, the record, the future its append awaits)
+Item = tuple[bytes, Any, "asyncio.Future[str]"]
+# what the write function returns: the position after each committed frame, segments sealed, the error if any
+Written = tuple[list[tuple[int, int]], list[int], BaseException | None]
+
+
+class CommitThread:
+    """One dedicated thread that writes queued frames in groups. ``committed(batch, written, seconds)`` runs
+    on the event loop once per group; ``died(exc, unresolved)`` once if the thread itself fails (a bug)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        write: Callable[[list[bytes]], Written],
+        committed: Callable[[list[Item], Written, float], None],
+        died: Callable[[BaseException, list[Item]], None],
+        max_batch_bytes: int,
+    ) -> None:
+        self._loop = loop
+        self._write = write
+        self._committed = committed
+        self._died = died
+        self._max_batch_bytes = max_batch_bytes
+        # Unbounded by itself, bounded by its callers: each item is an append awaited by one admitted call.
+        self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self.stopped: asyncio.Future[None] = loop.create_future()  # resolved after the last group's callback
+        self._thread = threading.Thread(target=self._run, name="steptap-wal-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: Item) -> None:
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        """Write what is queued, then end (``stopped`` resolves)."""
+        self._queue.put(None)
+
+    def pending(self) -> list[Item]:
+        """Take what is still queued (after the thread died)."""
+        items: list[Item] = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
+
+    # ---- the thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        batch: list[Item] = []
+        try:
+            stop = False
+            while not stop:
+                batch = []
+                first = self._queue.get()
+                if first is None:
+                    break
+                batch.append(first)
+                size = len(first[0])
+                while size < self._max_batch_bytes:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        stop = True
+                        break
+                    batch.append(nxt)
+                    size += len(nxt[0])
+                t0 = time.perf_counter()
+                try:
+                    written = self._write([item[0] for item in batch])
+                except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group, keep writing
+                    written = ([], [], exc)
+                self._call(self._committed, batch, written, time.perf_counter() - t0)
+            self._call(_resolve, self.stopped)
+        except BaseException as exc:  # noqa: BLE001 - report it on the loop: nothing may wait forever
+            self._call(self._died, exc, batch)
+            self._call(_resolve, self.stopped)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: no one is left to wake
+            pass
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

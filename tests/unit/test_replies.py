@@ -1,0 +1,106 @@
+"""The typed hot path (``proxy/replies.py``) against the dict path (``capture.py`` + a re-encode) over vLLM's
+recorded replies (bench/fixtures/) and shapes derived from them: the same steps and, when the agent asked for
+neither token ids nor logprobs, byte-for-byte the same body."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from reply_paths import ASKED, COMMON, assert_same_bodies, dict_plain, typed_plain
+from steptap.middleware.proxy import replies
+from steptap.middleware.proxy.capture import Asked
+
+FIXTURES = sorted((Path(__file__).resolve().parents[2] / "bench" / "fixtures").glob("*.json"))
+
+
+def _fixtures() -> list[dict[str, Any]]:
+    assert FIXTURES, "no recorded fixtures in bench/fixtures"
+    return [json.loads(p.read_text()) for p in FIXTURES]
+
+
+@pytest.mark.parametrize("asked", ASKED)
+def test_recorded_plain_replies_give_the_same_steps_and_bodies(asked: Asked) -> None:
+    for fx in _fixtures():
+        data = fx["reply"].encode()
+        steps_d, body_d = dict_plain(data, asked)
+        steps_t, body_t = typed_plain(data, asked)
+        assert steps_t == steps_d
+        assert steps_t[0].status == "ok" and len(steps_t[0].response_logprobs) == fx["completion_tokens"]
+        assert_same_bodies([body_t], [body_d], asked)
+        if not asked.token_ids and not asked.logprobs:
+            assert b'"logprobs":null' in body_t and b'"token_ids":null' in body_t
+
+
+def _derived_reply() -> dict[str, Any]:
+    """The recorded reply with two choices, a tool call and reasoning (shapes vLLM sends with parsers on)."""
+    reply = json.loads(_fixtures()[0]["reply"])
+    second = copy.deepcopy(reply["choices"][0])
+    second["index"] = 1
+    second["message"]["tool_calls"] = [{"id": "call_1", "type": "function",
+                                        "function": {"name": "run", "arguments": "{\"cmd\": \"ls\"}"}}]
+    second["message"]["content"] = None
+    second["message"]["reasoning_content"] = "think \"quoted\" \u00e9\n\t\u001b"
+    second["finish_reason"] = "tool_calls"
+    reply["choices"].append(second)
+    return reply
+
+
+@pytest.mark.parametrize("asked", ASKED)
+def test_derived_shapes_give_the_same_steps_and_bodies(asked: Asked) -> None:
+    reply = _derived_reply()
+    data = msgspec.json.encode(reply)
+    steps_d, body_d = dict_plain(data, asked)
+    steps_t, body_t = typed_plain(data, asked)
+    assert steps_t == steps_d and len(steps_t) == 2
+    assert steps_t[1].response["tool_calls"][0]["function"]["name"] == "run"
+    assert steps_t[1].response["reasoning_content"].startswith("think")
+    assert_same_bodies([body_t], [body_d], asked)
+    # A reply without logprobs or ids: failed steps, the same on both paths.
+    for choice in reply["choices"]:
+        choice["logprobs"] = None
+    data = msgspec.json.encode(reply)
+    assert typed_plain(data, asked)[0] == dict_plain(data, asked)[0]
+
+
+def test_unexpected_shapes_fall_back_to_the_dict_path() -> None:
+    asked = Asked(token_ids=False, logprobs=False)
+    data = _fixtures()[0]["reply"].encode()
+    # A stripped key somewhere the view does not know: the counts differ, the bytes are not touched.
+    odd = data[:-1] + b',"kv_transfer_params":{"token_ids":[1,2]}}'
+    view = replies.reply_view(odd)
+    assert view is not None and replies.strip_reply_bytes(odd, view, asked) is None
+    # Types the view does not expect: no view (the dict path reports or records them).
+    assert replies.reply_view(b'{"choices": 3}') is None
+    assert replies.reply_view(b'[1]') is None
+    assert replies.reply_view(b'{"choices":[{"index":"0"}]}') is None
+    assert replies.reply_view(b'{"choices":[{"index":0,"token_ids":["a"]}]}') is None
+    bad_lp = replies.reply_view(b'{"choices":[{"index":0,"logprobs":{"content":[{"logprob":"x"}]}}]}')
+    assert bad_lp is not None and replies.steps_from_view(bad_lp, **COMMON) is None
+
+
+
+def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> None:
+    """No re-encode of the agent's body when the proxy only adds keys: the same JSON value as encoding the
+    patched dict, the agent's own bytes kept; a changed value (the model name) re-encodes."""
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.proxy.relay import _upstream_body, patch_request
+
+    cfg = ProxyConfig(backend="http://127.0.0.1:1")
+    history = [{"role": "user", "content": "h\u00e9 \"q\" \\ \n"}] * 3
+    cases = {
+        "added": (b'{"model":"tiny", "messages":' + json.dumps(history).encode() + b'} \n', True),
+        "asked both": (b'{"messages":[],"logprobs":true,"return_token_ids":true}', True),
+        "renamed": (b'{"model":"other","messages":[]}', False),
+        "turned on": (b'{"messages":[],"logprobs":false}', False),
+    }
+    for name, (raw, kept) in cases.items():
+        body = msgspec.json.decode(raw)
+        out, _ = patch_request(body, "chat.completions", "tiny", cfg)
+        sent = _upstream_body(raw, body, out)
+        assert msgspec.json.decode(sent) == out, name
+        assert sent.startswith(raw.rstrip()[:-1]) == kept, (name, sent)
