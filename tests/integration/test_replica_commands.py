@@ -7,8 +7,9 @@
   each command's pid stops its workers and both servers' process groups.
 - `steptap up --backend R1 --backend R2` over the same two servers runs the loop (two updates) with both
   replicas serving and swapping.
+- `steptap up --replicas 2` starts its own two servers and does the same.
 
-Two vLLM server starts in all (CI time); nothing here touches the session's shared servers.
+Four vLLM server starts in all (CI time); nothing here touches the session's shared servers.
 """
 
 from __future__ import annotations
@@ -153,22 +154,21 @@ async def _stream(url: str) -> list[Trajectory]:
         return [d.trajectory async for d in client.trajectories("learner", follow=False)]
 
 
-def _up_over(urls: list[str], model_dir: Path, tmp_path: Path) -> None:
-    """`steptap up --backend R1 --backend R2`: the proxy over both replicas, the learner and the digits agents;
-    two updates, each swapped into both replicas (the version switches only when both serve it)."""
-    work = tmp_path / "up"
+def _run_up(how: list[str], model_dir: Path, work: Path, timeout: float) -> dict[str, list[int]]:
+    """`steptap up` with the replicas ``how`` names, the learner and the digits agents, two updates; checks it
+    ended cleanly and left nothing running; the policy versions each replica's ok steps were sampled at."""
     agents = (f"{sys.executable} {ROOT / 'examples/digits/agents.py'} --concurrency 8 --group-size 4 "
               "--round-groups 2")
-    out = tmp_path / "up.out"
+    out = work.with_suffix(".out")
     with open(out, "wb") as sink:
         proc = subprocess.Popen(
             [*STEPTAP, "up", "--workdir", str(work), "--port", "0", "--no-view", "--grace", "5",
-             "--status-every", "5", "--backend", urls[0], "--backend", urls[1], "--model", str(model_dir),
+             "--status-every", "5", *how, "--model", str(model_dir),
              "--config", str(ROOT / "examples/digits/learner.toml"), "--max-updates", "2",
              "--learn-args=--batch-groups 2 --group-size 4 --checkpoint-every 100", "--agents", agents],
             stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        code = proc.wait(timeout=600)
+        code = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             _interrupt(proc)
@@ -178,12 +178,32 @@ def _up_over(urls: list[str], model_dir: Path, tmp_path: Path) -> None:
     pids = json.loads((work / "pids.json").read_text())
     assert {"serve", "learn", "agents"} <= set(pids), pids
     assert not _gone(set(pids.values())), "processes of `steptap up` left running"
-
     steps = [s for t in LogReader(str(work / "trajectories")).trajectories() for s in t.steps]
-    versions = {b: sorted({s.policy_version for s in steps if s.backend == b and s.status == "ok"})
-                for b in urls}
+    return {b: sorted({s.policy_version for s in steps if s.backend == b and s.status == "ok"})
+            for b in {s.backend for s in steps}}
+
+
+def _up_over(urls: list[str], model_dir: Path, tmp_path: Path) -> None:
+    """`steptap up --backend R1 --backend R2`: the proxy over both running replicas; each of the two updates is
+    swapped into both (the version switches only when both serve it)."""
+    versions = _run_up(["--backend", urls[0], "--backend", urls[1]], model_dir, tmp_path / "up", 600)
     print(f"\nup over 2 replicas: policy versions served by each replica: {versions}")
+    assert set(versions) == set(urls), versions
     for b in urls:  # both served, and both sampled on the first swapped weights (the version switched on both)
+        assert 0 in versions[b] and 1 in versions[b], versions
+
+
+def test_up_replicas_starts_both_servers_and_runs_the_loop_on_both(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`steptap up --replicas 2` starts two vLLM servers itself (unix sockets, the cores split between them),
+    puts the proxy over both and stops both at the end."""
+    _vllm_venv_ready()
+    work = tmp_path / "up-replicas"
+    versions = _run_up(["--replicas", "2"], tiny_model_dir, work, START_S + 600)
+    pids = json.loads((work / "pids.json").read_text())
+    assert {"vllm-0", "vllm-1"} <= set(pids), pids
+    print(f"\nup --replicas 2: policy versions served by each replica: {versions}")
+    assert len(versions) == 2 and all(b.startswith("unix:") for b in versions), versions  # both replicas served
+    for b in versions:
         assert 0 in versions[b] and 1 in versions[b], versions
 
 
