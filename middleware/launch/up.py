@@ -279,6 +279,9 @@ class Up:
             "--weights-dir",
             str(self.workdir / "weights"),
             *(["--engine", self.args.engine] if self.args.engine else []),
+            # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
+            # learner could make another update between that poll and the stop.
+            *(["--max-updates", str(self.args.max_updates)] if self.args.max_updates else []),
             *_split(self.args.learn_args),
         ]
 

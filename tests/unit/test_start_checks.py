@@ -103,3 +103,18 @@ def test_up_takes_several_running_replicas_but_not_with_replicas(tmp_path: Path,
     with pytest.raises(SystemExit) as exc:  # --replicas starts servers; running ones are named one by one
         up.main(["--backend", "http://a:1", "--replicas", "2", "--no-learner"])
     assert exc.value.code == 2 and "--replicas N starts N vLLM servers" in capsys.readouterr().err
+
+
+def test_up_max_updates_reaches_the_learner_so_it_stops_at_exactly_n(tied_dir: Path, tmp_path: Path) -> None:
+    """up's own --max-updates check polls once a second; the learner itself must stop at N (a fast learner
+    made N + 1 updates between the poll and the stop). --learn-args still wins, being later on the line."""
+    from steptap.learner.config import config_from_argv
+
+    def learner_cfg(*argv: str):
+        runner = up.Up(up.build_parser().parse_args(["--model", str(tied_dir), "--workdir", str(tmp_path), *argv]))
+        runner.model_dir, runner.proxy_url = str(tied_dir), "http://127.0.0.1:1"
+        return config_from_argv(runner._learner_argv())
+
+    assert learner_cfg("--max-updates", "2").max_updates == 2
+    assert learner_cfg().max_updates == 0
+    assert learner_cfg("--max-updates", "2", "--learn-args=--max-updates 5").max_updates == 5
