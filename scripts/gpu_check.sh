@@ -54,12 +54,15 @@ check "torch in the project venv sees CUDA" .venv/bin/python -c "import torch, s
 check "verl version in range" .venv/bin/python -c "from steptap.learner.engines.verl_engine import check_verl_version as c; c()"
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/steptap up --workdir "$OUT" --task digits --model "$MODEL" --port 0 --engine verl \
-  --max-updates "$UPDATES" --no-view --status-every 30 \
-  --config examples/digits/learner-gpu.toml \
-  --vllm-args="-- --gpu-memory-utilization ${GPU_SHARE:-0.4}" \
-  --learn-args="--workers 1 --truncation-mode drop --push-every 1 --checkpoint-every 4" \
-  --agents ".venv/bin/python examples/digits/agents.py --concurrency 16 --round-groups 8" || failed=1
+run_loop() {  # run_loop WORKDIR [EXTRA LEARNER FLAGS]: the digits loop on the verl engine, N updates
+  .venv/bin/steptap up --workdir "$1" --task digits --model "$MODEL" --port 0 --engine verl \
+    --max-updates "$UPDATES" --no-view --status-every 30 \
+    --config examples/digits/learner-gpu.toml \
+    --vllm-args="-- --gpu-memory-utilization ${GPU_SHARE:-0.4}" \
+    --learn-args="--workers 1 --truncation-mode drop --push-every 1 --checkpoint-every 4 ${2:-}" \
+    --agents ".venv/bin/python examples/digits/agents.py --concurrency 16 --round-groups 8" || failed=1
+}
+run_loop "$OUT"
 
 .venv/bin/python - "$OUT" "$UPDATES" <<'EOF' || failed=1
 import json, sys
@@ -85,12 +88,7 @@ check "no Ray or vLLM process left" bash -c '! pgrep -f "ray::SteptapTrainingWor
 
 # --- the same loop, weights by collective transfer ---------------------------------------------------------------
 echo "--- weight_sync = collective (gloo from the verl driver's CPU copy on one GPU) ---"
-.venv/bin/steptap up --workdir "$OUT/collective" --task digits --model "$MODEL" --port 0 --engine verl \
-  --max-updates "$UPDATES" --no-view --status-every 30 \
-  --config examples/digits/learner-gpu.toml \
-  --vllm-args="-- --gpu-memory-utilization ${GPU_SHARE:-0.4}" \
-  --learn-args="--workers 1 --truncation-mode drop --push-every 1 --checkpoint-every 4 --weight-sync collective" \
-  --agents ".venv/bin/python examples/digits/agents.py --concurrency 16 --round-groups 8" || failed=1
+run_loop "$OUT/collective" "--weight-sync collective"
 .venv/bin/python - "$OUT/collective" "$UPDATES" <<'EOF' || failed=1
 import json, sys
 from pathlib import Path
