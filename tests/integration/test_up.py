@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import IN_CI, Backend
+from conftest import Backend, missing
 
 pytestmark = pytest.mark.vllm
 
@@ -214,9 +214,7 @@ def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path
     from steptap.middleware.launch.vllm_server import default_venv
 
     if not (default_venv() / "bin" / "python").exists():
-        if IN_CI:
-            pytest.fail("no vLLM virtualenv (bash scripts/setup.sh builds it)")
-        pytest.skip("no vLLM virtualenv (bash scripts/setup.sh)")
+        missing("no vLLM virtualenv (bash scripts/setup.sh builds it)")
     proc = _start_up(tmp_path / "up", "--no-learner")
     seen: set[int] = set()
     try:
