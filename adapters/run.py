@@ -12,7 +12,9 @@ is untrusted. When it exits, the session is finished with a reward from
   ``.<index>`` appended).
 
 No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0: ``finished`` without reward.
-``-n K`` runs K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines
+``--agent {claude-code,codex,openclaw,pi}`` runs that CLI (from PATH or the cache scripts/install_agents.sh fills)
+with its provider settings written for the session into a private directory (adapters/agents.py); the
+arguments after ``--`` go to the CLI. ``-n K`` runs K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines
 prefixed with ``[i]``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions.
 """
 
@@ -29,9 +31,11 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
-from steptap.adapters.session import TOKEN_ENV, URL_ENV
+from steptap.adapters import agents
+from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token
 
 KILL_GRACE_S = 3.0
@@ -67,7 +71,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group", default=None, help="group id (default: a fresh one when -n > 1)")
     p.add_argument("--metadata", default=None, help="JSON object stored on each trajectory")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
-    p.add_argument("--model", default=None, help="exported to the program as OPENAI_MODEL and STEPTAP_MODEL")
+    p.add_argument("--model", default=None, help="exported to the program as OPENAI_MODEL and STEPTAP_MODEL "
+                   "(with --agent, default: the first model the proxy serves)")
+    p.add_argument("--agent", choices=agents.AGENTS, default=None,
+                   help="run this agent CLI with its provider settings written for the session (docs/agents.md); "
+                        "the arguments after -- go to it")
     p.add_argument("--idle-timeout", type=float, default=None, help="session idle timeout in seconds")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -83,7 +91,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
-    if not args.command:
+    if not args.command and not args.agent:
         p.error("no command given (steptap run [OPTIONS] -- COMMAND...)")
     if args.n < 1:
         p.error("-n must be at least 1")
@@ -202,12 +210,28 @@ class Runner:
             env["OPENAI_MODEL"] = env["STEPTAP_MODEL"] = self.args.model
         return env
 
+    def _command(self, m: Member, info: Any, env: dict[str, str]) -> list[str]:
+        """The program to run: the command as given, or the agent CLI with its settings written (into env)."""
+        if not self.args.agent:
+            return list(self.args.command)
+        try:
+            launch = agents.prepare(
+                self.args.agent, base_url=info.base_url, api_key=info.api_key, model=self.args.model,
+                home=Path(self.tmpdir) / f"agent-{m.index}", args=list(self.args.command), cli=self.args.cli,
+            )
+        except (agents.AgentError, OSError) as exc:
+            m.exit_code = 127
+            raise RuntimeError(str(exc)) from exc
+        env.update(launch.env)
+        return launch.argv
+
     async def _run_agent(self, m: Member, info: Any, reward_file: str) -> int:
         env = self._agent_env(m, info, reward_file)
+        command = self._command(m, info, env)
         pipe = asyncio.subprocess.PIPE if self.prefixed else None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.args.command,
+                *command,
                 env=env,
                 stdout=pipe,
                 stderr=pipe,
@@ -216,7 +240,7 @@ class Runner:
             )
         except OSError as exc:
             m.exit_code = 127  # what a shell reports for a command it cannot run
-            raise RuntimeError(f"cannot start {self.args.command[0]!r}: {exc}") from exc
+            raise RuntimeError(f"cannot start {command[0]!r}: {exc}") from exc
         self.procs[m.index] = proc
         try:
             pumps = []
@@ -391,6 +415,12 @@ async def _main(args: argparse.Namespace) -> int:
 
     async with SteptapClient(args.proxy, args.control_token) as client:
         await _preflight(client, args.proxy)
+        if args.agent:  # before any session opens: a missing CLI or model is one line, not N aborted sessions
+            try:
+                args.cli = agents.find_cli(args.agent)
+                args.model = args.model or await asyncio.to_thread(served_model, args.proxy, args.control_token)
+            except (agents.AgentError, RuntimeError) as exc:
+                raise RunError(str(exc)) from None
         runner = Runner(args, client)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
