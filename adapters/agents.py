@@ -88,7 +88,8 @@ def prepare(
     home = _private_dir(home)
     base = base_url.rstrip("/")
     launch = AgentLaunch(argv=[str(cli), *args])
-    if cli == cached_cli(agent) and node_bin_dir().is_dir():  # its `#!/usr/bin/env node` must find Node 24
+    # A CLI from the cache runs on the cache's Node 24: its `#!/usr/bin/env node` must find that one first.
+    if agents_dir().resolve() in Path(cli).resolve().parents and node_bin_dir().is_dir():
         launch.env["PATH"] = f"{node_bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
     if agent == "claude-code":
         _claude_code(launch, base, api_key, model, home)
