@@ -79,3 +79,14 @@ def test_openclaw_and_pi_side_by_side_are_captured_exactly(
             assert len(step.response_logprobs) == len(step.response_token_ids) >= 1
             ref = reference_logprobs(long_vllm.model_dir, step.prompt_token_ids, step.response_token_ids)
             assert step.response_logprobs == pytest.approx(ref, abs=1e-3), (agent, step.index)
+
+
+def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: Any, tmp_path: Path) -> None:
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token, "STEPTAP_AGENTS_DIR": str(tmp_path / "none"),
+           "PATH": os.path.dirname(sys.executable)}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", "pi", "--",
+         "-p", "hi"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2, out.stderr
+    assert "pi (pi) is neither on PATH nor in" in out.stderr and "install_agents.sh" in out.stderr
+    assert "Traceback" not in out.stderr and "session" not in out.stderr
