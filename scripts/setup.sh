@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or updates) the project's virtualenv at .venv with everything the tests and the demo need, and the
-# vLLM server's own virtualenv in the user cache (built once per machine; see `steptap vllm --install-only`).
+# vLLM server's own virtualenv in the user cache (built once per machine; see `steptap vllm --install-only`),
+# and the agent CLIs the tests drive (scripts/install_agents.sh, into the same cache).
 # Idempotent: a stamp of pyproject.toml + constraints.txt skips the installs when nothing changed.
 # Prints a few progress lines; the installers' full output goes to .venv/setup.log. Uses uv (from PyPI, put
 # into the venv first) for the project's packages when it can, else pip.
@@ -64,4 +65,6 @@ fi
 # The vLLM server lives in its own venv (its transformers pin clashes with verl's): built once per machine.
 say "the vLLM virtualenv (built once per machine, minutes the first time; log: $log)"
 run .venv/bin/steptap vllm --install-only
+# The agent CLIs of the compatibility matrix (Node 24 and four pinned CLIs from npm, into the user cache).
+bash scripts/install_agents.sh
 say "done in $((SECONDS - t0)) s"

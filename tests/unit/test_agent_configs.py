@@ -1,0 +1,125 @@
+"""`steptap run --agent NAME`: the settings written for each agent CLI (exact keys, private modes, the session
+key never on the command line), and where the CLI is found."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from steptap.adapters import agents
+
+BASE = "http://127.0.0.1:9999/s/sess-1/v1"
+KEY = "sk-session-secret"
+MODEL = "tiny-long"
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def _prepare(agent: str, tmp_path: Path) -> agents.AgentLaunch:
+    cli = _exe(tmp_path / "bin" / agents.BINARIES[agent])
+    return agents.prepare(agent, base_url=BASE, api_key=KEY, model=MODEL, home=tmp_path / "home",
+                          args=["-p", "task"], cli=cli)
+
+
+def _private(launch: agents.AgentLaunch, home: Path) -> None:
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    for f in launch.files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600 and home in f.parents
+        assert stat.S_IMODE(f.parent.stat().st_mode) == 0o700
+        assert KEY not in f.read_text()  # the key lives only in the environment
+    assert not any(KEY in a for a in launch.argv)
+    assert launch.argv[1:] == ["-p", "task"]
+
+
+def test_claude_code_gets_the_session_root_and_key_in_its_environment(tmp_path: Path) -> None:
+    launch = _prepare("claude-code", tmp_path)
+    env = launch.env
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9999/s/sess-1"  # the SDK adds /v1/messages
+    assert env["ANTHROPIC_API_KEY"] == KEY
+    for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                 "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"):
+        assert env[name] == MODEL, name
+    for name in ("DISABLE_TELEMETRY", "DISABLE_ERROR_REPORTING", "DISABLE_AUTOUPDATER",
+                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"):
+        assert env[name] == "1", name
+    config_dir = Path(env["CLAUDE_CONFIG_DIR"])
+    assert config_dir.parent == tmp_path / "home" and stat.S_IMODE(config_dir.stat().st_mode) == 0o700
+    _private(launch, tmp_path / "home")
+
+
+def test_codex_gets_a_private_codex_home_with_a_responses_provider(tmp_path: Path) -> None:
+    launch = _prepare("codex", tmp_path)
+    home = Path(launch.env["CODEX_HOME"])
+    config = tomllib.loads((home / "config.toml").read_text())
+    assert config == {
+        "model": MODEL, "model_provider": "steptap", "check_for_update_on_startup": False,
+        "model_providers": {"steptap": {"name": "steptap", "base_url": BASE, "env_key": "STEPTAP_API_KEY",
+                                        "wire_api": "responses"}},
+        "analytics": {"enabled": False},
+    }
+    assert launch.env["STEPTAP_API_KEY"] == KEY
+    _private(launch, tmp_path / "home")
+
+
+def test_openclaw_gets_a_custom_provider_and_private_state(tmp_path: Path) -> None:
+    launch = _prepare("openclaw", tmp_path)
+    config = json.loads(Path(launch.env["OPENCLAW_CONFIG_PATH"]).read_text())
+    provider = config["models"]["providers"]["steptap"]  # not `openai`: OpenClaw routes that id through Codex
+    assert config["models"]["mode"] == "merge"
+    assert provider == {"baseUrl": BASE, "apiKey": "${STEPTAP_API_KEY}", "api": "openai-completions",
+                        "models": [{"id": MODEL, "name": MODEL, "contextWindow": 65536, "maxTokens": 4096}]}
+    assert config["agents"]["defaults"]["model"]["primary"] == f"steptap/{MODEL}"
+    state = Path(launch.env["OPENCLAW_STATE_DIR"])
+    assert state.is_dir() and stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert launch.env["STEPTAP_API_KEY"] == KEY
+    _private(launch, tmp_path / "home")
+
+
+def test_pi_gets_models_and_settings_in_its_own_agent_dir(tmp_path: Path) -> None:
+    launch = _prepare("pi", tmp_path)
+    agent_dir = Path(launch.env["PI_CODING_AGENT_DIR"])
+    models = json.loads((agent_dir / "models.json").read_text())
+    assert models == {"providers": {"steptap": {
+        "baseUrl": BASE, "api": "openai-completions", "apiKey": "STEPTAP_API_KEY",
+        "models": [{"id": MODEL, "contextWindow": 65536, "maxTokens": 4096}]}}}
+    settings = json.loads((agent_dir / "settings.json").read_text())
+    assert settings == {"defaultProvider": "steptap", "defaultModel": MODEL}
+    assert {k: launch.env[k] for k in ("PI_OFFLINE", "PI_SKIP_VERSION_CHECK", "PI_TELEMETRY")} == {
+        "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
+    assert launch.env["STEPTAP_API_KEY"] == KEY
+    _private(launch, tmp_path / "home")
+
+
+def test_the_cli_comes_from_path_first_then_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPTAP_AGENTS_DIR", str(tmp_path / "cache"))
+    with pytest.raises(agents.AgentError, match="install_agents.sh"):
+        agents.find_cli("pi", path=str(tmp_path / "empty"))
+    cached = _exe(agents.cached_cli("pi"))
+    assert agents.find_cli("pi", path=str(tmp_path / "empty")) == cached
+    on_path = _exe(tmp_path / "mybin" / "pi")
+    assert agents.find_cli("pi", path=str(on_path.parent)) == on_path
+    with pytest.raises(agents.AgentError, match="unknown agent"):
+        agents.find_cli("cursor")
+
+
+def test_a_cached_cli_runs_on_the_caches_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPTAP_AGENTS_DIR", str(tmp_path / "cache"))
+    agents.node_bin_dir().mkdir(parents=True)
+    cached = _exe(agents.cached_cli("openclaw"))
+    launch = agents.prepare("openclaw", base_url=BASE, api_key=KEY, model=MODEL, home=tmp_path / "h", args=[],
+                            cli=cached)
+    assert launch.env["PATH"].split(os.pathsep)[0] == str(agents.node_bin_dir())
+    own = _exe(tmp_path / "mybin" / "openclaw")  # the user's own CLI keeps the user's PATH
+    launch = agents.prepare("openclaw", base_url=BASE, api_key=KEY, model=MODEL, home=tmp_path / "h2", args=[],
+                            cli=own)
+    assert "PATH" not in launch.env
