@@ -384,7 +384,8 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError):
             data = b""
         if resp.status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
-            self.request.app[METRICS_KEY].refused_calls.labels(self.endpoint).inc()
+            endpoint = self.proto.endpoint if self.proto is not None else self.endpoint
+            self.request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
             try:
                 message = _decode(data)["error"]["message"]
             except (msgspec.DecodeError, KeyError, TypeError):
