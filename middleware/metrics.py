@@ -60,6 +60,14 @@ class Metrics:
         self.upstream_errors = Counter(
             "steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r
         )
+        self.dropped_fields = Counter(
+            "steptap_dropped_fields", "request fields accepted but not honoured (named in the step's notes)",
+            ["endpoint", "field"], registry=r
+        )
+        self.refused_calls = Counter(
+            "steptap_refused_calls", "model calls refused with a 4xx (by the proxy or the backend)", ["endpoint"],
+            registry=r
+        )
         self.steps = Counter(STEPS, "recorded steps", ["status", "anonymous"], registry=r)
         self.prompt_tokens = Counter("steptap_prompt_tokens", "prompt tokens of recorded steps", registry=r)
         self.response_tokens = Counter(

@@ -91,6 +91,9 @@ class Step(Record, tag="step"):
     started_at: float = 0.0  # unix seconds
     latency_s: float = 0.0
     usage: Usage = msgspec.field(default_factory=Usage)
+    # what the proxy did to the call that the request does not show: fields accepted but not honoured,
+    # a translation choice (docs/protocols.md)
+    notes: list[str] = []
 
 
 class Trajectory(Record, tag="trajectory"):

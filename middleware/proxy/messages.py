@@ -9,6 +9,7 @@ shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parse
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from typing import Any
 
 from steptap.middleware.proxy.translation import bad as _bad
@@ -30,6 +31,22 @@ def error_body(status: int, message: str) -> bytes:
     return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
 
 
+
+def is_anthropic_client(headers: Any) -> bool:
+    """Anthropic's SDKs send ``anthropic-version`` on every call and their key as ``x-api-key``."""
+    return "anthropic-version" in headers or "x-api-key" in headers
+
+
+def models_body(openai_models: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``GET /v1/models`` list in Anthropic's shape (``type``, ``id``, ``display_name``, ``created_at``)."""
+    data = []
+    for m in openai_models.get("data") or ():
+        created = m.get("created")
+        at = datetime.fromtimestamp(created if isinstance(created, (int, float)) else 0, timezone.utc)
+        data.append({"type": "model", "id": m.get("id"), "display_name": m.get("id"),
+                     "created_at": at.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
 
 
 # --- request: Messages body -> chat body ------------------------------------------------------------------------
@@ -79,6 +96,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
 
 def _assistant(content: Any, where: str) -> dict[str, Any]:
     text: list[str] = []
+    thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
@@ -90,18 +108,78 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
                 raise _bad("tool_use input must be an object", f"{where}[{i}].input")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(args)}})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            # replayed reasoning: vLLM hands it to the template as the message's reasoning (rendered where the
+            # template renders reasoning, dropped where it does not); the signature is Anthropic's, not ours
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: nothing a local model can read
         else:
             raise _bad(f"unsupported assistant block {kind!r}", f"{where}[{i}]")
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if thinking:
+        msg["reasoning"] = "".join(thinking)
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    max_tokens = body.get("max_tokens")
+def _system(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """System text: a string as is, blocks as text parts (vLLM joins them and drops Claude Code's billing header
+    line, which changes per call and would defeat the prefix cache)."""
+    if isinstance(content, str):
+        return content
+    _text(content, where)  # text blocks only
+    return [{"type": "text", "text": block["text"]} for block in content]
+
+
+# Top-level keys a Messages call may carry that change nothing the proxy can honour on a local model: accepted,
+# dropped, and named in the step's notes (and steptap_dropped_fields) so a session view shows what was ignored.
+# ``metadata`` (a user id) and ``cache_control`` (prompt caching is vLLM's own, automatic) are honoured by
+# doing nothing.
+_HONOURED = {"model", "messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "stream",
+             "metadata", "cache_control", *_SAME}
+
+
+def dropped(body: dict[str, Any]) -> list[str]:
+    """The top-level keys of a Messages body that were accepted but not honoured (``thinking`` is honoured when
+    it only disables thinking)."""
+    out = []
+    for key in body:
+        if key in _HONOURED:
+            continue
+        if key == "thinking" and isinstance(body[key], dict) and body[key].get("type") == "disabled":
+            continue
+        out.append(key)
+    return out
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that refuses (or drops) a system message after the first: each such message becomes the
+    start of the next user turn (a user turn of its own when none follows)."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for i, msg in enumerate(messages):
+        if msg["role"] == "system" and i > 0:
+            c = msg["content"]
+            pending.append(c if isinstance(c, str) else "\n".join(p["text"] for p in c))
+            continue
+        if pending and msg["role"] == "user":
+            msg = {**msg, "content": "\n\n".join([*pending, msg["content"]])}
+            pending = []
+        out.append(msg)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
+def has_mid_system(chat: dict[str, Any]) -> bool:
+    return any(m["role"] == "system" for m in chat["messages"][1:])
+
+
+def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
+    """The chat body of a Messages body. ``count_only``: a ``count_tokens`` body (it has no ``max_tokens``)."""
+    max_tokens = 1 if count_only else body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _bad("'max_tokens' is required and must be a positive integer", "max_tokens")
     raw = body.get("messages")
@@ -110,13 +188,15 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        messages.append({"role": "system", "content": _text(system, "system")})
+        messages.append({"role": "system", "content": _system(system, "system")})
     for i, msg in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            raise _bad("each message needs role 'user' or 'assistant'", where)
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant", "system"):
+            raise _bad("each message needs role 'user', 'assistant' or 'system'", where)
         if msg["role"] == "user":
             messages += _user(msg.get("content"), f"{where}.content")
+        elif msg["role"] == "system":  # Claude Code's mid-conversation system messages
+            messages.append({"role": "system", "content": _system(msg.get("content"), f"{where}.content")})
         else:
             messages.append(_assistant(msg.get("content"), f"{where}.content"))
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": max_tokens}

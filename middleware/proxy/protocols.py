@@ -13,12 +13,13 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.errors import error_body as openai_error
-from steptap.middleware.exceptions import DomainError
-from steptap.middleware.proxy import messages, responses
+from steptap.middleware.exceptions import BackendUnreachable, DomainError
+from steptap.middleware.proxy import messages, responses, tito
 
 logger = logging.getLogger("steptap.relay")
 
@@ -29,6 +30,11 @@ PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
 class Protocol:
     endpoint: str
     chat: dict[str, Any]
+    dropped: list[str] = []  # top-level fields accepted but not honoured (each a step note, counted)
+    notes: list[str] = []  # recorded on the call's steps
+
+    async def adapt(self, upstream: Any, served: str) -> None:
+        """Translation choices that depend on the backend's template (asked once per replica and model)."""
 
     def prepare(self, session_id: str | None) -> None:
         """Session-dependent parts of the translation (a stored conversation)."""
@@ -111,10 +117,18 @@ class Responses(Protocol):
 class Messages(Protocol):
     endpoint = messages.ENDPOINT
 
-    def __init__(self, body: dict[str, Any], model: str) -> None:
-        self.chat = messages.to_chat(body)
+    def __init__(self, body: dict[str, Any], model: str, count_only: bool = False) -> None:
+        self.chat = messages.to_chat(body, count_only)
         self.shape = messages.Shape(body, body.get("model") or model)
         self.events = messages.EventStream(self.shape)
+        self.dropped = messages.dropped(body)
+        self.notes = [f"dropped {key}: not honoured by this proxy" for key in self.dropped]
+
+    async def adapt(self, upstream: Any, served: str) -> None:
+        if messages.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):
+            self.chat = {**self.chat, "messages": messages.fold_system(self.chat["messages"])}
+            self.notes = [*self.notes, "system messages after the first folded into the next user turn "
+                                       "(the chat template refuses or drops them)"]
 
     def reply(self, chat_reply: dict[str, Any]) -> bytes:
         return json.dumps(self.shape.from_chat(chat_reply)).encode()
@@ -137,6 +151,36 @@ class Messages(Protocol):
         except (ValueError, KeyError, TypeError):
             message = data[:500].decode("utf-8", "replace")
         return messages.error_body(status, message)
+
+
+# (replica URL, served model) -> whether its template renders a system message after the first; bounded (a
+# LoRA swap serves a new name per version)
+_MID_SYSTEM: dict[tuple[str, str], bool] = {}
+_MID_SYSTEM_MAX = 256
+_PROBE = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+async def keeps_mid_system(upstream: Any, served: str) -> bool:
+    """Whether the served template keeps a mid-conversation system message: rendered with it, and its ids differ
+    from the same conversation without it. A backend without the render route (no ``--enable-scale-out``)
+    cannot be asked: kept (a template that refuses it then answers the call with vLLM's 400)."""
+    key = (upstream.base, served)
+    if key not in _MID_SYSTEM:
+        probe = {"model": served, "messages": _PROBE, "max_tokens": 1}
+        try:
+            with_it = await tito.render(upstream.http, upstream.base, probe)
+            without = await tito.render(upstream.http, upstream.base, probe, messages=[_PROBE[0], _PROBE[2]])
+            keeps = with_it["token_ids"] != without["token_ids"]
+        except tito.TitoError as exc:
+            if exc.status in (404, 405):
+                return True  # not cached: the replica may be restarted with scale-out
+            keeps = False  # the template raised on it
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
+        if len(_MID_SYSTEM) >= _MID_SYSTEM_MAX:
+            _MID_SYSTEM.clear()
+        _MID_SYSTEM[key] = keeps
+    return _MID_SYSTEM[key]
 
 
 def open_protocol(endpoint: str, body: dict[str, Any], app: web.Application) -> Protocol:

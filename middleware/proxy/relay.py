@@ -30,13 +30,21 @@ from steptap.middleware.exceptions import (
     BackendTimeout,
     BackendUnavailable,
     BackendUnreachable,
+    DomainError,
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
+from steptap.middleware.proxy import messages as messages_api
+from steptap.middleware.proxy.protocols import (
+    PROTOCOL_ENDPOINTS,
+    Messages,
+    Protocol,
+    anthropic_errors,
+    open_protocol,
+)
 from steptap.middleware.proxy.replicas import POOL_KEY, Replica
 from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
 from steptap.middleware.records import Step
@@ -76,17 +84,23 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     raw = await read_body(request)
     body = _json_object(raw)
-    # Another protocol rides on chat completions: translated (and checked in its own format) before the rest.
-    proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
-    upstream_endpoint = CHAT if proto is not None else endpoint
-    view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT, cfg.max_n)
-    stream = bool(view.stream)  # types at the edge: a 400, nothing recorded
-    ident = identify(request)  # a malformed session id is a 400 too
+    ident = identify(request)  # a malformed session id is a 400
+    upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
+    try:
+        # Another protocol rides on chat completions: translated (and checked in its own format) before the rest.
+        proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
+        view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT, cfg.max_n)
+    except ApiError as exc:  # a refused body: the session it names records why (a failed step)
+        await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
+        raise
+    stream = bool(view.stream)
     with manager.admitted():  # a 429 beyond max_concurrent_calls
-        served = await pool.route(view.model)  # before resolving: a refused call opens no session
+        served = await pool.route(view.model)  # before resolving: a call for an unknown model opens no session
         session = await manager.resolve(ident)  # identify
         if proto is not None:
             proto.prepare(None if session.trajectory.anonymous else session.id)
+            for field in proto.dropped:
+                app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
         try:
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
@@ -94,6 +108,8 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                 # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky entry
                 # (it would only push named sessions out of the pool's bounded map).
                 replica = pool.acquire(pool.pick(_sticky_id(session)))
+                if proto is not None:
+                    await proto.adapt(replica.upstream, served)
                 out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
                 call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
@@ -116,6 +132,25 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
             metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
                 time.perf_counter() - t0
             )
+
+
+async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,
+                          started_at: float, t0: float) -> None:
+    """A call refused before it left, in a session it names (not an anonymous one): recorded as a failed step
+    with the error, so the session view says why the agent got nothing. Best effort: the refusal still leaves
+    as it would (a session that cannot be reached or is full keeps nothing)."""
+    request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
+    if ident.source == "anonymous":
+        return
+    manager = request.app[SESSIONS_KEY]
+    model = body.get("model")
+    step = capture.failed_step(endpoint, message, "invalid_request", request=body,
+                               model=model if isinstance(model, str) else "", started_at=started_at,
+                               latency_s=time.perf_counter() - t0)
+    try:
+        await manager.record(await manager.resolve(ident), [step])
+    except DomainError:
+        pass
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -328,6 +363,7 @@ class _Call:
         if self.proto is not None:
             for step in steps:
                 step.endpoint = self.proto.endpoint
+                step.notes = list(self.proto.notes)
                 self.proto.annotate(step)
         await self.manager.record(self.session, steps)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
@@ -348,6 +384,15 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError):
             data = b""
         if resp.status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
+            endpoint = self.proto.endpoint if self.proto is not None else self.endpoint
+            self.request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
+            try:
+                message = _decode(data)["error"]["message"]
+            except (msgspec.DecodeError, KeyError, TypeError):
+                message = data[:500].decode("utf-8", "replace")
+            # recorded, so the session says why (a prompt over the context, a template that refused it)
+            await self.record([self.failed(f"backend {base} refused the call ({resp.status}): {message}",
+                                           "backend_refused")])
             if self.proto is not None:
                 data = self.proto.upstream_error(resp.status, data)
             return web.Response(body=data, status=resp.status, content_type="application/json")
@@ -554,8 +599,50 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served models; in Anthropic's shape for an Anthropic client (its SDK parses no other)."""
     status, data = await request.app[UPSTREAM_KEY].models()
+    if status == 200 and messages_api.is_anthropic_client(request.headers):
+        try:
+            data = _encode(messages_api.models_body(_decode(data)))
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            pass  # not vLLM's list: passed on as it came
     return web.Response(body=data, status=status, content_type="application/json")
+
+
+async def base_probe(request: web.Request) -> web.Response:
+    """``HEAD`` on an agent's base URL (Claude Code checks it is reachable before its first call)."""
+    return web.Response(status=200)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """Anthropic's ``POST /v1/messages/count_tokens``: the prompt a Messages call with this body would send,
+    rendered by the session's replica (the same translation and template): its length is what the step's
+    ``prompt_token_ids`` will hold."""
+    return await anthropic_errors(request, _count_tokens(request))
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    app = request.app
+    body = _json_object(await read_body(request))
+    proto = Messages(body, "", count_only=True)
+    ident = identify(request)
+    pool = app[POOL_KEY]
+    served = await pool.route(proto.chat.get("model"))
+    session = await app[SESSIONS_KEY].resolve(ident)
+    upstream = pool.pick(_sticky_id(session)).upstream
+    await proto.adapt(upstream, served)
+    out, _ = patch_request(proto.chat, CHAT, served, app[CONFIG_KEY])
+    try:
+        rendered = await tito.render(upstream.http, upstream.base, out)
+    except tito.TitoError as exc:
+        if exc.status in (404, 405):
+            raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
+                                "--enable-scale-out", "not_supported") from None
+        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.base, exc).message,
+                       "backend_error") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
+    return web.json_response({"input_tokens": len(rendered["token_ids"])})
 
 
 async def health(request: web.Request) -> web.Response:

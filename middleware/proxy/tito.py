@@ -105,6 +105,23 @@ class TitoError(Exception):
         self.body = body
 
 
+async def post_json(http: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]) -> Any:
+    """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
+    async with http.post(base + path, data=_encode(body), headers=_JSON) as resp:
+        data = await resp.read()
+        if resp.status >= 400:
+            raise TitoError(resp.status, data)
+    return _decode(data)
+
+
+async def render(http: aiohttp.ClientSession, base: str, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """vLLM's render of a chat body (``token_ids``: the prompt exactly as a chat call would see it), with
+    ``changes`` applied to the body."""
+    body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options", "n")}
+    body.update(changes)
+    return await post_json(http, base, ROUTES["chat.render"], body)
+
+
 class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
@@ -116,16 +133,11 @@ class Turn:
         self.prompt: list[int] = []
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        async with self.http.post(self.base + path, data=_encode(body), headers=_JSON) as resp:
-            data = await resp.read()
-            if resp.status >= 400:
-                raise TitoError(resp.status, data)
-        return _decode(data)
+        return await post_json(self.http, self.base, path, body)
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
-        body = {k: v for k, v in self.chat.items() if k not in ("stream", "stream_options", "n")}
-        body.update(messages=messages, add_generation_prompt=generation, continue_final_message=False)
-        return await self._post(ROUTES["chat.render"], body)
+        return await render(self.http, self.base, self.chat, messages=messages, add_generation_prompt=generation,
+                            continue_final_message=False)
 
     async def request(self, stream: bool) -> dict[str, Any] | None:
         """The generate request, or None when the template does not append (fall back)."""

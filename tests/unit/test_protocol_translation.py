@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import messages, responses, tito
 from steptap.middleware.records import Step
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
 CHAT_REPLY = {
@@ -97,7 +100,7 @@ def test_anthropic_blocks_become_chat_messages() -> None:
                                      {"type": "text", "text": "go on"}]},
     ]})
     assert chat["messages"] == [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "2+3?"},
+        {"role": "system", "content": [{"type": "text", "text": "S"}]}, {"role": "user", "content": "2+3?"},
         {"role": "assistant", "content": "Let me add.", "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "5"}, {"role": "user", "content": "go on"},
     ]
@@ -119,7 +122,8 @@ def test_anthropic_reply_and_stop_reasons() -> None:
 
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": "x"}]}, {"max_tokens": 5, "messages": []},
-    {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+    {"max_tokens": 5, "messages": [{"role": "developer", "content": "x"}]},
+    {"max_tokens": 5, "messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]},
     {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
     {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "END"},
 ])
@@ -129,6 +133,61 @@ def test_anthropic_bodies_it_cannot_serve_are_400(body: dict) -> None:
     assert err.value.status == 400
     assert json.loads(messages.error_body(400, "m")) == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
+
+
+def test_claude_code_first_call_translates() -> None:
+    """Claude Code 2.1.197's first call (captured, texts shortened): system blocks with its billing header and
+    cache_control, a system message after the first user message, adaptive thinking, context_management and
+    output_config. It used to be a 400 at messages[1]."""
+    body = json.loads((FIXTURES / "claude_code_messages.json").read_text())
+    chat = messages.to_chat(body)
+    roles = [m["role"] for m in chat["messages"]]
+    assert roles == ["system", "user", "system"]
+    system = chat["messages"][0]["content"]
+    assert [p["type"] for p in system] == ["text"] * len(body["system"])  # parts: vLLM drops the billing line
+    assert system[0]["text"].startswith("x-anthropic-billing-header")
+    assert "cache_control" not in json.dumps(chat)
+    assert messages.has_mid_system(chat)
+    assert messages.dropped(body) == ["thinking", "context_management", "output_config"]
+    assert chat["max_tokens"] == body["max_tokens"] and chat["stream"] is True
+    assert [t["function"]["name"] for t in chat["tools"]] == [t["name"] for t in body["tools"]]
+    # count_tokens bodies carry no max_tokens
+    count = messages.to_chat({k: v for k, v in body.items() if k != "max_tokens"}, count_only=True)
+    assert count["messages"] == chat["messages"]
+
+
+def test_thinking_blocks_replay_as_reasoning() -> None:
+    chat = messages.to_chat({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "let me ", "signature": "sig1"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "thinking", "thinking": "think", "signature": "sig2"},
+            {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": {"type": "ephemeral"}}]}]})
+    assert chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning": "let me think"}
+    assert messages.dropped({"thinking": {"type": "disabled"}, "metadata": {}, "max_tokens": 1}) == []
+    assert messages.dropped({"thinking": {"type": "enabled", "budget_tokens": 10}}) == ["thinking"]
+
+
+def test_fold_system_into_the_next_user_turn() -> None:
+    folded = messages.fold_system([
+        {"role": "system", "content": "top"}, {"role": "user", "content": "a"},
+        {"role": "system", "content": [{"type": "text", "text": "s1"}, {"type": "text", "text": "s2"}]},
+        {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"},
+        {"role": "system", "content": "last"}])
+    assert folded == [{"role": "system", "content": "top"}, {"role": "user", "content": "a"},
+                      {"role": "assistant", "content": "x"}, {"role": "user", "content": "s1\ns2\n\nb"},
+                      {"role": "user", "content": "last"}]
+
+
+def test_models_in_anthropic_shape() -> None:
+    body = messages.models_body({"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0}]})
+    assert body == {"data": [{"type": "model", "id": "tiny", "display_name": "tiny",
+                              "created_at": "1970-01-01T00:00:00Z"}],
+                    "has_more": False, "first_id": "tiny", "last_id": "tiny"}
+    assert messages.is_anthropic_client({"anthropic-version": "2023-06-01"})
+    assert not messages.is_anthropic_client({"authorization": "Bearer x"})
 
 
 def _state(chat: dict, finish: str = "stop") -> tito.State | None:
