@@ -41,6 +41,7 @@ import aiohttp
 import msgspec
 
 from steptap.middleware import files
+from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.records import Trajectory
 from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
@@ -358,14 +359,10 @@ def _finish_body(reward: float | None, status: str) -> dict[str, Any]:
 
 
 def split_url(url: str) -> tuple[str, str | None]:
-    """``(http base URL, unix socket path or None)`` of a proxy or backend URL. ``unix:/run/x.sock`` (a vLLM
-    started with ``--uds``) is reached as ``http://localhost`` over that socket."""
-    if url.startswith("unix:"):
-        path = url[len("unix:"):]
-        if not path:
-            raise ValueError(f"{url!r}: expected unix:/path/to/socket")
-        return "http://localhost", path
-    return url.rstrip("/"), None
+    """``(http base URL, unix socket path or None)`` of a proxy or backend URL (``/v1`` stripped):
+    ``unix:/run/x.sock`` (a vLLM started with ``--uds``) is reached as ``http://localhost`` over that socket."""
+    parsed = BackendUrl.parse(url)
+    return parsed.base, parsed.socket
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

@@ -37,8 +37,8 @@ from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
-from steptap.middleware.proxy.replicas import POOL_KEY, Replica
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
+from steptap.middleware.backend.client import timed_out
+from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
@@ -100,7 +100,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                     sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                     model=view.model or served,
                     served_model=served,
-                    backend=replica.base,
+                    backend=replica.name,
                     started_at=started_at,
                     policy_version=ticket.version,
                 ))
@@ -208,7 +208,7 @@ class _Call:
         self.manager = manager
         self.session = session
         self.replica = replica
-        self.upstream = replica.upstream
+        self.upstream = replica.client
         self.asked = asked
         self.t0 = t0
         self.common = common
@@ -272,20 +272,20 @@ class _Call:
             return await self.upstream.post(self.endpoint, payload)
         except BackendUnreachable as exc:
             pool = self.request.app[POOL_KEY]
-            pool.take_out(self.replica.base, exc.message, unreachable=True)
+            pool.take_out(self.replica.name, exc.message, unreachable=True)
             try:
-                other = pool.pick(_sticky_id(self.session), avoid=self.replica.base)
+                other = pool.pick(_sticky_id(self.session), avoid=self.replica.name)
             except (BackendUnavailable, BackendUnreachable):
                 raise exc from None
             pool.release(self.replica)
-            self.replica, self.upstream = pool.acquire(other), other.upstream
-            self.common["backend"] = other.base
+            self.replica, self.upstream = pool.acquire(other), other.client
+            self.common["backend"] = other.name
             return await self.upstream.post(self.endpoint, payload)
 
     # --- token-in-token-out --------------------------------------------------------------------------------
 
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)
@@ -295,6 +295,10 @@ class _Call:
             if not self.recorded:
                 await self.record([self.failed(err.message, "backend_error")])
             raise err from None
+        except (BackendUnreachable, BackendTimeout) as exc:  # the client names the replica
+            if not self.recorded:
+                await self.record([self.failed(f"token-in-token-out call failed: {exc.message}", "backend_error")])
+            raise BackendError(exc.message) from None
         except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError) as exc:
             if not self.recorded:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
@@ -342,7 +346,7 @@ class _Call:
     # --- replies ------------------------------------------------------------------------------------------
 
     async def _upstream_error(self, resp: aiohttp.ClientResponse) -> web.Response:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             data = await resp.read()
         except (TimeoutError, aiohttp.ClientError):
@@ -362,7 +366,7 @@ class _Call:
         raise BackendError(text)
 
     async def _relay_plain(self, resp: aiohttp.ClientResponse) -> web.Response:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             data = await resp.read()
         except TimeoutError:
@@ -466,7 +470,7 @@ class _Call:
     ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
         """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
         whether ``[DONE]`` came)."""
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
@@ -523,6 +527,10 @@ class _Call:
             failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
         except tito.TitoError as exc:
             failure = (tito.backend_error(base, exc).message, "backend_error")
+        except BackendTimeout as exc:  # a token-in-token-out call the client could not make
+            failure = (exc.message, "backend_timeout")
+        except BackendUnreachable as exc:
+            failure = (exc.message, "backend_cut")
         finally:
             await batches.aclose()
         if failure is None and not done:
@@ -554,7 +562,7 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def models(request: web.Request) -> web.Response:
-    status, data = await request.app[UPSTREAM_KEY].models()
+    status, data = await request.app[POOL_KEY].models()
     return web.Response(body=data, status=status, content_type="application/json")
 
 
