@@ -22,6 +22,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from steptap.middleware.client import TOKEN_ENV
+
 if TYPE_CHECKING:
     from steptap.middleware.records import Trajectory
 
@@ -31,7 +33,6 @@ RewardValue = float | int | dict[str, float] | None
 RewardFn = Callable[["Trajectory"], RewardValue | Awaitable[RewardValue]]
 
 URL_ENV = "STEPTAP_URL"
-TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
 MODEL_ENV = "STEPTAP_MODEL"
 
 

@@ -51,9 +51,21 @@ TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
 TOKEN_FILE_ENV = "STEPTAP_CONTROL_TOKEN_FILE"  # a 0600 file holding it (how `steptap up` hands it to a driver)
 
 
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in a file: its first line, stripped. ``ValueError`` when the file is empty or unreadable (a token
+    file with no token is a mistake to report, never the same as no file)."""
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the token ({exc})") from exc
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{path}: empty token file")
+    return lines[0].strip()
+
+
 def default_control_token() -> str | None:
     """The control token from ``$STEPTAP_CONTROL_TOKEN``, else from the file ``$STEPTAP_CONTROL_TOKEN_FILE``
-    names (first line), else None."""
+    names (``read_token_file``), else None."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
@@ -61,10 +73,9 @@ def default_control_token() -> str | None:
     if not path:
         return None
     try:
-        lines = Path(path).read_text().split()
-    except OSError as exc:
-        raise ValueError(f"${TOKEN_FILE_ENV}={path}: cannot read the control token ({exc})") from exc
-    return lines[0] if lines else None
+        return read_token_file(path)
+    except ValueError as exc:
+        raise ValueError(f"${TOKEN_FILE_ENV}={exc}") from None
 
 
 
@@ -508,4 +519,4 @@ class SyncSteptapClient:
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")
 
 
-__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]
+__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]

@@ -33,10 +33,3 @@ def open_private_log(path: str | os.PathLike[str]) -> int:
     os.fchmod(fd, 0o600)
     return fd
 
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The token in a file (first line, stripped); ``ValueError`` when it is empty."""
-    token = Path(path).read_text().strip().splitlines()[0:1]
-    if not token or not token[0].strip():
-        raise ValueError(f"{path}: empty token file")
-    return token[0].strip()

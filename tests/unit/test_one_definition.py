@@ -1,0 +1,52 @@
+"""Concepts that were defined twice with different answers (issue 19): each now has one definition, and each test
+here fails when a second one with another answer comes back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from steptap.middleware import client
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [p for folder in ("middleware", "adapters", "learner") for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def _string_constants(path: Path) -> list[tuple[int, str]]:
+    return [(n.lineno, n.value) for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+# --- the control-token file and its environment variables -----------------------------------------------------
+
+@pytest.mark.parametrize(("text", "token"), [("stc-abc\n", "stc-abc"), ("  stc-abc  \n\nignored\n", "stc-abc"),
+                                              ("stc-a b\n", "stc-a b")])
+def test_every_reader_of_a_token_file_gets_the_same_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, token: str) -> None:
+    path = tmp_path / "control_token"
+    path.write_text(text)
+    monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+    monkeypatch.setenv(client.TOKEN_FILE_ENV, str(path))
+    # the drivers' and the clients' way (the environment) and serve's and up's (the file) agree
+    assert client.read_token_file(path) == client.default_control_token() == token
+
+
+def test_an_empty_token_file_is_an_error_for_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "control_token"
+    path.write_text("\n")
+    monkeypatch.delenv(client.TOKEN_ENV, raising=False)
+    monkeypatch.setenv(client.TOKEN_FILE_ENV, str(path))
+    with pytest.raises(ValueError, match="empty token file"):
+        client.read_token_file(path)
+    with pytest.raises(ValueError, match="empty token file"):
+        client.default_control_token()
+
+
+def test_the_token_variables_are_named_in_one_place() -> None:
+    wrong = [f"{p.relative_to(ROOT)}:{line}" for p in SOURCES if p.name != "client.py" or p.parent.name != "middleware"
+             for line, value in _string_constants(p) if value in (client.TOKEN_ENV, client.TOKEN_FILE_ENV)]
+    assert not wrong, "spell them client.TOKEN_ENV / client.TOKEN_FILE_ENV: " + ", ".join(wrong)
+    defs = [p.relative_to(ROOT) for p in SOURCES if "def read_token_file" in p.read_text()]
+    assert defs == [Path("middleware/client.py")]
