@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 from aiohttp import web
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX, bearer
-from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import InvalidRequest
 
 SESSION_HEADER = "X-Steptap-Session"
 PATH_PARAM = "agent_session"  # the route variable of /s/{agent_session}/v1/...
@@ -43,11 +43,8 @@ def identify(request: web.Request) -> Identity:
     key = token if token is not None and token.startswith(SESSION_KEY_PREFIX) else None
     if sid is not None:
         if not valid_session_id(sid):
-            raise ApiError(
-                400,
-                "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
-                "invalid_session_id",
-            )
+            raise InvalidRequest("invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
+                                 "invalid_session_id")
         return Identity(source, session_id=sid, key=key)  # a keyed session needs its key too (manager)
     if key is not None:
         return Identity("key", key=key)

@@ -33,18 +33,24 @@ from aiohttp import web
 from steptap.middleware.backend.client import ADMIN_TIMEOUT_S, BackendClient
 from steptap.middleware.backend.url import name_of
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.exceptions import DomainError
+from steptap.middleware.exceptions import (
+    DomainError,
+    StaleVersion,
+    SwapError,
+    SwapNotPersisted,
+    SwapRefused,
+    SwapUnavailable,
+)
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.weights import transfer as collective
-from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir
+from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 
 logger = logging.getLogger("steptap.weights")
 
 LORA_PREFIX = "steptap-lora"
-_FAILED = (SwapError, DomainError)  # a refused swap, or a replica's failed call (the client names the replica)
 
 
 _CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
@@ -207,7 +213,7 @@ class WeightSwapper:
                 if self.lora_name in await client.model_ids():
                     continue
                 await client.load_lora(self.lora_name, self.lora_path)
-            except _FAILED as exc:
+            except DomainError as exc:
                 logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
 
     # --- the gate -------------------------------------------------------------------------------------------
@@ -250,7 +256,7 @@ class WeightSwapper:
         Raises ``SwapError`` on a refused or failed swap: the old version keeps serving (a failed transfer may
         instead make the last weights on disk a new version; its message says so)."""
         if sum(x is not None for x in (path, lora_path, transfer)) != 1:
-            raise SwapError(400, "give exactly one of 'path' (full weights), 'lora_path' (LoRA adapter) or "
+            raise SwapRefused("give exactly one of 'path' (full weights), 'lora_path' (LoRA adapter) or "
                                  "'transfer' (full weights by collective transfer)", "invalid_request")
         if transfer is not None:
             transfer.check()
@@ -261,7 +267,7 @@ class WeightSwapper:
         async with self._lock:  # one swap at a time; the next one waits here
             try:
                 return await self._swap(path, lora_path, version, transfer)
-            except _FAILED as exc:
+            except DomainError as exc:
                 self.failures += 1
                 self.last_error = exc.message
                 logger.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
@@ -272,9 +278,7 @@ class WeightSwapper:
                     transfer: Transfer | None = None) -> int:
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
-            raise SwapError(
-                409,
-                f"version {new_version} is not newer than the current one ({self.version})",
+            raise StaleVersion(f"version {new_version} is not newer than the current one ({self.version})",
                 "stale_version",
             )
         if path is not None:
@@ -286,7 +290,7 @@ class WeightSwapper:
             if self.cpu_backend is None or self.path is None:
                 await self._inspect_backends()
             if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
-                raise SwapError(400, "refusing a transfer: the served model ties its input and output embeddings "
+                raise SwapRefused("refusing a transfer: the served model ties its input and output embeddings "
                                      "and vLLM on CPU keeps the old output layer after an in-place load",
                                 "tied_embeddings")
             if self.validate_paths:
@@ -302,7 +306,7 @@ class WeightSwapper:
             await self._drain()
             targets = self._targets()
             if not targets:
-                raise SwapError(503, "no healthy backend replica to swap", "no_backend")
+                raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
             figures: dict[str, dict[str, Any]] = {b: {"ok": False, "error": None} for b in targets}
             if transfer is not None:
                 self._plan = await collective.plan([self._client(b) for b in targets])
@@ -327,7 +331,7 @@ class WeightSwapper:
                     # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new weights:
                     # the old version keeps its number, so every replica keeps its weights too.
                     await self._rollback(touched, lora_name)
-                    raise SwapError(502, "; ".join(failed.values()), _code(results))
+                    raise SwapError("; ".join(failed.values()), _code(results))
                 try:
                     await self._persist(new_version, path, lora_path)
                 except SwapError:
@@ -368,7 +372,7 @@ class WeightSwapper:
                  path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
         if resume_errors:  # the version is live (persisted); the replicas that stayed paused must be seen
             after = "taken out until it resumes" if self.pool is not None else "restart it or POST /resume"
-            raise SwapError(502, f"version {self.version} is live but /resume failed ({after}): "
+            raise SwapError(f"version {self.version} is live but /resume failed ({after}): "
                                  + "; ".join(resume_errors), "resume_failed")
         return self.version
 
@@ -394,7 +398,7 @@ class WeightSwapper:
             try:
                 await self._client(b).resume()
                 return None
-            except _FAILED as exc:
+            except DomainError as exc:
                 return exc.message
             finally:
                 figures.setdefault(b, {})["paused_s"] = time.monotonic() - paused_at[b]
@@ -427,8 +431,7 @@ class WeightSwapper:
         try:
             await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
         except TimeoutError:
-            raise SwapError(
-                503,
+            raise SwapUnavailable(
                 f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
                 "swap abandoned, old weights kept",
                 "swap_drain_timeout",
@@ -456,14 +459,14 @@ class WeightSwapper:
             return
         try:
             await client.reload_weights(path)  # type: ignore[arg-type]
-        except _FAILED as exc:
+        except DomainError as exc:
             # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
             # leaves the engine without usable weights (its next forward pass kills it), and a second
             # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
             # A swap that fails everywhere keeps the replica in (as with one server: the old version stays);
             # one that fails here but loads elsewhere takes it out (``_swap``).
             self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
-            raise SwapError(502, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
+            raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
     async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
         """One replica's part of a collective transfer; one that failed midway reloads the disk weights."""
@@ -519,7 +522,7 @@ class WeightSwapper:
                 else:
                     self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
                 await self._tell_version(b, self.version)
-            except _FAILED as exc:
+            except DomainError as exc:
                 if lora_name is None:
                     self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
                     if self.pool is not None:
@@ -531,7 +534,7 @@ class WeightSwapper:
         # restart to tell whether a replica serves the persisted version. Errors ignored (older servers).
         try:
             await self._client(backend).set_label(str(version))
-        except _FAILED:
+        except DomainError:
             pass
 
     async def reconcile(self, backend: str) -> None:
@@ -549,11 +552,11 @@ class WeightSwapper:
                 if self.path is None:
                     await self._inspect_backends()
                 if self.path is None:
-                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
                 if not self.on_disk and [t for t in self._targets() if t != backend]:
-                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, which came by collective transfer and is on no disk; "
                                          "it stays out until a version is published through disk",
                                     "version_mismatch")
@@ -581,7 +584,7 @@ class WeightSwapper:
     async def _label(self, backend: str) -> str | None:
         try:
             return await self._client(backend).label()
-        except _FAILED as exc:
+        except DomainError as exc:
             if exc.code == "backend_unreachable":
                 raise
             return None  # a server without the route: nothing to compare
@@ -589,7 +592,7 @@ class WeightSwapper:
     async def _is_paused(self, backend: str) -> bool:
         try:
             return await self._client(backend).is_paused()
-        except _FAILED as exc:
+        except DomainError as exc:
             if exc.code == "backend_unreachable":
                 raise
             return False
@@ -600,13 +603,13 @@ class WeightSwapper:
             if await self._client(backend).reset_prefix_cache():
                 return
             await asyncio.sleep(0.05)
-        raise SwapError(502, f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
+        raise SwapError(f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
 
     async def _unload(self, name: str, backends: list[str]) -> None:
         for b in backends:
             try:
                 await self._client(b).unload_lora(name)
-            except _FAILED as exc:  # harmless: vLLM evicts unused adapters anyway
+            except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
                 logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
 
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
@@ -615,7 +618,7 @@ class WeightSwapper:
         try:
             await self.log.append(PolicyVersion(version=version, path=path, lora_path=lora_path))
         except Exception as exc:  # noqa: BLE001 - an unpersisted version must not go live
-            raise SwapError(500, f"could not persist policy version {version}: {exc}", "log_error") from exc
+            raise SwapNotPersisted(f"could not persist policy version {version}: {exc}", "log_error") from exc
 
     async def _inspect_backends(self) -> None:
         """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config
@@ -625,7 +628,7 @@ class WeightSwapper:
         for b in self._targets() or self.backends:
             try:
                 info = await self._client(b).server_info()
-            except _FAILED:
+            except DomainError:
                 cpu = True
                 continue
             text = str(info.get("vllm_config", "")) if isinstance(info, dict) else ""
@@ -651,11 +654,11 @@ class WeightSwapper:
 
 
 def _message(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, _FAILED) else f"{type(exc).__name__}: {exc}"
+    return exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
 
 
 def _code(results: list[Any]) -> str:
-    return next((r.code for r in results if isinstance(r, _FAILED)), "backend_error")
+    return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
 
 
 # Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).

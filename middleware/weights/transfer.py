@@ -22,9 +22,8 @@ from typing import Any, Literal
 import msgspec
 
 from steptap.middleware.backend.client import BackendClient
-from steptap.middleware.exceptions import DomainError
+from steptap.middleware.exceptions import DomainError, SwapError, SwapRefused
 from steptap.middleware.model_files import tensor_shapes
-from steptap.middleware.weights.checks import SwapError
 
 logger = logging.getLogger("steptap.weights")
 
@@ -46,20 +45,20 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
 
     def check(self) -> None:
         if not 0 < self.port < 65536:
-            raise SwapError(400, f"transfer.port {self.port} is not a TCP port", "invalid_request")
+            raise SwapRefused(f"transfer.port {self.port} is not a TCP port", "invalid_request")
         if not 1 <= self.timeout_s <= 3600:
-            raise SwapError(400, "transfer.timeout_s must be within 1..3600", "invalid_request")
+            raise SwapRefused("transfer.timeout_s must be within 1..3600", "invalid_request")
         n = len(self.names)
         if not 0 < n <= MAX_TENSORS or len(self.dtype_names) != n or len(self.shapes) != n:
-            raise SwapError(400, "transfer.names, dtype_names and shapes must be equally long (1.."
+            raise SwapRefused("transfer.names, dtype_names and shapes must be equally long (1.."
                                  f"{MAX_TENSORS})", "invalid_request")
         if len(set(self.names)) != n:
-            raise SwapError(400, "transfer.names repeats a tensor", "invalid_request")
+            raise SwapRefused("transfer.names repeats a tensor", "invalid_request")
         bad = sorted(set(self.dtype_names) - DTYPES)
         if bad:
-            raise SwapError(400, f"transfer.dtype_names: unknown dtype {bad[0]!r}", "invalid_request")
+            raise SwapRefused(f"transfer.dtype_names: unknown dtype {bad[0]!r}", "invalid_request")
         if any(d < 0 for s in self.shapes for d in s):
-            raise SwapError(400, "transfer.shapes: negative dimension", "invalid_request")
+            raise SwapRefused("transfer.shapes: negative dimension", "invalid_request")
 
     def check_fits(self, reference: str | None) -> None:
         """The served model's tensor names and shapes (its safetensors headers), as a disk swap checks: vLLM
@@ -80,7 +79,7 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
             parts = [f"shape differs for {k} {sent[k]} (served: {list(ref[k])})" for k in wrong[:3]]
             parts += [f"missing {', '.join(missing[:3])}"] if missing else []
             parts += [f"unknown {', '.join(extra[:3])}"] if extra else []
-            raise SwapError(400, f"the transfer does not fit the served model ({reference}): " + "; ".join(parts),
+            raise SwapRefused(f"the transfer does not fit the served model ({reference}): " + "; ".join(parts),
                             "weights_mismatch")
 
     def update_info(self) -> dict[str, Any]:
@@ -91,7 +90,7 @@ class TransferFailed(SwapError):
     """A replica's part failed; ``touched``: it had started loading (its weights are mixed until reloaded)."""
 
     def __init__(self, message: str, touched: bool) -> None:
-        super().__init__(502, message, "transfer_failed")
+        super().__init__(message, "transfer_failed")
         self.touched = touched
 
 
@@ -136,4 +135,4 @@ async def reload_from_disk(client: BackendClient, path: str | None) -> str | Non
 
 
 def transfer_error(failed: dict[str, str], what_now: str) -> SwapError:
-    return SwapError(502, "; ".join(failed.values()) + f". {what_now}", "transfer_failed")
+    return SwapError("; ".join(failed.values()) + f". {what_now}", "transfer_failed")

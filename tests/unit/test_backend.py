@@ -16,7 +16,7 @@ from faults import MODEL, FaultInjector, serve_unix
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.client import split_url
-from steptap.middleware.weights.checks import SwapError
+from steptap.middleware.exceptions import SwapError
 from steptap.middleware.weights.swapper import WeightSwapper
 
 

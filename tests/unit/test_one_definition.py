@@ -50,3 +50,38 @@ def test_the_token_variables_are_named_in_one_place() -> None:
     assert not wrong, "spell them client.TOKEN_ENV / client.TOKEN_FILE_ENV: " + ", ".join(wrong)
     defs = [p.relative_to(ROOT) for p in SOURCES if "def read_token_file" in p.read_text()]
     assert defs == [Path("middleware/client.py")]
+
+
+# --- error -> status: one map, used by the edge for every domain error -----------------------------------------
+
+def test_every_domain_error_has_its_status_in_the_one_map() -> None:
+    from steptap.middleware import errors, exceptions
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    missing = [c.__name__ for c in subclasses(exceptions.DomainError)
+               if c.__module__ == exceptions.__name__ and c not in errors._STATUS]  # others inherit their base's
+    assert not missing, f"add to errors._STATUS: {missing}"
+    order = list(errors._STATUS)
+    shadowed = [(a.__name__, b.__name__) for i, a in enumerate(order) for b in order[i + 1:] if issubclass(b, a)]
+    assert not shadowed, f"a subclass after its base never gets its own status: {shadowed}"
+
+
+def test_a_refused_swap_and_a_bad_session_id_answer_with_the_maps_status() -> None:
+    from steptap.middleware import errors, exceptions
+
+    refused = errors.api_error(exceptions.SwapRefused("bad weights", "weights_not_found"))
+    assert (refused.status, refused.code) == (400, "weights_not_found")
+    assert errors.status_of(exceptions.StaleVersion("old")) == 409
+    assert errors.status_of(exceptions.SwapError("failed", "backend_error")) == 502
+    assert errors.status_of(exceptions.InvalidRequest("bad id", "invalid_session_id")) == 400
+
+
+def test_only_routes_build_http_errors() -> None:
+    """Domain modules raise domain errors; ``ApiError(status, ...)`` is built only at the edge (routes, app)."""
+    routes = {"control.py", "stream.py", "routes.py", "relay.py", "validate.py", "protocols.py", "responses.py",
+              "translation.py", "messages.py", "errors.py", "auth.py"}
+    wrong = [str(p.relative_to(ROOT)) for p in SOURCES if p.parts[-3:-1][-1] in ("sessions", "log", "weights",
+             "backend") and p.name not in routes and "ApiError" in p.read_text()]
+    assert not wrong, wrong
