@@ -69,7 +69,8 @@ def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
     directory of the user cache, named for the port."""
     from pathlib import Path
 
-    from steptap.middleware.launch.private_files import private_dir, write_private
+    from steptap.middleware.files import private_dir
+    from steptap.middleware.launch.private_files import write_private
 
     if path is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap" / "tokens"

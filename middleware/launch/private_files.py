@@ -13,14 +13,6 @@ from pathlib import Path
 from steptap.middleware.files import atomic_write
 
 
-def private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) if needed and make it 0700."""
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
-    return d
-
-
 def write_private(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to a 0600 file atomically and durably (the mode is set before any byte is written)."""
     atomic_write(path, text, mode=0o600)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient, read_token_file
-from steptap.middleware.launch.private_files import private_dir, write_private
+from steptap.middleware.files import private_dir
+from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor

@@ -85,3 +85,23 @@ def test_only_routes_build_http_errors() -> None:
     wrong = [str(p.relative_to(ROOT)) for p in SOURCES if p.parts[-3:-1][-1] in ("sessions", "log", "weights",
              "backend") and p.name not in routes and "ApiError" in p.read_text()]
     assert not wrong, wrong
+
+
+# --- private directories: one function (0700, new entries synced in their parent) -------------------------------
+
+def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from steptap.middleware import files
+
+    synced: list[Path] = []
+    real = files.fsync_path
+    monkeypatch.setattr(files, "fsync_path", lambda p: (synced.append(Path(p)), real(p))[1])
+    made = files.private_dir(tmp_path / "work" / "run")
+    assert synced == [tmp_path, tmp_path / "work"]  # each new directory's entry is durable
+    assert (made.stat().st_mode & 0o777, (tmp_path / "work").stat().st_mode & 0o777) == (0o700, 0o700)
+    made.chmod(0o755)
+    assert files.private_dir(made).stat().st_mode & 0o777 == 0o700  # an existing one is made private too
+
+
+def test_private_dirs_are_made_in_one_place() -> None:
+    defs = [p.relative_to(ROOT) for p in SOURCES if "def private_dir" in p.read_text()]
+    assert defs == [Path("middleware/files.py")]
