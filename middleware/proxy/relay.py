@@ -41,8 +41,10 @@ from steptap.middleware.backend.client import timed_out
 from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
-from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
-from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S, SWAPPER_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.manager import LiveSession, SessionManager
+from steptap.middleware.weights.routes import SWAPPER_KEY
+from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 logger = logging.getLogger("steptap.relay")
 

@@ -9,9 +9,7 @@ call is served and recorded as a one-step session of its own.
 from __future__ import annotations
 
 import re
-from typing import Literal, NamedTuple
-
-from aiohttp import web
+from typing import Any, Literal, NamedTuple
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX, bearer
 from steptap.middleware.exceptions import InvalidRequest
@@ -33,7 +31,8 @@ def valid_session_id(value: str) -> bool:
     return _ID_RE.fullmatch(value) is not None
 
 
-def identify(request: web.Request) -> Identity:
+def identify(request: Any) -> Identity:
+    """``request``: anything with ``match_info`` and ``headers`` (an aiohttp request; the domain imports no aiohttp)."""
     sid = request.match_info.get(PATH_PARAM)
     source: Source = "path"
     if sid is None:

@@ -14,8 +14,12 @@ from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
-from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
+from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
+
+# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
+SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)
+
 
 class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from aiohttp import web
 
 from steptap.middleware.backend.client import ADMIN_TIMEOUT_S, BackendClient
 from steptap.middleware.backend.url import name_of
@@ -661,5 +660,4 @@ def _code(results: list[Any]) -> str:
     return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
 
 
-# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
-SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)
+

@@ -254,3 +254,22 @@ def test_the_vllm_http_check_catches_a_session_and_a_route(tmp_path: Path) -> No
     (tmp_path / "backend").mkdir()
     (tmp_path / "weights" / "swapper.py").rename(tmp_path / "backend" / "client.py")
     assert vllm_http_outside_backend(tmp_path) == []
+
+
+# Domain modules never import aiohttp: their AppKeys live in their routes modules (sessions/control.py,
+# log/stream.py, weights/routes.py), so the domain reads as plain Python and runs outside a web app.
+DOMAIN = ("sessions", "log", "weights")
+DOMAIN_ROUTES = {"control.py", "stream.py", "routes.py"}
+
+
+def aiohttp_in_domain(root: Path) -> list[str]:
+    return [f"{p.relative_to(root)}: imports aiohttp" for part in DOMAIN for p in sorted((root / part).rglob("*.py"))
+            if p.name not in DOMAIN_ROUTES and any(n.split(".")[0] == "aiohttp" for n in _imports(p))]
+
+
+def test_the_session_log_and_swap_domains_import_no_aiohttp(tmp_path: Path) -> None:
+    wrong = aiohttp_in_domain(ROOT / "middleware")
+    assert not wrong, "\n".join(wrong)
+    (tmp_path / "weights").mkdir()  # and the check fails on a wrong import
+    (tmp_path / "weights" / "swapper.py").write_text("from aiohttp import web\nKEY = web.AppKey('k', int)\n")
+    assert aiohttp_in_domain(tmp_path) == ["weights/swapper.py: imports aiohttp"]
