@@ -16,7 +16,6 @@ from typing import Any
 from aiohttp import web
 
 from steptap.middleware.errors import ApiError, status_of
-from steptap.middleware.errors import error_body as openai_error
 from steptap.middleware.exceptions import DomainError
 from steptap.middleware.proxy import messages, responses
 
@@ -50,9 +49,6 @@ class Protocol:
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         raise NotImplementedError
-
-    def error_body(self, status: int, message: str, code: str | None) -> bytes:
-        return openai_error(message, status, code)
 
     def upstream_error(self, status: int, data: bytes) -> bytes:
         """vLLM's OpenAI error body (the agent's mistake) in this protocol's shape."""
@@ -127,9 +123,6 @@ class Messages(Protocol):
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         return self.events.error(status, message)
-
-    def error_body(self, status: int, message: str, code: str | None) -> bytes:
-        return messages.error_body(status, message)
 
     def upstream_error(self, status: int, data: bytes) -> bytes:
         try:
