@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.records import Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a running proxy's URL (its stream; the control token from "
         "--control-token or $STEPTAP_CONTROL_TOKEN)",
     )
-    p.add_argument("--control-token", default=os.environ.get("STEPTAP_CONTROL_TOKEN"))
+    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV))
     p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
     p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
     p.add_argument("--rows-per-file", type=int, default=100_000)

@@ -22,6 +22,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from steptap.middleware.client import TOKEN_ENV
+
 if TYPE_CHECKING:
     from steptap.middleware.records import Trajectory
 
@@ -31,7 +33,6 @@ RewardValue = float | int | dict[str, float] | None
 RewardFn = Callable[["Trajectory"], RewardValue | Awaitable[RewardValue]]
 
 URL_ENV = "STEPTAP_URL"
-TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
 MODEL_ENV = "STEPTAP_MODEL"
 
 
@@ -52,7 +53,7 @@ def served_model(base_url: str, api_key: str, timeout: float = 10.0) -> str:
     """The first model the proxy serves (``GET {base_url}/models`` with the session's key)."""
     from steptap.middleware.client import SteptapError, SyncSteptapClient
 
-    client = SyncSteptapClient(base_url.rstrip("/").removesuffix("/v1"), api_key, timeout_s=timeout)
+    client = SyncSteptapClient(base_url, api_key, timeout_s=timeout)  # it strips /v1
     try:
         models = client.models()
     except (OSError, ValueError, SteptapError) as exc:
@@ -150,7 +151,9 @@ class _SessionBase:
     @property
     def anthropic_base_url(self) -> str:
         """The session's base URL without ``/v1`` (what Anthropic's SDK and ``ANTHROPIC_BASE_URL`` expect)."""
-        return self.base_url.rstrip("/").removesuffix("/v1")
+        from steptap.middleware.client import split_url
+
+        return split_url(self.base_url)[0]
 
     def bind(self, adapter: str, **kw: Any) -> Any:
         """A framework object on this session through its registered adapter: ``s.bind("langchain")``."""

@@ -69,7 +69,7 @@ class InProcessProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def swapper_state(self) -> Any:
-        from steptap.middleware.weights.swapper import SWAPPER_KEY
+        from steptap.middleware.weights.routes import SWAPPER_KEY
 
         return self.app[SWAPPER_KEY].state()
 

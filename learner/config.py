@@ -8,7 +8,6 @@ Precedence: defaults < file < flags < ``STEPTAP_CONTROL_TOKEN`` (only when no to
 from __future__ import annotations
 
 import argparse
-import os
 import tomllib
 import types
 import typing
@@ -147,7 +146,9 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return list(dict.fromkeys(u.rstrip("/") for u in (self.proxy_urls or (self.proxy_url,))))
 
     def token(self) -> str:
-        return self.control_token or os.environ.get("STEPTAP_CONTROL_TOKEN", "")
+        from steptap.middleware.client import default_control_token
+
+        return self.control_token or default_control_token() or ""
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

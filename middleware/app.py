@@ -1,6 +1,5 @@
 """``create_app(config)``: wiring only. Routes, ``AppKey``s, and one ``cleanup_ctx`` per resource (the
-upstream
-session, the trajectory log with the session manager, the weight swapper, background tasks)."""
+replica pool, the trajectory log with the session manager, the weight swapper, background tasks)."""
 
 from __future__ import annotations
 
@@ -13,21 +12,22 @@ from typing import Any
 
 from aiohttp import web
 
+from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
 from steptap.middleware.log import stream
 from steptap.middleware.proxy import relay
 from steptap.middleware.proxy.protocols import STORE_KEY
-from steptap.middleware.proxy.replicas import POOL_KEY, ReplicaCollector, ReplicaPool
 from steptap.middleware.proxy.responses import ResponseStore
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY
 from steptap.middleware.sessions import control
 from steptap.middleware.weights import routes as weights
-from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
+from steptap.middleware.weights.routes import SWAPPER_KEY
+from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import error_middleware
 from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
 from steptap.middleware.sessions.rewards import RewardFn, load_reward
-from steptap.middleware.sessions.manager import SESSIONS_KEY, SessionManager
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.log.wal import TrajectoryLog
 
 logger = logging.getLogger("steptap.proxy")
@@ -45,7 +45,6 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     pool = app[POOL_KEY] = ReplicaPool(config)
-    app[UPSTREAM_KEY] = pool  # type: ignore[assignment]  # Upstream's interface, over every replica
     app[STORE_KEY] = ResponseStore()  # conversations behind previous_response_id
     swapper = WeightSwapper(pool.configured(), model_dir=config.model_dir, api_key=config.backend_api_key,
                             drain_timeout_s=config.swap_drain_timeout_s)

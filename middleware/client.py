@@ -41,6 +41,7 @@ import aiohttp
 import msgspec
 
 from steptap.middleware import files
+from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.records import Trajectory
 from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
@@ -50,9 +51,21 @@ TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
 TOKEN_FILE_ENV = "STEPTAP_CONTROL_TOKEN_FILE"  # a 0600 file holding it (how `steptap up` hands it to a driver)
 
 
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in a file: its first line, stripped. ``ValueError`` when the file is empty or unreadable (a token
+    file with no token is a mistake to report, never the same as no file)."""
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the token ({exc})") from exc
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{path}: empty token file")
+    return lines[0].strip()
+
+
 def default_control_token() -> str | None:
     """The control token from ``$STEPTAP_CONTROL_TOKEN``, else from the file ``$STEPTAP_CONTROL_TOKEN_FILE``
-    names (first line), else None."""
+    names (``read_token_file``), else None."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
@@ -60,10 +73,9 @@ def default_control_token() -> str | None:
     if not path:
         return None
     try:
-        lines = Path(path).read_text().split()
-    except OSError as exc:
-        raise ValueError(f"${TOKEN_FILE_ENV}={path}: cannot read the control token ({exc})") from exc
-    return lines[0] if lines else None
+        return read_token_file(path)
+    except ValueError as exc:
+        raise ValueError(f"${TOKEN_FILE_ENV}={exc}") from None
 
 
 
@@ -358,14 +370,10 @@ def _finish_body(reward: float | None, status: str) -> dict[str, Any]:
 
 
 def split_url(url: str) -> tuple[str, str | None]:
-    """``(http base URL, unix socket path or None)`` of a proxy or backend URL. ``unix:/run/x.sock`` (a vLLM
-    started with ``--uds``) is reached as ``http://localhost`` over that socket."""
-    if url.startswith("unix:"):
-        path = url[len("unix:"):]
-        if not path:
-            raise ValueError(f"{url!r}: expected unix:/path/to/socket")
-        return "http://localhost", path
-    return url.rstrip("/"), None
+    """``(http base URL, unix socket path or None)`` of a proxy or backend URL (``/v1`` stripped):
+    ``unix:/run/x.sock`` (a vLLM started with ``--uds``) is reached as ``http://localhost`` over that socket."""
+    parsed = BackendUrl.parse(url)
+    return parsed.base, parsed.socket
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -511,4 +519,4 @@ class SyncSteptapClient:
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")
 
 
-__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]
+__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -22,7 +21,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     backend: Annotated[str, _help(
         "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix socket")] = ""
     backends: Annotated[list[str], _help(
-        "more vLLM replicas (--backend repeated); proxy/replicas.py routes among them")] = []
+        "more vLLM replicas (--backend repeated); backend/pool.py routes among them")] = []
     backends_file: Annotated[str | None, _help(
         "one replica URL a line, re-read when it changes or on SIGHUP")] = None
     health_interval_s: Annotated[float, _help(
@@ -136,27 +135,6 @@ def parse_force_sampling(text: str) -> dict[str, float]:
             )
         out[name.strip()] = float(value)
     return out
-
-
-def backend_session(backend: str, api_key: str | None = None, *, connector_args: dict[str, Any] | None = None,
-                    **session_args: Any) -> tuple[str, aiohttp.ClientSession]:
-    """``(base URL for requests, ClientSession)`` for a backend given as ``http://host:port`` or ``unix:PATH``.
-
-    A unix socket is reached through aiohttp's ``UnixConnector`` with ``http://localhost`` as the base (vLLM
-    started with ``--uds``: its admin routes are then out of reach of other local users). The backend's API
-    key, when there is one, goes on every call the session makes. Call inside a running event loop."""
-    connector_args = connector_args or {}
-    if backend.startswith("unix:"):
-        path = backend[len("unix:"):]
-        if not path:
-            raise ValueError(f"backend {backend!r}: expected unix:/path/to/socket")
-        base, connector = "http://localhost", aiohttp.UnixConnector(path=path, **connector_args)
-    else:
-        base, connector = backend.rstrip("/").removesuffix("/v1"), aiohttp.TCPConnector(**connector_args)
-    headers = dict(session_args.pop("headers", None) or {})
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    return base, aiohttp.ClientSession(connector=connector, headers=headers or None, **session_args)
 
 
 CONFIG_KEY = web.AppKey("steptap_config", ProxyConfig)

@@ -69,8 +69,9 @@ class ApiError(web.HTTPException):
         self.code = code
 
 
-# Domain error -> HTTP status: the one place the domain meets HTTP.
+# Domain error -> HTTP status: the one place the domain meets HTTP (a subclass before its base).
 _STATUS: dict[type[ex.DomainError], int] = {
+    ex.InvalidRequest: 400,
     ex.SessionNotFound: 404,
     ex.SessionEvicted: 404,
     ex.SessionClosed: 409,
@@ -89,6 +90,11 @@ _STATUS: dict[type[ex.DomainError], int] = {
     ex.BackendCut: 502,
     ex.BackendMalformed: 502,
     ex.SwapCut: 503,
+    ex.SwapRefused: 400,
+    ex.StaleVersion: 409,
+    ex.SwapUnavailable: 503,
+    ex.SwapNotPersisted: 500,
+    ex.SwapError: 502,
     ex.RecordTooLarge: 413,
     ex.LogUnavailable: 503,
 }

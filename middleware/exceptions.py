@@ -12,10 +12,18 @@ class DomainError(Exception):
 
     code: ClassVar[str] = "error"
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if code is not None:  # a finer code than the class's (the status stays the class's: errors._STATUS)
+            self.code = code  # type: ignore[misc]
         self.retry_after_s = retry_after_s  # set on errors worth retrying (overload): sent as Retry-After
+
+
+class InvalidRequest(DomainError):
+    """The request itself is wrong (a bad id, a bad value)."""
+
+    code = "invalid_request"
 
 
 # --- sessions -------------------------------------------------------------------------------------------------
@@ -100,6 +108,35 @@ class SwapCut(DomainError):
     """A weight swap cut the call: it outlasted the swap's drain bound. A retry runs on the new weights."""
 
     code = "swap_cut"
+
+
+# --- the weight swap (weights/) ------------------------------------------------------------------------------
+class SwapError(DomainError):
+    """A swap that failed on a replica: the old version keeps serving (its message says otherwise)."""
+
+    code = "swap_failed"
+
+
+class SwapRefused(SwapError):
+    """Refused before anything paused: bad weights, a bad body."""
+
+    code = "invalid_request"
+
+
+class StaleVersion(SwapError):
+    code = "stale_version"
+
+
+class SwapUnavailable(SwapError):
+    """Nothing to swap now (no healthy replica, calls that would not drain)."""
+
+    code = "no_backend"
+
+
+class SwapNotPersisted(SwapError):
+    """The new version could not be written to the log: it never went live."""
+
+    code = "log_error"
 
 
 # --- the log -------------------------------------------------------------------------------------------------

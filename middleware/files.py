@@ -99,6 +99,14 @@ def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:
     return path
 
 
+def private_dir(path: StrPath) -> Path:
+    """``makedirs`` (durable, new ones 0700) and the directory itself made 0700 even if it existed (it may hold
+    a token, prompts or a socket whose routes have no auth)."""
+    path = makedirs(path)
+    os.chmod(path, DIR_MODE)
+    return path
+
+
 def atomic_write(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically: readers see the old contents or the new, never part of
     either. With ``durable`` (the default) the new contents survive a crash once this returns: the temporary
@@ -151,6 +159,6 @@ def sync_tree(path: StrPath) -> None:
 
 
 __all__ = [
-    "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs", "sync_tree",
+    "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs", "private_dir", "sync_tree",
     "write_all",
 ]

@@ -10,13 +10,14 @@ from typing import Any
 
 import msgspec
 
+from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.config import ProxyConfig
 
 # Fields that are not plain flags: derived at start (sampling_defaults), or read from a file or the environment
 # as well as a flag (the secrets), or parsed from a string (force_sampling).
 NOT_FLAGS = {"sampling_defaults", "backends"}  # backends: the second and later --backend
 HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
-SECRET_ENV = {"control_token": "STEPTAP_CONTROL_TOKEN", "backend_api_key": "STEPTAP_BACKEND_API_KEY"}
+SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY"}
 
 
 def _flag(name: str) -> str:

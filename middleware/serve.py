@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from steptap.middleware.client import read_token_file
 from steptap.middleware.config import ProxyConfig, generation_defaults, parse_force_sampling
 from steptap.middleware.flags import SECRET_ENV, add_proxy_flags
 
@@ -31,8 +32,6 @@ def _secret(args: argparse.Namespace, name: str) -> str | None:
     value = getattr(args, name)
     path = getattr(args, name + "_file")
     if not value and path and os.path.exists(path):  # a missing control token file is written at start
-        from steptap.middleware.launch.private_files import read_token_file
-
         value = read_token_file(path)
     return value or os.environ.get(SECRET_ENV[name]) or None
 
@@ -70,7 +69,8 @@ def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
     directory of the user cache, named for the port."""
     from pathlib import Path
 
-    from steptap.middleware.launch.private_files import private_dir, write_private
+    from steptap.middleware.files import private_dir
+    from steptap.middleware.launch.private_files import write_private
 
     if path is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap" / "tokens"

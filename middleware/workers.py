@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from steptap.middleware.auth import generate_token
+from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.config import ProxyConfig
 
 SHARED_BACKENDS = "shared"  # the reason a worker refuses swaps (see above)
@@ -49,7 +50,7 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
     shared = len(backends) < workers
     env = dict(os.environ)
     # One control token for all (the learner uses one): passed by environment, never on a command line.
-    env["STEPTAP_CONTROL_TOKEN"] = config.control_token or generate_token()
+    env[TOKEN_ENV] = config.control_token or generate_token()
     generated = not config.control_token
     urls = worker_urls(config, workers)
     base = _strip(argv, {"--workers", "--backend", "--log", "--public-url", "--control-token"})

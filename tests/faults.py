@@ -164,6 +164,14 @@ class FaultInjector:
         return resp
 
 
+async def serve_unix(app: web.Application, path: str) -> web.AppRunner:
+    """Serve ``app`` on a unix socket (as vLLM ``--uds``); ``await runner.cleanup()`` when done."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, path).start()
+    return runner
+
+
 def refused_address() -> tuple[socket.socket, str]:
     """A bound, never-listening socket: connecting to it is refused, and nobody else can take the port while
     the caller holds the socket (close it when done)."""

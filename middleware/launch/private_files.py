@@ -13,14 +13,6 @@ from pathlib import Path
 from steptap.middleware.files import atomic_write
 
 
-def private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) if needed and make it 0700."""
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(d, 0o700)
-    return d
-
-
 def write_private(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to a 0600 file atomically and durably (the mode is set before any byte is written)."""
     atomic_write(path, text, mode=0o600)
@@ -33,10 +25,3 @@ def open_private_log(path: str | os.PathLike[str]) -> int:
     os.fchmod(fd, 0o600)
     return fd
 
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The token in a file (first line, stripped); ``ValueError`` when it is empty."""
-    token = Path(path).read_text().strip().splitlines()[0:1]
-    if not token or not token[0].strip():
-        raise ValueError(f"{path}: empty token file")
-    return token[0].strip()

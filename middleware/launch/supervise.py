@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from steptap.middleware.launch.private_files import open_private_log, private_dir
+from steptap.middleware.files import private_dir
+from steptap.middleware.launch.private_files import open_private_log
 from steptap.middleware.launch.procs import signal_group, stop_group
 
 _PR_SET_PDEATHSIG = 1

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 from steptap.middleware.auth import generate_token
-from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
-from steptap.middleware.launch.private_files import private_dir, read_token_file, write_private
+from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient, read_token_file
+from steptap.middleware.files import private_dir
+from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
@@ -304,7 +305,7 @@ class Up:
         argv = [*STEPTAP, "eval", self.args.eval, "--proxy", self.proxy_url]
         argv += ["--every", str(self.args.eval_every), "--metrics-file", str(self.metrics_path)]
         argv += _split(self.args.eval_args)
-        env = {**os.environ, "STEPTAP_CONTROL_TOKEN": self.token, "STEPTAP_MODEL": self.served_model}
+        env = {**os.environ, TOKEN_ENV: self.token, "STEPTAP_MODEL": self.served_model}
         child = self.sup.start(Child("eval", argv, self.logs / "eval.log", env=env, may_exit=True))
         self._log(f"eval: {self.args.eval} every {self.args.eval_every} versions (log: {child.log_path})")
 

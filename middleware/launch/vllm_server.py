@@ -29,7 +29,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.launch.private_files import private_dir
+from steptap.middleware.files import private_dir
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.files import cache_root  # noqa: F401 - re-exported for callers

@@ -13,12 +13,11 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.errors import ApiError, status_of
-from steptap.middleware.errors import error_body as openai_error
-from steptap.middleware.exceptions import BackendUnreachable, DomainError
+from steptap.middleware.exceptions import DomainError
 from steptap.middleware.proxy import messages, responses, tito
 
 logger = logging.getLogger("steptap.relay")
@@ -33,7 +32,7 @@ class Protocol:
     dropped: list[str] = []  # top-level fields accepted but not honoured (each a step note, counted)
     notes: list[str] = []  # recorded on the call's steps
 
-    async def adapt(self, upstream: Any, served: str) -> None:
+    async def adapt(self, upstream: BackendClient, served: str) -> None:
         """Translation choices that depend on the backend's template (asked once per replica and model)."""
 
     def prepare(self, session_id: str | None) -> None:
@@ -56,9 +55,6 @@ class Protocol:
 
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         raise NotImplementedError
-
-    def error_body(self, status: int, message: str, code: str | None) -> bytes:
-        return openai_error(message, status, code)
 
     def upstream_error(self, status: int, data: bytes) -> bytes:
         """vLLM's OpenAI error body (the agent's mistake) in this protocol's shape."""
@@ -124,7 +120,7 @@ class Messages(Protocol):
         self.dropped = messages.dropped(body)
         self.notes = [f"dropped {key}: not honoured by this proxy" for key in self.dropped]
 
-    async def adapt(self, upstream: Any, served: str) -> None:
+    async def adapt(self, upstream: BackendClient, served: str) -> None:
         if messages.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):
             self.chat = {**self.chat, "messages": messages.fold_system(self.chat["messages"])}
             self.notes = [*self.notes, "system messages after the first folded into the next user turn "
@@ -142,9 +138,6 @@ class Messages(Protocol):
     def stream_error(self, status: int, message: str, code: str) -> bytes:
         return self.events.error(status, message)
 
-    def error_body(self, status: int, message: str, code: str | None) -> bytes:
-        return messages.error_body(status, message)
-
     def upstream_error(self, status: int, data: bytes) -> bytes:
         try:
             message = json.loads(data)["error"]["message"]
@@ -160,23 +153,21 @@ _MID_SYSTEM_MAX = 256
 _PROBE = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "c"}]
 
 
-async def keeps_mid_system(upstream: Any, served: str) -> bool:
+async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
     """Whether the served template keeps a mid-conversation system message: rendered with it, and its ids differ
     from the same conversation without it. A backend without the render route (no ``--enable-scale-out``)
     cannot be asked: kept (a template that refuses it then answers the call with vLLM's 400)."""
-    key = (upstream.base, served)
+    key = (upstream.name, served)
     if key not in _MID_SYSTEM:
         probe = {"model": served, "messages": _PROBE, "max_tokens": 1}
-        try:
-            with_it = await tito.render(upstream.http, upstream.base, probe)
-            without = await tito.render(upstream.http, upstream.base, probe, messages=[_PROBE[0], _PROBE[2]])
+        try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
+            with_it = await tito.render(upstream, probe)
+            without = await tito.render(upstream, probe, messages=[_PROBE[0], _PROBE[2]])
             keeps = with_it["token_ids"] != without["token_ids"]
         except tito.TitoError as exc:
             if exc.status in (404, 405):
                 return True  # not cached: the replica may be restarted with scale-out
             keeps = False  # the template raised on it
-        except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
         if len(_MID_SYSTEM) >= _MID_SYSTEM_MAX:
             _MID_SYSTEM.clear()
         _MID_SYSTEM[key] = keeps

@@ -37,6 +37,8 @@ from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
+from steptap.middleware.backend.client import timed_out
+from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.protocols import (
     PROTOCOL_ENDPOINTS,
@@ -45,12 +47,12 @@ from steptap.middleware.proxy.protocols import (
     anthropic_errors,
     open_protocol,
 )
-from steptap.middleware.proxy.replicas import POOL_KEY, Replica
-from steptap.middleware.proxy.upstream import UPSTREAM_KEY, timed_out
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
-from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
-from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S, SWAPPER_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.manager import LiveSession, SessionManager
+from steptap.middleware.weights.routes import SWAPPER_KEY
+from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 logger = logging.getLogger("steptap.relay")
 
@@ -109,14 +111,14 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                 # (it would only push named sessions out of the pool's bounded map).
                 replica = pool.acquire(pool.pick(_sticky_id(session)))
                 if proto is not None:
-                    await proto.adapt(replica.upstream, served)
+                    await proto.adapt(replica.client, served)
                 out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
                 call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
                     sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
                     model=view.model or served,
                     served_model=served,
-                    backend=replica.base,
+                    backend=replica.name,
                     started_at=started_at,
                     policy_version=ticket.version,
                 ))
@@ -243,7 +245,7 @@ class _Call:
         self.manager = manager
         self.session = session
         self.replica = replica
-        self.upstream = replica.upstream
+        self.upstream = replica.client
         self.asked = asked
         self.t0 = t0
         self.common = common
@@ -307,20 +309,20 @@ class _Call:
             return await self.upstream.post(self.endpoint, payload)
         except BackendUnreachable as exc:
             pool = self.request.app[POOL_KEY]
-            pool.take_out(self.replica.base, exc.message, unreachable=True)
+            pool.take_out(self.replica.name, exc.message, unreachable=True)
             try:
-                other = pool.pick(_sticky_id(self.session), avoid=self.replica.base)
+                other = pool.pick(_sticky_id(self.session), avoid=self.replica.name)
             except (BackendUnavailable, BackendUnreachable):
                 raise exc from None
             pool.release(self.replica)
-            self.replica, self.upstream = pool.acquire(other), other.upstream
-            self.common["backend"] = other.base
+            self.replica, self.upstream = pool.acquire(other), other.client
+            self.common["backend"] = other.name
             return await self.upstream.post(self.endpoint, payload)
 
     # --- token-in-token-out --------------------------------------------------------------------------------
 
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)
@@ -330,6 +332,10 @@ class _Call:
             if not self.recorded:
                 await self.record([self.failed(err.message, "backend_error")])
             raise err from None
+        except (BackendUnreachable, BackendTimeout) as exc:  # the client names the replica
+            if not self.recorded:
+                await self.record([self.failed(f"token-in-token-out call failed: {exc.message}", "backend_error")])
+            raise BackendError(exc.message) from None
         except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError) as exc:
             if not self.recorded:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
@@ -378,7 +384,7 @@ class _Call:
     # --- replies ------------------------------------------------------------------------------------------
 
     async def _upstream_error(self, resp: aiohttp.ClientResponse) -> web.Response:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             data = await resp.read()
         except (TimeoutError, aiohttp.ClientError):
@@ -407,7 +413,7 @@ class _Call:
         raise BackendError(text)
 
     async def _relay_plain(self, resp: aiohttp.ClientResponse) -> web.Response:
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         try:
             data = await resp.read()
         except TimeoutError:
@@ -511,7 +517,7 @@ class _Call:
     ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
         """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
         whether ``[DONE]`` came)."""
-        base = self.upstream.base
+        base = self.upstream.name  # the replica as configured (never http://localhost)
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
@@ -568,6 +574,10 @@ class _Call:
             failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
         except tito.TitoError as exc:
             failure = (tito.backend_error(base, exc).message, "backend_error")
+        except BackendTimeout as exc:  # a token-in-token-out call the client could not make
+            failure = (exc.message, "backend_timeout")
+        except BackendUnreachable as exc:
+            failure = (exc.message, "backend_cut")
         finally:
             await batches.aclose()
         if failure is None and not done:
@@ -600,7 +610,7 @@ async def _send(out: web.StreamResponse, data: bytes) -> None:
 
 async def models(request: web.Request) -> web.Response:
     """The served models; in Anthropic's shape for an Anthropic client (its SDK parses no other)."""
-    status, data = await request.app[UPSTREAM_KEY].models()
+    status, data = await request.app[POOL_KEY].models()
     if status == 200 and messages_api.is_anthropic_client(request.headers):
         try:
             data = _encode(messages_api.models_body(_decode(data)))
@@ -629,19 +639,17 @@ async def _count_tokens(request: web.Request) -> web.Response:
     pool = app[POOL_KEY]
     served = await pool.route(proto.chat.get("model"))
     session = await app[SESSIONS_KEY].resolve(ident)
-    upstream = pool.pick(_sticky_id(session)).upstream
+    upstream = pool.pick(_sticky_id(session)).client
     await proto.adapt(upstream, served)
     out, _ = patch_request(proto.chat, CHAT, served, app[CONFIG_KEY])
-    try:
-        rendered = await tito.render(upstream.http, upstream.base, out)
+    try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
+        rendered = await tito.render(upstream, out)
     except tito.TitoError as exc:
         if exc.status in (404, 405):
             raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
                                 "--enable-scale-out", "not_supported") from None
-        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.base, exc).message,
+        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.name, exc).message,
                        "backend_error") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
     return web.json_response({"input_tokens": len(rendered["token_ids"])})
 
 

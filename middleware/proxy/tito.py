@@ -24,17 +24,15 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-import aiohttp
 import msgspec
 
-from steptap.middleware.exceptions import BackendError, BackendUnreachable
-from steptap.middleware.proxy.upstream import ROUTES
+from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.exceptions import BackendError
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
-_JSON = {"Content-Type": "application/json"}
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
 # what it would put after any assistant turn.
@@ -105,38 +103,36 @@ class TitoError(Exception):
         self.body = body
 
 
-async def post_json(http: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]) -> Any:
+async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> Any:
     """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
-    async with http.post(base + path, data=_encode(body), headers=_JSON) as resp:
-        data = await resp.read()
-        if resp.status >= 400:
-            raise TitoError(resp.status, data)
+    status, data = await client.post_json(endpoint, body)
+    if status >= 400:
+        raise TitoError(status, data)
     return _decode(data)
 
 
-async def render(http: aiohttp.ClientSession, base: str, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
+async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """vLLM's render of a chat body (``token_ids``: the prompt exactly as a chat call would see it), with
     ``changes`` applied to the body."""
     body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options", "n")}
     body.update(changes)
-    return await post_json(http, base, ROUTES["chat.render"], body)
+    return await post_json(client, "chat.render", body)
 
 
 class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
-    def __init__(self, http: aiohttp.ClientSession, base: str, chat: dict[str, Any], plan: Plan) -> None:
-        self.http = http
-        self.base = base
+    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan) -> None:
+        self.client = client
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return await post_json(self.http, self.base, path, body)
+    async def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
+        return await post_json(self.client, endpoint, body)
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
-        return await render(self.http, self.base, self.chat, messages=messages, add_generation_prompt=generation,
+        return await render(self.client, self.chat, messages=messages, add_generation_prompt=generation,
                             continue_final_message=False)
 
     async def request(self, stream: bool) -> dict[str, Any] | None:
@@ -171,11 +167,11 @@ class Turn:
 
     async def reply(self, generate: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed turn: the chat reply, with the prompt and response ids vLLM generated with."""
-        gen = await self._post(ROUTES["generate"], generate)
+        gen = await self._post("generate", generate)
         chat = {**self.chat, "stream": False}
         chat.pop("stream_options", None)
         self.chat = chat
-        reply = await self._post(ROUTES["chat.derender"], self._derender_body(generate_response=_without_eos(gen)))
+        reply = await self._post("chat.derender", self._derender_body(generate_response=_without_eos(gen)))
         reply["prompt_token_ids"] = self.prompt
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
@@ -196,8 +192,7 @@ class Turn:
     async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         state: Any = None
         first = True
-        async with self.http.post(self.base + ROUTES["generate"], data=_encode(generate),
-                                  headers=_JSON) as resp:
+        async with await self.client.post("generate", _encode(generate)) as resp:
             if resp.status >= 400:
                 raise TitoError(resp.status, await resp.read())
             pending = b""
@@ -215,7 +210,7 @@ class Turn:
                     gen = _decode(payload)
                     if not gen.get("choices"):
                         continue  # the usage chunk: the step counts tokens from the ids
-                    derendered = await self._post(ROUTES["chat.derender"], self._derender_body(
+                    derendered = await self._post("chat.derender", self._derender_body(
                         stream=True, generate_chunk=_without_eos(gen), stream_state=state))
                     state = derendered["stream_state"]
                     chunk = derendered["chunk"]
@@ -262,32 +257,29 @@ def _chat_logprobs(derendered: Any, generated: list[dict[str, Any]]) -> dict[str
                          "top_logprobs": []} for g in generated]}
 
 
-def backend_error(base: str, exc: TitoError) -> BackendError:
+def backend_error(name: str, exc: TitoError) -> BackendError:
     try:
         message = _decode(exc.body)["error"]["message"]
     except (msgspec.DecodeError, KeyError, TypeError):
         message = exc.body[:200].decode("utf-8", "replace")
-    return BackendError(f"backend {base} answered {exc.status} on a token-in-token-out route "
+    return BackendError(f"backend {name} answered {exc.status} on a token-in-token-out route "
                         f"(is it started with --enable-scale-out?): {message}")
 
 
-async def start_turn(session: Any, chat: dict[str, Any], upstream: Any, metrics: Any,
+async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, metrics: Any,
                      stream: bool) -> tuple[Turn, dict[str, Any]] | None:
     """The turn and its generate request when this call extends the session's previous turn; else None (the
     normal path), counted by cause in either case."""
     decided = plan(session.tito_state, chat)
     if decided.cause == "tokens":
-        assert upstream.http is not None
-        turn = Turn(upstream.http, upstream.base, chat, decided)
+        turn = Turn(client, chat, decided)
         try:
             generate = await turn.request(stream)
         except TitoError as exc:
             if exc.status not in (404, 405):
-                raise backend_error(upstream.base, exc) from None
+                raise backend_error(client.name, exc) from None
             generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
             decided = decided._replace(cause="no_scale_out")
-        except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnreachable(f"backend {upstream.base} is unreachable: {exc}") from None
         if generate is not None:
             metrics.child(metrics.tito_turns, "tokens").inc()
             return turn, generate

@@ -17,9 +17,11 @@ from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.records import Mode, to_builtins
 from steptap.middleware.sessions.rewards import finite
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
-from steptap.middleware.sessions.manager import AUTO_PREFIX, SESSIONS_KEY, LiveSession
+from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
 
 _encode = msgspec.json.Encoder().encode
+
+SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)
 
 
 class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -9,12 +9,10 @@ call is served and recorded as a one-step session of its own.
 from __future__ import annotations
 
 import re
-from typing import Literal, NamedTuple
-
-from aiohttp import web
+from typing import Any, Literal, NamedTuple
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX, bearer
-from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import InvalidRequest
 
 SESSION_HEADER = "X-Steptap-Session"
 PATH_PARAM = "agent_session"  # the route variable of /s/{agent_session}/v1/...
@@ -33,7 +31,8 @@ def valid_session_id(value: str) -> bool:
     return _ID_RE.fullmatch(value) is not None
 
 
-def identify(request: web.Request) -> Identity:
+def identify(request: Any) -> Identity:
+    """``request``: anything with ``match_info`` and ``headers`` (an aiohttp request; the domain imports no aiohttp)."""
     sid = request.match_info.get(PATH_PARAM)
     source: Source = "path"
     if sid is None:
@@ -43,11 +42,8 @@ def identify(request: web.Request) -> Identity:
     key = token if token is not None and token.startswith(SESSION_KEY_PREFIX) else None
     if sid is not None:
         if not valid_session_id(sid):
-            raise ApiError(
-                400,
-                "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
-                "invalid_session_id",
-            )
+            raise InvalidRequest("invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)",
+                                 "invalid_session_id")
         return Identity(source, session_id=sid, key=key)  # a keyed session needs its key too (manager)
     if key is not None:
         return Identity("key", key=key)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from aiohttp import web
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
@@ -587,4 +586,4 @@ class SessionManager:
         return {"id": session.id, "base_url": f"{base.rstrip('/')}/s/{session.id}/v1", "api_key": session.key}
 
 
-SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)
+

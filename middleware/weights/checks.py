@@ -7,17 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from steptap.middleware.exceptions import SwapRefused
 from steptap.middleware.model_files import tensor_shapes, ties_embeddings
-
-
-class SwapError(Exception):
-    """A refused or failed swap; ``status`` and ``code`` make the OpenAI error body of ``/admin/weights``."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
 
 
 def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = None) -> None:
@@ -27,20 +18,19 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
     reads a reload after setting its parameters aside, so a mismatch found there leaves it unusable."""
     d = Path(path)
     if not d.is_dir():
-        raise SwapError(400, f"weights directory not found: {path}", "weights_not_found")
+        raise SwapRefused(f"weights directory not found: {path}", "weights_not_found")
     cfg = d / "config.json"
     if not cfg.is_file():
-        raise SwapError(400, f"{path} has no config.json (expected a Hugging Face model directory)",
+        raise SwapRefused(f"{path} has no config.json (expected a Hugging Face model directory)",
                         "invalid_weights")
     if not any(d.glob("*.safetensors")):
-        raise SwapError(400, f"{path} has no *.safetensors files", "invalid_weights")
+        raise SwapRefused(f"{path} has no *.safetensors files", "invalid_weights")
     try:
         config = json.loads(cfg.read_text())
     except (OSError, ValueError) as exc:
-        raise SwapError(400, f"cannot read {cfg}: {exc}", "invalid_weights") from exc
+        raise SwapRefused(f"cannot read {cfg}: {exc}", "invalid_weights") from exc
     if cpu_backend and ties_embeddings(d, config):
-        raise SwapError(
-            400,
+        raise SwapRefused(
             "refusing disk reload: this model ties its input and output embeddings (tie_word_embeddings), "
             "and vLLM on CPU keeps the old output layer after a reload, so its logits would be wrong. Swap a "
             'LoRA adapter instead ({"lora_path": ...}), or use a model with tie_word_embeddings=false.',
@@ -51,7 +41,7 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
     try:
         new, ref = tensor_shapes(d), tensor_shapes(reference)
     except (OSError, ValueError) as exc:
-        raise SwapError(400, f"cannot read the safetensors headers in {path}: {exc}",
+        raise SwapRefused(f"cannot read the safetensors headers in {path}: {exc}",
                         "invalid_weights") from exc
     if not ref:
         return
@@ -67,12 +57,12 @@ def check_weights_dir(path: str, *, cpu_backend: bool, reference: str | None = N
             parts.append("missing " + ", ".join(missing[:3]))
         if extra:
             parts.append("unknown " + ", ".join(extra[:3]))
-        raise SwapError(400, f"{path} does not fit the served model ({reference}): " + "; ".join(parts),
+        raise SwapRefused(f"{path} does not fit the served model ({reference}): " + "; ".join(parts),
                         "weights_mismatch")
 
 
 def check_adapter_dir(path: str) -> None:
     d = Path(path)
     if not (d / "adapter_config.json").is_file():
-        raise SwapError(400, f"{path} is not a peft adapter directory (no adapter_config.json)",
+        raise SwapRefused(f"{path} is not a peft adapter directory (no adapter_config.json)",
                         "invalid_adapter")

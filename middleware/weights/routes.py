@@ -14,9 +14,12 @@ from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
-from steptap.middleware.weights.checks import SwapError
-from steptap.middleware.weights.swapper import SWAPPER_KEY, WeightSwapper
+from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
+
+# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
+SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)
+
 
 class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
     path: str | None = None
@@ -55,10 +58,7 @@ async def admin_weights(request: web.Request) -> web.Response:
     # Shielded: an admin client that hangs up must not cancel a swap halfway (calls held, backend paused).
     task = asyncio.ensure_future(swapper.swap(path=body.path, lora_path=body.lora_path, version=body.version,
                                               transfer=body.transfer))
-    try:
-        version = await asyncio.shield(task)
-    except SwapError as exc:
-        raise ApiError(exc.status, exc.message, exc.code) from None
+    version = await asyncio.shield(task)  # a SwapError leaves through the edge (errors._STATUS)
     st = swapper.state()
     return web.Response(body=_json.encode({"version": version, "swap_s": st.last_swap_s,
                                            "paused_s": st.last_paused_s}), content_type="application/json")

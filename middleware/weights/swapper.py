@@ -18,7 +18,6 @@ would sample new weights while recording the old version.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -28,15 +27,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
-from steptap.middleware.config import backend_session
+from steptap.middleware.backend.client import ADMIN_TIMEOUT_S, BackendClient
+from steptap.middleware.backend.url import name_of
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.exceptions import (
+    DomainError,
+    StaleVersion,
+    SwapError,
+    SwapNotPersisted,
+    SwapRefused,
+    SwapUnavailable,
+)
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.weights import transfer as collective
-from steptap.middleware.weights.checks import SwapError, check_adapter_dir, check_weights_dir
+from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 
@@ -55,11 +62,13 @@ class _Log(Protocol):
 
 
 class _Pool(Protocol):
-    """The replicas (proxy/replicas.py): which to swap, and taking out one that failed."""
+    """The replicas (backend/pool.py): which to swap, and taking out one that failed."""
 
     def swap_targets(self) -> list[str]: ...
 
-    def take_out(self, base: str, reason: str) -> None: ...
+    def take_out(self, name: str, reason: str) -> None: ...
+
+    def client(self, name: str) -> BackendClient | None: ...
 
 
 class Ticket(msgspec.Struct, frozen=True):
@@ -106,10 +115,10 @@ class WeightSwapper:
     def __init__(self, backends: Sequence[str] | str, log: _Log | None = None, *,
                  model_dir: str | None = None, cpu_backend: bool | None = None,
                  drain_timeout_s: float = 600.0,
-                 request_timeout_s: float = 600.0, validate_paths: bool = True,
+                 request_timeout_s: float = ADMIN_TIMEOUT_S, validate_paths: bool = True,
                  api_key: str | None = None) -> None:
         self.backends = [backends] if isinstance(backends, str) else list(backends)
-        self.backends = [b.rstrip("/").removesuffix("/v1") for b in self.backends]
+        self.backends = [name_of(b) for b in self.backends]
         self.log = log
         self.version = 0
         self.path: str | None = model_dir
@@ -124,7 +133,8 @@ class WeightSwapper:
         self.request_timeout_s = request_timeout_s
         self.validate_paths = validate_paths
         self.api_key = api_key  # the backends' key (vLLM --api-key), sent on every call
-        self._http: dict[str, tuple[str, aiohttp.ClientSession]] | None = None  # backend -> (base URL, session)
+        self._own: dict[str, BackendClient] = {}  # clients of backends outside a pool (a swapper on its own)
+        self._started = False
         self._lock = asyncio.Lock()  # serializes swaps
         self._open = asyncio.Event()
         self._open.set()
@@ -150,29 +160,26 @@ class WeightSwapper:
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._http is None:
-            # A fresh connection per call: uvicorn drops a connection after a 500 from an unhandled exception,
-            # and a swap's few calls gain nothing from keep-alive.
-            # One session per backend: a backend on a unix socket needs a connector of its own.
-            self._http = {}
-            for b in self.backends:
-                self._session(b)
+        if not self._started:
+            self._started = True
             await self.ensure_adapter()
 
-    def _session(self, backend: str) -> tuple[str, aiohttp.ClientSession]:
-        """The HTTP session of one backend, made on first use: replicas can join at run time."""
-        assert self._http is not None, "start() first"
-        if backend not in self._http:
-            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            self._http[backend] = backend_session(backend, self.api_key, connector_args={"force_close": True},
-                                                  timeout=timeout)
-        return self._http[backend]
+    def _client(self, backend: str) -> BackendClient:
+        """The replica's client: the pool's, or (a swapper on its own, a replica already dropped) one of ours."""
+        if self.pool is not None:
+            client = self.pool.client(backend)
+            if client is not None:
+                return client
+        if backend not in self._own:
+            self._own[backend] = BackendClient(backend, ProxyConfig(backend_api_key=self.api_key),
+                                               admin_timeout_s=self.request_timeout_s)
+        return self._own[backend]
 
     async def close(self) -> None:
-        if self._http is not None:
-            for _, http in self._http.values():
-                await http.close()
-            self._http = None
+        for client in self._own.values():
+            await client.close()
+        self._own.clear()
+        self._started = False
 
     def restore(self, records: Iterable[Any]) -> int:
         """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.
@@ -200,13 +207,12 @@ class WeightSwapper:
         if self.lora_name is None or self.lora_path is None:
             return
         for b in self._targets():
+            client = self._client(b)
             try:
-                models = await self._call(b, "GET", "/v1/models")
-                if any(m.get("id") == self.lora_name for m in models.get("data", [])):
+                if self.lora_name in await client.model_ids():
                     continue
-                await self._call(b, "POST", "/v1/load_lora_adapter",
-                                 {"lora_name": self.lora_name, "lora_path": self.lora_path})
-            except SwapError as exc:
+                await client.load_lora(self.lora_name, self.lora_path)
+            except DomainError as exc:
                 logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
 
     # --- the gate -------------------------------------------------------------------------------------------
@@ -249,7 +255,7 @@ class WeightSwapper:
         Raises ``SwapError`` on a refused or failed swap: the old version keeps serving (a failed transfer may
         instead make the last weights on disk a new version; its message says so)."""
         if sum(x is not None for x in (path, lora_path, transfer)) != 1:
-            raise SwapError(400, "give exactly one of 'path' (full weights), 'lora_path' (LoRA adapter) or "
+            raise SwapRefused("give exactly one of 'path' (full weights), 'lora_path' (LoRA adapter) or "
                                  "'transfer' (full weights by collective transfer)", "invalid_request")
         if transfer is not None:
             transfer.check()
@@ -260,7 +266,7 @@ class WeightSwapper:
         async with self._lock:  # one swap at a time; the next one waits here
             try:
                 return await self._swap(path, lora_path, version, transfer)
-            except SwapError as exc:
+            except DomainError as exc:
                 self.failures += 1
                 self.last_error = exc.message
                 logger.error("weight swap refused or failed (version %d keeps serving): %s", self.version,
@@ -271,9 +277,7 @@ class WeightSwapper:
                     transfer: Transfer | None = None) -> int:
         new_version = self.version + 1 if version is None else int(version)
         if new_version <= self.version:
-            raise SwapError(
-                409,
-                f"version {new_version} is not newer than the current one ({self.version})",
+            raise StaleVersion(f"version {new_version} is not newer than the current one ({self.version})",
                 "stale_version",
             )
         if path is not None:
@@ -285,7 +289,7 @@ class WeightSwapper:
             if self.cpu_backend is None or self.path is None:
                 await self._inspect_backends()
             if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
-                raise SwapError(400, "refusing a transfer: the served model ties its input and output embeddings "
+                raise SwapRefused("refusing a transfer: the served model ties its input and output embeddings "
                                      "and vLLM on CPU keeps the old output layer after an in-place load",
                                 "tied_embeddings")
             if self.validate_paths:
@@ -301,10 +305,10 @@ class WeightSwapper:
             await self._drain()
             targets = self._targets()
             if not targets:
-                raise SwapError(503, "no healthy backend replica to swap", "no_backend")
+                raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
             figures: dict[str, dict[str, Any]] = {b: {"ok": False, "error": None} for b in targets}
             if transfer is not None:
-                self._plan = await collective.plan(self._call, targets)
+                self._plan = await collective.plan([self._client(b) for b in targets])
             paused_at: dict[str, float] = {}
             touched: list[str] = []  # replicas whose load went through (a later step may still have failed)
             t_pause = time.monotonic()
@@ -326,7 +330,7 @@ class WeightSwapper:
                     # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new weights:
                     # the old version keeps its number, so every replica keeps its weights too.
                     await self._rollback(touched, lora_name)
-                    raise SwapError(502, "; ".join(failed.values()), _code(results))
+                    raise SwapError("; ".join(failed.values()), _code(results))
                 try:
                     await self._persist(new_version, path, lora_path)
                 except SwapError:
@@ -367,7 +371,7 @@ class WeightSwapper:
                  path or f"LoRA {self.lora_name} from {lora_path}", self.last_swap_s, self.last_paused_s)
         if resume_errors:  # the version is live (persisted); the replicas that stayed paused must be seen
             after = "taken out until it resumes" if self.pool is not None else "restart it or POST /resume"
-            raise SwapError(502, f"version {self.version} is live but /resume failed ({after}): "
+            raise SwapError(f"version {self.version} is live but /resume failed ({after}): "
                                  + "; ".join(resume_errors), "resume_failed")
         return self.version
 
@@ -377,7 +381,7 @@ class WeightSwapper:
     async def _swap_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None,
                         version: int, paused_at: dict[str, float], touched: list[str],
                         transfer: Transfer | None = None) -> None:
-        await self._call(b, "POST", "/pause?mode=wait")  # vLLM's default mode (abort) fails calls
+        await self._client(b).pause("wait")  # vLLM's default mode (abort) fails calls
         paused_at[b] = time.monotonic()
         if transfer is not None:
             await self._receive_one(b, transfer, version)
@@ -391,9 +395,9 @@ class WeightSwapper:
                           figures: dict[str, dict[str, Any]]) -> list[str]:
         async def one(b: str) -> str | None:
             try:
-                await self._call(b, "POST", "/resume")
+                await self._client(b).resume()
                 return None
-            except SwapError as exc:
+            except DomainError as exc:
                 return exc.message
             finally:
                 figures.setdefault(b, {})["paused_s"] = time.monotonic() - paused_at[b]
@@ -426,8 +430,7 @@ class WeightSwapper:
         try:
             await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
         except TimeoutError:
-            raise SwapError(
-                503,
+            raise SwapUnavailable(
                 f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
                 "swap abandoned, old weights kept",
                 "swap_drain_timeout",
@@ -449,30 +452,30 @@ class WeightSwapper:
         return True
 
     async def _load_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
+        client = self._client(b)
         if lora_path is not None:
-            await self._call(b, "POST", "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+            await client.load_lora(lora_name, lora_path)  # type: ignore[arg-type]
             return
         try:
-            await self._call(b, "POST", "/collective_rpc",
-                             {"method": "reload_weights", "kwargs": {"weights_path": path}})
-        except SwapError as exc:
+            await client.reload_weights(path)  # type: ignore[arg-type]
+        except DomainError as exc:
             # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
             # leaves the engine without usable weights (its next forward pass kills it), and a second
             # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
             # A swap that fails everywhere keeps the replica in (as with one server: the old version stays);
             # one that fails here but loads elsewhere takes it out (``_swap``).
             self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
-            raise SwapError(exc.status, f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
+            raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
     async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
         """One replica's part of a collective transfer; one that failed midway reloads the disk weights."""
         offsets, world = self._plan
         try:
-            await collective.receive(self._call, b, transfer, offsets[b], world, version)
+            await collective.receive(self._client(b), transfer, offsets[b], world, version)
         except TransferFailed as exc:
             if not exc.touched:
                 raise
-            err = await collective.reload_from_disk(self._call, b, self.path)
+            err = await collective.reload_from_disk(self._client(b), self.path)
             if err is not None:
                 self.degraded = err
                 if self.pool is not None:
@@ -490,7 +493,7 @@ class WeightSwapper:
         weights under one version). Always raises."""
         for b, r in zip(targets, results, strict=True):
             if not (isinstance(r, TransferFailed) and r.touched):
-                err = await collective.reload_from_disk(self._call, b, self.path)
+                err = await collective.reload_from_disk(self._client(b), self.path)
                 if err is not None:
                     self.degraded = err
                     if self.pool is not None:
@@ -511,15 +514,14 @@ class WeightSwapper:
         for b in loaded:
             try:
                 if lora_name is not None:
-                    await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": lora_name})
+                    await self._client(b).unload_lora(lora_name)
                 elif self.path is not None and self.on_disk:
-                    await self._call(b, "POST", "/collective_rpc",
-                                     {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
+                    await self._client(b).reload_weights(self.path)
                     await self._reset_prefix_cache(b)
                 else:
                     self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
                 await self._tell_version(b, self.version)
-            except SwapError as exc:
+            except DomainError as exc:
                 if lora_name is None:
                     self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
                     if self.pool is not None:
@@ -530,8 +532,8 @@ class WeightSwapper:
         # vLLM's own label for its weights (its /weight_info and metrics): ``reconcile`` reads it back after a
         # restart to tell whether a replica serves the persisted version. Errors ignored (older servers).
         try:
-            await self._call(backend, "POST", "/update_weight_version", {"new_version": str(version)})
-        except SwapError:
+            await self._client(backend).set_label(str(version))
+        except DomainError:
             pass
 
     async def reconcile(self, backend: str) -> None:
@@ -549,20 +551,20 @@ class WeightSwapper:
                 if self.path is None:
                     await self._inspect_backends()
                 if self.path is None:
-                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
                 if not self.on_disk and [t for t in self._targets() if t != backend]:
-                    raise SwapError(502, f"{backend} serves weights labelled {label!r}, not version "
+                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, which came by collective transfer and is on no disk; "
                                          "it stays out until a version is published through disk",
                                     "version_mismatch")
                 logger.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
                             self.version, self.path)
-                await self._call(backend, "POST", "/pause?mode=wait")
+                client = self._client(backend)
+                await client.pause("wait")
                 paused = True
-                await self._call(backend, "POST", "/collective_rpc",
-                                 {"method": "reload_weights", "kwargs": {"weights_path": self.path}})
+                await client.reload_weights(self.path)
                 await self._reset_prefix_cache(backend)
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
                     await self._persist(self.version + 1, self.path, None)
@@ -571,47 +573,42 @@ class WeightSwapper:
                                    self.version - 1, backend, self.path, self.version)
                 await self._tell_version(backend, self.version)
             if self.lora_name is not None and self.lora_path is not None:
-                models = await self._call(backend, "GET", "/v1/models")
-                if not any(m.get("id") == self.lora_name for m in (models or {}).get("data", [])):
-                    await self._call(backend, "POST", "/v1/load_lora_adapter",
-                                     {"lora_name": self.lora_name, "lora_path": self.lora_path})
+                client = self._client(backend)
+                if self.lora_name not in await client.model_ids():
+                    await client.load_lora(self.lora_name, self.lora_path)
             if paused:
                 logger.warning("%s was paused (a swap cut short): resuming it", backend)
-                await self._call(backend, "POST", "/resume")
+                await self._client(backend).resume()
 
     async def _label(self, backend: str) -> str | None:
         try:
-            info = await self._call(backend, "GET", "/weight_info")
-        except SwapError as exc:
+            return await self._client(backend).label()
+        except DomainError as exc:
             if exc.code == "backend_unreachable":
                 raise
             return None  # a server without the route: nothing to compare
-        value = info.get("weight_version") if isinstance(info, dict) else None
-        return str(value) if value is not None else None
 
     async def _is_paused(self, backend: str) -> bool:
         try:
-            info = await self._call(backend, "GET", "/is_paused")
-        except SwapError as exc:
+            return await self._client(backend).is_paused()
+        except DomainError as exc:
             if exc.code == "backend_unreachable":
                 raise
             return False
-        return bool(info.get("is_paused")) if isinstance(info, dict) else False
 
     async def _reset_prefix_cache(self, backend: str) -> None:
         # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
         for _ in range(20):
-            body = await self._call(backend, "POST", "/reset_prefix_cache")
-            if not isinstance(body, dict) or body.get("success", True):
+            if await self._client(backend).reset_prefix_cache():
                 return
             await asyncio.sleep(0.05)
-        raise SwapError(502, f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
+        raise SwapError(f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
 
     async def _unload(self, name: str, backends: list[str]) -> None:
         for b in backends:
             try:
-                await self._call(b, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
-            except SwapError as exc:  # harmless: vLLM evicts unused adapters anyway
+                await self._client(b).unload_lora(name)
+            except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
                 logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
 
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
@@ -620,7 +617,7 @@ class WeightSwapper:
         try:
             await self.log.append(PolicyVersion(version=version, path=path, lora_path=lora_path))
         except Exception as exc:  # noqa: BLE001 - an unpersisted version must not go live
-            raise SwapError(500, f"could not persist policy version {version}: {exc}", "log_error") from exc
+            raise SwapNotPersisted(f"could not persist policy version {version}: {exc}", "log_error") from exc
 
     async def _inspect_backends(self) -> None:
         """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config
@@ -629,8 +626,8 @@ class WeightSwapper:
         cpu, path = False, None
         for b in self._targets() or self.backends:
             try:
-                info = await self._call(b, "GET", "/server_info")
-            except SwapError:
+                info = await self._client(b).server_info()
+            except DomainError:
                 cpu = True
                 continue
             text = str(info.get("vllm_config", "")) if isinstance(info, dict) else ""
@@ -642,24 +639,6 @@ class WeightSwapper:
             self.cpu_backend = cpu
         if self.path is None:
             self.path = path
-
-    async def _call(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
-        base, http = self._session(backend)
-        url = base + route
-        try:
-            async with http.request(method, url, json=body) as resp:
-                text = await resp.text()
-                if resp.status >= 400:
-                    raise SwapError(502, f"{method} {route} on {backend} failed ({resp.status}): "
-                                         f"{_detail(text)}",
-                                    "backend_error")
-                try:
-                    return json.loads(text) if text else None
-                except ValueError:
-                    return text
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise SwapError(502, f"{method} {route} on {backend} failed: {exc!r}",
-                            "backend_unreachable") from exc
 
     def state(self) -> WeightState:
         return WeightState(
@@ -674,25 +653,11 @@ class WeightSwapper:
 
 
 def _message(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, SwapError) else f"{type(exc).__name__}: {exc}"
+    return exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
 
 
 def _code(results: list[Any]) -> str:
-    return next((r.code for r in results if isinstance(r, SwapError)), "backend_error")
+    return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
 
 
-def _detail(text: str) -> str:
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body.get("message", body)))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:500]
-    return text[:500]
 
-
-# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
-SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)

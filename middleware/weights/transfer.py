@@ -17,11 +17,13 @@ of their own on every replica (nothing serves two sets of weights under one vers
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
+
+from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.exceptions import DomainError, SwapError, SwapRefused
 from steptap.middleware.model_files import tensor_shapes
-from steptap.middleware.weights.checks import SwapError
 
 logger = logging.getLogger("steptap.weights")
 
@@ -43,20 +45,20 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
 
     def check(self) -> None:
         if not 0 < self.port < 65536:
-            raise SwapError(400, f"transfer.port {self.port} is not a TCP port", "invalid_request")
+            raise SwapRefused(f"transfer.port {self.port} is not a TCP port", "invalid_request")
         if not 1 <= self.timeout_s <= 3600:
-            raise SwapError(400, "transfer.timeout_s must be within 1..3600", "invalid_request")
+            raise SwapRefused("transfer.timeout_s must be within 1..3600", "invalid_request")
         n = len(self.names)
         if not 0 < n <= MAX_TENSORS or len(self.dtype_names) != n or len(self.shapes) != n:
-            raise SwapError(400, "transfer.names, dtype_names and shapes must be equally long (1.."
+            raise SwapRefused("transfer.names, dtype_names and shapes must be equally long (1.."
                                  f"{MAX_TENSORS})", "invalid_request")
         if len(set(self.names)) != n:
-            raise SwapError(400, "transfer.names repeats a tensor", "invalid_request")
+            raise SwapRefused("transfer.names repeats a tensor", "invalid_request")
         bad = sorted(set(self.dtype_names) - DTYPES)
         if bad:
-            raise SwapError(400, f"transfer.dtype_names: unknown dtype {bad[0]!r}", "invalid_request")
+            raise SwapRefused(f"transfer.dtype_names: unknown dtype {bad[0]!r}", "invalid_request")
         if any(d < 0 for s in self.shapes for d in s):
-            raise SwapError(400, "transfer.shapes: negative dimension", "invalid_request")
+            raise SwapRefused("transfer.shapes: negative dimension", "invalid_request")
 
     def check_fits(self, reference: str | None) -> None:
         """The served model's tensor names and shapes (its safetensors headers), as a disk swap checks: vLLM
@@ -77,66 +79,60 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
             parts = [f"shape differs for {k} {sent[k]} (served: {list(ref[k])})" for k in wrong[:3]]
             parts += [f"missing {', '.join(missing[:3])}"] if missing else []
             parts += [f"unknown {', '.join(extra[:3])}"] if extra else []
-            raise SwapError(400, f"the transfer does not fit the served model ({reference}): " + "; ".join(parts),
+            raise SwapRefused(f"the transfer does not fit the served model ({reference}): " + "; ".join(parts),
                             "weights_mismatch")
 
     def update_info(self) -> dict[str, Any]:
         return {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
 
 
-class Caller(Protocol):
-    async def __call__(self, backend: str, method: str, route: str, body: dict[str, Any] | None = None) -> Any: ...
-
-
 class TransferFailed(SwapError):
     """A replica's part failed; ``touched``: it had started loading (its weights are mixed until reloaded)."""
 
     def __init__(self, message: str, touched: bool) -> None:
-        super().__init__(502, message, "transfer_failed")
+        super().__init__(message, "transfer_failed")
         self.touched = touched
 
 
-async def plan(call: Caller, targets: list[str]) -> tuple[dict[str, int], int]:
+async def plan(clients: list[BackendClient]) -> tuple[dict[str, int], int]:
     """Each replica's first rank in the group (the learner is 0) and the group's size: ask each its world."""
     offsets, rank = {}, 1
-    for b in targets:
-        info = await call(b, "GET", "/get_world_size?include_dp=true")
-        size = int(info.get("world_size", 1)) if isinstance(info, dict) else 1
-        offsets[b], rank = rank, rank + max(1, size)
+    for client in clients:
+        offsets[client.name], rank = rank, rank + max(1, await client.world_size())
     return offsets, rank
 
 
-async def receive(call: Caller, backend: str, spec: Transfer, rank_offset: int, world_size: int,
+async def receive(client: BackendClient, spec: Transfer, rank_offset: int, world_size: int,
                   version: int) -> None:
     """One replica joins the group, receives every tensor and loads it; raises ``TransferFailed``."""
     init = {"master_address": spec.address, "master_port": spec.port, "rank_offset": rank_offset,
             "world_size": world_size, "backend": spec.backend, "timeout_s": spec.timeout_s}
     touched = False
     try:
-        await call(backend, "POST", "/init_weight_transfer_engine", {"init_info": init})
-        await call(backend, "POST", "/start_weight_update")
+        await client.init_transfer(init)
+        await client.start_weight_update()
         touched = True
-        await call(backend, "POST", "/update_weights", {"update_info": spec.update_info()})
-        await call(backend, "POST", "/finish_weight_update", {"weight_version": str(version)})
-    except SwapError as exc:
-        raise TransferFailed(f"weight transfer to {backend} failed: {exc.message}", touched) from None
+        await client.update_weights(spec.update_info())
+        await client.finish_weight_update(str(version))
+    except DomainError as exc:
+        raise TransferFailed(f"weight transfer to {client.name} failed: {exc.message}", touched) from None
     finally:
         try:  # the group is one transfer's: a later one makes its own
-            await call(backend, "POST", "/shutdown_weight_transfer_engine")
-        except SwapError as exc:
-            logger.warning("could not release the transfer group on %s: %s", backend, exc.message)
+            await client.shutdown_transfer()
+        except DomainError as exc:
+            logger.warning("could not release the transfer group on %s: %s", client.name, exc.message)
 
 
-async def reload_from_disk(call: Caller, backend: str, path: str | None) -> str | None:
+async def reload_from_disk(client: BackendClient, path: str | None) -> str | None:
     """Put the last weights on disk back into a replica a transfer left mixed; the error, or None."""
     if path is None:
-        return f"{backend} holds mixed weights and no weights on disk are known to reload"
+        return f"{client.name} holds mixed weights and no weights on disk are known to reload"
     try:
-        await call(backend, "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
-    except SwapError as exc:
-        return f"{backend} could not reload {path} after a failed transfer: {exc.message}"
+        await client.reload_weights(path)
+    except DomainError as exc:
+        return f"{client.name} could not reload {path} after a failed transfer: {exc.message}"
     return None
 
 
 def transfer_error(failed: dict[str, str], what_now: str) -> SwapError:
-    return SwapError(502, "; ".join(failed.values()) + f". {what_now}", "transfer_failed")
+    return SwapError("; ".join(failed.values()) + f". {what_now}", "transfer_failed")

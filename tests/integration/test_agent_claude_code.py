@@ -3,9 +3,8 @@ server: it exits 0, its call is recorded as a step, the text it printed decodes 
 and ``count_tokens`` on the recorded body says exactly the step's prompt length.
 
 Claude Code's first prompt is ~40k tokens (system prompt, ~24 tools, a mid-conversation system message), so it
-needs a model with long positions: ``STEPTAP_TEST_LONG_BACKEND`` / ``STEPTAP_TEST_LONG_MODEL_DIR`` (vLLM with
-``--enable-scale-out``, for count_tokens), and the CLI at ``STEPTAP_TEST_CLAUDE``. One call takes ~90 s on two
-CPU cores."""
+needs the long-context server (``long_vllm``, tests/agents.py; vLLM's ``--enable-scale-out`` serves count_tokens)
+and the installed CLI (``agent_cli``). One call takes ~90 s on two CPU cores."""
 
 from __future__ import annotations
 
@@ -14,28 +13,18 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import missing
+from conftest import Backend
 from steptap.middleware.sessions.manager import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 
 RUN_TIMEOUT_S = 540
-
-
-def _setup() -> tuple[str, str, Path]:
-    claude = os.environ.get("STEPTAP_TEST_CLAUDE")
-    backend = os.environ.get("STEPTAP_TEST_LONG_BACKEND")
-    model_dir = os.environ.get("STEPTAP_TEST_LONG_MODEL_DIR")
-    if not claude or not Path(claude).exists():
-        missing("Claude Code CLI not given: set STEPTAP_TEST_CLAUDE to the claude binary")
-    if not backend or not model_dir:
-        missing("long-context vLLM not given: set STEPTAP_TEST_LONG_BACKEND and STEPTAP_TEST_LONG_MODEL_DIR")
-    return claude, backend.rstrip("/"), Path(model_dir)
 
 
 async def run_claude(claude: str, base_url: str, home: Path, prompt: str) -> tuple[int, bytes, bytes]:
@@ -62,8 +51,9 @@ async def run_claude(claude: str, base_url: str, home: Path, prompt: str) -> tup
 
 
 async def test_claude_code_default_settings_through_a_session(make_proxy: Any, tmp_path: Path,
-                                                               http: aiohttp.ClientSession) -> None:
-    claude, backend, model_dir = _setup()
+                                                               http: aiohttp.ClientSession, long_vllm: Backend,
+                                                               agent_cli: Callable[[str], Path]) -> None:
+    claude, backend, model_dir = str(agent_cli("claude-code")), long_vllm.url, long_vllm.model_dir
     # --any-model: Claude Code's default model names (claude-opus-..., claude-haiku-... for side calls) are
     # routed to the served model
     proxy = await make_proxy(backend, any_model=True)

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from steptap.middleware.records import RewardAdded, Trajectory
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

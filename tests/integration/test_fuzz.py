@@ -20,7 +20,7 @@ from fuzzing import Request, control_call, model_call, send
 from hypothesis import HealthCheck, given, settings
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Trajectory, steps_of
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import Backend, Proxy
 from faults import FaultInjector
 from steptap.middleware.records import SessionOpened, Step, Trajectory
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

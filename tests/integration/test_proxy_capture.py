@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

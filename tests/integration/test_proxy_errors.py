@@ -13,7 +13,7 @@ import pytest
 from conftest import Backend, Proxy
 from faults import MODEL, FaultInjector, refused_address
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 
 def assert_openai_error(
@@ -285,7 +285,7 @@ async def test_events_cut_across_reads_are_reassembled(
 async def test_steps_carry_the_policy_version_read_at_the_gate(
     faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
 ) -> None:
-    from steptap.middleware.weights.swapper import SWAPPER_KEY
+    from steptap.middleware.weights.routes import SWAPPER_KEY
 
     _, proxy = faulty
     swapper = proxy.app[SWAPPER_KEY]  # type: ignore[index]

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy.replicas import POOL_KEY
+from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.records import Step, Trajectory, steps_of
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

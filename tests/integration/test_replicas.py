@@ -26,7 +26,7 @@ from steptap.learner import checkpoint
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.log.stream import LOG_KEY
-from steptap.middleware.proxy.replicas import POOL_KEY
+from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import Step
 
@@ -276,7 +276,7 @@ async def test_sessions_stick_spread_and_survive_a_killed_replica(
     # Readmitted after a restart: new sessions reach B again.
     await asyncio.to_thread(b.restart)
     deadline = time.monotonic() + 120
-    while not any(r.up for r in pool.replicas.values() if r.base == b.url):
+    while not any(r.up for r in pool.replicas.values() if r.name == b.url):
         assert time.monotonic() < deadline, pool.replicas[b.url].reason
         await asyncio.sleep(0.1)
     fresh = [f"fresh-{i}" for i in range(4)]

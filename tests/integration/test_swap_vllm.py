@@ -28,7 +28,7 @@ from reference import reference_logprobs
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.weights.swapper import SWAPPER_KEY
+from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
 pytestmark = pytest.mark.vllm

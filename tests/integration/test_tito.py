@@ -14,7 +14,7 @@ import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

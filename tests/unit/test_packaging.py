@@ -84,15 +84,18 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
 # the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it drives the
 # others through their command lines). The kernel (the modules directly in middleware/) imports no subpackage,
 # except the composition root (app.py, serve.py) and cli.py (lazily, by name).
-SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch")
+SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend")
 ALLOWED = {
     "kernel": set(),
-    "proxy": {"sessions", "weights"},
+    "proxy": {"sessions", "weights", "backend"},
     "sessions": set(),
     "log": set(),
-    "weights": set(),
+    "weights": {"backend"},
     "launch": set(),
+    "backend": set(),
 }
+# backend/url.py is stdlib only: the one URL parser, shared with the kernel's sync client and the launchers.
+SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl"}
 ROOTS = {"app", "serve"}  # may import every part
 ML = {"torch", "transformers", "ray", "verl", "peft", "accelerate", "vllm"}
 LAUNCH_ONLY = {"rich", "psutil"}
@@ -136,7 +139,7 @@ def test_middleware_imports_follow_the_arrows() -> None:
             part = "kernel"
         for name in _imports(path):
             target = _middleware_part(name)
-            if target is None:
+            if target is None or name in SHARED:
                 continue
             if target == "kernel" and name.split(".")[2] in ROOTS:
                 wrong.append(f"{rel}: imports {name} (only the composition root is app/serve)")
@@ -162,7 +165,7 @@ def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
             rel = f"{folder}/{path.relative_to(ROOT / folder)}"
             for name in _imports(path):
                 part = _middleware_part(name)
-                if part is None or part == "kernel" and name.split(".")[2] not in ROOTS:
+                if part is None or part == "kernel" and name.split(".")[2] not in ROOTS or name in SHARED:
                     continue
                 if folder == "adapters" and name.startswith("steptap.middleware.log.offline"):
                     continue
@@ -191,3 +194,82 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
     assert (ROOT / VLLM_SIDE / "steptap_vllm_plugin.py").is_file()
     on_disk.add("steptap.middleware.launch.vllm_plugin")
     assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"
+
+
+# --- one client for vLLM (backend/) ----------------------------------------------------------------------------
+# Routes only vLLM serves (the proxy serves /v1/models and /health itself, so those cannot tell).
+VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_prefix_cache", "load_lora_adapter",
+               "update_weight_version", "/weight_info", "/server_info", "get_world_size", "weight_transfer_engine",
+               "weight_update", "/update_weights", "/render", "/derender", "/inference/v1/generate")
+# What opens an HTTP client session; outside backend/ only the kernel's client of the proxy itself may.
+SESSION_MAKERS = {"ClientSession", "TCPConnector", "UnixConnector", "request", "get", "post"}
+PROXY_CLIENT = Path("client.py")
+
+
+def vllm_http_outside_backend(root: Path) -> list[str]:
+    """Source under ``root`` (a middleware tree) that speaks vLLM's HTTP itself instead of through backend/:
+    a vLLM-only route in a string, or an aiohttp session, connector or request made outside backend/."""
+    import ast
+
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "backend" or (root / VLLM_SIDE.relative_to("middleware")) in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {"aiohttp"} | {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                 for a in n.names if a.name == "aiohttp"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hit = next((r for r in VLLM_ROUTES if r in node.value), None)
+                if hit and not node.value.startswith(("--", " ")) and "/" in node.value and " " not in node.value:
+                    wrong.append(f"{rel}:{node.lineno}: vLLM route {node.value!r}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "aiohttp" and rel != PROXY_CLIENT:
+                made = {a.name for a in node.names} & SESSION_MAKERS
+                if made:
+                    wrong.append(f"{rel}:{node.lineno}: imports aiohttp.{sorted(made)[0]}")
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                  and node.attr in SESSION_MAKERS and rel != PROXY_CLIENT):
+                wrong.append(f"{rel}:{node.lineno}: aiohttp.{node.attr}")
+    return wrong
+
+
+def test_only_backend_speaks_vllm_http() -> None:
+    """proxy/ and weights/ reach vLLM only through backend/ (one client per replica, errors naming it)."""
+    wrong = vllm_http_outside_backend(ROOT / "middleware")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_vllm_http_check_catches_a_session_and_a_route(tmp_path: Path) -> None:
+    """The check above fails on the two ways back: an aiohttp session of one's own, a vLLM route by hand."""
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "swapper.py").write_text(
+        "import aiohttp as h\nfrom aiohttp import ClientSession\n"
+        "async def f(base):\n    async with h.ClientSession() as s:\n"
+        "        await s.post(base + '/pause?mode=wait')\n")
+    found = vllm_http_outside_backend(tmp_path)
+    assert any("aiohttp.ClientSession" in w for w in found), found
+    assert any("imports aiohttp.ClientSession" in w for w in found), found
+    assert any("'/pause?mode=wait'" in w for w in found), found
+    (tmp_path / "backend").mkdir()
+    (tmp_path / "weights" / "swapper.py").rename(tmp_path / "backend" / "client.py")
+    assert vllm_http_outside_backend(tmp_path) == []
+
+
+# Domain modules never import aiohttp: their AppKeys live in their routes modules (sessions/control.py,
+# log/stream.py, weights/routes.py), so the domain reads as plain Python and runs outside a web app.
+DOMAIN = ("sessions", "log", "weights")
+DOMAIN_ROUTES = {"control.py", "stream.py", "routes.py"}
+
+
+def aiohttp_in_domain(root: Path) -> list[str]:
+    return [f"{p.relative_to(root)}: imports aiohttp" for part in DOMAIN for p in sorted((root / part).rglob("*.py"))
+            if p.name not in DOMAIN_ROUTES and any(n.split(".")[0] == "aiohttp" for n in _imports(p))]
+
+
+def test_the_session_log_and_swap_domains_import_no_aiohttp(tmp_path: Path) -> None:
+    wrong = aiohttp_in_domain(ROOT / "middleware")
+    assert not wrong, "\n".join(wrong)
+    (tmp_path / "weights").mkdir()  # and the check fails on a wrong import
+    (tmp_path / "weights" / "swapper.py").write_text("from aiohttp import web\nKEY = web.AppKey('k', int)\n")
+    assert aiohttp_in_domain(tmp_path) == ["weights/swapper.py: imports aiohttp"]

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from faults import MODEL, FaultInjector, refused_address
 
-from steptap.middleware.proxy.replicas import POOL_KEY, read_backends_file
+from steptap.middleware.backend.pool import POOL_KEY, read_backends_file
 
 
 async def _backends(aiohttp_server: Any, n: int) -> tuple[list[FaultInjector], list[str]]:

@@ -14,7 +14,7 @@ import pytest
 from conftest import Proxy
 from faults import refused_address
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from steptap.middleware.launch import vllm_server
-from steptap.middleware.weights.checks import SwapError, check_weights_dir, ties_embeddings
+from steptap.middleware.exceptions import SwapError
+from steptap.middleware.weights.checks import check_weights_dir, ties_embeddings
 
 
 def _model(root: Path, config: dict[str, Any], tensors: dict[str, list[int]]) -> Path:

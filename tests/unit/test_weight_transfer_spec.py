@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from steptap.middleware.launch import plugin
 from steptap.middleware.launch.vllm_server import VLLMServer
-from steptap.middleware.weights.checks import SwapError
+from steptap.middleware.errors import status_of
+from steptap.middleware.exceptions import SwapError
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
 from test_weight_checks import EMBED, HEAD, _model
@@ -34,7 +35,7 @@ def spec(**kw: Any) -> Transfer:
 def test_a_malformed_transfer_is_refused_with_what_is_wrong(kw: dict[str, Any], words: str) -> None:
     with pytest.raises(SwapError) as err:
         spec(**kw).check()
-    assert err.value.status == 400 and words in err.value.message
+    assert status_of(err.value) == 400 and words in err.value.message
 
 
 def test_tensors_must_fit_the_served_model(tmp_path: Path) -> None:
@@ -53,7 +54,7 @@ def test_the_swapper_refuses_a_bad_transfer_before_calling_any_backend() -> None
     sw = WeightSwapper("http://127.0.0.1:9", validate_paths=False)
     with pytest.raises(SwapError) as err:
         asyncio.run(sw.swap(transfer=spec(port=70000)))
-    assert err.value.status == 400 and sw.version == 0
+    assert status_of(err.value) == 400 and sw.version == 0
     with pytest.raises(SwapError) as err:
         asyncio.run(sw.swap(path="/x", transfer=spec()))
     assert "exactly one" in err.value.message
@@ -88,5 +89,5 @@ async def test_a_refused_transfer_ends_the_learners_wait_with_the_proxys_error(a
     with pytest.raises(PublishError) as err:
         await asyncio.to_thread(send_collective, [("w", torch.zeros(2))], url, "t", timeout_s=30.0,
                                 swap_timeout_s=60.0)
-    assert err.value.status is not None and err.value.status >= 500, err.value
+    assert status_of(err.value) >= 500, err.value
     assert "transfer refused" in str(err.value)

@@ -21,10 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.weights.swapper import SWAPPER_KEY
+from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.records import PolicyVersion, Step
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.weights.checks import SwapError, check_weights_dir, tensor_shapes
+from steptap.middleware.errors import status_of
+from steptap.middleware.exceptions import SwapError
+from steptap.middleware.weights.checks import check_weights_dir, tensor_shapes
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
 TOKEN = "stc-weights-test"
@@ -249,7 +251,7 @@ async def test_a_failed_reload_resumes_releases_and_keeps_the_version(
     fake.reload_gate.set()
     with pytest.raises(SwapError) as err:
         await swap
-    assert err.value.status == 502 and "injected failure of /collective_rpc" in err.value.message
+    assert status_of(err.value) == 502 and "injected failure of /collective_rpc" in err.value.message
     assert "restart" in err.value.message  # vllm 0.32 may hold no usable weights after a failed reload
     assert await held == 0
     assert fake.routes()[-1] == "/resume"
@@ -312,7 +314,7 @@ async def test_a_failed_resume_is_an_error_not_a_log_line(
     with pytest.raises(SwapError, match="resume failed") as err:
         await sw.swap(path=str(model_dir(tmp_path / "new")))
     # The new weights are loaded and persisted-equivalent: the version moved, and the caller is told.
-    assert err.value.status == 502 and err.value.code == "resume_failed" and sw.version == 1
+    assert status_of(err.value) == 502 and err.value.code == "resume_failed" and sw.version == 1
     assert sw.state().replicas[url]["error"] is not None and sw.failures == 1
     await sw.close()
 

