@@ -260,8 +260,8 @@ def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:
         out.close()
 
 
-# --- the agent CLIs and the long-context model they need (tests/agents.py) ----------------------------------
-from agents import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
+# --- the agent CLIs and the long-context model they need (tests/agent_clis.py) ----------------------------------
+from agent_clis import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
 
 
 # --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------

@@ -3,7 +3,7 @@ server: it exits 0, its call is recorded as a step, the text it printed decodes 
 and ``count_tokens`` on the recorded body says exactly the step's prompt length.
 
 Claude Code's first prompt is ~40k tokens (system prompt, ~24 tools, a mid-conversation system message), so it
-needs the long-context server (``long_vllm``, tests/agents.py; vLLM's ``--enable-scale-out`` serves count_tokens)
+needs the long-context server (``long_vllm``, tests/agent_clis.py; vLLM's ``--enable-scale-out`` serves count_tokens)
 and the installed CLI (``agent_cli``). One call takes ~90 s on two CPU cores."""
 
 from __future__ import annotations
