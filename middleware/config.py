@@ -86,6 +86,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_session_bytes: Annotated[int, _help(
         "most encoded bytes an open session holds (409 beyond; at most max_record_bytes)")] = 48 * MIB
     max_concurrent_calls: Annotated[int, _help("most model calls in flight (429 + Retry-After beyond)")] = 512
+    max_calls_per_peer: Annotated[int, _help(
+        "most model calls in flight from one client address (429 beyond): one peer cannot take every slot")] = 384
+    max_calls_per_session: Annotated[int, _help(
+        "most model calls in flight in one named session (429 beyond)")] = 64
+    stream_write_timeout_s: Annotated[float, _help(
+        "a streamed reply whose agent takes no byte for this long is cut (recorded failed, client_stalled)")] = 60.0
     max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
     upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
     max_closed_sessions: Annotated[int, _help(
@@ -96,9 +102,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
             self.session_idle_timeout_s = None  # 0 on the command line: never
         for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
-                     "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.stream_write_timeout_s <= 0:
+            raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:
             # a finished session is written as one Trajectory record: it must fit the record limit
             raise ValueError(

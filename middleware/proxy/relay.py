@@ -82,7 +82,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT, cfg.max_n)
     stream = bool(view.stream)  # types at the edge: a 400, nothing recorded
     ident = identify(request)  # a malformed session id is a 400 too
-    with manager.admitted():  # a 429 beyond max_concurrent_calls
+    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
         served = await pool.route(view.model)  # before resolving: a refused call opens no session
         session = await manager.resolve(ident)  # identify
         if proto is not None:
@@ -185,6 +185,10 @@ class _AgentGone(Exception):
     """The agent closed its connection while we streamed to it."""
 
 
+class _AgentStalled(_AgentGone):
+    """The agent took no byte of its stream for ``stream_write_timeout_s``: its call slot is given back."""
+
+
 class _LineTooLong(Exception):
     pass
 
@@ -218,6 +222,7 @@ class _Call:
         self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
         self.tito = False  # token-in-token-out mode for this session
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
+        self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -403,10 +408,17 @@ class _Call:
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         await out.prepare(self.request)
         proto = self.proto
-        if proto is not None:
-            await _send(out, proto.start())
         try:
+            if proto is not None:
+                await _send(out, proto.start(), self.write_timeout)
             failure, upstream_error, done = await self._pump(source, out, acc)
+        except _AgentStalled:  # it stopped reading: cut (a close would wait on it), keep what arrived
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            seconds = self.write_timeout
+            await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
+                                           "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+            return out
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
             return out
@@ -440,9 +452,14 @@ class _Call:
             else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
                 err = {"error": {"message": failure[0], "type": failure[1], "code": failure[1]}}
                 tail = b"data: " + _encode(err) + b"\n\n"
-        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            await out.write(tail)
-            await out.write_eof()
+        try:
+            await _send(out, tail, self.write_timeout)
+            async with asyncio.timeout(self.write_timeout):
+                await out.write_eof()
+        except (_AgentGone, TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
+                self.request.transport.abort()
+            return out
         if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
             # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
@@ -511,7 +528,7 @@ class _Call:
                     elif capture.strip_chunk(chunk, self.asked, self.endpoint):
                         parts.append(b"data: " + _encode(chunk) + b"\n\n")
                 if parts:
-                    await _send(out, b"".join(parts))
+                    await _send(out, b"".join(parts), self.write_timeout)
                 if done or (failure is not None and upstream_error is None):
                     break
         except TimeoutError:
@@ -543,9 +560,14 @@ async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncItera
         yield [pending]
 
 
-async def _send(out: web.StreamResponse, data: bytes) -> None:
+async def _send(out: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One write to the agent; a reader that takes nothing for ``timeout_s`` is ``_AgentStalled`` (never a
+    ``TimeoutError``: that one means the backend's silence in ``_pump``)."""
     try:
-        await out.write(data)
+        async with asyncio.timeout(timeout_s):
+            await out.write(data)
+    except TimeoutError:
+        raise _AgentStalled() from None
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         raise _AgentGone() from exc
 

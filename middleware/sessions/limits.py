@@ -21,26 +21,50 @@ class Holdings:
         self.config = config
         self.metrics = metrics
         self.calls_inflight = 0  # model calls admitted and not yet answered (max_concurrent_calls)
+        self.peer_calls: dict[str, int] = {}  # calls in flight per client address (max_calls_per_peer)
         self.steps_held = 0  # steps of open sessions, in memory
         self.bytes_held = 0  # their encoded size
 
     @contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once get a 429
-        with Retry-After (the backend would only queue them, and each holds memory here)."""
+    def admitted(self, peer: str | None = None) -> Iterator[None]:
+        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once, or more
+        than ``max_calls_per_peer`` from one client address, get a 429 with Retry-After (the backend would
+        only queue them, each holds memory here, and one peer must not take every slot)."""
         cap = self.config.max_concurrent_calls
         if self.calls_inflight >= cap:
             raise Overloaded(
                 f"too many model calls in flight (max_concurrent_calls={cap}); retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
+        peer = peer or ""  # a unix-socket client has no address: one peer
+        mine = self.peer_calls.get(peer, 0)
+        if mine >= self.config.max_calls_per_peer:
+            raise Overloaded(
+                f"too many model calls in flight from this client (max_calls_per_peer="
+                f"{self.config.max_calls_per_peer}); retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
         self.calls_inflight += 1
+        self.peer_calls[peer] = mine + 1
         self.metrics.calls_inflight.set(self.calls_inflight)
         try:
             yield
         finally:
             self.calls_inflight -= 1
+            left = self.peer_calls[peer] - 1
+            if left:
+                self.peer_calls[peer] = left
+            else:
+                del self.peer_calls[peer]  # bounded by the calls in flight
             self.metrics.calls_inflight.set(self.calls_inflight)
+
+    def check_session_calls(self, sid: str, inflight: int) -> None:
+        cap = self.config.max_calls_per_session
+        if inflight >= cap:
+            raise Overloaded(
+                f"session {sid!r} has {inflight} model calls in flight (max_calls_per_session={cap}); retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
 
     def check_open(self, open_sessions: int) -> None:
         cap = self.config.max_open_sessions

@@ -294,6 +294,7 @@ class SessionManager:
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
         if not session.trajectory.anonymous:
+            self.holdings.check_session_calls(session.id, session.inflight)
             self._check_room(session, steps, size)
         session.inflight += 1
         session.last_active = time.monotonic()
