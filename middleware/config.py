@@ -70,6 +70,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     session_idle_timeout_s: Annotated[float | None, _help(
         "close sessions idle this long as timed_out, auto-created ones too (a session's own value wins; 0: never, "
         "and an abandoned session then holds its steps until restart)")] = 600.0
+    finish_drain_timeout_s: Annotated[float, _help(
+        "a finish waits this long for the session's calls in flight, so their steps are in its trajectory")] = 30.0
     group_timeout_s: Annotated[float | None, _help(
         "a group is complete when full or when this has passed")] = None
     upstream_timeout_s: Annotated[float, _help(

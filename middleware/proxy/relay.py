@@ -20,8 +20,9 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import ApiError
+from steptap.middleware.errors import ApiError, error_body, status_of
 from steptap.middleware.exceptions import (
+    DomainError,
     RecordTooLarge,
     SessionFull,
     BackendCut,
@@ -431,27 +432,25 @@ class _Call:
                 b"data: " + _encode(err) + b"\n\n")
             await self._end_cut(out, tail)
             return out
-        if failure is None:
-            try:
+        try:
+            if failure is None:
                 await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
                                                            **self.common))  # durable before [DONE]
                 tail = _DONE if proto is None else proto.finish(acc.reply())
-            except SessionFull as exc:  # headers are out: the agent learns it from an error event
+            else:
+                await self.record([self.failed(failure[0], failure[1], acc.reply())])
                 if proto is not None:
-                    tail = proto.stream_error(409, exc.message, exc.code)
-                else:
-                    err = {"error": {"message": exc.message, "type": "conflict_error", "code": exc.code}}
-                    tail = b"data: " + _encode(err) + b"\n\n"
-        elif proto is not None:
-            await self.record([self.failed(failure[0], failure[1], acc.reply())])
-            tail = proto.stream_error(502, failure[0], failure[1])
-        else:
-            await self.record([self.failed(failure[0], failure[1], acc.reply())])
-            if upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
-                tail = upstream_error + _DONE
-            else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
-                err = {"error": {"message": failure[0], "type": failure[1], "code": failure[1]}}
-                tail = b"data: " + _encode(err) + b"\n\n"
+                    tail = proto.stream_error(502, failure[0], failure[1])
+                elif upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
+                    tail = upstream_error + _DONE
+                else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
+                    tail = self._error_event(502, failure[0], failure[1], failure[1])
+        except DomainError as exc:
+            # The headers are out and the step could not be kept (session full, log full, record too large): the
+            # agent learns it from an error event and the stream ends; it never waits for a [DONE].
+            status = status_of(exc)
+            tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
+                    else self._error_event(status, exc.message, exc.code))
         try:
             await _send(out, tail, self.write_timeout)
             async with asyncio.timeout(self.write_timeout):
@@ -467,6 +466,10 @@ class _Call:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out
+
+    @staticmethod
+    def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
+        return b"data: " + error_body(message, status, code, type_) + b"\n\n"
 
     async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
         """A cut stream's error event and end, put on the wire together; its reader may be the slow one that

@@ -11,8 +11,11 @@ import socket
 from typing import Any
 
 import aiohttp
+import pytest
 from conftest import Proxy
-from faults import MODEL, FaultInjector
+from faults import MODEL, DiskFullInjector, FaultInjector
+from steptap.middleware import files
+from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.manager import SESSIONS_KEY
 
 CHAT = "/v1/chat/completions"
@@ -105,3 +108,87 @@ async def test_one_peer_cannot_take_every_call_slot(
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+
+
+# --- item 10: what a stream, a finish or a late step does when the log cannot take the record ----------------
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "record_too_large"])
+async def test_a_stream_whose_step_cannot_be_logged_ends_with_an_error_event(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The headers are out when the step is recorded: a refused record must end the stream (an error event, then
+    the connection ends), never leave the agent waiting (it did: no event, no [DONE], no close)."""
+    injector = FaultInjector(stall_s=0.3)
+    server = await aiohttp_server(injector.app)
+    disk = DiskFullInjector(files.write_all)
+    monkeypatch.setattr(files, "write_all", disk)
+    limit = 4000 if fault == "record_too_large" else 64 * 1024 * 1024
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), max_record_bytes=limit,
+                             max_session_bytes=min(limit, 48 * 1024 * 1024))
+    text = "x" * 3700 if fault == "record_too_large" else "x"
+    injector.mode = "stall"  # the first chunk, then a pause: the disk fills while the stream is open
+    call = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": True}
+    async with http.post(f"{proxy.url}{CHAT}", json=call) as resp:
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"data: ")
+        disk.full = fault == "disk_full"
+        rest = await asyncio.wait_for(resp.read(), 20)  # the stream ends: the bound is on the defect (a hang)
+    disk.full = False
+    events = [line for line in rest.decode().splitlines() if line.startswith("data: ")]
+    assert events and b"[DONE]" not in rest, rest[-300:]
+    error = json.loads(events[-1][len("data: "):])["error"]
+    want = "log_unavailable" if fault == "disk_full" else "record_too_large"
+    assert error["code"] == want, error
+    await wait_for(lambda: proxy.app[SESSIONS_KEY].calls_inflight == 0)  # type: ignore[index]
+
+
+async def test_finish_while_the_log_cannot_write_is_a_503_and_can_be_retried(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    injector = FaultInjector()
+    server = await aiohttp_server(injector.app)
+    disk = DiskFullInjector(files.write_all)
+    monkeypatch.setattr(files, "write_all", disk)
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"))
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        opened = await resp.json()
+    sid = opened["id"]
+    assert await status_of(http, f"{proxy.url}{CHAT}", headers={"Authorization": f"Bearer {opened['api_key']}"}) == 200
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    disk.full = True
+    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0}, headers=proxy.control) as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "log_unavailable"
+    session = manager.sessions[sid]
+    assert not session.closing and session.trajectory.rewards == {}  # as before the finish: nothing half-done
+    disk.full = False
+    await wait_for(lambda: not manager.log.degraded)
+    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0}, headers=proxy.control) as resp:
+        assert resp.status == 200, await resp.text()  # was 409 "already closing" for good
+    (traj,) = [r for r in manager.log.records() if isinstance(r, Trajectory) and r.id == sid]
+    assert traj.status == "finished" and traj.rewards == {"reward": 1.0}
+
+
+async def test_a_step_completing_while_its_session_finishes_is_in_the_trajectory(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    injector = FaultInjector(stall_s=0.5)
+    server = await aiohttp_server(injector.app)
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"))
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        opened = await resp.json()
+    sid, key = opened["id"], {"Authorization": f"Bearer {opened['api_key']}"}
+    assert await status_of(http, f"{proxy.url}{CHAT}", headers=key) == 200  # step 0
+    injector.mode = "stall"
+    late = asyncio.ensure_future(status_of(http, f"{proxy.url}{CHAT}", headers=key))
+    await wait_for(lambda: injector.calls == 2)
+    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={}, headers=proxy.control) as resp:
+        assert resp.status == 200
+        finished = await resp.json()
+    assert await late == 200
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    records = list(manager.log.records())
+    (traj,) = [r for r in records if isinstance(r, Trajectory) and r.id == sid]
+    logged = [r.index for r in records if isinstance(r, Step) and r.trajectory_id == sid]
+    assert [s.index for s in traj.steps] == [0, 1] and logged == [0, 1], (traj.steps, logged)
+    assert finished["steps"] == 2  # finish waited for the call in flight
