@@ -50,7 +50,16 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
     max_record_bytes: Annotated[int, _help(
-        "the largest record the log takes (413 above it); the request body limit is derived from it")] = 64 * MIB
+        "the largest record the log takes (413 above it)")] = 64 * MIB
+    max_request_bytes: Annotated[int, _help(
+        "the largest model-call body (413 above it; the record limit too, if lower)")] = 16 * MIB
+    max_json_nodes: Annotated[int, _help(
+        "most JSON values (objects, arrays, list items) in a model-call body, counted before decoding (413)")
+    ] = 1_000_000
+    max_body_memory: Annotated[int, _help(
+        "estimated memory of all model-call bodies in flight (raw and decoded; 429 beyond)")] = 1024 * MIB
+    max_bytes_held: Annotated[int, _help(
+        "encoded bytes all open sessions hold together (429 beyond)")] = 4096 * MIB
     log_upload_interval_s: Annotated[float | None, _help(
         "remote logs: upload the active segment's committed part this often (docs/log.md)")] = 30.0
     log_durability: Annotated[Literal["fsync", "os"], _help(
@@ -103,10 +112,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
             self.session_idle_timeout_s = None  # 0 on the command line: never
-        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
+        for name in ("max_record_bytes", "max_request_bytes", "max_json_nodes", "max_body_memory",
+                     "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
                      "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_body_memory < 6 * self.body_limit:
+            raise ValueError("max_body_memory must be at least 6 x max_request_bytes (one call's copies of its body)")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:
@@ -115,6 +127,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                 f"max_session_bytes ({self.max_session_bytes}) must not exceed max_record_bytes "
                 f"({self.max_record_bytes})"
             )
+
+    @property
+    def body_limit(self) -> int:
+        """The largest model-call body read (a larger one is a 413)."""
+        return min(self.max_request_bytes, self.max_record_bytes)
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

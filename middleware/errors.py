@@ -90,6 +90,7 @@ _STATUS: dict[type[ex.DomainError], int] = {
     ex.BackendMalformed: 502,
     ex.SwapCut: 503,
     ex.RecordTooLarge: 413,
+    ex.RequestTooComplex: 413,
     ex.LogUnavailable: 503,
 }
 

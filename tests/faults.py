@@ -90,7 +90,7 @@ class FaultInjector:
         self.calls = 0
         self.connections: set[int] = set()  # distinct upstream connections seen (keep-alive reuse shows here)
         self.authorization: list[str | None] = []  # the Authorization header of each chat call
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=1 << 30)  # as vLLM: no body limit of its own
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)

@@ -75,7 +75,19 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     started_at, t0 = time.time(), time.perf_counter()
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
-    raw = await read_body(request)
+    if (request.content_length or 0) > cfg.body_limit:
+        raise _too_large(cfg)  # declared: refused before a byte is read
+    with manager.holdings.body_memory(request.content_length) as held:  # 429 past max_body_memory
+        raw = await read_body(request)  # 413 past max_request_bytes
+        held.read(raw)  # 413 past max_json_nodes, before anything is decoded
+        return await _model_call(request, endpoint, raw, started_at, t0)
+
+
+async def _model_call(
+    request: web.Request, endpoint: str, raw: bytes, started_at: float, t0: float
+) -> web.StreamResponse:
+    app = request.app
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     body = _json_object(raw)
     # Another protocol rides on chat completions: translated (and checked in its own format) before the rest.
     proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
@@ -120,12 +132,16 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, bounded by the record limit (``client_max_size``): a larger one is a 413."""
+    """The request body, bounded by ``body_limit`` (``client_max_size``): a larger one is a 413."""
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG_KEY].max_record_bytes
-        raise RecordTooLarge(f"request body exceeds the record limit of {limit} bytes (max_record_bytes)") from None
+        raise _too_large(request.app[CONFIG_KEY]) from None
+
+
+def _too_large(cfg: ProxyConfig) -> RecordTooLarge:
+    return RecordTooLarge(f"request body exceeds the limit of {cfg.body_limit} bytes (max_request_bytes="
+                          f"{cfg.max_request_bytes}, max_record_bytes={cfg.max_record_bytes})")
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

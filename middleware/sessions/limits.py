@@ -4,14 +4,19 @@ and encoded bytes of open sessions. It raises the domain errors a limit ends in 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.exceptions import Overloaded, SessionFull
+from steptap.middleware.exceptions import Overloaded, RequestTooComplex, SessionFull
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Step, msgpack_encoder
 
+NODE_BYTES = 80  # memory of one decoded JSON value, at most (an empty dict and its list slot: 72)
+# Copies of a body a call holds at once, measured: while read (aiohttp's buffer and its bytes), and once in
+# (raw, decoded, the upstream body, the step's encoded record and its frame in the writer).
+READ_COPIES, CALL_COPIES = 3, 6
 RECORD_SLACK = 256  # bytes a step gains when it is indexed and linked (ids, index, prefix), over-estimated
 RETRY_AFTER_S = 1.0  # what a 429 tells the caller to wait
 
@@ -24,6 +29,7 @@ class Holdings:
         self.peer_calls: dict[str, int] = {}  # calls in flight per client address (max_calls_per_peer)
         self.steps_held = 0  # steps of open sessions, in memory
         self.bytes_held = 0  # their encoded size
+        self.body_bytes = 0  # estimated memory of the model-call bodies in flight (max_body_memory)
 
     @contextmanager
     def admitted(self, peer: str | None = None) -> Iterator[None]:
@@ -58,6 +64,18 @@ class Holdings:
                 del self.peer_calls[peer]  # bounded by the calls in flight
             self.metrics.calls_inflight.set(self.calls_inflight)
 
+    @contextmanager
+    def body_memory(self, declared: int | None) -> Iterator[BodyHold]:
+        """Around one model call's body, from before it is read: its declared length (or the body limit, when
+        chunked) is held against ``max_body_memory`` first, then what it costs once read (``BodyHold.read``)."""
+        hold = BodyHold(self)
+        limit = self.config.body_limit
+        hold.resize(READ_COPIES * min(declared if declared is not None else limit, limit))
+        try:
+            yield hold
+        finally:
+            hold.resize(0)
+
     def check_session_calls(self, sid: str, inflight: int) -> None:
         cap = self.config.max_calls_per_session
         if inflight >= cap:
@@ -82,6 +100,11 @@ class Holdings:
                 f"session {sid!r} holds {held_steps} steps; {steps} more would pass max_session_steps="
                 f"{cfg.max_session_steps}: finish it and open a new one"
             )
+        if self.bytes_held + size > cfg.max_bytes_held:
+            raise Overloaded(
+                f"open sessions hold {self.bytes_held} bytes; {size} more would pass max_bytes_held="
+                f"{cfg.max_bytes_held}: retry once sessions finish", retry_after_s=RETRY_AFTER_S,
+            )
         if held_bytes + size > cfg.max_session_bytes:
             raise SessionFull(
                 f"session {sid!r} holds {held_bytes} bytes; {size} more would pass "
@@ -98,3 +121,46 @@ class Holdings:
         self.bytes_held += size
         self.metrics.steps_held.set(self.steps_held)
         self.metrics.bytes_held.set(self.bytes_held)
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_nodes(raw: bytes, cap: int) -> int:
+    """An upper bound on the JSON values in ``raw``, counted without decoding: commas and openings; when that
+    passes ``cap``, counted again outside strings (braces and commas in text are not values)."""
+    quick = raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+    if quick <= cap:
+        return quick
+    bare = _JSON_STRING.sub(b"", raw)
+    return bare.count(b",") + bare.count(b"{") + bare.count(b"[")
+
+
+class BodyHold:
+    """One call's share of ``max_body_memory``."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        self.holdings = holdings
+        self.size = 0
+
+    def read(self, raw: bytes) -> None:
+        """The body is in: 413 with more values than ``max_json_nodes``, 429 when its estimated memory (raw,
+        its copies, and ``NODE_BYTES`` a decoded value) would pass ``max_body_memory``."""
+        cfg = self.holdings.config
+        nodes = json_nodes(raw, cfg.max_json_nodes)
+        if nodes > cfg.max_json_nodes:
+            raise RequestTooComplex(
+                f"request body has more than {cfg.max_json_nodes} JSON values (max_json_nodes)"
+            )
+        self.resize(CALL_COPIES * len(raw) + NODE_BYTES * nodes)
+
+    def resize(self, size: int) -> None:
+        h = self.holdings
+        if size > self.size and h.body_bytes - self.size + size > h.config.max_body_memory:
+            raise Overloaded(
+                f"model-call bodies in flight would pass max_body_memory={h.config.max_body_memory} bytes; "
+                "retry later", retry_after_s=RETRY_AFTER_S,
+            )
+        h.body_bytes += size - self.size
+        self.size = size
+        h.metrics.body_bytes.set(h.body_bytes)

@@ -299,9 +299,15 @@ class SessionManager:
         call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
+        # Each of the call's steps records its request: n copies in the record (checked before forwarding).
         if not session.trajectory.anonymous:
             self.holdings.check_session_calls(session.id, session.inflight)
-            self._check_room(session, steps, size)
+            self._check_room(session, steps, steps * size)
+        elif steps * size > self.config.max_record_bytes:
+            raise RecordTooLarge(
+                f"{steps} choices of a {size}-byte request make a record over max_record_bytes="
+                f"{self.config.max_record_bytes}"
+            )
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
