@@ -46,7 +46,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False
-    auto_create: Annotated[bool, _help("an unknown session id in a model call opens that session")] = True
+    auto_create: Annotated[bool, _help(
+        "an unknown session id in a model call opens that session (auto:<id>) once the backend accepted it")] = True
+    max_auto_sessions: Annotated[int, _help(
+        "most auto-created sessions open at once, apart from max_open_sessions (429 beyond)")] = 1000
+    auto_session_idle_timeout_s: Annotated[float, _help(
+        "auto-created sessions idle this long are closed as timed_out")] = 60.0
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
     max_record_bytes: Annotated[int, _help(
@@ -114,7 +119,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             self.session_idle_timeout_s = None  # 0 on the command line: never
         for name in ("max_record_bytes", "max_request_bytes", "max_json_nodes", "max_body_memory",
                      "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
-                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_body_memory < 6 * self.body_limit:

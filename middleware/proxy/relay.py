@@ -429,12 +429,14 @@ class _Call:
             if proto is not None:
                 await _send(out, proto.start(), self.write_timeout)
             failure, upstream_error, done = await self._pump(source, out, acc)
-        except _AgentStalled:  # it stopped reading: cut (a close would wait on it), keep what arrived
-            if self.request.transport is not None:
-                self.request.transport.abort()
+        except _AgentStalled:  # it stopped reading: keep what arrived, then cut (a close would wait on it)
             seconds = self.write_timeout
-            await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
-                                           "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+            try:
+                await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
+                                               "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+            finally:  # after the record: the abort cancels this handler
+                if self.request.transport is not None:
+                    self.request.transport.abort()
             return out
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])

@@ -84,11 +84,14 @@ class Holdings:
                 retry_after_s=RETRY_AFTER_S,
             )
 
-    def check_open(self, open_sessions: int) -> None:
-        cap = self.config.max_open_sessions
+    def check_open(self, open_sessions: int, auto: bool = False) -> None:
+        """Named sessions (``POST /sessions``) and auto-created ones have caps of their own: an agent's calls on
+        made-up ids never take the environment's room."""
+        name, cap = ("max_auto_sessions", self.config.max_auto_sessions) if auto else (
+            "max_open_sessions", self.config.max_open_sessions)
         if open_sessions >= cap:
             raise Overloaded(
-                f"{open_sessions} sessions are open (max_open_sessions={cap}): finish some, or retry later",
+                f"{open_sessions} sessions are open ({name}={cap}): finish some, or retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
 

@@ -75,8 +75,8 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "drained", "inflight", "key", "last_active", "late", "lock", "sealed", "tito",
-                 "tito_state", "trajectory")
+    __slots__ = ("bytes", "closing", "drained", "inflight", "key", "last_active", "late", "lock", "pending",
+                 "sealed", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -89,6 +89,7 @@ class LiveSession:
         self.closing = False  # takes no new call or reward
         self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
+        self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
         self.bytes = 0  # encoded size of the trajectory so far (what its Trajectory record will weigh)
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
 
@@ -150,6 +151,8 @@ class SessionManager:
         self.reward_fn = reward_fn
         self._tasks = tasks  # the app's background tasks, drained at shutdown
         self.sessions: dict[str, LiveSession] = {}  # open named sessions by id
+        self.auto_open = 0  # how many of them are auto-created (max_auto_sessions)
+        self.pending: dict[str, LiveSession] = {}  # auto sessions whose first call is in flight (not yet opened)
         self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
@@ -188,7 +191,7 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise SessionExists(f"session {sid!r} already exists")
-        self.holdings.check_open(len(self.sessions))
+        self.holdings.check_open(len(self.sessions) - self.auto_open)
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
@@ -233,6 +236,7 @@ class SessionManager:
 
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session
+        self.auto_open += session.id.startswith(AUTO_PREFIX)
         if session.key:
             self.keys[session.key] = session.id
         traj = session.trajectory
@@ -249,6 +253,7 @@ class SessionManager:
 
     def _unregister(self, session: LiveSession) -> None:
         if self.sessions.pop(session.id, None) is not None:
+            self.auto_open -= session.id.startswith(AUTO_PREFIX)
             self.holdings.hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
 
@@ -286,11 +291,32 @@ class SessionManager:
         if auto not in self.sessions and auto not in self.closed:
             if not self.config.auto_create:
                 raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
-            try:
-                return await self.open(session_id=auto, keyed=False)
-            except SessionExists:  # opened concurrently by another call on the same new id
-                pass
+            return self._pending(auto)
         return self.get(auto)
+
+    def _pending(self, sid: str) -> LiveSession:
+        """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a call
+        the backend refuses opens nothing. Concurrent first calls on one id share it."""
+        session = self.pending.get(sid)
+        if session is None:
+            self.holdings.check_open(self.auto_open + len(self.pending), auto=True)
+            traj = Trajectory(id=sid, idle_timeout_s=self.config.auto_session_idle_timeout_s)
+            session = self.pending[sid] = LiveSession(traj, None)
+            session.pending = True
+            session.bytes = len(msgpack_encoder.encode(traj))
+        return session
+
+    async def _open_pending(self, session: LiveSession) -> None:
+        session.pending = False
+        self.pending.pop(session.id, None)
+        self._register(session)  # before the await: the session's next steps follow its SessionOpened record
+        try:
+            traj = session.trajectory
+            await self._append(SessionOpened(trajectory_id=session.id, idle_timeout_s=traj.idle_timeout_s))
+        except BaseException:
+            self._unregister(session)
+            raise
+        self.metrics.sessions_opened.labels("false").inc()
 
     @asynccontextmanager
     async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
@@ -317,6 +343,8 @@ class SessionManager:
             session.last_active = time.monotonic()
             if session.inflight == 0 and session.drained is not None:
                 session.drained.set()
+            if session.pending and session.inflight == 0:  # its calls ended with no step: never opened
+                self.pending.pop(session.id, None)
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
@@ -339,6 +367,8 @@ class SessionManager:
         """Index, link and append the steps of one call; returns once they are durable. A named session
         that the steps would take past its limits refuses them (SessionFull) before anything changes."""
         traj = session.trajectory
+        if session.pending:
+            await self._open_pending(session)
         size = 0
         if not traj.anonymous and not session.sealed:
             size = self.holdings.size_of(steps)
