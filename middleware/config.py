@@ -82,7 +82,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "module:function called with each finished Trajectory; returns a reward or per-step rewards")] = None
     reward_timeout_s: Annotated[float, _help("seconds a reward callback may take")] = 30.0
     session_idle_timeout_s: Annotated[float | None, _help(
-        "close sessions idle this long as timed_out, auto-created ones too (a session's own value wins; 0: never, "
+        "close sessions idle this long as timed_out (auto-created ones: auto_session_idle_timeout_s; a session's own value wins; 0: never, "
         "and an abandoned session then holds its steps until restart)")] = 600.0
     finish_drain_timeout_s: Annotated[float, _help(
         "a finish waits this long for the session's calls in flight, so their steps are in its trajectory")] = 30.0
