@@ -38,8 +38,8 @@ REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, o
 
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
     # A body is recorded in its step: one larger than a log record could never be recorded (aiohttp's default
-    # of 1 MiB is far too small for long agent histories).
-    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=config.max_record_bytes)
+    # of 1 MiB is far too small for long agent histories); max_request_bytes bounds what one call may decode.
+    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=config.body_limit)
     app[CONFIG_KEY] = config
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()

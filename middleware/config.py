@@ -45,11 +45,25 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False
-    auto_create: Annotated[bool, _help("an unknown session id in a model call opens that session")] = True
+    auto_create: Annotated[bool, _help(
+        "an unknown session id in a model call opens that session (auto:<id>) once the backend accepted it")] = True
+    max_auto_sessions: Annotated[int, _help(
+        "most auto-created sessions open at once, apart from max_open_sessions (429 beyond)")] = 1000
+    auto_session_idle_timeout_s: Annotated[float, _help(
+        "auto-created sessions idle this long are closed as timed_out")] = 60.0
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
     max_record_bytes: Annotated[int, _help(
-        "the largest record the log takes (413 above it); the request body limit is derived from it")] = 64 * MIB
+        "the largest record the log takes (413 above it)")] = 64 * MIB
+    max_request_bytes: Annotated[int, _help(
+        "the largest model-call body (413 above it; the record limit too, if lower)")] = 16 * MIB
+    max_json_nodes: Annotated[int, _help(
+        "most JSON values (objects, arrays, list items) in a model-call body, counted before decoding (413)")
+    ] = 1_000_000
+    max_body_memory: Annotated[int, _help(
+        "estimated memory of all model-call bodies in flight (raw and decoded; 429 beyond)")] = 1024 * MIB
+    max_bytes_held: Annotated[int, _help(
+        "encoded bytes all open sessions hold together (429 beyond)")] = 4096 * MIB
     log_upload_interval_s: Annotated[float | None, _help(
         "remote logs: upload the active segment's committed part this often (docs/log.md)")] = 30.0
     log_durability: Annotated[Literal["fsync", "os"], _help(
@@ -67,8 +81,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "module:function called with each finished Trajectory; returns a reward or per-step rewards")] = None
     reward_timeout_s: Annotated[float, _help("seconds a reward callback may take")] = 30.0
     session_idle_timeout_s: Annotated[float | None, _help(
-        "close sessions idle this long as timed_out, auto-created ones too (a session's own value wins; 0: never, "
+        "close sessions idle this long as timed_out (auto-created ones: auto_session_idle_timeout_s; a session's own value wins; 0: never, "
         "and an abandoned session then holds its steps until restart)")] = 600.0
+    finish_drain_timeout_s: Annotated[float, _help(
+        "a finish waits this long for the session's calls in flight, so their steps are in its trajectory")] = 30.0
     group_timeout_s: Annotated[float | None, _help(
         "a group is complete when full or when this has passed")] = None
     upstream_timeout_s: Annotated[float, _help(
@@ -85,6 +101,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_session_bytes: Annotated[int, _help(
         "most encoded bytes an open session holds (409 beyond; at most max_record_bytes)")] = 48 * MIB
     max_concurrent_calls: Annotated[int, _help("most model calls in flight (429 + Retry-After beyond)")] = 512
+    max_calls_per_peer: Annotated[int, _help(
+        "most model calls in flight from one client address (429 beyond): one peer cannot take every slot")] = 384
+    max_calls_per_session: Annotated[int, _help(
+        "most model calls in flight in one named session (429 beyond)")] = 64
+    stream_write_timeout_s: Annotated[float, _help(
+        "a streamed reply whose agent takes no byte for this long is cut (recorded failed, client_stalled)")] = 60.0
     max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
     upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
     max_closed_sessions: Annotated[int, _help(
@@ -94,16 +116,26 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
             self.session_idle_timeout_s = None  # 0 on the command line: never
-        for name in ("max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
-                     "max_open_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+        for name in ("max_record_bytes", "max_request_bytes", "max_json_nodes", "max_body_memory",
+                     "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
+                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_body_memory < 6 * self.body_limit:
+            raise ValueError("max_body_memory must be at least 6 x max_request_bytes (one call's copies of its body)")
+        if self.stream_write_timeout_s <= 0:
+            raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:
             # a finished session is written as one Trajectory record: it must fit the record limit
             raise ValueError(
                 f"max_session_bytes ({self.max_session_bytes}) must not exceed max_record_bytes "
                 f"({self.max_record_bytes})"
             )
+
+    @property
+    def body_limit(self) -> int:
+        """The largest model-call body read (a larger one is a 413)."""
+        return min(self.max_request_bytes, self.max_record_bytes)
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -96,6 +96,7 @@ _STATUS: dict[type[ex.DomainError], int] = {
     ex.SwapNotPersisted: 500,
     ex.SwapError: 502,
     ex.RecordTooLarge: 413,
+    ex.RequestTooComplex: 413,
     ex.LogUnavailable: 503,
 }
 

@@ -144,6 +144,12 @@ class RecordTooLarge(DomainError):
     code = "record_too_large"
 
 
+class RequestTooComplex(DomainError):
+    """A model-call body with more JSON values than ``max_json_nodes`` (refused before decoding)."""
+
+    code = "request_too_complex"
+
+
 class LogUnavailable(DomainError):
     """The trajectory log cannot write (disk full, I/O error): nothing new is accepted until it can."""
 

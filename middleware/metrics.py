@@ -95,6 +95,9 @@ class Metrics:
             "steptap_session_bytes_held", "encoded bytes of the steps open sessions hold", registry=r
         )
         self.calls_inflight = Gauge("steptap_calls_inflight", "model calls in flight", registry=r)
+        self.body_bytes = Gauge(
+            "steptap_body_bytes_in_flight", "estimated memory of the model-call bodies in flight", registry=r
+        )
         self.trajectories = Counter(
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )

@@ -6,7 +6,7 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 ``X-Fault: MODE``. Modes:
 
 - ``ok``: a well-formed vLLM-style reply (token ids and logprobs), streamed or not;
-- ``error500`` / ``error503``: HTTP 500 / 503 with an OpenAI error body;
+- ``error400`` / ``error500`` / ``error503``: HTTP 400 / 500 / 503 with an OpenAI error body;
 - ``stall``: sleeps ``stall_s`` before answering (non-streamed) or after the first chunk (streamed);
 - ``cut``: streams two chunks, then drops the connection (no [DONE]);
 - ``malformed``: HTTP 200 with a body that is not JSON (or, streamed, a garbage data line);
@@ -90,7 +90,7 @@ class FaultInjector:
         self.calls = 0
         self.connections: set[int] = set()  # distinct upstream connections seen (keep-alive reuse shows here)
         self.authorization: list[str | None] = []  # the Authorization header of each chat call
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=1 << 30)  # as vLLM: no body limit of its own
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
@@ -115,6 +115,10 @@ class FaultInjector:
         if mode == "error503":  # what vLLM answers while paused or not ready
             return web.json_response(
                 {"error": {"message": "paused", "type": "ServiceUnavailable", "code": 503}}, status=503
+            )
+        if mode == "error400":  # what vLLM answers a call it refuses (a prompt over the context, a bad value)
+            return web.json_response(
+                {"error": {"message": "refused", "type": "BadRequestError", "code": 400}}, status=400
             )
         if mode == "error500":
             return web.json_response(

@@ -20,8 +20,9 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import ApiError
+from steptap.middleware.errors import ApiError, error_body, status_of
 from steptap.middleware.exceptions import (
+    DomainError,
     RecordTooLarge,
     SessionFull,
     BackendCut,
@@ -84,7 +85,19 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     started_at, t0 = time.time(), time.perf_counter()
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
-    raw = await read_body(request)
+    if (request.content_length or 0) > cfg.body_limit:
+        raise _too_large(cfg)  # declared: refused before a byte is read
+    with manager.holdings.body_memory(request.content_length) as held:  # 429 past max_body_memory
+        raw = await read_body(request)  # 413 past max_request_bytes
+        held.read(raw)  # 413 past max_json_nodes, before anything is decoded
+        return await _model_call(request, endpoint, raw, started_at, t0)
+
+
+async def _model_call(
+    request: web.Request, endpoint: str, raw: bytes, started_at: float, t0: float
+) -> web.StreamResponse:
+    app = request.app
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     body = _json_object(raw)
     ident = identify(request)  # a malformed session id is a 400
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
@@ -96,8 +109,8 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
     stream = bool(view.stream)
-    with manager.admitted():  # a 429 beyond max_concurrent_calls
-        served = await pool.route(view.model)  # before resolving: a call for an unknown model opens no session
+    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+        served = await pool.route(view.model)  # before resolving: a refused call opens no session
         session = await manager.resolve(ident)  # identify
         if proto is not None:
             proto.prepare(None if session.trajectory.anonymous else session.id)
@@ -145,23 +158,35 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
     if ident.source == "anonymous":
         return
     manager = request.app[SESSIONS_KEY]
+    try:
+        session = await manager.resolve(ident)
+    except DomainError:
+        return
+    if session.pending:  # an auto session is opened by an accepted call only: a refused first call opens nothing
+        if session.inflight == 0:
+            manager.pending.pop(session.id, None)
+        return
     model = body.get("model")
     step = capture.failed_step(endpoint, message, "invalid_request", request=body,
                                model=model if isinstance(model, str) else "", started_at=started_at,
                                latency_s=time.perf_counter() - t0)
     try:
-        await manager.record(await manager.resolve(ident), [step])
+        await manager.record(session, [step])
     except DomainError:
         pass
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, bounded by the record limit (``client_max_size``): a larger one is a 413."""
+    """The request body, bounded by ``body_limit`` (``client_max_size``): a larger one is a 413."""
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG_KEY].max_record_bytes
-        raise RecordTooLarge(f"request body exceeds the record limit of {limit} bytes (max_record_bytes)") from None
+        raise _too_large(request.app[CONFIG_KEY]) from None
+
+
+def _too_large(cfg: ProxyConfig) -> RecordTooLarge:
+    return RecordTooLarge(f"request body exceeds the limit of {cfg.body_limit} bytes (max_request_bytes="
+                          f"{cfg.max_request_bytes}, max_record_bytes={cfg.max_record_bytes})")
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -222,6 +247,10 @@ class _AgentGone(Exception):
     """The agent closed its connection while we streamed to it."""
 
 
+class _AgentStalled(_AgentGone):
+    """The agent took no byte of its stream for ``stream_write_timeout_s``: its call slot is given back."""
+
+
 class _LineTooLong(Exception):
     pass
 
@@ -255,6 +284,7 @@ class _Call:
         self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
         self.tito = False  # token-in-token-out mode for this session
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
+        self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -396,9 +426,11 @@ class _Call:
                 message = _decode(data)["error"]["message"]
             except (msgspec.DecodeError, KeyError, TypeError):
                 message = data[:500].decode("utf-8", "replace")
-            # recorded, so the session says why (a prompt over the context, a template that refused it)
-            await self.record([self.failed(f"backend {base} refused the call ({resp.status}): {message}",
-                                           "backend_refused")])
+            # recorded, so the session says why (a prompt over the context, a template that refused it); an auto
+            # session the backend never accepted a call for stays unopened (refused calls fill no session table)
+            if not self.session.pending:
+                await self.record([self.failed(f"backend {base} refused the call ({resp.status}): {message}",
+                                               "backend_refused")])
             if self.proto is not None:
                 data = self.proto.upstream_error(resp.status, data)
             return web.Response(body=data, status=resp.status, content_type="application/json")
@@ -454,10 +486,19 @@ class _Call:
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         await out.prepare(self.request)
         proto = self.proto
-        if proto is not None:
-            await _send(out, proto.start())
         try:
+            if proto is not None:
+                await _send(out, proto.start(), self.write_timeout)
             failure, upstream_error, done = await self._pump(source, out, acc)
+        except _AgentStalled:  # it stopped reading: keep what arrived, then cut (a close would wait on it)
+            seconds = self.write_timeout
+            try:
+                await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
+                                               "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+            finally:  # after the record: the abort cancels this handler
+                if self.request.transport is not None:
+                    self.request.transport.abort()
+            return out
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
             await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
             return out
@@ -470,30 +511,33 @@ class _Call:
                 b"data: " + _encode(err) + b"\n\n")
             await self._end_cut(out, tail)
             return out
-        if failure is None:
-            try:
+        try:
+            if failure is None:
                 await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
                                                            **self.common))  # durable before [DONE]
                 tail = _DONE if proto is None else proto.finish(acc.reply())
-            except SessionFull as exc:  # headers are out: the agent learns it from an error event
+            else:
+                await self.record([self.failed(failure[0], failure[1], acc.reply())])
                 if proto is not None:
-                    tail = proto.stream_error(409, exc.message, exc.code)
-                else:
-                    err = {"error": {"message": exc.message, "type": "conflict_error", "code": exc.code}}
-                    tail = b"data: " + _encode(err) + b"\n\n"
-        elif proto is not None:
-            await self.record([self.failed(failure[0], failure[1], acc.reply())])
-            tail = proto.stream_error(502, failure[0], failure[1])
-        else:
-            await self.record([self.failed(failure[0], failure[1], acc.reply())])
-            if upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
-                tail = upstream_error + _DONE
-            else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
-                err = {"error": {"message": failure[0], "type": failure[1], "code": failure[1]}}
-                tail = b"data: " + _encode(err) + b"\n\n"
-        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            await out.write(tail)
-            await out.write_eof()
+                    tail = proto.stream_error(502, failure[0], failure[1])
+                elif upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
+                    tail = upstream_error + _DONE
+                else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
+                    tail = self._error_event(502, failure[0], failure[1], failure[1])
+        except DomainError as exc:
+            # The headers are out and the step could not be kept (session full, log full, record too large): the
+            # agent learns it from an error event and the stream ends; it never waits for a [DONE].
+            status = status_of(exc)
+            tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
+                    else self._error_event(status, exc.message, exc.code))
+        try:
+            await _send(out, tail, self.write_timeout)
+            async with asyncio.timeout(self.write_timeout):
+                await out.write_eof()
+        except (_AgentGone, TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
+                self.request.transport.abort()
+            return out
         if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
             # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
@@ -501,6 +545,10 @@ class _Call:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out
+
+    @staticmethod
+    def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
+        return b"data: " + error_body(message, status, code, type_) + b"\n\n"
 
     async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
         """A cut stream's error event and end, put on the wire together; its reader may be the slow one that
@@ -562,7 +610,7 @@ class _Call:
                     elif capture.strip_chunk(chunk, self.asked, self.endpoint):
                         parts.append(b"data: " + _encode(chunk) + b"\n\n")
                 if parts:
-                    await _send(out, b"".join(parts))
+                    await _send(out, b"".join(parts), self.write_timeout)
                 if done or (failure is not None and upstream_error is None):
                     break
         except TimeoutError:
@@ -598,9 +646,14 @@ async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncItera
         yield [pending]
 
 
-async def _send(out: web.StreamResponse, data: bytes) -> None:
+async def _send(out: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One write to the agent; a reader that takes nothing for ``timeout_s`` is ``_AgentStalled`` (never a
+    ``TimeoutError``: that one means the backend's silence in ``_pump``)."""
     try:
-        await out.write(data)
+        async with asyncio.timeout(timeout_s):
+            await out.write(data)
+    except TimeoutError:
+        raise _AgentStalled() from None
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         raise _AgentGone() from exc
 

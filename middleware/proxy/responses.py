@@ -7,7 +7,8 @@ object (or its typed SSE events). The step records the agent's Responses body as
 as its ``endpoint``; the ids and logprobs are the chat call's, exact.
 
 ``previous_response_id`` needs the conversation behind a response: ``ResponseStore`` keeps it, per session and
-bounded (least recently used out), unless the agent sent ``store: false``.
+bounded in entries, bytes, age and per session (least recently used out), for named sessions only, unless the
+agent sent ``store: false``.
 """
 
 from __future__ import annotations
@@ -226,30 +227,72 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ResponseStore:
-    """Conversations behind stored responses (``previous_response_id``), per session, least recently used out."""
+    """Conversations behind stored responses (``previous_response_id``), per named session: bounded in entries,
+    bytes and age, and per session (one session cannot push out another's); least recently used out. An
+    anonymous call (no session) keeps nothing: anyone could fill the one namespace they would share."""
 
-    def __init__(self, max_entries: int = 4096, max_messages: int = 2048) -> None:
+    def __init__(self, max_entries: int = 4096, max_messages: int = 2048, max_bytes: int = 64 * 1024 * 1024,
+                 max_age_s: float = 3600.0, per_session: int = 256) -> None:
         self.max_entries = max_entries
         self.max_messages = max_messages
-        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.per_session = per_session
+        self.bytes = 0
+        # response id -> (session id, messages, encoded size, stored at)
+        self._items: OrderedDict[str, tuple[str, list[dict[str, Any]], int, float]] = OrderedDict()
+        self._by_session: dict[str, OrderedDict[str, None]] = {}
 
     def history(self, session_id: str | None, response_id: Any) -> list[dict[str, Any]]:
         if not isinstance(response_id, str):
             raise _bad("'previous_response_id' must be a string", "previous_response_id")
+        self._expire()
         entry = self._items.get(response_id)
+        if entry is not None and entry[3] < time.monotonic() - self.max_age_s:  # used since, but old
+            self._drop(response_id)
+            entry = None
         if entry is None or entry[0] != session_id:
             raise ApiError(404, f"no stored response {response_id!r} in this session (responses sent with "
-                                "store: false, from other sessions, or long evicted are not kept)",
-                           "previous_response_not_found")
+                                "store: false, without a session, from other sessions, or long evicted are not "
+                                "kept)", "previous_response_not_found")
         self._items.move_to_end(response_id)
+        self._by_session[entry[0]].move_to_end(response_id)
         return [dict(m) for m in entry[1]]
 
     def put(self, session_id: str | None, response_id: str, messages: list[dict[str, Any]]) -> None:
-        if len(messages) > self.max_messages:
-            return  # too long to keep; a later previous_response_id gets a clear 404
-        self._items[response_id] = (session_id, messages)
-        while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
+        if session_id is None or len(messages) > self.max_messages:
+            return  # a later previous_response_id gets a clear 404
+        size = len(json.dumps(messages, separators=(",", ":"), default=str))
+        if size > self.max_bytes:
+            return
+        self._drop(response_id)
+        self._items[response_id] = (session_id, messages, size, time.monotonic())
+        mine = self._by_session.setdefault(session_id, OrderedDict())
+        mine[response_id] = None
+        self.bytes += size
+        while len(mine) > self.per_session:
+            self._drop(next(iter(mine)))
+        while len(self._items) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+        self._expire()
+
+    def _expire(self) -> None:
+        """Drop conversations older than ``max_age_s`` (the oldest are at the front unless used since)."""
+        limit = time.monotonic() - self.max_age_s
+        stale = [rid for rid, entry in self._items.items() if entry[3] < limit] if self._items and next(
+            iter(self._items.values()))[3] < limit else []
+        for rid in stale:
+            self._drop(rid)
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._items.pop(response_id, None)
+        if entry is None:
+            return
+        self.bytes -= entry[2]
+        mine = self._by_session[entry[0]]
+        del mine[response_id]
+        if not mine:
+            del self._by_session[entry[0]]
 
 
 # --- streamed reply: chat chunks -> typed SSE events ---------------------------------------------------------

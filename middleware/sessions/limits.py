@@ -4,14 +4,19 @@ and encoded bytes of open sessions. It raises the domain errors a limit ends in 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.exceptions import Overloaded, SessionFull
+from steptap.middleware.exceptions import Overloaded, RequestTooComplex, SessionFull
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Step, msgpack_encoder
 
+NODE_BYTES = 80  # memory of one decoded JSON value, at most (an empty dict and its list slot: 72)
+# Copies of a body a call holds at once, measured: while read (aiohttp's buffer and its bytes), and once in
+# (raw, decoded, the upstream body, the step's encoded record and its frame in the writer).
+READ_COPIES, CALL_COPIES = 3, 6
 RECORD_SLACK = 256  # bytes a step gains when it is indexed and linked (ids, index, prefix), over-estimated
 RETRY_AFTER_S = 1.0  # what a 429 tells the caller to wait
 
@@ -21,32 +26,72 @@ class Holdings:
         self.config = config
         self.metrics = metrics
         self.calls_inflight = 0  # model calls admitted and not yet answered (max_concurrent_calls)
+        self.peer_calls: dict[str, int] = {}  # calls in flight per client address (max_calls_per_peer)
         self.steps_held = 0  # steps of open sessions, in memory
         self.bytes_held = 0  # their encoded size
+        self.body_bytes = 0  # estimated memory of the model-call bodies in flight (max_body_memory)
 
     @contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once get a 429
-        with Retry-After (the backend would only queue them, and each holds memory here)."""
+    def admitted(self, peer: str | None = None) -> Iterator[None]:
+        """Around one model call, from its first byte: more than ``max_concurrent_calls`` at once, or more
+        than ``max_calls_per_peer`` from one client address, get a 429 with Retry-After (the backend would
+        only queue them, each holds memory here, and one peer must not take every slot)."""
         cap = self.config.max_concurrent_calls
         if self.calls_inflight >= cap:
             raise Overloaded(
                 f"too many model calls in flight (max_concurrent_calls={cap}); retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
+        peer = peer or ""  # a unix-socket client has no address: one peer
+        mine = self.peer_calls.get(peer, 0)
+        if mine >= self.config.max_calls_per_peer:
+            raise Overloaded(
+                f"too many model calls in flight from this client (max_calls_per_peer="
+                f"{self.config.max_calls_per_peer}); retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
         self.calls_inflight += 1
+        self.peer_calls[peer] = mine + 1
         self.metrics.calls_inflight.set(self.calls_inflight)
         try:
             yield
         finally:
             self.calls_inflight -= 1
+            left = self.peer_calls[peer] - 1
+            if left:
+                self.peer_calls[peer] = left
+            else:
+                del self.peer_calls[peer]  # bounded by the calls in flight
             self.metrics.calls_inflight.set(self.calls_inflight)
 
-    def check_open(self, open_sessions: int) -> None:
-        cap = self.config.max_open_sessions
+    @contextmanager
+    def body_memory(self, declared: int | None) -> Iterator[BodyHold]:
+        """Around one model call's body, from before it is read: its declared length (or the body limit, when
+        chunked) is held against ``max_body_memory`` first, then what it costs once read (``BodyHold.read``)."""
+        hold = BodyHold(self)
+        limit = self.config.body_limit
+        hold.resize(READ_COPIES * min(declared if declared is not None else limit, limit))
+        try:
+            yield hold
+        finally:
+            hold.resize(0)
+
+    def check_session_calls(self, sid: str, inflight: int) -> None:
+        cap = self.config.max_calls_per_session
+        if inflight >= cap:
+            raise Overloaded(
+                f"session {sid!r} has {inflight} model calls in flight (max_calls_per_session={cap}); retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
+
+    def check_open(self, open_sessions: int, auto: bool = False) -> None:
+        """Named sessions (``POST /sessions``) and auto-created ones have caps of their own: an agent's calls on
+        made-up ids never take the environment's room."""
+        name, cap = ("max_auto_sessions", self.config.max_auto_sessions) if auto else (
+            "max_open_sessions", self.config.max_open_sessions)
         if open_sessions >= cap:
             raise Overloaded(
-                f"{open_sessions} sessions are open (max_open_sessions={cap}): finish some, or retry later",
+                f"{open_sessions} sessions are open ({name}={cap}): finish some, or retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
 
@@ -57,6 +102,11 @@ class Holdings:
             raise SessionFull(
                 f"session {sid!r} holds {held_steps} steps; {steps} more would pass max_session_steps="
                 f"{cfg.max_session_steps}: finish it and open a new one"
+            )
+        if self.bytes_held + size > cfg.max_bytes_held:
+            raise Overloaded(
+                f"open sessions hold {self.bytes_held} bytes; {size} more would pass max_bytes_held="
+                f"{cfg.max_bytes_held}: retry once sessions finish", retry_after_s=RETRY_AFTER_S,
             )
         if held_bytes + size > cfg.max_session_bytes:
             raise SessionFull(
@@ -74,3 +124,46 @@ class Holdings:
         self.bytes_held += size
         self.metrics.steps_held.set(self.steps_held)
         self.metrics.bytes_held.set(self.bytes_held)
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_nodes(raw: bytes, cap: int) -> int:
+    """An upper bound on the JSON values in ``raw``, counted without decoding: commas and openings; when that
+    passes ``cap``, counted again outside strings (braces and commas in text are not values)."""
+    quick = raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+    if quick <= cap:
+        return quick
+    bare = _JSON_STRING.sub(b"", raw)
+    return bare.count(b",") + bare.count(b"{") + bare.count(b"[")
+
+
+class BodyHold:
+    """One call's share of ``max_body_memory``."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        self.holdings = holdings
+        self.size = 0
+
+    def read(self, raw: bytes) -> None:
+        """The body is in: 413 with more values than ``max_json_nodes``, 429 when its estimated memory (raw,
+        its copies, and ``NODE_BYTES`` a decoded value) would pass ``max_body_memory``."""
+        cfg = self.holdings.config
+        nodes = json_nodes(raw, cfg.max_json_nodes)
+        if nodes > cfg.max_json_nodes:
+            raise RequestTooComplex(
+                f"request body has more than {cfg.max_json_nodes} JSON values (max_json_nodes)"
+            )
+        self.resize(CALL_COPIES * len(raw) + NODE_BYTES * nodes)
+
+    def resize(self, size: int) -> None:
+        h = self.holdings
+        if size > self.size and h.body_bytes - self.size + size > h.config.max_body_memory:
+            raise Overloaded(
+                f"model-call bodies in flight would pass max_body_memory={h.config.max_body_memory} bytes; "
+                "retry later", retry_after_s=RETRY_AFTER_S,
+            )
+        h.body_bytes += size - self.size
+        self.size = size
+        h.metrics.body_bytes.set(h.body_bytes)

@@ -10,6 +10,7 @@ indexed just before it. Every record is durable (``await log.append``) before th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -24,6 +25,7 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     GroupNotFound,
+    LogUnavailable,
     RecordTooLarge,
     SessionClosed,
     SessionExists,
@@ -72,7 +74,8 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "inflight", "key", "last_active", "lock", "tito", "tito_state", "trajectory")
+    __slots__ = ("bytes", "closing", "drained", "inflight", "key", "last_active", "late", "lock", "pending",
+                 "sealed", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -81,7 +84,11 @@ class LiveSession:
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
         self.inflight = 0
-        self.closing = False
+        self.drained: asyncio.Event | None = None  # set when the last call in flight ends (a finish waits on it)
+        self.closing = False  # takes no new call or reward
+        self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
+        self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
+        self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
         self.bytes = 0  # encoded size of the trajectory so far (what its Trajectory record will weigh)
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
 
@@ -143,6 +150,8 @@ class SessionManager:
         self.reward_fn = reward_fn
         self._tasks = tasks  # the app's background tasks, drained at shutdown
         self.sessions: dict[str, LiveSession] = {}  # open named sessions by id
+        self.auto_open = 0  # how many of them are auto-created (max_auto_sessions)
+        self.pending: dict[str, LiveSession] = {}  # auto sessions whose first call is in flight (not yet opened)
         self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
@@ -181,7 +190,7 @@ class SessionManager:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
             raise SessionExists(f"session {sid!r} already exists")
-        self.holdings.check_open(len(self.sessions))
+        self.holdings.check_open(len(self.sessions) - self.auto_open)
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
         traj = Trajectory(
@@ -226,6 +235,7 @@ class SessionManager:
 
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session
+        self.auto_open += session.id.startswith(AUTO_PREFIX)
         if session.key:
             self.keys[session.key] = session.id
         traj = session.trajectory
@@ -242,6 +252,7 @@ class SessionManager:
 
     def _unregister(self, session: LiveSession) -> None:
         if self.sessions.pop(session.id, None) is not None:
+            self.auto_open -= session.id.startswith(AUTO_PREFIX)
             self.holdings.hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
 
@@ -279,11 +290,32 @@ class SessionManager:
         if auto not in self.sessions and auto not in self.closed:
             if not self.config.auto_create:
                 raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
-            try:
-                return await self.open(session_id=auto, keyed=False)
-            except SessionExists:  # opened concurrently by another call on the same new id
-                pass
+            return self._pending(auto)
         return self.get(auto)
+
+    def _pending(self, sid: str) -> LiveSession:
+        """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a call
+        the backend refuses opens nothing. Concurrent first calls on one id share it."""
+        session = self.pending.get(sid)
+        if session is None:
+            self.holdings.check_open(self.auto_open + len(self.pending), auto=True)
+            traj = Trajectory(id=sid, idle_timeout_s=self.config.auto_session_idle_timeout_s)
+            session = self.pending[sid] = LiveSession(traj, None)
+            session.pending = True
+            session.bytes = len(msgpack_encoder.encode(traj))
+        return session
+
+    async def _open_pending(self, session: LiveSession) -> None:
+        session.pending = False
+        self.pending.pop(session.id, None)
+        self._register(session)  # before the await: the session's next steps follow its SessionOpened record
+        try:
+            traj = session.trajectory
+            await self._append(SessionOpened(trajectory_id=session.id, idle_timeout_s=traj.idle_timeout_s))
+        except BaseException:
+            self._unregister(session)
+            raise
+        self.metrics.sessions_opened.labels("false").inc()
 
     @asynccontextmanager
     async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
@@ -292,8 +324,15 @@ class SessionManager:
         call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
+        # Each of the call's steps records its request: n copies in the record (checked before forwarding).
         if not session.trajectory.anonymous:
-            self._check_room(session, steps, size)
+            self.holdings.check_session_calls(session.id, session.inflight)
+            self._check_room(session, steps, steps * size)
+        elif steps * size > self.config.max_record_bytes:
+            raise RecordTooLarge(
+                f"{steps} choices of a {size}-byte request make a record over max_record_bytes="
+                f"{self.config.max_record_bytes}"
+            )
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
@@ -301,6 +340,10 @@ class SessionManager:
         finally:
             session.inflight -= 1
             session.last_active = time.monotonic()
+            if session.inflight == 0 and session.drained is not None:
+                session.drained.set()
+            if session.pending and session.inflight == 0:  # its calls ended with no step: never opened
+                self.pending.pop(session.id, None)
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
@@ -323,8 +366,10 @@ class SessionManager:
         """Index, link and append the steps of one call; returns once they are durable. A named session
         that the steps would take past its limits refuses them (SessionFull) before anything changes."""
         traj = session.trajectory
+        if session.pending:
+            await self._open_pending(session)
         size = 0
-        if not traj.anonymous and not session.closing:
+        if not traj.anonymous and not session.sealed:
             size = self.holdings.size_of(steps)
             self._check_room(session, len(steps), size)
             session.bytes += size
@@ -335,7 +380,10 @@ class SessionManager:
             step.group_id = traj.group_id
             step.index = len(traj.steps)
             step.prefix = classify_after(prev_call, step)  # choices of one call share the previous call
-            if session.closing and not traj.anonymous:
+            if session.sealed and not traj.anonymous:
+                # Past the finish's bounded wait: logged under an index no step of the trajectory has.
+                step.index += session.late
+                session.late += 1
                 logger.warning(
                     "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
                 )
@@ -361,8 +409,13 @@ class SessionManager:
             else:  # concurrent appends share one group commit
                 await asyncio.gather(*(self._append(s) for s in steps))
         except Exception:
-            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the trajectory.
-            traj.steps = [s for s in traj.steps if not any(s is x for x in steps)]
+            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the trajectory,
+            # nor their bytes in what the session and the proxy hold.
+            kept = [s for s in traj.steps if not any(s is x for x in steps)]
+            if size:
+                session.bytes -= size
+                self.holdings.hold(len(kept) - len(traj.steps), -size)
+            traj.steps = kept
             raise
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))
@@ -423,25 +476,41 @@ class SessionManager:
         async with session.lock:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
-            if reward is not None:
-                session.trajectory.rewards["reward"] = reward
-            return await self._close_locked(session, status)
+            return await self._close_locked(session, status, None if reward is None else {"reward": reward})
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
             return await self._close_locked(session, status)
 
-    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
+    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
+                            rewards: dict[str, float] | None = None) -> Trajectory:
+        """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory, then
+        one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it was,
+        open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the record."""
         session.closing = True
         traj = session.trajectory
-        if self.reward_fn is not None:
-            error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s)
-            if error is not None:
-                traj.error = error
-                self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
-                logger.warning("session %s: %s", traj.id, error)
-        self._finalize(traj, status)
-        await self._append(traj)
+        before = (dict(traj.rewards), traj.error)
+        try:
+            self.log.ensure_writable()  # a 503 before anything changes
+            if session.inflight:
+                session.drained = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
+            traj.rewards.update(rewards or {})
+            if self.reward_fn is not None:
+                error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s)
+                if error is not None:
+                    traj.error = error
+                    self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
+                    logger.warning("session %s: %s", traj.id, error)
+            session.sealed = True
+            self._finalize(traj, status)
+            await self._append(traj)
+        except BaseException:
+            session.closing = session.sealed = False
+            traj.status, traj.finished_at = "running", None
+            traj.rewards, traj.error = before
+            raise
         self._closed(session)
         return traj
 
@@ -505,7 +574,13 @@ class SessionManager:
     def sweep(self) -> None:
         """Close sessions idle past their timeout (``timed_out``, still delivered) and time out groups."""
         now = time.monotonic()
-        for session in list(self.sessions.values()):
+        try:
+            self.log.ensure_writable()
+        except LogUnavailable:  # idle sessions are closed once their Trajectory record can be written
+            writable = False
+        else:
+            writable = True
+        for session in list(self.sessions.values()) if writable else ():
             timeout = session.trajectory.idle_timeout_s
             if (
                 timeout is not None

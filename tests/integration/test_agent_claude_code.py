@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from steptap.middleware.records import Step
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
 
@@ -129,7 +129,11 @@ async def test_models_shape_and_base_url_probe(proxy: Proxy, vllm_server: Backen
 async def test_refused_calls_are_recorded_as_failed_steps(proxy: Proxy, vllm_server: Backend,
                                                          http: aiohttp.ClientSession) -> None:
     """A call refused after its session is known leaves a failed step saying why: by the proxy (a block it does
-    not serve) or by vLLM (more output tokens than the context)."""
+    not serve) or by vLLM (more output tokens than the context). An auto session is opened by an accepted call
+    (a refused first call opens nothing), so the session starts with one."""
+    first = {"model": vllm_server.served_model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, _ = await post(http, f"{proxy.url}/s/refused/v1/messages", first)
+    assert status == 200
     image = {"model": vllm_server.served_model, "max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]}
     status, err = await post(http, f"{proxy.url}/s/refused/v1/messages", image)
@@ -138,7 +142,7 @@ async def test_refused_calls_are_recorded_as_failed_steps(proxy: Proxy, vllm_ser
                 "messages": [{"role": "user", "content": "hi"}]}
     status, err = await post(http, f"{proxy.url}/s/refused/v1/messages", too_long)
     assert status == 400 and err["type"] == "error" and "max_tokens" in err["error"]["message"]
-    steps = steps_of(proxy, "auto:refused")
+    steps = steps_of(proxy, "auto:refused")[1:]
     assert [(s.status, s.error.type if s.error else None) for s in steps] == [
         ("failed", "invalid_request"), ("failed", "backend_refused")]
     assert "image" in steps[0].error.message and steps[0].request == image  # type: ignore[union-attr]

@@ -72,11 +72,13 @@ BAD = [
 async def test_bodies_of_the_wrong_type_are_refused_and_recorded_readably(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, any_model: bool
 ) -> None:
-    """Each refusal is a 400; an anonymous one records nothing, one in a named session is a failed step with the
+    """Each refusal is a 400; an anonymous one records nothing, one in an open session is a failed step with the
     error (the session view says why), and every record reads back (a ``{"model": 1}`` in ``Step.model`` once
-    stopped every log reader)."""
+    stopped every log reader). An auto session opens with an accepted call, so "edge" starts with one."""
     proxy = await make_proxy(vllm_server.url, any_model=any_model)
     model = vllm_server.served_model
+    status, _, _ = await call(http, f"{proxy.url}/s/edge{CHAT}", chat(model))
+    assert status == 200
     for path in ("", "/s/edge"):
         for route, bad in BAD:
             base = chat(model) if route == CHAT else {"model": model, "prompt": "hi", "max_tokens": 2}
@@ -86,23 +88,24 @@ async def test_bodies_of_the_wrong_type_are_refused_and_recorded_readably(
                 "invalid_request_error"
             ), body
     logged = [r for r in records(proxy) if isinstance(r, (Step, Trajectory, SessionOpened))]
-    # every refusal but the body that is no JSON msgspec reads (1e999): that one is refused before it is known
-    assert [type(r) for r in logged] == [SessionOpened] + [Step] * (len(BAD) - 1)
-    refused = [r for r in logged if isinstance(r, Step)]
+    # the accepted call, then every refusal but the body that is no JSON msgspec reads (1e999): that one is
+    # refused before it is known
+    assert [type(r) for r in logged] == [SessionOpened] + [Step] * len(BAD)
+    refused = [r for r in logged if isinstance(r, Step)][1:]
     assert all(r.trajectory_id == "auto:edge" and r.status == "failed" and r.error is not None
                and r.error.type == "invalid_request" and not r.prompt_token_ids for r in refused)
     assert [r.model for r in refused[:3]] == ["", "", ""]  # a model that is not a string is not written there
     # unknown fields are the agent's and the backend's business: forwarded and recorded as sent
     status, _, _ = await call(http, f"{proxy.url}/s/edge{CHAT}", chat(model, user="u1", x_custom={"a": [1]}))
     assert status == 200
-    (step,) = [r for r in records(proxy) if isinstance(r, Step) and r.status == "ok"]
+    step = [r for r in records(proxy) if isinstance(r, Step) and r.status == "ok"][-1]
     assert step.request["x_custom"] == {"a": [1]} and step.request["user"] == "u1" and step.model == model
     # and the proxy starts again on its log, reading every record back (the defect: it could not)
     await proxy.server.close()  # type: ignore[attr-defined]
     again = await make_proxy(vllm_server.url, log_dir=proxy.log_dir, any_model=any_model)
     async with http.get(f"{again.url}/sessions/edge", headers=again.control) as resp:
         assert resp.status == 200 and [s["status"] for s in (await resp.json())["steps"]] == (
-            ["failed"] * (len(BAD) - 1) + ["ok"])
+            ["ok"] + ["failed"] * (len(BAD) - 1) + ["ok"])
 
 
 async def test_a_keyed_session_takes_calls_only_with_its_key(
