@@ -270,6 +270,13 @@ def _fields(body: dict[str, Any], tr: Translation) -> None:
     if body.get("truncation") not in (None, "disabled"):
         tr.note("truncation", "truncation",
                 "truncation is not served: an input longer than the model's context fails instead")
+    text = body.get("text")
+    if isinstance(text, dict):
+        if text.get("verbosity") is not None:
+            tr.note("text.verbosity", "text", "text verbosity is not served (dropped)")
+        kind = (text.get("format") or {}).get("type") if isinstance(text.get("format"), dict) else None
+        if kind not in (None, "text", "json_schema", "json_object"):
+            tr.note("text.format", "text", f"text format {kind!r} is not served (dropped)")
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):

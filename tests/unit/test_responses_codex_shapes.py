@@ -54,8 +54,9 @@ def test_unknown_and_unhonoured_fields_are_noted_and_bounded() -> None:
     assert len(tr.notes) == 65 and tr.notes[-1]["field"] == "..."
     assert {n["label"] for n in tr.notes} == {"max_tool_calls", "other"}  # the metric's labels stay bounded
     assert tr.chat["reasoning_effort"] == "high"
-    few = translate({"input": "x", "include": ["message.output_text.logprobs"], "truncation": "auto"}, [])
-    assert [n["label"] for n in few.notes] == ["include", "truncation"]
+    few = translate({"input": "x", "include": ["message.output_text.logprobs"], "truncation": "auto",
+                     "text": {"verbosity": "low", "format": {"type": "text"}}}, [])
+    assert [n["label"] for n in few.notes] == ["include", "truncation", "text"]
 
 
 def test_only_hosted_tools_leave_no_tools_and_no_tool_choice() -> None:
