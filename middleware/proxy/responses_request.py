@@ -310,8 +310,10 @@ def translate(body: dict[str, Any], history: list[dict[str, Any]]) -> Translatio
     if tools:
         chat["tools"] = tools
     choice = body.get("tool_choice")
-    if choice is not None and (tools or choice == "none"):  # only hosted tools: nothing left to choose
+    if choice is not None and (tools or choice == "none"):
         chat["tool_choice"] = _tool_choice(choice)
+    elif choice not in (None, "auto"):  # only hosted tools were offered: nothing left to choose from
+        tr.note("tool_choice", "tool_choice", "tool_choice dropped: no tool the model can call is left")
     if body.get("max_output_tokens") is not None:
         if not isinstance(body["max_output_tokens"], int) or body["max_output_tokens"] < 1:
             raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")

@@ -62,6 +62,8 @@ def test_unknown_and_unhonoured_fields_are_noted_and_bounded() -> None:
 def test_only_hosted_tools_leave_no_tools_and_no_tool_choice() -> None:
     chat = translate({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "auto"}, []).chat
     assert "tools" not in chat and "tool_choice" not in chat
+    forced = translate({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"}, [])
+    assert "tool_choice" not in forced.chat and "tool_choice" in [n["field"] for n in forced.notes]
 
 
 def test_namespace_call_returns_with_its_namespace_and_replays_flat() -> None:
@@ -153,3 +155,19 @@ def test_malformed_codex_items_are_400_naming_the_item(item: dict) -> None:
     with pytest.raises(ApiError) as err:
         translate({"input": [item]}, [])
     assert err.value.status == 400 and "input[0]" in err.value.message
+
+
+def test_history_from_a_server_that_ran_hosted_tools() -> None:
+    """local_shell calls become a local_shell tool call in the history; hosted tools' results are dropped, noted."""
+    action = {"type": "exec", "command": ["ls"], "timeout_ms": None}
+    tr = translate({"input": [
+        USER_ITEM := {"type": "message", "role": "user", "content": "list"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "local_shell_call", "call_id": "c1", "status": "completed", "action": action},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]}, [])
+    assert tr.chat["messages"] == [
+        {"role": "user", "content": USER_ITEM["content"]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "local_shell", "arguments": json.dumps(action)}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
+    assert [(n["field"], n["label"]) for n in tr.notes] == [("input[1]", "input:web_search_call")]
