@@ -148,3 +148,26 @@ async def test_a_field_asking_for_what_is_not_served_is_refused_by_name(
     assert status == 400
     assert result["error"]["type"] == "invalid_request_error" and "background" in result["error"]["message"]
     assert steps_of(proxy, info["id"]) == []
+
+
+async def test_codex_turns_extend_token_for_token_in_tito(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    """A Codex-like session (store: false, the whole history every turn, streamed) with a namespace call and a
+    custom call replayed as Codex replays them: in token-in-token-out mode each turn extends the last one token
+    for token, so the flattening back and forth is exact."""
+    info = await open_session(http, proxy, tito=True)
+    body = {"model": vllm_server.served_model, "stream": True, "tools": [NAMESPACE, CUSTOM], **CODEX_FIELDS}
+    history: list[dict[str, Any]] = [DEVELOPER, USER]
+    for reply, output in ((hermes("multi_agent_v1.close_agent", {"target": "a1"}), "closed"),
+                          (hermes("apply_patch", {"input": PATCH}), "Success.")):
+        status, result = await post(http, info, {**body, "input": history, **force(reply)})
+        assert status == 200, result
+        [call] = output_of(result, True)
+        kind = "function_call_output" if call["type"] == "function_call" else "custom_tool_call_output"
+        history += [call, {"type": kind, "call_id": call["call_id"], "output": output}]
+    status, result = await post(http, info, {**body, "input": history, **force("Done.")})
+    assert status == 200, result
+    steps = steps_of(proxy, info["id"])
+    assert [s.prefix for s in steps] == ["first", "extends", "extends"]
+    assert [s.status for s in steps] == ["ok"] * 3
