@@ -300,7 +300,12 @@ class EventStream:
         return out, response, assistant_message(self.output)
 
     def error(self, message: str, code: str) -> bytes:
-        return self._ev("error", code=code, message=message, param=None)
+        """A failure once streaming: the ``error`` event, then ``response.failed`` carrying it (what Codex reads:
+        without it Codex sees only a stream closed before ``response.completed``)."""
+        failed = self.shape.response(self.output, "failed", None)
+        failed["error"] = {"code": code, "message": message}
+        return self._ev("error", code=code, message=message, param=None) + self._ev("response.failed",
+                                                                                    response=failed)
 
 
 register_chat_view("responses", lambda body: to_chat(body, []))

@@ -171,3 +171,19 @@ async def test_codex_turns_extend_token_for_token_in_tito(
     steps = steps_of(proxy, info["id"])
     assert [s.prefix for s in steps] == ["first", "extends", "extends"]
     assert [s.status for s in steps] == ["ok"] * 3
+
+
+async def test_a_failure_after_the_stream_began_reaches_codex_as_response_failed(
+    make_proxy, vllm_server: Backend, http: aiohttp.ClientSession  # type: ignore[no-untyped-def]
+) -> None:
+    """Once the headers are out a failure is an event: Codex reads ``response.failed`` (a plain ``error`` event
+    alone reads as a stream cut). Made real here by a session whose byte limit the step passes."""
+    proxy = await make_proxy(vllm_server.url, max_session_bytes=1500)
+    info = await open_session(http, proxy)
+    status, events = await post(http, info, {"model": vllm_server.served_model, "stream": True, "input": [USER],
+                                             "max_output_tokens": 8, **CODEX_FIELDS})
+    assert status == 200
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "max_session_bytes" in failed["error"]["message"]
+    assert steps_of(proxy, info["id"]) == []

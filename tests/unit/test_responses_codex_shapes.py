@@ -171,3 +171,13 @@ def test_history_from_a_server_that_ran_hosted_tools() -> None:
             "name": "local_shell", "arguments": json.dumps(action)}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
     assert [(n["field"], n["label"]) for n in tr.notes] == [("input[1]", "input:web_search_call")]
+
+
+def test_a_failure_mid_stream_ends_with_response_failed() -> None:
+    events = responses.EventStream(responses.Shape({"input": "x"}, "m"))
+    raw = events.start() + events.feed({"choices": [{"index": 0, "delta": {"content": "par"}}]})
+    parsed = _events(raw + events.error("backend cut the stream", "backend_cut"))
+    assert [e["type"] for e in parsed[-2:]] == ["error", "response.failed"]
+    failed = parsed[-1]["response"]
+    assert failed["status"] == "failed"
+    assert failed["error"] == {"code": "backend_cut", "message": "backend cut the stream"}
