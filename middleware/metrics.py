@@ -85,6 +85,12 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.protocol_dropped = Counter(
+            "steptap_protocol_dropped",
+            "parts of Responses/Messages bodies the model did not get (hosted tools, unserved fields), by kind",
+            ["endpoint", "kind"],
+            registry=r,
+        )
         self.sessions_opened = Counter(
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )

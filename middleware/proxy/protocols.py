@@ -18,7 +18,8 @@ from aiohttp import web
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.exceptions import DomainError
-from steptap.middleware.proxy import messages, responses, tito
+from steptap.middleware.metrics import METRICS_KEY, Metrics
+from steptap.middleware.proxy import messages, responses, responses_request, tito
 
 logger = logging.getLogger("steptap.relay")
 
@@ -64,23 +65,35 @@ class Protocol:
 class Responses(Protocol):
     endpoint = responses.ENDPOINT
 
-    def __init__(self, body: dict[str, Any], model: str, store: responses.ResponseStore) -> None:
+    def __init__(self, body: dict[str, Any], model: str, store: responses.ResponseStore,
+                 metrics: Metrics | None = None) -> None:
         self.body = body
         self.store = store
-        self.shape = responses.Shape(body, body.get("model") or model)
+        self.metrics = metrics
+        self.tr = responses_request.translate(body, [])  # validates before any session is touched
+        self.chat = self.tr.chat
+        self.shape = responses.Shape(body, body.get("model") or model, self.tr)
         self.session_id: str | None = None
-        self.chat = responses.to_chat(body, [])  # validates before any session is touched
         self.events = responses.EventStream(self.shape)
+        self.counted = False
 
     def prepare(self, session_id: str | None) -> None:
-        self.session_id = session_id
+        self.session_id = self.shape.session_id = session_id
         prev = self.body.get("previous_response_id")
         if prev is not None:
-            self.chat = responses.to_chat(self.body, self.store.history(session_id, prev))
+            self.tr = responses_request.translate(self.body, self.store.history(session_id, prev))
+            self.chat = self.tr.chat
+            self.shape.tr = self.tr
 
     def annotate(self, step: Any) -> None:
         # which response this is: a later previous_response_id that names it continues this conversation
         step.response["response_id"] = self.shape.id
+        if self.tr.notes:  # what the agent asked for that the model did not get (docs/protocols.md)
+            step.response["dropped"] = self.tr.notes
+            if self.metrics is not None and not self.counted:  # once per call, not per choice
+                self.counted = True
+                for note in self.tr.notes:
+                    self.metrics.child(self.metrics.protocol_dropped, self.endpoint, note["label"]).inc()
 
     def _keep(self, assistant: dict[str, Any]) -> None:
         if self.body.get("store", True) is False:
@@ -176,7 +189,7 @@ async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
 
 def open_protocol(endpoint: str, body: dict[str, Any], app: web.Application) -> Protocol:
     if endpoint == responses.ENDPOINT:
-        return Responses(body, "", app[STORE_KEY])
+        return Responses(body, "", app[STORE_KEY], app[METRICS_KEY])
     return Messages(body, "")
 
 

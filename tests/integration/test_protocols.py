@@ -369,8 +369,10 @@ async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy]
         assert resp.status == 200
         raw = (await resp.read()).decode()
     events = [block.split("\n", 1)[0].removeprefix("event: ") for block in raw.split("\n\n") if block]
-    assert events[-1] == "error" and "message_stop" not in events and "response.completed" not in events
-    last = json.loads(raw.strip().split("\n\n")[-1].split("data: ", 1)[1])
+    # Responses: the error event, then response.failed carrying it (what Codex reads)
+    tail = ["error", "response.failed"] if endpoint == "responses" else ["error"]
+    assert events[-len(tail):] == tail and "message_stop" not in events and "response.completed" not in events
+    last = json.loads(raw.strip().split("\n\n")[-len(tail)].split("data: ", 1)[1])
     assert last["error"]["type"] == "api_error" if endpoint == "messages" else last["code"] == "backend_cut"
     injector.mode = "ok"
     async with http.post(url, json=body) as resp:

@@ -67,7 +67,11 @@ def test_responses_stream_events_are_ordered_and_complete() -> None:
 
 @pytest.mark.parametrize("body", [
     {"model": "m"}, {"input": 3}, {"input": [{"type": "item_reference", "id": "x"}]},
-    {"input": "x", "tools": [{"type": "web_search"}]}, {"input": "x", "max_output_tokens": 0},
+    {"input": "x", "tools": [{"type": "function"}]}, {"input": "x", "max_output_tokens": 0},
+    {"input": "x", "background": True}, {"input": "x", "conversation": "conv_1"},
+    {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+    {"input": "x", "tools": [{"type": "function", "name": "ns.f"},
+                             {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f"}]}]},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
 ])
 def test_responses_bodies_it_cannot_serve_are_400(body: dict) -> None:
