@@ -215,7 +215,7 @@ async def test_anthropic_stop_sequence(proxy: Proxy, vllm_server: Backend, http:
 MALFORMED = [b"not json", b"[1]", b"{}", b'{"model": "tiny", "messages": "x", "max_tokens": 5}',
              b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}',
              b'{"model": "tiny", "input": [{"type": "item_reference", "id": "x"}]}',
-             b'{"model": "tiny", "input": "hi", "tools": [{"type": "web_search"}]}',
+             b'{"model": "tiny", "input": "hi", "background": true, "messages": [{"role": "user"}]}',
              b'{"model": "no-such-model", "input": "hi", "messages": [{"role": "user", "content": "x"}],'
              b' "max_tokens": 5}']
 

@@ -147,7 +147,10 @@ async def test_a_field_asking_for_what_is_not_served_is_refused_by_name(
     status, result = await post(http, info, {"model": vllm_server.served_model, "input": "hi", "background": True})
     assert status == 400
     assert result["error"]["type"] == "invalid_request_error" and "background" in result["error"]["message"]
-    assert steps_of(proxy, info["id"]) == []
+    # the refusal is the session's record of why the agent got nothing: one failed step, no tokens
+    [step] = steps_of(proxy, info["id"])
+    assert step.status == "failed" and step.error is not None and "background" in step.error.message
+    assert not step.prompt_token_ids
 
 
 async def test_codex_turns_extend_token_for_token_in_tito(
