@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tool_script import choose, hermes_call, last_turn, load_script, parse_script, write_script
+from scripted.tool_script import (
+    DEFAULT_RULES,
+    SCRIPT_ENV,
+    choose,
+    hermes_call,
+    last_turn,
+    load_script,
+    parse_script,
+    server_options,
+    write_script,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
@@ -29,7 +39,7 @@ def _turn(tokenizer, messages: list[dict]) -> str | None:  # type: ignore[no-unt
     return last_turn(ids, im_start, lambda t: tokenizer.decode(t, skip_special_tokens=True))
 
 
-def test_last_turn_is_the_task_on_the_first_call_and_the_tool_result_after(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_last_turn_is_the_task_first_and_the_tool_result_after(tokenizer) -> None:  # type: ignore[no-untyped-def]
     task = [{"role": "system", "content": "You are an agent. RUN-IT is not a task here."},
             {"role": "user", "content": "Do the thing. RUN-IT"}]
     assert _turn(tokenizer, task) == "user\nDo the thing. RUN-IT"
@@ -54,6 +64,28 @@ def test_first_matching_rule_wins_and_no_match_is_none(tmp_path: Path) -> None:
     assert choose(rules, "user\n<tool_response>\nRUN-IT\n</tool_response>") == "Done."
     assert choose(rules, "user\nhello") is None
     assert choose(rules, None) is None
+
+
+def test_default_rules_call_the_tool_the_task_names_then_answer_with_its_output(tmp_path: Path) -> None:
+    rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
+    call = {"name": "exec", "arguments": {"command": "echo \"a b\""}}
+    task = f"user\nRun this, then say what it printed. STEPTAP_CALL {json.dumps(call)}\nThanks."
+    assert choose(rules, task) == hermes_call("exec", call["arguments"])
+    answer = choose(rules, "user\n<tool_response>\n\na b\nsecond line\n</tool_response>")
+    assert answer == "The tool ran. Its output: a b"
+    assert choose(rules, "user\nNo trigger here.") is None
+
+
+def test_a_filled_in_reply_is_bounded(tmp_path: Path) -> None:
+    rules = load_script(write_script(tmp_path / "s.json", [(r"ECHO (.*)", r"\1\1")]))
+    assert len(choose(rules, "ECHO " + "x" * 3000) or "") == 4096
+
+
+def test_server_options_load_the_processor_from_this_folder(tmp_path: Path) -> None:
+    options = server_options(tmp_path / "s.json")
+    assert options["extra_args"] == ["--logits-processors", "tool_logits:ScriptedReplies"]
+    assert (Path(options["env"]["PYTHONPATH"]) / "tool_logits.py").is_file()
+    assert options["env"][SCRIPT_ENV] == str((tmp_path / "s.json").resolve())
 
 
 @pytest.mark.parametrize("data, message", [

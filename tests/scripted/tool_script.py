@@ -1,10 +1,15 @@
-"""A tool-call script: which reply the scripted model gives to which last turn (torch-free, no vLLM).
+"""(tests/scripted/) A tool-call script: which reply the model gives to which last turn (torch-free).
 
 A script is a JSON file ``{"rules": [{"when": REGEX, "reply": TEXT}, ...]}``. For a prompt rendered with a
 ChatML template, the *last turn* is the text of the turns after the last assistant turn, system turns left out
 (the user's task on the first call, the ``<tool_response>`` turn after a tool ran). The first rule whose regex
-``search``es it gives the reply, forced token by token by ``tool_logits.ScriptedReplies`` inside vLLM; no rule
-matching leaves the model alone. The test gives the CLI a task naming the trigger; the CLI sends nothing special.
+``search``es it gives the reply (with ``\\1`` / ``\\g<name>`` filled from the match, as ``re.Match.expand``),
+forced token by token by ``tool_logits.ScriptedReplies`` inside vLLM; no rule matching leaves the model alone.
+The test gives the CLI a task holding the trigger; the CLI sends nothing special.
+
+``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
+tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
+the answer ``The tool ran. Its output: <its first line>`` and the turn ends.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from pathlib import Path
 
 SCRIPT_ENV = "STEPTAP_TOOL_SCRIPT"  # the script file the processor in vLLM's process reads at start
 MAX_RULES = 64
-MAX_REPLY_CHARS = 4096
+MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
+
+DEFAULT_RULES = [
+    (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
+    (r"STEPTAP_CALL (\{[^\n]*\})", "<tool_call>\n\\1\n</tool_call>"),
+]
 
 
 @dataclass(frozen=True)
@@ -85,10 +95,21 @@ def last_turn(prompt_ids: Sequence[int], im_start: int, decode: Callable[[Sequen
 
 
 def choose(rules: Sequence[Rule], turn: str | None) -> str | None:
-    """The reply of the first rule matching the last turn, else None (the model samples freely)."""
+    """The reply of the first rule matching the last turn, filled from the match, else None (the model
+    samples freely)."""
     if turn is None:
         return None
     for rule in rules:
-        if rule.when.search(turn):
-            return rule.reply
+        if match := rule.when.search(turn):
+            return match.expand(rule.reply)[:MAX_REPLY_CHARS] or None
     return None
+
+
+def server_options(script: str | Path) -> dict:
+    """``VLLMServer`` keyword arguments that load the processor with ``script``: merge ``extra_args`` and
+    ``env`` with any others the server needs. vLLM finds the processor through ``PYTHONPATH``: this folder
+    alone, so no other test module can shadow a package of vLLM's."""
+    return {
+        "extra_args": ["--logits-processors", "tool_logits:ScriptedReplies"],
+        "env": {"PYTHONPATH": str(Path(__file__).parent.resolve()), SCRIPT_ENV: str(Path(script).resolve())},
+    }
