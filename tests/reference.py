@@ -24,6 +24,22 @@ def _load(model_dir: str, adapter_dir: str | None) -> Any:
     return model.eval()
 
 
+def _response_logprobs(
+    model_dir: str | Path, prompt_ids: list[int], response_ids: list[int], temperature: float,
+    adapter_dir: str | Path | None,
+) -> Any:
+    """[R, V] log-softmax at each response position, from one forward pass over prompt + response."""
+    import torch
+
+    model = _load(str(Path(model_dir).resolve()), None if adapter_dir is None else str(Path(adapter_dir).resolve()))
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])  # [1, P+R]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()  # [P+R, V]
+    # Position t predicts token t+1: the response's logits start one before it.
+    start = len(prompt_ids) - 1
+    return torch.log_softmax(logits[start : start + len(response_ids)] / temperature, dim=-1)  # [R, V]
+
+
 def reference_logprobs(
     model_dir: str | Path,
     prompt_ids: list[int],
@@ -34,11 +50,11 @@ def reference_logprobs(
     """log p(response_ids[i] | prompt_ids + response_ids[:i]) for each i, from one forward pass."""
     import torch
 
-    model = _load(str(Path(model_dir).resolve()), None if adapter_dir is None else str(Path(adapter_dir).resolve()))
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)])  # [1, P+R]
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()  # [P+R, V]
-    # Position t predicts token t+1: the response's logits start one before it.
-    start = len(prompt_ids) - 1
-    logprobs = torch.log_softmax(logits[start : start + len(response_ids)] / temperature, dim=-1)  # [R, V]
+    logprobs = _response_logprobs(model_dir, prompt_ids, response_ids, temperature, adapter_dir)
     return logprobs.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+
+
+def reference_argmax(model_dir: str | Path, prompt_ids: list[int], response_ids: list[int]) -> list[int]:
+    """The model's most likely token at each response position (given the response so far): a greedy reply
+    the model sampled on its own equals this."""
+    return _response_logprobs(model_dir, prompt_ids, response_ids, 1.0, None).argmax(dim=-1).tolist()

@@ -1,0 +1,115 @@
+"""(tests/scripted/) A tool-call script: which reply the model gives to which last turn (torch-free).
+
+A script is a JSON file ``{"rules": [{"when": REGEX, "reply": TEXT}, ...]}``. For a prompt rendered with a
+ChatML template, the *last turn* is the text of the turns after the last assistant turn, system turns left out
+(the user's task on the first call, the ``<tool_response>`` turn after a tool ran). The first rule whose regex
+``search``es it gives the reply (with ``\\1`` / ``\\g<name>`` filled from the match, as ``re.Match.expand``),
+forced token by token by ``tool_logits.ScriptedReplies`` inside vLLM; no rule matching leaves the model alone.
+The test gives the CLI a task holding the trigger; the CLI sends nothing special.
+
+``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
+tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
+the answer ``The tool ran. Its output: <its first line>`` and the turn ends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPT_ENV = "STEPTAP_TOOL_SCRIPT"  # the script file the processor in vLLM's process reads at start
+MAX_RULES = 64
+MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
+
+DEFAULT_RULES = [
+    (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
+    (r"STEPTAP_CALL (\{[^\n]*\})", "<tool_call>\n\\1\n</tool_call>"),
+]
+
+
+@dataclass(frozen=True)
+class Rule:
+    when: re.Pattern[str]
+    reply: str
+
+
+def parse_script(data: object) -> list[Rule]:
+    """The rules of a script, checked: a bad script fails the server's start, not a request."""
+    if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
+        raise ValueError('a tool script is {"rules": [{"when": REGEX, "reply": TEXT}, ...]}')
+    rules = data["rules"]
+    if not 0 < len(rules) <= MAX_RULES:
+        raise ValueError(f"a tool script has 1 to {MAX_RULES} rules, got {len(rules)}")
+    out = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, dict) or set(rule) != {"when", "reply"}:
+            raise ValueError(f"rule {i}: exactly the keys 'when' and 'reply'")
+        when, reply = rule["when"], rule["reply"]
+        if not isinstance(when, str) or not isinstance(reply, str) or not reply:
+            raise ValueError(f"rule {i}: 'when' is a regex and 'reply' a non-empty string")
+        if len(reply) > MAX_REPLY_CHARS:
+            raise ValueError(f"rule {i}: reply longer than {MAX_REPLY_CHARS} characters")
+        out.append(Rule(re.compile(when), reply))
+    return out
+
+
+def load_script(path: str | Path) -> list[Rule]:
+    return parse_script(json.loads(Path(path).read_text()))
+
+
+def write_script(path: str | Path, rules: Sequence[tuple[str, str]]) -> Path:
+    """Write ``[(when_regex, reply), ...]`` as a script file (checked by parsing it back)."""
+    data = {"rules": [{"when": w, "reply": r} for w, r in rules]}
+    parse_script(data)
+    path = Path(path)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    """A reply that is one tool call in the hermes format vLLM's hermes parser reads."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def last_turn(prompt_ids: Sequence[int], im_start: int, decode: Callable[[Sequence[int]], str]) -> str | None:
+    """The text of the turns after the last assistant turn, system turns left out, or None for a prompt
+    that is not ChatML. Each turn is decoded on its own (``role\\ncontent``): a 50k-token prompt costs the
+    decoding of its last few turns, not all of it."""
+    starts = [i for i, t in enumerate(prompt_ids) if t == im_start]
+    if len(starts) < 2:
+        return None
+    # The last start opens the reply being generated (the generation prompt): the turns before it count.
+    bounds = list(zip(starts[:-1], starts[1:]))
+    texts: list[str] = []
+    for begin, end in reversed(bounds):
+        text = decode(prompt_ids[begin + 1 : end]).removesuffix("\n")  # the newline after <|im_end|>
+        role = text.split("\n", 1)[0].strip()
+        if role == "assistant":
+            break
+        if role != "system":
+            texts.append(text)
+    return "\n".join(reversed(texts))
+
+
+def choose(rules: Sequence[Rule], turn: str | None) -> str | None:
+    """The reply of the first rule matching the last turn, filled from the match, else None (the model
+    samples freely)."""
+    if turn is None:
+        return None
+    for rule in rules:
+        if match := rule.when.search(turn):
+            return match.expand(rule.reply)[:MAX_REPLY_CHARS] or None
+    return None
+
+
+def server_options(script: str | Path) -> dict:
+    """``VLLMServer`` keyword arguments that load the processor with ``script``: merge ``extra_args`` and
+    ``env`` with any others the server needs. vLLM finds the processor through ``PYTHONPATH``: this folder
+    alone, so no other test module can shadow a package of vLLM's."""
+    return {
+        "extra_args": ["--logits-processors", "tool_logits:ScriptedReplies"],
+        "env": {"PYTHONPATH": str(Path(__file__).parent.resolve()), SCRIPT_ENV: str(Path(script).resolve())},
+    }

@@ -1,0 +1,105 @@
+"""The tool-call script (tests/tool_script.py): parsing, the last turn of a ChatML prompt, rule choice.
+
+Checked on the real tiny model's tokenizer and chat template, as the logits processor sees prompts in vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripted.tool_script import (
+    DEFAULT_RULES,
+    SCRIPT_ENV,
+    choose,
+    hermes_call,
+    last_turn,
+    load_script,
+    parse_script,
+    server_options,
+    write_script,
+)
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def _turn(tokenizer, messages: list[dict]) -> str | None:  # type: ignore[no-untyped-def]
+    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    return last_turn(ids, im_start, lambda t: tokenizer.decode(t, skip_special_tokens=True))
+
+
+def test_last_turn_is_the_task_first_and_the_tool_result_after(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    task = [{"role": "system", "content": "You are an agent. RUN-IT is not a task here."},
+            {"role": "user", "content": "Do the thing. RUN-IT"}]
+    assert _turn(tokenizer, task) == "user\nDo the thing. RUN-IT"
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+    after = task + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
+    # The task is before the assistant turn: only the tool response counts now.
+    assert _turn(tokenizer, after) == "user\n<tool_response>\na.txt\n</tool_response>"
+
+
+def test_not_chatml_has_no_last_turn() -> None:
+    assert last_turn([5, 6, 7], im_start=1, decode=lambda ids: "x") is None
+    assert last_turn([1, 5, 6], im_start=1, decode=lambda ids: "x") is None  # only the generation prompt
+
+
+def test_first_matching_rule_wins_and_no_match_is_none(tmp_path: Path) -> None:
+    path = write_script(tmp_path / "s.json", [(r"<tool_response>", "Done."), (r"RUN-IT", hermes_call("bash", {
+        "command": "echo hi"}))])
+    rules = load_script(path)
+    assert choose(rules, "user\nplease RUN-IT") == '<tool_call>\n{"name": "bash", "arguments": {"command": ' \
+        '"echo hi"}}\n</tool_call>'
+    assert choose(rules, "user\n<tool_response>\nRUN-IT\n</tool_response>") == "Done."
+    assert choose(rules, "user\nhello") is None
+    assert choose(rules, None) is None
+
+
+def test_default_rules_call_the_tool_the_task_names_then_answer_with_its_output(tmp_path: Path) -> None:
+    rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
+    call = {"name": "exec", "arguments": {"command": "echo \"a b\""}}
+    task = f"user\nRun this, then say what it printed. STEPTAP_CALL {json.dumps(call)}\nThanks."
+    assert choose(rules, task) == hermes_call("exec", call["arguments"])
+    answer = choose(rules, "user\n<tool_response>\n\na b\nsecond line\n</tool_response>")
+    assert answer == "The tool ran. Its output: a b"
+    assert choose(rules, "user\nNo trigger here.") is None
+
+
+def test_a_filled_in_reply_is_bounded(tmp_path: Path) -> None:
+    rules = load_script(write_script(tmp_path / "s.json", [(r"ECHO (.*)", r"\1\1")]))
+    assert len(choose(rules, "ECHO " + "x" * 3000) or "") == 4096
+
+
+def test_server_options_load_the_processor_from_this_folder(tmp_path: Path) -> None:
+    options = server_options(tmp_path / "s.json")
+    assert options["extra_args"] == ["--logits-processors", "tool_logits:ScriptedReplies"]
+    assert (Path(options["env"]["PYTHONPATH"]) / "tool_logits.py").is_file()
+    assert options["env"][SCRIPT_ENV] == str((tmp_path / "s.json").resolve())
+
+
+@pytest.mark.parametrize("data, message", [
+    ([], "a tool script is"),
+    ({"rules": []}, "1 to 64 rules"),
+    ({"rules": [{"when": "x"}]}, "exactly the keys"),
+    ({"rules": [{"when": "x", "reply": ""}]}, "non-empty string"),
+    ({"rules": [{"when": "x", "reply": "y" * 5000}]}, "longer than"),
+    ({"rules": [{"when": "(", "reply": "y"}]}, "missing \\)"),
+])
+def test_bad_scripts_are_refused_with_the_reason(data: object, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(Exception, match=message):
+        load_script(path)
+    with pytest.raises(Exception, match=message):
+        parse_script(data)
