@@ -6,6 +6,7 @@ vLLM returns raw logprobs (before temperature) by default, so `temperature=1.0` 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,11 @@ def reference_logprobs(
     return logprobs.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
 
 
-def reference_argmax(model_dir: str | Path, prompt_ids: list[int], response_ids: list[int]) -> list[int]:
-    """The model's most likely token at each response position (given the response so far): a greedy reply
-    the model sampled on its own equals this."""
-    return _response_logprobs(model_dir, prompt_ids, response_ids, 1.0, None).argmax(dim=-1).tolist()
+def reference_argmax(model_dir: str | Path, prompt_ids: list[int], response_ids: list[int],
+                     exclude: Sequence[int] = ()) -> list[int]:
+    """The model's most likely token at each response position (given the response so far), ``exclude``d ids
+    left out (the stop tokens vLLM masks under ``min_tokens``): a greedy reply the model sampled on its own
+    equals this."""
+    logprobs = _response_logprobs(model_dir, prompt_ids, response_ids, 1.0, None)  # [R, V]
+    logprobs[:, list(exclude)] = float("-inf")
+    return logprobs.argmax(dim=-1).tolist()
