@@ -12,7 +12,8 @@ import pytest
 from conftest import Backend, Proxy
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy.replicas import POOL_KEY
-from steptap.middleware.records import Step, Trajectory, steps_of
+from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.delta import steps_of
 from steptap.middleware.sessions.manager import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
