@@ -219,3 +219,59 @@ async def test_a_missing_step_skips_its_trajectory_not_the_reader(tmp_path: Path
     with pytest.raises(DeltaError):
         resolve(bad, [])
     assert json.loads(msgspec.json.encode(got[0]))["step_refs"] == []
+
+
+V3_FIXTURE = Path(__file__).parent.parent / "fixtures" / "log-v3"
+
+
+async def test_the_committed_v3_log_still_decodes(tmp_path: Path) -> None:
+    """A log written by schema 3 (``tests/fixtures/write_log_v3.py``: whole steps, Trajectory records that embed
+    them): every reader reads it, and a session it left open goes on in delta form after a restart."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(V3_FIXTURE.parent))
+    from write_log_v3 import step  # the steps the fixture was written with
+
+    shutil.copytree(V3_FIXTURE, tmp_path / "log")
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    got = {t.id: t async for _, t in log.follow(until_idle=0)}
+    assert log.stats.undecodable_records == 0 and set(got) == {"v3-done"} | {i for i in got if i.startswith("anon-")}
+    done = got["v3-done"]
+    assert done.schema_version == 3 and done.rewards == {"reward": 1.0} and done.steps[1].rewards == {"judge": 0.5}
+    made = [step(t) for t in range(3)]
+    assert [s.prompt_token_ids for s in done.steps] == [s.prompt_token_ids for s in made]
+    assert [s.request for s in done.steps] == [s.request for s in made]
+    assert [t.id for t in LogReader(str(tmp_path / "log")).trajectories()] == list(got)
+    assert len(list(steps_of(log.records()))) == 3 + 2 + 1
+
+    manager = SessionManager(ProxyConfig(log=str(tmp_path / "log")), log, Metrics(), None, set())
+    assert await manager.rebuild() == 1
+    session = manager.sessions["v3-open"]
+    new = step(2)
+    await manager.record(session, [new])
+    assert new.prefix == "extends" and session.trajectory.steps[-1].delta is not None  # a v3 base, a v4 delta
+    await manager.finish(session)
+    last = [t async for _, t in log.follow(until_idle=0)][-1]
+    assert last.id == "v3-open" and [s.prompt_token_ids for s in last.steps] == [s.prompt_token_ids for s in made]
+    assert [s.request for s in last.steps] == [s.request for s in made]
+    await log.close()
+
+
+async def test_compaction_keeps_the_steps_an_unacknowledged_trajectory_refers_to(tmp_path: Path) -> None:
+    from steptap.middleware.records import SessionOpened
+
+    log = await TrajectoryLog.open(str(tmp_path / "log"), segment_bytes=4096)
+    await log.append(SessionOpened(trajectory_id="a"))
+    starts = [(await log.append_at(Step(trajectory_id="a", index=i, prompt_token_ids=list(range(1500)))))[0]
+              for i in range(3)]
+    await log.append(Step(trajectory_id="other", prompt_token_ids=list(range(1500))))
+    acked = await log.append(Step(trajectory_id="other", prompt_token_ids=list(range(1500))))
+    await log.append(Trajectory(id="a", status="finished", step_refs=[StepRef(at=s) for s in starts]))
+    assert int(acked.split(":")[0]) > int(starts[-1].split(":")[0])  # the ack lies after every step of "a"
+    deleted = await log.compact(acked)  # "a" is not acknowledged: its steps stay
+    assert not set(deleted) & {int(s.split(":")[0]) for s in starts}
+    [(end, traj)] = [x async for x in log.follow(until_idle=0)]
+    assert traj.id == "a" and len(traj.steps) == 3
+    assert await log.compact(end)  # acknowledged: now they may go
+    await log.close()
