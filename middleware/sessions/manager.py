@@ -62,8 +62,7 @@ from steptap.middleware.sessions.rewards import RewardFn, run_reward
 logger = logging.getLogger("steptap.sessions")
 
 GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
-# Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
-# trajectory holds every step's full prompt ids.
+# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them all.
 RECENT_KEEP = 128
 # A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
 # its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
