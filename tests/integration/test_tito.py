@@ -151,7 +151,7 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body,
                          headers={"Authorization": f"Bearer {KEYS[sid]}"}) as resp:
         assert resp.status == 200
-    assert steps[-1].prefix == "history_edited"
+    assert proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps[-1].prefix == "history_edited"
     assert metrics.tito_turns.labels("history_edited")._value.get() == 1
 
 
