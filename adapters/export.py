@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from steptap.middleware.client import TOKEN_ENV
+from steptap.middleware.delta import full_trajectory
 from steptap.middleware.records import Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
@@ -80,6 +81,7 @@ def schema() -> Any:
 
 def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
     """One dict per step of ``traj`` (the columns of ``schema()``)."""
+    traj = full_trajectory(traj)  # a trajectory holding delta steps gets full rows
     common = {
         "trajectory_id": traj.id,
         "group_id": traj.group_id,

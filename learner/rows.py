@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from steptap.middleware.delta import full_trajectory
 from steptap.middleware.records import Sampling, Step, Trajectory
 
 
@@ -153,7 +154,7 @@ def build_batch(
         if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
             c[f"dropped_{traj.status}"] += 1
             continue
-        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
+        steps = sorted(full_trajectory(traj).steps, key=lambda s: (s.index, s.choice))  # delta steps too
         rets = step_returns(steps, traj.reward, gamma)
         rewards = step_rewards(steps, traj.reward)
         prev_kept: Sample | None = None

@@ -42,6 +42,7 @@ import msgspec
 
 from steptap.middleware import files
 from steptap.middleware.backend.url import BackendUrl
+from steptap.middleware.delta import DeltaError
 from steptap.middleware.records import Trajectory
 from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
@@ -324,8 +325,8 @@ class SteptapClient:
                         if not msg.trajectory:
                             continue  # a heartbeat
                         try:
-                            traj = decode_trajectory(msg.trajectory, format)
-                        except msgspec.DecodeError as exc:  # ValidationError included: a record we cannot read
+                            traj = decode_trajectory(msg.trajectory, format, msg.steps)  # full steps
+                        except (msgspec.DecodeError, DeltaError) as exc:  # a record we cannot read
                             self._skip(consumer, msg.cursor, str(exc))
                             continue
                         if seen is not None:

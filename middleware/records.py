@@ -8,14 +8,15 @@ here and reused everywhere.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any, Literal, Union
 
 import msgspec
 
 # 2: Sampling records what else shapes the distribution (min_p, penalties, constraints).
 # 3: an anonymous call (no reward callback) is logged as its one-step Trajectory alone (``steps_logged=False``).
-SCHEMA_VERSION = 3
+# 4: delta steps: a step whose prompt extends the previous call's holds only what is new (``Step.delta``), and a
+#    finished Trajectory refers to its logged steps (``step_refs``) instead of embedding them (``delta.py``).
+SCHEMA_VERSION = 4
 
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
@@ -64,6 +65,22 @@ class StepError(msgspec.Struct, kw_only=True):
     code: str | None = None
 
 
+class Delta(msgspec.Struct, kw_only=True):
+    """How a logged step extends an earlier step of its trajectory (the base): its ``prompt_token_ids`` are
+    only the ids after the base's prompt + response, and its ``request`` only what differs (``delta.py``)."""
+
+    base: int  # the index of the step it extends
+    keys: list[str] = []  # the full request's keys in order; a key missing from ``request`` is the base's value
+    tails: dict[str, int] = {}  # a list the base's list of that key (this many items) continues
+
+
+class StepRef(msgspec.Struct, array_like=True):
+    """A finished trajectory's reference to one of its logged ``Step`` records."""
+
+    at: str  # the cursor where the Step record starts
+    rewards: dict[str, float] = {}  # its rewards when the trajectory finished (given after it was logged)
+
+
 class Step(Record, tag="step"):
     """One model call, one choice (a request with ``n > 1`` gives one step per choice)."""
 
@@ -94,6 +111,7 @@ class Step(Record, tag="step"):
     # what the proxy did to the call that the request does not show: fields accepted but not honoured,
     # a translation choice (docs/protocols.md)
     notes: list[str] = []
+    delta: Delta | None = None  # set only in the log's form of a step (v4); readers hand out full steps
 
 
 class Trajectory(Record, tag="trajectory"):
@@ -116,6 +134,8 @@ class Trajectory(Record, tag="trajectory"):
     # True: each step was logged as a Step record when it was made (every session before v3). False: the steps
     # are in this record only (v3: an anonymous call without a reward callback writes one record, not two).
     steps_logged: bool = True
+    # v4: the logged steps, in order, instead of ``steps`` (a reader resolves them: ``delta.resolve``).
+    step_refs: list[StepRef] = []
 
     @property
     def reward(self) -> float:
@@ -157,25 +177,16 @@ class PolicyVersion(Record, tag="policy_version"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-# A finished trajectory is written whole (a ``Trajectory`` record) when its session closes: the stream then
-# reads one record per trajectory. This costs writing each step twice, and buys a stream that needs no joins.
+# A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to its
+# logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens only.
 LogRecord = Union[Step, Trajectory, SessionOpened, RewardAdded, PolicyVersion]
-
-def steps_of(records: Iterable[LogRecord]) -> Iterator[Step]:
-    """Every step a log holds, once: its Step records and the steps of Trajectory records that are their only
-    record (``steps_logged=False``)."""
-    for record in records:
-        if isinstance(record, Step):
-            yield record
-        elif isinstance(record, Trajectory) and not record.steps_logged:
-            yield from record.steps
-
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()
 log_decoder = msgspec.msgpack.Decoder(LogRecord)
 trajectory_msgpack_decoder = msgspec.msgpack.Decoder(Trajectory)
 trajectory_json_decoder = msgspec.json.Decoder(Trajectory)
+step_msgpack_decoder = msgspec.msgpack.Decoder(Step)
 step_json_decoder = msgspec.json.Decoder(Step)
 
 

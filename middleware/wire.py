@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from steptap.middleware.records import Trajectory
+from steptap.middleware.delta import resolve
+from steptap.middleware.records import Step, Trajectory
 
 Format = Literal["ndjson", "msgpack"]
 FORMATS = ("ndjson", "msgpack")
@@ -69,10 +70,12 @@ class StreamMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class RawTrajectoryMessage(msgspec.Struct, kw_only=True):
-    """A trajectory message whose record is passed through as the log's msgpack bytes (no decode, re-encode)."""
+    """A trajectory message whose record is passed through as the log's msgpack bytes (no decode, re-encode),
+    with the Step records it refers to (``Trajectory.step_refs``), as logged."""
 
     cursor: str
     trajectory: msgspec.Raw
+    steps: list[msgspec.Raw] = []
 
 
 class Envelope(msgspec.Struct, kw_only=True):
@@ -81,6 +84,7 @@ class Envelope(msgspec.Struct, kw_only=True):
 
     cursor: str
     trajectory: msgspec.Raw = msgspec.Raw()  # empty (falsy) when the message carries none
+    steps: list[msgspec.Raw] = []  # the logged steps it refers to (msgpack stream)
     heartbeat: float | None = None
     end: bool = False
     skipped: str | None = None
@@ -92,6 +96,7 @@ _env_json = msgspec.json.Decoder(Envelope)
 _env_mp = msgspec.msgpack.Decoder(Envelope)
 _traj_json = msgspec.json.Decoder(Trajectory)
 _traj_mp = msgspec.msgpack.Decoder(Trajectory)
+_step_mp = msgspec.msgpack.Decoder(Step)
 
 
 def encode_message(msg: StreamMessage | RawTrajectoryMessage, fmt: Format) -> bytes:
@@ -105,11 +110,12 @@ def decode_envelope(body: bytes, fmt: Format) -> Envelope:
     return _env_json.decode(body) if fmt == "ndjson" else _env_mp.decode(body)
 
 
-def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format) -> Trajectory:
-    """A message's trajectory; ``msgspec.ValidationError``/``DecodeError`` when it is not one. In JSON, a
+def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format, steps: list[msgspec.Raw] | None = None) -> Trajectory:
+    """A message's trajectory, with full steps (``steps``: the logged steps it refers to);
+    ``msgspec.ValidationError``/``DecodeError`` (or ``delta.DeltaError``) when it is not one. In JSON, a
     ``null`` logprob (how JSON carries NaN) is read back as NaN."""
     if fmt == "msgpack":
-        return _traj_mp.decode(raw)
+        return resolve(_traj_mp.decode(raw), [_step_mp.decode(s) for s in steps or ()])
     try:
         return _traj_json.decode(raw)
     except msgspec.ValidationError:

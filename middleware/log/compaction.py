@@ -2,8 +2,8 @@
 
 Only a prefix of sealed segments is ever deleted, locally and remotely: the segments wholly before
 ``min_cursor`` (every consumer has acknowledged them) and before the segment holding the ``SessionOpened`` of
-the oldest session still open (so a restart can still rebuild every open session), and never one the remote
-copy still lacks. The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+the oldest session still open (so a restart can still rebuild every open session), before the first step any
+unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ class Compaction:
     async def _compact(self, cut: int, min_cursor: str) -> list[int]:
         if self._open_sessions:
             cut = min(cut, min(self._open_sessions.values()))
+        # a finished trajectory not yet acknowledged by all needs the steps it refers to
+        after = bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(min_cursor)))
+        if after < len(self._traj_firsts):
+            cut = min(cut, min(self._traj_firsts[after:]))
         if self._upload_failed:  # never delete the only copy of a segment the remote still lacks
             cut = min(cut, min(self._upload_failed))
         victims = [s for s in self._retained()[:-1] if s < cut]
@@ -43,7 +47,9 @@ class Compaction:
         with self._lock:
             for segno in victims:
                 self._valid_end.pop(segno, None)
-        del self._traj_ends[: bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))]
+        gone = bisect.bisect_left(self._traj_ends, cursor_key(victims[-1] + 1, 0))
+        del self._traj_ends[:gone]
+        del self._traj_firsts[:gone]
         await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
         self.stats.compacted_segments += len(victims)
         self.stats.segments = len(self._valid_end) + 1

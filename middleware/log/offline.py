@@ -12,6 +12,8 @@ local write-ahead log.
 
 Records this version cannot decode (a newer kind, damage that still passes the checksum) are skipped and
 counted, never raised; a bad frame ends the reading of its segment and its bytes are counted. A trajectory
+that refers to its logged steps (schema 4) is handed out with them, in full form; one whose steps are gone
+(compacted) or damaged is counted as undecodable. A trajectory
 written twice (a proxy restart can re-finalize one) is yielded once, the first time (ids remembered in a
 bounded set).
 """
@@ -24,8 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from steptap.middleware.log.segments import HEADER, SEG_RE, CorruptLogError, scan_frames, seg_name
-from steptap.middleware.records import Trajectory, log_decoder
+from steptap.middleware.delta import resolve
+from steptap.middleware.log.segments import (
+    FRAME,
+    HEADER,
+    SEG_RE,
+    CorruptLogError,
+    parse_cursor,
+    scan_frames,
+    seg_name,
+)
+from steptap.middleware.records import Trajectory, log_decoder, step_msgpack_decoder
 
 MAX_REMEMBERED_IDS = 1_000_000  # de-duplication memory: about 100 MB at most
 
@@ -79,12 +90,14 @@ class LogReader:
         """Finished trajectories (``mode``: only ``train`` or only ``eval`` ones)."""
         seen: OrderedDict[str, None] = OrderedDict()
         segnos, read = self._segments()
+        steps = _Frames(read)
         for segno in segnos:
             try:
                 data = read(segno)
             except FileNotFoundError:
                 continue  # compacted between listing and reading
             self.stats.segments += 1
+            steps.current(segno, data)
             if data[: len(HEADER)] != HEADER:
                 if len(data) < len(HEADER) and HEADER.startswith(data):
                     continue  # a segment being created right now
@@ -107,11 +120,52 @@ class LogReader:
                 if record.id in seen:
                     self.stats.duplicates += 1
                     continue
+                try:
+                    record = resolve(record, [step_msgpack_decoder.decode(steps.payload(r.at)) for r in record.step_refs])
+                except (ValueError, msgspec.DecodeError):  # a step missing (compacted) or damaged: DeltaError too
+                    self.stats.undecodable += 1
+                    continue
                 seen[record.id] = None
                 if len(seen) > MAX_REMEMBERED_IDS:
                     seen.popitem(last=False)
                 self.stats.trajectories += 1
                 yield record
+
+
+class _Frames:
+    """The records finished trajectories refer to (``StepRef.at``): in the segment being read, or in an
+    earlier one (read again, and kept while the next references need it; at most two segments held)."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+        self._held: dict[int, bytes] = {}
+
+    def current(self, segno: int, data: bytes) -> None:
+        self._held = {s: d for s, d in self._held.items() if s == segno - 1}  # an earlier one, most likely reused
+        self._held[segno] = data
+
+    def payload(self, cursor: str) -> bytes:
+        segno, offset = parse_cursor(cursor)
+        data = self._held.get(segno)
+        if data is None:
+            try:
+                data = self._read(segno)
+            except FileNotFoundError:
+                raise ValueError(f"no record at {cursor}: its segment is gone") from None
+            if len(self._held) >= 2:
+                del self._held[min(self._held)]
+            self._held[segno] = data
+        frames, _ = scan_frames(data[: offset + FRAME.size + _length_at(data, offset)], offset)
+        if not frames:
+            raise ValueError(f"no record at {cursor}")
+        start, end = frames[0]
+        return data[start:end]
+
+
+def _length_at(data: bytes, offset: int) -> int:
+    if offset + FRAME.size > len(data):
+        return 0
+    return int(FRAME.unpack_from(data, offset)[0])
 
 
 def _segnos(names: list[str]) -> list[int]:

@@ -24,7 +24,8 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.records import LogRecord, Trajectory, log_decoder
+from steptap.middleware.delta import resolve
+from steptap.middleware.records import LogRecord, Trajectory, log_decoder, step_msgpack_decoder
 
 
 logger = logging.getLogger("steptap.wal")
@@ -34,6 +35,13 @@ class Skipped(NamedTuple):
     """A finished trajectory the reader could not decode, in place of it (the position still moves on)."""
 
     reason: str
+
+
+class Found(NamedTuple):
+    """A finished trajectory as logged: its record and the Step records it refers to (``step_refs``), undecoded."""
+
+    payload: bytes
+    steps: list[bytes]
 
 
 class Reader:
@@ -104,14 +112,34 @@ class Reader:
         return later[0] if later else None
 
     def records(self) -> Iterator[LogRecord]:
-        """Every retained, committed record in log order (for rebuilding open sessions at startup). A record
-        that does not decode (a writer accepted what the schema rejects) is skipped, counted and logged."""
+        """Every retained, committed record in log order, as logged (steps in their delta form: ``delta``).
+        A record that does not decode (a writer accepted what the schema rejects) is skipped, counted and
+        logged."""
+        for _, record in self.located_records():
+            yield record
+
+    def located_records(self) -> Iterator[tuple[str, LogRecord]]:
+        """``records()`` with the cursor where each starts (for rebuilding open sessions at start-up: a
+        finished trajectory refers to its steps by it)."""
         for cursor, payload in self._iter_payloads(None):
             try:
-                yield log_decoder.decode(payload)
+                record = log_decoder.decode(payload)
             except msgspec.DecodeError as exc:  # ValidationError included
                 if known_kind(payload):
                     self._undecodable(cursor, exc)
+                continue
+            segno, after = parse_cursor(cursor)
+            yield format_cursor(segno, after - FRAME.size - len(payload)), record
+
+    def _payload_at(self, cursor: str) -> bytes:
+        """The record that starts at ``cursor`` (a ``StepRef``); ``ValueError`` when none does any more."""
+        segno, offset = parse_cursor(cursor)
+        if segno not in self._retained():
+            raise ValueError(f"no record at {cursor}: its segment was compacted")
+        frames, _ = self._read_frames(segno, offset, 1)
+        if not frames:
+            raise ValueError(f"no record at {cursor}")
+        return frames[0][1]
 
     def _undecodable(self, cursor: str, exc: Exception) -> None:
         self.stats.undecodable_records += 1
@@ -135,8 +163,9 @@ class Reader:
     ) -> AsyncIterator[tuple[str, Any]]:
         """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
         trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
-        trajectory as the record's msgpack bytes, undecoded (the msgpack stream passes them through). A
-        finished trajectory that does not decode is yielded as a ``Skipped`` (counted in the stats)."""
+        trajectory as logged, a ``Found`` of undecoded msgpack (the msgpack stream passes it through), else
+        resolved (full steps). A finished trajectory that does not decode, or whose steps are not all there,
+        is yielded as a ``Skipped`` (counted in the stats)."""
         loop = asyncio.get_running_loop()
         segno, offset = self._start_position(cursor)
         current = format_cursor(segno, offset)
@@ -174,12 +203,10 @@ class Reader:
                         continue  # another kind, or one this version does not know
                     if not (isinstance(peek, PeekTrajectory) and peek.status != "running"):
                         continue
-                    if raw:
-                        out.append((cursor, payload))
-                        continue
                     try:
-                        out.append((cursor, log_decoder.decode(payload)))
-                    except msgspec.DecodeError as exc:
+                        found = Found(payload, [self._payload_at(ref.at) for ref in peek.step_refs])
+                        out.append((cursor, found if raw else resolve_found(found)))
+                    except (ValueError, msgspec.DecodeError) as exc:  # DeltaError and ValidationError included
                         self._undecodable(cursor, exc)
                         out.append((cursor, Skipped(str(exc))))
                 if not out:
@@ -217,3 +244,11 @@ class Reader:
     def end_cursor(self) -> str:
         """The cursor after the last committed record."""
         return format_cursor(self._segno, self._size)
+
+
+def resolve_found(found: Found) -> Trajectory:
+    """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``, ``DeltaError``)."""
+    traj = log_decoder.decode(found.payload)
+    if not isinstance(traj, Trajectory):
+        raise msgspec.ValidationError("not a trajectory record")
+    return resolve(traj, [step_msgpack_decoder.decode(p) for p in found.steps])

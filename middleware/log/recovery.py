@@ -27,6 +27,7 @@ from steptap.middleware.log.segments import (
     create_segment,
     cursor_key,
     list_segments,
+    parse_cursor,
     scan_frames,
     seg_name,
 )
@@ -55,9 +56,14 @@ class PeekReward(Peek, tag="reward_added"):
     pass
 
 
+class PeekRef(msgspec.Struct, array_like=True):
+    at: str  # a StepRef's cursor (its rewards are not read)
+
+
 class PeekTrajectory(Peek, tag="trajectory"):
     id: str = ""
     status: str = "running"
+    step_refs: list[PeekRef] = []
 
 
 class PeekVersion(Peek, tag="policy_version"):
@@ -65,6 +71,12 @@ class PeekVersion(Peek, tag="policy_version"):
 
 
 peek_decoder = msgspec.msgpack.Decoder(PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion)
+
+
+def first_segment(refs: list[Any], segno: int) -> int:
+    """The segment of a finished trajectory's first referenced step (``segno``, its own, when it refers to
+    none): compaction keeps it until every consumer has acknowledged the trajectory."""
+    return min((parse_cursor(r.at)[0] for r in refs), default=segno)
 
 
 class _Kind(msgspec.Struct):
@@ -183,6 +195,7 @@ class Recovery:
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
             self._open_sessions.pop(peek.id, None)
             self._traj_ends.append(cursor_key(segno, end))
+            self._traj_firsts.append(first_segment(peek.step_refs, segno))
         elif isinstance(peek, PeekVersion):
             try:
                 self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]

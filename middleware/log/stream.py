@@ -8,7 +8,9 @@ as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbea
 stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with an ``end``
 message once it has caught up. A record that does not decode is not sent: a ``skipped`` message takes its
 place (the NDJSON stream decodes every record; the msgpack stream passes records through and the client
-skips what it cannot decode).
+skips what it cannot decode). The NDJSON stream sends full steps (any JSON reader can use it); the msgpack
+stream sends a trajectory as logged, its record and the Step records it refers to (delta form: each new token
+once), and the client resolves them into full steps (``delta.resolve``).
 
 Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
 msgpack frames.
@@ -184,8 +186,10 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
         return encode_message(msg, fmt)
 
     def message(cur: str, traj: Any) -> StreamMessage | RawTrajectoryMessage:
-        if fmt == "msgpack":
-            return RawTrajectoryMessage(cursor=cur, trajectory=msgspec.Raw(traj))
+        if fmt == "msgpack":  # as logged: the client resolves the steps (their delta form travels once)
+            return RawTrajectoryMessage(
+                cursor=cur, trajectory=msgspec.Raw(traj.payload), steps=[msgspec.Raw(p) for p in traj.steps]
+            )
         return StreamMessage(cursor=cur, trajectory=traj)
 
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,

@@ -39,7 +39,7 @@ from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
 from steptap.middleware.log.degraded import Degraded, LogUnavailable  # noqa: F401 (re-exported)
 from steptap.middleware.log.reader import Reader
-from steptap.middleware.log.recovery import LogInUseError, Recovery
+from steptap.middleware.log.recovery import LogInUseError, Recovery, first_segment
 from steptap.middleware.log.remote import Remote
 from steptap.middleware.log.segments import (
     HEADER,
@@ -135,6 +135,7 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self._open_sessions: dict[str, int] = {}  # trajectory id -> segno of its SessionOpened
         self._last_version: tuple[int, PolicyVersion] | None = None
         self._traj_ends = array("q")  # cursor_key() after each finished trajectory, in log order (stream lag)
+        self._traj_firsts = array("q")  # beside it: the segment of its first referenced step (compaction keeps it)
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
@@ -206,6 +207,10 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     async def append(self, record: LogRecord) -> str:
         """Append ``record``; returns the cursor after it once it is on disk (synced). ``RecordTooLarge`` when
         it exceeds ``max_record_bytes``; ``LogUnavailable`` while the log cannot write (``degraded``)."""
+        return (await self.append_at(record))[1]
+
+    async def append_at(self, record: LogRecord) -> tuple[str, str]:
+        """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and ends."""
         if self._closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
         self.ensure_writable()
@@ -215,7 +220,7 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
                 f"the record is {len(payload)} bytes, above the trajectory log's limit of "
                 f"{self.max_record_bytes} bytes"
             )
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         assert self._writer is not None  # set by open() whenever _closed is False
         self._writer.put((frame(payload), record, fut))
         return await fut
@@ -233,10 +238,10 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self.stats.last_batch_records = len(positions)
         self.stats.records += len(positions)
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
-        for (_, record, fut), (segno, offset) in zip(batch, positions):
+        for (data, record, fut), (segno, offset) in zip(batch, positions):
             self._track(record, segno, offset)
             if not fut.done():  # the caller may have gone away; the record is durable all the same
-                fut.set_result(format_cursor(segno, offset))
+                fut.set_result((format_cursor(segno, offset - len(data)), format_cursor(segno, offset)))
         if error is not None:
             # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
             # the log refuses new records until a probe write succeeds, so memory and log stay in step.
@@ -268,6 +273,7 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         elif isinstance(record, Trajectory) and record.status != "running":
             self._open_sessions.pop(record.id, None)
             self._traj_ends.append(cursor_key(segno, offset))
+            self._traj_firsts.append(first_segment(record.step_refs, segno))
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# (frame bytes, the record, the future its append awaits)
-Item = tuple[bytes, Any, "asyncio.Future[str]"]
+# (frame bytes, the record, the future its append awaits: the cursors where the record starts and ends)
+Item = tuple[bytes, Any, "asyncio.Future[tuple[str, str]]"]
 # what the write function returns: the position after each committed frame, segments sealed, the error if any
 Written = tuple[list[tuple[int, int]], list[int], BaseException | None]
 

@@ -14,6 +14,7 @@ from aiohttp import web
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError
 from steptap.middleware.sessions.identity import valid_session_id
+from steptap.middleware.delta import full_trajectory
 from steptap.middleware.records import Mode, to_builtins
 from steptap.middleware.sessions.rewards import finite
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
@@ -103,7 +104,7 @@ async def get_session(request: web.Request) -> web.Response:
         if sid in manager.closed:
             raise SessionEvicted(f"session {sid!r} is {manager.closed[sid]}; read it from the stream")
         raise SessionNotFound(f"no session {sid!r}")
-    data = to_builtins(traj)
+    data = to_builtins(full_trajectory(traj))  # the session holds delta steps; readers get full ones
     data["reward"] = traj.reward
     if traj.group_id is not None and traj.group_id in manager.groups:
         data["group"] = manager.groups[traj.group_id].state()

@@ -1,5 +1,6 @@
 """``Holdings``: what the proxy holds against its limits (docs/limits.md): model calls in flight, and the steps
-and encoded bytes of open sessions. It raises the domain errors a limit ends in (``Overloaded``,
+and encoded bytes of open sessions (their steps as logged: a step that extends the previous call counts only what
+it adds, so a long session's bytes grow with its new tokens, not with its context times its turns). It raises the domain errors a limit ends in (``Overloaded``,
 ``SessionFull``) and keeps the gauges of ``/metrics`` in step, so the session manager only asks."""
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class Holdings:
 
     @staticmethod
     def size_of(steps: list[Step]) -> int:
-        """What ``steps`` add to their trajectory's record (one more encode: the exact size, not a guess)."""
+        """What ``steps`` add to their session, in the form it holds and logs them (delta steps: only what is new;
+        one more encode: the exact size, not a guess)."""
         return sum(len(msgpack_encoder.encode(s)) + RECORD_SLACK for s in steps)
 
     def hold(self, steps: int, size: int) -> None:

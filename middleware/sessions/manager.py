@@ -5,6 +5,11 @@ after a restart.
 Ordering: a step's ``index`` is given when its reply is complete (completion order), synchronously, so
 concurrent calls on one session get consecutive indexes and each step's ``prefix`` is judged against the step
 indexed just before it. Every record is durable (``await log.append``) before the call that caused it answers.
+
+Linear space (``delta.py``): a session holds, and logs, its steps in their delta form (a step that extends the
+previous call keeps only its new ids and messages), plus the full form of its latest call (what the next one
+is judged against); its closing ``Trajectory`` record refers to the logged steps. Readers get full steps
+(``GET /sessions/<id>``, the reward callback, the stream).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
+import msgspec
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
@@ -36,9 +42,10 @@ from steptap.middleware.exceptions import (
     WrongSessionKey,
 )
 from steptap.middleware.sessions.identity import Identity
-from steptap.middleware.sessions.limits import Holdings
+from steptap.middleware.sessions.limits import RECORD_SLACK, Holdings
 from steptap.middleware.metrics import Metrics
-from steptap.middleware.sessions.prefix import classify_after
+from steptap.middleware.sessions.prefix import classify_after, extends
+from steptap.middleware.delta import DeltaError, Expander, compress, full_trajectory
 from steptap.middleware.records import (
     LogRecord,
     Mode,
@@ -46,6 +53,7 @@ from steptap.middleware.records import (
     RewardAdded,
     SessionOpened,
     Step,
+    StepRef,
     Trajectory,
     TrajectoryStatus,
     msgpack_encoder,
@@ -55,8 +63,7 @@ from steptap.middleware.sessions.rewards import RewardFn, run_reward
 logger = logging.getLogger("steptap.sessions")
 
 GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
-# Closed trajectories kept in memory for GET /sessions/<id>; the stream has them all. Kept small: a long
-# trajectory holds every step's full prompt ids.
+# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them all.
 RECENT_KEEP = 128
 # A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
 # its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
@@ -66,16 +73,18 @@ AUTO_PREFIX = "auto:"
 class Log(Protocol):
     async def append(self, record: LogRecord) -> str: ...
 
+    async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends
+
     def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
 
-    def records(self) -> Any: ...
+    def located_records(self) -> Any: ...  # (where it starts, record), in log order
 
 
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "drained", "inflight", "key", "last_active", "late", "lock", "pending",
-                 "sealed", "tito", "tito_state", "trajectory")
+    __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
+                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -89,7 +98,11 @@ class LiveSession:
         self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
-        self.bytes = 0  # encoded size of the trajectory so far (what its Trajectory record will weigh)
+        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
+        self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
+        # call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
+        # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
 
     @property
@@ -120,15 +133,6 @@ class Group:
             "complete": self.complete is not None,
             "reason": self.complete,
         }
-
-
-def _last_good_call(steps: list[Step]) -> list[Step]:
-    """The ok steps of the latest call that has any (a call's choices share ``started_at``): continuity is
-    judged against them, never against a failed step, which carries no usable ids."""
-    last = next((s for s in reversed(steps) if s.status == "ok"), None)
-    if last is None:
-        return []
-    return [s for s in steps if s.status == "ok" and s.started_at == last.started_at]
 
 
 def new_key() -> str:
@@ -169,10 +173,13 @@ class SessionManager:
         return task
 
     async def _append(self, record: LogRecord) -> str:
+        return (await self._append_at(record))[1]
+
+    async def _append_at(self, record: LogRecord) -> tuple[str, str]:
         t0 = time.perf_counter()
-        cursor = await self.log.append(record)
+        cursors = await self.log.append_at(record)
         self.metrics.log_commit.observe(time.perf_counter() - t0)
-        return cursor
+        return cursors
 
     # ---- opening and resolving ---------------------------------------------------------------------------
 
@@ -368,27 +375,38 @@ class SessionManager:
         traj = session.trajectory
         if session.pending:
             await self._open_pending(session)
+        # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
+        # choices of one call share it.
+        prev_call = list(session.full.values())
+        forms: list[Step] = []
+        for offset, step in enumerate(steps):
+            step.trajectory_id = traj.id
+            step.group_id = traj.group_id
+            step.index = len(traj.steps) + offset
+            step.prefix = classify_after(prev_call, step)
+            base = next((p for p in prev_call if extends(p, step)), None) if step.prefix == "extends" else None
+            if session.sealed and not traj.anonymous:
+                # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
+                step.index = len(traj.steps) + session.late
+                session.late += 1
+                base = None
+            forms.append(step if base is None else compress(step, base))  # what the log and session hold
         size = 0
         if not traj.anonymous and not session.sealed:
-            size = self.holdings.size_of(steps)
+            size = self.holdings.size_of(forms)
             self._check_room(session, len(steps), size)
             session.bytes += size
             self.holdings.hold(len(steps), size)
-        prev_call = _last_good_call(traj.steps)
-        for step in steps:
-            step.trajectory_id = traj.id
-            step.group_id = traj.group_id
-            step.index = len(traj.steps)
-            step.prefix = classify_after(prev_call, step)  # choices of one call share the previous call
+        before = mine = session.full
+        if any(s.status == "ok" for s in steps):
+            session.full = mine = {s.index: s for s in steps if s.status == "ok"}
+        for step, form in zip(steps, forms):
             if session.sealed and not traj.anonymous:
-                # Past the finish's bounded wait: logged under an index no step of the trajectory has.
-                step.index += session.late
-                session.late += 1
                 logger.warning(
                     "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
                 )
             else:
-                traj.steps.append(step)
+                traj.steps.append(form)
             m = self.metrics
             m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
             m.child(m.prefix, step.prefix).inc()
@@ -403,20 +421,28 @@ class SessionManager:
             await self._append(traj)
             self._closed(session)
             return
+        # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share one
+        # group commit.
+        tasks = [asyncio.ensure_future(self._append_at(form)) for form in forms]
+        for form, task in zip(forms, tasks):
+            session.starts[form.index] = task
         try:
-            if len(steps) == 1:
-                await self._append(steps[0])
-            else:  # concurrent appends share one group commit
-                await asyncio.gather(*(self._append(s) for s in steps))
+            await asyncio.gather(*tasks)
         except Exception:
             # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the trajectory,
             # nor their bytes in what the session and the proxy hold.
-            kept = [s for s in traj.steps if not any(s is x for x in steps)]
+            kept = [s for s in traj.steps if not any(s is x for x in forms)]
             if size:
                 session.bytes -= size
                 self.holdings.hold(len(kept) - len(traj.steps), -size)
             traj.steps = kept
+            for form in forms:
+                session.starts.pop(form.index, None)
+            if session.full is mine:  # no later call has replaced it
+                session.full = before
             raise
+        for form, task in zip(forms, tasks):
+            session.starts[form.index] = task.result()[0]
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))
 
@@ -497,15 +523,15 @@ class SessionManager:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
-            if self.reward_fn is not None:
-                error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s)
+            if self.reward_fn is not None:  # the callback sees full steps (they share their rewards with traj's)
+                error = await run_reward(self.reward_fn, full_trajectory(traj), self.config.reward_timeout_s)
                 if error is not None:
                     traj.error = error
                     self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
                     logger.warning("session %s: %s", traj.id, error)
             session.sealed = True
             self._finalize(traj, status)
-            await self._append(traj)
+            await self._append(await self._closing_record(session))
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
@@ -513,6 +539,22 @@ class SessionManager:
             raise
         self._closed(session)
         return traj
+
+    @staticmethod
+    async def _closing_record(session: LiveSession) -> Trajectory:
+        """The session's Trajectory record: it refers to the steps' records (once their appends are done)."""
+        traj = session.trajectory
+        pending = [t for t in session.starts.values() if isinstance(t, asyncio.Task)]
+        if pending:
+            await asyncio.wait(pending)
+        refs: list[StepRef] = []
+        for step in traj.steps:
+            at = session.starts.get(step.index)
+            if isinstance(at, asyncio.Task):
+                at = None if at.cancelled() or at.exception() is not None else at.result()[0]
+            if at is not None:  # else its append failed: not durable, so not in the trajectory
+                refs.append(StepRef(at=at, rewards=step.rewards))
+        return msgspec.structs.replace(traj, steps=[], step_refs=refs)
 
     @staticmethod
     def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
@@ -615,7 +657,8 @@ class SessionManager:
         return await asyncio.to_thread(self._rebuild_sync)
 
     def _rebuild_sync(self) -> int:
-        for record in self.log.records():
+        expander = Expander()  # the full form of each open session's latest call
+        for start, record in self.log.located_records():
             if isinstance(record, SessionOpened):
                 if record.anonymous:
                     continue
@@ -633,7 +676,13 @@ class SessionManager:
             elif isinstance(record, Step):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):
+                    try:
+                        expander.full(record)
+                    except DeltaError as exc:  # its base is not in the log: the rest of the chain cannot be read
+                        logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index, exc)
+                        continue
                     session.trajectory.steps.append(record)
+                    session.starts[record.index] = start
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:
@@ -642,11 +691,13 @@ class SessionManager:
                 self.policy_versions.append(record)
             elif isinstance(record, Trajectory) and not record.anonymous:
                 session = self.sessions.pop(record.id, None)
+                expander.forget(record.id)
                 self.closed[record.id] = record.status
                 if session is not None:
                     self._group_member_closed(record)
         for session in self.sessions.values():
-            session.bytes = len(msgpack_encoder.encode(session.trajectory))
+            session.full = expander.last_call(session.id)
+            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts)
         self.holdings.hold(
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,

@@ -69,14 +69,21 @@ def _conversation(step: Step) -> list[Any] | None:
     return [_norm(m) for m in messages]
 
 
+def extends(prev: Step, step: Step) -> bool:
+    """Whether ``step``'s prompt ids start with ``prev``'s prompt + response ids (both in full form)."""
+    n, r = len(prev.prompt_token_ids), len(prev.response_token_ids)
+    ids = step.prompt_token_ids
+    return len(ids) >= n + r and ids[:n] == prev.prompt_token_ids and ids[n:n + r] == prev.response_token_ids
+
+
 def classify(prev: Step | None, step: Step) -> PrefixCause:
     """The prefix cause of ``step`` given the session's previous step."""
     if prev is None:
         return "first"
+    if extends(prev, step):
+        return "extends"
     before = prev.prompt_token_ids + prev.response_token_ids
     ids = step.prompt_token_ids
-    if len(ids) >= len(before) and ids[: len(before)] == before:
-        return "extends"
     chained = step.request.get("previous_response_id") if step.endpoint == "responses" else None
     if chained is not None:  # the proxy carried the history itself: intact if it chains the previous call
         same = chained == prev.response.get("response_id") and (

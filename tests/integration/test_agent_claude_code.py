@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend
+from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -62,7 +63,7 @@ async def test_claude_code_default_settings_through_a_session(make_proxy: Any, t
     result = json.loads(out)
     assert result["is_error"] is False, result
 
-    steps = proxy.app[SESSIONS_KEY].sessions["auto:claude-run"].trajectory.steps  # type: ignore[attr-defined]
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions["auto:claude-run"].trajectory.steps)  # type: ignore[attr-defined]
     assert steps and all(s.status == "ok" and s.endpoint == "messages" for s in steps), [s.error for s in steps]
     last = steps[-1]
     from transformers import AutoTokenizer

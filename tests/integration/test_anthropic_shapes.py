@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -35,7 +36,7 @@ def claude_code_body(**changes: Any) -> dict[str, Any]:
 
 
 def steps_of(proxy: Proxy, sid: str) -> list[Step]:
-    return proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps  # type: ignore[attr-defined]
+    return full_steps(proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps)  # type: ignore[attr-defined]
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:

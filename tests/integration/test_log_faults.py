@@ -20,7 +20,8 @@ from steptap.middleware import files
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.log.segments import frame
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.records import SessionOpened, Step, Trajectory, steps_of
+from steptap.middleware.records import SessionOpened, Step, Trajectory
+from steptap.middleware.delta import steps_of
 
 from faults import DiskFullInjector
 

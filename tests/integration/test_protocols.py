@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -39,7 +40,7 @@ async def open_session(http: aiohttp.ClientSession, proxy: Proxy, **body: Any) -
 
 
 def steps_of(proxy: Proxy, sid: str) -> list[Step]:
-    return proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps  # type: ignore[attr-defined]
+    return full_steps(proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps)  # type: ignore[attr-defined]
 
 
 def assert_exact(step: Step, backend: Backend) -> None:
@@ -327,7 +328,7 @@ async def test_any_model_applies_to_every_protocol(make_proxy: Any, vllm_server:
         async with http.post(f"{loose.url}/v1/{endpoint}", json=body, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["model"] == body["model"]  # the agent sees the name it asked for
-    steps = loose.app[SESSIONS_KEY].sessions["auto:anyone"].trajectory.steps  # type: ignore[attr-defined]  # auto-created id
+    steps = full_steps(loose.app[SESSIONS_KEY].sessions["auto:anyone"].trajectory.steps)  # type: ignore[attr-defined]  # auto-created id
     assert [(s.endpoint, s.model, s.served_model) for s in steps] == [
         ("messages", "claude-sonnet-4-5", vllm_server.served_model),
         ("responses", "gpt-4o", vllm_server.served_model),
@@ -377,7 +378,7 @@ async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy]
     injector.mode = "ok"
     async with http.post(url, json=body) as resp:
         assert resp.status == 200
-    steps = proxy.app[SESSIONS_KEY].sessions["auto:f"].trajectory.steps  # type: ignore[attr-defined]  # auto-created id
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions["auto:f"].trajectory.steps)  # type: ignore[attr-defined]  # auto-created id
     assert [(s.endpoint, s.status) for s in steps] == [(endpoint, "failed"), (endpoint, "failed"), (endpoint, "ok")]
     assert steps[1].response_token_ids[:1] == [11]  # the partial reply is kept
 
@@ -401,5 +402,5 @@ async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any,
     metrics = proxy.app[METRICS_KEY]  # type: ignore[index]
     assert metrics.tito_turns.labels("first")._value.get() == 1
     assert metrics.tito_turns.labels("no_scale_out")._value.get() == 1
-    steps = proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps  # type: ignore[attr-defined]
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps)  # type: ignore[attr-defined]
     assert [s.status for s in steps] == ["ok", "ok"]

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+from steptap.middleware.delta import full_trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -101,7 +102,7 @@ def trajectory(proxy: Proxy, sid: str) -> Any:
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     sid = manager.canonical_id(sid)  # a path id alone opens an auto-created session, auto:<id>
     session = manager.sessions.get(sid)
-    return session.trajectory if session is not None else manager.recent[sid]
+    return full_trajectory(session.trajectory if session is not None else manager.recent[sid])  # held as deltas
 
 
 async def test_plain_and_streamed_equal_direct_and_record_the_same_ids(

