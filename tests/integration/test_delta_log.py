@@ -11,7 +11,7 @@ from steptap.middleware.client import SteptapClient
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.stream import LOG_KEY
 from steptap.middleware.records import Step, msgpack_encoder
-from steptap.middleware.sessions.manager import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY
 
 TURNS = 10
 
