@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-tcp",
         action="store_true",
-        help="serve the managed vLLM on a TCP port instead of a unix socket in a private directory; its "
-        "dev-mode admin routes (pause, reload weights, load LoRA) then answer every local process",
+        help="serve the managed vLLM on a TCP port of 127.0.0.1 instead of a unix socket in a private directory "
+        "(steptap vllm --insecure-tcp): its dev-mode admin routes (pause, reload weights, weight transfer, load "
+        "LoRA) then answer every local process",
     )
     p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
     p.add_argument(
@@ -226,7 +227,7 @@ class Up:
         for i in range(replicas):
             if self.args.vllm_tcp:
                 port = (self.args.vllm_port + i if self.args.vllm_port else 0) or _free_port()
-                url, where = f"http://127.0.0.1:{port}", ["--port", str(port)]
+                url, where = f"http://127.0.0.1:{port}", ["--port", str(port), "--insecure-tcp"]
             else:
                 sock = f"{self.sock_dir}/vllm-{i}.sock"
                 url, where = f"unix:{sock}", ["--uds", sock]

@@ -182,7 +182,7 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
     port = free_port()
     cli = subprocess.Popen(
         [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--port", str(port),
-         "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
+         "--insecure-tcp", "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
         stderr=subprocess.PIPE, text=True,
     )
     try:
