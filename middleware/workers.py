@@ -23,6 +23,7 @@ from pathlib import Path
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.lifetime import die_with_parent
 
 SHARED_BACKENDS = "shared"  # the reason a worker refuses swaps (see above)
 
@@ -62,7 +63,8 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
             cmd += ["--backend", b]
         if shared:
             cmd += ["--refuse-swaps", SHARED_BACKENDS]
-        procs.append(subprocess.Popen(cmd, env=env))
+        # A SIGKILLed launcher runs no cleanup: each worker gets SIGTERM from the kernel then (procs.py).
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))  # noqa: PLW1509
     print(f"steptap serve: {workers} workers on {config.base_url()} (SO_REUSEPORT); their own URLs, for the "
           f"learner: --proxy-urls {' '.join(urls)}", flush=True)
     if generated:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
 from steptap.middleware.launch.private_files import private_dir
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
+from steptap.middleware.lifetime import die_with_parent
 from steptap.middleware.model_files import ties_embeddings
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
@@ -242,7 +244,27 @@ class VLLMServer:
             )
         return out
 
+    def check_free(self) -> None:
+        """Refuse to start where a server still answers (an orphan of a launcher that died hard would keep
+        the port, or go on serving behind a fresh socket): say so instead of failing to bind, or unlinking
+        its socket and leaving it running unreachable."""
+        if self.uds is not None:
+            if (self.uds.exists() or self.uds.is_socket()) and procs.healthy(self.url, timeout_s=2.0):
+                raise VLLMStartError(f"{self.url}: a server answers there already (a vLLM left running by a "
+                                     f"launcher that died? `fuser {self.uds}` names it): stop it first")
+            return
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no owner
+            try:
+                s.bind((self.host, self.port))
+            except OSError as exc:
+                what = ("a server answers /health there (a vLLM left running by a launcher that died?)"
+                        if procs.healthy(self.url, timeout_s=2.0) else str(exc))
+                raise VLLMStartError(f"{self.host}:{self.port} is taken already: {what}. `ss -ltnp "
+                                     f"'sport = :{self.port}'` names the process; stop it first") from None
+
     def start(self) -> VLLMServer:
+        self.check_free()
         for notice in self.notices():
             print(f"steptap vllm: {notice}", file=sys.stderr)
         venv = ensure_venv(self.venv, self.gpu)
@@ -260,9 +282,10 @@ class VLLMServer:
         os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
         with open(fd, "wb") as log:
             # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
-            self.process = subprocess.Popen(
+            # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its engine)
+            self.process = subprocess.Popen(  # noqa: PLW1509 - set only from the main thread (lifetime.py)
                 self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True,
+                env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),
             )
         return self
 
