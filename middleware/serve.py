@@ -70,13 +70,13 @@ def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
     directory of the user cache, named for the port."""
     from pathlib import Path
 
-    from steptap.middleware.launch.private_files import private_dir, write_private
+    from steptap.middleware.launch.private_files import secret_dir, write_private
 
     if path is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap" / "tokens"
-        path = str(private_dir(cache) / f"serve-{config.port or os.getpid()}.token")
-    elif not Path(path).parent.exists():
-        private_dir(Path(path).parent)
+        path = str(secret_dir(cache) / f"serve-{config.port or os.getpid()}.token")
+    else:
+        secret_dir(Path(path).parent)
     write_private(path, config.control_token + "\n")
     return path
 
@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     token_file = None
     if not config.control_token:  # generated: kept in a 0600 file, never printed; one for all workers
         config.control_token = generate_token()
-        token_file = _write_generated_token(args_of(argv).control_token_file, config)
+        from steptap.middleware.launch.private_files import PrivateDirError
+
+        try:
+            token_file = _write_generated_token(args_of(argv).control_token_file, config)
+        except PrivateDirError as exc:
+            print(f"steptap serve: {exc}", file=sys.stderr)
+            return 2
     workers = args_of(argv).workers
     if workers > 1:
         from steptap.middleware.workers import run_workers

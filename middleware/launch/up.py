@@ -27,7 +27,13 @@ from pathlib import Path
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
-from steptap.middleware.launch.private_files import private_dir, read_token_file, write_private
+from steptap.middleware.launch.private_files import (
+    PrivateDirError,
+    private_dir,
+    read_token_file,
+    secret_dir,
+    write_private,
+)
 from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
@@ -181,12 +187,15 @@ class Up:
     def _prepare_token(self) -> None:
         """The control token: the given file's, else ``$STEPTAP_CONTROL_TOKEN``, else generated. It reaches
         the proxy and the driver as a 0600 file and the learner by environment, never on a command line."""
+        try:  # before adopting a file there too: in a shared directory anyone could have planted it
+            secret_dir(self.token_file.parent)
+        except PrivateDirError as exc:
+            raise Refused(str(exc)) from None
         if self.token_file.exists():
             os.chmod(self.token_file, 0o600)  # an existing file keeps its old mode otherwise
             self.token = read_token_file(self.token_file)
             return
         self.token = os.environ.get(TOKEN_ENV) or generate_token()
-        private_dir(self.token_file.parent)
         write_private(self.token_file, self.token + "\n")
 
     def _refuse_missing_learner(self) -> None:

@@ -30,7 +30,7 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.launch.private_files import private_dir
+from steptap.middleware.launch.private_files import PrivateDirError, private_dir, secret_dir
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.lifetime import die_with_parent
@@ -249,6 +249,10 @@ class VLLMServer:
         the port, or go on serving behind a fresh socket): say so instead of failing to bind, or unlinking
         its socket and leaving it running unreachable."""
         if self.uds is not None:
+            try:
+                secret_dir(self.uds.parent)  # whoever may write there could swap the socket
+            except PrivateDirError as exc:
+                raise VLLMStartError(f"--uds {self.uds}: {exc}") from None
             if (self.uds.exists() or self.uds.is_socket()) and procs.healthy(self.url, timeout_s=2.0):
                 raise VLLMStartError(f"{self.url}: a server answers there already (a vLLM left running by a "
                                      f"launcher that died? `fuser {self.uds}` names it): stop it first")
@@ -275,7 +279,6 @@ class VLLMServer:
                   f"transfer engine: {unusable}", file=sys.stderr)
         python = venv / "bin" / "python"
         if self.uds is not None:
-            private_dir(self.uds.parent)
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
         private_dir(self.log_path.parent)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
