@@ -4,9 +4,10 @@ The program gets ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` for its session (plu
 ``STEPTAP_REWARD_FILE``, ``STEPTAP_MEMBER_INDEX``, ``STEPTAP_GROUP_ID``), never the control token: the agent
 is untrusted. When it exits, the session is finished with a reward from
 
-- ``--reward-cmd CMD``: a shell command that sees ``STEPTAP_TRAJECTORY_ID``, ``STEPTAP_EXIT_CODE`` (and the
-  proxy URL and control token, to fetch the trajectory) and prints a number (or a JSON object of named
-  components) as its last line of output; or
+- ``--reward-cmd CMD``: a shell command that gets the trajectory as JSON on stdin and sees
+  ``STEPTAP_TRAJECTORY_ID``, ``STEPTAP_EXIT_CODE`` (never the control token: a grader that runs the agent's
+  code must not be able to post rewards) and prints a number (or a JSON object of named components) as its
+  last line of output; or
 - the reward file: whatever the agent wrote to ``$STEPTAP_REWARD_FILE`` (``--reward-file PATH`` names it;
   ``{index}`` and ``{session}`` in PATH are filled in, and with ``-n`` > 1 a PATH without them gets
   ``.<index>`` appended).
@@ -31,8 +32,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import msgspec
+
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
-from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token
+from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError, default_control_token, forget_control_token
 
 KILL_GRACE_S = 3.0
 
@@ -99,6 +102,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         if not isinstance(args.metadata, dict):
             p.error("--metadata must be a JSON object")
     args.concurrency = max(1, args.concurrency or min(args.n, 8))
+    forget_control_token()  # read: nothing started from here inherits it
     return args
 
 
@@ -234,7 +238,7 @@ class Runner:
 
     async def _reward(self, m: Member, reward_file: str) -> dict[str | None, float] | None:
         if self.args.reward_cmd:
-            env = dict(os.environ)
+            env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
             env.update(
                 STEPTAP_TRAJECTORY_ID=m.session_id,
                 STEPTAP_SESSION_ID=m.session_id,
@@ -242,20 +246,23 @@ class Runner:
                 STEPTAP_MEMBER_INDEX=str(m.index),
                 STEPTAP_REWARD_FILE=reward_file,
                 STEPTAP_URL=self.args.proxy,
-                STEPTAP_CONTROL_TOKEN=self.args.control_token,
             )
+            try:
+                trajectory = msgspec.json.encode(await self.client.get_session(m.session_id))
+            except (SteptapError, OSError, asyncio.TimeoutError) as exc:
+                raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id
             proc = await asyncio.create_subprocess_shell(
                 self.args.reward_cmd,
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
             self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
             try:
-                out, _ = await asyncio.wait_for(proc.communicate(), self.args.reward_timeout)
+                out, _ = await asyncio.wait_for(proc.communicate(trajectory), self.args.reward_timeout)
             except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
                 await proc.wait()
