@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steptap serve: {exc}", file=sys.stderr)
             return 2
     workers = args_of(argv).workers
+    if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
+        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N", file=sys.stderr)
+        return 2
     if workers > 1:
         from steptap.middleware.workers import run_workers
 
