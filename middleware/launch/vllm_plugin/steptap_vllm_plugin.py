@@ -21,7 +21,7 @@ fail (gloo: the peer's socket closes at once; nccl: the timeout), never hang.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -68,10 +68,11 @@ class SteptapInitInfo(WeightTransferInitInfo):
     master_address: str
     master_port: int
     rank_offset: int
-    secret: str = ""  # the learner's store refuses whoever lacks it (SealedStore raises on a short one)
     world_size: int
     backend: str = "gloo"
     timeout_s: float = 120.0
+    # the learner's store refuses whoever lacks it (SealedStore raises on a short one); never in a repr or log
+    secret: str = field(default="", repr=False)
 
 
 @dataclass
