@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -101,11 +102,13 @@ def atomic_write(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE, dur
     replaces one with another mode."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # A fresh unpredictable name, created here or not at all: in a shared directory a planted file or symlink
+    # at a guessable name would otherwise take the write.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         try:
-            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask, and a left-over tmp keeps its own
+            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask
             write_all(fd, payload)
             if durable:
                 os.fsync(fd)
