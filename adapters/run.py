@@ -23,9 +23,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import uuid
@@ -106,8 +108,41 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+MAX_REWARD_FILE = 64 * 1024  # a reward is a line; more is an agent filling the disk or the memory
+
+
+def read_reward_file(path: str) -> dict[str | None, float] | None:
+    """The reward an agent wrote to ``path``: None when there is no file; ``RuntimeError`` for a file that is
+    not a regular one (a FIFO would block, ``/dev/zero`` never ends), one over ``MAX_REWARD_FILE`` or a bad
+    reward. Opened without following a symlink and without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RuntimeError(f"reward file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RuntimeError(f"reward file {path} is not a regular file")
+        data = f.read(MAX_REWARD_FILE + 1)
+    if len(data) > MAX_REWARD_FILE:
+        raise RuntimeError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
+    try:
+        return parse_reward(data.decode("utf-8", "replace"))
+    except ValueError as exc:
+        raise RuntimeError(f"reward file {path}: {exc}") from None
+
+
 def parse_reward(text: str) -> dict[str | None, float] | None:
-    """A reward as printed or written: its last non-empty line, a number or a JSON object of named numbers."""
+    """A reward as printed or written: its last non-empty line, a finite number or a JSON object of named
+    finite numbers (``nan`` or ``inf`` would poison every advantage of its group)."""
+    out = _parse_reward(text)
+    if out is not None and not all(math.isfinite(v) for v in out.values()):
+        raise ValueError(f"a reward must be a finite number: {text.strip()[-200:]!r}")
+    return out
+
+
+def _parse_reward(text: str) -> dict[str | None, float] | None:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return None
@@ -278,15 +313,7 @@ class Runner:
             if reward is None:
                 raise RuntimeError("reward command printed nothing")
             return reward
-        try:
-            with open(reward_file, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            return parse_reward(text)
-        except ValueError as exc:
-            raise RuntimeError(f"reward file {reward_file}: {exc}") from None
+        return read_reward_file(reward_file)
 
     async def _finish(self, m: Member, reward: dict[str | None, float] | None, status: str) -> None:
         try:
