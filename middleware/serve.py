@@ -31,8 +31,9 @@ def _secret(args: argparse.Namespace, name: str) -> str | None:
     value = getattr(args, name)
     path = getattr(args, name + "_file")
     if not value and path and os.path.exists(path):  # a missing control token file is written at start
-        from steptap.middleware.launch.private_files import read_token_file
+        from steptap.middleware.launch.private_files import read_token_file, secret_dir
 
+        secret_dir(os.path.dirname(os.path.abspath(path)))  # anyone could have planted it in a shared one
         value = read_token_file(path)
     return value or os.environ.get(SECRET_ENV[name]) or None
 

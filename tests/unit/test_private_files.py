@@ -52,3 +52,16 @@ def test_serve_refuses_a_token_file_in_a_world_writable_directory(tmp_path: Path
     assert out.returncode == 2, out.stderr[-2000:]
     assert "writable by others" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert not (d / "tok").exists() and _mode(d) == 0o777
+
+
+def test_serve_refuses_to_adopt_a_token_file_planted_in_a_shared_directory(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    (d / "tok").write_text("planted-by-someone-else\n")
+    out = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", "0", "--log",
+                          str(tmp_path / "log"), "--control-token-file", str(d / "tok")],
+                         capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "STEPTAP_CONTROL_TOKEN"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "writable by others" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
