@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.delta import full_trajectory
+from steptap.middleware.files import FILE_MODE, makedirs
 from steptap.middleware.records import Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
@@ -131,8 +133,7 @@ class PartWriter:
     def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000) -> None:
         self.pa = _pa()
         self.schema = schema()
-        self.out = Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = makedirs(out)  # new directories 0700: the parts hold prompts and replies
         self.rows_per_file, self.batch_rows = max(1, rows_per_file), max(1, batch_rows)
         self.files: list[Path] = []
         self.rows = 0
@@ -140,6 +141,7 @@ class PartWriter:
         self._buf: list[dict[str, Any]] = []
         self._writer: Any = None
         self._tmp: Path | None = None
+        self._file: Any = None
         self._in_file = 0
 
     def add(self, traj: Trajectory) -> None:
@@ -154,8 +156,12 @@ class PartWriter:
             return
         if self._writer is None:
             final = self.out / f"part-{len(self.files):05d}.parquet"
-            self._tmp = final.with_name(f".{final.name}.tmp")
-            self._writer = self.pa.parquet.ParquetWriter(str(self._tmp), self.schema)
+            self._tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(8)}")
+            # 0600 whatever the umask, created here or not at all (never through a planted name)
+            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+            os.fchmod(fd, FILE_MODE)
+            self._file = os.fdopen(fd, "wb")
+            self._writer = self.pa.parquet.ParquetWriter(self._file, self.schema)
             self.files.append(final)
         self._writer.write_table(self.pa.Table.from_pylist(self._buf, schema=self.schema))
         self._in_file += len(self._buf)
@@ -167,6 +173,7 @@ class PartWriter:
     def _seal(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._file.close()
             assert self._tmp is not None
             os.replace(self._tmp, self.files[-1])
             self._writer, self._tmp, self._in_file = None, None, 0

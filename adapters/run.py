@@ -4,9 +4,10 @@ The program gets ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` for its session (plu
 ``STEPTAP_REWARD_FILE``, ``STEPTAP_MEMBER_INDEX``, ``STEPTAP_GROUP_ID``), never the control token: the agent
 is untrusted. When it exits, the session is finished with a reward from
 
-- ``--reward-cmd CMD``: a shell command that sees ``STEPTAP_TRAJECTORY_ID``, ``STEPTAP_EXIT_CODE`` (and the
-  proxy URL and control token, to fetch the trajectory) and prints a number (or a JSON object of named
-  components) as its last line of output; or
+- ``--reward-cmd CMD``: a shell command that gets the trajectory as JSON on stdin and sees
+  ``STEPTAP_TRAJECTORY_ID``, ``STEPTAP_EXIT_CODE`` (never the control token: a grader that runs the agent's
+  code must not be able to post rewards) and prints a number (or a JSON object of named components) as its
+  last line of output; or
 - the reward file: whatever the agent wrote to ``$STEPTAP_REWARD_FILE`` (``--reward-file PATH`` names it;
   ``{index}`` and ``{session}`` in PATH are filled in, and with ``-n`` > 1 a PATH without them gets
   ``.<index>`` appended).
@@ -33,7 +34,7 @@ from typing import Any
 from steptap.adapters import agents
 from steptap.adapters.runner import Runner, describe, explain, parse_reward  # noqa: F401 - parse_reward re-exported
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
-from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token
+from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 
 
 class RunError(Exception):
@@ -91,6 +92,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         if not isinstance(args.metadata, dict):
             p.error("--metadata must be a JSON object")
     args.concurrency = max(1, args.concurrency or min(args.n, 8))
+    forget_control_token()  # read: nothing started from here inherits it
     return args
 
 async def _preflight(client: Any, proxy: str) -> None:

@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
+import stat
 import sys
 import tempfile
 import uuid
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import msgspec
+
 from steptap.adapters import agents
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
-from steptap.middleware.client import TOKEN_FILE_ENV
+from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
 
 KILL_GRACE_S = 3.0
 
@@ -35,7 +39,41 @@ class Member:
     steps: int | None = None
     error: str | None = None
 
+MAX_REWARD_FILE = 64 * 1024  # a reward is a line; more is an agent filling the disk or the memory
+
+
+def read_reward_file(path: str) -> dict[str | None, float] | None:
+    """The reward an agent wrote to ``path``: None when there is no file; ``RuntimeError`` for a file that is
+    not a regular one (a FIFO would block, ``/dev/zero`` never ends), one over ``MAX_REWARD_FILE`` or a bad
+    reward. Opened without following a symlink and without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RuntimeError(f"reward file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RuntimeError(f"reward file {path} is not a regular file")
+        data = f.read(MAX_REWARD_FILE + 1)
+    if len(data) > MAX_REWARD_FILE:
+        raise RuntimeError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
+    try:
+        return parse_reward(data.decode("utf-8", "replace"))
+    except ValueError as exc:
+        raise RuntimeError(f"reward file {path}: {exc}") from None
+
+
 def parse_reward(text: str) -> dict[str | None, float] | None:
+    """A reward as printed or written: its last non-empty line, a finite number or a JSON object of named
+    finite numbers (``nan`` or ``inf`` would poison every advantage of its group)."""
+    out = _parse_reward(text)
+    if out is not None and not all(math.isfinite(v) for v in out.values()):
+        raise ValueError(f"a reward must be a finite number: {text.strip()[-200:]!r}")
+    return out
+
+
+def _parse_reward(text: str) -> dict[str | None, float] | None:
     """A reward as printed or written: its last non-empty line, a number or a JSON object of named numbers."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
@@ -182,7 +220,7 @@ class Runner:
 
     async def _reward(self, m: Member, reward_file: str) -> dict[str | None, float] | None:
         if self.args.reward_cmd:
-            env = dict(os.environ)
+            env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
             env.update(
                 STEPTAP_TRAJECTORY_ID=m.session_id,
                 STEPTAP_SESSION_ID=m.session_id,
@@ -190,20 +228,23 @@ class Runner:
                 STEPTAP_MEMBER_INDEX=str(m.index),
                 STEPTAP_REWARD_FILE=reward_file,
                 STEPTAP_URL=self.args.proxy,
-                STEPTAP_CONTROL_TOKEN=self.args.control_token,
             )
+            try:
+                trajectory = msgspec.json.encode(await self.client.get_session(m.session_id))
+            except (SteptapError, OSError, asyncio.TimeoutError) as exc:
+                raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id
             proc = await asyncio.create_subprocess_shell(
                 self.args.reward_cmd,
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
             self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
             try:
-                out, _ = await asyncio.wait_for(proc.communicate(), self.args.reward_timeout)
+                out, _ = await asyncio.wait_for(proc.communicate(trajectory), self.args.reward_timeout)
             except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
                 await proc.wait()
@@ -219,15 +260,7 @@ class Runner:
             if reward is None:
                 raise RuntimeError("reward command printed nothing")
             return reward
-        try:
-            with open(reward_file, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            return parse_reward(text)
-        except ValueError as exc:
-            raise RuntimeError(f"reward file {reward_file}: {exc}") from None
+        return read_reward_file(reward_file)
 
     async def _finish(self, m: Member, reward: dict[str | None, float] | None, status: str) -> None:
         try:

@@ -13,6 +13,12 @@ The learner learns the group's size from the store (each worker writes it as it 
 nothing of the replicas. Every wait is bounded: the proxy's answer (an error too) ends the wait for workers,
 and the group's ``timeout_s`` bounds each broadcast.
 
+Strangers: the store listens only on ``address`` (the interface vLLM reaches this host by; 127.0.0.1 for a
+local vLLM), and it is sealed (``steptap_sealed_store``) with a random secret made for this one transfer and
+handed to vLLM only inside the authenticated ``POST /admin/weights`` body: a process without it can neither
+join the group nor plant a value the learner believes. Every failure of this path is a ``PublishError`` (the
+daemon reports it and goes on), never an exception that ends the learner.
+
 LoRA adapters are not sent this way: vLLM's transfer loads base weights in place, while an adapter is a
 separate model vLLM loads by path (``/v1/load_lora_adapter``); LoRA keeps publishing through disk.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -30,12 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from steptap.learner.publish import PublishError
+from steptap.middleware.launch.vllm_plugin.steptap_sealed_store import SealedStore
 from steptap.middleware.client import SteptapError, SyncSteptapClient
 
 logger = logging.getLogger("steptap.learner.transfer")
 
 PREFIX = "steptap-transfer/"  # as the vLLM plugin's (middleware/launch/vllm_plugin/steptap_vllm_plugin.py)
 WORLD_KEY = "world_size"
+MAX_WORLD = 4097  # the learner and up to 4096 vLLM workers: a larger size read from the store is refused
 
 
 def named_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -88,11 +97,49 @@ def send_collective(
     if any(t.is_cuda != cuda for _, t in weights):
         raise ValueError("the tensors must all be on CUDA or all on CPU")
     backend = "nccl" if cuda else "gloo"
-    address = address or _route_address(proxy_url)
+    try:
+        return _send(weights, proxy_url, control_token, backend, version, address or _route_address(proxy_url),
+                     timeout_s, swap_timeout_s, progress)
+    except PublishError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's store and group errors, a bad address: report, never die
+        raise PublishError(f"the weight transfer failed on the learner's side: {type(exc).__name__}: {exc}",
+                           None, "transfer_failed") from exc
+
+
+def _listen(address: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's store, listening on ``address`` only (a TCPStore master alone binds every interface)."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(where)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns it now
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=fd)
+
+
+def _world(store: SealedStore) -> int:
+    raw = store.get(WORLD_KEY)
+    text = raw.decode("ascii", "replace").strip()
+    if not text.isdigit() or not 2 <= int(text) <= MAX_WORLD:
+        raise PublishError(f"the transfer's group size {text[:20]!r} is not within 2..{MAX_WORLD}", None,
+                           "transfer_failed")
+    return int(text)
+
+
+def _send(weights: list[tuple[str, torch.Tensor]], proxy_url: str, control_token: str, backend: str,
+          version: int | None, address: str, timeout_s: float, swap_timeout_s: float,
+          progress: Callable[[int, int], None] | None) -> int:
     td = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=td)
-    body = {"transfer": {"address": address, "port": store.port, "backend": backend, "timeout_s": timeout_s,
-                         **transfer_spec(weights)}}
+    store = _listen(address, td)
+    secret = secrets.token_hex(32)  # this transfer's: only the proxy (and through it vLLM) learns it
+    body = {"transfer": {"address": address, "port": store.port, "secret": secret, "backend": backend,
+                         "timeout_s": timeout_s, **transfer_spec(weights)}}
     if version is not None:
         body["version"] = int(version)
     answer: dict[str, Any] = {}
@@ -108,9 +155,9 @@ def send_collective(
     thread = threading.Thread(target=swap, name="steptap-transfer-swap", daemon=True)
     thread.start()
     group = None
-    send_error: RuntimeError | None = None
+    send_error: Exception | None = None
     try:
-        prefixed = dist.PrefixStore(PREFIX, store)
+        prefixed = SealedStore(dist.PrefixStore(PREFIX, store), secret)
         # Wait for the first worker to join (the proxy drains and pauses first), or the proxy's answer.
         while not prefixed.check([WORLD_KEY]):
             if not thread.is_alive():
@@ -120,7 +167,7 @@ def send_collective(
                                    "transfer_timeout")
             time.sleep(0.02)
         else:
-            world = int(prefixed.get(WORLD_KEY))
+            world = _world(prefixed)
             try:
                 group = _group(prefixed, world, backend, td)
                 opts = dist.BroadcastOptions()
@@ -133,7 +180,7 @@ def send_collective(
                         progress(i + 1, len(weights))
                 logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
                             backend, time.monotonic() - t_send)
-            except RuntimeError as exc:  # a worker left or never joined (gloo/nccl errors): the proxy says why
+            except (RuntimeError, PublishError) as exc:  # a worker left or never joined, a spoiled store
                 send_error = exc
         thread.join(swap_timeout_s)
     finally:
@@ -149,7 +196,8 @@ def send_collective(
         raise PublishError(f"proxy {proxy_url} unreachable for the weight transfer: {err}", None,
                            "proxy_unreachable")
     if err is not None:
-        raise err
+        raise PublishError(f"the weight transfer swap failed: {type(err).__name__}: {err}", None,
+                           "transfer_failed")
     if send_error is not None:  # the proxy answered success though this side failed: never expected
         raise PublishError(f"the weight transfer failed on the learner's side: {send_error}", None,
                            "transfer_failed")

@@ -64,6 +64,14 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return lines[0].strip()
 
 
+def forget_control_token() -> None:
+    """Take the control token (and the name of its file) out of this process's environment once read: every
+    process started from here (an agent, a tool, a grader) would inherit it, and with it the power to post
+    its own rewards."""
+    os.environ.pop(TOKEN_ENV, None)
+    os.environ.pop(TOKEN_FILE_ENV, None)
+
+
 def default_control_token() -> str | None:
     """The control token from ``$STEPTAP_CONTROL_TOKEN``, else from the file ``$STEPTAP_CONTROL_TOKEN_FILE``
     names (``read_token_file``), else None."""
@@ -520,4 +528,6 @@ class SyncSteptapClient:
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")
 
 
-__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError", "SessionInfo", "Delivery", "SeenSet", "delivery_key"]
+__all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token",
+           "forget_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError", "SessionInfo",
+           "Delivery", "SeenSet", "delivery_key"]

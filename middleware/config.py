@@ -40,7 +40,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     log: Annotated[str, _help("trajectory log: a local directory or an fsspec URL")] = DEFAULT_LOG_DIR
     control_token: Annotated[str, _help(
         "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
-    public_url: Annotated[str | None, _help("base URL handed to agents (default http://HOST:PORT)")] = None
+    public_url: Annotated[str | None, _help(
+        "base URL handed to agents (default http://HOST:PORT); with --workers a template naming the worker: "
+        "{i} or {port}")] = None
     any_model: Annotated[bool, _help("route every model name to the backend's served model")] = False
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "

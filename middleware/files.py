@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
+import secrets
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -100,11 +102,33 @@ def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:
 
 
 def private_dir(path: StrPath) -> Path:
-    """``makedirs`` (durable, new ones 0700) and the directory itself made 0700 even if it existed (it may hold
-    a token, prompts or a socket whose routes have no auth)."""
-    path = makedirs(path)
-    os.chmod(path, DIR_MODE)
+    """``makedirs`` with every directory it creates 0700 (durable; the mode set past the umask). A directory that
+    already exists is the user's (``/tmp``, ``/run``, the working directory) and keeps its mode: a secret in one
+    goes through ``secret_dir``."""
+    path = Path(path)
+    new = [p for p in (path, *path.parents) if not p.exists()]
+    makedirs(path)
+    for d in new:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(d, DIR_MODE)  # mkdir's mode is filtered by the umask
     return path
+
+
+class PrivateDirError(ValueError):
+    """A directory that may not hold a secret (its message says why and what to do)."""
+
+
+def secret_dir(path: StrPath) -> Path:
+    """``private_dir``, for a directory that holds a secret (a token, a socket): refused when another user (root
+    aside) owns it or others may write it, since they could swap, remove or plant the file."""
+    d = private_dir(path)
+    st = d.stat()
+    if st.st_mode & 0o022:
+        raise PrivateDirError(f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): a secret there "
+                              "could be swapped or planted; use a directory only you can write")
+    if st.st_uid not in (os.getuid(), 0):  # root's own directories (/etc, /run) are as safe as root is
+        raise PrivateDirError(f"{d} belongs to another user: keep secrets in a directory of your own")
+    return d
 
 
 def atomic_write(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE, durable: bool = True) -> None:
@@ -114,11 +138,13 @@ def atomic_write(path: StrPath, data: bytes | str, *, mode: int = FILE_MODE, dur
     replaces one with another mode."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # A fresh unpredictable name, created here or not at all: in a shared directory a planted file or symlink
+    # at a guessable name would otherwise take the write.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         try:
-            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask, and a left-over tmp keeps its own
+            os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask
             write_all(fd, payload)
             if durable:
                 os.fsync(fd)

@@ -32,6 +32,9 @@ def _secret(args: argparse.Namespace, name: str) -> str | None:
     value = getattr(args, name)
     path = getattr(args, name + "_file")
     if not value and path and os.path.exists(path):  # a missing control token file is written at start
+        from steptap.middleware.files import secret_dir
+
+        secret_dir(os.path.dirname(os.path.abspath(path)))  # anyone could have planted it in a shared one
         value = read_token_file(path)
     return value or os.environ.get(SECRET_ENV[name]) or None
 
@@ -69,14 +72,14 @@ def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
     directory of the user cache, named for the port."""
     from pathlib import Path
 
-    from steptap.middleware.files import private_dir
+    from steptap.middleware.files import secret_dir
     from steptap.middleware.launch.private_files import write_private
 
     if path is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap" / "tokens"
-        path = str(private_dir(cache) / f"serve-{config.port or os.getpid()}.token")
-    elif not Path(path).parent.exists():
-        private_dir(Path(path).parent)
+        path = str(secret_dir(cache) / f"serve-{config.port or os.getpid()}.token")
+    else:
+        secret_dir(Path(path).parent)
     write_private(path, config.control_token + "\n")
     return path
 
@@ -92,8 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     token_file = None
     if not config.control_token:  # generated: kept in a 0600 file, never printed; one for all workers
         config.control_token = generate_token()
-        token_file = _write_generated_token(args_of(argv).control_token_file, config)
+        from steptap.middleware.files import PrivateDirError
+
+        try:
+            token_file = _write_generated_token(args_of(argv).control_token_file, config)
+        except PrivateDirError as exc:
+            print(f"steptap serve: {exc}", file=sys.stderr)
+            return 2
     workers = args_of(argv).workers
+    if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
+        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N", file=sys.stderr)
+        return 2
     if workers > 1:
         from steptap.middleware.workers import run_workers
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.lifetime import die_with_parent
 
 SHARED_BACKENDS = "shared"  # the reason a worker refuses swaps (see above)
 
@@ -35,8 +36,24 @@ def deal(backends: list[str], workers: int) -> list[list[str]]:
     return [list(backends) for _ in range(workers)]
 
 
+PUBLIC_URL_REFUSED = (
+    "--public-url with --workers: each session is served by one worker, so agents need a URL per worker. Give "
+    "a template the front routes to worker i: {i} (0..N-1) or {port} (the worker's own port PORT+1+i), e.g. "
+    "https://w{i}.example.com or https://front.example.com:{port}"
+)
+
+
 def worker_urls(config: ProxyConfig, workers: int) -> list[str]:
-    return [f"http://{config.host}:{config.port + 1 + i}" for i in range(workers)]
+    """The URL each worker hands to agents: from the ``--public-url`` template (``{i}``, ``{port}``), else the
+    worker's own address. ``ValueError`` for a public URL that names no worker (it would bypass the front or
+    send every session to one worker)."""
+    ports = [config.port + 1 + i for i in range(workers)]
+    if not config.public_url:
+        return [f"http://{config.host}:{p}" for p in ports]
+    if "{i}" not in config.public_url and "{port}" not in config.public_url:
+        raise ValueError(PUBLIC_URL_REFUSED)
+    return [config.public_url.replace("{i}", str(i)).replace("{port}", str(p)).rstrip("/")
+            for i, p in enumerate(ports)]
 
 
 def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
@@ -52,7 +69,11 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
     # One control token for all (the learner uses one): passed by environment, never on a command line.
     env[TOKEN_ENV] = config.control_token or generate_token()
     generated = not config.control_token
-    urls = worker_urls(config, workers)
+    try:
+        urls = worker_urls(config, workers)
+    except ValueError as exc:
+        print(f"steptap serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     base = _strip(argv, {"--workers", "--backend", "--log", "--public-url", "--control-token"})
     procs: list[subprocess.Popen[bytes]] = []
     for i, (share, url) in enumerate(zip(shares, urls, strict=True)):
@@ -63,7 +84,8 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
             cmd += ["--backend", b]
         if shared:
             cmd += ["--refuse-swaps", SHARED_BACKENDS]
-        procs.append(subprocess.Popen(cmd, env=env))
+        # A SIGKILLed launcher runs no cleanup: each worker gets SIGTERM from the kernel then (procs.py).
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))  # noqa: PLW1509
     print(f"steptap serve: {workers} workers on {config.base_url()} (SO_REUSEPORT); their own URLs, for the "
           f"learner: --proxy-urls {' '.join(urls)}", flush=True)
     if generated:

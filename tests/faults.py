@@ -203,3 +203,54 @@ class DiskFullInjector:
 
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.real(fd, data, *args, **kwargs)
+
+
+class TransferProxy:
+    """A stand-in for the proxy's ``POST /admin/weights {"transfer"}``: it keeps the body and holds the answer
+    until ``answer_error()`` (a real proxy answers only once vLLM joined, which a store test has no vLLM for).
+    Plain threads and http.server: the learner's client is synchronous."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        outer = self
+        self._got = threading.Event()
+        self._go = threading.Event()
+        self._body: dict[str, Any] = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                outer._body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer._got.set()
+                outer._go.wait(60)
+                data = json.dumps({"error": {"message": "transfer failed (stand-in)", "type": "server_error",
+                                             "code": "transfer_failed"}}).encode()
+                self.send_response(502)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def body(self, timeout_s: float) -> dict[str, Any]:
+        assert self._got.wait(timeout_s), "the learner never asked for the swap"
+        return self._body
+
+    def answer_error(self) -> None:
+        self._go.set()
+
+    def __enter__(self) -> TransferProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._go.set()
+        self._server.shutdown()
+        self._server.server_close()

@@ -27,6 +27,7 @@ from typing import Any
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
 from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
+from steptap.middleware.client import forget_control_token
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )
+    p.add_argument("--trust-dataset-code", action="store_true",
+                   help="let rows' agent_name import module:attr or file.py:attr (default: registered names only)")
     p.add_argument("--model", help="model name to request (default: the one the proxy serves)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes at once")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -53,6 +56,7 @@ def _config(args: argparse.Namespace, mode: str, n: int, epochs: int, state: str
         epochs=epochs,
         mode=mode,
         env=args.env,
+        trust_dataset_code=args.trust_dataset_code,
         model=args.model,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -69,6 +73,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"no control token: pass --control-token or set {TOKEN_ENV}")
     if args.concurrency < 1:
         p.error("--concurrency must be at least 1")
+    forget_control_token()  # read: no environment, tool or grader started from here inherits it
 
 
 class _Progress:

@@ -36,6 +36,7 @@ class RunConfig:
     epochs: int = 1
     mode: str = "train"  # "eval": never trained on
     env: str | Callable[[], Any] | None = None  # overrides each row's agent_name (a name, or a factory)
+    trust_dataset_code: bool = False  # rows' agent_name may name module:attr / file.py:attr (imported)
     model: str | None = None
     max_tokens: int = 256
     temperature: float = 1.0
@@ -185,8 +186,12 @@ class DatasetRunner:
         name = self.cfg.env or row.agent_name
         if not name:
             raise ValueError(f"row {row.index} has no agent_name and no --env was given")
-        if name not in self._factories:
-            self._factories[name] = resolve_env(name)
+        if name not in self._factories:  # --env is the user's own; a row's name is the dataset's
+            allow_code = bool(self.cfg.env) or self.cfg.trust_dataset_code
+            try:
+                self._factories[name] = resolve_env(name, allow_code=allow_code)
+            except ValueError as exc:
+                raise ValueError(f"row {row.index}: {exc}") from None
         return self._factories[name]
 
     async def _episode(

@@ -2,7 +2,9 @@
 
 The control token, the trajectory log (prompts, session keys) and the component logs are readable by whoever
 can read the files, so `steptap up` makes them private to the user that runs it. A file that already existed
-keeps its old mode under a plain ``open(..., "w")``; these helpers set the mode every time.
+keeps its old mode under a plain ``open(..., "w")``; these helpers set the mode every time. Directories are
+another matter: one that exists is the user's (``/tmp``, ``/run``, the working directory) and keeps its mode;
+only what steptap creates is made private, and a secret is refused in a directory others may write.
 """
 
 from __future__ import annotations

@@ -9,11 +9,8 @@ cleaning up (PR_SET_PDEATHSIG), so even a SIGKILLed `steptap up` leaves nothing 
 
 from __future__ import annotations
 
-import ctypes
 import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,17 +19,9 @@ import psutil
 from steptap.middleware.files import private_dir
 from steptap.middleware.launch.private_files import open_private_log
 from steptap.middleware.launch.procs import signal_group, stop_group
+from steptap.middleware.lifetime import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 _NOISE = re.compile(r'"(GET|HEAD) /(health|metrics|v1/models)[ ?]')
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
 
 
 class Child:
@@ -74,7 +63,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - up starts children before any thread exists
+                preexec_fn=die_with_parent(),  # noqa: PLW1509 - up starts children before any thread exists
             )
         return self
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient, read_token_file
-from steptap.middleware.files import private_dir
+from steptap.middleware.files import PrivateDirError, private_dir, secret_dir
 from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.vllm_server import has_gpu
 from steptap.middleware.launch.procs import healthy, wait_until
@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-tcp",
         action="store_true",
-        help="serve the managed vLLM on a TCP port instead of a unix socket in a private directory; its "
-        "dev-mode admin routes (pause, reload weights, load LoRA) then answer every local process",
+        help="serve the managed vLLM on a TCP port of 127.0.0.1 instead of a unix socket in a private directory "
+        "(steptap vllm --insecure-tcp): its dev-mode admin routes (pause, reload weights, weight transfer, load "
+        "LoRA) then answer every local process",
     )
     p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
     p.add_argument(
@@ -181,12 +182,15 @@ class Up:
     def _prepare_token(self) -> None:
         """The control token: the given file's, else ``$STEPTAP_CONTROL_TOKEN``, else generated. It reaches
         the proxy and the driver as a 0600 file and the learner by environment, never on a command line."""
+        try:  # before adopting a file there too: in a shared directory anyone could have planted it
+            secret_dir(self.token_file.parent)
+        except PrivateDirError as exc:
+            raise Refused(str(exc)) from None
         if self.token_file.exists():
             os.chmod(self.token_file, 0o600)  # an existing file keeps its old mode otherwise
             self.token = read_token_file(self.token_file)
             return
         self.token = os.environ.get(TOKEN_ENV) or generate_token()
-        private_dir(self.token_file.parent)
         write_private(self.token_file, self.token + "\n")
 
     def _refuse_missing_learner(self) -> None:
@@ -227,7 +231,7 @@ class Up:
         for i in range(replicas):
             if self.args.vllm_tcp:
                 port = (self.args.vllm_port + i if self.args.vllm_port else 0) or _free_port()
-                url, where = f"http://127.0.0.1:{port}", ["--port", str(port)]
+                url, where = f"http://127.0.0.1:{port}", ["--port", str(port), "--insecure-tcp"]
             else:
                 sock = f"{self.sock_dir}/vllm-{i}.sock"
                 url, where = f"unix:{sock}", ["--uds", sock]

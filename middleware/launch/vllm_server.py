@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,10 +30,10 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.files import private_dir
+from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
-from steptap.middleware.files import cache_root  # noqa: F401 - re-exported for callers
+from steptap.middleware.lifetime import die_with_parent
 from steptap.middleware.model_files import ties_embeddings
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
@@ -239,7 +240,31 @@ class VLLMServer:
             )
         return out
 
+    def check_free(self) -> None:
+        """Refuse to start where a server still answers (an orphan of a launcher that died hard would keep
+        the port, or go on serving behind a fresh socket): say so instead of failing to bind, or unlinking
+        its socket and leaving it running unreachable."""
+        if self.uds is not None:
+            try:
+                secret_dir(self.uds.parent)  # whoever may write there could swap the socket
+            except PrivateDirError as exc:
+                raise VLLMStartError(f"--uds {self.uds}: {exc}") from None
+            if (self.uds.exists() or self.uds.is_socket()) and procs.healthy(self.url, timeout_s=2.0):
+                raise VLLMStartError(f"{self.url}: a server answers there already (a vLLM left running by a "
+                                     f"launcher that died? `fuser {self.uds}` names it): stop it first")
+            return
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no owner
+            try:
+                s.bind((self.host, self.port))
+            except OSError as exc:
+                what = ("a server answers /health there (a vLLM left running by a launcher that died?)"
+                        if procs.healthy(self.url, timeout_s=2.0) else str(exc))
+                raise VLLMStartError(f"{self.host}:{self.port} is taken already: {what}. `ss -ltnp "
+                                     f"'sport = :{self.port}'` names the process; stop it first") from None
+
     def start(self) -> VLLMServer:
+        self.check_free()
         for notice in self.notices():
             print(f"steptap vllm: {notice}", file=sys.stderr)
         venv = ensure_venv(self.venv, self.gpu)
@@ -250,16 +275,16 @@ class VLLMServer:
                   f"transfer engine: {unusable}", file=sys.stderr)
         python = venv / "bin" / "python"
         if self.uds is not None:
-            private_dir(self.uds.parent)
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
         private_dir(self.log_path.parent)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
         with open(fd, "wb") as log:
             # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
-            self.process = subprocess.Popen(
+            # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its engine)
+            self.process = subprocess.Popen(  # noqa: PLW1509 - set only from the main thread (lifetime.py)
                 self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True,
+                env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),
             )
         return self
 
@@ -317,25 +342,15 @@ class VLLMServer:
         self.stop()
 
 
-def _main_replicas(args: argparse.Namespace, extra: list[str]) -> int:
+def _main_replicas(servers: list[VLLMServer], health_timeout: float) -> int:
     """``--replicas N``: start N servers side by side, stop them all when one exits or on a signal."""
-    gpu = has_gpu()
-    threads = args.threads or (None if gpu else max(1, (os.cpu_count() or 2) // (2 * args.replicas)))
-    servers = []
-    for i in range(args.replicas):
-        log = f"{args.log}.{i}" if args.log else None
-        servers.append(VLLMServer(
-            args.model, host=args.host, port=args.port + i, served_model_name=args.served_model_name,
-            max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
-            threads=threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=log, venv=args.venv,
-            extra_args=extra, env={"CUDA_VISIBLE_DEVICES": str(i)} if gpu else None))
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for server in servers:
             server.start()
             _say(f"starting replica {server.url} (pid {server.pid}), log {server.log_path}")
         for server in servers:
-            server.wait_healthy(args.health_timeout)
+            server.wait_healthy(health_timeout)
         flags = " ".join(f"--backend {s.url}" for s in servers)
         _say(f"{len(servers)} replicas ready; the proxy: steptap serve {flags}")
         while all(s.process is not None and s.process.poll() is None for s in servers):
@@ -369,8 +384,16 @@ def _say(message: str) -> None:
     print(f"steptap vllm: {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+TCP_REFUSED = (
+    "vLLM runs in dev mode: on TCP its admin routes (init a weight transfer, reload weights, pause, load LoRA) "
+    "answer every process that reaches the port, and vLLM's --api-key guards only /v1 (not those routes). "
+    "Serve on unix sockets (the default: leave out --port), or say --insecure-tcp on a machine and network "
+    "you trust (a firewall or private interface letting only the proxy in)"
+)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line: steptap's flags and the arguments after ``--`` (vLLM's). Exits 2 on a bad line."""
     extra: list[str] = []
     if "--" in argv:
         split = argv.index("--")
@@ -383,16 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model directory (required unless --install-only)")
     p.add_argument(
         "--uds",
-        help="serve on this unix socket (its directory is made 0700). The default when no --port is given: "
-        "a socket in a fresh private directory, printed at start",
+        help="serve on this unix socket (its directory is made private when new; with --replicas N, replica i "
+        "on PATH.i). The default when no --port is given: sockets in a fresh private directory, printed at start",
     )
     p.add_argument("--host", default="127.0.0.1", help="with --port: the TCP address")
     p.add_argument(
         "--port",
         type=int,
-        help="serve on TCP instead of a unix socket. vLLM's dev-mode admin routes (pause, reload weights, "
-        "load LoRA) then answer every local process: use it only on a machine you do not share",
+        help="serve on TCP instead of a unix socket (replica i on PORT+i). Refused unless --insecure-tcp is "
+        "given: vLLM's dev-mode admin routes answer whoever reaches the port (its --api-key guards only /v1)",
     )
+    p.add_argument("--insecure-tcp", action="store_true",
+                   help="with --port: serve TCP with vLLM's admin routes open to whoever reaches the port")
     p.add_argument("--served-model-name", help="default: the model's hub name or its directory's name")
     p.add_argument("--max-model-len", type=int, help="default: 2048 on CPU, the model's own on GPU")
     p.add_argument("--max-lora-rank", type=int, default=16)
@@ -409,40 +434,86 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-timeout", type=float, default=600.0)
     p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="N servers on ports PORT..PORT+N-1 (one per GPU when GPUs are present; on CPU they "
-                        "share the cores); give each to `steptap serve --backend`")
+                   help="N servers, each on its own unix socket (or TCP port PORT+i); one per GPU when GPUs are "
+                        "present, on CPU they share the cores; give each to `steptap serve --backend`")
     args = p.parse_args(argv)
+    if args.install_only:
+        return args, extra
+    if not args.model:
+        p.error("--model is required")
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    if args.uds and args.port is not None:
+        p.error("--uds and --port exclude each other")
+    if args.port is not None and not args.insecure_tcp:
+        p.error(f"--port: {TCP_REFUSED}")
+    return args, extra
 
+
+def plan_servers(args: argparse.Namespace, extra: list[str]) -> tuple[list[VLLMServer], str | None]:
+    """The servers ``args`` asks for, not started, and the private directory made for their sockets (the
+    caller removes it) or None. Raises ``VLLMStartError`` for a directory that is no model."""
+    n = args.replicas
+    gpu = has_gpu() if n > 1 else None
+    threads = args.threads
+    if n > 1 and not gpu:
+        threads = threads or max(1, (os.cpu_count() or 2) // (2 * n))  # the replicas share the cores
+    own_dir = None
+    if args.port is None and not args.uds:
+        own_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # mode 0700, removed at exit
+    servers: list[VLLMServer] = []
+    try:
+        servers = [_planned(args, extra, i, gpu, threads, own_dir) for i in range(n)]
+    except BaseException:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+        raise
+    return servers, own_dir
+
+
+def _planned(args: argparse.Namespace, extra: list[str], i: int, gpu: bool | None, threads: int | None,
+             own_dir: str | None) -> VLLMServer:
+    n = args.replicas
+    if args.port is not None:
+        where: dict[str, object] = {"port": args.port + i}
+    elif own_dir is not None:
+        where = {"uds": Path(own_dir) / ("vllm.sock" if n == 1 else f"vllm-{i}.sock")}
+    else:
+        where = {"uds": args.uds if n == 1 else f"{args.uds}.{i}"}
+    log = args.log if n == 1 or not args.log else f"{args.log}.{i}"
+    return VLLMServer(
+        args.model, host=args.host, served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
+        threads=threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=log, venv=args.venv,
+        extra_args=extra, gpu=gpu, env={"CUDA_VISIBLE_DEVICES": str(i)} if n > 1 and gpu else None,
+        **where)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse(list(sys.argv[1:] if argv is None else argv))
     if args.install_only:
         print(ensure_venv(args.venv))
         return 0
-    if not args.model:
-        p.error("--model is required")
-    if args.replicas > 1:
-        if args.port is None:
-            p.error("--replicas N serves on TCP: give --port P (replica i listens on P+i)")
-        return _main_replicas(args, extra)
-    if args.uds and args.port is not None:
-        p.error("--uds and --port exclude each other")
-    uds, own_dir = args.uds, None
-    if uds is None and args.port is None:
-        own_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # mode 0700, removed at exit
-        uds = str(Path(own_dir) / "vllm.sock")
     try:
-        server = VLLMServer(
-            args.model, host=args.host, port=args.port or 8000, uds=uds, served_model_name=args.served_model_name,
-            max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
-            threads=args.threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=args.log,
-            venv=args.venv, extra_args=extra,
-        )
+        servers, own_dir = plan_servers(args, extra)
     except VLLMStartError as exc:
         _say(str(exc))
         return 2
+    try:
+        if len(servers) > 1:
+            return _main_replicas(servers, args.health_timeout)
+        return _main_one(servers[0], args.health_timeout)
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def _main_one(server: VLLMServer, health_timeout: float) -> int:
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
         _say(f"starting {server.served_model} (pid {server.pid}), log {server.log_path}")
-        waited = server.wait_healthy(args.health_timeout)
+        waited = server.wait_healthy(health_timeout)
         _say(f"ready at {server.url} (OpenAI routes under /v1) as {server.served_model!r} after {waited:.0f} s")
         code = server.process.wait() if server.process else 1
         _say(f"server exited with code {code}; end of log:\n{server.log_tail()}")
@@ -462,5 +533,3 @@ def main(argv: list[str] | None = None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         server.stop()
-        if own_dir is not None:
-            shutil.rmtree(own_dir, ignore_errors=True)

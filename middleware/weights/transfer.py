@@ -7,6 +7,9 @@ through vLLM's weight-transfer routes (the ``steptap`` engine, installed into vL
 the learner sends) -> ``/finish_weight_update`` -> ``/shutdown_weight_transfer_engine``. Every replica joins
 the one group at once (ranks ``1..``), so one broadcast feeds them all.
 
+The learner's store is sealed with ``secret``, made for this one transfer (``steptap_sealed_store``): it
+reaches vLLM only through this authenticated body and vLLM's admin route, never a log or an error message.
+
 A transfer that fails once a replica started loading (the learner died, a timeout) leaves that replica with
 some new and some old tensors. It never serves them: it reloads the last weights on disk (``reload_weights``
 from the swapper's ``path``). Those are the current version's weights when the current version came from disk;
@@ -37,15 +40,21 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
 
     address: str
     port: int
+    secret: str  # seals the learner's store: without it no process joins the group
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 120.0  # the workers' bound on the rendezvous and on each tensor
 
+    def __repr__(self) -> str:  # never the secret
+        return f"Transfer({self.address}:{self.port}, {len(self.names)} tensors, {self.backend})"
+
     def check(self) -> None:
         if not 0 < self.port < 65536:
             raise SwapRefused(f"transfer.port {self.port} is not a TCP port", "invalid_request")
+        if not 32 <= len(self.secret) <= 256 or not self.secret.isascii() or not self.secret.isalnum():
+            raise SwapRefused("transfer.secret must be 32..256 letters or digits", "invalid_request")
         if not 1 <= self.timeout_s <= 3600:
             raise SwapRefused("transfer.timeout_s must be within 1..3600", "invalid_request")
         n = len(self.names)
@@ -105,8 +114,9 @@ async def plan(clients: list[BackendClient]) -> tuple[dict[str, int], int]:
 async def receive(client: BackendClient, spec: Transfer, rank_offset: int, world_size: int,
                   version: int) -> None:
     """One replica joins the group, receives every tensor and loads it; raises ``TransferFailed``."""
-    init = {"master_address": spec.address, "master_port": spec.port, "rank_offset": rank_offset,
-            "world_size": world_size, "backend": spec.backend, "timeout_s": spec.timeout_s}
+    init = {"master_address": spec.address, "master_port": spec.port, "secret": spec.secret,
+            "rank_offset": rank_offset, "world_size": world_size, "backend": spec.backend,
+            "timeout_s": spec.timeout_s}
     touched = False
     try:
         await client.init_transfer(init)

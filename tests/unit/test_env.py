@@ -4,6 +4,7 @@ datasets, the environment registry, the resumable runner's state, the log reader
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -236,7 +237,7 @@ def test_export_writes_one_row_per_step_with_exact_ids(tmp_path: Path) -> None:
         )
         assert json.loads(row["step_rewards"]) == step.rewards and row["trajectory_reward"] == 1.0
         assert json.loads(row["metadata"]) == traj.metadata and row["num_steps"] == len(traj.steps)
-    assert not list((tmp_path / "out").glob(".*tmp"))  # parts are renamed into place when complete
+    assert not list((tmp_path / "out").glob(".*.tmp*"))  # parts are renamed into place when complete
 
 
 def test_env_modules_use_the_client_only_never_the_proxy_server() -> None:
@@ -253,3 +254,16 @@ def test_env_modules_use_the_client_only_never_the_proxy_server() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_export_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 25 (lows): exported parts hold prompts and replies; they took the umask's mode (0644)."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        writer = export_trajectories([_traj("a", 2)], tmp_path / "out", rows_per_file=4, batch_rows=2)
+    finally:
+        os.umask(old)
+    assert writer.files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in writer.files)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700  # created here: private

@@ -77,3 +77,14 @@ def test_positioned_durable_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert path.read_bytes() == b"headTAIL"
     # one datasync where the write could not sync itself, none where it did
     assert synced == ([] if per_write_sync and files._RWF_DSYNC else [fd])
+
+
+def test_atomic_write_never_follows_a_planted_temp_name(tmp_path: Path) -> None:
+    """Issue 25 (lows): the temp name was predictable (``.NAME.tmp-PID``) and opened without O_EXCL|O_NOFOLLOW:
+    a symlink planted there made the write land in (and truncate) the file it points to."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "f"
+    (tmp_path / f".f.tmp-{os.getpid()}").symlink_to(victim)
+    files.atomic_write(target, "new")
+    assert victim.read_text() == "keep me" and target.read_text() == "new" and not target.is_symlink()

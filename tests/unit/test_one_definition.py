@@ -99,7 +99,7 @@ def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path, monkeypatc
     assert synced == [tmp_path, tmp_path / "work"]  # each new directory's entry is durable
     assert (made.stat().st_mode & 0o777, (tmp_path / "work").stat().st_mode & 0o777) == (0o700, 0o700)
     made.chmod(0o755)
-    assert files.private_dir(made).stat().st_mode & 0o777 == 0o700  # an existing one is made private too
+    assert files.private_dir(made).stat().st_mode & 0o777 == 0o755  # an existing one is the user's: left as it is
 
 
 def test_private_dirs_are_made_in_one_place() -> None:

@@ -94,3 +94,87 @@ def test_wait_healthy_gives_up_when_the_process_exits(tmp_path: Path) -> None:
     t0 = time.monotonic()
     assert wait_healthy(f"unix:{tmp_path / 'never.sock'}", timeout=60, process=proc) is None
     assert proc.returncode == 3 and time.monotonic() - t0 < 30
+
+
+# --- children die with their launcher; a start finds a server left behind (issue 25, item 13) ---------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gone(pids: set[int], within_s: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within_s  # a bound, not a measurement
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_serve_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    import os
+    import signal
+    import sys
+
+    import psutil
+
+    port = _free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "steptap.middleware.cli", "serve", "--workers", "2", "--port", str(port),
+         "--backend", "http://127.0.0.1:9", "--log", str(tmp_path / "log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "STEPTAP_CONTROL_TOKEN": "t" * 32})
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:
+            assert serve.poll() is None and time.monotonic() < deadline, "serve --workers did not start 2 workers"
+            workers = {p.pid for p in psutil.Process(serve.pid).children()}
+            time.sleep(0.1)
+        serve.kill()  # SIGKILL: no handler of the launcher runs
+        serve.wait()
+        assert _gone(workers, 30), "serve --workers' workers outlived their SIGKILLed launcher"
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_a_vllm_start_on_a_port_a_server_still_answers_says_so(tmp_path: Path) -> None:
+    from steptap.learner.tiny_model import build_tiny_model
+    from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
+
+    model = build_tiny_model(tmp_path / "tiny")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)  # an orphan still answering /health
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        with pytest.raises(VLLMStartError, match=f"127.0.0.1:{port}.*already"):
+            VLLMServer(model, port=port, gpu=False, log_path=tmp_path / "v.log").start()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_vllm_start_on_a_socket_a_server_still_answers_says_so(unix_server: Path, tmp_path: Path) -> None:
+    from steptap.learner.tiny_model import build_tiny_model
+    from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
+
+    model = build_tiny_model(tmp_path / "tiny")
+    with pytest.raises(VLLMStartError, match="already"):
+        VLLMServer(model, uds=unix_server, gpu=False, log_path=tmp_path / "v.log").start()
+    assert unix_server.exists() and healthy(f"unix:{unix_server}")  # not unlinked from under it

@@ -19,7 +19,7 @@ from test_weight_checks import EMBED, HEAD, _model
 
 
 def spec(**kw: Any) -> Transfer:
-    base: dict[str, Any] = {"address": "127.0.0.1", "port": 29500, "names": ["model.embed_tokens.weight",
+    base: dict[str, Any] = {"address": "127.0.0.1", "port": 29500, "secret": "s" * 64, "names": ["model.embed_tokens.weight",
                             "lm_head.weight"], "dtype_names": ["float32", "float32"], "shapes": [[4, 2], [4, 2]]}
     return Transfer(**{**base, **kw})
 
@@ -31,6 +31,8 @@ def spec(**kw: Any) -> Transfer:
     ({"names": ["a", "a"]}, "repeats"),
     ({"dtype_names": ["float32", "complex999"]}, "unknown dtype"),
     ({"shapes": [[4, -2], [4, 2]]}, "negative"),
+    ({"secret": "short"}, "transfer.secret"),
+    ({"secret": "s" * 40 + "; rm"}, "transfer.secret"),
 ])
 def test_a_malformed_transfer_is_refused_with_what_is_wrong(kw: dict[str, Any], words: str) -> None:
     with pytest.raises(SwapError) as err:

