@@ -43,6 +43,7 @@ from steptap.middleware.records import Step
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SESSIONS_KEY, LiveSession, SessionManager
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S, SWAPPER_KEY
+from steptap.middleware.weights.spans import Spans
 
 logger = logging.getLogger("steptap.relay")
 
@@ -105,6 +106,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
                     policy_version=ticket.version,
                 ))
                 call.proto = proto
+                call.spans = ticket.spans
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
                 try:
@@ -218,6 +220,7 @@ class _Call:
         self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
         self.tito = False  # token-in-token-out mode for this session
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
+        self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -325,6 +328,7 @@ class _Call:
     async def record(self, steps: list[Step]) -> None:
         """Append this call's steps to its session; durable when it returns (before the reply completes)."""
         self.recorded = True
+        self.request.app[SWAPPER_KEY].label(steps, self.spans)
         if self.proto is not None:
             for step in steps:
                 step.endpoint = self.proto.endpoint
@@ -401,6 +405,8 @@ class _Call:
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
+        if self.spans is not None:
+            self.spans.counter = acc.token_counts
         await out.prepare(self.request)
         proto = self.proto
         if proto is not None:
