@@ -391,7 +391,7 @@ class WeightSwapper:
                     self.lora_path, self.lora_name = lora_path, lora_name
                 if old_lora is not None and old_lora != self.lora_name:
                     if keep:  # frozen calls still run on it after /resume
-                        self._retire(old_lora, loaded)
+                        await self._retire(old_lora, loaded)
                     else:
                         await self._unload(old_lora, loaded)
             finally:
@@ -458,7 +458,7 @@ class WeightSwapper:
         old = self.lora_name
         self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
         if old is not None and old != lora_name:
-            self._retire(old, loaded)
+            await self._retire(old, loaded)
         for b in loaded:
             await self._tell_version(b, new_version)
         self.last_paused_s = 0.0
@@ -469,14 +469,15 @@ class WeightSwapper:
                     lora_name, lora_path, self.last_swap_s)
         return self.version
 
-    def _retire(self, adapter: str, backends: list[str]) -> None:
-        """Unload ``adapter`` once no call in flight holds it."""
-        self._retiring[adapter] = backends
-        if not self._adapter_users.get(adapter):
-            self._release_adapter(adapter, held=False)
+    async def _retire(self, adapter: str, backends: list[str]) -> None:
+        """Unload ``adapter`` now when no call in flight holds it, else when the last one ends."""
+        if self._adapter_users.get(adapter):
+            self._retiring[adapter] = backends
+        else:
+            await self._unload(adapter, backends)
 
-    def _release_adapter(self, adapter: str, held: bool = True) -> None:
-        left = self._adapter_users.get(adapter, 0) - held
+    def _release_adapter(self, adapter: str) -> None:
+        left = self._adapter_users.get(adapter, 0) - 1
         if left > 0:
             self._adapter_users[adapter] = left
             return

@@ -589,3 +589,21 @@ async def test_keep_lora_swap_loads_beside_the_old_adapter_without_pausing(
         await asyncio.sleep(0.01)
     assert fake.adapters == {new} and sw.state().last_stall_s == 0.0
     await sw.close()
+
+
+def test_tokens_per_version_stalls_and_spanning_calls_reach_metrics_and_the_live_view(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from steptap.middleware.launch.view import StatusBoard, parse_prometheus
+    from steptap.middleware.weights.routes import WeightsCollector
+
+    sw = WeightSwapper("http://127.0.0.1:9")
+    sw.label([Step(policy_version=0, response_token_ids=[1, 2, 3, 4, 5], version_spans=[[0, 0], [2, 1]])], None)
+    sw.spanning_calls, sw.swaps, sw.max_stall_s = 1, 1, 0.25
+    registry = CollectorRegistry()
+    registry.register(WeightsCollector(sw))
+    board = StatusBoard("http://127.0.0.1:9", tmp_path / "metrics.jsonl")
+    board.prom = parse_prometheus(generate_latest(registry).decode())
+    assert board.tokens_by_version() == "v0: 2  v1: 3"
+    line = board.last_swap()
+    assert "longest stall 0.25 s" in line and "1 calls spanned a swap" in line and "cut" not in line
