@@ -484,11 +484,12 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     from steptap.learner.publish import request_swap, write_weights
 
     published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None, tmp_path / "w")
-    n, length = 8, 256
+    n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
                                         prompt=f"keep {i}")) for i in range(n)]
     await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
+    assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
     steps = await asyncio.gather(*calls)  # every call succeeded (call() asserts 200 and [DONE])
     assert version == 1
     st = sw.state()
@@ -497,7 +498,7 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     for s in steps:
         assert s["status"] == "ok" and s["policy_version"] == 0 and len(s["response_token_ids"]) == length
         spans = s["version_spans"]
-        assert len(spans) == 2 and spans[0] == [0, 0] and spans[1][1] == 1, spans
+        assert len(spans) == 2 and spans[0] == [0, 0] and spans[1][1] == 1, (spans, st)
         k = spans[1][0]
         assert 16 <= k < length, spans  # the swap came while the call was generating
         split.append(k)
