@@ -89,10 +89,10 @@ def estimate_advantages(
 
 
 def compute_advantages(samples: list[Sample], cfg: LearnerConfig) -> list[torch.Tensor]:
-    """Per-sample token advantages [len(response)], scaled by the sample's staleness weight."""
+    """Per-sample token advantages [len(response)], scaled by each token's staleness weight."""
     rewards, mask, index = outcome_tensors(samples)
     adv, _ = estimate_advantages(cfg.algorithm, rewards, mask, index, cfg.norm_adv_by_std)
-    return [adv[i, : len(s.response_ids)] * s.weight for i, s in enumerate(samples)]
+    return [adv[i, : len(s.response_ids)] * torch.tensor(s.weights(), dtype=adv.dtype) for i, s in enumerate(samples)]
 
 
 def step_gae(samples: list[Sample], values: torch.Tensor, gamma: float, lam: float

@@ -50,6 +50,13 @@ class Sample:
     weight: float = 1.0  # < 1: a stale step kept with stale_mode="downweight"
     seq: int = -1
     offset: int = 0
+    # Per response token, when a step's tokens came from several policy versions (a generation that spanned a
+    # weight swap): staleness is each token's own. 0 = a stale token out of the loss (stale_mode="drop").
+    token_weights: list[float] = field(default_factory=list)
+
+    def weights(self) -> list[float]:
+        """The staleness weight of each response token."""
+        return self.token_weights or [self.weight] * len(self.response_ids)
 
     @property
     def truncated(self) -> bool:
@@ -111,6 +118,19 @@ def step_rewards(steps: list[Step], final_reward: float) -> list[float]:
     return out
 
 
+def stale_weights(versions: list[int], version: int, max_staleness: int, stale_mode: str, decay: float
+                  ) -> list[float]:
+    """Each token's staleness weight from the version that sampled it: 1 when fresh; past ``max_staleness``,
+    0 (``drop``: out of the loss) or ``decay ** (lag - max_staleness)`` (``downweight``)."""
+    if max_staleness < 0:
+        return [1.0] * len(versions)
+    out = []
+    for v in versions:
+        lag = version - v
+        out.append(1.0 if lag <= max_staleness else 0.0 if stale_mode == "drop" else decay ** (lag - max_staleness))
+    return out
+
+
 def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, truncation_mode: str) -> str | None:
     if step.status != "ok":
         return "dropped_failed"
@@ -142,7 +162,8 @@ def build_batch(
     train_aborted: bool = False,
 ) -> Batch:
     """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
-    policy version (staleness lag = version - step.policy_version)."""
+    policy version. Staleness is per token (lag = version - the version that sampled it, ``Step.version_spans``):
+    a step is dropped as stale only when its newest token is."""
     batch = Batch()
     c = batch.counts
     for traj in trajectories:
@@ -162,7 +183,8 @@ def build_batch(
         trained_any = False
         for pos, (step, ret) in enumerate(zip(steps, rets)):
             c["steps"] += 1
-            lag = version - step.policy_version
+            versions = step.token_versions()
+            lag = version - max(versions, default=step.policy_version)  # the freshest token's
             reason = _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode)
             if reason:
                 c[reason] += 1
@@ -184,7 +206,14 @@ def build_batch(
                 ret=ret,
                 reward=rewards[pos],
             )
-            if max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
+            weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
+            if len(set(versions)) > 1:  # tokens of several versions: weights per token
+                c["spanning_steps"] += 1
+                if any(w < 1.0 for w in weights):
+                    sample.token_weights = weights
+                    c["stale_tokens"] += sum(w < 1.0 for w in weights)
+                sample.weight = max(weights)
+            elif max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
                 sample.weight = stale_decay ** (lag - max_staleness)
                 c["downweighted_stale"] += 1
             if sample.truncated:

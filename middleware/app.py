@@ -47,7 +47,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     pool = app[POOL_KEY] = ReplicaPool(config)
     app[STORE_KEY] = ResponseStore()  # conversations behind previous_response_id
     swapper = WeightSwapper(pool.configured(), model_dir=config.model_dir, api_key=config.backend_api_key,
-                            drain_timeout_s=config.swap_drain_timeout_s)
+                            drain_timeout_s=config.swap_drain_timeout_s, mode=config.swap_mode)
     swapper.pool = pool
     app[SWAPPER_KEY] = swapper
     app[METRICS_KEY].registry.register(weights.WeightsCollector(swapper))

@@ -31,8 +31,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "a worker's own port besides the shared one (set by steptap serve --workers)")] = None
     refuse_swaps: Annotated[str | None, _help(
         "why POST /admin/weights is refused (set by steptap serve --workers)")] = None
+    swap_mode: Annotated[Literal["keep", "drain"], _help(
+        "keep: calls in flight are frozen and continue on the new weights (no drain, no cut; LoRA: the new "
+        "adapter beside the old, no pause); drain: wait for them first (bounded by --swap-drain-timeout)")] = "keep"
     swap_drain_timeout_s: Annotated[float, _help(
-        "a swap waits this long for calls in flight, then cuts them (recorded failed)")] = 60.0
+        "drain mode: a swap waits this long for calls in flight, then cuts them (recorded failed)")] = 60.0
     backend_api_key: Annotated[str | None, _help(
         "sent to the backend as a bearer token on every call (vLLM --api-key)")] = None
     host: Annotated[str, _help("bind address")] = "127.0.0.1"

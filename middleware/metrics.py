@@ -33,6 +33,10 @@ REWARD_SUM = "steptap_reward_sum"
 POLICY_VERSION = "steptap_policy_version"  # exported by the weight swapper's collector
 WEIGHT_SWAPS = "steptap_weight_swaps"
 WEIGHT_SWAP_SECONDS = "steptap_weight_swap_seconds"
+SWAP_STALL_MAX = "steptap_weight_swap_stall_max_seconds"  # the fleet's longest stall in any swap
+SWAP_CUT_CALLS = "steptap_weight_swap_cut_calls"
+SPANNING_CALLS = "steptap_calls_spanning_swaps"  # calls whose tokens came from several policy versions
+TOKENS_BY_VERSION = "steptap_tokens_by_version"  # response tokens recorded per policy version (label: version)
 
 
 def sample(name: str, kind: str = "") -> str:

@@ -15,7 +15,8 @@ import msgspec
 # 2: Sampling records what else shapes the distribution (min_p, penalties, constraints).
 # 3: an anonymous call (no reward callback) is logged as its one-step Trajectory alone (``steps_logged=False``).
 # 4: delta steps: a step whose prompt extends the previous call's holds only what is new (``Step.delta``), and a
-#    finished Trajectory refers to its logged steps (``step_refs``) instead of embedding them (``delta.py``).
+#    finished Trajectory refers to its logged steps (``step_refs``) instead of embedding them (``delta.py``);
+#    a step whose generation spans a weight swap records where each policy version starts (``version_spans``).
 SCHEMA_VERSION = 4
 
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
@@ -112,6 +113,22 @@ class Step(Record, tag="step"):
     # a translation choice (docs/protocols.md)
     notes: list[str] = []
     delta: Delta | None = None  # set only in the log's form of a step (v4); readers hand out full steps
+    # [[start, version], ...]: response token ``start`` on was sampled by ``version`` (a generation that spans a
+    # ``keep`` weight swap). Empty: every token is ``policy_version``'s (every step before v4).
+    version_spans: list[list[int]] = []
+
+    def token_versions(self) -> list[int]:
+        """The policy version that sampled each response token."""
+        return token_versions(self.version_spans, self.policy_version, len(self.response_token_ids))
+
+
+def token_versions(spans: list[list[int]], version: int, n: int) -> list[int]:
+    """Per-token versions of ``n`` tokens from ``[[start, version], ...]`` (empty: all ``version``)."""
+    out = [version] * n
+    for i, (start, v) in enumerate(spans):
+        end = spans[i + 1][0] if i + 1 < len(spans) else n
+        out[max(0, start):max(0, end)] = [v] * max(0, min(end, n) - max(0, start))
+    return out[:n]
 
 
 class Trajectory(Record, tag="trajectory"):

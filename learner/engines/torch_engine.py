@@ -168,7 +168,7 @@ class TorchEngine:
             for i in seq.samples:
                 s = batch.samples[i]
                 lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
-                mask[lo:hi] = True
+                mask[lo:hi] = torch.tensor(s.weights()) > 0  # a stale token (weight 0) is out of the loss
                 if advs is not None:
                     adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
@@ -179,11 +179,11 @@ class TorchEngine:
 
     @staticmethod
     def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
-        """Spread each step's advantage [S] over its response tokens (scaled by its staleness weight)."""
+        """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness weight)."""
         for seq, adv in zip(batch.sequences, lay.adv):
             for i in seq.samples:
                 s = batch.samples[i]
-                adv[s.offset - 1: s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * s.weight
+                adv[s.offset - 1: s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(s.weights())
 
     def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int], torch.Tensor]:
         """The value head at each step's action boundary in micro-batch ``mb``: (sample indices, values [n])."""

@@ -224,7 +224,9 @@ class VerlEngine:
             for i in seq.samples:
                 s = batch.samples[i]
                 lo, hi = s.offset - p, s.offset - p + len(s.response_ids)
-                mask[lo:hi], adv[lo:hi], rec[lo:hi] = 1.0, advs[i], torch.tensor(s.logprobs)
+                # a stale token (weight 0) is out of the mask, so out of the loss and of rollout correction too
+                mask[lo:hi] = (torch.tensor(s.weights()) > 0).float()
+                adv[lo:hi], rec[lo:hi] = advs[i], torch.tensor(s.logprobs)
             temps.append(first.temperature)
             prompts.append(torch.tensor(seq.input_ids[:p]))
             responses.append(torch.tensor(resp))

@@ -30,7 +30,12 @@ REWARD_COUNT = m.sample(m.REWARD_VALUE, "count")
 POLICY_VERSION = m.sample(m.POLICY_VERSION)
 SWAPS = m.sample(m.WEIGHT_SWAPS, "total")
 SWAP_SECONDS = m.sample(m.WEIGHT_SWAP_SECONDS)
-READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS, SWAP_SECONDS)
+STALL_MAX = m.sample(m.SWAP_STALL_MAX)
+CUT = m.sample(m.SWAP_CUT_CALLS, "total")
+SPANNING = m.sample(m.SPANNING_CALLS, "total")
+TOKENS = m.sample(m.TOKENS_BY_VERSION, "total")
+READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS, SWAP_SECONDS,
+         STALL_MAX, CUT, SPANNING)  # TOKENS has a sample per version recorded, none before the first call
 
 # Keys of the learner's metrics rows; the first one present wins.
 K_UPDATE = ("update", "step", "updates")
@@ -47,11 +52,14 @@ def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Every sample summed over its labels, by sample name (``_total`` kept as exposed)."""
+    """Every sample summed over its labels, by sample name (``_total`` kept as exposed); a sample labelled by
+    policy version also under ``name{version}``."""
     out: dict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out[sample.name] += float(sample.value)
+            if "version" in sample.labels:
+                out[f"{sample.name}{{{sample.labels['version']}}}"] += float(sample.value)
     return dict(out)
 
 
@@ -189,7 +197,20 @@ class StatusBoard:
             parts.append(f"{int(swaps)} swaps")
         if secs:
             parts.append(f"last took {secs:.2f} s")
+        stall, cut, spanning = (_pick(self.prom, k) for k in (STALL_MAX, CUT, SPANNING))
+        if swaps and stall is not None:
+            parts.append(f"longest stall {stall:.2f} s")
+        if spanning:
+            parts.append(f"{int(spanning)} calls spanned a swap")
+        if cut:
+            parts.append(f"{int(cut)} cut")
         return ", ".join(parts)
+
+    def tokens_by_version(self) -> str:
+        """Response tokens per policy version (the latest few)."""
+        prefix = TOKENS + "{"
+        got = sorted((int(k[len(prefix):-1]), v) for k, v in self.prom.items() if k.startswith(prefix))
+        return "  ".join(f"v{k}: {int(v)}" for k, v in got[-6:]) or "-"
 
     # -- rendering -------------------------------------------------------------------------------------
     def figures(self) -> list[tuple[str, str]]:
@@ -215,6 +236,7 @@ class StatusBoard:
             *([("eval accuracy by version", self.eval_line())] if self.evals else []),
             ("learner loss", fmt(self.recent_loss(), ".4f")),
             ("last weight swap", self.last_swap()),
+            ("tokens by policy version", self.tokens_by_version()),
         ]
 
     def render(self, title: str) -> Any:

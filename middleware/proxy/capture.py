@@ -270,6 +270,10 @@ class ChatStream(_Stream):
         self.prompt_token_ids: list[int] | None = None
         self.choices: dict[int, _ChatChoice] = {}
 
+    def token_counts(self) -> dict[int, int]:
+        """Response tokens relayed so far, per choice (where a weight swap splits each: weights/spans.py)."""
+        return {i: len(acc.token_ids or ()) for i, acc in self.choices.items()}
+
     def feed(self, chunk: dict[str, Any]) -> None:
         self._header(chunk)
         if chunk.get("prompt_token_ids") is not None:
@@ -350,6 +354,10 @@ class CompletionStream(_Stream):
     def __init__(self) -> None:
         super().__init__()
         self.choices: dict[int, dict[str, Any]] = {}
+
+    def token_counts(self) -> dict[int, int]:
+        """Response tokens relayed so far, per choice (where a weight swap splits each: weights/spans.py)."""
+        return {i: len(acc["token_ids"] or ()) for i, acc in self.choices.items()}
 
     def feed(self, chunk: dict[str, Any]) -> None:
         self._header(chunk)

@@ -51,6 +51,7 @@ from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.manager import LiveSession, SessionManager
 from steptap.middleware.weights.routes import SWAPPER_KEY
+from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 logger = logging.getLogger("steptap.relay")
@@ -134,6 +135,7 @@ async def _model_call(
                     policy_version=ticket.version,
                 ))
                 call.proto = proto
+                call.spans = ticket.spans
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
                 try:
@@ -283,6 +285,7 @@ class _Call:
         self.tito = False  # token-in-token-out mode for this session
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
+        self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -394,6 +397,7 @@ class _Call:
     async def record(self, steps: list[Step]) -> None:
         """Append this call's steps to its session; durable when it returns (before the reply completes)."""
         self.recorded = True
+        self.request.app[SWAPPER_KEY].label(steps, self.spans)
         if self.proto is not None:
             for step in steps:
                 step.endpoint = self.proto.endpoint
@@ -482,6 +486,8 @@ class _Call:
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
+        if self.spans is not None:
+            self.spans.counter = acc.token_counts
         await out.prepare(self.request)
         proto = self.proto
         try:

@@ -89,6 +89,18 @@ class WeightsCollector:
             "how long the backend was paused in the last swap",
             st.last_paused_s or 0.0,
         )
+        yield g("steptap_weight_swap_stall_seconds",
+                "the fleet's longest stall in the last swap (a call held at the gate or frozen in vLLM)",
+                st.last_stall_s or 0.0)
+        yield g(metric_names.SWAP_STALL_MAX, "the fleet's longest stall in any swap", st.max_stall_s)
+        yield c(metric_names.SWAP_CUT_CALLS, "calls cut by a drain swap's bound", st.cut_calls)
+        yield c(metric_names.SPANNING_CALLS, "calls whose tokens came from two or more policy versions",
+                st.spanning_calls)
+        tokens = c(metric_names.TOKENS_BY_VERSION, "response tokens recorded per policy version (latest 16)",
+                   labels=["version"])
+        for version, n in sorted(st.tokens_by_version.items()):
+            tokens.add_metric([str(version)], n)
+        yield tokens
         yield g("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
         yield g("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
         yield g("steptap_weight_swap_last_timestamp", "unix time of the last swap", st.last_swap_at or 0.0)

@@ -1,5 +1,13 @@
 """The weight hot swap (docs/design.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
 
+Two modes (``swap_mode``). ``keep`` (the default): no drain, no cut. Full weights: the gate closes, every replica
+pauses with ``mode=keep`` (vLLM freezes the calls in flight and, with its default ``clear_cache``, recomputes
+their cache on the new weights after ``/resume``), loads, and resumes; each call in flight has the new
+version marked where its tokens switch (``spans.py``), so new calls wait only for the load. LoRA: the new
+adapter is loaded beside the old one with no pause at all; new calls route to it at once, calls in flight finish
+on theirs, and the old adapter is unloaded when its last call ends. ``drain``, described below, is the older
+way and stays as an option.
+
 ``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
 normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
 step records exactly the version that sampled it. A swap closes the gate (new calls wait in the proxy, they
@@ -29,7 +37,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from steptap.middleware.backend.client import ADMIN_TIMEOUT_S, BackendClient
+from steptap.middleware.backend.client import ADMIN_TIMEOUT_S, BackendClient, PauseMode
 from steptap.middleware.backend.url import name_of
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
@@ -44,6 +52,7 @@ from steptap.middleware.records import PolicyVersion
 from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
+from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 
@@ -52,6 +61,7 @@ logger = logging.getLogger("steptap.weights")
 LORA_PREFIX = "steptap-lora"
 
 
+_VERSIONS_KEPT = 16  # tokens_by_version keeps the latest this many versions
 _CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
 CUT_WRITE_S = 2.0  # how long a cut call's error event may wait for its reader (it may be the slow one)
 CUT_MESSAGE = "cut by a weight swap: the call outlasted the swap's drain bound (--swap-drain-timeout)"
@@ -77,6 +87,7 @@ class Ticket(msgspec.Struct, frozen=True):
 
     version: int
     served_model: str | None = None
+    spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
 
 
 class WeightState(msgspec.Struct, kw_only=True):
@@ -101,6 +112,11 @@ class WeightState(msgspec.Struct, kw_only=True):
     degraded: str | None  # a backend failed mid-reload and needs a restart
     cut_calls: int = 0  # calls cut because they outlasted the swap's drain bound
     replicas: dict[str, dict[str, Any]] = {}  # the last swap per replica: ok, error, paused_s, swap_s
+    swap_mode: str = "keep"
+    last_stall_s: float | None = None  # the fleet's longest stall in the last swap (held or frozen calls)
+    max_stall_s: float = 0.0  # the longest of any swap
+    spanning_calls: int = 0  # calls whose tokens came from two or more versions (keep swaps)
+    tokens_by_version: dict[int, int] = {}  # response tokens recorded per policy version (the latest few)
 
 
 class WeightSwapper:
@@ -116,7 +132,10 @@ class WeightSwapper:
                  model_dir: str | None = None, cpu_backend: bool | None = None,
                  drain_timeout_s: float = 600.0,
                  request_timeout_s: float = ADMIN_TIMEOUT_S, validate_paths: bool = True,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, mode: str = "keep") -> None:
+        if mode not in ("keep", "drain"):
+            raise ValueError(f"swap mode must be 'keep' or 'drain', not {mode!r}")
+        self.mode = mode
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [name_of(b) for b in self.backends]
         self.log = log
@@ -156,6 +175,15 @@ class WeightSwapper:
         self._cut: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()  # those the drain bound cancelled
         self.cut_calls = 0
         self.replica_figures: dict[str, dict[str, Any]] = {}  # the last swap, per replica
+        # keep mode's bookkeeping
+        self._spans: set[Spans] = set()  # of the calls through the gate
+        self._adapter_users: dict[str, int] = {}  # calls in flight per LoRA adapter
+        self._retiring: dict[str, list[str]] = {}  # old adapters to unload (on these replicas) once unused
+        self._background: set[asyncio.Task[Any]] = set()
+        self.spanning_calls = 0
+        self.last_stall_s: float | None = None
+        self.max_stall_s = 0.0
+        self.tokens_by_version: dict[int, int] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -235,9 +263,17 @@ class WeightSwapper:
         task = asyncio.current_task()
         if task is not None:
             self._calls.add(task)
+        spans, adapter = Spans(self.version), self.lora_name
+        self._spans.add(spans)
+        if adapter is not None:
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
         try:
-            yield Ticket(self.version, self.lora_name)
+            yield Ticket(self.version, adapter, spans)
         finally:
+            self._spans.discard(spans)
+            self.spanning_calls += bool(spans.marks)
+            if adapter is not None:
+                self._release_adapter(adapter)
             self._calls.discard(task)  # type: ignore[arg-type]
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -297,12 +333,16 @@ class WeightSwapper:
         elif self.validate_paths:
             check_adapter_dir(lora_path)  # type: ignore[arg-type]
         lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
+        keep = self.mode == "keep"
+        if keep and lora_name is not None:
+            return await self._swap_lora_beside(lora_path, lora_name, new_version)  # type: ignore[arg-type]
         t0 = time.monotonic()
         self._held_wait = 0.0
         resume_errors: list[str] = []
         self._open.clear()  # from here new calls wait in the proxy
         try:
-            await self._drain()
+            if not keep:
+                await self._drain()
             targets = self._targets()
             if not targets:
                 raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
@@ -315,7 +355,8 @@ class WeightSwapper:
             try:
                 # Every replica in parallel: pause, load, label, reset its prefix cache.
                 results = await asyncio.gather(
-                    *(self._swap_one(b, path, lora_path, lora_name, new_version, paused_at, touched, transfer)
+                    *(self._swap_one(b, path, lora_path, lora_name, new_version, paused_at, touched, transfer,
+                                     "keep" if keep else "wait")
                       for b in targets),
                     return_exceptions=True,
                 )
@@ -343,6 +384,8 @@ class WeightSwapper:
                 for b in loaded:
                     figures[b]["ok"] = True
                 old_lora = self.lora_name
+                if keep:  # before /resume: the tokens relayed so far are every one the old weights sampled
+                    self._mark(new_version)
                 self.version = new_version
                 if path is not None:
                     self.path, self.lora_path, self.lora_name, self.on_disk = path, None, None, True
@@ -351,7 +394,10 @@ class WeightSwapper:
                 else:
                     self.lora_path, self.lora_name = lora_path, lora_name
                 if old_lora is not None and old_lora != self.lora_name:
-                    await self._unload(old_lora, loaded)
+                    if keep:  # frozen calls still run on it after /resume
+                        await self._retire(old_lora, loaded)
+                    else:
+                        await self._unload(old_lora, loaded)
             finally:
                 resume_errors = await self._resume_all(list(paused_at), paused_at, figures)
                 self.last_paused_s = time.monotonic() - t_pause
@@ -361,10 +407,7 @@ class WeightSwapper:
             if self._first_held_at is not None:  # the longest wait is that of the first call held
                 self._held_wait = time.monotonic() - self._first_held_at
                 self._first_held_at = None
-        self.swaps += 1
-        self.last_error = None
-        self.last_swap_at = time.time()
-        self.last_swap_s = time.monotonic() - t0
+        self._swapped(t0, max(self._held_wait, self.last_paused_s or 0.0))
         for fig in self.replica_figures.values():
             fig["swap_s"] = self.last_swap_s
         logger.info("policy version %d live (%s) in %.3f s (backend paused %.3f s)", self.version,
@@ -375,13 +418,98 @@ class WeightSwapper:
                                  + "; ".join(resume_errors), "resume_failed")
         return self.version
 
+    def _swapped(self, t0: float, stall_s: float) -> None:
+        self.swaps += 1
+        self.last_error = None
+        self.last_swap_at = time.time()
+        self.last_swap_s = time.monotonic() - t0
+        self.last_stall_s = stall_s
+        self.max_stall_s = max(self.max_stall_s, stall_s)
+
+    # --- keep mode ------------------------------------------------------------------------------------------
+
+    def _mark(self, version: int) -> None:
+        """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is sampled)."""
+        for spans in self._spans:
+            spans.mark(version)
+
+    async def _swap_lora_beside(self, lora_path: str, lora_name: str, new_version: int) -> int:
+        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open), then
+        route new calls to it; calls in flight finish on the old one, unloaded when the last of them ends."""
+        t0 = time.monotonic()
+        targets = self._targets()
+        if not targets:
+            raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
+        results = await asyncio.gather(*(self._client(b).load_lora(lora_name, lora_path) for b in targets),
+                                       return_exceptions=True)
+        loaded = [b for b, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
+        failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
+                                              for b in targets}
+        self.replica_figures = figures
+        if failed and (not loaded or self.pool is None):
+            await self._rollback(loaded, lora_name)
+            raise SwapError("; ".join(failed.values()), _code(results))
+        try:
+            await self._persist(new_version, None, lora_path)
+        except SwapError:
+            await self._rollback(loaded, lora_name)
+            raise
+        for b, msg in failed.items():
+            assert self.pool is not None
+            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): {msg}")
+        old = self.lora_name
+        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
+        if old is not None and old != lora_name:
+            await self._retire(old, loaded)
+        for b in loaded:
+            await self._tell_version(b, new_version)
+        self.last_paused_s = 0.0
+        self._swapped(t0, 0.0)
+        for fig in figures.values():
+            fig["swap_s"] = self.last_swap_s
+        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s", self.version,
+                    lora_name, lora_path, self.last_swap_s)
+        return self.version
+
+    async def _retire(self, adapter: str, backends: list[str]) -> None:
+        """Unload ``adapter`` now when no call in flight holds it, else when the last one ends."""
+        if self._adapter_users.get(adapter):
+            self._retiring[adapter] = backends
+        else:
+            await self._unload(adapter, backends)
+
+    def _release_adapter(self, adapter: str) -> None:
+        left = self._adapter_users.get(adapter, 0) - 1
+        if left > 0:
+            self._adapter_users[adapter] = left
+            return
+        self._adapter_users.pop(adapter, None)
+        backends = self._retiring.pop(adapter, None)
+        if backends is not None and self._http is not None:
+            task = asyncio.ensure_future(self._unload(adapter, backends))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
+        """Give each step of a call its version spans; count the tokens each version sampled."""
+        for step in steps:
+            if spans is not None:
+                step.version_spans = spans.of(step.choice)
+            for v in step.token_versions():
+                self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
+        while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
+            del self.tokens_by_version[min(self.tokens_by_version)]
+
     def _targets(self) -> list[str]:
         return self.pool.swap_targets() if self.pool is not None else list(self.backends)
 
     async def _swap_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None,
                         version: int, paused_at: dict[str, float], touched: list[str],
-                        transfer: Transfer | None = None) -> None:
-        await self._client(b).pause("wait")  # vLLM's default mode (abort) fails calls
+                        transfer: Transfer | None = None, pause_mode: PauseMode = "wait") -> None:
+        # vLLM's default mode (abort) fails calls. keep: vLLM's default clear_cache makes the frozen calls
+        # recompute their cache on the new weights after /resume (docs/platform.md)
+        await self._client(b).pause(pause_mode)
         paused_at[b] = time.monotonic()
         if transfer is not None:
             await self._receive_one(b, transfer, version)
@@ -649,6 +777,8 @@ class WeightSwapper:
             last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
             last_held_wait_s=self._held_wait or None, last_error=self.last_error,
             degraded=self.degraded, cut_calls=self.cut_calls, replicas=self.replica_figures,
+            swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
+            spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )
 
 

