@@ -414,7 +414,7 @@ class SessionManager:
             m.response_tokens.inc(len(step.response_token_ids))
         if traj.anonymous and self.reward_fn is None:
             # A one-step session closes with its step: one record, the finished Trajectory that holds it (its
-            # steps are logged nowhere else: ``records.steps_of`` finds them).
+            # steps are logged nowhere else: ``delta.steps_of`` finds them).
             session.closing = True
             self._finalize(traj, "finished")
             traj.steps_logged = False

@@ -486,7 +486,7 @@ class WeightSwapper:
             return
         self._adapter_users.pop(adapter, None)
         backends = self._retiring.pop(adapter, None)
-        if backends is not None and self._http is not None:
+        if backends is not None and self._started:  # not after close()
             task = asyncio.ensure_future(self._unload(adapter, backends))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -13,7 +13,8 @@ from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.engines.verl_engine import VerlEngine
 from steptap.learner.rows import build_batch
-from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Step, Trajectory, steps_of, token_versions
+from steptap.middleware.delta import steps_of
+from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Step, Trajectory, token_versions
 
 FIXTURE_V3 = Path(__file__).parent.parent / "fixtures" / "records-v3.msgpack"
 
