@@ -65,7 +65,8 @@ class Metrics:
             "steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r
         )
         self.dropped_fields = Counter(
-            "steptap_dropped_fields", "request fields accepted but not honoured (named in the step's notes)",
+            "steptap_dropped_fields",
+            "parts of a request accepted but not honoured (fields, hosted tools; named in the step's notes), by label",
             ["endpoint", "field"], registry=r
         )
         self.refused_calls = Counter(
@@ -87,12 +88,6 @@ class Metrics:
             "steptap_tito_turns",
             "token-in-token-out sessions' turns: 'tokens' when sent as ids, else the fallback's cause",
             ["path"],
-            registry=r,
-        )
-        self.protocol_dropped = Counter(
-            "steptap_protocol_dropped",
-            "parts of Responses/Messages bodies the model did not get (hosted tools, unserved fields), by kind",
-            ["endpoint", "kind"],
             registry=r,
         )
         self.sessions_opened = Counter(

@@ -30,7 +30,8 @@ PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
 class Protocol:
     endpoint: str
     chat: dict[str, Any]
-    dropped: list[str] = []  # top-level fields accepted but not honoured (each a step note, counted)
+    dropped: list[str] = []  # what was accepted but not honoured, by label (counted in steptap_dropped_fields)
+    # what the proxy did that the request does not show (Step.notes): each drop, a translation choice
     notes: list[str] = []  # recorded on the call's steps
 
     async def adapt(self, upstream: BackendClient, served: str) -> None:
@@ -71,29 +72,28 @@ class Responses(Protocol):
         self.store = store
         self.metrics = metrics
         self.tr = responses_request.translate(body, [])  # validates before any session is touched
-        self.chat = self.tr.chat
+        self._notes()
         self.shape = responses.Shape(body, body.get("model") or model, self.tr)
         self.session_id: str | None = None
         self.events = responses.EventStream(self.shape)
-        self.counted = False
+
+    def _notes(self) -> None:
+        """The translation's drops as every protocol states them: notes on the step, labels counted."""
+        self.chat = self.tr.chat
+        self.notes = [f"{n['field']}: {n['reason']}" for n in self.tr.notes]
+        self.dropped = [n["label"] for n in self.tr.notes]
 
     def prepare(self, session_id: str | None) -> None:
         self.session_id = self.shape.session_id = session_id
         prev = self.body.get("previous_response_id")
         if prev is not None:
             self.tr = responses_request.translate(self.body, self.store.history(session_id, prev))
-            self.chat = self.tr.chat
+            self._notes()
             self.shape.tr = self.tr
 
     def annotate(self, step: Any) -> None:
         # which response this is: a later previous_response_id that names it continues this conversation
         step.response["response_id"] = self.shape.id
-        if self.tr.notes:  # what the agent asked for that the model did not get (docs/protocols.md)
-            step.response["dropped"] = self.tr.notes
-            if self.metrics is not None and not self.counted:  # once per call, not per choice
-                self.counted = True
-                for note in self.tr.notes:
-                    self.metrics.child(self.metrics.protocol_dropped, self.endpoint, note["label"]).inc()
 
     def _keep(self, assistant: dict[str, Any]) -> None:
         if self.body.get("store", True) is False:

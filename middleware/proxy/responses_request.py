@@ -6,8 +6,9 @@ become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function
 ``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the agent
 expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools (``web_search``, ...)
 need a server that runs them: they are dropped from what the model sees and noted. The notes
-(``Translation.notes``) are recorded on the step (``Step.response["dropped"]``) and counted in /metrics
-(``steptap_protocol_dropped_total``), so a capture never silently differs from what the agent asked for.
+(``Translation.notes``) are recorded on the step (``Step.notes``, as for every protocol) and counted in /metrics
+(``steptap_dropped_fields_total{endpoint, field}``, the label), so a capture never silently differs from what the
+agent asked for.
 """
 
 from __future__ import annotations
