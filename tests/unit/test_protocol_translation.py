@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.proxy import messages, responses, tito
 from steptap.middleware.records import Step
 
@@ -169,6 +170,8 @@ def test_thinking_blocks_replay_as_reasoning() -> None:
             {"type": "thinking", "thinking": "think", "signature": "sig2"},
             {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]},
         {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": {"type": "ephemeral"}}]}]})
+    # the first signature goes beside the chat body (a handle, if the proxy made it: tito.py judges it)
+    assert take_handles(chat["messages"]) == {0: "sig1"}
     assert chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning": "let me think"}
     assert messages.dropped({"thinking": {"type": "disabled"}, "metadata": {}, "max_tokens": 1}) == []
     assert messages.dropped({"thinking": {"type": "enabled", "budget_tokens": 10}}) == ["thinking"]
