@@ -24,6 +24,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen adds these as plain (not special) added tokens: they stay in decoded text, so vLLM's hermes parser sees
 # them even with skip_special_tokens, and each is one token.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+THINK_TOKENS = ["<think>", "</think>"]  # --reasoning: added the same way (Qwen3 has them as plain added tokens)
+# --reasoning: each <think> token's output row reads the constant residual dimension EOT_DIM (see EOT_WEIGHT) with
+# this weight: a logit bonus of ~12, so where a grammar allows "<think>" the model takes the one token, not "<".
+THINK_WEIGHT = 3.0
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -97,6 +101,29 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {%- endif %}
 """
 
+# --reasoning: the template above made Qwen3-style. Assistant turns after the last user query (the current tool
+# loop) render their reasoning as "<think>\nR\n</think>\n\n" before the content; earlier turns drop it, as Qwen3's
+# template does. vLLM hands a replayed message's reasoning to the template as `reasoning` and `reasoning_content`.
+_LAST_QUERY = r"""{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+"""
+_PLAIN_ASSISTANT = """(message.role == "assistant" and not message.tool_calls)"""
+_THINK = r"""{%- set reasoning = message.reasoning_content or message.reasoning or '' %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if loop.index0 > ns.last_query_index and reasoning %}
+            {{- '\n<think>\n' + reasoning.strip('\n') + '\n</think>\n' }}
+        {%- endif %}"""
+REASONING_TEMPLATE = _LAST_QUERY + CHAT_TEMPLATE.replace(" or " + _PLAIN_ASSISTANT, "").replace(
+    "{{- '<|im_start|>' + message.role }}", _THINK).replace(
+    "{%- if message.content %}\n            {{- '\\n' + message.content }}",
+    "{%- if message.content or not message.tool_calls %}\n            {{- '\\n' + (message.content or '') }}")
+
 _SUBJECTS = "the cat|a robot|my friend|the agent|our team|the model|a student|the teacher|she|he|they|we".split("|")
 _VERBS = "sees|builds|writes|reads|finds|calls|adds|moves|counts|learns|tests|sends|checks|opens".split("|")
 _OBJECTS = (
@@ -156,7 +183,7 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
             yield f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
 
 
-def _build_tokenizer(out: Path, max_length: int = 2048) -> None:
+def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -176,14 +203,15 @@ def _build_tokenizer(out: Path, max_length: int = 2048) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(CORPUS_SEED)), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    added = TOOL_TOKENS + (THINK_TOKENS if reasoning else [])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=max_length,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = REASONING_TEMPLATE if reasoning else CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     config_path = out / "tokenizer_config.json"  # say what transformers will load it as anyway
     config = json.loads(config_path.read_text())
@@ -192,11 +220,14 @@ def _build_tokenizer(out: Path, max_length: int = 2048) -> None:
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False, long_context: bool = False
+    out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False, long_context: bool = False,
+    reasoning: bool = False,
 ) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
     (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
-    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`)."""
+    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`);
+    ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens (serve
+    with ``--reasoning-parser deepseek_r1``)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -214,7 +245,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out, LONG_CONTEXT if long_context else 2048)
+    _build_tokenizer(out, LONG_CONTEXT if long_context else 2048, reasoning)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
 
@@ -245,6 +276,10 @@ def build_tiny_model(
         if tied:
             raise ValueError("long_context biases the output row of <|im_end|>: it needs untied embeddings")
         _bias_end_of_turn(model, im_end)
+    if reasoning:
+        if tied or long_context:
+            raise ValueError("reasoning biases the output rows of the <think> tokens: untied, not long-context")
+        _bias_rows(model, {i: THINK_WEIGHT for i in tokenizer.convert_tokens_to_ids(THINK_TOKENS)})
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot)
     model.save_pretrained(str(out))
     return out
@@ -252,6 +287,12 @@ def build_tiny_model(
 
 def _bias_end_of_turn(model: object, im_end: int) -> None:
     """Hold residual dimension EOT_DIM constant and point only <|im_end|>'s output row at it (see EOT_WEIGHT)."""
+    _bias_rows(model, {im_end: EOT_WEIGHT})
+
+
+def _bias_rows(model: object, weights: dict[int, float]) -> None:
+    """Hold residual dimension EOT_DIM constant and point only the output rows of ``weights`` at it (a logit bonus
+    of about 4 x the weight on those tokens, whatever the context)."""
     import torch
 
     with torch.no_grad():
@@ -261,7 +302,8 @@ def _bias_end_of_turn(model: object, im_end: int) -> None:
             layer.mlp.down_proj.weight[EOT_DIM, :] = 0
         head = model.lm_head.weight  # type: ignore[attr-defined]
         head[:, EOT_DIM] = 0
-        head[im_end, EOT_DIM] = EOT_WEIGHT
+        for token, weight in weights.items():
+            head[token, EOT_DIM] = weight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,9 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-context", action="store_true",
                         help=f"{LONG_CONTEXT} positions (serve with --max-model-len {LONG_CONTEXT}) and replies "
                              "of ~25 tokens at temperature 1 (a bias towards <|im_end|>), for agent CLIs")
+    parser.add_argument("--reasoning", action="store_true",
+                        help="<think>/</think> tokens and a Qwen3-style template that renders the current turn's "
+                             "reasoning (serve with --reasoning-parser deepseek_r1)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied,
-                           long_context=args.long_context)
+                           long_context=args.long_context, reasoning=args.reasoning)
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
     return 0

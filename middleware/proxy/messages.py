@@ -12,9 +12,9 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from steptap.middleware.proxy.translation import HANDLE_KEY, reasoning_handle, reasoning_of, register_chat_view
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
-from steptap.middleware.proxy.translation import register_chat_view
 
 ENDPOINT = "messages"
 
@@ -97,6 +97,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
 def _assistant(content: Any, where: str) -> dict[str, Any]:
     text: list[str] = []
     thinking: list[str] = []
+    signature: Any = None
     calls: list[dict[str, Any]] = []
     for i, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
@@ -110,8 +111,11 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
                           "function": {"name": block["name"], "arguments": json.dumps(args)}})
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             # replayed reasoning: vLLM hands it to the template as the message's reasoning (rendered where the
-            # template renders reasoning, dropped where it does not); the signature is Anthropic's, not ours
+            # template renders reasoning, dropped where it does not); the signature, when the proxy made it, names
+            # the step it came from (translation.reasoning_handle), for a token-in-token-out splice
             thinking.append(block["thinking"])
+            if signature is None:
+                signature = block.get("signature")
         elif kind == "redacted_thinking":
             continue  # encrypted by Anthropic: nothing a local model can read
         else:
@@ -119,6 +123,8 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
     if thinking:
         msg["reasoning"] = "".join(thinking)
+    if isinstance(signature, str) and signature:
+        msg[HANDLE_KEY] = signature
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -274,6 +280,14 @@ class Shape:
         self.id = _new_id("msg")
         self.model = model
         self.stops = list(body.get("stop_sequences") or ())
+        # A reply's reasoning is a thinking block unless the agent turned thinking off (a local model reasons
+        # whether asked or not; the block's signature is what lets a replay splice the logged tokens back).
+        thinking = body.get("thinking")
+        self.thinking = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+        self.session_id: str | None = None  # set once the session is known (the signature names it)
+
+    def thinking_block(self, text: str) -> dict[str, Any]:
+        return {"type": "thinking", "thinking": text, "signature": reasoning_handle(self.session_id, self.id)}
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
                 usage: dict[str, int]) -> dict[str, Any]:
@@ -284,6 +298,9 @@ class Shape:
         choice = (reply.get("choices") or [{}])[0]
         msg = choice.get("message") or {}
         content: list[dict[str, Any]] = []
+        reasoning = reasoning_of(msg)
+        if reasoning and self.thinking:
+            content.append(self.thinking_block(reasoning))
         if msg.get("content"):
             content.append({"type": "text", "text": msg["content"]})
         content += [_tool_use(c) for c in msg.get("tool_calls") or ()]
@@ -297,14 +314,36 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 class EventStream:
-    """Chat chunks -> ``message_start``, a text block streamed as it comes, tool_use blocks once complete (the
-    tool parser releases them whole), ``message_delta`` (stop reason, usage), ``message_stop``."""
+    """Chat chunks -> ``message_start``, a thinking block and a text block streamed as they come (the thinking
+    block's signature before it closes), tool_use blocks once complete (the tool parser releases them whole),
+    ``message_delta`` (stop reason, usage), ``message_stop``."""
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
         self.started = False
-        self.block = -1  # index of the open text block, -1 when none
+        self.block = -1  # index of the open block, -1 when none
+        self.kind = ""  # the open block's kind: "thinking" or "text"
         self.blocks = 0
+
+    def _open(self, kind: str) -> bytes:
+        out = self._close()
+        self.block, self.kind = self.blocks, kind
+        self.blocks += 1
+        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
+            "type": "text", "text": ""}
+        return out + sse({"type": "content_block_start", "index": self.block, "content_block": start})
+
+    def _close(self) -> bytes:
+        if self.block < 0:
+            return b""
+        out = b""
+        if self.kind == "thinking":
+            signature = self.shape.thinking_block("")["signature"]
+            out = sse({"type": "content_block_delta", "index": self.block,
+                       "delta": {"type": "signature_delta", "signature": signature}})
+        out += sse({"type": "content_block_stop", "index": self.block})
+        self.block = -1
+        return out
 
     def _start(self, chunk: dict[str, Any]) -> bytes:
         self.started = True
@@ -315,22 +354,24 @@ class EventStream:
     def feed(self, chunk: dict[str, Any]) -> bytes:
         out = b"" if self.started else self._start(chunk)
         for ch in chunk.get("choices") or ():
-            text = (ch.get("delta") or {}).get("content")
+            delta = ch.get("delta") or {}
+            reasoning = reasoning_of(delta) if self.shape.thinking else None
+            if reasoning:
+                if self.kind != "thinking" or self.block < 0:
+                    out += self._open("thinking")
+                out += sse({"type": "content_block_delta", "index": self.block,
+                            "delta": {"type": "thinking_delta", "thinking": reasoning}})
+            text = delta.get("content")
             if not text:
                 continue
-            if self.block < 0:
-                self.block = self.blocks
-                self.blocks += 1
-                out += sse({"type": "content_block_start", "index": self.block,
-                            "content_block": {"type": "text", "text": ""}})
+            if self.kind != "text" or self.block < 0:
+                out += self._open("text")
             out += sse({"type": "content_block_delta", "index": self.block,
                         "delta": {"type": "text_delta", "text": text}})
         return out
 
     def finish(self, reply: dict[str, Any]) -> bytes:
-        out = b"" if self.started else self._start(reply)
-        if self.block >= 0:
-            out += sse({"type": "content_block_stop", "index": self.block})
+        out = (b"" if self.started else self._start(reply)) + self._close()
         choice = (reply.get("choices") or [{}])[0]
         for call in (choice.get("message") or {}).get("tool_calls") or ():
             block = _tool_use(call)

@@ -20,6 +20,7 @@ from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.exceptions import DomainError
 from steptap.middleware.metrics import METRICS_KEY, Metrics
 from steptap.middleware.proxy import messages, responses, responses_request, tito
+from steptap.middleware.proxy.translation import take_handles
 
 logger = logging.getLogger("steptap.relay")
 
@@ -33,6 +34,7 @@ class Protocol:
     dropped: list[str] = []  # what was accepted but not honoured, by label (counted in steptap_dropped_fields)
     # what the proxy did that the request does not show (Step.notes): each drop, a translation choice
     notes: list[str] = []  # recorded on the call's steps
+    handles: dict[int, str] = {}  # assistant message -> the reasoning handle it was replayed with (tito.py)
 
     async def adapt(self, upstream: BackendClient, served: str) -> None:
         """Translation choices that depend on the backend's template (asked once per replica and model)."""
@@ -74,6 +76,7 @@ class Responses(Protocol):
         self.tr = responses_request.translate(body, [])  # validates before any session is touched
         self._notes()
         self.shape = responses.Shape(body, body.get("model") or model, self.tr)
+        self.handles = self.tr.handles
         self.session_id: str | None = None
         self.events = responses.EventStream(self.shape)
 
@@ -90,6 +93,7 @@ class Responses(Protocol):
             self.tr = responses_request.translate(self.body, self.store.history(session_id, prev))
             self._notes()
             self.shape.tr = self.tr
+            self.handles = self.tr.handles
 
     def annotate(self, step: Any) -> None:
         # which response this is: a later previous_response_id that names it continues this conversation
@@ -128,10 +132,17 @@ class Messages(Protocol):
 
     def __init__(self, body: dict[str, Any], model: str, count_only: bool = False) -> None:
         self.chat = messages.to_chat(body, count_only)
+        self.handles = take_handles(self.chat["messages"])
         self.shape = messages.Shape(body, body.get("model") or model)
         self.events = messages.EventStream(self.shape)
         self.dropped = messages.dropped(body)
         self.notes = [f"dropped {key}: not honoured by this proxy" for key in self.dropped]
+
+    def prepare(self, session_id: str | None) -> None:
+        self.shape.session_id = session_id
+
+    def annotate(self, step: Any) -> None:
+        step.response["response_id"] = self.shape.id  # what a thinking block's signature names
 
     async def adapt(self, upstream: BackendClient, served: str) -> None:
         if messages.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):

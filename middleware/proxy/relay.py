@@ -283,6 +283,7 @@ class _Call:
         self.recorded = False  # a step (good or failed) of this call is in the trajectory
         self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
         self.tito = False  # token-in-token-out mode for this session
+        self.notes: list[str] = []  # recorded on this call's steps beside the protocol's
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
@@ -290,9 +291,12 @@ class _Call:
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
             metrics = self.request.app[METRICS_KEY]
-            turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream)
-            if turn is not None:
+            handles = self.proto.handles if self.proto is not None else None
+            turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream, handles)
+            if not isinstance(turn, str):
                 return await self._run_tito(*turn, stream)
+            if turn != "first":  # rendered instead: the step says why
+                self.notes.append(f"token-in-token-out fell back to rendering: {turn}")
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._forward(payload)  # forward
@@ -398,11 +402,13 @@ class _Call:
         """Append this call's steps to its session; durable when it returns (before the reply completes)."""
         self.recorded = True
         self.request.app[SWAPPER_KEY].label(steps, self.spans)
-        if self.proto is not None:
-            for step in steps:
+        for step in steps:
+            if self.proto is not None:
                 step.endpoint = self.proto.endpoint
                 step.notes = list(self.proto.notes)
                 self.proto.annotate(step)
+            if self.notes:
+                step.notes = [*step.notes, *self.notes]
         await self.manager.record(self.session, steps)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = tito.next_state(self.chat, steps[0]) if len(steps) == 1 else None

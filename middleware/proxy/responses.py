@@ -12,7 +12,8 @@ bounded in entries, bytes, age and per session (least recently used out), for na
 agent sent ``store: false``.
 
 A reply's reasoning (vLLM's ``reasoning_content``) becomes a ``reasoning`` item; with ``include:
-["reasoning.encrypted_content"]`` its ``encrypted_content`` is a handle naming the step (``reasoning_handle``).
+["reasoning.encrypted_content"]`` its ``encrypted_content`` is a handle naming the step (``reasoning_handle``),
+which a token-in-token-out session uses to splice the logged tokens back on replay (``tito.py``).
 """
 
 from __future__ import annotations
@@ -26,29 +27,19 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy.responses_request import Translation, input_messages, to_chat
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
-from steptap.middleware.proxy.translation import register_chat_view
+from steptap.middleware.proxy.translation import (
+    parse_handle,
+    reasoning_handle,
+    reasoning_of,
+    register_chat_view,
+    take_handles,
+)
+
+__all__ = ["parse_handle", "reasoning_handle", "reasoning_of"]  # shared with messages.py (in translation.py)
 
 ENDPOINT = "responses"
 
 # --- reply: chat reply -> Response ----------------------------------------------------------------------------
-
-
-HANDLE_PREFIX = "steptap:"
-
-
-def reasoning_handle(session_id: str | None, response_id: str) -> str:
-    """The ``encrypted_content`` of a reasoning item the proxy made: ``steptap:<response id>:<session id>``
-    (the session id may hold ``:``; anonymous calls have none). Opaque to the agent, it names the step the
-    reasoning came from: the step whose ``response["response_id"]`` is that response id, in that session."""
-    return f"{HANDLE_PREFIX}{response_id}:{session_id or ''}"
-
-
-def parse_handle(encrypted: Any) -> tuple[str, str | None] | None:
-    """(response id, session id) of a handle ``reasoning_handle`` made, else None (another server's blob)."""
-    if not isinstance(encrypted, str) or not encrypted.startswith(HANDLE_PREFIX):
-        return None
-    response_id, sep, session_id = encrypted[len(HANDLE_PREFIX):].partition(":")
-    return (response_id, session_id or None) if sep and response_id else None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -62,11 +53,6 @@ def _usage(prompt: int, completion: int) -> dict[str, Any]:
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def reasoning_of(message: dict[str, Any]) -> Any:
-    """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or ``reasoning``)."""
-    return message.get("reasoning_content") or message.get("reasoning")
 
 
 class Shape:
@@ -148,6 +134,7 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat message a Response's output becomes again when the agent sends it back as input."""
     messages = input_messages([{**item, "role": "assistant"} if item["type"] == "message" else item
                                for item in output])
+    take_handles(messages)  # the stored conversation keeps the reasoning text, which vouches for it alone
     return messages[0] if messages else {"role": "assistant", "content": ""}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from steptap.middleware.proxy.translation import HANDLE_KEY, take_handles
 from steptap.middleware.proxy.translation import bad as _bad
 
 # Chat parameters a Responses body may carry that mean the same on both routes (vLLM's extras included).
@@ -62,6 +63,7 @@ class Translation:
         self.notes: list[dict[str, str]] = []
         self.namespaced: dict[str, tuple[str, str]] = {}  # flat name -> (name, namespace)
         self.custom: set[str] = set()
+        self.handles: dict[int, str] = {}  # assistant message -> its replayed reasoning handle (translation.py)
 
     def note(self, field: str, label: str, reason: str) -> None:
         """``field``: where in the body; ``label``: the metric's bounded label; ``reason``: why."""
@@ -118,8 +120,13 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
     if not isinstance(items, list):
         raise _bad("'input' must be a string or a list of items", "input")
     out: list[dict[str, Any]] = []
+    reasoning: dict[str, Any] | None = None  # a reasoning item's text and handle, for the reply it precedes
+    mark = 0  # where that reply's assistant message will be
     for i, item in enumerate(items):
         where = f"input[{i}]"
+        if reasoning is not None and len(out) > mark:
+            _attach(out[mark], reasoning)
+            reasoning = None
         if not isinstance(item, dict):
             raise _bad("an input item must be an object", where)
         kind = item.get("type", "message")
@@ -154,17 +161,32 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            # The chat route takes no reasoning items back (templates drop earlier reasoning): skipped. Its
-            # encrypted_content, when the proxy made it, names the step it came from (responses.reasoning_handle).
+            # The reasoning of the reply that follows: its text goes to the template as the assistant message's
+            # reasoning (rendered where the template renders it); its encrypted_content, when the proxy made it,
+            # names the step it came from (translation.reasoning_handle), for a token-in-token-out splice.
             enc = item.get("encrypted_content")
             if enc is not None and not isinstance(enc, str):
                 raise _bad("a reasoning item's 'encrypted_content' must be a string or null", where)
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise _bad("a reasoning item's 'content' must be a list", where)
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            reasoning = {k: v for k, v in (("reasoning", text or None), (HANDLE_KEY, enc)) if v is not None}
+            mark = len(out)
         elif kind in ("web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call"):
             if tr is not None:  # a hosted tool's result from another server: nothing the model can be shown
                 tr.note(where, f"input:{kind}", f"{kind} items are dropped (hosted tools are not served)")
         else:
             raise _bad(f"unsupported input item type {kind!r}", where)
+    if reasoning is not None and len(out) > mark:
+        _attach(out[mark], reasoning)
     return out
+
+
+def _attach(msg: dict[str, Any], reasoning: dict[str, Any]) -> None:
+    """A reasoning item's text and handle onto the reply that followed it (dropped when a user turn did)."""
+    if msg["role"] == "assistant" and "reasoning" not in msg and HANDLE_KEY not in msg:
+        msg.update(reasoning)
 
 
 # --- tools ------------------------------------------------------------------------------------------------------
@@ -307,6 +329,7 @@ def translate(body: dict[str, Any], history: list[dict[str, Any]]) -> Translatio
             raise _bad("'instructions' must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
     chat["messages"] = messages + history + input_messages(body["input"], tr)
+    tr.handles = take_handles(chat["messages"])
     tools = tools_of(body["tools"], tr) if body.get("tools") else []
     if tools:
         chat["tools"] = tools

@@ -13,9 +13,17 @@ only the new messages come from vLLM's render route: the difference between rend
 conversation with and without the new messages after it, so the template decides how they open and close (the
 proxy has no tokenizer). These routes need vLLM's ``--enable-scale-out``.
 
+Reasoning: the previous reply's tokens hold its reasoning as sampled (``<think>...</think>``), which the
+template may render otherwise or drop. The replayed reply may carry it back as text (chat ``reasoning``, a Messages
+thinking block, a Responses reasoning item) and as the opaque value the proxy gave it (a handle naming the step:
+``translation.reasoning_handle``). The logged tokens are spliced back only when the replay vouches for them: a
+handle naming that step of this session, or the reasoning text as logged. Else the turn is rendered: an opaque
+value from elsewhere (``handle_foreign``), a handle naming another step or session (``handle_unknown``), changed
+reasoning text (``reasoning_edited``), or reasoning left out with no handle (``reasoning_dropped``).
+
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
-falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``) and the step's
-``prefix`` names the break as usual.
+falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``), named in the
+step's notes, and the step's ``prefix`` names the break as usual.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import msgspec
 
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
+from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 
@@ -48,6 +57,8 @@ class State(NamedTuple):
     prompt_ids: list[int]
     response_ids: list[int]
     ended: bool  # the reply ended on its own, not by max_tokens
+    reasoning: str | None = None  # the reply's reasoning as logged
+    response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
 
 
 class Plan(NamedTuple):
@@ -62,8 +73,10 @@ def _tools_key(chat: dict[str, Any]) -> str:
     return json.dumps(chat.get("tools") or [], sort_keys=True)
 
 
-def plan(state: State | None, chat: dict[str, Any]) -> Plan:
-    """Whether this chat body extends the previous turn, and with which messages."""
+def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | None = None,
+         session_id: str | None = None) -> Plan:
+    """Whether this chat body extends the previous turn, and with which messages. ``handles``: the reasoning
+    handles the assistant messages were replayed with (by assistant message); ``session_id``: the session's."""
     if state is None:
         return Plan([], None, "first")
     messages = chat.get("messages")
@@ -81,7 +94,28 @@ def plan(state: State | None, chat: dict[str, Any]) -> Plan:
         return Plan([], state, "tools_changed")
     if not state.ended:
         return Plan([], state, "reply_unfinished")
+    replayed = messages[len(old) - 1]
+    nth = sum(1 for m in messages[:len(old)] if isinstance(m, dict) and m.get("role") == "assistant") - 1
+    cause = _reasoning_cause(state, replayed, (handles or {}).get(nth), session_id)
+    if cause is not None:
+        return Plan([], state, cause)
     return Plan(messages[len(old):], state, "tokens")
+
+
+def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id: str | None) -> str | None:
+    """Why the replayed reply cannot stand for its logged tokens (None: it can)."""
+    text = (reasoning_of(replayed) if isinstance(replayed, dict) else None) or None
+    if handle is not None:
+        named = parse_handle(handle)
+        if named is None:
+            return "handle_foreign"
+        if state.response_id is None or named != (state.response_id, session_id):
+            return "handle_unknown"
+    if text is not None and text != state.reasoning:
+        return "reasoning_edited"
+    if state.reasoning and text is None and handle is None:
+        return "reasoning_dropped"
+    return None
 
 
 def next_state(chat: dict[str, Any], step: Step) -> State | None:
@@ -90,8 +124,28 @@ def next_state(chat: dict[str, Any], step: Step) -> State | None:
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
     ended = step.finish_reason in ("stop", "tool_calls")  # what token ended it is checked against the template
+    response_id = step.response.get("response_id")
     return State([_norm(m) for m in messages] + [_norm(step.response)], _tools_key(chat),
-                 list(step.prompt_token_ids), list(step.response_token_ids), ended)
+                 list(step.prompt_token_ids), list(step.response_token_ids), ended,
+                 reasoning_of(step.response) or None, response_id if isinstance(response_id, str) else None)
+
+
+def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
+    """(the template's tail after the assistant turn's end token, the new messages' ids) from the render of the
+    base conversation alone (``base``) and with the new messages (``ids``); None when they do not line up. The
+    assistant turn ends at the same count of ``end`` tokens in both, though a template may render it otherwise
+    once messages follow (Qwen3-style templates drop the reasoning of turns before the last user query)."""
+    at = [i for i, t in enumerate(base) if t == end]
+    if not at or len(base) - at[-1] - 1 > _TAIL_MAX:
+        return None
+    tail = base[at[-1] + 1:]
+    seen = [i for i, t in enumerate(ids) if t == end]
+    if len(seen) < len(at):
+        return None
+    start = seen[len(at) - 1] + 1
+    if ids[start:start + len(tail)] != tail:
+        return None
+    return tail, ids[start + len(tail):]
 
 
 class TitoError(Exception):
@@ -142,13 +196,12 @@ class Turn:
         full = await self._render(_BASE + self.plan.new, True)
         base = (await self._render(_BASE, False))["token_ids"]
         ids = full["token_ids"]
-        if ids[: len(base)] != base:
-            return None
         end = state.response_ids[-1]  # the token that ended the reply (its stop token)
-        at = max((i for i, t in enumerate(base) if t == end), default=-1)
-        if at < 0 or len(base) - at - 1 > _TAIL_MAX:
+        split = _after_base(base, ids, end)
+        if split is None:
             return None
-        self.prompt = state.prompt_ids + state.response_ids + base[at + 1:] + ids[len(base):]
+        tail, added = split
+        self.prompt = state.prompt_ids + state.response_ids + tail + added
         params = dict(full["sampling_params"])
         if self.chat.get("max_tokens") is None and self.chat.get("max_completion_tokens") is None:
             # render's default is the context left after its own (shorter) prompt
@@ -267,10 +320,10 @@ def backend_error(name: str, exc: TitoError) -> BackendError:
 
 
 async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, metrics: Any,
-                     stream: bool) -> tuple[Turn, dict[str, Any]] | None:
-    """The turn and its generate request when this call extends the session's previous turn; else None (the
-    normal path), counted by cause in either case."""
-    decided = plan(session.tito_state, chat)
+                     stream: bool, handles: dict[int, str] | None = None) -> tuple[Turn, dict[str, Any]] | str:
+    """The turn and its generate request when this call extends the session's previous turn; else the cause
+    of the fallback to the normal path, counted by cause in either case."""
+    decided = plan(session.tito_state, chat, handles, session.id)
     if decided.cause == "tokens":
         turn = Turn(client, chat, decided)
         try:
@@ -286,4 +339,4 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
         if decided.cause == "tokens":
             decided = decided._replace(cause="template")
     metrics.child(metrics.tito_turns, decided.cause).inc()
-    return None
+    return decided.cause

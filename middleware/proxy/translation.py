@@ -1,5 +1,5 @@
 """What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s, their
-ids, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
+ids, the reasoning handle, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
 
 from __future__ import annotations
 
@@ -18,6 +18,48 @@ def bad(message: str, where: str | None = None) -> ApiError:
 
 def new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
+
+
+HANDLE_PREFIX = "steptap:"
+# The key a translation puts a replayed reasoning's opaque value under in its assistant chat message, taken out
+# (``take_handles``) before the chat body goes anywhere.
+HANDLE_KEY = "steptap_handle"
+
+
+def reasoning_handle(session_id: str | None, response_id: str) -> str:
+    """The opaque value of reasoning the proxy returned (a Responses reasoning item's ``encrypted_content``, a
+    Messages thinking block's ``signature``): ``steptap:<response id>:<session id>`` (the session id may hold
+    ``:``; anonymous calls have none). It names the step the reasoning came from: the step whose
+    ``response["response_id"]`` is that id, in that session (a token-in-token-out replay splices its tokens)."""
+    return f"{HANDLE_PREFIX}{response_id}:{session_id or ''}"
+
+
+def parse_handle(opaque: Any) -> tuple[str, str | None] | None:
+    """(response id, session id) of a handle ``reasoning_handle`` made, else None (another server's blob)."""
+    if not isinstance(opaque, str) or not opaque.startswith(HANDLE_PREFIX):
+        return None
+    response_id, sep, session_id = opaque[len(HANDLE_PREFIX):].partition(":")
+    return (response_id, session_id or None) if sep and response_id else None
+
+
+def reasoning_of(message: dict[str, Any]) -> Any:
+    """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or ``reasoning``)."""
+    return message.get("reasoning_content") or message.get("reasoning")
+
+
+def take_handles(messages: list[dict[str, Any]]) -> dict[int, str]:
+    """The replayed reasoning handles out of the chat messages, by assistant message (0: the first assistant
+    message); vLLM never sees the key."""
+    out: dict[int, str] = {}
+    k = 0
+    for msg in messages:
+        if msg.get("role") != "assistant":
+            continue
+        handle = msg.pop(HANDLE_KEY, None)
+        if handle is not None:
+            out[k] = handle
+        k += 1
+    return out
 
 
 def register_chat_view(endpoint: str, to_chat: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.proxy import messages, responses, tito
 from steptap.middleware.records import Step
 
@@ -169,6 +170,8 @@ def test_thinking_blocks_replay_as_reasoning() -> None:
             {"type": "thinking", "thinking": "think", "signature": "sig2"},
             {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]},
         {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": {"type": "ephemeral"}}]}]})
+    # the first signature goes beside the chat body (a handle, if the proxy made it: tito.py judges it)
+    assert take_handles(chat["messages"]) == {0: "sig1"}
     assert chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning": "let me think"}
     assert messages.dropped({"thinking": {"type": "disabled"}, "metadata": {}, "max_tokens": 1}) == []
     assert messages.dropped({"thinking": {"type": "enabled", "budget_tokens": 10}}) == ["thinking"]
@@ -231,3 +234,66 @@ def test_prefix_of_a_previous_response_id_call_follows_the_chain() -> None:
     assert classify(prev, step("r1", "J")) == "history_edited"  # other instructions
     extends = Step(endpoint="responses", prompt_token_ids=[1, 2, 3, 9], request={"previous_response_id": "r1"})
     assert classify(prev, extends) == "extends"
+
+
+def test_anthropic_reply_reasoning_is_a_signed_thinking_block_plain_and_streamed() -> None:
+    shape = messages.Shape({}, "m")
+    shape.session_id = "s:1"
+    reply = {"choices": [{"message": {"content": "a", "reasoning": "plan"}, "finish_reason": "stop",
+                          "token_ids": [1, 2]}]}
+    handle = f"steptap:{shape.id}:s:1"
+    assert shape.from_chat(reply)["content"] == [{"type": "thinking", "thinking": "plan", "signature": handle},
+                                                 {"type": "text", "text": "a"}]
+    events = messages.EventStream(shape)
+    raw = b"".join(events.feed({"choices": [{"index": 0, "delta": d}]})
+                   for d in ({"reasoning": "pl"}, {"reasoning": "an"}, {"content": "a"})) + events.finish(reply)
+    parsed = [json.loads(b.split(b"\ndata: ", 1)[1]) for b in raw.split(b"\n\n") if b]
+    blocks = [(e["type"], e.get("index"), e.get("delta", {}).get("type")) for e in parsed[1:-2]]
+    assert blocks == [("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+                      ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+                      ("content_block_stop", 0, None), ("content_block_start", 1, None),
+                      ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None)]
+    assert parsed[4]["delta"]["signature"] == handle
+    # thinking turned off: no block (the replay then has no reasoning to vouch for the logged tokens)
+    off = messages.Shape({"thinking": {"type": "disabled"}}, "m")
+    assert [b["type"] for b in off.from_chat(reply)["content"]] == ["text"]
+
+
+def test_tito_splices_a_reasoning_reply_only_when_the_replay_vouches_for_it() -> None:
+    first = {"messages": [{"role": "user", "content": "a"}]}
+    step = Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason="stop",
+                response={"role": "assistant", "content": "hi", "reasoning": "plan", "response_id": "msg_1"})
+    state = tito.next_state(first, step)
+    handle = "steptap:msg_1:s1"
+
+    def cause(reply: dict, handles: dict | None = None, session: str = "s1") -> str:
+        chat = {"messages": [*first["messages"], reply, {"role": "user", "content": "b"}]}
+        return tito.plan(state, chat, handles, session).cause
+
+    hi = {"role": "assistant", "content": "hi"}
+    assert cause(hi, {0: handle}) == "tokens"  # the handle alone (Codex sends no text)
+    assert cause({**hi, "reasoning": "plan"}) == "tokens"  # the text as logged (chat, previous_response_id)
+    assert cause({**hi, "reasoning": "plan"}, {0: handle}) == "tokens"
+    assert cause({**hi, "reasoning": "edited"}, {0: handle}) == "reasoning_edited"
+    assert cause(hi, {0: "steptap:msg_2:s1"}) == "handle_unknown"  # a forged or stale handle
+    assert cause(hi, {0: handle}, session="s2") == "handle_unknown"  # another session's
+    assert cause(hi, {0: "EqQBCkYIBxgCKkD-anthropic"}) == "handle_foreign"
+    assert cause(hi) == "reasoning_dropped"
+    # a reply without reasoning needs nothing; reasoning added to it is an edit
+    plain = tito.next_state(first, Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason="stop",
+                                        response={"role": "assistant", "content": "hi"}))
+    chat = {"messages": [*first["messages"], hi, {"role": "user", "content": "b"}]}
+    assert tito.plan(plain, chat).cause == "tokens"
+    chat["messages"][1] = {**hi, "reasoning": "x"}
+    assert tito.plan(plain, chat).cause == "reasoning_edited"
+
+
+def test_tito_new_ids_follow_the_assistant_turn_however_the_template_renders_it() -> None:
+    end = 9
+    # ChatML: [user x][assistant y] then "\n"; a template that re-renders the assistant turn once a user turn
+    # follows (Qwen3's, dropping its reasoning) still ends it at the same count of end tokens
+    base = [1, 5, end, 7, 1, 6, 40, 41, 6, end, 7]
+    full = [1, 5, end, 7, 1, 6, 6, end, 7, 1, 5, 50, end, 7, 1, 6]
+    assert tito._after_base(base, full, end) == ([7], [1, 5, 50, end, 7, 1, 6])
+    assert tito._after_base(base, [1, 5, end, 7, 1, 6, 6, 8, 1, 5], end) is None  # the tail does not follow
+    assert tito._after_base(base, [1, 5, end, 7], end) is None  # fewer turns

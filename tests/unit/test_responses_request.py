@@ -107,7 +107,7 @@ def test_custom_tool_call_round_trip() -> None:
     assert shape.from_chat(odd)[0]["output"][0]["input"] == "oops"
 
 
-def test_reasoning_becomes_an_item_with_a_stable_handle_and_is_skipped_on_replay() -> None:
+def test_reasoning_becomes_an_item_with_a_stable_handle_and_comes_back_on_replay() -> None:
     shape = responses.Shape(CODEX_BODY, "m", translate(CODEX_BODY, []))
     shape.session_id = "auto:s1"
     reply = {"choices": [{"message": {"role": "assistant", "content": "hi", "reasoning_content": "think"}}]}
@@ -117,9 +117,19 @@ def test_reasoning_becomes_an_item_with_a_stable_handle_and_is_skipped_on_replay
     assert item["encrypted_content"] == f"steptap:{shape.id}:auto:s1"
     assert responses.parse_handle(item["encrypted_content"]) == (shape.id, "auto:s1")
     assert responses.parse_handle("gAAAA-someone-elses") is None
-    assert assistant == {"role": "assistant", "content": "hi"}
+    assert assistant == {"role": "assistant", "content": "hi", "reasoning": "think"}  # stored: text, no handle
+    # replayed: the text to the template as the reply's reasoning, the handle beside the chat body (never in it)
     replayed = translate({"input": [item, {"type": "message", "role": "assistant", "content": "hi"}]}, [])
     assert replayed.chat["messages"] == [assistant]
+    assert replayed.handles == {0: item["encrypted_content"]}
+    # Codex's shape: no text, only the handle; a reasoning item before a user turn belongs to no reply
+    bare = {"type": "reasoning", "summary": [], "encrypted_content": item["encrypted_content"]}
+    replayed = translate({"input": [{"type": "message", "role": "assistant", "content": "a"}, bare,
+                                    {"type": "message", "role": "assistant", "content": "hi"},
+                                    bare, {"type": "message", "role": "user", "content": "u"}]}, [])
+    assert replayed.chat["messages"] == [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "hi"},
+                                         {"role": "user", "content": "u"}]
+    assert replayed.handles == {1: item["encrypted_content"]}
     plain = responses.Shape({"input": "x"}, "m")  # no include: no encrypted_content
     assert "encrypted_content" not in plain.from_chat(reply)[0]["output"][0]
 
