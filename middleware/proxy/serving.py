@@ -79,5 +79,3 @@ def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> byt
         return _encode(out)
     added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
     return b"".join((end[:-1], b",", added, b"}"))
-
-

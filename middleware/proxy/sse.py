@@ -39,7 +39,6 @@ class _LineTooLong(Exception):
     pass
 
 
-
 class StreamRelay:
     """``_Call``'s stream: relay, pump, the cut's end."""
 
@@ -200,7 +199,6 @@ class StreamRelay:
         return failure, upstream_error, done
 
 
-
 async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[list[bytes]]:
     """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
     pending = b""
@@ -224,5 +222,3 @@ async def _send(out: web.StreamResponse, data: bytes, timeout_s: float) -> None:
         raise _AgentStalled() from None
     except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
         raise _AgentGone() from exc
-
-

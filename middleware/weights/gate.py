@@ -34,7 +34,6 @@ class Ticket(msgspec.Struct, frozen=True):
     spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
 
 
-
 class Gate:
     """``WeightSwapper``'s gate and the bookkeeping of the calls through it."""
 
@@ -170,4 +169,3 @@ class Gate:
                 await self._client(b).unload_lora(name)
             except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
                 logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
-

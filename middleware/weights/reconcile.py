@@ -216,4 +216,3 @@ class Recovery:
             self.cpu_backend = cpu
         if self.path is None:
             self.path = path
-
