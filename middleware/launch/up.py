@@ -31,7 +31,9 @@ from steptap.middleware.files import atomic_write  # readers poll these files: n
 from steptap.middleware.launch.view import StatusBoard, render_line
 from steptap.middleware.launch.up_files import RunFiles
 from steptap.middleware.launch.up_parser import PY, STEPTAP, _free_port, _split, build_parser  # noqa: F401 - old paths
-from steptap.middleware.launch.up_preflight import Interrupted, Preflight, Refused, StartupError
+from steptap.middleware.launch.up_preflight import (  # noqa: F401 - _learner_lora_rank: old path
+    Interrupted, Preflight, Refused, StartupError, _learner_lora_rank,
+)
 
 
 class Up(Preflight, RunFiles):
