@@ -24,7 +24,7 @@ from pathlib import Path
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
 from steptap.middleware.files import private_dir
-from steptap.middleware.launch.vllm_server import has_gpu
+from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
@@ -80,9 +80,10 @@ class Up(Preflight, RunFiles):
             return
         replicas = max(1, self.args.replicas)
         extra = _split(self.args.vllm_args)
-        if replicas > 1 and not has_gpu() and "--threads" not in extra:
-            # CPU: the replicas share the cores (vLLM's default would give each half of them)
-            extra += ["--threads", str(max(1, (os.cpu_count() or 2) // (2 * replicas)))]
+        gpu = has_gpu() if replicas > 1 else False
+        threads = None if "--threads" in extra else replica_threads(replicas, gpu, None)
+        if threads is not None:
+            extra += ["--threads", str(threads)]
         if not self.args.vllm_tcp:  # a short path: a unix socket path is limited to about 100 bytes
             self.sock_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # 0700
         children = []
@@ -98,7 +99,8 @@ class Up(Preflight, RunFiles):
                     "--log", str(self.logs / f"{name}-server.log"), *extra]
             if not self.args.model and "--served-model-name" not in argv:
                 argv += ["--served-model-name", "tiny"]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if replicas > 1 and has_gpu() else None
+            place = replica_env(i, replicas, gpu)
+            env = {**os.environ, **place} if place is not None else None
             children.append((url, self.sup.start(Child(name, argv, self.logs / f"{name}.log", env=env))))
             self.backends.append(url)
             self._log(f"starting vLLM on {url} (log: {children[-1][1].log_path})")

@@ -12,7 +12,7 @@ from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, read_token_file
 from steptap.middleware.files import PrivateDirError, secret_dir
 from steptap.middleware.launch.private_files import write_private
-from steptap.middleware.launch.vllm_server import has_gpu
+from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.procs import wait_until
 from steptap.middleware.launch.supervise import Child
 from steptap.middleware.model_files import ties_embeddings
