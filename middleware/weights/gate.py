@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from steptap.middleware.exceptions import DomainError, SwapUnavailable
+from steptap.middleware.exceptions import SwapUnavailable
 from steptap.middleware.weights.spans import Spans
 
 logger = logging.getLogger("steptap.weights")
@@ -95,25 +95,6 @@ class Gate:
         for spans in self._spans:
             spans.mark(version)
 
-    async def _retire(self, adapter: str, backends: list[str]) -> None:
-        """Unload ``adapter`` now when no call in flight holds it, else when the last one ends."""
-        if self._adapter_users.get(adapter):
-            self._retiring[adapter] = backends
-        else:
-            await self._unload(adapter, backends)
-
-    def _release_adapter(self, adapter: str) -> None:
-        left = self._adapter_users.get(adapter, 0) - 1
-        if left > 0:
-            self._adapter_users[adapter] = left
-            return
-        self._adapter_users.pop(adapter, None)
-        backends = self._retiring.pop(adapter, None)
-        if backends is not None and self._started:  # not after close()
-            task = asyncio.ensure_future(self._unload(adapter, backends))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
     def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
         """Give each step of a call its version spans; count the tokens each version sampled."""
         for step in steps:
@@ -162,10 +143,3 @@ class Gate:
         self._cut.discard(task)  # once: a second cancellation (the server shutting down) is a real one
         task.uncancel()
         return True
-
-    async def _unload(self, name: str, backends: list[str]) -> None:
-        for b in backends:
-            try:
-                await self._client(b).unload_lora(name)
-            except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
-                logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)

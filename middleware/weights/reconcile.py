@@ -46,19 +46,6 @@ class Recovery:
                 self.lora_path = self.lora_name = None
         return self.version
 
-    async def ensure_adapter(self) -> None:
-        """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
-        if self.lora_name is None or self.lora_path is None:
-            return
-        for b in self._targets():
-            client = self._client(b)
-            try:
-                if self.lora_name in await client.model_ids():
-                    continue
-                await client.load_lora(self.lora_name, self.lora_path)
-            except DomainError as exc:
-                logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
-
     async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
         """One replica's part of a collective transfer; one that failed midway reloads the disk weights."""
         offsets, world = self._plan

@@ -51,6 +51,7 @@ from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
 from steptap.middleware.weights.gate import CUT_MESSAGE, CUT_WRITE_S, Gate, Ticket
+from steptap.middleware.weights.lora import Adapters, _code, _message
 from steptap.middleware.weights.reconcile import LORA_PREFIX, Recovery
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
@@ -104,7 +105,7 @@ class WeightState(msgspec.Struct, kw_only=True):
     tokens_by_version: dict[int, int] = {}  # response tokens recorded per policy version (the latest few)
 
 
-class WeightSwapper(Gate, Recovery):
+class WeightSwapper(Gate, Recovery, Adapters):
     """Owns ``policy_version`` and swaps weights into one or more vLLM backends.
 
     ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log
@@ -345,45 +346,6 @@ class WeightSwapper(Gate, Recovery):
 
     # --- keep mode ------------------------------------------------------------------------------------------
 
-    async def _swap_lora_beside(self, lora_path: str, lora_name: str, new_version: int) -> int:
-        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open), then
-        route new calls to it; calls in flight finish on the old one, unloaded when the last of them ends."""
-        t0 = time.monotonic()
-        targets = self._targets()
-        if not targets:
-            raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
-        results = await asyncio.gather(*(self._client(b).load_lora(lora_name, lora_path) for b in targets),
-                                       return_exceptions=True)
-        loaded = [b for b, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
-        failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
-        figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
-                                              for b in targets}
-        self.replica_figures = figures
-        if failed and (not loaded or self.pool is None):
-            await self._rollback(loaded, lora_name)
-            raise SwapError("; ".join(failed.values()), _code(results))
-        try:
-            await self._persist(new_version, None, lora_path)
-        except SwapError:
-            await self._rollback(loaded, lora_name)
-            raise
-        for b, msg in failed.items():
-            assert self.pool is not None
-            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): {msg}")
-        old = self.lora_name
-        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
-        if old is not None and old != lora_name:
-            await self._retire(old, loaded)
-        for b in loaded:
-            await self._tell_version(b, new_version)
-        self.last_paused_s = 0.0
-        self._swapped(t0, 0.0)
-        for fig in figures.values():
-            fig["swap_s"] = self.last_swap_s
-        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s", self.version,
-                    lora_name, lora_path, self.last_swap_s)
-        return self.version
-
     def _targets(self) -> list[str]:
         return self.pool.swap_targets() if self.pool is not None else list(self.backends)
 
@@ -459,14 +421,3 @@ class WeightSwapper(Gate, Recovery):
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )
-
-
-def _message(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
-
-
-def _code(results: list[Any]) -> str:
-    return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
-
-
-
