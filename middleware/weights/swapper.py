@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,19 +50,16 @@ from steptap.middleware.records import PolicyVersion
 from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
+from steptap.middleware.weights.gate import CUT_MESSAGE, CUT_WRITE_S, Gate, Ticket
+from steptap.middleware.weights.lora import Adapters, _code, _message
+from steptap.middleware.weights.reconcile import LORA_PREFIX, Recovery
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
+__all__ = ["CUT_MESSAGE", "CUT_WRITE_S", "LORA_PREFIX", "Ticket", "WeightState", "WeightSwapper"]
+
 
 logger = logging.getLogger("steptap.weights")
-
-LORA_PREFIX = "steptap-lora"
-
-
-_VERSIONS_KEPT = 16  # tokens_by_version keeps the latest this many versions
-_CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
-CUT_WRITE_S = 2.0  # how long a cut call's error event may wait for its reader (it may be the slow one)
-CUT_MESSAGE = "cut by a weight swap: the call outlasted the swap's drain bound (--swap-drain-timeout)"
 
 
 class _Log(Protocol):
@@ -79,15 +74,6 @@ class _Pool(Protocol):
     def take_out(self, name: str, reason: str) -> None: ...
 
     def client(self, name: str) -> BackendClient | None: ...
-
-
-class Ticket(msgspec.Struct, frozen=True):
-    """What a call learns as it passes the gate: the version that will sample it, and the model name to send
-    upstream (a LoRA adapter's name), or None to forward the agent's model unchanged."""
-
-    version: int
-    served_model: str | None = None
-    spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
 
 
 class WeightState(msgspec.Struct, kw_only=True):
@@ -119,7 +105,7 @@ class WeightState(msgspec.Struct, kw_only=True):
     tokens_by_version: dict[int, int] = {}  # response tokens recorded per policy version (the latest few)
 
 
-class WeightSwapper:
+class WeightSwapper(Gate, Recovery, Adapters):
     """Owns ``policy_version`` and swaps weights into one or more vLLM backends.
 
     ``backends``: the vLLM base URLs (every replica is swapped together). ``log``: the trajectory log
@@ -209,75 +195,7 @@ class WeightSwapper:
         self._own.clear()
         self._started = False
 
-    def restore(self, records: Iterable[Any]) -> int:
-        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.
-
-        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its
-        adapter (named after its version, so the name is the same after a restart)."""
-        last: PolicyVersion | None = None
-        for rec in records:
-            if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
-                last = rec
-                if rec.path is not None:
-                    self.path, self.on_disk = rec.path, True
-                elif rec.lora_path is None:  # a collective transfer's version: nothing on disk
-                    self.on_disk = False
-        if last is not None:
-            self.version = last.version
-            if last.lora_path is not None:
-                self.lora_path, self.lora_name = last.lora_path, f"{LORA_PREFIX}-v{last.version}"
-            else:
-                self.lora_path = self.lora_name = None
-        return self.version
-
-    async def ensure_adapter(self) -> None:
-        """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
-        if self.lora_name is None or self.lora_path is None:
-            return
-        for b in self._targets():
-            client = self._client(b)
-            try:
-                if self.lora_name in await client.model_ids():
-                    continue
-                await client.load_lora(self.lora_name, self.lora_path)
-            except DomainError as exc:
-                logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
-
     # --- the gate -------------------------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def gate(self) -> AsyncIterator[Ticket]:
-        """Around every model call: waits while a swap runs, then yields the version that samples it."""
-        if not self._open.is_set():
-            self._held += 1
-            if self._first_held_at is None:
-                self._first_held_at = time.monotonic()
-            try:
-                while not self._open.is_set():  # another swap may start before this task runs again
-                    await self._open.wait()
-            finally:
-                self._held -= 1
-        # No await between the check above and this increment: a swap cannot slip in between.
-        self._in_flight += 1
-        self._idle.clear()
-        task = asyncio.current_task()
-        if task is not None:
-            self._calls.add(task)
-        spans, adapter = Spans(self.version), self.lora_name
-        self._spans.add(spans)
-        if adapter is not None:
-            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
-        try:
-            yield Ticket(self.version, adapter, spans)
-        finally:
-            self._spans.discard(spans)
-            self.spanning_calls += bool(spans.marks)
-            if adapter is not None:
-                self._release_adapter(adapter)
-            self._calls.discard(task)  # type: ignore[arg-type]
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
 
     # --- the swap -------------------------------------------------------------------------------------------
 
@@ -428,79 +346,6 @@ class WeightSwapper:
 
     # --- keep mode ------------------------------------------------------------------------------------------
 
-    def _mark(self, version: int) -> None:
-        """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is sampled)."""
-        for spans in self._spans:
-            spans.mark(version)
-
-    async def _swap_lora_beside(self, lora_path: str, lora_name: str, new_version: int) -> int:
-        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open), then
-        route new calls to it; calls in flight finish on the old one, unloaded when the last of them ends."""
-        t0 = time.monotonic()
-        targets = self._targets()
-        if not targets:
-            raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
-        results = await asyncio.gather(*(self._client(b).load_lora(lora_name, lora_path) for b in targets),
-                                       return_exceptions=True)
-        loaded = [b for b, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
-        failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
-        figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
-                                              for b in targets}
-        self.replica_figures = figures
-        if failed and (not loaded or self.pool is None):
-            await self._rollback(loaded, lora_name)
-            raise SwapError("; ".join(failed.values()), _code(results))
-        try:
-            await self._persist(new_version, None, lora_path)
-        except SwapError:
-            await self._rollback(loaded, lora_name)
-            raise
-        for b, msg in failed.items():
-            assert self.pool is not None
-            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): {msg}")
-        old = self.lora_name
-        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
-        if old is not None and old != lora_name:
-            await self._retire(old, loaded)
-        for b in loaded:
-            await self._tell_version(b, new_version)
-        self.last_paused_s = 0.0
-        self._swapped(t0, 0.0)
-        for fig in figures.values():
-            fig["swap_s"] = self.last_swap_s
-        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s", self.version,
-                    lora_name, lora_path, self.last_swap_s)
-        return self.version
-
-    async def _retire(self, adapter: str, backends: list[str]) -> None:
-        """Unload ``adapter`` now when no call in flight holds it, else when the last one ends."""
-        if self._adapter_users.get(adapter):
-            self._retiring[adapter] = backends
-        else:
-            await self._unload(adapter, backends)
-
-    def _release_adapter(self, adapter: str) -> None:
-        left = self._adapter_users.get(adapter, 0) - 1
-        if left > 0:
-            self._adapter_users[adapter] = left
-            return
-        self._adapter_users.pop(adapter, None)
-        backends = self._retiring.pop(adapter, None)
-        if backends is not None and self._started:  # not after close()
-            task = asyncio.ensure_future(self._unload(adapter, backends))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
-        """Give each step of a call its version spans; count the tokens each version sampled."""
-        for step in steps:
-            if spans is not None:
-                step.version_spans = spans.of(step.choice)
-            for v in step.token_versions():
-                self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
-        while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
-            del self.tokens_by_version[min(self.tokens_by_version)]
-
     def _targets(self) -> list[str]:
         return self.pool.swap_targets() if self.pool is not None else list(self.backends)
 
@@ -540,45 +385,6 @@ class WeightSwapper:
                     self.pool.take_out(b, f"/resume failed after a swap: {err}")
         return errors
 
-    async def _drain(self) -> None:
-        """Wait for the calls through the gate; past the bound, cut them (each is recorded as a failed step:
-        relay asks ``was_cut``) so one slow reader cannot hold every agent for long."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
-            return
-        except TimeoutError:
-            pass
-        slow = [t for t in self._calls if not t.done()]
-        for task in slow:
-            self._cut.add(task)
-            task.cancel()
-        self.cut_calls += len(slow)
-        logger.warning("cut %d model calls still running after %.1f s to swap weights", len(slow),
-                    self.drain_timeout_s)
-        try:
-            await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
-        except TimeoutError:
-            raise SwapUnavailable(
-                f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
-                "swap abandoned, old weights kept",
-                "swap_drain_timeout",
-            ) from None
-
-    def was_cut(self, task: asyncio.Task[Any] | None) -> bool:
-        """Whether the swap's drain bound cancelled this call's task."""
-        return task is not None and task in self._cut
-
-    def take_cut(self) -> bool:
-        """Called by a call as its task sees the cancellation: when it is this swap's cut (not the agent
-        hanging up), the cancellation is taken back so the call can end as the protocol's error (an error body,
-        or an error event once the stream has begun) and record its step, within ``_CUT_GRACE_S``."""
-        task = asyncio.current_task()
-        if task is None or task not in self._cut:
-            return False
-        self._cut.discard(task)  # once: a second cancellation (the server shutting down) is a real one
-        task.uncancel()
-        return True
-
     async def _load_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
         client = self._client(b)
         if lora_path is not None:
@@ -595,150 +401,6 @@ class WeightSwapper:
             self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
             raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
-    async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
-        """One replica's part of a collective transfer; one that failed midway reloads the disk weights."""
-        offsets, world = self._plan
-        try:
-            await collective.receive(self._client(b), transfer, offsets[b], world, version)
-        except TransferFailed as exc:
-            if not exc.touched:
-                raise
-            err = await collective.reload_from_disk(self._client(b), self.path)
-            if err is not None:
-                self.degraded = err
-                if self.pool is not None:
-                    self.pool.take_out(b, err)
-                raise TransferFailed(f"{exc.message}; {err}: restart it", True) from None
-            await self._reset_prefix_cache(b)
-            where = (f"version {self.version}'s weights" if self.on_disk
-                     else "the last weights on disk, not the current version's")
-            raise TransferFailed(f"{exc.message}; {b} reloaded {self.path} from disk ({where})", True) from None
-
-    async def _revert(self, targets: list[str], results: list[Any], new_version: int,
-                      failed: dict[str, str]) -> None:
-        """Every replica failed a transfer and the current version exists on no disk: some replicas reloaded
-        the last weights on disk, so all do, and those weights become ``new_version`` (never two sets of
-        weights under one version). Always raises."""
-        for b, r in zip(targets, results, strict=True):
-            if not (isinstance(r, TransferFailed) and r.touched):
-                err = await collective.reload_from_disk(self._client(b), self.path)
-                if err is not None:
-                    self.degraded = err
-                    if self.pool is not None:
-                        self.pool.take_out(b, err)
-                    continue
-                await self._reset_prefix_cache(b)
-        await self._persist(new_version, self.path, None)
-        self.version, self.on_disk, self.lora_path, self.lora_name = new_version, True, None, None
-        for b in targets:
-            await self._tell_version(b, new_version)
-        raise collective.transfer_error(
-            failed, f"The transferred version was on no disk: every replica now serves {self.path} (reloaded "
-                    f"from disk) as version {new_version}; publish a newer version")
-
-    async def _rollback(self, loaded: list[str], lora_name: str | None) -> None:
-        """Undo a load whose swap failed later: unload the new adapter (routing never moved to it), or
-        reload the weights the old version was serving; the label goes back to the old version."""
-        for b in loaded:
-            try:
-                if lora_name is not None:
-                    await self._client(b).unload_lora(lora_name)
-                elif self.path is not None and self.on_disk:
-                    await self._client(b).reload_weights(self.path)
-                    await self._reset_prefix_cache(b)
-                else:
-                    self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
-                await self._tell_version(b, self.version)
-            except DomainError as exc:
-                if lora_name is None:
-                    self.degraded = f"{b} could not be rolled back after a failed swap: {exc.message}"
-                    if self.pool is not None:
-                        self.pool.take_out(b, self.degraded)
-                logger.error("rollback on %s failed: %s", b, exc.message)
-
-    async def _tell_version(self, backend: str, version: int) -> None:
-        # vLLM's own label for its weights (its /weight_info and metrics): ``reconcile`` reads it back after a
-        # restart to tell whether a replica serves the persisted version. Errors ignored (older servers).
-        try:
-            await self._client(backend).set_label(str(version))
-        except DomainError:
-            pass
-
-    async def reconcile(self, backend: str) -> None:
-        """Bring one backend to the persisted policy version (at start-up, and before a replica is readmitted):
-        a proxy killed mid-swap can leave it paused, or serving new weights under the old version. Reads
-        ``/weight_info`` (the label every swap sets) and ``/is_paused``; reloads the version's weights when the
-        label differs, loads its LoRA adapter when missing, resumes. Raises ``SwapError``."""
-        await self.start()
-        async with self._lock:  # never beside a swap
-            label = await self._label(backend)
-            paused = await self._is_paused(backend)
-            wrong = label is not None and label != str(self.version) and not (
-                self.version == 0 and label == "default")
-            if wrong:
-                if self.path is None:
-                    await self._inspect_backends()
-                if self.path is None:
-                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
-                                         f"{self.version}, and the version's weights are unknown",
-                                    "version_mismatch")
-                if not self.on_disk and [t for t in self._targets() if t != backend]:
-                    raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
-                                         f"{self.version}, which came by collective transfer and is on no disk; "
-                                         "it stays out until a version is published through disk",
-                                    "version_mismatch")
-                logger.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
-                            self.version, self.path)
-                client = self._client(backend)
-                await client.pause("wait")
-                paused = True
-                await client.reload_weights(self.path)
-                await self._reset_prefix_cache(backend)
-                if not self.on_disk:  # the only replica: the disk weights become a version of their own
-                    await self._persist(self.version + 1, self.path, None)
-                    self.version, self.on_disk, self.lora_path, self.lora_name = self.version + 1, True, None, None
-                    logger.warning("version %d came by transfer and is on no disk: %s serves %s as version %d",
-                                   self.version - 1, backend, self.path, self.version)
-                await self._tell_version(backend, self.version)
-            if self.lora_name is not None and self.lora_path is not None:
-                client = self._client(backend)
-                if self.lora_name not in await client.model_ids():
-                    await client.load_lora(self.lora_name, self.lora_path)
-            if paused:
-                logger.warning("%s was paused (a swap cut short): resuming it", backend)
-                await self._client(backend).resume()
-
-    async def _label(self, backend: str) -> str | None:
-        try:
-            return await self._client(backend).label()
-        except DomainError as exc:
-            if exc.code == "backend_unreachable":
-                raise
-            return None  # a server without the route: nothing to compare
-
-    async def _is_paused(self, backend: str) -> bool:
-        try:
-            return await self._client(backend).is_paused()
-        except DomainError as exc:
-            if exc.code == "backend_unreachable":
-                raise
-            return False
-
-    async def _reset_prefix_cache(self, backend: str) -> None:
-        # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
-        for _ in range(20):
-            if await self._client(backend).reset_prefix_cache():
-                return
-            await asyncio.sleep(0.05)
-        raise SwapError(f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
-
-    async def _unload(self, name: str, backends: list[str]) -> None:
-        for b in backends:
-            try:
-                await self._client(b).unload_lora(name)
-            except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
-                logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
-
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
         if self.log is None:
             return
@@ -746,27 +408,6 @@ class WeightSwapper:
             await self.log.append(PolicyVersion(version=version, path=path, lora_path=lora_path))
         except Exception as exc:  # noqa: BLE001 - an unpersisted version must not go live
             raise SwapNotPersisted(f"could not persist policy version {version}: {exc}", "log_error") from exc
-
-    async def _inspect_backends(self) -> None:
-        """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config
-        string holds ``model='DIR'`` and ``device_config=cpu``).
-        Unknown device counts as CPU, the safe side."""
-        cpu, path = False, None
-        for b in self._targets() or self.backends:
-            try:
-                info = await self._client(b).server_info()
-            except DomainError:
-                cpu = True
-                continue
-            text = str(info.get("vllm_config", "")) if isinstance(info, dict) else ""
-            dev = re.search(r"device_config=(\w+)", text)
-            cpu = cpu or dev is None or dev.group(1) == "cpu"
-            model = re.search(r"(?:^|, )model='([^']*)'", text)
-            path = path or (model.group(1) if model else None)
-        if self.cpu_backend is None:
-            self.cpu_backend = cpu
-        if self.path is None:
-            self.path = path
 
     def state(self) -> WeightState:
         return WeightState(
@@ -780,14 +421,3 @@ class WeightSwapper:
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )
-
-
-def _message(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
-
-
-def _code(results: list[Any]) -> str:
-    return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
-
-
-

@@ -1,0 +1,66 @@
+"""The control API's shapes, shared by both clients: request bodies, the session reply, errors as SteptapError."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.records import Trajectory
+
+
+class SteptapError(Exception):
+    """An error answer from the proxy (OpenAI's error body)."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, code: str | None = None) -> None:
+        super().__init__(f"{status} {type or 'error'}: {message}" + (f" ({code})" if code else ""))
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+
+    @classmethod
+    def from_body(cls, status: int, body: bytes) -> SteptapError:
+        try:
+            err = json.loads(body)["error"]
+            return cls(status, str(err.get("message", "")), err.get("type"), err.get("code"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls(status, body.decode("utf-8", "replace")[:500] or f"HTTP {status}")
+
+
+class SessionInfo(msgspec.Struct, kw_only=True):
+    id: str
+    base_url: str
+    api_key: str
+
+
+_session_dec = msgspec.json.Decoder(SessionInfo)
+_traj_dec = msgspec.json.Decoder(Trajectory)
+_enc = msgspec.json.Encoder()
+
+
+def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
+                  idle_timeout_s: float | None, session_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"mode": mode}
+    for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
+                 ("idle_timeout_s", idle_timeout_s), ("id", session_id)):
+        if v is not None:
+            body[k] = v
+    return body
+
+
+def _reward_body(value: float, name: str | None, step: int | str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"value": value}
+    if name is not None:
+        body["name"] = name
+    if step is not None:
+        body["step"] = step
+    return body
+
+
+def _finish_body(reward: float | None, status: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"status": status}
+    if reward is not None:
+        body["reward"] = reward
+    return body

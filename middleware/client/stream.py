@@ -1,0 +1,268 @@
+"""``SteptapClient``: the async client (sessions, rewards, the trajectory stream with reconnects, de-duplicated)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote
+
+import aiohttp
+import msgspec
+
+from steptap.middleware import files
+from steptap.middleware.delta import DeltaError
+from steptap.middleware.records import Trajectory
+from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
+
+from steptap.middleware.client.api import (
+    SessionInfo,
+    SteptapError,
+    _enc,
+    _finish_body,
+    _reward_body,
+    _session_body,
+    _session_dec,
+    _traj_dec,
+)
+from steptap.middleware.client.tokens import default_control_token
+
+logger = logging.getLogger("steptap.client")
+
+
+class Delivery(msgspec.Struct):
+    """One trajectory from the stream and the cursor to acknowledge once done with it."""
+
+    cursor: str
+    trajectory: Trajectory
+
+
+def delivery_key(traj: Trajectory) -> str:
+    """What identifies one trajectory record across re-deliveries: its id and its ``created_at``. The id alone
+    is not enough: after compaction (or a restart on a new log) a session id can be used again, and that new
+    trajectory must not be dropped as a duplicate of the old one. ``created_at`` is set once, when the session
+    opens, and is part of the record, so every re-delivery of one record carries the same key."""
+    return f"{traj.id}@{traj.created_at!r}"
+
+
+class SeenSet:
+    """A bounded set of delivery keys (oldest forgotten first), optionally backed by an append-only file."""
+
+    def __init__(self, max_ids: int = 100_000, path: str | os.PathLike[str] | None = None) -> None:
+        self.max_ids = max_ids
+        self.path = Path(path) if path is not None else None
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._pending: list[tuple[tuple[int, int], str]] = []  # delivered, not yet acknowledged
+        self._lines = 0
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line:
+                    self._remember(line)
+                    self._lines += 1
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _remember(self, tid: str) -> None:
+        self._ids[tid] = None
+        self._ids.move_to_end(tid)
+        while len(self._ids) > self.max_ids:
+            self._ids.popitem(last=False)
+
+    def delivered(self, tid: str, cursor: str) -> None:
+        self._remember(tid)
+        if self.path is not None:
+            self._pending.append((parse_cursor(cursor), tid))
+
+    def acknowledged(self, cursor: str) -> None:
+        """Persist the ids delivered up to ``cursor`` (synced: they must survive a crash of the consumer)."""
+        if self.path is None or not self._pending:
+            return
+        upto = parse_cursor(cursor)
+        done = [tid for key, tid in self._pending if key <= upto]
+        self._pending = [(key, tid) for key, tid in self._pending if key > upto]
+        if not done:
+            return
+        if self._lines + len(done) > 2 * self.max_ids:  # rewrite to the retained ids, atomically
+            files.atomic_write(self.path, "".join(f"{t}\n" for t in self._ids))
+            self._lines = len(self._ids)
+            return
+        files.append_durable(self.path, "".join(f"{t}\n" for t in done))
+        self._lines += len(done)
+
+
+class SteptapClient:
+    """Async client; use as ``async with SteptapClient(base_url, control_token) as c:``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        control_token: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.control_token = control_token or default_control_token()
+        self.timeout_s = timeout_s
+        self._session = session
+        self._own_session = session is None
+        self._seen: dict[str, SeenSet] = {}
+        self.skipped: dict[str, int] = {}  # per consumer: stream records that could not be read, skipped
+
+    def _skip(self, consumer: str, cursor: str, why: str) -> None:
+        """A record no reader can decode must not stop the consumer (nor every restart after it): skip,
+        count, report."""
+        self.skipped[consumer] = self.skipped.get(consumer, 0) + 1
+        logger.warning("trajectory stream for %s: skipped an unreadable record before cursor %s (%s)",
+                       consumer, cursor, why)
+
+    async def __aenter__(self) -> SteptapClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(read_bufsize=1 << 20)
+        return self._session
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.control_token:
+            h["Authorization"] = f"Bearer {self.control_token}"
+        return h
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+        data = _enc.encode(body) if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with self._http().request(method, self.base_url + path, data=data, headers=self._headers(),
+                                        timeout=timeout) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise SteptapError.from_body(resp.status, raw)
+            return raw
+
+    # ---- sessions and rewards ----------------------------------------------------------------------------
+
+    async def open_session(
+        self,
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        mode: Literal["train", "eval"] = "train",
+        metadata: dict[str, Any] | None = None,
+        idle_timeout_s: float | None = None,
+        session_id: str | None = None,
+    ) -> SessionInfo:
+        """Open a session (``session_id``: choose its id instead of letting the proxy generate one)."""
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
+        return _session_dec.decode(await self._request("POST", "/sessions", body))
+
+    async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
+                         step: int | Literal["last"] | None = None) -> None:
+        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
+                            _reward_body(value, name, step))
+
+    async def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
+        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))
+
+    async def get_session(self, session_id: str) -> Trajectory:
+        return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+
+    # ---- the stream --------------------------------------------------------------------------------------
+
+    async def ack(self, consumer: str, cursor: str) -> None:
+        await self._request("POST", "/trajectories/ack", {"consumer": consumer, "cursor": cursor})
+        seen = self._seen.get(consumer)
+        if seen is not None:
+            # No await between the acknowledgement and its record in the seen file: a consumer cancelled there
+            # would take the ack as failed while the proxy (and the file) have it, and never see the trajectory
+            # again. One small synced append, once per ack (acks come at checkpoint time).
+            seen.acknowledged(cursor)
+
+    async def trajectories(
+        self,
+        consumer: str,
+        *,
+        cursor: str | None = None,
+        follow: bool = True,
+        dedup: bool = True,
+        seen_file: str | os.PathLike[str] | None = None,
+        max_seen: int = 100_000,
+        format: Literal["ndjson", "msgpack"] = "msgpack",
+        heartbeat_s: float = 10.0,
+        max_backoff_s: float = 5.0,
+    ) -> AsyncIterator[Delivery]:
+        """Finished trajectories for ``consumer``, at least once, de-duplicated (``delivery_key``) when ``dedup``; unreadable records are skipped and counted.
+
+        Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
+        4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
+        seen: SeenSet | None = None
+        if dedup:
+            seen = self._seen.get(consumer)
+            if seen is None or (seen_file is not None and seen.path != Path(seen_file)):
+                seen = SeenSet(max_seen, seen_file)
+                self._seen[consumer] = seen
+        position = cursor
+        backoff = 0.2
+        # Between messages the server writes a heartbeat every heartbeat_s: silence much longer than that is
+        # a dead connection (a proxy killed without closing its sockets), so reconnect.
+        read_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=max(3 * heartbeat_s, 5.0))
+        while True:
+            params = {"consumer": consumer, "format": format, "follow": "1" if follow else "0",
+                      "heartbeat": str(heartbeat_s)}
+            if position is not None:
+                params["cursor"] = position
+            try:
+                async with self._http().get(self.base_url + "/trajectories", params=params,
+                                            headers=self._headers(), timeout=read_timeout) as resp:
+                    if resp.status >= 500:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    if resp.status >= 400:
+                        raise SteptapError.from_body(resp.status, await resp.read())
+                    backoff = 0.2
+                    async for body in read_frames(resp.content, format):
+                        try:
+                            msg = decode_envelope(body, format)
+                        except msgspec.DecodeError as exc:  # not a record problem: the stream itself is broken
+                            raise StreamCut(f"undecodable stream message: {exc}") from None
+                        position = msg.cursor
+                        if msg.end:
+                            return
+                        if msg.skipped is not None:
+                            self._skip(consumer, msg.cursor, f"skipped by the proxy: {msg.skipped}")
+                            continue
+                        if not msg.trajectory:
+                            continue  # a heartbeat
+                        try:
+                            traj = decode_trajectory(msg.trajectory, format, msg.steps)  # full steps
+                        except (msgspec.DecodeError, DeltaError) as exc:  # a record we cannot read
+                            self._skip(consumer, msg.cursor, str(exc))
+                            continue
+                        if seen is not None:
+                            key = delivery_key(traj)
+                            if key in seen:
+                                logger.debug("dropping duplicate trajectory %s", traj.id)
+                                continue
+                            seen.delivered(key, msg.cursor)
+                        yield Delivery(msg.cursor, traj)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, StreamCut) as exc:
+                logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc, backoff)
+            else:
+                logger.info("trajectory stream for %s ended by the proxy; reconnecting", consumer)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, max_backoff_s)

@@ -1,0 +1,89 @@
+"""The agent-facing routes beside the model calls: the models list, the base URL's probe, Anthropic's
+``count_tokens``, and ``/health``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from steptap.middleware.config import CONFIG_KEY
+from steptap.middleware.errors import ApiError
+from steptap.middleware.backend.pool import POOL_KEY
+from steptap.middleware.proxy import messages as messages_api
+from steptap.middleware.proxy import tito
+from steptap.middleware.proxy.capture import CHAT
+from steptap.middleware.proxy.protocols import Messages, anthropic_errors
+from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.identity import identify
+from steptap.middleware.weights.routes import SWAPPER_KEY
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
+
+
+async def models(request: web.Request) -> web.Response:
+    """The served models; in Anthropic's shape for an Anthropic client (its SDK parses no other)."""
+    status, data = await request.app[POOL_KEY].models()
+    if status == 200 and messages_api.is_anthropic_client(request.headers):
+        try:
+            data = _encode(messages_api.models_body(_decode(data)))
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            pass  # not vLLM's list: passed on as it came
+    return web.Response(body=data, status=status, content_type="application/json")
+
+
+async def base_probe(request: web.Request) -> web.Response:
+    """``HEAD`` on an agent's base URL (Claude Code checks it is reachable before its first call)."""
+    return web.Response(status=200)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """Anthropic's ``POST /v1/messages/count_tokens``: the prompt a Messages call with this body would send,
+    rendered by the session's replica (the same translation and template): its length is what the step's
+    ``prompt_token_ids`` will hold."""
+    return await anthropic_errors(request, _count_tokens(request))
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    app = request.app
+    body = _json_object(await read_body(request))
+    proto = Messages(body, "", count_only=True)
+    ident = identify(request)
+    pool = app[POOL_KEY]
+    served = await pool.route(proto.chat.get("model"))
+    session = await app[SESSIONS_KEY].resolve(ident)
+    upstream = pool.pick(_sticky_id(session)).client
+    await proto.adapt(upstream, served)
+    out, _ = patch_request(proto.chat, CHAT, served, app[CONFIG_KEY])
+    try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
+        rendered = await tito.render(upstream, out)
+    except tito.TitoError as exc:
+        if exc.status in (404, 405):
+            raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
+                                "--enable-scale-out", "not_supported") from None
+        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.name, exc).message,
+                       "backend_error") from None
+    return web.json_response({"input_tokens": len(rendered["token_ids"])})
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness, the log's state, and the replicas' state and load (never a secret): 200 when the log can write
+    and one replica takes calls, else 503."""
+    state = await request.app[POOL_KEY].health()
+    swapper = request.app[SWAPPER_KEY]
+    log: Any = request.app[SESSIONS_KEY].log
+    log_state = {"degraded": log.degraded, "error": log.degraded_reason}
+    healthy = state["healthy"] and not log.degraded
+    body = {
+        "status": "ok" if healthy else "degraded",
+        "log": log_state,
+        "backends": state["replicas"],
+        "sessions_moved": state["sessions_moved"],
+        "sessions_open": len(request.app[SESSIONS_KEY].sessions),
+        "policy_version": int(swapper.version),
+        "weights": swapper.state(),  # swap state (weights/swapper.py)
+    }
+    return web.Response(body=_encode(body), status=200 if healthy else 503, content_type="application/json")

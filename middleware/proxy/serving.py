@@ -1,0 +1,81 @@
+"""The body a model call serves upstream: read within the limits, decoded once, and patched with only our keys
+(token ids and logprobs on, the served model, forced sampling), as the agent's own bytes where it can be."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import RecordTooLarge
+from steptap.middleware.proxy.capture import CHAT, Asked
+from steptap.middleware.sessions.manager import LiveSession
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, bounded by ``body_limit`` (``client_max_size``): a larger one is a 413."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(request.app[CONFIG_KEY]) from None
+
+
+def _too_large(cfg: ProxyConfig) -> RecordTooLarge:
+    return RecordTooLarge(f"request body exceeds the limit of {cfg.body_limit} bytes (max_request_bytes="
+                          f"{cfg.max_request_bytes}, max_record_bytes={cfg.max_record_bytes})")
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    return body
+
+
+def patch_request(
+    body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig
+) -> tuple[dict[str, Any], Asked]:
+    """The body sent upstream: the agent's, with token ids and logprobs turned on and the served model name."""
+    out = dict(body)  # shallow: only top-level keys change
+    if body.get("model") is not None and body.get("model") != served:
+        out["model"] = served
+    if endpoint == CHAT:
+        asked = Asked(token_ids=bool(body.get("return_token_ids")), logprobs=bool(body.get("logprobs")))
+        if not asked.logprobs:
+            out["logprobs"] = True
+    else:
+        asked = Asked(token_ids=bool(body.get("return_token_ids")), logprobs=body.get("logprobs") is not None)
+        if not asked.logprobs:
+            out["logprobs"] = 0  # the sampled token's logprob only
+    if not asked.token_ids:
+        out["return_token_ids"] = True
+    for name, value in cfg.force_sampling.items():
+        out[name] = int(value) if name == "top_k" else value
+    return out, asked
+
+
+def _sticky_id(session: LiveSession) -> str | None:
+    return None if session.trajectory.anonymous else session.id
+
+
+def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
+    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs), the
+    agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
+    if any(out[k] is not v for k, v in body.items()):
+        return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
+    if len(out) == len(body):
+        return raw  # the agent asked for token ids and logprobs itself: forwarded as it came
+    end = raw.rstrip()
+    if not body or not end.endswith(b"}"):
+        return _encode(out)
+    added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
+    return b"".join((end[:-1], b",", added, b"}"))

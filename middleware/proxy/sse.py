@@ -1,0 +1,224 @@
+"""Relaying a model call's SSE stream to the agent: the backend's lines batched per network read, each event
+fed to capture and passed on (stripped, or translated by the call's protocol), the steps recorded before
+``[DONE]``; a failure once the headers are out ends as an error event; a reader that stalls is cut.
+
+``StreamRelay`` is a mixin of relay.py's ``_Call``, which holds the call's state these methods read."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from steptap.middleware.errors import error_body, status_of
+from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, DomainError
+from steptap.middleware.proxy import capture, tito
+from steptap.middleware.weights.routes import SWAPPER_KEY
+from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class _AgentGone(Exception):
+    """The agent closed its connection while we streamed to it."""
+
+
+class _AgentStalled(_AgentGone):
+    """The agent took no byte of its stream for ``stream_write_timeout_s``: its call slot is given back."""
+
+
+class _LineTooLong(Exception):
+    pass
+
+
+class StreamRelay:
+    """``_Call``'s stream: relay, pump, the cut's end."""
+
+    async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
+        """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
+        recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
+        recorded as a failed step and sent as an error event."""
+        out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
+        acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
+        if self.spans is not None:
+            self.spans.counter = acc.token_counts
+        await out.prepare(self.request)
+        proto = self.proto
+        try:
+            if proto is not None:
+                await _send(out, proto.start(), self.write_timeout)
+            failure, upstream_error, done = await self._pump(source, out, acc)
+        except _AgentStalled:  # it stopped reading: keep what arrived, then cut (a close would wait on it)
+            seconds = self.write_timeout
+            try:
+                await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
+                                               "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+            finally:  # after the record: the abort cancels this handler
+                if self.request.transport is not None:
+                    self.request.transport.abort()
+            return out
+        except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
+            await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
+            return out
+        except asyncio.CancelledError:
+            if not self.request.app[SWAPPER_KEY].take_cut():
+                raise
+            await self.record([self.failed(CUT_MESSAGE, "swap_cut", acc.reply())])
+            err = {"error": {"message": CUT_MESSAGE, "type": "swap_cut", "code": "swap_cut"}}
+            tail = proto.stream_error(503, CUT_MESSAGE, "swap_cut") if proto is not None else (
+                b"data: " + _encode(err) + b"\n\n")
+            await self._end_cut(out, tail)
+            return out
+        try:
+            if failure is None:
+                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
+                                                           **self.common))  # durable before [DONE]
+                tail = _DONE if proto is None else proto.finish(acc.reply())
+            else:
+                await self.record([self.failed(failure[0], failure[1], acc.reply())])
+                if proto is not None:
+                    tail = proto.stream_error(502, failure[0], failure[1])
+                elif upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
+                    tail = upstream_error + _DONE
+                else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
+                    tail = self._error_event(502, failure[0], failure[1], failure[1])
+        except DomainError as exc:
+            # The headers are out and the step could not be kept (session full, log full, record too large): the
+            # agent learns it from an error event and the stream ends; it never waits for a [DONE].
+            status = status_of(exc)
+            tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
+                    else self._error_event(status, exc.message, exc.code))
+        try:
+            await _send(out, tail, self.write_timeout)
+            async with asyncio.timeout(self.write_timeout):
+                await out.write_eof()
+        except (_AgentGone, TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
+                self.request.transport.abort()
+            return out
+        if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
+            # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
+            # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
+            # it came with [DONE] (no wait, and no task for wait_for).
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.wait_for(source.content.read(), 1.0)
+        return out
+
+    @staticmethod
+    def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
+        return b"data: " + error_body(message, status, code, type_) + b"\n\n"
+
+    async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
+        """A cut stream's error event and end, put on the wire together; its reader may be the slow one that
+        outlasted the drain, so waiting for it is bounded and the connection then closes behind what is
+        buffered (the transport still flushes it)."""
+        try:
+            await asyncio.wait_for(out.write_eof(tail), CUT_WRITE_S)
+        except (TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if self.request.transport is not None:
+                self.request.transport.close()
+
+    async def _pump(
+        self, source: Any, out: web.StreamResponse, acc: Any
+    ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
+        """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
+        whether ``[DONE]`` came)."""
+        base = self.upstream.name  # the replica as configured (never http://localhost)
+        failure: tuple[str, str] | None = None  # (message, type)
+        upstream_error: bytes | None = None
+        done = False
+        if isinstance(source, aiohttp.ClientResponse):
+            batches = _line_batches(source.content, self.upstream.config.read_bufsize * 2)
+        else:
+            batches = source  # already line batches (token-in-token-out)
+        proto = self.proto
+        try:
+            # One await per network read, not per line, and what one read brought goes out in one write (the
+            # events stay exactly as vLLM framed them).
+            async for lines in batches:
+                parts: list[bytes] = []
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        if line.strip() and not line.startswith(b":"):  # blank separators, comments
+                            failure = (f"backend {base} sent a malformed stream line", "backend_malformed")
+                            break
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = _decode(payload)
+                        if not isinstance(chunk, dict):
+                            raise ValueError
+                    except (msgspec.DecodeError, ValueError):
+                        failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
+                        break
+                    if "error" in chunk and not chunk.get("choices"):
+                        upstream_error = b"data: " + payload + b"\n\n"
+                        err = chunk["error"]
+                        message = err.get("message") if isinstance(err, dict) else err
+                        failure = (f"backend {base} error mid-stream: {message}", "backend_error")
+                        continue  # vLLM follows its error event with [DONE]
+                    acc.feed(chunk)
+                    if proto is not None:
+                        parts.append(proto.feed(chunk))
+                    elif not self.strip:
+                        parts.append(b"data: " + payload + b"\n\n")
+                    elif capture.strip_chunk(chunk, self.asked, self.endpoint):
+                        parts.append(b"data: " + _encode(chunk) + b"\n\n")
+                if parts:
+                    await _send(out, b"".join(parts), self.write_timeout)
+                if done or (failure is not None and upstream_error is None):
+                    break
+        except TimeoutError:
+            seconds = self.upstream.config.upstream_timeout_s
+            failure = (f"backend {base} sent nothing for {seconds:g}s mid-stream", "backend_timeout")
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
+        except _LineTooLong:
+            failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
+        except tito.TitoError as exc:
+            failure = (tito.backend_error(base, exc).message, "backend_error")
+        except BackendTimeout as exc:  # a token-in-token-out call the client could not make
+            failure = (exc.message, "backend_timeout")
+        except BackendUnreachable as exc:
+            failure = (exc.message, "backend_cut")
+        finally:
+            await batches.aclose()
+        if failure is None and not done:
+            failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
+        return failure, upstream_error, done
+
+
+async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[list[bytes]]:
+    """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
+    pending = b""
+    async for data in content.iter_any():
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > limit:
+            raise _LineTooLong
+        yield lines
+    if pending:
+        yield [pending]
+
+
+async def _send(out: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One write to the agent; a reader that takes nothing for ``timeout_s`` is ``_AgentStalled`` (never a
+    ``TimeoutError``: that one means the backend's silence in ``_pump``)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await out.write(data)
+    except TimeoutError:
+        raise _AgentStalled() from None
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+        raise _AgentGone() from exc

@@ -1,0 +1,127 @@
+"""Closing a session: wait (bounded) for its calls in flight, the reward callback, one durable ``Trajectory``
+record that refers to its logged steps, then the bookkeeping of closed sessions (bounded). ``Closing`` is a mixin
+of ``SessionManager`` (manager.py), which holds the state it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from steptap.middleware.delta import full_trajectory
+from steptap.middleware.exceptions import (
+    SessionClosed,
+)
+from steptap.middleware.records import (
+    StepRef,
+    Trajectory,
+    TrajectoryStatus,
+)
+from steptap.middleware.sessions.rewards import run_reward
+from steptap.middleware.sessions.session import LiveSession
+
+logger = logging.getLogger("steptap.sessions")
+
+# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them all.
+RECENT_KEEP = 128
+
+
+class Closing:
+    """``SessionManager``'s closing of sessions."""
+
+    async def finish(
+        self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
+    ) -> Trajectory:
+        async with session.lock:
+            if session.closing:
+                raise SessionClosed(f"session {session.id!r} is already closing")
+            return await self._close_locked(session, status, None if reward is None else {"reward": reward})
+
+    async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
+        async with session.lock:
+            return await self._close_locked(session, status)
+
+    async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
+                            rewards: dict[str, float] | None = None) -> Trajectory:
+        """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory, then
+        one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it was,
+        open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the record."""
+        session.closing = True
+        traj = session.trajectory
+        before = (dict(traj.rewards), traj.error)
+        try:
+            self.log.ensure_writable()  # a 503 before anything changes
+            if session.inflight:
+                session.drained = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
+            traj.rewards.update(rewards or {})
+            if self.reward_fn is not None:  # the callback sees full steps (they share their rewards with traj's)
+                error = await run_reward(self.reward_fn, full_trajectory(traj), self.config.reward_timeout_s)
+                if error is not None:
+                    traj.error = error
+                    self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
+                    logger.warning("session %s: %s", traj.id, error)
+            session.sealed = True
+            self._finalize(traj, status)
+            await self._append(await self._closing_record(session))
+        except BaseException:
+            session.closing = session.sealed = False
+            traj.status, traj.finished_at = "running", None
+            traj.rewards, traj.error = before
+            raise
+        self._closed(session)
+        return traj
+
+    @staticmethod
+    async def _closing_record(session: LiveSession) -> Trajectory:
+        """The session's Trajectory record: it refers to the steps' records (once their appends are done)."""
+        traj = session.trajectory
+        pending = [t for t in session.starts.values() if isinstance(t, asyncio.Task)]
+        if pending:
+            await asyncio.wait(pending)
+        refs: list[StepRef] = []
+        for step in traj.steps:
+            at = session.starts.get(step.index)
+            if isinstance(at, asyncio.Task):
+                at = None if at.cancelled() or at.exception() is not None else at.result()[0]
+            if at is not None:  # else its append failed: not durable, so not in the trajectory
+                refs.append(StepRef(at=at, rewards=step.rewards))
+        return msgspec.structs.replace(traj, steps=[], step_refs=refs)
+
+    @staticmethod
+    def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
+        traj.status = status
+        traj.finished_at = time.time()
+
+    def _closed(self, session: LiveSession) -> None:
+        """Bookkeeping once the Trajectory record is durable."""
+        traj = session.trajectory
+        self.metrics.child(self.metrics.trajectories, traj.status).inc()
+        if traj.rewards:
+            self.metrics.reward_values.observe(traj.reward)
+            self.metrics.reward_sum.inc(traj.reward)
+        if not traj.anonymous:
+            self.closed[traj.id] = traj.status
+            self.recent[traj.id] = traj
+            if len(self.recent) > RECENT_KEEP:
+                self.recent.popitem(last=False)
+            self._unregister(session)
+            self._group_member_closed(traj)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Bound what closed sessions leave behind: their ids (409 rather than 404), keys and groups."""
+        cap = self.config.max_closed_sessions
+        while len(self.closed) > cap:
+            del self.closed[next(iter(self.closed))]
+        while len(self.keys) > cap + len(self.sessions):
+            key, sid = next(iter(self.keys.items()))
+            del self.keys[key]
+            if sid in self.sessions:  # still open: kept, moved to the end
+                self.keys[key] = sid
+        while len(self.groups) > self.config.max_groups:
+            done = next((g for g in self.groups.values() if g.complete is not None), None)
+            del self.groups[(done or next(iter(self.groups.values()))).id]

@@ -1,0 +1,78 @@
+"""Open sessions rebuilt from the log after a restart (their steps, rewards, groups; the policy versions
+found on the way). ``Replay`` is a mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from steptap.middleware.delta import DeltaError, Expander
+from steptap.middleware.records import (
+    PolicyVersion,
+    RewardAdded,
+    SessionOpened,
+    Step,
+    Trajectory,
+    msgpack_encoder,
+)
+from steptap.middleware.sessions.limits import RECORD_SLACK
+from steptap.middleware.sessions.session import LiveSession
+
+logger = logging.getLogger("steptap.sessions")
+
+
+class Replay:
+    """``SessionManager``'s restart."""
+
+    async def rebuild(self) -> int:
+        """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
+        return await asyncio.to_thread(self._rebuild_sync)
+
+    def _rebuild_sync(self) -> int:
+        expander = Expander()  # the full form of each open session's latest call
+        for start, record in self.log.located_records():
+            if isinstance(record, SessionOpened):
+                if record.anonymous:
+                    continue
+                traj = Trajectory(
+                    id=record.trajectory_id,
+                    group_id=record.group_id,
+                    group_size=record.group_size,
+                    mode=record.mode,
+                    metadata=record.metadata,
+                    idle_timeout_s=record.idle_timeout_s,
+                    created_at=record.at,
+                )
+                self.closed.pop(traj.id, None)
+                self._register(LiveSession(traj, record.key))
+            elif isinstance(record, Step):
+                session = self.sessions.get(record.trajectory_id)
+                if session is not None and record.index == len(session.trajectory.steps):
+                    try:
+                        expander.full(record)
+                    except DeltaError as exc:  # its base is not in the log: the rest of the chain cannot be read
+                        logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index, exc)
+                        continue
+                    session.trajectory.steps.append(record)
+                    session.starts[record.index] = start
+            elif isinstance(record, RewardAdded):
+                session = self.sessions.get(record.trajectory_id)
+                if session is not None:
+                    self._apply_reward(session.trajectory, record)
+            elif isinstance(record, PolicyVersion):
+                self.policy_versions.append(record)
+            elif isinstance(record, Trajectory) and not record.anonymous:
+                session = self.sessions.pop(record.id, None)
+                expander.forget(record.id)
+                self.closed[record.id] = record.status
+                if session is not None:
+                    self._group_member_closed(record)
+        for session in self.sessions.values():
+            session.full = expander.last_call(session.id)
+            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts)
+        self.holdings.hold(
+            sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
+            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
+        )
+        self.metrics.sessions_open.set(len(self.sessions))
+        return len(self.sessions)

@@ -1,0 +1,66 @@
+"""An open session as the proxy holds it (``LiveSession``), its key, and the log it is written to (``Log``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Any, Protocol
+
+from steptap.middleware.auth import SESSION_KEY_PREFIX
+from steptap.middleware.records import (
+    LogRecord,
+    Step,
+    Trajectory,
+)
+
+logger = logging.getLogger("steptap.sessions")
+
+# A session id on the path or in the header that no POST /sessions opened is auto-created under this prefix:
+# its own namespace, so an agent can never take an id the environment will open (POST /sessions refuses it).
+AUTO_PREFIX = "auto:"
+
+
+class Log(Protocol):
+    async def append(self, record: LogRecord) -> str: ...
+
+    async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends
+
+    def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
+
+    def located_records(self) -> Any: ...  # (where it starts, record), in log order
+
+
+class LiveSession:
+    """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
+
+    __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
+                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
+
+    def __init__(self, trajectory: Trajectory, key: str | None) -> None:
+        self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
+        self.tito_state: Any = None  # what its next turn extends in that mode
+        self.trajectory = trajectory
+        self.key = key  # None: auto-created (reached by its path or header id) or anonymous
+        self.last_active = time.monotonic()
+        self.inflight = 0
+        self.drained: asyncio.Event | None = None  # set when the last call in flight ends (a finish waits on it)
+        self.closing = False  # takes no new call or reward
+        self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
+        self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
+        self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
+        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
+        self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
+        # call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
+        # starts (its append while in flight): the closing Trajectory record refers to it
+        self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
+
+    @property
+    def id(self) -> str:
+        return self.trajectory.id
+
+
+def new_key() -> str:
+    return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)

@@ -1,0 +1,145 @@
+"""The gate every model call passes (``WeightSwapper.gate``), the drain bound's cut, and keep mode's
+bookkeeping of the calls in flight (version spans, LoRA adapters retired when their last call ends).
+
+A mixin of ``WeightSwapper`` (swapper.py), which holds the state these methods read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.exceptions import SwapUnavailable
+from steptap.middleware.weights.spans import Spans
+
+logger = logging.getLogger("steptap.weights")
+
+_VERSIONS_KEPT = 16  # tokens_by_version keeps the latest this many versions
+_CUT_GRACE_S = 10.0  # after cutting the calls that outlasted the drain bound, how long they get to unwind
+CUT_WRITE_S = 2.0  # how long a cut call's error event may wait for its reader (it may be the slow one)
+CUT_MESSAGE = "cut by a weight swap: the call outlasted the swap's drain bound (--swap-drain-timeout)"
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """What a call learns as it passes the gate: the version that will sample it, and the model name to send
+    upstream (a LoRA adapter's name), or None to forward the agent's model unchanged."""
+
+    version: int
+    served_model: str | None = None
+    spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
+
+
+class Gate:
+    """``WeightSwapper``'s gate and the bookkeeping of the calls through it."""
+
+    _open: asyncio.Event
+    _idle: asyncio.Event
+    _in_flight: int
+    _held: int
+    _first_held_at: float | None
+    _calls: set[asyncio.Task[Any]]
+    _cut: Any
+    _spans: set[Spans]
+    _adapter_users: dict[str, int]
+    _retiring: dict[str, list[str]]
+    _background: set[asyncio.Task[Any]]
+    _started: bool
+    version: int
+    lora_name: str | None
+    drain_timeout_s: float
+    cut_calls: int
+    spanning_calls: int
+    tokens_by_version: dict[int, int]
+
+    @asynccontextmanager
+    async def gate(self) -> AsyncIterator[Ticket]:
+        """Around every model call: waits while a swap runs, then yields the version that samples it."""
+        if not self._open.is_set():
+            self._held += 1
+            if self._first_held_at is None:
+                self._first_held_at = time.monotonic()
+            try:
+                while not self._open.is_set():  # another swap may start before this task runs again
+                    await self._open.wait()
+            finally:
+                self._held -= 1
+        # No await between the check above and this increment: a swap cannot slip in between.
+        self._in_flight += 1
+        self._idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._calls.add(task)
+        spans, adapter = Spans(self.version), self.lora_name
+        self._spans.add(spans)
+        if adapter is not None:
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
+        try:
+            yield Ticket(self.version, adapter, spans)
+        finally:
+            self._spans.discard(spans)
+            self.spanning_calls += bool(spans.marks)
+            if adapter is not None:
+                self._release_adapter(adapter)
+            self._calls.discard(task)  # type: ignore[arg-type]
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _mark(self, version: int) -> None:
+        """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is sampled)."""
+        for spans in self._spans:
+            spans.mark(version)
+
+    def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
+        """Give each step of a call its version spans; count the tokens each version sampled."""
+        for step in steps:
+            if spans is not None:
+                step.version_spans = spans.of(step.choice)
+            for v in step.token_versions():
+                self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
+        while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
+            del self.tokens_by_version[min(self.tokens_by_version)]
+
+    async def _drain(self) -> None:
+        """Wait for the calls through the gate; past the bound, cut them (each is recorded as a failed step:
+        relay asks ``was_cut``) so one slow reader cannot hold every agent for long."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+            return
+        except TimeoutError:
+            pass
+        slow = [t for t in self._calls if not t.done()]
+        for task in slow:
+            self._cut.add(task)
+            task.cancel()
+        self.cut_calls += len(slow)
+        logger.warning("cut %d model calls still running after %.1f s to swap weights", len(slow),
+                    self.drain_timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
+        except TimeoutError:
+            raise SwapUnavailable(
+                f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
+                "swap abandoned, old weights kept",
+                "swap_drain_timeout",
+            ) from None
+
+    def was_cut(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether the swap's drain bound cancelled this call's task."""
+        return task is not None and task in self._cut
+
+    def take_cut(self) -> bool:
+        """Called by a call as its task sees the cancellation: when it is this swap's cut (not the agent
+        hanging up), the cancellation is taken back so the call can end as the protocol's error (an error body,
+        or an error event once the stream has begun) and record its step, within ``_CUT_GRACE_S``."""
+        task = asyncio.current_task()
+        if task is None or task not in self._cut:
+            return False
+        self._cut.discard(task)  # once: a second cancellation (the server shutting down) is a real one
+        task.uncancel()
+        return True

@@ -1,0 +1,105 @@
+"""LoRA adapters in keep mode: a new adapter loaded beside the old one (no pause), the old one unloaded when the
+last call on it ends, and the routed adapter restored after a restart.
+
+``Adapters`` is a mixin of ``WeightSwapper`` (swapper.py), which holds the state these methods read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from steptap.middleware.exceptions import DomainError, SwapError, SwapUnavailable
+
+logger = logging.getLogger("steptap.weights")
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, DomainError) else f"{type(exc).__name__}: {exc}"
+
+
+def _code(results: list[Any]) -> str:
+    return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
+
+
+class Adapters:
+    """``WeightSwapper``'s LoRA adapters side by side."""
+
+    async def ensure_adapter(self) -> None:
+        """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""
+        if self.lora_name is None or self.lora_path is None:
+            return
+        for b in self._targets():
+            client = self._client(b)
+            try:
+                if self.lora_name in await client.model_ids():
+                    continue
+                await client.load_lora(self.lora_name, self.lora_path)
+            except DomainError as exc:
+                logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
+
+    async def _swap_lora_beside(self, lora_path: str, lora_name: str, new_version: int) -> int:
+        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open), then
+        route new calls to it; calls in flight finish on the old one, unloaded when the last of them ends."""
+        t0 = time.monotonic()
+        targets = self._targets()
+        if not targets:
+            raise SwapUnavailable("no healthy backend replica to swap", "no_backend")
+        results = await asyncio.gather(*(self._client(b).load_lora(lora_name, lora_path) for b in targets),
+                                       return_exceptions=True)
+        loaded = [b for b, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
+        failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
+                                              for b in targets}
+        self.replica_figures = figures
+        if failed and (not loaded or self.pool is None):
+            await self._rollback(loaded, lora_name)
+            raise SwapError("; ".join(failed.values()), _code(results))
+        try:
+            await self._persist(new_version, None, lora_path)
+        except SwapError:
+            await self._rollback(loaded, lora_name)
+            raise
+        for b, msg in failed.items():
+            assert self.pool is not None
+            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): {msg}")
+        old = self.lora_name
+        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
+        if old is not None and old != lora_name:
+            await self._retire(old, loaded)
+        for b in loaded:
+            await self._tell_version(b, new_version)
+        self.last_paused_s = 0.0
+        self._swapped(t0, 0.0)
+        for fig in figures.values():
+            fig["swap_s"] = self.last_swap_s
+        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s", self.version,
+                    lora_name, lora_path, self.last_swap_s)
+        return self.version
+
+    async def _retire(self, adapter: str, backends: list[str]) -> None:
+        """Unload ``adapter`` now when no call in flight holds it, else when the last one ends."""
+        if self._adapter_users.get(adapter):
+            self._retiring[adapter] = backends
+        else:
+            await self._unload(adapter, backends)
+
+    def _release_adapter(self, adapter: str) -> None:
+        left = self._adapter_users.get(adapter, 0) - 1
+        if left > 0:
+            self._adapter_users[adapter] = left
+            return
+        self._adapter_users.pop(adapter, None)
+        backends = self._retiring.pop(adapter, None)
+        if backends is not None and self._started:  # not after close()
+            task = asyncio.ensure_future(self._unload(adapter, backends))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _unload(self, name: str, backends: list[str]) -> None:
+        for b in backends:
+            try:
+                await self._client(b).unload_lora(name)
+            except DomainError as exc:  # harmless: vLLM evicts unused adapters anyway
+                logger.warning("could not unload LoRA adapter %s on %s: %s", name, b, exc.message)
