@@ -296,6 +296,7 @@ class _Call:
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._forward(payload)  # forward
+            self.request.app[POOL_KEY].call_done(self.replica, resp.status)
             if resp.status >= 400:
                 return await self._upstream_error(resp)
             if stream:

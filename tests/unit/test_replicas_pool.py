@@ -88,3 +88,31 @@ async def test_the_backends_file_is_reread_when_it_changes(
     await _wait(lambda: urls[0] not in pool.replicas, "the removed replica is still listed")
     before = injectors[0].calls
     assert await _call(http, proxy, "late") == 200 and injectors[0].calls == before
+
+
+async def test_a_replica_failing_every_call_is_taken_out_though_its_health_says_200(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    """Issue 25, item 12: a replica answering 5xx finishes its calls fastest, so least-in-flight sends it every
+    new session; K consecutive failures take it out (its /health answering 200 does not readmit it at once)."""
+    injectors, urls = await _backends(aiohttp_server, 2)
+    injectors[1].mode = "error500"  # its /health still answers 200
+    proxy = await make_proxy(urls[0], backends=urls[1:], health_interval_s=0.05, replica_max_failures=3)
+    pool = proxy.app[POOL_KEY]
+    statuses = [await _call(http, proxy, f"s{i}") for i in range(12)]  # one at a time: both idle each call
+    assert injectors[1].calls == 3  # the third failure in a row took it out
+    assert statuses.count(500) + statuses.count(502) == 3 and statuses.count(200) == 9
+    await asyncio.sleep(0.3)  # several health rounds: healthy, but it stays out for its cool-down
+    assert not pool.replicas[urls[1]].up and "3 calls in a row" in str(pool.replicas[urls[1]].reason)
+    assert [await _call(http, proxy, f"t{i}") for i in range(4)] == [200] * 4 and injectors[1].calls == 3
+
+
+async def test_a_success_resets_the_failure_count(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    injectors, urls = await _backends(aiohttp_server, 1)
+    proxy = await make_proxy(urls[0], replica_max_failures=3)
+    for mode in ("error500", "error500", "ok", "error500", "error500", "ok"):  # never three in a row
+        injectors[0].mode = mode
+        await _call(http, proxy, "s")
+    assert proxy.app[POOL_KEY].replicas[urls[0]].up
