@@ -84,12 +84,17 @@ class Grouper:
         self.ready: list[list[Trajectory]] = []
         self.counts: Counter = Counter()
 
-    def add(self, traj: Trajectory, source: str = "") -> None:
+    def add(self, traj: Trajectory, source: str = "") -> bool:
+        """Hold ``traj`` for its group; False (counted) for one not to train on: anonymous, unless asked."""
+        if traj.anonymous and not self.cfg.train_anonymous:
+            self.counts["skipped_anonymous"] += 1
+            return False
         key = (source, traj.group_id or f"_single:{traj.id}")  # a group never mixes proxies
         _, members = self.open.setdefault(key, (time.monotonic(), []))
         members.append(traj)
         if traj.group_id is None or len(members) >= (traj.group_size or self.cfg.group_size):
             self.ready.append(self.open.pop(key)[1])
+        return True
 
     def take(self, n: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
         """Up to ``n`` ready groups, and the members of timed-out groups too small to train on."""
@@ -185,10 +190,8 @@ class Learner:
                 src.ledger.consume([key])
                 continue
             self.origin[id(d.trajectory)] = src
-            if d.trajectory.mode == "eval":
-                self.pass_through.append(d.trajectory)
-            else:
-                self.grouper.add(d.trajectory, src.url)
+            if d.trajectory.mode == "eval" or not self.grouper.add(d.trajectory, src.url):
+                self.pass_through.append(d.trajectory)  # consumed, counted, never trained
 
     def _consume(self, trajs: list[Trajectory]) -> None:
         """Mark trajectories trained on or dropped in the ledger of the source each came from."""
