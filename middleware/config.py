@@ -48,6 +48,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     log: Annotated[str, _help("trajectory log: a local directory or an fsspec URL")] = DEFAULT_LOG_DIR
     control_token: Annotated[str, _help(
         "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
+    allowed_hosts: Annotated[list[str], _help(
+        "a Host name model calls may carry besides the bind address, localhost and the public URL's host "
+        "(repeatable; a foreign Host is refused: DNS rebinding)")] = []
     public_url: Annotated[str | None, _help(
         "base URL handed to agents (default http://HOST:PORT); with --workers a template naming the worker: "
         "{i} or {port}")] = None

@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.auth import check_model_call_origin
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError, error_body, status_of
 from steptap.middleware.exceptions import (
@@ -83,6 +84,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
     cfg, manager = app[CONFIG_KEY], app[SESSIONS_KEY]
+    check_model_call_origin(request)  # 415 / 403 before anything is read
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     if (request.content_length or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read
@@ -691,6 +693,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 
 async def _count_tokens(request: web.Request) -> web.Response:
     app = request.app
+    check_model_call_origin(request)
     body = _json_object(await read_body(request))
     proto = Messages(body, "", count_only=True)
     ident = identify(request)
