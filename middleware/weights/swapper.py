@@ -110,6 +110,7 @@ class WeightState(msgspec.Struct, kw_only=True):
     last_held_wait_s: float | None  # longest wait of a call held during the last swap
     last_error: str | None
     degraded: str | None  # a backend failed mid-reload and needs a restart
+    disk_wanted: str | None = None  # why the next version should come through disk (the learner reads it)
     cut_calls: int = 0  # calls cut because they outlasted the swap's drain bound
     replicas: dict[str, dict[str, Any]] = {}  # the last swap per replica: ok, error, paused_s, swap_s
     swap_mode: str = "keep"
@@ -144,6 +145,9 @@ class WeightSwapper:
         # Whether the base weights served now are those at ``path``: not after a collective transfer (there is
         # no copy on disk), so a replica that loses them cannot get them back (``transfer.py``).
         self.on_disk = True
+        # Why a version through disk is wanted (``/health``, read by the learner before it publishes): a replica
+        # lost a version that came by transfer and cannot get it back. Cleared by a swap from disk.
+        self.disk_wanted: str | None = None
         self._plan: tuple[dict[str, int], int] = ({}, 0)  # a transfer's rank offsets and group size
         self.lora_path: str | None = None
         self.lora_name: str | None = None
@@ -389,6 +393,7 @@ class WeightSwapper:
                 self.version = new_version
                 if path is not None:
                     self.path, self.lora_path, self.lora_name, self.on_disk = path, None, None, True
+                    self.disk_wanted = None
                 elif transfer is not None:
                     self.lora_path, self.lora_name, self.on_disk = None, None, False
                 else:
@@ -683,6 +688,8 @@ class WeightSwapper:
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
                 if not self.on_disk and [t for t in self._targets() if t != backend]:
+                    self.disk_wanted = (f"{backend} lost version {self.version}, which came by transfer and is on "
+                                        "no disk: it stays out until a version comes through disk")
                     raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, which came by collective transfer and is on no disk; "
                                          "it stays out until a version is published through disk",
@@ -697,8 +704,9 @@ class WeightSwapper:
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
                     await self._persist(self.version + 1, self.path, None)
                     self.version, self.on_disk, self.lora_path, self.lora_name = self.version + 1, True, None, None
-                    logger.warning("version %d came by transfer and is on no disk: %s serves %s as version %d",
-                                   self.version - 1, backend, self.path, self.version)
+                    self.disk_wanted = (f"version {self.version - 1} came by transfer and is on no disk: {backend} "
+                                        f"serves {self.path}, older weights, as version {self.version}")
+                    logger.warning("%s; publish a version through disk", self.disk_wanted)
                 await self._tell_version(backend, self.version)
             if self.lora_name is not None and self.lora_path is not None:
                 client = self._client(backend)
@@ -776,7 +784,7 @@ class WeightSwapper:
             failures=self.failures, in_flight=self._in_flight, held=self._held,
             last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
             last_held_wait_s=self._held_wait or None, last_error=self.last_error,
-            degraded=self.degraded, cut_calls=self.cut_calls, replicas=self.replica_figures,
+            degraded=self.degraded, disk_wanted=self.disk_wanted, cut_calls=self.cut_calls, replicas=self.replica_figures,
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )
