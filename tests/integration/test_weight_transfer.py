@@ -227,7 +227,7 @@ async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_le
     await sw._client(backend).set_label("default")
     await sw.reconcile(backend)
     assert sw.version == 2 and sw.on_disk  # the disk weights as a version of their own ...
-    health = await (await client.get("/health")).json()
+    health = await (await client.get("/health", headers={"Authorization": f"Bearer {TOKEN}"})).json()
     assert "on no disk" in (health["weights"].get("disk_wanted") or ""), health["weights"]  # ... said so
 
     await asyncio.to_thread(learner._publish)  # through disk (disk_every = 0), above the proxy's version 2

@@ -4,6 +4,8 @@ where calls go, not what vLLM answers; tests/integration/test_replicas.py runs t
 from __future__ import annotations
 
 import asyncio
+from json import dumps as json_dumps
+from json import loads as json_loads
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,7 @@ async def test_an_unreachable_replica_is_routed_around_and_named(
         proxy = await make_proxy(urls[0], backends=[dead], health_interval_s=0.1)
         statuses = await asyncio.gather(*(_call(http, proxy, f"s{i}") for i in range(4)))
         assert statuses == [200] * 4 and injectors[0].calls == 4
-        async with http.get(f"{proxy.url}/health") as resp:
+        async with http.get(f"{proxy.url}/health", headers=proxy.control) as resp:
             health = await resp.json()
         state = {b["url"]: b for b in health["backends"]}
         assert resp.status == 200 and state[dead]["state"] == "out" and "Connect" in state[dead]["reason"]
@@ -116,3 +118,32 @@ async def test_a_success_resets_the_failure_count(
         injectors[0].mode = mode
         await _call(http, proxy, "s")
     assert proxy.app[POOL_KEY].replicas[urls[0]].up
+
+
+async def test_health_without_the_token_names_no_path_and_no_error_text(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Issue 25 (lows): ``/health`` answers anyone; its replicas' socket paths, the weights' paths and the
+    error texts are for the operator (the control token). Without it: states, counts and the version only."""
+    from faults import serve_unix
+
+    injector = FaultInjector()
+    sock_path = str(tmp_path / "replica.sock")
+    runner = await serve_unix(injector.app, sock_path)
+    refused, dead = refused_address()
+    try:
+        proxy = await make_proxy(f"unix:{sock_path}", backends=[dead], health_interval_s=0.1,
+                                 model_dir=str(tmp_path))
+        async with http.get(f"{proxy.url}/health") as resp:
+            public = await resp.text()
+        async with http.get(f"{proxy.url}/health", headers=proxy.control) as resp:
+            full = await resp.json()
+        assert sock_path in json_dumps(full) and str(tmp_path) in json_dumps(full["weights"])
+        assert "Connect" in str({b["url"]: b for b in full["backends"]}[dead]["reason"])
+        assert str(tmp_path) not in public and dead not in public and "Connect" not in public, public
+        body = json_loads(public)
+        assert resp.status == 200 and body["policy_version"] == 0
+        assert sorted(b["state"] for b in body["backends"]) == ["out", "up"]
+    finally:
+        refused.close()
+        await runner.cleanup()
