@@ -193,6 +193,7 @@ class SessionManager:
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
         keyed: bool = True,
+        tito: bool = False,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
@@ -209,6 +210,7 @@ class SessionManager:
             idle_timeout_s=idle_timeout_s,
         )
         session = LiveSession(traj, new_key() if keyed else None)
+        session.tito = tito
         session.bytes = len(msgpack_encoder.encode(traj))
         if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
             raise RecordTooLarge(
@@ -225,6 +227,7 @@ class SessionManager:
                     metadata=traj.metadata,
                     idle_timeout_s=idle_timeout_s,
                     key=session.key,
+                    tito=tito,
                 )
             )
         except BaseException:
@@ -672,7 +675,9 @@ class SessionManager:
                     created_at=record.at,
                 )
                 self.closed.pop(traj.id, None)
-                self._register(LiveSession(traj, record.key))
+                rebuilt = LiveSession(traj, record.key)
+                rebuilt.tito = record.tito
+                self._register(rebuilt)
             elif isinstance(record, Step):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):
