@@ -46,15 +46,15 @@ def schema() -> Any:
         [
             ("trajectory_id", pa.string()),
             ("group_id", pa.string()),
-            ("group_size", pa.int32()),
+            ("group_size", pa.int64()),
             ("mode", pa.string()),
             ("trajectory_status", pa.string()),
             ("trajectory_reward", pa.float64()),
             ("trajectory_rewards", pa.string()),
             ("metadata", pa.string()),
-            ("num_steps", pa.int32()),
-            ("step_index", pa.int32()),
-            ("choice", pa.int32()),
+            ("num_steps", pa.int64()),
+            ("step_index", pa.int64()),
+            ("choice", pa.int64()),
             ("policy_version", pa.int64()),
             ("model", pa.string()),
             ("served_model", pa.string()),
@@ -69,14 +69,14 @@ def schema() -> Any:
             ("step_rewards", pa.string()),
             ("temperature", pa.float64()),
             ("top_p", pa.float64()),
-            ("top_k", pa.int32()),
-            ("max_tokens", pa.int32()),
+            ("top_k", pa.int64()),
+            ("max_tokens", pa.int64()),
             ("messages", pa.string()),
             ("response", pa.string()),
             ("started_at", pa.float64()),
             ("latency_s", pa.float64()),
-            ("prompt_tokens", pa.int32()),
-            ("completion_tokens", pa.int32()),
+            ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),
         ]
     )
 
@@ -138,6 +138,7 @@ class PartWriter:
         self.files: list[Path] = []
         self.rows = 0
         self.trajectories = 0
+        self.bad_rows = 0  # rows left out: a value no column holds
         self._buf: list[dict[str, Any]] = []
         self._writer: Any = None
         self._tmp: Path | None = None
@@ -163,12 +164,30 @@ class PartWriter:
             self._file = os.fdopen(fd, "wb")
             self._writer = self.pa.parquet.ParquetWriter(self._file, self.schema)
             self.files.append(final)
-        self._writer.write_table(self.pa.Table.from_pylist(self._buf, schema=self.schema))
-        self._in_file += len(self._buf)
-        self.rows += len(self._buf)
+        table = self._table(self._buf)
+        self._writer.write_table(table)
+        self._in_file += table.num_rows
+        self.rows += table.num_rows
         self._buf = []
         if self._in_file >= self.rows_per_file:
             self._seal()
+
+    def _table(self, rows: list[dict[str, Any]]) -> Any:
+        """The rows as a table; a row no column can hold (an id past int32, a value past int64: what an agent
+        sent, or a bad record) is left out and counted in ``bad_rows``, never fatal to the export."""
+        bad = (self.pa.ArrowInvalid, self.pa.ArrowTypeError, OverflowError, TypeError, ValueError)
+        try:
+            return self.pa.Table.from_pylist(rows, schema=self.schema)
+        except bad:
+            kept = []
+            for row in rows:  # only after a failure: find the bad rows one at a time
+                try:
+                    self.pa.Table.from_pylist([row], schema=self.schema)
+                except bad:
+                    self.bad_rows += 1
+                    continue
+                kept.append(row)
+            return self.pa.Table.from_pylist(kept, schema=self.schema)
 
     def _seal(self) -> None:
         if self._writer is not None:
@@ -272,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trajectories": writer.trajectories,
                 "rows": writer.rows,
                 "files": [f.name for f in writer.files],
+                "bad_rows": writer.bad_rows,
                 **skipped,
             }
         )

@@ -84,12 +84,17 @@ class Grouper:
         self.ready: list[list[Trajectory]] = []
         self.counts: Counter = Counter()
 
-    def add(self, traj: Trajectory, source: str = "") -> None:
+    def add(self, traj: Trajectory, source: str = "") -> bool:
+        """Hold ``traj`` for its group; False (counted) for one not to train on: anonymous, unless asked."""
+        if traj.anonymous and not self.cfg.train_anonymous:
+            self.counts["skipped_anonymous"] += 1
+            return False
         key = (source, traj.group_id or f"_single:{traj.id}")  # a group never mixes proxies
         _, members = self.open.setdefault(key, (time.monotonic(), []))
         members.append(traj)
         if traj.group_id is None or len(members) >= (traj.group_size or self.cfg.group_size):
             self.ready.append(self.open.pop(key)[1])
+        return True
 
     def take(self, n: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
         """Up to ``n`` ready groups, and the members of timed-out groups too small to train on."""
@@ -185,10 +190,8 @@ class Learner:
                 src.ledger.consume([key])
                 continue
             self.origin[id(d.trajectory)] = src
-            if d.trajectory.mode == "eval":
-                self.pass_through.append(d.trajectory)
-            else:
-                self.grouper.add(d.trajectory, src.url)
+            if d.trajectory.mode == "eval" or not self.grouper.add(d.trajectory, src.url):
+                self.pass_through.append(d.trajectory)  # consumed, counted, never trained
 
     def _consume(self, trajs: list[Trajectory]) -> None:
         """Mark trajectories trained on or dropped in the ledger of the source each came from."""
@@ -236,9 +239,15 @@ class Learner:
 
         version, lora = self.version + 1, self.engine.lora
         every = self.cfg.disk_every
-        if self.cfg.weight_sync == "collective" and not lora and not (every and version % every == 0):
-            self._publish_collective(version)
-            return
+        if self.cfg.weight_sync == "collective" and not lora:
+            states = [_proxy_state(src.url, self.cfg.token()) for src in self.sources]
+            version = max(version, *(v + 1 for v, _ in states))  # a proxy made a version of disk weights meanwhile
+            wanted = [why for _, why in states if why]
+            if wanted:  # a replica lost a transferred version: this one goes through disk, whatever disk_every
+                self.metrics.note(f"publishing version {version} through disk: {wanted[0]}")
+            elif not (every and version % every == 0):
+                self._publish_collective(version)
+                return
         try:
             path = self.engine.write_weights(self.cfg.weights_dir, version=version)
         except OSError as exc:
@@ -328,10 +337,19 @@ class Learner:
 
 def _proxy_version(proxy_url: str) -> int:
     """The proxy's current policy version (its /health), or 0 when it cannot be asked."""
+    return _proxy_state(proxy_url)[0]
+
+
+def _proxy_state(proxy_url: str, token: str | None = None) -> tuple[int, str | None]:
+    """The proxy's policy version and why it wants a version through disk (its /health), or (0, None) when it
+    cannot be asked."""
     try:  # a 503 (backend down) is an answer too: its body has the version
-        return int(SyncSteptapClient(proxy_url, timeout_s=5.0).health().get("policy_version") or 0)
-    except (OSError, ValueError, TypeError, SteptapError):
-        return 0
+        health = SyncSteptapClient(proxy_url, token, timeout_s=5.0).health()
+        weights = health.get("weights")
+        wanted = weights.get("disk_wanted") if isinstance(weights, dict) else None
+        return int(health.get("policy_version") or 0), str(wanted) if wanted else None
+    except (OSError, ValueError, TypeError, AttributeError, SteptapError):
+        return 0, None
 
 
 async def _run(cfg: LearnerConfig) -> None:

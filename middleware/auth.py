@@ -6,10 +6,14 @@ The agent is untrusted: its URL or session key reaches the model routes and noth
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import secrets
+import socket
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 
 CONTROL_TOKEN_KEY = web.AppKey("steptap_control_token", str)
@@ -58,3 +62,46 @@ def require_control(request: web.Request) -> None:
             headers={"WWW-Authenticate": "Bearer"},
         )
     raise ApiError(403, "this credential may make model calls only; use the control token", "forbidden")
+
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain", "ip6-localhost"})
+_WILDCARD = frozenset({"", "0.0.0.0", "::"})
+
+
+def _host_name(value: str) -> str:
+    """``Host``'s name without its port, lower case: ``[::1]:8400`` -> ``::1``."""
+    try:
+        return (urlsplit("//" + value.strip()).hostname or "").rstrip(".")
+    except ValueError:
+        return ""
+
+
+def _ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def check_model_call_origin(request: web.Request) -> None:
+    """A model call must carry a JSON body and an allowed ``Host``. A browser may POST ``text/plain`` or a form
+    cross-site without a preflight, and DNS rebinding points a foreign name at 127.0.0.1: both would inject
+    prompts into the log. Allowed hosts: localhost names, this machine's name, the bind address, the public URL's
+    host, ``--allowed-hosts``; bound to every address (0.0.0.0, ::), any IP literal too (rebinding needs a
+    name)."""
+    if request.content_type.lower() != "application/json":  # parameters (charset) aside
+        raise ApiError(415, f"model calls take Content-Type: application/json, not "
+                            f"{request.headers.get('Content-Type') or 'none'!r}", "unsupported_media_type")
+    header = request.headers.get("Host")
+    if header is None:  # HTTP/1.0 without Host: no browser sends that
+        return
+    name, cfg = _host_name(header), request.app[CONFIG_KEY]
+    allowed = {*LOCAL_NAMES, socket.gethostname().lower(), _host_name(cfg.host),
+               *(_host_name(h) for h in cfg.allowed_hosts)}
+    if cfg.public_url:
+        allowed.add(urlsplit(cfg.public_url).hostname or "")
+    if name and (name in allowed or (cfg.host in _WILDCARD and _ip_literal(name))):
+        return
+    raise ApiError(403, f"Host {header[:100]!r} is not one this proxy serves (add it with --allowed-hosts)",
+                   "host_not_allowed")

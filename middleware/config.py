@@ -26,6 +26,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "one replica URL a line, re-read when it changes or on SIGHUP")] = None
     health_interval_s: Annotated[float, _help(
         "replica health checks (an out replica is readmitted at most this late)")] = 2.0
+    replica_max_failures: Annotated[int, _help(
+        "a replica answering this many model calls in a row with 5xx is taken out (its /health may still say "
+        "200; least-in-flight would send it every new session)")] = 5
+    replica_failure_cooldown_s: Annotated[float, _help(
+        "a replica taken out for failed calls is readmitted (healthy and reconciled) no sooner than this")] = 30.0
     reuse_port: Annotated[bool, _help("SO_REUSEPORT on the shared port (set by steptap serve --workers)")] = False
     worker_port: Annotated[int | None, _help(
         "a worker's own port besides the shared one (set by steptap serve --workers)")] = None
@@ -43,6 +48,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     log: Annotated[str, _help("trajectory log: a local directory or an fsspec URL")] = DEFAULT_LOG_DIR
     control_token: Annotated[str, _help(
         "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
+    allowed_hosts: Annotated[list[str], _help(
+        "a Host name model calls may carry besides the bind address, localhost and the public URL's host "
+        "(repeatable; a foreign Host is refused: DNS rebinding)")] = []
     public_url: Annotated[str | None, _help(
         "base URL handed to agents (default http://HOST:PORT); with --workers a template naming the worker: "
         "{i} or {port}")] = None
@@ -123,7 +131,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             self.session_idle_timeout_s = None  # 0 on the command line: never
         for name in ("max_record_bytes", "max_request_bytes", "max_json_nodes", "max_body_memory",
                      "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
-                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups"):
+                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups",
+                     "replica_max_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_body_memory < 6 * self.body_limit:

@@ -172,6 +172,7 @@ class SessionOpened(Record, tag="session_opened"):
     anonymous: bool = False
     idle_timeout_s: float | None = None
     key: str | None = None  # the session API key (hash-free: the log is as trusted as the control token)
+    tito: bool = False  # token-in-token-out mode, asked at open (kept across a restart)
     at: float = msgspec.field(default_factory=time.time)
 
 

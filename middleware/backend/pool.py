@@ -56,6 +56,8 @@ class Replica:
         self.removed = False  # dropped from the backends file: finishes its calls, takes no new ones
         self.unreachable = False  # out because nothing answers there (not for a failed swap or a 503)
         self.failed_checks = 0  # consecutive failed health checks (a loaded server can miss one)
+        self.failed_calls = 0  # consecutive model calls answered 5xx
+        self.cooldown_until = 0.0  # taken out for failed calls: not readmitted before this (time.time())
 
     def state(self) -> dict[str, Any]:
         return {"url": self.name, "healthy": self.up, "state": "up" if self.up else "out",
@@ -184,6 +186,19 @@ class ReplicaPool:
     def release(rep: Replica) -> None:
         rep.in_flight -= 1
 
+    def call_done(self, rep: Replica, status: int) -> None:
+        """Count a model call's HTTP status: ``replica_max_failures`` 5xx in a row take the replica out for
+        ``replica_failure_cooldown_s`` (a replica failing every call is the least loaded one)."""
+        if status < 500:
+            rep.failed_calls = 0
+            return
+        rep.failed_calls += 1
+        if rep.failed_calls >= self.config.replica_max_failures and rep.up:
+            rep.cooldown_until = time.time() + self.config.replica_failure_cooldown_s
+            self.take_out(rep.name, f"{rep.failed_calls} calls in a row answered {status} (5xx); readmitted "
+                          f"after {self.config.replica_failure_cooldown_s:g}s if healthy")
+            rep.failed_calls = 0
+
     def take_out(self, name: str, reason: str, *, unreachable: bool = False) -> None:
         """Stop routing to a replica; the health loop readmits it once healthy and reconciled."""
         rep = self.replicas.get(name)
@@ -198,7 +213,7 @@ class ReplicaPool:
 
     async def admit(self, rep: Replica) -> bool:
         """Check an out replica and, if healthy, reconcile it and put it back."""
-        if rep.name in self._checking or rep.removed:
+        if rep.name in self._checking or rep.removed or time.time() < rep.cooldown_until:
             return False
         self._checking.add(rep.name)
         try:

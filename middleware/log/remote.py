@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from steptap.middleware.files import atomic_write
 from steptap.middleware.log.segments import HEADER, SEG_RE, seg_name
 
 logger = logging.getLogger("steptap.wal")
@@ -84,8 +85,8 @@ class Remote:
         except FileNotFoundError:
             return []
         segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
-        for segno in segnos:
-            self._fs.get_file(f"{self._remote_root}/{seg_name(segno)}", str(self.dir / seg_name(segno)))
+        for segno in segnos:  # each whole under its name, 0600 and synced (it may be the only local copy)
+            atomic_write(self.dir / seg_name(segno), self._fs.cat_file(f"{self._remote_root}/{seg_name(segno)}"))
         if segnos:
             logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
         return segnos

@@ -18,6 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.auth import check_model_call_origin
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
@@ -79,6 +80,7 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     app = request.app
     started_at, t0 = time.time(), time.perf_counter()
     cfg, manager = app[CONFIG_KEY], app[SESSIONS_KEY]
+    check_model_call_origin(request)  # 415 / 403 before anything is read
     manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
     if (request.content_length or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read
@@ -221,6 +223,7 @@ class _Call(StreamRelay):
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._forward(payload)  # forward
+            self.request.app[POOL_KEY].call_done(self.replica, resp.status)
             if resp.status >= 400:
                 return await self._upstream_error(resp)
             if stream:

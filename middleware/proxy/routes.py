@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.auth import check_model_call_origin, is_control
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.backend.pool import POOL_KEY
@@ -49,6 +50,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 
 async def _count_tokens(request: web.Request) -> web.Response:
     app = request.app
+    check_model_call_origin(request)
     body = _json_object(await read_body(request))
     proto = Messages(body, "", count_only=True)
     ident = identify(request)
@@ -86,4 +88,19 @@ async def health(request: web.Request) -> web.Response:
         "policy_version": int(swapper.version),
         "weights": swapper.state(),  # swap state (weights/swapper.py)
     }
+    if not is_control(request):
+        body = _public_health(body)
     return web.Response(body=_encode(body), status=200 if healthy else 503, content_type="application/json")
+
+
+# Paths (replica sockets, weights) and error texts, in /health only for the control token.
+_PRIVATE_REPLICA = ("url", "reason", "error", "models")
+_PRIVATE_WEIGHTS = ("path", "lora_path", "last_error", "degraded", "disk_wanted", "replicas")
+
+
+def _public_health(body: dict[str, Any]) -> dict[str, Any]:
+    weights = msgspec.structs.asdict(body["weights"])
+    return {**body,
+            "log": {"degraded": body["log"]["degraded"]},
+            "backends": [{k: v for k, v in r.items() if k not in _PRIVATE_REPLICA} for r in body["backends"]],
+            "weights": {k: v for k, v in weights.items() if k not in _PRIVATE_WEIGHTS}}

@@ -89,8 +89,8 @@ async def open_session(request: web.Request) -> web.Response:
         metadata=body.metadata,
         idle_timeout_s=body.idle_timeout_s,
         session_id=body.id,
+        tito=body.tito,
     )
-    session.tito = body.tito
     return _json(manager.summary(session, str(request.url.origin())), status=201)
 
 

@@ -113,6 +113,7 @@ class SessionManager(Closing, Groups, Replay):
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
         keyed: bool = True,
+        tito: bool = False,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
@@ -129,6 +130,7 @@ class SessionManager(Closing, Groups, Replay):
             idle_timeout_s=idle_timeout_s,
         )
         session = LiveSession(traj, new_key() if keyed else None)
+        session.tito = tito
         session.bytes = len(msgpack_encoder.encode(traj))
         if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
             raise RecordTooLarge(
@@ -145,6 +147,7 @@ class SessionManager(Closing, Groups, Replay):
                     metadata=traj.metadata,
                     idle_timeout_s=idle_timeout_s,
                     key=session.key,
+                    tito=tito,
                 )
             )
         except BaseException:

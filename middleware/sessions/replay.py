@@ -44,7 +44,9 @@ class Replay:
                     created_at=record.at,
                 )
                 self.closed.pop(traj.id, None)
-                self._register(LiveSession(traj, record.key))
+                rebuilt = LiveSession(traj, record.key)
+                rebuilt.tito = record.tito
+                self._register(rebuilt)
             elif isinstance(record, Step):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):

@@ -134,6 +134,8 @@ class Recovery:
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
                 if not self.on_disk and [t for t in self._targets() if t != backend]:
+                    self.disk_wanted = (f"{backend} lost version {self.version}, which came by transfer and is on "
+                                        "no disk: it stays out until a version comes through disk")
                     raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
                                          f"{self.version}, which came by collective transfer and is on no disk; "
                                          "it stays out until a version is published through disk",
@@ -148,8 +150,9 @@ class Recovery:
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
                     await self._persist(self.version + 1, self.path, None)
                     self.version, self.on_disk, self.lora_path, self.lora_name = self.version + 1, True, None, None
-                    logger.warning("version %d came by transfer and is on no disk: %s serves %s as version %d",
-                                   self.version - 1, backend, self.path, self.version)
+                    self.disk_wanted = (f"version {self.version - 1} came by transfer and is on no disk: {backend} "
+                                        f"serves {self.path}, older weights, as version {self.version}")
+                    logger.warning("%s; publish a version through disk", self.disk_wanted)
                 await self._tell_version(backend, self.version)
             if self.lora_name is not None and self.lora_path is not None:
                 client = self._client(backend)

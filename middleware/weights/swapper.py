@@ -96,6 +96,7 @@ class WeightState(msgspec.Struct, kw_only=True):
     last_held_wait_s: float | None  # longest wait of a call held during the last swap
     last_error: str | None
     degraded: str | None  # a backend failed mid-reload and needs a restart
+    disk_wanted: str | None = None  # why the next version should come through disk (the learner reads it)
     cut_calls: int = 0  # calls cut because they outlasted the swap's drain bound
     replicas: dict[str, dict[str, Any]] = {}  # the last swap per replica: ok, error, paused_s, swap_s
     swap_mode: str = "keep"
@@ -130,6 +131,9 @@ class WeightSwapper(Gate, Recovery, Adapters):
         # Whether the base weights served now are those at ``path``: not after a collective transfer (there is
         # no copy on disk), so a replica that loses them cannot get them back (``transfer.py``).
         self.on_disk = True
+        # Why a version through disk is wanted (``/health``, read by the learner before it publishes): a replica
+        # lost a version that came by transfer and cannot get it back. Cleared by a swap from disk.
+        self.disk_wanted: str | None = None
         self._plan: tuple[dict[str, int], int] = ({}, 0)  # a transfer's rank offsets and group size
         self.lora_path: str | None = None
         self.lora_name: str | None = None
@@ -307,6 +311,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
                 self.version = new_version
                 if path is not None:
                     self.path, self.lora_path, self.lora_name, self.on_disk = path, None, None, True
+                    self.disk_wanted = None
                 elif transfer is not None:
                     self.lora_path, self.lora_name, self.on_disk = None, None, False
                 else:
@@ -417,7 +422,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
             failures=self.failures, in_flight=self._in_flight, held=self._held,
             last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
             last_held_wait_s=self._held_wait or None, last_error=self.last_error,
-            degraded=self.degraded, cut_calls=self.cut_calls, replicas=self.replica_figures,
+            degraded=self.degraded, disk_wanted=self.disk_wanted, cut_calls=self.cut_calls, replicas=self.replica_figures,
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )

@@ -175,6 +175,18 @@ def test_grouper_waits_for_the_group_counts_aborted_members_and_times_out() -> N
     assert [t.id for t in small] == ["c1"] and grouper.counts["dropped_small_group"] == 1
 
 
+def test_anonymous_trajectories_are_not_trained_unless_asked() -> None:
+    """Issue 25, item 7: an anonymous call is a one-step trajectory anyone who reaches the proxy can write
+    (GRPO takes its raw reward, GAE whitens it in): the learner passes it through, counted, unless asked."""
+    anon = Trajectory(id="anon", anonymous=True, status="finished", rewards={"r": 1.0})
+    grouper = daemon.Grouper(config_from_argv(["--model-dir", "m"]))
+    assert grouper.add(anon) is False
+    assert grouper.take(5) == ([], []) and grouper.counts["skipped_anonymous"] == 1
+    assert grouper.add(Trajectory(id="named", status="finished")) is True
+    grouper = daemon.Grouper(config_from_argv(["--model-dir", "m", "--train-anonymous"]))
+    assert grouper.add(anon) is True and [[t.id for t in g] for g in grouper.take(5)[0]] == [["anon"]]
+
+
 async def test_learner_survives_a_proxy_restart(tmp_path: Path, tiny_model_dir) -> None:
     """Proxy A serves groups 0-1 and is stopped; groups 2-3 reach the log; proxy B (same port, same log)
     comes up and the same learner process, reconnected, trains them: updates 3 and 4, nothing twice."""

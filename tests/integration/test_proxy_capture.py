@@ -292,7 +292,7 @@ async def test_models_and_health(proxy: Proxy, vllm_server: Backend, http: aioht
         async with http.get(proxy.url + path) as resp:
             assert resp.status == 200
             assert vllm_server.served_model in [m["id"] for m in (await resp.json())["data"]]
-    async with http.get(proxy.url + "/health") as resp:
+    async with http.get(proxy.url + "/health", headers=proxy.control) as resp:
         health = await resp.json()
         assert resp.status == 200 and health["status"] == "ok"
         assert health["backends"][0]["url"] == vllm_server.url and health["backends"][0]["healthy"]

@@ -118,7 +118,7 @@ async def test_unreachable_backend_is_502_naming_it(make_proxy: Any, http: aioht
         status, body = await call(http, f"{proxy.url}/v1/chat/completions", good("m"))
         err = assert_openai_error(status, body, 502, "backend_unreachable")
         assert url in err["message"]
-        async with http.get(f"{proxy.url}/health") as resp:
+        async with http.get(f"{proxy.url}/health", headers=proxy.control) as resp:
             health = await resp.json()
             assert resp.status == 503 and health["status"] == "degraded"
             assert health["backends"][0]["url"] == url and not health["backends"][0]["healthy"]

@@ -259,7 +259,7 @@ async def test_sessions_stick_spread_and_survive_a_killed_replica(
     # The rest continue: B's sessions move to A on their next call (a prefix-cache miss, not an error).
     assert await round_(sids) == [200] * SESSIONS
     assert pool.moves >= len(on_b)
-    async with http.get(f"{proxy.url}/health") as r:
+    async with http.get(f"{proxy.url}/health", headers=proxy.control) as r:
         health = await r.json()
     state = {rep["url"]: rep for rep in health["backends"]}
     assert state[a.url]["state"] == "up" and state[b.url]["state"] == "out" and state[b.url]["reason"]

@@ -193,3 +193,46 @@ async def test_the_learner_publishes_by_transfer_and_every_nth_version_through_d
     step = await call(client)
     assert step["policy_version"] == 2 and gap(step["response_logprobs"], own_logprobs(model, step)) < TOL
     learner.engine.close()
+
+
+async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_learner_sends_one(
+    swap_vllm: Backend, tmp_path: Path, aiohttp_client: Any
+) -> None:
+    """Issue 25, item 10 (fourth gap): after a transferred version, a restarted replica serves the disk weights.
+    Alone, it became a new version silently (the learner's next transfer was refused as stale, and nothing ever
+    asked for weights on disk); beside others it stayed out for good with the default ``disk_every = 0``. Now
+    the proxy says a version through disk is wanted (``/health`` ``weights.disk_wanted``) and the learner's next
+    publish goes through disk, above the proxy's version."""
+    from steptap.learner.config import LearnerConfig
+    from steptap.learner.daemon import Learner
+
+    client = await proxy(aiohttp_client, swap_vllm.url, tmp_path / "log")
+    sw = swapper(client)
+    cfg = LearnerConfig(proxy_url=str(client.make_url("")).rstrip("/"), control_token=TOKEN,
+                        model_dir=str(swap_vllm.model_dir), weight_sync="collective",
+                        weights_dir=str(tmp_path / "weights"), checkpoint_dir=str(tmp_path / "ckpt"),
+                        metrics_file=str(tmp_path / "metrics.jsonl"), progress=False, num_threads=1)
+    learner = await asyncio.to_thread(Learner, cfg)
+    model = learner.engine.model  # type: ignore[attr-defined]
+    import torch
+
+    with torch.no_grad():  # as a training step would: every weight moves
+        gen = torch.Generator().manual_seed(4)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    await asyncio.to_thread(learner._publish)
+    assert learner.version == sw.version == 1 and sw.on_disk is False
+    # The replica restarts: it comes back with vLLM's own label (its weights are reloaded from disk below).
+    backend = sw._targets()[0]
+    await sw._client(backend).set_label("default")
+    await sw.reconcile(backend)
+    assert sw.version == 2 and sw.on_disk  # the disk weights as a version of their own ...
+    health = await (await client.get("/health", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+    assert "on no disk" in (health["weights"].get("disk_wanted") or ""), health["weights"]  # ... said so
+
+    await asyncio.to_thread(learner._publish)  # through disk (disk_every = 0), above the proxy's version 2
+    assert learner.version == sw.version == 3 and sw.on_disk and sw.state().disk_wanted is None
+    assert sw.path is not None and Path(sw.path).parent == (tmp_path / "weights").resolve()
+    step = await call(client)
+    assert step["policy_version"] == 3 and gap(step["response_logprobs"], own_logprobs(model, step)) < TOL
+    learner.engine.close()

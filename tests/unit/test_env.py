@@ -240,6 +240,20 @@ def test_export_writes_one_row_per_step_with_exact_ids(tmp_path: Path) -> None:
     assert not list((tmp_path / "out").glob(".*.tmp*"))  # parts are renamed into place when complete
 
 
+def test_export_keeps_huge_sampling_values_and_counts_a_bad_row(tmp_path: Path) -> None:
+    """Issue 25, item 11: ``top_k: 2**40`` (a value the agent sent) overflowed an int32 column and aborted the
+    whole export. Such values are kept (int64); a row no column can hold is counted, the rest written."""
+    huge, bad, fine = _traj("huge", 1), _traj("bad", 2), _traj("fine", 1)
+    huge.steps[0].sampling.top_k = 2**40
+    huge.steps[0].sampling.max_tokens = 2**40
+    bad.steps[1].response_token_ids = [7, 2**70]  # no integer column holds it
+    writer = export_trajectories([huge, bad, fine], tmp_path / "out", batch_rows=10)
+    assert writer.rows == 3 and writer.bad_rows == 1
+    rows = {(r["trajectory_id"], r["step_index"]): r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    assert sorted(rows) == [("bad", 0), ("fine", 0), ("huge", 0)]
+    assert rows[("huge", 0)]["top_k"] == 2**40 and rows[("huge", 0)]["max_tokens"] == 2**40
+
+
 def test_env_modules_use_the_client_only_never_the_proxy_server() -> None:
     code = (
         "import sys, json, importlib\n"

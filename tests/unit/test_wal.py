@@ -209,6 +209,26 @@ async def test_remote_url_uploads_sealed_segments(tmp_path: Path) -> None:
     await log.close()
 
 
+async def test_a_restored_segment_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Issue 25 (lows): the restore from the remote copy wrote segments with the umask's mode (0644: prompts and
+    replies readable by every local user) and without a sync. Now each arrives whole, 0600, under its name."""
+    url = f"memory://steptap-test-{uuid.uuid4().hex}/log"
+    log = await TrajectoryLog.open(url, segment_bytes=2048, cache_dir=str(tmp_path / "wal"))
+    for i in range(8):
+        await log.append(_traj(i))
+    await log.close()
+    old = os.umask(0o022)
+    try:
+        log = await TrajectoryLog.open(url, segment_bytes=2048, cache_dir=str(tmp_path / "other"))
+    finally:
+        os.umask(old)
+    restored = [p for p in (tmp_path / "other").rglob("*") if p.is_file() and p.name.startswith("seg")]
+    assert len(restored) >= 2 and [r.id for r in log.records()] == [f"t{i}" for i in range(8)]
+    assert {oct(p.stat().st_mode & 0o777) for p in restored} == {oct(0o600)}
+    assert not [p for p in (tmp_path / "other").rglob(".*tmp*")]
+    await log.close()
+
+
 async def test_upload_url_to_a_second_local_dir(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path / "wal"), segment_bytes=2048,
                                    upload_url=f"file://{tmp_path / 'archive'}")
