@@ -231,7 +231,7 @@ class Runner:
             )
             try:
                 trajectory = msgspec.json.encode(await self.client.get_session(m.session_id))
-            except (SteptapError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, SteptapError, OSError) as exc:
                 raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.rows import Batch, build_batch

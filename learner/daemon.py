@@ -311,7 +311,7 @@ class Learner:
                 continue
             try:
                 await src.client.ack(self.cfg.consumer, acked)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, SteptapError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, SteptapError) as exc:
                 # That proxy is restarting: the next checkpoint acknowledges (its cursor covers this one), and
                 # until then a re-delivery is skipped by the client's de-duplication.
                 self.metrics.note(f"[yellow]ack failed[/yellow] on {src.url} ({exc}); retried at the next "

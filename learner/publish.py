@@ -17,11 +17,12 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from steptap.middleware.client import SteptapError, SyncSteptapClient
 from steptap.middleware import files
+from steptap.middleware.client import SteptapError, SyncSteptapClient
 
 logger = logging.getLogger("steptap.learner.publish")
 

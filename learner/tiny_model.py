@@ -157,7 +157,16 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
 
 
 def _build_tokenizer(out: Path, max_length: int = 2048) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     # Exactly Qwen2's normalizer and pre-tokenizer: transformers loads a qwen2 model's tokenizer as

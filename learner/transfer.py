@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from steptap.learner.publish import PublishError
-from steptap.middleware.launch.vllm_plugin.steptap_sealed_store import SealedStore
 from steptap.middleware.client import SteptapError, SyncSteptapClient
+from steptap.middleware.launch.vllm_plugin.steptap_sealed_store import SealedStore
 
 logger = logging.getLogger("steptap.learner.transfer")
 

@@ -12,23 +12,23 @@ from typing import Any
 
 from aiohttp import web
 
+from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
+from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
 from steptap.middleware.proxy import relay
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.rewards import RewardFn, load_reward
 from steptap.middleware.weights import routes as weights
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import WeightSwapper
-from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
-from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import error_middleware
-from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
-from steptap.middleware.sessions.rewards import RewardFn, load_reward
-from steptap.middleware.sessions.control import SESSIONS_KEY
-from steptap.middleware.sessions.manager import SessionManager
-from steptap.middleware.log.wal import TrajectoryLog
 
 logger = logging.getLogger("steptap.proxy")
 

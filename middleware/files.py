@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import secrets
+import stat
 from pathlib import Path
 
 FILE_MODE = 0o600

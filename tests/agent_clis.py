@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import Backend, Proxy, _own_server, _unavailable, http_json, missing, serve_process
+
 from steptap.adapters.agents import AGENTS, cached_cli
 from steptap.learner.tiny_model import LONG_CONTEXT
 

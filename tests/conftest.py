@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
-
-import sys
 
 import pytest
 
@@ -278,7 +277,6 @@ def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:
 
 # --- the agent CLIs and the long-context model they need (tests/agent_clis.py) ----------------------------------
 from agent_clis import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
-
 
 # --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------
 

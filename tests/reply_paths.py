@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.proxy import capture, replies
 from steptap.middleware.proxy.capture import CHAT, Asked
 

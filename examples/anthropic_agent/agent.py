@@ -19,9 +19,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
+from toolenv import (
+    SYSTEM,
+    CalculatorTool,
+    Problem,
+    agent_arguments,
+    forced,
+    make_problem,
+    parse_answer,
+    scripted_turns,
+)
+
 import steptap.adapters
 from steptap.adapters.session import resolve_model
-from toolenv import SYSTEM, CalculatorTool, Problem, agent_arguments, forced, make_problem, parse_answer, scripted_turns
 
 TOOL = CalculatorTool()
 TOOLS = [{"name": TOOL.name, "description": TOOL.description, "input_schema": TOOL.parameters}]

@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 import openai
+
 import steptap.adapters
 from steptap.middleware.client import default_control_token
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-import steptap.adapters
 from toolenv import (
     SYSTEM,
     CalculatorTool,
@@ -29,6 +28,8 @@ from toolenv import (
     parse_answer,
     scripted_turns,
 )
+
+import steptap.adapters
 
 
 def build_graph(llm: Any, script: list[str] | None = None) -> Any:

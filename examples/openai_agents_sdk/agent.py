@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-import steptap.adapters
 from toolenv import (
     SYSTEM,
     CalculatorTool,
@@ -30,6 +29,8 @@ from toolenv import (
     parse_answer,
     scripted_turns,
 )
+
+import steptap.adapters
 
 
 def scripted_model(inner: Any, script: list[str]) -> Any:

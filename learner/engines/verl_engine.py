@@ -390,7 +390,6 @@ class VerlEngine:
 
     def close(self) -> None:
         import ray
-
         from ray.util.placement_group import remove_placement_group
 
         for w in getattr(getattr(self, "wg", None), "workers", []):

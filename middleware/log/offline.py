@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.delta import resolve
 from steptap.middleware.log.segments import (
     FRAME,

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from steptap.middleware.delta import resolve
 from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
 from steptap.middleware.log.segments import (
     FRAME,
@@ -24,9 +25,7 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.delta import resolve
 from steptap.middleware.records import LogRecord, Trajectory, log_decoder, step_msgpack_decoder
-
 
 logger = logging.getLogger("steptap.wal")
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from steptap.middleware import files
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.log.compaction import Compaction

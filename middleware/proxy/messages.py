@@ -9,7 +9,7 @@ shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parse
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from steptap.middleware.proxy.translation import bad as _bad
@@ -42,7 +42,7 @@ def models_body(openai_models: dict[str, Any]) -> dict[str, Any]:
     data = []
     for m in openai_models.get("data") or ():
         created = m.get("created")
-        at = datetime.fromtimestamp(created if isinstance(created, (int, float)) else 0, timezone.utc)
+        at = datetime.fromtimestamp(created if isinstance(created, (int, float)) else 0, UTC)
         data.append({"type": "model", "id": m.get("id"), "display_name": m.get("id"),
                      "created_at": at.strftime("%Y-%m-%dT%H:%M:%SZ")})
     return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,

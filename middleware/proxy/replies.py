@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.proxy.capture import CHAT, Asked, make_step, message_response
 from steptap.middleware.records import Step
 

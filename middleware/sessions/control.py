@@ -12,13 +12,13 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import require_control
-from steptap.middleware.errors import ApiError
-from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.delta import full_trajectory
-from steptap.middleware.records import Mode, to_builtins
-from steptap.middleware.sessions.rewards import finite
+from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
+from steptap.middleware.records import Mode, to_builtins
+from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
+from steptap.middleware.sessions.rewards import finite
 
 _encode = msgspec.json.Encoder().encode
 

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from reference import reference_logprobs
+
 from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY

@@ -15,9 +15,9 @@ from aiohttp import web
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.client import SeenSet, SteptapClient, SteptapError, SyncSteptapClient
 from steptap.middleware.errors import error_middleware
-from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.log.stream import LOG_KEY, add_routes
 from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import Step, Trajectory
 
 TOKEN = "stc-client-test"
 

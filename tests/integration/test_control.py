@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.records import RewardAdded, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

@@ -29,12 +29,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import Backend, free_port
 
 from steptap.middleware.client import SteptapClient, SteptapError
-from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.log.wal import TrajectoryLog
-
-from conftest import Backend, free_port
+from steptap.middleware.records import Step, Trajectory
 
 _WRITER = r"""
 import asyncio, sys
@@ -136,7 +135,7 @@ class Proxy:
                     async with http.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 await asyncio.sleep(0.1)
         raise AssertionError(f"proxy did not come up:\n{self.output()}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import aiohttp
 from conftest import Backend, Proxy
+
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.stream import LOG_KEY

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.records import Trajectory
 
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED = str(ROOT / "examples/calculator_env/scripted.py") + ":make_env"
 sys.path.insert(0, str(ROOT / "examples/calculator_env"))
 from make_data import make_rows
+
 from steptap.adapters.env import write_rows
 
 

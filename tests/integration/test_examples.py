@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import Backend, missing
+
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.records import Trajectory
 

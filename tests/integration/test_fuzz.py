@@ -18,8 +18,9 @@ import pytest
 from conftest import Backend, Proxy
 from fuzzing import Request, control_call, model_call, send
 from hypothesis import HealthCheck, given, settings
-from steptap.middleware.metrics import METRICS_KEY
+
 from steptap.middleware.delta import steps_of
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

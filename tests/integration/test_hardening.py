@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from faults import FaultInjector
+
 from steptap.middleware.records import SessionOpened, Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

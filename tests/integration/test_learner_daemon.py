@@ -16,8 +16,8 @@ import torch
 
 from steptap.learner import checkpoint, daemon
 from steptap.learner.config import config_from_argv
-from steptap.middleware.records import PolicyVersion, Sampling, Step, Trajectory
 from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import PolicyVersion, Sampling, Step, Trajectory
 
 torch.set_num_threads(1)
 PROXY_VERSION = 5

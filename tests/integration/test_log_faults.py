@@ -15,15 +15,14 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from faults import DiskFullInjector
 
 from steptap.middleware import files
 from steptap.middleware.client import SteptapClient
+from steptap.middleware.delta import steps_of
 from steptap.middleware.log.segments import frame
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.records import SessionOpened, Step, Trajectory
-from steptap.middleware.delta import steps_of
-
-from faults import DiskFullInjector
 
 KEY = "stk-log-faults-test-key"
 

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -262,6 +263,7 @@ async def test_openai_agents_sdk_default_responses_model(
     proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
 ) -> None:
     from agents import Agent, ModelSettings, Runner, function_tool
+
     from steptap.adapters.frameworks.openai_agents import bind
 
     ran: list[tuple[int, int]] = []
@@ -388,6 +390,7 @@ async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any,
     """TITO asked of a vLLM started without --enable-scale-out (no render route: 404): normal rendering,
     counted, never a failed call."""
     from faults import MODEL
+
     from steptap.middleware.metrics import METRICS_KEY
 
     _, proxy = faulty

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -317,8 +318,8 @@ async def test_force_sampling_overrides_the_agent_and_is_recorded(
 
 
 def test_sampling_defaults_come_from_the_model_generation_config(tmp_path: Any) -> None:
-    from steptap.middleware.proxy.capture import sampling_of
     from steptap.middleware.config import generation_defaults
+    from steptap.middleware.proxy.capture import sampling_of
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": 2})

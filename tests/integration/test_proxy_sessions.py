@@ -10,10 +10,13 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
-from steptap.middleware.delta import full_steps  # the session holds delta steps
-from steptap.middleware.metrics import METRICS_KEY
+
 from steptap.middleware.backend.pool import POOL_KEY
-from steptap.middleware.delta import steps_of
+from steptap.middleware.delta import (
+    full_steps,  # the session holds delta steps
+    steps_of,
+)
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

@@ -33,6 +33,7 @@ import aiohttp
 import psutil
 import pytest
 from conftest import CONTROL_TOKEN, http_json, missing
+
 from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.log.offline import LogReader

@@ -23,10 +23,10 @@ from conftest import Backend, _unavailable, free_port, http_json, restore_origin
 from reference import reference_logprobs
 
 from steptap.learner import checkpoint
+from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.log.stream import LOG_KEY
-from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import Step
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from conftest import Backend, Proxy, free_port, http_json, missing
+from test_protocols import open_session, steps_of
+
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
 from steptap.middleware.proxy.responses import parse_handle
-from test_protocols import open_session, steps_of
 
 pytestmark = pytest.mark.vllm
 

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from conftest import Proxy
 from faults import MODEL, DiskFullInjector, FaultInjector
+
 from steptap.middleware import files
 from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY

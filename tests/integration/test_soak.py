@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.sessions.control import SESSIONS_KEY

@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy, http_json
-from steptap.middleware.log.offline import LogReader
 from test_proxy_capture import post, post_stream, trajectory
+
+from steptap.middleware.log.offline import LogReader
 
 pytestmark = pytest.mark.vllm
 
@@ -105,7 +106,6 @@ async def test_a_task_without_the_trigger_is_left_to_the_model(
     make_proxy, tool_vllm: Backend, http: aiohttp.ClientSession  # type: ignore[no-untyped-def]
 ) -> None:
     from reference import reference_argmax
-
     from transformers import AutoTokenizer
 
     proxy = await make_proxy(tool_vllm.url)

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from conftest import Backend
 from reply_paths import ASKED, assert_same_bodies, dict_plain, typed_plain
+
 from steptap.middleware.proxy import replies
 
 pytestmark = pytest.mark.vllm

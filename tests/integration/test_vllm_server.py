@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import Backend, free_port, http_json
+from reference import reference_logprobs
 
 from steptap.middleware.launch.vllm_server import (
     MARKER,
@@ -25,8 +27,6 @@ from steptap.middleware.launch.vllm_server import (
     process_group_alive,
     ties_embeddings,
 )
-from conftest import Backend, free_port, http_json
-from reference import reference_logprobs
 
 LOGPROB_TOL = 1e-4  # measured agreement is ~1e-6 (float32 on both sides); 1e-4 leaves room for kernel order
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {

@@ -24,9 +24,10 @@ from typing import Any
 
 import pytest
 from conftest import Backend
+from test_swap_vllm import DIFFERENT, TOKEN, TOL, call, gap, learner_model, perturbed, proxy, ref, swapper  # noqa: F401
+
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.sessions.control import SESSIONS_KEY
-from test_swap_vllm import DIFFERENT, TOKEN, TOL, call, gap, learner_model, perturbed, proxy, ref, swapper  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 

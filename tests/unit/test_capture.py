@@ -7,6 +7,8 @@ import copy
 from typing import Any
 
 import msgspec
+
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.proxy.capture import (
     CHAT,
     COMPLETIONS,
@@ -18,7 +20,6 @@ from steptap.middleware.proxy.capture import (
     strip_chunk,
     strip_reply,
 )
-from steptap.middleware.config import ProxyConfig
 from steptap.middleware.proxy.relay import patch_request as _patch
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
+
 from steptap.adapters.export import step_rows
 from steptap.learner.rows import build_batch
 from steptap.middleware.auth import CONTROL_TOKEN_KEY

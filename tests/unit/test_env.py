@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from steptap.adapters.env import DatasetError, Row, RunConfig, ToolEnv, read_rows, resolve_env, write_rows
 from steptap.adapters.env.base import parse_number, parse_tool_calls
 from steptap.adapters.env.calculator import WELL_FORMED_REWARD, CalculatorTool, make_env, safe_eval

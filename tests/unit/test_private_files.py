@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from steptap.middleware.files import PrivateDirError, private_dir, secret_dir
 
 STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]

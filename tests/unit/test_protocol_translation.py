@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import messages, responses, tito
 from steptap.middleware.records import Step

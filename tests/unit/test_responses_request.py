@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import responses
 from steptap.middleware.proxy.responses_request import translate

@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import msgspec
+
 from steptap.learner.rows import build_batch
 from steptap.middleware.config import generation_defaults
+from steptap.middleware.delta import steps_of
 from steptap.middleware.proxy.capture import sampling_of
 from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory
-from steptap.middleware.delta import steps_of
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "records-v1.msgpack"
 

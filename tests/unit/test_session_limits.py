@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Proxy
 from faults import refused_address
+
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

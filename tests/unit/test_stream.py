@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestClient
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.errors import error_middleware
-from steptap.middleware.metrics import METRICS_KEY, Metrics
-from steptap.middleware.records import SessionOpened, Step, Trajectory
 from steptap.middleware.log.stream import LOG_KEY, STREAM_STATE_KEY, StreamMessage, add_routes
 from steptap.middleware.log.wal import TrajectoryLog, parse_cursor
+from steptap.middleware.metrics import METRICS_KEY, Metrics
+from steptap.middleware.records import SessionOpened, Step, Trajectory
 
 TOKEN = "stc-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from faults import TransferProxy  # noqa: E402
+
 from steptap.learner.publish import PublishError  # noqa: E402
 from steptap.learner.transfer import send_collective  # noqa: E402
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from steptap.adapters.env.dataset import Row
 from steptap.adapters.env.runner import DatasetRunner, RunConfig
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.engines.verl_engine import VerlEngine

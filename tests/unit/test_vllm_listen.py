@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.middleware.launch import vllm_server
 

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from steptap.middleware.errors import status_of
-from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
 from steptap.middleware.log.wal import HEADER, LogInUseError, TrajectoryLog, parse_cursor
+from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
 
 
 def _traj(i: int, status: str = "finished", steps: int = 1) -> Trajectory:
@@ -525,10 +525,10 @@ async def test_an_intact_frame_above_the_readers_limit_is_never_cut(
 async def test_a_failed_write_degrades_the_log_until_a_probe_write_succeeds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from faults import DiskFullInjector
+
     from steptap.middleware import files
     from steptap.middleware.log.wal import LogUnavailable
-
-    from faults import DiskFullInjector
 
     disk = DiskFullInjector(files.write_all)
     monkeypatch.setattr(files, "write_all", disk)

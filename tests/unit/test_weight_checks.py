@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from steptap.middleware.launch import vllm_server
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.launch import vllm_server
 from steptap.middleware.weights.checks import check_weights_dir, ties_embeddings
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from steptap.middleware.launch import plugin
-from steptap.middleware.launch.vllm_server import VLLMServer
+from test_weight_checks import EMBED, HEAD, _model
+
 from steptap.middleware.errors import status_of
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.launch import plugin
+from steptap.middleware.launch.vllm_server import VLLMServer
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
-from test_weight_checks import EMBED, HEAD, _model
 
 
 def spec(**kw: Any) -> Transfer:

@@ -21,12 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.weights.routes import SWAPPER_KEY
-from steptap.middleware.records import PolicyVersion, Step
-from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.errors import status_of
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import PolicyVersion, Step
 from steptap.middleware.weights.checks import check_weights_dir, tensor_shapes
+from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
 TOKEN = "stc-weights-test"
