@@ -1,6 +1,6 @@
-"""The members of one ``steptap run``: each opens a session, runs its program (or agent CLI) in its own process
-group, collects its reward and finishes the session; at most ``--concurrency`` at once, Ctrl-C stops them all.
-The command line around it is ``run.py``.
+"""The members of one ``steptap run``: each opens a session, runs its program (or agent CLI) in its own
+process group, collects its reward and finishes the session; at most ``--concurrency`` at once, Ctrl-C stops
+them all. The command line around it is ``run.py``.
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ class _SessionBase:
         return client
 
     def async_anthropic_client(self, **kw: Any) -> Any:
-        """An ``anthropic.AsyncAnthropic`` client bound to this session (closed when an async session closes)."""
+        """An ``anthropic.AsyncAnthropic`` client bound to this session (closed when an async session
+        closes)."""
         import anthropic
 
         client = anthropic.AsyncAnthropic(base_url=self.anthropic_base_url, api_key=self.api_key, **kw)

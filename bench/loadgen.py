@@ -1,7 +1,7 @@
 """The benchmark's load generator: a closed loop of aiohttp clients in its own process.
 
-Run as a worker (``python bench/loadgen.py``): it reads one JSON command per line on stdin and answers one JSON
-result per line on stdout, so the orchestrator keeps one warm process for every run and the servers never
+Run as a worker (``python bench/loadgen.py``): it reads one JSON command per line on stdin and answers one
+JSON result per line on stdout, so the orchestrator keeps one warm process for every run and the servers never
 share its event loop. A command:
 
     {"url": ..., "body": "<request JSON>", "headers": {...}, "concurrency": 32,

@@ -1,5 +1,5 @@
-"""Weight swap by disk against weight swap by collective transfer (``weight_sync = "disk" | "collective"``), same
-run, same vLLM, same proxy.
+"""Weight swap by disk against weight swap by collective transfer (``weight_sync = "disk" | "collective"``),
+same run, same vLLM, same proxy.
 
     python bench/weight_sync.py [--model-dir DIR] [--rounds 3] [--threads 1]
 

@@ -1,11 +1,11 @@
 """Publishing full weights to vLLM by a collective transfer instead of a directory on disk.
 
 ``weight_sync = "collective"`` (LearnerConfig). The learner is rank 0 of a torch.distributed group made for
-this one transfer (no global default group): it hosts a TCPStore on a free port and asks the proxy to swap with
-``POST /admin/weights {"transfer": {...}}``. The proxy does what it does for a disk swap (hold new calls, drain,
-pause every replica) and then has each vLLM worker join the group through vLLM's weight-transfer routes (the
-``steptap`` engine: ``middleware/launch/vllm_plugin``), while this side broadcasts every tensor from rank 0.
-When the workers have loaded them the proxy resets the prefix cache, persists the version and resumes; the
+this one transfer (no global default group): it hosts a TCPStore on a free port and asks the proxy to swap
+with ``POST /admin/weights {"transfer": {...}}``. The proxy does what it does for a disk swap (hold new calls,
+drain, pause every replica) and then has each vLLM worker join the group through vLLM's weight-transfer routes
+(the ``steptap`` engine: ``middleware/launch/vllm_plugin``), while this side broadcasts every tensor from rank
+0. When the workers have loaded them the proxy resets the prefix cache, persists the version and resumes; the
 HTTP answer carries the new version. The backend is ``gloo`` for CPU tensors and ``nccl`` for CUDA ones: the
 same code path.
 
@@ -99,7 +99,8 @@ def send_collective(
         raise ValueError("the tensors must all be on CUDA or all on CPU")
     backend = "nccl" if cuda else "gloo"
     try:
-        return _send(weights, proxy_url, control_token, backend, version, address or _route_address(proxy_url),
+        return _send(weights, proxy_url, control_token, backend, version,
+                     address or _route_address(proxy_url),
                      timeout_s, swap_timeout_s, progress)
     except PublishError:
         raise

@@ -26,7 +26,7 @@ class InvalidRequest(DomainError):
     code = "invalid_request"
 
 
-# --- sessions -------------------------------------------------------------------------------------------------
+# --- sessions -----------------------------------------------------------------------------------------------
 class SessionNotFound(DomainError):
     code = "session_not_found"
 
@@ -75,7 +75,7 @@ class Overloaded(DomainError):
     code = "too_many_calls"
 
 
-# --- the backend ---------------------------------------------------------------------------------------------
+# --- the backend --------------------------------------------------------------------------------------------
 class ModelNotFound(DomainError):
     code = "model_not_found"
 
@@ -110,7 +110,7 @@ class SwapCut(DomainError):
     code = "swap_cut"
 
 
-# --- the weight swap (weights/) ------------------------------------------------------------------------------
+# --- the weight swap (weights/) -----------------------------------------------------------------------------
 class SwapError(DomainError):
     """A swap that failed on a replica: the old version keeps serving (its message says otherwise)."""
 
@@ -139,7 +139,7 @@ class SwapNotPersisted(SwapError):
     code = "log_error"
 
 
-# --- the log -------------------------------------------------------------------------------------------------
+# --- the log ------------------------------------------------------------------------------------------------
 class RecordTooLarge(DomainError):
     code = "record_too_large"
 

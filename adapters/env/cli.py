@@ -38,7 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )
     p.add_argument("--trust-dataset-code", action="store_true",
-                   help="let rows' agent_name import module:attr or file.py:attr (default: registered names only)")
+                   help="let rows' agent_name import module:attr or file.py:attr (default: registered names "
+                        "only)")
     p.add_argument("--model", help="model name to request (default: the one the proxy serves)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes at once")
     p.add_argument("--max-tokens", type=int, default=256)

@@ -33,7 +33,8 @@ PLATFORM = "cpu"
 
 class _CPUDeviceModule(types.ModuleType):
     """``torch.cpu`` plus the CUDA-style calls verl makes on its device module (memory statistics, RNG,
-    cache). Memory figures are 0 (the CPU has no device allocator to ask); RNG goes to torch's CPU generator."""
+    cache). Memory figures are 0 (the CPU has no device allocator to ask); RNG goes to torch's CPU
+    generator."""
 
     def __init__(self) -> None:
         super().__init__("steptap_cpu_device")
@@ -185,7 +186,8 @@ def register_fsdp2_for_cpu() -> None:
     registry = EngineRegistry._engines["language_model"]["fsdp2"]  # verl's documented registry table
     if registry.get(PLATFORM) is not FSDPEngineWithLMHead:
         registry.pop(PLATFORM, None)
-        EngineRegistry.register(model_type="language_model", backend="fsdp2", device=PLATFORM)(FSDPEngineWithLMHead)
+        EngineRegistry.register(model_type="language_model", backend="fsdp2",
+                                device=PLATFORM)(FSDPEngineWithLMHead)
 
 
 def init_gloo() -> None:

@@ -3,7 +3,8 @@
 Only a prefix of sealed segments is ever deleted, locally and remotely: the segments wholly before
 ``min_cursor`` (every consumer has acknowledged them) and before the segment holding the ``SessionOpened`` of
 the oldest session still open (so a restart can still rebuild every open session), before the first step any
-unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The
+latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Compaction:
         if self._last_version is not None and self._last_version[0] in victims:
             await self.append(self._last_version[1])  # carry the current policy version forward
             victims = [s for s in self._retained()[:-1] if s < cut]
-        await asyncio.gather(*list(self._uploads), return_exceptions=True)  # never delete before it is uploaded
+        # Never delete before it is uploaded
+        await asyncio.gather(*list(self._uploads), return_exceptions=True)
         with self._lock:
             for segno in victims:
                 self._valid_end.pop(segno, None)

@@ -37,7 +37,8 @@ class Skipped(NamedTuple):
 
 
 class Found(NamedTuple):
-    """A finished trajectory as logged: its record and the Step records it refers to (``step_refs``), undecoded."""
+    """A finished trajectory as logged: its record and the Step records it refers to (``step_refs``),
+    undecoded."""
 
     payload: bytes
     steps: list[bytes]
@@ -142,7 +143,8 @@ class Reader:
 
     def _undecodable(self, cursor: str, exc: Exception) -> None:
         self.stats.undecodable_records += 1
-        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir, cursor, exc)
+        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir,
+                     cursor, exc)
 
     def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
         segno, offset = self._start_position(cursor)
@@ -170,7 +172,8 @@ class Reader:
         current = format_cursor(segno, offset)
         while True:
             changed = self._changed
-            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
+            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset,
+                                                              raw)
             for cur, traj in batch:
                 current = cur
                 if traj is not None:
@@ -184,7 +187,8 @@ class Reader:
             except TimeoutError:
                 yield current, None
 
-    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
+    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int,
+                                                                              int]:
         """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
         records so the position still advances."""
         while True:
@@ -205,7 +209,8 @@ class Reader:
                     try:
                         found = Found(payload, [self._payload_at(ref.at) for ref in peek.step_refs])
                         out.append((cursor, found if raw else resolve_found(found)))
-                    except (ValueError, msgspec.DecodeError) as exc:  # DeltaError and ValidationError included
+                    # DeltaError and ValidationError included
+                    except (ValueError, msgspec.DecodeError) as exc:
                         self._undecodable(cursor, exc)
                         out.append((cursor, Skipped(str(exc))))
                 if not out:
@@ -246,7 +251,8 @@ class Reader:
 
 
 def resolve_found(found: Found) -> Trajectory:
-    """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``, ``DeltaError``)."""
+    """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``,
+    ``DeltaError``)."""
     traj = log_decoder.decode(found.payload)
     if not isinstance(traj, Trajectory):
         raise msgspec.ValidationError("not a trajectory record")

@@ -109,7 +109,8 @@ class Recovery:
         rebuild the open-session index, and open the active segment for appending."""
         if not readonly:
             files.makedirs(self.dir)
-            # One writer per directory: an exclusive lock the kernel drops when the process dies (even SIGKILL).
+            # One writer per directory: an exclusive lock the kernel drops when the process dies (even
+            # SIGKILL).
             self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, files.FILE_MODE)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -166,8 +167,9 @@ class Recovery:
             files.fsync_path(self.dir)
             return
         torn = data[good_end:]
-        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted out
-        # of order on power loss): none of them was acknowledged, since the sync covering them never returned.
+        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted
+        # out of order on power loss): none of them was acknowledged, since the sync covering them never
+        # returned.
         later, _ = scan_frames(data, good_end + 1) if len(torn) > FRAME.size else ([], 0)
         aside = path.with_name(f"{path.name}.torn-{good_end}")
         files.atomic_write(aside, torn)
@@ -189,7 +191,8 @@ class Recovery:
         try:
             peek = peek_decoder.decode(payload)
         except msgspec.DecodeError:
-            return  # an unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
+            # An unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
+            return
         if isinstance(peek, PeekOpened):
             self._open_sessions.setdefault(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":

@@ -1,12 +1,12 @@
 """A Responses request body as a chat body: every top-level field, input item and tool is either served,
 dropped with a note, or refused with a 400 naming it.
 
-What the model cannot see as a Responses tool is flattened into a chat function: a ``namespace`` tool's children
-become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function of one string argument
-``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the agent
-expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools (``web_search``, ...)
-need a server that runs them: they are dropped from what the model sees and noted. The notes
-(``Translation.notes``) are recorded on the step (``Step.response["dropped"]``) and counted in /metrics
+What the model cannot see as a Responses tool is flattened into a chat function: a ``namespace`` tool's
+children become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function of one string
+argument ``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the
+agent expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools
+(``web_search``, ...) need a server that runs them: they are dropped from what the model sees and noted. The
+notes (``Translation.notes``) are recorded on the step (``Step.response["dropped"]``) and counted in /metrics
 (``steptap_protocol_dropped_total``), so a capture never silently differs from what the agent asked for.
 """
 
@@ -67,10 +67,11 @@ class Translation:
         if len(self.notes) < MAX_NOTES:
             self.notes.append({"field": field, "label": label, "reason": reason})
         elif len(self.notes) == MAX_NOTES:
-            self.notes.append({"field": "...", "label": "other", "reason": "more fields dropped (not listed)"})
+            self.notes.append({"field": "...", "label": "other",
+                               "reason": "more fields dropped (not listed)"})
 
 
-# --- input items ------------------------------------------------------------------------------------------------
+# --- input items --------------------------------------------------------------------------------------------
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -135,7 +136,8 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
                 if not isinstance(namespace, str):
                     raise _bad("a function_call's 'namespace' must be a string", where)
                 name = f"{namespace}{NAMESPACE_SEP}{name}"
-            _join_call(out, {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            _join_call(out, {"id": call_id, "type": "function",
+                             "function": {"name": name, "arguments": args}})
         elif kind == "custom_tool_call":
             name, text, call_id = _strings(item, where, "name", "input", "call_id")
             _join_call(out, {"id": call_id, "type": "function",
@@ -154,11 +156,13 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             # The chat route takes no reasoning items back (templates drop earlier reasoning): skipped. Its
-            # encrypted_content, when the proxy made it, names the step it came from (responses.reasoning_handle).
+            # encrypted_content, when the proxy made it, names the step it came from
+            # (responses.reasoning_handle).
             enc = item.get("encrypted_content")
             if enc is not None and not isinstance(enc, str):
                 raise _bad("a reasoning item's 'encrypted_content' must be a string or null", where)
-        elif kind in ("web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call"):
+        elif kind in ("web_search_call", "file_search_call", "image_generation_call",
+                      "code_interpreter_call"):
             if tr is not None:  # a hosted tool's result from another server: nothing the model can be shown
                 tr.note(where, f"input:{kind}", f"{kind} items are dropped (hosted tools are not served)")
         else:
@@ -166,7 +170,7 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
     return out
 
 
-# --- tools ------------------------------------------------------------------------------------------------------
+# --- tools --------------------------------------------------------------------------------------------------
 
 
 def _function(tool: dict[str, Any], name: str, where: str) -> dict[str, Any]:
@@ -187,7 +191,8 @@ def _custom(tool: dict[str, Any], where: str, tr: Translation) -> dict[str, Any]
     fmt = tool.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         # vLLM constrains a whole reply, not one argument of a tool call: the model is shown the grammar
-        description += (f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt.get('definition', '')}")
+        description += (f"\n\nThe input follows this {fmt.get('syntax', '')} "
+                        f"grammar:\n{fmt.get('definition', '')}")
         tr.note(f"{where}.format", "tools:custom_grammar",
                 "a custom tool's grammar is shown to the model in the description, not enforced")
     tr.custom.add(name)
@@ -225,13 +230,15 @@ def tools_of(tools: Any, tr: Translation) -> list[dict[str, Any]]:
         elif isinstance(kind, str) and kind:
             label = kind if kind in HOSTED_TOOLS else "other"
             tr.note(where, f"tools:{label}",
-                    f"hosted tool {kind!r} dropped: the backend cannot run it, so the model is not offered it")
+                    f"hosted tool {kind!r} dropped: the backend cannot run it, so the model is not "
+                    "offered it")
         else:
             raise _bad("a tool needs a string 'type'", where)
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise _bad(f"two tools are named {dup!r} (namespace children are named '<namespace>.<name>')", "tools")
+        raise _bad(f"two tools are named {dup!r} (namespace children are named '<namespace>.<name>')",
+                   "tools")
     return out
 
 
@@ -247,7 +254,7 @@ def _tool_choice(choice: Any) -> Any:
     raise _bad("'tool_choice' must be auto, none, required, a function or a custom tool", "tool_choice")
 
 
-# --- the body ---------------------------------------------------------------------------------------------------
+# --- the body -----------------------------------------------------------------------------------------------
 
 
 def _fields(body: dict[str, Any], tr: Translation) -> None:
@@ -288,7 +295,8 @@ def _fields(body: dict[str, Any], tr: Translation) -> None:
             tr.note("reasoning.effort", "reasoning", f"reasoning effort {effort!r} is not served (dropped)")
         if reasoning.get("summary") is not None:
             tr.note("reasoning.summary", "reasoning",
-                    "reasoning summaries are not made: the reasoning item carries the model's own reasoning text")
+                    "reasoning summaries are not made: the reasoning item carries the model's own reasoning "
+                    "text")
 
 
 def translate(body: dict[str, Any], history: list[dict[str, Any]]) -> Translation:

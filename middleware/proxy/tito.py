@@ -1,9 +1,9 @@
 """Token-in-token-out (TITO) mode: a multi-turn trajectory as one exact token sequence.
 
 In normal mode every turn is rendered again from the messages, and the template may render the model's own
-earlier reply as other tokens than it sampled (re-serialized tool-call JSON, dropped reasoning), which breaks the
-sequence. In TITO mode, when a turn's messages extend the previous turn's (its messages + the assistant reply as
-returned + new messages), the prompt is built from tokens:
+earlier reply as other tokens than it sampled (re-serialized tool-call JSON, dropped reasoning), which breaks
+the sequence. In TITO mode, when a turn's messages extend the previous turn's (its messages + the assistant
+reply as returned + new messages), the prompt is built from tokens:
 
     previous prompt ids + previous response ids + template tail after the turn's end token + new messages' ids
 
@@ -89,7 +89,8 @@ def next_state(chat: dict[str, Any], step: Step) -> State | None:
     messages = chat.get("messages")
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
-    ended = step.finish_reason in ("stop", "tool_calls")  # what token ended it is checked against the template
+    # What token ended it is checked against the template
+    ended = step.finish_reason in ("stop", "tool_calls")
     return State([_norm(m) for m in messages] + [_norm(step.response)], _tools_key(chat),
                  list(step.prompt_token_ids), list(step.response_token_ids), ended)
 
@@ -220,9 +221,11 @@ class Turn:
                     for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
                         choice["token_ids"] = g.get("token_ids")
                         if g.get("logprobs") and g["logprobs"].get("content") is not None:
-                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"),
+                                                                g["logprobs"]["content"])
                     if not chunk.get("choices") and gen["choices"]:
-                        chunk["choices"] = [{"index": g["index"], "delta": {}, "token_ids": g.get("token_ids"),
+                        chunk["choices"] = [{"index": g["index"], "delta": {},
+                                             "token_ids": g.get("token_ids"),
                                              "logprobs": _chat_logprobs(None, (g.get("logprobs") or {}).get(
                                                  "content") or []), "finish_reason": g.get("finish_reason")}
                                             for g in gen["choices"]]

@@ -1,5 +1,5 @@
-"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s, their
-ids, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
+"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s,
+their ids, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
 
 from __future__ import annotations
 

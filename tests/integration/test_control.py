@@ -42,7 +42,8 @@ async def open_session(http: aiohttp.ClientSession, proxy: Proxy, **body: Any) -
 async def model_calls(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, info: dict[str, Any], n: int
 ) -> None:
-    """``n`` turns in the session ``info`` (from POST /sessions): its URL and its key, as an agent holds them."""
+    """``n`` turns in the session ``info`` (from POST /sessions): its URL and its key, as an agent holds
+    them."""
     sid = info["id"]
     messages: list[dict[str, Any]] = []
     for i in range(n):

@@ -240,7 +240,8 @@ async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_e
     # `steptap eval` at two policy versions: before training and after the second swap.
     expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
     assert first["by_version"] == {"0": expected} and second["by_version"] == {"2": expected}
-    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5), (2, 0.5)]
+    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5),
+                                                                                               (2, 0.5)]
     evals = [t for t in recorded if t.mode == "eval"]
     assert len(evals) == 8 and sorted(t.steps[-1].policy_version for t in evals) == [0] * 4 + [2] * 4
 

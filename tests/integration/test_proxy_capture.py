@@ -103,7 +103,8 @@ def trajectory(proxy: Proxy, sid: str) -> Any:
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     sid = manager.canonical_id(sid)  # a path id alone opens an auto-created session, auto:<id>
     session = manager.sessions.get(sid)
-    return full_trajectory(session.trajectory if session is not None else manager.recent[sid])  # held as deltas
+    # Held as deltas
+    return full_trajectory(session.trajectory if session is not None else manager.recent[sid])
 
 
 async def test_plain_and_streamed_equal_direct_and_record_the_same_ids(

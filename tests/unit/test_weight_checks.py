@@ -1,5 +1,5 @@
-"""``ties_embeddings``: the one answer to "does this model tie its output layer to its embeddings", used by the
-weight swap's refusal and by ``steptap vllm``/``up`` (they disagreed on a config without the flag)."""
+"""``ties_embeddings``: the one answer to "does this model tie its output layer to its embeddings", used by
+the weight swap's refusal and by ``steptap vllm``/``up`` (they disagreed on a config without the flag)."""
 
 from __future__ import annotations
 
