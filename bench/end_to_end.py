@@ -149,16 +149,17 @@ def summarize(pairs: list[dict[str, Any]], turns: int) -> dict[str, Any]:
 
     def added_call_ms(base: str) -> float:
         return med([1000.0 * (s - d) for p in pairs for s,
-                    d in zip(p["steptap"]["call_s"], p[base]["call_s"])])
+                    d in zip(p["steptap"]["call_s"], p[base]["call_s"], strict=False)])
 
     return {
         "rounds": len(pairs),
         "calls_per_episode": turns,
         **{f"{k}_wall_s": med(wall[k]) for k in PATHS},
-        "ratio_wall": med([s / d for s, d in zip(wall["steptap"], wall["direct"])]),
-        "ratio_wall_lp": med([s / d for s, d in zip(wall["steptap"], wall["direct_lp"])]),
-        "ratio_lp_direct": med([s / d for s, d in zip(wall["direct_lp"], wall["direct"])]),
-        "added_wall_ms": med([1000.0 * (s - d) for s, d in zip(wall["steptap"], wall["direct"])]),
+        "ratio_wall": med([s / d for s, d in zip(wall["steptap"], wall["direct"], strict=False)]),
+        "ratio_wall_lp": med([s / d for s, d in zip(wall["steptap"], wall["direct_lp"], strict=False)]),
+        "ratio_lp_direct": med([s / d for s, d in zip(wall["direct_lp"], wall["direct"], strict=False)]),
+        "added_wall_ms": med([1000.0 * (s - d) for s, d in zip(wall["steptap"], wall["direct"],
+                                                               strict=False)]),
         "direct_call_ms": 1000.0 * med([x for p in pairs for x in p["direct"]["call_s"]]),
         "added_call_ms": added_call_ms("direct"),
         "added_call_ms_over_lp": added_call_ms("direct_lp"),

@@ -151,12 +151,13 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = last[0] - start
-        cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0)]
+        cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0, strict=False)]
 
     per_target = {n: t.result(warm_errors[n]) for n, t in tallies.items()}
     out: dict[str, Any] = {
         "elapsed_s": elapsed,
-        "cpu_s": dict(zip(map(str, watch), cpu)),  # CPU (user+system, all threads) each watched pid used
+        # CPU (user+system, all threads) each watched pid used
+        "cpu_s": dict(zip(map(str, watch), cpu, strict=False)),
         "targets": per_target,
     }
     if len(targets) == 1:

@@ -427,7 +427,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=2.0, help="timed length of one run (bound)")
     p.add_argument("--requests", type=int, default=20000, help="calls in one run (bound)")
     p.add_argument("--warmup", type=int, default=64, help="untimed calls before each run")
-    ints = lambda s: [int(x) for x in s.split(",") if x]
+
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",") if x]
+
     p.add_argument("--concurrency", type=ints, default=[1, 32, 256])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "stream"])
     p.add_argument(

@@ -146,7 +146,7 @@ def same_agent_stream(seen: bytes, recorded: bytes) -> str | None:
     want = [v for v in map(agent_view, sse_data(recorded)) if _vllm_would_send(v)]
     if len(got) != len(want):
         return f"{len(got)} events, expected {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
         if g != w:
             return f"event {i}: {_diff(g, w)}"
     return None

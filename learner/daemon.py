@@ -257,7 +257,7 @@ class Learner:
 
         with ThreadPoolExecutor(len(self.sources)) as pool:
             errors = list(pool.map(swap, [s.url for s in self.sources]))
-        for src, err in zip(self.sources, errors):
+        for src, err in zip(self.sources, errors, strict=False):
             if err is not None:
                 self.metrics.note(f"[red]publish failed[/red] on {src.url}: {err}")
         if any(e is None for e in errors):

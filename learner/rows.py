@@ -185,7 +185,7 @@ def build_batch(
         # (sample, step position): where a dropped step's reward goes
         last_kept: tuple[Sample, int] | None = None
         trained_any = False
-        for pos, (step, ret) in enumerate(zip(steps, rets)):
+        for pos, (step, ret) in enumerate(zip(steps, rets, strict=False)):
             c["steps"] += 1
             versions = step.token_versions()
             lag = version - max(versions, default=step.policy_version)  # the freshest token's

@@ -114,7 +114,8 @@ def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
         return full_trajectory(traj)
     if len(logged) != len(traj.step_refs):
         raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} steps, {len(logged)} given")
-    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s, ref in zip(logged, traj.step_refs)]
+    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s,
+                    ref in zip(logged, traj.step_refs, strict=True)]
     return _replace(traj, steps=full_steps(with_rewards), step_refs=[])
 
 

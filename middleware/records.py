@@ -8,7 +8,7 @@ here and reused everywhere.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -199,7 +199,7 @@ class PolicyVersion(Record, tag="policy_version"):
 # A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to
 # its logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens
 # only.
-LogRecord = Union[Step, Trajectory, SessionOpened, RewardAdded, PolicyVersion]
+LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

@@ -177,7 +177,7 @@ class TorchEngine:
                     adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
                 temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k)):
+            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k), strict=False):
                 getattr(out, name).append(t)
         return out
 
@@ -185,7 +185,7 @@ class TorchEngine:
     def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
         """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness
         weight)."""
-        for seq, adv in zip(batch.sequences, lay.adv):
+        for seq, adv in zip(batch.sequences, lay.adv, strict=False):
             for i in seq.samples:
                 s = batch.samples[i]
                 adv[s.offset - 1 : s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(
@@ -379,7 +379,7 @@ class TorchEngine:
         logps = torch.gather(F.log_softmax(logits, -1), -1, resp.unsqueeze(-1)).squeeze(-1)
         eos = self.tokenizer.eos_token_id
         results = []
-        for r, lp in zip(resp.tolist(), logps.tolist()):
+        for r, lp in zip(resp.tolist(), logps.tolist(), strict=False):
             cut = r.index(eos) + 1 if eos in r else len(r)
             results.append((r[:cut], lp[:cut]))
         return results

@@ -244,7 +244,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self.stats.last_batch_records = len(positions)
         self.stats.records += len(positions)
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
-        for (data, record, fut), (segno, offset) in zip(batch, positions):
+        # positions: the committed prefix of the batch
+        for (data, record, fut), (segno, offset) in zip(batch, positions, strict=False):
             self._track(record, segno, offset)
             if not fut.done():  # the caller may have gone away; the record is durable all the same
                 fut.set_result((format_cursor(segno, offset - len(data)), format_cursor(segno, offset)))

@@ -141,7 +141,7 @@ def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | Non
         starts = _starts(data, _LOGPROBS, len(present))  # in body order, as the choices are
         if starts is None:
             return None
-        for start, raw in zip(starts, present):
+        for start, raw in zip(starts, present, strict=True):
             value = bytes(raw)
             if not data.startswith(value, start):
                 return None

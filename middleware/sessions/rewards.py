@@ -79,7 +79,7 @@ def apply_result(trajectory: Trajectory, result: Any) -> None:
         values = [finite(v) for v in result]
         if len(values) != len(trajectory.steps):
             raise ValueError(f"{len(values)} per-step rewards for {len(trajectory.steps)} steps")
-        for step, value in zip(trajectory.steps, values):
+        for step, value in zip(trajectory.steps, values, strict=True):
             step.rewards[CALLBACK_NAME] = value
     else:
         trajectory.rewards[CALLBACK_NAME] = finite(result)

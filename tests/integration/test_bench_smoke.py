@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
-import recorded
-from overhead_report import verdicts
+import recorded  # noqa: E402 - from bench/, put on sys.path above
+from overhead_report import verdicts  # noqa: E402
 
 
 def test_fixture_is_a_real_32_token_reply_with_ids_and_logprobs():

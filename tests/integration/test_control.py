@@ -299,7 +299,7 @@ async def test_groups_complete_when_full_or_timed_out(
     proxy = await make_proxy(vllm_server.url, group_timeout_s=0.5)
     members = [await open_session(http, proxy, group_id="g", group_size=3) for _ in range(3)]
     lonely = await open_session(http, proxy, group_id="h", group_size=4)
-    for m, status in zip(members, ("finished", "aborted", "finished")):
+    for m, status in zip(members, ("finished", "aborted", "finished"), strict=False):
         got, _ = await req(http, "GET", f"{proxy.url}/groups/g", None, proxy.control)
         got, _ = await req(
             http, "POST", f"{proxy.url}/sessions/{m['id']}/finish", {"status": status}, proxy.control

@@ -94,7 +94,7 @@ async def test_sigkill_of_a_log_writer_loses_nothing_acknowledged(tmp_path: Path
             assert all(logged[t].steps[0].prompt_token_ids == list(range(200)) for t in acked)
             # Cursors handed out are real positions: following from one gives what came after it.
             some = sorted(acked, key=lambda t: tuple(map(int, acked[t].split(":"))))[len(acked) // 2]
-            async for cur, traj in log.follow(acked[some], until_idle=0):
+            async for cur, _traj in log.follow(acked[some], until_idle=0):
                 assert tuple(map(int, cur.split(":"))) > tuple(map(int, acked[some].split(":")))
                 break
         finally:

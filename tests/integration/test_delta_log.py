@@ -56,7 +56,7 @@ async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backe
     assert (
         steps[-1].prompt_token_ids == steps[-1].request["prompt"] == prompt[: len(steps[-1].prompt_token_ids)]
     )
-    for prev, step in zip(steps, steps[1:]):
+    for prev, step in zip(steps, steps[1:], strict=False):
         n = len(prev.prompt_token_ids) + len(prev.response_token_ids)
         assert step.prompt_token_ids[:n] == prev.prompt_token_ids + prev.response_token_ids
     full = sum(len(msgpack_encoder.encode(s)) for s in steps)

@@ -28,9 +28,9 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED = str(ROOT / "examples/calculator_env/scripted.py") + ":make_env"
 sys.path.insert(0, str(ROOT / "examples/calculator_env"))
-from make_data import make_rows
+from make_data import make_rows  # noqa: E402 - from examples/calculator_env, put on sys.path above
 
-from steptap.adapters.env import write_rows
+from steptap.adapters.env import write_rows  # noqa: E402
 
 
 def _dataset(tmp_path: Path, n: int, **kw: object) -> Path:
@@ -152,7 +152,7 @@ def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
     for source in (table.to_pylist(), list(hf)):
         rows = sorted((r for r in source if r["trajectory_id"] == ours.id), key=lambda r: r["step_index"])
         assert len(rows) == len(ours.steps) == 2
-        for row, step in zip(rows, ours.steps):
+        for row, step in zip(rows, ours.steps, strict=False):
             assert row["prompt_token_ids"] == step.prompt_token_ids
             assert row["response_token_ids"] == step.response_token_ids
             assert row["response_logprobs"] == step.response_logprobs

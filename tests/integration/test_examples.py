@@ -168,7 +168,7 @@ def test_arithmetic_tools_scripted_round_trip(stack: Stack) -> None:
     assert len(rows) == 2 and all(r["reward"] == 1.0 for r in rows)
     trajs = [stack.trajectory(r["session"]) for r in rows]
     assert {t.group_id for t in trajs} == {rows[0]["group"]} and all(t.group_size == 2 for t in trajs)
-    for traj, row in zip(trajs, rows):
+    for traj, row in zip(trajs, rows, strict=False):
         assert traj.metadata["task"] == "arithmetic_tools" and traj.metadata["question"] == row["question"]
         assert traj.rewards == {"reward": 1.0}
         _check_tool_run(traj, row["question"])
@@ -217,7 +217,7 @@ def test_guess_number_has_a_reward_on_every_step(stack: Stack) -> None:
     assert all(0 < r < 1 for r in row["step_rewards"][:-1])  # binary search: every wrong guess informative
     assert traj.rewards == {"solved": 1.0}
     # Each turn's prompt continues the conversation: the previous reply is in it.
-    for prev, step in zip(traj.steps, traj.steps[1:]):
+    for prev, step in zip(traj.steps, traj.steps[1:], strict=False):
         assert any(m.get("content") == prev.response.get("content") for m in step.request["messages"])
 
 

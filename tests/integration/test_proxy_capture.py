@@ -175,7 +175,7 @@ async def test_logprobs_match_the_reference_model_and_ids_decode_to_the_text(
     await post_stream(http, f"{proxy.url}/s/ref/v1/chat/completions", body)
     tok = AutoTokenizer.from_pretrained(str(vllm_server.model_dir))
     texts = [reply["choices"][0]["message"]["content"], None]
-    for step, text in zip(trajectory(proxy, "ref").steps, texts):
+    for step, text in zip(trajectory(proxy, "ref").steps, texts, strict=False):
         ref = reference_logprobs(vllm_server.model_dir, step.prompt_token_ids, step.response_token_ids)
         # float32 on both sides; measured agreement is ~1e-6, 1e-4 leaves room for kernel differences
         assert step.response_logprobs == pytest.approx(ref, abs=1e-4)
@@ -250,7 +250,7 @@ async def test_n_choices_give_one_step_each(
     steps = trajectory(proxy, "many").steps
     assert [s.index for s in steps] == list(range(6))
     assert [s.choice for s in steps] == [0, 1, 2, 0, 1, 2]
-    for step, choice in zip(steps[:3], reply["choices"]):
+    for step, choice in zip(steps[:3], reply["choices"], strict=False):
         assert step.response["content"] == choice["message"]["content"]
         assert len(step.response_token_ids) == len(step.response_logprobs) == 6
     assert steps[0].prompt_token_ids == steps[3].prompt_token_ids

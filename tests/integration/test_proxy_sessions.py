@@ -77,7 +77,7 @@ async def test_openai_client_three_turns_and_an_edited_history(
     ]
     assert traj["group_id"] == "g1" and traj["metadata"] == {"task": "chat"} and traj["status"] == "running"
     assert steps[0]["prefix"] == "first"
-    for prev, step in zip(steps, steps[1:]):
+    for prev, step in zip(steps, steps[1:], strict=False):
         # extends exactly when the ids continue token for token; otherwise the same messages re-rendered
         continues = step["prompt_token_ids"][
             : len(prev["prompt_token_ids"]) + len(prev["response_token_ids"])

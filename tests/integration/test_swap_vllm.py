@@ -175,7 +175,7 @@ def newest(out_dir: Path) -> Path:
 
 def gap(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a
-    return max(abs(x - y) for x, y in zip(a, b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=False))
 
 
 async def publish(client: TestClient, model: Any, out_dir: Path, **kw: Any) -> int:

@@ -131,7 +131,7 @@ def test_long_streams_accumulate_in_place() -> None:
         acc.feed(chunk(0, {"content": "x"}, [i], [-0.5]))
     assert acc.choices[0] is first
     assert (first.token_ids, first.logprobs, first.content) == held
-    assert all(a is b for a, b in zip((first.token_ids, first.logprobs, first.content), held))
+    assert all(a is b for a, b in zip((first.token_ids, first.logprobs, first.content), held, strict=False))
     (step,) = steps_from_reply(acc.reply(), CHAT, request={"messages": []})
     assert step.response_token_ids == list(range(n)) and len(step.response_logprobs) == n
 

@@ -47,7 +47,7 @@ async def test_a_reward_racing_finish_is_in_the_trajectory_or_refused(
     proxy = await control_proxy()
     rounds, rewards = 6, 40
     answered: dict[str, set[str]] = {}
-    for r in range(rounds):
+    for _r in range(rounds):
         status, info = await post(http, proxy, "/sessions", {})
         assert status == 201
         sid = info["id"]

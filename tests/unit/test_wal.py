@@ -522,7 +522,8 @@ async def test_an_intact_frame_above_the_readers_limit_is_never_cut(
     log = await TrajectoryLog.open(str(tmp_path))
     assert log.stats.torn_records == 0 and not list(tmp_path.glob("*.torn-*"))
     assert [r.id for r in log.records()] == ["t0", "big", "t1"]
-    assert [(c, t.id) async for c, t in log.follow(until_idle=0)] == list(zip(cursors, ["t0", "big", "t1"]))
+    assert [(c, t.id) async for c, t in log.follow(until_idle=0)] == list(zip(cursors, ["t0", "big", "t1"],
+                                                                              strict=False))
     log.check_cursor(cursors[0])  # the cursor before the large frame still names a record
     await log.close()
 

@@ -50,7 +50,7 @@ class SealedStore(dist.Store):
 
     def seal(self, key: str, value: bytes) -> bytes:
         nonce = os.urandom(NONCE)
-        body = bytes(a ^ b for a, b in zip(value, self._stream(nonce, len(value))))
+        body = bytes(a ^ b for a, b in zip(value, self._stream(nonce, len(value)), strict=True))
         return nonce + body + self._tag(self._name(key), nonce, body)
 
     def open(self, key: str, sealed: bytes) -> bytes:
@@ -59,7 +59,7 @@ class SealedStore(dist.Store):
         nonce, body, tag = sealed[:NONCE], sealed[NONCE:-TAG], sealed[-TAG:]
         if not hmac.compare_digest(tag, self._tag(self._name(key), nonce, body)):
             raise SealedStoreError(f"transfer store: a value for {key!r} not written by this transfer")
-        return bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body))))
+        return bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body)), strict=True))
 
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)

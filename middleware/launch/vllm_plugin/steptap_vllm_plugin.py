@@ -127,7 +127,8 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
         device = torch.device("cpu") if self.backend == "gloo" else self.device
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes,
+                                           strict=True):
             buf = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
             self.group.broadcast([buf], opts).wait()
             self.model.load_weights([(name, buf.to(self.device))])
