@@ -9,7 +9,7 @@ import asyncio
 import bisect
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -26,6 +26,15 @@ from steptap.middleware.log.segments import (
     seg_name,
 )
 from steptap.middleware.records import LogRecord, Trajectory, log_decoder, step_msgpack_decoder
+
+if TYPE_CHECKING:
+    import threading
+    from array import array
+    from collections.abc import Awaitable, Callable
+    from pathlib import Path
+
+    from steptap.middleware.log.wal import LogStats
+
 
 logger = logging.getLogger("steptap.wal")
 
@@ -46,6 +55,18 @@ class Found(NamedTuple):
 
 class Reader:
     """Mixin of ``TrajectoryLog``: everything that reads committed records."""
+
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _changed: asyncio.Event
+    _closed: bool
+    _lock: threading.Lock
+    _segno: int
+    _size: int
+    _traj_ends: array[int]
+    _valid_end: dict[int, int]
+    aclose: Callable[[], Awaitable[None]]
+    dir: Path
+    stats: LogStats
 
     # ---- reading -----------------------------------------------------------------------------------------
 
@@ -253,6 +274,7 @@ class Reader:
 def resolve_found(found: Found) -> Trajectory:
     """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``,
     ``DeltaError``)."""
+
     traj = log_decoder.decode(found.payload)
     if not isinstance(traj, Trajectory):
         raise msgspec.ValidationError("not a trajectory record")

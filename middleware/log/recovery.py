@@ -15,7 +15,7 @@ import fcntl
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -32,6 +32,13 @@ from steptap.middleware.log.segments import (
     seg_name,
 )
 from steptap.middleware.records import log_decoder
+
+if TYPE_CHECKING:
+    from array import array
+    from collections.abc import Callable
+
+    from steptap.middleware.records import PolicyVersion
+
 
 logger = logging.getLogger("steptap.wal")
 
@@ -99,6 +106,14 @@ def known_kind(payload: bytes | memoryview) -> str | None:
 
 class Recovery:
     """Mixin of ``TrajectoryLog``: the start-up scan (runs in the log's I/O thread)."""
+
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _download_remote: Callable[[], list[int]]
+    _open_sessions: dict[str, int]
+    _traj_ends: array[int]
+    _traj_firsts: array[int]
+    _valid_end: dict[int, int]
+    _last_version: tuple[int, PolicyVersion] | None
 
     dir: Path
     stats: Any
