@@ -81,7 +81,8 @@ class LogReader:
 
         def read(segno: int) -> bytes:
             with fs.open(f"{path}/{seg_name(segno)}", "rb") as f:
-                return f.read()
+                data: bytes = f.read()  # fsspec is untyped: a file opened "rb" reads bytes
+                return data
 
         return _segnos(names), read
 

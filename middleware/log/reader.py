@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -182,7 +182,7 @@ class Reader:
 
     async def tail(
         self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
-    ) -> AsyncIterator[tuple[str, Any]]:
+    ) -> AsyncGenerator[tuple[str, Any], None]:
         """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
         trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
         trajectory as logged, a ``Found`` of undecoded msgpack (the msgpack stream passes it through), else

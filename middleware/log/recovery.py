@@ -31,13 +31,11 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.records import log_decoder
+from steptap.middleware.records import PolicyVersion, log_decoder
 
 if TYPE_CHECKING:
     from array import array
     from collections.abc import Callable
-
-    from steptap.middleware.records import PolicyVersion
 
 
 logger = logging.getLogger("steptap.wal")
@@ -216,7 +214,9 @@ class Recovery:
             self._traj_firsts.append(first_segment(peek.step_refs, segno))
         elif isinstance(peek, PeekVersion):
             try:
-                self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
+                record = log_decoder.decode(payload)
             except msgspec.DecodeError:
-                pass  # skipped (and counted) by records(), like any undecodable record
+                return  # skipped (and counted) by records(), like any undecodable record
+            if isinstance(record, PolicyVersion):  # the peek said so
+                self._last_version = (segno, record)
 

@@ -50,7 +50,12 @@ class Remote:
         self._uploading.add(segno)
         task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
         self._uploads.add(task)
-        task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._uploads.discard(t)
+            self._uploading.discard(segno)
+
+        task.add_done_callback(done)
 
     def _start_active_uploads(self, interval_s: float) -> None:
         self._active_uploader = asyncio.create_task(

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -166,9 +166,10 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     state = request.app[STREAM_STATE_KEY]
     q = request.query
     consumer = _consumer(q.get("consumer"), required=False)
-    fmt: Format = q.get("format", "ndjson")  # type: ignore[assignment]
-    if fmt not in FORMATS:
+    asked = q.get("format", "ndjson")
+    if asked not in FORMATS:
         raise bad_request("'format' must be 'ndjson' or 'msgpack'", "invalid_format")
+    fmt = cast(Format, asked)  # one of FORMATS, checked just above (mypy does not narrow `in` to a Literal)
     follow = _flag(q.get("follow"), True)
     try:
         heartbeat = float(q.get("heartbeat", state.heartbeat_s))

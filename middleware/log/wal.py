@@ -36,9 +36,9 @@ from typing import Any
 import msgspec
 
 from steptap.middleware import files
-from steptap.middleware.exceptions import RecordTooLarge
+from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
-from steptap.middleware.log.degraded import Degraded, LogUnavailable  # noqa: F401 (re-exported)
+from steptap.middleware.log.degraded import Degraded
 from steptap.middleware.log.reader import Reader
 from steptap.middleware.log.recovery import LogInUseError, Recovery, first_segment
 from steptap.middleware.log.remote import Remote
