@@ -8,9 +8,9 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
@@ -33,7 +33,7 @@ from steptap.middleware.weights.swapper import WeightSwapper
 logger = logging.getLogger("steptap.proxy")
 
 TASKS_KEY = web.AppKey("steptap_tasks", set)  # background tasks; shutdown drains them
-REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, or None
+REWARD_KEY: web.AppKey[RewardFn | None] = web.AppKey("steptap_reward_fn")  # the --reward callback, or None
 
 
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
@@ -140,7 +140,7 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 @web.middleware
-async def _count_calls(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _count_calls(request: web.Request, handler: Handler) -> web.StreamResponse:
     status = 500
     try:
         response = await handler(request)

@@ -4,19 +4,17 @@ body with its status, so the domain reads as plain Python and the routes stay th
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 
 class DomainError(Exception):
     """Base of every error a request can end in. ``code`` is the machine-readable code agents see."""
 
-    code: ClassVar[str] = "error"
+    code: str = "error"  # each class's own; an instance may carry a finer one
 
     def __init__(self, message: str, code: str | None = None, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:  # a finer code than the class's (the status stays the class's: errors._STATUS)
-            self.code = code  # type: ignore[misc]
+            self.code = code
         self.retry_after_s = retry_after_s  # set on errors worth retrying (overload): sent as Retry-After
 
 

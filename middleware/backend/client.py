@@ -140,7 +140,7 @@ class BackendClient:
     async def route(self, model: str | None) -> str:
         """The served model for a requested name: itself, or (``--any-model``) the backend's first model."""
         if model in self.served:
-            return model  # type: ignore[return-value]
+            return model
         if not self.served or time.monotonic() - self._served_at > _MODELS_REFRESH_S:
             try:  # a LoRA adapter loaded at runtime appears only in a fresh listing
                 await self.refresh_models()
@@ -148,7 +148,7 @@ class BackendClient:
                 if not self.served:
                     raise BackendUnreachable(exc.message) from None
             if model in self.served:
-                return model  # type: ignore[return-value]
+                return model
         if model is None or self.config.any_model:
             if not self.served:
                 raise BackendUnavailable(f"backend {self.name} serves no model")

@@ -71,7 +71,7 @@ _logprobs_decoder = msgspec.json.Decoder(_Logprobs | None)
 
 
 def _ids(value: _Ids) -> list[int] | None:
-    return None if value is _UNSET else value  # type: ignore[return-value]
+    return None if isinstance(value, msgspec.UnsetType) else value
 
 
 def _logprobs(raw: msgspec.Raw) -> list[float] | None:
@@ -150,7 +150,8 @@ def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | Non
     if not cuts:
         return data
     cuts.sort()
-    parts, pos = [], 0
+    parts: list[bytes] = []
+    pos = 0
     for start, end in cuts:
         parts += (data[pos:start], _NULL)
         pos = end

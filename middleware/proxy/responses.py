@@ -230,7 +230,8 @@ class ResponseStore:
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
 
 
 class EventStream:

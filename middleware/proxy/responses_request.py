@@ -96,10 +96,10 @@ def custom_arguments(text: str) -> str:
 
 
 def _strings(item: dict[str, Any], where: str, *keys: str) -> list[str]:
-    values = [item.get(k) for k in keys]
-    if not all(isinstance(v, str) for v in values):
+    values = [v for v in (item.get(k) for k in keys) if isinstance(v, str)]
+    if len(values) != len(keys):
         raise _bad(f"a {item.get('type')} item needs string {', '.join(repr(k) for k in keys)}", where)
-    return values  # type: ignore[return-value]
+    return values
 
 
 def _join_call(out: list[dict[str, Any]], call: dict[str, Any]) -> None:
@@ -143,16 +143,16 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             _join_call(out, {"id": call_id, "type": "function",
                              "function": {"name": name, "arguments": custom_arguments(text)}})
         elif kind == "local_shell_call":  # history from a server that ran OpenAI's local_shell tool
-            call_id = item.get("call_id") or item.get("id")
-            if not isinstance(call_id, str) or not isinstance(item.get("action"), dict):
+            given_id = item.get("call_id") or item.get("id")
+            if not isinstance(given_id, str) or not isinstance(item.get("action"), dict):
                 raise _bad("a local_shell_call needs a string 'call_id' and an 'action' object", where)
-            _join_call(out, {"id": call_id, "type": "function", "function": {
+            _join_call(out, {"id": given_id, "type": "function", "function": {
                 "name": "local_shell", "arguments": json.dumps(item["action"], ensure_ascii=False)}})
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
+            given_id = item.get("call_id")
+            if not isinstance(given_id, str):
                 raise _bad(f"a {kind} needs a string 'call_id'", where)
-            out.append({"role": "tool", "tool_call_id": call_id,
+            out.append({"role": "tool", "tool_call_id": given_id,
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             # The chat route takes no reasoning items back (templates drop earlier reasoning): skipped. Its

@@ -104,12 +104,13 @@ class TitoError(Exception):
         self.body = body
 
 
-async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> Any:
+async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
     status, data = await client.post_json(endpoint, body)
     if status >= 400:
         raise TitoError(status, data)
-    return _decode(data)
+    reply: dict[str, Any] = _decode(data)  # these routes answer a JSON object
+    return reply
 
 
 async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -129,7 +130,7 @@ class Turn:
         self.plan = plan
         self.prompt: list[int] = []
 
-    async def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
+    async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def check_sampling(view: _Sampling, max_n: int) -> None:
 
 def check_model_call(body: dict[str, Any], chat: bool, max_n: int) -> ChatView | CompletionView:
     """The edge check of ``/v1/chat/completions`` (``chat``) and ``/v1/completions`` bodies."""
-    view: ChatView | CompletionView = check(body, ChatView if chat else CompletionView)
+    view: ChatView | CompletionView = check(body, ChatView) if chat else check(body, CompletionView)
     if chat:
         messages = body.get("messages")
         if messages is not None and not (
