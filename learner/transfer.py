@@ -140,8 +140,9 @@ def _send(weights: list[tuple[str, torch.Tensor]], proxy_url: str, control_token
     td = datetime.timedelta(seconds=timeout_s)
     store = _listen(address, td)
     secret = secrets.token_hex(32)  # this transfer's: only the proxy (and through it vLLM) learns it
-    body = {"transfer": {"address": address, "port": store.port, "secret": secret, "backend": backend,
-                         "timeout_s": timeout_s, **transfer_spec(weights)}}
+    body: dict[str, Any] = {"transfer": {"address": address, "port": store.port, "secret": secret,
+                                         "backend": backend, "timeout_s": timeout_s,
+                                         **transfer_spec(weights)}}
     if version is not None:
         body["version"] = int(version)
     answer: dict[str, Any] = {}

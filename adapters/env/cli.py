@@ -81,7 +81,8 @@ class _Progress:
     """A tqdm bar on stderr when tqdm is installed, else a line per finished group's worth of episodes."""
 
     def __init__(self, total: int, desc: str) -> None:
-        self.total, self.count, self.rewards = total, 0, []
+        self.total, self.count = total, 0
+        self.rewards: list[float] = []
         try:
             from tqdm import tqdm
 
@@ -195,7 +196,7 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
 
 def main_eval(argv: list[str] | None = None) -> int:
     """``steptap eval DATA.parquet``: eval sessions; accuracy by policy version."""
-    p = argparse.ArgumentParser(prog="steptap eval", description=main_eval.__doc__.split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="steptap eval", description=(main_eval.__doc__ or "").partition(": ")[2])
     _common(p)
     p.add_argument("--n", type=int, default=1, help="sessions per row")
     p.add_argument("--metrics-file", help="append eval_accuracy rows here (the learner's metrics file)")

@@ -332,7 +332,7 @@ class TorchEngine:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
             self.optimizer.step()  # one optimizer step per epoch over the whole batch
-            if gae:
+            if self.value_head is not None:  # gae
                 torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
                 self.value_optimizer.step()
         k = self.cfg.epochs

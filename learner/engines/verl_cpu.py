@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -153,7 +154,7 @@ class PlatformCPU(PlatformBase):
         return "STEPTAP_CPU_VISIBLE_DEVICES"  # nothing reads it; verl only needs a name
 
     @contextmanager
-    def nvtx_range(self, msg: str):  # type: ignore[no-untyped-def]
+    def nvtx_range(self, msg: str) -> Iterator[None]:
         yield
 
     def profiler_start(self) -> None:

@@ -51,7 +51,7 @@ try:  # the worker class must be importable (by name) in every Ray worker proces
     from verl.single_controller.base.decorator import Dispatch, register
     from verl.workers.engine_workers import TrainingWorker
 except ImportError:  # verl missing or too old: check_verl_version() says so
-    TrainingWorker = object  # type: ignore[assignment,misc]
+    TrainingWorker = object
 
 
 def check_verl_version() -> str:
