@@ -80,7 +80,8 @@ def _write(path: Path, text: str, files: list[Path]) -> None:
 
 
 def prepare(
-    agent: str, *, base_url: str, api_key: str, model: str, home: Path, args: list[str], cli: Path | None = None
+    agent: str, *, base_url: str, api_key: str, model: str, home: Path, args: list[str],
+    cli: Path | None = None
 ) -> AgentLaunch:
     """Write ``agent``'s settings for the session at ``base_url`` (``<proxy>/s/<id>/v1``) under ``home`` (made
     0700) and return how to run it with the user's ``args``."""
@@ -154,7 +155,8 @@ def openclaw_config(base: str, model: str) -> dict:
             "baseUrl": base,
             "apiKey": f"${{{KEY_ENV}}}",
             "api": "openai-completions",
-            "models": [{"id": model, "name": model, "contextWindow": CONTEXT_WINDOW, "maxTokens": MAX_TOKENS}],
+            "models": [{"id": model, "name": model, "contextWindow": CONTEXT_WINDOW,
+                        "maxTokens": MAX_TOKENS}],
         }}},
         "agents": {"defaults": {"model": {"primary": f"{PROVIDER}/{model}"}}},
     }

@@ -213,6 +213,7 @@ def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any)
 async def proxy_trajectories(url: str, token: str) -> AsyncIterator[Trajectory]:
     """The finished trajectories a proxy's stream holds now (from the start of its log; no ack)."""
     import aiohttp
+
     from steptap.middleware.client import SteptapClient, SteptapError
 
     async with SteptapClient(url, token, timeout_s=10) as client:

@@ -59,8 +59,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="exported to the program as OPENAI_MODEL and STEPTAP_MODEL "
                    "(with --agent, default: the first model the proxy serves)")
     p.add_argument("--agent", choices=agents.AGENTS, default=None,
-                   help="run this agent CLI with its provider settings written for the session (docs/agents.md); "
-                        "the arguments after -- go to it")
+                   help="run this agent CLI with its provider settings written for the session "
+                        "(docs/agents.md); the arguments after -- go to it")
     p.add_argument("--idle-timeout", type=float, default=None, help="session idle timeout in seconds")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -114,7 +114,8 @@ async def _main(args: argparse.Namespace) -> int:
         if args.agent:  # before any session opens: a missing CLI or model is one line, not N aborted sessions
             try:
                 args.cli = agents.find_cli(args.agent)
-                args.model = args.model or await asyncio.to_thread(served_model, args.proxy, args.control_token)
+                args.model = args.model or await asyncio.to_thread(served_model, args.proxy,
+                                                                   args.control_token)
             except (agents.AgentError, RuntimeError) as exc:
                 raise RunError(str(exc)) from None
         runner = Runner(args, client)

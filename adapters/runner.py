@@ -1,6 +1,6 @@
-"""The members of one ``steptap run``: each opens a session, runs its program (or agent CLI) in its own process
-group, collects its reward and finishes the session; at most ``--concurrency`` at once, Ctrl-C stops them all.
-The command line around it is ``run.py``.
+"""The members of one ``steptap run``: each opens a session, runs its program (or agent CLI) in its own
+process group, collects its reward and finishes the session; at most ``--concurrency`` at once, Ctrl-C stops
+them all. The command line around it is ``run.py``.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class Runner:
             )
             try:
                 trajectory = msgspec.json.encode(await self.client.get_session(m.session_id))
-            except (SteptapError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, SteptapError, OSError) as exc:
                 raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id

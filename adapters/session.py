@@ -20,7 +20,7 @@ import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from steptap.middleware.client import TOKEN_ENV
 
@@ -141,7 +141,8 @@ class _SessionBase:
         return client
 
     def async_anthropic_client(self, **kw: Any) -> Any:
-        """An ``anthropic.AsyncAnthropic`` client bound to this session (closed when an async session closes)."""
+        """An ``anthropic.AsyncAnthropic`` client bound to this session (closed when an async session
+        closes)."""
         import anthropic
 
         client = anthropic.AsyncAnthropic(base_url=self.anthropic_base_url, api_key=self.api_key, **kw)
@@ -224,7 +225,7 @@ class Session(_SessionBase):
             raise
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         try:
             if exc is not None:
                 self._abort(exc)

@@ -50,9 +50,11 @@ SYSTEM = (
 PATHS = ["direct", "direct_lp", "steptap"]
 TASK = "The unit tests in tests/test_parse.py fail after the last commit. Find out why and fix it."
 TOOL_RESULTS = [
-    "$ pytest -q tests/test_parse.py\nF.F\nE  AssertionError: parse('1,2') == [1, 2] got ['1', '2']\n2 failed",
+    "$ pytest -q tests/test_parse.py\nF.F\nE  AssertionError: parse('1,2') == [1, 2] got ['1', '2']\n2 "
+    "failed",
     "$ sed -n 1,20p src/parse.py\ndef parse(text):\n    return [x.strip() for x in text.split(',')]",
-    "$ git log -1 -p src/parse.py\n-    return [int(x) for x in text.split(',')]\n+    return [x.strip() ...]",
+    "$ git log -1 -p src/parse.py\n-    return [int(x) for x in text.split(',')]\n+    return [x.strip() "
+    "...]",
     "$ pytest -q tests/test_parse.py\n...\n3 passed in 0.02s",
 ]
 
@@ -84,7 +86,8 @@ async def episode(
     t0 = time.perf_counter()
     for turn in range(turns):
         c0 = time.perf_counter()
-        async with http.post(f"{base}/chat/completions", json=call_body(messages, model, max_tokens, record)) as r:
+        async with http.post(f"{base}/chat/completions",
+                             json=call_body(messages, model, max_tokens, record)) as r:
             data = await r.read()
             status = r.status
         latencies.append(time.perf_counter() - c0)
@@ -94,7 +97,8 @@ async def episode(
         reply = json.loads(data)
         choice = reply["choices"][0]
         if reply["usage"]["completion_tokens"] != max_tokens:
-            problems.append(f"{base} turn {turn}: {reply['usage']['completion_tokens']} tokens, not {max_tokens}")
+            problems.append(f"{base} turn {turn}: {reply['usage']['completion_tokens']} tokens, not "
+                            f"{max_tokens}")
         leaked = choice.get("token_ids") or choice.get("logprobs") or reply.get("prompt_token_ids")
         if not record and leaked:
             problems.append(f"{base} turn {turn}: token ids or logprobs the agent did not ask for")
@@ -128,7 +132,8 @@ async def run_pairs(
             pair: dict[str, Any] = {"pair": i, "order": order}
             for name in order:
                 pair[name] = await episode(
-                    http, paths[name], model, args.turns, args.max_tokens, problems, record=name == "direct_lp"
+                    http, paths[name], model, args.turns, args.max_tokens, problems,
+                    record=name == "direct_lp"
                 )
             sent += pair["steptap"]["calls"]
             pairs.append(pair)
@@ -143,16 +148,18 @@ def summarize(pairs: list[dict[str, Any]], turns: int) -> dict[str, Any]:
     wall = {k: [p[k]["wall_s"] for p in pairs] for k in PATHS}
 
     def added_call_ms(base: str) -> float:
-        return med([1000.0 * (s - d) for p in pairs for s, d in zip(p["steptap"]["call_s"], p[base]["call_s"])])
+        return med([1000.0 * (s - d) for p in pairs for s,
+                    d in zip(p["steptap"]["call_s"], p[base]["call_s"], strict=False)])
 
     return {
         "rounds": len(pairs),
         "calls_per_episode": turns,
         **{f"{k}_wall_s": med(wall[k]) for k in PATHS},
-        "ratio_wall": med([s / d for s, d in zip(wall["steptap"], wall["direct"])]),
-        "ratio_wall_lp": med([s / d for s, d in zip(wall["steptap"], wall["direct_lp"])]),
-        "ratio_lp_direct": med([s / d for s, d in zip(wall["direct_lp"], wall["direct"])]),
-        "added_wall_ms": med([1000.0 * (s - d) for s, d in zip(wall["steptap"], wall["direct"])]),
+        "ratio_wall": med([s / d for s, d in zip(wall["steptap"], wall["direct"], strict=False)]),
+        "ratio_wall_lp": med([s / d for s, d in zip(wall["steptap"], wall["direct_lp"], strict=False)]),
+        "ratio_lp_direct": med([s / d for s, d in zip(wall["direct_lp"], wall["direct"], strict=False)]),
+        "added_wall_ms": med([1000.0 * (s - d) for s, d in zip(wall["steptap"], wall["direct"],
+                                                               strict=False)]),
         "direct_call_ms": 1000.0 * med([x for p in pairs for x in p["direct"]["call_s"]]),
         "added_call_ms": added_call_ms("direct"),
         "added_call_ms_over_lp": added_call_ms("direct_lp"),
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0, load_start = time.time(), os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="steptap-e2e-"))
-    log_dir = tempfile.mkdtemp(prefix="steptap-e2e-log-", dir=args.log_root) if args.log_root else str(work / "log")
+    log_dir = tempfile.mkdtemp(prefix="steptap-e2e-log-",
+                               dir=args.log_root) if args.log_root else str(work / "log")
     problems: list[str] = []
     port = free_port()
     steptap = Steptap(

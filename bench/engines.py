@@ -34,7 +34,8 @@ def _batch(args: argparse.Namespace, vocab: int):  # type: ignore[no-untyped-def
         prompt = [rnd.randrange(10, vocab) for _ in range(args.prompt)]
         for m in range(args.group_size):
             resp = [rnd.randrange(10, vocab) for _ in range(args.response)]
-            trajs.append(Trajectory(id=f"g{g}m{m}", group_id=f"g{g}", status="finished", rewards={"r": float(m)},
+            trajs.append(Trajectory(id=f"g{g}m{m}", group_id=f"g{g}", status="finished",
+                                    rewards={"r": float(m)},
                                     steps=[Step(prompt_token_ids=prompt, response_token_ids=resp,
                                                 response_logprobs=[-8.0] * len(resp), sampling=Sampling())]))
     return build_batch(trajs, version=0)
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response", type=int, default=24)
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2])
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the torch engine; each verl worker)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (the torch engine; each verl worker)")
     args = p.parse_args(argv)
 
     import torch
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="steptap-bench-tiny-"), seed=0))
     batch = _batch(args, len(AutoTokenizer.from_pretrained(model_dir)))
-    common = dict(model_dir=model_dir, lr=1e-4, weight_decay=0.0, truncation_mode="drop", group_size=args.group_size,
+    common = dict(model_dir=model_dir, lr=1e-4, weight_decay=0.0, truncation_mode="drop",
+                  group_size=args.group_size,
                   micro_batch_tokens=4096, num_threads=args.threads)
     results = [_run("torch", LearnerConfig(**common).validate(), batch, args.updates)]
     for w in args.workers:
@@ -95,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         r["s_per_update_vs_torch"] = round(r["s_per_update"] / base["s_per_update"], 2)
         print(json.dumps(r))
-    print(f"\n{'engine':<10} {'start-up s':>10} {'s/update':>9} {'tokens/s':>9} {'x torch':>8}", file=sys.stderr)
+    print(f"\n{'engine':<10} {'start-up s':>10} {'s/update':>9} {'tokens/s':>9} {'x torch':>8}",
+          file=sys.stderr)
     for r in results:
-        print(f"{r['engine']:<10} {r['startup_s']:>10.1f} {r['s_per_update']:>9.3f} {r['tokens_per_s']:>9.0f} "
+        print(f"{r['engine']:<10} {r['startup_s']:>10.1f} {r['s_per_update']:>9.3f} "
+              f"{r['tokens_per_s']:>9.0f} "
               f"{r['s_per_update_vs_torch']:>8.2f}", file=sys.stderr)
     return 0
 

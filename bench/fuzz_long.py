@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 def _post(url: str, token: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json"})
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -39,12 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", required=True, help="its control token")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--examples", type=int, default=5000, help="per strategy (model calls, control calls)")
-    p.add_argument("--sessions", type=int, default=8, help="sessions opened first, whose ids and keys are reused")
+    p.add_argument("--sessions", type=int, default=8,
+                   help="sessions opened first, whose ids and keys are reused")
     args = p.parse_args(argv)
     base = args.proxy.rstrip("/")
     infos = [_post(f"{base}/sessions", args.token, {"group_id": f"fz{i % 3}"}) for i in range(args.sessions)]
     statuses: Counter = Counter()
-    run = settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    run = settings(max_examples=args.examples, deadline=None, database=None,
+                   suppress_health_check=list(HealthCheck))
 
     @run
     @given(model_call(args.model, [i["api_key"] for i in infos]))
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     fuzz_control()
     elapsed = time.perf_counter() - t0
     total = sum(statuses.values())
-    print(f"{total} requests in {elapsed:.0f} s; statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())))
+    print(f"{total} requests in {elapsed:.0f} s; statuses: " + ", ".join(f"{k}: {v}" for k,
+                                                                         v in sorted(statuses.items())))
     return 0
 
 

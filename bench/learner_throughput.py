@@ -1,14 +1,16 @@
 """The learner's training tokens/s against a bare transformers training step on the same batch.
 
-    .venv/bin/python bench/learner_throughput.py --model-dir /work/shared-run/tiny --out runs/bench-learner.json
-    .venv/bin/python bench/learner_throughput.py --model-dir ./smollm2 --groups 2 --members 2 \\
+    .venv/bin/python bench/learner_throughput.py --model-dir /work/shared-run/tiny --out
+    runs/bench-learner.json .venv/bin/python bench/learner_throughput.py --model-dir ./smollm2 --groups 2
+    --members 2 \\
         --prompt-tokens 128 --response-tokens 64 --pairs 3      # SmolLM2-135M (steptap pretrained-model)
 
 One batch, built the way the learner builds it: finished one-step trajectories (``--groups`` x ``--members``,
 ``--prompt-tokens`` + ``--response-tokens`` each, seeded random ids, temperature 1, varied rewards) through
 ``rows.build_batch``. Two models load from the same directory, each with its own AdamW:
 
-- **bare**: plain torch/transformers on the batch's sequences, micro-batched by the same token budget the engine
+- **bare**: plain torch/transformers on the batch's sequences, micro-batched by the same token budget the
+engine
   uses (``--micro-batch-tokens``, consecutive rows while count x longest fits): forward, token log-softmax of
   the targets, a policy-gradient loss over the response tokens (group-normalised rewards as advantages),
   backward with gradient accumulation, clip, one AdamW step;
@@ -18,8 +20,9 @@ One batch, built the way the learner builds it: finished one-step trajectories (
 The two alternate (bare first in even pairs), one untimed step each first; tokens/s = the batch's sequence
 tokens / the step's wall time. It reports each side's median and the median over pairs of engine / bare.
 
-Checks (any failure: exit status 1): the engine trained every response token of the batch (``StepStats.tokens``)
-over every sequence token, its loss and grad norm are finite, and both steps moved their model's weights.
+Checks (any failure: exit status 1): the engine trained every response token of the batch
+(``StepStats.tokens``) over every sequence token, its loss and grad norm are finite, and both steps moved
+their model's weights.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.rows import Batch, build_batch
@@ -57,7 +61,8 @@ def make_batch(args: argparse.Namespace, vocab: int) -> Batch:
                 sampling=Sampling(temperature=1.0),
             )
             trajectories.append(
-                Trajectory(id=tid, group_id=f"g{g}", steps=[step], rewards={"r": float(m % 2)}, status="finished")
+                Trajectory(id=tid, group_id=f"g{g}", steps=[step], rewards={"r": float(m % 2)},
+                           status="finished")
             )
     return build_batch(trajectories, version=0)
 
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats = engine.train_step(batch)  # untimed warm-up steps; also the checks' step
     bare.step(batch)
     if stats.tokens != trained or stats.seq_tokens != seq_tokens:
-        problems.append(f"engine trained {stats.tokens}/{stats.seq_tokens} tokens, batch has {trained}/{seq_tokens}")
+        problems.append(f"engine trained {stats.tokens}/{stats.seq_tokens} tokens, batch has "
+                        f"{trained}/{seq_tokens}")
     if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
         problems.append(f"engine loss {stats.loss}, grad norm {stats.grad_norm}")
     for name, model in (("bare", bare.model), ("engine", engine.model)):
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result["meta"] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "wall_s": round(time.time() - t0, 1),
         "loadavg_start": load_start, "loadavg": os.getloadavg(), "cpus": os.cpu_count(), "git": _git_head(),
         "torch": torch.__version__, "args": vars(args),
     }

@@ -1,7 +1,7 @@
 """The benchmark's load generator: a closed loop of aiohttp clients in its own process.
 
-Run as a worker (``python bench/loadgen.py``): it reads one JSON command per line on stdin and answers one JSON
-result per line on stdout, so the orchestrator keeps one warm process for every run and the servers never
+Run as a worker (``python bench/loadgen.py``): it reads one JSON command per line on stdin and answers one
+JSON result per line on stdout, so the orchestrator keeps one warm process for every run and the servers never
 share its event loop. A command:
 
     {"url": ..., "body": "<request JSON>", "headers": {...}, "concurrency": 32,
@@ -151,12 +151,13 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = last[0] - start
-        cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0)]
+        cpu = [cpu_seconds(p) - c0 for p, c0 in zip(watch, cpu0, strict=False)]
 
     per_target = {n: t.result(warm_errors[n]) for n, t in tallies.items()}
     out: dict[str, Any] = {
         "elapsed_s": elapsed,
-        "cpu_s": dict(zip(map(str, watch), cpu)),  # CPU (user+system, all threads) each watched pid used
+        # CPU (user+system, all threads) each watched pid used
+        "cpu_s": dict(zip(map(str, watch), cpu, strict=False)),
         "targets": per_target,
     }
     if len(targets) == 1:

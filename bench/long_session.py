@@ -1,9 +1,10 @@
 """Long sessions in linear space: one long agent session through ``steptap serve`` on the real vLLM.
 
-The profile of a coding agent on a long-context model: a first prompt of ``--first`` tokens, then each turn the
-previous prompt + the model's reply + ``--per-turn`` new tokens (a tool result), for ``--turns`` turns. Prompts
-are sent as token ids to ``/v1/completions`` (what a token-in-token-out agent sends), so each turn ``extends``
-the last whatever the tiny model samples. The proxy runs with its default limits (``max_session_bytes``).
+The profile of a coding agent on a long-context model: a first prompt of ``--first`` tokens, then each turn
+the previous prompt + the model's reply + ``--per-turn`` new tokens (a tool result), for ``--turns`` turns.
+Prompts are sent as token ids to ``/v1/completions`` (what a token-in-token-out agent sends), so each turn
+``extends`` the last whatever the tiny model samples. The proxy runs with its default limits
+(``max_session_bytes``).
 
 Measured: the bytes the log holds for the session (its Step records and its Trajectory record), per step; the
 bytes schema 3 would have logged for the same steps (each step whole, then the Trajectory embedding them all
@@ -80,14 +81,16 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> d
                                  headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
                 reply = await resp.json()
                 if resp.status != 200:
-                    return {"session": info["id"], "calls": calls, "refused": {"turn": turn + 1, "reply": reply}}
+                    return {"session": info["id"], "calls": calls,
+                            "refused": {"turn": turn + 1, "reply": reply}}
             wall = time.perf_counter() - t0
             calls.append({"turn": turn + 1, "prompt_tokens": len(prompt), "wall_s": round(wall, 3),
                           "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2)})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
                 print(f"turn {turn + 1}: {len(prompt)} tokens, {wall:.1f}s, proxy cpu "
                       f"{calls[-1]['proxy_cpu_ms']} ms", flush=True)
-            prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1, args.vocab)
+            prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1,
+                                                                           args.vocab)
         async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
     return {"session": info["id"], "calls": calls, "refused": None}
@@ -113,7 +116,8 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
         return logged
 
     logged = asyncio.run(scan())
-    [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]  # full steps, as the learner gets them
+    # Full steps, as the learner gets them
+    [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]
     full = full_steps(logged)
     assert [msgpack_encoder.encode(s) for s in full] == [
         msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
@@ -123,8 +127,10 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     return {
         "steps": len(logged), "deltas": sum(s.delta is not None for s in logged),
         "session_bytes": total, "session_mib": round(total / MIB, 3),
-        "step_bytes_first": steps_bytes[0], "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
-        if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1], "trajectory_record_bytes": traj_bytes,
+        "step_bytes_first": steps_bytes[0],
+        "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
+        if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1],
+        "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
     }
@@ -133,7 +139,8 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
 def msgspec_replace(step: Step) -> Step:
     import msgspec
 
-    return msgspec.structs.replace(step, rewards={})  # the Step records carry no later rewards (none given here)
+    # The Step records carry no later rewards (none given here)
+    return msgspec.structs.replace(step, rewards={})
 
 
 def prefix_cache(backend: str) -> dict[str, float]:
@@ -172,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=20_000, help="tokens of the first prompt")
     p.add_argument("--per-turn", type=int, default=500, help="new tokens a turn (besides the reply)")
     p.add_argument("--max-tokens", type=int, default=8, help="most tokens a reply")
-    p.add_argument("--vocab", type=int, default=4098, help="the model's vocabulary size (ids are drawn below it)")
-    p.add_argument("--full", action="store_true", help="the issue's profile: 200 turns (~120k tokens at the end)")
+    p.add_argument("--vocab", type=int, default=4098,
+                   help="the model's vocabulary size (ids are drawn below it)")
+    p.add_argument("--full", action="store_true",
+                   help="the issue's profile: 200 turns (~120k tokens at the end)")
     p.add_argument("--call-timeout", type=float, default=600.0)
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--quiet", action="store_true")
@@ -191,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         args.backend = args.backend.rstrip("/")
         import urllib.request
 
-        model = args.model or json.loads(urllib.request.urlopen(f"{args.backend}/v1/models").read())["data"][0]["id"]
+        model = (
+            args.model
+            or json.loads(urllib.request.urlopen(f"{args.backend}/v1/models").read())["data"][0]["id"]
+        )
         log_dir = str(work / "log")
         port = free_port()
-        proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None), log=str(work / "steptap.log"))
+        proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None),
+                        log=str(work / "steptap.log"))
         proxy.port = port
         proxy.start(timeout=120)
         cache_before = prefix_cache(args.backend)
@@ -213,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     k = min(5, len(cpu))
     result = {
         "turns_done": len(calls), "refused": session["refused"], "log": size,
-        "proxy_cpu_ms": {"turn_1": cpu[0] if cpu else None, "median_first_5": statistics.median(cpu[:k]) if k else None,
+        "proxy_cpu_ms": {"turn_1": cpu[0] if cpu else None,
+                         "median_first_5": statistics.median(cpu[:k]) if k else None,
                          "median_last_5": statistics.median(cpu[-k:]) if k else None,
                          f"turn_{len(cpu)}": cpu[-1] if cpu else None},
         "prompt_tokens": {"first": calls[0]["prompt_tokens"] if calls else None,

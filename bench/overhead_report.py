@@ -9,7 +9,8 @@ then the median over rounds: the machine's noise moves both sides of a pair toge
 - added median latency at c=1 over the pass-through's <= 0.5 ms, plain and streamed;
 - the proxy process's CPU time per call <= 2 x the pass-through's, in every configuration.
 
-A configuration whose concurrency is not in the run gets no verdict (a smoke run at c=4 judges nothing but CPU).
+A configuration whose concurrency is not in the run gets no verdict (a smoke run at c=4 judges nothing but
+CPU).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else float("nan")
 
 
-def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]) -> dict[str,
+                                                                                                      Any]:
     out: dict[str, Any] = {"configs": [], "targets": {}}
     for mode, c in configs:
         for t in targets:
@@ -107,7 +109,8 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
             "added_cpu_ms_per_call": med(
                 [s["proxy_cpu_ms_per_call"] - p["proxy_cpu_ms_per_call"] for s, p in full]
             ),
-            "ratio_cpu": med([_ratio(s["proxy_cpu_ms_per_call"], p["proxy_cpu_ms_per_call"]) for s, p in full]),
+            "ratio_cpu": med([_ratio(s["proxy_cpu_ms_per_call"], p["proxy_cpu_ms_per_call"]) for s,
+                              p in full]),
         }
     out["verdicts"] = verdicts(out["targets"])
     return out
@@ -118,13 +121,15 @@ def verdicts(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
     short run whose pass-through used less CPU than one clock tick)."""
     found: dict[str, dict[str, Any]] = {}
     checks = [(mode, c, fig, op, bound) for mode, c, fig, op, bound in TARGETS]
-    checks += [(key.split(" c=")[0], int(key.split(" c=")[1]), "ratio_cpu", "<=", CPU_RATIO_MAX) for key in figures]
+    checks += [(key.split(" c=")[0], int(key.split(" c=")[1]), "ratio_cpu", "<=", CPU_RATIO_MAX)
+               for key in figures]
     for mode, c, fig, op, bound in checks:
         key = f"{mode} c={c}"
         if key not in figures:
             continue
         value = figures[key][fig]
-        ok = None if math.isnan(value) else bool(value >= bound if op == ">=" else value <= bound)  # NaN: no figure
+        # NaN: no figure
+        ok = None if math.isnan(value) else bool(value >= bound if op == ">=" else value <= bound)
         found[f"{key}: {FIGURE_NAMES[fig]} {op} {bound}"] = {"value": value, "pass": ok}
     return found
 
@@ -155,7 +160,8 @@ def markdown(result: dict[str, Any]) -> str:
     if s["verdicts"]:
         lines.append("")
         for key, v in s["verdicts"].items():
-            word = {True: "PASS", False: "MISS", None: "NO FIGURE"}[v["pass"]]  # e.g. CPU below the clock tick
+            # e.g. CPU below the clock tick
+            word = {True: "PASS", False: "MISS", None: "NO FIGURE"}[v["pass"]]
             lines.append(f"- {word} {key} (measured {v['value']:.3f})")
     log = result.get("log")
     lines.append("")

@@ -2,11 +2,11 @@
 
     python bench/passthrough.py --backend http://127.0.0.1:PORT [--port 0]
 
-Every request is forwarded to the backend with its method, path, query, body and end-to-end headers. A streamed
-reply (``text/event-stream``) is relayed chunk by chunk as the bytes arrive; any other reply is read whole and
-sent with its length, which is the least a capturing proxy has to do too. It shares the steptap proxy's stack
-(aiohttp server + one pooled ``ClientSession``, uvloop where available), so the difference between the two is
-what steptap does on top: parsing, patching, capture and the durable log.
+Every request is forwarded to the backend with its method, path, query, body and end-to-end headers. A
+streamed reply (``text/event-stream``) is relayed chunk by chunk as the bytes arrive; any other reply is read
+whole and sent with its length, which is the least a capturing proxy has to do too. It shares the steptap
+proxy's stack (aiohttp server + one pooled ``ClientSession``, uvloop where available), so the difference
+between the two is what steptap does on top: parsing, patching, capture and the durable log.
 """
 
 from __future__ import annotations

@@ -2,22 +2,22 @@
 
     .venv/bin/python bench/proxy_overhead.py --out runs/bench.json
 
-One run starts, each in its own process: the replay upstream (recorded vLLM replies with logprobs and token ids,
-bench/fixtures/: 32 tokens, and a long streamed one of 1,400), the pass-through proxy (bench/passthrough.py) in
-front of it, the steptap proxy (``steptap serve --backend <replay> --log <tmpdir>``: capture and the durable
-log on, its concurrency cap above the matrix's), and the load generator (bench/loadgen.py). For each
-configuration (concurrency 1, 32 and 256, streamed and not; the long reply streamed at 1 and 32) it measures
-direct, pass-through and steptap in rounds (this machine is shared and noisy) and reports medians over rounds:
-calls/s, p50 and p99 latency, and the proxy process's CPU time per call (user + system, all threads: the
-measure that noise disturbs least). At c > 1 each target gets its own run, in an order that rotates each round;
-at c=1 one run calls the three in turn, call after call, so that they see the same moment-to-moment noise
-(calls/s is then 1 / mean latency, what a sequential agent gets). The targets (issue 15, ratios to the
-pass-through in the same round) are in overhead_report.py; each prints PASS or MISS, and a miss does not fail
-the run.
+One run starts, each in its own process: the replay upstream (recorded vLLM replies with logprobs and token
+ids, bench/fixtures/: 32 tokens, and a long streamed one of 1,400), the pass-through proxy
+(bench/passthrough.py) in front of it, the steptap proxy (``steptap serve --backend <replay> --log <tmpdir>``:
+capture and the durable log on, its concurrency cap above the matrix's), and the load generator
+(bench/loadgen.py). For each configuration (concurrency 1, 32 and 256, streamed and not; the long reply
+streamed at 1 and 32) it measures direct, pass-through and steptap in rounds (this machine is shared and
+noisy) and reports medians over rounds: calls/s, p50 and p99 latency, and the proxy process's CPU time per
+call (user + system, all threads: the measure that noise disturbs least). At c > 1 each target gets its own
+run, in an order that rotates each round; at c=1 one run calls the three in turn, call after call, so that
+they see the same moment-to-moment noise (calls/s is then 1 / mean latency, what a sequential agent gets). The
+targets (issue 15, ratios to the pass-through in the same round) are in overhead_report.py; each prints PASS
+or MISS, and a miss does not fail the run.
 
 Correctness is checked on every run: the bodies the agent got through steptap equal the recorded ones minus
-what it did not ask for (logprobs, token ids), the direct and pass-through bodies equal the recorded bytes, and
-after steptap stops its log holds one step per call it served. A check that fails makes the exit status 1.
+what it did not ask for (logprobs, token ids), the direct and pass-through bodies equal the recorded bytes,
+and after steptap stops its log holds one step per call it served. A check that fails makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 TARGETS = ("direct", "passthrough", "steptap")
 CONTROL_TOKEN = "bench-control-token"
-# steptap's cap on model calls in flight, passed explicitly: above the matrix's highest concurrency (256), so the
-# bench measures the proxy, not its 429s.
+# steptap's cap on model calls in flight, passed explicitly: above the matrix's highest concurrency (256), so
+# the bench measures the proxy, not its 429s.
 MAX_CONCURRENT_CALLS = 1024
 
 
@@ -166,7 +166,8 @@ async def _count_steps(log_dir: str) -> dict[str, int]:
     from steptap.middleware.log.wal import TrajectoryLog
     from steptap.middleware.records import Step, Trajectory
 
-    try:  # read-only: inspect, never repair (the proxy has stopped, but a check must not change what it checks)
+    # Read-only: inspect, never repair (the proxy has stopped, but a check must not change what it checks)
+    try:
         log = await TrajectoryLog.open(log_dir, readonly=True)
     except TypeError:  # a TrajectoryLog without the read-only mode
         log = await TrajectoryLog.open(log_dir)
@@ -275,7 +276,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 stream = mode != "plain"
                 fx = fixtures["long" if mode == "long" else "short"]
                 order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
-                # c=1 with interleaving: one run calls the targets in turn, call after call; else one run each.
+                # c=1 with interleaving: one run calls the targets in turn, call after call; else one run
+                # each.
                 groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
                 for group in groups:
                     wait0 = log_wait(urls["steptap"]) if "steptap" in group else None
@@ -325,7 +327,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         result["problems"] += problems
                         if not args.quiet:
                             print(
-                                f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} calls/s  "
+                                f"round {rnd} {mode:6} c={c:<3} {target:11} {row['calls_per_s']:8.1f} "
+                                "calls/s  "
                                 f"p50 {row['p50_ms']:7.3f} ms  p99 {row['p99_ms']:7.3f} ms"
                                 + (
                                     f"  proxy CPU {row['proxy_cpu_ms_per_call']:.3f} ms/call"
@@ -394,8 +397,8 @@ def fsync_probe(directory: str, n: int = 100, size: int = 8192) -> dict[str, flo
 
 
 def log_wait(url: str) -> tuple[float, float] | None:
-    """(sum of seconds, count) of steptap's ``steptap_log_commit_seconds``: how long calls waited for their log
-    commit, from the proxy's own /metrics; None when it does not answer."""
+    """(sum of seconds, count) of steptap's ``steptap_log_commit_seconds``: how long calls waited for their
+    log commit, from the proxy's own /metrics; None when it does not answer."""
     req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {CONTROL_TOKEN}"})
     total = count = None
     try:
@@ -424,7 +427,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=2.0, help="timed length of one run (bound)")
     p.add_argument("--requests", type=int, default=20000, help="calls in one run (bound)")
     p.add_argument("--warmup", type=int, default=64, help="untimed calls before each run")
-    ints = lambda s: [int(x) for x in s.split(",") if x]
+
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",") if x]
+
     p.add_argument("--concurrency", type=ints, default=[1, 32, 256])
     p.add_argument("--modes", type=lambda s: s.split(","), default=["plain", "stream"])
     p.add_argument(

@@ -3,10 +3,10 @@
     python bench/record_fixtures.py --backend http://127.0.0.1:8000 [--name chat_32_tokens]
     python bench/record_fixtures.py --backend http://127.0.0.1:8000 --name chat_1400_tokens --max-tokens 1400
 
-Sends one chat call for exactly ``--max-tokens`` generated tokens (32 by default, ``ignore_eos``) with logprobs
-and ``return_token_ids`` on, once plain and once streamed, and writes both bodies byte for byte, with the
-request that produced them and the server's ``/v1/models`` body, to ``bench/fixtures/NAME.json`` (gzipped to
-``NAME.json.gz`` when larger than 256 kB: a long reply's logprobs make it megabytes). Greedy, so the two
+Sends one chat call for exactly ``--max-tokens`` generated tokens (32 by default, ``ignore_eos``) with
+logprobs and ``return_token_ids`` on, once plain and once streamed, and writes both bodies byte for byte, with
+the request that produced them and the server's ``/v1/models`` body, to ``bench/fixtures/NAME.json`` (gzipped
+to ``NAME.json.gz`` when larger than 256 kB: a long reply's logprobs make it megabytes). Greedy, so the two
 bodies carry the same tokens (checked).
 """
 
@@ -38,8 +38,8 @@ SYSTEM = (
     "create. 5. Report what you changed and why."
 )
 USER = (
-    "The test suite fails with `KeyError: 'token_ids'` in capture.py line 88 when the backend streams a reply "
-    "whose last chunk carries only usage. Here is the traceback:\n\n"
+    "The test suite fails with `KeyError: 'token_ids'` in capture.py line 88 when the backend streams a "
+    "reply whose last chunk carries only usage. Here is the traceback:\n\n"
     "Traceback (most recent call last):\n"
     '  File "middleware/capture.py", line 88, in feed\n'
     "    ids.extend(choice['token_ids'])\n"
@@ -84,10 +84,12 @@ async def record(backend: str, name: str, max_tokens: int = MAX_TOKENS) -> Path:
             r.raise_for_status()
             models = await r.read()
         model = json.loads(models)["data"][0]["id"]
-        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, False, max_tokens)) as r:
+        async with http.post(f"{backend}/v1/chat/completions",
+                             json=vllm_request(model, False, max_tokens)) as r:
             r.raise_for_status()
             reply = await r.read()
-        async with http.post(f"{backend}/v1/chat/completions", json=vllm_request(model, True, max_tokens)) as r:
+        async with http.post(f"{backend}/v1/chat/completions",
+                             json=vllm_request(model, True, max_tokens)) as r:
             r.raise_for_status()
             stream = await r.read()
         version = None
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", required=True, help="a running vLLM OpenAI server, e.g. http://127.0.0.1:8000"
     )
     p.add_argument("--name", default=DEFAULT_FIXTURE)
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="generated tokens (exactly: ignore_eos)")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help="generated tokens (exactly: ignore_eos)")
     args = p.parse_args(argv)
     path = asyncio.run(record(args.backend, args.name, args.max_tokens))
     print(f"wrote {path} ({path.stat().st_size} bytes)")

@@ -1,14 +1,14 @@
 """Recorded vLLM replies (bench/fixtures/) and what an agent should see of them through the proxy.
 
-A fixture is one JSON file written by ``record_fixtures.py`` (gzipped when large: ``NAME.json.gz``): the request
-sent to vLLM, the non-streamed reply body and the streamed reply (raw SSE text), both kept byte for byte. The benchmark replays them from an instant
-upstream, so it needs no vLLM.
+A fixture is one JSON file written by ``record_fixtures.py`` (gzipped when large: ``NAME.json.gz``): the
+request sent to vLLM, the non-streamed reply body and the streamed reply (raw SSE text), both kept byte for
+byte. The benchmark replays them from an instant upstream, so it needs no vLLM.
 
-The agent in the benchmark asks for neither logprobs nor token ids; the proxy adds them upstream and must strip
-them from what the agent gets. ``agent_view`` turns a recorded body into the body the agent should see, and
-``same_agent_body`` / ``same_agent_stream`` compare parsed JSON (not bytes: a proxy may re-encode), treating
-a stripped key that is absent the same as one that is null (vLLM itself writes ``null`` in plain replies and
-leaves the key out of stream chunks).
+The agent in the benchmark asks for neither logprobs nor token ids; the proxy adds them upstream and must
+strip them from what the agent gets. ``agent_view`` turns a recorded body into the body the agent should see,
+and ``same_agent_body`` / ``same_agent_stream`` compare parsed JSON (not bytes: a proxy may re-encode),
+treating a stripped key that is absent the same as one that is null (vLLM itself writes ``null`` in plain
+replies and leaves the key out of stream chunks).
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def agent_view(obj: Any) -> Any:
 
 
 def _vllm_would_send(chunk: Any) -> bool:
-    """False for a chat chunk that exists only to carry token ids or logprobs (an empty delta, no finish reason,
-    no usage: e.g. a token whose text is held back until the next): vLLM sends none when neither is asked for,
-    so the agent must not get it either."""
+    """False for a chat chunk that exists only to carry token ids or logprobs (an empty delta, no finish
+    reason, no usage: e.g. a token whose text is held back until the next): vLLM sends none when neither is
+    asked for, so the agent must not get it either."""
     if not isinstance(chunk, dict) or not chunk.get("choices") or chunk.get("usage"):
         return True
     return any(c.get("delta") or c.get("finish_reason") is not None for c in chunk["choices"])
@@ -146,7 +146,7 @@ def same_agent_stream(seen: bytes, recorded: bytes) -> str | None:
     want = [v for v in map(agent_view, sse_data(recorded)) if _vllm_would_send(v)]
     if len(got) != len(want):
         return f"{len(got)} events, expected {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
         if g != w:
             return f"event {i}: {_diff(g, w)}"
     return None

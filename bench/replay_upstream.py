@@ -5,9 +5,10 @@
 ``POST /v1/chat/completions`` answers with the recorded body: streamed (the recorded SSE events, one write and
 flush each) when the request asks for ``"stream": true``, else the recorded JSON. With several fixtures, the
 request's ``max_tokens`` picks one (each fixture has its own; the first is the default). Nothing else in the
-request is parsed, and those two by a byte search: the cost on this side is the same whoever calls. ``GET /v1/models`` answers with the recorded model
-list, and the vLLM dev-mode routes a proxy may call at start (health, version, pause state) answer as vLLM
-does. Any other route is a 404 and is counted (``GET /bench/stats``), so a benchmark sees what it missed.
+request is parsed, and those two by a byte search: the cost on this side is the same whoever calls. ``GET
+/v1/models`` answers with the recorded model list, and the vLLM dev-mode routes a proxy may call at start
+(health, version, pause state) answer as vLLM does. Any other route is a 404 and is counted (``GET
+/bench/stats``), so a benchmark sees what it missed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What routing over replicas and running several proxy workers cost: steptap with two backends against steptap
-with one, and ``steptap serve --workers 2`` against one worker, on the replay upstream (recorded vLLM replies).
+"""What routing over replicas and running several proxy workers cost: steptap with two backends against
+steptap with one, and ``steptap serve --workers 2`` against one worker, on the replay upstream (recorded vLLM
+replies).
 
     .venv/bin/python bench/replicas_overhead.py --out runs/replicas-bench.json
 
@@ -10,13 +11,14 @@ Targets, each a ``steptap serve`` process (capture and the durable log on):
   on the least-loaded replica);
 - ``workers2``: ``--workers 2 --backend R1 --backend R2`` (two processes on one port, one replica each).
 
-Rounds alternate the targets (this machine is shared and noisy): at c=1 one run calls the targets in turn, call
-after call; at c=32 each target gets its own run, in the order one, two, workers2 on even rounds and the reverse
-on odd ones, so both compared pairs always run back to back and each side goes first in half the rounds (a
-rotation would split ``one`` from ``two`` by a ``workers2`` run in some rounds and let one side go first more
-often: drift over a round then reads as a difference). Medians over rounds of the paired ratios decide: ``two`` within 10% of ``one`` (calls/s at c=32 >= 0.9x, p50 at c=1 <= 1.1x) prints
-PASS or MISS; ``workers2`` against ``two`` is reported (on a 2-core machine the load generator and the replay
-upstreams take the cores a second worker would use). A target that answers anything but 200 fails the run.
+Rounds alternate the targets (this machine is shared and noisy): at c=1 one run calls the targets in turn,
+call after call; at c=32 each target gets its own run, in the order one, two, workers2 on even rounds and the
+reverse on odd ones, so both compared pairs always run back to back and each side goes first in half the
+rounds (a rotation would split ``one`` from ``two`` by a ``workers2`` run in some rounds and let one side go
+first more often: drift over a round then reads as a difference). Medians over rounds of the paired ratios
+decide: ``two`` within 10% of ``one`` (calls/s at c=32 >= 0.9x, p50 at c=1 <= 1.1x) prints PASS or MISS;
+``workers2`` against ``two`` is reported (on a 2-core machine the load generator and the replay upstreams take
+the cores a second worker would use). A target that answers anything but 200 fails the run.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replays = [Server(f"replay{i}", python_cmd("replay_upstream.py", "--fixture", args.fixture),
                           log=str(work / f"replay{i}.log")).start() for i in range(2)]
         servers += replays
-        backends = {"one": [replays[0].url], "two": [r.url for r in replays], "workers2": [r.url for r in replays]}
+        backends = {"one": [replays[0].url], "two": [r.url for r in replays],
+                    "workers2": [r.url for r in replays]}
         urls: dict[str, str] = {}
         for name in args.targets:
             port = free_port()

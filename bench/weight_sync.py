@@ -1,5 +1,5 @@
-"""Weight swap by disk against weight swap by collective transfer (``weight_sync = "disk" | "collective"``), same
-run, same vLLM, same proxy.
+"""Weight swap by disk against weight swap by collective transfer (``weight_sync = "disk" | "collective"``),
+same run, same vLLM, same proxy.
 
     python bench/weight_sync.py [--model-dir DIR] [--rounds 3] [--threads 1]
 
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from transformers import AutoModelForCausalLM
+
     from steptap.learner.publish import publish_weights
     from steptap.learner.transfer import named_weights, send_collective
     from steptap.middleware.launch.vllm_server import VLLMServer
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="steptap-bench-wsync-"))

@@ -9,14 +9,15 @@ does (``ray_trainer.compute_advantage``, ``workers/utils/losses.ppo_loss``) and 
   choice; with one step per trajectory this is exactly GRPO/RLOO). Step discounting is already folded into the
   return (rows.step_returns), so verl's token-level ``gamma`` (REINFORCE++) is 1.
 - Policy loss: ``get_policy_loss_fn(name)`` with an ``ActorConfig``; the micro-batch's share of the global
-  batch goes in ``config.global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss does, so
-  gradient accumulation over micro-batches equals one pass over the whole batch.
-- Step-level GAE (``algorithm = "gae"``): verl's ``compute_gae_advantage_return`` is token-level; laid out with
-  one *column per step* instead of per token it is GAE over steps: row = trajectory, column k = its k-th trained
-  step, reward = the step's own reward (rows.step_rewards), value = the value head at the step's action
-  boundary. verl then discounts across steps with gamma and lambda, whitens over every trained step of the
-  batch, and returns the value targets; each step's advantage is spread over its response tokens (the policy
-  loss stays token-level). The value head's loss is verl's clipped ``compute_value_loss``.
+  batch goes in ``config.global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss does,
+  so gradient accumulation over micro-batches equals one pass over the whole batch.
+- Step-level GAE (``algorithm = "gae"``): verl's ``compute_gae_advantage_return`` is token-level; laid out
+with
+  one *column per step* instead of per token it is GAE over steps: row = trajectory, column k = its k-th
+  trained step, reward = the step's own reward (rows.step_rewards), value = the value head at the step's
+  action boundary. verl then discounts across steps with gamma and lambda, whitens over every trained step of
+  the batch, and returns the value targets; each step's advantage is spread over its response tokens (the
+  policy loss stays token-level). The value head's loss is verl's clipped ``compute_value_loss``.
 - KL to a reference: ``kl_penalty`` + ``agg_loss``. Rollout correction: verl's
   ``compute_rollout_correction_and_rejection_mask`` (truncated IS weights, optional rejection sampling).
 """
@@ -92,17 +93,20 @@ def compute_advantages(samples: list[Sample], cfg: LearnerConfig) -> list[torch.
     """Per-sample token advantages [len(response)], scaled by each token's staleness weight."""
     rewards, mask, index = outcome_tensors(samples)
     adv, _ = estimate_advantages(cfg.algorithm, rewards, mask, index, cfg.norm_adv_by_std)
-    return [adv[i, : len(s.response_ids)] * torch.tensor(s.weights(), dtype=adv.dtype) for i, s in enumerate(samples)]
+    return [adv[i, : len(s.response_ids)] * torch.tensor(s.weights(), dtype=adv.dtype) for i,
+            s in enumerate(samples)]
 
 
 def step_gae(samples: list[Sample], values: torch.Tensor, gamma: float, lam: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over steps: ``values`` [S] (one per sample, at its action boundary) -> (advantages [S], returns [S]).
+    """GAE over steps: ``values`` [S] (one per sample, at its action boundary) -> (advantages [S], returns
+    [S]).
 
     Samples of one trajectory must be consecutive and in step order (``rows.build_batch`` makes them so). With
     r_k, V_k the k-th step's reward and value (V after the last step = 0):
-    delta_k = r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, return_k = A_k + V_k; the advantages
-    are then whitened over the batch's steps (a batch of one step has no spread to whiten: advantage 0)."""
+    delta_k = r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, return_k = A_k + V_k; the
+    advantages are then whitened over the batch's steps (a batch of one step has no spread to whiten:
+    advantage 0)."""
     if len(samples) < 2:  # return = r (nothing follows); no spread to whiten
         return torch.zeros_like(values), torch.tensor([s.reward for s in samples], dtype=values.dtype)
     rows: list[list[int]] = []
@@ -170,12 +174,14 @@ def policy_loss(
     metrics["pg_loss"] = float(pg_loss.detach())
     loss = pg_loss
     if entropy is not None and actor.entropy_coeff:
-        ent = core_algos.agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=actor.loss_agg_mode,
+        ent = core_algos.agg_loss(loss_mat=entropy, loss_mask=response_mask,
+                                  loss_agg_mode=actor.loss_agg_mode,
                                   **info)
         loss = loss - actor.entropy_coeff * ent
     if ref_log_prob is not None and actor.use_kl_loss:
         kld = core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=actor.kl_loss_type)
-        kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=actor.loss_agg_mode,
+        kl_loss = core_algos.agg_loss(loss_mat=kld, loss_mask=response_mask,
+                                      loss_agg_mode=actor.loss_agg_mode,
                                       **info)
         loss = loss + actor.kl_loss_coef * kl_loss
         metrics["kl_loss"] = float(kl_loss.detach())

@@ -63,7 +63,8 @@ def split_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") ->
     """A JSON-able copy of ``obj`` with its tensors moved into ``tensors`` (keyed by their path)."""
     if isinstance(obj, torch.Tensor):
         key = path or "_"
-        tensors[key] = obj.detach().cpu().contiguous().clone()  # safetensors refuses shared or strided storage
+        # Safetensors refuses shared or strided storage
+        tensors[key] = obj.detach().cpu().contiguous().clone()
         return {"__tensor__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
@@ -83,7 +84,8 @@ def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             try:
                 return tensors[obj["__tensor__"]]
             except KeyError:
-                raise CheckpointError(f"state.json names a tensor {obj['__tensor__']!r} the file lacks") from None
+                raise CheckpointError(f"state.json names a tensor {obj['__tensor__']!r} the file "
+                                      "lacks") from None
         if set(obj) == {"__items__"}:
             return {k: join_tensors(v, tensors) for k, v in obj["__items__"]}
         return {k: join_tensors(v, tensors) for k, v in obj.items()}
@@ -96,7 +98,8 @@ def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _write_local_dir(root: str, name: str, payload: dict[str, bytes]) -> None:
-    """``root/name/`` holding ``payload``, all-or-nothing: temp dir, files synced, rename, directories synced."""
+    """``root/name/`` holding ``payload``, all-or-nothing: temp dir, files synced, rename, directories
+    synced."""
     files.makedirs(root)
     tmp = os.path.join(root, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp, mode=0o700)
@@ -118,7 +121,8 @@ def _write_local_dir(root: str, name: str, payload: dict[str, bytes]) -> None:
 
 
 def save(url: str, state: dict[str, Any], *, keep: int = 2) -> str:
-    """Write ``state`` as ``ckpt-<updates>/`` under ``url``, durably, point ``latest`` at it, prune old ones."""
+    """Write ``state`` as ``ckpt-<updates>/`` under ``url``, durably, point ``latest`` at it, prune old
+    ones."""
     fs, root = fsspec.core.url_to_fs(url)
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     name = f"ckpt-{int(state['updates']):08d}"
@@ -145,15 +149,16 @@ def save(url: str, state: dict[str, Any], *, keep: int = 2) -> str:
 def _prune(fs: Any, root: str, keep: int, protect: str) -> None:
     if keep <= 0:
         return
-    ours = sorted(p for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("ckpt-"))
+    ours = sorted(p for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/",
+                                                                               1)[-1].startswith("ckpt-"))
     for path in ours[:-keep]:
         if not path.rstrip("/").endswith(protect):
             fs.rm(path, recursive=True)
 
 
 def load_latest(url: str) -> dict[str, Any] | None:
-    """The newest complete checkpoint under ``url``, or None when there is none. Raises ``CheckpointError`` for
-    one that is not safetensors + JSON (an old pickle checkpoint included: it is never unpickled)."""
+    """The newest complete checkpoint under ``url``, or None when there is none. Raises ``CheckpointError``
+    for one that is not safetensors + JSON (an old pickle checkpoint included: it is never unpickled)."""
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.exists(_join(root, LATEST)):
         return None
@@ -172,7 +177,8 @@ def load(url: str) -> dict[str, Any]:
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.isdir(path):
         raise CheckpointError(f"{url} is not a steptap checkpoint directory (safetensors + JSON); a pickle "
-                              "checkpoint (.pt) from an older steptap is refused: it could run code when loaded")
+                              "checkpoint (.pt) from an older steptap is refused: it could run code when "
+                              "loaded")
     try:
         with fs.open(_join(path, STATE), "rb") as fh:
             doc = json.loads(fh.read())
@@ -183,7 +189,8 @@ def load(url: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{url}/{STATE} is not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"{url}/{STATE}: format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+        raise CheckpointError(f"{url}/{STATE}: format "
+                              f"{doc.get('format') if isinstance(doc, dict) else None!r}, "
                               f"expected {FORMAT!r}")
     try:
         tensors = st_load(raw)  # parses a JSON header and raw buffers; a pickle here is just a bad header
@@ -203,15 +210,17 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
         torch.set_rng_state(state["rng"])
 
 
-def restore_value_head(head: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
-    """The step-level value head (algorithm gae) and its optimizer from ``state``; False, with both left as they
-    are, when the checkpoint has none (written before heads were saved, or by a run without gae)."""
+def restore_value_head(head: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       state: dict[str, Any]) -> bool:
+    """The step-level value head (algorithm gae) and its optimizer from ``state``; False, with both left as
+    they are, when the checkpoint has none (written before heads were saved, or by a run without gae)."""
     if "value_head" not in state:
         return False
     saved = state["value_head"]
     shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     if set(saved) != set(shapes) or any(tuple(saved[k].shape) != shapes[k] for k in shapes):
-        raise ValueError(f"checkpoint's value head {({k: tuple(v.shape) for k, v in saved.items()})} does not fit "
+        raise ValueError(f"checkpoint's value head {({k: tuple(v.shape) for k, v in saved.items()})} does "
+                         "not fit "
                          f"this model's {shapes}: was it written for another model?")
     head.load_state_dict(saved)
     if "value_optimizer" in state:

@@ -27,7 +27,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     control_token: str = ""  # empty: $STEPTAP_CONTROL_TOKEN
     consumer: str = "learner"  # the stream consumer name: its cursor is acknowledged at checkpoints
     model_dir: str = ""  # Hugging Face model directory the policy starts from
-    engine: Literal["torch", "verl"] = "torch"  # torch: this process; verl: verl's TrainingWorker group on Ray
+    # Torch: this process; verl: verl's TrainingWorker group on Ray
+    engine: Literal["torch", "verl"] = "torch"
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     num_threads: int = 0  # torch CPU threads; 0: torch's default
@@ -45,12 +46,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model_dtype: str = "fp32"  # FSDP parameter dtype: fp32 | bf16 (GPU)
 
     # -- tracking through verl.utils.tracking.Tracking, besides the JSON-lines metrics file
-    trackers: tuple[str, ...] = ()  # e.g. console tensorboard wandb mlflow (wandb runs offline unless configured)
+    # e.g. console tensorboard wandb mlflow (wandb runs offline unless configured)
+    trackers: tuple[str, ...] = ()
     project: str = "steptap"  # the tracker's project name
     experiment: str = "learn"  # the tracker's run name
 
     # -- algorithm (verl.trainer.ppo.core_algos, by name)
-    algorithm: str = "grpo"  # advantage estimator: grpo | rloo | reinforce_plus_plus | ... | gae (step-level, value head)
+    # Advantage estimator: grpo | rloo | reinforce_plus_plus | ... | gae (step-level, value head)
+    algorithm: str = "grpo"
     policy_loss: str = "vanilla"  # vanilla (PPO-clip) | gspo | cispo | ...
     loss_agg_mode: str = "token-mean"
     norm_adv_by_std: bool = True  # GRPO's std scaling (False: Dr.GRPO)
@@ -85,7 +88,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_rank: int = 0
     lora_alpha: int = 16
     lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                     "down_proj")
 
     # -- off-policy data
     max_staleness: int = 4  # steps sampled > this many versions behind are dropped / down-weighted; -1: off
@@ -102,10 +106,13 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     push_every: int = 1  # publish weights to the proxy every N updates; 0: never
     weights_dir: str = "./steptap-weights"  # where published weights go (a path vLLM can read)
     # (docs/weight-transfer.md; full weights only: LoRA adapters always go through disk)
-    weight_sync: Literal["disk", "collective"] = "disk"  # disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL on CUDA)
+    # Disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL on
+    # CUDA)
+    weight_sync: Literal["disk", "collective"] = "disk"
     transfer_address: str = ""  # collective: this host's address as vLLM's workers reach it; empty: guessed
     transfer_timeout_s: float = 120.0  # collective: bound on the rendezvous and on each tensor
-    disk_every: int = 0  # collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never
+    # Collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never
+    disk_every: int = 0
     checkpoint_dir: str = "./steptap-checkpoints"  # any fsspec URL
     checkpoint_every: int = 10  # updates; the stream cursor is acknowledged only here
     keep_checkpoints: int = 2
@@ -124,10 +131,12 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("model_dir is required")
         if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY:
             problems.append(f"algorithm {self.algorithm!r}: gae or a critic-free verl advantage estimator")
-        if self.algorithm == "gae" and not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and self.value_lr > 0):
+        if self.algorithm == "gae" and not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1
+                                            and self.value_lr > 0):
             problems.append("gae needs 0 <= gamma <= 1, 0 <= lam <= 1 and value_lr > 0")
         if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY or self.policy_loss == "bypass_mode":
-            problems.append(f"policy_loss {self.policy_loss!r}: one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}")
+            problems.append(f"policy_loss {self.policy_loss!r}: one of "
+                            f"{sorted(core_algos.POLICY_LOSS_REGISTRY)}")
         for name in ("batch_groups", "group_size", "epochs", "micro_batch_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
@@ -163,12 +172,13 @@ def verl_engine_problems(cfg: LearnerConfig) -> list[str]:
         out.append("engine verl: the step-level value model (algorithm gae) runs on the torch engine only; "
                    "use --engine torch, or a critic-free estimator (grpo, rloo, ...)")
     if cfg.truncation_mode == "correct":
-        out.append("engine verl: steps sampled with top_p < 1 or top_k > 0 cannot be corrected exactly (verl's "
-                   "workers return per-token logprobs, not the distribution); use --truncation-mode drop, or "
-                   "sample with the proxy's training values (temperature 1, top_p 1)")
+        out.append("engine verl: steps sampled with top_p < 1 or top_k > 0 cannot be corrected exactly "
+                   "(verl's workers return per-token logprobs, not the distribution); use --truncation-mode "
+                   "drop, or sample with the proxy's training values (temperature 1, top_p 1)")
     if cfg.kl_coef > 0 and cfg.lora_rank == 0:
         out.append("engine verl: kl_coef > 0 needs lora_rank > 0 (the reference is the base model with the "
-                   "adapter disabled); a separate reference worker group for full fine-tuning is not built yet")
+                   "adapter disabled); a separate reference worker group for full fine-tuning is not built "
+                   "yet")
     if cfg.workers < 1 or cfg.nodes < 1 or cfg.workers % cfg.nodes:
         out.append("engine verl: workers must be a positive multiple of nodes")
     return out
@@ -214,7 +224,8 @@ def _field_comments() -> dict[str, str]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name`` per ``LearnerConfig`` field (``--x/--no-x`` for booleans), default None = unset."""
+    """One ``--field-name`` per ``LearnerConfig`` field (``--x/--no-x`` for booleans), default None =
+    unset."""
     hints = typing.get_type_hints(LearnerConfig, include_extras=False)
     comments, defaults = _field_comments(), LearnerConfig().as_dict()
     for name in LearnerConfig.__struct_fields__:
@@ -222,7 +233,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         help_ = f"{comments.get(name, '')} (default {defaults[name]!r})".lstrip()
         if hint is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_)
             continue
         type_, extra = _flag_type(hint)
         kw = {} if "nargs" in extra else {"type": type_}
@@ -230,7 +242,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_argv(argv: list[str] | None, prog: str = "steptap learn") -> LearnerConfig:
-    parser = argparse.ArgumentParser(prog=prog, description="Train the policy on the steptap trajectory stream.")
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description="Train the policy on the steptap trajectory stream.")
     parser.add_argument("--config", help="TOML file with LearnerConfig fields (top level or [learner])")
     add_config_flags(parser)
     args = vars(parser.parse_args(argv))

@@ -10,8 +10,8 @@ Acknowledgement. Groups finish out of stream order, so the learner keeps a ledge
 acknowledges the longest prefix of the stream whose trajectories were all trained on or deliberately dropped,
 and stores in the checkpoint the delivery keys (id and ``created_at``) it has already consumed beyond that
 prefix. ``--resume`` restores the weights, optimizer, version and update count, reopens the stream at the
-checkpoint's cursor and skips those keys: nothing acknowledged or already trained is trained again; a crash between checkpoints re-delivers (and
-re-trains) what came after the last checkpoint, never loses it.
+checkpoint's cursor and skips those keys: nothing acknowledged or already trained is trained again; a crash
+between checkpoints re-delivers (and re-trains) what came after the last checkpoint, never loses it.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ class Learner:
             cursors = {s.url: s.cursor for s in self.sources}
             self.metrics.note(f"resumed at update {self.updates}, version {self.version}, cursors {cursors}")
             if cfg.algorithm == "gae" and not getattr(self.engine, "value_head_restored", True):
-                self.metrics.note("the checkpoint has no value head (older, or not a gae run): it starts at V = 0")
+                self.metrics.note("the checkpoint has no value head (older, or not a gae run): it starts at "
+                                  "V = 0")
         else:
             self.version = max(_proxy_version(s.url) for s in self.sources)
 
@@ -166,7 +167,8 @@ class Learner:
                 self.updates += 1
                 if self.cfg.push_every and self.updates % self.cfg.push_every == 0:
                     await asyncio.to_thread(self._publish)
-                self.metrics.log(update_row(self.updates, batch, stats, self.version, time.perf_counter() - t0))
+                self.metrics.log(update_row(self.updates, batch, stats, self.version,
+                                            time.perf_counter() - t0))
                 if self.updates % self.cfg.checkpoint_every == 0:
                     await self.checkpoint()
         finally:
@@ -180,7 +182,8 @@ class Learner:
         async for d in src.client.trajectories(self.cfg.consumer, cursor=src.cursor):
             skipped = src.client.skipped.get(self.cfg.consumer, 0)
             if skipped != src.unreadable:  # never fatal: the cursor moved past them, an ack covers them
-                self.metrics.note(f"skipped {skipped - src.unreadable} unreadable record(s) in {src.url}'s stream")
+                self.metrics.note(f"skipped {skipped - src.unreadable} unreadable record(s) in {src.url}'s "
+                                  "stream")
                 src.unreadable = skipped
             src.ledger.deliver(d)
             key = delivery_key(d.trajectory)
@@ -263,7 +266,7 @@ class Learner:
 
         with ThreadPoolExecutor(len(self.sources)) as pool:
             errors = list(pool.map(swap, [s.url for s in self.sources]))
-        for src, err in zip(self.sources, errors):
+        for src, err in zip(self.sources, errors, strict=False):
             if err is not None:
                 self.metrics.note(f"[red]publish failed[/red] on {src.url}: {err}")
         if any(e is None for e in errors):
@@ -274,9 +277,10 @@ class Learner:
             # (after a timeout the swap may still have happened: then the directory stays)
 
     def _publish_collective(self, version: int) -> None:
-        """``weight_sync = "collective"``: broadcast the full weights into each proxy's vLLM (learner/transfer.py),
-        one proxy after the other (each transfer is its own group). A failed transfer may have made the last
-        weights on disk a newer version at that proxy (its error says so): the next publish goes above it."""
+        """``weight_sync = "collective"``: broadcast the full weights into each proxy's vLLM
+        (learner/transfer.py), one proxy after the other (each transfer is its own group). A failed transfer
+        may have made the last weights on disk a newer version at that proxy (its error says so): the next
+        publish goes above it."""
         from steptap.learner.publish import PublishError
         from steptap.learner.transfer import send_collective
 
@@ -307,20 +311,22 @@ class Learner:
             "engine": await asyncio.to_thread(self.engine.state_dict),  # weights, optimizer, RNG
             "cursor": cursor,  # the first source's (the only one's, usually)
             "consumed_after_cursor": consumed_after,
-            "sources": {url: {"cursor": c, "consumed_after_cursor": after} for url, (c, after) in fronts.items()},
+            "sources": {url: {"cursor": c, "consumed_after_cursor": after} for url,
+                        (c, after) in fronts.items()},
             "version": self.version,
             "updates": self.updates,
             "config": self.cfg.as_dict(),
         }
         path = await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint_dir, state,
                                        keep=self.cfg.keep_checkpoints)
-        for src in self.sources:  # each stream acknowledged on its own, once the checkpoint covering it is durable
+        # Each stream acknowledged on its own, once the checkpoint covering it is durable
+        for src in self.sources:
             acked = fronts[src.url][0]
             if acked is None:
                 continue
             try:
                 await src.client.ack(self.cfg.consumer, acked)
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, SteptapError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, SteptapError) as exc:
                 # That proxy is restarting: the next checkpoint acknowledges (its cursor covers this one), and
                 # until then a re-delivery is skipped by the client's de-duplication.
                 self.metrics.note(f"[yellow]ack failed[/yellow] on {src.url} ({exc}); retried at the next "

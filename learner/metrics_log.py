@@ -1,4 +1,5 @@
-"""What the user sees: a progress bar, one status line per update, metrics as JSON lines, optional TensorBoard.
+"""What the user sees: a progress bar, one status line per update, metrics as JSON lines, optional
+TensorBoard.
 
 Each update appends one JSON object to the metrics file (flushed at once, so ``steptap plot`` and ``steptap
 up``'s live view can read it while the learner runs). Keys: ``update``, ``time``, ``reward_mean``,
@@ -30,7 +31,8 @@ from steptap.learner.engines.base import StepStats
 from steptap.learner.rows import Batch
 
 
-def update_row(update: int, batch: Batch, stats: StepStats | None, version: int, wall_s: float) -> dict[str, Any]:
+def update_row(update: int, batch: Batch, stats: StepStats | None, version: int, wall_s: float) -> dict[str,
+                                                                                                        Any]:
     versions = Counter(s.policy_version for s in batch.samples)
     row: dict[str, Any] = {
         "update": update,
@@ -87,7 +89,8 @@ def make_tracking(trackers: tuple[str, ...] | list[str], tensorboard_dir: str = 
 
 class MetricsLog:
     def __init__(self, path: str, tensorboard_dir: str = "", show: bool = True, total: int = 0,
-                 trackers: tuple[str, ...] | list[str] = (), project: str = "steptap", experiment: str = "learn",
+                 trackers: tuple[str, ...] | list[str] = (), project: str = "steptap",
+                 experiment: str = "learn",
                  config: dict[str, Any] | None = None) -> None:
         self.path = path
         if os.path.dirname(path):

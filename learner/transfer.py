@@ -1,11 +1,11 @@
 """Publishing full weights to vLLM by a collective transfer instead of a directory on disk.
 
 ``weight_sync = "collective"`` (LearnerConfig). The learner is rank 0 of a torch.distributed group made for
-this one transfer (no global default group): it hosts a TCPStore on a free port and asks the proxy to swap with
-``POST /admin/weights {"transfer": {...}}``. The proxy does what it does for a disk swap (hold new calls, drain,
-pause every replica) and then has each vLLM worker join the group through vLLM's weight-transfer routes (the
-``steptap`` engine: ``middleware/launch/vllm_plugin``), while this side broadcasts every tensor from rank 0.
-When the workers have loaded them the proxy resets the prefix cache, persists the version and resumes; the
+this one transfer (no global default group): it hosts a TCPStore on a free port and asks the proxy to swap
+with ``POST /admin/weights {"transfer": {...}}``. The proxy does what it does for a disk swap (hold new calls,
+drain, pause every replica) and then has each vLLM worker join the group through vLLM's weight-transfer routes
+(the ``steptap`` engine: ``middleware/launch/vllm_plugin``), while this side broadcasts every tensor from rank
+0. When the workers have loaded them the proxy resets the prefix cache, persists the version and resumes; the
 HTTP answer carries the new version. The backend is ``gloo`` for CPU tensors and ``nccl`` for CUDA ones: the
 same code path.
 
@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from steptap.learner.publish import PublishError
-from steptap.middleware.launch.vllm_plugin.steptap_sealed_store import SealedStore
 from steptap.middleware.client import SteptapError, SyncSteptapClient
+from steptap.middleware.launch.vllm_plugin.steptap_sealed_store import SealedStore
 
 logger = logging.getLogger("steptap.learner.transfer")
 
@@ -98,7 +99,8 @@ def send_collective(
         raise ValueError("the tensors must all be on CUDA or all on CPU")
     backend = "nccl" if cuda else "gloo"
     try:
-        return _send(weights, proxy_url, control_token, backend, version, address or _route_address(proxy_url),
+        return _send(weights, proxy_url, control_token, backend, version,
+                     address or _route_address(proxy_url),
                      timeout_s, swap_timeout_s, progress)
     except PublishError:
         raise
@@ -138,8 +140,9 @@ def _send(weights: list[tuple[str, torch.Tensor]], proxy_url: str, control_token
     td = datetime.timedelta(seconds=timeout_s)
     store = _listen(address, td)
     secret = secrets.token_hex(32)  # this transfer's: only the proxy (and through it vLLM) learns it
-    body = {"transfer": {"address": address, "port": store.port, "secret": secret, "backend": backend,
-                         "timeout_s": timeout_s, **transfer_spec(weights)}}
+    body: dict[str, Any] = {"transfer": {"address": address, "port": store.port, "secret": secret,
+                                         "backend": backend, "timeout_s": timeout_s,
+                                         **transfer_spec(weights)}}
     if version is not None:
         body["version"] = int(version)
     answer: dict[str, Any] = {}

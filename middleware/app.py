@@ -8,32 +8,30 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
+from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
+from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
 from steptap.middleware.proxy import relay, routes
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
+from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.rewards import RewardFn, load_reward
 from steptap.middleware.weights import routes as weights
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import WeightSwapper
-from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
-from steptap.middleware.config import CONFIG_KEY, ProxyConfig
-from steptap.middleware.errors import error_middleware
-from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
-from steptap.middleware.sessions.rewards import RewardFn, load_reward
-from steptap.middleware.sessions.control import SESSIONS_KEY
-from steptap.middleware.sessions.manager import SessionManager
-from steptap.middleware.log.wal import TrajectoryLog
 
 logger = logging.getLogger("steptap.proxy")
 
 TASKS_KEY = web.AppKey("steptap_tasks", set)  # background tasks; shutdown drains them
-REWARD_KEY = web.AppKey("steptap_reward_fn", object)  # the --reward callback, or None
+REWARD_KEY: web.AppKey[RewardFn | None] = web.AppKey("steptap_reward_fn")  # the --reward callback, or None
 
 
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
@@ -140,7 +138,7 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 @web.middleware
-async def _count_calls(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _count_calls(request: web.Request, handler: Handler) -> web.StreamResponse:
     status = 500
     try:
         response = await handler(request)

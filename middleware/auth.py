@@ -1,4 +1,5 @@
-"""The control token: everything that is not a model call needs it (docs/SECURITY.md, "Parties and credentials").
+"""The control token: everything that is not a model call needs it (docs/SECURITY.md, "Parties and
+credentials").
 
 The agent is untrusted: its URL or session key reaches the model routes and nothing else, so a session key
 (``stk-...``) presented on a control route gets 403, and no credential at all gets 401."""

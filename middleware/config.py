@@ -19,7 +19,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     """Each field is a ``steptap serve`` flag (``serve.py`` generates them; the description is the help)."""
 
     backend: Annotated[str, _help(
-        "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix socket")] = ""
+        "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix "
+        "socket")] = ""
     backends: Annotated[list[str], _help(
         "more vLLM replicas (--backend repeated); backend/pool.py routes among them")] = []
     backends_file: Annotated[str | None, _help(
@@ -38,7 +39,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "why POST /admin/weights is refused (set by steptap serve --workers)")] = None
     swap_mode: Annotated[Literal["keep", "drain"], _help(
         "keep: calls in flight are frozen and continue on the new weights (no drain, no cut; LoRA: the new "
-        "adapter beside the old, no pause); drain: wait for them first (bounded by --swap-drain-timeout)")] = "keep"
+        "adapter beside the old, no pause); drain: wait for them first (bounded by "
+        "--swap-drain-timeout)")] = "keep"
     swap_drain_timeout_s: Annotated[float, _help(
         "drain mode: a swap waits this long for calls in flight, then cuts them (recorded failed)")] = 60.0
     backend_api_key: Annotated[str | None, _help(
@@ -59,7 +61,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False
     auto_create: Annotated[bool, _help(
-        "an unknown session id in a model call opens that session (auto:<id>) once the backend accepted it")] = True
+        "an unknown session id in a model call opens that session (auto:<id>) once the backend "
+        "accepted it")] = True
     max_auto_sessions: Annotated[int, _help(
         "most auto-created sessions open at once, apart from max_open_sessions (429 beyond)")] = 1000
     auto_session_idle_timeout_s: Annotated[float, _help(
@@ -80,8 +83,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     log_upload_interval_s: Annotated[float | None, _help(
         "remote logs: upload the active segment's committed part this often (docs/log.md)")] = 30.0
     log_durability: Annotated[Literal["fsync", "os"], _help(
-        "fsync: a step is synced before its reply completes (survives a machine crash); os: written to the OS "
-        "before the reply (survives a proxy crash), synced every 0.2 s (docs/log.md)")] = "fsync"
+        "fsync: a step is synced before its reply completes (survives a machine crash); os: written to the "
+        "OS before the reply (survives a proxy crash), synced every 0.2 s (docs/log.md)")] = "fsync"
     # What vLLM uses when a request omits a sampling value: the model's generation_config.json when it sets
     # one (vLLM's default --generation-config auto), else OpenAI's defaults. Recorded in Step.sampling.
     sampling_defaults: Annotated[dict[str, float], _help(
@@ -94,10 +97,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "module:function called with each finished Trajectory; returns a reward or per-step rewards")] = None
     reward_timeout_s: Annotated[float, _help("seconds a reward callback may take")] = 30.0
     session_idle_timeout_s: Annotated[float | None, _help(
-        "close sessions idle this long as timed_out (auto-created ones: auto_session_idle_timeout_s; a session's own value wins; 0: never, "
-        "and an abandoned session then holds its steps until restart)")] = 600.0
+        "close sessions idle this long as timed_out (auto-created ones: auto_session_idle_timeout_s; a "
+        "session's own value wins; 0: never, and an abandoned session then holds its steps until "
+        "restart)")] = 600.0
     finish_drain_timeout_s: Annotated[float, _help(
-        "a finish waits this long for the session's calls in flight, so their steps are in its trajectory")] = 30.0
+        "a finish waits this long for the session's calls in flight, so their steps are in its "
+        "trajectory")] = 30.0
     group_timeout_s: Annotated[float | None, _help(
         "a group is complete when full or when this has passed")] = None
     upstream_timeout_s: Annotated[float, _help(
@@ -115,11 +120,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "most encoded bytes an open session holds (409 beyond; at most max_record_bytes)")] = 48 * MIB
     max_concurrent_calls: Annotated[int, _help("most model calls in flight (429 + Retry-After beyond)")] = 512
     max_calls_per_peer: Annotated[int, _help(
-        "most model calls in flight from one client address (429 beyond): one peer cannot take every slot")] = 384
+        "most model calls in flight from one client address (429 beyond): one peer cannot take every "
+        "slot")] = 384
     max_calls_per_session: Annotated[int, _help(
         "most model calls in flight in one named session (429 beyond)")] = 64
     stream_write_timeout_s: Annotated[float, _help(
-        "a streamed reply whose agent takes no byte for this long is cut (recorded failed, client_stalled)")] = 60.0
+        "a streamed reply whose agent takes no byte for this long is cut (recorded failed, "
+        "client_stalled)")] = 60.0
     max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
     upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
     max_closed_sessions: Annotated[int, _help(
@@ -136,7 +143,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_body_memory < 6 * self.body_limit:
-            raise ValueError("max_body_memory must be at least 6 x max_request_bytes (one call's copies of its body)")
+            raise ValueError("max_body_memory must be at least 6 x max_request_bytes (one call's copies of "
+                             "its body)")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:

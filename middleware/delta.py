@@ -6,7 +6,8 @@ whole, a session of n turns over a growing context costs O(n^2) bytes; logged as
 
 - ``prompt_token_ids``: only the ids after the base's prompt + response;
 - ``request``: only the keys whose value differs from the base's; a list that continues the base's list of the
-  same key (``messages``, ``input``) keeps only its new items (``Delta.tails``); ``Delta.keys`` keeps the order.
+  same key (``messages``, ``input``) keeps only its new items (``Delta.tails``); ``Delta.keys`` keeps the
+  order.
 
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
@@ -68,7 +69,8 @@ def expand(step: Step, base: Step) -> Step:
         if key in d.tails:
             old = base.request.get(key)
             if not isinstance(old, list) or len(old) != d.tails[key]:
-                raise DeltaError(f"step {step.index}: the base's {key!r} is not the {d.tails[key]} items it continues")
+                raise DeltaError(f"step {step.index}: the base's {key!r} is not the {d.tails[key]} items it "
+                                 "continues")
             request[key] = old + step.request[key]
         elif key in step.request:
             request[key] = step.request[key]
@@ -112,7 +114,8 @@ def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
         return full_trajectory(traj)
     if len(logged) != len(traj.step_refs):
         raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} steps, {len(logged)} given")
-    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s, ref in zip(logged, traj.step_refs)]
+    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s,
+                    ref in zip(logged, traj.step_refs, strict=True)]
     return _replace(traj, steps=full_steps(with_rewards), step_refs=[])
 
 
@@ -134,7 +137,8 @@ class Expander:
         if step.delta is not None:
             base = last.get(step.delta.base)
             if base is None:
-                raise DeltaError(f"step {step.index} of {step.trajectory_id!r} extends step {step.delta.base}, "
+                raise DeltaError(f"step {step.index} of {step.trajectory_id!r} extends step "
+                                 f"{step.delta.base}, "
                                  "which is not in the previous call")
             step = expand(step, base)
         if step.status == "ok":

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from steptap.middleware import exceptions as ex
 
@@ -122,7 +123,7 @@ def not_found(message: str, code: str | None = "not_found") -> ApiError:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as an OpenAI error body: our ApiErrors pass through, aiohttp's own HTTP errors (404
     on an unknown route, 405) are rewritten, and anything unexpected becomes a 500 that is logged, never
     leaked."""

@@ -4,19 +4,17 @@ body with its status, so the domain reads as plain Python and the routes stay th
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 
 class DomainError(Exception):
     """Base of every error a request can end in. ``code`` is the machine-readable code agents see."""
 
-    code: ClassVar[str] = "error"
+    code: str = "error"  # each class's own; an instance may carry a finer one
 
     def __init__(self, message: str, code: str | None = None, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:  # a finer code than the class's (the status stays the class's: errors._STATUS)
-            self.code = code  # type: ignore[misc]
+            self.code = code
         self.retry_after_s = retry_after_s  # set on errors worth retrying (overload): sent as Retry-After
 
 
@@ -26,7 +24,7 @@ class InvalidRequest(DomainError):
     code = "invalid_request"
 
 
-# --- sessions -------------------------------------------------------------------------------------------------
+# --- sessions -----------------------------------------------------------------------------------------------
 class SessionNotFound(DomainError):
     code = "session_not_found"
 
@@ -75,7 +73,7 @@ class Overloaded(DomainError):
     code = "too_many_calls"
 
 
-# --- the backend ---------------------------------------------------------------------------------------------
+# --- the backend --------------------------------------------------------------------------------------------
 class ModelNotFound(DomainError):
     code = "model_not_found"
 
@@ -110,7 +108,7 @@ class SwapCut(DomainError):
     code = "swap_cut"
 
 
-# --- the weight swap (weights/) ------------------------------------------------------------------------------
+# --- the weight swap (weights/) -----------------------------------------------------------------------------
 class SwapError(DomainError):
     """A swap that failed on a replica: the old version keeps serving (its message says otherwise)."""
 
@@ -139,7 +137,7 @@ class SwapNotPersisted(SwapError):
     code = "log_error"
 
 
-# --- the log -------------------------------------------------------------------------------------------------
+# --- the log ------------------------------------------------------------------------------------------------
 class RecordTooLarge(DomainError):
     code = "record_too_large"
 

@@ -1,9 +1,9 @@
 """Durable file writes, in one place: atomic replace, directory sync, durable directory creation.
 
 A rename is atomic but not durable until the directory holding the new name is synced, and a file's data is
-not durable until the file is synced before the rename (else a crash can leave the new name on empty or partial
-contents). ``atomic_write`` does all four steps. Files default to mode 0600 and new directories to 0700: what
-steptap writes holds prompts, session keys and tokens.
+not durable until the file is synced before the rename (else a crash can leave the new name on empty or
+partial contents). ``atomic_write`` does all four steps. Files default to mode 0600 and new directories to
+0700: what steptap writes holds prompts, session keys and tokens.
 
 Light on purpose (stdlib only): the proxy, the learner and ``steptap up`` all use it.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import secrets
+import stat
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -24,7 +24,8 @@ StrPath = str | os.PathLike[str]
 
 
 def cache_root() -> Path:
-    """steptap's per-user cache (the vLLM virtualenv, the agent CLIs, server logs): $XDG_CACHE_HOME/steptap."""
+    """steptap's per-user cache (the vLLM virtualenv, the agent CLIs, server logs):
+    $XDG_CACHE_HOME/steptap."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptap"
 
 
@@ -42,8 +43,8 @@ def fsync_path(path: StrPath) -> None:
         os.close(fd)
 
 
-# pwritev2's per-write O_DSYNC (Linux 4.7+): the write and its fdatasync in one call. 0 where it is missing (or
-# found unsupported at the first try): a write is then followed by ``datasync``.
+# pwritev2's per-write O_DSYNC (Linux 4.7+): the write and its fdatasync in one call. 0 where it is missing
+# (or found unsupported at the first try): a write is then followed by ``datasync``.
 _RWF_DSYNC = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
 
 
@@ -80,8 +81,8 @@ def write_all(fd: int, data: bytes | memoryview, offset: int | None = None, dsyn
 
 
 def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:
-    """Create ``path`` and any missing parents, durably: each new directory's entry is synced in its parent, so
-    a crash cannot lose a directory that files were already synced into."""
+    """Create ``path`` and any missing parents, durably: each new directory's entry is synced in its parent,
+    so a crash cannot lose a directory that files were already synced into."""
     path = Path(path)
     missing: list[Path] = []
     p = path
@@ -102,9 +103,9 @@ def makedirs(path: StrPath, mode: int = DIR_MODE) -> Path:
 
 
 def private_dir(path: StrPath) -> Path:
-    """``makedirs`` with every directory it creates 0700 (durable; the mode set past the umask). A directory that
-    already exists is the user's (``/tmp``, ``/run``, the working directory) and keeps its mode: a secret in one
-    goes through ``secret_dir``."""
+    """``makedirs`` with every directory it creates 0700 (durable; the mode set past the umask). A directory
+    that already exists is the user's (``/tmp``, ``/run``, the working directory) and keeps its mode: a secret
+    in one goes through ``secret_dir``."""
     path = Path(path)
     new = [p for p in (path, *path.parents) if not p.exists()]
     makedirs(path)
@@ -119,13 +120,13 @@ class PrivateDirError(ValueError):
 
 
 def secret_dir(path: StrPath) -> Path:
-    """``private_dir``, for a directory that holds a secret (a token, a socket): refused when another user (root
-    aside) owns it or others may write it, since they could swap, remove or plant the file."""
+    """``private_dir``, for a directory that holds a secret (a token, a socket): refused when another user
+    (root aside) owns it or others may write it, since they could swap, remove or plant the file."""
     d = private_dir(path)
     st = d.stat()
     if st.st_mode & 0o022:
-        raise PrivateDirError(f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): a secret there "
-                              "could be swapped or planted; use a directory only you can write")
+        raise PrivateDirError(f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): a secret "
+                              "there could be swapped or planted; use a directory only you can write")
     if st.st_uid not in (os.getuid(), 0):  # root's own directories (/etc, /run) are as safe as root is
         raise PrivateDirError(f"{d} belongs to another user: keep secrets in a directory of your own")
     return d
@@ -185,6 +186,7 @@ def sync_tree(path: StrPath) -> None:
 
 
 __all__ = [
-    "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs", "private_dir", "sync_tree",
+    "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs",
+    "private_dir", "sync_tree",
     "write_all",
 ]

@@ -13,8 +13,8 @@ import msgspec
 from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.config import ProxyConfig
 
-# Fields that are not plain flags: derived at start (sampling_defaults), or read from a file or the environment
-# as well as a flag (the secrets), or parsed from a string (force_sampling).
+# Fields that are not plain flags: derived at start (sampling_defaults), or read from a file or the
+# environment as well as a flag (the secrets), or parsed from a string (force_sampling).
 NOT_FLAGS = {"sampling_defaults", "backends"}  # backends: the second and later --backend
 HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
 SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY"}
@@ -54,7 +54,8 @@ def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = Non
         elif type_ is bool:
             flag = _flag(name) if not default else "--no-" + _flag(name)[2:]
             parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
-                                default=default, help=f"turn off (on by default): {help_}" if default else help_)
+                                default=default, help=f"turn off (on by default): {help_}" if default
+                                else help_)
         elif name in SECRET_ENV:
             parser.add_argument(_flag(name), dest=name, default=None,
                                 help=f"{help_}. Prefer ${SECRET_ENV[name]} or {_flag(name)}-file: a command "

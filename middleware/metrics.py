@@ -21,8 +21,8 @@ from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 
 # Metric names, the one definition: the proxy exports them and readers (`steptap up`'s live view, dashboards)
-# use these constants. prometheus_client adds ``_total`` to a counter's sample, ``_count``/``_sum``/``_bucket``
-# to a histogram's; ``sample()`` says which sample a reader wants.
+# use these constants. prometheus_client adds ``_total`` to a counter's sample,
+# ``_count``/``_sum``/``_bucket`` to a histogram's; ``sample()`` says which sample a reader wants.
 CALLS = "steptap_calls"
 CALL_LATENCY = "steptap_call_latency_seconds"
 STEPS = "steptap_steps"
@@ -36,7 +36,8 @@ WEIGHT_SWAP_SECONDS = "steptap_weight_swap_seconds"
 SWAP_STALL_MAX = "steptap_weight_swap_stall_max_seconds"  # the fleet's longest stall in any swap
 SWAP_CUT_CALLS = "steptap_weight_swap_cut_calls"
 SPANNING_CALLS = "steptap_calls_spanning_swaps"  # calls whose tokens came from several policy versions
-TOKENS_BY_VERSION = "steptap_tokens_by_version"  # response tokens recorded per policy version (label: version)
+# Response tokens recorded per policy version (label: version)
+TOKENS_BY_VERSION = "steptap_tokens_by_version"
 
 
 def sample(name: str, kind: str = "") -> str:
@@ -70,7 +71,8 @@ class Metrics:
             ["endpoint", "field"], registry=r
         )
         self.refused_calls = Counter(
-            "steptap_refused_calls", "model calls refused with a 4xx (by the proxy or the backend)", ["endpoint"],
+            "steptap_refused_calls", "model calls refused with a 4xx (by the proxy or the backend)",
+            ["endpoint"],
             registry=r
         )
         self.steps = Counter(STEPS, "recorded steps", ["status", "anonymous"], registry=r)
@@ -94,7 +96,8 @@ class Metrics:
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )
         self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
-        # What open sessions hold in memory, and the calls in flight: each bounded by a limit (docs/limits.md).
+        # What open sessions hold in memory, and the calls in flight: each bounded by a limit
+        # (docs/limits.md).
         self.steps_held = Gauge("steptap_session_steps_held", "steps held by open sessions", registry=r)
         self.bytes_held = Gauge(
             "steptap_session_bytes_held", "encoded bytes of the steps open sessions hold", registry=r

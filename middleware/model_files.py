@@ -39,7 +39,8 @@ def ties_embeddings(model_dir: str | Path, config: dict[str, Any] | None = None)
     Without one, the architecture's own default applies, which differs by model class (Llama and Qwen2 untie,
     the base class ties) and cannot be read without transformers; the weights tell instead: a tied model is
     saved without an ``lm_head.weight`` tensor, an untied one with it. With no readable weights either: tied
-    (transformers' base default, and the safe answer, since a tied model must not get a full-weight reload)."""
+    (transformers' base default, and the safe answer, since a tied model must not get a full-weight
+    reload)."""
     d = Path(model_dir)
     config = read_config(d) if config is None else config
     flags = [config.get("tie_word_embeddings")]

@@ -8,13 +8,14 @@ here and reused everywhere.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
 # 2: Sampling records what else shapes the distribution (min_p, penalties, constraints).
-# 3: an anonymous call (no reward callback) is logged as its one-step Trajectory alone (``steps_logged=False``).
-# 4: delta steps: a step whose prompt extends the previous call's holds only what is new (``Step.delta``), and a
+# 3: an anonymous call (no reward callback) is logged as its one-step Trajectory alone
+# (``steps_logged=False``). 4: delta steps: a step whose prompt extends the previous call's holds only what is
+# new (``Step.delta``), and a
 #    finished Trajectory refers to its logged steps (``step_refs``) instead of embedding them (``delta.py``);
 #    a step whose generation spans a weight swap records where each policy version starts (``version_spans``).
 SCHEMA_VERSION = 4
@@ -71,7 +72,8 @@ class Delta(msgspec.Struct, kw_only=True):
     only the ids after the base's prompt + response, and its ``request`` only what differs (``delta.py``)."""
 
     base: int  # the index of the step it extends
-    keys: list[str] = []  # the full request's keys in order; a key missing from ``request`` is the base's value
+    # The full request's keys in order; a key missing from ``request`` is the base's value
+    keys: list[str] = []
     tails: dict[str, int] = {}  # a list the base's list of that key (this many items) continues
 
 
@@ -113,8 +115,8 @@ class Step(Record, tag="step"):
     # a translation choice (docs/protocols.md)
     notes: list[str] = []
     delta: Delta | None = None  # set only in the log's form of a step (v4); readers hand out full steps
-    # [[start, version], ...]: response token ``start`` on was sampled by ``version`` (a generation that spans a
-    # ``keep`` weight swap). Empty: every token is ``policy_version``'s (every step before v4).
+    # [[start, version], ...]: response token ``start`` on was sampled by ``version`` (a generation that spans
+    # a ``keep`` weight swap). Empty: every token is ``policy_version``'s (every step before v4).
     version_spans: list[list[int]] = []
 
     def token_versions(self) -> list[int]:
@@ -195,9 +197,10 @@ class PolicyVersion(Record, tag="policy_version"):
     at: float = msgspec.field(default_factory=time.time)
 
 
-# A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to its
-# logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens only.
-LogRecord = Union[Step, Trajectory, SessionOpened, RewardAdded, PolicyVersion]
+# A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to
+# its logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens
+# only.
+LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_proxy_flags(p)
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="N proxy processes on one port (SO_REUSEPORT), each with its own log and port PORT+1+i")
+                   help="N proxy processes on one port (SO_REUSEPORT), each with its own log and port "
+                        "PORT+1+i")
     return p
 
 
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     workers = args_of(argv).workers
     if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
-        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N", file=sys.stderr)
+        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
+              file=sys.stderr)
         return 2
     if workers > 1:
         from steptap.middleware.workers import run_workers
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
 
         uvloop.install()
     except ImportError:
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.reuse_port or config.worker_port:
         asyncio.run(_serve_worker(app, config))
     else:
-        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None, backlog=backlog(config))
+        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
+                    backlog=backlog(config))
     return 0
 
 
@@ -145,7 +148,8 @@ async def _serve_worker(app: Any, config: ProxyConfig) -> None:
 
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port, backlog=backlog(config)).start()
+    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port,
+                      backlog=backlog(config)).start()
     if config.worker_port:
         await web.TCPSite(runner, config.host, config.worker_port, backlog=backlog(config)).start()
     stop = asyncio.Event()

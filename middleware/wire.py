@@ -37,7 +37,7 @@ LEN = struct.Struct(">I")  # the msgpack framing's length prefix
 MAX_MESSAGE = 1 << 30  # a length prefix above this is a broken stream, not a message
 
 
-# ---- cursors -------------------------------------------------------------------------------------------------
+# ---- cursors -----------------------------------------------------------------------------------------------
 
 
 def format_cursor(segno: int, offset: int) -> str:
@@ -56,7 +56,7 @@ def cursor_key(segno: int, offset: int) -> int:
     return (segno << 40) | offset  # one sortable int (segments stay far below 1 TiB)
 
 
-# ---- messages ------------------------------------------------------------------------------------------------
+# ---- messages ----------------------------------------------------------------------------------------------
 
 
 class StreamMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -110,7 +110,8 @@ def decode_envelope(body: bytes, fmt: Format) -> Envelope:
     return _env_json.decode(body) if fmt == "ndjson" else _env_mp.decode(body)
 
 
-def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format, steps: list[msgspec.Raw] | None = None) -> Trajectory:
+def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format,
+                      steps: list[msgspec.Raw] | None = None) -> Trajectory:
     """A message's trajectory, with full steps (``steps``: the logged steps it refers to);
     ``msgspec.ValidationError``/``DecodeError`` (or ``delta.DeltaError``) when it is not one. In JSON, a
     ``null`` logprob (how JSON carries NaN) is read back as NaN."""
@@ -137,7 +138,7 @@ def _nulls_to_nan(obj: Any) -> bool:
     return changed
 
 
-# ---- framing (reading) ---------------------------------------------------------------------------------------
+# ---- framing (reading) -------------------------------------------------------------------------------------
 
 
 class StreamCut(Exception):

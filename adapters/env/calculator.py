@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from steptap.adapters.env.base import BaseTool, ToolEnv
@@ -21,7 +22,7 @@ SYSTEM = (
     "as 'The answer is N.'"
 )
 
-_OPS = {
+_OPS: dict[type[ast.AST], Callable[..., float]] = {  # binary and unary: one or two operands
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,

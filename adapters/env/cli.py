@@ -38,7 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )
     p.add_argument("--trust-dataset-code", action="store_true",
-                   help="let rows' agent_name import module:attr or file.py:attr (default: registered names only)")
+                   help="let rows' agent_name import module:attr or file.py:attr (default: registered names "
+                        "only)")
     p.add_argument("--model", help="model name to request (default: the one the proxy serves)")
     p.add_argument("--concurrency", type=int, default=16, help="episodes at once")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -80,7 +81,8 @@ class _Progress:
     """A tqdm bar on stderr when tqdm is installed, else a line per finished group's worth of episodes."""
 
     def __init__(self, total: int, desc: str) -> None:
-        self.total, self.count, self.rewards = total, 0, []
+        self.total, self.count = total, 0
+        self.rewards: list[float] = []
         try:
             from tqdm import tqdm
 
@@ -194,7 +196,7 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
 
 def main_eval(argv: list[str] | None = None) -> int:
     """``steptap eval DATA.parquet``: eval sessions; accuracy by policy version."""
-    p = argparse.ArgumentParser(prog="steptap eval", description=main_eval.__doc__.split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="steptap eval", description=(main_eval.__doc__ or "").partition(": ")[2])
     _common(p)
     p.add_argument("--n", type=int, default=1, help="sessions per row")
     p.add_argument("--metrics-file", help="append eval_accuracy rows here (the learner's metrics file)")

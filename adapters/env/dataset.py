@@ -15,9 +15,9 @@ returns an ``AgentEnv`` or an ``AgentFlowBase``) with one line of ``pyproject.to
     [project.entry-points."steptap.envs"]
     my_task = "my_package.envs:MyEnv"
 
-A name of the form ``module:attr`` or ``path/to/file.py:attr`` is loaded directly (no registration needed), but
-only from the user's own ``--env`` or with ``--trust-dataset-code``: a dataset is data, and a row that could
-name any file or module to import would make every downloaded dataset code.
+A name of the form ``module:attr`` or ``path/to/file.py:attr`` is loaded directly (no registration needed),
+but only from the user's own ``--env`` or with ``--trust-dataset-code``: a dataset is data, and a row that
+could name any file or module to import would make every downloaded dataset code.
 pyarrow is imported only when a parquet file is read or written (``pip install 'steptap[env]'``).
 """
 
@@ -140,16 +140,16 @@ def env_names() -> dict[str, str]:
 
 
 def resolve_env(name: str, *, allow_code: bool = True) -> Factory:
-    """The factory registered as ``name`` in ``steptap.envs``, or (``allow_code``) loaded from ``module:attr`` /
-    ``file.py:attr``. ``KeyError`` names the registered ones when there is no such environment; ``ValueError``
-    for a module or file name that ``allow_code`` does not admit (nothing is imported)."""
+    """The factory registered as ``name`` in ``steptap.envs``, or (``allow_code``) loaded from ``module:attr``
+    / ``file.py:attr``. ``KeyError`` names the registered ones when there is no such environment;
+    ``ValueError`` for a module or file name that ``allow_code`` does not admit (nothing is imported)."""
     for ep in importlib.metadata.entry_points(group=GROUP):
         if ep.name == name:
             return ep.load()
     if ":" in name and not allow_code:
-        raise ValueError(f"{name!r} names code to import, not a registered environment: a dataset row may name "
-                         "only registered ones (steptap env list); pass --env NAME, or --trust-dataset-code if "
-                         "you trust this dataset's code")
+        raise ValueError(f"{name!r} names code to import, not a registered environment: a dataset row may "
+                         "name only registered ones (steptap env list); pass --env NAME, or "
+                         "--trust-dataset-code if you trust this dataset's code")
     if ":" in name:
         target, _, attr = name.rpartition(":")
         if target.endswith(".py"):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+
 from steptap.adapters.env.base import AgentEnv, Message, RewardValue
 
 MAX_REPLY_BYTES = 16 << 20  # a chat completion larger than this is refused, not buffered

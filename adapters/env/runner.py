@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from steptap.adapters.env.base import AgentEnv
 from steptap.adapters.env.dataset import Row, resolve_env
 from steptap.adapters.env.loop import AgentEnvLoop, AgentFlowBase, FlowContext

@@ -8,8 +8,8 @@ API) on the session, or ``api="chat"`` for ``OpenAIChatCompletionsModel``.
 or, for every agent of a run, ``RunConfig(model_provider=provider(s))``.
 
 The proxy captures both APIs with exact token ids (``Step.endpoint`` is ``responses`` or
-``chat.completions``). Binding switches the SDK's tracing off (``set_tracing_disabled(True)``, global): by default it
-uploads traces to OpenAI with the API key, which here is a session key that OpenAI rejects."""
+``chat.completions``). Binding switches the SDK's tracing off (``set_tracing_disabled(True)``, global): by
+default it uploads traces to OpenAI with the API key, which here is a session key that OpenAI rejects."""
 
 from __future__ import annotations
 

@@ -4,9 +4,10 @@
     python examples/anthropic_agent/agent.py --problems 2 --group-size 2 [--stream] [--scripted]
 
 The agent speaks Messages (``system``, ``tools`` with ``input_schema``, ``tool_use`` -> ``tool_result``) to
-``s.anthropic_client()``: an ``anthropic.Anthropic`` whose base URL is the session's ``/s/<id>`` and whose key is
-the session key. The proxy answers in Anthropic's format and records each call as a step with exact token ids
-(``endpoint: messages``). ``--scripted`` forces a correct run (vLLM structured outputs) for a random model.
+``s.anthropic_client()``: an ``anthropic.Anthropic`` whose base URL is the session's ``/s/<id>`` and whose key
+is the session key. The proxy answers in Anthropic's format and records each call as a step with exact token
+ids (``endpoint: messages``). ``--scripted`` forces a correct run (vLLM structured outputs) for a random
+model.
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
+from toolenv import (
+    SYSTEM,
+    CalculatorTool,
+    Problem,
+    agent_arguments,
+    forced,
+    make_problem,
+    parse_answer,
+    scripted_turns,
+)
+
 import steptap.adapters
 from steptap.adapters.session import resolve_model
-from toolenv import SYSTEM, CalculatorTool, Problem, agent_arguments, forced, make_problem, parse_answer, scripted_turns
 
 TOOL = CalculatorTool()
 TOOLS = [{"name": TOOL.name, "description": TOOL.description, "input_schema": TOOL.parameters}]
@@ -44,8 +55,10 @@ def run_episode(client: Any, model: str, problem: Problem, *, scripted: bool, st
     messages: list[dict[str, Any]] = [{"role": "user", "content": problem.question}]
     script = scripted_turns(problem) if scripted else []
     for turn in range(max_turns):
-        reply = call_model(client, model, messages, forced(script[turn]) if turn < len(script) else None, stream)
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        reply = call_model(client, model, messages, forced(script[turn]) if turn < len(script) else None,
+                           stream)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                          for b in reply.content]})
         uses = [b for b in reply.content if b.type == "tool_use"]
         if not uses:
             answer = parse_answer("".join(b.text for b in reply.content if b.type == "text"))

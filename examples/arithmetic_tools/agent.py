@@ -16,9 +16,10 @@ import sys
 import uuid
 from typing import Any
 
+from toolenv import CalculatorTool, Problem, ToolEnv, agent_arguments, forced, make_problem, scripted_turns
+
 import steptap.adapters
 from steptap.adapters.session import resolve_model
-from toolenv import CalculatorTool, Problem, ToolEnv, agent_arguments, forced, make_problem, scripted_turns
 
 
 def run_episode(

@@ -2,10 +2,11 @@
 
     python examples/digits/agents.py --concurrency 16          # against $STEPTAP_URL, until stopped
 
-Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits. The
-tiny model's tokenizer (Qwen2's pre-tokenizer) makes every digit its own token, so a random policy almost never
-emits one (reward about 0.001-0.03); a policy that learns to answer in digits gets close to 1.0, and the rise
-shows within a few GRPO updates (measured: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24 tokens).
+Each agent is asked a short question and rewarded with the fraction of its response tokens that are digits.
+The tiny model's tokenizer (Qwen2's pre-tokenizer) makes every digit its own token, so a random policy almost
+never emits one (reward about 0.001-0.03); a policy that learns to answer in digits gets close to 1.0, and the
+rise shows within a few GRPO updates (measured: 0.03 -> 0.96 in 10 updates of 8 prompts x 8 samples x 24
+tokens).
 
 The agents are grouped for GRPO: each prompt is answered by ``--group-size`` sessions sharing a ``group_id``
 (``group_size`` set, so the learner knows when a group is complete). Sampling stays at temperature 1.0, the
@@ -14,8 +15,9 @@ proxy strips only what the agent did not ask for), so the reward counts tokens, 
 
 By default the population samples continuously, overlapping with training (off-policy by a version or two,
 which the learner bounds with ``max_staleness``). ``--round-groups N`` samples N groups, then waits until the
-proxy serves a newer policy: on-policy batches, and on a 2-core machine generation and training then take turns
-instead of fighting over the cores. The demo uses it (examples/digits/learner.toml has batch_groups = 8).
+proxy serves a newer policy: on-policy batches, and on a 2-core machine generation and training then take
+turns instead of fighting over the cores. The demo uses it (examples/digits/learner.toml has batch_groups =
+8).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import uuid
 from typing import Any
 
 import openai
+
 import steptap.adapters
 from steptap.middleware.client import default_control_token
 
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
     p.add_argument(
-        "--control-token", help="control token (default $STEPTAP_CONTROL_TOKEN or $STEPTAP_CONTROL_TOKEN_FILE)"
+        "--control-token",
+        help="control token (default $STEPTAP_CONTROL_TOKEN or $STEPTAP_CONTROL_TOKEN_FILE)"
     )
     p.add_argument("--model", help="model name (default $STEPTAP_MODEL, else the proxy's first model)")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (GRPO group)")

@@ -21,6 +21,7 @@ import random
 import sys
 
 from env import make_env
+
 from steptap.adapters.env import DatasetRunner, Row, RunConfig
 from steptap.adapters.session import proxy_settings
 

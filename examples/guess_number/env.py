@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from game import GuessNumberEnv
+
 from steptap.adapters.env import AgentEnv
 from steptap.adapters.env.base import Observation, RewardValue
 

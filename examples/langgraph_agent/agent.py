@@ -2,10 +2,10 @@
 
     python examples/langgraph_agent/agent.py --problems 2 --group-size 2
 
-The graph is LangGraph's standard tool loop (a model node, a ``ToolNode``, ``tools_condition``); the chat model
-is ``langchain_openai.ChatOpenAI`` bound to the steptap session by the adapter, so every model call the graph
-makes is recorded as a step of the session. The tool and the problems are the ones of examples/arithmetic_tools.
-``--scripted`` forces a correct run (structured outputs), for a random test model.
+The graph is LangGraph's standard tool loop (a model node, a ``ToolNode``, ``tools_condition``); the chat
+model is ``langchain_openai.ChatOpenAI`` bound to the steptap session by the adapter, so every model call the
+graph makes is recorded as a step of the session. The tool and the problems are the ones of
+examples/arithmetic_tools. ``--scripted`` forces a correct run (structured outputs), for a random test model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-import steptap.adapters
 from toolenv import (
     SYSTEM,
     CalculatorTool,
@@ -29,6 +28,8 @@ from toolenv import (
     parse_answer,
     scripted_turns,
 )
+
+import steptap.adapters
 
 
 def build_graph(llm: Any, script: list[str] | None = None) -> Any:

@@ -3,8 +3,9 @@
     python examples/openai_agents_sdk/agent.py --problems 2 --group-size 2
 
 An ``agents.Agent`` with a ``function_tool`` calculator, run by ``Runner.run``; its model is the adapter's
-default model (``OpenAIResponsesModel``, the Responses API) on the steptap session (tracing off), so every model
-call of the run is a step of the session. ``--scripted`` forces a correct run (structured outputs) for a random model.
+default model (``OpenAIResponsesModel``, the Responses API) on the steptap session (tracing off), so every
+model call of the run is a step of the session. ``--scripted`` forces a correct run (structured outputs) for a
+random model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
-import steptap.adapters
 from toolenv import (
     SYSTEM,
     CalculatorTool,
@@ -30,6 +30,8 @@ from toolenv import (
     parse_answer,
     scripted_turns,
 )
+
+import steptap.adapters
 
 
 def scripted_model(inner: Any, script: list[str]) -> Any:

@@ -4,9 +4,9 @@
     python examples/responses_agent/agent.py --problems 2 --group-size 2 [--stream] [--scripted]
 
 A stateful Responses agent: the first call sends ``instructions`` and the question, each later call sends only
-the new ``function_call_output`` items with ``previous_response_id`` (the proxy keeps the conversation behind a
-response, per session). Every call is a step with exact token ids (``endpoint: responses``). ``--scripted`` forces
-a correct run (vLLM structured outputs) for a random model.
+the new ``function_call_output`` items with ``previous_response_id`` (the proxy keeps the conversation behind
+a response, per session). Every call is a step with exact token ids (``endpoint: responses``). ``--scripted``
+forces a correct run (vLLM structured outputs) for a random model.
 """
 
 from __future__ import annotations
@@ -19,12 +19,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "arithmetic_tools"))
+from toolenv import (
+    SYSTEM,
+    CalculatorTool,
+    Problem,
+    agent_arguments,
+    forced,
+    make_problem,
+    parse_answer,
+    scripted_turns,
+)
+
 import steptap.adapters
 from steptap.adapters.session import resolve_model
-from toolenv import SYSTEM, CalculatorTool, Problem, agent_arguments, forced, make_problem, parse_answer, scripted_turns
 
 TOOL = CalculatorTool()
-TOOLS = [{"type": "function", "name": TOOL.name, "description": TOOL.description, "parameters": TOOL.parameters}]
+TOOLS = [{"type": "function", "name": TOOL.name, "description": TOOL.description,
+          "parameters": TOOL.parameters}]
 
 
 def call_model(client: Any, stream: bool, **kw: Any) -> Any:
@@ -53,7 +64,11 @@ def run_episode(client: Any, model: str, problem: Problem, *, scripted: bool, st
         new_input = []
         for call in calls:
             try:
-                out = TOOL.execute(json.loads(call.arguments)) if call.name == TOOL.name else '{"error": "unknown"}'
+                out = (
+                    TOOL.execute(json.loads(call.arguments))
+                    if call.name == TOOL.name
+                    else '{"error": "unknown"}'
+                )
             except ValueError as exc:
                 out = json.dumps({"error": f"arguments are not JSON: {exc}"})
             new_input.append({"type": "function_call_output", "call_id": call.call_id, "output": out})

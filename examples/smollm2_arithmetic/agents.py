@@ -1,14 +1,14 @@
-"""Arithmetic agents for SmolLM2-135M-Instruct: two-digit additions, rewarded on the final number, evaluated on a
-held-out set by policy version.
+"""Arithmetic agents for SmolLM2-135M-Instruct: two-digit additions, rewarded on the final number, evaluated
+on a held-out set by policy version.
 
     python examples/smollm2_arithmetic/agents.py --updates 15 --eval-every 5     # under `steptap up`
 
 Rounds, on-policy: sample ``--groups`` prompts x ``--group-size`` answers at temperature 1 (one GRPO group per
-prompt), wait until the learner has swapped its update in (the proxy's policy version moves), repeat. Before the
-first round and every ``--eval-every`` versions, answer ``--eval-size`` held-out prompts greedily as ``eval``
-sessions (the learner never trains on them) and append ``{"version", "accuracy", ...}`` to ``eval.jsonl``
-(in ``$STEPTAP_WORKDIR``, or ``--eval-file``). After the eval at ``--updates`` versions the agents exit, which
-ends ``steptap up``.
+prompt), wait until the learner has swapped its update in (the proxy's policy version moves), repeat. Before
+the first round and every ``--eval-every`` versions, answer ``--eval-size`` held-out prompts greedily as
+``eval`` sessions (the learner never trains on them) and append ``{"version", "accuracy", ...}`` to
+``eval.jsonl`` (in ``$STEPTAP_WORKDIR``, or ``--eval-file``). After the eval at ``--updates`` versions the
+agents exit, which ends ``steptap up``.
 
 Reward: 1 when the *last* integer of the reply is the sum, else 0. The model opens with prose ("To solve
 this...") when it answers at all, so a first-integer reward would start near zero; what it learns first is the
@@ -33,10 +33,10 @@ import openai
 
 import steptap.adapters
 
-# `--system TEXT` replaces SmolLM2's own system prompt ("You are a helpful AI assistant named SmolLM, trained by
-# Hugging Face", 20 tokens more). Measured here: with the short "Answer with only the number." the model answered
-# 0 of 128 training samples (T=1, 16 tokens) correctly in two rounds, so GRPO had nothing to learn from; the
-# default keeps the model's own prompt, with the instruction in the user turn.
+# `--system TEXT` replaces SmolLM2's own system prompt ("You are a helpful AI assistant named SmolLM, trained
+# by Hugging Face", 20 tokens more). Measured here: with the short "Answer with only the number." the model
+# answered 0 of 128 training samples (T=1, 16 tokens) correctly in two rounds, so GRPO had nothing to learn
+# from; the default keeps the model's own prompt, with the instruction in the user turn.
 EVAL_SEED = 1234  # the held-out prompts: fixed, and never drawn for training
 
 
@@ -164,7 +164,8 @@ class Agents:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--proxy", help="steptap proxy URL (default $STEPTAP_URL)")
-    p.add_argument("--control-token", help="default $STEPTAP_CONTROL_TOKEN or the file $STEPTAP_CONTROL_TOKEN_FILE")
+    p.add_argument("--control-token",
+                   help="default $STEPTAP_CONTROL_TOKEN or the file $STEPTAP_CONTROL_TOKEN_FILE")
     p.add_argument("--model", help="model name (default $STEPTAP_MODEL, else the proxy's first model)")
     p.add_argument("--updates", type=int, default=15, help="stop after the eval at this policy version")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate at versions divisible by this")

@@ -19,8 +19,9 @@ multiply the loss.
 Step-level credit (``algorithm = "gae"``). The engine adds a value head: one linear layer on the policy's last
 hidden state (detached, so the value loss never moves the policy), with its own AdamW. Before the update a
 no-grad pass reads the value at each step's action boundary (the last prompt token, where the step's first
-response token is predicted); ``algos.step_gae`` turns rewards and values into per-step advantages (spread over
-the step's response tokens) and value targets; each micro-batch then adds verl's value loss to the policy loss.
+response token is predicted); ``algos.step_gae`` turns rewards and values into per-step advantages (spread
+over the step's response tokens) and value targets; each micro-batch then adds verl's value loss to the policy
+loss.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class TorchEngine:
 
             model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                      lora_dropout=cfg.lora_dropout,
-                                                     target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM"))
+                                                     target_modules=list(cfg.lora_targets),
+                                                     task_type="CAUSAL_LM"))
         elif cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just disables the adapter)
             ref = AutoModelForCausalLM.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
             self.reference = ref.to(self.device).eval().requires_grad_(False)
@@ -137,15 +139,17 @@ class TorchEngine:
 
         state = {"model": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
                  "rng": torch.get_rng_state()}
-        if self.value_head is not None:  # gae: the critic is trained state too, or a resume starts it at V = 0
+        # Gae: the critic is trained state too, or a resume starts it at V = 0
+        if self.value_head is not None:
             state["value_head"] = self.value_head.state_dict()
             state["value_optimizer"] = self.value_optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The policy (and, for gae, the value head with its optimizer) from a checkpoint. A checkpoint without a
-        value head (older, or from a GRPO run) leaves the head as built (V = 0): ``value_head_restored`` says
-        which; a value head in the checkpoint of an engine without one is ignored."""
+        """The policy (and, for gae, the value head with its optimizer) from a checkpoint. A checkpoint
+        without a value head (older, or from a GRPO run) leaves the head as built (V = 0):
+        ``value_head_restored`` says which; a value head in the checkpoint of an engine without one is
+        ignored."""
         from steptap.learner.checkpoint import restore, restore_value_head
 
         restore(self.model, self.optimizer, state)
@@ -173,27 +177,34 @@ class TorchEngine:
                     adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
                 temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k)):
+            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k), strict=False):
                 getattr(out, name).append(t)
         return out
 
     @staticmethod
     def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
-        """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness weight)."""
-        for seq, adv in zip(batch.sequences, lay.adv):
+        """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness
+        weight)."""
+        for seq, adv in zip(batch.sequences, lay.adv, strict=False):
             for i in seq.samples:
                 s = batch.samples[i]
-                adv[s.offset - 1: s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(s.weights())
+                adv[s.offset - 1 : s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(
+                    s.weights()
+                )
 
-    def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The value head at each step's action boundary in micro-batch ``mb``: (sample indices, values [n])."""
+    def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int],
+                                                                                           torch.Tensor]:
+        """The value head at each step's action boundary in micro-batch ``mb``: (sample indices, values
+        [n])."""
         rows, cols, idx = [], [], []
         for r, q in enumerate(mb):
             for i in batch.sequences[q].samples:
                 rows.append(r)
-                cols.append(batch.samples[i].offset - 1)  # the last prompt token predicts the first response one
+                # The last prompt token predicts the first response one
+                cols.append(batch.samples[i].offset - 1)
                 idx.append(i)
-        h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]  # [n, H]
+        # [n, H]
+        h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]
         assert self.value_head is not None
         return idx, self.value_head(h.detach().float()).squeeze(-1)
 
@@ -236,7 +247,8 @@ class TorchEngine:
         gae = self.value_head is not None
         values = torch.zeros(len(batch.samples))  # gae: [S] at the action boundaries, before the update
 
-        # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per micro-batch
+        # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per
+        # micro-batch
         old, masks, is_w, ref = [], [], [], []
         is_means = []
         for mb in mbs:
@@ -253,14 +265,16 @@ class TorchEngine:
                     del hidden
             if need_prox:
                 with torch.no_grad():
-                    # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T, V].
+                    # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T,
+                    # V].
                     if not gae:
                         all_logits = self._logits(self.model, [lay.ids[i] for i in mb])
                     logits = all_logits[mask].unsqueeze(0)  # [1, N, V]
                     tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
                     raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
                     prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(logits, tg, tp)[0])
-                    samp = sampler_logprobs(logits, tg, tp, self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
+                    samp = sampler_logprobs(logits, tg, tp,
+                                            self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
                                             self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
                     del logits
                 behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
@@ -275,12 +289,14 @@ class TorchEngine:
             masks.append(mask)
             ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
             all_logits = None
-        if gae:  # step-level advantages need every step's value, so only now (the pass above is the sync point)
+        # Step-level advantages need every step's value, so only now (the pass above is the sync point)
+        if gae:
             step_adv, returns = algos.step_gae(batch.samples, values, self.cfg.gamma, self.cfg.lam)
             self._fill_advantages(lay, batch, step_adv)
 
         self.model.train()
-        sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
+        sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0,
+                "value_loss": 0.0}
         grad_norm = 0.0
         for _epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -304,7 +320,8 @@ class TorchEngine:
                     vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), values[idx].to(vpred),
                                                 self.cfg.value_clip, num_steps=len(batch.samples))
                     sums["value_loss"] += float(vloss.detach())
-                (loss + vloss).backward()  # gradients accumulate: each micro-batch's loss is its share of the batch's
+                # Gradients accumulate: each micro-batch's loss is its share of the batch's
+                (loss + vloss).backward()
                 share = float(masks[j].sum()) / max(n_tokens, 1)
                 sums["loss"] += float(loss.detach())
                 sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
@@ -315,7 +332,7 @@ class TorchEngine:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
             self.optimizer.step()  # one optimizer step per epoch over the whole batch
-            if gae:
+            if self.value_head is not None:  # gae
                 torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
                 self.value_optimizer.step()
         k = self.cfg.epochs
@@ -328,7 +345,8 @@ class TorchEngine:
         )
 
     def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
-        """Per-token entropy of the temperature-scaled policy (a statistic; in the loss only with entropy_coef)."""
+        """Per-token entropy of the temperature-scaled policy (a statistic; in the loss only with
+        entropy_coef)."""
         ctx = torch.enable_grad() if self.cfg.entropy_coef else torch.no_grad()
         with ctx:
             logp = F.log_softmax(logits.float() / temp.unsqueeze(-1), dim=-1)
@@ -352,7 +370,8 @@ class TorchEngine:
         self.model.eval()
         ids = torch.tensor([prompt_ids] * n, device=self.device)
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                  temperature=temperature, top_p=1.0, top_k=None, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=1.0, top_k=None,
+                                  max_new_tokens=max_new_tokens,
                                   output_logits=True, return_dict_in_generate=True,
                                   pad_token_id=self.pad_id, use_cache=True)
         resp = out.sequences[:, len(prompt_ids):]  # [n, T]
@@ -360,7 +379,7 @@ class TorchEngine:
         logps = torch.gather(F.log_softmax(logits, -1), -1, resp.unsqueeze(-1)).squeeze(-1)
         eos = self.tokenizer.eos_token_id
         results = []
-        for r, lp in zip(resp.tolist(), logps.tolist()):
+        for r, lp in zip(resp.tolist(), logps.tolist(), strict=False):
             cut = r.index(eos) + 1 if eos in r else len(r)
             results.append((r[:cut], lp[:cut]))
         return results

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,7 +34,8 @@ PLATFORM = "cpu"
 
 class _CPUDeviceModule(types.ModuleType):
     """``torch.cpu`` plus the CUDA-style calls verl makes on its device module (memory statistics, RNG,
-    cache). Memory figures are 0 (the CPU has no device allocator to ask); RNG goes to torch's CPU generator."""
+    cache). Memory figures are 0 (the CPU has no device allocator to ask); RNG goes to torch's CPU
+    generator."""
 
     def __init__(self) -> None:
         super().__init__("steptap_cpu_device")
@@ -152,7 +154,7 @@ class PlatformCPU(PlatformBase):
         return "STEPTAP_CPU_VISIBLE_DEVICES"  # nothing reads it; verl only needs a name
 
     @contextmanager
-    def nvtx_range(self, msg: str):  # type: ignore[no-untyped-def]
+    def nvtx_range(self, msg: str) -> Iterator[None]:
         yield
 
     def profiler_start(self) -> None:
@@ -185,7 +187,8 @@ def register_fsdp2_for_cpu() -> None:
     registry = EngineRegistry._engines["language_model"]["fsdp2"]  # verl's documented registry table
     if registry.get(PLATFORM) is not FSDPEngineWithLMHead:
         registry.pop(PLATFORM, None)
-        EngineRegistry.register(model_type="language_model", backend="fsdp2", device=PLATFORM)(FSDPEngineWithLMHead)
+        EngineRegistry.register(model_type="language_model", backend="fsdp2",
+                                device=PLATFORM)(FSDPEngineWithLMHead)
 
 
 def init_gloo() -> None:

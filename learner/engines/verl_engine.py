@@ -17,9 +17,9 @@ Weights out: the workers' full tensors (``engine.get_per_tensor_param``, what ve
 written as an HF safetensors directory and swapped in through the proxy, as the torch engine's are. With LoRA
 (verl's peft adapter) only the adapter trains and is published, in peft's format; the KL reference is then the
 base model (verl's ``no_lora_adapter``).
-Checkpoints: the workers' full model and optimizer state (``torch.distributed.checkpoint.state_dict``, gathered
-to rank 0) goes into steptap's safetensors + JSON checkpoint; verl's own pickled sharded checkpoints are never
-written or read.
+Checkpoints: the workers' full model and optimizer state (``torch.distributed.checkpoint.state_dict``,
+gathered to rank 0) goes into steptap's safetensors + JSON checkpoint; verl's own pickled sharded checkpoints
+are never written or read.
 
 On a machine without GPUs the workers run on CPU over gloo (``verl_cpu``): the same code path, tested in CI.
 """
@@ -44,13 +44,14 @@ from steptap.learner.rows import Batch
 
 logger = logging.getLogger("steptap.learner.verl")
 
-VERL_RANGE = (">=0.9.1", "<0.10")  # the TrainingWorker / engine / platform APIs this module is written against
+# The TrainingWorker / engine / platform APIs this module is written against
+VERL_RANGE = (">=0.9.1", "<0.10")
 
 try:  # the worker class must be importable (by name) in every Ray worker process
     from verl.single_controller.base.decorator import Dispatch, register
     from verl.workers.engine_workers import TrainingWorker
 except ImportError:  # verl missing or too old: check_verl_version() says so
-    TrainingWorker = object  # type: ignore[assignment,misc]
+    TrainingWorker = object
 
 
 def check_verl_version() -> str:
@@ -106,7 +107,8 @@ if TrainingWorker is not object:
             def step_and_keep() -> float:
                 norm = step()
                 self._kept_grads = {
-                    n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+                    n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                        else p.grad).detach().cpu().clone()
                     for n, p in engine.module.named_parameters() if p.grad is not None}
                 return norm
 
@@ -129,7 +131,8 @@ if TrainingWorker is not object:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
             set_state_dict(self.engine.module, self.engine.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+                           optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))
 
 
 class VerlEngine:
@@ -199,11 +202,13 @@ class VerlEngine:
             optimizer_offload=c.optimizer_offload, seed=c.seed,
         )
         optim = FSDPOptimizerConfig(lr=c.lr, weight_decay=c.weight_decay, betas=tuple(c.betas),
-                                    clip_grad=c.grad_clip, lr_scheduler_type="constant", total_training_steps=1)
+                                    clip_grad=c.grad_clip, lr_scheduler_type="constant",
+                                    total_training_steps=1)
         config = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                       optimizer_config=optim)
         per_node = c.workers // c.nodes
-        self.pool = pool = RayResourcePool([per_node] * c.nodes, use_gpu=not self.cpu, max_colocate_count=c.worker_cpus)
+        self.pool = pool = RayResourcePool([per_node] * c.nodes, use_gpu=not self.cpu,
+                                           max_colocate_count=c.worker_cpus)
         wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
             cls=_remote_worker(), config=config), device_name="cpu" if self.cpu else "cuda")
         wg.set_loss_fn(partial(ppo_loss, config=self.actor))
@@ -224,7 +229,8 @@ class VerlEngine:
             for i in seq.samples:
                 s = batch.samples[i]
                 lo, hi = s.offset - p, s.offset - p + len(s.response_ids)
-                # a stale token (weight 0) is out of the mask, so out of the loss and of rollout correction too
+                # a stale token (weight 0) is out of the mask, so out of the loss and of rollout correction
+                # too
                 mask[lo:hi] = (torch.tensor(s.weights()) > 0).float()
                 adv[lo:hi], rec[lo:hi] = advs[i], torch.tensor(s.logprobs)
             temps.append(first.temperature)
@@ -297,7 +303,8 @@ class VerlEngine:
         if need_temp or decoupled:
             prox = self._logprobs(rows)  # the learner's own policy at the sampling temperature
             if need_temp:  # raw -> sampler: shift by what the temperature changes, measured on our weights
-                behaviour = torch.where(mask, behaviour + prox - self._logprobs(rows, unit_temperature=True), 0.0)
+                behaviour = torch.where(mask, behaviour + prox - self._logprobs(rows, unit_temperature=True),
+                                        0.0)
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
                 extra["rollout_is_weights"] = w
@@ -311,7 +318,8 @@ class VerlEngine:
             extra["ref_log_prob"] = self._logprobs(rows, reference=True)
         td = self._tensordict(rows, **extra)
         n_rows = len(rows["prompts"])
-        tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=rows["n_real"], mini_batch_size=n_rows,
+        tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=rows["n_real"],
+                             mini_batch_size=n_rows,
                              epochs=self.cfg.epochs, seed=self.cfg.seed, dataloader_kwargs={"shuffle": False},
                              compute_loss=True)
         metrics = tu.get(self.wg.train_mini_batch(td).get(), "metrics")
@@ -390,12 +398,12 @@ class VerlEngine:
 
     def close(self) -> None:
         import ray
-
         from ray.util.placement_group import remove_placement_group
 
         for w in getattr(getattr(self, "wg", None), "workers", []):
             ray.kill(w)
-        for pg in getattr(self, "pool", None) and self.pool.pgs or []:  # give the CPUs/GPUs back to the cluster
+        # Give the CPUs/GPUs back to the cluster
+        for pg in getattr(self, "pool", None) and self.pool.pgs or []:
             remove_placement_group(pg)
         if self._own_ray and ray.is_initialized():
             ray.shutdown()

@@ -3,8 +3,8 @@
 Model calls (``post``: chat, completions, token-in-token-out routes), the served models, health, and the admin
 routes of a weight swap (pause / resume / reload / LoRA / prefix cache / labels / weight transfer). Every
 failure leaves as a domain error that names the replica (``exceptions.Backend*``), never an aiohttp one.
-Two sessions: one pooled for model calls, one fresh connection per admin call (uvicorn drops a connection after
-a 500 from an unhandled exception, and a swap's few calls gain nothing from keep-alive)."""
+Two sessions: one pooled for model calls, one fresh connection per admin call (uvicorn drops a connection
+after a 500 from an unhandled exception, and a swap's few calls gain nothing from keep-alive)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ _MODELS_REFRESH_S = 2.0  # at most this often, an unknown model name re-reads th
 ROUTES = {
     "chat.completions": "/v1/chat/completions",
     "completions": "/v1/completions",
-    # token-in-token-out (proxy/tito.py; vLLM --enable-scale-out); Responses and Messages ride on chat.completions
+    # token-in-token-out (proxy/tito.py; vLLM --enable-scale-out); Responses and Messages ride on
+    # chat.completions
     "chat.render": "/v1/chat/completions/render",
     "generate": "/inference/v1/generate",
     "chat.derender": "/v1/chat/completions/derender",
 }
 ADMIN_TIMEOUT_S = 600.0  # an admin call (a reload of a large model) may take this long
-PauseMode = Literal["wait", "keep", "abort"]  # vLLM's /pause modes: finish, hold, or fail the requests in flight
+# VLLM's /pause modes: finish, hold, or fail the requests in flight
+PauseMode = Literal["wait", "keep", "abort"]
 
 
 def unreachable(name: str, exc: BaseException) -> BackendUnreachable:
@@ -54,8 +56,9 @@ def timed_out(name: str, seconds: float) -> BackendTimeout:
 
 def open_session(url: BackendUrl, api_key: str | None = None, *, connector_args: dict[str, Any] | None = None,
                  **session_args: Any) -> aiohttp.ClientSession:
-    """An aiohttp session to one server: ``UnixConnector`` for ``unix:`` (vLLM ``--uds``: its admin routes out of
-    reach of other local users), TCP otherwise; the backend's API key on every call. Inside a running loop."""
+    """An aiohttp session to one server: ``UnixConnector`` for ``unix:`` (vLLM ``--uds``: its admin routes out
+    of reach of other local users), TCP otherwise; the backend's API key on every call. Inside a running
+    loop."""
     connector_args = connector_args or {}
     connector: aiohttp.BaseConnector
     if url.socket is not None:
@@ -86,12 +89,14 @@ class BackendClient:
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the model-call session and read the served models (a backend not up yet is read on first use)."""
+        """Open the model-call session and read the served models (a backend not up yet is read on first
+        use)."""
         cfg = self.config
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=cfg.upstream_connect_timeout_s, sock_read=cfg.upstream_timeout_s
         )
-        # The agent's own credential never reaches the backend: the proxy authenticates with the backend's key.
+        # The agent's own credential never reaches the backend: the proxy authenticates with the backend's
+        # key.
         self.http = open_session(
             self.url,
             cfg.backend_api_key,
@@ -135,7 +140,7 @@ class BackendClient:
     async def route(self, model: str | None) -> str:
         """The served model for a requested name: itself, or (``--any-model``) the backend's first model."""
         if model in self.served:
-            return model  # type: ignore[return-value]
+            return model
         if not self.served or time.monotonic() - self._served_at > _MODELS_REFRESH_S:
             try:  # a LoRA adapter loaded at runtime appears only in a fresh listing
                 await self.refresh_models()
@@ -143,13 +148,14 @@ class BackendClient:
                 if not self.served:
                     raise BackendUnreachable(exc.message) from None
             if model in self.served:
-                return model  # type: ignore[return-value]
+                return model
         if model is None or self.config.any_model:
             if not self.served:
                 raise BackendUnavailable(f"backend {self.name} serves no model")
             return self.served[0]
         raise ModelNotFound(
-            f"The model `{model}` does not exist (backend {self.name} serves {', '.join(self.served) or 'nothing'})."
+            f"The model `{model}` does not exist (backend {self.name} serves "
+            f"{', '.join(self.served) or 'nothing'})."
         )
 
     async def post(self, endpoint: str, payload: bytes) -> aiohttp.ClientResponse:
@@ -239,7 +245,8 @@ class BackendClient:
         return bool(info.get("is_paused")) if isinstance(info, dict) else False
 
     async def reload_weights(self, path: str) -> None:
-        await self.call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        await self.call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                    "kwargs": {"weights_path": path}})
 
     async def load_lora(self, name: str, path: str) -> None:
         await self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})

@@ -1,17 +1,18 @@
 """Many vLLM replicas behind one proxy: routing, health, and admission.
 
-A session sticks to one replica (vLLM's prefix cache holds its history there); a new session goes to the healthy
-replica with the fewest calls in flight. A replica that refuses connections or fails its health check is taken
-*out*: new calls avoid it, its sessions move on their next call (counted as a prefix-cache miss, not an error).
-An out replica comes back only through ``admit``: healthy again *and* reconciled with the proxy's policy version
-by the weight swapper (resumed, and reloaded if it serves other weights), so it never serves old weights under
-the new version.
+A session sticks to one replica (vLLM's prefix cache holds its history there); a new session goes to the
+healthy replica with the fewest calls in flight. A replica that refuses connections or fails its health check
+is taken
+*out*: new calls avoid it, its sessions move on their next call (counted as a prefix-cache miss, not an
+error). An out replica comes back only through ``admit``: healthy again *and* reconciled with the proxy's
+policy version by the weight swapper (resumed, and reloaded if it serves other weights), so it never serves
+old weights under the new version.
 
 Routes without a session use the pool's ``route``, ``models`` and ``health``; model calls take a replica per
-session with ``pick`` and count it in flight with ``acquire`` / ``release``. A replica is named by its configured
-URL (``BackendUrl.name``: ``unix:PATH`` stays ``unix:PATH``) in messages, records and metrics. Replicas come from
-``--backend`` (repeated) and ``--backends-file`` (one URL a line, ``#`` comments), re-read when the file changes
-or on SIGHUP.
+session with ``pick`` and count it in flight with ``acquire`` / ``release``. A replica is named by its
+configured URL (``BackendUrl.name``: ``unix:PATH`` stays ``unix:PATH``) in messages, records and metrics.
+Replicas come from ``--backend`` (repeated) and ``--backends-file`` (one URL a line, ``#`` comments), re-read
+when the file changes or on SIGHUP.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class Replica:
 
     def state(self) -> dict[str, Any]:
         return {"url": self.name, "healthy": self.up, "state": "up" if self.up else "out",
-                "reason": self.reason, "error": self.reason, "out_since": self.out_since, "in_flight": self.in_flight,
+                "reason": self.reason, "error": self.reason, "out_since": self.out_since,
+                "in_flight": self.in_flight,
                 "calls": self.calls, "taken_out": self.failures, "models": self.client.served}
 
 
@@ -253,7 +255,8 @@ class ReplicaPool:
             rep.failed_checks = 0 if state["healthy"] else rep.failed_checks + 1
             if rep.failed_checks >= _FAILED_CHECKS:  # a refused connection in a call takes it out at once
                 error = str(state.get("error", "not healthy"))
-                self.take_out(rep.name, f"health check failed: {error}", unreachable=not error.startswith("HTTP "))
+                self.take_out(rep.name, f"health check failed: {error}",
+                              unreachable=not error.startswith("HTTP "))
         await asyncio.gather(*(self.admit(r) for r in reps if not r.up and not r.removed))
         for name, rep in list(self.replicas.items()):
             if rep.removed and rep.in_flight == 0:
@@ -270,7 +273,7 @@ class ReplicaPool:
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round
                 logger.exception("replica health round failed")
 
-    # --- for routes without a session --------------------------------------------------------------------------
+    # --- for routes without a session -----------------------------------------------------------------------
 
     async def ready(self) -> None:
         """With no replica up, try to admit the out ones now rather than at the next health round, so a call

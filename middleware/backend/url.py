@@ -1,4 +1,5 @@
-"""A vLLM server's (or a proxy's) URL, parsed once: ``unix:PATH`` or ``http(s)://host:port``, ``/v1`` stripped.
+"""A vLLM server's (or a proxy's) URL, parsed once: ``unix:PATH`` or ``http(s)://host:port``, ``/v1``
+stripped.
 
 Stdlib only: the kernel's sync client and the launchers share it with the async backend client."""
 
@@ -11,7 +12,8 @@ UNIX_BASE = "http://localhost"  # the HTTP base of a server reached over a unix 
 
 class BackendUrl(NamedTuple):
     """``name``: the URL as configured (trailing ``/`` and ``/v1`` stripped), what messages and records say;
-    ``base``: where HTTP requests go (``http://localhost`` over a socket); ``socket``: the unix socket, or None."""
+    ``base``: where HTTP requests go (``http://localhost`` over a socket); ``socket``: the unix socket, or
+    None."""
 
     name: str
     base: str

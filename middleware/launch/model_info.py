@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # model_type -> vLLM tool-call parser. Qwen and other ChatML models emit hermes blocks (<tool_call>{json}).
 TOOL_PARSERS: dict[str, str] = {
@@ -35,9 +36,10 @@ PARSER_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # assistant turn, and models tuned on ChatML data answer a tools prompt in that form, not in Llama's.
 CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())  # config.json, tokenizer_config.json: objects
+        return data
     except (OSError, ValueError):
         return {}
 
@@ -134,7 +136,7 @@ def pick_tool_parser(model_dir: Path) -> str | None:
 
 def served_name(model_dir: Path) -> str:
     """The model's real name: `_name_or_path` when it is a hub id, else the directory's name."""
-    name = _read_json(model_dir / "config.json").get("_name_or_path", "")
+    name: str = _read_json(model_dir / "config.json").get("_name_or_path", "")
     if name and not Path(name).exists() and not name.startswith(("/", ".")):
         return name
     return model_dir.resolve().name

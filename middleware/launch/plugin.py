@@ -1,4 +1,5 @@
-"""steptap's vLLM plugin (``vllm_plugin/``: the ``steptap`` weight-transfer engine) installed into vLLM's venv.
+"""steptap's vLLM plugin (``vllm_plugin/``: the ``steptap`` weight-transfer engine) installed into vLLM's
+venv.
 
 The plugin runs inside vLLM's processes and imports torch and vLLM, so it is never imported here: its folder
 ships as package data and is pip-installed into vLLM's own virtualenv from a copy (the build writes beside the
@@ -39,7 +40,8 @@ PROBE = (  # run in vLLM's venv after installing: does this vLLM take the engine
 
 def ensure_plugin(venv: Path) -> str | None:
     """Install the plugin into ``venv`` unless this version of it is there already; then whether this vLLM
-    takes it: None when it does, else why not (vLLM then starts without the transfer engine, disk swaps only)."""
+    takes it: None when it does, else why not (vLLM then starts without the transfer engine, disk swaps
+    only)."""
     marker = venv / MARKER
     want = plugin_hash()
     if marker.is_file() and marker.read_text().split("\n", 1)[0] == want:
@@ -51,7 +53,8 @@ def ensure_plugin(venv: Path) -> str | None:
         python = str(venv / "bin" / "python")
         with tempfile.TemporaryDirectory(prefix="steptap-vllm-plugin-") as tmp:
             src = Path(tmp) / "src"
-            shutil.copytree(PLUGIN_DIR, src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+            shutil.copytree(PLUGIN_DIR, src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info",
+                                                                           "build"))
             out = subprocess.run(
                 [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
                  "--force-reinstall", str(src)],

@@ -1,14 +1,14 @@
-"""Process groups and health waits: the one way `steptap vllm` and `steptap up` stop what they started and wait
-for it to answer.
+"""Process groups and health waits: the one way `steptap vllm` and `steptap up` stop what they started and
+wait for it to answer.
 
 Every child runs as the leader of its own session (``start_new_session=True``), so its process group id is its
-pid, and signalling the group reaches the engine and worker processes it spawned too. Stopping is SIGTERM to the
-group, a grace period until the group is empty, then SIGKILL. Health is ``GET /health`` answering 2xx, over TCP
-or a unix socket (``unix:PATH``), through the middleware's client (stdlib only, no ``http_proxy``).
+pid, and signalling the group reaches the engine and worker processes it spawned too. Stopping is SIGTERM to
+the group, a grace period until the group is empty, then SIGKILL. Health is ``GET /health`` answering 2xx,
+over TCP or a unix socket (``unix:PATH``), through the middleware's client (stdlib only, no ``http_proxy``).
 
-A launcher that dies hard (SIGKILL, OOM) runs no cleanup, and its children, leaders of their own sessions, would
-go on serving: every child steptap starts gets ``steptap.middleware.lifetime.die_with_parent`` (SIGTERM when the
-launcher dies, so a ``steptap vllm`` child still stops its own vLLM group in order).
+A launcher that dies hard (SIGKILL, OOM) runs no cleanup, and its children, leaders of their own sessions,
+would go on serving: every child steptap starts gets ``steptap.middleware.lifetime.die_with_parent`` (SIGTERM
+when the launcher dies, so a ``steptap vllm`` child still stops its own vLLM group in order).
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ class Child:
             signal_group(self.proc.pid, sig)  # its own session: the group id is its pid
 
     def tail(self, lines: int = 25) -> str:
-        """The log's last lines, without access-log lines of health and metrics polls (they bury the cause)."""
+        """The log's last lines, without access-log lines of health and metrics polls (they bury the
+        cause)."""
         try:
             data = self.log_path.read_bytes()[-200_000:].decode("utf-8", "replace")
         except OSError:

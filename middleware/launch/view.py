@@ -34,7 +34,8 @@ STALL_MAX = m.sample(m.SWAP_STALL_MAX)
 CUT = m.sample(m.SWAP_CUT_CALLS, "total")
 SPANNING = m.sample(m.SPANNING_CALLS, "total")
 TOKENS = m.sample(m.TOKENS_BY_VERSION, "total")
-READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS, SWAP_SECONDS,
+READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS,
+         SWAP_SECONDS,
          STALL_MAX, CUT, SPANNING)  # TOKENS has a sample per version recorded, none before the first call
 
 # Keys of the learner's metrics rows; the first one present wins.

@@ -3,7 +3,8 @@
 Only a prefix of sealed segments is ever deleted, locally and remotely: the segments wholly before
 ``min_cursor`` (every consumer has acknowledged them) and before the segment holding the ``SessionOpened`` of
 the oldest session still open (so a restart can still rebuild every open session), before the first step any
-unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The
+latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
 """
 
 from __future__ import annotations
@@ -11,15 +12,46 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+from typing import TYPE_CHECKING
 
 from steptap.middleware import files
 from steptap.middleware.log.segments import cursor_key, parse_cursor, seg_name
+
+if TYPE_CHECKING:
+    import threading
+    from array import array
+    from collections.abc import Awaitable, Callable
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+    from typing import Any
+
+    from steptap.middleware.log.wal import LogStats
+    from steptap.middleware.records import LogRecord, PolicyVersion
+
 
 logger = logging.getLogger("steptap.wal")
 
 
 class Compaction:
     """Mixin of ``TrajectoryLog``: ``compact``."""
+
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _compact_lock: asyncio.Lock
+    _fs: Any
+    _io: ThreadPoolExecutor
+    _last_version: tuple[int, PolicyVersion] | None
+    _lock: threading.Lock
+    _open_sessions: dict[str, int]
+    _remote_root: str | None
+    _retained: Callable[[], list[int]]
+    _traj_ends: array[int]
+    _traj_firsts: array[int]
+    _upload_failed: set[int]
+    _uploads: set[asyncio.Task[None]]
+    _valid_end: dict[int, int]
+    append: Callable[[LogRecord], Awaitable[str]]
+    dir: Path
+    stats: LogStats
 
     async def compact(self, min_cursor: str) -> list[int]:
         """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
@@ -43,7 +75,8 @@ class Compaction:
         if self._last_version is not None and self._last_version[0] in victims:
             await self.append(self._last_version[1])  # carry the current policy version forward
             victims = [s for s in self._retained()[:-1] if s < cut]
-        await asyncio.gather(*list(self._uploads), return_exceptions=True)  # never delete before it is uploaded
+        # Never delete before it is uploaded
+        await asyncio.gather(*list(self._uploads), return_exceptions=True)
         with self._lock:
             for segno in victims:
                 self._valid_end.pop(segno, None)

@@ -4,7 +4,8 @@ probe write succeeds, then goes back to normal by itself.
 A failed group commit leaves what was committed before it and nothing else (the writer cuts back to the
 committed end). The appends that failed, and every append while degraded, raise ``LogUnavailable`` (an HTTP
 503): callers refuse new work instead of doing it and losing its record. A probe writes and syncs
-``PROBE_BYTES`` beside the segments every ``probe_interval_s``; once one succeeds, the log takes records again.
+``PROBE_BYTES`` beside the segments every ``probe_interval_s``; once one succeeds, the log takes records
+again.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Degraded:
     def _degrade(self, exc: BaseException) -> None:
         self.stats.write_errors += 1
         if self.degraded_reason is None:
-            logger.error("trajectory log %s cannot write (%s): refusing new records until it can", self.dir, exc)
+            logger.error("trajectory log %s cannot write (%s): refusing new records until it can", self.dir,
+                         exc)
         self.degraded_reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else (
             f"{exc.strerror or exc}" + (f" [errno {exc.errno}]" if exc.errno else ""))
         if self._probe is None or self._probe.done():

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.delta import resolve
 from steptap.middleware.log.segments import (
     FRAME,
@@ -80,7 +81,8 @@ class LogReader:
 
         def read(segno: int) -> bytes:
             with fs.open(f"{path}/{seg_name(segno)}", "rb") as f:
-                return f.read()
+                data: bytes = f.read()  # fsspec is untyped: a file opened "rb" reads bytes
+                return data
 
         return _segnos(names), read
 
@@ -121,8 +123,10 @@ class LogReader:
                     self.stats.duplicates += 1
                     continue
                 try:
-                    record = resolve(record, [step_msgpack_decoder.decode(steps.payload(r.at)) for r in record.step_refs])
-                except (ValueError, msgspec.DecodeError):  # a step missing (compacted) or damaged: DeltaError too
+                    record = resolve(record, [step_msgpack_decoder.decode(steps.payload(r.at))
+                                              for r in record.step_refs])
+                # A step missing (compacted) or damaged: DeltaError too
+                except (ValueError, msgspec.DecodeError):
                     self.stats.undecodable += 1
                     continue
                 seen[record.id] = None
@@ -141,7 +145,8 @@ class _Frames:
         self._held: dict[int, bytes] = {}
 
     def current(self, segno: int, data: bytes) -> None:
-        self._held = {s: d for s, d in self._held.items() if s == segno - 1}  # an earlier one, most likely reused
+        # An earlier one, most likely reused
+        self._held = {s: d for s, d in self._held.items() if s == segno - 1}
         self._held[segno] = data
 
     def payload(self, cursor: str) -> bytes:

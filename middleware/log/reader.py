@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, NamedTuple
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from steptap.middleware.delta import resolve
 from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
 from steptap.middleware.log.segments import (
     FRAME,
@@ -24,8 +25,15 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.delta import resolve
 from steptap.middleware.records import LogRecord, Trajectory, log_decoder, step_msgpack_decoder
+
+if TYPE_CHECKING:
+    import threading
+    from array import array
+    from collections.abc import Awaitable, Callable
+    from pathlib import Path
+
+    from steptap.middleware.log.wal import LogStats
 
 
 logger = logging.getLogger("steptap.wal")
@@ -38,7 +46,8 @@ class Skipped(NamedTuple):
 
 
 class Found(NamedTuple):
-    """A finished trajectory as logged: its record and the Step records it refers to (``step_refs``), undecoded."""
+    """A finished trajectory as logged: its record and the Step records it refers to (``step_refs``),
+    undecoded."""
 
     payload: bytes
     steps: list[bytes]
@@ -46,6 +55,18 @@ class Found(NamedTuple):
 
 class Reader:
     """Mixin of ``TrajectoryLog``: everything that reads committed records."""
+
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _changed: asyncio.Event
+    _closed: bool
+    _lock: threading.Lock
+    _segno: int
+    _size: int
+    _traj_ends: array[int]
+    _valid_end: dict[int, int]
+    aclose: Callable[[], Awaitable[None]]
+    dir: Path
+    stats: LogStats
 
     # ---- reading -----------------------------------------------------------------------------------------
 
@@ -143,7 +164,8 @@ class Reader:
 
     def _undecodable(self, cursor: str, exc: Exception) -> None:
         self.stats.undecodable_records += 1
-        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir, cursor, exc)
+        logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir,
+                     cursor, exc)
 
     def _iter_payloads(self, cursor: str | None) -> Iterator[tuple[str, bytes]]:
         segno, offset = self._start_position(cursor)
@@ -160,7 +182,7 @@ class Reader:
 
     async def tail(
         self, cursor: str | None = None, *, idle: float | None = None, raw: bool = False
-    ) -> AsyncIterator[tuple[str, Any]]:
+    ) -> AsyncGenerator[tuple[str, Any], None]:
         """Like ``follow``, but yields ``(cursor, None)`` after each ``idle`` seconds without a new
         trajectory (heartbeats for the HTTP stream); ``idle=None`` never does. With ``raw`` it yields each
         trajectory as logged, a ``Found`` of undecoded msgpack (the msgpack stream passes it through), else
@@ -171,7 +193,8 @@ class Reader:
         current = format_cursor(segno, offset)
         while True:
             changed = self._changed
-            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset, raw)
+            batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset,
+                                                              raw)
             for cur, traj in batch:
                 current = cur
                 if traj is not None:
@@ -185,7 +208,8 @@ class Reader:
             except TimeoutError:
                 yield current, None
 
-    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int, int]:
+    def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int,
+                                                                              int]:
         """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped
         records so the position still advances."""
         while True:
@@ -206,7 +230,8 @@ class Reader:
                     try:
                         found = Found(payload, [self._payload_at(ref.at) for ref in peek.step_refs])
                         out.append((cursor, found if raw else resolve_found(found)))
-                    except (ValueError, msgspec.DecodeError) as exc:  # DeltaError and ValidationError included
+                    # DeltaError and ValidationError included
+                    except (ValueError, msgspec.DecodeError) as exc:
                         self._undecodable(cursor, exc)
                         out.append((cursor, Skipped(str(exc))))
                 if not out:
@@ -247,7 +272,9 @@ class Reader:
 
 
 def resolve_found(found: Found) -> Trajectory:
-    """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``, ``DeltaError``)."""
+    """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``,
+    ``DeltaError``)."""
+
     traj = log_decoder.decode(found.payload)
     if not isinstance(traj, Trajectory):
         raise msgspec.ValidationError("not a trajectory record")

@@ -15,7 +15,7 @@ import fcntl
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -31,7 +31,12 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.records import log_decoder
+from steptap.middleware.records import PolicyVersion, log_decoder
+
+if TYPE_CHECKING:
+    from array import array
+    from collections.abc import Callable
+
 
 logger = logging.getLogger("steptap.wal")
 
@@ -100,6 +105,14 @@ def known_kind(payload: bytes | memoryview) -> str | None:
 class Recovery:
     """Mixin of ``TrajectoryLog``: the start-up scan (runs in the log's I/O thread)."""
 
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _download_remote: Callable[[], list[int]]
+    _open_sessions: dict[str, int]
+    _traj_ends: array[int]
+    _traj_firsts: array[int]
+    _valid_end: dict[int, int]
+    _last_version: tuple[int, PolicyVersion] | None
+
     dir: Path
     stats: Any
     _fs: Any
@@ -109,7 +122,8 @@ class Recovery:
         rebuild the open-session index, and open the active segment for appending."""
         if not readonly:
             files.makedirs(self.dir)
-            # One writer per directory: an exclusive lock the kernel drops when the process dies (even SIGKILL).
+            # One writer per directory: an exclusive lock the kernel drops when the process dies (even
+            # SIGKILL).
             self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, files.FILE_MODE)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -166,8 +180,9 @@ class Recovery:
             files.fsync_path(self.dir)
             return
         torn = data[good_end:]
-        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted out
-        # of order on power loss): none of them was acknowledged, since the sync covering them never returned.
+        # Frames after the bad one that still check out mean more than one torn write (e.g. pages persisted
+        # out of order on power loss): none of them was acknowledged, since the sync covering them never
+        # returned.
         later, _ = scan_frames(data, good_end + 1) if len(torn) > FRAME.size else ([], 0)
         aside = path.with_name(f"{path.name}.torn-{good_end}")
         files.atomic_write(aside, torn)
@@ -189,7 +204,8 @@ class Recovery:
         try:
             peek = peek_decoder.decode(payload)
         except msgspec.DecodeError:
-            return  # an unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
+            # An unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
+            return
         if isinstance(peek, PeekOpened):
             self._open_sessions.setdefault(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
@@ -198,7 +214,9 @@ class Recovery:
             self._traj_firsts.append(first_segment(peek.step_refs, segno))
         elif isinstance(peek, PeekVersion):
             try:
-                self._last_version = (segno, log_decoder.decode(payload))  # type: ignore[assignment]
+                record = log_decoder.decode(payload)
             except msgspec.DecodeError:
-                pass  # skipped (and counted) by records(), like any undecodable record
+                return  # skipped (and counted) by records(), like any undecodable record
+            if isinstance(record, PolicyVersion):  # the peek said so
+                self._last_version = (segno, record)
 

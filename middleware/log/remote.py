@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from steptap.middleware.files import atomic_write
 from steptap.middleware.log.segments import HEADER, SEG_RE, seg_name
+
+if TYPE_CHECKING:
+    import threading
+    from pathlib import Path
+    from typing import Any
+
+    from steptap.middleware.log.wal import LogStats
+
 
 logger = logging.getLogger("steptap.wal")
 
@@ -22,13 +31,32 @@ logger = logging.getLogger("steptap.wal")
 class Remote:
     """Mixin of ``TrajectoryLog``: uploads of sealed segments and the restore of an empty local directory."""
 
+    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
+    _fs: Any
+    _lock: threading.Lock
+    _remote_root: str | None
+    _segno: int
+    _size: int
+    _upload_failed: set[int]
+    _upload_lock: threading.Lock
+    _uploading: set[int]
+    _uploads: set[asyncio.Task[None]]
+    dir: Path
+    stats: LogStats
+    _active_uploader: asyncio.Task[None] | None
+
     def _schedule_upload(self, segno: int, *, only_if_missing: bool = False) -> None:
         if self._fs is None or segno in self._uploading:
             return
         self._uploading.add(segno)
         task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
         self._uploads.add(task)
-        task.add_done_callback(lambda t: (self._uploads.discard(t), self._uploading.discard(segno)))
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._uploads.discard(t)
+            self._uploading.discard(segno)
+
+        task.add_done_callback(done)
 
     def _start_active_uploads(self, interval_s: float) -> None:
         self._active_uploader = asyncio.create_task(

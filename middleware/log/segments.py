@@ -74,6 +74,7 @@ def frame_at(path: Path, offset: int, end: int) -> bool:
         head = f.read(FRAME.size)
         if len(head) != FRAME.size:
             return False
+        length: int  # FRAME unpacks to ints (struct gives tuple[Any, ...])
         length, crc = FRAME.unpack(head)
         return offset + FRAME.size + length <= end and zlib.crc32(f.read(length)) == crc
 

@@ -3,14 +3,14 @@
 
 ``GET /trajectories?consumer=NAME&cursor=C&format=ndjson|msgpack&follow=1&heartbeat=S`` sends the finished
 trajectories after cursor ``C`` (default: the consumer's acknowledged cursor, else the start of the log), each
-with the cursor after it. With ``follow=1`` (the default) the response stays open and new trajectories are sent
-as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbeat is written so idle connections
-stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with an ``end``
-message once it has caught up. A record that does not decode is not sent: a ``skipped`` message takes its
-place (the NDJSON stream decodes every record; the msgpack stream passes records through and the client
-skips what it cannot decode). The NDJSON stream sends full steps (any JSON reader can use it); the msgpack
-stream sends a trajectory as logged, its record and the Step records it refers to (delta form: each new token
-once), and the client resolves them into full steps (``delta.resolve``).
+with the cursor after it. With ``follow=1`` (the default) the response stays open and new trajectories are
+sent as they finish; every ``heartbeat`` seconds (default 10) without one, a heartbeat is written so idle
+connections stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with
+an ``end`` message once it has caught up. A record that does not decode is not sent: a ``skipped`` message
+takes its place (the NDJSON stream decodes every record; the msgpack stream passes records through and the
+client skips what it cannot decode). The NDJSON stream sends full steps (any JSON reader can use it); the
+msgpack stream sends a trajectory as logged, its record and the Step records it refers to (delta form: each
+new token once), and the client resolves them into full steps (``delta.resolve``).
 
 Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
 msgpack frames.
@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
@@ -166,9 +166,10 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     state = request.app[STREAM_STATE_KEY]
     q = request.query
     consumer = _consumer(q.get("consumer"), required=False)
-    fmt: Format = q.get("format", "ndjson")  # type: ignore[assignment]
-    if fmt not in FORMATS:
+    asked = q.get("format", "ndjson")
+    if asked not in FORMATS:
         raise bad_request("'format' must be 'ndjson' or 'msgpack'", "invalid_format")
+    fmt = cast(Format, asked)  # one of FORMATS, checked just above (mypy does not narrow `in` to a Literal)
     follow = _flag(q.get("follow"), True)
     try:
         heartbeat = float(q.get("heartbeat", state.heartbeat_s))
@@ -214,7 +215,8 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
                 await resp.write(encode(StreamMessage(cursor=cur, end=True)))
                 break
     except (ConnectionResetError, asyncio.CancelledError):
-        logger.info("stream to consumer %s ended (client gone or shutdown) after %d trajectories", consumer, sent)
+        logger.info("stream to consumer %s ended (client gone or shutdown) after %d trajectories", consumer,
+                    sent)
         raise
     finally:
         state.streams.discard(task)
@@ -232,7 +234,8 @@ async def post_ack(request: web.Request) -> web.Response:
     except msgspec.ValidationError as exc:
         raise bad_request(f"bad ack body: {exc}", "invalid_body") from None
     except msgspec.DecodeError:
-        raise bad_request("the ack body must be JSON: {\"consumer\": NAME, \"cursor\": CURSOR}", "invalid_json") from None
+        raise bad_request("the ack body must be JSON: {\"consumer\": NAME, \"cursor\": CURSOR}",
+                          "invalid_json") from None
     consumer = _consumer(body.consumer, required=True)
     assert consumer is not None
     await _check_cursor(log, body.cursor)

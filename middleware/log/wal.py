@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from steptap.middleware import files
-from steptap.middleware.exceptions import RecordTooLarge
+from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
-from steptap.middleware.log.degraded import Degraded, LogUnavailable  # noqa: F401 (re-exported)
+from steptap.middleware.log.degraded import Degraded
 from steptap.middleware.log.reader import Reader
 from steptap.middleware.log.recovery import LogInUseError, Recovery, first_segment
 from steptap.middleware.log.remote import Remote
@@ -64,7 +65,8 @@ __all__ = [
 
 logger = logging.getLogger("steptap.wal")
 
-_MAX_BATCH_BYTES = 8 << 20  # one commit writes at most this much (bounds the latency of the records queued last)
+# One commit writes at most this much (bounds the latency of the records queued last)
+_MAX_BATCH_BYTES = 8 << 20
 DEFAULT_MAX_RECORD = 256 << 20  # the largest record append() takes (a finished session's Trajectory must fit)
 DURABILITY = ("fsync", "os")
 
@@ -86,12 +88,14 @@ class LogStats(msgspec.Struct, kw_only=True):
     uploads: int = 0  # sealed segments uploaded to the remote URL
     active_uploads: int = 0  # uploads of the active segment's committed part (timer)
     compacted_segments: int = 0
-    undecodable_records: int = 0  # records that did not decode, skipped by a reader (each time one reads them)
+    # Records that did not decode, skipped by a reader (each time one reads them)
+    undecodable_records: int = 0
     write_errors: int = 0  # failed group commits (disk full, I/O error)
 
 
 class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
-    """An append-only, crash-safe log of ``LogRecord``s. Create with ``await TrajectoryLog.open(location)``."""
+    """An append-only, crash-safe log of ``LogRecord``s. Create with ``await
+    TrajectoryLog.open(location)``."""
 
     _active_uploader: asyncio.Task[None] | None = None
 
@@ -135,7 +139,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self._open_sessions: dict[str, int] = {}  # trajectory id -> segno of its SessionOpened
         self._last_version: tuple[int, PolicyVersion] | None = None
         self._traj_ends = array("q")  # cursor_key() after each finished trajectory, in log order (stream lag)
-        self._traj_firsts = array("q")  # beside it: the segment of its first referenced step (compaction keeps it)
+        # Beside it: the segment of its first referenced step (compaction keeps it)
+        self._traj_firsts = array("q")
         self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
         # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
         self._lock = threading.Lock()
@@ -210,7 +215,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         return (await self.append_at(record))[1]
 
     async def append_at(self, record: LogRecord) -> tuple[str, str]:
-        """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and ends."""
+        """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and
+        ends."""
         if self._closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
         self.ensure_writable()
@@ -238,7 +244,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self.stats.last_batch_records = len(positions)
         self.stats.records += len(positions)
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
-        for (data, record, fut), (segno, offset) in zip(batch, positions):
+        # positions: the committed prefix of the batch
+        for (data, record, fut), (segno, offset) in zip(batch, positions, strict=False):
             self._track(record, segno, offset)
             if not fut.done():  # the caller may have gone away; the record is durable all the same
                 fut.set_result((format_cursor(segno, offset - len(data)), format_cursor(segno, offset)))
@@ -250,7 +257,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
             self._degrade(error)
             for _, _, fut in failed:
                 if not fut.done():
-                    unavailable = LogUnavailable(f"the trajectory log could not write: {self.degraded_reason}")
+                    unavailable = LogUnavailable("the trajectory log could not write: "
+                                                 f"{self.degraded_reason}")
                     unavailable.__cause__ = error
                     fut.set_exception(unavailable)
         for segno in sealed + sorted(self._upload_failed):
@@ -281,8 +289,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self, frames: list[bytes]
     ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
         """Writer thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
-        after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error that
-        stopped it, if any."""
+        after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error
+        that stopped it, if any."""
         with self._fd_lock:
             return self._write_frames(frames)
 
@@ -373,7 +381,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     # ---- closing -----------------------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Finish queued appends, seal and upload the active segment of a remote log, and release the files."""
+        """Finish queued appends, seal and upload the active segment of a remote log, and release the
+        files."""
         if self._writer is None:  # read-only (or never opened)
             self._closed = True
             self._io.shutdown(wait=True)

@@ -1,11 +1,11 @@
 """The trajectory log's writer thread: group commit with a direct hand-off to the event loop.
 
 ``append`` puts ``(frame, record, future)`` on a thread-safe queue and awaits its future. The thread takes the
-first item and everything queued behind it (up to ``max_batch_bytes``), writes and syncs them as one group, and
-hands the group back to the loop with **one** ``call_soon_threadsafe``; the loop then resolves every future of
-the group in that one callback. Per group that is one wake-up of the thread and one of the loop: no writer task
-to schedule, no executor future, no hop per record. Records that arrive while a group is being synced wait for
-the next group and share its sync.
+first item and everything queued behind it (up to ``max_batch_bytes``), writes and syncs them as one group,
+and hands the group back to the loop with **one** ``call_soon_threadsafe``; the loop then resolves every
+future of the group in that one callback. Per group that is one wake-up of the thread and one of the loop: no
+writer task to schedule, no executor future, no hop per record. Records that arrive while a group is being
+synced wait for the next group and share its sync.
 
 The thread owns the write path of the segment files; other threads that touch the active segment (the timed
 sync of durability ``os``) take ``fd_lock``.

@@ -156,8 +156,8 @@ def message_response(role: Any, content: Any, tool_calls: Any, reasoning: Any) -
 def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> list[Step]:
     """One ``Step`` per choice of a (non-streamed, or reassembled) vLLM reply. ``common`` holds the fields
     every choice shares (request, sampling, model, timings...). Token ids and logprobs are vLLM's own; a reply
-    that lacks them gives a failed step (the agent still gets its answer). ``replies.py`` builds the same steps
-    from a typed view."""
+    that lacks them gives a failed step (the agent still gets its answer). ``replies.py`` builds the same
+    steps from a typed view."""
     steps: list[Step] = []
     top_prompt = reply.get("prompt_token_ids")
     for choice in reply.get("choices") or ():
@@ -188,7 +188,8 @@ def make_step(
     """The step of one choice; a failed one when token ids or logprobs are missing or do not match."""
     error = None
     if prompt is None or ids is None:
-        error = StepError(message="backend reply carries no token ids (return_token_ids)", type="capture_error")
+        error = StepError(message="backend reply carries no token ids (return_token_ids)",
+                          type="capture_error")
     elif logprobs is None or len(logprobs) != len(ids):
         error = StepError(
             message=f"backend gave {len(logprobs or ())} logprobs for {len(ids)} tokens", type="capture_error"
@@ -205,7 +206,8 @@ def make_step(
         response=response,
         status="ok" if error is None else "failed",
         error=error,
-        usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids), total_tokens=len(prompt) + len(ids)),
+        usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids),
+                    total_tokens=len(prompt) + len(ids)),
         **common,
     )
 

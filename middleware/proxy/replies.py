@@ -6,13 +6,14 @@ prompt's token ids; usage); everything else is skipped by the decoder. Token ids
 ``msgspec.Raw`` first: they are decoded from it for the step, and when the agent did not ask for them, the
 value is replaced by ``null`` in vLLM's own bytes instead of re-encoding the whole reply.
 
-Why the byte replacement is exact: a key as JSON writes it (quote, name, quote, colon) can only be a key, since
-a quote inside a string is escaped (``\\"``). The body is first checked to hold each stripped key exactly as
-often as the typed view found it; each occurrence is then one of the values the view holds, replaced in place.
-The other bytes are vLLM's own; the dict path re-encoded them, which gives the same bytes for vLLM's compact
-JSON (strings escape alike) except for floats, and when the agent asked for neither token ids nor logprobs no
-float is left (``tests/unit/test_replies.py`` compares both paths over recorded and real replies; when the agent
-asked for logprobs the floats are now vLLM's own text, ``1e-07`` where a re-encode wrote ``1e-7``).
+Why the byte replacement is exact: a key as JSON writes it (quote, name, quote, colon) can only be a key,
+since a quote inside a string is escaped (``\\"``). The body is first checked to hold each stripped key
+exactly as often as the typed view found it; each occurrence is then one of the values the view holds,
+replaced in place. The other bytes are vLLM's own; the dict path re-encoded them, which gives the same bytes
+for vLLM's compact JSON (strings escape alike) except for floats, and when the agent asked for neither token
+ids nor logprobs no float is left (``tests/unit/test_replies.py`` compares both paths over recorded and real
+replies; when the agent asked for logprobs the floats are now vLLM's own text, ``1e-07`` where a re-encode
+wrote ``1e-7``).
 
 Any shape this module does not expect (a decode error, a count that does not match, a chunk without choices)
 makes ``None`` come back, and the caller takes the dict path of ``capture.py``.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from steptap.middleware.proxy.capture import CHAT, Asked, make_step, message_response
 from steptap.middleware.records import Step
 
@@ -69,7 +71,7 @@ _logprobs_decoder = msgspec.json.Decoder(_Logprobs | None)
 
 
 def _ids(value: _Ids) -> list[int] | None:
-    return None if value is _UNSET else value  # type: ignore[return-value]
+    return None if isinstance(value, msgspec.UnsetType) else value
 
 
 def _logprobs(raw: msgspec.Raw) -> list[float] | None:
@@ -139,7 +141,7 @@ def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | Non
         starts = _starts(data, _LOGPROBS, len(present))  # in body order, as the choices are
         if starts is None:
             return None
-        for start, raw in zip(starts, present):
+        for start, raw in zip(starts, present, strict=True):
             value = bytes(raw)
             if not data.startswith(value, start):
                 return None
@@ -148,7 +150,8 @@ def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | Non
     if not cuts:
         return data
     cuts.sort()
-    parts, pos = [], 0
+    parts: list[bytes] = []
+    pos = 0
     for start, end in cuts:
         parts += (data[pos:start], _NULL)
         pos = end

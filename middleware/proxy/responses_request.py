@@ -70,10 +70,11 @@ class Translation:
         if len(self.notes) < MAX_NOTES:
             self.notes.append({"field": field, "label": label, "reason": reason})
         elif len(self.notes) == MAX_NOTES:
-            self.notes.append({"field": "...", "label": "other", "reason": "more fields dropped (not listed)"})
+            self.notes.append({"field": "...", "label": "other",
+                               "reason": "more fields dropped (not listed)"})
 
 
-# --- input items ------------------------------------------------------------------------------------------------
+# --- input items --------------------------------------------------------------------------------------------
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -98,10 +99,10 @@ def custom_arguments(text: str) -> str:
 
 
 def _strings(item: dict[str, Any], where: str, *keys: str) -> list[str]:
-    values = [item.get(k) for k in keys]
-    if not all(isinstance(v, str) for v in values):
+    values = [v for v in (item.get(k) for k in keys) if isinstance(v, str)]
+    if len(values) != len(keys):
         raise _bad(f"a {item.get('type')} item needs string {', '.join(repr(k) for k in keys)}", where)
-    return values  # type: ignore[return-value]
+    return values
 
 
 def _join_call(out: list[dict[str, Any]], call: dict[str, Any]) -> None:
@@ -143,22 +144,23 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
                 if not isinstance(namespace, str):
                     raise _bad("a function_call's 'namespace' must be a string", where)
                 name = f"{namespace}{NAMESPACE_SEP}{name}"
-            _join_call(out, {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            _join_call(out, {"id": call_id, "type": "function",
+                             "function": {"name": name, "arguments": args}})
         elif kind == "custom_tool_call":
             name, text, call_id = _strings(item, where, "name", "input", "call_id")
             _join_call(out, {"id": call_id, "type": "function",
                              "function": {"name": name, "arguments": custom_arguments(text)}})
         elif kind == "local_shell_call":  # history from a server that ran OpenAI's local_shell tool
-            call_id = item.get("call_id") or item.get("id")
-            if not isinstance(call_id, str) or not isinstance(item.get("action"), dict):
+            given_id = item.get("call_id") or item.get("id")
+            if not isinstance(given_id, str) or not isinstance(item.get("action"), dict):
                 raise _bad("a local_shell_call needs a string 'call_id' and an 'action' object", where)
-            _join_call(out, {"id": call_id, "type": "function", "function": {
+            _join_call(out, {"id": given_id, "type": "function", "function": {
                 "name": "local_shell", "arguments": json.dumps(item["action"], ensure_ascii=False)}})
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
+            given_id = item.get("call_id")
+            if not isinstance(given_id, str):
                 raise _bad(f"a {kind} needs a string 'call_id'", where)
-            out.append({"role": "tool", "tool_call_id": call_id,
+            out.append({"role": "tool", "tool_call_id": given_id,
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             # The reasoning of the reply that follows: its text goes to the template as the assistant message's
@@ -210,7 +212,8 @@ def _custom(tool: dict[str, Any], where: str, tr: Translation) -> dict[str, Any]
     fmt = tool.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         # vLLM constrains a whole reply, not one argument of a tool call: the model is shown the grammar
-        description += (f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt.get('definition', '')}")
+        description += (f"\n\nThe input follows this {fmt.get('syntax', '')} "
+                        f"grammar:\n{fmt.get('definition', '')}")
         tr.note(f"{where}.format", "tools:custom_grammar",
                 "a custom tool's grammar is shown to the model in the description, not enforced")
     tr.custom.add(name)
@@ -248,13 +251,15 @@ def tools_of(tools: Any, tr: Translation) -> list[dict[str, Any]]:
         elif isinstance(kind, str) and kind:
             label = kind if kind in HOSTED_TOOLS else "other"
             tr.note(where, f"tools:{label}",
-                    f"hosted tool {kind!r} dropped: the backend cannot run it, so the model is not offered it")
+                    f"hosted tool {kind!r} dropped: the backend cannot run it, so the model is not "
+                    "offered it")
         else:
             raise _bad("a tool needs a string 'type'", where)
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise _bad(f"two tools are named {dup!r} (namespace children are named '<namespace>.<name>')", "tools")
+        raise _bad(f"two tools are named {dup!r} (namespace children are named '<namespace>.<name>')",
+                   "tools")
     return out
 
 
@@ -270,7 +275,7 @@ def _tool_choice(choice: Any) -> Any:
     raise _bad("'tool_choice' must be auto, none, required, a function or a custom tool", "tool_choice")
 
 
-# --- the body ---------------------------------------------------------------------------------------------------
+# --- the body -----------------------------------------------------------------------------------------------
 
 
 def _fields(body: dict[str, Any], tr: Translation) -> None:
@@ -311,7 +316,8 @@ def _fields(body: dict[str, Any], tr: Translation) -> None:
             tr.note("reasoning.effort", "reasoning", f"reasoning effort {effort!r} is not served (dropped)")
         if reasoning.get("summary") is not None:
             tr.note("reasoning.summary", "reasoning",
-                    "reasoning summaries are not made: the reasoning item carries the model's own reasoning text")
+                    "reasoning summaries are not made: the reasoning item carries the model's own reasoning "
+                    "text")
 
 
 def translate(body: dict[str, Any], history: list[dict[str, Any]]) -> Translation:

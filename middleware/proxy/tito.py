@@ -1,9 +1,9 @@
 """Token-in-token-out (TITO) mode: a multi-turn trajectory as one exact token sequence.
 
 In normal mode every turn is rendered again from the messages, and the template may render the model's own
-earlier reply as other tokens than it sampled (re-serialized tool-call JSON, dropped reasoning), which breaks the
-sequence. In TITO mode, when a turn's messages extend the previous turn's (its messages + the assistant reply as
-returned + new messages), the prompt is built from tokens:
+earlier reply as other tokens than it sampled (re-serialized tool-call JSON, dropped reasoning), which breaks
+the sequence. In TITO mode, when a turn's messages extend the previous turn's (its messages + the assistant
+reply as returned + new messages), the prompt is built from tokens:
 
     previous prompt ids + previous response ids + template tail after the turn's end token + new messages' ids
 
@@ -157,12 +157,13 @@ class TitoError(Exception):
         self.body = body
 
 
-async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> Any:
+async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
     status, data = await client.post_json(endpoint, body)
     if status >= 400:
         raise TitoError(status, data)
-    return _decode(data)
+    reply: dict[str, Any] = _decode(data)  # these routes answer a JSON object
+    return reply
 
 
 async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -182,7 +183,7 @@ class Turn:
         self.plan = plan
         self.prompt: list[int] = []
 
-    async def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
+    async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
@@ -273,9 +274,11 @@ class Turn:
                     for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
                         choice["token_ids"] = g.get("token_ids")
                         if g.get("logprobs") and g["logprobs"].get("content") is not None:
-                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"),
+                                                                g["logprobs"]["content"])
                     if not chunk.get("choices") and gen["choices"]:
-                        chunk["choices"] = [{"index": g["index"], "delta": {}, "token_ids": g.get("token_ids"),
+                        chunk["choices"] = [{"index": g["index"], "delta": {},
+                                             "token_ids": g.get("token_ids"),
                                              "logprobs": _chat_logprobs(None, (g.get("logprobs") or {}).get(
                                                  "content") or []), "finish_reason": g.get("finish_reason")}
                                             for g in gen["choices"]]

@@ -68,8 +68,9 @@ def register_chat_view(endpoint: str, to_chat: Callable[[dict[str, Any]], dict[s
 
     def view(body: dict[str, Any]) -> list[Any] | None:
         try:
-            return to_chat(body)["messages"]
+            messages: list[Any] = to_chat(body)["messages"]  # a chat body's messages
         except ApiError:
             return None
+        return messages
 
     prefix.CHAT_VIEWS[endpoint] = view

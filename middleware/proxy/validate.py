@@ -60,7 +60,8 @@ class CompletionView(_Sampling, kw_only=True):
 
 
 def check(body: dict[str, Any], view: type[T]) -> T:
-    """``body`` as ``view``, or a 400 naming the first key of a wrong type (``$.model``, ``$.messages[0]``)."""
+    """``body`` as ``view``, or a 400 naming the first key of a wrong type (``$.model``,
+    ``$.messages[0]``)."""
     try:
         return msgspec.convert(body, view)
     except msgspec.ValidationError as exc:
@@ -71,7 +72,8 @@ def check_sampling(view: _Sampling, max_n: int) -> None:
     """Ranges the proxy relies on: finite numbers, ``n`` in ``[1, max_n]``, non-negative token counts."""
     if view.n is not None and not 1 <= view.n <= max_n:
         raise ApiError(400, f"n must be between 1 and {max_n}, got {view.n}", "invalid_n")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         value = getattr(view, name)
         if value is not None and not math.isfinite(value):
             raise ApiError(400, f"{name} must be a finite number, got {value}", "invalid_sampling")
@@ -85,12 +87,13 @@ def check_sampling(view: _Sampling, max_n: int) -> None:
 
 def check_model_call(body: dict[str, Any], chat: bool, max_n: int) -> ChatView | CompletionView:
     """The edge check of ``/v1/chat/completions`` (``chat``) and ``/v1/completions`` bodies."""
-    view: ChatView | CompletionView = check(body, ChatView if chat else CompletionView)
+    view: ChatView | CompletionView = check(body, ChatView) if chat else check(body, CompletionView)
     if chat:
         messages = body.get("messages")
         if messages is not None and not (
             isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
         ):
-            raise ApiError(400, "invalid request: `messages` must be a list of objects", "invalid_request_body")
+            raise ApiError(400, "invalid request: `messages` must be a list of objects",
+                           "invalid_request_body")
     check_sampling(view, max_n)
     return view

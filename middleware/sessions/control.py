@@ -12,13 +12,13 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import require_control
-from steptap.middleware.errors import ApiError
-from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.delta import full_trajectory
-from steptap.middleware.records import Mode, to_builtins
-from steptap.middleware.sessions.rewards import finite
+from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
+from steptap.middleware.records import Mode, to_builtins
+from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
+from steptap.middleware.sessions.rewards import finite
 
 _encode = msgspec.json.Encoder().encode
 
@@ -76,7 +76,8 @@ async def open_session(request: web.Request) -> web.Response:
             400, "invalid session id (letters, digits, '.', '_', ':', '-'; at most 128)", "invalid_session_id"
         )
     if body.id is not None and body.id.startswith(AUTO_PREFIX):
-        raise ApiError(400, f"session ids starting with {AUTO_PREFIX!r} are auto-created ones", "invalid_session_id")
+        raise ApiError(400, f"session ids starting with {AUTO_PREFIX!r} are auto-created ones",
+                       "invalid_session_id")
     if body.group_size is not None and body.group_size < 1:
         raise ApiError(400, "group_size must be at least 1", "invalid_body")
     if body.idle_timeout_s is not None and not body.idle_timeout_s > 0:

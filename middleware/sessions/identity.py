@@ -1,9 +1,10 @@
 """Which session a model call belongs to (docs/SECURITY.md, "Parties and credentials").
 
 In order: the path (``/s/<id>/v1/...``), the ``X-Steptap-Session`` header, a steptap API key
-(``Authorization: Bearer stk-...``). A session opened by ``POST /sessions`` is reached only with its key (with or
-without its id); an id alone reaches an auto-created session in its own namespace (``auto:<id>``). Anything else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the
-call is served and recorded as a one-step session of its own.
+(``Authorization: Bearer stk-...``). A session opened by ``POST /sessions`` is reached only with its key (with
+or without its id); an id alone reaches an auto-created session in its own namespace (``auto:<id>``). Anything
+else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the call is served and recorded as a one-step
+session of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def valid_session_id(value: str) -> bool:
 
 
 def identify(request: Any) -> Identity:
-    """``request``: anything with ``match_info`` and ``headers`` (an aiohttp request; the domain imports no aiohttp)."""
+    """``request``: anything with ``match_info`` and ``headers`` (an aiohttp request; the domain imports no
+    aiohttp)."""
     sid = request.match_info.get(PATH_PARAM)
     source: Source = "path"
     if sid is None:

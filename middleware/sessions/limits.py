@@ -1,7 +1,8 @@
-"""``Holdings``: what the proxy holds against its limits (docs/limits.md): model calls in flight, and the steps
-and encoded bytes of open sessions (their steps as logged: a step that extends the previous call counts only what
-it adds, so a long session's bytes grow with its new tokens, not with its context times its turns). It raises the domain errors a limit ends in (``Overloaded``,
-``SessionFull``) and keeps the gauges of ``/metrics`` in step, so the session manager only asks."""
+"""``Holdings``: what the proxy holds against its limits (docs/limits.md): model calls in flight, and the
+steps and encoded bytes of open sessions (their steps as logged: a step that extends the previous call counts
+only what it adds, so a long session's bytes grow with its new tokens, not with its context times its turns).
+It raises the domain errors a limit ends in (``Overloaded``, ``SessionFull``) and keeps the gauges of
+``/metrics`` in step, so the session manager only asks."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class Holdings:
     @contextmanager
     def body_memory(self, declared: int | None) -> Iterator[BodyHold]:
         """Around one model call's body, from before it is read: its declared length (or the body limit, when
-        chunked) is held against ``max_body_memory`` first, then what it costs once read (``BodyHold.read``)."""
+        chunked) is held against ``max_body_memory`` first, then what it costs once read
+        (``BodyHold.read``)."""
         hold = BodyHold(self)
         limit = self.config.body_limit
         hold.resize(READ_COPIES * min(declared if declared is not None else limit, limit))
@@ -81,13 +83,14 @@ class Holdings:
         cap = self.config.max_calls_per_session
         if inflight >= cap:
             raise Overloaded(
-                f"session {sid!r} has {inflight} model calls in flight (max_calls_per_session={cap}); retry later",
+                f"session {sid!r} has {inflight} model calls in flight (max_calls_per_session={cap}); retry "
+                "later",
                 retry_after_s=RETRY_AFTER_S,
             )
 
     def check_open(self, open_sessions: int, auto: bool = False) -> None:
-        """Named sessions (``POST /sessions``) and auto-created ones have caps of their own: an agent's calls on
-        made-up ids never take the environment's room."""
+        """Named sessions (``POST /sessions``) and auto-created ones have caps of their own: an agent's calls
+        on made-up ids never take the environment's room."""
         name, cap = ("max_auto_sessions", self.config.max_auto_sessions) if auto else (
             "max_open_sessions", self.config.max_open_sessions)
         if open_sessions >= cap:
@@ -117,8 +120,8 @@ class Holdings:
 
     @staticmethod
     def size_of(steps: list[Step]) -> int:
-        """What ``steps`` add to their session, in the form it holds and logs them (delta steps: only what is new;
-        one more encode: the exact size, not a guess)."""
+        """What ``steps`` add to their session, in the form it holds and logs them (delta steps: only what is
+        new; one more encode: the exact size, not a guess)."""
         return sum(len(msgpack_encoder.encode(s)) + RECORD_SLACK for s in steps)
 
     def hold(self, steps: int, size: int) -> None:

@@ -56,8 +56,8 @@ def _norm(msg: Any) -> Any:
 
 
 # endpoint -> the chat messages of a request body in that protocol (None when it has none). The protocols that
-# ride on chat completions (proxy/responses.py, proxy/messages.py) register theirs when imported, so continuity
-# is judged on one conversation shape and this module needs none of them.
+# ride on chat completions (proxy/responses.py, proxy/messages.py) register theirs when imported, so
+# continuity is judged on one conversation shape and this module needs none of them.
 CHAT_VIEWS: dict[str, Callable[[dict[str, Any]], list[Any] | None]] = {}
 
 

@@ -27,7 +27,7 @@ def load_reward(spec: str) -> RewardFn:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--reward expects module:function, got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
+    obj: object = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
     if not callable(obj):
@@ -79,7 +79,7 @@ def apply_result(trajectory: Trajectory, result: Any) -> None:
         values = [finite(v) for v in result]
         if len(values) != len(trajectory.steps):
             raise ValueError(f"{len(values)} per-step rewards for {len(trajectory.steps)} steps")
-        for step, value in zip(trajectory.steps, values):
+        for step, value in zip(trajectory.steps, values, strict=True):
             step.rewards[CALLBACK_NAME] = value
     else:
         trajectory.rewards[CALLBACK_NAME] = finite(result)

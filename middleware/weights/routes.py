@@ -45,13 +45,15 @@ async def admin_weights(request: web.Request) -> web.Response:
     refused = request.app[CONFIG_KEY].refuse_swaps
     if refused:
         raise ApiError(409, "weight swaps are refused: this proxy is one of several workers sharing the same "
-                            "vLLM replicas, and a swap through one would let the others record the old version "
-                            "for calls the new weights sampled; give `steptap serve --workers N` at least N "
+                            "vLLM replicas, and a swap through one would let the others record the old "
+                            "version for calls the new weights sampled; give `steptap serve --workers N` at "
+                            "least N "
                             f"--backend replicas ({refused})", "swaps_refused")
     try:
         body = _weights_request.decode(await request.read())
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ApiError(400, f"expected {{\"path\": DIR}}, {{\"lora_path\": DIR}} or {{\"transfer\": {{...}}}} "
+        raise ApiError(400,
+                       f"expected {{\"path\": DIR}}, {{\"lora_path\": DIR}} or {{\"transfer\": {{...}}}} "
                             f"(+ \"version\"): {exc}",
                        "invalid_request") from None
     swapper = swapper_of(request.app)

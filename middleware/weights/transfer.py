@@ -1,11 +1,11 @@
 """Full weights by collective transfer: the proxy's half (``POST /admin/weights {"transfer": {...}}``).
 
 The learner (``steptap.learner.transfer``) hosts a torch.distributed store and broadcasts every tensor from
-rank 0; the swapper holds, drains and pauses as for a disk swap, then each replica's vLLM workers join the group
-through vLLM's weight-transfer routes (the ``steptap`` engine, installed into vLLM's venv by ``steptap vllm``):
-``/init_weight_transfer_engine`` (rendezvous) -> ``/start_weight_update`` -> ``/update_weights`` (receives while
-the learner sends) -> ``/finish_weight_update`` -> ``/shutdown_weight_transfer_engine``. Every replica joins
-the one group at once (ranks ``1..``), so one broadcast feeds them all.
+rank 0; the swapper holds, drains and pauses as for a disk swap, then each replica's vLLM workers join the
+group through vLLM's weight-transfer routes (the ``steptap`` engine, installed into vLLM's venv by ``steptap
+vllm``): ``/init_weight_transfer_engine`` (rendezvous) -> ``/start_weight_update`` -> ``/update_weights``
+(receives while the learner sends) -> ``/finish_weight_update`` -> ``/shutdown_weight_transfer_engine``. Every
+replica joins the one group at once (ranks ``1..``), so one broadcast feeds them all.
 
 The learner's store is sealed with ``secret``, made for this one transfer (``steptap_sealed_store``): it
 reaches vLLM only through this authenticated body and vLLM's admin route, never a log or an error message.
@@ -13,8 +13,9 @@ reaches vLLM only through this authenticated body and vLLM's admin route, never 
 A transfer that fails once a replica started loading (the learner died, a timeout) leaves that replica with
 some new and some old tensors. It never serves them: it reloads the last weights on disk (``reload_weights``
 from the swapper's ``path``). Those are the current version's weights when the current version came from disk;
-when it came from a transfer there is no copy of it on disk, so ``settle`` makes the disk weights a new version
-of their own on every replica (nothing serves two sets of weights under one version) and says so in the error.
+when it came from a transfer there is no copy of it on disk, so ``settle`` makes the disk weights a new
+version of their own on every replica (nothing serves two sets of weights under one version) and says so in
+the error.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True):
             parts = [f"shape differs for {k} {sent[k]} (served: {list(ref[k])})" for k in wrong[:3]]
             parts += [f"missing {', '.join(missing[:3])}"] if missing else []
             parts += [f"unknown {', '.join(extra[:3])}"] if extra else []
-            raise SwapRefused(f"the transfer does not fit the served model ({reference}): " + "; ".join(parts),
+            raise SwapRefused("the transfer does not fit the served model "
+                              f"({reference}): " + "; ".join(parts),
                             "weights_mismatch")
 
     def update_info(self) -> dict[str, Any]:

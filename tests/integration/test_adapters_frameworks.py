@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from steptap.adapters import async_session, registry, session
 
 pytestmark = pytest.mark.vllm
@@ -265,6 +266,7 @@ async def test_openai_agents_model_provider(
 ) -> None:
     """The provider form: agents naming any model (here ``gpt-4o``) run on the session through RunConfig."""
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+
     from steptap.adapters.frameworks.openai_agents import provider
 
     @function_tool(strict_mode=False)

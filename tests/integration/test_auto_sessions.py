@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 from faults import MODEL, FaultInjector
+
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 CHAT = "/v1/chat/completions"

@@ -1,7 +1,8 @@
-"""The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark (bench/proxy_overhead.py,
-the long streamed reply included), the end-to-end one on the real vLLM (bench/end_to_end.py) and the learner's
-throughput (bench/learner_throughput.py). Each runs, produces numbers, and its own correctness checks hold.
-Timing thresholds are not asserted here (the machine is shared); the benchmarks print PASS/MISS themselves."""
+"""The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark
+(bench/proxy_overhead.py, the long streamed reply included), the end-to-end one on the real vLLM
+(bench/end_to_end.py) and the learner's throughput (bench/learner_throughput.py). Each runs, produces numbers,
+and its own correctness checks hold. Timing thresholds are not asserted here (the machine is shared); the
+benchmarks print PASS/MISS themselves."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
-import recorded
-from overhead_report import verdicts
+import recorded  # noqa: E402 - from bench/, put on sys.path above
+from overhead_report import verdicts  # noqa: E402
 
 
 def test_fixture_is_a_real_32_token_reply_with_ids_and_logprobs():
@@ -46,7 +47,8 @@ def test_long_fixture_is_a_real_1400_token_stream():
     # the agent must not get them either; a proxy that relayed them (stripped) fails the check.
     views = [e if e == "[DONE]" else recorded.agent_view(e) for e in recorded.sse_data(fx.stream)]
     assert any(isinstance(v, dict) and v["choices"] and v["choices"][0]["delta"] == {} for v in views)
-    relayed = b"".join(b"data: " + (v if isinstance(v, str) else json.dumps(v)).encode() + b"\n\n" for v in views)
+    relayed = b"".join(b"data: " + (v if isinstance(v, str) else json.dumps(v)).encode() + b"\n\n"
+                       for v in views)
     assert recorded.same_agent_stream(relayed, fx.stream) is not None
     kept = [v for v in views if not (isinstance(v, dict) and v["choices"] and v["choices"][0]["delta"] == {}
                                      and v["choices"][0]["finish_reason"] is None and not v.get("usage"))]
@@ -143,7 +145,8 @@ def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
     # Every call through steptap (warm-up included) left exactly one step in its durable log.
     log = result["log"]
     assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 5 * (24 + 4)
-    assert set(result["summary"]["targets"]) == {"plain c=1", "plain c=4", "stream c=1", "stream c=4", "long c=1"}
+    assert set(result["summary"]["targets"]) == {"plain c=1", "plain c=4", "stream c=1", "stream c=4",
+                                                 "long c=1"}
     # The replay served the long reply to the long rows only: 3 targets x (24 + 4) streamed calls.
     assert result["replay_stats"][f"chat_stream {recorded.LONG_FIXTURE}"] == 3 * (24 + 4)
     assert "| steptap |" in proc.stdout

@@ -15,9 +15,9 @@ from aiohttp import web
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.client import SeenSet, SteptapClient, SteptapError, SyncSteptapClient
 from steptap.middleware.errors import error_middleware
-from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.log.stream import LOG_KEY, add_routes
 from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import Step, Trajectory
 
 TOKEN = "stc-client-test"
 
@@ -32,11 +32,13 @@ def make_app(log: TrajectoryLog) -> web.Application:
 
 def traj(i: int) -> Trajectory:
     return Trajectory(id=f"t{i}", status="finished", rewards={"r": float(i)},
-                      steps=[Step(trajectory_id=f"t{i}", response_token_ids=[i, i + 1], response_logprobs=[-1.0, -2.0])])
+                      steps=[Step(trajectory_id=f"t{i}", response_token_ids=[i, i + 1],
+                                  response_logprobs=[-1.0, -2.0])])
 
 
 class Server:
-    """The stream app on a fixed port, stoppable and restartable on the same log directory (a proxy restart)."""
+    """The stream app on a fixed port, stoppable and restartable on the same log directory (a proxy
+    restart)."""
 
     def __init__(self, logdir: Path) -> None:
         self.logdir = logdir
@@ -102,7 +104,8 @@ async def test_stream_both_formats_and_ack(server: Server, fmt: str) -> None:
 async def test_dedup_by_trajectory_id(server: Server) -> None:
     assert server.log is not None
     records = [traj(i) for i in range(3)]
-    for i in (0, 1, 0, 2, 1):  # the same trajectory record seen twice (as a re-delivery after a restart shows it)
+    # The same trajectory record seen twice (as a re-delivery after a restart shows it)
+    for i in (0, 1, 0, 2, 1):
         await server.log.append(records[i])
     async with SteptapClient(server.url, TOKEN) as c:
         got = await collect(c.trajectories("a", follow=False))
@@ -121,7 +124,8 @@ async def test_a_session_id_used_again_later_is_not_dropped_as_a_duplicate(serve
     await server.log.append(again)
     async with SteptapClient(server.url, TOKEN) as c:
         got = await collect(c.trajectories("a", follow=False))
-        assert [(d.trajectory.id, d.trajectory.rewards) for d in got] == [("t0", {"r": 0.0}), ("t0", {"r": 9.0})]
+        assert [(d.trajectory.id, d.trajectory.rewards) for d in got] == [("t0", {"r": 0.0}),
+                                                                          ("t0", {"r": 9.0})]
 
 
 async def test_follow_reconnects_across_a_server_restart(server: Server) -> None:
@@ -149,7 +153,8 @@ async def test_follow_reconnects_across_a_server_restart(server: Server) -> None
         await it.aclose()
 
 
-async def test_seen_file_holds_acknowledged_ids_across_consumer_restarts(server: Server, tmp_path: Path) -> None:
+async def test_seen_file_holds_acknowledged_ids_across_consumer_restarts(server: Server,
+                                                                         tmp_path: Path) -> None:
     assert server.log is not None
     sent = [traj(i) for i in range(4)]
     for t in sent:
@@ -222,7 +227,8 @@ async def _chat(base_url: str, key: str, model: str, text: str) -> dict:
 
 
 @pytest.mark.vllm
-async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server) -> None:  # type: ignore[no-untyped-def]
+async def test_sessions_rewards_and_stream_through_the_proxy(proxy,
+                                                             vllm_server) -> None:  # type: ignore[no-untyped-def]
     async with SteptapClient(proxy.url, proxy.token) as c:
         info = await c.open_session(group_id="cg", group_size=1, metadata={"task": "client-test"})
         assert info.id and info.api_key and info.base_url.endswith(f"/s/{info.id}/v1")
@@ -246,7 +252,8 @@ async def test_sessions_rewards_and_stream_through_the_proxy(proxy, vllm_server)
         t = got[0].trajectory
         assert t.status == "finished" and t.reward == 1.0 and t.metadata == {"task": "client-test"}
         assert [s.rewards for s in t.steps] == [{"step_r": 0.5}, {"step_r": 0.25}]
-        assert all(s.response_token_ids and len(s.response_logprobs) == len(s.response_token_ids) for s in t.steps)
+        assert all(s.response_token_ids and len(s.response_logprobs) == len(s.response_token_ids)
+                   for s in t.steps)
         await c.ack("client-test", got[0].cursor)
 
         # The same calls, synchronously.

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.records import RewardAdded, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -41,7 +42,8 @@ async def open_session(http: aiohttp.ClientSession, proxy: Proxy, **body: Any) -
 async def model_calls(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, info: dict[str, Any], n: int
 ) -> None:
-    """``n`` turns in the session ``info`` (from POST /sessions): its URL and its key, as an agent holds them."""
+    """``n`` turns in the session ``info`` (from POST /sessions): its URL and its key, as an agent holds
+    them."""
     sid = info["id"]
     messages: list[dict[str, Any]] = []
     for i in range(n):
@@ -297,7 +299,7 @@ async def test_groups_complete_when_full_or_timed_out(
     proxy = await make_proxy(vllm_server.url, group_timeout_s=0.5)
     members = [await open_session(http, proxy, group_id="g", group_size=3) for _ in range(3)]
     lonely = await open_session(http, proxy, group_id="h", group_size=4)
-    for m, status in zip(members, ("finished", "aborted", "finished")):
+    for m, status in zip(members, ("finished", "aborted", "finished"), strict=False):
         got, _ = await req(http, "GET", f"{proxy.url}/groups/g", None, proxy.control)
         got, _ = await req(
             http, "POST", f"{proxy.url}/sessions/{m['id']}/finish", {"status": status}, proxy.control

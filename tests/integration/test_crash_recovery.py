@@ -9,8 +9,8 @@ nothing acknowledged was lost.
    trajectory must reach the consumer exactly once after de-duplication, including those finished after the
    restarts.
 
-Both run with each log durability setting (`fsync`, `os`): a SIGKILL of the proxy is not a crash of the machine,
-so `os` must lose nothing replied either.
+Both run with each log durability setting (`fsync`, `os`): a SIGKILL of the proxy is not a crash of the
+machine, so `os` must lose nothing replied either.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import Backend, free_port
 
 from steptap.middleware.client import SteptapClient, SteptapError
-from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.log.wal import TrajectoryLog
-
-from conftest import Backend, free_port
+from steptap.middleware.records import Step, Trajectory
 
 _WRITER = r"""
 import asyncio, sys
@@ -89,11 +88,13 @@ async def test_sigkill_of_a_log_writer_loses_nothing_acknowledged(tmp_path: Path
             torn += log.stats.torn_records
             logged = {r.id: r for r in log.records() if isinstance(r, Trajectory)}
             missing = set(acked) - set(logged)
-            assert not missing, f"round {rnd}: {len(missing)} acknowledged records lost, e.g. {sorted(missing)[:3]}"
+            assert not missing, (
+                f"round {rnd}: {len(missing)} acknowledged records lost, e.g. {sorted(missing)[:3]}"
+            )
             assert all(logged[t].steps[0].prompt_token_ids == list(range(200)) for t in acked)
             # Cursors handed out are real positions: following from one gives what came after it.
             some = sorted(acked, key=lambda t: tuple(map(int, acked[t].split(":"))))[len(acked) // 2]
-            async for cur, traj in log.follow(acked[some], until_idle=0):
+            async for cur, _traj in log.follow(acked[some], until_idle=0):
                 assert tuple(map(int, cur.split(":"))) > tuple(map(int, acked[some].split(":")))
                 break
         finally:
@@ -102,7 +103,7 @@ async def test_sigkill_of_a_log_writer_loses_nothing_acknowledged(tmp_path: Path
     print(f"\nlog writer: {len(acked)} acknowledged records survived 3 SIGKILLs; torn tails cut: {torn}")
 
 
-# ---- the whole proxy -----------------------------------------------------------------------------------------
+# ---- the whole proxy ---------------------------------------------------------------------------------------
 
 TOKEN = "stc-crash-test"
 N_AGENTS = 6
@@ -136,7 +137,7 @@ class Proxy:
                     async with http.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 await asyncio.sleep(0.1)
         raise AssertionError(f"proxy did not come up:\n{self.output()}")
@@ -156,7 +157,8 @@ class Proxy:
                 self.proc.wait()
 
     def output(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.outdir.glob("proxy-*.log")))
+        return "\n".join(p.read_text(errors="replace")[-3000:]
+                         for p in sorted(self.outdir.glob("proxy-*.log")))
 
 
 @dataclass
@@ -245,12 +247,13 @@ async def _agent(aid: int, proxy: Proxy, model: str, ledger: Ledger, stop: async
 
 class _Consumer:
     """A learner-like consumer: a trajectory counts as processed once its ack went through (retried while the
-    proxy is down). ``stop()`` ends it the way a process dies, but never inside an ack: an ack whose answer was
-    lost may or may not have reached the proxy, which no client can know (a real learner processes before it
-    acknowledges, so either way nothing is lost). What it had been delivered but not acknowledged comes again
-    after ``start()``."""
+    proxy is down). ``stop()`` ends it the way a process dies, but never inside an ack: an ack whose answer
+    was lost may or may not have reached the proxy, which no client can know (a real learner processes before
+    it acknowledges, so either way nothing is lost). What it had been delivered but not acknowledged comes
+    again after ``start()``."""
 
-    def __init__(self, proxy: Proxy, name: str, dedup: bool, out: list[Trajectory], seen_file: Path | None) -> None:
+    def __init__(self, proxy: Proxy, name: str, dedup: bool, out: list[Trajectory],
+                 seen_file: Path | None) -> None:
         self.args = (proxy, name, dedup, out, seen_file)
         self.acking = asyncio.Lock()
         self.task: asyncio.Task[None] | None = None
@@ -262,7 +265,8 @@ class _Consumer:
     async def _run(self) -> None:
         proxy, name, dedup, out, seen_file = self.args
         async with SteptapClient(proxy.url, TOKEN) as c:
-            async for d in c.trajectories(name, dedup=dedup, heartbeat_s=0.5, max_backoff_s=0.5, seen_file=seen_file):
+            async for d in c.trajectories(name, dedup=dedup, heartbeat_s=0.5, max_backoff_s=0.5,
+                                          seen_file=seen_file):
                 async with self.acking:
                     while dedup:
                         try:
@@ -294,7 +298,8 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
         _Consumer(proxy, "learner", True, delivered, tmp_path / "seen.txt"),
         _Consumer(proxy, "raw", False, raw, None),
     ]
-    agents = [asyncio.create_task(_agent(i, proxy, vllm_server.served_model, ledger, stop)) for i in range(N_AGENTS)]
+    agents = [asyncio.create_task(_agent(i, proxy, vllm_server.served_model, ledger, stop))
+              for i in range(N_AGENTS)]
     try:
         for kill in range(2):
             # Let load build up: some sessions finished, others mid-way.
@@ -309,8 +314,9 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
                 await consumers[0].stop()
             proxy.kill()
             if kill == 1:
-                # SIGKILL rarely cuts a write in half (the kernel finishes the copy); a power cut does. Leave what
-                # it would: the start of a frame that never completed. The restart must cut it and say so.
+                # SIGKILL rarely cuts a write in half (the kernel finishes the copy); a power cut does. Leave
+                # what it would: the start of a frame that never completed. The restart must cut it and say
+                # so.
                 last = sorted((tmp_path / "log").glob("seg-*.log"))[-1]
                 with open(last, "ab") as f:
                     f.write(struct.pack("<II", 5000, 0) + b"\x85partial")
@@ -372,6 +378,9 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
                        for s in by_id[sid].steps), (sid, ids)
             assert by_id[sid].status == "finished"
     assert len(ledger.replies) >= 30 and len(ledger.finished) >= 10
-    print(f"\ncrash test: {len(ledger.replies)} replies, {len(ledger.finished)} finished, {ledger.opened} opened, "
-          f"{ledger.retried_calls} call tries failed while down, {len(ledger.spanned & ledger.finished)} finished "
-          f"across a restart, calls in flight at the kills {ledger.inflight_at_kill}, raw deliveries {len(raw)} for {len(set(t.id for t in raw))} ids")
+    print(f"\ncrash test: {len(ledger.replies)} replies, {len(ledger.finished)} finished, {ledger.opened} "
+          "opened, "
+          f"{ledger.retried_calls} call tries failed while down, {len(ledger.spanned & ledger.finished)} "
+          "finished "
+          f"across a restart, calls in flight at the kills {ledger.inflight_at_kill}, raw deliveries "
+          f"{len(raw)} for {len(set(t.id for t in raw))} ids")

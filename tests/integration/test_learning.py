@@ -28,8 +28,8 @@ PROMPTS = ["Say something.", "Tell me a story.", "What is new?", "Write a line."
 
 
 def _target_tokens(tokenizer) -> set[int]:  # type: ignore[no-untyped-def]
-    """The fixed set: every 20th token id (5% of the vocabulary, special tokens excepted). Chosen by id, not by
-    text, so the task's difficulty does not depend on how the tokenizer splits numbers (digits alone are 10
+    """The fixed set: every 20th token id (5% of the vocabulary, special tokens excepted). Chosen by id, not
+    by text, so the task's difficulty does not depend on how the tokenizer splits numbers (digits alone are 10
     tokens with Qwen2's pre-tokenizer)."""
     return {i for i in range(0, len(tokenizer), 20)} - set(tokenizer.all_special_ids)
 
@@ -61,23 +61,26 @@ def test_engine_learns_a_dense_reward_in_process(tiny_model_dir: Path) -> None:
         stats = engine.train_step(batch)
         tokens, train_s = tokens + stats.seq_tokens, train_s + stats.seconds
         curve.append(sum(batch.rewards) / len(batch.rewards))
-        print(f"update {update + 1}: reward {curve[-1]:.3f} loss {stats.loss:+.4f} entropy {stats.entropy:.2f} "
+        print(f"update {update + 1}: reward {curve[-1]:.3f} loss {stats.loss:+.4f} entropy "
+              f"{stats.entropy:.2f} "
               f"({time.perf_counter() - t0:.0f} s)")
         if len(curve) >= 3 and min(curve[-2:]) > curve[0] + 0.4:
             break
-    print(f"reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(curve)} updates, {time.perf_counter() - t0:.0f} s; "
+    print(f"reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(curve)} updates, {time.perf_counter() - t0:.0f} "
+          "s; "
           f"training {tokens / train_s:.0f} tokens/s")
     assert curve[0] < 0.15  # the task starts hard
     assert min(curve[-2:]) > curve[0] + 0.4, curve  # and the last two batches are far above it
 
 
-# --- 2. the real loop ------------------------------------------------------------------------------------------
+# --- 2. the real loop ---------------------------------------------------------------------------------------
 
 N_UPDATES = 16
 GROUPS, GROUP_SIZE = 4, 8
 
 
-async def _agent(client, openai_client, group: str, prompt: str, targets: set[int],  # type: ignore[no-untyped-def]
+async def _agent(client, openai_client, group: str, prompt: str,
+                 targets: set[int],  # type: ignore[no-untyped-def]
                  seed: int) -> None:
     """One agent run: a session, one chat call, graded by the environment from the recorded step."""
     info = await client.open_session(group_id=group, group_size=GROUP_SIZE)
@@ -92,12 +95,14 @@ async def _agent(client, openai_client, group: str, prompt: str, targets: set[in
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "verl"])
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path, engine: str,
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path,
+                                                               engine: str,
                                                                request: pytest.FixtureRequest) -> None:
-    """Full-weight swaps, with each engine (verl: one TrainingWorker on the session's Ray cluster; its steps are
-    sampled at temperature 1 without truncation, so ``--truncation-mode drop`` drops nothing). (LoRA mode is not run here: on a random-init model an adapter on the attention/MLP
-    layers barely moves the output distribution, so this task does not learn with it; the LoRA swap itself is
-    tested in test_swap_vllm, the LoRA training path in test_engine.)"""
+    """Full-weight swaps, with each engine (verl: one TrainingWorker on the session's Ray cluster; its steps
+    are sampled at temperature 1 without truncation, so ``--truncation-mode drop`` drops nothing). (LoRA mode
+    is not run here: on a random-init model an adapter on the attention/MLP layers barely moves the output
+    distribution, so this task does not learn with it; the LoRA swap itself is tested in test_swap_vllm, the
+    LoRA training path in test_engine.)"""
     import aiohttp
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
@@ -128,12 +133,13 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
     async with SteptapClient(proxy.url, proxy.token) as client:
-        # The openai client's default retries (2) are part of a real agent: a retried call leaves a failed step
-        # in the session, which the learner skips and counts.
+        # The openai client's default retries (2) are part of a real agent: a retried call leaves a failed
+        # step in the session, which the learner skips and counts.
         openai_client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused")
         rnd = 0
         while not learner.done():
-            if rnd > updates():  # sample each batch with the newest weights (on-policy: the learner waits anyway)
+            # Sample each batch with the newest weights (on-policy: the learner waits anyway)
+            if rnd > updates():
                 await asyncio.sleep(0.2)
                 continue
             await asyncio.gather(*(_agent(client, openai_client, f"r{rnd}p{i}", PROMPTS[i], targets,
@@ -146,7 +152,8 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     curve = [r["reward_mean"] for r in rows]
     minutes = (time.perf_counter() - t0) / 60
-    print(f"real loop ({engine}): reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, {minutes:.1f} min; "
+    print(f"real loop ({engine}): reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, "
+          f"{minutes:.1f} min; "
           f"curve {[round(c, 3) for c in curve]}; versions {[r['behaviour_version'] for r in rows]}; "
           f"training {sum(r['seq_tokens'] for r in rows) / sum(r['seconds'] for r in rows):.0f} tokens/s")
     assert len(rows) == N_UPDATES

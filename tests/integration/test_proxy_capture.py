@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -102,7 +103,8 @@ def trajectory(proxy: Proxy, sid: str) -> Any:
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     sid = manager.canonical_id(sid)  # a path id alone opens an auto-created session, auto:<id>
     session = manager.sessions.get(sid)
-    return full_trajectory(session.trajectory if session is not None else manager.recent[sid])  # held as deltas
+    # Held as deltas
+    return full_trajectory(session.trajectory if session is not None else manager.recent[sid])
 
 
 async def test_plain_and_streamed_equal_direct_and_record_the_same_ids(
@@ -173,7 +175,7 @@ async def test_logprobs_match_the_reference_model_and_ids_decode_to_the_text(
     await post_stream(http, f"{proxy.url}/s/ref/v1/chat/completions", body)
     tok = AutoTokenizer.from_pretrained(str(vllm_server.model_dir))
     texts = [reply["choices"][0]["message"]["content"], None]
-    for step, text in zip(trajectory(proxy, "ref").steps, texts):
+    for step, text in zip(trajectory(proxy, "ref").steps, texts, strict=False):
         ref = reference_logprobs(vllm_server.model_dir, step.prompt_token_ids, step.response_token_ids)
         # float32 on both sides; measured agreement is ~1e-6, 1e-4 leaves room for kernel differences
         assert step.response_logprobs == pytest.approx(ref, abs=1e-4)
@@ -248,7 +250,7 @@ async def test_n_choices_give_one_step_each(
     steps = trajectory(proxy, "many").steps
     assert [s.index for s in steps] == list(range(6))
     assert [s.choice for s in steps] == [0, 1, 2, 0, 1, 2]
-    for step, choice in zip(steps[:3], reply["choices"]):
+    for step, choice in zip(steps[:3], reply["choices"], strict=False):
         assert step.response["content"] == choice["message"]["content"]
         assert len(step.response_token_ids) == len(step.response_logprobs) == 6
     assert steps[0].prompt_token_ids == steps[3].prompt_token_ids
@@ -317,8 +319,8 @@ async def test_force_sampling_overrides_the_agent_and_is_recorded(
 
 
 def test_sampling_defaults_come_from_the_model_generation_config(tmp_path: Any) -> None:
-    from steptap.middleware.proxy.capture import sampling_of
     from steptap.middleware.config import generation_defaults
+    from steptap.middleware.proxy.capture import sampling_of
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": 2})

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from faults import MODEL, FaultInjector, refused_address
+
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.sessions.control import SESSIONS_KEY
 

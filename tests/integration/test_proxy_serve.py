@@ -1,5 +1,6 @@
 """``steptap serve`` as users run it: a real process (web.run_app, no test harness), flags and env, the token
-written to a 0600 file (never printed) when generated, a hang-up mid-stream recorded as a failed step, and a clean stop on SIGTERM."""
+written to a 0600 file (never printed) when generated, a hang-up mid-stream recorded as a failed step, and a
+clean stop on SIGTERM."""
 
 from __future__ import annotations
 

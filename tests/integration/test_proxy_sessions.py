@@ -10,10 +10,13 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
-from steptap.middleware.delta import full_steps  # the session holds delta steps
-from steptap.middleware.metrics import METRICS_KEY
+
 from steptap.middleware.backend.pool import POOL_KEY
-from steptap.middleware.delta import steps_of
+from steptap.middleware.delta import (
+    full_steps,  # the session holds delta steps
+    steps_of,
+)
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -59,7 +62,8 @@ async def test_openai_client_three_turns_and_an_edited_history(
                 model=vllm_server.served_model, messages=messages, max_tokens=8, temperature=0
             )
             content = reply.choices[0].message.content or ""
-            assert not hasattr(reply, "prompt_token_ids") or reply.prompt_token_ids is None  # type: ignore[attr-defined]
+            assert not hasattr(reply,
+                               "prompt_token_ids") or reply.prompt_token_ids is None  # type: ignore[attr-defined]
         replies.append(content)
         messages.append({"role": "assistant", "content": content})
     traj = await get_session(http, proxy, info["id"])
@@ -73,7 +77,7 @@ async def test_openai_client_three_turns_and_an_edited_history(
     ]
     assert traj["group_id"] == "g1" and traj["metadata"] == {"task": "chat"} and traj["status"] == "running"
     assert steps[0]["prefix"] == "first"
-    for prev, step in zip(steps, steps[1:]):
+    for prev, step in zip(steps, steps[1:], strict=False):
         # extends exactly when the ids continue token for token; otherwise the same messages re-rendered
         continues = step["prompt_token_ids"][
             : len(prev["prompt_token_ids"]) + len(prev["response_token_ids"])
@@ -192,6 +196,7 @@ async def test_a_step_is_on_disk_when_its_reply_completes(
             assert resp.status == 200
             await resp.read()  # the last byte ([DONE] when streamed) has arrived
         # read back from the segment files, not from memory
-        on_disk = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == f"auto:dur-{stream}"]
+        on_disk = [r for r in log.records() if isinstance(r, Step)
+                   and r.trajectory_id == f"auto:dur-{stream}"]
         assert [s.index for s in on_disk] == list(range(i + 1))
         assert on_disk[-1].request["messages"][0]["content"] == f"q{i}" and on_disk[-1].status == "ok"

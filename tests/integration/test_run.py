@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from steptap.middleware.client import SteptapClient, SyncSteptapClient
 
 pytestmark = pytest.mark.vllm

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import pytest
+
 from steptap.adapters import async_session, session
 from steptap.middleware.client import SteptapClient, SteptapError, SyncSteptapClient
 

@@ -1,7 +1,8 @@
-"""Agents that stop reading, and streams that fail after their headers (issue 25, items 4 and 10): a stalled reader
-never holds a call slot for good, one peer or one session cannot take every slot, and a stream always ends (an
-error event and a close), never hangs. Slow readers need a stream that never ends: the fault injector's ``flood``
-(a stand-in for a backend generating forever, which the real tiny model cannot be made to do on demand)."""
+"""Agents that stop reading, and streams that fail after their headers (issue 25, items 4 and 10): a stalled
+reader never holds a call slot for good, one peer or one session cannot take every slot, and a stream always
+ends (an error event and a close), never hangs. Slow readers need a stream that never ends: the fault
+injector's ``flood`` (a stand-in for a backend generating forever, which the real tiny model cannot be made to
+do on demand)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import aiohttp
 import pytest
 from conftest import Proxy
 from faults import MODEL, DiskFullInjector, FaultInjector
+
 from steptap.middleware import files
 from steptap.middleware.records import Step, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -101,7 +103,8 @@ async def test_one_peer_cannot_take_every_call_slot(
         # another peer (another loopback address) still gets in, but one session takes one call at a time
         conn = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
         async with aiohttp.ClientSession(connector=conn) as other:
-            assert await status_of(other, f"{proxy.url}{CHAT}", headers=key) == 429  # its session has one in flight
+            # Its session has one in flight
+            assert await status_of(other, f"{proxy.url}{CHAT}", headers=key) == 429
             injector.mode = "ok"
             assert await status_of(other, f"{proxy.url}/s/q{CHAT}") == 200
     finally:
@@ -110,15 +113,16 @@ async def test_one_peer_cannot_take_every_call_slot(
         await asyncio.gather(*held, return_exceptions=True)
 
 
-# --- item 10: what a stream, a finish or a late step does when the log cannot take the record ----------------
+# --- item 10: what a stream, a finish or a late step does when the log cannot take the record ---------------
 
 
 @pytest.mark.parametrize("fault", ["disk_full", "record_too_large"])
 async def test_a_stream_whose_step_cannot_be_logged_ends_with_an_error_event(
-    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, fault: str
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,
+    fault: str
 ) -> None:
-    """The headers are out when the step is recorded: a refused record must end the stream (an error event, then
-    the connection ends), never leave the agent waiting (it did: no event, no [DONE], no close)."""
+    """The headers are out when the step is recorded: a refused record must end the stream (an error event,
+    then the connection ends), never leave the agent waiting (it did: no event, no [DONE], no close)."""
     injector = FaultInjector(stall_s=0.3)
     server = await aiohttp_server(injector.app)
     disk = DiskFullInjector(files.write_all)
@@ -154,16 +158,19 @@ async def test_finish_while_the_log_cannot_write_is_a_503_and_can_be_retried(
     async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
         opened = await resp.json()
     sid = opened["id"]
-    assert await status_of(http, f"{proxy.url}{CHAT}", headers={"Authorization": f"Bearer {opened['api_key']}"}) == 200
+    assert await status_of(http, f"{proxy.url}{CHAT}",
+                           headers={"Authorization": f"Bearer {opened['api_key']}"}) == 200
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
     disk.full = True
-    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0}, headers=proxy.control) as resp:
+    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0},
+                         headers=proxy.control) as resp:
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "log_unavailable"
     session = manager.sessions[sid]
     assert not session.closing and session.trajectory.rewards == {}  # as before the finish: nothing half-done
     disk.full = False
     await wait_for(lambda: not manager.log.degraded)
-    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0}, headers=proxy.control) as resp:
+    async with http.post(f"{proxy.url}/sessions/{sid}/finish", json={"reward": 1.0},
+                         headers=proxy.control) as resp:
         assert resp.status == 200, await resp.text()  # was 409 "already closing" for good
     (traj,) = [r for r in manager.log.records() if isinstance(r, Trajectory) and r.id == sid]
     assert traj.status == "finished" and traj.rewards == {"reward": 1.0}

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
+
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -68,7 +69,8 @@ async def _run_sessions(
             url = f"{info['base_url']}/chat/completions"
             for i in range(steps + 1):
                 stream = i % 2 == 1
-                async with http.post(url, json={**body, "model": model, "stream": stream}, headers=headers) as r:
+                async with http.post(url, json={**body, "model": model, "stream": stream},
+                                     headers=headers) as r:
                     text = await r.text()
                     expected = 200 if i < steps else 409  # the call past the cap is refused
                     if r.status != expected or (r.status == 200 and stream and "data: [DONE]" not in text):
@@ -120,11 +122,13 @@ async def test_a_thousand_concurrent_sessions_are_all_accounted_for_within_caps(
     assert peaks["steps"] <= peaks["sessions"] * CAPS["max_session_steps"]
     assert 0 < peaks["bytes"] <= peaks["sessions"] * CAPS["max_session_bytes"]
     assert 0 < peaks["calls"] <= CLIENT_CONNECTIONS <= CAPS["max_concurrent_calls"]
-    assert (manager.steps_held, manager.bytes_held, manager.calls_inflight, len(manager.sessions)) == (0, 0, 0, 0)
+    assert (manager.steps_held, manager.bytes_held, manager.calls_inflight, len(manager.sessions)) == (0, 0,
+                                                                                                       0, 0)
     print(f"peaks {peaks}; RSS {rss0:.0f} -> {_rss_mib():.0f} MiB (test process: client, proxy, upstream)")
 
     # a sample on the real stack: same accounting
-    real = await make_proxy(vllm_server.url, log_dir=tmp_path / "real-log", **{**CAPS, "max_session_steps": 2})
+    real = await make_proxy(vllm_server.url, log_dir=tmp_path / "real-log",
+                            **{**CAPS, "max_session_steps": 2})
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     answered, bad = await _run_sessions(real, vllm_server.served_model, body, 8, 2)
     assert bad == [] and set(answered.values()) == {2} and len(answered) == 8

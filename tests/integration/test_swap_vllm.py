@@ -3,8 +3,8 @@
 After a swap the logprobs vLLM records equal the learner's new model's and differ from the old weights'; the
 same with LoRA adapters; calls in flight or arriving during a swap all succeed, each recorded with the version
 that sampled it; refused swaps (tied embeddings, mismatched tensors) and a failing reload leave the old
-version serving. Every test leaves the server on the original weights (conftest's `swap_vllm` reloads them), so
-test order never matters.
+version serving. Every test leaves the server on the original weights (conftest's `swap_vllm` reloads them),
+so test order never matters.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ MakeClient = Callable[..., Awaitable[TestClient]]
 
 @pytest.fixture
 def swap_server(swap_vllm: Backend) -> Backend:
-    """conftest's swappable server (never the shared one); ``swap_vllm`` reloads its original weights after."""
+    """conftest's swappable server (never the shared one); ``swap_vllm`` reloads its original weights
+    after."""
     return swap_vllm
 
 
@@ -174,7 +175,7 @@ def newest(out_dir: Path) -> Path:
 
 def gap(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) and a
-    return max(abs(x - y) for x, y in zip(a, b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=False))
 
 
 async def publish(client: TestClient, model: Any, out_dir: Path, **kw: Any) -> int:
@@ -457,7 +458,7 @@ async def test_a_lora_load_the_server_refuses_keeps_the_old_version(
     assert sw.state().version == 0 and sw.state().lora_name is None and sw.state().degraded is None
 
 
-# --- keep mode (the default): calls in flight continue on the new weights ------------------------------------
+# --- keep mode (the default): calls in flight continue on the new weights -----------------------------------
 
 
 async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
@@ -483,7 +484,8 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     base = swap_server.model_dir
     from steptap.learner.publish import request_swap, write_weights
 
-    published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None, tmp_path / "w")
+    published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None,
+                                        tmp_path / "w")
     n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
                                         prompt=f"keep {i}")) for i in range(n)]
@@ -527,7 +529,8 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
     adapter1 = newest(out)
     from steptap.learner.publish import request_swap, write_weights
 
-    published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out, lora=True)
+    published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out,
+                                        lora=True)
     n, length = 4, 256
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
                                         prompt=f"lora keep {i}")) for i in range(n)]
@@ -542,7 +545,9 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
     assert gap(new_call["response_logprobs"], ref(base, new_call, adapter=published)) < TOL
     steps = await asyncio.gather(*calls)
     for s in steps:
-        assert s["policy_version"] == 1 and s["version_spans"] == [] and s["served_model"] == f"{LORA_PREFIX}-v1"
+        assert (
+            s["policy_version"] == 1 and s["version_spans"] == [] and s["served_model"] == f"{LORA_PREFIX}-v1"
+        )
         assert len(s["response_token_ids"]) == length
         assert gap(s["response_logprobs"], ref(base, s, adapter=adapter1)) < TOL  # the old adapter throughout
         assert gap(s["response_logprobs"], ref(base, s, adapter=published)) > DIFFERENT

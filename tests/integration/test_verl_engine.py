@@ -40,9 +40,9 @@ def _config(model_dir: str, **kw: object) -> LearnerConfig:
 
 
 def _batch(eng: TorchEngine) -> Batch:
-    """Two groups of two 2-step ``extends`` chains (packed: verl sees multi-turn rows with masked tool tokens),
-    off-policy: the recorded logprobs are the model's minus 0.4 on every other token, so ratios leave the clip
-    range and the loss is far from 0."""
+    """Two groups of two 2-step ``extends`` chains (packed: verl sees multi-turn rows with masked tool
+    tokens), off-policy: the recorded logprobs are the model's minus 0.4 on every other token, so ratios leave
+    the clip range and the loss is far from 0."""
     trajs = []
     for g in range(2):
         for m in range(2):
@@ -131,7 +131,8 @@ def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny
         assert bool(((grads[name] - g).abs() <= tol).all()), f"{name}: gradients differ beyond the tolerance"
         # The update: AdamW's first step is monotone in g, so w1 lies in the image of [g - tol, g + tol].
         lo, hi = _adam_first_step(w0, g + tol), _adam_first_step(w0, g - tol)
-        # float32 rounding: of w itself, and of the ~8 operations AdamW's step makes on the update (|update| <= lr)
+        # float32 rounding: of w itself, and of the ~8 operations AdamW's step makes on the update (|update|
+        # <= lr)
         slack = EPS32 * (w0.abs() + 8 * LR)
         w = weights[name]
         assert bool(((w >= lo - slack) & (w <= hi + slack)).all()), f"{name}: the update differs"
@@ -140,7 +141,8 @@ def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny
 
 
 
-def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_cluster, tiny_model_dir, reference,
+def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_cluster, tiny_model_dir,
+                                                                            reference,
                                                                            tmp_path) -> None:
     """LoRA on the verl engine: only the adapter moves; the reference for the KL term is the base model (the
     adapter disabled), so the KL is exactly 0 before the first update (B starts at 0: identical logits) and
@@ -152,7 +154,8 @@ def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_
     from steptap.learner.engines.verl_engine import VerlEngine
 
     targets = ("q_proj", "v_proj")
-    eng = VerlEngine(_config(str(tiny_model_dir), engine="verl", workers=1, micro_batch_tokens=64, lora_rank=4,
+    eng = VerlEngine(_config(str(tiny_model_dir), engine="verl", workers=1, micro_batch_tokens=64,
+                             lora_rank=4,
                              lora_alpha=8, lora_targets=targets, kl_coef=0.1, lr=1e-2))
     try:
         first = eng.train_step(reference["batch"])
@@ -182,7 +185,7 @@ def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_
         assert torch.equal(v, saved[k])
 
 
-# --- crash and --resume on the verl engine, through the daemon on a real proxy and stream ----------------------
+# --- crash and --resume on the verl engine, through the daemon on a real proxy and stream -------------------
 
 PROXY_VERSION = 5
 

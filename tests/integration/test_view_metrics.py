@@ -19,7 +19,8 @@ async def test_every_metric_the_view_reads_is_exported(proxy: Proxy, vllm_server
                                                         tmp_path: Any) -> None:
     async with http.post(f"{proxy.url}/sessions", json={"group_id": "g"}, headers=proxy.control) as r:
         session = await r.json()
-    body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    body = {"model": vllm_server.served_model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}
     key = {"Authorization": f"Bearer {session['api_key']}"}  # an opened session takes calls with its key only
     async with http.post(f"{session['base_url']}/chat/completions", json=body, headers=key) as r:
         assert r.status == 200, await r.text()

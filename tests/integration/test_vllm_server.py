@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import Backend, free_port, http_json
+from reference import reference_logprobs
 
 from steptap.middleware.launch.vllm_server import (
     MARKER,
@@ -25,12 +27,11 @@ from steptap.middleware.launch.vllm_server import (
     process_group_alive,
     ties_embeddings,
 )
-from conftest import Backend, free_port, http_json
-from reference import reference_logprobs
 
 LOGPROB_TOL = 1e-4  # measured agreement is ~1e-6 (float32 on both sides); 1e-4 leaves room for kernel order
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"]}}}]
 
 
 def _group_pids(pgid: int) -> list[int]:
@@ -73,22 +74,28 @@ def test_command_and_environment_for_cpu(tiny_model_dir: Path, tmp_path: Path) -
     cmd = server.command(Path("/venv/bin/python"))
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(cmd)
-    for flag in ("--served-model-name " + tiny_model_dir.name, "--port 8123", "--enable-lora", "--max-lora-rank 16",
-                 "--enable-auto-tool-choice", "--tool-call-parser hermes", "--dtype float32", "--enforce-eager",
+    for flag in ("--served-model-name " + tiny_model_dir.name, "--port 8123", "--enable-lora",
+                 "--max-lora-rank 16",
+                 "--enable-auto-tool-choice", "--tool-call-parser hermes", "--dtype float32",
+                 "--enforce-eager",
                  "--max-model-len 2048", "--enable-scale-out"):
         assert flag in joined
     assert cmd[-2:] == ["--seed", "7"]
     env = server.environment()
-    assert env["VLLM_SERVER_DEV_MODE"] == env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == env["HF_HUB_OFFLINE"] == "1"
+    assert (
+        env["VLLM_SERVER_DEV_MODE"] == env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == env["HF_HUB_OFFLINE"] == "1"
+    )
     assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     # A flag given after `--` wins over our default.
-    override = VLLMServer(tiny_model_dir, gpu=False, extra_args=["--dtype", "bfloat16"], tool_parser="llama3_json")
+    override = VLLMServer(tiny_model_dir, gpu=False, extra_args=["--dtype", "bfloat16"],
+                          tool_parser="llama3_json")
     assert "float32" not in override.command(Path("p")) and "llama3_json" in override.command(Path("p"))
 
 
 def test_middleware_module_imports_no_ml_stack() -> None:
     code = ("import sys, steptap.middleware.launch.vllm_server; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray', 'verl')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray', "
+            "'verl')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]"
 
@@ -103,7 +110,8 @@ def test_venv_location_honours_overrides(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 def test_ensure_venv_adopts_a_working_venv_once(tmp_path: Path) -> None:
-    """A venv built by hand with the recipe (vllm imports) is adopted and marked; later calls trust the marker."""
+    """A venv built by hand with the recipe (vllm imports) is adopted and marked; later calls trust the
+    marker."""
     real = ensure_venv(gpu=False)
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -127,7 +135,8 @@ def test_tied_model_detected_and_parser_by_template(tmp_path: Path) -> None:
 
 def test_cli_rejects_a_missing_model_quickly(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tmp_path / "none")],
+    out = subprocess.run([sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model",
+                          str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "not a model directory" in out.stderr
     assert time.monotonic() - t0 < 30
@@ -152,7 +161,7 @@ def test_chat_returns_token_ids_and_logprobs_equal_to_transformers(vllm_server: 
     assert prompt_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"]
     ref = reference_logprobs(vllm_server.model_dir, prompt_ids, response_ids)
-    assert max(abs(a - b) for a, b in zip(logprobs, ref)) < LOGPROB_TOL
+    assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=False)) < LOGPROB_TOL
 
 
 def test_forced_tool_call_is_parsed_and_uses_the_tool_call_token(vllm_server: Backend) -> None:
@@ -182,7 +191,8 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
     time; the session fixture checks the healthy stop on teardown."""
     port = free_port()
     cli = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--port", str(port),
+        [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--port",
+         str(port),
          "--insecure-tcp", "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
         stderr=subprocess.PIPE, text=True,
     )
@@ -220,7 +230,8 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
 def test_failed_start_raises_quickly_with_the_log_tail(tmp_path: Path) -> None:
     model = tmp_path / "broken"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "no_such_arch", "architectures": ["NoSuchLM"]}))
+    (model / "config.json").write_text(json.dumps({"model_type": "no_such_arch",
+                                                   "architectures": ["NoSuchLM"]}))
     server = VLLMServer(model, port=free_port(), threads=1, log_path=tmp_path / "vllm.log").start()
     t0 = time.monotonic()
     try:
@@ -239,7 +250,8 @@ def test_a_sigkilled_steptap_vllm_takes_its_server_with_it(tiny_model_dir: Path,
     """`steptap vllm` killed with SIGKILL runs no cleanup; its healthy server (its own session) must not go on
     answering /health and holding memory: the kernel signals it when its launcher dies (issue 25, item 13)."""
     cli = subprocess.Popen(
-        [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--threads", "1",
+        [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--threads",
+         "1",
          "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )

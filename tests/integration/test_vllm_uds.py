@@ -62,7 +62,8 @@ def _lora_adapter(model_dir: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                      lora_dropout=0.0))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,7 +78,10 @@ async def test_vllm_on_a_unix_socket_behind_the_proxy(
 ) -> None:
     server = llama_server
     assert server.url == f"unix:{server.uds}" and server.tool_parser == "hermes"
-    assert "--port" not in server.command(Path("python")) and stat.S_IMODE(server.uds.parent.stat().st_mode) == 0o700
+    assert (
+        "--port" not in server.command(Path("python"))
+        and stat.S_IMODE(server.uds.parent.stat().st_mode) == 0o700
+    )
     assert SyncSteptapClient(server.url, KEY).models() == [SERVED]
 
     proxy: Proxy = await make_proxy(server.url, backend_api_key=KEY, model_dir=str(server.model_dir))

@@ -3,11 +3,11 @@
 steptap's engine in vLLM's venv).
 
 The transferred model is what vLLM serves (its logprobs equal the sent model's within the swap tests' TOL and
-differ from the old weights'), under the new version, persisted as a version with no directory. A learner killed
-mid-transfer (a real subprocess, killed once it has sent half the tensors) never leaves vLLM serving mixed
-weights: while the current version is on disk, the replica reloads it and the version stays; when the current
-version came by transfer (on no disk), the disk weights become a new version of their own. Uses conftest's
-swappable server (never the shared one); ``swap_vllm`` puts its weights back after.
+differ from the old weights'), under the new version, persisted as a version with no directory. A learner
+killed mid-transfer (a real subprocess, killed once it has sent half the tensors) never leaves vLLM serving
+mixed weights: while the current version is on disk, the replica reloads it and the version stays; when the
+current version came by transfer (on no disk), the disk weights become a new version of their own. Uses
+conftest's swappable server (never the shared one); ``swap_vllm`` puts its weights back after.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any
 
 import pytest
 from conftest import Backend
+from test_swap_vllm import DIFFERENT, TOKEN, TOL, call, gap, learner_model, perturbed, proxy, ref, swapper  # noqa: F401
+
 from steptap.middleware.records import PolicyVersion
 from steptap.middleware.sessions.control import SESSIONS_KEY
-from test_swap_vllm import DIFFERENT, TOKEN, TOL, call, gap, learner_model, perturbed, proxy, ref, swapper  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 
@@ -67,7 +68,7 @@ LEARNER = textwrap.dedent("""
             time.sleep(3600)
     send_collective(named_weights(model), sys.argv[2], "%s", timeout_s=%r, progress=progress)
     print("NOT KILLED", flush=True)
-""" % (TOKEN, TRANSFER_TIMEOUT_S))
+""" % (TOKEN, TRANSFER_TIMEOUT_S))  # noqa: UP031 - the template is Python source; % leaves its braces
 
 
 async def killed_midway(client: Any, model_dir: Path, seed: int) -> None:
@@ -77,7 +78,8 @@ async def killed_midway(client: Any, model_dir: Path, seed: int) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
-        assert line.startswith(b"HALF"), (line, proc.stderr.read()[-3000:] if proc.poll() is not None else b"")  # type: ignore[union-attr]
+        assert line.startswith(b"HALF"), (line, proc.stderr.read()[-3000:] if proc.poll() is not None
+                                          else b"")  # type: ignore[union-attr]
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         if proc.poll() is None:
@@ -121,7 +123,8 @@ async def test_collective_swap_serves_the_sent_weights(
     from steptap.learner.transfer import transfer_spec
 
     spec = transfer_spec([("model.embed_tokens.weight", next(new_model.parameters()).detach()[:2])])
-    resp = await client2.post("/admin/weights", json={"transfer": {"address": "127.0.0.1", "port": 1, "secret": "s" * 64,
+    resp = await client2.post("/admin/weights", json={"transfer": {"address": "127.0.0.1", "port": 1,
+                                                                   "secret": "s" * 64,
                                                                      **spec}},
                               headers={"Authorization": f"Bearer {TOKEN}"})
     body = await resp.json()
@@ -139,7 +142,9 @@ async def test_a_learner_killed_mid_transfer_never_leaves_mixed_weights(
     # 1. The current version (0) is on disk: the replica reloads it, version 0 keeps serving.
     await killed_midway(client, base, seed=5)
     assert sw.version == 0 and sw.failures == 1
-    assert "failed" in sw.last_error and f"reloaded {sw.path} from disk (version 0's" in sw.last_error, sw.last_error
+    assert "failed" in sw.last_error and f"reloaded {sw.path} from disk (version 0's" in sw.last_error, (
+        sw.last_error
+    )
     step = await call(client)
     assert step["policy_version"] == 0 and gap(step["response_logprobs"], ref(base, step)) < TOL
 

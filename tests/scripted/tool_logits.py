@@ -16,10 +16,9 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from tool_script import SCRIPT_ENV, choose, last_turn, load_script
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
-
-from tool_script import SCRIPT_ENV, choose, last_turn, load_script
 
 logger = logging.getLogger(__name__)
 

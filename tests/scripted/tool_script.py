@@ -82,7 +82,7 @@ def last_turn(prompt_ids: Sequence[int], im_start: int, decode: Callable[[Sequen
     if len(starts) < 2:
         return None
     # The last start opens the reply being generated (the generation prompt): the turns before it count.
-    bounds = list(zip(starts[:-1], starts[1:]))
+    bounds = list(zip(starts[:-1], starts[1:], strict=False))
     texts: list[str] = []
     for begin, end in reversed(bounds):
         text = decode(prompt_ids[begin + 1 : end]).removesuffix("\n")  # the newline after <|im_end|>

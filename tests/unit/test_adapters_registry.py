@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from steptap.adapters import registry
 from steptap.adapters.registry import Adapter
 

@@ -100,7 +100,8 @@ def test_pi_gets_models_and_settings_in_its_own_agent_dir(tmp_path: Path) -> Non
     _private(launch, tmp_path / "home")
 
 
-def test_the_cli_comes_from_path_first_then_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cli_comes_from_path_first_then_the_cache(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEPTAP_AGENTS_DIR", str(tmp_path / "cache"))
     with pytest.raises(agents.AgentError, match="install_agents.sh"):
         agents.find_cli("pi", path=str(tmp_path / "empty"))
@@ -120,6 +121,7 @@ def test_a_cached_cli_runs_on_the_caches_node(tmp_path: Path, monkeypatch: pytes
                             cli=cached)
     assert launch.env["PATH"].split(os.pathsep)[0] == str(agents.node_bin_dir())
     own = _exe(tmp_path / "mybin" / "openclaw")  # the user's own CLI keeps the user's PATH
-    launch = agents.prepare("openclaw", base_url=BASE, api_key=KEY, model=MODEL, home=tmp_path / "h2", args=[],
+    launch = agents.prepare("openclaw", base_url=BASE, api_key=KEY, model=MODEL, home=tmp_path / "h2",
+                            args=[],
                             cli=own)
     assert "PATH" not in launch.env

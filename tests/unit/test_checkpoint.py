@@ -24,7 +24,8 @@ def _state(updates: int, cursor: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return {"engine": {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
+    return {"engine": {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                       "rng": torch.get_rng_state()},
             "cursor": cursor, "consumed_after_cursor": ["t9"], "version": 7, "updates": updates,
             "config": {"lr": 1e-2, "betas": [0.9, 0.95], "lora_targets": ["q_proj"]}}
 

@@ -2,7 +2,8 @@
 Trajectory refers to its logged steps, and every reader hands out full steps equal, msgpack byte for byte, to
 the steps as they were made: the log (follow), the NDJSON and msgpack streams, the client, the offline reader,
 recovery (a rebuilt session), ``steps_of``, the learner's rows and export. A real log, a real session manager
-and the real stream routes; the steps are built as capture builds them (no vLLM needed for the log's shape)."""
+and the real stream routes; the steps are built as capture builds them (no vLLM needed for the log's
+shape)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
+
 from steptap.adapters.export import step_rows
 from steptap.learner.rows import build_batch
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
@@ -33,7 +35,8 @@ from steptap.middleware.sessions.manager import SessionManager
 TOKEN = "stc-test-token"
 SYSTEM = "You are a coding agent. " * 200
 TOOLS = [{"type": "function", "function": {"name": f"tool{i}", "description": "does things " * 30,
-                                            "parameters": {"type": "object", "properties": {}}}} for i in range(8)]
+                                            "parameters": {"type": "object", "properties": {}}}}
+         for i in range(8)]
 enc = msgpack_encoder.encode
 
 
@@ -41,7 +44,8 @@ def turns(n: int, first: int = 3000, per_turn: int = 150, reply: int = 12) -> li
     """``n`` calls of one agent session, full form, as capture makes them: each prompt is the last prompt +
     reply + a tool result; turn 5 re-renders its history (not ``extends``: logged whole), turn 9 fails."""
     steps: list[Step] = []
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "fix it"}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                      {"role": "user", "content": "fix it"}]
     prompt = [(7 * i) % 150_000 for i in range(first)]
     for t in range(n):
         response = [(t * 31 + k) % 150_000 for k in range(reply)]
@@ -60,7 +64,8 @@ def turns(n: int, first: int = 3000, per_turn: int = 150, reply: int = 12) -> li
         ))
         if failed:
             continue
-        messages += [{"role": "assistant", "content": f"reply {t}"}, {"role": "tool", "content": f"out {t} " * 40}]
+        messages += [{"role": "assistant", "content": f"reply {t}"},
+                     {"role": "tool", "content": f"out {t} " * 40}]
         prompt = prompt + response + [(t * 13 + k) % 150_000 for k in range(per_turn)]
         if t == 4:  # the template rendered the history otherwise: the next prompt does not extend this one
             prompt = prompt[:10] + [1] + prompt[10:]
@@ -104,7 +109,8 @@ def make_stream_app(log: TrajectoryLog) -> web.Application:
 async def manager(tmp_path: Path) -> AsyncIterator[SessionManager]:
     log = await TrajectoryLog.open(str(tmp_path / "log"))
     tasks: set[asyncio.Task[Any]] = set()
-    yield SessionManager(ProxyConfig(log=str(tmp_path / "log")), log, Metrics(), None, tasks)  # type: ignore[arg-type]
+    yield SessionManager(ProxyConfig(log=str(tmp_path / "log")), log, Metrics(), None,
+                         tasks)  # type: ignore[arg-type]
     await log.close()
 
 
@@ -120,7 +126,8 @@ async def test_every_reader_hands_out_full_steps(
     steps = turns(14)
     await run_session(manager, steps)
     session = manager.sessions["s1"]
-    assert [s.prefix for s in steps[:7]] == ["first", "extends", "extends", "extends", "extends", "rerendered", "extends"]
+    assert [s.prefix for s in steps[:7]] == ["first", "extends", "extends", "extends", "extends",
+                                             "rerendered", "extends"]
     assert steps[10].prefix == "extends"  # judged against the last ok call, not the failed step 9
     await manager.add_reward(session, 0.5, "judge", 3)
     await manager.finish(session, reward=1.0)
@@ -150,7 +157,8 @@ async def test_every_reader_hands_out_full_steps(
         assert [enc(s) for s in got[0].steps] == expected and client.skipped.get("c", 0) == 0
         nd = [d.trajectory async for d in client.trajectories("d", follow=False, format="ndjson")]
         assert msgspec.json.encode(nd[0].steps[2]) == msgspec.json.encode(steps[2])
-        async with client._http().get(str(server.make_url("/trajectories")), params={"follow": "0", "format": "msgpack"},
+        async with client._http().get(str(server.make_url("/trajectories")),
+                                      params={"follow": "0", "format": "msgpack"},
                                       headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
             body = await resp.read()
     # the msgpack stream carries the logged (delta) steps: each new token once, not the whole context per step
@@ -159,7 +167,8 @@ async def test_every_reader_hands_out_full_steps(
     # the learner's rows and export
     a = build_batch([got[0]], version=0)
     b = build_batch([whole], version=0)
-    assert a.sequences == b.sequences and repr(a.samples) == repr(b.samples) and a.counts == b.counts  # NaN: repr
+    # NaN: repr
+    assert a.sequences == b.sequences and repr(a.samples) == repr(b.samples) and a.counts == b.counts
     assert repr(list(step_rows(got[0]))) == repr(list(step_rows(whole)))  # NaN logprobs: by repr
 
 
@@ -185,8 +194,9 @@ async def test_a_session_is_rebuilt_from_delta_steps(manager: SessionManager, tm
 
 
 async def test_logged_and_held_bytes_grow_linearly(manager: SessionManager) -> None:
-    """40 turns over a context growing 150 ids a turn: each step costs what it adds, the session holds as much,
-    and the Trajectory record a few bytes a step (schema 3 logged the whole prompt with every step, twice)."""
+    """40 turns over a context growing 150 ids a turn: each step costs what it adds, the session holds as
+    much, and the Trajectory record a few bytes a step (schema 3 logged the whole prompt with every step,
+    twice)."""
     steps = [s for s in turns(40) if s.status == "ok"]
     session = await manager.open(session_id="long")
     sizes = []
@@ -225,8 +235,8 @@ V3_FIXTURE = Path(__file__).parent.parent / "fixtures" / "log-v3"
 
 
 async def test_the_committed_v3_log_still_decodes(tmp_path: Path) -> None:
-    """A log written by schema 3 (``tests/fixtures/write_log_v3.py``: whole steps, Trajectory records that embed
-    them): every reader reads it, and a session it left open goes on in delta form after a restart."""
+    """A log written by schema 3 (``tests/fixtures/write_log_v3.py``: whole steps, Trajectory records that
+    embed them): every reader reads it, and a session it left open goes on in delta form after a restart."""
     import shutil
     import sys
 
@@ -236,9 +246,14 @@ async def test_the_committed_v3_log_still_decodes(tmp_path: Path) -> None:
     shutil.copytree(V3_FIXTURE, tmp_path / "log")
     log = await TrajectoryLog.open(str(tmp_path / "log"))
     got = {t.id: t async for _, t in log.follow(until_idle=0)}
-    assert log.stats.undecodable_records == 0 and set(got) == {"v3-done"} | {i for i in got if i.startswith("anon-")}
+    assert log.stats.undecodable_records == 0 and set(got) == {"v3-done"} | {i for i in got
+                                                                             if i.startswith("anon-")}
     done = got["v3-done"]
-    assert done.schema_version == 3 and done.rewards == {"reward": 1.0} and done.steps[1].rewards == {"judge": 0.5}
+    assert (
+        done.schema_version == 3
+        and done.rewards == {"reward": 1.0}
+        and done.steps[1].rewards == {"judge": 0.5}
+    )
     made = [step(t) for t in range(3)]
     assert [s.prompt_token_ids for s in done.steps] == [s.prompt_token_ids for s in made]
     assert [s.request for s in done.steps] == [s.request for s in made]
@@ -253,7 +268,8 @@ async def test_the_committed_v3_log_still_decodes(tmp_path: Path) -> None:
     assert new.prefix == "extends" and session.trajectory.steps[-1].delta is not None  # a v3 base, a v4 delta
     await manager.finish(session)
     last = [t async for _, t in log.follow(until_idle=0)][-1]
-    assert last.id == "v3-open" and [s.prompt_token_ids for s in last.steps] == [s.prompt_token_ids for s in made]
+    assert last.id == "v3-open" and [s.prompt_token_ids for s in last.steps] == [s.prompt_token_ids
+                                                                                 for s in made]
     assert [s.request for s in last.steps] == [s.request for s in made]
     await log.close()
 

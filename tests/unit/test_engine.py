@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> TorchEngine:
-    return TorchEngine(LearnerConfig(model_dir=str(tiny_model_dir), lr=1e-3, micro_batch_tokens=64).validate())
+    return TorchEngine(LearnerConfig(model_dir=str(tiny_model_dir), lr=1e-3,
+                                     micro_batch_tokens=64).validate())
 
 
 def _raw_logprobs(eng: TorchEngine, ids: list[int], start: int) -> list[float]:
@@ -43,7 +44,8 @@ def _chain_trajs(eng: TorchEngine, temperature: float = 1.0, top_p: float = 1.0)
                       response_logprobs=lp[len(p1) - 1:len(p1) - 1 + len(r1)],
                       sampling=Sampling(temperature=temperature, top_p=top_p))
             s2 = Step(index=1, prompt_token_ids=p2, response_token_ids=r2, prefix="extends",
-                      response_logprobs=lp[len(p2) - 1:], sampling=Sampling(temperature=temperature, top_p=top_p))
+                      response_logprobs=lp[len(p2) - 1:],
+                      sampling=Sampling(temperature=temperature, top_p=top_p))
             trajs.append(Trajectory(id=f"t{g}{m}", group_id=f"g{g}", status="finished", steps=[s1, s2],
                                     rewards={"r": float(m + g * 0.5)}))
     return trajs
@@ -57,20 +59,22 @@ def test_sampler_logprobs_reduce_to_plain_softmax_without_truncation() -> None:
     plain = token_logprobs(logits, targets, temp)
     same = sampler_logprobs(logits, targets, temp, torch.ones(2, 5), torch.zeros(2, 5, dtype=torch.long))
     torch.testing.assert_close(same, plain)
-    top1 = sampler_logprobs(logits, logits.argmax(-1), temp, torch.ones(2, 5), torch.ones(2, 5, dtype=torch.long))
+    top1 = sampler_logprobs(logits, logits.argmax(-1), temp, torch.ones(2, 5),
+                            torch.ones(2, 5, dtype=torch.long))
     torch.testing.assert_close(top1, torch.zeros(2, 5))  # top_k = 1: the argmax is certain
-    nucleus = sampler_logprobs(logits, logits.argmax(-1), temp, torch.full((2, 5), 0.5), torch.zeros(2, 5).long())
+    nucleus = sampler_logprobs(logits, logits.argmax(-1), temp, torch.full((2, 5), 0.5),
+                               torch.zeros(2, 5).long())
     assert bool((nucleus >= token_logprobs(logits, logits.argmax(-1), temp)).all())  # renormalised upward
 
 
 def _rounding_budget(eng: TorchEngine, longest: int) -> float:
     """How far two float32 evaluations of the same loss may drift apart, relative to the scale of what they
     compute. A sum of n terms carries at most ~n*u relative error (u = float32 unit roundoff, the standard
-    gamma_n bound); to first order the bounds of composed steps add, so the budget is u times the summed lengths
-    of the reductions between a parameter and the loss: the vocabulary softmax, and per layer the hidden and MLP
-    projections and the attention over the sequence. Packing changes the reduction order (other shapes, other
-    micro-batches), never the mathematics, so anything above this is a packing bug, which moves a gradient by
-    the order of the gradient itself."""
+    gamma_n bound); to first order the bounds of composed steps add, so the budget is u times the summed
+    lengths of the reductions between a parameter and the loss: the vocabulary softmax, and per layer the
+    hidden and MLP projections and the attention over the sequence. Packing changes the reduction order (other
+    shapes, other micro-batches), never the mathematics, so anything above this is a packing bug, which moves
+    a gradient by the order of the gradient itself."""
     c = eng.model.config
     u = torch.finfo(torch.float32).eps / 2
     return u * (c.vocab_size + c.num_hidden_layers * (c.hidden_size + c.intermediate_size + longest))
@@ -122,8 +126,8 @@ def test_packed_and_unpacked_batches_give_the_same_loss_and_gradient(engine: Tor
 
 
 def test_temperature_and_truncation_shift_the_raw_recorded_logprobs(engine: TorchEngine) -> None:
-    """Raw vLLM logprobs at T = 0.5 (and top_p 0.9) are not the sampler's; the engine corrects them, so on-policy
-    data shows no policy change (ppo_kl ~ 0) before the update."""
+    """Raw vLLM logprobs at T = 0.5 (and top_p 0.9) are not the sampler's; the engine corrects them, so
+    on-policy data shows no policy change (ppo_kl ~ 0) before the update."""
     for temperature, top_p in ((0.5, 1.0), (0.5, 0.9)):
         batch = build_batch(_chain_trajs(engine, temperature, top_p), version=0, truncation_mode="correct")
         state = {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -175,7 +179,8 @@ def test_decoupled_rollout_correction_and_ppo_epochs(tiny_model_dir) -> None:
     eng = TorchEngine(cfg)
     trajs = _chain_trajs(eng)
     on_policy = eng.train_step(build_batch(trajs, version=0))
-    assert on_policy.rollout_is_mean == pytest.approx(1.0, abs=1e-4)  # proximal == behaviour before the update
+    # Proximal == behaviour before the update
+    assert on_policy.rollout_is_mean == pytest.approx(1.0, abs=1e-4)
     assert on_policy.pg_clipfrac > 0  # epoch 2 runs on updated weights with a large lr: some tokens clip
     for t in trajs:  # the sampler gave these tokens less mass than the learner does now: weights > 1, capped
         for s in t.steps:

@@ -10,7 +10,8 @@ from steptap.learner.config import config_from_argv
 
 def test_verl_flags_parse() -> None:
     cfg = config_from_argv(["--model-dir", "m", "--engine", "verl", "--ray-address", "auto", "--workers", "4",
-                            "--nodes", "2", "--truncation-mode", "drop", "--trackers", "console", "tensorboard",
+                            "--nodes", "2", "--truncation-mode", "drop", "--trackers", "console",
+                            "tensorboard",
                             "--no-dynamic-bsz", "--param-offload"])
     assert (cfg.engine, cfg.ray_address, cfg.workers, cfg.nodes) == ("verl", "auto", 4, 2)
     assert cfg.trackers == ("console", "tensorboard") and not cfg.dynamic_bsz and cfg.param_offload
@@ -28,6 +29,7 @@ def test_verl_engine_refuses_what_it_cannot_do(flags: list[str], message: str) -
         config_from_argv([*base, *flags])
 
 
-@pytest.mark.parametrize("flags", [["--truncation-mode", "correct"], ["--lora-rank", "8"], ["--kl-coef", "0.1"]])
+@pytest.mark.parametrize("flags", [["--truncation-mode", "correct"], ["--lora-rank", "8"],
+                                   ["--kl-coef", "0.1"]])
 def test_the_torch_engine_still_does_them(flags: list[str]) -> None:
     assert config_from_argv(["--model-dir", "m", *flags]).engine == "torch"

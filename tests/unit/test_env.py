@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from steptap.adapters.env import DatasetError, Row, RunConfig, ToolEnv, read_rows, resolve_env, write_rows
 from steptap.adapters.env.base import parse_number, parse_tool_calls
 from steptap.adapters.env.calculator import WELL_FORMED_REWARD, CalculatorTool, make_env, safe_eval
@@ -225,7 +226,7 @@ def test_export_writes_one_row_per_step_with_exact_ids(tmp_path: Path) -> None:
     assert table.num_rows == 6
     rows = sorted(table.to_pylist(), key=lambda r: (r["trajectory_id"], r["step_index"]))
     flat = [(t, s) for t in trajs for s in t.steps]
-    for row, (traj, step) in zip(rows, flat):
+    for row, (traj, step) in zip(rows, flat, strict=False):
         assert row["trajectory_id"] == traj.id and row["step_index"] == step.index
         assert (
             row["prompt_token_ids"] == step.prompt_token_ids

@@ -56,9 +56,11 @@ def test_append_durable(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("per_write_sync", [True, False])
-def test_positioned_durable_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_write_sync: bool) -> None:
-    """``write_all(fd, data, offset, dsync=True)``: the bytes land at ``offset`` (the file position is not used)
-    and are synced, by the write itself (RWF_DSYNC) or, where that is missing, by a datasync after it."""
+def test_positioned_durable_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   per_write_sync: bool) -> None:
+    """``write_all(fd, data, offset, dsync=True)``: the bytes land at ``offset`` (the file position is not
+    used) and are synced, by the write itself (RWF_DSYNC) or, where that is missing, by a datasync after
+    it."""
     import os
 
     synced: list[int] = []
@@ -80,8 +82,8 @@ def test_positioned_durable_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_atomic_write_never_follows_a_planted_temp_name(tmp_path: Path) -> None:
-    """Issue 25 (lows): the temp name was predictable (``.NAME.tmp-PID``) and opened without O_EXCL|O_NOFOLLOW:
-    a symlink planted there made the write land in (and truncate) the file it points to."""
+    """Issue 25 (lows): the temp name was predictable (``.NAME.tmp-PID``) and opened without
+    O_EXCL|O_NOFOLLOW: a symlink planted there made the write land in (and truncate) the file it points to."""
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     target = tmp_path / "f"

@@ -15,14 +15,17 @@ from steptap.learner.rows import Batch
 def _row(update: int) -> dict:
     batch = Batch(samples=[], sequences=[], rewards=[0.25, 0.75], trajectory_ids=["a", "b"],
                   counts=Counter({"dropped_stale": 2}))
-    stats = StepStats(loss=0.01, pg_clipfrac=0.125, ppo_kl=0.002, kl=0.0, entropy=3.5, grad_norm=0.75 + update,
+    stats = StepStats(loss=0.01, pg_clipfrac=0.125, ppo_kl=0.002, kl=0.0, entropy=3.5,
+                      grad_norm=0.75 + update,
                       tokens=10, seq_tokens=20, seconds=0.5)
     return update_row(update, batch, stats, version=update, wall_s=0.6)
 
 
 def test_tracked_scalars_are_the_rows_numbers() -> None:
     s = tracked_scalars(_row(1))
-    assert s["grad_norm"] == 1.75 and s["pg_clipfrac"] == 0.125 and s["entropy"] == 3.5 and s["ppo_kl"] == 0.002
+    assert (
+        s["grad_norm"] == 1.75 and s["pg_clipfrac"] == 0.125 and s["entropy"] == 3.5 and s["ppo_kl"] == 0.002
+    )
     assert s["counts/dropped_stale"] == 2.0 and "update" not in s and "time" not in s
 
 

@@ -1,5 +1,5 @@
-"""Concepts that were defined twice with different answers (issue 19): each now has one definition, and each test
-here fails when a second one with another answer comes back."""
+"""Concepts that were defined twice with different answers (issue 19): each now has one definition, and each
+test here fails when a second one with another answer comes back."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from steptap.middleware import client
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [p for folder in ("middleware", "adapters", "learner") for p in sorted((ROOT / folder).rglob("*.py"))]
+SOURCES = [p for folder in ("middleware", "adapters", "learner")
+           for p in sorted((ROOT / folder).rglob("*.py"))]
 
 
 def _string_constants(path: Path) -> list[tuple[int, str]]:
@@ -19,9 +20,10 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-# --- the control-token file and its environment variables -----------------------------------------------------
+# --- the control-token file and its environment variables ---------------------------------------------------
 
-@pytest.mark.parametrize(("text", "token"), [("stc-abc\n", "stc-abc"), ("  stc-abc  \n\nignored\n", "stc-abc"),
+@pytest.mark.parametrize(("text", "token"), [("stc-abc\n", "stc-abc"),
+                                             ("  stc-abc  \n\nignored\n", "stc-abc"),
                                               ("stc-a b\n", "stc-a b")])
 def test_every_reader_of_a_token_file_gets_the_same_token(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, token: str) -> None:
@@ -33,7 +35,8 @@ def test_every_reader_of_a_token_file_gets_the_same_token(
     assert client.read_token_file(path) == client.default_control_token() == token
 
 
-def test_an_empty_token_file_is_an_error_for_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_token_file_is_an_error_for_every_reader(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "control_token"
     path.write_text("\n")
     monkeypatch.delenv(client.TOKEN_ENV, raising=False)
@@ -52,7 +55,7 @@ def test_the_token_variables_are_named_in_one_place() -> None:
     assert defs == [Path("middleware/client/tokens.py")]
 
 
-# --- error -> status: one map, used by the edge for every domain error -----------------------------------------
+# --- error -> status: one map, used by the edge for every domain error --------------------------------------
 
 def test_every_domain_error_has_its_status_in_the_one_map() -> None:
     from steptap.middleware import errors, exceptions
@@ -61,10 +64,12 @@ def test_every_domain_error_has_its_status_in_the_one_map() -> None:
         return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
 
     missing = [c.__name__ for c in subclasses(exceptions.DomainError)
-               if c.__module__ == exceptions.__name__ and c not in errors._STATUS]  # others inherit their base's
+               # Others inherit their base's
+               if c.__module__ == exceptions.__name__ and c not in errors._STATUS]
     assert not missing, f"add to errors._STATUS: {missing}"
     order = list(errors._STATUS)
-    shadowed = [(a.__name__, b.__name__) for i, a in enumerate(order) for b in order[i + 1:] if issubclass(b, a)]
+    shadowed = [(a.__name__, b.__name__) for i, a in enumerate(order) for b in order[i + 1:]
+                if issubclass(b, a)]
     assert not shadowed, f"a subclass after its base never gets its own status: {shadowed}"
 
 
@@ -79,17 +84,20 @@ def test_a_refused_swap_and_a_bad_session_id_answer_with_the_maps_status() -> No
 
 
 def test_only_routes_build_http_errors() -> None:
-    """Domain modules raise domain errors; ``ApiError(status, ...)`` is built only at the edge (routes, app)."""
-    routes = {"control.py", "stream.py", "routes.py", "relay.py", "validate.py", "protocols.py", "responses.py",
+    """Domain modules raise domain errors; ``ApiError(status, ...)`` is built only at the edge (routes,
+    app)."""
+    routes = {"control.py", "stream.py", "routes.py", "relay.py", "validate.py", "protocols.py",
+              "responses.py",
               "translation.py", "messages.py", "errors.py", "auth.py"}
     wrong = [str(p.relative_to(ROOT)) for p in SOURCES if p.parts[-3:-1][-1] in ("sessions", "log", "weights",
              "backend") and p.name not in routes and "ApiError" in p.read_text()]
     assert not wrong, wrong
 
 
-# --- private directories: one function (0700, new entries synced in their parent) -------------------------------
+# --- private directories: one function (0700, new entries synced in their parent) ---------------------------
 
-def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from steptap.middleware import files
 
     synced: list[Path] = []
@@ -99,7 +107,8 @@ def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path, monkeypatc
     assert synced == [tmp_path, tmp_path / "work"]  # each new directory's entry is durable
     assert (made.stat().st_mode & 0o777, (tmp_path / "work").stat().st_mode & 0o777) == (0o700, 0o700)
     made.chmod(0o755)
-    assert files.private_dir(made).stat().st_mode & 0o777 == 0o755  # an existing one is the user's: left as it is
+    # An existing one is the user's: left as it is
+    assert files.private_dir(made).stat().st_mode & 0o777 == 0o755
 
 
 def test_private_dirs_are_made_in_one_place() -> None:

@@ -74,16 +74,17 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
          f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))"],
         capture_output=True, text=True, timeout=120, check=True,
     )
-    for command in ("serve", "vllm", "learn", "up", "run", "tiny-model", "adapters", "plot", "env", "eval", "export"):
+    for command in ("serve", "vllm", "learn", "up", "run", "tiny-model", "adapters", "plot", "env", "eval",
+                    "export"):
         assert f"  {command} " in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-# --- the import arrows (docs/design.md, "Layering"), read from the source with ast ---------------------------
-# Within the middleware: routes -> domain -> log; proxy may use sessions and weights; sessions and weights reach
-# the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it drives the
-# others through their command lines). The kernel (the modules directly in middleware/) imports no subpackage,
-# except the composition root (app.py, serve.py) and cli.py (lazily, by name).
+# --- the import arrows (docs/design.md, "Layering"), read from the source with ast --------------------------
+# Within the middleware: routes -> domain -> log; proxy may use sessions and weights; sessions and weights
+# reach the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it
+# drives the others through their command lines). The kernel (the modules directly in middleware/) imports no
+# subpackage, except the composition root (app.py, serve.py) and cli.py (lazily, by name).
 SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend")
 ALLOWED = {
     "kernel": set(),
@@ -200,10 +201,12 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
     assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"
 
 
-# --- one client for vLLM (backend/) ----------------------------------------------------------------------------
+# --- one client for vLLM (backend/) -------------------------------------------------------------------------
 # Routes only vLLM serves (the proxy serves /v1/models and /health itself, so those cannot tell).
-VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_prefix_cache", "load_lora_adapter",
-               "update_weight_version", "/weight_info", "/server_info", "get_world_size", "weight_transfer_engine",
+VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_prefix_cache",
+               "load_lora_adapter",
+               "update_weight_version", "/weight_info", "/server_info", "get_world_size",
+               "weight_transfer_engine",
                "weight_update", "/update_weights", "/render", "/derender", "/inference/v1/generate")
 # What opens an HTTP client session; outside backend/ only the kernel's client of the proxy itself may.
 SESSION_MAKERS = {"ClientSession", "TCPConnector", "UnixConnector", "request", "get", "post"}
@@ -226,13 +229,15 @@ def vllm_http_outside_backend(root: Path) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 hit = next((r for r in VLLM_ROUTES if r in node.value), None)
-                if hit and not node.value.startswith(("--", " ")) and "/" in node.value and " " not in node.value:
+                if hit and not node.value.startswith(("--",
+                                                      " ")) and "/" in node.value and " " not in node.value:
                     wrong.append(f"{rel}:{node.lineno}: vLLM route {node.value!r}")
             elif isinstance(node, ast.ImportFrom) and node.module == "aiohttp" and rel != PROXY_CLIENT:
                 made = {a.name for a in node.names} & SESSION_MAKERS
                 if made:
                     wrong.append(f"{rel}:{node.lineno}: imports aiohttp.{sorted(made)[0]}")
-            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in aliases
                   and node.attr in SESSION_MAKERS and rel != PROXY_CLIENT):
                 wrong.append(f"{rel}:{node.lineno}: aiohttp.{node.attr}")
     return wrong
@@ -267,7 +272,8 @@ DOMAIN_ROUTES = {"control.py", "stream.py", "routes.py"}
 
 
 def aiohttp_in_domain(root: Path) -> list[str]:
-    return [f"{p.relative_to(root)}: imports aiohttp" for part in DOMAIN for p in sorted((root / part).rglob("*.py"))
+    return [f"{p.relative_to(root)}: imports aiohttp" for part in DOMAIN
+            for p in sorted((root / part).rglob("*.py"))
             if p.name not in DOMAIN_ROUTES and any(n.split(".")[0] == "aiohttp" for n in _imports(p))]
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from steptap.middleware.sessions.prefix import classify
+
 from steptap.middleware.records import Step
+from steptap.middleware.sessions.prefix import classify
 
 
 def S(c: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Private directories and secret files (issue 25, item 9): steptap makes private only the directories it
-creates (``--uds /run/vllm.sock``, ``--log ./vllm.log`` and ``--control-token-file /tmp/tok`` re-moded /run, the
-working directory and /tmp to 0700), and it refuses to keep a secret in a directory others may write (they could
-swap or plant the file). Real files and modes."""
+creates (``--uds /run/vllm.sock``, ``--log ./vllm.log`` and ``--control-token-file /tmp/tok`` re-moded /run,
+the working directory and /tmp to 0700), and it refuses to keep a secret in a directory others may write (they
+could swap or plant the file). Real files and modes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from steptap.middleware.files import PrivateDirError, private_dir, secret_dir
 
 STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]

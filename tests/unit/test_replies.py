@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from reply_paths import ASKED, COMMON, assert_same_bodies, dict_plain, typed_plain
+
 from steptap.middleware.proxy import replies
 from steptap.middleware.proxy.capture import Asked
 

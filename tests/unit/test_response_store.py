@@ -1,5 +1,5 @@
-"""The Responses store (``previous_response_id``) is bounded in bytes and age, kept only for named sessions, and
-one session cannot push out another's conversations (issue 25, item 3 and a low)."""
+"""The Responses store (``previous_response_id``) is bounded in bytes and age, kept only for named sessions,
+and one session cannot push out another's conversations (issue 25, item 3 and a low)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_the_store_is_bounded_in_bytes() -> None:
         store.put("s", f"r{i}", big)
     assert store.bytes <= 10_000
     assert kept(store, "s", "r4") and not kept(store, "s", "r0")
-    store.put("s", "huge", [{"role": "user", "content": "x" * 20_000}])  # larger than the whole store: not kept
+    # Larger than the whole store: not kept
+    store.put("s", "huge", [{"role": "user", "content": "x" * 20_000}])
     assert not kept(store, "s", "huge") and store.bytes <= 10_000
 
 

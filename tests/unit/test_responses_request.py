@@ -1,12 +1,14 @@
-"""The Responses shapes Codex CLI sends and expects (captured from Codex 0.169.0 through the proxy): namespace and
-custom tools flattened for the model and returned as Codex expects, hosted tools and unserved fields dropped with
-a note, reasoning items out (with a handle naming the step) and back in. Pure translation, no server."""
+"""The Responses shapes Codex CLI sends and expects (captured from Codex 0.169.0 through the proxy): namespace
+and custom tools flattened for the model and returned as Codex expects, hosted tools and unserved fields
+dropped with a note, reasoning items out (with a handle naming the step) and back in. Pure translation, no
+server."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import responses
 from steptap.middleware.proxy.responses_request import translate
@@ -22,7 +24,8 @@ CODEX_BODY = {
     "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
     "prompt_cache_key": "k", "client_metadata": {"x-codex-installation-id": "i"},
     "tools": [ADD, NAMESPACE, PATCH, {"type": "web_search", "external_web_access": False}],
-    "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be a coder."}]},
+    "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text",
+                                                                    "text": "Be a coder."}]},
               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
 }
 
@@ -33,7 +36,8 @@ def _names(chat: dict) -> list[str]:
 
 def test_codex_first_body_translates_with_flat_tools_and_notes() -> None:
     tr = translate(CODEX_BODY, [])
-    assert _names(tr.chat) == ["add", "multi_agent_v1.close_agent", "apply_patch"]  # web_search is not offered
+    # web_search is not offered
+    assert _names(tr.chat) == ["add", "multi_agent_v1.close_agent", "apply_patch"]
     patch = tr.chat["tools"][2]["function"]
     assert patch["parameters"]["properties"] == {"input": {"type": "string"}}
     assert "start: /.+/" in patch["description"]  # the grammar is shown, since it cannot be enforced
@@ -46,7 +50,8 @@ def test_codex_first_body_translates_with_flat_tools_and_notes() -> None:
 
 
 def test_unknown_and_unhonoured_fields_are_noted_and_bounded() -> None:
-    body = {"input": "x", "max_tool_calls": 3, "include": ["message.output_text.logprobs"], "truncation": "auto",
+    body = {"input": "x", "max_tool_calls": 3, "include": ["message.output_text.logprobs"],
+            "truncation": "auto",
             "reasoning": {"effort": "high"}, **{f"new_{i}": 1 for i in range(100)}}
     tr = translate(body, [])
     fields = [n["field"] for n in tr.notes]
@@ -72,7 +77,8 @@ def test_namespace_call_returns_with_its_namespace_and_replays_flat() -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "multi_agent_v1.close_agent", "arguments": '{"target": "a"}'}}
     reply = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [call]},
-                          "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+                          "finish_reason": "tool_calls"}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
     response, assistant = shape.from_chat(reply)
     item = response["output"][0]
     assert (item["type"], item["name"], item["namespace"], item["call_id"]) == (
@@ -168,11 +174,13 @@ def test_malformed_codex_items_are_400_naming_the_item(item: dict) -> None:
 
 
 def test_history_from_a_server_that_ran_hosted_tools() -> None:
-    """local_shell calls become a local_shell tool call in the history; hosted tools' results are dropped, noted."""
+    """local_shell calls become a local_shell tool call in the history; hosted tools' results are dropped,
+    noted."""
     action = {"type": "exec", "command": ["ls"], "timeout_ms": None}
     tr = translate({"input": [
         USER_ITEM := {"type": "message", "role": "user", "content": "list"},
-        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed",
+         "action": {"type": "search", "query": "q"}},
         {"type": "local_shell_call", "call_id": "c1", "status": "completed", "action": action},
         {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}]}, [])
     assert tr.chat["messages"] == [

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from steptap.adapters.runner import parse_reward, read_reward_file
 
 

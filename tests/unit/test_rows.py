@@ -107,7 +107,8 @@ def test_staleness_drop_and_downweight_are_counted() -> None:
     dropped = build_batch([_traj("a", steps)], version=5, max_staleness=2, stale_mode="drop")
     assert dropped.counts["dropped_stale"] == 1  # lag 5 > 2; lags 2 and 0 kept
     assert [s.policy_version for s in dropped.samples] == [3, 5]
-    down = build_batch([_traj("a", steps)], version=5, max_staleness=2, stale_mode="downweight", stale_decay=0.5)
+    down = build_batch([_traj("a", steps)], version=5, max_staleness=2, stale_mode="downweight",
+                       stale_decay=0.5)
     assert down.counts["downweighted_stale"] == 1
     assert [s.weight for s in down.samples] == [0.5 ** 3, 1.0, 1.0]
     off = build_batch([_traj("a", steps)], version=5, max_staleness=-1)
@@ -122,10 +123,12 @@ def test_bad_logprobs_are_dropped() -> None:
 
 
 def test_step_returns_discount_process_rewards_and_add_the_trajectory_reward() -> None:
-    steps = [_step(0, [1], [2], rewards={"a": 1.0}), _step(1, [3], [4]), _step(2, [5], [6], rewards={"b": 2.0})]
+    steps = [_step(0, [1], [2], rewards={"a": 1.0}), _step(1, [3], [4]),
+             _step(2, [5], [6], rewards={"b": 2.0})]
     g = 0.5
     # return_k = sum_{j>=k} g^(j-k) r_j + g^(n-1-k) R, R = 4
-    assert step_returns(steps, 4.0, g) == pytest.approx([1 + g * 0 + g**2 * 2 + g**2 * 4, 0 + g * 2 + g * 4, 2 + 4])
+    assert step_returns(steps, 4.0, g) == pytest.approx([1 + g * 0 + g**2 * 2 + g**2 * 4, 0 + g * 2 + g * 4,
+                                                         2 + 4])
     batch = build_batch([_traj("a", steps, reward=4.0)], version=0, gamma=g)
     assert [s.ret for s in batch.samples] == pytest.approx(step_returns(steps, 4.0, g))
     flat = build_batch([_traj("a", steps[1:2], reward=3.0)], version=0)

@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import msgspec
+
 from steptap.learner.rows import build_batch
 from steptap.middleware.config import generation_defaults
+from steptap.middleware.delta import steps_of
 from steptap.middleware.proxy.capture import sampling_of
 from steptap.middleware.records import SCHEMA_VERSION, LogRecord, Sampling, Step, Trajectory
-from steptap.middleware.delta import steps_of
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "records-v1.msgpack"
 
@@ -44,7 +45,8 @@ def test_sampling_records_what_shapes_the_distribution() -> None:
     # a plain text response format and an optional tool choice constrain nothing
     plain = sampling_of({"response_format": {"type": "text"}, "tools": [{}], "tool_choice": "auto"}, False)
     assert plain.constraints == [] and plain == Sampling()
-    forced_tool = {"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    forced_tool = {"tools": [{"type": "function"}], "tool_choice": {"type": "function",
+                                                                    "function": {"name": "f"}}}
     assert sampling_of(forced_tool, False).constraints == ["tool_choice"]
 
 
@@ -60,13 +62,15 @@ def test_generation_config_defaults_are_recorded(tmp_path: Path) -> None:
 
 
 def _traj(sampling: Sampling, i: int) -> Trajectory:
-    step = Step(trajectory_id=f"t{i}", prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.1],
+    step = Step(trajectory_id=f"t{i}", prompt_token_ids=[1, 2], response_token_ids=[3],
+                response_logprobs=[-0.1],
                 sampling=sampling)
     return Trajectory(id=f"t{i}", status="finished", steps=[step], rewards={"r": 1.0})
 
 
 def test_the_learner_drops_and_counts_unreproducible_steps() -> None:
-    kinds = [Sampling(), Sampling(min_p=0.1), Sampling(repetition_penalty=1.1), Sampling(presence_penalty=0.2),
+    kinds = [Sampling(), Sampling(min_p=0.1), Sampling(repetition_penalty=1.1),
+             Sampling(presence_penalty=0.2),
              Sampling(frequency_penalty=0.2), Sampling(min_tokens=2), Sampling(logit_bias={"3": 5.0}),
              Sampling(constraints=["structured_outputs"]), Sampling(temperature=0.7)]
     batch = build_batch([_traj(s, i) for i, s in enumerate(kinds)], version=0)

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from conftest import Proxy
 from faults import refused_address
+
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -46,13 +47,14 @@ async def test_a_reward_racing_finish_is_in_the_trajectory_or_refused(
     proxy = await control_proxy()
     rounds, rewards = 6, 40
     answered: dict[str, set[str]] = {}
-    for r in range(rounds):
+    for _r in range(rounds):
         status, info = await post(http, proxy, "/sessions", {})
         assert status == 201
         sid = info["id"]
 
         async def reward(i: int, sid: str = sid) -> tuple[str, int]:
-            status, body = await post(http, proxy, f"/sessions/{sid}/rewards", {"value": 1.0, "name": f"r{i}"})
+            status, body = await post(http, proxy, f"/sessions/{sid}/rewards",
+                                      {"value": 1.0, "name": f"r{i}"})
             assert status in (200, 409), body
             return f"r{i}", status
 
@@ -128,7 +130,8 @@ def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None
         args += [flag, str(1000 + i)]
     args[args.index("--max-record-bytes") + 1] = str(10**9)  # above max_session_bytes
     config = config_from_args(args)
-    assert [getattr(config, field) for _, field, _ in _LIMITS] == [10**9] + [1000 + i for i in range(1, len(_LIMITS))]
+    assert [getattr(config, field) for _, field, _ in _LIMITS] == [10**9] + [1000 + i
+                                                                             for i in range(1, len(_LIMITS))]
     assert config_from_args(["--backend", "x"]).session_idle_timeout_s == 600.0
     assert config_from_args(["--backend", "x", "--session-idle-timeout", "0"]).session_idle_timeout_s is None
     with pytest.raises(SystemExit):
@@ -136,19 +139,22 @@ def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None
     assert "must not exceed max_record_bytes" in capsys.readouterr().err
 
 
-async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any,
+                                                           http: aiohttp.ClientSession) -> None:
     proxy = await control_proxy(max_session_bytes=2000)
     status, info = await post(http, proxy, "/sessions", {})
     answered = []
     for i in range(100):  # each new name grows the Trajectory record: the session fills up
-        status, body = await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 1, "name": f"n{i:03d}"})
+        status, body = await post(http, proxy, f"/sessions/{info['id']}/rewards",
+                                  {"value": 1, "name": f"n{i:03d}"})
         if status != 200:
             assert status == 409 and body["error"]["code"] == "session_full", body
             break
         answered.append(f"n{i:03d}")
     assert 10 < len(answered) < 100
     # a name already there takes no room
-    assert (await post(http, proxy, f"/sessions/{info['id']}/rewards", {"value": 2, "name": "n000"}))[0] == 200
+    assert (await post(http, proxy, f"/sessions/{info['id']}/rewards",
+                       {"value": 2, "name": "n000"}))[0] == 200
     assert (await post(http, proxy, f"/sessions/{info['id']}/finish", {}))[0] == 200
     assert sorted((await delivered(http, proxy))[info["id"]]["rewards"]) == answered
     status, body = await post(http, proxy, "/sessions", {"metadata": {"blob": "x" * 3000}})

@@ -46,7 +46,8 @@ def test_a_llama_model_without_the_python_tag_gets_the_parser_its_template_asks_
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "llama3_json" not in cmd
 
 
-def test_a_model_with_no_tool_format_starts_without_a_parser_and_says_so(llama_dir: Path, tmp_path: Path) -> None:
+def test_a_model_with_no_tool_format_starts_without_a_parser_and_says_so(llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     shutil.copytree(llama_dir, plain)
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -96,7 +97,8 @@ def test_a_tied_model_with_a_lora_learner_is_accepted(tied_dir: Path, tmp_path: 
 
 def test_up_takes_several_running_replicas_but_not_with_replicas(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    args = up.build_parser().parse_args(["--backend", "http://a:1/", "--backend", "unix:/r/b.sock", "--no-learner",
+    args = up.build_parser().parse_args(["--backend", "http://a:1/", "--backend", "unix:/r/b.sock",
+                                         "--no-learner",
                                          "--workdir", str(tmp_path / "up")])
     runner = up.Up(args)
     assert runner.given == ["http://a:1", "unix:/r/b.sock"] and runner.backend == "http://a:1"
@@ -111,7 +113,8 @@ def test_up_max_updates_reaches_the_learner_so_it_stops_at_exactly_n(tied_dir: P
     from steptap.learner.config import config_from_argv
 
     def learner_cfg(*argv: str):
-        runner = up.Up(up.build_parser().parse_args(["--model", str(tied_dir), "--workdir", str(tmp_path), *argv]))
+        runner = up.Up(up.build_parser().parse_args(["--model", str(tied_dir), "--workdir", str(tmp_path),
+                                                     *argv]))
         runner.model_dir, runner.proxy_url = str(tied_dir), "http://127.0.0.1:1"
         return config_from_argv(runner._learner_argv())
 

@@ -1,6 +1,6 @@
-"""Step-level credit (``algorithm = "gae"``): process rewards stay on the step they were given on, GAE over steps
-equals a worked example, the torch engine's value head learns the returns with its own optimizer, and it is
-saved in the learner's checkpoint and restored on ``--resume``."""
+"""Step-level credit (``algorithm = "gae"``): process rewards stay on the step they were given on, GAE over
+steps equals a worked example, the torch engine's value head learns the returns with its own optimizer, and it
+is saved in the learner's checkpoint and restored on ``--resume``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ EPS64 = torch.finfo(torch.float64).eps
 
 def _step(index: int, prompt: list[int], response: list[int], *, rewards: dict | None = None,
           prefix: str = "first", status: str = "ok") -> Step:
-    return Step(index=index, prompt_token_ids=prompt, response_token_ids=response, prefix=prefix, status=status,
+    return Step(index=index, prompt_token_ids=prompt, response_token_ids=response, prefix=prefix,
+                status=status,
                 response_logprobs=[-1.0] * len(response), rewards=rewards or {}, sampling=Sampling())
 
 
@@ -67,8 +68,8 @@ def test_gae_is_per_trajectory_and_lambda_zero_is_one_step_td() -> None:
     batch = build_batch([a, b], version=0, gamma=1.0)
     values = torch.tensor([0.1, 0.3, 0.2, 0.4], dtype=torch.float64)
     _, ret = algos.step_gae(batch.samples, values, gamma=1.0, lam=0.0)
-    # lambda = 0: return_k = r_k + gamma V_{k+1}; the last step of each trajectory bootstraps from 0, never from
-    # the next trajectory's first step.
+    # lambda = 0: return_k = r_k + gamma V_{k+1}; the last step of each trajectory bootstraps from 0, never
+    # from the next trajectory's first step.
     assert ret.tolist() == pytest.approx([0.5 + 0.3, 1.0, 0.5 + 0.4, 0.0], abs=8 * EPS64)
 
 
@@ -90,8 +91,8 @@ def test_config_accepts_gae_and_checks_its_ranges() -> None:
 
 
 def test_engine_value_head_learns_the_returns(tiny_model_dir) -> None:
-    """The value head regresses onto the GAE returns: its loss falls over repeated updates on one batch of eight
-    distinct states (a linear head on 256 features can fit them; the policy barely moves at lr 1e-9)."""
+    """The value head regresses onto the GAE returns: its loss falls over repeated updates on one batch of
+    eight distinct states (a linear head on 256 features can fit them; the policy barely moves at lr 1e-9)."""
     cfg = LearnerConfig(model_dir=str(tiny_model_dir), algorithm="gae", lr=1e-9, value_lr=5e-2, gamma=0.9,
                         lam=0.8, micro_batch_tokens=64).validate()
     eng = TorchEngine(cfg)
@@ -116,7 +117,8 @@ def _learner_argv(model_dir: object, ckpt: Path, algorithm: str) -> list[str]:
     # A closed port: a resumed learner never asks the proxy anything before train().
     return ["--proxy-url", "http://127.0.0.1:9", "--control-token", "t", "--model-dir", str(model_dir),
             "--algorithm", algorithm, "--lr", "1e-3", "--value-lr", "5e-2", "--gamma", "0.9", "--lam", "0.8",
-            "--micro-batch-tokens", "64", "--checkpoint-dir", str(ckpt), "--metrics-file", str(ckpt / "m.jsonl"),
+            "--micro-batch-tokens", "64", "--checkpoint-dir", str(ckpt), "--metrics-file",
+            str(ckpt / "m.jsonl"),
             "--no-progress", "--num-threads", "1"]
 
 
@@ -128,13 +130,14 @@ def _save_like_the_daemon(eng: TorchEngine, ckpt: Path, updates: int) -> dict:
 
 
 def test_a_resumed_gae_run_has_the_saved_value_head_and_optimizer(tiny_model_dir, tmp_path: Path) -> None:
-    """The value head and its AdamW state are in the checkpoint (safetensors + JSON) and ``--resume`` puts them
-    back: the resumed head equals the saved one, and its next update equals the uninterrupted run's (it would
-    not if the optimizer's moments had been lost)."""
+    """The value head and its AdamW state are in the checkpoint (safetensors + JSON) and ``--resume`` puts
+    them back: the resumed head equals the saved one, and its next update equals the uninterrupted run's (it
+    would not if the optimizer's moments had been lost)."""
     ckpt = tmp_path / "ckpt"
     cfg = config_from_argv(_learner_argv(tiny_model_dir, ckpt, "gae"))
     eng = TorchEngine(cfg)
-    batch = build_batch([_two_step(f"t{i}", "g", first_token=1 + 20 * i) for i in range(2)], version=0, gamma=0.9)
+    batch = build_batch([_two_step(f"t{i}", "g", first_token=1 + 20 * i) for i in range(2)], version=0,
+                        gamma=0.9)
     for _ in range(2):
         eng.train_step(batch)
     saved = _save_like_the_daemon(eng, ckpt, updates=2)["engine"]
@@ -160,8 +163,8 @@ def test_a_resumed_gae_run_has_the_saved_value_head_and_optimizer(tiny_model_dir
 
 
 def test_a_checkpoint_without_a_value_head_still_loads(tiny_model_dir, tmp_path: Path, capsys) -> None:
-    """A GRPO checkpoint (as every checkpoint before value heads were saved) resumes a gae run with a fresh head
-    (V = 0, said in the log); a gae checkpoint resumes a GRPO run, its head ignored."""
+    """A GRPO checkpoint (as every checkpoint before value heads were saved) resumes a gae run with a fresh
+    head (V = 0, said in the log); a gae checkpoint resumes a GRPO run, its head ignored."""
     grpo_ckpt, gae_ckpt = tmp_path / "grpo", tmp_path / "gae"
     grpo = TorchEngine(config_from_argv(_learner_argv(tiny_model_dir, grpo_ckpt, "grpo")))
     assert "value_head" not in _save_like_the_daemon(grpo, grpo_ckpt, updates=1)["engine"]

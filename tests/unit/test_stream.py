@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestClient
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.errors import error_middleware
-from steptap.middleware.metrics import METRICS_KEY, Metrics
-from steptap.middleware.records import SessionOpened, Step, Trajectory
 from steptap.middleware.log.stream import LOG_KEY, STREAM_STATE_KEY, StreamMessage, add_routes
 from steptap.middleware.log.wal import TrajectoryLog, parse_cursor
+from steptap.middleware.metrics import METRICS_KEY, Metrics
+from steptap.middleware.records import SessionOpened, Step, Trajectory
 
 TOKEN = "stc-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,7 +38,8 @@ def make_app(log: TrajectoryLog, **kw: Any) -> web.Application:
 
 def traj(i: int, status: str = "finished") -> Trajectory:
     return Trajectory(id=f"t{i}", status=status, rewards={"r": float(i)},
-                      steps=[Step(trajectory_id=f"t{i}", response_token_ids=[i, i + 1], response_logprobs=[-1.0, -2.0])])
+                      steps=[Step(trajectory_id=f"t{i}", response_token_ids=[i, i + 1],
+                                  response_logprobs=[-1.0, -2.0])])
 
 
 @pytest.fixture
@@ -52,7 +53,8 @@ async def read_ndjson(resp: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
 
 
-async def test_ndjson_stream_from_start_and_from_cursor(log: TrajectoryLog, aiohttp_client: MakeClient) -> None:
+async def test_ndjson_stream_from_start_and_from_cursor(log: TrajectoryLog,
+                                                        aiohttp_client: MakeClient) -> None:
     cursors = []
     for i in range(5):
         await log.append(SessionOpened(trajectory_id=f"t{i}"))
@@ -61,7 +63,8 @@ async def test_ndjson_stream_from_start_and_from_cursor(log: TrajectoryLog, aioh
     resp = await client.get("/trajectories", params={"follow": "0"}, headers=AUTH)
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/x-ndjson")
     msgs = await read_ndjson(resp)
-    assert [(m["cursor"], m["trajectory"]["id"]) for m in msgs[:-1]] == [(c, f"t{i}") for i, c in enumerate(cursors)]
+    assert [(m["cursor"], m["trajectory"]["id"]) for m in msgs[:-1]] == [(c, f"t{i}") for i,
+                                                                         c in enumerate(cursors)]
     assert msgs[0]["trajectory"]["steps"][0]["response_token_ids"] == [0, 1]
     assert msgs[-1] == {"cursor": cursors[-1], "end": True}
 
@@ -87,7 +90,8 @@ async def test_msgpack_frames(log: TrajectoryLog, aiohttp_client: MakeClient) ->
     assert msgs[1].trajectory.rewards == {"r": 1.0} and msgs[-1].end
 
 
-async def test_follow_delivers_new_trajectories_and_heartbeats(log: TrajectoryLog, aiohttp_client: MakeClient) -> None:
+async def test_follow_delivers_new_trajectories_and_heartbeats(log: TrajectoryLog,
+                                                               aiohttp_client: MakeClient) -> None:
     client = await aiohttp_client(make_app(log))
     resp = await client.get("/trajectories", params={"heartbeat": "0.1"}, headers=AUTH)
     assert resp.status == 200
@@ -115,12 +119,14 @@ async def test_ack_persists_moves_forward_and_survives_restart(
 ) -> None:
     cursors = [await log.append(traj(i)) for i in range(4)]
     client = await aiohttp_client(make_app(log, compact=False))
-    resp = await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[1]}, headers=AUTH)
+    resp = await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[1]},
+                             headers=AUTH)
     assert resp.status == 200 and (await resp.json())["cursor"] == cursors[1]
     saved = json.loads((log.dir / "consumers" / "learner.cursor").read_text())
     assert saved["cursor"] == cursors[1]
     # An older cursor does not move it back.
-    resp = await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[0]}, headers=AUTH)
+    resp = await client.post("/trajectories/ack", json={"consumer": "learner", "cursor": cursors[0]},
+                             headers=AUTH)
     assert (await resp.json())["cursor"] == cursors[1]
     # Without a cursor, the consumer resumes after what it acknowledged.
     msgs = await read_ndjson(await client.get("/trajectories", params={"consumer": "learner", "follow": "0"},
@@ -133,17 +139,20 @@ async def test_ack_persists_moves_forward_and_survives_restart(
     log2 = await TrajectoryLog.open(str(tmp_path / "log"))
     try:
         client2 = await aiohttp_client(make_app(log2))
-        msgs = await read_ndjson(await client2.get("/trajectories", params={"consumer": "learner", "follow": "0"},
+        msgs = await read_ndjson(await client2.get("/trajectories",
+                                                   params={"consumer": "learner", "follow": "0"},
                                                    headers=AUTH))
         assert [m["trajectory"]["id"] for m in msgs if "trajectory" in m] == ["t2", "t3"]
-        msgs = await read_ndjson(await client2.get("/trajectories", params={"consumer": "other", "follow": "0"},
+        msgs = await read_ndjson(await client2.get("/trajectories",
+                                                   params={"consumer": "other", "follow": "0"},
                                                    headers=AUTH))
         assert len([m for m in msgs if "trajectory" in m]) == 4  # a new consumer starts at the beginning
     finally:
         await log2.close()
 
 
-async def test_ack_compacts_what_every_consumer_acknowledged(tmp_path: Path, aiohttp_client: MakeClient) -> None:
+async def test_ack_compacts_what_every_consumer_acknowledged(tmp_path: Path,
+                                                             aiohttp_client: MakeClient) -> None:
     log = await TrajectoryLog.open(str(tmp_path / "log"), segment_bytes=1024)
     try:
         cursors = [await log.append(traj(i)) for i in range(20)]
@@ -151,9 +160,11 @@ async def test_ack_compacts_what_every_consumer_acknowledged(tmp_path: Path, aio
         assert n >= 4
         client = await aiohttp_client(make_app(log))
         await client.post("/trajectories/ack", json={"consumer": "a", "cursor": cursors[0]}, headers=AUTH)
-        resp = await client.post("/trajectories/ack", json={"consumer": "b", "cursor": cursors[-1]}, headers=AUTH)
+        resp = await client.post("/trajectories/ack", json={"consumer": "b", "cursor": cursors[-1]},
+                                 headers=AUTH)
         assert (await resp.json())["compacted_segments"] == 0  # consumer a still needs them
-        resp = await client.post("/trajectories/ack", json={"consumer": "a", "cursor": cursors[-1]}, headers=AUTH)
+        resp = await client.post("/trajectories/ack", json={"consumer": "a", "cursor": cursors[-1]},
+                                 headers=AUTH)
         assert (await resp.json())["compacted_segments"] == parse_cursor(cursors[-1])[0] - 1
         assert len(list((tmp_path / "log").glob("seg-*.log"))) == 1
         msgs = await read_ndjson(await client.get("/trajectories", params={"consumer": "a", "follow": "0"},
@@ -172,16 +183,19 @@ async def test_ack_compacts_what_every_consumer_acknowledged(tmp_path: Path, aio
     (b'{"consumer": "../etc", "cursor": "1:8"}', "invalid_consumer"),
     (b'{"consumer": "x", "cursor": "1:8", "extra": 1}', "invalid_body"),
 ])
-async def test_bad_ack_bodies_are_400(log: TrajectoryLog, aiohttp_client: MakeClient, body: bytes, code: str) -> None:
+async def test_bad_ack_bodies_are_400(log: TrajectoryLog, aiohttp_client: MakeClient, body: bytes,
+                                      code: str) -> None:
     client = await aiohttp_client(make_app(log))
-    resp = await client.post("/trajectories/ack", data=body, headers={**AUTH, "Content-Type": "application/json"})
+    resp = await client.post("/trajectories/ack", data=body,
+                             headers={**AUTH, "Content-Type": "application/json"})
     assert resp.status == 400
     err = (await resp.json())["error"]
     assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"]
     assert not (log.dir / "consumers").exists()  # nothing was stored
 
 
-@pytest.mark.parametrize("params", [{"format": "xml"}, {"cursor": "abc"}, {"cursor": "7:8"}, {"cursor": "1:9"},
+@pytest.mark.parametrize("params", [{"format": "xml"}, {"cursor": "abc"}, {"cursor": "7:8"},
+                                    {"cursor": "1:9"},
                                     {"follow": "maybe"},
                                     {"heartbeat": "0"}, {"consumer": "a/b"}])
 async def test_bad_stream_parameters_are_400(log: TrajectoryLog, aiohttp_client: MakeClient,
@@ -200,7 +214,8 @@ async def test_agent_credentials_cannot_read_or_ack(log: TrajectoryLog, aiohttp_
         resp = await client.get("/trajectories", params={"follow": "0"}, headers=headers)
         assert resp.status == status
         assert (await resp.json())["error"]["type"] in ("authentication_error", "permission_error")
-        resp = await client.post("/trajectories/ack", json={"consumer": "x", "cursor": "1:8"}, headers=headers)
+        resp = await client.post("/trajectories/ack", json={"consumer": "x", "cursor": "1:8"},
+                                 headers=headers)
         assert resp.status == status
     assert not (log.dir / "consumers").exists()
 
@@ -227,7 +242,8 @@ async def test_an_abandoned_consumer_can_be_removed_and_stops_holding_compaction
         app[METRICS_KEY].watch_log(log)
         client = await aiohttp_client(app)
         await client.post("/trajectories/ack", json={"consumer": "gone", "cursor": cursors[0]}, headers=AUTH)
-        resp = await client.post("/trajectories/ack", json={"consumer": "live", "cursor": cursors[-1]}, headers=AUTH)
+        resp = await client.post("/trajectories/ack", json={"consumer": "live", "cursor": cursors[-1]},
+                                 headers=AUTH)
         assert (await resp.json())["compacted_segments"] == 0  # "gone" holds every segment
         held = log.disk_bytes
         assert f"steptap_log_disk_bytes {float(held)}".encode() in app[METRICS_KEY].render()
@@ -269,7 +285,9 @@ async def test_an_undecodable_trajectory_is_skipped_in_the_ndjson_stream(
         assert [m.get("trajectory", {}).get("id") for m in msgs] == ["t0", None, "t2", None]
         assert msgs[0]["cursor"] == first and msgs[2]["cursor"] == last
         skipped = msgs[1]
-        assert "model" in skipped["skipped"] and parse_cursor(first) < parse_cursor(skipped["cursor"]) < parse_cursor(last)
+        assert "model" in skipped["skipped"] and parse_cursor(first) < parse_cursor(
+            skipped["cursor"]
+        ) < parse_cursor(last)
         assert msgs[-1]["end"] is True and log.stats.undecodable_records == 1
     finally:
         await log.close()

@@ -1,7 +1,7 @@
-"""Swap faults through the proxy's HTTP side, with the fault injector as the backend (a real vLLM cannot be made
-to hold a stream open on a reader that never reads): a call that outlasts the swap's drain bound is cut and ends
-as the protocol's error (an error event once its stream began, an OpenAI error body before any header went out)
-with its step recorded failed naming why; the gate opens again and later calls go through."""
+"""Swap faults through the proxy's HTTP side, with the fault injector as the backend (a real vLLM cannot be
+made to hold a stream open on a reader that never reads): a call that outlasts the swap's drain bound is cut
+and ends as the protocol's error (an error event once its stream began, an OpenAI error body before any header
+went out) with its step recorded failed naming why; the gate opens again and later calls go through."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ from steptap.middleware.weights.swapper import CUT_MESSAGE
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def _setup(aiohttp_server: Any, make_proxy: Any, tmp_path: Path, mode: str) -> tuple[FaultInjector, Any]:
+async def _setup(aiohttp_server: Any, make_proxy: Any, tmp_path: Path, mode: str) -> tuple[FaultInjector,
+                                                                                           Any]:
     injector = FaultInjector(stall_s=60.0)  # a stall lasts far past the bound
     injector.mode = mode
     server = await aiohttp_server(injector.app)
-    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), swap_drain_timeout_s=0.3, swap_mode="drain",
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), swap_drain_timeout_s=0.3,
+                             swap_mode="drain",
                              model_dir=str(model_dir(tmp_path / "base")))
     return injector, proxy
 
@@ -76,8 +78,8 @@ async def test_a_stream_outlasting_the_drain_bound_ends_with_an_error_event(
 async def test_a_reader_that_stops_reading_is_cut_and_still_gets_the_error_event(
     aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    """The slow reader itself: the proxy's writes to it block, the cut waits for it only a bounded time, and what
-    was buffered (the error event last) still reaches it when it reads again."""
+    """The slow reader itself: the proxy's writes to it block, the cut waits for it only a bounded time, and
+    what was buffered (the error event last) still reaches it when it reads again."""
     injector, proxy = await _setup(aiohttp_server, make_proxy, tmp_path, "flood")
     resp = await http.post(f"{proxy.url}/s/slow/v1/chat/completions", json={**BODY, "stream": True})
     assert resp.status == 200
@@ -126,6 +128,7 @@ async def test_an_anthropic_stream_cut_ends_with_its_own_error_event(
     lines = (await resp.read()).decode().splitlines()
     events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     assert events[-1] == "error" and "message_stop" not in events  # Anthropic's error event, in its shape
-    last = json.loads(next(line for line in reversed(lines) if line.startswith("data: ")).removeprefix("data: "))
+    last = json.loads(next(line for line in reversed(lines)
+                           if line.startswith("data: ")).removeprefix("data: "))
     assert last["type"] == "error" and last["error"]["message"] == CUT_MESSAGE
     await _cut_step(http, proxy, "msg")

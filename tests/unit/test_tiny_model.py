@@ -11,7 +11,8 @@ from steptap.learner.tiny_model import build_tiny_model
 from steptap.middleware.launch.vllm_server import ties_embeddings
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,8 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
     for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
-    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()  # one vocab for all seeds
+    # One vocab for all seeds
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
 def test_untied_qwen2_of_about_five_million_parameters(tiny_model_dir: Path) -> None:
@@ -71,7 +73,8 @@ def test_template_renders_tools_calls_and_results_hermes_style(tokenizer) -> Non
         {"role": "user", "content": "What is 2+3 and 4+5?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
-            {"type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},  # OpenAI's string
+            # OpenAI's string
+            {"type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},
         ]},
         {"role": "tool", "content": "5"},
         {"role": "tool", "content": "9"},
@@ -86,7 +89,10 @@ def test_template_renders_tools_calls_and_results_hermes_style(tokenizer) -> Non
         '{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>\n'
     ) in text
     # Consecutive tool results share one user turn.
-    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n9\n</tool_response><|im_end|>\n" in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n9\n</tool_response><|im_end|>\n"
+        in text
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
@@ -95,7 +101,8 @@ def test_template_without_tools_is_plain_chatml(tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello."}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello.<|im_end|>\n")
     default = tokenizer.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True)
     assert default.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
 
@@ -105,7 +112,7 @@ def test_tokenizer_json_alone_agrees_with_transformers(tiny_model_dir: Path, tok
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    text = "Hello   world!! 12345 don't <tool_call>\n{\"a\": 1}</tool_call> e\u0301te\u0301 日本\r\n<|im_end|>"
+    text = 'Hello   world!! 12345 don\'t <tool_call>\n{"a": 1}</tool_call> e\u0301te\u0301 日本\r\n<|im_end|>'
     assert raw.encode(text).ids == tokenizer.encode(text, add_special_tokens=False)
     assert type(tokenizer).__name__ == "Qwen2Tokenizer"
 
@@ -117,7 +124,8 @@ def test_cli_builds_the_model(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
 
 
-def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_path: Path,
+                                                                         tiny_model_dir: Path) -> None:
     """--long-context: the positions agent CLIs need, and a steady pull towards <|im_end|> (replies of ~25
     tokens at temperature 1, not max_tokens); everything else as the default model."""
     import torch
@@ -131,7 +139,10 @@ def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_pat
     assert config["max_position_embeddings"] == LONG_CONTEXT == 131072
     assert config["rope_parameters"]["rope_theta"] == 1_000_000.0
     assert (out / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
-    long, short = load_file(str(out / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors"))
+    long, short = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(tiny_model_dir / "model.safetensors")),
+    )
     assert long.keys() == short.keys()
     assert long["model.layers.0.mlp.up_proj.weight"].equal(short["model.layers.0.mlp.up_proj.weight"])
     assert not long["lm_head.weight"].equal(short["lm_head.weight"])

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from scripted.tool_script import (
     DEFAULT_RULES,
     SCRIPT_ENV,

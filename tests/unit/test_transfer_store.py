@@ -2,8 +2,8 @@
 the address it is given, a process without the transfer's secret can neither join the group (and receive the
 weights) nor crash the learner by writing to the store, and every failure ends as a ``PublishError``.
 
-Real torch.distributed stores, real sockets; the proxy is a stand-in (tests/faults.py's ``TransferProxy``) that
-holds the swap while the stranger acts and then fails it, the one part a real proxy cannot be made to do
+Real torch.distributed stores, real sockets; the proxy is a stand-in (tests/faults.py's ``TransferProxy``)
+that holds the swap while the stranger acts and then fails it, the one part a real proxy cannot be made to do
 without vLLM (the transfer with vLLM: tests/integration/test_weight_transfer.py)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from faults import TransferProxy  # noqa: E402
+
 from steptap.learner.publish import PublishError  # noqa: E402
 from steptap.learner.transfer import send_collective  # noqa: E402
 
@@ -38,7 +39,8 @@ def non_loopback() -> str | None:
 def run_learner(proxy: TransferProxy, out: dict[str, Any]) -> threading.Thread:
     def go() -> None:
         try:
-            out["version"] = send_collective([("w", torch.arange(4.0))], proxy.url, "tok", address="127.0.0.1",
+            out["version"] = send_collective([("w", torch.arange(4.0))], proxy.url, "tok",
+                                             address="127.0.0.1",
                                              timeout_s=5, swap_timeout_s=30)
         except BaseException as exc:  # noqa: BLE001 - the test asserts on it
             out["error"] = exc

@@ -1,7 +1,7 @@
 """What a dataset, a tool or a grader may reach (issue 25, item 8). A parquet row is data: its ``agent_name``
 names a registered environment, never a file or module to import (that takes ``--trust-dataset-code``). The
-control token (it posts rewards) leaves the environment of ``steptap run`` / ``env run`` / ``eval`` once read, so
-no tool, agent or grader inherits it; the reward command gets the trajectory on stdin instead.
+control token (it posts rewards) leaves the environment of ``steptap run`` / ``env run`` / ``eval`` once read,
+so no tool, agent or grader inherits it; the reward command gets the trajectory on stdin instead.
 
 Real processes: a real ``steptap serve`` (sessions need no backend: the agent here makes no model call) and
 ``steptap run`` with a real shell reward command."""
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from steptap.adapters.env.dataset import Row
 from steptap.adapters.env.runner import DatasetRunner, RunConfig
 
@@ -31,7 +32,8 @@ def _evil(tmp_path: Path) -> Path:
 
 
 def _runner(rows: list[Row], **kw: object) -> DatasetRunner:
-    return DatasetRunner(rows, RunConfig(proxy_url="http://127.0.0.1:9", control_token=TOKEN, **kw))  # type: ignore[arg-type]
+    return DatasetRunner(rows, RunConfig(proxy_url="http://127.0.0.1:9", control_token=TOKEN,
+                                         **kw))  # type: ignore[arg-type]
 
 
 def test_a_row_naming_a_file_is_refused_and_never_imported(tmp_path: Path) -> None:
@@ -60,8 +62,10 @@ def test_the_reward_command_gets_the_trajectory_on_stdin_and_never_the_token(tmp
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "STEPTAP_CONTROL_TOKEN": TOKEN, "STEPTAP_LOG_LEVEL": "WARNING"}
-    serve = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port), "--log",
-                              str(tmp_path / "log")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
+                              "--log",
+                              str(tmp_path / "log")], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60  # up once it answers (503 without a backend: sessions still work)
         while True:
@@ -73,7 +77,8 @@ def test_the_reward_command_gets_the_trajectory_on_stdin_and_never_the_token(tmp
                 time.sleep(0.2)
         grader = f"env > {tmp_path / 'grader.env'}; cat > {tmp_path / 'stdin.json'}; echo 0.5"
         agent = f"env > {tmp_path / 'agent.env'}"
-        out = subprocess.run([*STEPTAP, "run", "--proxy", url, "--reward-cmd", grader, "--", "sh", "-c", agent],
+        out = subprocess.run([*STEPTAP, "run", "--proxy", url, "--reward-cmd", grader, "--", "sh", "-c",
+                              agent],
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         for name in ("agent.env", "grader.env"):

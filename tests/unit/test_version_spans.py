@@ -1,6 +1,6 @@
-"""Steps whose generation spans a weight swap (schema v4, ``Step.version_spans``): each response token carries the
-version that sampled it; a committed v3 log still decodes (one span); the learner's staleness is per token, in
-the rows of both engines (the torch engine's layout and verl's rows)."""
+"""Steps whose generation spans a weight swap (schema v4, ``Step.version_spans``): each response token carries
+the version that sampled it; a committed v3 log still decodes (one span); the learner's staleness is per
+token, in the rows of both engines (the torch engine's layout and verl's rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.engines.verl_engine import VerlEngine
@@ -77,7 +78,8 @@ def test_both_engines_weigh_and_mask_each_token() -> None:
     batch = build_batch(_spanning(), version=5, max_staleness=2, stale_mode="downweight", stale_decay=0.5)
     cfg = _cfg()
     # torch engine: advantages scaled per token
-    lay = TorchEngine._layout(types.SimpleNamespace(value_head=None, cfg=cfg), batch)  # type: ignore[arg-type]
+    lay = TorchEngine._layout(types.SimpleNamespace(value_head=None, cfg=cfg),
+                              batch)  # type: ignore[arg-type]
     s = batch.samples[0]
     adv = lay.adv[0][s.offset - 1: s.offset - 1 + 6]
     assert adv[0] != 0 and torch.allclose(adv[:3], adv[3:] * 0.25)
@@ -87,7 +89,8 @@ def test_both_engines_weigh_and_mask_each_token() -> None:
     assert torch.allclose(rows["adv"][0][:3], rows["adv"][0][3:] * 0.25)
 
     dropped = build_batch(_spanning(), version=5, max_staleness=2, stale_mode="drop")
-    lay = TorchEngine._layout(types.SimpleNamespace(value_head=None, cfg=cfg), dropped)  # type: ignore[arg-type]
+    lay = TorchEngine._layout(types.SimpleNamespace(value_head=None, cfg=cfg),
+                              dropped)  # type: ignore[arg-type]
     s = dropped.samples[0]
     assert lay.mask[0][s.offset - 1: s.offset - 1 + 6].tolist() == [False] * 3 + [True] * 3
     rows = VerlEngine._rows(types.SimpleNamespace(cfg=cfg,

@@ -1,8 +1,9 @@
 """Where `steptap vllm` listens (issue 25, item 2). vLLM runs in dev mode (pause, reload weights, weight
 transfer, LoRA loads: no auth of their own), so it serves on unix sockets in a private directory, replicas
-included, and TCP is refused unless the user says it is meant: ``--insecure-tcp``. vLLM's own ``--api-key`` is not
-enough: it guards only paths under /v1 (vllm/entrypoints/serve/middleware/authenticate.py, GUARDED_PREFIX),
-never /pause, /collective_rpc or /init_weight_transfer_engine. Decided before anything starts: no vLLM needed."""
+included, and TCP is refused unless the user says it is meant: ``--insecure-tcp``. vLLM's own ``--api-key`` is
+not enough: it guards only paths under /v1 (vllm/entrypoints/serve/middleware/authenticate.py,
+GUARDED_PREFIX), never /pause, /collective_rpc or /init_weight_transfer_engine. Decided before anything
+starts: no vLLM needed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.middleware.launch import vllm_server
 
@@ -32,7 +34,8 @@ def test_tcp_in_dev_mode_is_refused_without_insecure_tcp(model_dir: Path, extra:
 
 
 def test_tcp_is_allowed_when_asked_for(model_dir: Path) -> None:
-    for argv in (["--port", "1", "--insecure-tcp"], ["--port", "1", "--insecure-tcp", "--", "--api-key", "k"]):
+    for argv in (["--port", "1", "--insecure-tcp"], ["--port", "1", "--insecure-tcp", "--", "--api-key",
+                                                     "k"]):
         args, extra = vllm_server.parse(["--model", str(model_dir), *argv])
         servers, _ = vllm_server.plan_servers(args, extra)
         assert [s.url for s in servers] == ["http://127.0.0.1:1"]

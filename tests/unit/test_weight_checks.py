@@ -1,5 +1,5 @@
-"""``ties_embeddings``: the one answer to "does this model tie its output layer to its embeddings", used by the
-weight swap's refusal and by ``steptap vllm``/``up`` (they disagreed on a config without the flag)."""
+"""``ties_embeddings``: the one answer to "does this model tie its output layer to its embeddings", used by
+the weight swap's refusal and by ``steptap vllm``/``up`` (they disagreed on a config without the flag)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from steptap.middleware.launch import vllm_server
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.launch import vllm_server
 from steptap.middleware.weights.checks import check_weights_dir, ties_embeddings
 
 

@@ -1,6 +1,6 @@
-"""The transfer half of ``POST /admin/weights`` refuses what it cannot load before anything pauses: a malformed
-``transfer`` body (clear 400 in the OpenAI error format), tensors that do not fit the served model (names and
-shapes from its safetensors headers), and the launcher asks vLLM for steptap's transfer engine."""
+"""The transfer half of ``POST /admin/weights`` refuses what it cannot load before anything pauses: a
+malformed ``transfer`` body (clear 400 in the OpenAI error format), tensors that do not fit the served model
+(names and shapes from its safetensors headers), and the launcher asks vLLM for steptap's transfer engine."""
 
 from __future__ import annotations
 
@@ -9,18 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from steptap.middleware.launch import plugin
-from steptap.middleware.launch.vllm_server import VLLMServer
+from test_weight_checks import EMBED, HEAD, _model
+
 from steptap.middleware.errors import status_of
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.launch import plugin
+from steptap.middleware.launch.vllm_server import VLLMServer
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
-from test_weight_checks import EMBED, HEAD, _model
 
 
 def spec(**kw: Any) -> Transfer:
-    base: dict[str, Any] = {"address": "127.0.0.1", "port": 29500, "secret": "s" * 64, "names": ["model.embed_tokens.weight",
-                            "lm_head.weight"], "dtype_names": ["float32", "float32"], "shapes": [[4, 2], [4, 2]]}
+    base: dict[str, Any] = {"address": "127.0.0.1", "port": 29500, "secret": "s" * 64,
+                            "names": ["model.embed_tokens.weight",
+                            "lm_head.weight"], "dtype_names": ["float32", "float32"],
+                            "shapes": [[4, 2], [4, 2]]}
     return Transfer(**{**base, **kw})
 
 
@@ -45,7 +48,9 @@ def test_tensors_must_fit_the_served_model(tmp_path: Path) -> None:
     spec().check_fits(str(served))  # the same names and shapes
     with pytest.raises(SwapError) as err:
         spec(shapes=[[4, 2], [5, 2]]).check_fits(str(served))
-    assert err.value.code == "weights_mismatch" and "lm_head.weight [5, 2] (served: [4, 2])" in err.value.message
+    assert (
+        err.value.code == "weights_mismatch" and "lm_head.weight [5, 2] (served: [4, 2])" in err.value.message
+    )
     with pytest.raises(SwapError) as err:
         spec(names=["model.embed_tokens.weight", "lm_head.bias"]).check_fits(str(served))
     assert "missing lm_head.weight" in err.value.message and "unknown lm_head.bias" in err.value.message
@@ -85,7 +90,8 @@ async def test_a_refused_transfer_ends_the_learners_wait_with_the_proxys_error(a
     from steptap.middleware.app import create_app
     from steptap.middleware.config import ProxyConfig
 
-    client = await aiohttp_client(create_app(ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"),
+    client = await aiohttp_client(create_app(ProxyConfig(backend="http://127.0.0.1:9",
+                                                         log=str(tmp_path / "log"),
                                                          control_token="t")))
     url = str(client.make_url("")).rstrip("/")
     with pytest.raises(PublishError) as err:

@@ -3,7 +3,8 @@ parameters of the backend calls, refusals before anything is paused, persistence
 the ``/admin/weights`` route on the real app, and the learner's publishing side.
 
 The backend here is a fault injector: it stalls or fails the reload on demand, which a real vLLM cannot be
-made to do (tests/integration/test_swap_vllm.py swaps a real server). It records every call, to show what reached it.
+made to do (tests/integration/test_swap_vllm.py swaps a real server). It records every call, to show what
+reached it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.weights.routes import SWAPPER_KEY
-from steptap.middleware.records import PolicyVersion, Step
-from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.errors import status_of
 from steptap.middleware.exceptions import SwapError
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import PolicyVersion, Step
 from steptap.middleware.weights.checks import check_weights_dir, tensor_shapes
+from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
 TOKEN = "stc-weights-test"
@@ -282,8 +283,8 @@ async def test_a_failure_after_loading_rolls_the_weights_back(
 async def test_a_call_outlasting_the_drain_bound_is_cut_and_the_swap_goes_on(
     backend: tuple[FaultInjector, str], tmp_path: Path
 ) -> None:
-    """A slow reader must not hold the swap (and every held agent) for long: past ``drain_timeout_s`` its call is
-    cancelled, marked as cut (relay records it as a failed step), and the swap proceeds."""
+    """A slow reader must not hold the swap (and every held agent) for long: past ``drain_timeout_s`` its call
+    is cancelled, marked as cut (relay records it as a failed step), and the swap proceeds."""
     fake, url = backend
     sw = WeightSwapper(
         url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")), drain_timeout_s=0.1, mode="drain"
@@ -551,7 +552,8 @@ async def test_keep_swap_pauses_with_keep_and_marks_the_calls_in_flight(
 
     call = asyncio.ensure_future(streaming_call())
     await entered.wait()
-    assert await asyncio.wait_for(sw.swap(path=str(model_dir(tmp_path / "new"))), 10) == 1  # not held by the call
+    # Not held by the call
+    assert await asyncio.wait_for(sw.swap(path=str(model_dir(tmp_path / "new"))), 10) == 1
     assert fake.routes() == ["/pause?mode=keep", "/collective_rpc", "/update_weight_version",
                              "/reset_prefix_cache", "/resume"]
     release.set()
@@ -600,7 +602,8 @@ def test_tokens_per_version_stalls_and_spanning_calls_reach_metrics_and_the_live
     from steptap.middleware.weights.routes import WeightsCollector
 
     sw = WeightSwapper("http://127.0.0.1:9")
-    sw.label([Step(policy_version=0, response_token_ids=[1, 2, 3, 4, 5], version_spans=[[0, 0], [2, 1]])], None)
+    sw.label([Step(policy_version=0, response_token_ids=[1, 2, 3, 4, 5], version_spans=[[0, 0], [2, 1]])],
+             None)
     sw.spanning_calls, sw.swaps, sw.max_stall_s = 1, 1, 0.25
     registry = CollectorRegistry()
     registry.register(WeightsCollector(sw))

