@@ -81,7 +81,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     train_aborted: bool = False  # aborted/timed-out members count toward their group but are not trained on
-    # anonymous calls (no session) are one-step trajectories anyone reaching the proxy can write: not trained on
+    # anonymous calls (no session) are one-step trajectories anyone reaching the proxy can write: not trained
+    # on
     train_anonymous: bool = False
 
     # -- LoRA (peft); rank 0 trains all weights

@@ -244,9 +244,11 @@ class Learner:
         every = self.cfg.disk_every
         if self.cfg.weight_sync == "collective" and not lora:
             states = [_proxy_state(src.url, self.cfg.token()) for src in self.sources]
-            version = max(version, *(v + 1 for v, _ in states))  # a proxy made a version of disk weights meanwhile
+            # A proxy made a version of disk weights meanwhile
+            version = max(version, *(v + 1 for v, _ in states))
             wanted = [why for _, why in states if why]
-            if wanted:  # a replica lost a transferred version: this one goes through disk, whatever disk_every
+            # A replica lost a transferred version: this one goes through disk, whatever disk_every
+            if wanted:
                 self.metrics.note(f"publishing version {version} through disk: {wanted[0]}")
             elif not (every and version % every == 0):
                 self._publish_collective(version)

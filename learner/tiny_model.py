@@ -24,9 +24,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen adds these as plain (not special) added tokens: they stay in decoded text, so vLLM's hermes parser sees
 # them even with skip_special_tokens, and each is one token.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
-THINK_TOKENS = ["<think>", "</think>"]  # --reasoning: added the same way (Qwen3 has them as plain added tokens)
-# --reasoning: each <think> token's output row reads the constant residual dimension EOT_DIM (see EOT_WEIGHT) with
-# this weight: a logit bonus of ~12, so where a grammar allows "<think>" the model takes the one token, not "<".
+# --reasoning: added the same way (Qwen3 has them as plain added tokens)
+THINK_TOKENS = ["<think>", "</think>"]
+# --reasoning: each <think> token's output row reads the constant residual dimension EOT_DIM (see EOT_WEIGHT)
+# with this weight: a logit bonus of ~12, so where a grammar allows "<think>" the model takes the one token,
+# not "<".
 THINK_WEIGHT = 3.0
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -102,9 +104,10 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {%- endif %}
 """  # noqa: E501 - Qwen2.5's chat template, verbatim (its lines are its text)
 
-# --reasoning: the template above made Qwen3-style. Assistant turns after the last user query (the current tool
-# loop) render their reasoning as "<think>\nR\n</think>\n\n" before the content; earlier turns drop it, as Qwen3's
-# template does. vLLM hands a replayed message's reasoning to the template as `reasoning` and `reasoning_content`.
+# --reasoning: the template above made Qwen3-style. Assistant turns after the last user query (the current
+# tool loop) render their reasoning as "<think>\nR\n</think>\n\n" before the content; earlier turns drop it,
+# as Qwen3's template does. vLLM hands a replayed message's reasoning to the template as `reasoning` and
+# `reasoning_content`.
 _LAST_QUERY = r"""{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
@@ -125,7 +128,8 @@ REASONING_TEMPLATE = _LAST_QUERY + CHAT_TEMPLATE.replace(" or " + _PLAIN_ASSISTA
     "{%- if message.content %}\n            {{- '\\n' + message.content }}",
     "{%- if message.content or not message.tool_calls %}\n            {{- '\\n' + (message.content or '') }}")
 
-_SUBJECTS = "the cat|a robot|my friend|the agent|our team|the model|a student|the teacher|she|he|they|we".split("|")
+_SUBJECTS = ("the cat|a robot|my friend|the agent|our team|the model|a student|the teacher|she|he|they|we"
+             .split("|"))
 _VERBS = "sees|builds|writes|reads|finds|calls|adds|moves|counts|learns|tests|sends|checks|opens".split("|")
 _OBJECTS = (
     "a number|the answer|two apples|the file|a tool|the weather|a list|the result|some code|the door|a "
@@ -190,7 +194,16 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
 
 
 def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     # Exactly Qwen2's normalizer and pre-tokenizer: transformers loads a qwen2 model's tokenizer as
@@ -226,14 +239,15 @@ def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False)
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False, long_context: bool = False,
+    out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False,
+    long_context: bool = False,
     reasoning: bool = False,
 ) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
     (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
     LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`);
-    ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens (serve
-    with ``--reasoning-parser deepseek_r1``)."""
+    ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens
+    (serve with ``--reasoning-parser deepseek_r1``)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -284,7 +298,8 @@ def build_tiny_model(
         _bias_end_of_turn(model, im_end)
     if reasoning:
         if tied or long_context:
-            raise ValueError("reasoning biases the output rows of the <think> tokens: untied, not long-context")
+            raise ValueError("reasoning biases the output rows of the <think> tokens: untied, not "
+                             "long-context")
         _bias_rows(model, {i: THINK_WEIGHT for i in tokenizer.convert_tokens_to_ids(THINK_TOKENS)})
     model.generation_config = GenerationConfig(bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot)
     model.save_pretrained(str(out))
@@ -292,13 +307,14 @@ def build_tiny_model(
 
 
 def _bias_end_of_turn(model: object, im_end: int) -> None:
-    """Hold residual dimension EOT_DIM constant and point only <|im_end|>'s output row at it (see EOT_WEIGHT)."""
+    """Hold residual dimension EOT_DIM constant and point only <|im_end|>'s output row at it (see
+    EOT_WEIGHT)."""
     _bias_rows(model, {im_end: EOT_WEIGHT})
 
 
 def _bias_rows(model: object, weights: dict[int, float]) -> None:
-    """Hold residual dimension EOT_DIM constant and point only the output rows of ``weights`` at it (a logit bonus
-    of about 4 x the weight on those tokens, whatever the context)."""
+    """Hold residual dimension EOT_DIM constant and point only the output rows of ``weights`` at it (a logit
+    bonus of about 4 x the weight on those tokens, whatever the context)."""
     import torch
 
     with torch.no_grad():
@@ -320,11 +336,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama: a Llama config (its tokenizer has no <|python_tag|>, like SmolLM2's)")
     parser.add_argument("--tied", action="store_true", help="tie the output layer to the input embeddings")
     parser.add_argument("--long-context", action="store_true",
-                        help=f"{LONG_CONTEXT} positions (serve with --max-model-len {LONG_CONTEXT}) and replies "
-                             "of ~25 tokens at temperature 1 (a bias towards <|im_end|>), for agent CLIs")
+                        help=f"{LONG_CONTEXT} positions (serve with --max-model-len {LONG_CONTEXT}) and "
+                             "replies of ~25 tokens at temperature 1 (a bias towards <|im_end|>), for agent "
+                             "CLIs")
     parser.add_argument("--reasoning", action="store_true",
-                        help="<think>/</think> tokens and a Qwen3-style template that renders the current turn's "
-                             "reasoning (serve with --reasoning-parser deepseek_r1)")
+                        help="<think>/</think> tokens and a Qwen3-style template that renders the current "
+                             "turn's reasoning (serve with --reasoning-parser deepseek_r1)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied,

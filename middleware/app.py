@@ -17,6 +17,8 @@ from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaP
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
 from steptap.middleware.proxy import relay, routes
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore

@@ -86,11 +86,11 @@ def _ip_literal(name: str) -> bool:
 
 
 def check_model_call_origin(request: web.Request) -> None:
-    """A model call must carry a JSON body and an allowed ``Host``. A browser may POST ``text/plain`` or a form
-    cross-site without a preflight, and DNS rebinding points a foreign name at 127.0.0.1: both would inject
-    prompts into the log. Allowed hosts: localhost names, this machine's name, the bind address, the public URL's
-    host, ``--allowed-hosts``; bound to every address (0.0.0.0, ::), any IP literal too (rebinding needs a
-    name)."""
+    """A model call must carry a JSON body and an allowed ``Host``. A browser may POST ``text/plain`` or a
+    form cross-site without a preflight, and DNS rebinding points a foreign name at 127.0.0.1: both would
+    inject prompts into the log. Allowed hosts: localhost names, this machine's name, the bind address, the
+    public URL's host, ``--allowed-hosts``; bound to every address (0.0.0.0, ::), any IP literal too
+    (rebinding needs a name)."""
     if request.content_type.lower() != "application/json":  # parameters (charset) aside
         raise ApiError(415, f"model calls take Content-Type: application/json, not "
                             f"{request.headers.get('Content-Type') or 'none'!r}", "unsupported_media_type")

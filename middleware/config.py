@@ -31,8 +31,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "a replica answering this many model calls in a row with 5xx is taken out (its /health may still say "
         "200; least-in-flight would send it every new session)")] = 5
     replica_failure_cooldown_s: Annotated[float, _help(
-        "a replica taken out for failed calls is readmitted (healthy and reconciled) no sooner than this")] = 30.0
-    reuse_port: Annotated[bool, _help("SO_REUSEPORT on the shared port (set by steptap serve --workers)")] = False
+        "a replica taken out for failed calls is readmitted (healthy and reconciled) no sooner than "
+        "this")] = 30.0
+    reuse_port: Annotated[bool,
+                          _help("SO_REUSEPORT on the shared port (set by steptap serve --workers)")] = False
     worker_port: Annotated[int | None, _help(
         "a worker's own port besides the shared one (set by steptap serve --workers)")] = None
     refuse_swaps: Annotated[str | None, _help(
@@ -137,8 +139,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
             self.session_idle_timeout_s = None  # 0 on the command line: never
         for name in ("max_record_bytes", "max_request_bytes", "max_json_nodes", "max_body_memory",
-                     "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",
-                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions", "upstream_max_connections", "max_closed_sessions", "max_groups",
+                     "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes",
+                     "max_concurrent_calls",
+                     "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions",
+                     "upstream_max_connections", "max_closed_sessions", "max_groups",
                      "replica_max_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -67,7 +67,8 @@ def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = Non
             parser.add_argument(_flag(name), dest=name, choices=choices, default=default,
                                 help=f"{help_} (default {default})")
         elif type_ is list or typing.get_origin(type_) is list:  # repeatable
-            parser.add_argument(_flag(name), dest=name, action="append", default=[], metavar="VALUE", help=help_)
+            parser.add_argument(_flag(name), dest=name, action="append", default=[], metavar="VALUE",
+                                help=help_)
         elif type_ is dict or typing.get_origin(type_) is dict:
             parser.add_argument(_flag(name), dest=name, default="", metavar="NAME=VALUE,...", help=help_)
         else:

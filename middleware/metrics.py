@@ -67,7 +67,8 @@ class Metrics:
         )
         self.dropped_fields = Counter(
             "steptap_dropped_fields",
-            "parts of a request accepted but not honoured (fields, hosted tools; named in the step's notes), by label",
+            "parts of a request accepted but not honoured (fields, hosted tools; named in the step's notes), "
+            "by label",
             ["endpoint", "field"], registry=r
         )
         self.refused_calls = Counter(

@@ -14,13 +14,13 @@ after the last cursor it delivered (before the first delivery: the given cursor,
 acknowledged one). The same trajectory can come twice (a restart re-sends from the acknowledged cursor); with
 ``dedup=True`` the iterator drops records it has already delivered (a bounded seen-set keyed by
 ``delivery_key``: trajectory id and ``created_at``, so a session id reused later is still delivered). A record
-that cannot be decoded is skipped, counted in ``client.skipped[consumer]`` and logged, never fatal. With ``seen_file`` the ids
-acknowledged through ``ack`` are also written to that file, so after a consumer restart they are still
-recognised; ids delivered but never acknowledged are deliberately re-delivered (the consumer may not have
-finished with them).
+that cannot be decoded is skipped, counted in ``client.skipped[consumer]`` and logged, never fatal. With
+``seen_file`` the ids acknowledged through ``ack`` are also written to that file, so after a consumer restart
+they are still recognised; ids delivered but never acknowledged are deliberately re-delivered (the consumer
+may not have finished with them).
 
-``SyncSteptapClient`` offers the control calls synchronously (stdlib only), plus the health, model list, weight
-swap and metrics that launchers and the learner poll.
+``SyncSteptapClient`` offers the control calls synchronously (stdlib only), plus the health, model list,
+weight swap and metrics that launchers and the learner poll.
 """
 
 from __future__ import annotations
@@ -37,5 +37,6 @@ from steptap.middleware.client.tokens import (
 )
 
 __all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token",
-           "forget_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError", "SessionInfo",
+           "forget_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError",
+           "SessionInfo",
            "Delivery", "SeenSet", "delivery_key"]

@@ -1,4 +1,5 @@
-"""The control API's shapes, shared by both clients: request bodies, the session reply, errors as SteptapError."""
+"""The control API's shapes, shared by both clients: request bodies, the session reply, errors as
+SteptapError."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``SteptapClient``: the async client (sessions, rewards, the trajectory stream with reconnects, de-duplicated)."""
+"""``SteptapClient``: the async client (sessions, rewards, the trajectory stream with reconnects,
+de-duplicated)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ import aiohttp
 import msgspec
 
 from steptap.middleware import files
-from steptap.middleware.delta import DeltaError
-from steptap.middleware.records import Trajectory
-from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
-
 from steptap.middleware.client.api import (
     SessionInfo,
     SteptapError,
@@ -30,6 +27,9 @@ from steptap.middleware.client.api import (
     _traj_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
+from steptap.middleware.delta import DeltaError
+from steptap.middleware.records import Trajectory
+from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
 logger = logging.getLogger("steptap.client")
 
@@ -178,7 +178,8 @@ class SteptapClient:
                             _reward_body(value, name, step))
 
     async def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
-        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))
+        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
+                            _finish_body(reward, status))
 
     async def get_session(self, session_id: str) -> Trajectory:
         return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
@@ -190,8 +191,8 @@ class SteptapClient:
         seen = self._seen.get(consumer)
         if seen is not None:
             # No await between the acknowledgement and its record in the seen file: a consumer cancelled there
-            # would take the ack as failed while the proxy (and the file) have it, and never see the trajectory
-            # again. One small synced append, once per ack (acks come at checkpoint time).
+            # would take the ack as failed while the proxy (and the file) have it, and never see the
+            # trajectory again. One small synced append, once per ack (acks come at checkpoint time).
             seen.acknowledged(cursor)
 
     async def trajectories(
@@ -207,7 +208,8 @@ class SteptapClient:
         heartbeat_s: float = 10.0,
         max_backoff_s: float = 5.0,
     ) -> AsyncIterator[Delivery]:
-        """Finished trajectories for ``consumer``, at least once, de-duplicated (``delivery_key``) when ``dedup``; unreadable records are skipped and counted.
+        """Finished trajectories for ``consumer``, at least once, de-duplicated (``delivery_key``) when
+        ``dedup``; unreadable records are skipped and counted.
 
         Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
         4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
@@ -238,7 +240,8 @@ class SteptapClient:
                     async for body in read_frames(resp.content, format):
                         try:
                             msg = decode_envelope(body, format)
-                        except msgspec.DecodeError as exc:  # not a record problem: the stream itself is broken
+                        # Not a record problem: the stream itself is broken
+                        except msgspec.DecodeError as exc:
                             raise StreamCut(f"undecodable stream message: {exc}") from None
                         position = msg.cursor
                         if msg.end:
@@ -260,8 +263,9 @@ class SteptapClient:
                                 continue
                             seen.delivered(key, msg.cursor)
                         yield Delivery(msg.cursor, traj)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, StreamCut) as exc:
-                logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc, backoff)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError, StreamCut) as exc:
+                logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc,
+                            backoff)
             else:
                 logger.info("trajectory stream for %s ended by the proxy; reconnecting", consumer)
             await asyncio.sleep(backoff)

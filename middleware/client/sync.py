@@ -1,5 +1,5 @@
-"""``SyncSteptapClient``: the control calls synchronously (stdlib only, ``unix:`` too), plus what launchers and
-the learner poll: health, models, weight swap, metrics."""
+"""``SyncSteptapClient``: the control calls synchronously (stdlib only, ``unix:`` too), plus what launchers
+and the learner poll: health, models, weight swap, metrics."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import socket
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
-
 from steptap.middleware.backend.url import BackendUrl
-from steptap.middleware.records import Trajectory
-
 from steptap.middleware.client.api import (
     SessionInfo,
     SteptapError,
@@ -24,11 +21,13 @@ from steptap.middleware.client.api import (
     _traj_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
+from steptap.middleware.records import Trajectory
 
 
 def split_url(url: str) -> tuple[str, str | None]:
     """``(http base URL, unix socket path or None)`` of a proxy or backend URL (``/v1`` stripped):
-    ``unix:/run/x.sock`` (a vLLM started with ``--uds``) is reached as ``http://localhost`` over that socket."""
+    ``unix:/run/x.sock`` (a vLLM started with ``--uds``) is reached as ``http://localhost`` over that
+    socket."""
     parsed = BackendUrl.parse(url)
     return parsed.base, parsed.socket
 
@@ -49,7 +48,8 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def http_call(url: str, method: str = "GET", *, body: bytes | None = None, headers: dict[str, str] | None = None,
+def http_call(url: str, method: str = "GET", *, body: bytes | None = None,
+              headers: dict[str, str] | None = None,
               timeout_s: float = 60.0, unix_socket: str | None = None) -> tuple[int, bytes]:
     """One synchronous HTTP call (stdlib only): ``(status, body)`` for every answer, 4xx and 5xx included;
     ``OSError`` when nothing answers. Never goes through an ``http_proxy`` from the environment (the proxy and
@@ -118,7 +118,8 @@ class SyncSteptapClient:
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,
                    step: int | Literal["last"] | None = None) -> None:
-        self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards", _reward_body(value, name, step))
+        self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
+                      _reward_body(value, name, step))
 
     def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
         self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))

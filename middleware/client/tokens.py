@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 TOKEN_ENV = "STEPTAP_CONTROL_TOKEN"
-TOKEN_FILE_ENV = "STEPTAP_CONTROL_TOKEN_FILE"  # a 0600 file holding it (how `steptap up` hands it to a driver)
+# A 0600 file holding it (how `steptap up` hands it to a driver)
+TOKEN_FILE_ENV = "STEPTAP_CONTROL_TOKEN_FILE"
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The token in a file: its first line, stripped. ``ValueError`` when the file is empty or unreadable (a token
-    file with no token is a mistake to report, never the same as no file)."""
+    """The token in a file: its first line, stripped. ``ValueError`` when the file is empty or unreadable (a
+    token file with no token is a mistake to report, never the same as no file)."""
     try:
         lines = Path(path).read_text().strip().splitlines()
     except (OSError, UnicodeDecodeError) as exc:

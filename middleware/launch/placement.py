@@ -7,13 +7,13 @@ import os
 import shutil
 import subprocess
 
+from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
 from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
     TOOL_PARSERS,
     choose_tool_parser,
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 
 
@@ -35,6 +35,6 @@ def replica_threads(replicas: int, gpu: bool, given: int | None) -> int | None:
 
 
 def replica_env(i: int, replicas: int, gpu: bool) -> dict[str, str] | None:
-    """Replica ``i``'s GPU: one each when there are several replicas on a GPU machine; one replica sees every GPU
-    (its own ``--tensor-parallel-size`` may use them)."""
+    """Replica ``i``'s GPU: one each when there are several replicas on a GPU machine; one replica sees every
+    GPU (its own ``--tensor-parallel-size`` may use them)."""
     return {"CUDA_VISIBLE_DEVICES": str(i)} if replicas > 1 and gpu else None

@@ -23,17 +23,23 @@ import time
 from pathlib import Path
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
-from steptap.middleware.files import private_dir
+from steptap.middleware.files import (
+    atomic_write,  # readers poll these files: never half a file
+    private_dir,
+)
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
-from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
-from steptap.middleware.launch.view import StatusBoard, render_line
 from steptap.middleware.launch.up_files import RunFiles
 from steptap.middleware.launch.up_parser import PY, STEPTAP, _free_port, _split, build_parser  # noqa: F401 - old paths
 from steptap.middleware.launch.up_preflight import (  # noqa: F401 - _learner_lora_rank: old path
-    Interrupted, Preflight, Refused, StartupError, _learner_lora_rank,
+    Interrupted,
+    Preflight,
+    Refused,
+    StartupError,
+    _learner_lora_rank,
 )
+from steptap.middleware.launch.view import StatusBoard, render_line
 
 
 class Up(Preflight, RunFiles):

@@ -8,8 +8,8 @@ import os
 import time
 
 from steptap.middleware.client import TOKEN_FILE_ENV
-from steptap.middleware.launch.supervise import Child
 from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
+from steptap.middleware.launch.supervise import Child
 from steptap.middleware.launch.view import StatusBoard
 
 

@@ -27,17 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-tcp",
         action="store_true",
-        help="serve the managed vLLM on a TCP port of 127.0.0.1 instead of a unix socket in a private directory "
-        "(steptap vllm --insecure-tcp): its dev-mode admin routes (pause, reload weights, weight transfer, load "
-        "LoRA) then answer every local process",
+        help="serve the managed vLLM on a TCP port of 127.0.0.1 instead of a unix socket in a private "
+             "directory "
+        "(steptap vllm --insecure-tcp): its dev-mode admin routes (pause, reload weights, weight transfer, "
+        "load LoRA) then answer every local process",
     )
     p.add_argument("--vllm-port", type=int, default=0, help="with --vllm-tcp: vLLM's port (0: any free port)")
     p.add_argument(
-        "--backend", action="append", help="use this running vLLM server (http://host:port or unix:PATH), do not "
+        "--backend", action="append",
+        help="use this running vLLM server (http://host:port or unix:PATH), do not "
         "start one; repeat it for several replicas (the proxy routes among them, the learner swaps them all)"
     )
     p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among them")
+                   help="vLLM servers to start (one per GPU when GPUs are present); the proxy routes among "
+                        "them")
     p.add_argument(
         "--workdir",
         help="where logs, the trajectory log, checkpoints and metrics go (default: runs/up-<timestamp>)",
@@ -66,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
     p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
-    p.add_argument("--engine", choices=("torch", "verl"), help="the learner's engine (steptap learn --engine)")
+    p.add_argument("--engine", choices=("torch", "verl"),
+                   help="the learner's engine (steptap learn --engine)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")
     p.add_argument(
         "--stop-at-reward",

@@ -11,12 +11,12 @@ import subprocess
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, read_token_file
 from steptap.middleware.files import PrivateDirError, secret_dir
-from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.placement import has_gpu
+from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.procs import wait_until
 from steptap.middleware.launch.supervise import Child
-from steptap.middleware.model_files import ties_embeddings
 from steptap.middleware.launch.up_parser import PY, STEPTAP
+from steptap.middleware.model_files import ties_embeddings
 
 
 class StartupError(Exception):
@@ -113,7 +113,8 @@ print(load_config(a.pop("config"), a).lora_rank)
 def _learner_lora_rank(learner_argv: list[str]) -> int | None:
     """The LoRA rank the learner will train with (0: all weights), or None when it cannot be read."""
     try:
-        out = subprocess.run([PY, "-c", _LORA_RANK, *learner_argv], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([PY, "-c", _LORA_RANK, *learner_argv], capture_output=True, text=True,
+                             timeout=60)
         return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None

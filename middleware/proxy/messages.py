@@ -12,7 +12,12 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from steptap.middleware.proxy.translation import HANDLE_KEY, reasoning_handle, reasoning_of, register_chat_view
+from steptap.middleware.proxy.translation import (
+    HANDLE_KEY,
+    reasoning_handle,
+    reasoning_of,
+    register_chat_view,
+)
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
 
@@ -113,8 +118,8 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
                           "function": {"name": block["name"], "arguments": json.dumps(args)}})
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             # replayed reasoning: vLLM hands it to the template as the message's reasoning (rendered where the
-            # template renders reasoning, dropped where it does not); the signature, when the proxy made it, names
-            # the step it came from (translation.reasoning_handle), for a token-in-token-out splice
+            # template renders reasoning, dropped where it does not); the signature, when the proxy made it,
+            # names the step it came from (translation.reasoning_handle), for a token-in-token-out splice
             thinking.append(block["thinking"])
             if signature is None:
                 signature = block.get("signature")

@@ -31,7 +31,8 @@ PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
 class Protocol:
     endpoint: str
     chat: dict[str, Any]
-    dropped: list[str] = []  # what was accepted but not honoured, by label (counted in steptap_dropped_fields)
+    # What was accepted but not honoured, by label (counted in steptap_dropped_fields)
+    dropped: list[str] = []
     # what the proxy did that the request does not show (Step.notes): each drop, a translation choice
     notes: list[str] = []  # recorded on the call's steps
     handles: dict[int, str] = {}  # assistant message -> the reasoning handle it was replayed with (tito.py)

@@ -2,8 +2,8 @@
 upstream body in serving.py). One call reads top to bottom in ``model_call``:
 identify -> gate -> forward -> capture -> record once -> reply.
 
-The agent's body is decoded once (it is recorded as the step's ``request`` anyway) and re-encoded with only our
-keys changed, never through a Struct (unknown fields would be lost). The upstream reply is parsed once;
+The agent's body is decoded once (it is recorded as the step's ``request`` anyway) and re-encoded with only
+our keys changed, never through a Struct (unknown fields would be lost). The upstream reply is parsed once;
 ``capture`` builds the steps from it and strips what the agent did not ask for.
 """
 
@@ -19,6 +19,8 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import check_model_call_origin
+from steptap.middleware.backend.client import timed_out
+from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
@@ -34,26 +36,29 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
-from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.backend.client import timed_out
-from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.proxy.protocols import (
     PROTOCOL_ENDPOINTS,
     Protocol,
     anthropic_errors,
     open_protocol,
 )
+from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _upstream_body: old import paths
+    _json_object,
+    _sticky_id,
+    _too_large,
+    _upstream_body,
+    patch_request,
+    read_body,
+)
+from steptap.middleware.proxy.sse import StreamRelay
+from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.records import Step
-from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import LiveSession, SessionManager
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE
-from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _upstream_body: old import paths
-    _json_object, _sticky_id, _too_large, _upstream_body, patch_request, read_body,
-)
-from steptap.middleware.proxy.sse import StreamRelay
 
 logger = logging.getLogger("steptap.relay")
 
@@ -99,9 +104,11 @@ async def _model_call(
     ident = identify(request)  # a malformed session id is a 400
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     try:
-        # Another protocol rides on chat completions: translated (and checked in its own format) before the rest.
+        # Another protocol rides on chat completions: translated (and checked in its own format) before the
+        # rest.
         proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
-        view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT, cfg.max_n)
+        view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT,
+                                cfg.max_n)
     except ApiError as exc:  # a refused body: the session it names records why (a failed step)
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
@@ -117,12 +124,13 @@ async def _model_call(
             async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                     app[SWAPPER_KEY].gate() as ticket:  # gate
                 served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky entry
-                # (it would only push named sessions out of the pool's bounded map).
+                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
+                # entry (it would only push named sessions out of the pool's bounded map).
                 replica = pool.acquire(pool.pick(_sticky_id(session)))
                 if proto is not None:
                     await proto.adapt(replica.client, served)
-                out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint, served, cfg)
+                out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint,
+                                           served, cfg)
                 call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
                     request=body,
                     sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
@@ -137,7 +145,8 @@ async def _model_call(
                 call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
                 call.chat = out
                 try:
-                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out), stream)
+                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out),
+                                          stream)
                 finally:
                     pool.release(call.replica)
         finally:
@@ -160,7 +169,8 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
         session = await manager.resolve(ident)
     except DomainError:
         return
-    if session.pending:  # an auto session is opened by an accepted call only: a refused first call opens nothing
+    # An auto session is opened by an accepted call only: a refused first call opens nothing
+    if session.pending:
         if session.inflight == 0:
             manager.pending.pop(session.id, None)
         return
@@ -241,9 +251,9 @@ class _Call(StreamRelay):
                 await self.record([self.failed(exc.message, exc.code.removesuffix("_reply"))])
             raise
         except asyncio.CancelledError:
-            # The agent hung up and the server cancelled this handler, or a weight swap cut a call that outlasted
-            # its drain bound: keep what arrived as a failed step (in a new task: this one is being cancelled).
-            # A swap's cut before the stream began ends as the protocol's error body instead.
+            # The agent hung up and the server cancelled this handler, or a weight swap cut a call that
+            # outlasted its drain bound: keep what arrived as a failed step (in a new task: this one is being
+            # cancelled). A swap's cut before the stream began ends as the protocol's error body instead.
             if not self.recorded and self.acc is None and self.request.app[SWAPPER_KEY].take_cut():
                 await self.record([self.failed(CUT_MESSAGE, "swap_cut")])
                 raise SwapCut(CUT_MESSAGE) from None
@@ -293,7 +303,8 @@ class _Call(StreamRelay):
             raise err from None
         except (BackendUnreachable, BackendTimeout) as exc:  # the client names the replica
             if not self.recorded:
-                await self.record([self.failed(f"token-in-token-out call failed: {exc.message}", "backend_error")])
+                await self.record([self.failed(f"token-in-token-out call failed: {exc.message}",
+                                               "backend_error")])
             raise BackendError(exc.message) from None
         except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError) as exc:
             if not self.recorded:
@@ -306,7 +317,8 @@ class _Call(StreamRelay):
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
-                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone", partial)))
+                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone",
+                                                                    partial)))
             raise
         return await self._reply_plain(reply, 200, None)
 
@@ -314,7 +326,8 @@ class _Call(StreamRelay):
 
     def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step:
         self._count(type_)
-        return capture.failed_step(self.endpoint, message, type_, partial, latency_s=self._latency(), **self.common)
+        return capture.failed_step(self.endpoint, message, type_, partial, latency_s=self._latency(),
+                                   **self.common)
 
     def _count(self, type_: str) -> None:
         self.request.app[METRICS_KEY].upstream_errors.labels(type_).inc()
@@ -358,8 +371,9 @@ class _Call(StreamRelay):
                 message = _decode(data)["error"]["message"]
             except (msgspec.DecodeError, KeyError, TypeError):
                 message = data[:500].decode("utf-8", "replace")
-            # recorded, so the session says why (a prompt over the context, a template that refused it); an auto
-            # session the backend never accepted a call for stays unopened (refused calls fill no session table)
+            # recorded, so the session says why (a prompt over the context, a template that refused it); an
+            # auto session the backend never accepted a call for stays unopened (refused calls fill no session
+            # table)
             if not self.session.pending:
                 await self.record([self.failed(f"backend {base} refused the call ({resp.status}): {message}",
                                                "backend_refused")])
@@ -384,9 +398,11 @@ class _Call(StreamRelay):
             raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
-        if self.proto is None and self.endpoint == CHAT:  # typed, stripped in vLLM's bytes; else the dict path
+        # Typed, stripped in vLLM's bytes; else the dict path
+        if self.proto is None and self.endpoint == CHAT:
             view = replies.reply_view(data)
-            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(), **self.common)
+            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
+                                                                      **self.common)
             if view is not None and steps is not None:
                 body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
                 if body is not None:
@@ -397,7 +413,8 @@ class _Call(StreamRelay):
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
                 raise ValueError("no choices")
         except (msgspec.DecodeError, ValueError):
-            raise BackendMalformed(f"backend {base} sent a malformed reply (not an OpenAI completion)") from None
+            raise BackendMalformed(f"backend {base} sent a malformed reply (not an OpenAI "
+                                   "completion)") from None
         return await self._reply_plain(reply, resp.status, data)
 
     async def _reply_plain(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:

@@ -12,8 +12,9 @@ bounded in entries, bytes, age and per session (least recently used out), for na
 agent sent ``store: false``.
 
 A reply's reasoning (vLLM's ``reasoning_content``) becomes a ``reasoning`` item; with ``include:
-["reasoning.encrypted_content"]`` its ``encrypted_content`` is a handle naming the step (``reasoning_handle``),
-which a token-in-token-out session uses to splice the logged tokens back on replay (``tito.py``).
+["reasoning.encrypted_content"]`` its ``encrypted_content`` is a handle naming the step
+(``reasoning_handle``), which a token-in-token-out session uses to splice the logged tokens back on replay
+(``tito.py``).
 """
 
 from __future__ import annotations

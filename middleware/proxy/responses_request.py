@@ -1,14 +1,14 @@
 """A Responses request body as a chat body: every top-level field, input item and tool is either served,
 dropped with a note, or refused with a 400 naming it.
 
-What the model cannot see as a Responses tool is flattened into a chat function: a ``namespace`` tool's children
-become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function of one string argument
-``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the agent
-expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools (``web_search``, ...)
-need a server that runs them: they are dropped from what the model sees and noted. The notes
-(``Translation.notes``) are recorded on the step (``Step.notes``, as for every protocol) and counted in /metrics
-(``steptap_dropped_fields_total{endpoint, field}``, the label), so a capture never silently differs from what the
-agent asked for.
+What the model cannot see as a Responses tool is flattened into a chat function: a ``namespace`` tool's
+children become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function of one string
+argument ``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the
+agent expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools
+(``web_search``, ...) need a server that runs them: they are dropped from what the model sees and noted. The
+notes (``Translation.notes``) are recorded on the step (``Step.notes``, as for every protocol) and counted in
+/metrics (``steptap_dropped_fields_total{endpoint, field}``, the label), so a capture never silently differs
+from what the agent asked for.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Translation:
         self.notes: list[dict[str, str]] = []
         self.namespaced: dict[str, tuple[str, str]] = {}  # flat name -> (name, namespace)
         self.custom: set[str] = set()
-        self.handles: dict[int, str] = {}  # assistant message -> its replayed reasoning handle (translation.py)
+        # Assistant message -> its replayed reasoning handle (translation.py)
+        self.handles: dict[int, str] = {}
 
     def note(self, field: str, label: str, reason: str) -> None:
         """``field``: where in the body; ``label``: the metric's bounded label; ``reason``: why."""
@@ -163,9 +164,10 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             out.append({"role": "tool", "tool_call_id": given_id,
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            # The reasoning of the reply that follows: its text goes to the template as the assistant message's
-            # reasoning (rendered where the template renders it); its encrypted_content, when the proxy made it,
-            # names the step it came from (translation.reasoning_handle), for a token-in-token-out splice.
+            # The reasoning of the reply that follows: its text goes to the template as the assistant
+            # message's reasoning (rendered where the template renders it); its encrypted_content, when the
+            # proxy made it, names the step it came from (translation.reasoning_handle), for a
+            # token-in-token-out splice.
             enc = item.get("encrypted_content")
             if enc is not None and not isinstance(enc, str):
                 raise _bad("a reasoning item's 'encrypted_content' must be a string or null", where)
@@ -175,7 +177,8 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
             reasoning = {k: v for k, v in (("reasoning", text or None), (HANDLE_KEY, enc)) if v is not None}
             mark = len(out)
-        elif kind in ("web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call"):
+        elif kind in ("web_search_call", "file_search_call", "image_generation_call",
+                      "code_interpreter_call"):
             if tr is not None:  # a hosted tool's result from another server: nothing the model can be shown
                 tr.note(where, f"input:{kind}", f"{kind} items are dropped (hosted tools are not served)")
         else:
@@ -191,7 +194,7 @@ def _attach(msg: dict[str, Any], reasoning: dict[str, Any]) -> None:
         msg.update(reasoning)
 
 
-# --- tools ------------------------------------------------------------------------------------------------------
+# --- tools --------------------------------------------------------------------------------------------------
 
 
 def _function(tool: dict[str, Any], name: str, where: str) -> dict[str, Any]:

@@ -9,9 +9,9 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import check_model_call_origin, is_control
+from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
-from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy import tito
 from steptap.middleware.proxy.capture import CHAT
@@ -66,14 +66,15 @@ async def _count_tokens(request: web.Request) -> web.Response:
         if exc.status in (404, 405):
             raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
                                 "--enable-scale-out", "not_supported") from None
-        raise ApiError(exc.status if exc.status < 500 else 502, tito.backend_error(upstream.name, exc).message,
+        raise ApiError(exc.status if exc.status < 500 else 502,
+                       tito.backend_error(upstream.name, exc).message,
                        "backend_error") from None
     return web.json_response({"input_tokens": len(rendered["token_ids"])})
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness, the log's state, and the replicas' state and load (never a secret): 200 when the log can write
-    and one replica takes calls, else 503."""
+    """Liveness, the log's state, and the replicas' state and load (never a secret): 200 when the log can
+    write and one replica takes calls, else 503."""
     state = await request.app[POOL_KEY].health()
     swapper = request.app[SWAPPER_KEY]
     log: Any = request.app[SESSIONS_KEY].log

@@ -44,7 +44,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 def patch_request(
     body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig
 ) -> tuple[dict[str, Any], Asked]:
-    """The body sent upstream: the agent's, with token ids and logprobs turned on and the served model name."""
+    """The body sent upstream: the agent's, with token ids and logprobs turned on and the served model
+    name."""
     out = dict(body)  # shallow: only top-level keys change
     if body.get("model") is not None and body.get("model") != served:
         out["model"] = served
@@ -68,8 +69,8 @@ def _sticky_id(session: LiveSession) -> str | None:
 
 
 def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
-    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs), the
-    agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
+    """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs),
+    the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
     if any(out[k] is not v for k, v in body.items()):
         return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
     if len(out) == len(body):

@@ -79,7 +79,8 @@ class StreamRelay:
             return out
         try:
             if failure is None:
-                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint, latency_s=self._latency(),
+                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint,
+                                                           latency_s=self._latency(),
                                                            **self.common))  # durable before [DONE]
                 tail = _DONE if proto is None else proto.finish(acc.reply())
             else:
@@ -91,8 +92,8 @@ class StreamRelay:
                 else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
                     tail = self._error_event(502, failure[0], failure[1], failure[1])
         except DomainError as exc:
-            # The headers are out and the step could not be kept (session full, log full, record too large): the
-            # agent learns it from an error event and the stream ends; it never waits for a [DONE].
+            # The headers are out and the step could not be kept (session full, log full, record too large):
+            # the agent learns it from an error event and the stream ends; it never waits for a [DONE].
             status = status_of(exc)
             tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
                     else self._error_event(status, exc.message, exc.code))
@@ -106,8 +107,8 @@ class StreamRelay:
             return out
         if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
-            # unread closes its connection instead of returning it to the pool (a TCP connect per call). Usually
-            # it came with [DONE] (no wait, and no task for wait_for).
+            # unread closes its connection instead of returning it to the pool (a TCP connect per call).
+            # Usually it came with [DONE] (no wait, and no task for wait_for).
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
         return out

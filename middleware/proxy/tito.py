@@ -14,12 +14,13 @@ conversation with and without the new messages after it, so the template decides
 proxy has no tokenizer). These routes need vLLM's ``--enable-scale-out``.
 
 Reasoning: the previous reply's tokens hold its reasoning as sampled (``<think>...</think>``), which the
-template may render otherwise or drop. The replayed reply may carry it back as text (chat ``reasoning``, a Messages
-thinking block, a Responses reasoning item) and as the opaque value the proxy gave it (a handle naming the step:
-``translation.reasoning_handle``). The logged tokens are spliced back only when the replay vouches for them: a
-handle naming that step of this session, or the reasoning text as logged. Else the turn is rendered: an opaque
-value from elsewhere (``handle_foreign``), a handle naming another step or session (``handle_unknown``), changed
-reasoning text (``reasoning_edited``), or reasoning left out with no handle (``reasoning_dropped``).
+template may render otherwise or drop. The replayed reply may carry it back as text (chat ``reasoning``, a
+Messages thinking block, a Responses reasoning item) and as the opaque value the proxy gave it (a handle
+naming the step: ``translation.reasoning_handle``). The logged tokens are spliced back only when the replay
+vouches for them: a handle naming that step of this session, or the reasoning text as logged. Else the turn is
+rendered: an opaque value from elsewhere (``handle_foreign``), a handle naming another step or session
+(``handle_unknown``), changed reasoning text (``reasoning_edited``), or reasoning left out with no handle
+(``reasoning_dropped``).
 
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
 falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``), named in the
@@ -76,7 +77,8 @@ def _tools_key(chat: dict[str, Any]) -> str:
 def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | None = None,
          session_id: str | None = None) -> Plan:
     """Whether this chat body extends the previous turn, and with which messages. ``handles``: the reasoning
-    handles the assistant messages were replayed with (by assistant message); ``session_id``: the session's."""
+    handles the assistant messages were replayed with (by assistant message); ``session_id``: the
+    session's."""
     if state is None:
         return Plan([], None, "first")
     messages = chat.get("messages")
@@ -123,7 +125,8 @@ def next_state(chat: dict[str, Any], step: Step) -> State | None:
     messages = chat.get("messages")
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
-    ended = step.finish_reason in ("stop", "tool_calls")  # what token ended it is checked against the template
+    # What token ended it is checked against the template
+    ended = step.finish_reason in ("stop", "tool_calls")
     response_id = step.response.get("response_id")
     return State([_norm(m) for m in messages] + [_norm(step.response)], _tools_key(chat),
                  list(step.prompt_token_ids), list(step.response_token_ids), ended,
@@ -131,10 +134,11 @@ def next_state(chat: dict[str, Any], step: Step) -> State | None:
 
 
 def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
-    """(the template's tail after the assistant turn's end token, the new messages' ids) from the render of the
-    base conversation alone (``base``) and with the new messages (``ids``); None when they do not line up. The
-    assistant turn ends at the same count of ``end`` tokens in both, though a template may render it otherwise
-    once messages follow (Qwen3-style templates drop the reasoning of turns before the last user query)."""
+    """(the template's tail after the assistant turn's end token, the new messages' ids) from the render of
+    the base conversation alone (``base``) and with the new messages (``ids``); None when they do not line up.
+    The assistant turn ends at the same count of ``end`` tokens in both, though a template may render it
+    otherwise once messages follow (Qwen3-style templates drop the reasoning of turns before the last user
+    query)."""
     at = [i for i, t in enumerate(base) if t == end]
     if not at or len(base) - at[-1] - 1 > _TAIL_MAX:
         return None
@@ -323,7 +327,8 @@ def backend_error(name: str, exc: TitoError) -> BackendError:
 
 
 async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, metrics: Any,
-                     stream: bool, handles: dict[int, str] | None = None) -> tuple[Turn, dict[str, Any]] | str:
+                     stream: bool, handles: dict[int, str] | None = None) -> tuple[Turn,
+                                                                                   dict[str, Any]] | str:
     """The turn and its generate request when this call extends the session's previous turn; else the cause
     of the fallback to the normal path, counted by cause in either case."""
     decided = plan(session.tito_state, chat, handles, session.id)

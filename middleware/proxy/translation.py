@@ -1,5 +1,5 @@
-"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s, their
-ids, the reasoning handle, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
+"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s,
+their ids, the reasoning handle, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def new_id(kind: str) -> str:
 
 
 HANDLE_PREFIX = "steptap:"
-# The key a translation puts a replayed reasoning's opaque value under in its assistant chat message, taken out
-# (``take_handles``) before the chat body goes anywhere.
+# The key a translation puts a replayed reasoning's opaque value under in its assistant chat message, taken
+# out (``take_handles``) before the chat body goes anywhere.
 HANDLE_KEY = "steptap_handle"
 
 
@@ -30,7 +30,8 @@ def reasoning_handle(session_id: str | None, response_id: str) -> str:
     """The opaque value of reasoning the proxy returned (a Responses reasoning item's ``encrypted_content``, a
     Messages thinking block's ``signature``): ``steptap:<response id>:<session id>`` (the session id may hold
     ``:``; anonymous calls have none). It names the step the reasoning came from: the step whose
-    ``response["response_id"]`` is that id, in that session (a token-in-token-out replay splices its tokens)."""
+    ``response["response_id"]`` is that id, in that session (a token-in-token-out replay splices its
+    tokens)."""
     return f"{HANDLE_PREFIX}{response_id}:{session_id or ''}"
 
 
@@ -43,7 +44,8 @@ def parse_handle(opaque: Any) -> tuple[str, str | None] | None:
 
 
 def reasoning_of(message: dict[str, Any]) -> Any:
-    """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or ``reasoning``)."""
+    """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or
+    ``reasoning``)."""
     return message.get("reasoning_content") or message.get("reasoning")
 
 

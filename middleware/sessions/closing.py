@@ -1,6 +1,6 @@
 """Closing a session: wait (bounded) for its calls in flight, the reward callback, one durable ``Trajectory``
-record that refers to its logged steps, then the bookkeeping of closed sessions (bounded). ``Closing`` is a mixin
-of ``SessionManager`` (manager.py), which holds the state it reads."""
+record that refers to its logged steps, then the bookkeeping of closed sessions (bounded). ``Closing`` is a
+mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import time
 
 import msgspec
+
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.exceptions import (
     SessionClosed,
@@ -24,7 +25,8 @@ from steptap.middleware.sessions.session import LiveSession
 
 logger = logging.getLogger("steptap.sessions")
 
-# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them all.
+# Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them
+# all.
 RECENT_KEEP = 128
 
 
@@ -45,9 +47,10 @@ class Closing:
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
                             rewards: dict[str, float] | None = None) -> Trajectory:
-        """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory, then
-        one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it was,
-        open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the record."""
+        """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory,
+        then one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it
+        was, open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the
+        record."""
         session.closing = True
         traj = session.trajectory
         before = (dict(traj.rewards), traj.error)
@@ -58,7 +61,8 @@ class Closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
-            if self.reward_fn is not None:  # the callback sees full steps (they share their rewards with traj's)
+            # The callback sees full steps (they share their rewards with traj's)
+            if self.reward_fn is not None:
                 error = await run_reward(self.reward_fn, full_trajectory(traj), self.config.reward_timeout_s)
                 if error is not None:
                     traj.error = error

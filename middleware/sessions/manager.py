@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
-
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.delta import compress
 from steptap.middleware.exceptions import (
     RecordTooLarge,
     SessionClosed,
@@ -35,11 +35,7 @@ from steptap.middleware.exceptions import (
     UnknownSessionKey,
     WrongSessionKey,
 )
-from steptap.middleware.sessions.identity import Identity
-from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.metrics import Metrics
-from steptap.middleware.sessions.prefix import classify_after, extends
-from steptap.middleware.delta import compress
 from steptap.middleware.records import (
     LogRecord,
     Mode,
@@ -51,11 +47,14 @@ from steptap.middleware.records import (
     TrajectoryStatus,
     msgpack_encoder,
 )
-from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.closing import Closing
 from steptap.middleware.sessions.groups import GROUP_RETENTION_S, Group, Groups  # noqa: F401 - old import path
+from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.sessions.limits import Holdings
+from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.sessions.replay import Replay
-from steptap.middleware.sessions.session import AUTO_PREFIX, Log, LiveSession, new_key  # noqa: F401 - old paths
+from steptap.middleware.sessions.rewards import RewardFn
+from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, new_key  # noqa: F401 - old paths
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -75,7 +74,8 @@ class SessionManager(Closing, Groups, Replay):
         self._tasks = tasks  # the app's background tasks, drained at shutdown
         self.sessions: dict[str, LiveSession] = {}  # open named sessions by id
         self.auto_open = 0  # how many of them are auto-created (max_auto_sessions)
-        self.pending: dict[str, LiveSession] = {}  # auto sessions whose first call is in flight (not yet opened)
+        # Auto sessions whose first call is in flight (not yet opened)
+        self.pending: dict[str, LiveSession] = {}
         self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
@@ -134,7 +134,8 @@ class SessionManager(Closing, Groups, Replay):
         session.bytes = len(msgpack_encoder.encode(traj))
         if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
             raise RecordTooLarge(
-                f"session metadata of {session.bytes} bytes exceeds max_session_bytes={self.config.max_session_bytes}"
+                f"session metadata of {session.bytes} bytes exceeds "
+                f"max_session_bytes={self.config.max_session_bytes}"
             )
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
@@ -211,7 +212,8 @@ class SessionManager(Closing, Groups, Replay):
             # Opened by POST /sessions: only its key reaches it (the id alone may be guessed or leaked).
             if ident.key is None or self.keys.get(ident.key) != sid:
                 raise WrongSessionKey(
-                    f"session {sid!r} was opened with a key: send it as the API key (Authorization: Bearer stk-...)"
+                    f"session {sid!r} was opened with a key: send it as the API key (Authorization: Bearer "
+                    "stk-...)"
                 )
             return self.get(sid)
         if ident.key is not None and ident.key in self.keys:
@@ -224,8 +226,8 @@ class SessionManager(Closing, Groups, Replay):
         return self.get(auto)
 
     def _pending(self, sid: str) -> LiveSession:
-        """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a call
-        the backend refuses opens nothing. Concurrent first calls on one id share it."""
+        """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a
+        call the backend refuses opens nothing. Concurrent first calls on one id share it."""
         session = self.pending.get(sid)
         if session is None:
             self.holdings.check_open(self.auto_open + len(self.pending), auto=True)
@@ -307,7 +309,8 @@ class SessionManager(Closing, Groups, Replay):
             step.group_id = traj.group_id
             step.index = len(traj.steps) + offset
             step.prefix = classify_after(prev_call, step)
-            base = next((p for p in prev_call if extends(p, step)), None) if step.prefix == "extends" else None
+            base = next((p for p in prev_call if extends(p, step)),
+                        None) if step.prefix == "extends" else None
             if session.sealed and not traj.anonymous:
                 # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
                 step.index = len(traj.steps) + session.late
@@ -323,7 +326,7 @@ class SessionManager(Closing, Groups, Replay):
         before = mine = session.full
         if any(s.status == "ok" for s in steps):
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
-        for step, form in zip(steps, forms):
+        for step, form in zip(steps, forms, strict=True):
             if session.sealed and not traj.anonymous:
                 logger.warning(
                     "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
@@ -344,16 +347,16 @@ class SessionManager(Closing, Groups, Replay):
             await self._append(traj)
             self._closed(session)
             return
-        # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share one
-        # group commit.
+        # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share
+        # one group commit.
         tasks = [asyncio.ensure_future(self._append_at(form)) for form in forms]
-        for form, task in zip(forms, tasks):
+        for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task
         try:
             await asyncio.gather(*tasks)
         except Exception:
-            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the trajectory,
-            # nor their bytes in what the session and the proxy hold.
+            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the
+            # trajectory, nor their bytes in what the session and the proxy hold.
             kept = [s for s in traj.steps if not any(s is x for x in forms)]
             if size:
                 session.bytes -= size
@@ -364,7 +367,7 @@ class SessionManager(Closing, Groups, Replay):
             if session.full is mine:  # no later call has replaced it
                 session.full = before
             raise
-        for form, task in zip(forms, tasks):
+        for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task.result()[0]
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))

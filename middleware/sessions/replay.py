@@ -1,5 +1,6 @@
 """Open sessions rebuilt from the log after a restart (their steps, rewards, groups; the policy versions
-found on the way). ``Replay`` is a mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+found on the way). ``Replay`` is a mixin of ``SessionManager`` (manager.py), which holds the state it
+reads."""
 
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ class Replay:
                 if session is not None and record.index == len(session.trajectory.steps):
                     try:
                         expander.full(record)
-                    except DeltaError as exc:  # its base is not in the log: the rest of the chain cannot be read
-                        logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index, exc)
+                    # Its base is not in the log: the rest of the chain cannot be read
+                    except DeltaError as exc:
+                        logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index,
+                                     exc)
                         continue
                     session.trajectory.steps.append(record)
                     session.starts[record.index] = start
@@ -71,7 +74,8 @@ class Replay:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
-            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts)
+            session.bytes = (len(msgpack_encoder.encode(session.trajectory))
+                             + RECORD_SLACK * len(session.starts))
         self.holdings.hold(
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,

@@ -1,4 +1,5 @@
-"""An open session as the proxy holds it (``LiveSession``), its key, and the log it is written to (``Log``)."""
+"""An open session as the proxy holds it (``LiveSession``), its key, and the log it is written to
+(``Log``)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ class LiveSession:
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
         self.inflight = 0
-        self.drained: asyncio.Event | None = None  # set when the last call in flight ends (a finish waits on it)
+        # Set when the last call in flight ends (a finish waits on it)
+        self.drained: asyncio.Event | None = None
         self.closing = False  # takes no new call or reward
         self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
-        self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
+        # Auto-created, opened only when its first step is recorded (the backend accepted)
+        self.pending = False
         self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
         self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it

@@ -91,7 +91,8 @@ class Gate:
                 self._idle.set()
 
     def _mark(self, version: int) -> None:
-        """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is sampled)."""
+        """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is
+        sampled)."""
         for spans in self._spans:
             spans.mark(version)
 
@@ -135,8 +136,8 @@ class Gate:
 
     def take_cut(self) -> bool:
         """Called by a call as its task sees the cancellation: when it is this swap's cut (not the agent
-        hanging up), the cancellation is taken back so the call can end as the protocol's error (an error body,
-        or an error event once the stream has begun) and record its step, within ``_CUT_GRACE_S``."""
+        hanging up), the cancellation is taken back so the call can end as the protocol's error (an error
+        body, or an error event once the stream has begun) and record its step, within ``_CUT_GRACE_S``."""
         task = asyncio.current_task()
         if task is None or task not in self._cut:
             return False

@@ -1,5 +1,5 @@
-"""LoRA adapters in keep mode: a new adapter loaded beside the old one (no pause), the old one unloaded when the
-last call on it ends, and the routed adapter restored after a restart.
+"""LoRA adapters in keep mode: a new adapter loaded beside the old one (no pause), the old one unloaded when
+the last call on it ends, and the routed adapter restored after a restart.
 
 ``Adapters`` is a mixin of ``WeightSwapper`` (swapper.py), which holds the state these methods read."""
 
@@ -40,8 +40,9 @@ class Adapters:
                 logger.warning("could not restore LoRA adapter %s on %s: %s", self.lora_name, b, exc.message)
 
     async def _swap_lora_beside(self, lora_path: str, lora_name: str, new_version: int) -> int:
-        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open), then
-        route new calls to it; calls in flight finish on the old one, unloaded when the last of them ends."""
+        """keep mode's LoRA swap: load the new adapter beside the old one (no pause, the gate stays open),
+        then route new calls to it; calls in flight finish on the old one, unloaded when the last of them
+        ends."""
         t0 = time.monotonic()
         targets = self._targets()
         if not targets:
@@ -49,7 +50,8 @@ class Adapters:
         results = await asyncio.gather(*(self._client(b).load_lora(lora_name, lora_path) for b in targets),
                                        return_exceptions=True)
         loaded = [b for b, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
-        failed = {b: _message(r) for b, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        failed = {b: _message(r) for b, r in zip(targets, results, strict=True)
+                  if isinstance(r, BaseException)}
         figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
                                               for b in targets}
         self.replica_figures = figures
@@ -63,9 +65,11 @@ class Adapters:
             raise
         for b, msg in failed.items():
             assert self.pool is not None
-            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): {msg}")
+            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): "
+                                  f"{msg}")
         old = self.lora_name
-        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name  # new calls route here
+        # New calls route here
+        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name
         if old is not None and old != lora_name:
             await self._retire(old, loaded)
         for b in loaded:
@@ -74,7 +78,8 @@ class Adapters:
         self._swapped(t0, 0.0)
         for fig in figures.values():
             fig["swap_s"] = self.last_swap_s
-        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s", self.version,
+        logger.info("policy version %d live (LoRA %s from %s, beside the old adapter) in %.3f s",
+                    self.version,
                     lora_name, lora_path, self.last_swap_s)
         return self.version
 

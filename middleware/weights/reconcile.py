@@ -63,7 +63,8 @@ class Recovery:
             await self._reset_prefix_cache(b)
             where = (f"version {self.version}'s weights" if self.on_disk
                      else "the last weights on disk, not the current version's")
-            raise TransferFailed(f"{exc.message}; {b} reloaded {self.path} from disk ({where})", True) from None
+            raise TransferFailed(f"{exc.message}; {b} reloaded {self.path} from disk ({where})",
+                                 True) from None
 
     async def _revert(self, targets: list[str], results: list[Any], new_version: int,
                       failed: dict[str, str]) -> None:
@@ -116,10 +117,10 @@ class Recovery:
             pass
 
     async def reconcile(self, backend: str) -> None:
-        """Bring one backend to the persisted policy version (at start-up, and before a replica is readmitted):
-        a proxy killed mid-swap can leave it paused, or serving new weights under the old version. Reads
-        ``/weight_info`` (the label every swap sets) and ``/is_paused``; reloads the version's weights when the
-        label differs, loads its LoRA adapter when missing, resumes. Raises ``SwapError``."""
+        """Bring one backend to the persisted policy version (at start-up, and before a replica is
+        readmitted): a proxy killed mid-swap can leave it paused, or serving new weights under the old
+        version. Reads ``/weight_info`` (the label every swap sets) and ``/is_paused``; reloads the version's
+        weights when the label differs, loads its LoRA adapter when missing, resumes. Raises ``SwapError``."""
         await self.start()
         async with self._lock:  # never beside a swap
             label = await self._label(backend)
@@ -134,11 +135,11 @@ class Recovery:
                                          f"{self.version}, and the version's weights are unknown",
                                     "version_mismatch")
                 if not self.on_disk and [t for t in self._targets() if t != backend]:
-                    self.disk_wanted = (f"{backend} lost version {self.version}, which came by transfer and is on "
-                                        "no disk: it stays out until a version comes through disk")
+                    self.disk_wanted = (f"{backend} lost version {self.version}, which came by transfer and "
+                                        "is on no disk: it stays out until a version comes through disk")
                     raise SwapError(f"{backend} serves weights labelled {label!r}, not version "
-                                         f"{self.version}, which came by collective transfer and is on no disk; "
-                                         "it stays out until a version is published through disk",
+                                         f"{self.version}, which came by collective transfer and is on no "
+                                         "disk; it stays out until a version is published through disk",
                                     "version_mismatch")
                 logger.warning("%s serves weights labelled %r, not version %d: reloading %s", backend, label,
                             self.version, self.path)
@@ -149,8 +150,10 @@ class Recovery:
                 await self._reset_prefix_cache(backend)
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
                     await self._persist(self.version + 1, self.path, None)
-                    self.version, self.on_disk, self.lora_path, self.lora_name = self.version + 1, True, None, None
-                    self.disk_wanted = (f"version {self.version - 1} came by transfer and is on no disk: {backend} "
+                    self.version, self.on_disk = self.version + 1, True
+                    self.lora_path, self.lora_name = None, None
+                    self.disk_wanted = (f"version {self.version - 1} came by transfer and is on no disk: "
+                                        f"{backend} "
                                         f"serves {self.path}, older weights, as version {self.version}")
                     logger.warning("%s; publish a version through disk", self.disk_wanted)
                 await self._tell_version(backend, self.version)

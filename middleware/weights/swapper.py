@@ -1,12 +1,13 @@
-"""The weight hot swap (docs/design.md, "Weight swap"): new weights reach the running vLLM with no agent failing.
+"""The weight hot swap (docs/design.md, "Weight swap"): new weights reach the running vLLM with no agent
+failing.
 
-Two modes (``swap_mode``). ``keep`` (the default): no drain, no cut. Full weights: the gate closes, every replica
-pauses with ``mode=keep`` (vLLM freezes the calls in flight and, with its default ``clear_cache``, recomputes
-their cache on the new weights after ``/resume``), loads, and resumes; each call in flight has the new
-version marked where its tokens switch (``spans.py``), so new calls wait only for the load. LoRA: the new
-adapter is loaded beside the old one with no pause at all; new calls route to it at once, calls in flight finish
-on theirs, and the old adapter is unloaded when its last call ends. ``drain``, described below, is the older
-way and stays as an option.
+Two modes (``swap_mode``). ``keep`` (the default): no drain, no cut. Full weights: the gate closes, every
+replica pauses with ``mode=keep`` (vLLM freezes the calls in flight and, with its default ``clear_cache``,
+recomputes their cache on the new weights after ``/resume``), loads, and resumes; each call in flight has the
+new version marked where its tokens switch (``spans.py``), so new calls wait only for the load. LoRA: the new
+adapter is loaded beside the old one with no pause at all; new calls route to it at once, calls in flight
+finish on theirs, and the old adapter is unloaded when its last call ends. ``drain``, described below, is the
+older way and stays as an option.
 
 ``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
 normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
@@ -46,8 +47,8 @@ from steptap.middleware.exceptions import (
     SwapRefused,
     SwapUnavailable,
 )
-from steptap.middleware.records import PolicyVersion
 from steptap.middleware.model_files import ties_embeddings
+from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
 from steptap.middleware.weights.gate import CUT_MESSAGE, CUT_WRITE_S, Gate, Ticket
@@ -131,8 +132,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
         # Whether the base weights served now are those at ``path``: not after a collective transfer (there is
         # no copy on disk), so a replica that loses them cannot get them back (``transfer.py``).
         self.on_disk = True
-        # Why a version through disk is wanted (``/health``, read by the learner before it publishes): a replica
-        # lost a version that came by transfer and cannot get it back. Cleared by a swap from disk.
+        # Why a version through disk is wanted (``/health``, read by the learner before it publishes): a
+        # replica lost a version that came by transfer and cannot get it back. Cleared by a swap from disk.
         self.disk_wanted: str | None = None
         self._plan: tuple[dict[str, int], int] = ({}, 0)  # a transfer's rank offsets and group size
         self.lora_path: str | None = None
@@ -183,7 +184,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
             await self.ensure_adapter()
 
     def _client(self, backend: str) -> BackendClient:
-        """The replica's client: the pool's, or (a swapper on its own, a replica already dropped) one of ours."""
+        """The replica's client: the pool's, or (a swapper on its own, a replica already dropped) one of
+        ours."""
         if self.pool is not None:
             client = self.pool.client(backend)
             if client is not None:
@@ -247,7 +249,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
             if self.cpu_backend is None or self.path is None:
                 await self._inspect_backends()
             if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
-                raise SwapRefused("refusing a transfer: the served model ties its input and output embeddings "
+                raise SwapRefused("refusing a transfer: the served model ties its input and output "
+                                  "embeddings "
                                      "and vLLM on CPU keeps the old output layer after an in-place load",
                                 "tied_embeddings")
             if self.validate_paths:
@@ -290,8 +293,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
                         isinstance(r, TransferFailed) and r.touched for r in results):
                     await self._revert(targets, results, new_version, failed)  # raises
                 if failed and (not loaded or self.pool is None):
-                    # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new weights:
-                    # the old version keeps its number, so every replica keeps its weights too.
+                    # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new
+                    # weights: the old version keeps its number, so every replica keeps its weights too.
                     await self._rollback(touched, lora_name)
                     raise SwapError("; ".join(failed.values()), _code(results))
                 try:
@@ -403,7 +406,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
             # reload crashes it too. Nothing to restore here: say so (check_weights_dir makes it rare).
             # A swap that fails everywhere keeps the replica in (as with one server: the old version stays);
             # one that fails here but loads elsewhere takes it out (``_swap``).
-            self.degraded = f"{b} failed a weight reload and may hold no usable weights; restart it ({exc.message})"
+            self.degraded = (f"{b} failed a weight reload and may hold no usable weights; restart it "
+                             f"({exc.message})")
             raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
@@ -422,7 +426,8 @@ class WeightSwapper(Gate, Recovery, Adapters):
             failures=self.failures, in_flight=self._in_flight, held=self._held,
             last_swap_at=self.last_swap_at, last_swap_s=self.last_swap_s, last_paused_s=self.last_paused_s,
             last_held_wait_s=self._held_wait or None, last_error=self.last_error,
-            degraded=self.degraded, disk_wanted=self.disk_wanted, cut_calls=self.cut_calls, replicas=self.replica_figures,
+            degraded=self.degraded, disk_wanted=self.disk_wanted, cut_calls=self.cut_calls,
+            replicas=self.replica_figures,
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
         )

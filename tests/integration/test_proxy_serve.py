@@ -76,7 +76,8 @@ async def test_serve_process(aiohttp_server: Any, tmp_path: Path) -> None:
             assert (await resp.content.readline()).startswith(b"data: ")
             resp.close()  # hang up while the backend is still generating
             steps: list[Any] = []
-            for _ in range(400):  # a bound, not a timing: the failed step opens the auto session when recorded
+            # A bound, not a timing: the failed step opens the auto session when recorded
+            for _ in range(400):
                 await asyncio.sleep(0.05)
                 async with http.get(f"{base}/sessions/gone", headers=control) as r:
                     steps = (await r.json())["steps"] if r.status == 200 else []

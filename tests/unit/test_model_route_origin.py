@@ -50,6 +50,7 @@ async def test_model_routes_refuse_a_foreign_host(
         status, body = await _post(http, f"{proxy.url}/v1/messages", MESSAGES, {**json_, "Host": host})
         assert status == 403 and body["type"] == "error"
     assert injector.calls == 0
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", "proxy.internal:443"):
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}",
+                 "proxy.internal:443"):
         status, body = await _post(http, f"{proxy.url}/v1/chat/completions", BODY, {**json_, "Host": host})
         assert status == 200, (host, body)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.proxy import messages, responses, tito
+from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.records import Step
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -176,7 +176,8 @@ def test_thinking_blocks_replay_as_reasoning() -> None:
             {"type": "redacted_thinking", "data": "opaque"},
             {"type": "thinking", "thinking": "think", "signature": "sig2"},
             {"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}]},
-        {"role": "user", "content": [{"type": "text", "text": "more", "cache_control": {"type": "ephemeral"}}]}]})
+        {"role": "user", "content": [{"type": "text", "text": "more",
+                                      "cache_control": {"type": "ephemeral"}}]}]})
     # the first signature goes beside the chat body (a handle, if the proxy made it: tito.py judges it)
     assert take_handles(chat["messages"]) == {0: "sig1"}
     assert chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning": "let me think"}
@@ -252,15 +253,18 @@ def test_anthropic_reply_reasoning_is_a_signed_thinking_block_plain_and_streamed
     reply = {"choices": [{"message": {"content": "a", "reasoning": "plan"}, "finish_reason": "stop",
                           "token_ids": [1, 2]}]}
     handle = f"steptap:{shape.id}:s:1"
-    assert shape.from_chat(reply)["content"] == [{"type": "thinking", "thinking": "plan", "signature": handle},
+    assert shape.from_chat(reply)["content"] == [{"type": "thinking", "thinking": "plan",
+                                                  "signature": handle},
                                                  {"type": "text", "text": "a"}]
     events = messages.EventStream(shape)
     raw = b"".join(events.feed({"choices": [{"index": 0, "delta": d}]})
-                   for d in ({"reasoning": "pl"}, {"reasoning": "an"}, {"content": "a"})) + events.finish(reply)
+                   for d in ({"reasoning": "pl"}, {"reasoning": "an"},
+                             {"content": "a"})) + events.finish(reply)
     parsed = [json.loads(b.split(b"\ndata: ", 1)[1]) for b in raw.split(b"\n\n") if b]
     blocks = [(e["type"], e.get("index"), e.get("delta", {}).get("type")) for e in parsed[1:-2]]
     assert blocks == [("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
-                      ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+                      ("content_block_delta", 0, "thinking_delta"),
+                      ("content_block_delta", 0, "signature_delta"),
                       ("content_block_stop", 0, None), ("content_block_start", 1, None),
                       ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None)]
     assert parsed[4]["delta"]["signature"] == handle
@@ -290,7 +294,8 @@ def test_tito_splices_a_reasoning_reply_only_when_the_replay_vouches_for_it() ->
     assert cause(hi, {0: "EqQBCkYIBxgCKkD-anthropic"}) == "handle_foreign"
     assert cause(hi) == "reasoning_dropped"
     # a reply without reasoning needs nothing; reasoning added to it is an edit
-    plain = tito.next_state(first, Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason="stop",
+    plain = tito.next_state(first, Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4],
+                                        finish_reason="stop",
                                         response={"role": "assistant", "content": "hi"}))
     chat = {"messages": [*first["messages"], hi, {"role": "user", "content": "b"}]}
     assert tito.plan(plain, chat).cause == "tokens"

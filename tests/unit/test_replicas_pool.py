@@ -96,8 +96,9 @@ async def test_the_backends_file_is_reread_when_it_changes(
 async def test_a_replica_failing_every_call_is_taken_out_though_its_health_says_200(
     aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
 ) -> None:
-    """Issue 25, item 12: a replica answering 5xx finishes its calls fastest, so least-in-flight sends it every
-    new session; K consecutive failures take it out (its /health answering 200 does not readmit it at once)."""
+    """Issue 25, item 12: a replica answering 5xx finishes its calls fastest, so least-in-flight sends it
+    every new session; K consecutive failures take it out (its /health answering 200 does not readmit it at
+    once)."""
     injectors, urls = await _backends(aiohttp_server, 2)
     injectors[1].mode = "error500"  # its /health still answers 200
     proxy = await make_proxy(urls[0], backends=urls[1:], health_interval_s=0.05, replica_max_failures=3)

@@ -123,8 +123,10 @@ def test_reasoning_becomes_an_item_with_a_stable_handle_and_comes_back_on_replay
     assert item["encrypted_content"] == f"steptap:{shape.id}:auto:s1"
     assert responses.parse_handle(item["encrypted_content"]) == (shape.id, "auto:s1")
     assert responses.parse_handle("gAAAA-someone-elses") is None
-    assert assistant == {"role": "assistant", "content": "hi", "reasoning": "think"}  # stored: text, no handle
-    # replayed: the text to the template as the reply's reasoning, the handle beside the chat body (never in it)
+    # Stored: text, no handle
+    assert assistant == {"role": "assistant", "content": "hi", "reasoning": "think"}
+    # replayed: the text to the template as the reply's reasoning, the handle beside the chat body (never in
+    # it)
     replayed = translate({"input": [item, {"type": "message", "role": "assistant", "content": "hi"}]}, [])
     assert replayed.chat["messages"] == [assistant]
     assert replayed.handles == {0: item["encrypted_content"]}
@@ -133,7 +135,8 @@ def test_reasoning_becomes_an_item_with_a_stable_handle_and_comes_back_on_replay
     replayed = translate({"input": [{"type": "message", "role": "assistant", "content": "a"}, bare,
                                     {"type": "message", "role": "assistant", "content": "hi"},
                                     bare, {"type": "message", "role": "user", "content": "u"}]}, [])
-    assert replayed.chat["messages"] == [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "hi"},
+    assert replayed.chat["messages"] == [{"role": "assistant", "content": "a"},
+                                         {"role": "assistant", "content": "hi"},
                                          {"role": "user", "content": "u"}]
     assert replayed.handles == {1: item["encrypted_content"]}
     plain = responses.Shape({"input": "x"}, "m")  # no include: no encrypted_content

@@ -212,8 +212,9 @@ async def test_remote_url_uploads_sealed_segments(tmp_path: Path) -> None:
 
 
 async def test_a_restored_segment_is_private_whatever_the_umask(tmp_path: Path) -> None:
-    """Issue 25 (lows): the restore from the remote copy wrote segments with the umask's mode (0644: prompts and
-    replies readable by every local user) and without a sync. Now each arrives whole, 0600, under its name."""
+    """Issue 25 (lows): the restore from the remote copy wrote segments with the umask's mode (0644: prompts
+    and replies readable by every local user) and without a sync. Now each arrives whole, 0600, under its
+    name."""
     url = f"memory://steptap-test-{uuid.uuid4().hex}/log"
     log = await TrajectoryLog.open(url, segment_bytes=2048, cache_dir=str(tmp_path / "wal"))
     for i in range(8):
