@@ -354,6 +354,7 @@ class _Call:
 
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
         base = self.upstream.name  # the replica as configured (never http://localhost)
+        turn.spans = self.spans
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)

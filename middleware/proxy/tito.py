@@ -28,6 +28,7 @@ import msgspec
 
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
+from steptap.middleware.weights.spans import Spans
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 
@@ -127,6 +128,7 @@ class Turn:
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
+        self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
 
     async def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
         return await post_json(self.client, endpoint, body)
@@ -161,6 +163,11 @@ class Turn:
             out["stream_options"] = {"include_usage": True}
         return out
 
+    def _report(self, gen_choice: dict[str, Any]) -> None:
+        # generate's weight_versions (the final output only): where a keep swap split this choice, exactly
+        if self.spans is not None and gen_choice.get("weight_versions"):
+            self.spans.report(gen_choice.get("index", 0), gen_choice["weight_versions"])
+
     def _derender_body(self, **fields: Any) -> dict[str, Any]:
         return {"model": self.chat.get("model"), "prompt_token_ids": self.prompt, "chat_request": self.chat,
                 **fields}
@@ -175,6 +182,7 @@ class Turn:
         reply["prompt_token_ids"] = self.prompt
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
+            self._report(g)
             if g.get("logprobs") and g["logprobs"].get("content") is not None:
                 # the sampled tokens' logprobs as vLLM computed them (derender copies them as text tokens)
                 choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
@@ -217,6 +225,8 @@ class Turn:
                     if first:
                         chunk["prompt_token_ids"] = self.prompt
                         first = False
+                    for g in gen["choices"]:
+                        self._report(g)
                     for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
                         choice["token_ids"] = g.get("token_ids")
                         if g.get("logprobs") and g["logprobs"].get("content") is not None:

@@ -263,7 +263,8 @@ class WeightSwapper:
         task = asyncio.current_task()
         if task is not None:
             self._calls.add(task)
-        spans, adapter = Spans(self.version), self.lora_name
+        adapter = self.lora_name
+        spans = Spans(self.version, labelled=adapter is None)
         self._spans.add(spans)
         if adapter is not None:
             self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
