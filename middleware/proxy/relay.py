@@ -286,6 +286,7 @@ class _Call:
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
+        self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -487,8 +488,8 @@ class _Call:
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
-        if self.spans is not None:
-            self.spans.counter = acc.token_counts
+        if self.spans is not None:  # the split is known only while the pump is caught up with the backend
+            self.spans.counter = lambda: acc.token_counts() if self.waiting else None
         await out.prepare(self.request)
         proto = self.proto
         try:
@@ -582,7 +583,16 @@ class _Call:
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
-            async for lines in batches:
+            while True:
+                # Waiting here (not on a slow agent's write) the pump has counted every token vLLM sent before
+                # (weights/spans.py): where a keep swap splits this call.
+                self.waiting = True
+                try:
+                    lines = await anext(batches)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    self.waiting = False
                 parts: list[bytes] = []
                 for line in lines:
                     if not line.startswith(b"data:"):

@@ -9,7 +9,10 @@ and every later one the new version's, exactly. Where the split lies, by the kin
   before ``/resume``, reported on the final output) give each split exactly; the proxy's marks say which
   versions apply (a label also moves at a LoRA swap, which changes no weights under a call in flight);
 - streamed chat: the count of tokens the proxy had relayed when the swap marked it (after the load, before
-  ``/resume``: nothing is sampled in between);
+  ``/resume``: nothing is sampled in between). vLLM hands every output sampled before the pause to its API
+  server before ``/pause`` returns, and its answers to the load come later on the same loop, so by the mark a
+  call's pump that waits on the backend has counted them all. A pump that is not waiting (held by an agent that
+  reads slowly, with vLLM's bytes queued behind it) gives no count: its split is unknown, as below;
 - non-streamed chat: chat completions report no per-token versions, so the split is unknown; the tokens keep the
   version the call started on (staleness over-counted, never under-counted; the logprobs are exact either way).
 """
@@ -28,8 +31,9 @@ class Spans:
     def __init__(self, version: int, labelled: bool = True) -> None:
         self.version = version
         self.marks: list[tuple[int, dict[int, int] | None]] = []  # (new version, tokens so far per choice)
-        # Set by the relay once the call streams: the response tokens relayed so far, per choice.
-        self.counter: Callable[[], dict[int, int]] | None = None
+        # Set by the relay once the call streams: the response tokens relayed so far, per choice (None when
+        # that count may miss tokens vLLM already sampled).
+        self.counter: Callable[[], dict[int, int] | None] | None = None
         # Whether vLLM's weight labels describe this call's weights: not on a LoRA adapter (a LoRA swap moves
         # the label while the adapter under the call stays).
         self.labelled = labelled
@@ -65,7 +69,7 @@ class Spans:
                 at = reported.get(version, -1)
                 if at < 0:
                     continue
-            elif counts is None:  # not streamed: the split is unknown, the tokens stay the older version's
+            elif counts is None:  # not streamed, or not caught up: the split is unknown, the older version's
                 break
             else:
                 at = counts.get(choice, 0)

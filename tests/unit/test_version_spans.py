@@ -112,6 +112,10 @@ def test_a_streamed_chat_call_splits_at_the_tokens_relayed_and_a_plain_one_keeps
     plain = Spans(2)  # non-streamed chat: no counter, no per-token versions from vLLM
     plain.mark(3)
     assert plain.of(0) == []
+    behind = Spans(2)  # streamed, but the pump was held by a slow agent: its count may miss sampled tokens
+    behind.counter = lambda: None
+    behind.mark(3)
+    assert behind.of(0) == []
 
 
 def test_tito_takes_the_split_from_vllms_weight_versions() -> None:
