@@ -488,7 +488,9 @@ class _Call:
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
-        if self.spans is not None:  # the split is known only while the pump is caught up with the backend
+        # The split is known only while the pump is caught up with vLLM (TITO: from vLLM's weight_versions;
+        # its pump also waits on derender, with tokens in hand).
+        if self.spans is not None and isinstance(source, aiohttp.ClientResponse):
             self.spans.counter = lambda: acc.token_counts() if self.waiting else None
         await out.prepare(self.request)
         proto = self.proto
