@@ -547,10 +547,10 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
         assert len(s["response_token_ids"]) == length
         assert gap(s["response_logprobs"], ref(base, s, adapter=adapter1)) < TOL  # the old adapter throughout
         assert gap(s["response_logprobs"], ref(base, s, adapter=published)) > DIFFERENT
-    for _ in range(500):  # unloaded once its last call ended (in the background)
-        if f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}:
-            break
-        await asyncio.sleep(0.02)
+    # unloaded once its last call ended, in the background: the gate's exit starts it (the agent may have its
+    # reply before the handler leaves the gate), then it runs
+    await asyncio.wait_for(sw._idle.wait(), 60)
+    await asyncio.wait_for(asyncio.gather(*list(sw._background)), 60)
     assert f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}
 
 
