@@ -37,9 +37,10 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
         last = time.monotonic()
         try:
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:
+                if resp.status != 200:  # a refused call is a broken setup, not a figure: this agent stops
                     out["failed"] += 1
-                    continue
+                    out.setdefault("error", f"{resp.status} {(await resp.text())[:300]}")
+                    return
                 async for line in resp.content:
                     now = time.monotonic()
                     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -95,7 +96,7 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     st = app[SWAPPER_KEY].state()
     await runner.cleanup()
     return {"mode": mode, "tokens_per_s": out["tokens"] / args.phase, "longest_stall_s": out["stall"],
-            "cut": out["cut"], "failed": out["failed"], "calls_done": out["calls"],
+            "cut": out["cut"], "failed": out["failed"], "error": out.get("error"), "calls_done": out["calls"],
             "swaps": k, "load_s": statistics.median(loads) if loads else None,
             "proxy_longest_stall_s": st.max_stall_s, "spanning_calls": st.spanning_calls}
 
@@ -148,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
         weights = [_perturb(model, root / "w", seed) for seed in (1, 2)]
+        longest = max(_length(i, args) for i in range(args.agents))
         server = VLLMServer(model, port=_free_port(), served_model_name="tiny", threads=args.threads,
-                            log_path=root / "vllm.log")
+                            log_path=root / "vllm.log",
+                            max_model_len=max(2048, longest + 256))  # the reply and its short prompt
         server.start()
         try:
             server.wait_healthy(timeout=600)
