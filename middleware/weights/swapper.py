@@ -117,6 +117,7 @@ class WeightState(msgspec.Struct, kw_only=True):
     max_stall_s: float = 0.0  # the longest of any swap
     spanning_calls: int = 0  # calls whose tokens came from two or more versions (keep swaps)
     tokens_by_version: dict[int, int] = {}  # response tokens recorded per policy version (the latest few)
+    unsplit_calls: int = 0  # spanning calls recorded as their starting version: the split was unknown (spans.py)
 
 
 class WeightSwapper:
@@ -181,6 +182,7 @@ class WeightSwapper:
         self._retiring: dict[str, list[str]] = {}  # old adapters to unload (on these replicas) once unused
         self._background: set[asyncio.Task[Any]] = set()
         self.spanning_calls = 0
+        self.unsplit_calls = 0
         self.last_stall_s: float | None = None
         self.max_stall_s = 0.0
         self.tokens_by_version: dict[int, int] = {}
@@ -494,11 +496,14 @@ class WeightSwapper:
 
     def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
         """Give each step of a call its version spans; count the tokens each version sampled."""
+        unsplit = False
         for step in steps:
             if spans is not None:
                 step.version_spans = spans.of(step.choice)
+                unsplit |= bool(spans.marks) and not step.version_spans  # spanned, split unknown (spans.py)
             for v in step.token_versions():
                 self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
+        self.unsplit_calls += unsplit
         while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
             del self.tokens_by_version[min(self.tokens_by_version)]
 
@@ -781,6 +786,7 @@ class WeightSwapper:
             degraded=self.degraded, cut_calls=self.cut_calls, replicas=self.replica_figures,
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
+            unsplit_calls=self.unsplit_calls,
         )
 
 
