@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nagents {args.agents} x {args.tokens} tokens{spread}, a swap every {args.every:g} s, "
           f"{args.rounds} x {args.phase:g} s per mode")
     for m, rs in by.items():
-        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s, "
+        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s "
+              f"(the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
+              f"swaps {sum(r['swaps'] for r in rs)}, spanning calls {sum(r['spanning_calls'] for r in rs)}, "
               f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
               f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
     print(f"keep / drain tokens/s: {tps['keep'] / tps['drain']:.2f}x")
