@@ -9,7 +9,8 @@ call (``ignore_eos``), agent i's of ``--tokens * (0.5 + i / agents)`` tokens (re
 ``--tokens``; ``--same-length`` for all equal); every ``--every`` seconds the proxy swaps in full weights (two
 perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's generation
 tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw (the longest gap
-between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or queued), the calls
+between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or queued), the same
+after a call's first token (a swap's freeze and recomputation, without the first chunk's queueing), the calls
 cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
 """
 
@@ -35,6 +36,7 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
             "return_token_ids": True}
     while time.monotonic() < stop:
         last = time.monotonic()
+        first = True
         try:
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 if resp.status != 200:  # a refused call is a broken setup, not a figure: this agent stops
@@ -53,6 +55,9 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
                     if now <= stop:
                         out["tokens"] += n
                         out["stall"] = max(out["stall"], now - last)
+                        if not first:  # mid-call: a swap's freeze and recomputation, not the first chunk's queue
+                            out["mid_stall"] = max(out["mid_stall"], now - last)
+                    first = first and n == 0
                     last = now
                 else:
                     out["calls"] += 1
@@ -75,7 +80,7 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    out: dict[str, Any] = {"tokens": 0, "stall": 0.0, "cut": 0, "failed": 0, "calls": 0}
+    out: dict[str, Any] = {"tokens": 0, "stall": 0.0, "mid_stall": 0.0, "cut": 0, "failed": 0, "calls": 0}
     loads: list[float] = []
     t0 = time.monotonic()
     stop = t0 + args.phase
@@ -96,6 +101,7 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     st = app[SWAPPER_KEY].state()
     await runner.cleanup()
     return {"mode": mode, "tokens_per_s": out["tokens"] / args.phase, "longest_stall_s": out["stall"],
+            "longest_mid_call_stall_s": out["mid_stall"],
             "cut": out["cut"], "failed": out["failed"], "error": out.get("error"), "calls_done": out["calls"],
             "swaps": k, "load_s": statistics.median(loads) if loads else None,
             "proxy_longest_stall_s": st.max_stall_s, "spanning_calls": st.spanning_calls}
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} x {args.phase:g} s per mode")
     for m, rs in by.items():
         print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s "
-              f"(the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
+              f"(after a call's first token: {max(r['longest_mid_call_stall_s'] for r in rs):.2f} s; "
+              f"the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
               f"swaps {sum(r['swaps'] for r in rs)}, spanning calls {sum(r['spanning_calls'] for r in rs)}, "
               f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
               f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
