@@ -63,6 +63,11 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
                     out["calls"] += 1
         except asyncio.CancelledError:
             raise
+        finally:  # a gap still open when the phase ends (held, frozen, queued) counts up to its end
+            gap = min(time.monotonic(), stop) - last
+            out["stall"] = max(out["stall"], gap)
+            if not first:
+                out["mid_stall"] = max(out["mid_stall"], gap)
 
 
 async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str, Any]:
