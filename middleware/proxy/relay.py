@@ -220,6 +220,7 @@ class _Call(StreamRelay):
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
+        self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -292,6 +293,7 @@ class _Call(StreamRelay):
 
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
         base = self.upstream.name  # the replica as configured (never http://localhost)
+        turn.spans = self.spans
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)

@@ -48,8 +48,10 @@ class StreamRelay:
         recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
-        if self.spans is not None:
-            self.spans.counter = acc.token_counts
+        # The split is known only while the pump is caught up with vLLM (TITO: from vLLM's weight_versions;
+        # its pump also waits on derender, with tokens in hand).
+        if self.spans is not None and isinstance(source, aiohttp.ClientResponse):
+            self.spans.counter = lambda: acc.token_counts() if self.waiting else None
         await out.prepare(self.request)
         proto = self.proto
         try:
@@ -144,7 +146,16 @@ class StreamRelay:
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
-            async for lines in batches:
+            while True:
+                # Waiting here (not on a slow agent's write) the pump has counted every token vLLM sent before
+                # (weights/spans.py): where a keep swap splits this call.
+                self.waiting = True
+                try:
+                    lines = await anext(batches)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    self.waiting = False
                 parts: list[bytes] = []
                 for line in lines:
                     if not line.startswith(b"data:"):

@@ -40,6 +40,7 @@ from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.prefix import _message_cause, _norm
+from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
@@ -186,6 +187,7 @@ class Turn:
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
+        self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
 
     async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
@@ -219,6 +221,11 @@ class Turn:
             out["stream_options"] = {"include_usage": True}
         return out
 
+    def _report(self, gen_choice: dict[str, Any]) -> None:
+        # generate's weight_versions (the final output only): where a keep swap split this choice, exactly
+        if self.spans is not None and gen_choice.get("weight_versions"):
+            self.spans.report(gen_choice.get("index", 0), gen_choice["weight_versions"])
+
     def _derender_body(self, **fields: Any) -> dict[str, Any]:
         return {"model": self.chat.get("model"), "prompt_token_ids": self.prompt, "chat_request": self.chat,
                 **fields}
@@ -233,6 +240,7 @@ class Turn:
         reply["prompt_token_ids"] = self.prompt
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
+            self._report(g)
             if g.get("logprobs") and g["logprobs"].get("content") is not None:
                 # the sampled tokens' logprobs as vLLM computed them (derender copies them as text tokens)
                 choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
@@ -275,6 +283,8 @@ class Turn:
                     if first:
                         chunk["prompt_token_ids"] = self.prompt
                         first = False
+                    for g in gen["choices"]:
+                        self._report(g)
                     for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
                         choice["token_ids"] = g.get("token_ids")
                         if g.get("logprobs") and g["logprobs"].get("content") is not None:

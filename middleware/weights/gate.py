@@ -54,6 +54,7 @@ class Gate:
     drain_timeout_s: float
     cut_calls: int
     spanning_calls: int
+    unsplit_calls: int
     tokens_by_version: dict[int, int]
 
     @asynccontextmanager
@@ -74,7 +75,8 @@ class Gate:
         task = asyncio.current_task()
         if task is not None:
             self._calls.add(task)
-        spans, adapter = Spans(self.version), self.lora_name
+        adapter = self.lora_name
+        spans = Spans(self.version, labelled=adapter is None)
         self._spans.add(spans)
         if adapter is not None:
             self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
@@ -98,11 +100,14 @@ class Gate:
 
     def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
         """Give each step of a call its version spans; count the tokens each version sampled."""
+        unsplit = False
         for step in steps:
             if spans is not None:
                 step.version_spans = spans.of(step.choice)
+                unsplit |= bool(spans.marks) and not step.version_spans  # spanned, split unknown (spans.py)
             for v in step.token_versions():
                 self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
+        self.unsplit_calls += unsplit
         while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
             del self.tokens_by_version[min(self.tokens_by_version)]
 

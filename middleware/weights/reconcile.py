@@ -124,7 +124,7 @@ class Recovery:
         await self.start()
         async with self._lock:  # never beside a swap
             label = await self._label(backend)
-            paused = await self._is_paused(backend)
+            paused = cut_short = await self._is_paused(backend)
             wrong = label is not None and label != str(self.version) and not (
                 self.version == 0 and label == "default")
             if wrong:
@@ -161,8 +161,9 @@ class Recovery:
                 client = self._client(backend)
                 if self.lora_name not in await client.model_ids():
                     await client.load_lora(self.lora_name, self.lora_path)
-            if paused:
-                logger.warning("%s was paused (a swap cut short): resuming it", backend)
+            if paused:  # cut short: a swap left it paused; else the reload above paused it
+                if cut_short:
+                    logger.warning("%s was paused (a swap cut short): resuming it", backend)
                 await self._client(backend).resume()
 
     async def _label(self, backend: str) -> str | None:

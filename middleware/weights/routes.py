@@ -98,6 +98,9 @@ class WeightsCollector:
         yield c(metric_names.SWAP_CUT_CALLS, "calls cut by a drain swap's bound", st.cut_calls)
         yield c(metric_names.SPANNING_CALLS, "calls whose tokens came from two or more policy versions",
                 st.spanning_calls)
+        yield c(metric_names.UNSPLIT_CALLS,
+                "calls spanning a swap whose split the proxy could not see (plain chat, "
+                "a slow reader): recorded as the version they started on", st.unsplit_calls)
         tokens = c(metric_names.TOKENS_BY_VERSION, "response tokens recorded per policy version (latest 16)",
                    labels=["version"])
         for version, n in sorted(st.tokens_by_version.items()):

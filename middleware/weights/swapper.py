@@ -105,6 +105,8 @@ class WeightState(msgspec.Struct, kw_only=True):
     max_stall_s: float = 0.0  # the longest of any swap
     spanning_calls: int = 0  # calls whose tokens came from two or more versions (keep swaps)
     tokens_by_version: dict[int, int] = {}  # response tokens recorded per policy version (the latest few)
+    # Spanning calls recorded as their starting version: the split was unknown (spans.py)
+    unsplit_calls: int = 0
 
 
 class WeightSwapper(Gate, Recovery, Adapters):
@@ -172,6 +174,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
         self._retiring: dict[str, list[str]] = {}  # old adapters to unload (on these replicas) once unused
         self._background: set[asyncio.Task[Any]] = set()
         self.spanning_calls = 0
+        self.unsplit_calls = 0
         self.last_stall_s: float | None = None
         self.max_stall_s = 0.0
         self.tokens_by_version: dict[int, int] = {}
@@ -430,4 +433,5 @@ class WeightSwapper(Gate, Recovery, Adapters):
             replicas=self.replica_figures,
             swap_mode=self.mode, last_stall_s=self.last_stall_s, max_stall_s=self.max_stall_s,
             spanning_calls=self.spanning_calls, tokens_by_version=dict(self.tokens_by_version),
+            unsplit_calls=self.unsplit_calls,
         )

@@ -28,6 +28,7 @@ from reference import reference_logprobs
 
 from steptap.middleware.app import create_app
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
 
@@ -551,8 +552,83 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
         assert len(s["response_token_ids"]) == length
         assert gap(s["response_logprobs"], ref(base, s, adapter=adapter1)) < TOL  # the old adapter throughout
         assert gap(s["response_logprobs"], ref(base, s, adapter=published)) > DIFFERENT
-    for _ in range(500):  # unloaded once its last call ended (in the background)
-        if f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}:
-            break
-        await asyncio.sleep(0.02)
+    # unloaded once its last call ended, in the background: the gate's exit starts it (the agent may have its
+    # reply before the handler leaves the gate), then it runs
+    await asyncio.wait_for(sw._idle.wait(), 60)
+    await asyncio.wait_for(asyncio.gather(*list(sw._background)), 60)
     assert f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}
+
+
+async def _vllm_metric(url: str, name: str) -> float:
+    """One of vLLM's Prometheus figures, summed over its labels."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = await asyncio.to_thread(lambda: opener.open(f"{url}/metrics", timeout=30).read().decode())
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def test_keep_swap_splits_tito_calls_where_vllm_says(
+    swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    """Token-in-token-out turns (``/inference/v1/generate``) in flight across a keep swap, non-streamed (the
+    proxy sees no token before the reply) and streamed: each split comes from vLLM's own ``weight_versions``,
+    and the tokens before it are the old weights', those after it the new weights'."""
+    client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log", tito=True)
+    sw = swapper(client)
+    base = swap_server.model_dir
+    from steptap.learner.publish import request_swap, write_weights
+
+    published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=12), None,
+                                        tmp_path / "w")
+    n, length = 4, 640
+
+    async def first(i: int) -> tuple[str, list[dict[str, Any]]]:
+        sid = f"tito-keep-{i}-{uuid.uuid4().hex}"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Say a word ({i})."}]
+        body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8,
+                # Ends with its stop token: the next turn extends
+                "structured_outputs": {"regex": "[a-z]{1,6}"}}
+        resp = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        return sid, messages + [{"role": "assistant", "content": (await resp.json())["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": "Go on."}]
+
+    async def second(i: int, sid: str, messages: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        body = {"model": "tiny", "messages": messages, "temperature": 1.0, "seed": i, "max_tokens": length,
+                "ignore_eos": True, "stream": stream}
+        resp = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
+        raw = await resp.read()
+        assert resp.status == 200, raw[:500]
+        steps = (await (await client.get(f"/sessions/{sid}", headers=AUTH)).json())["steps"]
+        assert len(steps) == 2 and steps[1]["prefix"] == "extends"
+        return steps[1]
+
+    opened = await asyncio.gather(*(first(i) for i in range(n)))
+    calls = [asyncio.ensure_future(second(i, sid, msgs, stream=i % 2 == 1)) for i,
+             (sid, msgs) in enumerate(opened)]
+
+    async def generating() -> None:  # every second turn running in vLLM (they step together), 8 tokens each
+        while await _vllm_metric(swap_server.url, "vllm:num_requests_running") < n:
+            await asyncio.sleep(0.05)
+        running_at = await _vllm_metric(swap_server.url, "vllm:generation_tokens_total")
+        while await _vllm_metric(swap_server.url, "vllm:generation_tokens_total") < running_at + n * 8:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(generating(), 300)
+    version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
+    assert version == 1 and sw.state().in_flight == n  # every second turn was generating across the swap
+    steps = await asyncio.gather(*calls)
+    tito_turns = client.app[METRICS_KEY].tito_turns.labels("tokens")._value.get()
+    assert tito_turns == n  # every second turn went through generate
+    for s in steps:
+        assert s["status"] == "ok" and s["policy_version"] == 0 and len(s["response_token_ids"]) == length
+        spans = s["version_spans"]
+        assert len(spans) == 2 and spans[0] == [0, 0] and spans[1][1] == 1, spans
+        k = spans[1][0]
+        assert 0 < k < length, spans
+        lps, old, new = s["response_logprobs"], ref(base, s), ref(published, s)
+        assert gap(lps[:k], old[:k]) < TOL
+        assert gap(lps[k:], new[k:]) < TOL
+        assert gap(lps[k:], old[k:]) > DIFFERENT
+    print(f"\nFIGURE keep swap with {n} TITO turns in flight: splits "
+          f"{[s['version_spans'][1][0] for s in steps]}")

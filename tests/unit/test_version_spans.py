@@ -96,3 +96,86 @@ def test_both_engines_weigh_and_mask_each_token() -> None:
     rows = VerlEngine._rows(types.SimpleNamespace(cfg=cfg,
                                                   pad_id=0), dropped)  # type: ignore[arg-type]
     assert rows["mask"][0].tolist() == [0.0] * 3 + [1.0] * 3  # out of the loss and of rollout correction
+
+
+# --- where the split comes from (weights/spans.py) ---------------------------------------------------------
+
+
+def _wv(*spans: tuple[str, int, int]) -> list[dict[str, object]]:
+    return [{"version": v, "start": s, "end": e} for v, s, e in spans]
+
+
+def test_a_streamed_chat_call_splits_at_the_tokens_relayed_and_a_plain_one_keeps_its_version() -> None:
+    from steptap.middleware.weights.spans import Spans
+
+    streamed = Spans(2)
+    streamed.counter = lambda: {0: 7}
+    streamed.mark(3)
+    assert streamed.of(0) == [[0, 2], [7, 3]]
+    plain = Spans(2)  # non-streamed chat: no counter, no per-token versions from vLLM
+    plain.mark(3)
+    assert plain.of(0) == []
+    behind = Spans(2)  # streamed, but the pump was held by a slow agent: its count may miss sampled tokens
+    behind.counter = lambda: None
+    behind.mark(3)
+    assert behind.of(0) == []
+
+
+def test_tito_takes_the_split_from_vllms_weight_versions() -> None:
+    from steptap.middleware.weights.spans import Spans
+
+    # Non-streamed generate (no counter): vLLM's labels give the split the proxy could not see.
+    spans = Spans(0)
+    spans.mark(1)
+    spans.report(0, _wv(("default", 0, 12), ("1", 12, 40)))  # an unlabelled server's version 0 is "default"
+    assert spans.of(0) == [[0, 0], [12, 1]]
+    # Streamed: vLLM's split wins over the relayed count (tokens sampled before the pause but not yet
+    # relayed).
+    spans = Spans(4)
+    spans.counter = lambda: {0: 9, 1: 3}
+    spans.mark(5)
+    spans.report(0, _wv(("4", 0, 11), ("5", 11, 20)))
+    assert spans.of(0) == [[0, 4], [11, 5]]
+    assert spans.of(1) == [[0, 4], [3, 5]]  # a choice vLLM said nothing of: the relayed count
+    # A label the proxy never marked for this call (a LoRA swap moves it, no weights under the call change):
+    # its tokens stay the call's version.
+    spans = Spans(4)
+    spans.report(0, _wv(("4", 0, 5), ("5", 5, 20)))
+    assert spans.of(0) == []
+    # Labels not kept in step with the proxy's versions (never labelled, other labels) are not trusted.
+    spans = Spans(4)
+    spans.mark(5)
+    spans.report(0, _wv(("default", 0, 20)))
+    spans.report(1, _wv(("v4", 0, 20)))
+    assert spans.reported == {}
+    # A call on a LoRA adapter: vLLM's label is the base weights', not the adapter's.
+    spans = Spans(4, labelled=False)
+    spans.mark(5)
+    spans.report(0, _wv(("4", 0, 3), ("5", 3, 20)))
+    assert spans.reported == {} and spans.of(0) == []
+
+
+def test_verls_rollout_correction_sees_only_the_fresh_tokens_of_a_spanning_step() -> None:
+    """The verl engine's decoupled loss (rollout_is): the importance weights come from the tokens its mask
+    keeps, so a spanning step's stale tokens (sampled by a version too old) never weigh in; read as one span,
+    they would."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from steptap.learner import algos
+
+    cfg = LearnerConfig(model_dir="unused", algorithm="grpo", rollout_is="sequence", rollout_is_threshold=1e6)
+    batch = build_batch(_spanning(), version=5, max_staleness=2, stale_mode="drop")
+    rows = VerlEngine._rows(types.SimpleNamespace(cfg=cfg, pad_id=0), batch)  # type: ignore[arg-type]
+    # as train_step builds them
+    mask = pad_sequence(rows["mask"], batch_first=True).bool()
+    behaviour = pad_sequence(rows["recorded"], batch_first=True)
+    assert mask[0].tolist() == [False] * 3 + [True] * 3
+    # the learner's policy: version 4's tokens as the sampler had them, version 1's far from it
+    proximal = behaviour.clone()
+    proximal[0, :3] -= 2.0
+    weights, _, metrics = algos.rollout_correction(cfg, proximal, behaviour, mask)
+    assert weights is not None and torch.allclose(weights[mask], torch.ones(int(mask.sum())))
+    assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) < 1e-6
+    one_span = torch.ones_like(mask) & (behaviour != 0)  # the spans ignored: every response token in the mask
+    weights, _, _ = algos.rollout_correction(cfg, proximal, behaviour, one_span)
+    assert weights is not None and float(weights[0, 3]) < 0.01  # exp(-6): the stale tokens drag the step down

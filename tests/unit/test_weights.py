@@ -562,6 +562,42 @@ async def test_keep_swap_pauses_with_keep_and_marks_the_calls_in_flight(
     await sw.close()
 
 
+async def test_a_plain_call_spanning_a_keep_swap_keeps_its_version_and_is_counted_unsplit(
+    backend: tuple[FaultInjector, str], tmp_path: Path
+) -> None:
+    """A non-streamed chat call in flight at a keep swap: the proxy cannot see where its tokens switched, so
+    its step keeps the version it started on, and the call is counted as spanning with an unknown split."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from steptap.middleware.metrics import UNSPLIT_CALLS
+    from steptap.middleware.weights.routes import WeightsCollector
+
+    fake, url = backend
+    sw = WeightSwapper(url, cpu_backend=True, model_dir=str(model_dir(tmp_path / "base")))
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def plain_call() -> Step:
+        async with sw.gate() as ticket:  # no counter: nothing streams
+            entered.set()
+            await release.wait()
+            step = Step(policy_version=ticket.version, response_token_ids=[1, 2, 3, 4])
+            sw.label([step], ticket.spans)
+            return step
+
+    call = asyncio.ensure_future(plain_call())
+    await entered.wait()
+    assert await sw.swap(path=str(model_dir(tmp_path / "new"))) == 1
+    release.set()
+    step = await call
+    assert step.version_spans == [] and step.token_versions() == [0, 0, 0, 0]
+    st = sw.state()
+    assert st.spanning_calls == 1 and st.unsplit_calls == 1
+    registry = CollectorRegistry()
+    registry.register(WeightsCollector(sw))
+    assert f"{UNSPLIT_CALLS}_total 1.0" in generate_latest(registry).decode()
+    await sw.close()
+
+
 async def test_keep_lora_swap_loads_beside_the_old_adapter_without_pausing(
     backend: tuple[FaultInjector, str], tmp_path: Path
 ) -> None:
@@ -586,11 +622,8 @@ async def test_keep_lora_swap_loads_beside_the_old_adapter_without_pausing(
     async with sw.gate() as ticket:
         assert ticket.served_model == new  # new calls use the new one at once
     release.set()
-    await call
-    for _ in range(200):  # unloaded in the background once its last call ended
-        if fake.adapters == {new}:
-            break
-        await asyncio.sleep(0.01)
+    await call  # the call left the gate: the old adapter's unload has started, in the background
+    await asyncio.wait_for(asyncio.gather(*list(sw._background)), 10)
     assert fake.adapters == {new} and sw.state().last_stall_s == 0.0
     await sw.close()
 
