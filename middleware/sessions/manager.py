@@ -83,8 +83,8 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
-                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
+    __slots__ = ("bytes", "closing", "drained", "full", "full_extra", "full_sizes", "inflight", "key",
+                 "last_active", "late", "lock", "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -98,9 +98,12 @@ class LiveSession:
         self.sealed = False  # its Trajectory record is being written: a step recorded now is not in it
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
-        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
+        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, and
+        # the full copies of its latest call's delta steps (``full_extra``)
         self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.full_sizes: dict[int, tuple[int, int]] = {}  # their sizes, bounded from above (``full_sizes``)
+        self.full_extra = 0  # what the full copies of the delta steps among them hold (in ``bytes``)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
@@ -108,6 +111,18 @@ class LiveSession:
     @property
     def id(self) -> str:
         return self.trajectory.id
+
+
+def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """Upper bounds of a step's full form's encoded size and of what of it a step extending it repeats (its
+    prompt and response ids, its request), without encoding the full form (120k ids a call would cost the proxy
+    more than the step): a delta's full form is its logged form + what it repeats of its base."""
+    if base is None:
+        return logged, logged
+    shared = sizes[base.index][1]
+    enc = msgpack_encoder.encode
+    new = len(enc(form.prompt_token_ids)) + len(enc(form.request)) + len(enc(form.response_token_ids))
+    return logged + shared, shared + new
 
 
 class Group:
@@ -379,6 +394,7 @@ class SessionManager:
         # choices of one call share it.
         prev_call = list(session.full.values())
         forms: list[Step] = []
+        bases: list[Step | None] = []
         for offset, step in enumerate(steps):
             step.trajectory_id = traj.id
             step.group_id = traj.group_id
@@ -391,15 +407,25 @@ class SessionManager:
                 session.late += 1
                 base = None
             forms.append(step if base is None else compress(step, base))  # what the log and session hold
+            bases.append(base)
         size = 0
+        sizes = [self.holdings.size_of([f]) for f in forms]
+        # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
+        # session's memory would grow with its context while its counted bytes grow only with its new tokens.
+        held = {s.index: full_sizes(f, n, b, session.full_sizes) for s, f, b, n in zip(
+            steps, forms, bases, sizes) if s.status == "ok"}
+        extra = sum(held[f.index][0] for f in forms if f.delta is not None and f.index in held) if (
+            held) else session.full_extra
         if not traj.anonymous and not session.sealed:
-            size = self.holdings.size_of(forms)
+            size = sum(sizes) + extra - session.full_extra
             self._check_room(session, len(steps), size)
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full
-        if any(s.status == "ok" for s in steps):
+        before_sizes, before_extra = session.full_sizes, session.full_extra
+        if held:
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
+            session.full_sizes, session.full_extra = held, extra
         for step, form in zip(steps, forms):
             if session.sealed and not traj.anonymous:
                 logger.warning(
@@ -433,13 +459,15 @@ class SessionManager:
             # nor their bytes in what the session and the proxy hold.
             kept = [s for s in traj.steps if not any(s is x for x in forms)]
             if size:
+                # a later call that replaced the latest call counted its full copies against these
+                size = size if session.full is mine else sum(sizes)
                 session.bytes -= size
                 self.holdings.hold(len(kept) - len(traj.steps), -size)
             traj.steps = kept
             for form in forms:
                 session.starts.pop(form.index, None)
             if session.full is mine:  # no later call has replaced it
-                session.full = before
+                session.full, session.full_sizes, session.full_extra = before, before_sizes, before_extra
             raise
         for form, task in zip(forms, tasks):
             session.starts[form.index] = task.result()[0]
@@ -697,7 +725,11 @@ class SessionManager:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
-            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts)
+            session.full_sizes = {i: (n, n) for i, s in session.full.items() for n in [self.holdings.size_of([s])]}
+            steps = session.trajectory.steps
+            session.full_extra = sum(n for i, (n, _) in session.full_sizes.items() if steps[i].delta is not None)
+            session.bytes = len(msgpack_encoder.encode(session.trajectory)) + RECORD_SLACK * len(session.starts) + (
+                session.full_extra)
         self.holdings.hold(
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
