@@ -400,7 +400,9 @@ class SessionManager:
             step.group_id = traj.group_id
             step.index = len(traj.steps) + offset
             step.prefix = classify_after(prev_call, step)
-            base = next((p for p in prev_call if extends(p, step)), None) if step.prefix == "extends" else None
+            base = None
+            if step.prefix == "extends":  # one previous choice: classify_after found it extends (no second pass)
+                base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
             if session.sealed and not traj.anonymous:
                 # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
                 step.index = len(traj.steps) + session.late
