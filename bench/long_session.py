@@ -53,6 +53,7 @@ from steptap.middleware.delta import full_steps  # noqa: E402
 from steptap.middleware.log.offline import LogReader  # noqa: E402
 from steptap.middleware.log.wal import TrajectoryLog  # noqa: E402
 from steptap.middleware.records import Step, Trajectory, msgpack_encoder  # noqa: E402
+from steptap.middleware.wire import StreamMessage, encode_message  # noqa: E402
 
 MIB = 1 << 20
 
@@ -157,7 +158,14 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
 
     logged = asyncio.run(scan())
     [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]  # full steps, as the learner gets them
+    t0 = time.process_time()
     full = full_steps(logged)
+    resolve_s = time.process_time() - t0
+    # What the finished session costs its readers: the NDJSON stream sends it in full (one line), the msgpack
+    # stream as logged; the reward callback is handed it in full (built as ``full_steps`` builds it).
+    t0 = time.process_time()
+    ndjson = len(encode_message(StreamMessage(cursor="0", trajectory=traj), "ndjson"))
+    ndjson_s = time.process_time() - t0
     assert [msgpack_encoder.encode(s) for s in full] == [
         msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
     v3_steps = sum(len(msgpack_encoder.encode(s)) + 8 for s in full)
@@ -170,6 +178,9 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
         "step_bytes_first": steps_bytes[0], "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
         if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1], "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
+        "ndjson_stream_mib": round(ndjson / MIB, 2), "ndjson_encode_cpu_s": round(ndjson_s, 3),
+        "full_steps_cpu_s": round(resolve_s, 3),
+        "full_ids": sum(len(s.prompt_token_ids) + len(s.response_token_ids) for s in full),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
         "prompt_tokens": [len(s.prompt_token_ids) for s in traj.steps],
     }
@@ -224,9 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--call-timeout", type=float, default=600.0)
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--log-only", metavar="DIR", help="measure a kept log's sessions only (no calls)")
+    p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     args = p.parse_args(argv)
     if args.full:
         args.turns = 200
+    if args.log_only:  # the figures of a log a run kept (--keep-log): one line per finished session
+        for traj in LogReader(args.log_only).trajectories():
+            print(json.dumps({"session": traj.id, **logged_bytes(args.log_only, traj.id)}))
+        return 0
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="steptap-long-"))
     vllm = None
@@ -250,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         proxy.stop(timeout=30)
         calls = session["calls"]
         size = logged_bytes(log_dir, session["session"]) if calls and not session["refused"] else {}
+        if args.keep_log:
+            shutil.move(log_dir, args.keep_log)
     finally:
         if proxy is not None:
             proxy.stop()
