@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import free_port  # noqa: E402
+from procs import Server, free_port, python_cmd  # noqa: E402
 from proxy_overhead import CONTROL_TOKEN, Steptap, _git_head, steptap_cmd  # noqa: E402
 
 from steptap.middleware.delta import full_steps  # noqa: E402
@@ -92,7 +92,8 @@ def proxy_memory(pid: int) -> dict[str, int]:
     return out
 
 
-async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> dict[str, Any]:
+async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, baseline: Server | None = None
+                      ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     timeout = aiohttp.ClientTimeout(total=args.call_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -120,9 +121,18 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> d
                 if resp.status != 200:
                     return {"session": info["id"], "calls": calls, "refused": {"turn": turn + 1, "reply": reply}}
             wall = time.perf_counter() - t0
+            base_ms = None
+            if baseline is not None:  # the same body through the bare pass-through, as steptap sends it upstream
+                before_pt = cpu_ns(baseline.pid)
+                path = "/v1/chat/completions" if args.chat else "/v1/completions"
+                sent = {**body, "logprobs": True, "return_token_ids": True} if args.chat else {**body, "logprobs": 0}
+                async with http.post(f"{baseline.url}{path}", json=sent) as resp:
+                    await resp.read()
+                    assert resp.status == 200, resp.status
+                base_ms = round((cpu_ns(baseline.pid) - before_pt) / 1e6, 2)
             tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
             calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
-                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2)})
+                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2), "passthrough_cpu_ms": base_ms})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
                 print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
                       f"{calls[-1]['proxy_cpu_ms']} ms", flush=True)
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--log-only", metavar="DIR", help="measure a kept log's sessions only (no calls)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also send each turn's body through the bare pass-through (bench/passthrough.py): its CPU")
     p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     args = p.parse_args(argv)
     if args.full:
@@ -248,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="steptap-long-"))
     vllm = None
     proxy = None
+    baseline = None
     try:
         if args.backend is None:
             vllm = start_vllm(work)
@@ -261,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None), log=str(work / "steptap.log"))
         proxy.port = port
         proxy.start(timeout=120)
+        if args.baseline:
+            baseline = Server("passthrough", python_cmd("passthrough.py", "--backend", args.backend),
+                              log=str(work / "passthrough.log")).start()
         cache_before = prefix_cache(args.backend)
-        session = asyncio.run(run_session(args, proxy, model))
+        session = asyncio.run(run_session(args, proxy, model, baseline))
         cache_after = prefix_cache(args.backend)
         proxy.stop(timeout=30)
         calls = session["calls"]
@@ -272,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proxy is not None:
             proxy.stop()
+        if baseline is not None:
+            baseline.stop()
         if vllm is not None:
             vllm.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -279,11 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         call["prompt_tokens"] = tokens
     cpu = [c["proxy_cpu_ms"] for c in calls]
     k = min(5, len(cpu))
+    pt = [c["passthrough_cpu_ms"] for c in calls if c["passthrough_cpu_ms"] is not None]
     result = {
         "turns_done": len(calls), "refused": session["refused"], "log": size,
         "proxy_cpu_ms": {"turn_1": cpu[0] if cpu else None, "median_first_5": statistics.median(cpu[:k]) if k else None,
                          "median_last_5": statistics.median(cpu[-k:]) if k else None,
                          f"turn_{len(cpu)}": cpu[-1] if cpu else None},
+        "passthrough_cpu_ms": {"median_first_5": statistics.median(pt[:k]), "median_last_5": statistics.median(
+            pt[-k:])} if pt else None,
         "prompt_tokens": {"first": calls[0]["prompt_tokens"] if calls else None,
                           "last": calls[-1]["prompt_tokens"] if calls else None},
         "wall_s_per_call": {"first": calls[0]["wall_s"] if calls else None,
