@@ -176,6 +176,12 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     t0 = time.process_time()
     ndjson = len(encode_message(StreamMessage(cursor="0", trajectory=traj), "ndjson"))
     ndjson_s = time.process_time() - t0
+    # The learner's rows: one packed sequence for the chain, but each sample keeps its own full prompt ids.
+    from steptap.learner.rows import build_batch
+
+    t0 = time.process_time()
+    batch = build_batch([traj], version=0)
+    rows_s = time.process_time() - t0
     assert [msgpack_encoder.encode(s) for s in full] == [
         msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
     v3_steps = sum(len(msgpack_encoder.encode(s)) + 8 for s in full)
@@ -189,7 +195,9 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
         if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1], "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
         "ndjson_stream_mib": round(ndjson / MIB, 2), "ndjson_encode_cpu_s": round(ndjson_s, 3),
-        "full_steps_cpu_s": round(resolve_s, 3),
+        "full_steps_cpu_s": round(resolve_s, 3), "learner_rows_cpu_s": round(rows_s, 3),
+        "learner_rows": {"sequences": len(batch.sequences), "sample_prompt_ids": sum(
+            len(x.prompt_ids) for x in batch.samples), "sequence_ids": sum(len(q.input_ids) for q in batch.sequences)},
         "full_ids": sum(len(s.prompt_token_ids) + len(s.response_token_ids) for s in full),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
         "prompt_tokens": [len(s.prompt_token_ids) for s in traj.steps],
