@@ -81,6 +81,9 @@ async def test_a_tito_chat_session_logs_only_its_new_messages(
             assert resp.status == 200, await resp.text()
             reply = await resp.json()
         grown.append(log.disk_bytes - before)
+        [held] = proxy.app[SESSIONS_KEY].sessions[info["id"]].full.values()  # type: ignore[index]
+        assert reply["usage"]["prompt_tokens"] == len(held.prompt_token_ids)  # agents size their context by it
+        assert reply["usage"]["completion_tokens"] == len(held.response_token_ids)
         messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
                      {"role": "user", "content": f"line{turn} " * 50}]
     logged = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == info["id"]]
