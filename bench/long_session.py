@@ -100,7 +100,7 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, base
         async with http.post(f"{proxy.url}/sessions", json={"tito": True} if args.chat else {},
                              headers=headers) as resp:
             info = await resp.json()
-        prompt = ids(args.first, 0, args.vocab)
+        prompt = json.loads(Path(args.first_ids).read_text()) if args.first_ids else ids(args.first, 0, args.vocab)
         messages = [{"role": "system", "content": "You read files."},
                     {"role": "user", "content": words(args.first, 0)}]
         calls: list[dict[str, Any]] = []
@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="served model name (default: the first of /v1/models)")
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--first", type=int, default=20_000, help="tokens of the first prompt")
+    p.add_argument("--first-ids", metavar="FILE", help="the first prompt's ids (a JSON list): e.g. a long prompt "
+                   "vLLM has cached, to measure calls at that length without prefilling it")
     p.add_argument("--per-turn", type=int, default=500, help="new tokens a turn (besides the reply)")
     p.add_argument("--max-tokens", type=int, default=8, help="most tokens a reply")
     p.add_argument("--vocab", type=int, default=4098, help="the model's vocabulary size (ids are drawn below it)")
