@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"session": traj.id, **logged_bytes(args.log_only, traj.id)}))
         return 0
     t0 = time.time()
+    git = _git_head()  # the code the proxy runs: read before a run that may outlast a commit
     work = Path(tempfile.mkdtemp(prefix="steptap-long-"))
     vllm = None
     proxy = None
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "proxy_memory_kib_at_end": session.get("proxy_memory"),
         "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
         "calls": calls,
-        "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": _git_head(),
+        "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": git,
                  "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                  "args": vars(args)},
     }
