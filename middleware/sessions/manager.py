@@ -54,7 +54,13 @@ from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewards import RewardFn
-from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, new_key  # noqa: F401 - old paths
+from steptap.middleware.sessions.session import (  # noqa: F401 - old paths
+    AUTO_PREFIX,
+    LiveSession,
+    Log,
+    full_sizes,
+    new_key,
+)
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -304,28 +310,40 @@ class SessionManager(Closing, Groups, Replay):
         # choices of one call share it.
         prev_call = list(session.full.values())
         forms: list[Step] = []
+        bases: list[Step | None] = []
         for offset, step in enumerate(steps):
             step.trajectory_id = traj.id
             step.group_id = traj.group_id
             step.index = len(traj.steps) + offset
             step.prefix = classify_after(prev_call, step)
-            base = next((p for p in prev_call if extends(p, step)),
-                        None) if step.prefix == "extends" else None
+            base = None
+            if step.prefix == "extends":  # one previous choice: classify_after found it extends (no 2nd pass)
+                base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
             if session.sealed and not traj.anonymous:
                 # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
                 step.index = len(traj.steps) + session.late
                 session.late += 1
                 base = None
             forms.append(step if base is None else compress(step, base))  # what the log and session hold
+            bases.append(base)
         size = 0
+        sizes = [self.holdings.size_of([f]) for f in forms]
+        # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
+        # session's memory would grow with its context while its counted bytes grow only with its new tokens.
+        held = {s.index: full_sizes(f, n, b, session.full_sizes)
+                for s, f, b, n in zip(steps, forms, bases, sizes, strict=True) if s.status == "ok"}
+        extra = (sum(held[f.index][0] for f in forms if f.delta is not None and f.index in held)
+                 if held else session.full_extra)
         if not traj.anonymous and not session.sealed:
-            size = self.holdings.size_of(forms)
+            size = sum(sizes) + extra - session.full_extra
             self._check_room(session, len(steps), size)
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full
-        if any(s.status == "ok" for s in steps):
+        before_sizes, before_extra = session.full_sizes, session.full_extra
+        if held:
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
+            session.full_sizes, session.full_extra = held, extra
         for step, form in zip(steps, forms, strict=True):
             if session.sealed and not traj.anonymous:
                 logger.warning(
@@ -359,13 +377,15 @@ class SessionManager(Closing, Groups, Replay):
             # trajectory, nor their bytes in what the session and the proxy hold.
             kept = [s for s in traj.steps if not any(s is x for x in forms)]
             if size:
+                # a later call that replaced the latest call counted its full copies against these
+                size = size if session.full is mine else sum(sizes)
                 session.bytes -= size
                 self.holdings.hold(len(kept) - len(traj.steps), -size)
             traj.steps = kept
             for form in forms:
                 session.starts.pop(form.index, None)
             if session.full is mine:  # no later call has replaced it
-                session.full = before
+                session.full, session.full_sizes, session.full_extra = before, before_sizes, before_extra
             raise
         for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task.result()[0]

@@ -74,8 +74,13 @@ class Replay:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
+            session.full_sizes = {i: (n, n) for i, s in session.full.items()
+                                  for n in [self.holdings.size_of([s])]}
+            steps = session.trajectory.steps
+            session.full_extra = sum(n for i, (n, _) in session.full_sizes.items()
+                                     if steps[i].delta is not None)
             session.bytes = (len(msgpack_encoder.encode(session.trajectory))
-                             + RECORD_SLACK * len(session.starts))
+                             + RECORD_SLACK * len(session.starts) + session.full_extra)
         self.holdings.hold(
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,

@@ -14,6 +14,7 @@ from steptap.middleware.records import (
     LogRecord,
     Step,
     Trajectory,
+    msgpack_encoder,
 )
 
 logger = logging.getLogger("steptap.sessions")
@@ -36,8 +37,9 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
-                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
+    __slots__ = ("bytes", "closing", "drained", "full", "full_extra", "full_sizes", "inflight", "key",
+                 "last_active", "late", "lock", "pending", "sealed", "starts", "tito", "tito_state",
+                 "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -53,9 +55,12 @@ class LiveSession:
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         # Auto-created, opened only when its first step is recorded (the backend accepted)
         self.pending = False
-        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
+        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, and
+        # the full copies of its latest call's delta steps (``full_extra``)
         self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.full_sizes: dict[int, tuple[int, int]] = {}  # their sizes, bounded from above (``full_sizes``)
+        self.full_extra = 0  # what the full copies of the delta steps among them hold (in ``bytes``)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
@@ -67,3 +72,16 @@ class LiveSession:
 
 def new_key() -> str:
     return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tuple[int, int]]) -> tuple[int,
+                                                                                                       int]:
+    """Upper bounds of a step's full form's encoded size and of what of it a step extending it repeats (its
+    prompt and response ids, its request), without encoding the full form (120k ids a call would cost the
+    proxy more than the step): a delta's full form is its logged form + what it repeats of its base."""
+    if base is None:
+        return logged, logged
+    shared = sizes[base.index][1]
+    enc = msgpack_encoder.encode
+    new = len(enc(form.prompt_token_ids)) + len(enc(form.request)) + len(enc(form.response_token_ids))
+    return logged + shared, shared + new

@@ -63,3 +63,40 @@ async def test_a_long_session_logs_linear_bytes(proxy: Proxy, vllm_server: Backe
     assert sum(grown) < full / 2  # schema 3 logged every step whole, then the trajectory again: 2 * full
     offline = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.id == info["id"]]
     assert [msgpack_encoder.encode(s) for s in offline[0].steps] == [msgpack_encoder.encode(s) for s in steps]
+
+
+async def test_a_tito_chat_session_logs_only_its_new_messages(
+    proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession
+) -> None:
+    """Chat messages in a TITO session (what agents send): each prompt is built from the last call's ids, so
+    every turn ``extends`` the last though a random model's reply would re-render otherwise, and is logged as
+    its new messages and ids only. Each reply is held to a short word by a grammar, so it ends on its own (a
+    reply cut by ``max_tokens`` falls back to rendering)."""
+    async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
+        info = await resp.json()
+    log = proxy.app[LOG_KEY]  # type: ignore[index]
+    messages = [{"role": "system", "content": "You read files."}, {"role": "user", "content": "file0 " * 100}]
+    grown = []
+    for turn in range(6):
+        before = log.disk_bytes
+        body = {"model": vllm_server.served_model, "messages": messages, "max_tokens": 16, "temperature": 1.0,
+                "structured_outputs": {"regex": "[a-z]{1,6}"}}
+        async with http.post(f"{info['base_url']}/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            reply = await resp.json()
+        grown.append(log.disk_bytes - before)
+        [held] = proxy.app[SESSIONS_KEY].sessions[info["id"]].full.values()  # type: ignore[index]
+        # Agents size their context by it
+        assert reply["usage"]["prompt_tokens"] == len(held.prompt_token_ids)
+        assert reply["usage"]["completion_tokens"] == len(held.response_token_ids)
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"line{turn} " * 50}]
+    logged = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == info["id"]]
+    assert [s.prefix for s in logged] == ["first"] + ["extends"] * 5
+    # each step holds its two new messages (the reply it answers, the new user turn) after the base's 2k
+    assert all(s.delta is not None and s.delta.tails == {"messages": 2 * s.index}
+               and len(s.request["messages"]) == 2
+               for s in logged[1:])
+    # The context grew 2.5x from turn 2 to 6, the logged bytes did not
+    assert grown[-1] < 1.3 * grown[1], grown

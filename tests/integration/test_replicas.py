@@ -172,8 +172,9 @@ async def test_a_swap_under_load_reaches_every_replica(
     from steptap.learner.publish import publish_weights
 
     a, b = replicas
-    # drain: every step is sampled by exactly the version it records, which this test checks per step. (keep lets
-    # a plain call span the swap: its tokens switch weights mid-reply, recorded as its starting version; spans.py)
+    # drain: every step is sampled by exactly the version it records, which this test checks per step. (keep
+    # lets a plain call span the swap: its tokens switch weights mid-reply, recorded as its starting version;
+    # spans.py)
     proxy = await make_proxy(a.url, backends=[b.url], health_interval_s=0.5, swap_mode="drain")
     try:
         calls: Counter[str] = Counter()

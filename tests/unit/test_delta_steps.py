@@ -25,6 +25,7 @@ from steptap.middleware.client import SteptapClient
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.delta import DeltaError, compress, expand, full_steps, resolve, steps_of
 from steptap.middleware.errors import error_middleware
+from steptap.middleware.exceptions import SessionFull
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.stream import LOG_KEY, add_routes
 from steptap.middleware.log.wal import TrajectoryLog
@@ -212,6 +213,39 @@ async def test_logged_and_held_bytes_grow_linearly(manager: SessionManager) -> N
     full = sum(len(enc(s)) for s in steps)
     assert sum(sizes) < full / 10
     assert held < 2 * sum(sizes) and traj_bytes < 100 * len(steps)
+
+
+async def test_the_latest_call_held_in_full_counts_against_the_session(tmp_path: Path) -> None:
+    """The session holds its latest call in full beside its delta form (the next call is judged against it):
+    those bytes count, so ``max_session_bytes`` bounds the memory of a session whose context is long and whose
+    new tokens are few; counted with an upper bound, not by encoding 120k ids a call."""
+    steps = [s for s in turns(12) if s.status == "ok"][5:]  # from turn 5's re-render on: every step extends
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    manager = SessionManager(ProxyConfig(log=str(tmp_path / "log")), log, Metrics(), None, set())
+    session = await manager.open(session_id="s")
+    opened = session.bytes
+    for step in steps:
+        await manager.record(session, [step])
+    logged = sum(len(enc(s)) for s in session.trajectory.steps)
+    full_last = len(enc(steps[-1]))
+    assert session.trajectory.steps[-1].delta is not None and full_last > 2 * logged / len(steps)
+    held = session.bytes - opened
+    assert logged + full_last <= held <= logged + 1.2 * full_last + 300 * len(steps)
+    assert manager.bytes_held == session.bytes
+    await manager.finish(session)
+    assert manager.bytes_held == 0
+    await log.close()
+    # A limit that the logged forms fit and the full latest call does not: refused.
+    limit = opened + logged + full_last // 2
+    log = await TrajectoryLog.open(str(tmp_path / "log2"))
+    cfg = ProxyConfig(log=str(tmp_path / "log2"), max_session_bytes=limit)
+    manager = SessionManager(cfg, log, Metrics(), None, set())
+    session = await manager.open(session_id="s")
+    fresh = [s for s in turns(12) if s.status == "ok"][5:]
+    with pytest.raises(SessionFull):
+        for step in fresh:
+            await manager.record(session, [step])
+    await log.close()
 
 
 async def test_a_missing_step_skips_its_trajectory_not_the_reader(tmp_path: Path) -> None:
