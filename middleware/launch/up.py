@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
@@ -204,7 +205,7 @@ class Up(Preflight, RunFiles):
             "STEPTAP_WORKDIR": str(self.workdir),
         }
 
-    def _abort_check(self, child: Child):
+    def _abort_check(self, child: Child) -> Callable[[], bool]:
         def check() -> bool:
             if self._stopping():
                 raise Interrupted(self.stop_reason or "interrupted")

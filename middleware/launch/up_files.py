@@ -6,17 +6,39 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.client import TOKEN_FILE_ENV
 from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
-from steptap.middleware.launch.supervise import Child
+from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.view import StatusBoard
+
+if TYPE_CHECKING:
+    import argparse
 
 
 class RunFiles:
     """``Up``'s files in its work directory."""
 
+    args: argparse.Namespace
+    workdir: Path
+    metrics_path: Path
+    token: str
+    token_file: Path
+    proxy_url: str
+    backend: str
+    sup: Supervisor
+    stop_reason: str | None
+    t_start: float
+    t_ready: float | None
+    model_dir: str
+    served_model: str
+    if TYPE_CHECKING:  # Up's
+        def _log(self, msg: str) -> None: ...
+
     def _announce(self) -> None:
+        assert self.t_ready is not None  # Up.run sets it just before
         lines = [
             f"ready in {self.t_ready - self.t_start:.0f} s; work directory {self.workdir}",
             f"  export OPENAI_BASE_URL={self.proxy_url}/v1",
@@ -44,7 +66,7 @@ class RunFiles:
         pids = {c.name: c.pid for c in self.sup.children if c.pid}
         atomic_write(self.workdir / "pids.json", json.dumps({"up": os.getpid(), **pids}) + "\n")
 
-    def _summary(self, failed: Child | None) -> dict:
+    def _summary(self, failed: Child | None) -> dict[str, Any]:
         board = getattr(self, "board", None) or StatusBoard(self.proxy_url, self.metrics_path, self.token)
         board.read_metrics()
         learn_s = (time.time() - self.t_ready) if self.t_ready else 0.0

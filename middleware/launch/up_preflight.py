@@ -7,6 +7,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, read_token_file
@@ -14,9 +17,12 @@ from steptap.middleware.files import PrivateDirError, secret_dir
 from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.private_files import write_private
 from steptap.middleware.launch.procs import wait_until
-from steptap.middleware.launch.supervise import Child
+from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.up_parser import PY, STEPTAP
 from steptap.middleware.model_files import ties_embeddings
+
+if TYPE_CHECKING:
+    import argparse
 
 
 class StartupError(Exception):
@@ -35,6 +41,19 @@ class Refused(Exception):
 
 class Preflight:
     """``Up``'s checks and preparations before the first child starts."""
+
+    args: argparse.Namespace
+    workdir: Path
+    logs: Path
+    token: str
+    token_file: Path
+    backend: str
+    sup: Supervisor
+    model_dir: str
+    if TYPE_CHECKING:  # Up's
+        def _log(self, msg: str) -> None: ...
+        def _abort_check(self, child: Child) -> Callable[[], bool]: ...
+        def _learner_argv(self) -> list[str]: ...
 
     def _prepare_model(self) -> None:
         if self.args.model:

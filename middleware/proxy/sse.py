@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -20,6 +20,13 @@ from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, Do
 from steptap.middleware.proxy import capture, tito
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
+
+if TYPE_CHECKING:
+    from steptap.middleware.backend.client import BackendClient
+    from steptap.middleware.proxy.capture import Asked
+    from steptap.middleware.proxy.protocols import Protocol
+    from steptap.middleware.records import Step
+    from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
@@ -41,6 +48,21 @@ class _LineTooLong(Exception):
 
 class StreamRelay:
     """``_Call``'s stream: relay, pump, the cut's end."""
+
+    request: web.Request
+    endpoint: str
+    upstream: BackendClient
+    asked: Asked
+    common: dict[str, Any]
+    strip: bool
+    acc: capture.ChatStream | capture.CompletionStream | None
+    proto: Protocol | None
+    write_timeout: float
+    spans: Spans | None
+    if TYPE_CHECKING:  # _Call's
+        def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step: ...
+        def _latency(self) -> float: ...
+        async def record(self, steps: list[Step]) -> None: ...
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
         """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
@@ -211,7 +233,7 @@ class StreamRelay:
         return failure, upstream_error, done
 
 
-async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[list[bytes]]:
+async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncGenerator[list[bytes], None]:
     """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
     pending = b""
     async for data in content.iter_any():

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -23,6 +25,14 @@ from steptap.middleware.records import (
 from steptap.middleware.sessions.rewards import run_reward
 from steptap.middleware.sessions.session import LiveSession
 
+if TYPE_CHECKING:
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.records import LogRecord
+    from steptap.middleware.sessions.groups import Group
+    from steptap.middleware.sessions.rewards import RewardFn
+    from steptap.middleware.sessions.session import Log
+
 logger = logging.getLogger("steptap.sessions")
 
 # Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them
@@ -32,6 +42,20 @@ RECENT_KEEP = 128
 
 class Closing:
     """``SessionManager``'s closing of sessions."""
+
+    config: ProxyConfig
+    log: Log
+    metrics: Metrics
+    reward_fn: RewardFn | None
+    sessions: dict[str, LiveSession]
+    keys: dict[str, str]
+    closed: dict[str, TrajectoryStatus]
+    groups: dict[str, Group]
+    recent: OrderedDict[str, Trajectory]
+    if TYPE_CHECKING:  # SessionManager's and Groups'
+        async def _append(self, record: LogRecord) -> str: ...
+        def _unregister(self, session: LiveSession) -> None: ...
+        def _group_member_closed(self, traj: Trajectory) -> None: ...
 
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None

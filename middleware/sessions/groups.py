@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.exceptions import (
     GroupNotFound,
@@ -17,6 +18,11 @@ from steptap.middleware.records import (
     TrajectoryStatus,
 )
 from steptap.middleware.sessions.session import LiveSession
+
+if TYPE_CHECKING:
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.sessions.session import Log
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -48,6 +54,15 @@ class Group:
 
 class Groups:
     """``SessionManager``'s groups and idle timeouts."""
+
+    config: ProxyConfig
+    log: Log
+    metrics: Metrics
+    sessions: dict[str, LiveSession]
+    groups: dict[str, Group]
+    if TYPE_CHECKING:  # SessionManager's and Closing's
+        def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+        async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory: ...
 
     def _group_member_closed(self, traj: Trajectory) -> None:
         if traj.group_id is None or traj.group_id not in self.groups:

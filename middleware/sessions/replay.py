@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import (
@@ -19,11 +20,33 @@ from steptap.middleware.records import (
 from steptap.middleware.sessions.limits import RECORD_SLACK
 from steptap.middleware.sessions.session import LiveSession
 
+if TYPE_CHECKING:
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.records import TrajectoryStatus
+    from steptap.middleware.sessions.limits import Holdings
+    from steptap.middleware.sessions.session import Log
+
 logger = logging.getLogger("steptap.sessions")
 
 
 class Replay:
     """``SessionManager``'s restart."""
+
+    log: Log
+    metrics: Metrics
+    sessions: dict[str, LiveSession]
+    closed: dict[str, TrajectoryStatus]
+    policy_versions: list[PolicyVersion]
+    holdings: Holdings
+    if TYPE_CHECKING:  # SessionManager's and Groups'
+        @property
+        def steps_held(self) -> int: ...
+        @property
+        def bytes_held(self) -> int: ...
+        def _register(self, session: LiveSession) -> None: ...
+        @staticmethod
+        def _apply_reward(traj: Trajectory, record: RewardAdded) -> None: ...
+        def _group_member_closed(self, traj: Trajectory) -> None: ...
 
     async def rebuild(self) -> int:
         """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -56,6 +56,8 @@ class Gate:
     spanning_calls: int
     unsplit_calls: int
     tokens_by_version: dict[int, int]
+    if TYPE_CHECKING:  # Adapters'
+        def _release_adapter(self, adapter: str) -> None: ...
 
     @asynccontextmanager
     async def gate(self) -> AsyncIterator[Ticket]:
@@ -87,7 +89,7 @@ class Gate:
             self.spanning_calls += bool(spans.marks)
             if adapter is not None:
                 self._release_adapter(adapter)
-            self._calls.discard(task)  # type: ignore[arg-type]
+            self._calls.discard(task)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()

@@ -8,9 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.exceptions import DomainError, SwapError, SwapUnavailable
+
+if TYPE_CHECKING:
+    from steptap.middleware.backend.client import BackendClient
+    from steptap.middleware.weights.swapper import _Pool
 
 logger = logging.getLogger("steptap.weights")
 
@@ -25,6 +29,25 @@ def _code(results: list[Any]) -> str:
 
 class Adapters:
     """``WeightSwapper``'s LoRA adapters side by side."""
+
+    version: int
+    lora_path: str | None
+    lora_name: str | None
+    pool: _Pool | None
+    replica_figures: dict[str, dict[str, Any]]
+    last_paused_s: float | None
+    last_swap_s: float | None
+    _adapter_users: dict[str, int]
+    _retiring: dict[str, list[str]]
+    _background: set[asyncio.Task[Any]]
+    _started: bool
+    if TYPE_CHECKING:  # WeightSwapper's and Recovery's
+        def _client(self, backend: str) -> BackendClient: ...
+        def _targets(self) -> list[str]: ...
+        def _swapped(self, t0: float, stall_s: float) -> None: ...
+        async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None: ...
+        async def _rollback(self, loaded: list[str], lora_name: str | None) -> None: ...
+        async def _tell_version(self, backend: str, version: int) -> None: ...
 
     async def ensure_adapter(self) -> None:
         """After a restart in LoRA mode: load the routed adapter into backends that lack it (best effort)."""

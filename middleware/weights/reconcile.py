@@ -10,7 +10,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.exceptions import DomainError, SwapError
 from steptap.middleware.records import PolicyVersion
@@ -19,11 +19,33 @@ from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 logger = logging.getLogger("steptap.weights")
 
+if TYPE_CHECKING:
+    from steptap.middleware.backend.client import BackendClient
+    from steptap.middleware.weights.swapper import _Pool
+
 LORA_PREFIX = "steptap-lora"
 
 
 class Recovery:
     """``WeightSwapper``'s way back to the persisted version."""
+
+    backends: list[str]
+    version: int
+    path: str | None
+    on_disk: bool
+    disk_wanted: str | None
+    lora_path: str | None
+    lora_name: str | None
+    cpu_backend: bool | None
+    degraded: str | None
+    pool: _Pool | None
+    _plan: tuple[dict[str, int], int]
+    _lock: asyncio.Lock
+    if TYPE_CHECKING:  # WeightSwapper's
+        async def start(self) -> None: ...
+        def _client(self, backend: str) -> BackendClient: ...
+        def _targets(self) -> list[str]: ...
+        async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None: ...
 
     def restore(self, records: Iterable[Any]) -> int:
         """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.

@@ -259,11 +259,11 @@ class WeightSwapper(Gate, Recovery, Adapters):
             if self.validate_paths:
                 transfer.check_fits(self.path)
         elif self.validate_paths:
-            check_adapter_dir(lora_path)  # type: ignore[arg-type]
+            check_adapter_dir(lora_path)  # type: ignore[arg-type]  # swap() took exactly one: lora_path
         lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
         keep = self.mode == "keep"
-        if keep and lora_name is not None:
-            return await self._swap_lora_beside(lora_path, lora_name, new_version)  # type: ignore[arg-type]
+        if keep and lora_path is not None and lora_name is not None:  # set together (one test for mypy)
+            return await self._swap_lora_beside(lora_path, lora_name, new_version)
         t0 = time.monotonic()
         self._held_wait = 0.0
         resume_errors: list[str] = []
@@ -399,10 +399,10 @@ class WeightSwapper(Gate, Recovery, Adapters):
     async def _load_one(self, b: str, path: str | None, lora_path: str | None, lora_name: str | None) -> None:
         client = self._client(b)
         if lora_path is not None:
-            await client.load_lora(lora_name, lora_path)  # type: ignore[arg-type]
+            await client.load_lora(lora_name, lora_path)  # type: ignore[arg-type]  # set together in _swap
             return
         try:
-            await client.reload_weights(path)  # type: ignore[arg-type]
+            await client.reload_weights(path)  # type: ignore[arg-type]  # no lora_path or transfer: path
         except DomainError as exc:
             # vllm 0.32 moves the parameters aside before it reads the files: a reload that fails midway
             # leaves the engine without usable weights (its next forward pass kills it), and a second

@@ -97,7 +97,7 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
     update_info_cls = SteptapUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config, vllm_config, device, model) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config, vllm_config, device, model) -> None:  # type: ignore[no-untyped-def]  # vLLM's hook
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroup | None = None
         self.backend = "gloo"
@@ -134,14 +134,14 @@ class SteptapTransferEngine(WeightTransferEngine[SteptapInitInfo, SteptapUpdateI
             self.model.load_weights([(name, buf.to(self.device))])
             del buf
 
-    def update_weights(self, update_info):  # type: ignore[no-untyped-def]
+    def update_weights(self, update_info):  # type: ignore[no-untyped-def]  # vLLM's hook
         typed = self.parse_update_info(update_info)
         self.receive_weights(typed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the base class calls torch.accelerator, which a CPU build may lack
 
     @staticmethod
-    def trainer_send_weights(iterator, trainer_args):  # type: ignore[no-untyped-def]
+    def trainer_send_weights(iterator, trainer_args):  # type: ignore[no-untyped-def]  # vLLM's hook
         """Abstract in some vLLM releases (not 0.32): steptap's learner sends by itself
         (learner/transfer.py)."""
         raise NotImplementedError("steptap's learner sends with steptap.learner.transfer.send_collective")
