@@ -65,6 +65,8 @@ def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = Non
             choices = typing.get_args(type_)
             parser.add_argument(_flag(name), dest=name, choices=choices, default=default,
                                 help=f"{help_} (default {default})")
+        elif typing.get_origin(type_) is list:  # repeated
+            parser.add_argument(_flag(name), dest=name, action="append", default=[], metavar="NAME", help=help_)
         elif type_ is dict or typing.get_origin(type_) is dict:
             parser.add_argument(_flag(name), dest=name, default="", metavar="NAME=VALUE,...", help=help_)
         else:

@@ -44,7 +44,9 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import RECORD_SLACK, Holdings
 from steptap.middleware.metrics import Metrics
-from steptap.middleware.sessions.prefix import classify_after, extends
+from steptap.middleware.sessions.classify import MainLine
+from steptap.middleware.sessions.classify import apply as classify_call
+from steptap.middleware.sessions.prefix import classify_after, extends, first_message
 from steptap.middleware.delta import DeltaError, Expander, compress, full_trajectory
 from steptap.middleware.records import (
     LogRecord,
@@ -56,6 +58,7 @@ from steptap.middleware.records import (
     StepRef,
     Trajectory,
     TrajectoryStatus,
+    TrainOn,
     msgpack_encoder,
 )
 from steptap.middleware.sessions.rewards import RewardFn, run_reward
@@ -84,7 +87,7 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "drained", "full", "inflight", "key", "last_active", "late", "lock",
-                 "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
+                 "line", "pending", "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -99,8 +102,9 @@ class LiveSession:
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         self.pending = False  # auto-created, opened only when its first step is recorded (the backend accepted)
         self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata
-        self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
-        # call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.full: dict[int, Step] = {}  # the main line's latest call's ok steps in full form (index -> step):
+        # the next call's prefix is judged against them, and a step that extends one is logged as a delta of it
+        self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
@@ -193,6 +197,8 @@ class SessionManager:
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
         keyed: bool = True,
+        train: TrainOn = "main",
+        side_models: list[str] | None = None,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
@@ -207,6 +213,8 @@ class SessionManager:
             mode=mode,
             metadata=metadata or {},
             idle_timeout_s=idle_timeout_s,
+            train=train,
+            side_models=list(side_models or ()),
         )
         session = LiveSession(traj, new_key() if keyed else None)
         session.bytes = len(msgpack_encoder.encode(traj))
@@ -225,6 +233,8 @@ class SessionManager:
                     metadata=traj.metadata,
                     idle_timeout_s=idle_timeout_s,
                     key=session.key,
+                    train=train,
+                    side_models=traj.side_models,
                 )
             )
         except BaseException:
@@ -375,15 +385,17 @@ class SessionManager:
         traj = session.trajectory
         if session.pending:
             await self._open_pending(session)
-        # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
-        # choices of one call share it.
+        # Continuity is judged against the main line's latest call's ok steps (a failed step carries no usable
+        # ids, a side call is not on the line); the choices of one call share it.
         prev_call = list(session.full.values())
+        for step in steps:
+            step.prefix = classify_after(prev_call, step)
+        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models)
         forms: list[Step] = []
         for offset, step in enumerate(steps):
             step.trajectory_id = traj.id
             step.group_id = traj.group_id
             step.index = len(traj.steps) + offset
-            step.prefix = classify_after(prev_call, step)
             base = next((p for p in prev_call if extends(p, step)), None) if step.prefix == "extends" else None
             if session.sealed and not traj.anonymous:
                 # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
@@ -398,7 +410,7 @@ class SessionManager:
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full
-        if any(s.status == "ok" for s in steps):
+        if on_main and any(s.status == "ok" for s in steps):
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
         for step, form in zip(steps, forms):
             if session.sealed and not traj.anonymous:
@@ -410,6 +422,7 @@ class SessionManager:
             m = self.metrics
             m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
             m.child(m.prefix, step.prefix).inc()
+            m.child(m.call_class, step.call_class, step.call_rule).inc()
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
         if traj.anonymous and self.reward_fn is None:
@@ -670,6 +683,8 @@ class SessionManager:
                     metadata=record.metadata,
                     idle_timeout_s=record.idle_timeout_s,
                     created_at=record.at,
+                    train=record.train,
+                    side_models=record.side_models,
                 )
                 self.closed.pop(traj.id, None)
                 self._register(LiveSession(traj, record.key))
@@ -677,12 +692,17 @@ class SessionManager:
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):
                     try:
-                        expander.full(record)
+                        full = expander.full(record)
                     except DeltaError as exc:  # its base is not in the log: the rest of the chain cannot be read
                         logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index, exc)
                         continue
                     session.trajectory.steps.append(record)
                     session.starts[record.index] = start
+                    if record.call_class != "side":  # the main line as it was: its start, its branch
+                        line = session.line
+                        if not line.started:
+                            line.started, line.start = True, first_message(full)
+                        line.branch = record.branch
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:

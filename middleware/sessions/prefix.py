@@ -69,6 +69,12 @@ def _conversation(step: Step) -> list[Any] | None:
     return [_norm(m) for m in messages]
 
 
+def first_message(step: Step) -> Any:
+    """The normalized first message of ``step``'s conversation (its system prompt, mostly), or None."""
+    conversation = _conversation(step)
+    return conversation[0] if conversation else None
+
+
 def extends(prev: Step, step: Step) -> bool:
     """Whether ``step``'s prompt ids start with ``prev``'s prompt + response ids (both in full form)."""
     n, r = len(prev.prompt_token_ids), len(prev.response_token_ids)
