@@ -9,8 +9,12 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
 - ``main`` by ``extends`` / ``rerendered``: it continues the main line (its prompt extends the main line's last
   call token for token, or the same conversation came back rendered otherwise);
 - ``branch`` by ``rewrites_history``: it starts as the main line does (the same first message: the system
-  prompt) but the history was rewritten (a compaction, a summary put in place of the turns, an edit): a new
-  branch of the same trajectory (``Step.branch`` counts them), whose later calls are ``main`` again;
+  prompt) but the history was rewritten from its start (the message after the system prompt is another: a
+  compaction's summary in place of the task and the turns): a new branch of the same trajectory
+  (``Step.branch`` counts them), whose later calls are ``main`` again;
+- ``main`` by ``edited``: the same first two messages, the history edited later on (OpenClaw moves its
+  internal-context message to the end of every request): still the main line, though not one token sequence
+  (``Step.prefix`` says why);
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
 The main line's continuity is judged against its own last call, never a side call's, so a side call between two
@@ -24,14 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steptap.middleware.records import CallClass, PrefixCause, Step
-from steptap.middleware.sessions.prefix import first_message
+from steptap.middleware.sessions.prefix import first_messages
 
 
 @dataclass
 class MainLine:
-    """What a session knows of its main line: the first message its first main call opened with, the branch."""
+    """What a session knows of its main line: the messages its first main call opened with, its branch."""
 
-    start: Any = None  # the normalized first message of the session's first main call
+    start: list[Any] = field(default_factory=list)  # the first two messages (normalized) of its branch's first call
     branch: int = 0
     started: bool = False
     side_models: frozenset[str] = field(default_factory=frozenset)
@@ -53,8 +57,11 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         return Decision("main", "first", line.branch)
     if prefix in ("extends", "rerendered"):
         return Decision("main", prefix, line.branch)
-    if line.start is not None and first_message(step) == line.start:
-        return Decision("branch", "rewrites_history", line.branch + 1)
+    opening = first_messages(step)
+    if line.start and opening[:1] == line.start[:1]:  # the same system prompt
+        if opening[1:] != line.start[1:]:  # what followed it was replaced: a compaction
+            return Decision("branch", "rewrites_history", line.branch + 1)
+        return Decision("main", "edited", line.branch)
     return Decision("side", "other", line.branch)
 
 
@@ -62,8 +69,8 @@ def advance(line: MainLine, decision: Decision, step: Step) -> None:
     """Move the main line on after a call of ``decision``'s class (side calls leave it as it was)."""
     if decision.call_class == "side":
         return
-    if not line.started:
-        line.started, line.start = True, first_message(step)
+    if not line.started or decision.call_class == "branch":  # a branch's own opening: its summary
+        line.started, line.start = True, first_messages(step)
     line.branch = decision.branch
 
 

@@ -44,9 +44,9 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import RECORD_SLACK, Holdings
 from steptap.middleware.metrics import Metrics
-from steptap.middleware.sessions.classify import MainLine
+from steptap.middleware.sessions.classify import Decision, MainLine, advance
 from steptap.middleware.sessions.classify import apply as classify_call
-from steptap.middleware.sessions.prefix import classify_after, extends, first_message
+from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.delta import DeltaError, Expander, compress, full_trajectory
 from steptap.middleware.records import (
     LogRecord,
@@ -698,11 +698,8 @@ class SessionManager:
                         continue
                     session.trajectory.steps.append(record)
                     session.starts[record.index] = start
-                    if record.call_class != "side":  # the main line as it was: its start, its branch
-                        line = session.line
-                        if not line.started:
-                            line.started, line.start = True, first_message(full)
-                        line.branch = record.branch
+                    if record.status == "ok":  # the main line as it was: its opening, its branch
+                        advance(session.line, Decision(record.call_class, record.call_rule, record.branch), full)
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:

@@ -69,10 +69,9 @@ def _conversation(step: Step) -> list[Any] | None:
     return [_norm(m) for m in messages]
 
 
-def first_message(step: Step) -> Any:
-    """The normalized first message of ``step``'s conversation (its system prompt, mostly), or None."""
-    conversation = _conversation(step)
-    return conversation[0] if conversation else None
+def first_messages(step: Step, n: int = 2) -> list[Any]:
+    """The first ``n`` normalized messages of ``step``'s conversation (the system prompt and the task, mostly)."""
+    return (_conversation(step) or [])[:n]
 
 
 def extends(prev: Step, step: Step) -> bool:

@@ -19,7 +19,7 @@ from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (Sampling, Step, Trajectory, step_json_decoder,
                                         trajectory_json_decoder)
-from steptap.middleware.sessions.classify import MainLine, apply, decide
+from steptap.middleware.sessions.classify import Decision, MainLine, apply, decide
 from steptap.middleware.sessions.manager import SessionManager
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -64,8 +64,13 @@ def test_each_rule_decides_its_class() -> None:
     assert decide(line, step([SYSTEM], [1], [2], model="haiku"), "extends", ["haiku"]).rule == "side_model"
     assert decide(MainLine(side_models=frozenset({"small"})), step([], [1], [2], model="small"), "first").call_class \
         == "side"
-    # the same conversation rendered otherwise stays on the main line
+    # the same conversation rendered otherwise stays on the main line, and so does an edit after the first two
+    # messages (OpenClaw moves its context message to the end of each request)
     assert decide(line, after, "rerendered").call_class == "main"
+    summary = after.request["messages"][1]
+    moved = step([SYSTEM, summary, {"role": "user", "content": "go on"}, {"role": "assistant", "content": "x"}],
+                 [1, 2, 3, 30, 31, 13, 5, 14, 8], [16])
+    assert decide(line, moved, "history_edited") == Decision("main", "edited", 1)
 
 
 def test_a_failed_call_does_not_start_or_move_the_line() -> None:
