@@ -162,3 +162,11 @@ def test_an_open_body_checks_train_and_side_models() -> None:
     for bad in (b'{"train": "side"}', b'{"side_models": "h"}', b'{"side_models": [' + b'"h",' * 40 + b'"h"]}'):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=OpenBody)
+
+
+def test_serve_takes_side_models_repeated() -> None:
+    from steptap.middleware.serve import config_from_args
+
+    config = config_from_args(["--backend", "http://b", "--side-models", "claude-haiku", "--side-models", "small"])
+    assert config.side_models == ["claude-haiku", "small"]
+    assert config_from_args(["--backend", "http://b"]).side_models == []
