@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -390,6 +391,7 @@ class SessionManager:
         prev_call = list(session.full.values())
         for step in steps:
             step.prefix = classify_after(prev_call, step)
+        line_before = dataclasses.replace(session.line)
         on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models)
         forms: list[Step] = []
         for offset, step in enumerate(steps):
@@ -452,7 +454,7 @@ class SessionManager:
             for form in forms:
                 session.starts.pop(form.index, None)
             if session.full is mine:  # no later call has replaced it
-                session.full = before
+                session.full, session.line = before, line_before
             raise
         for form, task in zip(forms, tasks):
             session.starts[form.index] = task.result()[0]
