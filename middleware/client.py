@@ -251,9 +251,12 @@ class SteptapClient:
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
+        train: Literal["main", "all"] = "main",
+        side_models: list[str] | None = None,
     ) -> SessionInfo:
-        """Open a session (``session_id``: choose its id instead of letting the proxy generate one)."""
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
+        """Open a session (``session_id``: choose its id instead of letting the proxy generate one; ``train``
+        and ``side_models``: docs/sessions.md, "Side calls and branches")."""
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train, side_models)
         return _session_dec.decode(await self._request("POST", "/sessions", body))
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
@@ -353,10 +356,13 @@ class SteptapClient:
 
 
 def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
-                  idle_timeout_s: float | None, session_id: str | None) -> dict[str, Any]:
+                  idle_timeout_s: float | None, session_id: str | None, train: str = "main",
+                  side_models: list[str] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"mode": mode}
+    if train != "main":  # the proxy's default: a body an older proxy also takes
+        body["train"] = train
     for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
-                 ("idle_timeout_s", idle_timeout_s), ("id", session_id)):
+                 ("idle_timeout_s", idle_timeout_s), ("id", session_id), ("side_models", side_models)):
         if v is not None:
             body[k] = v
     return body
@@ -464,8 +470,9 @@ class SyncSteptapClient:
 
     def open_session(self, *, group_id: str | None = None, group_size: int | None = None,
                      mode: Literal["train", "eval"] = "train", metadata: dict[str, Any] | None = None,
-                     idle_timeout_s: float | None = None, session_id: str | None = None) -> SessionInfo:
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
+                     idle_timeout_s: float | None = None, session_id: str | None = None,
+                     train: Literal["main", "all"] = "main", side_models: list[str] | None = None) -> SessionInfo:
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train, side_models)
         return _session_dec.decode(self._request("POST", "/sessions", body))
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,

