@@ -408,7 +408,11 @@ class SessionManager:
         size = 0
         if not traj.anonymous and not session.sealed:
             size = self.holdings.size_of(forms)
-            self._check_room(session, len(steps), size)
+            try:
+                self._check_room(session, len(steps), size)
+            except Exception:  # refused (full, too large): the main line stays where it was
+                session.line = line_before
+                raise
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full

@@ -22,6 +22,7 @@ from steptap.middleware.records import (Sampling, Step, Trajectory, step_json_de
                                         trajectory_json_decoder)
 from steptap.middleware.sessions.classify import Decision, MainLine, apply, decide
 from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.prefix import first_messages
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 TITLE_SYSTEM = {"role": "system", "content": "Write a five-word title for this conversation."}
@@ -194,3 +195,18 @@ def test_steptap_run_opens_its_sessions_with_train_and_side_models() -> None:
     assert (opened.train, opened.side_models) == ("all", ["haiku"])
     assert "train" not in _session_body(None, None, "train", None, None, None)  # the default, unsent
 
+
+
+async def test_a_refused_call_leaves_the_main_line_as_it_was(tmp_path: Path) -> None:
+    from steptap.middleware.exceptions import SessionFull
+
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    manager = SessionManager(ProxyConfig(log=str(tmp_path / "log"), max_session_steps=1), log, Metrics(), None,
+                             set())  # type: ignore[arg-type]
+    session = await manager.open(session_id="s1")
+    first, _, second, compacted, _ = session_calls()
+    await manager.record(session, [first])
+    with pytest.raises(SessionFull):
+        await manager.record(session, [compacted])  # would have opened branch 1
+    assert (session.line.branch, session.line.start) == (0, first_messages(first))
+    await log.close()
