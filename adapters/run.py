@@ -56,6 +56,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group", default=None, help="group id (default: a fresh one when -n > 1)")
     p.add_argument("--metadata", default=None, help="JSON object stored on each trajectory")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
+    p.add_argument("--train", choices=("main", "all"), default="main",
+                   help="which calls train: the agent's main line (and its branches), or side calls too")
+    p.add_argument("--side-model", dest="side_models", action="append", default=None, metavar="NAME",
+                   help="a model name whose calls are side calls in the session (repeated)")
     p.add_argument("--model", default=None, help="exported to the program as OPENAI_MODEL and STEPTAP_MODEL "
                    "(with --agent, default: the first model the proxy serves)")
     p.add_argument("--agent", choices=agents.AGENTS, default=None,

@@ -117,6 +117,8 @@ class Runner:
                     mode=self.args.mode,
                     metadata=self.args.metadata or {},
                     idle_timeout_s=self.args.idle_timeout,
+                    train=self.args.train,
+                    side_models=self.args.side_models,
                 )
             except Exception as exc:  # noqa: BLE001 - e.g. the proxy went away mid-run
                 m.status = "not started"

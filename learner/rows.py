@@ -10,6 +10,12 @@ results, the tokens re-fed between steps) is masked.
 Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
 ``Batch.counts``.
 
+Side calls (``Step.call_class == "side"``: a title, a small-fast-model call, a summary beside the main line,
+sessions/classify.py) train only in a session opened with ``train: "all"``; by default they are dropped
+(``dropped_side``). Either way they never break the main line's chain: a side call between two turns leaves
+them packed as one sequence, and a trained side call is a sequence of its own. A ``branch`` step (a
+compaction's new history) trains as the main line does and starts a new sequence.
+
 Returns (documented choice): a step's return is the discounted sum of the per-step (process) rewards from that
 step on, plus the trajectory reward discounted from the last step,
 ``return_k = sum_{j>=k} gamma^(j-k) r_j + gamma^(n-1-k) R``, with n the trajectory's step count. With no
@@ -189,12 +195,16 @@ def build_batch(
             c["steps"] += 1
             versions = step.token_versions()
             lag = version - max(versions, default=step.policy_version)  # the freshest token's
-            reason = _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode)
+            # Beside the main line (sessions/classify.py): never in its chain
+            side = step.call_class == "side"
+            reason = "dropped_side" if side and traj.train == "main" else _skip_reason(
+                step, lag, max_staleness, stale_mode, truncation_mode)
             if reason:
                 c[reason] += 1
                 if last_kept is not None:  # its reward is credited to the closest trained step before it
                     last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
-                prev_kept = None  # a dropped step breaks the chain: the next step starts a new sequence
+                if not side:
+                    prev_kept = None  # a dropped step breaks the chain: the next step starts a new sequence
                 continue
             sample = Sample(
                 trajectory_id=traj.id,
@@ -222,8 +232,12 @@ def build_batch(
                 c["downweighted_stale"] += 1
             if sample.truncated:
                 c["kept_truncated"] += 1
-            _place(batch, sample, prev_kept, step, pack_extends)
-            prev_kept, last_kept = sample, (sample, pos)
+            _place(batch, sample, None if side else prev_kept, step, pack_extends)
+            last_kept = (sample, pos)
+            if side:  # a sequence of its own; the main line's chain goes on past it
+                c["trained_side_steps"] += 1
+            else:
+                prev_kept = sample
             trained_any = True
             c["trained_steps"] += 1
         if trained_any:

@@ -59,6 +59,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "base URL handed to agents (default http://HOST:PORT); with --workers a template naming the worker: "
         "{i} or {port}")] = None
     any_model: Annotated[bool, _help("route every model name to the backend's served model")] = False
+    side_models: Annotated[list[str], _help(
+        "model names whose calls are side calls, not the agent's main line (--side-models repeated; e.g. "
+        "Claude Code's small-fast model); a session adds its own (sessions/classify.py)")] = []
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False

@@ -133,7 +133,8 @@ def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:
 
 class Expander:
     """Full forms of the steps of a whole log read in order (``steps_of``), holding per open trajectory only
-    the full steps of its latest call (a delta's base is always one of them): memory stays linear."""
+    the full steps of its main line's latest call (a delta's base is always one of them; side calls are never
+    bases, sessions/classify.py): memory stays linear."""
 
     def __init__(self) -> None:
         self._last: dict[str, dict[int, Step]] = {}  # trajectory id -> its latest call's ok steps, full
@@ -147,7 +148,7 @@ class Expander:
                                  f"{step.delta.base}, "
                                  "which is not in the previous call")
             step = expand(step, base)
-        if step.status == "ok":
+        if step.status == "ok" and step.call_class != "side":  # a delta's base is on the main line
             if any(s.started_at != step.started_at for s in last.values()):
                 last = {}
             last[step.index] = step

@@ -88,6 +88,12 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        self.call_class = Counter(
+            "steptap_call_class_steps",
+            "steps by the line of their session (main, side, branch) and the rule that decided it",
+            ["call_class", "rule"],
+            registry=r,
+        )
         self.tito_turns = Counter(
             "steptap_tito_turns",
             "token-in-token-out sessions' turns: 'tokens' when sent as ids, else the fallback's cause",

@@ -18,8 +18,14 @@ import msgspec
 # new (``Step.delta``), and a
 #    finished Trajectory refers to its logged steps (``step_refs``) instead of embedding them (``delta.py``);
 #    a step whose generation spans a weight swap records where each policy version starts (``version_spans``).
+#    Later, with no bump (defaulted fields: older v4 records decode as main-line steps of a session that
+# trains
+#    on its main line): ``Step.call_class`` / ``call_rule`` / ``branch`` (sessions/classify.py) and the
+#    session's ``train`` and ``side_models`` (on ``Trajectory`` and ``SessionOpened``).
 SCHEMA_VERSION = 4
 
+CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
+TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
 TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
@@ -118,6 +124,10 @@ class Step(Record, tag="step"):
     # [[start, version], ...]: response token ``start`` on was sampled by ``version`` (a generation that spans
     # a ``keep`` weight swap). Empty: every token is ``policy_version``'s (every step before v4).
     version_spans: list[list[int]] = []
+    call_class: CallClass = "main"  # main line, a side call beside it, or the call that starts a new branch
+    # The rule that decided call_class (sessions/classify.py); "" in records made before it
+    call_rule: str = ""
+    branch: int = 0  # the main line's branch this step is on (a compaction starts the next)
 
     def token_versions(self) -> list[int]:
         """The policy version that sampled each response token."""
@@ -155,6 +165,9 @@ class Trajectory(Record, tag="trajectory"):
     steps_logged: bool = True
     # v4: the logged steps, in order, instead of ``steps`` (a reader resolves them: ``delta.resolve``).
     step_refs: list[StepRef] = []
+    train: TrainOn = "main"  # which of its steps the learner trains on (side calls only with "all")
+    # Model names whose calls are side calls in this session (besides the proxy's)
+    side_models: list[str] = []
 
     @property
     def reward(self) -> float:
@@ -175,6 +188,8 @@ class SessionOpened(Record, tag="session_opened"):
     idle_timeout_s: float | None = None
     key: str | None = None  # the session API key (hash-free: the log is as trusted as the control token)
     tito: bool = False  # token-in-token-out mode, asked at open (kept across a restart)
+    train: TrainOn = "main"
+    side_models: list[str] = []
     at: float = msgspec.field(default_factory=time.time)
 
 

@@ -64,3 +64,27 @@ def reference_argmax(model_dir: str | Path, prompt_ids: list[int], response_ids:
     logprobs = _response_logprobs(model_dir, prompt_ids, response_ids, 1.0, None)  # [R, V]
     logprobs[:, list(exclude)] = float("-inf")
     return logprobs.argmax(dim=-1).tolist()
+
+
+def reference_logprobs_of(model_dir: str | Path, calls: Sequence[tuple[list[int], list[int]]],
+                          temperature: float = 1.0) -> list[list[float]]:
+    """``reference_logprobs`` of several (prompt, response) pairs, one forward pass per token sequence: a pair
+    whose ids are the start of a longer pair's prompt (an agent's earlier turn) is read from that pair's pass.
+    An agent session of 40k-token prompts costs one pass, not one per call."""
+    import torch
+
+    seqs = [list(p) + list(r) for p, r in calls]
+    # each pair's covering sequence: the longest one that starts with all of its ids
+    cover = [max((j for j, s in enumerate(seqs) if s[: len(seq)] == seq), key=lambda j: len(seqs[j]))
+             for seq in seqs]
+    out: list[list[float]] = [[] for _ in calls]
+    for j in sorted(set(cover)):
+        model = _load(str(Path(model_dir).resolve()), None)
+        with torch.no_grad():
+            logits = model(torch.tensor([seqs[j]])).logits[0].float()  # [T, V]
+        for i in (i for i, c in enumerate(cover) if c == j):
+            prompt, response = calls[i]
+            start = len(prompt) - 1  # position t predicts token t+1
+            lp = torch.log_softmax(logits[start : start + len(response)] / temperature, dim=-1)
+            out[i] = lp.gather(1, torch.tensor(list(response))[:, None])[:, 0].tolist()
+    return out

@@ -42,10 +42,13 @@ _enc = msgspec.json.Encoder()
 
 
 def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
-                  idle_timeout_s: float | None, session_id: str | None) -> dict[str, Any]:
+                  idle_timeout_s: float | None, session_id: str | None, train: str = "main",
+                  side_models: list[str] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"mode": mode}
+    if train != "main":  # the proxy's default: a body an older proxy also takes
+        body["train"] = train
     for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
-                 ("idle_timeout_s", idle_timeout_s), ("id", session_id)):
+                 ("idle_timeout_s", idle_timeout_s), ("id", session_id), ("side_models", side_models)):
         if v is not None:
             body[k] = v
     return body

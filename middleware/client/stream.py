@@ -167,9 +167,13 @@ class SteptapClient:
         metadata: dict[str, Any] | None = None,
         idle_timeout_s: float | None = None,
         session_id: str | None = None,
+        train: Literal["main", "all"] = "main",
+        side_models: list[str] | None = None,
     ) -> SessionInfo:
-        """Open a session (``session_id``: choose its id instead of letting the proxy generate one)."""
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
+        """Open a session (``session_id``: choose its id instead of letting the proxy generate one; ``train``
+        and ``side_models``: docs/sessions.md, "Side calls and branches")."""
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train,
+                             side_models)
         return _session_dec.decode(await self._request("POST", "/sessions", body))
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,

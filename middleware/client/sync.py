@@ -112,8 +112,11 @@ class SyncSteptapClient:
 
     def open_session(self, *, group_id: str | None = None, group_size: int | None = None,
                      mode: Literal["train", "eval"] = "train", metadata: dict[str, Any] | None = None,
-                     idle_timeout_s: float | None = None, session_id: str | None = None) -> SessionInfo:
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id)
+                     idle_timeout_s: float | None = None, session_id: str | None = None,
+                     train: Literal["main", "all"] = "main",
+                     side_models: list[str] | None = None) -> SessionInfo:
+        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train,
+                             side_models)
         return _session_dec.decode(self._request("POST", "/sessions", body))
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,

@@ -6,7 +6,7 @@ anything changes: an error leaves the session as it was.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -15,7 +15,7 @@ from steptap.middleware.auth import require_control
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
-from steptap.middleware.records import Mode, to_builtins
+from steptap.middleware.records import Mode, TrainOn, to_builtins
 from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
 from steptap.middleware.sessions.rewards import finite
@@ -33,6 +33,9 @@ class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metadata: dict[str, Any] = {}
     idle_timeout_s: float | None = None
     tito: bool = False  # token-in-token-out mode (vLLM --enable-scale-out)
+    train: TrainOn = "main"  # which steps the learner trains on: the main line (and branches) or all
+    side_models: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]],
+                           msgspec.Meta(max_length=32)] = []
 
 
 class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -91,6 +94,8 @@ async def open_session(request: web.Request) -> web.Response:
         idle_timeout_s=body.idle_timeout_s,
         session_id=body.id,
         tito=body.tito,
+        train=body.train,
+        side_models=body.side_models,
     )
     return _json(manager.summary(session, str(request.url.origin())), status=201)
 

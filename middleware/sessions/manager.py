@@ -15,6 +15,7 @@ is judged against); its closing ``Trajectory`` record refers to the logged steps
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -43,10 +44,12 @@ from steptap.middleware.records import (
     RewardAdded,
     SessionOpened,
     Step,
+    TrainOn,
     Trajectory,
     TrajectoryStatus,
     msgpack_encoder,
 )
+from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.closing import Closing
 from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
 from steptap.middleware.sessions.groups import Group as Group
@@ -120,6 +123,8 @@ class SessionManager(Closing, Groups, Replay):
         session_id: str | None = None,
         keyed: bool = True,
         tito: bool = False,
+        train: TrainOn = "main",
+        side_models: list[str] | None = None,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions or sid in self.closed:
@@ -134,6 +139,8 @@ class SessionManager(Closing, Groups, Replay):
             mode=mode,
             metadata=metadata or {},
             idle_timeout_s=idle_timeout_s,
+            train=train,
+            side_models=list(side_models or ()),
         )
         session = LiveSession(traj, new_key() if keyed else None)
         session.tito = tito
@@ -155,6 +162,8 @@ class SessionManager(Closing, Groups, Replay):
                     idle_timeout_s=idle_timeout_s,
                     key=session.key,
                     tito=tito,
+                    train=train,
+                    side_models=traj.side_models,
                 )
             )
         except BaseException:
@@ -309,13 +318,16 @@ class SessionManager(Closing, Groups, Replay):
         # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
         # choices of one call share it.
         prev_call = list(session.full.values())
+        for step in steps:
+            step.prefix = classify_after(prev_call, step)
+        line_before = dataclasses.replace(session.line)
+        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models)
         forms: list[Step] = []
         bases: list[Step | None] = []
         for offset, step in enumerate(steps):
             step.trajectory_id = traj.id
             step.group_id = traj.group_id
             step.index = len(traj.steps) + offset
-            step.prefix = classify_after(prev_call, step)
             base = None
             if step.prefix == "extends":  # one previous choice: classify_after found it extends (no 2nd pass)
                 base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
@@ -330,13 +342,20 @@ class SessionManager(Closing, Groups, Replay):
         sizes = [self.holdings.size_of([f]) for f in forms]
         # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
         # session's memory would grow with its context while its counted bytes grow only with its new tokens.
+        # (a side call is not on the main line: the next call is not judged against it, nothing is held for
+        # it)
         held = {s.index: full_sizes(f, n, b, session.full_sizes)
-                for s, f, b, n in zip(steps, forms, bases, sizes, strict=True) if s.status == "ok"}
+                for s, f, b, n in zip(steps, forms, bases, sizes, strict=True)
+                if s.status == "ok"} if on_main else {}
         extra = (sum(held[f.index][0] for f in forms if f.delta is not None and f.index in held)
                  if held else session.full_extra)
         if not traj.anonymous and not session.sealed:
             size = sum(sizes) + extra - session.full_extra
-            self._check_room(session, len(steps), size)
+            try:
+                self._check_room(session, len(steps), size)
+            except Exception:  # refused (full, too large): the main line stays where it was
+                session.line = line_before
+                raise
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full
@@ -354,6 +373,7 @@ class SessionManager(Closing, Groups, Replay):
             m = self.metrics
             m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
             m.child(m.prefix, step.prefix).inc()
+            m.child(m.call_class, step.call_class, step.call_rule).inc()
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
         if traj.anonymous and self.reward_fn is None:
@@ -386,6 +406,7 @@ class SessionManager(Closing, Groups, Replay):
                 session.starts.pop(form.index, None)
             if session.full is mine:  # no later call has replaced it
                 session.full, session.full_sizes, session.full_extra = before, before_sizes, before_extra
+                session.line = line_before
             raise
         for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task.result()[0]

@@ -69,6 +69,12 @@ def _conversation(step: Step) -> list[Any] | None:
     return [_norm(m) for m in messages]
 
 
+def first_messages(step: Step, n: int = 2) -> list[Any]:
+    """The first ``n`` normalized messages of ``step``'s conversation (the system prompt and the task,
+    mostly)."""
+    return (_conversation(step) or [])[:n]
+
+
 def extends(prev: Step, step: Step) -> bool:
     """Whether ``step``'s prompt ids start with ``prev``'s prompt + response ids (both in full form)."""
     n, r = len(prev.prompt_token_ids), len(prev.response_token_ids)

@@ -17,6 +17,7 @@ from steptap.middleware.records import (
     Trajectory,
     msgpack_encoder,
 )
+from steptap.middleware.sessions.classify import Decision, advance
 from steptap.middleware.sessions.limits import RECORD_SLACK
 from steptap.middleware.sessions.session import LiveSession
 
@@ -66,6 +67,8 @@ class Replay:
                     metadata=record.metadata,
                     idle_timeout_s=record.idle_timeout_s,
                     created_at=record.at,
+                    train=record.train,
+                    side_models=record.side_models,
                 )
                 self.closed.pop(traj.id, None)
                 rebuilt = LiveSession(traj, record.key)
@@ -75,7 +78,7 @@ class Replay:
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None and record.index == len(session.trajectory.steps):
                     try:
-                        expander.full(record)
+                        full = expander.full(record)
                     # Its base is not in the log: the rest of the chain cannot be read
                     except DeltaError as exc:
                         logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index,
@@ -83,6 +86,9 @@ class Replay:
                         continue
                     session.trajectory.steps.append(record)
                     session.starts[record.index] = start
+                    if record.status == "ok":  # the main line as it was: its opening, its branch
+                        advance(session.line, Decision(record.call_class, record.call_rule, record.branch),
+                                full)
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:

@@ -16,6 +16,7 @@ from steptap.middleware.records import (
     Trajectory,
     msgpack_encoder,
 )
+from steptap.middleware.sessions.classify import MainLine
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -38,7 +39,7 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "drained", "full", "full_extra", "full_sizes", "inflight", "key",
-                 "last_active", "late", "lock", "pending", "sealed", "starts", "tito", "tito_state",
+                 "last_active", "late", "line", "lock", "pending", "sealed", "starts", "tito", "tito_state",
                  "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
@@ -61,6 +62,7 @@ class LiveSession:
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it
         self.full_sizes: dict[int, tuple[int, int]] = {}  # their sizes, bounded from above (``full_sizes``)
         self.full_extra = 0  # what the full copies of the delta steps among them hold (in ``bytes``)
+        self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory

