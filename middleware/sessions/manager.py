@@ -30,9 +30,7 @@ from steptap.middleware.exceptions import (
     RecordTooLarge,
     SessionClosed,
     SessionExists,
-    SessionFull,
     SessionNotFound,
-    StepNotFound,
     UnknownSessionKey,
     WrongSessionKey,
 )
@@ -41,7 +39,6 @@ from steptap.middleware.records import (
     LogRecord,
     Mode,
     PolicyVersion,
-    RewardAdded,
     SessionOpened,
     Step,
     TrainOn,
@@ -58,6 +55,7 @@ from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.sessions.replay import Replay
+from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
 from steptap.middleware.sessions.session import LiveSession as LiveSession
@@ -67,7 +65,7 @@ from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
 
-class SessionManager(Closing, Groups, Replay):
+class SessionManager(Closing, Groups, Replay, Rewarding):
     def __init__(
         self,
         config: ProxyConfig,
@@ -412,54 +410,6 @@ class SessionManager(Closing, Groups, Replay):
             session.starts[form.index] = task.result()[0]
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))
-
-    # ---- rewards -----------------------------------------------------------------------------------------
-
-    async def add_reward(
-        self, session: LiveSession, value: float, name: str, step: int | str | None
-    ) -> RewardAdded:
-        """Validate everything first, then log, then apply: an error changes nothing. Under the session's
-        lock, so a reward is either in the closing Trajectory record or refused (409)."""
-        async with session.lock:
-            return await self._add_reward_locked(session, value, name, step)
-
-    async def _add_reward_locked(
-        self, session: LiveSession, value: float, name: str, step: int | str | None
-    ) -> RewardAdded:
-        if session.closing:
-            raise SessionClosed(f"session {session.id!r} is closing")
-        steps = session.trajectory.steps
-        index: int | None = None
-        if step == "last":
-            if not steps:
-                raise StepNotFound("the session has no steps yet")
-            index = len(steps) - 1
-        elif step is not None:
-            index = int(step)
-            if not 0 <= index < len(steps):
-                raise StepNotFound(f"no step {index} (the session has {len(steps)})")
-        record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
-        target = session.trajectory.rewards if index is None else steps[index].rewards
-        size = 0 if name in target else len(name.encode()) + 16  # a new name grows the Trajectory record
-        if session.bytes + size > self.config.max_session_bytes:
-            raise SessionFull(
-                f"session {session.id!r} holds {session.bytes} bytes; another reward name would pass "
-                f"max_session_bytes={self.config.max_session_bytes}"
-            )
-        await self._append(record)
-        self._apply_reward(session.trajectory, record)
-        session.bytes += size
-        self.holdings.hold(0, size)
-        session.last_active = time.monotonic()
-        self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
-        return record
-
-    @staticmethod
-    def _apply_reward(traj: Trajectory, record: RewardAdded) -> None:
-        if record.step is None:
-            traj.rewards[record.name] = record.value
-        elif 0 <= record.step < len(traj.steps):
-            traj.steps[record.step].rewards[record.name] = record.value
 
     def summary(self, session: LiveSession, origin: str | None = None) -> dict[str, Any]:
         """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)

@@ -183,7 +183,7 @@ def test_serve_takes_side_models_repeated() -> None:
 
 def test_steptap_run_opens_its_sessions_with_train_and_side_models() -> None:
     from steptap.adapters.run import _parse_args
-    from steptap.middleware.client import _session_body
+    from steptap.middleware.client.api import _session_body
 
     args = _parse_args(["--proxy", "http://p", "--control-token", "t", "--train", "all", "--side-model",
                         "haiku",

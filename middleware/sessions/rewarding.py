@@ -1,0 +1,73 @@
+"""Rewards on an open session: validated, logged, then applied (an error changes nothing). ``Rewarding`` is a
+mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from steptap.middleware.exceptions import SessionClosed, SessionFull, StepNotFound
+from steptap.middleware.records import RewardAdded, Trajectory
+from steptap.middleware.sessions.session import LiveSession
+
+if TYPE_CHECKING:
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.records import LogRecord
+    from steptap.middleware.sessions.limits import Holdings
+
+
+class Rewarding:
+    """``SessionManager``'s rewards."""
+
+    config: ProxyConfig
+    metrics: Metrics
+    holdings: Holdings
+    if TYPE_CHECKING:  # SessionManager's
+        async def _append(self, record: LogRecord) -> str: ...
+
+    async def add_reward(
+        self, session: LiveSession, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
+        """Validate everything first, then log, then apply: an error changes nothing. Under the session's
+        lock, so a reward is either in the closing Trajectory record or refused (409)."""
+        async with session.lock:
+            return await self._add_reward_locked(session, value, name, step)
+
+    async def _add_reward_locked(
+        self, session: LiveSession, value: float, name: str, step: int | str | None
+    ) -> RewardAdded:
+        if session.closing:
+            raise SessionClosed(f"session {session.id!r} is closing")
+        steps = session.trajectory.steps
+        index: int | None = None
+        if step == "last":
+            if not steps:
+                raise StepNotFound("the session has no steps yet")
+            index = len(steps) - 1
+        elif step is not None:
+            index = int(step)
+            if not 0 <= index < len(steps):
+                raise StepNotFound(f"no step {index} (the session has {len(steps)})")
+        record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
+        target = session.trajectory.rewards if index is None else steps[index].rewards
+        size = 0 if name in target else len(name.encode()) + 16  # a new name grows the Trajectory record
+        if session.bytes + size > self.config.max_session_bytes:
+            raise SessionFull(
+                f"session {session.id!r} holds {session.bytes} bytes; another reward name would pass "
+                f"max_session_bytes={self.config.max_session_bytes}"
+            )
+        await self._append(record)
+        self._apply_reward(session.trajectory, record)
+        session.bytes += size
+        self.holdings.hold(0, size)
+        session.last_active = time.monotonic()
+        self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
+        return record
+
+    @staticmethod
+    def _apply_reward(traj: Trajectory, record: RewardAdded) -> None:
+        if record.step is None:
+            traj.rewards[record.name] = record.value
+        elif 0 <= record.step < len(traj.steps):
+            traj.steps[record.step].rewards[record.name] = record.value
