@@ -1,5 +1,6 @@
-"""ARCHITECTURE.md's module tables stay true: every module of middleware/, learner/ and adapters/ has its line,
-and no line names a module that does not exist (issue 19: the map is how the next engineer finds their way)."""
+"""ARCHITECTURE.md's module tables stay true: every module of middleware/, learner/ and adapters/ has its
+line, and no line names a module that does not exist (issue 19: the map is how the next engineer finds their
+way)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("middleware", "adapters", "learner")
-# Files that are not modules of their own: package markers, and the vLLM plugin's sources (installed into vLLM's
-# venv, listed as one folder under launch/).
+# Files that are not modules of their own: package markers, and the vLLM plugin's sources (installed into
+# vLLM's venv, listed as one folder under launch/).
 SKIP = re.compile(r"(^|/)__init__\.py$|^middleware/launch/vllm_plugin/")
 SECTION = re.compile(r"^### `(\w+)/`")  # "### `middleware/` = ..."
 SUBPACKAGE = re.compile(r"^\| `([\w/]+)/` \|")  # a table headed "| `proxy/` | ... |"
