@@ -85,7 +85,7 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
 # reach the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it
 # drives the others through their command lines). The kernel (the modules directly in middleware/) imports no
 # subpackage, except the composition root (app.py, serve.py) and cli.py (lazily, by name).
-SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend")
+SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend", "console")
 ALLOWED = {
     "kernel": set(),
     "proxy": {"sessions", "weights", "backend"},
@@ -94,6 +94,7 @@ ALLOWED = {
     "weights": {"backend"},
     "launch": set(),
     "backend": set(),
+    "console": {"sessions", "log", "weights", "backend"},  # a view over them all, and curation into the log
 }
 # backend/url.py is stdlib only: the one URL parser, shared with the kernel's sync client and the launchers.
 SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl"}
