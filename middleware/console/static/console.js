@@ -172,6 +172,7 @@ function stepNode(step, cur) {
 
 async function openTrajectory(id) {
   const t = await api("/console/api/sessions/" + encodeURIComponent(id));
+  if (state.open !== id) $("action-result").textContent = "";
   state.open = id;
   const cur = t.curation || {};
   $("trajectory").hidden = false;
