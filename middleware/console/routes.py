@@ -178,7 +178,7 @@ async def trajectory(request: web.Request) -> web.Response:
     data["reward"] = traj.reward
     index = request.app[INDEX_KEY]
     data["curation"] = to_builtins(index.state(sid))
-    data["marks"] = to_builtins(index.marks.get(sid, []))
+    data["marks"] = msgspec.to_builtins(index.marks.get(sid, []))
     return _json(data)
 
 
@@ -216,7 +216,7 @@ async def lookup(request: web.Request) -> web.Response:
     body: LookupBody = _decode(await request.read(), LookupBody)
     index = request.app[INDEX_KEY]
     marks = {tid: index.marks[tid] for tid in body.ids if tid in index.marks}
-    return _json({"marks": {tid: to_builtins(m) for tid, m in marks.items()},
+    return _json({"marks": {tid: msgspec.to_builtins(m) for tid, m in marks.items()},
                   "state": {tid: to_builtins(fold(m)) for tid, m in marks.items()}})
 
 

@@ -29,7 +29,8 @@ async def run_session(http: aiohttp.ClientSession, proxy: Any, sid: str, *, grou
         messages += [{"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": XSS_ARGS}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "<b>4</b>"}]
-    async with http.post(f"{proxy.url}/s/{sid}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+    call = f"{proxy.url}/s/{sid}/v1/chat/completions"
+    async with http.post(call, headers={"Authorization": f"Bearer {key}"},
                          json={"model": "tiny", "messages": messages, "max_tokens": 4}) as resp:
         assert resp.status == 200, await resp.text()
     if finish is not None:
@@ -68,7 +69,8 @@ async def test_nothing_is_shown_without_a_token_and_only_the_control_token_acts(
         assert resp.headers["X-Frame-Options"] == "DENY"
 
     # A one-time code, exchanged in a POST body for an HttpOnly, SameSite=Strict cookie; spent once used
-    async with http.post(proxy.url + "/console/api/codes", json={"role": "control"}, headers=proxy.control) as r:
+    codes = proxy.url + "/console/api/codes"
+    async with http.post(codes, json={"role": "control"}, headers=proxy.control) as r:
         code = (await r.json())["code"]
     jar = aiohttp.CookieJar(unsafe=True)
     async with aiohttp.ClientSession(cookie_jar=jar) as browser:
@@ -97,7 +99,8 @@ async def test_nothing_is_shown_without_a_token_and_only_the_control_token_acts(
     # Durable: a restarted proxy has the marks (the learner's lookup, the console's filters)
     await proxy.server.close()
     again = await make_proxy(vllm_server.url, log_dir=proxy.log_dir)
-    async with http.post(again.url + "/curation/lookup", json={"ids": ["s1", "s2"]}, headers=again.control) as r:
+    lookup = again.url + "/curation/lookup"
+    async with http.post(lookup, json={"ids": ["s1", "s2"]}, headers=again.control) as r:
         found = await r.json()
     assert [m["action"] for m in found["marks"]["s1"]] == ["exclude", "tag"] and "s2" not in found["marks"]
     assert found["state"]["s1"]["excluded"] and found["state"]["s1"]["reasons"] == ["wrong answer"]

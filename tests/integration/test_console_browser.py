@@ -88,7 +88,8 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
     # Round 0 (version 0): one member carries script tags in its message and its tool call's arguments
     await run_session(http, proxy, "g0-xss", group="g0", size=2, xss=True, finish=1.0)
     await run_session(http, proxy, "g0-b", group="g0", size=2, finish=0.0)
-    async with http.post(proxy.url + "/console/api/codes", json={"role": "control"}, headers=proxy.control) as r:
+    codes = proxy.url + "/console/api/codes"
+    async with http.post(codes, json={"role": "control"}, headers=proxy.control) as r:
         link = proxy.url + (await r.json())["path"]
     await asyncio.to_thread(browser.get, link)
     await wait_for("the login", lambda: css("#role") and css("#role")[0].text == "control")
