@@ -199,6 +199,9 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
     # the vLLM plugin has no __init__.py (it is never imported here) but ships as a declared package of files
     assert (ROOT / VLLM_SIDE / "steptap_vllm_plugin.py").is_file()
     on_disk.add("steptap.middleware.launch.vllm_plugin")
+    # the console's page: html, js and css, a declared package of files too
+    assert (ROOT / "middleware" / "console" / "static" / "index.html").is_file()
+    on_disk.add("steptap.middleware.console.static")
     assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"
 
 
