@@ -33,6 +33,7 @@ from steptap.middleware.curation import CurationBody, LookupBody, fold
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.errors import ApiError
 from steptap.middleware.log.stream import LOG_KEY
+from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Curation, Trajectory, to_builtins
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -206,6 +207,8 @@ async def curate(request: web.Request) -> web.Response:
                     tags=body.tags, reason=body.reason, by="console" if by_cookie else "api")
     await request.app[LOG_KEY].append(mark)  # durable before it counts
     index.add_mark(mark)
+    metrics = request.app[METRICS_KEY]
+    metrics.child(metrics.curation_marks, body.action, "trajectory" if body.step is None else "step").inc()
     return _json({"trajectory_id": sid, "mark": to_builtins(mark), "curation": to_builtins(index.state(sid))},
                  status=201)
 

@@ -96,6 +96,9 @@ async def test_nothing_is_shown_without_a_token_and_only_the_control_token_acts(
                          json={"action": "tag", "tags": ["odd"]}) as resp:
         assert resp.status == 201 and (await resp.json())["mark"]["by"] == "api"
 
+    async with http.get(proxy.url + "/metrics") as resp:
+        assert 'steptap_curation_marks_total{action="exclude",target="trajectory"} 1.0' in await resp.text()
+
     # Durable: a restarted proxy has the marks (the learner's lookup, the console's filters)
     await proxy.server.close()
     again = await make_proxy(vllm_server.url, log_dir=proxy.log_dir)
