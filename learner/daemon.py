@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 import aiohttp
 import torch
 
-from steptap.learner import checkpoint
+from steptap.learner import checkpoint, curation
 from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engines.base import make_engine
 from steptap.learner.metrics_log import MetricsLog, update_row
@@ -155,7 +155,11 @@ class Learner:
             while not self._finished():
                 groups, t0 = await self._next_groups(), time.perf_counter()
                 trajs = [t for g in groups for t in g] + self._drain()
-                batch = build_batch(trajs, version=self.version, **self._row_options())
+                marks = await self._curation(trajs)
+                batch = build_batch(trajs, version=self.version, curation=marks, **self._row_options())
+                dropped = curation.note(trajs, marks)
+                if dropped:
+                    self.metrics.note(dropped)
                 batch.counts.update(self.grouper.counts)
                 self.grouper.counts.clear()
                 stats = await asyncio.to_thread(self.engine.train_step, batch) if batch.samples else None
@@ -216,6 +220,18 @@ class Learner:
             if len(groups) < self.cfg.batch_groups:
                 await asyncio.sleep(0.2)
         return groups
+
+    async def _curation(self, trajs: list[Trajectory]) -> dict[str, curation.CurationState]:
+        """The marks of ``trajs``, asked of the proxy each came from (learner/curation.py)."""
+        by_source: dict[int, tuple[Source, list[str]]] = {}
+        for t in trajs:
+            src = self.origin.get(id(t))
+            if src is not None and t.mode == "train":
+                by_source.setdefault(id(src), (src, []))[1].append(t.id)
+        out: dict[str, curation.CurationState] = {}
+        for src, ids in by_source.values():
+            out.update(await curation.lookup(src.client, ids, self.stop.is_set, self.metrics.note))
+        return out
 
     def _drain(self) -> list[Trajectory]:
         out, self.pass_through = self.pass_through, []

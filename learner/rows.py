@@ -33,6 +33,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
+
+from steptap.middleware.curation import CurationState
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.records import Sampling, Step, Trajectory
 
@@ -169,10 +172,13 @@ def build_batch(
     truncation_mode: str = "correct",
     pack_extends: bool = True,
     train_aborted: bool = False,
+    curation: dict[str, CurationState] | None = None,
 ) -> Batch:
     """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
     policy version. Staleness is per token (lag = version - the version that sampled it,
-    ``Step.version_spans``): a step is dropped as stale only when its newest token is."""
+    ``Step.version_spans``): a step is dropped as stale only when its newest token is. ``curation``: each
+    trajectory's marks (middleware/curation.py): excluded trajectories and steps are dropped and counted,
+    edited rewards replace the recorded ones."""
     batch = Batch()
     c = batch.counts
     for traj in trajectories:
@@ -184,9 +190,18 @@ def build_batch(
         if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
             c[f"dropped_{traj.status}"] += 1
             continue
+        marks = (curation or {}).get(traj.id) or CurationState()
+        if marks.excluded:
+            c["dropped_curated"] += 1
+            continue
         steps = sorted(full_trajectory(traj).steps, key=lambda s: (s.index, s.choice))  # delta steps too
-        rets = step_returns(steps, traj.reward, gamma)
-        rewards = step_rewards(steps, traj.reward)
+        reward = float(sum({**traj.rewards, **marks.rewards}.values()))
+        if marks.rewards or marks.step_rewards:
+            c["curated_reward_edits"] += 1
+            steps = [msgspec.structs.replace(s, rewards={**s.rewards, **marks.step_rewards[s.index]})
+                     if s.index in marks.step_rewards else s for s in steps]
+        rets = step_returns(steps, reward, gamma)
+        rewards = step_rewards(steps, reward)
         prev_kept: Sample | None = None
         # (sample, step position): where a dropped step's reward goes
         last_kept: tuple[Sample, int] | None = None
@@ -197,8 +212,9 @@ def build_batch(
             lag = version - max(versions, default=step.policy_version)  # the freshest token's
             # Beside the main line (sessions/classify.py): never in its chain
             side = step.call_class == "side"
-            reason = "dropped_side" if side and traj.train == "main" else _skip_reason(
-                step, lag, max_staleness, stale_mode, truncation_mode)
+            reason = "dropped_side" if side and traj.train == "main" else (
+                "dropped_curated_step" if step.index in marks.excluded_steps
+                else _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode))
             if reason:
                 c[reason] += 1
                 if last_kept is not None:  # its reward is credited to the closest trained step before it
@@ -241,7 +257,7 @@ def build_batch(
             trained_any = True
             c["trained_steps"] += 1
         if trained_any:
-            batch.rewards.append(traj.reward)
+            batch.rewards.append(reward)
             c["trained_trajectories"] += 1
     return batch
 

@@ -15,6 +15,7 @@ from aiohttp.typedefs import Handler
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.console import routes as console
 from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
 from steptap.middleware.log.wal import TrajectoryLog
@@ -73,6 +74,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     r.add_post("/admin/weights", weights.admin_weights)
     control.add_routes(app)
     stream.add_routes(app)
+    console.add_routes(app)
     return app
 
 

@@ -52,6 +52,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     log: Annotated[str, _help("trajectory log: a local directory or an fsspec URL")] = DEFAULT_LOG_DIR
     control_token: Annotated[str, _help(
         "bearer token of the control routes; empty: generated at start (auth.generate_token)")] = ""
+    viewer_token: Annotated[str, _help(
+        "bearer token that may look at the console (/console) and its JSON, never act; empty: only the "
+        "control token and one-time login links (docs/console.md)")] = ""
+    console_learner_metrics: Annotated[str | None, _help(
+        "the learner's metrics file (JSON lines): the console draws its loss, KL, grad norm and clip "
+        "fraction (steptap up sets it)")] = None
     allowed_hosts: Annotated[list[str], _help(
         "a Host name model calls may carry besides the bind address, localhost and the public URL's host "
         "(repeatable; a foreign Host is refused: DNS rebinding)")] = []

@@ -17,7 +17,8 @@ from steptap.middleware.config import ProxyConfig
 # environment as well as a flag (the secrets), or parsed from a string (force_sampling).
 NOT_FLAGS = {"sampling_defaults", "backends"}  # backends: the second and later --backend
 HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
-SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY"}
+SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY",
+              "viewer_token": "STEPTAP_VIEWER_TOKEN"}
 
 
 def _flag(name: str) -> str:

@@ -127,6 +127,9 @@ class Metrics:
         # The histogram has negative buckets, so prometheus_client leaves out its _sum: keep the sum here
         # (a gauge, since rewards may be negative) for the mean reward of closed trajectories.
         self.reward_sum = Gauge(REWARD_SUM, "sum of scalar trajectory rewards at close", registry=r)
+        self.curation_marks = Counter(
+            "steptap_curation_marks", "curation marks written (docs/console.md)", ["action", "target"],
+            registry=r)
         self.reward_errors = Counter(
             "steptap_reward_callback_errors",
             "reward callbacks that raised or timed out",

@@ -212,10 +212,31 @@ class PolicyVersion(Record, tag="policy_version"):
     at: float = msgspec.field(default_factory=time.time)
 
 
+CurationAction = Literal["exclude", "include", "reward", "tag"]
+
+
+class Curation(Record, tag="curation"):
+    """A person's (or a rule's, or a script's) mark on a trajectory or one of its steps
+    (``POST /sessions/<id>/curation``, the console). Durable in the log; the learner honours the latest
+    ``exclude``/``include`` and every ``reward`` edit for what it has not trained yet
+    (``middleware/curation.py``)."""
+
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    step: int | None = None  # None: the whole trajectory
+    action: CurationAction = "tag"
+    value: float | None = None  # action "reward": the reward component's new value
+    name: str = "reward"  # action "reward": which component
+    tags: list[str] = []  # action "tag"
+    reason: str = ""
+    by: str = ""  # "console" or "api"
+    at: float = msgspec.field(default_factory=time.time)
+
+
 # A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to
 # its logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens
 # only.
-LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion
+LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Curation
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

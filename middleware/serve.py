@@ -51,6 +51,7 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     values["control_token"] = values["control_token"] or ""
+    values["viewer_token"] = values["viewer_token"] or ""
     backends = values.pop("backend") or []  # --backend is repeated: the first, then the other replicas
     if not backends and not args.backends_file:
         parser.error("give --backend URL (repeatable) or --backends-file FILE")

@@ -65,6 +65,17 @@ fi
 # The vLLM server lives in its own venv (its transformers pin clashes with verl's): built once per machine.
 say "the vLLM virtualenv (built once per machine, minutes the first time; log: $log)"
 run .venv/bin/steptap vllm --install-only
+# The console's browser test drives Debian's Chromium through selenium (a browser downloaded at run time cannot
+# work offline): the packages by name, installed when missing and apt can (root, or sudo without a password).
+if ! { command -v chromium >/dev/null && [ -x /usr/bin/chromedriver ]; }; then
+  apt=(apt-get); [ "$(id -u)" = 0 ] || apt=(sudo -n apt-get)
+  if "${apt[@]}" install -y chromium chromium-driver >>"$log" 2>&1; then
+    say "installed chromium and chromium-driver"
+  else
+    say "could not install chromium chromium-driver (apt-get install -y chromium chromium-driver as root):"\
+        " the console's browser test will fail under CI"
+  fi
+fi
 # The agent CLIs of the compatibility matrix (Node 24 and four pinned CLIs from npm, into the user cache).
 bash scripts/install_agents.sh
 say "done in $((SECONDS - t0)) s"

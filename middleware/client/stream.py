@@ -28,10 +28,17 @@ from steptap.middleware.client.api import (
 )
 from steptap.middleware.client.tokens import default_control_token
 from steptap.middleware.delta import DeltaError
-from steptap.middleware.records import Trajectory
+from steptap.middleware.records import Curation, Trajectory
 from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
 
 logger = logging.getLogger("steptap.client")
+
+
+class _Lookup(msgspec.Struct):
+    marks: dict[str, list[Curation]] = {}
+
+
+_lookup_dec = msgspec.json.Decoder(_Lookup)
 
 
 class Delivery(msgspec.Struct):
@@ -187,6 +194,26 @@ class SteptapClient:
 
     async def get_session(self, session_id: str) -> Trajectory:
         return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+
+    # ---- curation (docs/console.md) ----------------------------------------------------------------------
+
+    async def curate(self, session_id: str, action: Literal["exclude", "include", "reward", "tag"], *,
+                     step: int | None = None, value: float | None = None, name: str = "reward",
+                     tags: list[str] | None = None, reason: str = "") -> dict[str, Any]:
+        """Mark a trajectory (or one of its steps): durable in the log, honoured by the learner for what it
+        has not trained yet."""
+        body: dict[str, Any] = {"action": action, "step": step, "name": name, "reason": reason}
+        if value is not None:
+            body["value"] = value
+        if tags:
+            body["tags"] = tags
+        raw = await self._request("POST", f"/sessions/{quote(session_id, safe='')}/curation", body)
+        result: dict[str, Any] = msgspec.json.decode(raw)
+        return result
+
+    async def curation(self, ids: list[str]) -> dict[str, list[Curation]]:
+        """The curation marks of these trajectories, in log order (those without any are left out)."""
+        return _lookup_dec.decode(await self._request("POST", "/curation/lookup", {"ids": ids})).marks
 
     # ---- the stream --------------------------------------------------------------------------------------
 

@@ -175,6 +175,12 @@ class SyncSteptapClient:
         (``steptap.learner.transfer``); the new policy version once vLLM loaded them."""
         return int(json.loads(self._request("POST", "/admin/weights", body, timeout_s=timeout_s))["version"])
 
+    def console_link(self, role: str = "control") -> str:
+        """A one-time login link to the console (``/console/#code=...``: the code rides in the fragment, which
+        no browser sends, and works once)."""
+        path = json.loads(self._request("POST", "/console/api/codes", {"role": role}))["path"]
+        return f"{self.base_url}{path}"
+
     def metrics_text(self) -> str:
         """``GET /metrics``: the Prometheus text (names in ``steptap.middleware.metrics``)."""
         return self._request("GET", "/metrics", timeout_s=min(self.timeout_s, 5.0)).decode("utf-8", "replace")

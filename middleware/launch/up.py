@@ -129,6 +129,8 @@ class Up(Preflight, RunFiles):
             str(self.workdir / "trajectories"),
             "--control-token-file",  # never on the command line: `ps` shows it to every local user
             str(self.token_file),
+            "--console-learner-metrics",  # the console draws the learner's loss, KL, grad norm
+            str(self.metrics_path),
             *_split(self.args.serve_args),
         ]
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))

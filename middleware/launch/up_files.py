@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steptap.middleware.client import TOKEN_FILE_ENV
+from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
 from steptap.middleware.files import atomic_write  # readers poll these files: never half a file
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.view import StatusBoard
@@ -45,6 +45,11 @@ class RunFiles:
             f"  export {TOKEN_FILE_ENV}={self.token_file}   # the control token (0600), for your driver",
             f"  model: {self.served_model or self.model_dir}",
         ]
+        try:  # a one-time code, in the fragment: it never reaches a server's log, and is spent once used
+            link = SyncSteptapClient(self.proxy_url, self.token, timeout_s=10).console_link()
+            lines.append(f"  console: {link}   (a one-time login link)")
+        except (OSError, ValueError, KeyError, SteptapError) as exc:
+            lines.append(f"  console: {self.proxy_url}/console/ (no login link: {exc})")
         for line in lines:
             self._log(line)
         token_file = self.token_file

@@ -162,6 +162,21 @@ class Reader:
             raise ValueError(f"no record at {cursor}")
         return frames[0][1]
 
+    def trajectory_at(self, cursor: str) -> Trajectory:
+        """The finished trajectory whose record starts at ``cursor``, with full steps; ``ValueError`` (or a
+        decode error) when none does any more. Reads from disk: call it off the event loop."""
+        payload = self._payload_at(cursor)
+        peek = peek_decoder.decode(payload)
+        if not isinstance(peek, PeekTrajectory):
+            raise ValueError(f"no trajectory at {cursor}")
+        return resolve_found(Found(payload, [self._payload_at(ref.at) for ref in peek.step_refs]))
+
+    @staticmethod
+    def start_of(after: str, payload: bytes) -> str:
+        """Where the record ``payload`` that ends at cursor ``after`` starts."""
+        segno, end = parse_cursor(after)
+        return format_cursor(segno, end - FRAME.size - len(payload))
+
     def _undecodable(self, cursor: str, exc: Exception) -> None:
         self.stats.undecodable_records += 1
         logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir,

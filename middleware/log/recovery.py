@@ -75,7 +75,12 @@ class PeekVersion(Peek, tag="policy_version"):
     pass
 
 
-peek_decoder = msgspec.msgpack.Decoder(PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion)
+class PeekCuration(Peek, tag="curation"):
+    pass
+
+
+peek_decoder = msgspec.msgpack.Decoder(PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion
+                                     | PeekCuration)
 
 
 def first_segment(refs: list[Any], segno: int) -> int:
@@ -89,7 +94,7 @@ class _Kind(msgspec.Struct):
 
 
 _kind_decoder = msgspec.msgpack.Decoder(_Kind)
-KINDS = frozenset(("step", "session_opened", "reward_added", "trajectory", "policy_version"))
+KINDS = frozenset(("step", "session_opened", "reward_added", "trajectory", "policy_version", "curation"))
 
 
 def known_kind(payload: bytes | memoryview) -> str | None:

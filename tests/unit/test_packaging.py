@@ -85,7 +85,7 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
 # reach the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it
 # drives the others through their command lines). The kernel (the modules directly in middleware/) imports no
 # subpackage, except the composition root (app.py, serve.py) and cli.py (lazily, by name).
-SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend")
+SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend", "console")
 ALLOWED = {
     "kernel": set(),
     "proxy": {"sessions", "weights", "backend"},
@@ -94,6 +94,7 @@ ALLOWED = {
     "weights": {"backend"},
     "launch": set(),
     "backend": set(),
+    "console": {"sessions", "log", "weights", "backend"},  # a view over them all, and curation into the log
 }
 # backend/url.py is stdlib only: the one URL parser, shared with the kernel's sync client and the launchers.
 SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl"}
@@ -198,6 +199,9 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
     # the vLLM plugin has no __init__.py (it is never imported here) but ships as a declared package of files
     assert (ROOT / VLLM_SIDE / "steptap_vllm_plugin.py").is_file()
     on_disk.add("steptap.middleware.launch.vllm_plugin")
+    # the console's page: html, js and css, a declared package of files too
+    assert (ROOT / "middleware" / "console" / "static" / "index.html").is_file()
+    on_disk.add("steptap.middleware.console.static")
     assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"
 
 

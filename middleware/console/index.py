@@ -1,0 +1,165 @@
+"""``RunIndex``: what the console lists and draws, kept from the log: a bounded summary of each finished
+trajectory (where its record starts, so the viewer reads it back), every curation mark, and the mean reward
+by policy version (train and eval). Loaded once at start (one scan, in a thread), then kept up to date by
+following the log; marks are added as they are written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict, deque
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.curation import MAX_MARKS_PER_TRAJECTORY, CurationState, fold
+from steptap.middleware.log.reader import Found, Skipped, resolve_found
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import Curation, PolicyVersion, Step, Trajectory
+
+logger = logging.getLogger("steptap.console")
+
+MAX_METADATA_CHARS = 2000  # a summary's metadata, as JSON, for listing and search (the viewer shows it all)
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    id: str
+    at: str  # the cursor where its Trajectory record starts
+    group_id: str | None
+    status: str
+    mode: str
+    reward: float
+    rewards: dict[str, float]
+    steps: int
+    version: int  # the newest policy version among its steps
+    created_at: float
+    finished_at: float | None
+    metadata: str  # JSON, cut at MAX_METADATA_CHARS
+    error: str | None = None
+    anonymous: bool = False
+
+
+def summarize(traj: Trajectory, at: str, version: int) -> Summary:
+    meta = json.dumps(traj.metadata, default=str)
+    return Summary(id=traj.id, at=at, group_id=traj.group_id, status=traj.status, mode=traj.mode,
+                   reward=traj.reward, rewards=dict(traj.rewards),
+                   steps=len(traj.step_refs) or len(traj.steps),
+                   version=version, created_at=traj.created_at, finished_at=traj.finished_at,
+                   metadata=meta[:MAX_METADATA_CHARS], error=traj.error, anonymous=traj.anonymous)
+
+
+class RunIndex:
+    def __init__(self, log: TrajectoryLog, max_trajectories: int = 20_000, max_marked: int = 100_000) -> None:
+        self.log = log
+        self.max_trajectories = max_trajectories
+        self.max_marked = max_marked
+        self.summaries: OrderedDict[str, Summary] = OrderedDict()
+        self.marks: OrderedDict[str, list[Curation]] = OrderedDict()
+        # mode -> version -> [reward sum, count]: the curves (kept for every trajectory, evicted or not)
+        self.by_version: dict[str, dict[int, list[float]]] = {"train": {}, "eval": {}}
+        self.finished = 0
+        self.swaps: deque[dict[str, Any]] = deque(maxlen=100)  # version, at (and pause times, seen live)
+
+    # ---- building ----------------------------------------------------------------------------------------
+
+    def load(self) -> str:
+        """Scan the log (a thread, before serving): summaries and marks; the cursor to follow from."""
+        end = self.log.end_cursor
+        versions: dict[str, int] = {}  # an open trajectory's newest step version so far
+        for at, record in self.log.located_records():
+            if isinstance(record, Step):
+                tid = record.trajectory_id
+                versions[tid] = max(versions.get(tid, 0), record.policy_version)
+            elif isinstance(record, Trajectory) and record.status != "running":
+                version = versions.pop(record.id, max((s.policy_version for s in record.steps), default=0))
+                self.add_trajectory(summarize(record, at, version))
+            elif isinstance(record, Curation):
+                self.add_mark(record)
+            elif isinstance(record, PolicyVersion):
+                self.swaps.append({"version": record.version, "at": record.at, "paused_s": None,
+                                   "swap_s": None})
+        return end
+
+    async def follow(self, cursor: str) -> None:
+        """Add each trajectory that finishes after ``cursor``, until cancelled."""
+        agen = self.log.tail(cursor, idle=None, raw=True)
+        try:
+            async for after, found in agen:
+                if isinstance(found, Found):
+                    try:
+                        traj = resolve_found(found)
+                    except (ValueError, msgspec.DecodeError) as exc:
+                        logger.warning("console: a trajectory before %s left out: %s", after, exc)
+                        continue
+                    version = max((v for s in traj.steps for v in s.token_versions() or [s.policy_version]),
+                                  default=0)
+                    self.add_trajectory(summarize(traj, self.log.start_of(after, found.payload), version))
+                elif isinstance(found, Skipped):
+                    logger.warning("console: an undecodable trajectory before %s left out", after)
+        finally:
+            await agen.aclose()
+
+    def add_trajectory(self, summary: Summary) -> None:
+        self.finished += 1
+        self.summaries.pop(summary.id, None)  # a session id used again: the newer one
+        self.summaries[summary.id] = summary
+        while len(self.summaries) > self.max_trajectories:
+            self.summaries.popitem(last=False)
+        if summary.mode in self.by_version and summary.status == "finished":
+            cell = self.by_version[summary.mode].setdefault(summary.version, [0.0, 0])
+            cell[0] += summary.reward
+            cell[1] += 1
+
+    def room_for_mark(self, tid: str) -> bool:
+        return len(self.marks.get(tid, ())) < MAX_MARKS_PER_TRAJECTORY
+
+    def add_mark(self, mark: Curation) -> None:
+        marks = self.marks.setdefault(mark.trajectory_id, [])
+        marks.append(mark)
+        self.marks.move_to_end(mark.trajectory_id)
+        while len(self.marks) > self.max_marked:
+            self.marks.popitem(last=False)
+
+    # ---- reading -----------------------------------------------------------------------------------------
+
+    def state(self, tid: str) -> CurationState:
+        return fold(self.marks.get(tid, []))
+
+    def curve(self, mode: str) -> list[dict[str, float]]:
+        """Mean reward per policy version, in version order."""
+        return [{"version": v, "mean": s / n, "n": n}
+                for v, (s, n) in sorted(self.by_version[mode].items()) if n]
+
+    def query(self, *, group: str | None = None, status: str | None = None, mode: str | None = None,
+              min_reward: float | None = None, max_reward: float | None = None, text: str | None = None,
+              tag: str | None = None, excluded: bool | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Finished trajectories matching every filter given, newest first (at most ``limit``)."""
+        out: list[dict[str, Any]] = []
+        for s in reversed(self.summaries.values()):
+            if len(out) >= limit:
+                break
+            if ((group is not None and s.group_id != group) or (status is not None and s.status != status)
+                    or (mode is not None and s.mode != mode)
+                    or (min_reward is not None and s.reward < min_reward)
+                    or (max_reward is not None and s.reward > max_reward)):
+                continue
+            cur = self.state(s.id)
+            if tag is not None and tag not in cur.tags:
+                continue
+            if excluded is not None and cur.excluded != excluded:
+                continue
+            if text and text.lower() not in f"{s.id} {s.group_id or ''} {s.metadata}".lower():
+                continue
+            out.append({**msgspec.to_builtins(s), "curation": msgspec.to_builtins(cur)})
+        return out
+
+    async def trajectory(self, tid: str) -> Trajectory | None:
+        """The finished trajectory ``tid`` read back from the log (None: unknown, or compacted away)."""
+        s = self.summaries.get(tid)
+        if s is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.log.trajectory_at, s.at)
+        except (ValueError, msgspec.DecodeError):
+            return None

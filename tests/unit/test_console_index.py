@@ -1,0 +1,63 @@
+"""The console's ``RunIndex`` over a real log (no vLLM): loaded at start (trajectories, marks, swaps), kept up
+to date by following the log, filtered, read back by where each trajectory starts; the curves by version."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from steptap.middleware.console.index import RunIndex
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import Curation, PolicyVersion, Sampling, Step, Trajectory
+
+
+def _traj(tid: str, reward: float, version: int, *, mode: str = "train", group: str = "g",
+          meta: dict | None = None) -> Trajectory:
+    step = Step(trajectory_id=tid, index=0, policy_version=version, prompt_token_ids=[1, 2],
+                response_token_ids=[7, 8, 9], response_logprobs=[-0.1, -1.0, -3.0], sampling=Sampling())
+    return Trajectory(id=tid, group_id=group, mode=mode, status="finished", steps=[step],  # type: ignore[arg-type]
+                      rewards={"reward": reward}, metadata=meta or {})
+
+
+async def test_the_index_loads_follows_filters_and_reads_back(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    await log.append(_traj("a", 1.0, 0, meta={"task": "<b>sum</b>"}))
+    await log.append(_traj("b", 0.0, 0, group="h"))
+    await log.append(_traj("e", 1.0, 0, mode="eval"))
+    await log.append(PolicyVersion(version=1))
+    await log.append(Curation(trajectory_id="b", action="exclude", reason="loops"))
+    await log.append(Curation(trajectory_id="a", action="tag", tags=["good"]))
+
+    index = RunIndex(log)
+    cursor = await asyncio.to_thread(index.load)
+    assert list(index.summaries) == ["a", "b", "e"] and index.finished == 3
+    assert index.curve("train") == [{"version": 0, "mean": 0.5, "n": 2}]
+    assert index.curve("eval") == [{"version": 0, "mean": 1.0, "n": 1}]
+    assert [s["version"] for s in index.swaps] == [1]
+    assert index.state("b").excluded and index.state("a").tags == ["good"]
+
+    def ids(**filters: object) -> list[str]:
+        return [row["id"] for row in index.query(**filters)]  # type: ignore[arg-type]
+
+    assert ids() == ["e", "b", "a"]  # newest first
+    assert ids(mode="train", excluded=False) == ["a"]
+    assert ids(group="h") == ["b"] and ids(tag="good") == ["a"] and ids(text="SUM") == ["a"]
+    assert ids(min_reward=0.5, mode="train") == ["a"] and ids(max_reward=0.5) == ["b"]
+    assert ids(limit=1) == ["e"]
+
+    follower = asyncio.create_task(index.follow(cursor))
+    try:
+        await log.append(_traj("c", 0.25, 1))
+        for _ in range(100):
+            if "c" in index.summaries:
+                break
+            await asyncio.sleep(0.02)
+        assert index.summaries["c"].version == 1
+        assert index.curve("train")[-1] == {"version": 1, "mean": 0.25, "n": 1}  # a point for the new version
+        back = await index.trajectory("c")
+        assert back is not None and back.steps[0].response_token_ids == [7, 8, 9]
+        assert await index.trajectory("nobody") is None
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await log.close()
