@@ -19,7 +19,7 @@ from steptap.middleware.records import (
 )
 from steptap.middleware.sessions.classify import Decision, advance
 from steptap.middleware.sessions.limits import RECORD_SLACK
-from steptap.middleware.sessions.session import LiveSession
+from steptap.middleware.sessions.session import LiveSession, full_sizes
 
 if TYPE_CHECKING:
     from steptap.middleware.metrics import Metrics
@@ -103,9 +103,17 @@ class Replay:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
-            session.full_sizes = {i: (n, n) for i, s in session.full.items()
-                                  for n in [self.holdings.size_of([s])]}
             steps = session.trajectory.steps
+            sizes: dict[int, tuple[int, int]] = {}
+            for i in sorted(session.full):  # as ``record`` counted them (a choice after its first)
+                d = steps[i].delta
+                if d is not None and d.kind == "choice" and d.base in sizes:
+                    sizes[i] = full_sizes(steps[i], self.holdings.size_of([steps[i]]), session.full[d.base],
+                                          sizes)
+                else:
+                    n = self.holdings.size_of([session.full[i]])
+                    sizes[i] = (n, n)
+            session.full_sizes = sizes
             session.full_extra = sum(n for i, (n, _) in session.full_sizes.items()
                                      if steps[i].delta is not None)
             session.bytes = (len(msgpack_encoder.encode(session.trajectory))

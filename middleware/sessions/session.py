@@ -78,7 +78,8 @@ def new_key() -> str:
 
 def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tuple[int, int]]) -> tuple[int,
                                                                                                        int]:
-    """Upper bounds of a step's full form's encoded size and of what of it a step extending it repeats (its
+    """Upper bounds of what a step's full form holds (its encoded size; a choice's full form holds its first
+    choice's request and prompt, not copies of them) and of what of it a step extending it repeats (its
     prompt and response ids, its request), without encoding the full form (120k ids a call would cost the
     proxy more than the step): a delta's full form is its logged form + what it repeats of its base."""
     if base is None:
@@ -86,4 +87,6 @@ def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tupl
     shared = sizes[base.index][1]
     enc = msgpack_encoder.encode
     new = len(enc(form.prompt_token_ids)) + len(enc(form.request)) + len(enc(form.response_token_ids))
+    if form.delta is not None and form.delta.kind == "choice":
+        return logged, shared + new  # its full form holds its first choice's request and prompt, not copies
     return logged + shared, shared + new
