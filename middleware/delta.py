@@ -10,8 +10,8 @@ whole, a session of n turns over a growing context costs O(n^2) bytes; logged as
   order.
 
 The choices of one call (``n > 1``, schema 5) share its request and prompt: each choice after the first is a
-delta of the first (``Delta.kind == "choice"``: its prompt is the first's first ``shared`` ids + its own), so a
-call records its request once, not n times.
+delta of the first (``Delta.kind == "choice"``: its prompt is the first's first ``shared`` ids + its own), so
+a call records its request once, not n times.
 
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
@@ -71,7 +71,9 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any]) -> tuple[dict[
     for key, value in request.items():
         if key in base:
             old = base[key]
-            if old is value or (type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)):
+            if old is value or (
+                type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)
+            ):
                 continue  # the base's value: not stored
             if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
                 _enc(value[: len(old)]) == _enc(old)
@@ -90,8 +92,8 @@ def _same_size(a: Any, b: Any) -> bool:
 
 
 def expand(step: Step, base: Step) -> Step:
-    """The full form of ``step`` (logged) given its base (full). Shares the ``rewards`` dict with ``step`` (and
-    a choice's prompt ids with its first choice's)."""
+    """The full form of ``step`` (logged) given its base (full). Shares the ``rewards`` dict with ``step``
+    (and a choice's prompt ids with its first choice's)."""
     d = step.delta
     if d is None:
         return step
@@ -113,8 +115,8 @@ def expand(step: Step, base: Step) -> Step:
             raise DeltaError(f"step {step.index}: request key {key!r} is in neither it nor its base")
     if d.kind == "choice":
         if d.shared > len(base.prompt_token_ids):
-            raise DeltaError(f"step {step.index} shares {d.shared} prompt ids of step {base.index}, which has "
-                             f"{len(base.prompt_token_ids)}")
+            raise DeltaError(f"step {step.index} shares {d.shared} prompt ids of step {base.index}, which "
+                             f"has {len(base.prompt_token_ids)}")
         if d.shared == len(base.prompt_token_ids) and not step.prompt_token_ids:
             ids = base.prompt_token_ids  # one list for the call's choices, as capture made them
         else:

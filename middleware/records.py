@@ -83,8 +83,8 @@ class Delta(msgspec.Struct, kw_only=True):
     # The full request's keys in order; a key missing from ``request`` is the base's value
     keys: list[str] = []
     tails: dict[str, int] = {}  # a list the base's list of that key (this many items) continues
-    # "extends": its prompt is the base's prompt + response + its own ids (a later call). "choice" (v5): another
-    # choice of the base's call (n > 1): its prompt is the base's first ``shared`` prompt ids + its own ids
+    # "extends": its prompt is the base's prompt + response + its own ids (a later call). "choice" (v5):
+    # another choice of the base's call (n > 1): its prompt is the base's first ``shared`` ids + its own
     kind: Literal["extends", "choice"] = "extends"
     shared: int = 0
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from test_delta_steps import TOKEN, make_stream_app
 
 from steptap.adapters.export import step_rows
 from steptap.learner.rows import build_batch
@@ -28,8 +29,6 @@ from steptap.middleware.proxy.capture import CHAT, steps_from_reply
 from steptap.middleware.records import Sampling, Step, Trajectory, msgpack_encoder
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.manager import SessionManager
-
-from test_delta_steps import TOKEN, make_stream_app
 
 enc = msgpack_encoder.encode
 N = 8
@@ -56,14 +55,17 @@ def call_steps(turn: int, prompt: list[int], messages: list[dict[str, Any]], n: 
 def session_calls() -> list[list[Step]]:
     """Three calls: an n=8 call on a big request, the next turn extending its choice 3, and another n=8 call
     extending that one."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "agent"}, {"role": "user", "content": BIG}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "agent"},
+                                      {"role": "user", "content": BIG}]
     prompt = [(7 * i) % 150_000 for i in range(3000)]
     first = call_steps(0, prompt, messages)
     pick = first[3]
-    messages2 = [*messages, {"role": "assistant", "content": "turn 0 choice 3"}, {"role": "tool", "content": "ok"}]
+    messages2 = [*messages, {"role": "assistant", "content": "turn 0 choice 3"},
+                 {"role": "tool", "content": "ok"}]
     prompt2 = prompt + pick.response_token_ids + [5, 6, 7]
     second = call_steps(1, prompt2, messages2, n=1)
-    messages3 = [*messages2, {"role": "assistant", "content": "turn 1 choice 0"}, {"role": "tool", "content": "2"}]
+    messages3 = [*messages2, {"role": "assistant", "content": "turn 1 choice 0"},
+                 {"role": "tool", "content": "2"}]
     third = call_steps(2, prompt2 + second[0].response_token_ids + [8, 9], messages3)
     return [first, second, third]
 
@@ -194,7 +196,8 @@ async def test_a_side_call_with_choices_is_rebuilt(tmp_path: Path) -> None:
     await manager.record(session, main)
     await manager.record(session, side)
     assert [s.call_class for s in side] == ["side"] * 3
-    assert [f.delta.kind if f.delta else None for f in session.trajectory.steps] == [None, None, "choice", "choice"]
+    kinds = [f.delta.kind if f.delta else None for f in session.trajectory.steps]
+    assert kinds == [None, None, "choice", "choice"]
     await log.close()
     log = await TrajectoryLog.open(str(tmp_path / "log"))
     again = SessionManager(cfg, log, Metrics(), None, set())
