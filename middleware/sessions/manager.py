@@ -60,7 +60,7 @@ from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
 from steptap.middleware.sessions.session import LiveSession as LiveSession
 from steptap.middleware.sessions.session import Log as Log
-from steptap.middleware.sessions.session import full_sizes
+from steptap.middleware.sessions.session import NOT_LOGGED, full_sizes, not_logged
 from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
@@ -400,12 +400,17 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
             await asyncio.gather(*tasks)
         except Exception:
             # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the
-            # trajectory, nor their bytes in what the session and the proxy hold.
-            kept = [s for s in traj.steps if not any(s is x for x in forms)]
+            # trajectory, nor their bytes in what the session and the proxy hold. Where a later step already
+            # took a later index, each keeps its index as a failed step with no tokens (``not_logged``): the
+            # indexes stay the steps' positions (rewards name them), and the next call gets a new one.
+            kept = [s if not any(s is x for x in forms) else not_logged(traj.id, s.index, s)
+                    for s in traj.steps]
+            while kept and kept[-1].error is not None and kept[-1].error.type == NOT_LOGGED:
+                kept.pop()  # nothing after them: the indexes are free again
             if size:
                 # a later call that replaced the latest call counted its full copies against these
                 size = size if session.full is mine else sum(sizes)
-                session.bytes -= size
+                session.bytes -= size  # (a not_logged step counts as a step, its few bytes not)
                 self.holdings.hold(len(kept) - len(traj.steps), -size)
             traj.steps = kept
             for form in forms:

@@ -13,6 +13,7 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.records import (
     LogRecord,
     Step,
+    StepError,
     Trajectory,
     msgpack_encoder,
 )
@@ -70,6 +71,26 @@ class LiveSession:
     @property
     def id(self) -> str:
         return self.trajectory.id
+
+
+NOT_LOGGED = "log_write_failed"  # the error type of a step whose record is not in the log
+
+
+def not_logged(trajectory_id: str, index: int, like: Step | None = None) -> Step:
+    """What holds the index of a step whose record is not in the log (its append failed) while a later step
+    of its session is: a failed step with no tokens, kept out of the finished trajectory (it has no record to
+    refer to), so the session's indexes stay its steps' positions and none is given twice."""
+    return Step(
+        trajectory_id=trajectory_id,
+        index=index,
+        choice=like.choice if like is not None else 0,
+        model=like.model if like is not None else "",
+        endpoint=like.endpoint if like is not None else "chat.completions",
+        started_at=like.started_at if like is not None else 0.0,
+        status="failed",
+        error=StepError(message="the step's record could not be written to the trajectory log",
+                        type=NOT_LOGGED),
+    )
 
 
 def new_key() -> str:
