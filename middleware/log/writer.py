@@ -107,6 +107,7 @@ class CommitThread:
                     batch.append(nxt)
                     size += len(nxt[0])
                 t0 = time.perf_counter()
+                written: Written
                 if self._failed:
                     written = ([], [], NotWritten("an earlier group of the log failed"))
                 else:

@@ -58,9 +58,9 @@ from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
+from steptap.middleware.sessions.session import NOT_LOGGED, full_sizes, not_logged
 from steptap.middleware.sessions.session import LiveSession as LiveSession
 from steptap.middleware.sessions.session import Log as Log
-from steptap.middleware.sessions.session import NOT_LOGGED, full_sizes, not_logged
 from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")

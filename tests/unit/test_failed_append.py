@@ -4,8 +4,9 @@ was written (the next group succeeded), the failed one left a hole in the sessio
 took the later step's index again, and a restart's rebuild (which wanted contiguous indexes) dropped every
 step from the hole on. Now the log writes nothing queued behind a failed group until it takes writes again
 (those appends fail as well: their calls get the 503), the live session keeps its indexes its steps'
-positions, and the rebuild keeps every step the log holds, a hole (a log written before) held by a failed step.
-A real log and session manager; the disk failure is a stand-in (tests/faults.py: FailingWriteInjector)."""
+positions, and the rebuild keeps every step the log holds, a hole (a log written before) held by a failed
+step. A real log and session manager; the disk failure is a stand-in (tests/faults.py:
+FailingWriteInjector)."""
 
 from __future__ import annotations
 
