@@ -95,6 +95,10 @@ class Replay:
                     if record.status == "ok":  # the main line as it was: its opening, its branch
                         advance(session.line, Decision(record.call_class, record.call_rule, record.branch),
                                 full)
+                elif session is not None:  # its index given twice (a log written before the writer stopped
+                    # at a failure)
+                    logger.error("session %s: step %d left out at rebuild: the index is taken", session.id,
+                                 record.index)
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:
