@@ -172,6 +172,13 @@ async def test_every_reader_hands_out_every_choice_in_full(
         assert [enc(s) for s in got[0].steps] == expected and client.skipped.get("c", 0) == 0
         nd = [d.trajectory async for d in client.trajectories("d", follow=False, format="ndjson")]
         assert [msgspec.json.encode(s) for s in nd[0].steps] == [msgspec.json.encode(s) for s in steps]
+        async with client._http().get(str(server.make_url("/trajectories")),
+                                      params={"follow": "0", "format": "msgpack"},
+                                      headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            body = await resp.read()
+    # the msgpack stream carries the logged steps: the big request once, not once per choice
+    logged = [r for r in records if isinstance(r, Step)]
+    assert len(body) < 1.2 * sum(len(enc(s)) for s in logged) < sum(len(e) for e in expected) / 5
 
     whole = msgspec.structs.replace(follow[0], steps=steps, step_refs=[])
     a, b = build_batch([got[0]], version=0), build_batch([whole], version=0)
