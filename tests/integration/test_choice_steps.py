@@ -76,3 +76,29 @@ async def test_an_anonymous_n8_call_records_its_request_once(proxy: Proxy, vllm_
     [offline] = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.id == traj.id]
     assert [s.request for s in offline.steps] == [sent] * N
     assert [s.choice for s in offline.steps] == list(range(N))
+
+
+async def test_completions_choices_share_one_prompt(proxy: Proxy, vllm_server: Backend,
+                                                    http: aiohttp.ClientSession) -> None:
+    """``/v1/completions`` gives each choice its own prompt ids: the choices still log them once (a choice
+    delta keeps none of them), and the session holds one list for them, as it counts."""
+    log, manager = proxy.app[LOG_KEY], proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        info = await resp.json()
+    prompt = [100 + i % 700 for i in range(1500)]
+    async with http.post(f"{info['base_url']}/completions",
+                         json={"model": vllm_server.served_model, "prompt": prompt, "n": 4, "max_tokens": 3,
+                               "temperature": 1.0},
+                         headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+        assert resp.status == 200, await resp.text()
+    logged = [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == info["id"]]
+    assert [len(s.prompt_token_ids) for s in logged] == [len(prompt), 0, 0, 0]
+    assert all(s.delta is not None and s.delta.shared == len(prompt) for s in logged[1:])
+    held = list(manager.sessions[info["id"]].full.values())
+    assert len(held) == 4 and all(s.prompt_token_ids is held[0].prompt_token_ids for s in held)
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        await client.finish(info["id"])
+        [delivery] = [d async for d in client.trajectories("completions", follow=False)
+                      if d.trajectory.id == info["id"]]
+    steps = delivery.trajectory.steps
+    assert len(steps) == 4 and all(s.prompt_token_ids == prompt and s.request["prompt"] == prompt for s in steps)
