@@ -101,4 +101,5 @@ async def test_completions_choices_share_one_prompt(proxy: Proxy, vllm_server: B
         [delivery] = [d async for d in client.trajectories("completions", follow=False)
                       if d.trajectory.id == info["id"]]
     steps = delivery.trajectory.steps
-    assert len(steps) == 4 and all(s.prompt_token_ids == prompt and s.request["prompt"] == prompt for s in steps)
+    assert len(steps) == 4
+    assert all(s.prompt_token_ids == prompt and s.request["prompt"] == prompt for s in steps)
