@@ -9,6 +9,10 @@ whole, a session of n turns over a growing context costs O(n^2) bytes; logged as
   same key (``messages``, ``input``) keeps only its new items (``Delta.tails``); ``Delta.keys`` keeps the
   order.
 
+The choices of one call (``n > 1``, schema 5) share its request and prompt: each choice after the first is a
+delta of the first (``Delta.kind == "choice"``: its prompt is the first's first ``shared`` ids + its own), so
+a call records its request once, not n times.
+
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
 ``1.0`` or ``true`` are never taken for each other. A finished ``Trajectory`` refers to its logged steps
@@ -35,26 +39,50 @@ class DeltaError(ValueError):
 def compress(step: Step, base: Step) -> Step:
     """The logged form of ``step`` (full), which extends ``base`` (full): a copy holding only what is new."""
     skip = len(base.prompt_token_ids) + len(base.response_token_ids)
-    request: dict[str, Any] = {}
-    tails: dict[str, int] = {}
-    for key, value in step.request.items():
-        if key in base.request:
-            old = base.request[key]
-            if type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value):
-                continue  # the base's value: not stored
-            if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
-                _enc(value[: len(old)]) == _enc(old)
-            ):
-                tails[key] = len(old)
-                request[key] = value[len(old):]
-                continue
-        request[key] = value
+    request, tails = _request_delta(step.request, base.request)
     return _replace(
         step,
         prompt_token_ids=step.prompt_token_ids[skip:],
         request=request,
         delta=Delta(base=base.index, keys=list(step.request), tails=tails),
     )
+
+
+def compress_choice(step: Step, first: Step) -> Step:
+    """The logged form of ``step`` (full), another choice of the call whose first choice is ``first`` (full):
+    the request and prompt ids they share are stored once, in ``first``."""
+    ids, shared = step.prompt_token_ids, first.prompt_token_ids
+    keep = len(shared) if ids is shared or (len(ids) >= len(shared) and ids[: len(shared)] == shared) else 0
+    request, tails = _request_delta(step.request, first.request)
+    return _replace(
+        step,
+        prompt_token_ids=ids[keep:],
+        request=request,
+        delta=Delta(base=first.index, keys=list(step.request), tails=tails, kind="choice", shared=keep),
+    )
+
+
+def _request_delta(request: dict[str, Any], base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """What of ``request`` differs from ``base``: its own values, and the lists that continue the base's."""
+    if request is base:  # the choices of one call share one request object
+        return {}, {}
+    out: dict[str, Any] = {}
+    tails: dict[str, int] = {}
+    for key, value in request.items():
+        if key in base:
+            old = base[key]
+            if old is value or (
+                type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)
+            ):
+                continue  # the base's value: not stored
+            if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
+                _enc(value[: len(old)]) == _enc(old)
+            ):
+                tails[key] = len(old)
+                out[key] = value[len(old):]
+                continue
+        out[key] = value
+    return out, tails
 
 
 def _same_size(a: Any, b: Any) -> bool:
@@ -64,7 +92,8 @@ def _same_size(a: Any, b: Any) -> bool:
 
 
 def expand(step: Step, base: Step) -> Step:
-    """The full form of ``step`` (logged) given its base (full). Shares the ``rewards`` dict with ``step``."""
+    """The full form of ``step`` (logged) given its base (full). Shares the ``rewards`` dict with ``step``
+    (and a choice's prompt ids with its first choice's)."""
     d = step.delta
     if d is None:
         return step
@@ -84,7 +113,16 @@ def expand(step: Step, base: Step) -> Step:
             request[key] = base.request[key]
         else:
             raise DeltaError(f"step {step.index}: request key {key!r} is in neither it nor its base")
-    ids = base.prompt_token_ids + base.response_token_ids + step.prompt_token_ids
+    if d.kind == "choice":
+        if d.shared > len(base.prompt_token_ids):
+            raise DeltaError(f"step {step.index} shares {d.shared} prompt ids of step {base.index}, which "
+                             f"has {len(base.prompt_token_ids)}")
+        if d.shared == len(base.prompt_token_ids) and not step.prompt_token_ids:
+            ids = base.prompt_token_ids  # one list for the call's choices, as capture made them
+        else:
+            ids = base.prompt_token_ids[: d.shared] + step.prompt_token_ids
+    else:
+        ids = base.prompt_token_ids + base.response_token_ids + step.prompt_token_ids
     return _replace(step, prompt_token_ids=ids, request=request, delta=None)
 
 
@@ -133,21 +171,31 @@ def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:
 
 class Expander:
     """Full forms of the steps of a whole log read in order (``steps_of``), holding per open trajectory only
-    the full steps of its main line's latest call (a delta's base is always one of them; side calls are never
-    bases, sessions/classify.py): memory stays linear."""
+    the full steps of its main line's latest call (an ``extends`` delta's base is always one of them; side
+    calls are never bases, sessions/classify.py) and its latest first choice (a ``choice`` delta's base: the
+    choices of one call are appended together): memory stays linear."""
 
     def __init__(self) -> None:
         self._last: dict[str, dict[int, Step]] = {}  # trajectory id -> its latest call's ok steps, full
+        self._first: dict[str, Step] = {}  # trajectory id -> its latest step of choice 0, full
 
     def full(self, step: Step) -> Step:
         last = self._last.get(step.trajectory_id, {})
-        if step.delta is not None:
+        if step.delta is not None and step.delta.kind == "choice":
+            first = self._first.get(step.trajectory_id)
+            if first is None or first.index != step.delta.base:
+                raise DeltaError(f"step {step.index} of {step.trajectory_id!r} is another choice of step "
+                                 f"{step.delta.base}, which is not the call before it")
+            step = expand(step, first)
+        elif step.delta is not None:
             base = last.get(step.delta.base)
             if base is None:
                 raise DeltaError(f"step {step.index} of {step.trajectory_id!r} extends step "
                                  f"{step.delta.base}, "
                                  "which is not in the previous call")
             step = expand(step, base)
+        if step.choice == 0:
+            self._first[step.trajectory_id] = step
         if step.status == "ok" and step.call_class != "side":  # a delta's base is on the main line
             if any(s.started_at != step.started_at for s in last.values()):
                 last = {}
@@ -162,6 +210,7 @@ class Expander:
     def forget(self, trajectory_id: str) -> None:
         """The trajectory finished: its steps are never extended again."""
         self._last.pop(trajectory_id, None)
+        self._first.pop(trajectory_id, None)
 
 
 def steps_of(records: Iterable[LogRecord]) -> Iterator[Step]:

@@ -22,7 +22,9 @@ import msgspec
 # trains
 #    on its main line): ``Step.call_class`` / ``call_rule`` / ``branch`` (sessions/classify.py) and the
 #    session's ``train`` and ``side_models`` (on ``Trajectory`` and ``SessionOpened``).
-SCHEMA_VERSION = 4
+# 5: the choices of one call (``n > 1``) record its request once: each choice after the first is a delta of
+#    the first (``Delta.kind == "choice"``), whose prompt ids and request it shares.
+SCHEMA_VERSION = 5
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
@@ -81,6 +83,10 @@ class Delta(msgspec.Struct, kw_only=True):
     # The full request's keys in order; a key missing from ``request`` is the base's value
     keys: list[str] = []
     tails: dict[str, int] = {}  # a list the base's list of that key (this many items) continues
+    # "extends": its prompt is the base's prompt + response + its own ids (a later call). "choice" (v5):
+    # another choice of the base's call (n > 1): its prompt is the base's first ``shared`` ids + its own
+    kind: Literal["extends", "choice"] = "extends"
+    shared: int = 0
 
 
 class StepRef(msgspec.Struct, array_like=True):

@@ -254,3 +254,36 @@ class TransferProxy:
         self._go.set()
         self._server.shutdown()
         self._server.server_close()
+
+
+class FailingWriteInjector:
+    """A fault-injecting file layer (a stand-in, named as such): once ``arm``ed, the next write steptap makes
+    through ``files.write_all`` waits until the test calls ``fail`` and then fails with ENOSPC, once; every
+    other write is real. It holds the log's writer inside one group commit while the test queues more records
+    behind it: the order of a disk failure and concurrent appends, which a real full disk gives only by
+    chance. Install with ``monkeypatch.setattr(files, "write_all", injector)``."""
+
+    def __init__(self, real: Any) -> None:
+        import threading
+
+        self.real = real
+        self.armed = False
+        self.entered = threading.Event()  # the armed write has begun (the writer is held in it)
+        self._go = threading.Event()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def fail(self) -> None:
+        self._go.set()
+
+    def __call__(self, fd: int, data: Any, *args: Any, **kwargs: Any) -> None:
+        if self.armed:
+            import errno
+            import os
+
+            self.armed = False
+            self.entered.set()
+            self._go.wait(60)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.real(fd, data, *args, **kwargs)

@@ -35,6 +35,7 @@ class Degraded:
     _probe: asyncio.Task[None] | None
     _closed: bool
     _io: Any
+    _writer: Any  # the log's CommitThread (writer.py)
 
     @property
     def degraded(self) -> bool:
@@ -68,6 +69,8 @@ class Degraded:
                 continue
             logger.warning("trajectory log %s can write again: accepting records", self.dir)
             self.degraded_reason = None
+            if self._writer is not None:  # it wrote nothing since the failure (writer.py)
+                self._writer.resume()
 
     def _probe_write(self) -> None:
         """I/O thread: write and sync ``PROBE_BYTES`` beside the segments, then remove them."""

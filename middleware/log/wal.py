@@ -54,7 +54,7 @@ from steptap.middleware.log.segments import (
     seg_name,
     split_location,
 )
-from steptap.middleware.log.writer import CommitThread, Item, Written
+from steptap.middleware.log.writer import CommitThread, Item, NotWritten, Written
 from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, msgpack_encoder
 
 # Format names are re-exported: callers import them from here.
@@ -251,14 +251,16 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
                 fut.set_result((format_cursor(segno, offset - len(data)), format_cursor(segno, offset)))
         if error is not None:
             # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
-            # the log refuses new records until a probe write succeeds, so memory and log stay in step.
+            # the log refuses new records until a probe write succeeds, so memory and log stay in step. What
+            # was queued behind a failed group fails too (``NotWritten``, not a write error of its own).
             failed = batch[len(positions):]
-            logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
-            self._degrade(error)
+            if not isinstance(error, NotWritten):
+                logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
+                self._degrade(error)
             for _, _, fut in failed:
                 if not fut.done():
                     unavailable = LogUnavailable("the trajectory log could not write: "
-                                                 f"{self.degraded_reason}")
+                                                 f"{self.degraded_reason or error}")
                     unavailable.__cause__ = error
                     fut.set_exception(unavailable)
         for segno in sealed + sorted(self._upload_failed):

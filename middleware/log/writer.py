@@ -7,6 +7,11 @@ future of the group in that one callback. Per group that is one wake-up of the t
 writer task to schedule, no executor future, no hop per record. Records that arrive while a group is being
 synced wait for the next group and share its sync.
 
+After a group fails (disk full, I/O error) the thread writes nothing more until ``resume`` (the log can write
+again): what was queued behind the failure fails with it (``NotWritten``), so the log never holds a record
+appended after one it lost. A step logged after a lost step of its session would leave a hole in the session's
+indexes, or a delta whose base is not there.
+
 The thread owns the write path of the segment files; other threads that touch the active segment (the timed
 sync of durability ``os``) take ``fd_lock``.
 """
@@ -24,6 +29,10 @@ from typing import Any
 Item = tuple[bytes, Any, "asyncio.Future[tuple[str, str]]"]
 # what the write function returns: the position after each committed frame, segments sealed, the error if any
 Written = tuple[list[tuple[int, int]], list[int], BaseException | None]
+
+
+class NotWritten(Exception):
+    """A group not written because an earlier one failed and the log has not taken writes again since."""
 
 
 class CommitThread:
@@ -47,6 +56,11 @@ class CommitThread:
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self.stopped: asyncio.Future[None] = loop.create_future()  # resolved after the last group's callback
         self._thread = threading.Thread(target=self._run, name="steptap-wal-writer", daemon=True)
+        self._failed = False  # a group failed: fail the rest until ``resume`` (a bool: set and read whole)
+
+    def resume(self) -> None:
+        """The log takes writes again (a probe write succeeded): groups queued from now on are written."""
+        self._failed = False
 
     def start(self) -> None:
         self._thread.start()
@@ -93,10 +107,15 @@ class CommitThread:
                     batch.append(nxt)
                     size += len(nxt[0])
                 t0 = time.perf_counter()
-                try:
-                    written = self._write([item[0] for item in batch])
-                except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group, keep writing
-                    written = ([], [], exc)
+                written: Written
+                if self._failed:
+                    written = ([], [], NotWritten("an earlier group of the log failed"))
+                else:
+                    try:
+                        written = self._write([item[0] for item in batch])
+                    except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group
+                        written = ([], [], exc)
+                    self._failed = written[2] is not None
                 self._call(self._committed, batch, written, time.perf_counter() - t0)
             self._call(_resolve, self.stopped)
         except BaseException as exc:  # noqa: BLE001 - report it on the loop: nothing may wait forever

@@ -161,10 +161,13 @@ def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> lis
     steps: list[Step] = []
     top_prompt = reply.get("prompt_token_ids")
     for choice in reply.get("choices") or ():
+        prompt = top_prompt if endpoint == CHAT else choice.get("prompt_token_ids")
+        if steps and prompt is not None and prompt == steps[-1].prompt_token_ids:
+            prompt = steps[-1].prompt_token_ids  # one list for a call's choices (as sessions count them)
         steps.append(make_step(
             endpoint,
             int(choice.get("index", 0)),
-            top_prompt if endpoint == CHAT else choice.get("prompt_token_ids"),
+            prompt,
             choice.get("token_ids"),
             _choice_logprobs(choice, endpoint),
             choice.get("finish_reason"),

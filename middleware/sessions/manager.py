@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.delta import compress
+from steptap.middleware.delta import compress, compress_choice
 from steptap.middleware.exceptions import (
     RecordTooLarge,
     SessionClosed,
@@ -58,9 +58,9 @@ from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
+from steptap.middleware.sessions.session import NOT_LOGGED, full_sizes, not_logged
 from steptap.middleware.sessions.session import LiveSession as LiveSession
 from steptap.middleware.sessions.session import Log as Log
-from steptap.middleware.sessions.session import full_sizes
 from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
@@ -269,15 +269,12 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
         call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
-        # Each of the call's steps records its request: n copies in the record (checked before forwarding).
+        # The call records its request once, however many choices it asks for (delta.compress_choice); an
+        # anonymous call's record is checked against max_record_bytes in ``record``, step by step, before
+        # the one record that holds them is built.
         if not session.trajectory.anonymous:
             self.holdings.check_session_calls(session.id, session.inflight)
-            self._check_room(session, steps, steps * size)
-        elif steps * size > self.config.max_record_bytes:
-            raise RecordTooLarge(
-                f"{steps} choices of a {size}-byte request make a record over max_record_bytes="
-                f"{self.config.max_record_bytes}"
-            )
+            self._check_room(session, steps, size)
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
@@ -329,22 +326,33 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
             base = None
             if step.prefix == "extends":  # one previous choice: classify_after found it extends (no 2nd pass)
                 base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
+            if offset and step.choice and steps[0].choice == 0:
+                base = steps[0]  # another choice of this call: its request and prompt are the first's
             if session.sealed and not traj.anonymous:
                 # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
                 step.index = len(traj.steps) + session.late
                 session.late += 1
                 base = None
-            forms.append(step if base is None else compress(step, base))  # what the log and session hold
+            # what the log and session hold
+            forms.append(step if base is None else compress_choice(step, base) if base is steps[0] else
+                         compress(step, base))
             bases.append(base)
         size = 0
         sizes = [self.holdings.size_of([f]) for f in forms]
+        if traj.anonymous and self.reward_fn is None and sum(sizes) > self.config.max_record_bytes:
+            # its one record would hold them all: refused before that record is built
+            raise RecordTooLarge(f"the call's {len(steps)} steps make {sum(sizes)} bytes, above "
+                                 f"max_record_bytes={self.config.max_record_bytes}")
         # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
         # session's memory would grow with its context while its counted bytes grow only with its new tokens.
         # (a side call is not on the main line: the next call is not judged against it, nothing is held for
         # it)
-        held = {s.index: full_sizes(f, n, b, session.full_sizes)
-                for s, f, b, n in zip(steps, forms, bases, sizes, strict=True)
-                if s.status == "ok"} if on_main else {}
+        held: dict[int, tuple[int, int]] = {}
+        if on_main:
+            known = dict(session.full_sizes)  # a choice's base is the first choice of this call
+            for s, f, b, n in zip(steps, forms, bases, sizes, strict=True):
+                known[s.index] = full_sizes(f, n, b, known)
+            held = {s.index: known[s.index] for s in steps if s.status == "ok"}
         extra = (sum(held[f.index][0] for f in forms if f.delta is not None and f.index in held)
                  if held else session.full_extra)
         if not traj.anonymous and not session.sealed:
@@ -392,12 +400,17 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
             await asyncio.gather(*tasks)
         except Exception:
             # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the
-            # trajectory, nor their bytes in what the session and the proxy hold.
-            kept = [s for s in traj.steps if not any(s is x for x in forms)]
+            # trajectory, nor their bytes in what the session and the proxy hold. Where a later step already
+            # took a later index, each keeps its index as a failed step with no tokens (``not_logged``): the
+            # indexes stay the steps' positions (rewards name them), and the next call gets a new one.
+            kept = [s if not any(s is x for x in forms) else not_logged(traj.id, s.index, s)
+                    for s in traj.steps]
+            while kept and kept[-1].error is not None and kept[-1].error.type == NOT_LOGGED:
+                kept.pop()  # nothing after them: the indexes are free again
             if size:
                 # a later call that replaced the latest call counted its full copies against these
                 size = size if session.full is mine else sum(sizes)
-                session.bytes -= size
+                session.bytes -= size  # (a not_logged step counts as a step, its few bytes not)
                 self.holdings.hold(len(kept) - len(traj.steps), -size)
             traj.steps = kept
             for form in forms:

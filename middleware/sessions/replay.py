@@ -19,7 +19,7 @@ from steptap.middleware.records import (
 )
 from steptap.middleware.sessions.classify import Decision, advance
 from steptap.middleware.sessions.limits import RECORD_SLACK
-from steptap.middleware.sessions.session import LiveSession
+from steptap.middleware.sessions.session import LiveSession, full_sizes, not_logged
 
 if TYPE_CHECKING:
     from steptap.middleware.metrics import Metrics
@@ -76,7 +76,7 @@ class Replay:
                 self._register(rebuilt)
             elif isinstance(record, Step):
                 session = self.sessions.get(record.trajectory_id)
-                if session is not None and record.index == len(session.trajectory.steps):
+                if session is not None and record.index >= len(session.trajectory.steps):
                     try:
                         full = expander.full(record)
                     # Its base is not in the log: the rest of the chain cannot be read
@@ -84,11 +84,21 @@ class Replay:
                         logger.error("session %s: step %d left out at rebuild: %s", session.id, record.index,
                                      exc)
                         continue
-                    session.trajectory.steps.append(record)
+                    steps = session.trajectory.steps
+                    if record.index > len(steps):  # a step whose append failed before it (a log written
+                        # before the writer stopped at a failure): its index held by a failed step, as live
+                        logger.warning("session %s: steps %d-%d are not in the log; step %d is", session.id,
+                                       len(steps), record.index - 1, record.index)
+                        steps.extend(not_logged(session.id, i) for i in range(len(steps), record.index))
+                    steps.append(record)
                     session.starts[record.index] = start
                     if record.status == "ok":  # the main line as it was: its opening, its branch
                         advance(session.line, Decision(record.call_class, record.call_rule, record.branch),
                                 full)
+                elif session is not None:  # its index given twice (a log written before the writer stopped
+                    # at a failure)
+                    logger.error("session %s: step %d left out at rebuild: the index is taken", session.id,
+                                 record.index)
             elif isinstance(record, RewardAdded):
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:
@@ -103,9 +113,17 @@ class Replay:
                     self._group_member_closed(record)
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
-            session.full_sizes = {i: (n, n) for i, s in session.full.items()
-                                  for n in [self.holdings.size_of([s])]}
             steps = session.trajectory.steps
+            sizes: dict[int, tuple[int, int]] = {}
+            for i in sorted(session.full):  # as ``record`` counted them (a choice after its first)
+                d = steps[i].delta
+                if d is not None and d.kind == "choice" and d.base in sizes:
+                    sizes[i] = full_sizes(steps[i], self.holdings.size_of([steps[i]]), session.full[d.base],
+                                          sizes)
+                else:
+                    n = self.holdings.size_of([session.full[i]])
+                    sizes[i] = (n, n)
+            session.full_sizes = sizes
             session.full_extra = sum(n for i, (n, _) in session.full_sizes.items()
                                      if steps[i].delta is not None)
             session.bytes = (len(msgpack_encoder.encode(session.trajectory))

@@ -13,6 +13,7 @@ from steptap.middleware.auth import SESSION_KEY_PREFIX
 from steptap.middleware.records import (
     LogRecord,
     Step,
+    StepError,
     Trajectory,
     msgpack_encoder,
 )
@@ -72,13 +73,34 @@ class LiveSession:
         return self.trajectory.id
 
 
+NOT_LOGGED = "log_write_failed"  # the error type of a step whose record is not in the log
+
+
+def not_logged(trajectory_id: str, index: int, like: Step | None = None) -> Step:
+    """What holds the index of a step whose record is not in the log (its append failed) while a later step
+    of its session is: a failed step with no tokens, kept out of the finished trajectory (it has no record to
+    refer to), so the session's indexes stay its steps' positions and none is given twice."""
+    return Step(
+        trajectory_id=trajectory_id,
+        index=index,
+        choice=like.choice if like is not None else 0,
+        model=like.model if like is not None else "",
+        endpoint=like.endpoint if like is not None else "chat.completions",
+        started_at=like.started_at if like is not None else 0.0,
+        status="failed",
+        error=StepError(message="the step's record could not be written to the trajectory log",
+                        type=NOT_LOGGED),
+    )
+
+
 def new_key() -> str:
     return SESSION_KEY_PREFIX + secrets.token_urlsafe(24)
 
 
 def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tuple[int, int]]) -> tuple[int,
                                                                                                        int]:
-    """Upper bounds of a step's full form's encoded size and of what of it a step extending it repeats (its
+    """Upper bounds of what a step's full form holds (its encoded size; a choice's full form holds its first
+    choice's request and prompt, not copies of them) and of what of it a step extending it repeats (its
     prompt and response ids, its request), without encoding the full form (120k ids a call would cost the
     proxy more than the step): a delta's full form is its logged form + what it repeats of its base."""
     if base is None:
@@ -86,4 +108,6 @@ def full_sizes(form: Step, logged: int, base: Step | None, sizes: dict[int, tupl
     shared = sizes[base.index][1]
     enc = msgpack_encoder.encode
     new = len(enc(form.prompt_token_ids)) + len(enc(form.request)) + len(enc(form.response_token_ids))
+    if form.delta is not None and form.delta.kind == "choice":
+        return logged, shared + new  # its full form holds its first choice's request and prompt, not copies
     return logged + shared, shared + new

@@ -85,7 +85,8 @@ async def test_memory_attacks_end_in_4xx_within_the_documented_bound(
                 "dict bombs at the body limit": [dict_bomb(16 * MIB)] * 8,
                 "bodies over the limit": [long_text(40 * MIB)] * 4,
                 "many large calls at once": [long_text(6 * MIB)] * 48,
-                "n=64 copies of a large request": [long_text(3 * MIB, n=64)] * 4,
+                # recorded once, not 64 times (schema 5): answered, within the bound
+                "n=64 of a large request": [long_text(3 * MIB, n=64)] * 4,
             }
             for name, bodies in attacks.items():
                 statuses[name] = await asyncio.gather(*(post(b) for b in bodies))
@@ -97,7 +98,8 @@ async def test_memory_attacks_end_in_4xx_within_the_documented_bound(
             assert set(statuses["bodies over the limit"]) <= {0, 413}, statuses
             assert set(statuses["many large calls at once"]) <= {0, 200, 429}, statuses
             assert 429 in statuses["many large calls at once"], statuses  # the global byte cap was reached
-            assert all(s == 413 for s in statuses["n=64 copies of a large request"]), statuses
+            wide = statuses["n=64 of a large request"]
+            assert set(wide) <= {200, 429} and 200 in wide, statuses
             peak = rss_kib(proc.pid, "VmHWM") * 1024
             print(f"idle RSS {idle / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB, bound "
                   f"{(idle + 2 * BODY_MEMORY) / MIB:.0f} MiB")

@@ -26,7 +26,7 @@ def test_a_v3_log_decodes_as_one_span_per_step() -> None:
         "SessionOpened", "Step", "RewardAdded", "Trajectory", "Trajectory", "PolicyVersion"]
     step, anon = records[1], records[4]
     assert isinstance(step, Step) and isinstance(anon, Trajectory)
-    assert step.schema_version == 3 and SCHEMA_VERSION == 4
+    assert step.schema_version == 3 and SCHEMA_VERSION >= 4
     assert step.version_spans == [] and step.token_versions() == [2, 2, 2, 2]
     assert [s.token_versions() for s in steps_of(records)] == [[2, 2, 2, 2], [2]]
 
