@@ -103,9 +103,10 @@ class StreamRelay:
             return out
         try:
             if failure is None:
-                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint,
-                                                           latency_s=self._latency(),
-                                                           **self.common))  # durable before [DONE]
+                whole = acc.reply()
+                await self.record(capture.steps_from_reply(whole, self.endpoint, latency_s=self._latency(),
+                                                           **self.common),
+                                  capture.stop_reason(whole))  # durable before [DONE]
                 tail = _DONE if proto is None else proto.finish(acc.reply())
             else:
                 await self.record([self.failed(failure[0], failure[1], acc.reply())])
