@@ -237,9 +237,9 @@ async def test_stop_strings_are_rendered_not_spliced(
     the template's end-of-turn token. Splicing its tokens would give the next turn a prompt no render gives
     (the reply's ids straight into the next message, no end token), and adding an end token would put one in
     the sequence the model never sampled: the turn after it is rendered (``reply_stop_string``) and its prompt
-    is vLLM's own render. A call that asks for stop strings is rendered too (``stop_strings``): vLLM's derender
-    does not cut the text at them (the agent got ``one\n`` where the chat route says ``one``). Once a reply
-    ends on its own again, turns extend token for token."""
+    is vLLM's own render. A call that asks for stop strings is rendered too (``stop_strings``): vLLM's
+    derender does not cut the text at them (the agent got ``one\n`` where the chat route says ``one``). Once a
+    reply ends on its own again, turns extend token for token."""
     proxy = await make_proxy(vllm_server.url)
     metrics = proxy.app[METRICS_KEY]
     async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
