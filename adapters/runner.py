@@ -153,8 +153,8 @@ class Runner:
         path = self.args.reward_file
         if path is None:
             return os.path.join(self.tmpdir, f"reward.{m.index}")
-        if "{index}" in path or "{session}" in path:
-            return path.format(index=m.index, session=m.session_id)
+        if "{index}" in path or "{session}" in path:  # replaced, not formatted: other braces stay as they are
+            return path.replace("{index}", str(m.index)).replace("{session}", m.session_id)
         return f"{path}.{m.index}" if self.args.n > 1 else path
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
