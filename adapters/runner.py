@@ -39,7 +39,9 @@ class Member:
     steps: int | None = None
     error: str | None = None
 
-MAX_REWARD_FILE = 64 * 1024  # a reward is a line; more is an agent filling the disk or the memory
+# A reward is a line; a bigger reward file is an agent filling the disk or the memory. Of a reward command's
+# output only this tail is kept.
+MAX_REWARD_FILE = 64 * 1024
 
 
 def read_reward_file(path: str) -> dict[str | None, float] | None:
@@ -62,6 +64,34 @@ def read_reward_file(path: str) -> dict[str | None, float] | None:
         return parse_reward(data.decode("utf-8", "replace"))
     except ValueError as exc:
         raise RuntimeError(f"reward file {path}: {exc}") from None
+
+
+async def _tail_of(proc: asyncio.subprocess.Process, data: bytes) -> bytes:
+    """Feed ``data`` to the process's stdin and read its stdout to the end, keeping only the last
+    ``MAX_REWARD_FILE`` bytes (the reward is its last line; a grader may print logs before it)."""
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(data)
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a command that does not read the trajectory
+        finally:
+            proc.stdin.close()
+
+    feeder = asyncio.ensure_future(feed())
+    assert proc.stdout is not None
+    tail = bytearray()
+    try:
+        while chunk := await proc.stdout.read(1 << 16):
+            tail += chunk
+            del tail[:-MAX_REWARD_FILE]
+        await feeder
+        await proc.wait()
+    finally:
+        feeder.cancel()
+    return bytes(tail)
 
 
 def parse_reward(text: str) -> dict[str | None, float] | None:
@@ -153,8 +183,8 @@ class Runner:
         path = self.args.reward_file
         if path is None:
             return os.path.join(self.tmpdir, f"reward.{m.index}")
-        if "{index}" in path or "{session}" in path:
-            return path.format(index=m.index, session=m.session_id)
+        if "{index}" in path or "{session}" in path:  # replaced, not formatted: other braces stay as they are
+            return path.replace("{index}", str(m.index)).replace("{session}", m.session_id)
         return f"{path}.{m.index}" if self.args.n > 1 else path
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
@@ -246,7 +276,7 @@ class Runner:
             )
             self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
             try:
-                out, _ = await asyncio.wait_for(proc.communicate(trajectory), self.args.reward_timeout)
+                out = await asyncio.wait_for(_tail_of(proc, trajectory), self.args.reward_timeout)
             except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
                 await proc.wait()

@@ -46,7 +46,9 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
     pool = app[POOL_KEY] = ReplicaPool(config)
-    app[STORE_KEY] = ResponseStore()  # conversations behind previous_response_id
+    # conversations behind previous_response_id (a worker's own: its ids name its port)
+    app[STORE_KEY] = ResponseStore(worker_port=config.worker_port,
+                                   shared_port=config.port if config.worker_port else None)
     swapper = WeightSwapper(pool.configured(), model_dir=config.model_dir, api_key=config.backend_api_key,
                             drain_timeout_s=config.swap_drain_timeout_s, mode=config.swap_mode)
     swapper.pool = pool

@@ -10,7 +10,8 @@ swap through one worker would let another record the old version for calls the n
 
 Sessions opened with ``POST /sessions`` (or one-shot anonymous calls) work through the shared port; a session
 id an agent picks in its path on the shared port is not pinned to one worker: use a worker's own port for
-that.
+that. The Responses store is a worker's own too: its response ids name the worker's port, so another worker
+answers a ``previous_response_id`` it does not hold with a 404 naming where it is (``proxy/responses.py``).
 """
 
 from __future__ import annotations

@@ -178,6 +178,13 @@ def steps_from_reply(reply: dict[str, Any], endpoint: str, **common: Any) -> lis
     return steps
 
 
+def stop_reason(reply: dict[str, Any]) -> Any:
+    """vLLM's ``stop_reason`` of a reply's first choice: a stop string, a stop token id, or None."""
+    choices = reply.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return first.get("stop_reason") if isinstance(first, dict) else None
+
+
 def make_step(
     endpoint: str,
     index: int,

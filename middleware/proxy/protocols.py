@@ -76,7 +76,7 @@ class Responses(Protocol):
         self.metrics = metrics
         self.tr = responses_request.translate(body, [])  # validates before any session is touched
         self._notes()
-        self.shape = responses.Shape(body, body.get("model") or model, self.tr)
+        self.shape = responses.Shape(body, body.get("model") or model, self.tr, store.new_id())
         self.handles = self.tr.handles
         self.session_id: str | None = None
         self.events = responses.EventStream(self.shape)

@@ -337,8 +337,9 @@ class _Call(StreamRelay):
     def _latency(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def record(self, steps: list[Step]) -> None:
-        """Append this call's steps to its session; durable when it returns (before the reply completes)."""
+    async def record(self, steps: list[Step], stop_reason: Any = None) -> None:
+        """Append this call's steps to its session; durable when it returns (before the reply completes).
+        ``stop_reason``: vLLM's for a one-choice reply (what a TITO session's next turn may extend)."""
         self.recorded = True
         self.request.app[SWAPPER_KEY].label(steps, self.spans)
         for step in steps:
@@ -350,7 +351,8 @@ class _Call(StreamRelay):
                 step.notes = [*step.notes, *self.notes]
         await self.manager.record(self.session, steps)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
-            self.session.tito_state = tito.next_state(self.chat, steps[0]) if len(steps) == 1 else None
+            self.session.tito_state = (tito.next_state(self.chat, steps[0], stop_reason) if len(steps) == 1
+                                       else None)
 
     async def _record_quietly(self, step: Step) -> None:
         try:
@@ -408,7 +410,8 @@ class _Call(StreamRelay):
             if view is not None and steps is not None:
                 body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
                 if body is not None:
-                    await self.record(steps)  # durable before the reply leaves
+                    stop = view.choices[0].stop_reason if view.choices else None
+                    await self.record(steps, stop)  # durable before the reply leaves
                     return web.Response(body=body, status=resp.status, content_type="application/json")
         try:
             reply = _decode(data)
@@ -426,5 +429,5 @@ class _Call(StreamRelay):
         elif self.strip or data is None:
             capture.strip_reply(reply, self.asked, self.endpoint)
             data = _encode(reply)
-        await self.record(steps)  # durable before the reply leaves
+        await self.record(steps, capture.stop_reason(reply))  # durable before the reply leaves
         return web.Response(body=data, status=status, content_type="application/json")

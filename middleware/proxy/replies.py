@@ -58,6 +58,7 @@ class _Choice(msgspec.Struct):
     message: _Message | None = None
     logprobs: msgspec.Raw = _ABSENT  # raw: its bytes are replaced when stripped; decoded for the step
     finish_reason: str | None = None
+    stop_reason: Any = None  # a stop string, a stop token id, or None (TITO: proxy/tito.py next_state)
     token_ids: _Ids = _UNSET
 
 

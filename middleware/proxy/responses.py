@@ -60,8 +60,9 @@ class Shape:
     """One Responses call's fixed fields (echoed in every Response object of it, streamed or not), and how its
     chat tool calls become the items the agent expects (``tr``: the request's translation)."""
 
-    def __init__(self, body: dict[str, Any], model: str, tr: Translation | None = None) -> None:
-        self.id = _new_id("resp")
+    def __init__(self, body: dict[str, Any], model: str, tr: Translation | None = None,
+                 response_id: str | None = None) -> None:
+        self.id = response_id or _new_id("resp")
         self.created = int(time.time())
         self.body = body
         self.model = model
@@ -149,7 +150,11 @@ class ResponseStore:
     An anonymous call (no session) keeps nothing: anyone could fill the one namespace they would share."""
 
     def __init__(self, max_entries: int = 4096, max_messages: int = 2048, max_bytes: int = 64 * 1024 * 1024,
-                 max_age_s: float = 3600.0, per_session: int = 256) -> None:
+                 max_age_s: float = 3600.0, per_session: int = 256, worker_port: int | None = None,
+                 shared_port: int | None = None) -> None:
+        # under `serve --workers`: this worker's own port (in the ids it mints) and the shared one
+        self.worker_port = worker_port
+        self.shared_port = shared_port
         self.max_entries = max_entries
         self.max_messages = max_messages
         self.max_bytes = max_bytes
@@ -168,6 +173,8 @@ class ResponseStore:
         if entry is not None and entry[3] < time.monotonic() - self.max_age_s:  # used since, but old
             self._drop(response_id)
             entry = None
+        if entry is None:
+            self._elsewhere(response_id)
         if entry is None or entry[0] != session_id:
             raise ApiError(404, f"no stored response {response_id!r} in this session (responses sent with "
                                 "store: false, without a session, from other sessions, or long evicted are "
@@ -175,6 +182,26 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         self._by_session[entry[0]].move_to_end(response_id)
         return [dict(m) for m in entry[1]]
+
+    def new_id(self) -> str:
+        """A response's id; a worker's names its own port, so another worker can say where it is kept."""
+        rid = _new_id("resp")
+        return rid if self.worker_port is None else f"{rid}_w{self.worker_port}"
+
+    def _elsewhere(self, response_id: str) -> None:
+        """A clear 404 for an id another worker minted: its store is that worker's, not this one's."""
+        if self.worker_port is None or self.shared_port is None:
+            return
+        _, sep, tag = response_id.rpartition("_w")
+        if not sep or not tag.isdigit() or int(tag) == self.worker_port:
+            return
+        theirs, mine = int(tag) - self.shared_port - 1, self.worker_port - self.shared_port - 1
+        raise ApiError(404, f"response {response_id!r} was stored by worker {theirs} (its own port {tag}) "
+                       f"of this `steptap serve --workers`, and this call reached worker {mine}: each worker "
+                       "keeps the responses it served. Send all of a session's calls to one worker: the "
+                       "session URL POST /sessions returns, or one worker's own port (a session id in the "
+                       "path on the shared port reaches whichever worker the kernel picks)",
+                       "previous_response_on_other_worker")
 
     def put(self, session_id: str | None, response_id: str, messages: list[dict[str, Any]]) -> None:
         if session_id is None or len(messages) > self.max_messages:

@@ -62,7 +62,7 @@ class StreamRelay:
     if TYPE_CHECKING:  # _Call's
         def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step: ...
         def _latency(self) -> float: ...
-        async def record(self, steps: list[Step]) -> None: ...
+        async def record(self, steps: list[Step], stop_reason: Any = None) -> None: ...
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
         """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
@@ -103,9 +103,10 @@ class StreamRelay:
             return out
         try:
             if failure is None:
-                await self.record(capture.steps_from_reply(acc.reply(), self.endpoint,
-                                                           latency_s=self._latency(),
-                                                           **self.common))  # durable before [DONE]
+                whole = acc.reply()
+                await self.record(capture.steps_from_reply(whole, self.endpoint, latency_s=self._latency(),
+                                                           **self.common),
+                                  capture.stop_reason(whole))  # durable before [DONE]
                 tail = _DONE if proto is None else proto.finish(acc.reply())
             else:
                 await self.record([self.failed(failure[0], failure[1], acc.reply())])

@@ -22,6 +22,11 @@ rendered: an opaque value from elsewhere (``handle_foreign``), a handle naming a
 (``handle_unknown``), changed reasoning text (``reasoning_edited``), or reasoning left out with no handle
 (``reasoning_dropped``).
 
+Stops the agent names: a reply cut by a stop string or a stop token id ends on the token that completed it,
+not necessarily on an end of turn, and the proxy does not add an end token the model never sampled: the next
+turn is rendered (``reply_stop_string``, ``reply_stop_token``). A call that asks for stop strings is rendered
+too (``stop_strings``): vLLM's derender does not cut the text at them.
+
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
 falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``), named in the
 step's notes, and the step's ``prefix`` names the break as usual.
@@ -61,6 +66,7 @@ class State(NamedTuple):
     ended: bool  # the reply ended on its own, not by max_tokens
     reasoning: str | None = None  # the reply's reasoning as logged
     response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
+    cut: str = ""  # the reply ended on a stop string or stop token the agent named: why nothing extends it
 
 
 class Plan(NamedTuple):
@@ -82,6 +88,12 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
     session's."""
     if state is None:
         return Plan([], None, "first")
+    if state.cut:
+        return Plan([], state, state.cut)
+    if chat.get("stop"):
+        # vLLM's derender does not cut the text at a stop string (the chat route does): rendered, the agent
+        # gets the reply it would get in normal mode
+        return Plan([], state, "stop_strings")
     messages = chat.get("messages")
     if not isinstance(messages, list):
         return Plan([], state, "no_messages")
@@ -121,11 +133,17 @@ def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id
     return None
 
 
-def next_state(chat: dict[str, Any], step: Step) -> State | None:
-    """The state after a recorded turn (None when the step cannot be extended)."""
+def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None) -> State | None:
+    """The state after a recorded turn (None when the step cannot be extended). ``stop_reason``: vLLM's, for
+    the reply's choice (a string: the stop string that cut it; an int: the stop token id that ended it)."""
     messages = chat.get("messages")
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
+    if stop_reason is not None:
+        # cut by a stop string or a stop token the agent named: its last token need not end a turn, and an end
+        # token spliced after it would be one the model never sampled; the next turn is rendered
+        return State([], "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
+                     else "reply_stop_token")
     # What token ended it is checked against the template
     ended = step.finish_reason in ("stop", "tool_calls")
     response_id = step.response.get("response_id")
@@ -244,6 +262,7 @@ class Turn:
                           "completion_tokens": done, "total_tokens": len(self.prompt) + done}
         for choice, g in zip(reply.get("choices") or (), gen.get("choices") or (), strict=False):
             choice["token_ids"] = g.get("token_ids")
+            choice["stop_reason"] = g.get("stop_reason")  # what ended it, as a chat reply says
             self._report(g)
             if g.get("logprobs") and g["logprobs"].get("content") is not None:
                 # the sampled tokens' logprobs as vLLM computed them (derender copies them as text tokens)
@@ -291,6 +310,8 @@ class Turn:
                         self._report(g)
                     for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
                         choice["token_ids"] = g.get("token_ids")
+                        if g.get("finish_reason") is not None:
+                            choice["stop_reason"] = g.get("stop_reason")
                         if g.get("logprobs") and g["logprobs"].get("content") is not None:
                             choice["logprobs"] = _chat_logprobs(choice.get("logprobs"),
                                                                 g["logprobs"]["content"])
@@ -298,19 +319,22 @@ class Turn:
                         chunk["choices"] = [{"index": g["index"], "delta": {},
                                              "token_ids": g.get("token_ids"),
                                              "logprobs": _chat_logprobs(None, (g.get("logprobs") or {}).get(
-                                                 "content") or []), "finish_reason": g.get("finish_reason")}
+                                                 "content") or []), "finish_reason": g.get("finish_reason"),
+                                             "stop_reason": g.get("stop_reason")}
                                             for g in gen["choices"]]
                     out.append(b"data: " + _encode(chunk))
                 yield out
 
 
 def _without_eos(gen: dict[str, Any]) -> dict[str, Any]:
-    """The generate result as derender should see it: without the end-of-sequence token that ended a choice
-    (vLLM's chat route leaves it out of the text; derender would detokenize it into the content)."""
+    """The generate result as derender should see it: without the end-of-sequence or stop token that ended a
+    choice (vLLM's chat route leaves it out of the text; derender would detokenize it into the content). A
+    stop string is not cut from the text by derender: such calls are rendered (``plan``)."""
     choices = []
     for ch in gen.get("choices") or ():
         ids = ch.get("token_ids") or []
-        if ch.get("finish_reason") == "stop" and ch.get("stop_reason") is None and ids:
+        if (ch.get("finish_reason") == "stop" and (ch.get("stop_reason") is None or isinstance(
+                ch.get("stop_reason"), int)) and ids):
             lp = ch.get("logprobs") or {}
             ch = {**ch, "token_ids": ids[:-1]}
             if lp.get("content"):

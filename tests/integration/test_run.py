@@ -294,3 +294,26 @@ def test_reward_parsing_and_argument_errors(
             main(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_reward_commands_output_is_read_within_a_bound(serve_proxy: Any, tmp_path: Path) -> None:
+    """Issue 25 (lows), bound everything: a reward command that prints a lot (a grader echoing test logs, a
+    runaway loop) was read whole into memory before its last line was parsed. Only its tail is kept now: 400
+    MB printed, then the reward, and ``steptap run`` stays far below that (its peak RSS, measured by a parent
+    that waits for it)."""
+    measure = ("import resource, subprocess, sys\n"
+               "code = subprocess.run(sys.argv[1:]).returncode\n"
+               "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+               "print('maxrss_kib', rss, file=sys.stderr)\n"
+               "sys.exit(code)\n")
+    cmd = [sys.executable, "-c", measure, sys.executable, "-m", "steptap.middleware.cli", "run",
+           "--proxy", serve_proxy.url, "--reward-cmd",
+           "head -c 400000000 /dev/zero | tr '\\0' x; echo; echo 0.5", "--",
+           "sh", "-c", "echo session=$STEPTAP_SESSION_ID"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "STEPTAP_CONTROL_TOKEN": serve_proxy.token})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert get(serve_proxy, session_ids(out.stdout)[0]).rewards == {"reward": 0.5}
+    peak_mib = int(re.findall(r"maxrss_kib (\d+)", out.stderr)[-1]) / 1024
+    print(f"steptap run's peak RSS with 400 MB of reward command output: {peak_mib:.0f} MiB")
+    assert peak_mib < 200, peak_mib

@@ -227,3 +227,109 @@ async def test_tito_for_anthropic_streamed_and_responses_plain(
             before = prev.prompt_token_ids + prev.response_token_ids
             assert step.prompt_token_ids[: len(before)] == before
     assert metrics.tito_turns.labels("tokens")._value.get() == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_strings_are_rendered_not_spliced(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """Issue 25 (lows): a reply stopped by a stop string ends on the token that completed the string, not on
+    the template's end-of-turn token. Splicing its tokens would give the next turn a prompt no render gives
+    (the reply's ids straight into the next message, no end token), and adding an end token would put one in
+    the sequence the model never sampled: the turn after it is rendered (``reply_stop_string``) and its prompt
+    is vLLM's own render. A call that asks for stop strings is rendered too (``stop_strings``): vLLM's
+    derender does not cut the text at them (the agent got ``one\n`` where the chat route says ``one``). Once a
+    reply ends on its own again, turns extend token for token."""
+    proxy = await make_proxy(vllm_server.url)
+    metrics = proxy.app[METRICS_KEY]
+    async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
+        info = await resp.json()
+    url, key = f"{info['base_url']}/chat/completions", info["api_key"]
+    base = {"model": vllm_server.served_model, "temperature": 0}
+
+    async def say(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {**base, "messages": messages, **extra}
+        if stream:
+            return await chat_stream(http, url, body, key)
+        async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            return {"role": "assistant", "content": (await resp.json())["choices"][0]["message"]["content"]}
+
+    word = {"max_tokens": 40, "structured_outputs": {"regex": "[a-z]{1,6}"}}  # ends on its own (EOS)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say a word."}]
+    messages.append(await say(messages, **word))
+    messages.append({"role": "user", "content": "Say two lines."})
+    reply = await say(messages, max_tokens=20, stop=["\n"], structured_outputs={"regex": "one\ntwo"})
+    assert reply["content"] == "one"  # cut by the stop string, as the chat route cuts it
+    messages += [reply, {"role": "user", "content": "And then?"}]
+    messages.append(await say(messages, **word))
+    messages.append({"role": "user", "content": "Once more."})
+    await say(messages, **word)
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps)
+    assert [s.status for s in steps] == ["ok"] * 4
+    fell = "token-in-token-out fell back to rendering: "
+    assert [s.notes for s in steps] == [[], [fell + "stop_strings"], [fell + "reply_stop_string"], []]
+    assert [metrics.tito_turns.labels(c)._value.get() for c in ("stop_strings", "reply_stop_string",
+                                                                   "tokens")] == [1, 1, 1]
+    async with http.post(f"{vllm_server.url}/v1/chat/completions/render",
+                         json={**base, "messages": messages[:5], "max_tokens": 3}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert steps[2].prompt_token_ids == (await resp.json())["token_ids"]
+    # the last turn extends the third token for token
+    before = steps[2].prompt_token_ids + steps[2].response_token_ids
+    assert steps[3].prompt_token_ids[:len(before)] == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_ended_by_a_stop_token_is_the_chat_routes_and_not_spliced(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """Issue 25 (lows), the stop token ids beside stop strings: a TITO turn ended by a ``stop_token_ids``
+    token gave the agent that token's text (derender detokenized it; the chat route leaves it out), and the
+    next turn spliced after a token the agent named, not an end of turn. Now the reply is the chat route's,
+    and the next turn is rendered (``reply_stop_token``)."""
+    proxy = await make_proxy(vllm_server.url)
+    metrics = proxy.app[METRICS_KEY]
+    async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
+        info = await resp.json()
+    url, key = f"{info['base_url']}/chat/completions", info["api_key"]
+    base = {"model": vllm_server.served_model, "temperature": 0}
+
+    async def direct(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        async with http.post(f"{vllm_server.url}/v1/chat/completions", json={
+                **base, "messages": messages, "return_token_ids": True, **extra}) as resp:
+            assert resp.status == 200, await resp.text()
+            choice: dict[str, Any] = (await resp.json())["choices"][0]
+            return choice
+
+    async def say(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {**base, "messages": messages, **extra}
+        if stream:
+            return await chat_stream(http, url, body, key)
+        async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            return {"role": "assistant", "content": (await resp.json())["choices"][0]["message"]["content"]}
+
+    word = {"max_tokens": 40, "structured_outputs": {"regex": "[a-z]{1,6}"}}  # ends on its own (EOS)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Say a word."}]
+    messages.append(await say(messages, **word))
+    messages.append({"role": "user", "content": "Say more."})
+    # the stop token: the first greedy token that differs from every one before it (else the first)
+    ids = (await direct(messages, max_tokens=40))["token_ids"]
+    k = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), 0)
+    want = await direct(messages, max_tokens=40, stop_token_ids=[ids[k]])
+    assert want["stop_reason"] == ids[k] and want["token_ids"] == ids[:k + 1]
+    reply = await say(messages, max_tokens=40, stop_token_ids=[ids[k]])
+    assert (reply["content"] or "") == (want["message"]["content"] or "")
+    messages += [reply, {"role": "user", "content": "And then?"}]
+    await say(messages, **word)
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions[info["id"]].trajectory.steps)
+    assert [s.status for s in steps] == ["ok"] * 3
+    assert steps[1].response_token_ids == ids[:k + 1]
+    fell = "token-in-token-out fell back to rendering: "
+    assert [s.notes for s in steps] == [[], [], [fell + "reply_stop_token"]]
+    assert [metrics.tito_turns.labels(c)._value.get() for c in ("tokens", "reply_stop_token")] == [1, 1]
+    async with http.post(f"{vllm_server.url}/v1/chat/completions/render",
+                         json={**base, "messages": messages, "max_tokens": 3}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert steps[2].prompt_token_ids == (await resp.json())["token_ids"]

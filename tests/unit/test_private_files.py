@@ -66,3 +66,21 @@ def test_serve_refuses_to_adopt_a_token_file_planted_in_a_shared_directory(tmp_p
                          env={k: v for k, v in os.environ.items() if k != "STEPTAP_CONTROL_TOKEN"})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "writable by others" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_up_refuses_to_adopt_a_token_file_planted_in_a_shared_directory(tmp_path: Path) -> None:
+    """Issue 25 (lows): ``steptap up`` adopted an existing token file wherever it was; one planted in a
+    directory others may write is refused before anything starts, and its content is never used."""
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    (d / "tok").write_text("planted-by-someone-else\n")
+    workdir = tmp_path / "up"
+    out = subprocess.run([*STEPTAP, "up", "--backend", "http://127.0.0.1:9", "--no-learner", "--no-view",
+                          "--port", "0", "--workdir", str(workdir), "--control-token-file", str(d / "tok")],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "STEPTAP_CONTROL_TOKEN"})
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "writable by others" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert not (workdir / "logs" / "serve.log").exists()  # nothing was started
+    assert (d / "tok").read_text() == "planted-by-someone-else\n"

@@ -181,3 +181,46 @@ def test_a_vllm_start_on_a_socket_a_server_still_answers_says_so(unix_server: Pa
     with pytest.raises(VLLMStartError, match="already"):
         VLLMServer(model, uds=unix_server, gpu=False, log_path=tmp_path / "v.log").start()
     assert unix_server.exists() and healthy(f"unix:{unix_server}")  # not unlinked from under it
+
+
+def test_a_child_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> None:
+    """Issue 25 (lows): PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process.
+    ``die_with_parent`` sets it only from the main thread (every launcher starts its children there); from
+    another thread it gives no preexec, so a child that thread started lives on after the thread ends."""
+    import os
+    import sys
+
+    from steptap.middleware.lifetime import die_with_parent
+
+    assert die_with_parent() is not None  # pytest runs tests on the main thread
+    script = ("import signal, sys\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+              "sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.read()\n")
+    started: dict[str, object] = {}
+
+    def launch() -> None:
+        started["preexec"] = die_with_parent()
+        started["tid"] = threading.get_native_id()
+        started["proc"] = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, preexec_fn=started["preexec"])  # type: ignore[arg-type]  # noqa: PLW1509
+
+    t = threading.Thread(target=launch)
+    t.start()
+    t.join()
+    proc = started["proc"]
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        task = Path(f"/proc/{os.getpid()}/task/{started['tid']}")
+        deadline = time.monotonic() + 30
+        while task.exists():  # the thread is gone in the kernel too: a death signal would be pending by now
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0  # ended by its stdin's end, never by SIGTERM (3)
+        assert started["preexec"] is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
