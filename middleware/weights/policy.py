@@ -23,6 +23,8 @@ def lora_name_of(version: int) -> str:
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
+    """The policy version served and the weights behind it; immutable: a transition is a new one."""
+
     version: int = 0
     # The base weights on disk: the last full weights loaded from a directory (the served model's at first)
     path: str | None = None
