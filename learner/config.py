@@ -1,7 +1,8 @@
 """``LearnerConfig``: every knob of ``steptap learn``, with its default, in one msgspec Struct.
 
 A config file (TOML) sets any subset of the fields; every field is also a command-line flag
-(``--lr 1e-5``, ``--lora-rank 8``, ``--no-resume``), generated from the Struct so the two never drift.
+(``--lr 1e-5``, ``--lora-rank 8``, ``--no-resume``), generated from the Struct so the two never drift
+(``steptap.middleware.flags``, the one generator; a field's help is its ``msgspec.Meta`` description).
 Precedence: defaults < file < flags < ``STEPTAP_CONTROL_TOKEN`` (only when no token was given).
 """
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+from steptap.middleware.flags import add_struct_flags
+from steptap.middleware.flags import described as _help  # a field's description is its flag's help
 
 Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
                     "grpo_passk", "remax", "grpo_vectorized", "rloo_vectorized"]
@@ -22,106 +24,127 @@ Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- where the data comes from and where the weights go
-    proxy_url: str = "http://127.0.0.1:8400"  # one proxy (an alias kept for proxy_urls)
-    proxy_urls: tuple[str, ...] = ()  # several proxies: every stream consumed, every version published to all
-    control_token: str = ""  # empty: $STEPTAP_CONTROL_TOKEN
-    consumer: str = "learner"  # the stream consumer name: its cursor is acknowledged at checkpoints
-    model_dir: str = ""  # Hugging Face model directory the policy starts from
-    # Torch: this process; verl: verl's TrainingWorker group on Ray
-    engine: Literal["torch", "verl"] = "torch"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
-    num_threads: int = 0  # torch CPU threads; 0: torch's default
+    proxy_url: Annotated[str, _help("one proxy (an alias kept for proxy_urls)")] = "http://127.0.0.1:8400"
+    proxy_urls: Annotated[tuple[str, ...], _help(
+        "several proxies: every stream consumed, every version published to all")] = ()
+    control_token: Annotated[str, _help("empty: $STEPTAP_CONTROL_TOKEN")] = ""
+    consumer: Annotated[str, _help(
+        "the stream consumer name: its cursor is acknowledged at checkpoints")] = "learner"
+    model_dir: Annotated[str, _help("Hugging Face model directory the policy starts from")] = ""
+    engine: Annotated[Literal["torch", "verl"], _help(
+        "torch: this process; verl: verl's TrainingWorker group on Ray")] = "torch"
+    device: Annotated[str, _help("auto: cuda when available, else cpu")] = "auto"
+    seed: Annotated[int, _help("torch's random seed")] = 0
+    num_threads: Annotated[int, _help("torch CPU threads; 0: torch's default")] = 0
 
     # -- the verl engine (engine = "verl"): FSDP2 TrainingWorkers on a Ray cluster; see docs/verl-engine.md
-    ray_address: str = ""  # empty: start a local Ray cluster; auto: join the running one; or HOST:PORT
-    workers: int = 1  # training workers: one per GPU (on a CPU-only cluster, one process each)
-    nodes: int = 1  # Ray nodes the workers spread over (workers per node = workers / nodes)
-    worker_cpus: int = 1  # CPUs each worker reserves from Ray
-    fsdp_size: int = -1  # FSDP shard group size; -1: shard over all workers
-    param_offload: bool = False  # FSDP: keep parameters in CPU memory between uses (large models on few GPUs)
-    optimizer_offload: bool = False  # FSDP: keep optimizer state in CPU memory
-    dynamic_bsz: bool = True  # micro-batches by token budget (micro_batch_tokens per worker), verl's packing
-    gradient_checkpointing: bool = False  # recompute activations in backward (GPU memory for time)
-    model_dtype: str = "fp32"  # FSDP parameter dtype: fp32 | bf16 (GPU)
+    ray_address: Annotated[str, _help(
+        "empty: start a local Ray cluster; auto: join the running one; or HOST:PORT")] = ""
+    workers: Annotated[int, _help(
+        "training workers: one per GPU (on a CPU-only cluster, one process each)")] = 1
+    nodes: Annotated[int, _help("Ray nodes the workers spread over (workers per node = workers / nodes)")] = 1
+    worker_cpus: Annotated[int, _help("CPUs each worker reserves from Ray")] = 1
+    fsdp_size: Annotated[int, _help("FSDP shard group size; -1: shard over all workers")] = -1
+    param_offload: Annotated[bool, _help(
+        "FSDP: keep parameters in CPU memory between uses (large models on few GPUs)")] = False
+    optimizer_offload: Annotated[bool, _help("FSDP: keep optimizer state in CPU memory")] = False
+    dynamic_bsz: Annotated[bool, _help(
+        "micro-batches by token budget (micro_batch_tokens per worker), verl's packing")] = True
+    gradient_checkpointing: Annotated[bool, _help(
+        "recompute activations in backward (GPU memory for time)")] = False
+    model_dtype: Annotated[str, _help("FSDP parameter dtype: fp32 | bf16 (GPU)")] = "fp32"
 
     # -- tracking through verl.utils.tracking.Tracking, besides the JSON-lines metrics file
-    # e.g. console tensorboard wandb mlflow (wandb runs offline unless configured)
-    trackers: tuple[str, ...] = ()
-    project: str = "steptap"  # the tracker's project name
-    experiment: str = "learn"  # the tracker's run name
+    trackers: Annotated[tuple[str, ...], _help(
+        "e.g. console tensorboard wandb mlflow (wandb runs offline unless configured)")] = ()
+    project: Annotated[str, _help("the tracker's project name")] = "steptap"
+    experiment: Annotated[str, _help("the tracker's run name")] = "learn"
 
     # -- algorithm (verl.trainer.ppo.core_algos, by name)
-    # Advantage estimator: grpo | rloo | reinforce_plus_plus | ... | gae (step-level, value head)
-    algorithm: str = "grpo"
-    policy_loss: str = "vanilla"  # vanilla (PPO-clip) | gspo | cispo | ...
-    loss_agg_mode: str = "token-mean"
-    norm_adv_by_std: bool = True  # GRPO's std scaling (False: Dr.GRPO)
-    gamma: float = 1.0  # discount over steps for per-step (process) rewards
-    lam: float = 0.95  # gae: GAE lambda over steps
-    value_lr: float = 1e-3  # gae: the value head's AdamW learning rate
-    value_clip: float = 0.5  # gae: verl's cliprange_value around the values the advantages were computed with
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # > 0: KL loss to a frozen reference
-    kl_type: str = "low_var_kl"  # verl kl_penalty name: kl | abs | mse | low_var_kl | k3+ ...
-    reference_dir: str = ""  # the reference model; empty: model_dir
+    algorithm: Annotated[str, _help(
+        "advantage estimator: grpo | rloo | reinforce_plus_plus | ... | gae (step-level, value head)"
+    )] = "grpo"
+    policy_loss: Annotated[str, _help("vanilla (PPO-clip) | gspo | cispo | ...")] = "vanilla"
+    loss_agg_mode: Annotated[str, _help(
+        "verl loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...")] = "token-mean"
+    norm_adv_by_std: Annotated[bool, _help("GRPO's std scaling (False: Dr.GRPO)")] = True
+    gamma: Annotated[float, _help("discount over steps for per-step (process) rewards")] = 1.0
+    lam: Annotated[float, _help("gae: GAE lambda over steps")] = 0.95
+    value_lr: Annotated[float, _help("gae: the value head's AdamW learning rate")] = 1e-3
+    value_clip: Annotated[float, _help(
+        "gae: verl's cliprange_value around the values the advantages were computed with")] = 0.5
+    clip_ratio_low: Annotated[float, _help("PPO clip below 1 (ratio >= 1 - this)")] = 0.2
+    clip_ratio_high: Annotated[float, _help("PPO clip above 1 (ratio <= 1 + this)")] = 0.2
+    clip_ratio_c: Annotated[float, _help("dual-clip bound for negative advantages")] = 3.0
+    entropy_coef: Annotated[float, _help("entropy bonus in the loss; 0: off")] = 0.0
+    kl_coef: Annotated[float, _help("> 0: KL loss to a frozen reference")] = 0.0
+    kl_type: Annotated[str, _help(
+        "verl kl_penalty name: kl | abs | mse | low_var_kl | k3+ ...")] = "low_var_kl"
+    reference_dir: Annotated[str, _help("the reference model; empty: model_dir")] = ""
 
     # -- batches and optimisation
-    batch_groups: int = 8  # groups (GRPO prompts) per update
-    group_size: int = 8  # members expected per group when the trajectories do not say
-    group_timeout_s: float = 120.0  # a group that waited this long is used with the members it has
-    min_group_members: int = 2  # fewer complete members after the timeout: dropped (counted)
-    epochs: int = 1  # passes over each batch (PPO epochs); > 1 makes the clip matter
-    micro_batch_tokens: int = 8192  # token budget of one forward/backward (padded tokens)
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    train_aborted: bool = False  # aborted/timed-out members count toward their group but are not trained on
-    # anonymous calls (no session) are one-step trajectories anyone reaching the proxy can write: not trained
-    # on
-    train_anonymous: bool = False
+    batch_groups: Annotated[int, _help("groups (GRPO prompts) per update")] = 8
+    group_size: Annotated[int, _help("members expected per group when the trajectories do not say")] = 8
+    group_timeout_s: Annotated[float, _help(
+        "a group that waited this long is used with the members it has")] = 120.0
+    min_group_members: Annotated[int, _help(
+        "fewer complete members after the timeout: dropped (counted)")] = 2
+    epochs: Annotated[int, _help("passes over each batch (PPO epochs); > 1 makes the clip matter")] = 1
+    micro_batch_tokens: Annotated[int, _help("token budget of one forward/backward (padded tokens)")] = 8192
+    lr: Annotated[float, _help("AdamW learning rate")] = 1e-6
+    weight_decay: Annotated[float, _help("AdamW weight decay")] = 0.0
+    betas: Annotated[tuple[float, float], _help("AdamW betas")] = (0.9, 0.999)
+    grad_clip: Annotated[float, _help("gradient norm clip")] = 1.0
+    train_aborted: Annotated[bool, _help(
+        "aborted/timed-out members count toward their group but are not trained on")] = False
+    train_anonymous: Annotated[bool, _help(
+        "anonymous calls (no session) are one-step trajectories anyone reaching the proxy can write: not "
+        "trained on")] = False
 
     # -- LoRA (peft); rank 0 trains all weights
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                     "down_proj")
+    lora_rank: Annotated[int, _help("LoRA rank; 0: train all weights")] = 0
+    lora_alpha: Annotated[int, _help("LoRA alpha (the update is scaled by alpha / rank)")] = 16
+    lora_dropout: Annotated[float, _help("dropout on the LoRA branch")] = 0.0
+    lora_targets: Annotated[tuple[str, ...], _help("module names LoRA adapts")] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     # -- off-policy data
-    max_staleness: int = 4  # steps sampled > this many versions behind are dropped / down-weighted; -1: off
-    stale_mode: Literal["drop", "downweight"] = "drop"
-    stale_decay: float = 0.5  # downweight: weight = stale_decay ** (lag - max_staleness)
-    truncation_mode: Literal["correct", "drop"] = "correct"  # steps sampled with top_p < 1 or top_k > 0
-    rollout_is: Literal["none", "token", "sequence"] = "none"  # verl rollout correction (decoupled TIS)
-    rollout_is_threshold: float = 2.0
-    rollout_rs: str = ""  # verl rejection sampling modes, e.g. "token_k1"; empty: off
-    rollout_rs_threshold: str = ""
-    pack_extends: bool = True  # merge `extends` chains into one sequence
+    max_staleness: Annotated[int, _help(
+        "steps sampled > this many versions behind are dropped / down-weighted; -1: off")] = 4
+    stale_mode: Annotated[Literal["drop", "downweight"], _help(
+        "what happens to steps older than max_staleness")] = "drop"
+    stale_decay: Annotated[float, _help("downweight: weight = stale_decay ** (lag - max_staleness)")] = 0.5
+    truncation_mode: Annotated[Literal["correct", "drop"], _help(
+        "steps sampled with top_p < 1 or top_k > 0")] = "correct"
+    rollout_is: Annotated[Literal["none", "token", "sequence"], _help(
+        "verl rollout correction (decoupled TIS)")] = "none"
+    rollout_is_threshold: Annotated[float, _help("rollout_is: the importance weights' upper bound")] = 2.0
+    rollout_rs: Annotated[str, _help("verl rejection sampling modes, e.g. \"token_k1\"; empty: off")] = ""
+    rollout_rs_threshold: Annotated[str, _help("rollout_rs: its threshold(s), verl's format")] = ""
+    pack_extends: Annotated[bool, _help("merge `extends` chains into one sequence")] = True
 
     # -- loop, checkpoints, what the user sees
-    push_every: int = 1  # publish weights to the proxy every N updates; 0: never
-    weights_dir: str = "./steptap-weights"  # where published weights go (a path vLLM can read)
-    # (docs/weight-transfer.md; full weights only: LoRA adapters always go through disk)
-    # Disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL on
-    # CUDA)
-    weight_sync: Literal["disk", "collective"] = "disk"
-    transfer_address: str = ""  # collective: this host's address as vLLM's workers reach it; empty: guessed
-    transfer_timeout_s: float = 120.0  # collective: bound on the rendezvous and on each tensor
-    # Collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never
-    disk_every: int = 0
-    checkpoint_dir: str = "./steptap-checkpoints"  # any fsspec URL
-    checkpoint_every: int = 10  # updates; the stream cursor is acknowledged only here
-    keep_checkpoints: int = 2
-    resume: bool = False
-    max_updates: int = 0  # stop after this many updates; 0: run until stopped
-    metrics_file: str = "steptap-metrics.jsonl"
-    tensorboard_dir: str = ""  # empty: off (needs the tensorboard package)
-    progress: bool = True  # rich progress bar and one status line per update
+    push_every: Annotated[int, _help("publish weights to the proxy every N updates; 0: never")] = 1
+    weights_dir: Annotated[str, _help(
+        "where published weights go (a path vLLM can read)")] = "./steptap-weights"
+    weight_sync: Annotated[Literal["disk", "collective"], _help(
+        "disk: write a directory vLLM reloads; collective: broadcast into vLLM's workers (gloo on CPU, NCCL "
+        "on CUDA); full weights only: LoRA adapters always go through disk (docs/weight-transfer.md)"
+    )] = "disk"
+    transfer_address: Annotated[str, _help(
+        "collective: this host's address as vLLM's workers reach it; empty: guessed")] = ""
+    transfer_timeout_s: Annotated[float, _help(
+        "collective: bound on the rendezvous and on each tensor")] = 120.0
+    disk_every: Annotated[int, _help(
+        "collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never")] = 0
+    checkpoint_dir: Annotated[str, _help("any fsspec URL")] = "./steptap-checkpoints"
+    checkpoint_every: Annotated[int, _help("updates; the stream cursor is acknowledged only here")] = 10
+    keep_checkpoints: Annotated[int, _help("checkpoints kept (older ones are deleted)")] = 2
+    resume: Annotated[bool, _help("continue from the latest checkpoint in checkpoint_dir")] = False
+    max_updates: Annotated[int, _help("stop after this many updates; 0: run until stopped")] = 0
+    metrics_file: Annotated[str, _help("JSON-lines metrics, one line per update")] = "steptap-metrics.jsonl"
+    tensorboard_dir: Annotated[str, _help("empty: off (needs the tensorboard package)")] = ""
+    progress: Annotated[bool, _help("rich progress bar and one status line per update")] = True
 
     def validate(self) -> LearnerConfig:
         """Raise ``ValueError`` with every problem at once; checks verl's registries by name."""
@@ -196,50 +219,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return msgspec.convert(data, LearnerConfig)
 
 
-# -- command-line flags generated from the Struct fields
-
-
-def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        return type(choices[0]), {"choices": choices}
-    if origin in (list, tuple):
-        return None, {"nargs": "*", "type": typing.get_args(hint)[0]}
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _flag_type(args[0])
-    return hint, {}
-
-
-def _field_comments() -> dict[str, str]:
-    """``name: type = default  # comment`` lines of the Struct above: the comment is the flag's help."""
-    import inspect
-
-    out = {}
-    for line in inspect.getsource(LearnerConfig).splitlines():
-        head, sep, comment = line.partition("  # ")
-        if sep and ":" in head and "=" in head:
-            out[head.split(":")[0].strip()] = comment.strip()
-    return out
-
-
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name`` per ``LearnerConfig`` field (``--x/--no-x`` for booleans), default None =
-    unset."""
-    hints = typing.get_type_hints(LearnerConfig, include_extras=False)
-    comments, defaults = _field_comments(), LearnerConfig().as_dict()
-    for name in LearnerConfig.__struct_fields__:
-        hint = hints[name]
-        flag = "--" + name.replace("_", "-")
-        help_ = f"{comments.get(name, '')} (default {defaults[name]!r})".lstrip()
-        if hint is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_)
-            continue
-        type_, extra = _flag_type(hint)
-        kw = {} if "nargs" in extra else {"type": type_}
-        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_, **kw, **extra)
+    """One ``--field-name`` per ``LearnerConfig`` field (``flags.py``: its help the field's description),
+    default None = unset, so a value from the config file stands unless a flag is given."""
+    add_struct_flags(parser, LearnerConfig, layered=True)
 
 
 def config_from_argv(argv: list[str] | None, prog: str = "steptap learn") -> LearnerConfig:

@@ -109,7 +109,7 @@ async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
     swapper = weights.swapper_of(app)
     swapper.log = app[stream.LOG_KEY]  # each new policy version is persisted in the log
-    swapper.restore(app[SESSIONS_KEY].policy_versions)
+    swapper.restore(app[stream.LOG_KEY].last_policy_version)  # the log's latest record: the whole state
     await swapper.start()
     # Each replica is admitted once reconciled with the persisted version (a proxy killed mid-swap can leave
     # vLLM paused, or on new weights under the old version); one that cannot be stays out, named in /health.

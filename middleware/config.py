@@ -1,18 +1,20 @@
-"""``ProxyConfig``: every knob of ``steptap serve`` with its default, in one msgspec Struct."""
+"""``ProxyConfig``: every knob of ``steptap serve`` with its default, in one msgspec Struct; its flags
+(``add_proxy_flags``, shared by ``steptap serve`` and ``steptap up``)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Annotated, Literal
 
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.client.tokens import TOKEN_ENV
+from steptap.middleware.flags import add_struct_flags
+from steptap.middleware.flags import described as _help  # a field's description is its flag's help
+
 MIB = 1024 * 1024
 DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong: log locally unless told
-
-
-def _help(text: str) -> msgspec.Meta:
-    return msgspec.Meta(description=text)
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True):
@@ -205,3 +207,18 @@ def parse_force_sampling(text: str) -> dict[str, float]:
 
 
 CONFIG_KEY = web.AppKey("steptap_config", ProxyConfig)
+
+
+# Fields that are not plain flags: derived at start (sampling_defaults), or the second and later --backend.
+NOT_FLAGS = {"sampling_defaults", "backends"}
+HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
+# Read from a file or the environment as well as a flag
+SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY",
+              "viewer_token": "STEPTAP_VIEWER_TOKEN"}
+
+
+def add_proxy_flags(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+    """``ProxyConfig``'s flags, generated (``flags.py``); ``steptap up`` takes some of them too. ``--backend``
+    is repeated for replicas: ``serve.config_from_args`` splits it."""
+    add_struct_flags(parser, ProxyConfig, only=only, skip=NOT_FLAGS, hidden=HIDDEN, repeated={"backend"},
+                     secrets=SECRET_ENV)

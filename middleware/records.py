@@ -209,12 +209,14 @@ class RewardAdded(Record, tag="reward_added"):
 
 
 class PolicyVersion(Record, tag="policy_version"):
-    """The proxy's policy version after a weight swap (persisted so a restart keeps counting)."""
+    """The proxy's policy version after a weight swap (persisted so a restart keeps counting): the whole state
+    (``weights/policy.py``), so the latest record alone restores it."""
 
     schema_version: int = SCHEMA_VERSION
     version: int = 0
-    path: str | None = None
+    path: str | None = None  # the base weights on disk (under a LoRA version too)
     lora_path: str | None = None
+    on_disk: bool = True  # whether the base weights served are those at path (not after a transfer)
     at: float = msgspec.field(default_factory=time.time)
 
 

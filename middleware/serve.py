@@ -13,8 +13,13 @@ from typing import Any
 import msgspec
 
 from steptap.middleware.client import read_token_file
-from steptap.middleware.config import ProxyConfig, generation_defaults, parse_force_sampling
-from steptap.middleware.flags import SECRET_ENV, add_proxy_flags
+from steptap.middleware.config import (
+    SECRET_ENV,
+    ProxyConfig,
+    add_proxy_flags,
+    generation_defaults,
+    parse_force_sampling,
+)
 
 
 def _parser() -> argparse.ArgumentParser:

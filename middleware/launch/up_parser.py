@@ -7,7 +7,7 @@ import socket
 import sys
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
-from steptap.middleware.flags import add_proxy_flags
+from steptap.middleware.config import add_proxy_flags
 
 PY = sys.executable
 STEPTAP = [PY, "-m", "steptap.middleware.cli"]  # the same interpreter and install as this process

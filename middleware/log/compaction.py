@@ -53,6 +53,12 @@ class Compaction:
     dir: Path
     stats: LogStats
 
+    @property
+    def last_policy_version(self) -> PolicyVersion | None:
+        """The latest ``PolicyVersion`` record (what compaction carries forward; the weight swapper restores
+        its state from it at start-up and owns what it means)."""
+        return self._last_version[1] if self._last_version is not None else None
+
     async def compact(self, min_cursor: str) -> list[int]:
         """Delete sealed segments wholly before ``min_cursor`` (the least acknowledged cursor over all
         consumers), never one at or after the oldest open session's ``SessionOpened``. Returns the deleted

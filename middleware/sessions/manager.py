@@ -38,7 +38,6 @@ from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (
     LogRecord,
     Mode,
-    PolicyVersion,
     SessionOpened,
     Step,
     TrainOn,
@@ -87,7 +86,6 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
-        self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
         self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
         self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
 

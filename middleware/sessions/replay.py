@@ -1,6 +1,5 @@
-"""Open sessions rebuilt from the log after a restart (their steps, rewards, groups; the policy versions
-found on the way). ``Replay`` is a mixin of ``SessionManager`` (manager.py), which holds the state it
-reads."""
+"""Open sessions rebuilt from the log after a restart (their steps, rewards, groups). ``Replay`` is a mixin
+of ``SessionManager`` (manager.py), which holds the state it reads."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import (
-    PolicyVersion,
     RewardAdded,
     SessionOpened,
     Step,
@@ -37,7 +35,6 @@ class Replay:
     metrics: Metrics
     sessions: dict[str, LiveSession]
     closed: dict[str, TrajectoryStatus]
-    policy_versions: list[PolicyVersion]
     holdings: Holdings
     if TYPE_CHECKING:  # SessionManager's and Groups'
         @property
@@ -103,8 +100,6 @@ class Replay:
                 session = self.sessions.get(record.trajectory_id)
                 if session is not None:
                     self._apply_reward(session.trajectory, record)
-            elif isinstance(record, PolicyVersion):
-                self.policy_versions.append(record)
             elif isinstance(record, Trajectory) and not record.anonymous:
                 session = self.sessions.pop(record.id, None)
                 expander.forget(record.id)

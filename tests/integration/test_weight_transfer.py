@@ -112,11 +112,13 @@ async def test_collective_swap_serves_the_sent_weights(
     assert gap(after["response_logprobs"], ref(base, after)) > DIFFERENT  # not the old weights
     assert swapper(client).on_disk is False and swapper(client).path is not None
 
-    # Persisted as a version with no directory: a restarted proxy keeps it and knows it is on no disk.
+    # Persisted as on no disk: a restarted proxy keeps the version, knows it is on no disk, and still names
+    # the disk weights under it
+    disk_path = swapper(client).path
     await client.close()
     client2 = await proxy(aiohttp_client, swap_vllm.url, tmp_path / "log")
     sw2 = swapper(client2)
-    assert sw2.version == 1 and sw2.on_disk is False
+    assert sw2.version == 1 and sw2.on_disk is False and sw2.path == disk_path
     assert (await call(client2))["policy_version"] == 1
 
     # A transfer that does not fit the served model is refused before anything pauses.
@@ -157,7 +159,8 @@ async def test_a_learner_killed_mid_transfer_never_leaves_mixed_weights(
     step = await call(client)
     assert step["policy_version"] == 2 and gap(step["response_logprobs"], ref(base, step)) < TOL
     records = [r for r in client.app[SESSIONS_KEY].log.records() if isinstance(r, PolicyVersion)]
-    assert [(r.version, r.path) for r in records] == [(1, None), (2, sw.path)]
+    # each record is the whole state: the transfer's names the disk weights under it, on no disk
+    assert [(r.version, r.path, r.on_disk) for r in records] == [(1, sw.path, False), (2, sw.path, True)]
 
     # 3. The learner goes on above it: a transfer as version 3 serves its weights.
     assert await send(client, new_model, version=3) == 3

@@ -114,3 +114,38 @@ def test_private_dir_is_0700_and_synced_in_its_parent(tmp_path: Path,
 def test_private_dirs_are_made_in_one_place() -> None:
     defs = [p.relative_to(ROOT) for p in SOURCES if "def private_dir" in p.read_text()]
     assert defs == [Path("middleware/files.py")]
+
+
+# --- struct -> flags: one generator, one help source --------------------------------------------------------
+
+def test_flags_are_generated_from_a_struct_in_one_place() -> None:
+    # a module that loops over a Struct's fields and adds arguments is a second generator
+    def generates(path: Path) -> bool:
+        text = path.read_text()
+        loops = [ast.unparse(n.iter) for n in ast.walk(ast.parse(text)) if isinstance(n, ast.For)]
+        return "add_argument" in text and any(w in it for it in loops
+                                              for w in ("__struct_fields__", "structs.fields"))
+
+    assert [p.relative_to(ROOT) for p in SOURCES if generates(p)] == [Path("middleware/flags.py")]
+
+
+def test_every_generated_flag_s_help_is_its_field_s_description() -> None:
+    import argparse
+    import typing
+
+    import msgspec
+
+    from steptap.learner.config import LearnerConfig, add_config_flags
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.serve import add_proxy_flags
+
+    for struct, add in ((ProxyConfig, add_proxy_flags), (LearnerConfig, add_config_flags)):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        hints = typing.get_type_hints(struct, include_extras=True)
+        for action in parser._actions:  # argparse keeps no public list of its actions
+            if action.dest not in hints or action.help == argparse.SUPPRESS or action.dest.endswith("_file"):
+                continue
+            meta = [m for m in getattr(hints[action.dest], "__metadata__", ()) if isinstance(m, msgspec.Meta)]
+            assert meta and meta[0].description, f"{struct.__name__}.{action.dest} has no description"
+            assert meta[0].description in (action.help or ""), action.dest

@@ -25,7 +25,8 @@ from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import status_of
 from steptap.middleware.exceptions import SwapError
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.records import PolicyVersion, Step
+from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
+from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.weights.checks import check_weights_dir, tensor_shapes
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import LORA_PREFIX, WeightSwapper
@@ -391,13 +392,78 @@ async def test_version_is_persisted_and_restored(backend: tuple[FaultInjector, s
     records = list(log.records())
     assert [r.version for r in records if isinstance(r, PolicyVersion)] == [1, 4]
     again = WeightSwapper(url, cpu_backend=True)
-    assert again.restore([Step(), *records]) == 4
+    assert log.last_policy_version == records[-1]
+    assert again.restore(log.last_policy_version) == 4
+    assert again.path == str(tmp_path / "a")  # the base weights under the LoRA version
     assert again.lora_name == f"{LORA_PREFIX}-v4" and again.lora_path == str(tmp_path / "ad")
     fake.adapters.clear()
     await again.start()  # a restarted proxy reloads the routed adapter into a backend that lost it
     assert fake.adapters == {f"{LORA_PREFIX}-v4"}
     await again.close()
     await log.close()
+
+
+async def test_every_reader_answers_one_policy_version_after_a_swap_compaction_and_restart(
+    backend: tuple[FaultInjector, str], tmp_path: Path, aiohttp_client: MakeClient
+) -> None:
+    """The latest policy version has one answer: the swapper's, the log's record of it, /health, /metrics and
+    the replica's label agree after swaps, after compaction dropped the segment of the last full-weights swap
+    (a LoRA version on top of it is the last record), and after a restart on that log."""
+    fake, url = backend
+    base = model_dir(tmp_path / "base")
+    fake.model_dir = str(base)
+    log = await TrajectoryLog.open(str(tmp_path / "log"), segment_bytes=1024)
+    sw = WeightSwapper(url, log, cpu_backend=True, model_dir=str(base))
+    full = model_dir(tmp_path / "a")
+    await sw.swap(path=str(full))
+    await sw.swap(lora_path=str(adapter_dir(tmp_path / "ad")))
+    before = sw.state()
+    assert (before.version, before.path, before.lora_name) == (2, str(full), f"{LORA_PREFIX}-v2")
+    cursor = ""
+    for i in range(12):  # finished sessions, acknowledged: the segments of both versions can go
+        await log.append(SessionOpened(trajectory_id=f"t{i}"))
+        cursor = await log.append(Trajectory(id=f"t{i}", status="finished", steps=[
+            Step(trajectory_id=f"t{i}", prompt_token_ids=list(range(40)))]))
+    assert 1 in await log.compact(cursor)
+    kept = [r for r in log.records() if isinstance(r, PolicyVersion)]
+    assert [r.version for r in kept] == [2]  # the full-weights swap's record is gone, the latest carried on
+    await log.close()
+    await sw.close()
+
+    client = await aiohttp_client(create_app(ProxyConfig(backend=url, log=str(tmp_path / "log"),
+                                                         control_token=TOKEN)))
+    after = client.app[SWAPPER_KEY].state()
+    for field in ("version", "path", "lora_path", "lora_name", "mode"):
+        assert getattr(after, field) == getattr(before, field), field
+    health = await (await client.get("/health")).json()
+    assert health["policy_version"] == health["weights"]["version"] == 2
+    assert "steptap_policy_version 2.0" in await (await client.get("/metrics")).text()
+    assert fake.weight_label == "2"
+    log_after = client.app[SESSIONS_KEY].log
+    assert [r.version for r in log_after.records() if isinstance(r, PolicyVersion)][-1] == 2
+
+
+def test_the_latest_record_alone_restores_every_transition() -> None:
+    """Compaction keeps only the latest ``PolicyVersion``, so each record holds the whole state: through the
+    log's codec and back, it restores the state it was written from, whatever came before it."""
+    from steptap.middleware.records import log_decoder, msgpack_encoder
+    from steptap.middleware.weights.policy import Policy
+
+    configured = Policy(path="/configured")
+    a = configured.from_disk(1, "/a")
+    b = a.adapter(2, "/ad")
+    c = b.transferred(3)  # on no disk: the last disk weights stay named
+    d = c.adapter(4, "/ad2")
+    e = d.from_disk(5, "/e")
+    for state in (a, b, c, d, e):
+        record = log_decoder.decode(msgpack_encoder.encode(state.record()))
+        assert configured.restored(record) == state
+    assert (c.path, c.on_disk, c.lora_name, d.lora_name) == ("/a", False, None, f"{LORA_PREFIX}-v4")
+    # records written before they held the whole state
+    assert configured.restored(PolicyVersion(version=2, lora_path="/ad")) == Policy(
+        version=2, path="/configured", lora_path="/ad")
+    assert configured.restored(PolicyVersion(version=3)).on_disk is False
+    assert configured.restored(None) == configured
 
 
 # --- the route on the real app ------------------------------------------------------------------------------
