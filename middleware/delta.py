@@ -118,11 +118,26 @@ def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
     with the rewards the references carry, in full form, embedded."""
     if not traj.step_refs:
         return full_trajectory(traj)
+    traj = embed(traj, logged)
+    return _replace(traj, steps=full_steps(traj.steps))
+
+
+def embed(traj: Trajectory, logged: list[Step]) -> Trajectory:
+    """Like ``resolve``, but the steps stay as logged (a delta step keeps its ``delta``): what a reader that
+    expands steps one at a time takes (the learner's rows: ``Expander``), in memory linear in the session.
+    Each delta's base is checked to come before it (``DeltaError``), so a damaged trajectory fails here."""
+    if not traj.step_refs:
+        return traj
     if len(logged) != len(traj.step_refs):
         raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} steps, {len(logged)} given")
-    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s,
-                    ref in zip(logged, traj.step_refs, strict=True)]
-    return _replace(traj, steps=full_steps(with_rewards), step_refs=[])
+    seen: set[int] = set()
+    steps: list[Step] = []
+    for s, ref in zip(logged, traj.step_refs, strict=True):
+        if s.delta is not None and s.delta.base not in seen:
+            raise DeltaError(f"step {s.index} extends step {s.delta.base}, which is not before it")
+        seen.add(s.index)
+        steps.append(_replace(s, rewards=dict(ref.rewards)))
+    return _replace(traj, steps=steps, step_refs=[])
 
 
 def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:
