@@ -6,6 +6,9 @@ policy), its return and group. Samples are laid out in *sequences*: a step whose
 predecessor, so a chain of k steps costs one forward pass over the last step's prompt + response instead of k.
 In a packed sequence every step's response tokens are in the loss and everything else (system prompt, tool
 results, the tokens re-fed between steps) is masked.
+A sample holds no prompt of its own: it is an offset into its sequence (``Batch.prompt_ids``). Steps may
+come full or as logged (delta steps, the client's ``full=False``): they are expanded one at a time, so a long
+session costs the rows its context once, not once a step.
 
 Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
 ``Batch.counts``.
