@@ -148,7 +148,7 @@ class LazySteps(Sequence[Step]):
     the held one. ``materialized`` counts the ids built so far."""
 
     def __init__(self, steps: list[Step], full: dict[int, Step] | None = None) -> None:
-        self._steps = steps
+        self._steps = list(steps)  # a snapshot: a call finishing meanwhile does not shift it
         self._known = dict(full or {})
         self._pos = {s.index: i for i, s in enumerate(steps)}
         self._last: Step | None = None

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from test_delta_steps import TOKEN, make_stream_app, turns
 
 from steptap.learner.rows import build_batch
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.delta import LazySteps
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Step, Trajectory, msgpack_encoder
@@ -135,4 +137,17 @@ async def test_learner_samples_refer_to_their_sequence_in_linear_memory(tmp_path
     held_ids = sum(len(q.input_ids) for q in batch.sequences)
     assert full_ids > 15 * held_ids
     assert peak < 4 * 8 * held_ids + 100_000  # 8 bytes an id (list slots), a few copies at once
+    await log.close()
+
+
+async def test_lazy_steps_read_in_any_order_are_the_full_steps(tmp_path: Path) -> None:
+    log, steps = await finished_session(tmp_path)
+    logged = [r for r in log.records() if isinstance(r, Step)]
+    full = [enc(msgspec.structs.replace(s, rewards={})) for s in steps]
+    lazy = LazySteps(logged)  # nothing at hand: every delta built from its chain
+    assert len(lazy) == N and [enc(lazy[i]) for i in reversed(range(N))] == full[::-1]
+    assert [enc(s) for s in lazy[40:44]] == full[40:44] and enc(lazy[-3]) == full[-3]
+    with pytest.raises(IndexError):
+        lazy[N]
+    assert lazy[7].rewards is logged[7].rewards  # a reward set through it lands on the held step
     await log.close()
