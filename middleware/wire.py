@@ -5,8 +5,8 @@
 them as opaque and only hand back what they were given; ordering them is the one thing both sides do.
 
 **Messages** (``StreamMessage``): ``{"cursor": C, "trajectory": {...}, "steps": [...]}``, ``{"cursor": C,
-"heartbeat": T}``, ``{"cursor": C, "end": true}`` (a non-following stream caught up) or ``{"cursor": C, "skipped": REASON}`` (a
-record the server could not decode was skipped; the cursor moves past it).
+"heartbeat": T}``, ``{"cursor": C, "end": true}`` (a non-following stream caught up) or ``{"cursor": C,
+"skipped": REASON}`` (a record the server could not decode was skipped; the cursor moves past it).
 
 **A trajectory message is the trajectory as logged**, in both framings: ``trajectory`` is its record, which
 refers to its steps (``step_refs``: where each Step record starts, and its rewards at the finish), and
