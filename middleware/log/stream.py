@@ -11,7 +11,7 @@ takes its place (the NDJSON stream decodes every record; the msgpack stream pass
 client skips what it cannot decode). Both send a trajectory as logged: its record and the Step records it
 refers to, each as logged (a delta step holds only what is new, so each new token travels once), and readers
 resolve them into full steps (``wire.decode_trajectory``, the client does). The NDJSON stream re-encodes the
-msgpack records as JSON in a worker thread, not on the event loop.
+msgpack records as JSON, in a worker thread when they are large (not on the event loop).
 
 Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
 msgpack frames.
@@ -57,6 +57,7 @@ from steptap.middleware.wire import (
 logger = logging.getLogger("steptap.stream")
 
 LOG_KEY = web.AppKey("steptap_log", TrajectoryLog)
+INLINE_BYTES = 64 << 10  # an NDJSON message from fewer logged bytes is built on the loop (no thread hop)
 
 
 class AckBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -193,7 +194,9 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
             return encode(RawTrajectoryMessage(
                 cursor=cur, trajectory=msgspec.Raw(found.payload), steps=[msgspec.Raw(p) for p in found.steps]
             ))
-        try:  # JSON of the logged records, built off the loop (a session's first step can be megabytes)
+        try:  # JSON of the logged records; a large one built off the loop (a first step can be megabytes)
+            if len(found.payload) + sum(map(len, found.steps)) < INLINE_BYTES:
+                return _ndjson_message(cur, found)
             return await asyncio.to_thread(_ndjson_message, cur, found)
         except msgspec.DecodeError as exc:  # ValidationError included
             log._undecodable(cur, exc)  # counted as the reader counts its own
