@@ -31,16 +31,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import glob
 import json
 import os
 import random
 import re
+import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs import Server, free_port, python_cmd  # noqa: E402
 from proxy_overhead import CONTROL_TOKEN, Steptap, _git_head, steptap_cmd  # noqa: E402
 
-from steptap.middleware.delta import full_steps  # noqa: E402
+from steptap.middleware.delta import Expander, embed, full_steps  # noqa: E402
 from steptap.middleware.log.offline import LogReader  # noqa: E402
 from steptap.middleware.log.wal import TrajectoryLog  # noqa: E402
 from steptap.middleware.records import Step, Trajectory, msgpack_encoder  # noqa: E402
+from steptap.middleware.sessions.rewards import reward_view  # noqa: E402
 from steptap.middleware.wire import StreamMessage, encode_message  # noqa: E402
 
 MIB = 1 << 20
@@ -156,41 +161,67 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, base
 
 
 def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
-    """What the log holds for the session, and what schema 3 would have logged for the same steps."""
+    """What the log holds for the session, what schema 3 would have logged for the same steps, and what the
+    finished session costs its readers (each measured on its own: CPU, the ids it builds, its peak Python
+    allocation), before anything here builds the session's full steps (the check at the end does)."""
     steps_bytes: list[int] = []
     traj_bytes = 0
+    record: Trajectory | None = None
 
     async def scan() -> list[Step]:
-        nonlocal traj_bytes
+        nonlocal traj_bytes, record
         log = await TrajectoryLog.open(log_dir, readonly=True)
         logged: list[Step] = []
-        for record in log.records():
-            size = len(msgpack_encoder.encode(record)) + 8  # + the frame's length and checksum
-            if isinstance(record, Step) and record.trajectory_id == sid:
-                logged.append(record)
+        for rec in log.records():
+            size = len(msgpack_encoder.encode(rec)) + 8  # + the frame's length and checksum
+            if isinstance(rec, Step) and rec.trajectory_id == sid:
+                logged.append(rec)
                 steps_bytes.append(size)
-            elif isinstance(record, Trajectory) and record.id == sid:
-                traj_bytes = size
+            elif isinstance(rec, Trajectory) and rec.id == sid:
+                traj_bytes, record = size, rec
         await log.close()
         return logged
 
     logged = asyncio.run(scan())
-    # Full steps, as the learner gets them
+    assert record is not None
+    held = embed(record, logged)  # the steps as logged, with the finish's rewards: what the proxy holds
+    readers: dict[str, Any] = {}
+    # The NDJSON stream's line: the record and its logged steps, re-encoded as JSON (stream.py)
+    with measured(readers, "ndjson_line"):
+        ndjson = len(encode_message(StreamMessage(cursor="0", trajectory=record, steps=logged), "ndjson"))
+    readers["ndjson_line"]["mib"] = round(ndjson / MIB, 2)
+    # The reward callback's view (the proxy holds the latest call's steps in full: at hand), read as a
+    # callback that grades the last step reads it; then every step in order
+    expander = Expander()
+    for step in logged:
+        expander.full(step)
+    last_call = expander.last_call(sid)
+    del expander
+    with measured(readers, "callback_last_step"):
+        view = reward_view(held, last_call)
+        readers["callback_last_step"]["prompt_ids"] = len(view.steps[-1].prompt_token_ids)
+        readers["callback_last_step"]["ids_built"] = view.steps.materialized  # type: ignore[attr-defined]
+    with measured(readers, "callback_every_step"):
+        view = reward_view(held, last_call)
+        for _ in view.steps:
+            pass
+        readers["callback_every_step"]["ids_built"] = view.steps.materialized  # type: ignore[attr-defined]
+    del view, last_call
+    # The learner's rows, from the steps as logged (the client's full=False)
+    from steptap.learner.rows import build_batch
+
+    with measured(readers, "learner_rows"):
+        batch = build_batch([held], version=0)
+    readers["learner_rows"].update(
+        sequences=len(batch.sequences), sequence_ids=sum(len(q.input_ids) for q in batch.sequences),
+        sample_ids=sum(len(x.response_ids) for x in batch.samples), samples=len(batch.samples))
+    readers_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del batch, held
+    # The check: the delivered trajectory (full steps, as the client's readers get them) is the log's steps
     [traj] = [t for t in LogReader(log_dir).trajectories() if t.id == sid]
     t0 = time.process_time()
     full = full_steps(logged)
     resolve_s = time.process_time() - t0
-    # What the finished session costs its readers: the NDJSON stream sends it in full (one line), the msgpack
-    # stream as logged; the reward callback is handed it in full (built as ``full_steps`` builds it).
-    t0 = time.process_time()
-    ndjson = len(encode_message(StreamMessage(cursor="0", trajectory=traj), "ndjson"))
-    ndjson_s = time.process_time() - t0
-    # The learner's rows: one packed sequence for the chain, but each sample keeps its own full prompt ids.
-    from steptap.learner.rows import build_batch
-
-    t0 = time.process_time()
-    batch = build_batch([traj], version=0)
-    rows_s = time.process_time() - t0
     assert [msgpack_encoder.encode(s) for s in full] == [
         msgpack_encoder.encode(msgspec_replace(s)) for s in traj.steps]
     v3_steps = sum(len(msgpack_encoder.encode(s)) + 8 for s in full)
@@ -205,15 +236,39 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
         if len(steps_bytes) > 1 else None, "step_bytes_last": steps_bytes[-1],
         "trajectory_record_bytes": traj_bytes,
         "schema3_mib": round((v3_steps + v3_traj) / MIB, 2),
-        "ndjson_stream_mib": round(ndjson / MIB, 2), "ndjson_encode_cpu_s": round(ndjson_s, 3),
-        "full_steps_cpu_s": round(resolve_s, 3), "learner_rows_cpu_s": round(rows_s, 3),
-        "learner_rows": {"sequences": len(batch.sequences), "sample_prompt_ids": sum(
-            len(x.prompt_ids) for x in batch.samples), "sequence_ids": sum(len(q.input_ids)
-                                                                           for q in batch.sequences)},
+        "readers": readers, "readers_peak_rss_mib": round(readers_rss_kib / 1024, 1),
+        "full_steps_cpu_s": round(resolve_s, 3),
         "full_ids": sum(len(s.prompt_token_ids) + len(s.response_token_ids) for s in full),
         "delivered_prompt_tokens_last": len(traj.steps[-1].prompt_token_ids),
         "prompt_tokens": [len(s.prompt_token_ids) for s in traj.steps],
     }
+
+
+@contextlib.contextmanager
+def measured(out: dict[str, Any], name: str) -> Iterator[None]:
+    """``out[name]``: the CPU seconds and the peak Python allocation (MiB, tracemalloc) of the block."""
+    tracemalloc.start()
+    t0 = time.process_time()
+    out[name] = {}
+    try:
+        yield
+    finally:
+        cpu = time.process_time() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        out[name].update(cpu_s=round(cpu, 3), peak_mib=round(peak / MIB, 2))
+
+
+def finished_sessions(log_dir: str) -> list[str]:
+    """The ids of the log's finished sessions (read from their records, no steps built)."""
+
+    async def scan() -> list[str]:
+        log = await TrajectoryLog.open(log_dir, readonly=True)
+        out = [r.id for r in log.records() if isinstance(r, Trajectory) and r.status != "running"]
+        await log.close()
+        return out
+
+    return asyncio.run(scan())
 
 
 def msgspec_replace(step: Step) -> Step:
@@ -280,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.full:
         args.turns = 200
     if args.log_only:  # the figures of a log a run kept (--keep-log): one line per finished session
-        for traj in LogReader(args.log_only).trajectories():
-            print(json.dumps({"session": traj.id, **logged_bytes(args.log_only, traj.id)}))
+        for sid in finished_sessions(args.log_only):
+            print(json.dumps({"session": sid, **logged_bytes(args.log_only, sid)}))
         return 0
     t0 = time.time()
     git = _git_head()  # the code the proxy runs: read before a run that may outlast a commit

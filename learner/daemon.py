@@ -183,7 +183,8 @@ class Learner:
     async def _pump(self, src: Source) -> None:
         """One proxy's stream -> grouper. The client reconnects by itself when that proxy restarts; the other
         streams go on meanwhile."""
-        async for d in src.client.trajectories(self.cfg.consumer, cursor=src.cursor):
+        # Steps as logged: the rows expand them one at a time (a long session in linear memory)
+        async for d in src.client.trajectories(self.cfg.consumer, cursor=src.cursor, full=False):
             skipped = src.client.skipped.get(self.cfg.consumer, 0)
             if skipped != src.unreadable:  # never fatal: the cursor moved past them, an ack covers them
                 self.metrics.note(f"skipped {skipped - src.unreadable} unreadable record(s) in {src.url}'s "

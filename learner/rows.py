@@ -6,6 +6,9 @@ policy), its return and group. Samples are laid out in *sequences*: a step whose
 predecessor, so a chain of k steps costs one forward pass over the last step's prompt + response instead of k.
 In a packed sequence every step's response tokens are in the loss and everything else (system prompt, tool
 results, the tokens re-fed between steps) is masked.
+A sample holds no prompt of its own: it is an offset into its sequence (``Batch.prompt_ids``). Steps may
+come full or as logged (delta steps, the client's ``full=False``): they are expanded one at a time, so a long
+session costs the rows its context once, not once a step.
 
 Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
 ``Batch.counts``.
@@ -36,18 +39,18 @@ from dataclasses import dataclass, field
 import msgspec
 
 from steptap.middleware.curation import CurationState
-from steptap.middleware.delta import full_trajectory
+from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import Sampling, Step, Trajectory
 
 
 @dataclass(slots=True)
 class Sample:
-    """One trained step. ``offset`` is where its response starts inside its sequence."""
+    """One trained step. ``offset`` is where its response starts inside its sequence: its prompt is the
+    sequence's ids before it (``Batch.prompt_ids``), not a copy (a chain of n steps would hold n prompts)."""
 
     trajectory_id: str
     group: str  # the advantage estimator's group index (group_id, or the trajectory id when none)
     step_index: int
-    prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # recorded by vLLM: raw (before temperature / truncation), one per response token
     temperature: float
@@ -91,6 +94,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.sequences)
+
+    def prompt_ids(self, i: int) -> list[int]:
+        """Sample ``i``'s prompt: its sequence's ids before its response (a copy)."""
+        s = self.samples[i]
+        return self.sequences[s.seq].input_ids[: s.offset]
 
 
 def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[float]:
@@ -194,94 +202,104 @@ def build_batch(
         if marks.excluded:
             c["dropped_curated"] += 1
             continue
-        steps = sorted(full_trajectory(traj).steps, key=lambda s: (s.index, s.choice))  # delta steps too
+        # Steps as given: full, or as logged (the client's full=False), expanded one at a time holding the
+        # latest call's in full, so a long session costs the rows its context once, not once a step
+        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
         reward = float(sum({**traj.rewards, **marks.rewards}.values()))
         if marks.rewards or marks.step_rewards:
             c["curated_reward_edits"] += 1
             steps = [msgspec.structs.replace(s, rewards={**s.rewards, **marks.step_rewards[s.index]})
                      if s.index in marks.step_rewards else s for s in steps]
-        rets = step_returns(steps, reward, gamma)
-        rewards = step_rewards(steps, reward)
-        prev_kept: Sample | None = None
-        # (sample, step position): where a dropped step's reward goes
-        last_kept: tuple[Sample, int] | None = None
-        trained_any = False
-        for pos, (step, ret) in enumerate(zip(steps, rets, strict=False)):
-            c["steps"] += 1
-            versions = step.token_versions()
-            lag = version - max(versions, default=step.policy_version)  # the freshest token's
-            # Beside the main line (sessions/classify.py): never in its chain
-            side = step.call_class == "side"
-            reason = "dropped_side" if side and traj.train == "main" else (
-                "dropped_curated_step" if step.index in marks.excluded_steps
-                else _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode))
-            if reason:
-                c[reason] += 1
-                if last_kept is not None:  # its reward is credited to the closest trained step before it
-                    last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
-                if not side:
-                    prev_kept = None  # a dropped step breaks the chain: the next step starts a new sequence
-                continue
-            sample = Sample(
-                trajectory_id=traj.id,
-                group=traj.group_id or traj.id,
-                step_index=step.index,
-                prompt_ids=list(step.prompt_token_ids),
-                response_ids=list(step.response_token_ids),
-                logprobs=list(step.response_logprobs),
-                temperature=step.sampling.temperature,
-                top_p=step.sampling.top_p,
-                top_k=step.sampling.top_k,
-                policy_version=step.policy_version,
-                ret=ret,
-                reward=rewards[pos],
-            )
-            weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
-            if len(set(versions)) > 1:  # tokens of several versions: weights per token
-                c["spanning_steps"] += 1
-                if any(w < 1.0 for w in weights):
-                    sample.token_weights = weights
-                    c["stale_tokens"] += sum(w < 1.0 for w in weights)
-                sample.weight = max(weights)
-            elif max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
-                sample.weight = stale_decay ** (lag - max_staleness)
-                c["downweighted_stale"] += 1
-            if sample.truncated:
-                c["kept_truncated"] += 1
-            _place(batch, sample, None if side else prev_kept, step, pack_extends)
-            last_kept = (sample, pos)
-            if side:  # a sequence of its own; the main line's chain goes on past it
-                c["trained_side_steps"] += 1
-            else:
-                prev_kept = sample
-            trained_any = True
-            c["trained_steps"] += 1
-        if trained_any:
-            batch.rewards.append(reward)
-            c["trained_trajectories"] += 1
+        expander = Expander()
+        before = (len(batch.samples), len(batch.sequences), Counter(c))
+        try:
+            rets = step_returns(steps, reward, gamma)
+            rewards = step_rewards(steps, reward)
+            prev_kept: Sample | None = None
+            # (sample, step position): where a dropped step's reward goes
+            last_kept: tuple[Sample, int] | None = None
+            trained_any = False
+            for pos, (logged, ret) in enumerate(zip(steps, rets, strict=False)):
+                c["steps"] += 1
+                step = expander.full(logged)
+                versions = step.token_versions()
+                lag = version - max(versions, default=step.policy_version)  # the freshest token's
+                # Beside the main line (sessions/classify.py): never in its chain
+                side = step.call_class == "side"
+                reason = "dropped_side" if side and traj.train == "main" else (
+                    "dropped_curated_step" if step.index in marks.excluded_steps
+                    else _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode))
+                if reason:
+                    c[reason] += 1
+                    if last_kept is not None:  # its reward is credited to the closest trained step before it
+                        last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
+                    if not side:
+                        prev_kept = None  # a dropped step breaks the chain: the next one starts a sequence
+                    continue
+                sample = Sample(
+                    trajectory_id=traj.id,
+                    group=traj.group_id or traj.id,
+                    step_index=step.index,
+                    response_ids=list(step.response_token_ids),
+                    logprobs=list(step.response_logprobs),
+                    temperature=step.sampling.temperature,
+                    top_p=step.sampling.top_p,
+                    top_k=step.sampling.top_k,
+                    policy_version=step.policy_version,
+                    ret=ret,
+                    reward=rewards[pos],
+                )
+                weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
+                if len(set(versions)) > 1:  # tokens of several versions: weights per token
+                    c["spanning_steps"] += 1
+                    if any(w < 1.0 for w in weights):
+                        sample.token_weights = weights
+                        c["stale_tokens"] += sum(w < 1.0 for w in weights)
+                    sample.weight = max(weights)
+                elif max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
+                    sample.weight = stale_decay ** (lag - max_staleness)
+                    c["downweighted_stale"] += 1
+                if sample.truncated:
+                    c["kept_truncated"] += 1
+                _place(batch, sample, None if side else prev_kept, step, pack_extends)
+                last_kept = (sample, pos)
+                if side:  # a sequence of its own; the main line's chain goes on past it
+                    c["trained_side_steps"] += 1
+                else:
+                    prev_kept = sample
+                trained_any = True
+                c["trained_steps"] += 1
+            if trained_any:
+                batch.rewards.append(reward)
+                c["trained_trajectories"] += 1
+        except DeltaError:  # a damaged trajectory (a delta without its base): dropped whole, counted
+            del batch.samples[before[0]:], batch.sequences[before[1]:]
+            c.clear()
+            c.update(before[2])
+            c["dropped_unresolvable"] += 1
     return batch
 
 
 def _place(batch: Batch, sample: Sample, prev: Sample | None, step: Step, pack_extends: bool) -> None:
-    """Append ``sample`` to its predecessor's sequence when it extends it token for token, else open one."""
+    """Append ``sample`` (of ``step``, full) to its predecessor's sequence when it extends it token for token,
+    else open one. The sequence's ids grow in place: the chain's tokens are held once."""
     idx = len(batch.samples)
     batch.samples.append(sample)
+    prompt = step.prompt_token_ids
     if prev is not None:
         seq = batch.sequences[prev.seq]
-        packable = (
-            pack_extends
-            and step.prefix == "extends"
-            and sample.prompt_ids[: len(seq.input_ids)] == seq.input_ids
-            and len(sample.prompt_ids) >= len(seq.input_ids)
-        )
+        n = len(seq.input_ids)
+        packable = (pack_extends and step.prefix == "extends" and len(prompt) >= n
+                    and prompt[:n] == seq.input_ids)
         if packable:
-            sample.seq, sample.offset = prev.seq, len(sample.prompt_ids)
-            seq.input_ids = sample.prompt_ids + sample.response_ids
+            sample.seq, sample.offset = prev.seq, len(prompt)
+            seq.input_ids += prompt[n:]
+            seq.input_ids += step.response_token_ids
             seq.samples.append(idx)
             batch.counts["packed_steps"] += 1
             return
         # Not merged: count why (the proxy's cause, or a claimed `extends` whose tokens disagree).
         cause = step.prefix if step.prefix != "extends" else ("unpacked" if not pack_extends else "mismatch")
         batch.counts[f"break_{cause}"] += 1
-    sample.seq, sample.offset = len(batch.sequences), len(sample.prompt_ids)
-    batch.sequences.append(Sequence(input_ids=sample.prompt_ids + sample.response_ids, samples=[idx]))
+    sample.seq, sample.offset = len(batch.sequences), len(prompt)
+    batch.sequences.append(Sequence(input_ids=list(prompt) + list(step.response_token_ids), samples=[idx]))

@@ -21,8 +21,8 @@ The delta form is the log's (and the live session's) business: every reader hand
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
 
 import msgspec
 
@@ -156,11 +156,93 @@ def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
     with the rewards the references carry, in full form, embedded."""
     if not traj.step_refs:
         return full_trajectory(traj)
+    traj = embed(traj, logged)
+    return _replace(traj, steps=full_steps(traj.steps))
+
+
+def embed(traj: Trajectory, logged: list[Step]) -> Trajectory:
+    """Like ``resolve``, but the steps stay as logged (a delta step keeps its ``delta``): what a reader that
+    expands steps one at a time takes (the learner's rows: ``Expander``), in memory linear in the session.
+    Each delta's base is checked to come before it (``DeltaError``), so a damaged trajectory fails here."""
+    if not traj.step_refs:
+        return traj
     if len(logged) != len(traj.step_refs):
         raise DeltaError(f"trajectory {traj.id!r} refers to {len(traj.step_refs)} steps, {len(logged)} given")
-    with_rewards = [_replace(s, rewards=dict(ref.rewards)) for s,
-                    ref in zip(logged, traj.step_refs, strict=True)]
-    return _replace(traj, steps=full_steps(with_rewards), step_refs=[])
+    seen: set[int] = set()
+    steps: list[Step] = []
+    for s, ref in zip(logged, traj.step_refs, strict=True):
+        if s.delta is not None and s.delta.base not in seen:
+            raise DeltaError(f"step {s.index} extends step {s.delta.base}, which is not before it")
+        seen.add(s.index)
+        steps.append(_replace(s, rewards=dict(ref.rewards)))
+    return _replace(traj, steps=steps, step_refs=[])
+
+
+class LazySteps(Sequence[Step]):
+    """A trajectory's steps as a read-only sequence of full steps, each built when it is read, from the steps
+    as held (delta form) and the full ones at hand (``full``: index -> step, the latest call's). Reading one
+    step costs its own context, not the whole session's; reading them in order costs each step's once (the
+    last one built is kept for the next, which extends it). A built step shares its ``rewards`` dict with
+    the held one. ``materialized`` counts the ids built so far."""
+
+    def __init__(self, steps: list[Step], full: dict[int, Step] | None = None) -> None:
+        self._steps = list(steps)  # a snapshot: a call finishing meanwhile does not shift it
+        self._known = dict(full or {})
+        self._pos = {s.index: i for i, s in enumerate(steps)}
+        self._last: Step | None = None
+        self.materialized = 0
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @overload
+    def __getitem__(self, i: int) -> Step: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Step]: ...
+
+    def __getitem__(self, i: int | slice) -> Step | list[Step]:
+        if isinstance(i, slice):
+            return [self._full(k) for k in range(*i.indices(len(self._steps)))]
+        if i < 0:
+            i += len(self._steps)
+        if not 0 <= i < len(self._steps):
+            raise IndexError("step position out of range")
+        return self._full(i)
+
+    def __repr__(self) -> str:
+        return f"LazySteps({len(self._steps)} steps)"
+
+    def _have(self, index: int) -> Step | None:
+        """The full form of step ``index`` when it is at hand (no building)."""
+        held = self._steps[self._pos[index]]
+        if held.delta is None:
+            return held
+        if self._last is not None and self._last.index == index:
+            return self._last
+        known = self._known.get(index)
+        return None if known is None else _replace(known, rewards=held.rewards)
+
+    def _full(self, pos: int) -> Step:
+        held = self._steps[pos]
+        got = self._have(held.index)
+        if got is not None:
+            return got
+        chain = [held]  # back to a step at hand, then forward, one expansion each
+        while True:
+            d = chain[-1].delta
+            assert d is not None
+            if d.base not in self._pos:
+                raise DeltaError(f"step {chain[-1].index} extends step {d.base}, not in the trajectory")
+            base = self._have(d.base)
+            if base is not None:
+                break
+            chain.append(self._steps[self._pos[d.base]])
+        for step in reversed(chain):
+            base = expand(step, base)
+            self.materialized += len(base.prompt_token_ids)
+        self._last = base
+        return base
 
 
 def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:

@@ -4,9 +4,17 @@
 **Cursors** name the position just after a log record: ``"SEGNO:OFFSET"`` (``"3:1048576"``). Clients treat
 them as opaque and only hand back what they were given; ordering them is the one thing both sides do.
 
-**Messages** (``StreamMessage``): ``{"cursor": C, "trajectory": {...}}``, ``{"cursor": C, "heartbeat": T}``,
-``{"cursor": C, "end": true}`` (a non-following stream caught up) or ``{"cursor": C, "skipped": REASON}`` (a
-record the server could not decode was skipped; the cursor moves past it).
+**Messages** (``StreamMessage``): ``{"cursor": C, "trajectory": {...}, "steps": [...]}``, ``{"cursor": C,
+"heartbeat": T}``, ``{"cursor": C, "end": true}`` (a non-following stream caught up) or ``{"cursor": C,
+"skipped": REASON}`` (a record the server could not decode was skipped; the cursor moves past it).
+
+**A trajectory message is the trajectory as logged**, in both framings: ``trajectory`` is its record, which
+refers to its steps (``step_refs``: where each Step record starts, and its rewards at the finish), and
+``steps`` holds those Step records in ``step_refs`` order, each as logged: a step that extends an earlier one
+of its trajectory is a delta (``Step.delta``: only its new prompt ids and request items). A long session thus
+costs its new tokens once, not its whole context per step. ``decode_trajectory`` resolves the pair into full
+steps (``delta.resolve``). A message written before the stream carried steps (or a trajectory whose record
+embeds its steps) has no ``steps`` and full ``trajectory.steps``; readers take both.
 
 **Framing**: ``ndjson`` is one JSON object per line; ``msgpack`` is a 4-byte big-endian length, then the
 message as msgpack.
@@ -64,6 +72,7 @@ class StreamMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     cursor: str
     trajectory: Trajectory | None = None
+    steps: list[Step] = []  # the logged steps ``trajectory.step_refs`` refers to (delta steps stay deltas)
     heartbeat: float | None = None
     end: bool = False
     skipped: str | None = None  # why the record before ``cursor`` was not sent
@@ -84,7 +93,7 @@ class Envelope(msgspec.Struct, kw_only=True):
 
     cursor: str
     trajectory: msgspec.Raw = msgspec.Raw()  # empty (falsy) when the message carries none
-    steps: list[msgspec.Raw] = []  # the logged steps it refers to (msgpack stream)
+    steps: list[msgspec.Raw] = []  # the logged steps it refers to
     heartbeat: float | None = None
     end: bool = False
     skipped: str | None = None
@@ -97,6 +106,7 @@ _env_mp = msgspec.msgpack.Decoder(Envelope)
 _traj_json = msgspec.json.Decoder(Trajectory)
 _traj_mp = msgspec.msgpack.Decoder(Trajectory)
 _step_mp = msgspec.msgpack.Decoder(Step)
+_step_json = msgspec.json.Decoder(Step)
 
 
 def encode_message(msg: StreamMessage | RawTrajectoryMessage, fmt: Format) -> bytes:
@@ -115,21 +125,35 @@ def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format,
     """A message's trajectory, with full steps (``steps``: the logged steps it refers to);
     ``msgspec.ValidationError``/``DecodeError`` (or ``delta.DeltaError``) when it is not one. In JSON, a
     ``null`` logprob (how JSON carries NaN) is read back as NaN."""
+    return resolve(*decode_logged(raw, fmt, steps))
+
+
+def decode_logged(raw: bytes | msgspec.Raw, fmt: Format,
+                  steps: list[msgspec.Raw] | None = None) -> tuple[Trajectory, list[Step]]:
+    """A message's trajectory record and its logged steps, unresolved (``delta.resolve`` joins them)."""
     if fmt == "msgpack":
-        return resolve(_traj_mp.decode(raw), [_step_mp.decode(s) for s in steps or ()])
+        return _traj_mp.decode(raw), [_step_mp.decode(s) for s in steps or ()]
+    return _json_nan(raw, _traj_json, Trajectory, "steps"), [_json_nan(s, _step_json, Step, None)
+                                                               for s in steps or ()]
+
+
+def _json_nan(raw: bytes | msgspec.Raw, dec: Any, kind: type[Any], steps_key: str | None) -> Any:
+    """``raw`` decoded as ``kind``; a ``null`` logprob (JSON's NaN) read back as NaN."""
     try:
-        return _traj_json.decode(raw)
+        return dec.decode(raw)
     except msgspec.ValidationError:
         obj = msgspec.json.decode(raw)
-        if not _nulls_to_nan(obj):
+        if not isinstance(obj, dict):
             raise
-        return msgspec.convert(obj, Trajectory)
+        found = obj.get(steps_key) if steps_key else [obj]
+        if not _nulls_to_nan(found):
+            raise
+        return msgspec.convert(obj, kind)
 
 
-def _nulls_to_nan(obj: Any) -> bool:
-    """Replace ``null`` logprobs in a decoded trajectory with NaN; whether any was replaced."""
+def _nulls_to_nan(steps: Any) -> bool:
+    """Replace ``null`` logprobs in decoded steps with NaN; whether any was replaced."""
     changed = False
-    steps = obj.get("steps") if isinstance(obj, dict) else None
     for step in steps if isinstance(steps, list) else ():
         lps = step.get("response_logprobs") if isinstance(step, dict) else None
         if isinstance(lps, list) and None in lps:
@@ -178,6 +202,6 @@ async def read_frames(content: Any, fmt: Format, max_line: int = MAX_MESSAGE) ->
 
 __all__ = [
     "FORMATS", "LEN", "MSGPACK", "NDJSON", "Envelope", "Format", "RawTrajectoryMessage", "StreamCut",
-    "StreamMessage", "cursor_key", "decode_envelope", "decode_trajectory", "encode_message", "format_cursor",
-    "parse_cursor", "read_frames",
+    "StreamMessage", "cursor_key", "decode_envelope", "decode_logged", "decode_trajectory", "encode_message",
+    "format_cursor", "parse_cursor", "read_frames",
 ]

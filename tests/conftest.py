@@ -15,11 +15,13 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+import msgspec
 import pytest
 
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.wire import decode_envelope, decode_trajectory
 
 # tests/unit and tests/integration import the shared helpers here (faults, reference, conftest) by name.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -55,6 +57,19 @@ def http_json(url: str, body: dict | None = None, timeout: float = 120.0,
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def ndjson_trajectories(body: bytes) -> list[dict[str, Any]]:
+    """The trajectories of an NDJSON stream's body, resolved into full steps, as plain JSON values (a line
+    holds the trajectory's record and its logged steps, delta steps as deltas: ``wire.decode_trajectory``
+    joins them)."""
+    out = []
+    for line in body.splitlines():
+        if line.strip():
+            msg = decode_envelope(line, "ndjson")
+            if msg.trajectory:
+                out.append(msgspec.to_builtins(decode_trajectory(msg.trajectory, "ndjson", msg.steps)))
+    return out
 
 
 def missing(reason: str) -> NoReturn:

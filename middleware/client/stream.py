@@ -27,9 +27,16 @@ from steptap.middleware.client.api import (
     _traj_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
-from steptap.middleware.delta import DeltaError
+from steptap.middleware.delta import DeltaError, embed
 from steptap.middleware.records import Curation, Trajectory
-from steptap.middleware.wire import StreamCut, decode_envelope, decode_trajectory, parse_cursor, read_frames
+from steptap.middleware.wire import (
+    StreamCut,
+    decode_envelope,
+    decode_logged,
+    decode_trajectory,
+    parse_cursor,
+    read_frames,
+)
 
 logger = logging.getLogger("steptap.client")
 
@@ -238,9 +245,12 @@ class SteptapClient:
         format: Literal["ndjson", "msgpack"] = "msgpack",
         heartbeat_s: float = 10.0,
         max_backoff_s: float = 5.0,
+        full: bool = True,
     ) -> AsyncIterator[Delivery]:
         """Finished trajectories for ``consumer``, at least once, de-duplicated (``delivery_key``) when
-        ``dedup``; unreadable records are skipped and counted.
+        ``dedup``; unreadable records are skipped and counted. ``full=False``: each trajectory's steps as
+        logged (``delta.embed``: a delta step holds only what is new) instead of full, for a reader that
+        expands them one at a time (the learner's rows), in memory linear in a long session.
 
         Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
         4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
@@ -283,7 +293,8 @@ class SteptapClient:
                         if not msg.trajectory:
                             continue  # a heartbeat
                         try:
-                            traj = decode_trajectory(msg.trajectory, format, msg.steps)  # full steps
+                            traj = decode_trajectory(msg.trajectory, format, msg.steps) if full else embed(
+                                *decode_logged(msg.trajectory, format, msg.steps))
                         except (msgspec.DecodeError, DeltaError) as exc:  # a record we cannot read
                             self._skip(consumer, msg.cursor, str(exc))
                             continue

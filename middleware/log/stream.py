@@ -8,9 +8,10 @@ sent as they finish; every ``heartbeat`` seconds (default 10) without one, a hea
 connections stay open and a dead client is noticed (its write fails). With ``follow=0`` the stream ends with
 an ``end`` message once it has caught up. A record that does not decode is not sent: a ``skipped`` message
 takes its place (the NDJSON stream decodes every record; the msgpack stream passes records through and the
-client skips what it cannot decode). The NDJSON stream sends full steps (any JSON reader can use it); the
-msgpack stream sends a trajectory as logged, its record and the Step records it refers to (delta form: each
-new token once), and the client resolves them into full steps (``delta.resolve``).
+client skips what it cannot decode). Both send a trajectory as logged: its record and the Step records it
+refers to, each as logged (a delta step holds only what is new, so each new token travels once), and readers
+resolve them into full steps (``wire.decode_trajectory``, the client does). The NDJSON stream re-encodes the
+msgpack records as JSON, in a worker thread when they are large (not on the event loop).
 
 Framing and messages are defined in ``wire.py`` (shared with the client): NDJSON lines, or length-prefixed
 msgpack frames.
@@ -38,9 +39,10 @@ from aiohttp import web
 from steptap.middleware.auth import require_control
 from steptap.middleware.errors import ApiError, bad_request
 from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors, TooManyConsumers
-from steptap.middleware.log.reader import Skipped
+from steptap.middleware.log.reader import Found, Skipped
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY
+from steptap.middleware.records import Trajectory, log_decoder, step_msgpack_decoder
 from steptap.middleware.wire import (
     FORMATS,
     MSGPACK,
@@ -55,6 +57,7 @@ from steptap.middleware.wire import (
 logger = logging.getLogger("steptap.stream")
 
 LOG_KEY = web.AppKey("steptap_log", TrajectoryLog)
+INLINE_BYTES = 64 << 10  # an NDJSON message from fewer logged bytes is built on the loop (no thread hop)
 
 
 class AckBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -186,18 +189,24 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     def encode(msg: StreamMessage | RawTrajectoryMessage) -> bytes:
         return encode_message(msg, fmt)
 
-    def message(cur: str, traj: Any) -> StreamMessage | RawTrajectoryMessage:
-        if fmt == "msgpack":  # as logged: the client resolves the steps (their delta form travels once)
-            return RawTrajectoryMessage(
-                cursor=cur, trajectory=msgspec.Raw(traj.payload), steps=[msgspec.Raw(p) for p in traj.steps]
-            )
-        return StreamMessage(cursor=cur, trajectory=traj)
+    async def message(cur: str, found: Found) -> bytes:
+        if fmt == "msgpack":  # passed through as logged: the client resolves the steps
+            return encode(RawTrajectoryMessage(
+                cursor=cur, trajectory=msgspec.Raw(found.payload), steps=[msgspec.Raw(p) for p in found.steps]
+            ))
+        try:  # JSON of the logged records; a large one built off the loop (a first step can be megabytes)
+            if len(found.payload) + sum(map(len, found.steps)) < INLINE_BYTES:
+                return _ndjson_message(cur, found)
+            return await asyncio.to_thread(_ndjson_message, cur, found)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            log._undecodable(cur, exc)  # counted as the reader counts its own
+            return encode(StreamMessage(cursor=cur, skipped=str(exc)))
 
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,
                                        "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     # Not following: a short idle wait marks "caught up". Following: idle waits are heartbeats.
-    agen = log.tail(cursor, idle=heartbeat if follow else 0.0, raw=fmt == "msgpack")
+    agen = log.tail(cursor, idle=heartbeat if follow else 0.0, raw=True)
     sent = 0
     task = asyncio.current_task()
     assert task is not None
@@ -207,7 +216,7 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
             if isinstance(traj, Skipped):  # undecodable: say so (the client counts it) and move past it
                 await resp.write(encode(StreamMessage(cursor=cur, skipped=traj.reason)))
             elif traj is not None:
-                await resp.write(encode(message(cur, traj)))
+                await resp.write(await message(cur, traj))
                 sent += 1
             elif follow:
                 await resp.write(encode(StreamMessage(cursor=cur, heartbeat=time.time())))
@@ -223,6 +232,16 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
         await agen.aclose()
     await resp.write_eof()
     return resp
+
+
+def _ndjson_message(cursor: str, found: Found) -> bytes:
+    """A trajectory message as NDJSON: the logged records decoded (checked against the schema) and re-encoded,
+    steps in their logged (delta) form."""
+    traj = log_decoder.decode(found.payload)
+    if not isinstance(traj, Trajectory):
+        raise msgspec.ValidationError("not a trajectory record")
+    steps = [step_msgpack_decoder.decode(p) for p in found.steps]
+    return encode_message(StreamMessage(cursor=cursor, trajectory=traj, steps=steps), "ndjson")
 
 
 async def post_ack(request: web.Request) -> web.Response:

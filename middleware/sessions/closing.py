@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from steptap.middleware.delta import full_trajectory
 from steptap.middleware.exceptions import (
     SessionClosed,
 )
@@ -85,9 +84,9 @@ class Closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
-            # The callback sees full steps (they share their rewards with traj's)
+            # The callback sees full steps, built as it reads them (they share their rewards with traj's)
             if self.reward_fn is not None:
-                error = await run_reward(self.reward_fn, full_trajectory(traj), self.config.reward_timeout_s)
+                error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s, session.full)
                 if error is not None:
                     traj.error = error
                     self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()

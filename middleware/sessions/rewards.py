@@ -1,5 +1,11 @@
 """``--reward module:function``: a callback called with each finished ``Trajectory``.
 
+Its ``steps`` are full steps, built as they are read (``delta.LazySteps``, a read-only sequence), not all at
+once: a long session's steps share their context, and building every step's full prompt would cost the
+session's turns x its context. Read ``traj.steps[-1]`` or iterate: each step read costs its own context.
+``list(traj.steps)`` builds them all (``msgspec.structs.replace(traj, steps=list(traj.steps))`` gives a
+trajectory msgspec can encode).
+
 It may be sync (run in a thread, off the event loop) or async, and returns a float (the trajectory's reward,
 kept under the name ``callback``), per-step rewards (a list aligned with the steps, or a dict step index ->
 float), or None. An exception, a timeout or a bad return value is recorded in ``trajectory.error``; the
@@ -13,9 +19,12 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from steptap.middleware.records import Trajectory
+import msgspec
+
+from steptap.middleware.delta import LazySteps
+from steptap.middleware.records import Step, Trajectory
 
 CALLBACK_NAME = "callback"
 
@@ -45,13 +54,23 @@ def finite(value: Any) -> float:
     return out
 
 
-async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float) -> str | None:
-    """Call ``fn`` and apply what it returns to ``trajectory`` in place. Returns an error message or None."""
+def reward_view(trajectory: Trajectory, full: dict[int, Step] | None = None) -> Trajectory:
+    """What the callback is handed: ``trajectory`` (steps as held, delta form) with its steps built on read
+    (``full``: the full steps at hand, index -> step). It shares its rewards dicts with ``trajectory``."""
+    steps = cast(list[Step], LazySteps(trajectory.steps, full))  # a Sequence in the list's place
+    return msgspec.structs.replace(trajectory, steps=steps)
+
+
+async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float,
+                     full: dict[int, Step] | None = None) -> str | None:
+    """Call ``fn`` with ``reward_view(trajectory, full)`` and apply what it returns to ``trajectory`` in
+    place. Returns an error message or None."""
+    view = reward_view(trajectory, full)
     try:
         if inspect.iscoroutinefunction(fn):
-            result = await asyncio.wait_for(fn(trajectory), timeout_s)
+            result = await asyncio.wait_for(fn(view), timeout_s)
         else:
-            result = await asyncio.wait_for(asyncio.to_thread(fn, trajectory), timeout_s)
+            result = await asyncio.wait_for(asyncio.to_thread(fn, view), timeout_s)
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, timeout_s)
     except TimeoutError:

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Backend, Proxy
+from conftest import Backend, Proxy, ndjson_trajectories
 
 from steptap.middleware.records import RewardAdded, Trajectory
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -65,8 +65,7 @@ async def delivered(http: aiohttp.ClientSession, proxy: Proxy) -> dict[str, dict
         f"{proxy.url}/trajectories", params={"consumer": "test", "follow": "0"}, headers=proxy.control
     ) as resp:
         assert resp.status == 200, await resp.text()
-        lines = [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
-    return {m["trajectory"]["id"]: m["trajectory"] for m in lines if "trajectory" in m}
+        return {t["id"]: t for t in ndjson_trajectories(await resp.read())}
 
 
 async def test_agent_credentials_cannot_use_control_routes(

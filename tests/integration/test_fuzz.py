@@ -9,13 +9,12 @@ the test's event loop."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Backend, Proxy
+from conftest import Backend, Proxy, ndjson_trajectories
 from fuzzing import Request, control_call, model_call, send
 from hypothesis import HealthCheck, given, settings
 
@@ -100,7 +99,6 @@ async def test_fuzz_every_route_then_the_log_reads_back(
         f"{again.url}/trajectories", params={"consumer": "check", "follow": "0"}, headers=again.control
     ) as resp:
         assert resp.status == 200
-        lines = [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
-    delivered = [m["trajectory"] for m in lines if "trajectory" in m]
+        delivered = ndjson_trajectories(await resp.read())
     assert len(delivered) == len(closed)
     assert sum(len(t["steps"]) for t in delivered) <= len(steps)

@@ -7,14 +7,13 @@ RSS is printed, not asserted."""
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Backend, Proxy
+from conftest import Backend, Proxy, ndjson_trajectories
 
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -42,8 +41,7 @@ async def _delivered(http: aiohttp.ClientSession, proxy: Proxy) -> dict[str, dic
         f"{proxy.url}/trajectories", params={"consumer": "soak", "follow": "0"}, headers=proxy.control
     ) as resp:
         assert resp.status == 200
-        lines = [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
-    return {m["trajectory"]["id"]: m["trajectory"] for m in lines if "trajectory" in m}
+        return {t["id"]: t for t in ndjson_trajectories(await resp.read())}
 
 
 async def _run_sessions(

@@ -26,7 +26,7 @@ def _samples() -> list[Sample]:
     for g in range(3):
         for k in range(4):
             n = 2 + (g * 4 + k) % 5
-            out.append(Sample(trajectory_id=f"t{g}{k}", group=f"g{g}", step_index=0, prompt_ids=[1],
+            out.append(Sample(trajectory_id=f"t{g}{k}", group=f"g{g}", step_index=0,
                               response_ids=list(range(n)), logprobs=[-1.0] * n, temperature=1.0, top_p=1.0,
                               top_k=-1, policy_version=0, ret=float(torch.rand(1, generator=gen))))
     return out

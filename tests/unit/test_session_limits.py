@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import Proxy
+from conftest import Proxy, ndjson_trajectories
 from faults import refused_address
 
 from steptap.middleware.config import ProxyConfig
@@ -37,8 +37,7 @@ async def delivered(http: aiohttp.ClientSession, proxy: Proxy) -> dict[str, dict
         f"{proxy.url}/trajectories", params={"consumer": "t", "follow": "0"}, headers=proxy.control
     ) as resp:
         assert resp.status == 200
-        lines = [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
-    return {m["trajectory"]["id"]: m["trajectory"] for m in lines if "trajectory" in m}
+        return {t["id"]: t for t in ndjson_trajectories(await resp.read())}
 
 
 async def test_a_reward_racing_finish_is_in_the_trajectory_or_refused(
