@@ -21,7 +21,9 @@ import msgspec
 #    Later, with no bump (defaulted fields: older v4 records decode as main-line steps of a session that
 # trains
 #    on its main line): ``Step.call_class`` / ``call_rule`` / ``branch`` (sessions/classify.py) and the
-#    session's ``train`` and ``side_models`` (on ``Trajectory`` and ``SessionOpened``).
+#    session's ``train`` and ``side_models`` (on ``Trajectory`` and ``SessionOpened``); a trajectory's
+#    ``reward_sources``, a reward's ``source`` and ``late``, and the held-trajectory records (``Held``,
+#    ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
 SCHEMA_VERSION = 4
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
@@ -29,6 +31,9 @@ TrainOn = Literal["main", "all"]  # which steps of a session train: its main lin
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
 TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
+# Where a trajectory-level reward came from: the --reward callback, the control API (a script, a finish's own
+# reward), a person (the console, or a script saying so), or a pending reward's deadline default
+RewardSource = Literal["callback", "http", "human", "default"]
 Mode = Literal["train", "eval"]
 
 
@@ -168,6 +173,7 @@ class Trajectory(Record, tag="trajectory"):
     train: TrainOn = "main"  # which of its steps the learner trains on (side calls only with "all")
     # Model names whose calls are side calls in this session (besides the proxy's)
     side_models: list[str] = []
+    reward_sources: dict[str, RewardSource] = {}  # trajectory-level reward name -> where it came from
 
     @property
     def reward(self) -> float:
@@ -200,6 +206,28 @@ class RewardAdded(Record, tag="reward_added"):
     value: float = 0.0
     step: int | None = None  # None: trajectory-level
     at: float = msgspec.field(default_factory=time.time)
+    source: RewardSource = "http"
+    # Given after the session's trajectory went to the stream: recorded and exported, never trained
+    late: bool = False
+
+
+class Held(Record, tag="held"):
+    """A session finished with its reward pending: its trajectory (steps as refs, like the closing record),
+    durable but not on the stream. A ``Trajectory`` record with the same id releases it (the reward arrived,
+    or the deadline's default value); a ``HeldDropped`` record ends it untrained."""
+
+    schema_version: int = SCHEMA_VERSION
+    trajectory: Trajectory = msgspec.field(default_factory=Trajectory)
+    deadline_at: float = 0.0  # unix seconds (a restart keeps the deadline)
+    on_deadline: Literal["drop"] | float = "drop"  # at the deadline: drop it, or release it with this reward
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class HeldDropped(Record, tag="held_dropped"):
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    reason: str = "deadline"
+    at: float = msgspec.field(default_factory=time.time)
 
 
 class PolicyVersion(Record, tag="policy_version"):
@@ -215,7 +243,7 @@ class PolicyVersion(Record, tag="policy_version"):
 # A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to
 # its logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens
 # only.
-LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion
+LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Held | HeldDropped
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

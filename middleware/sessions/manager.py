@@ -36,6 +36,7 @@ from steptap.middleware.exceptions import (
 )
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (
+    Held,
     LogRecord,
     Mode,
     PolicyVersion,
@@ -51,6 +52,7 @@ from steptap.middleware.sessions.closing import Closing
 from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
 from steptap.middleware.sessions.groups import Group as Group
 from steptap.middleware.sessions.groups import Groups as Groups
+from steptap.middleware.sessions.holding import Holding
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.prefix import classify_after, extends
@@ -65,7 +67,7 @@ from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
 
-class SessionManager(Closing, Groups, Replay, Rewarding):
+class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
     def __init__(
         self,
         config: ProxyConfig,
@@ -87,6 +89,9 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
+        self.held: dict[str, Held] = {}  # finished with the reward pending (holding.py)
+        self.held_lock = asyncio.Lock()
+        self.expiring: set[str] = set()
         self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper
         self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
         self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls

@@ -8,8 +8,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import (
+    Held,
+    HeldDropped,
     PolicyVersion,
     RewardAdded,
     SessionOpened,
@@ -22,6 +26,8 @@ from steptap.middleware.sessions.limits import RECORD_SLACK
 from steptap.middleware.sessions.session import LiveSession
 
 if TYPE_CHECKING:
+    from collections import OrderedDict
+
     from steptap.middleware.metrics import Metrics
     from steptap.middleware.records import TrajectoryStatus
     from steptap.middleware.sessions.limits import Holdings
@@ -37,6 +43,8 @@ class Replay:
     metrics: Metrics
     sessions: dict[str, LiveSession]
     closed: dict[str, TrajectoryStatus]
+    recent: OrderedDict[str, Trajectory]
+    held: dict[str, Held]
     policy_versions: list[PolicyVersion]
     holdings: Holdings
     if TYPE_CHECKING:  # SessionManager's and Groups'
@@ -48,6 +56,7 @@ class Replay:
         @staticmethod
         def _apply_reward(traj: Trajectory, record: RewardAdded) -> None: ...
         def _group_member_closed(self, traj: Trajectory) -> None: ...
+        def _held(self, record: Held) -> None: ...
 
     async def rebuild(self) -> int:
         """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
@@ -99,8 +108,20 @@ class Replay:
                 session = self.sessions.pop(record.id, None)
                 expander.forget(record.id)
                 self.closed[record.id] = record.status
-                if session is not None:
+                if session is not None or self.held.pop(record.id, None) is not None:  # closed, or released
                     self._group_member_closed(record)
+            elif isinstance(record, Held):  # finished with its reward pending: held until released
+                session = self.sessions.pop(record.trajectory.id, None)
+                expander.forget(record.trajectory.id)
+                self.closed[record.trajectory.id] = record.trajectory.status
+                if session is not None:  # its steps, for GET /sessions/<id>
+                    done = record.trajectory
+                    self.recent[session.id] = msgspec.structs.replace(
+                        session.trajectory, status=done.status, rewards=done.rewards,
+                        reward_sources=done.reward_sources)
+                self._held(record)
+            elif isinstance(record, HeldDropped) and self.held.pop(record.trajectory_id, None) is not None:
+                self.closed[record.trajectory_id] = "aborted"
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
             session.full_sizes = {i: (n, n) for i, s in session.full.items()
@@ -115,4 +136,5 @@ class Replay:
             sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
         )
         self.metrics.sessions_open.set(len(self.sessions))
+        self.metrics.held.set(len(self.held))
         return len(self.sessions)
