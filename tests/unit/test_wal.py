@@ -15,7 +15,15 @@ import pytest
 
 from steptap.middleware.errors import status_of
 from steptap.middleware.log.wal import HEADER, LogInUseError, TrajectoryLog, parse_cursor
-from steptap.middleware.records import Held, HeldDropped, PolicyVersion, SessionOpened, Step, StepRef, Trajectory
+from steptap.middleware.records import (
+    Held,
+    HeldDropped,
+    PolicyVersion,
+    SessionOpened,
+    Step,
+    StepRef,
+    Trajectory,
+)
 
 
 def _traj(i: int, status: str = "finished", steps: int = 1) -> Trajectory:
