@@ -110,6 +110,8 @@ async def get_session(request: web.Request) -> web.Response:
     sid = manager.canonical_id(request.match_info["session_id"])
     session = manager.sessions.get(sid)
     traj = session.trajectory if session is not None else manager.recent.get(sid)
+    if traj is None and sid in manager.held:  # held, its steps no longer in memory: the record, steps as refs
+        traj = manager.held[sid].trajectory
     if traj is None:
         if sid in manager.closed:
             raise SessionEvicted(f"session {sid!r} is {manager.closed[sid]}; read it from the stream")

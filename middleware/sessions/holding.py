@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from steptap.middleware.exceptions import Overloaded, StepNotFound
-from steptap.middleware.records import Held, HeldDropped, RewardAdded, RewardSource, Trajectory
+from steptap.middleware.records import (
+    Held,
+    HeldDropped,
+    RewardAdded,
+    RewardSource,
+    Trajectory,
+    msgpack_encoder,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -30,6 +37,7 @@ if TYPE_CHECKING:
     from steptap.middleware.config import ProxyConfig
     from steptap.middleware.metrics import Metrics
     from steptap.middleware.records import LogRecord, TrajectoryStatus
+    from steptap.middleware.sessions.limits import Holdings
     from steptap.middleware.sessions.session import Log
 
 logger = logging.getLogger("steptap.sessions")
@@ -45,7 +53,9 @@ class Holding:
     metrics: Metrics
     closed: dict[str, TrajectoryStatus]
     recent: OrderedDict[str, Trajectory]
+    holdings: Holdings
     held: dict[str, Held]  # id -> its Held record, until released or dropped
+    held_bytes: dict[str, int]  # its encoded size, counted in max_bytes_held while it waits
     held_lock: asyncio.Lock  # a reward and the deadline never both end one
     expiring: set[str]  # deadlines being recorded now (the next sweep does not start them again)
     if TYPE_CHECKING:  # SessionManager's and Groups'
@@ -64,8 +74,17 @@ class Holding:
 
     def _held(self, record: Held) -> None:
         """Bookkeeping once a Held record is durable (or found by the replay)."""
-        self.held[record.trajectory.id] = record
+        sid = record.trajectory.id
+        self.held[sid] = record
+        self.held_bytes[sid] = size = len(msgpack_encoder.encode(record))
+        self.holdings.hold(0, size)
         self.metrics.held.set(len(self.held))
+
+    def _unheld(self, sid: str) -> Held | None:
+        record = self.held.pop(sid, None)
+        self.holdings.hold(0, -self.held_bytes.pop(sid, 0))
+        self.metrics.held.set(len(self.held))
+        return record
 
     def pending_state(self, sid: str) -> dict[str, Any] | None:
         record = self.held.get(sid)
@@ -93,16 +112,15 @@ class Holding:
             if sid not in self.held:
                 return
             await self._append(HeldDropped(trajectory_id=sid, reason=reason))
-            record = self.held.pop(sid)
-            self.metrics.held.set(len(self.held))
+            record = self._unheld(sid)
+            assert record is not None  # under the lock, checked above
             self.metrics.held_ended.labels("dropped").inc()
             self.closed[sid] = "aborted"
             self._group_member_closed(msgspec.structs.replace(record.trajectory, status="aborted"))
             logger.info("session %s: its reward did not arrive by the deadline; dropped", sid)
 
     def _released(self, traj: Trajectory, outcome: str) -> None:
-        self.held.pop(traj.id, None)
-        self.metrics.held.set(len(self.held))
+        self._unheld(traj.id)
         self.metrics.held_ended.labels(outcome).inc()
         self.closed[traj.id] = traj.status
         old = self.recent.get(traj.id)

@@ -90,6 +90,7 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
         self.held: dict[str, Held] = {}  # finished with the reward pending (holding.py)
+        self.held_bytes: dict[str, int] = {}
         self.held_lock = asyncio.Lock()
         self.expiring: set[str] = set()
         self.policy_versions: list[PolicyVersion] = []  # found by rebuild(), for the weight swapper

@@ -45,6 +45,7 @@ class Replay:
     closed: dict[str, TrajectoryStatus]
     recent: OrderedDict[str, Trajectory]
     held: dict[str, Held]
+    held_bytes: dict[str, int]
     policy_versions: list[PolicyVersion]
     holdings: Holdings
     if TYPE_CHECKING:  # SessionManager's and Groups'
@@ -57,6 +58,7 @@ class Replay:
         def _apply_reward(traj: Trajectory, record: RewardAdded) -> None: ...
         def _group_member_closed(self, traj: Trajectory) -> None: ...
         def _held(self, record: Held) -> None: ...
+        def _unheld(self, sid: str) -> Held | None: ...
 
     async def rebuild(self) -> int:
         """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
@@ -108,7 +110,7 @@ class Replay:
                 session = self.sessions.pop(record.id, None)
                 expander.forget(record.id)
                 self.closed[record.id] = record.status
-                if session is not None or self.held.pop(record.id, None) is not None:  # closed, or released
+                if session is not None or self._unheld(record.id) is not None:  # closed, or released
                     self._group_member_closed(record)
             elif isinstance(record, Held):  # finished with its reward pending: held until released
                 session = self.sessions.pop(record.trajectory.id, None)
@@ -120,7 +122,7 @@ class Replay:
                         session.trajectory, status=done.status, rewards=done.rewards,
                         reward_sources=done.reward_sources)
                 self._held(record)
-            elif isinstance(record, HeldDropped) and self.held.pop(record.trajectory_id, None) is not None:
+            elif isinstance(record, HeldDropped) and self._unheld(record.trajectory_id) is not None:
                 self.closed[record.trajectory_id] = "aborted"
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
@@ -131,9 +133,9 @@ class Replay:
                                      if steps[i].delta is not None)
             session.bytes = (len(msgpack_encoder.encode(session.trajectory))
                              + RECORD_SLACK * len(session.starts) + session.full_extra)
-        self.holdings.hold(
+        self.holdings.hold(  # what the open sessions hold, and the held trajectories' records
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
-            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
+            sum(x.bytes for x in self.sessions.values()) + sum(self.held_bytes.values()) - self.bytes_held,
         )
         self.metrics.sessions_open.set(len(self.sessions))
         self.metrics.held.set(len(self.held))

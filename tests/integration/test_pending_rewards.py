@@ -104,6 +104,7 @@ async def test_pending_finish_is_validated_held_released_defaulted_dropped_and_l
     assert by_id[defaulted]["reward_sources"] == {"reward": "default"}
     assert dropped not in by_id
     assert await metric(http, proxy.url, "steptap_held_trajectories ") == 0.0
+    assert await metric(http, proxy.url, "steptap_session_bytes_held ") == 0.0  # what they held, given back
 
 
 async def test_held_sessions_survive_sigkill_train_once_drop_never_and_export_with_provenance(
@@ -139,6 +140,7 @@ async def test_held_sessions_survive_sigkill_train_once_drop_never_and_export_wi
         for info in kept:
             got, traj = await req(http, "GET", f"{proxy.url}/sessions/{info['id']}", None, control)
             assert got == 200 and traj["reward_pending"]["on_deadline"] == "drop", traj
+        assert await metric(http, proxy.url, "steptap_session_bytes_held ") > 0  # the held records count
         async def both_dropped() -> bool:
             return await metric(http, proxy.url, 'steptap_held_ended_total{outcome="dropped"}') == 2.0
 
@@ -162,6 +164,7 @@ async def test_held_sessions_survive_sigkill_train_once_drop_never_and_export_wi
         proxy.kill()
         await proxy.start()
         assert await metric(http, proxy.url, "steptap_held_trajectories ") == 0.0
+        assert await metric(http, proxy.url, "steptap_session_bytes_held ") == 0.0  # given back
         ids = [t["id"] for t in await stream_ids(http, proxy.url, TOKEN)]
         assert sorted(ids) == sorted(i["id"] for i in kept)  # each released once, the dropped never
         # A rating on a trajectory the learner trained: recorded, late, exported
