@@ -111,7 +111,9 @@ async def get_session(request: web.Request) -> web.Response:
     session = manager.sessions.get(sid)
     traj = session.trajectory if session is not None else manager.recent.get(sid)
     if traj is None and sid in manager.held:  # held, its steps no longer in memory: the record, steps as refs
-        traj = manager.held[sid].trajectory
+        data = to_builtins(manager.held[sid].trajectory)
+        data["reward_pending"] = manager.pending_state(sid)
+        return _json(data)
     if traj is None:
         if sid in manager.closed:
             raise SessionEvicted(f"session {sid!r} is {manager.closed[sid]}; read it from the stream")

@@ -131,7 +131,7 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
         side_models: list[str] | None = None,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
-        if sid in self.sessions or sid in self.closed:
+        if sid in self.sessions or sid in self.closed or sid in self.held:  # held: waits for its reward
             raise SessionExists(f"session {sid!r} already exists")
         self.holdings.check_open(len(self.sessions) - self.auto_open)
         if idle_timeout_s is None:
@@ -178,10 +178,11 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
 
     def canonical_id(self, sid: str) -> str:
         """The id a control route means: ``sid`` itself, or the auto-created session of that path id."""
-        if sid in self.sessions or sid in self.closed or sid in self.recent:
+        if sid in self.sessions or sid in self.closed or sid in self.recent or sid in self.held:
             return sid
         auto = AUTO_PREFIX + sid
-        return auto if auto in self.sessions or auto in self.closed or auto in self.recent else sid
+        known = auto in self.sessions or auto in self.closed or auto in self.recent or auto in self.held
+        return auto if known else sid
 
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session

@@ -193,3 +193,29 @@ async def test_held_sessions_survive_sigkill_train_once_drop_never_and_export_wi
             assert [(x["value"], x["source"]) for x in late] == [(-1.0, "human")]
         else:
             assert late == []
+
+
+async def test_a_held_session_outlives_the_closed_bookkeeping(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, monkeypatch: Any
+) -> None:
+    """Closed ids and recent trajectories are bounded; a held one is still found, its id still taken."""
+    from steptap.middleware.sessions import closing
+
+    monkeypatch.setattr(closing, "RECENT_KEEP", 1)
+    proxy = await make_proxy(vllm_server.url, max_closed_sessions=1)
+    base = f"{proxy.url}/sessions"
+    held = await open_session(http, proxy, id="held-x")
+    await model_calls(http, proxy, vllm_server, held, 1)
+    got, _ = await req(http, "POST", f"{base}/held-x/finish", {"reward": "pending"}, proxy.control)
+    assert got == 200
+    for _ in range(2):  # push it out of the recent trajectories and the closed ids
+        other = await open_session(http, proxy)
+        await req(http, "POST", f"{base}/{other['id']}/finish", {}, proxy.control)
+    got, traj = await req(http, "GET", f"{base}/held-x", None, proxy.control)
+    assert got == 200 and "reward_pending" in traj and len(traj["step_refs"]) == 1
+    got, err = await req(http, "POST", base, {"id": "held-x"}, proxy.control)
+    assert got == 409, err
+    got, out = await req(http, "POST", f"{base}/held-x/rewards", {"value": 1.0}, proxy.control)
+    assert got == 200 and out["released"] is True
+    (streamed,) = [t for t in await stream_ids(http, proxy.url, proxy.token) if t["id"] == "held-x"]
+    assert streamed["rewards"] == {"reward": 1.0} and len(streamed["steps"]) == 1
