@@ -5,10 +5,14 @@
 
 Writes ``OUT/part-00000.parquet``, ``part-00001.parquet``, ... (a new file every ``--rows-per-file`` rows),
 readable by ``pyarrow.parquet.read_table(OUT)`` and ``datasets.load_dataset("parquet", data_dir=OUT)``. Each
-row holds the step's exact token ids and logprobs, its rewards, the policy version that sampled it, and its
-trajectory's id, group, mode, status, rewards and metadata; nested objects (messages, rewards, metadata) are
-JSON strings so every file has one fixed schema (``SCHEMA``). Nothing is acknowledged on the proxy's stream.
-pyarrow is imported lazily (``pip install 'steptap[env]'``).
+row holds the step's exact token ids and logprobs, its rewards, the policy version that sampled it (and where
+a swap switched it: ``version_spans``), and its trajectory's id, group, mode, status, rewards, where each
+reward came from (``reward_sources``: callback, http, human, default), the ratings given after it was
+streamed (``late_rewards``, from ``--log`` only: the stream carries no reward records) and metadata; nested
+objects are JSON strings so every file has one fixed schema (``schema()``). Provenance: with ``--model-dir``
+(the model the run started from), every row and ``OUT/_provenance.json`` name its weights, tokenizer and chat
+template by hash (``model_files.provenance``; a leading ``_`` keeps it out of parquet readers). Nothing is
+acknowledged on the proxy's stream. pyarrow is imported lazily (``pip install 'steptap[env]'``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any
 
 from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.delta import full_trajectory
-from steptap.middleware.files import FILE_MODE, makedirs
-from steptap.middleware.records import Trajectory
+from steptap.middleware.files import FILE_MODE, atomic_write, makedirs
+from steptap.middleware.model_files import provenance
+from steptap.middleware.records import RewardAdded, Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
 
@@ -77,13 +82,25 @@ def schema() -> Any:
             ("latency_s", pa.float64()),
             ("prompt_tokens", pa.int64()),
             ("completion_tokens", pa.int64()),
+            ("version_spans", pa.string()),
+            ("reward_sources", pa.string()),
+            ("late_rewards", pa.string()),
+            ("model_hash", pa.string()),
+            ("tokenizer_hash", pa.string()),
+            ("chat_template_hash", pa.string()),
         ]
     )
 
+PROVENANCE_KEYS = ("model_hash", "tokenizer_hash", "chat_template_hash")
 
-def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
-    """One dict per step of ``traj`` (the columns of ``schema()``)."""
+
+def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
+              prov: dict[str, str | None] | None = None) -> Iterator[dict[str, Any]]:
+    """One dict per step of ``traj`` (the columns of ``schema()``): ``late``, its late rewards; ``prov``,
+    the model's hashes."""
     traj = full_trajectory(traj)  # a trajectory holding delta steps gets full rows
+    late_json = json.dumps([{"name": r.name, "value": r.value, "step": r.step, "source": r.source, "at": r.at}
+                            for r in late or ()])
     common = {
         "trajectory_id": traj.id,
         "group_id": traj.group_id,
@@ -94,6 +111,9 @@ def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
         "trajectory_rewards": json.dumps(traj.rewards),
         "metadata": json.dumps(traj.metadata, default=str),
         "num_steps": len(traj.steps),
+        "reward_sources": json.dumps(traj.reward_sources),
+        "late_rewards": late_json,
+        **{k: (prov or {}).get(k) for k in PROVENANCE_KEYS},
     }
     for step in traj.steps:
         request = step.request or {}
@@ -123,6 +143,7 @@ def step_rows(traj: Trajectory) -> Iterator[dict[str, Any]]:
             "latency_s": step.latency_s,
             "prompt_tokens": step.usage.prompt_tokens,
             "completion_tokens": step.usage.completion_tokens,
+            "version_spans": json.dumps(step.version_spans),
         }
 
 
@@ -130,9 +151,14 @@ class PartWriter:
     """Parquet parts under ``out``: row groups of ``batch_rows``, a new file every ``rows_per_file`` rows.
     Each part is written under a temporary name and renamed when complete."""
 
-    def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000) -> None:
+    def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000,
+                 late: dict[str, list[RewardAdded]] | None = None,
+                 provenance: dict[str, str | None] | None = None) -> None:
         self.pa = _pa()
-        self.schema = schema()
+        self.late = late or {}
+        self.provenance = provenance or {}
+        # the provenance also in each file's key-value metadata (readers that drop columns keep it)
+        self.schema = schema().with_metadata({"steptap.provenance": json.dumps(self.provenance)})
         self.out = makedirs(out)  # new directories 0700: the parts hold prompts and replies
         self.rows_per_file, self.batch_rows = max(1, rows_per_file), max(1, batch_rows)
         self.files: list[Path] = []
@@ -147,7 +173,7 @@ class PartWriter:
 
     def add(self, traj: Trajectory) -> None:
         self.trajectories += 1
-        for row in step_rows(traj):
+        for row in step_rows(traj, self.late.get(traj.id), self.provenance):
             self._buf.append(row)
             if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
                 self._flush()
@@ -200,6 +226,8 @@ class PartWriter:
     def close(self) -> None:
         self._flush()
         self._seal()
+        if self.provenance:
+            atomic_write(self.out / "_provenance.json", json.dumps(self.provenance, indent=2).encode())
 
 
 def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any) -> PartWriter:
@@ -251,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
     p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
     p.add_argument("--rows-per-file", type=int, default=100_000)
+    p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
+                   "tokenizer and chat template hashes go in every row and OUT/_provenance.json")
     p.add_argument("--overwrite", action="store_true", help="replace existing part files in --out")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from steptap.middleware.client import SteptapError
@@ -262,12 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     for f in existing:
         f.unlink()
     try:
+        prov = {} if args.model_dir is None else provenance(args.model_dir)
         if args.log:
             from steptap.middleware.log.offline import LogReader
 
             reader = LogReader(args.log)
             writer = export_trajectories(
-                reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file
+                reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file,
+                late=reader.late_rewards(), provenance=prov,
             )
             skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes}
         else:
@@ -280,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     str(out),
                     args.mode,
                     rows_per_file=args.rows_per_file,
+                    provenance=prov,
                 )
             )
             skipped = {}
@@ -293,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": writer.rows,
                 "files": [f.name for f in writer.files],
                 "bad_rows": writer.bad_rows,
+                "late_rewards": sum(len(v) for v in writer.late.values()),
                 **skipped,
             }
         )

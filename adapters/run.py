@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -40,6 +41,18 @@ from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, for
 class RunError(Exception):
     """A problem to report in one line (exit code 2): unreachable proxy, refused token, bad arguments."""
 
+
+
+def _on_deadline(text: str) -> str | float:
+    if text == "drop":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'"drop" or a number, not {text!r}') from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError("a finite number")
+    return value
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -72,6 +85,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     src.add_argument("--reward-file", default=None, help="file the agent writes its reward to")
     p.add_argument("--reward-timeout", type=float, default=300.0, help="seconds the reward command may take")
+    p.add_argument("--reward-pending", type=float, default=None, metavar="DEADLINE_S",
+                   help="a member that exits without a reward finishes with its reward pending: held off the "
+                   "stream until POST /sessions/<id>/rewards gives it, at most DEADLINE_S seconds "
+                   "(docs/sessions.md)")
+    p.add_argument("--on-deadline", default="drop", type=_on_deadline,
+                   help='with --reward-pending: "drop" (default) or the reward a member gets at the deadline')
     p.add_argument("-n", type=int, default=1, help="members of one group (group_size=N)")
     p.add_argument(
         "--concurrency", type=int, default=None, help="members running at once (default min(N, 8))"
@@ -95,6 +114,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--metadata is not JSON: {exc}")
         if not isinstance(args.metadata, dict):
             p.error("--metadata must be a JSON object")
+    if args.reward_pending is not None and not args.reward_pending > 0:
+        p.error("--reward-pending must be positive")
     args.concurrency = max(1, args.concurrency or min(args.n, 8))
     forget_control_token()  # read: nothing started from here inherits it
     return args

@@ -36,6 +36,7 @@ class Member:
     exit_code: int | None = None
     reward: dict[str | None, float] | None = None
     status: str = ""
+    pending: bool = False  # finished with its reward pending (--reward-pending)
     steps: int | None = None
     error: str | None = None
 
@@ -299,7 +300,14 @@ class Runner:
             for name, value in (reward or {}).items():
                 if name is not None:
                     await self.client.add_reward(m.session_id, value, name=name)
-            await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status)
+            pending = getattr(self.args, "reward_pending", None)
+            if status == "finished" and pending is not None and (reward or {}).get(None) is None:
+                # the verdict comes later (a person, a test run): held off the stream until it does
+                await self.client.finish(m.session_id, reward="pending", deadline_s=pending,
+                                         on_deadline=self.args.on_deadline)
+                m.pending = True
+            else:
+                await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status)
             m.status = status
         except Exception as exc:  # noqa: BLE001 - report it; the proxy's idle timeout closes it otherwise
             m.status = "unfinished"
@@ -364,7 +372,9 @@ def describe(m: Member) -> str:
     steps = f" {m.steps} steps" if m.steps is not None else ""
     why = f" ({m.error})" if m.error else ""
     code = "-" if m.exit_code is None else m.exit_code
-    return f"session {m.session_id or '-'} exit {code}{reward} -> {m.status}{steps}{why}"
+    pending = " (reward pending)" if m.pending else ""
+    return f"session {m.session_id or '-'} exit {code}{reward} -> {m.status}{pending}{steps}{why}"
+
 
 def explain(exc: BaseException, proxy: str) -> str:
     status = getattr(exc, "status", None) or getattr(exc, "status_code", None)

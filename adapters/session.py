@@ -112,6 +112,7 @@ class _SessionBase:
         self._client = client
         self._owns_client = client is None
         self._rewards: dict[str | None, float] = {}
+        self._pending: tuple[float | None, str | float] | None = None  # set_reward_pending()
         self._clients: list[Any] = []
 
     # -- what the agent gets -------------------------------------------------------------------------------
@@ -174,6 +175,12 @@ class _SessionBase:
         """The trajectory reward to finish with (named components add up); wins over the callable."""
         self._rewards[name] = float(value)
 
+    def set_reward_pending(self, deadline_s: float | None = None, on_deadline: str | float = "drop") -> None:
+        """Finish with the reward pending: the trajectory is held off the stream until a reward arrives
+        (``client.add_reward(session_id, value)``, from anywhere, later) or ``deadline_s`` passes
+        (``on_deadline``: "drop", or the reward it gets). Named components set here are still sent."""
+        self._pending = (deadline_s, on_deadline)
+
     # -- helpers -------------------------------------------------------------------------------------------
     def _open_kwargs(self) -> dict[str, Any]:
         return {
@@ -194,6 +201,11 @@ class _SessionBase:
             f"cannot reach the steptap proxy at {where} ({reason}); is `steptap serve` running? "
             f"(proxy_url= or {URL_ENV})"
         )
+
+    def _finish_reward(self, rewards: dict[str | None, float]) -> dict[str, Any]:
+        if self._pending is None or None in rewards:  # a reward set in the block wins over pending
+            return {"reward": rewards.get(None)}
+        return {"reward": "pending", "deadline_s": self._pending[0], "on_deadline": self._pending[1]}
 
     @staticmethod
     def _as_rewards(value: RewardValue) -> dict[str | None, float]:
@@ -231,7 +243,8 @@ class Session(_SessionBase):
                 self._abort(exc)
                 return False
             try:
-                rewards = self._rewards or self._as_rewards(self._compute_reward())
+                rewards = self._rewards if self._rewards or self._pending else self._as_rewards(
+                    self._compute_reward())
             except BaseException as err:
                 self._abort(err)
                 raise
@@ -267,7 +280,7 @@ class Session(_SessionBase):
         for name, value in rewards.items():
             if name is not None:
                 self._client.add_reward(self.id, value, name=name)
-        self._client.finish(self.id, reward=rewards.get(None), status="finished")
+        self._client.finish(self.id, status="finished", **self._finish_reward(rewards))
         self.status = "finished"
 
     def _abort(self, exc: BaseException) -> None:
@@ -308,7 +321,8 @@ class AsyncSession(_SessionBase):
                 await self._abort(exc)
                 return False
             try:
-                rewards = self._rewards or self._as_rewards(await self._compute_reward())
+                rewards = self._rewards if self._rewards or self._pending else self._as_rewards(
+                    await self._compute_reward())
             except BaseException as err:
                 await self._abort(err)
                 raise
@@ -342,7 +356,7 @@ class AsyncSession(_SessionBase):
         for name, value in rewards.items():
             if name is not None:
                 await self._client.add_reward(self.id, value, name=name)
-        await self._client.finish(self.id, reward=rewards.get(None), status="finished")
+        await self._client.finish(self.id, status="finished", **self._finish_reward(rewards))
         self.status = "finished"
 
     async def _abort(self, exc: BaseException) -> None:

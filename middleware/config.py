@@ -116,6 +116,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     finish_drain_timeout_s: Annotated[float, _help(
         "a finish waits this long for the session's calls in flight, so their steps are in its "
         "trajectory")] = 30.0
+    reward_deadline_s: Annotated[float, _help(
+        "a finish with its reward pending waits this long by default (its own deadline_s wins)")] = 3600.0
+    max_reward_deadline_s: Annotated[float, _help(
+        "the longest deadline a pending reward may ask for (400 beyond)")] = 7 * 86400.0
     group_timeout_s: Annotated[float | None, _help(
         "a group is complete when full or when this has passed")] = None
     upstream_timeout_s: Annotated[float, _help(
@@ -145,6 +149,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_closed_sessions: Annotated[int, _help(
         "closed session ids remembered (409 instead of 404), oldest dropped")] = 100_000
     max_groups: Annotated[int, _help("groups tracked; the oldest complete ones are dropped first")] = 100_000
+    max_held_trajectories: Annotated[int, _help(
+        "most finished sessions waiting for their pending reward (429 beyond)")] = 10_000
 
     def __post_init__(self) -> None:
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
@@ -153,13 +159,15 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                      "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes",
                      "max_concurrent_calls",
                      "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions",
-                     "upstream_max_connections", "max_closed_sessions", "max_groups",
+                     "upstream_max_connections", "max_closed_sessions", "max_groups", "max_held_trajectories",
                      "replica_max_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_body_memory < 6 * self.body_limit:
             raise ValueError("max_body_memory must be at least 6 x max_request_bytes (one call's copies of "
                              "its body)")
+        if not 0 < self.reward_deadline_s <= self.max_reward_deadline_s:
+            raise ValueError("reward_deadline_s must be positive and at most max_reward_deadline_s")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:

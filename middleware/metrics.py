@@ -118,6 +118,12 @@ class Metrics:
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )
         self.rewards = Counter("steptap_rewards", "rewards attached", ["target", "source"], registry=r)
+        self.held = Gauge("steptap_held_trajectories",
+                          "finished sessions waiting for their pending reward (off the stream)", registry=r)
+        self.held_ended = Counter("steptap_held_ended", "held trajectories ended: rewarded, default, dropped",
+                                  ["outcome"], registry=r)
+        self.late_rewards = Counter("steptap_late_rewards", "rewards given after the trajectory was streamed "
+                                    "(recorded, never trained)", ["source"], registry=r)
         self.reward_values = Histogram(
             REWARD_VALUE,
             "scalar trajectory rewards at close",

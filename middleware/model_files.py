@@ -1,12 +1,69 @@
 """What a model directory says about itself, read without torch: tensor names and shapes from the safetensors
-headers, and whether the output layer ties the input embeddings. Kernel: the weight swap's checks and
-``steptap vllm``/``up`` ask the same questions and must get the same answers."""
+headers, whether the output layer ties the input embeddings, its chat template, and the hashes a dataset
+names it by (``provenance``). Kernel: the weight swap's checks, ``steptap vllm``/``up`` and ``steptap export``
+ask the same questions and must get the same answers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+# The files a tokenizer is made of (transformers' names); the chat template is hashed on its own
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())  # config.json, tokenizer_config.json: objects
+        return data
+    except (OSError, ValueError):
+        return {}
+
+
+def chat_template(model_dir: Path) -> str:
+    """The model's chat template text, wherever transformers keeps it (empty when none)."""
+    parts = []
+    if (model_dir / "chat_template.jinja").is_file():
+        parts.append((model_dir / "chat_template.jinja").read_text(errors="replace"))
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        template = read_json(model_dir / name).get("chat_template")
+        if isinstance(template, str):
+            parts.append(template)
+        elif isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            parts += [t.get("template", "") for t in template if isinstance(t, dict)]
+    return "\n".join(parts)
+
+
+def _hash_files(paths: list[Path]) -> str | None:
+    """sha256 over each file's name and bytes, in name order (streamed: weights may be large)."""
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda p: p.name):
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def provenance(model_dir: str | Path) -> dict[str, str | None]:
+    """What names the model a dataset was sampled from: the weights (``*.safetensors`` and ``config.json``),
+    the tokenizer files, and the chat template text, each as ``sha256:HEX`` (None: the directory has none)."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"no model directory at {d}")
+    template = chat_template(d)
+    weights = [*d.glob("*.safetensors"), *(p for p in [d / "config.json"] if p.is_file())]
+    return {
+        "model_dir": str(d.resolve()),
+        "model_hash": _hash_files(weights),
+        "tokenizer_hash": _hash_files([d / n for n in TOKENIZER_FILES if (d / n).is_file()]),
+        "chat_template_hash": "sha256:" + hashlib.sha256(template.encode()).hexdigest() if template else None,
+    }
 
 
 def tensor_shapes(path: str | Path) -> dict[str, list[int]]:

@@ -24,13 +24,18 @@ import msgspec
 #    session's ``train`` and ``side_models`` (on ``Trajectory`` and ``SessionOpened``).
 # 5: the choices of one call (``n > 1``) record its request once: each choice after the first is a delta of
 #    the first (``Delta.kind == "choice"``), whose prompt ids and request it shares.
-SCHEMA_VERSION = 5
+# 6: a trajectory's ``reward_sources``, a reward's ``source`` and ``late``, and the held-trajectory records
+#    (``Held``, ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
+SCHEMA_VERSION = 6
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
 TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
+# Where a trajectory-level reward came from: the --reward callback, the control API (a script, a finish's own
+# reward), a person (the console, or a script saying so), or a pending reward's deadline default
+RewardSource = Literal["callback", "http", "human", "default"]
 Mode = Literal["train", "eval"]
 
 
@@ -174,6 +179,7 @@ class Trajectory(Record, tag="trajectory"):
     train: TrainOn = "main"  # which of its steps the learner trains on (side calls only with "all")
     # Model names whose calls are side calls in this session (besides the proxy's)
     side_models: list[str] = []
+    reward_sources: dict[str, RewardSource] = {}  # trajectory-level reward name -> where it came from
 
     @property
     def reward(self) -> float:
@@ -205,6 +211,28 @@ class RewardAdded(Record, tag="reward_added"):
     name: str = "reward"
     value: float = 0.0
     step: int | None = None  # None: trajectory-level
+    at: float = msgspec.field(default_factory=time.time)
+    source: RewardSource = "http"
+    # Given after the session's trajectory went to the stream: recorded and exported, never trained
+    late: bool = False
+
+
+class Held(Record, tag="held"):
+    """A session finished with its reward pending: its trajectory (steps as refs, like the closing record),
+    durable but not on the stream. A ``Trajectory`` record with the same id releases it (the reward arrived,
+    or the deadline's default value); a ``HeldDropped`` record ends it untrained."""
+
+    schema_version: int = SCHEMA_VERSION
+    trajectory: Trajectory = msgspec.field(default_factory=Trajectory)
+    deadline_at: float = 0.0  # unix seconds (a restart keeps the deadline)
+    on_deadline: Literal["drop"] | float = "drop"  # at the deadline: drop it, or release it with this reward
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class HeldDropped(Record, tag="held_dropped"):
+    schema_version: int = SCHEMA_VERSION
+    trajectory_id: str = ""
+    reason: str = "deadline"
     at: float = msgspec.field(default_factory=time.time)
 
 
@@ -244,7 +272,7 @@ class Curation(Record, tag="curation"):
 # A finished trajectory is one ``Trajectory`` record written when its session closes; since v4 it refers to
 # its logged steps (``step_refs``) rather than embedding them, so a session's bytes grow with its new tokens
 # only.
-LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Curation
+LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Curation | Held | HeldDropped
 
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()

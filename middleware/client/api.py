@@ -54,17 +54,21 @@ def _session_body(group_id: str | None, group_size: int | None, mode: str, metad
     return body
 
 
-def _reward_body(value: float, name: str | None, step: int | str | None) -> dict[str, Any]:
+def _reward_body(value: float, name: str | None, step: int | str | None,
+                 source: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"value": value}
-    if name is not None:
-        body["name"] = name
-    if step is not None:
-        body["step"] = step
+    for k, v in (("name", name), ("step", step), ("source", source)):
+        if v is not None:
+            body[k] = v
     return body
 
 
-def _finish_body(reward: float | None, status: str) -> dict[str, Any]:
+def _finish_body(reward: float | str | None, status: str, deadline_s: float | None = None,
+                 on_deadline: str | float | None = None) -> dict[str, Any]:
+    """``reward="pending"``: held off the stream until its reward arrives or ``deadline_s`` passes
+    (``on_deadline``: "drop" or a reward value; docs/sessions.md)."""
     body: dict[str, Any] = {"status": status}
-    if reward is not None:
-        body["reward"] = reward
+    for k, v in (("reward", reward), ("deadline_s", deadline_s), ("on_deadline", on_deadline)):
+        if v is not None:
+            body[k] = v
     return body

@@ -191,13 +191,18 @@ class SteptapClient:
         return _session_dec.decode(await self._request("POST", "/sessions", body))
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
-                         step: int | Literal["last"] | None = None) -> None:
+                         step: int | Literal["last"] | None = None,
+                         source: Literal["http", "human"] | None = None) -> None:
+        """A reward; on a session finished with its reward pending it releases the trajectory; after the
+        trajectory was streamed it is recorded as late (never trained)."""
         await self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
-                            _reward_body(value, name, step))
+                            _reward_body(value, name, step, source))
 
-    async def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
+    async def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
+                     status: str = "finished", deadline_s: float | None = None,
+                     on_deadline: Literal["drop"] | float | None = None) -> None:
         await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
-                            _finish_body(reward, status))
+                            _finish_body(reward, status, deadline_s, on_deadline))
 
     async def get_session(self, session_id: str) -> Trajectory:
         return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))

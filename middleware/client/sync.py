@@ -120,12 +120,16 @@ class SyncSteptapClient:
         return _session_dec.decode(self._request("POST", "/sessions", body))
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,
-                   step: int | Literal["last"] | None = None) -> None:
+                   step: int | Literal["last"] | None = None,
+                   source: Literal["http", "human"] | None = None) -> None:
         self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
-                      _reward_body(value, name, step))
+                      _reward_body(value, name, step, source))
 
-    def finish(self, session_id: str, *, reward: float | None = None, status: str = "finished") -> None:
-        self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish", _finish_body(reward, status))
+    def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
+               status: str = "finished", deadline_s: float | None = None,
+               on_deadline: Literal["drop"] | float | None = None) -> None:
+        self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
+                      _finish_body(reward, status, deadline_s, on_deadline))
 
     def get_session(self, session_id: str) -> Trajectory:
         return _traj_dec.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))

@@ -3,9 +3,10 @@ served name, the chat template, the tokenizer's tokens, and the tool-call parser
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+
+from steptap.middleware.model_files import chat_template as chat_template  # X as X: one definition, kernel
+from steptap.middleware.model_files import read_json as _read_json
 
 # model_type -> vLLM tool-call parser. Qwen and other ChatML models emit hermes blocks (<tool_call>{json}).
 TOOL_PARSERS: dict[str, str] = {
@@ -35,28 +36,6 @@ PARSER_NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # family whose tool convention is hermes: Hermes and Qwen write <tool_call>{json}</tool_call> inside a ChatML
 # assistant turn, and models tuned on ChatML data answer a tools prompt in that form, not in Llama's.
 CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())  # config.json, tokenizer_config.json: objects
-        return data
-    except (OSError, ValueError):
-        return {}
-
-
-def chat_template(model_dir: Path) -> str:
-    """The model's chat template text, wherever transformers keeps it (empty when none)."""
-    parts = []
-    if (model_dir / "chat_template.jinja").is_file():
-        parts.append((model_dir / "chat_template.jinja").read_text(errors="replace"))
-    for name in ("tokenizer_config.json", "chat_template.json"):
-        template = _read_json(model_dir / name).get("chat_template")
-        if isinstance(template, str):
-            parts.append(template)
-        elif isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            parts += [t.get("template", "") for t in template if isinstance(t, dict)]
-    return "\n".join(parts)
-
 
 def tokenizer_tokens(model_dir: Path) -> set[str] | None:
     """Every token string the tokenizer knows (vocabulary and added tokens), from its JSON files; None when

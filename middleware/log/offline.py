@@ -37,7 +37,7 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.records import Trajectory, log_decoder, step_msgpack_decoder
+from steptap.middleware.records import RewardAdded, Trajectory, log_decoder, step_msgpack_decoder
 
 MAX_REMEMBERED_IDS = 1_000_000  # de-duplication memory: about 100 MB at most
 
@@ -93,12 +93,44 @@ class LogReader:
         seen: OrderedDict[str, None] = OrderedDict()
         segnos, read = self._segments()
         steps = _Frames(read)
+        for record in self._records(segnos, read, steps):
+            if not isinstance(record, Trajectory) or record.status == "running":
+                continue
+            if mode is not None and record.mode != mode:
+                continue
+            if record.id in seen:
+                self.stats.duplicates += 1
+                continue
+            try:
+                record = resolve(record, [step_msgpack_decoder.decode(steps.payload(r.at))
+                                          for r in record.step_refs])
+            # A step missing (compacted) or damaged: DeltaError too
+            except (ValueError, msgspec.DecodeError):
+                self.stats.undecodable += 1
+                continue
+            seen[record.id] = None
+            if len(seen) > MAX_REMEMBERED_IDS:
+                seen.popitem(last=False)
+            self.stats.trajectories += 1
+            yield record
+
+    def late_rewards(self) -> dict[str, list[RewardAdded]]:
+        """Rewards given after their trajectory went to the stream (``late``), by trajectory id, in log
+        order: recorded for the dataset, never trained (sessions/holding.py)."""
+        out: dict[str, list[RewardAdded]] = {}
+        segnos, read = self._segments()
+        for record in self._records(segnos, read, _Frames(read), count=False):
+            if isinstance(record, RewardAdded) and record.late:
+                out.setdefault(record.trajectory_id, []).append(record)
+        return out
+
+    def _records(self, segnos: list[int], read: Any, steps: _Frames, count: bool = True) -> Iterator[Any]:
+        """Every decodable record of the segments, in log order (``count``: into ``stats``)."""
         for segno in segnos:
             try:
                 data = read(segno)
             except FileNotFoundError:
                 continue  # compacted between listing and reading
-            self.stats.segments += 1
             steps.current(segno, data)
             if data[: len(HEADER)] != HEADER:
                 if len(data) < len(HEADER) and HEADER.startswith(data):
@@ -107,33 +139,15 @@ class LogReader:
                     f"segment {seg_name(segno)} of {self.location} is not a steptap log segment"
                 )
             frames, good_end = scan_frames(data, len(HEADER))
-            self.stats.corrupt_bytes += len(data) - good_end if segno != segnos[-1] else 0
+            if count:
+                self.stats.segments += 1
+                self.stats.corrupt_bytes += len(data) - good_end if segno != segnos[-1] else 0
             for start, end in frames:
-                self.stats.records += 1
+                self.stats.records += count
                 try:
-                    record = log_decoder.decode(data[start:end])
+                    yield log_decoder.decode(data[start:end])
                 except (msgspec.DecodeError, msgspec.ValidationError):
-                    self.stats.undecodable += 1
-                    continue
-                if not isinstance(record, Trajectory) or record.status == "running":
-                    continue
-                if mode is not None and record.mode != mode:
-                    continue
-                if record.id in seen:
-                    self.stats.duplicates += 1
-                    continue
-                try:
-                    record = resolve(record, [step_msgpack_decoder.decode(steps.payload(r.at))
-                                              for r in record.step_refs])
-                # A step missing (compacted) or damaged: DeltaError too
-                except (ValueError, msgspec.DecodeError):
-                    self.stats.undecodable += 1
-                    continue
-                seen[record.id] = None
-                if len(seen) > MAX_REMEMBERED_IDS:
-                    seen.popitem(last=False)
-                self.stats.trajectories += 1
-                yield record
+                    self.stats.undecodable += count
 
 
 class _Frames:

@@ -79,8 +79,15 @@ class PeekCuration(Peek, tag="curation"):
     pass
 
 
-peek_decoder = msgspec.msgpack.Decoder(PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion
-                                     | PeekCuration)
+class PeekDropped(Peek, tag="held_dropped"):
+    pass
+
+
+# A ``held`` record (a trajectory whose reward is pending) is not peeked: its session stays open for
+# compaction until a Trajectory or HeldDropped record ends it
+peek_decoder = msgspec.msgpack.Decoder(
+    PeekStep | PeekOpened | PeekReward | PeekTrajectory | PeekVersion | PeekCuration | PeekDropped
+)
 
 
 def first_segment(refs: list[Any], segno: int) -> int:
@@ -94,7 +101,8 @@ class _Kind(msgspec.Struct):
 
 
 _kind_decoder = msgspec.msgpack.Decoder(_Kind)
-KINDS = frozenset(("step", "session_opened", "reward_added", "trajectory", "policy_version", "curation"))
+KINDS = frozenset(("step", "session_opened", "reward_added", "trajectory", "policy_version", "curation",
+                   "held", "held_dropped"))
 
 
 def known_kind(payload: bytes | memoryview) -> str | None:
@@ -217,6 +225,8 @@ class Recovery:
             self._open_sessions.pop(peek.id, None)
             self._traj_ends.append(cursor_key(segno, end))
             self._traj_firsts.append(first_segment(peek.step_refs, segno))
+        elif isinstance(peek, PeekDropped):
+            self._open_sessions.pop(peek.trajectory_id, None)
         elif isinstance(peek, PeekVersion):
             try:
                 record = log_decoder.decode(payload)

@@ -55,7 +55,14 @@ from steptap.middleware.log.segments import (
     split_location,
 )
 from steptap.middleware.log.writer import CommitThread, Item, NotWritten, Written
-from steptap.middleware.records import LogRecord, PolicyVersion, SessionOpened, Trajectory, msgpack_encoder
+from steptap.middleware.records import (
+    HeldDropped,
+    LogRecord,
+    PolicyVersion,
+    SessionOpened,
+    Trajectory,
+    msgpack_encoder,
+)
 
 # Format names are re-exported: callers import them from here.
 __all__ = [
@@ -284,6 +291,8 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
             self._open_sessions.pop(record.id, None)
             self._traj_ends.append(cursor_key(segno, offset))
             self._traj_firsts.append(first_segment(record.step_refs, segno))
+        elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
+            self._open_sessions.pop(record.trajectory_id, None)
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 

@@ -17,6 +17,7 @@ from steptap.middleware.exceptions import (
     SessionClosed,
 )
 from steptap.middleware.records import (
+    Held,
     StepRef,
     Trajectory,
     TrajectoryStatus,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from steptap.middleware.metrics import Metrics
     from steptap.middleware.records import LogRecord
     from steptap.middleware.sessions.groups import Group
+    from steptap.middleware.sessions.holding import OnDeadline
     from steptap.middleware.sessions.rewards import RewardFn
     from steptap.middleware.sessions.session import Log
 
@@ -55,28 +57,37 @@ class Closing:
         async def _append(self, record: LogRecord) -> str: ...
         def _unregister(self, session: LiveSession) -> None: ...
         def _group_member_closed(self, traj: Trajectory) -> None: ...
+        def check_hold(self) -> None: ...
+        def _held(self, record: Held) -> None: ...
 
     async def finish(
-        self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None
+        self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None,
+        hold: tuple[float, OnDeadline] | None = None,
     ) -> Trajectory:
+        """Close the session; ``hold`` (its reward pending: the deadline as unix seconds, what the deadline
+        does) writes a ``Held`` record instead of the streamed one (holding.py)."""
         async with session.lock:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
-            return await self._close_locked(session, status, None if reward is None else {"reward": reward})
+            if hold is not None:
+                self.check_hold()
+            return await self._close_locked(session, status, None if reward is None else {"reward": reward},
+                                            hold)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
             return await self._close_locked(session, status)
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
-                            rewards: dict[str, float] | None = None) -> Trajectory:
+                            rewards: dict[str, float] | None = None,
+                            hold: tuple[float, OnDeadline] | None = None) -> Trajectory:
         """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory,
         then one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it
         was, open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the
         record."""
         session.closing = True
         traj = session.trajectory
-        before = (dict(traj.rewards), traj.error)
+        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources))
         try:
             self.log.ensure_writable()  # a 503 before anything changes
             if session.inflight:
@@ -84,22 +95,28 @@ class Closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
+            traj.reward_sources.update(dict.fromkeys(rewards or {}, "http"))
             # The callback sees full steps, built as it reads them (they share their rewards with traj's)
             if self.reward_fn is not None:
+                given = dict(traj.rewards)
                 error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s, session.full)
+                traj.reward_sources.update(
+                    {k: "callback" for k, v in traj.rewards.items() if given.get(k) != v})
                 if error is not None:
                     traj.error = error
                     self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
                     logger.warning("session %s: %s", traj.id, error)
             session.sealed = True
             self._finalize(traj, status)
-            await self._append(await self._closing_record(session))
+            record = await self._closing_record(session)
+            held = None if hold is None else Held(trajectory=record, deadline_at=hold[0], on_deadline=hold[1])
+            await self._append(record if held is None else held)
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
-            traj.rewards, traj.error = before
+            traj.rewards, traj.error, traj.reward_sources = before
             raise
-        self._closed(session)
+        self._closed(session, held)
         return traj
 
     @staticmethod
@@ -123,11 +140,13 @@ class Closing:
         traj.status = status
         traj.finished_at = time.time()
 
-    def _closed(self, session: LiveSession) -> None:
-        """Bookkeeping once the Trajectory record is durable."""
+    def _closed(self, session: LiveSession, held: Held | None = None) -> None:
+        """Bookkeeping once the Trajectory (or Held) record is durable."""
         traj = session.trajectory
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
-        if traj.rewards:
+        if held is not None:
+            self._held(held)
+        elif traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
             self.metrics.reward_sum.inc(traj.reward)
         if not traj.anonymous:
@@ -136,7 +155,8 @@ class Closing:
             if len(self.recent) > RECENT_KEEP:
                 self.recent.popitem(last=False)
             self._unregister(session)
-            self._group_member_closed(traj)
+            if held is None:  # a held one is a group's member once released
+                self._group_member_closed(traj)
             self._prune()
 
     def _prune(self) -> None:

@@ -42,11 +42,15 @@ class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     value: float
     name: str = "reward"
     step: int | Literal["last"] | None = None
+    source: Literal["http", "human"] = "http"  # "human": a person's rating (the console, a feedback script)
 
 
 class FinishBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    reward: float | None = None
+    # "pending": the trajectory is held off the stream until its reward arrives or the deadline passes
+    reward: float | Literal["pending"] | None = None
     status: Literal["finished", "aborted"] = "finished"
+    deadline_s: float | None = None  # with "pending": seconds from now (default: --reward-deadline-s)
+    on_deadline: Literal["drop"] | float = "drop"  # with "pending": drop it, or release it with this reward
 
 
 def _decode(raw: bytes, type_: type[Any], empty_ok: bool = False) -> Any:
@@ -106,20 +110,30 @@ async def get_session(request: web.Request) -> web.Response:
     sid = manager.canonical_id(request.match_info["session_id"])
     session = manager.sessions.get(sid)
     traj = session.trajectory if session is not None else manager.recent.get(sid)
+    if traj is None and sid in manager.held:  # held, its steps no longer in memory: the record, steps as refs
+        data = to_builtins(manager.held[sid].trajectory)
+        data["reward_pending"] = manager.pending_state(sid)
+        return _json(data)
     if traj is None:
         if sid in manager.closed:
             raise SessionEvicted(f"session {sid!r} is {manager.closed[sid]}; read it from the stream")
         raise SessionNotFound(f"no session {sid!r}")
     data = to_builtins(full_trajectory(traj))  # the session holds delta steps; readers get full ones
     data["reward"] = traj.reward
+    pending = manager.pending_state(sid)
+    if pending is not None:
+        data["reward_pending"] = pending
     if traj.group_id is not None and traj.group_id in manager.groups:
         data["group"] = manager.groups[traj.group_id].state()
     return _json(data)
 
 
 async def post_reward(request: web.Request) -> web.Response:
+    """A reward on an open session; on a held one (finished with its reward pending) it releases the
+    trajectory to the stream; on one already streamed it is recorded as late (never trained)."""
     require_control(request)
-    session = _session(request)
+    manager = request.app[SESSIONS_KEY]
+    sid = manager.canonical_id(request.match_info["session_id"])
     body: RewardBody = _decode(await request.read(), RewardBody)
     try:
         value = finite(body.value)
@@ -129,7 +143,19 @@ async def post_reward(request: web.Request) -> web.Response:
         raise ApiError(400, "reward name must be 1 to 64 characters", "invalid_body")
     if isinstance(body.step, int) and body.step < 0:
         raise ApiError(400, 'step must be a non-negative index or "last"', "invalid_body")
-    record = await request.app[SESSIONS_KEY].add_reward(session, value, body.name, body.step)
+    if sid in manager.held:
+        if body.step is not None:
+            raise ApiError(400, "this session's reward is pending: it takes a trajectory-level reward "
+                           "(no step)", "invalid_body")
+        if await manager.release(sid, value, body.name, body.source) is not None:
+            return _json({"session_id": sid, "name": body.name, "value": value, "step": None,
+                          "released": True})
+    if sid not in manager.sessions and sid in manager.closed:
+        record = await manager.late_reward(sid, value, body.name, body.step, body.source)
+        return _json({"session_id": sid, "name": record.name, "value": record.value, "step": record.step,
+                      "late": True})
+    session = manager.get(sid)
+    record = await manager.add_reward(session, value, body.name, body.step, body.source)
     return _json({"session_id": session.id, "name": record.name, "value": record.value, "step": record.step})
 
 
@@ -137,23 +163,43 @@ async def finish_session(request: web.Request) -> web.Response:
     require_control(request)
     session = _session(request)
     body: FinishBody = _decode(await request.read(), FinishBody, empty_ok=True)
+    manager = request.app[SESSIONS_KEY]
     reward = None
-    if body.reward is not None:
+    hold = _hold(body, manager)
+    if body.reward is not None and body.reward != "pending":
         try:
             reward = finite(body.reward)
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
-    traj = await request.app[SESSIONS_KEY].finish(session, body.status, reward)
-    return _json(
-        {
-            "id": traj.id,
-            "status": traj.status,
-            "steps": len(traj.steps),
-            "rewards": traj.rewards,
-            "reward": traj.reward,
-            "error": traj.error,
-        }
-    )
+    traj = await manager.finish(session, body.status, reward, hold)
+    data = {"id": traj.id, "status": traj.status, "steps": len(traj.steps), "rewards": traj.rewards,
+            "reward": traj.reward, "error": traj.error}
+    pending = manager.pending_state(traj.id)
+    if pending is not None:
+        data["reward_pending"] = pending
+    return _json(data)
+
+
+def _hold(body: FinishBody, manager: SessionManager) -> tuple[float, float | Literal["drop"]] | None:
+    """A pending finish's deadline (unix seconds) and what it does, checked; None for any other finish."""
+    if body.reward != "pending":
+        if body.deadline_s is not None or body.on_deadline != "drop":
+            raise ApiError(400, 'deadline_s and on_deadline go with "reward": "pending"', "invalid_body")
+        return None
+    if body.status != "finished":
+        raise ApiError(400, 'an aborted session has no pending reward ("reward": "pending" needs '
+                       '"status": "finished")', "invalid_body")
+    cap = manager.config.max_reward_deadline_s
+    if body.deadline_s is not None and not 0 < body.deadline_s <= cap:
+        raise ApiError(400, f"deadline_s must be positive and at most {cap:g} (max_reward_deadline_s)",
+                       "invalid_body")
+    on_deadline = body.on_deadline
+    if on_deadline != "drop":
+        try:
+            on_deadline = finite(on_deadline)
+        except ValueError as exc:
+            raise ApiError(400, f"on_deadline: {exc}", "invalid_reward") from None
+    return manager.deadline_at(body.deadline_s), on_deadline
 
 
 async def get_group(request: web.Request) -> web.Response:

@@ -63,6 +63,7 @@ class Groups:
     if TYPE_CHECKING:  # SessionManager's and Closing's
         def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
         async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory: ...
+        def expire_held(self) -> None: ...
 
     def _group_member_closed(self, traj: Trajectory) -> None:
         if traj.group_id is None or traj.group_id not in self.groups:
@@ -103,6 +104,8 @@ class Groups:
             ):
                 session.closing = True  # claimed now, so the next sweep does not close it twice
                 self.spawn(self._close_logged(session, "timed_out"))
+        if writable:
+            self.expire_held()
         gt = self.config.group_timeout_s
         for gid, group in list(self.groups.items()):
             if group.complete is None and gt is not None and now - group.opened > gt:

@@ -36,6 +36,7 @@ from steptap.middleware.exceptions import (
 )
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (
+    Held,
     LogRecord,
     Mode,
     SessionOpened,
@@ -50,6 +51,7 @@ from steptap.middleware.sessions.closing import Closing
 from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
 from steptap.middleware.sessions.groups import Group as Group
 from steptap.middleware.sessions.groups import Groups as Groups
+from steptap.middleware.sessions.holding import Holding
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.prefix import classify_after, extends
@@ -64,7 +66,7 @@ from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
 
-class SessionManager(Closing, Groups, Replay, Rewarding):
+class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
     def __init__(
         self,
         config: ProxyConfig,
@@ -86,6 +88,10 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
         self.recent: OrderedDict[str, Trajectory] = OrderedDict()
+        self.held: dict[str, Held] = {}  # finished with the reward pending (holding.py)
+        self.held_bytes: dict[str, int] = {}
+        self.held_lock = asyncio.Lock()
+        self.expiring: set[str] = set()
         self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
         self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
 
@@ -123,7 +129,7 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
         side_models: list[str] | None = None,
     ) -> LiveSession:
         sid = session_id or uuid.uuid4().hex
-        if sid in self.sessions or sid in self.closed:
+        if sid in self.sessions or sid in self.closed or sid in self.held:  # held: waits for its reward
             raise SessionExists(f"session {sid!r} already exists")
         self.holdings.check_open(len(self.sessions) - self.auto_open)
         if idle_timeout_s is None:
@@ -170,10 +176,11 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
 
     def canonical_id(self, sid: str) -> str:
         """The id a control route means: ``sid`` itself, or the auto-created session of that path id."""
-        if sid in self.sessions or sid in self.closed or sid in self.recent:
+        if sid in self.sessions or sid in self.closed or sid in self.recent or sid in self.held:
             return sid
         auto = AUTO_PREFIX + sid
-        return auto if auto in self.sessions or auto in self.closed or auto in self.recent else sid
+        known = auto in self.sessions or auto in self.closed or auto in self.recent or auto in self.held
+        return auto if known else sid
 
     def _register(self, session: LiveSession) -> None:
         self.sessions[session.id] = session

@@ -7,8 +7,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import (
+    Held,
+    HeldDropped,
     RewardAdded,
     SessionOpened,
     Step,
@@ -20,6 +24,8 @@ from steptap.middleware.sessions.limits import RECORD_SLACK
 from steptap.middleware.sessions.session import LiveSession, full_sizes, not_logged
 
 if TYPE_CHECKING:
+    from collections import OrderedDict
+
     from steptap.middleware.metrics import Metrics
     from steptap.middleware.records import TrajectoryStatus
     from steptap.middleware.sessions.limits import Holdings
@@ -35,6 +41,9 @@ class Replay:
     metrics: Metrics
     sessions: dict[str, LiveSession]
     closed: dict[str, TrajectoryStatus]
+    recent: OrderedDict[str, Trajectory]
+    held: dict[str, Held]
+    held_bytes: dict[str, int]
     holdings: Holdings
     if TYPE_CHECKING:  # SessionManager's and Groups'
         @property
@@ -45,6 +54,8 @@ class Replay:
         @staticmethod
         def _apply_reward(traj: Trajectory, record: RewardAdded) -> None: ...
         def _group_member_closed(self, traj: Trajectory) -> None: ...
+        def _held(self, record: Held) -> None: ...
+        def _unheld(self, sid: str) -> Held | None: ...
 
     async def rebuild(self) -> int:
         """Rebuild the open sessions from the log (blocking reads, so in a thread, before serving starts)."""
@@ -104,8 +115,20 @@ class Replay:
                 session = self.sessions.pop(record.id, None)
                 expander.forget(record.id)
                 self.closed[record.id] = record.status
-                if session is not None:
+                if session is not None or self._unheld(record.id) is not None:  # closed, or released
                     self._group_member_closed(record)
+            elif isinstance(record, Held):  # finished with its reward pending: held until released
+                session = self.sessions.pop(record.trajectory.id, None)
+                expander.forget(record.trajectory.id)
+                self.closed[record.trajectory.id] = record.trajectory.status
+                if session is not None:  # its steps, for GET /sessions/<id>
+                    done = record.trajectory
+                    self.recent[session.id] = msgspec.structs.replace(
+                        session.trajectory, status=done.status, rewards=done.rewards,
+                        reward_sources=done.reward_sources)
+                self._held(record)
+            elif isinstance(record, HeldDropped) and self._unheld(record.trajectory_id) is not None:
+                self.closed[record.trajectory_id] = "aborted"
         for session in self.sessions.values():
             session.full = expander.last_call(session.id)
             steps = session.trajectory.steps
@@ -123,9 +146,10 @@ class Replay:
                                      if steps[i].delta is not None)
             session.bytes = (len(msgpack_encoder.encode(session.trajectory))
                              + RECORD_SLACK * len(session.starts) + session.full_extra)
-        self.holdings.hold(
+        self.holdings.hold(  # what the open sessions hold, and the held trajectories' records
             sum(len(x.trajectory.steps) for x in self.sessions.values()) - self.steps_held,
-            sum(x.bytes for x in self.sessions.values()) - self.bytes_held,
+            sum(x.bytes for x in self.sessions.values()) + sum(self.held_bytes.values()) - self.bytes_held,
         )
         self.metrics.sessions_open.set(len(self.sessions))
+        self.metrics.held.set(len(self.held))
         return len(self.sessions)

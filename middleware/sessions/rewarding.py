@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from steptap.middleware.exceptions import SessionClosed, SessionFull, StepNotFound
-from steptap.middleware.records import RewardAdded, Trajectory
+from steptap.middleware.records import RewardAdded, RewardSource, Trajectory
 from steptap.middleware.sessions.session import LiveSession
 
 if TYPE_CHECKING:
@@ -27,15 +27,17 @@ class Rewarding:
         async def _append(self, record: LogRecord) -> str: ...
 
     async def add_reward(
-        self, session: LiveSession, value: float, name: str, step: int | str | None
+        self, session: LiveSession, value: float, name: str, step: int | str | None,
+        source: RewardSource = "http",
     ) -> RewardAdded:
         """Validate everything first, then log, then apply: an error changes nothing. Under the session's
-        lock, so a reward is either in the closing Trajectory record or refused (409)."""
+        lock, so a reward is either in the closing Trajectory record or refused (409; after the close: a
+        late reward, holding.py)."""
         async with session.lock:
-            return await self._add_reward_locked(session, value, name, step)
+            return await self._add_reward_locked(session, value, name, step, source)
 
     async def _add_reward_locked(
-        self, session: LiveSession, value: float, name: str, step: int | str | None
+        self, session: LiveSession, value: float, name: str, step: int | str | None, source: RewardSource
     ) -> RewardAdded:
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
@@ -49,7 +51,7 @@ class Rewarding:
             index = int(step)
             if not 0 <= index < len(steps):
                 raise StepNotFound(f"no step {index} (the session has {len(steps)})")
-        record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index)
+        record = RewardAdded(trajectory_id=session.id, name=name, value=value, step=index, source=source)
         target = session.trajectory.rewards if index is None else steps[index].rewards
         size = 0 if name in target else len(name.encode()) + 16  # a new name grows the Trajectory record
         if session.bytes + size > self.config.max_session_bytes:
@@ -62,12 +64,13 @@ class Rewarding:
         session.bytes += size
         self.holdings.hold(0, size)
         session.last_active = time.monotonic()
-        self.metrics.rewards.labels("trajectory" if index is None else "step", "api").inc()
+        self.metrics.rewards.labels("trajectory" if index is None else "step", source).inc()
         return record
 
     @staticmethod
     def _apply_reward(traj: Trajectory, record: RewardAdded) -> None:
         if record.step is None:
             traj.rewards[record.name] = record.value
+            traj.reward_sources[record.name] = record.source
         elif 0 <= record.step < len(traj.steps):
             traj.steps[record.step].rewards[record.name] = record.value

@@ -5,6 +5,7 @@ Ctrl-C aborting their sessions."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -270,6 +271,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_reward_pending_holds_a_member_that_exits_without_a_reward(
+    serve_proxy: Any, served_model: str, agent_sh: Path
+) -> None:
+    out = steptap_run(serve_proxy, "--model", served_model, "--reward-pending", "600", "--on-deadline", "0.5",
+                      "--", str(agent_sh))
+    assert out.returncode == 0, out.stderr
+    (sid,) = session_ids(out.stdout)
+    assert f"session {sid} exit 0 -> finished (reward pending) 2 steps" in out.stderr
+    client = SyncSteptapClient(serve_proxy.url, serve_proxy.token)
+    body = json.loads(client._request("GET", f"/sessions/{sid}"))  # reward_pending is not a Trajectory field
+    assert body["reward_pending"]["on_deadline"] == 0.5 and body["rewards"] == {}
+
+
 def test_reward_parsing_and_argument_errors(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -289,6 +303,8 @@ def test_reward_parsing_and_argument_errors(
         ([*base, "-n", "0", "--", "true"], "-n must be at least 1"),
         (["--control-token", "t", "--", "true"], "no proxy URL"),
         ([*base, "--reward-cmd", "x", "--reward-file", "y", "--", "true"], "not allowed with"),
+        ([*base, "--reward-pending", "0", "--", "true"], "--reward-pending must be positive"),
+        ([*base, "--reward-pending", "9", "--on-deadline", "keep", "--", "true"], '"drop" or a number'),
     ):
         with pytest.raises(SystemExit) as exit_:
             main(argv)

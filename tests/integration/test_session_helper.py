@@ -100,6 +100,22 @@ def test_reward_set_in_the_block_wins_over_the_callable(serve_proxy: Any) -> Non
     assert _get(serve_proxy, s.id).rewards == {"judge": 1.0}
 
 
+async def test_a_pending_reward_holds_the_trajectory_until_a_human_rating_arrives(
+    serve_proxy: Any, served_model: str
+) -> None:
+    with session(**_kw(serve_proxy), reward=lambda traj: 9.0) as s:
+        _ask(s.openai_client(), served_model, "rate me later")
+        s.set_reward_pending(deadline_s=600)
+    assert s.status == "finished"
+    with pytest.raises(AssertionError, match="not on the stream"):  # held: the learner cannot see it yet
+        await _delivered(serve_proxy, s.id)
+    async with SteptapClient(serve_proxy.url, serve_proxy.token) as client:
+        await client.add_reward(s.id, 0.5, source="human")
+    streamed = await _delivered(serve_proxy, s.id)
+    assert streamed.rewards == {"reward": 0.5} and streamed.reward_sources == {"reward": "human"}
+    assert len(streamed.steps) == 1
+
+
 async def test_an_exception_aborts_the_session_and_it_is_still_delivered(
     serve_proxy: Any, served_model: str
 ) -> None:

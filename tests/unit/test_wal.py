@@ -15,7 +15,15 @@ import pytest
 
 from steptap.middleware.errors import status_of
 from steptap.middleware.log.wal import HEADER, LogInUseError, TrajectoryLog, parse_cursor
-from steptap.middleware.records import PolicyVersion, SessionOpened, Step, Trajectory
+from steptap.middleware.records import (
+    Held,
+    HeldDropped,
+    PolicyVersion,
+    SessionOpened,
+    Step,
+    StepRef,
+    Trajectory,
+)
 
 
 def _traj(i: int, status: str = "finished", steps: int = 1) -> Trajectory:
@@ -690,3 +698,28 @@ async def test_a_group_reaches_the_loop_in_one_callback(tmp_path: Path) -> None:
     assert log.stats.records == 150
     assert len(from_writer) == log.stats.commits + 1  # one per group (each group one sync), one at stop
     assert log.stats.commits < 150  # records queued together shared groups
+
+
+async def test_a_held_session_keeps_its_segments_off_the_stream_until_it_ends(tmp_path: Path) -> None:
+    """A ``Held`` record (a finish whose reward is pending) is not streamed, and its session stays open for
+    compaction, before and after a reopen, until a ``HeldDropped`` (or its ``Trajectory``) ends it."""
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
+    await log.append(SessionOpened(trajectory_id="held"))
+    at, _ = await log.append_at(Step(trajectory_id="held", index=0))
+    held = Trajectory(id="held", status="finished", step_refs=[StepRef(at=at)])
+    await log.append(Held(trajectory=held, deadline_at=1.0))
+    c = ""
+    for i in range(10):
+        await log.append(SessionOpened(trajectory_id=f"t{i}"))
+        c = await log.append(_traj(i))
+    assert len(_segs(tmp_path)) >= 4
+    assert await log.compact(c) == []  # the held session's segment stays
+    assert "held" not in [t.id async for _, t in log.follow(None, until_idle=0)]
+    await log.close()
+
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)  # the scan at open keeps it too
+    assert await log.compact(c) == []
+    c = await log.append(HeldDropped(trajectory_id="held"))
+    assert await log.compact(c) != []  # ended: its segments may go
+    assert "held" not in [t.id async for _, t in log.follow(None, until_idle=0)]
+    await log.close()

@@ -1,0 +1,170 @@
+"""Late and human rewards: a session finished with its reward pending is held, and a reward given after a
+trajectory went to the stream is recorded as late. ``Holding`` is a mixin of ``SessionManager`` (manager.py),
+which holds the state it reads.
+
+A held session's trajectory is one durable ``Held`` record (its steps as refs, its deadline, what the
+deadline does): not on the stream, so the learner never sees it. It is released by one ``Trajectory`` record,
+the same trajectory with the reward in it (its reward arrived over ``POST /sessions/<id>/rewards``, or the
+deadline gave the configured value), which streams like any other: the learner trains it once. A deadline
+with ``drop`` writes a ``HeldDropped`` record instead, and nothing trains. Both survive a restart:
+``replay.py`` rebuilds the held set from the log, with the deadlines as wall-clock times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from steptap.middleware.exceptions import Overloaded, StepNotFound
+from steptap.middleware.records import (
+    Held,
+    HeldDropped,
+    RewardAdded,
+    RewardSource,
+    Trajectory,
+    msgpack_encoder,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+    from typing import Any
+
+    from steptap.middleware.config import ProxyConfig
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.records import LogRecord, TrajectoryStatus
+    from steptap.middleware.sessions.limits import Holdings
+    from steptap.middleware.sessions.session import Log
+
+logger = logging.getLogger("steptap.sessions")
+
+OnDeadline = Literal["drop"] | float
+
+
+class Holding:
+    """``SessionManager``'s held trajectories and late rewards."""
+
+    config: ProxyConfig
+    log: Log
+    metrics: Metrics
+    closed: dict[str, TrajectoryStatus]
+    recent: OrderedDict[str, Trajectory]
+    holdings: Holdings
+    held: dict[str, Held]  # id -> its Held record, until released or dropped
+    held_bytes: dict[str, int]  # its encoded size, counted in max_bytes_held while it waits
+    held_lock: asyncio.Lock  # a reward and the deadline never both end one
+    expiring: set[str]  # deadlines being recorded now (the next sweep does not start them again)
+    if TYPE_CHECKING:  # SessionManager's and Groups'
+        async def _append(self, record: LogRecord) -> str: ...
+        def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+        def _group_member_closed(self, traj: Trajectory) -> None: ...
+
+    def check_hold(self) -> None:
+        """Before a pending finish changes anything: room for one more held trajectory (429 beyond)."""
+        if len(self.held) >= self.config.max_held_trajectories:
+            raise Overloaded(f"{len(self.held)} trajectories are waiting for their reward "
+                             f"(max_held_trajectories={self.config.max_held_trajectories})")
+
+    def deadline_at(self, deadline_s: float | None) -> float:
+        return time.time() + (self.config.reward_deadline_s if deadline_s is None else deadline_s)
+
+    def _held(self, record: Held) -> None:
+        """Bookkeeping once a Held record is durable (or found by the replay)."""
+        sid = record.trajectory.id
+        self.held[sid] = record
+        self.held_bytes[sid] = size = len(msgpack_encoder.encode(record))
+        self.holdings.hold(0, size)
+        self.metrics.held.set(len(self.held))
+
+    def _unheld(self, sid: str) -> Held | None:
+        record = self.held.pop(sid, None)
+        self.holdings.hold(0, -self.held_bytes.pop(sid, 0))
+        self.metrics.held.set(len(self.held))
+        return record
+
+    def pending_state(self, sid: str) -> dict[str, Any] | None:
+        record = self.held.get(sid)
+        if record is None:
+            return None
+        return {"deadline_at": record.deadline_at, "on_deadline": record.on_deadline}
+
+    async def release(self, sid: str, value: float, name: str, source: RewardSource) -> Trajectory | None:
+        """The pending reward arrived: one Trajectory record, the held one with the reward in it (it streams
+        now). None when the trajectory is no longer held (released or dropped meanwhile)."""
+        async with self.held_lock:
+            record = self.held.get(sid)
+            if record is None:
+                return None
+            traj = msgspec.structs.replace(
+                record.trajectory, rewards={**record.trajectory.rewards, name: value},
+                reward_sources={**record.trajectory.reward_sources, name: source}, finished_at=time.time())
+            await self._append(traj)
+            self._released(traj, "rewarded" if source != "default" else "default")
+            self.metrics.rewards.labels("trajectory", source).inc()
+            return traj
+
+    async def _drop(self, sid: str, reason: str) -> None:
+        async with self.held_lock:
+            if sid not in self.held:
+                return
+            await self._append(HeldDropped(trajectory_id=sid, reason=reason))
+            record = self._unheld(sid)
+            assert record is not None  # under the lock, checked above
+            self.metrics.held_ended.labels("dropped").inc()
+            self.closed[sid] = "aborted"
+            self._group_member_closed(msgspec.structs.replace(record.trajectory, status="aborted"))
+            logger.info("session %s: its reward did not arrive by the deadline; dropped", sid)
+
+    def _released(self, traj: Trajectory, outcome: str) -> None:
+        self._unheld(traj.id)
+        self.metrics.held_ended.labels(outcome).inc()
+        self.closed[traj.id] = traj.status
+        old = self.recent.get(traj.id)
+        if old is not None:  # the steps held in memory, with the new rewards
+            self.recent[traj.id] = msgspec.structs.replace(old, rewards=traj.rewards,
+                                                           reward_sources=traj.reward_sources)
+        if traj.rewards:
+            self.metrics.reward_values.observe(traj.reward)
+            self.metrics.reward_sum.inc(traj.reward)
+        self._group_member_closed(traj)
+
+    def expire_held(self) -> None:
+        """From the sweep: held trajectories past their deadline get their default (or are dropped)."""
+        now = time.time()
+        for sid, record in list(self.held.items()):
+            if record.deadline_at <= now and sid not in self.expiring:
+                self.expiring.add(sid)
+                self.spawn(self._expire(sid, record.on_deadline))
+
+    async def _expire(self, sid: str, on_deadline: OnDeadline) -> None:
+        try:
+            if on_deadline == "drop":
+                await self._drop(sid, "deadline")
+            else:
+                await self.release(sid, float(on_deadline), "reward", "default")
+        except Exception:  # the log refused (degraded): the next sweep tries again
+            logger.exception("session %s: its reward deadline could not be recorded", sid)
+        finally:
+            self.expiring.discard(sid)
+
+    async def late_reward(self, sid: str, value: float, name: str, step: int | str | None,
+                          source: RewardSource) -> RewardAdded:
+        """A reward on a trajectory that already went to the stream: recorded (``late``, exported), counted,
+        never trained."""
+        traj = self.recent.get(sid)
+        index: int | None = None
+        if step == "last" or (isinstance(step, int) and traj is not None):
+            n = len(traj.steps) if traj is not None else 0
+            index = n - 1 if step == "last" else int(step)
+            if not 0 <= index < n:
+                raise StepNotFound(f"no step {step} in session {sid!r} (known steps: {n})")
+        elif step is not None:
+            index = int(step)  # the trajectory is no longer in memory: recorded as given
+        record = RewardAdded(trajectory_id=sid, name=name, value=value, step=index, source=source, late=True)
+        await self._append(record)
+        self.metrics.late_rewards.labels(source).inc()
+        return record
