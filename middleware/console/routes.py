@@ -165,6 +165,10 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
     live = manager.sessions.get(sid)
     if live is not None:
         return full_trajectory(live.trajectory)
+    # Just finished: in memory before the index's follower has read its record from the log
+    done = manager.recent.get(sid)
+    if done is not None:
+        return full_trajectory(done)
     traj = await request.app[INDEX_KEY].trajectory(sid)
     if traj is None:
         raise ApiError(404, f"no trajectory {sid[:128]!r} in this proxy's log", "not_found")

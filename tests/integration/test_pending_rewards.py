@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from conftest import Backend, Proxy
+from conftest import Backend, Proxy, ndjson_trajectories
 from test_control import model_calls, open_session, req
 from test_crash_recovery import TOKEN
 from test_crash_recovery import Proxy as ServeProcess
@@ -26,8 +26,7 @@ async def stream_ids(http: aiohttp.ClientSession, url: str, token: str) -> list[
     async with http.get(f"{url}/trajectories", params={"consumer": "check", "follow": "0"},
                         headers={"Authorization": f"Bearer {token}"}) as resp:
         assert resp.status == 200, await resp.text()
-        lines = [json.loads(x) for x in (await resp.read()).splitlines() if x.strip()]
-    return [m["trajectory"] for m in lines if "trajectory" in m]
+        return ndjson_trajectories(await resp.read())
 
 
 async def metric(http: aiohttp.ClientSession, url: str, line_start: str) -> float:
