@@ -40,6 +40,12 @@ def compress(step: Step, base: Step) -> Step:
     for key, value in step.request.items():
         if key in base.request:
             old = base.request[key]
+            if value is step.prompt_token_ids and old is base.prompt_token_ids and len(value) >= len(old):
+                # A token-id prompt, which the step's ids are (proxy/replies.known_prompt): the step extends
+                # its base, so the list starts with the base's (``prefix.extends`` compared them): no encode.
+                tails[key] = len(old)
+                request[key] = value[len(old):]
+                continue
             if type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value):
                 continue  # the base's value: not stored
             if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (

@@ -348,7 +348,9 @@ class _Call(StreamRelay):
                 self.proto.annotate(step)
             if self.notes:
                 step.notes = [*step.notes, *self.notes]
-        await self.manager.record(self.session, steps)
+        # A translated request's messages as sent upstream: continuity is judged on them (sessions/prefix.py)
+        chat = self.chat.get("messages") if self.proto is not None else None
+        await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = tito.next_state(self.chat, steps[0]) if len(steps) == 1 else None
 
@@ -401,10 +403,17 @@ class _Call(StreamRelay):
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
         # Typed, stripped in vLLM's bytes; else the dict path
-        if self.proto is None and self.endpoint == CHAT:
-            view = replies.reply_view(data)
-            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
-                                                                      **self.common)
+        if self.proto is None:
+            view: replies.ReplyView | replies.CompletionView | None
+            if self.endpoint == CHAT:
+                view = replies.reply_view(data)
+                steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
+                                                                          **self.common)
+            else:
+                view = replies.completion_view(data)
+                known = replies.known_prompt(self.common["request"])  # the ids vLLM echoes: not decoded
+                steps = None if view is None else replies.steps_from_completion(
+                    view, known, latency_s=self._latency(), **self.common)
             if view is not None and steps is not None:
                 body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
                 if body is not None:
