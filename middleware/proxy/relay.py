@@ -34,7 +34,7 @@ from steptap.middleware.exceptions import (
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture, replies, tito
+from steptap.middleware.proxy import capture, prompts, replies, tito
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import (
     PROTOCOL_ENDPOINTS,
@@ -100,8 +100,8 @@ async def _model_call(
 ) -> web.StreamResponse:
     app = request.app
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
-    body = _json_object(raw)
     ident = identify(request)  # a malformed session id is a 400
+    body = _decode_body(raw, endpoint, manager, ident)
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     try:
         # Another protocol rides on chat completions: translated (and checked in its own format) before the
@@ -154,6 +154,18 @@ async def _model_call(
             metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
                 time.perf_counter() - t0
             )
+
+
+def _decode_body(raw: bytes, endpoint: str, manager: SessionManager, ident: Any) -> dict[str, Any]:
+    """The agent's body; a token prompt of a session's call decoded from what is new (prompts.py)."""
+    if endpoint == COMPLETIONS:
+        session = manager.peek(ident)
+        if session is not None:
+            got = prompts.decode_completion(raw, session.prompt)
+            if got is not None:
+                body, session.prompt = got
+                return body
+    return _json_object(raw)
 
 
 async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,

@@ -238,6 +238,19 @@ class SessionManager(Closing, Groups, Replay, Rewarding):
             return self._pending(auto)
         return self.get(auto)
 
+    def peek(self, ident: Identity) -> LiveSession | None:
+        """The open session a call names, as ``resolve`` would find it with the same key, or None: opens
+        nothing, raises nothing (what the relay reads before the call is admitted: ``LiveSession.prompt``)."""
+        if ident.source == "anonymous":
+            return None
+        if ident.source == "key":
+            sid = self.keys.get(ident.key or "")
+            return None if sid is None else self.sessions.get(sid)
+        sid = ident.session_id or ""
+        if sid in self.sessions:
+            return self.sessions[sid] if ident.key is not None and self.keys.get(ident.key) == sid else None
+        return self.sessions.get(AUTO_PREFIX + sid)
+
     def _pending(self, sid: str) -> LiveSession:
         """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a
         call the backend refuses opens nothing. Concurrent first calls on one id share it."""
