@@ -4,6 +4,7 @@ gives, and the old ids' objects reused only when the bytes continue the held pro
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 
@@ -14,7 +15,10 @@ def _body(prompt: object, **kw: object) -> bytes:
     return json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, **kw}).encode()
 
 
-def _check(raw: bytes, held: tuple[bytes, list[int]] | None) -> tuple[dict, tuple[bytes, list[int]] | None] | None:
+Held = tuple[bytes, list[int]]
+
+
+def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] | None:
     got = decode_completion(raw, held)
     if got is not None:
         assert got[0] == msgspec.json.decode(raw)
