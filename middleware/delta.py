@@ -12,8 +12,8 @@ whole, a session of n turns over a growing context costs O(n^2) bytes; logged as
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
 ``1.0`` or ``true`` are never taken for each other; a token prompt that is the step's own ids (strict ints,
-``proxy/replies.known_prompt``) is not encoded at all: the step extends its base, so the ids were compared. A finished ``Trajectory`` refers to its logged
-steps (``step_refs``); ``resolve`` joins it with them.
+``proxy/replies.known_prompt``) is not encoded at all: the step extends its base, so the ids were compared.
+A finished ``Trajectory`` refers to its logged steps (``step_refs``); ``resolve`` joins it with them.
 """
 
 from __future__ import annotations
