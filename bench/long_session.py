@@ -98,8 +98,16 @@ def proxy_memory(pid: int) -> dict[str, int]:
     return out
 
 
-async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, baseline: Server | None = None
-                      ) -> dict[str, Any]:
+def idle_rate(pid: int, seconds: float) -> float:
+    """The proxy's CPU while no call is in flight (replica health checks, the idle sweep), ns per second: each
+    call's wall time costs it this much besides the call's own work."""
+    before, t0 = cpu_ns(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu_ns(pid) - before) / (time.perf_counter() - t0)
+
+
+async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, baseline: Server | None = None,
+                      idle: float = 0.0) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     timeout = aiohttp.ClientTimeout(total=args.call_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -142,8 +150,10 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, base
                     assert resp.status == 200, resp.status
                 base_ms = round((cpu_ns(baseline.pid) - before_pt) / 1e6, 2)
             tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
+            used = cpu_ns(proxy.pid) - before
             calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
-                          "proxy_cpu_ms": round((cpu_ns(proxy.pid) - before) / 1e6, 2),
+                          "proxy_cpu_ms": round(used / 1e6, 2),
+                          "proxy_net_cpu_ms": round((used - idle * wall) / 1e6, 2),
                           "passthrough_cpu_ms": base_ms})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
                 print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
@@ -331,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also send each turn's body through the bare pass-through (bench/passthrough.py): "
                         "its CPU")
     p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
+    p.add_argument("--idle-seconds", type=float, default=10.0,
+                   help="measure the proxy's idle CPU this long before the session (0: not): the net CPU per "
+                        "call subtracts it over the call's wall time")
     args = p.parse_args(argv)
     if args.full:
         args.turns = 200
@@ -362,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             baseline = Server("passthrough", python_cmd("passthrough.py", "--backend", args.backend),
                               log=str(work / "passthrough.log")).start()
+        idle = idle_rate(proxy.pid, args.idle_seconds) if args.idle_seconds > 0 else 0.0
         cache_before = prefix_cache(args.backend)
-        session = asyncio.run(run_session(args, proxy, model, baseline))
+        session = asyncio.run(run_session(args, proxy, model, baseline, idle))
         cache_after = prefix_cache(args.backend)
         proxy.stop(timeout=30)
         calls = session["calls"]
@@ -381,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     for call, tokens in zip(calls, size.pop("prompt_tokens", []), strict=False):  # the shorter: turns run
         call["prompt_tokens"] = tokens
     cpu = [c["proxy_cpu_ms"] for c in calls]
+    net = [c["proxy_net_cpu_ms"] for c in calls]
     k = min(5, len(cpu))
     pt = [c["passthrough_cpu_ms"] for c in calls if c["passthrough_cpu_ms"] is not None]
     result = {
@@ -389,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
                          "median_first_5": statistics.median(cpu[:k]) if k else None,
                          "median_last_5": statistics.median(cpu[-k:]) if k else None,
                          f"turn_{len(cpu)}": cpu[-1] if cpu else None},
+        "proxy_idle_cpu_ms_per_s": round(idle / 1e6, 3),
+        "proxy_net_cpu_ms": {"turn_1": net[0] if net else None,
+                             "median_first_5": statistics.median(net[:k]) if k else None,
+                             "median_last_5": statistics.median(net[-k:]) if k else None,
+                             f"turn_{len(net)}": net[-1] if net else None},
         "passthrough_cpu_ms": {"median_first_5": statistics.median(pt[:k]),
                                "median_last_5": statistics.median(
             pt[-k:])} if pt else None,

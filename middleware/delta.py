@@ -15,8 +15,9 @@ a call records its request once, not n times.
 
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
-``1.0`` or ``true`` are never taken for each other. A finished ``Trajectory`` refers to its logged steps
-(``step_refs``); ``resolve`` joins it with them.
+``1.0`` or ``true`` are never taken for each other; a token prompt that is the step's own ids (strict ints,
+``proxy/replies.known_prompt``) is not encoded at all: the step extends its base, so the ids were compared.
+A finished ``Trajectory`` refers to its logged steps (``step_refs``); ``resolve`` joins it with them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class DeltaError(ValueError):
 def compress(step: Step, base: Step) -> Step:
     """The logged form of ``step`` (full), which extends ``base`` (full): a copy holding only what is new."""
     skip = len(base.prompt_token_ids) + len(base.response_token_ids)
-    request, tails = _request_delta(step.request, base.request)
+    request, tails = _request_delta(step.request, base.request, step.prompt_token_ids, base.prompt_token_ids)
     return _replace(
         step,
         prompt_token_ids=step.prompt_token_ids[skip:],
@@ -62,8 +63,10 @@ def compress_choice(step: Step, first: Step) -> Step:
     )
 
 
-def _request_delta(request: dict[str, Any], base: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-    """What of ``request`` differs from ``base``: its own values, and the lists that continue the base's."""
+def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = None,
+                   base_ids: Any = None) -> tuple[dict[str, Any], dict[str, int]]:
+    """What of ``request`` differs from ``base``: its own values, and the lists that continue the base's
+    (``ids``, ``base_ids``: the steps' prompt ids, which a token-id prompt is)."""
     if request is base:  # the choices of one call share one request object
         return {}, {}
     out: dict[str, Any] = {}
@@ -71,6 +74,12 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any]) -> tuple[dict[
     for key, value in request.items():
         if key in base:
             old = base[key]
+            if ids is not None and value is ids and old is base_ids and len(value) >= len(old):
+                # A token-id prompt, which the step's ids are (proxy/replies.known_prompt): the step extends
+                # its base, so the list starts with the base's (``prefix.extends`` compared them): no encode.
+                tails[key] = len(old)
+                out[key] = value[len(old):]
+                continue
             if old is value or (
                 type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)
             ):

@@ -16,7 +16,6 @@ from steptap.middleware.proxy.translation import (
     HANDLE_KEY,
     reasoning_handle,
     reasoning_of,
-    register_chat_view,
 )
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
@@ -402,6 +401,3 @@ class EventStream:
     @staticmethod
     def error(status: int, message: str) -> bytes:
         return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
-
-
-register_chat_view("messages", to_chat)

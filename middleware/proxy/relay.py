@@ -47,6 +47,7 @@ from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _u
     _sticky_id,
     _too_large,
     _upstream_body,
+    decode_body,
     patch_request,
     read_body,
 )
@@ -100,15 +101,16 @@ async def _model_call(
 ) -> web.StreamResponse:
     app = request.app
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
-    body = _json_object(raw)
     ident = identify(request)  # a malformed session id is a 400
+    body, ids = decode_body(raw, endpoint, manager, ident)
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     try:
         # Another protocol rides on chat completions: translated (and checked in its own format) before the
         # rest.
         proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
-        view = check_model_call(proto.chat if proto is not None else body, upstream_endpoint == CHAT,
-                                cfg.max_n)
+        # A prompt decoded as token ids was typed then (strict ints): the edge check skips its 120k items
+        edge = proto.chat if proto is not None else body if not ids else {**body, "prompt": []}
+        view = check_model_call(edge, upstream_endpoint == CHAT, cfg.max_n)
     except ApiError as exc:  # a refused body: the session it names records why (a failed step)
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
@@ -349,7 +351,9 @@ class _Call(StreamRelay):
                 self.proto.annotate(step)
             if self.notes:
                 step.notes = [*step.notes, *self.notes]
-        await self.manager.record(self.session, steps)
+        # A translated request's messages as sent upstream: continuity is judged on them (sessions/prefix.py)
+        chat = self.chat.get("messages") if self.proto is not None else None
+        await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = (tito.next_state(self.chat, steps[0], stop_reason) if len(steps) == 1
                                        else None)
@@ -403,10 +407,17 @@ class _Call(StreamRelay):
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
         # Typed, stripped in vLLM's bytes; else the dict path
-        if self.proto is None and self.endpoint == CHAT:
-            view = replies.reply_view(data)
-            steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
-                                                                      **self.common)
+        if self.proto is None:
+            view: replies.ReplyView | replies.CompletionView | None
+            if self.endpoint == CHAT:
+                view = replies.reply_view(data)
+                steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
+                                                                          **self.common)
+            else:
+                view = replies.completion_view(data)
+                known = replies.known_prompt(self.common["request"])  # the ids vLLM echoes: not decoded
+                steps = None if view is None else replies.steps_from_completion(
+                    view, known, latency_s=self._latency(), **self.common)
             if view is not None and steps is not None:
                 body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
                 if body is not None:

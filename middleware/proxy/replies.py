@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from steptap.middleware.proxy.capture import CHAT, Asked, make_step, message_response
+from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked, make_step, message_response
 from steptap.middleware.records import Step
 
 _ABSENT = msgspec.Raw()  # a field the body did not have
@@ -67,8 +67,33 @@ class ReplyView(msgspec.Struct):
     prompt_token_ids: _Ids = _UNSET
 
 
+class _TextLogprobs(msgspec.Struct):
+    token_logprobs: list[float | None] | None = None
+
+
+class _TextChoice(msgspec.Struct):
+    index: int = 0
+    text: Any = None
+    logprobs: msgspec.Raw = _ABSENT
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    token_ids: _Ids = _UNSET
+    # Raw: for a token-id prompt vLLM echoes the ids the request holds (120k ids at 120k tokens), so they are
+    # never decoded; only their count is checked (``_prompt_of``).
+    prompt_token_ids: msgspec.Raw = _ABSENT
+
+
+class CompletionView(msgspec.Struct):
+    """A ``/v1/completions`` reply: the prompt ids are per choice."""
+
+    choices: list[_TextChoice]
+
+
 _reply_decoder = msgspec.json.Decoder(ReplyView)
+_completion_decoder = msgspec.json.Decoder(CompletionView)
 _logprobs_decoder = msgspec.json.Decoder(_Logprobs | None)
+_text_logprobs_decoder = msgspec.json.Decoder(_TextLogprobs | None)
+_ids_decoder = msgspec.json.Decoder(list[int] | None)
 
 
 def _ids(value: _Ids) -> list[int] | None:
@@ -82,12 +107,65 @@ def _logprobs(raw: msgspec.Raw) -> list[float] | None:
     return [item.logprob for item in lp.content]
 
 
+def _text_logprobs(raw: msgspec.Raw) -> list[float] | None:
+    lp = _text_logprobs_decoder.decode(raw) if len(raw) else None
+    if lp is None or lp.token_logprobs is None:
+        return None
+    return [float("nan") if v is None else v for v in lp.token_logprobs]
+
+
 def reply_view(data: bytes) -> ReplyView | None:
     """The typed view of a chat completion body, or None (take the dict path)."""
     try:
         return _reply_decoder.decode(data)
     except msgspec.DecodeError:  # ValidationError included
         return None
+
+
+def completion_view(data: bytes) -> CompletionView | None:
+    """The typed view of a ``/v1/completions`` body, or None (take the dict path)."""
+    try:
+        return _completion_decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def known_prompt(request: dict[str, Any]) -> list[int] | None:
+    """A completions request's prompt when it is one list of token ids (the edge check typed every item as
+    a string, an id or a list of ids, and vLLM refuses a mixed list, so the first item tells), else None."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return prompt
+    return None
+
+
+def _prompt_of(raw: msgspec.Raw, known: list[int] | None) -> list[int] | None:
+    """A choice's prompt ids: the request's own list when vLLM's echo holds as many ids (a token prompt
+    reaches the engine as sent), else the echo decoded."""
+    if not len(raw):
+        return None
+    if known is not None:
+        echo = bytes(raw)
+        if echo.startswith(b"[") and echo.count(b",") + 1 == len(known):
+            return known
+    ids: list[int] | None = _ids_decoder.decode(raw)
+    return ids
+
+
+def steps_from_completion(view: CompletionView, known: list[int] | None, **common: Any) -> list[Step] | None:
+    """What ``capture.steps_from_reply`` gives for a completions reply, or None (take the dict path).
+    ``known``: the request's token-id prompt (``known_prompt``)."""
+    steps = []
+    try:
+        for ch in view.choices:
+            steps.append(make_step(
+                COMPLETIONS, ch.index, _prompt_of(ch.prompt_token_ids, known), _ids(ch.token_ids),
+                _text_logprobs(ch.logprobs), ch.finish_reason, {"text": ch.text}, common,
+            ))
+    except msgspec.DecodeError:
+        return None
+    steps.sort(key=lambda s: s.choice)
+    return steps
 
 
 def steps_from_view(view: ReplyView, **common: Any) -> list[Step] | None:
@@ -120,7 +198,7 @@ def _starts(data: bytes, key: bytes, expected: int) -> list[int] | None:
     return found if len(found) == expected else None
 
 
-def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | None:
+def strip_reply_bytes(data: bytes, view: ReplyView | CompletionView, asked: Asked) -> bytes | None:
     """``data`` with what the agent did not ask for set to null (as ``capture.strip_reply`` and a re-encode
     would give), or None when the bytes are not the expected shape."""
     choices = view.choices
@@ -128,7 +206,10 @@ def strip_reply_bytes(data: bytes, view: ReplyView, asked: Asked) -> bytes | Non
     if not asked.token_ids:
         # Every "..._ids": key in the body is one of these (the count says so); each value is null or an
         # array of ints, which ends at its first "]".
-        want = (view.prompt_token_ids is not _UNSET) + sum(ch.token_ids is not _UNSET for ch in choices)
+        if isinstance(view, ReplyView):
+            want = (view.prompt_token_ids is not _UNSET) + sum(ch.token_ids is not _UNSET for ch in choices)
+        else:
+            want = sum((ch.token_ids is not _UNSET) + (len(ch.prompt_token_ids) > 0) for ch in view.choices)
         starts = _starts(data, _IDS, want)
         if starts is None:
             return None

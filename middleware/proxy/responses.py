@@ -25,14 +25,13 @@ from collections import OrderedDict
 from typing import Any
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy.responses_request import Translation, input_messages, to_chat
+from steptap.middleware.proxy.responses_request import Translation, input_messages
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
 from steptap.middleware.proxy.translation import (
     parse_handle,
     reasoning_handle,
     reasoning_of,
-    register_chat_view,
     take_handles,
 )
 
@@ -372,6 +371,3 @@ class EventStream:
         failed["error"] = {"code": code, "message": message}
         return self._ev("error", code=code, message=message, param=None) + self._ev("response.failed",
                                                                                     response=failed)
-
-
-register_chat_view("responses", lambda body: to_chat(body, []))

@@ -11,8 +11,10 @@ from aiohttp import web
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
-from steptap.middleware.proxy.capture import CHAT, Asked
-from steptap.middleware.sessions.manager import LiveSession
+from steptap.middleware.proxy import prompts
+from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
+from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.sessions.manager import LiveSession, SessionManager
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
@@ -39,6 +41,20 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
     return body
+
+
+def decode_body(raw: bytes, endpoint: str, manager: SessionManager, ident: Identity
+                 ) -> tuple[dict[str, Any], bool]:
+    """The agent's body, and whether its prompt was decoded as token ids: a session's token prompt is decoded
+    from what is new (prompts.py)."""
+    if endpoint == COMPLETIONS:
+        session = manager.peek(ident)
+        if session is not None:
+            got = prompts.decode_completion(raw, session.prompt)
+            if got is not None:
+                body, session.prompt = got
+                return body, True
+    return _json_object(raw), False
 
 
 def patch_request(

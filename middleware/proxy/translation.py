@@ -1,14 +1,13 @@
 """What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s,
-their ids, the reasoning handle, and how they tell ``sessions/prefix.py`` what conversation a body holds."""
+their ids, the reasoning handle. (What conversation a body holds reaches ``sessions/prefix.py`` as the relay
+translated it: ``SessionManager.record``'s ``chat``.)"""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.sessions import prefix
 
 
 def bad(message: str, where: str | None = None) -> ApiError:
@@ -62,17 +61,3 @@ def take_handles(messages: list[dict[str, Any]]) -> dict[int, str]:
             out[k] = handle
         k += 1
     return out
-
-
-def register_chat_view(endpoint: str, to_chat: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Prefix continuity judges a step of ``endpoint`` by the messages of its chat translation (none when the
-    body does not translate)."""
-
-    def view(body: dict[str, Any]) -> list[Any] | None:
-        try:
-            messages: list[Any] = to_chat(body)["messages"]  # a chat body's messages
-        except ApiError:
-            return None
-        return messages
-
-    prefix.CHAT_VIEWS[endpoint] = view

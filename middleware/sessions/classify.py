@@ -49,16 +49,18 @@ class Decision:
     branch: int
 
 
-def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collection[str] = ()) -> Decision:
+def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collection[str] = (),
+           chat: list[Any] | None = None) -> Decision:
     """The class of ``step`` given the main line and ``prefix`` (its continuity against the main line's last
-    call, ``prefix.classify_after``). Does not change ``line``: ``advance`` does, once per call."""
+    call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated. Does not
+    change ``line``: ``advance`` does, once per call."""
     if step.model in side_models or step.model in line.side_models:
         return Decision("side", "side_model", line.branch)
     if not line.started:
         return Decision("main", "first", line.branch)
     if prefix in ("extends", "rerendered"):
         return Decision("main", prefix, line.branch)
-    opening = first_messages(step)
+    opening = first_messages(step, chat)
     if line.start and opening[:1] == line.start[:1]:  # the same system prompt
         if opening[1:] != line.start[1:]:  # what followed it was replaced: a compaction
             return Decision("branch", "rewrites_history", line.branch + 1)
@@ -66,24 +68,24 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
     return Decision("side", "other", line.branch)
 
 
-def advance(line: MainLine, decision: Decision, step: Step) -> None:
+def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | None = None) -> None:
     """Move the main line on after a call of ``decision``'s class (side calls leave it as it was)."""
     if decision.call_class == "side":
         return
     if not line.started or decision.call_class == "branch":  # a branch's own opening: its summary
-        line.started, line.start = True, first_messages(step)
+        line.started, line.start = True, first_messages(step, chat)
     line.branch = decision.branch
 
 
-def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = ()
-          ) -> bool:
+def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = (),
+          chat: list[Any] | None = None) -> bool:
     """Classify the steps of one call (the choices of one call share a class) and move the line on; returns
     whether the call is on the main line (so the session judges the next call against it)."""
     if not steps:
         return False
-    decision = decide(line, steps[0], prefixes[0], side_models)
+    decision = decide(line, steps[0], prefixes[0], side_models, chat)
     for step in steps:
         step.call_class, step.call_rule, step.branch = decision.call_class, decision.rule, decision.branch
     if any(s.status == "ok" for s in steps):  # a failed call carries no ids: the line stays where it was
-        advance(line, decision, steps[0])
+        advance(line, decision, steps[0], chat)
     return decision.call_class != "side"

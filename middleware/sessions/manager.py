@@ -243,6 +243,19 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
             return self._pending(auto)
         return self.get(auto)
 
+    def peek(self, ident: Identity) -> LiveSession | None:
+        """The open session a call names, as ``resolve`` would find it with the same key, or None: opens
+        nothing, raises nothing (what the relay reads before the call is admitted: ``LiveSession.prompt``)."""
+        if ident.source == "anonymous":
+            return None
+        if ident.source == "key":
+            sid = self.keys.get(ident.key or "")
+            return None if sid is None else self.sessions.get(sid)
+        sid = ident.session_id or ""
+        if sid in self.sessions:
+            return self.sessions[sid] if ident.key is not None and self.keys.get(ident.key) == sid else None
+        return self.sessions.get(AUTO_PREFIX + sid)
+
     def _pending(self, sid: str) -> LiveSession:
         """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a
         call the backend refuses opens nothing. Concurrent first calls on one id share it."""
@@ -309,9 +322,11 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
     def bytes_held(self) -> int:
         return self.holdings.bytes_held
 
-    async def record(self, session: LiveSession, steps: list[Step]) -> None:
+    async def record(self, session: LiveSession, steps: list[Step], chat: list[Any] | None = None) -> None:
         """Index, link and append the steps of one call; returns once they are durable. A named session
-        that the steps would take past its limits refuses them (SessionFull) before anything changes."""
+        that the steps would take past its limits refuses them (SessionFull) before anything changes.
+        ``chat``: the call's messages in chat form when the relay translated its request (Messages,
+        Responses): continuity is judged on them, and on the latest call's, held for the next call."""
         traj = session.trajectory
         if session.pending:
             await self._open_pending(session)
@@ -319,9 +334,9 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
         # choices of one call share it.
         prev_call = list(session.full.values())
         for step in steps:
-            step.prefix = classify_after(prev_call, step)
+            step.prefix = classify_after(prev_call, step, session.conversation, chat)
         line_before = dataclasses.replace(session.line)
-        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models)
+        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat)
         forms: list[Step] = []
         bases: list[Step | None] = []
         for offset, step in enumerate(steps):
@@ -370,10 +385,11 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
             session.bytes += size
             self.holdings.hold(len(steps), size)
         before = mine = session.full
-        before_sizes, before_extra = session.full_sizes, session.full_extra
+        before_sizes, before_extra, before_chat = session.full_sizes, session.full_extra, session.conversation
         if held:
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
             session.full_sizes, session.full_extra = held, extra
+            session.conversation = None if chat is None else list(chat)  # a copy: the list is the relay's
         for step, form in zip(steps, forms, strict=True):
             if session.sealed and not traj.anonymous:
                 logger.warning(
@@ -422,6 +438,7 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
                 session.starts.pop(form.index, None)
             if session.full is mine:  # no later call has replaced it
                 session.full, session.full_sizes, session.full_extra = before, before_sizes, before_extra
+                session.conversation = before_chat
                 session.line = line_before
             raise
         for form, task in zip(forms, tasks, strict=True):

@@ -17,7 +17,6 @@ Pure functions; the cost is one list compare per step (no tokenization).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from steptap.middleware.records import PrefixCause, Step
@@ -55,24 +54,25 @@ def _norm(msg: Any) -> Any:
     return (msg.get("role"), json.dumps(content, sort_keys=True), calls, msg.get("name"))
 
 
-# endpoint -> the chat messages of a request body in that protocol (None when it has none). The protocols that
-# ride on chat completions (proxy/responses.py, proxy/messages.py) register theirs when imported, so
-# continuity is judged on one conversation shape and this module needs none of them.
-CHAT_VIEWS: dict[str, Callable[[dict[str, Any]], list[Any] | None]] = {}
-
-
-def _conversation(step: Step) -> list[Any] | None:
-    view = CHAT_VIEWS.get(step.endpoint)
-    messages = view(step.request) if view is not None else step.request.get("messages")
+def _conversation(step: Step, messages: list[Any] | None) -> list[Any] | None:
+    """The step's conversation, normalized: ``messages`` (its request in chat form, as the relay translated
+    it for Messages and Responses), else a chat request's own messages (None for ``/v1/completions``, or a
+    translated step whose translation is not at hand, e.g. rebuilt after a restart)."""
+    if messages is None and step.endpoint == "chat.completions":
+        messages = step.request.get("messages")
     if not isinstance(messages, list):
         return None
     return [_norm(m) for m in messages]
 
 
-def first_messages(step: Step, n: int = 2) -> list[Any]:
+def first_messages(step: Step, messages: list[Any] | None = None, n: int = 2) -> list[Any]:
     """The first ``n`` normalized messages of ``step``'s conversation (the system prompt and the task,
-    mostly)."""
-    return (_conversation(step) or [])[:n]
+    mostly); ``messages``: its request in chat form, when translated."""
+    if messages is not None:
+        messages = messages[:n]
+    elif step.endpoint == "chat.completions" and isinstance(step.request.get("messages"), list):
+        messages = step.request["messages"][:n]
+    return (_conversation(step, messages) or [])[:n]
 
 
 def extends(prev: Step, step: Step) -> bool:
@@ -82,8 +82,10 @@ def extends(prev: Step, step: Step) -> bool:
     return len(ids) >= n + r and ids[:n] == prev.prompt_token_ids and ids[n:n + r] == prev.response_token_ids
 
 
-def classify(prev: Step | None, step: Step) -> PrefixCause:
-    """The prefix cause of ``step`` given the session's previous step."""
+def classify(prev: Step | None, step: Step, old_chat: list[Any] | None = None,
+             new_chat: list[Any] | None = None) -> PrefixCause:
+    """The prefix cause of ``step`` given the session's previous step; ``old_chat`` / ``new_chat``: their
+    requests in chat form, when the relay translated them (Messages, Responses)."""
     if prev is None:
         return "first"
     if extends(prev, step):
@@ -95,8 +97,8 @@ def classify(prev: Step | None, step: Step) -> PrefixCause:
         same = chained == prev.response.get("response_id") and (
             prev.request.get("instructions") == step.request.get("instructions"))
         return "rerendered" if same else "history_edited"
-    old = _conversation(prev)
-    new = _conversation(step)
+    old = _conversation(prev, old_chat)
+    new = _conversation(step, new_chat)
     if old is None or new is None:  # /v1/completions: only the ids to go by
         if len(ids) < len(before) and before[: len(ids)] == ids:
             return "truncated"
@@ -108,12 +110,13 @@ def classify(prev: Step | None, step: Step) -> PrefixCause:
 _RANK: dict[str, int] = {"extends": 0, "rerendered": 1, "truncated": 2, "history_edited": 3, "first": 4}
 
 
-def classify_after(prev_call: list[Step], step: Step) -> PrefixCause:
+def classify_after(prev_call: list[Step], step: Step, old_chat: list[Any] | None = None,
+                   new_chat: list[Any] | None = None) -> PrefixCause:
     """The cause against the previous call, which may have had several choices (``n > 1``): the agent went on
     from one of them, so the most continuous verdict wins."""
     if not prev_call:
         return "first"
-    return min((classify(prev, step) for prev in prev_call), key=_RANK.__getitem__)
+    return min((classify(prev, step, old_chat, new_chat) for prev in prev_call), key=_RANK.__getitem__)
 
 
 def _message_cause(old: list[Any], new: list[Any]) -> PrefixCause:

@@ -39,9 +39,9 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "drained", "full", "full_extra", "full_sizes", "inflight", "key",
-                 "last_active", "late", "line", "lock", "pending", "sealed", "starts", "tito", "tito_state",
-                 "trajectory")
+    __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
+                 "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt", "sealed",
+                 "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -63,6 +63,12 @@ class LiveSession:
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it
         self.full_sizes: dict[int, tuple[int, int]] = {}  # their sizes, bounded from above (``full_sizes``)
         self.full_extra = 0  # what the full copies of the delta steps among them hold (in ``bytes``)
+        # The latest call's messages in chat form, as the relay translated them (Messages, Responses): what
+        # the next call's continuity is judged on when it does not extend it (None: its request's own)
+        self.conversation: list[Any] | None = None
+        # Its latest token prompt's raw bytes and ids: the next one is decoded from what is new
+        # (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's steps hold)
+        self.prompt: tuple[bytes, list[int]] | None = None
         self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it

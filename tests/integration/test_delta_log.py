@@ -5,6 +5,8 @@ hand out full steps whose prompt is as long as vLLM counted it."""
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 from conftest import Backend, Proxy
 
@@ -100,3 +102,45 @@ async def test_a_tito_chat_session_logs_only_its_new_messages(
                for s in logged[1:])
     # The context grew 2.5x from turn 2 to 6, the logged bytes did not
     assert grown[-1] < 1.3 * grown[1], grown
+
+
+async def test_a_token_prompt_is_decoded_from_what_is_new_and_recorded_as_vllm_echoed_it(
+        proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+    """A token-in agent that asks for the ids (``return_token_ids``): its reply carries vLLM's echo of the
+    prompt untouched and no logprobs (the proxy added them); each step's prompt is the ids vLLM echoed, though
+    the proxy decoded only the new ids of a prompt whose bytes continue the last one's (``proxy/prompts.py``:
+    the old id objects reused) and never decoded the echo; a prompt written with other spacing is decoded
+    whole, with the same result."""
+    async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
+        info = await resp.json()
+    session = proxy.app[SESSIONS_KEY].sessions[info["id"]]  # type: ignore[index]
+    prompt = [100 + i % 700 for i in range(400)]  # [200] is 300: not a cached small int
+    echoed, reused = [], []
+    previous: list[int] = []
+    for turn in range(4):
+        body = {"model": vllm_server.served_model, "prompt": prompt, "max_tokens": 3, "temperature": 1.0,
+                "return_token_ids": True}
+        # turns 0 and 1 written with spaces, 2 and 3 compact: turn 2's bytes do not continue turn 1's
+        data = json.dumps(body, separators=(",", ":") if turn >= 2 else (", ", ": ")).encode()
+        async with http.post(f"{info['base_url']}/completions", data=data,
+                             headers={"Authorization": f"Bearer {info['api_key']}",
+                                      "Content-Type": "application/json"}) as resp:
+            reply = await resp.json()
+            assert resp.status == 200, reply
+        choice = reply["choices"][0]
+        assert choice["prompt_token_ids"] == prompt and choice["logprobs"] is None
+        echoed.append(choice["prompt_token_ids"])
+        [last] = session.full.values()
+        assert session.prompt is not None and last.prompt_token_ids is session.prompt[1]  # the request's list
+        reused.append(bool(previous) and last.prompt_token_ids[200] is previous[200])
+        previous = last.prompt_token_ids
+        prompt = prompt + choice["token_ids"] + [300 + (turn * 50 + i) % 600 for i in range(50)]
+    assert reused == [False, True, False, True]
+    async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=proxy.control) as resp:
+        assert resp.status == 200
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        [delivery] = [d async for d in client.trajectories("prompt-test", follow=False)
+                      if d.trajectory.id == info["id"]]
+    steps = delivery.trajectory.steps
+    assert [s.prefix for s in steps] == ["first", "extends", "extends", "extends"]
+    assert [s.prompt_token_ids for s in steps] == echoed

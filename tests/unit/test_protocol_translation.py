@@ -10,6 +10,7 @@ import pytest
 
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import messages, responses, tito
+from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
 from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.records import Step
 
@@ -24,7 +25,7 @@ CHAT_REPLY = {
 
 
 def test_responses_input_items_become_chat_messages() -> None:
-    chat = responses.to_chat({"model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "input": [
+    chat = responses_to_chat({"model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "input": [
         {"role": "developer", "content": "Use tools."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "2+3?"}]},
         {"type": "reasoning", "summary": []},
@@ -83,7 +84,7 @@ def test_responses_stream_events_are_ordered_and_complete() -> None:
 ])
 def test_responses_bodies_it_cannot_serve_are_400(body: dict) -> None:
     with pytest.raises(ApiError) as err:
-        responses.to_chat(body, [])
+        responses_to_chat(body, [])
     assert err.value.status == 400
 
 

