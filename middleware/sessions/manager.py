@@ -15,7 +15,6 @@ is judged against); its closing ``Trajectory`` record refers to the logged steps
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -25,7 +24,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.delta import compress, compress_choice
 from steptap.middleware.exceptions import (
     RecordTooLarge,
     SessionClosed,
@@ -40,13 +38,11 @@ from steptap.middleware.records import (
     LogRecord,
     Mode,
     SessionOpened,
-    Step,
     TrainOn,
     Trajectory,
     TrajectoryStatus,
     msgpack_encoder,
 )
-from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.closing import Closing
 from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
 from steptap.middleware.sessions.groups import Group as Group
@@ -54,19 +50,18 @@ from steptap.middleware.sessions.groups import Groups as Groups
 from steptap.middleware.sessions.holding import Holding
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
-from steptap.middleware.sessions.prefix import classify_after, extends
+from steptap.middleware.sessions.recording import Recording
 from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
 from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
-from steptap.middleware.sessions.session import NOT_LOGGED, full_sizes, not_logged
 from steptap.middleware.sessions.session import LiveSession as LiveSession
 from steptap.middleware.sessions.session import Log as Log
 from steptap.middleware.sessions.session import new_key as new_key
 
 logger = logging.getLogger("steptap.sessions")
 
-class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
+class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     def __init__(
         self,
         config: ProxyConfig,
@@ -321,130 +316,6 @@ class SessionManager(Closing, Groups, Holding, Replay, Rewarding):
     @property
     def bytes_held(self) -> int:
         return self.holdings.bytes_held
-
-    async def record(self, session: LiveSession, steps: list[Step], chat: list[Any] | None = None) -> None:
-        """Index, link and append the steps of one call; returns once they are durable. A named session
-        that the steps would take past its limits refuses them (SessionFull) before anything changes.
-        ``chat``: the call's messages in chat form when the relay translated its request (Messages,
-        Responses): continuity is judged on them, and on the latest call's, held for the next call."""
-        traj = session.trajectory
-        if session.pending:
-            await self._open_pending(session)
-        # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
-        # choices of one call share it.
-        prev_call = list(session.full.values())
-        for step in steps:
-            step.prefix = classify_after(prev_call, step, session.conversation, chat)
-        line_before = dataclasses.replace(session.line)
-        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat)
-        forms: list[Step] = []
-        bases: list[Step | None] = []
-        for offset, step in enumerate(steps):
-            step.trajectory_id = traj.id
-            step.group_id = traj.group_id
-            step.index = len(traj.steps) + offset
-            base = None
-            if step.prefix == "extends":  # one previous choice: classify_after found it extends (no 2nd pass)
-                base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
-            if offset and step.choice and steps[0].choice == 0:
-                base = steps[0]  # another choice of this call: its request and prompt are the first's
-            if session.sealed and not traj.anonymous:
-                # Past the finish's bounded wait: logged whole under an index no step of the trajectory has.
-                step.index = len(traj.steps) + session.late
-                session.late += 1
-                base = None
-            # what the log and session hold
-            forms.append(step if base is None else compress_choice(step, base) if base is steps[0] else
-                         compress(step, base))
-            bases.append(base)
-        size = 0
-        sizes = [self.holdings.size_of([f]) for f in forms]
-        if traj.anonymous and self.reward_fn is None and sum(sizes) > self.config.max_record_bytes:
-            # its one record would hold them all: refused before that record is built
-            raise RecordTooLarge(f"the call's {len(steps)} steps make {sum(sizes)} bytes, above "
-                                 f"max_record_bytes={self.config.max_record_bytes}")
-        # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
-        # session's memory would grow with its context while its counted bytes grow only with its new tokens.
-        # (a side call is not on the main line: the next call is not judged against it, nothing is held for
-        # it)
-        held: dict[int, tuple[int, int]] = {}
-        if on_main:
-            known = dict(session.full_sizes)  # a choice's base is the first choice of this call
-            for s, f, b, n in zip(steps, forms, bases, sizes, strict=True):
-                known[s.index] = full_sizes(f, n, b, known)
-            held = {s.index: known[s.index] for s in steps if s.status == "ok"}
-        extra = (sum(held[f.index][0] for f in forms if f.delta is not None and f.index in held)
-                 if held else session.full_extra)
-        if not traj.anonymous and not session.sealed:
-            size = sum(sizes) + extra - session.full_extra
-            try:
-                self._check_room(session, len(steps), size)
-            except Exception:  # refused (full, too large): the main line stays where it was
-                session.line = line_before
-                raise
-            session.bytes += size
-            self.holdings.hold(len(steps), size)
-        before = mine = session.full
-        before_sizes, before_extra, before_chat = session.full_sizes, session.full_extra, session.conversation
-        if held:
-            session.full = mine = {s.index: s for s in steps if s.status == "ok"}
-            session.full_sizes, session.full_extra = held, extra
-            session.conversation = None if chat is None else list(chat)  # a copy: the list is the relay's
-        for step, form in zip(steps, forms, strict=True):
-            if session.sealed and not traj.anonymous:
-                logger.warning(
-                    "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
-                )
-            else:
-                traj.steps.append(form)
-            m = self.metrics
-            m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
-            m.child(m.prefix, step.prefix).inc()
-            m.child(m.call_class, step.call_class, step.call_rule).inc()
-            m.prompt_tokens.inc(len(step.prompt_token_ids))
-            m.response_tokens.inc(len(step.response_token_ids))
-        if traj.anonymous and self.reward_fn is None:
-            # A one-step session closes with its step: one record, the finished Trajectory that holds it (its
-            # steps are logged nowhere else: ``delta.steps_of`` finds them).
-            session.closing = True
-            self._finalize(traj, "finished")
-            traj.steps_logged = False
-            await self._append(traj)
-            self._closed(session)
-            return
-        # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share
-        # one group commit.
-        tasks = [asyncio.ensure_future(self._append_at(form)) for form in forms]
-        for form, task in zip(forms, tasks, strict=True):
-            session.starts[form.index] = task
-        try:
-            await asyncio.gather(*tasks)
-        except Exception:
-            # Not durable (disk full, I/O error): the call fails, so its steps must not stay in the
-            # trajectory, nor their bytes in what the session and the proxy hold. Where a later step already
-            # took a later index, each keeps its index as a failed step with no tokens (``not_logged``): the
-            # indexes stay the steps' positions (rewards name them), and the next call gets a new one.
-            kept = [s if not any(s is x for x in forms) else not_logged(traj.id, s.index, s)
-                    for s in traj.steps]
-            while kept and kept[-1].error is not None and kept[-1].error.type == NOT_LOGGED:
-                kept.pop()  # nothing after them: the indexes are free again
-            if size:
-                # a later call that replaced the latest call counted its full copies against these
-                size = size if session.full is mine else sum(sizes)
-                session.bytes -= size  # (a not_logged step counts as a step, its few bytes not)
-                self.holdings.hold(len(kept) - len(traj.steps), -size)
-            traj.steps = kept
-            for form in forms:
-                session.starts.pop(form.index, None)
-            if session.full is mine:  # no later call has replaced it
-                session.full, session.full_sizes, session.full_extra = before, before_sizes, before_extra
-                session.conversation = before_chat
-                session.line = line_before
-            raise
-        for form, task in zip(forms, tasks, strict=True):
-            session.starts[form.index] = task.result()[0]
-        if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
-            self.spawn(self._close_logged(session, "finished"))
 
     def summary(self, session: LiveSession, origin: str | None = None) -> dict[str, Any]:
         """What an agent needs: its base URL (under ``public_url``, else the address the caller reached us at)
