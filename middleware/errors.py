@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from steptap.middleware import exceptions as ex
+from steptap.middleware.records import json_encoder
 
 logger = logging.getLogger("steptap.proxy")
 
-_json = msgspec.json.Encoder()
+_json = json_encoder
 
 # HTTP status -> OpenAI error type (what the official SDKs map to exception classes).
 _TYPES = {

@@ -217,6 +217,8 @@ class PolicyVersion(Record, tag="policy_version"):
 # only.
 LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion
 
+# The codecs, made once: every module imports these (tests/unit/test_codecs_once.py). msgspec encoders take
+# no type, so these two encode everything the proxy writes, records or not.
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()
 log_decoder = msgspec.msgpack.Decoder(LogRecord)

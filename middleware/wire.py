@@ -27,7 +27,14 @@ from typing import Any, Literal
 import msgspec
 
 from steptap.middleware.delta import resolve
-from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.records import (
+    Trajectory,
+    json_encoder,
+    msgpack_encoder,
+    step_msgpack_decoder,
+    trajectory_json_decoder,
+    trajectory_msgpack_decoder,
+)
 
 Format = Literal["ndjson", "msgpack"]
 FORMATS = ("ndjson", "msgpack")
@@ -90,19 +97,15 @@ class Envelope(msgspec.Struct, kw_only=True):
     skipped: str | None = None
 
 
-_json_enc = msgspec.json.Encoder()
-_mp_enc = msgspec.msgpack.Encoder()
+# The envelope's codecs are made here, its owner; the records' (and the one encoder) in records.py.
 _env_json = msgspec.json.Decoder(Envelope)
 _env_mp = msgspec.msgpack.Decoder(Envelope)
-_traj_json = msgspec.json.Decoder(Trajectory)
-_traj_mp = msgspec.msgpack.Decoder(Trajectory)
-_step_mp = msgspec.msgpack.Decoder(Step)
 
 
 def encode_message(msg: StreamMessage | RawTrajectoryMessage, fmt: Format) -> bytes:
     if fmt == "ndjson":
-        return _json_enc.encode(msg) + b"\n"
-    body = _mp_enc.encode(msg)
+        return json_encoder.encode(msg) + b"\n"
+    body = msgpack_encoder.encode(msg)
     return LEN.pack(len(body)) + body
 
 
@@ -116,9 +119,10 @@ def decode_trajectory(raw: bytes | msgspec.Raw, fmt: Format,
     ``msgspec.ValidationError``/``DecodeError`` (or ``delta.DeltaError``) when it is not one. In JSON, a
     ``null`` logprob (how JSON carries NaN) is read back as NaN."""
     if fmt == "msgpack":
-        return resolve(_traj_mp.decode(raw), [_step_mp.decode(s) for s in steps or ()])
+        logged = [step_msgpack_decoder.decode(s) for s in steps or ()]
+        return resolve(trajectory_msgpack_decoder.decode(raw), logged)
     try:
-        return _traj_json.decode(raw)
+        return trajectory_json_decoder.decode(raw)
     except msgspec.ValidationError:
         obj = msgspec.json.decode(raw)
         if not _nulls_to_nan(obj):

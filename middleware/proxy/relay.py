@@ -52,7 +52,7 @@ from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _u
 )
 from steptap.middleware.proxy.sse import StreamRelay
 from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.records import Step
+from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import LiveSession, SessionManager
@@ -63,7 +63,7 @@ from steptap.middleware.weights.swapper import CUT_MESSAGE
 logger = logging.getLogger("steptap.relay")
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await model_call(request, CHAT)
 

@@ -12,10 +12,11 @@ from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.proxy.capture import CHAT, Asked
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.manager import LiveSession
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 
 
 async def read_body(request: web.Request) -> bytes:
