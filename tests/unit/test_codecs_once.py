@@ -32,7 +32,8 @@ def _type_arg(node: ast.Call, kind: str) -> ast.expr | None:
 def _defined(tree: ast.Module) -> set[str]:
     """Top-level classes and type aliases (``LogRecord = Step | ...``) of a module."""
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    names |= {t.id for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)}
     return names
 
 
@@ -67,7 +68,8 @@ def codecs_outside_their_owner(root: Path) -> list[str]:
             if kind == "Decoder":
                 key = (fmt, ast.unparse(type_))
                 if key in seen:
-                    wrong.append(f"{rel}:{node.lineno}: a second {fmt} Decoder({key[1]}) (first: {seen[key]})")
+                    wrong.append(f"{rel}:{node.lineno}: a second {fmt} Decoder({key[1]}) "
+                                 f"(first: {seen[key]})")
                 seen.setdefault(key, f"{rel}:{node.lineno}")
     return sorted(wrong, key=lambda w: (w.split(":")[0], int(w.split(":")[1])))
 
