@@ -16,9 +16,6 @@ from typing import Any, Literal
 
 import msgspec
 
-Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-                    "grpo_passk", "remax", "grpo_vectorized", "rloo_vectorized"]
-
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- where the data comes from and where the weights go

@@ -118,10 +118,6 @@ def bad_request(message: str, code: str | None = "invalid_request") -> ApiError:
     return ApiError(400, message, code)
 
 
-def not_found(message: str, code: str | None = "not_found") -> ApiError:
-    return ApiError(404, message, code)
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as an OpenAI error body: our ApiErrors pass through, aiohttp's own HTTP errors (404

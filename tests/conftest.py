@@ -19,7 +19,8 @@ from typing import NoReturn
 
 import pytest
 
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.launch.procs import process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 
 # tests/unit and tests/integration import the shared helpers here (faults, reference, conftest) by name.
 sys.path.insert(0, str(Path(__file__).parent))

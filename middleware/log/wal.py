@@ -82,12 +82,10 @@ class LogStats(msgspec.Struct, kw_only=True):
     torn_records: int = 0  # torn tails truncated at open
     torn_bytes: int = 0
     corrupt_records: int = 0  # bad frames inside sealed segments (the rest of each is skipped)
-    last_commit_latency_s: float = 0.0  # write + sync of the last group
     last_batch_records: int = 0
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
     active_uploads: int = 0  # uploads of the active segment's committed part (timer)
-    compacted_segments: int = 0
     # Records that did not decode, skipped by a reader (each time one reads them)
     undecodable_records: int = 0
     write_errors: int = 0  # failed group commits (disk full, I/O error)
@@ -237,10 +235,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         with self._lock:
             return sum(self._valid_end.values()) + self._size
 
-    def _committed(self, batch: list[Item], written: Written, seconds: float) -> None:
+    def _committed(self, batch: list[Item], written: Written) -> None:
         """On the loop, once per group: resolve its appends, track what readers need, wake the followers."""
         positions, sealed, error = written
-        self.stats.last_commit_latency_s = seconds
         self.stats.last_batch_records = len(positions)
         self.stats.records += len(positions)
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,14 +26,14 @@ Written = tuple[list[tuple[int, int]], list[int], BaseException | None]
 
 
 class CommitThread:
-    """One dedicated thread that writes queued frames in groups. ``committed(batch, written, seconds)`` runs
+    """One dedicated thread that writes queued frames in groups. ``committed(batch, written)`` runs
     on the event loop once per group; ``died(exc, unresolved)`` once if the thread itself fails (a bug)."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         write: Callable[[list[bytes]], Written],
-        committed: Callable[[list[Item], Written, float], None],
+        committed: Callable[[list[Item], Written], None],
         died: Callable[[BaseException, list[Item]], None],
         max_batch_bytes: int,
     ) -> None:
@@ -92,12 +91,11 @@ class CommitThread:
                         break
                     batch.append(nxt)
                     size += len(nxt[0])
-                t0 = time.perf_counter()
                 try:
                     written = self._write([item[0] for item in batch])
                 except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group, keep writing
                     written = ([], [], exc)
-                self._call(self._committed, batch, written, time.perf_counter() - t0)
+                self._call(self._committed, batch, written)
             self._call(_resolve, self.stopped)
         except BaseException as exc:  # noqa: BLE001 - report it on the loop: nothing may wait forever
             self._call(self._died, exc, batch)

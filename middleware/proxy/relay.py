@@ -42,7 +42,7 @@ from steptap.middleware.proxy.protocols import (
     anthropic_errors,
     open_protocol,
 )
-from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _upstream_body: old import paths
+from steptap.middleware.proxy.serving import (
     _json_object,
     _sticky_id,
     _too_large,
@@ -55,7 +55,8 @@ from steptap.middleware.proxy.validate import check_model_call
 from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
-from steptap.middleware.sessions.manager import LiveSession, SessionManager
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.session import LiveSession
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE

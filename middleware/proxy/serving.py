@@ -13,7 +13,7 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.proxy.capture import CHAT, Asked
 from steptap.middleware.records import json_encoder
-from steptap.middleware.sessions.manager import LiveSession
+from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode

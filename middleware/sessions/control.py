@@ -17,8 +17,9 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
 from steptap.middleware.records import Mode, TrainOn, json_encoder, to_builtins
 from steptap.middleware.sessions.identity import valid_session_id
-from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
+from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.rewards import finite
+from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession
 
 _encode = json_encoder.encode
 

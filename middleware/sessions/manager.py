@@ -48,22 +48,17 @@ from steptap.middleware.records import (
 )
 from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.closing import Closing
-from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
-from steptap.middleware.sessions.groups import Group as Group
-from steptap.middleware.sessions.groups import Groups as Groups
+from steptap.middleware.sessions.groups import Group, Groups
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
-from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
-from steptap.middleware.sessions.session import LiveSession as LiveSession
-from steptap.middleware.sessions.session import Log as Log
-from steptap.middleware.sessions.session import full_sizes
-from steptap.middleware.sessions.session import new_key as new_key
+from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, full_sizes, new_key
 
 logger = logging.getLogger("steptap.sessions")
+
 
 class SessionManager(Closing, Groups, Replay, Rewarding):
     def __init__(
