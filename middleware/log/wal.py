@@ -40,14 +40,13 @@ from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
 from steptap.middleware.log.degraded import Degraded
 from steptap.middleware.log.reader import Reader
-from steptap.middleware.log.recovery import LogInUseError, Recovery, first_segment
+from steptap.middleware.log.recovery import LogInUseError, Recovery
 from steptap.middleware.log.remote import Remote
 from steptap.middleware.log.segments import (
     HEADER,
     MAX_RECORD,
     CorruptLogError,
     create_segment,
-    cursor_key,
     format_cursor,
     frame,
     parse_cursor,
@@ -274,11 +273,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
 
     def _track(self, record: LogRecord, segno: int, offset: int) -> None:
         if isinstance(record, SessionOpened):
-            self._open_sessions.setdefault(record.trajectory_id, segno)
+            self._opened(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
-            self._open_sessions.pop(record.id, None)
-            self._traj_ends.append(cursor_key(segno, offset))
-            self._traj_firsts.append(first_segment(record.step_refs, segno))
+            self._finished(record.id, record.step_refs, segno, offset)
         elif isinstance(record, PolicyVersion):
             self._last_version = (segno, record)
 

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from steptap.middleware.exceptions import DomainError, SwapError, SwapUnavailable
+from steptap.middleware.exceptions import DomainError, SwapUnavailable
 
 if TYPE_CHECKING:
     from steptap.middleware.backend.client import BackendClient
@@ -45,8 +45,9 @@ class Adapters:
         def _client(self, backend: str) -> BackendClient: ...
         def _targets(self) -> list[str]: ...
         def _swapped(self, t0: float, stall_s: float) -> None: ...
-        async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None: ...
-        async def _rollback(self, loaded: list[str], lora_name: str | None) -> None: ...
+        async def _settle(self, new_version: int, path: str | None, lora_path: str | None,
+                          lora_name: str | None, loaded: list[str], touched: list[str],
+                          failed: dict[str, str], results: list[Any]) -> None: ...
         async def _tell_version(self, backend: str, version: int) -> None: ...
 
     async def ensure_adapter(self) -> None:
@@ -78,18 +79,7 @@ class Adapters:
         figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
                                               for b in targets}
         self.replica_figures = figures
-        if failed and (not loaded or self.pool is None):
-            await self._rollback(loaded, lora_name)
-            raise SwapError("; ".join(failed.values()), _code(results))
-        try:
-            await self._persist(new_version, None, lora_path)
-        except SwapError:
-            await self._rollback(loaded, lora_name)
-            raise
-        for b, msg in failed.items():
-            assert self.pool is not None
-            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): "
-                                  f"{msg}")
+        await self._settle(new_version, None, lora_path, lora_name, loaded, loaded, failed, results)
         old = self.lora_name
         # New calls route here
         self.version, self.lora_path, self.lora_name = new_version, lora_path, lora_name

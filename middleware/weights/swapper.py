@@ -295,20 +295,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
                 if failed and transfer is not None and not loaded and not self.on_disk and any(
                         isinstance(r, TransferFailed) and r.touched for r in results):
                     await self._revert(targets, results, new_version, failed)  # raises
-                if failed and (not loaded or self.pool is None):
-                    # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new
-                    # weights: the old version keeps its number, so every replica keeps its weights too.
-                    await self._rollback(touched, lora_name)
-                    raise SwapError("; ".join(failed.values()), _code(results))
-                try:
-                    await self._persist(new_version, path, lora_path)
-                except SwapError:
-                    await self._rollback(loaded, lora_name)
-                    raise
-                for b, msg in failed.items():  # it never serves the old weights under the new version
-                    assert self.pool is not None
-                    self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it "
-                                          f"returns): {msg}")
+                await self._settle(new_version, path, lora_path, lora_name, loaded, touched, failed, results)
                 for b in loaded:
                     figures[b]["ok"] = True
                 old_lora = self.lora_name
@@ -412,6 +399,25 @@ class WeightSwapper(Gate, Recovery, Adapters):
             self.degraded = (f"{b} failed a weight reload and may hold no usable weights; restart it "
                              f"({exc.message})")
             raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
+
+    async def _settle(self, new_version: int, path: str | None, lora_path: str | None, lora_name: str | None,
+                      loaded: list[str], touched: list[str], failed: dict[str, str],
+                      results: list[Any]) -> None:
+        """A load's outcome over the replicas (both swaps, lora.py's too): nowhere (or, with no pool to take a
+        replica out, not everywhere) to serve the new weights rolls back every replica it ``touched`` and the
+        old version keeps its number; else the version is persisted and each failed replica taken out."""
+        if failed and (not loaded or self.pool is None):
+            await self._rollback(touched, lora_name)
+            raise SwapError("; ".join(failed.values()), _code(results))
+        try:
+            await self._persist(new_version, path, lora_path)
+        except SwapError:
+            await self._rollback(loaded, lora_name)
+            raise
+        for b, msg in failed.items():  # it never serves the old weights under the new version
+            assert self.pool is not None
+            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): "
+                                  f"{msg}")
 
     async def _persist(self, version: int, path: str | None, lora_path: str | None) -> None:
         if self.log is None:
