@@ -19,19 +19,10 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
 GROUP = "steptap.adapters"
-
-
-@runtime_checkable
-class SessionLike(Protocol):
-    """What an adapter needs of a session: :class:`steptap.adapters.session.Session` or a client's
-    ``SessionInfo`` both qualify."""
-
-    base_url: str
-    api_key: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,6 @@ class Adapter:
     binder: Callable[..., Any]
     modules: tuple[str, ...] = ()
     description: str = ""
-    extra_frameworks: tuple[str, ...] = field(default=())  # further distributions it can use (e.g. langgraph)
 
     def available(self) -> bool:
         mods = self.modules or (self.framework.replace("-", "_"),)

@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from steptap.adapters import agents
-from steptap.adapters.runner import Runner, describe, explain, parse_reward  # noqa: F401 - parse_reward re-exported
+from steptap.adapters.runner import Runner, describe, explain
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 

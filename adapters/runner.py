@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import msgspec
-
 from steptap.adapters import agents
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
+from steptap.middleware.records import json_encoder
 
 KILL_GRACE_S = 3.0
 
@@ -263,7 +262,7 @@ class Runner:
                 STEPTAP_URL=self.args.proxy,
             )
             try:
-                trajectory = msgspec.json.encode(await self.client.get_session(m.session_id))
+                trajectory = json_encoder.encode(await self.client.get_session(m.session_id))
             except (TimeoutError, SteptapError, OSError) as exc:
                 raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:

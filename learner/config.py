@@ -18,9 +18,6 @@ import msgspec
 from steptap.middleware.flags import add_struct_flags
 from steptap.middleware.flags import described as _help  # a field's description is its flag's help
 
-Algorithm = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-                    "grpo_passk", "remax", "grpo_vectorized", "rloo_vectorized"]
-
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # -- where the data comes from and where the weights go

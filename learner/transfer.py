@@ -214,10 +214,3 @@ def _group(store: Any, world: int, backend: str, timeout: datetime.timedelta) ->
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, 0, world, opts)
 
-
-def publish_collective(model: Any, proxy_url: str, control_token: str, *, version: int | None = None,
-                       address: str = "", timeout_s: float = 120.0) -> int:
-    """``publish_weights`` for ``weight_sync = "collective"``: nothing is written to disk."""
-    return send_collective(named_weights(model), proxy_url, control_token, version=version, address=address,
-                           timeout_s=timeout_s)
-

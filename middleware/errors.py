@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from steptap.middleware import exceptions as ex
+from steptap.middleware.records import json_encoder
 
 logger = logging.getLogger("steptap.proxy")
 
-_json = msgspec.json.Encoder()
+_json = json_encoder
 
 # HTTP status -> OpenAI error type (what the official SDKs map to exception classes).
 _TYPES = {
@@ -116,10 +116,6 @@ def api_error(exc: ex.DomainError) -> ApiError:
 
 def bad_request(message: str, code: str | None = "invalid_request") -> ApiError:
     return ApiError(400, message, code)
-
-
-def not_found(message: str, code: str | None = "not_found") -> ApiError:
-    return ApiError(404, message, code)
 
 
 @web.middleware

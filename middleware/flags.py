@@ -18,6 +18,11 @@ def described(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
+def flag_name(name: str) -> str:
+    """A plain flag's name: ``reward_timeout_s`` -> ``--reward-timeout`` (seconds say so in the metavar)."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
 def _base_type(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and args else hint
@@ -80,7 +85,7 @@ def _layered(parser: argparse.ArgumentParser, name: str, type_: Any, default: An
 def _plain(parser: argparse.ArgumentParser, name: str, type_: Any, default: Any, help_: str, repeated: bool,
            secret_env: str | None) -> None:
     # reward_timeout_s -> --reward-timeout (seconds say so in the metavar); auto_create -> --auto-create
-    flag = "--" + name.removesuffix("_s").replace("_", "-")
+    flag = flag_name(name)
     if repeated:
         parser.add_argument(flag, dest=name, action="append", default=[], help=help_)
     elif default is msgspec.NODEFAULT:

@@ -274,6 +274,8 @@ class Curation(Record, tag="curation"):
 # only.
 LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Curation | Held | HeldDropped
 
+# The codecs, made once: every module imports these (tests/unit/test_codecs_once.py). msgspec encoders take
+# no type, so these two encode everything the proxy writes, records or not.
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()
 log_decoder = msgspec.msgpack.Decoder(LogRecord)

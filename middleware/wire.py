@@ -35,7 +35,16 @@ from typing import Any, Literal
 import msgspec
 
 from steptap.middleware.delta import resolve
-from steptap.middleware.records import Step, Trajectory
+from steptap.middleware.records import (
+    Step,
+    Trajectory,
+    json_encoder,
+    msgpack_encoder,
+    step_json_decoder,
+    step_msgpack_decoder,
+    trajectory_json_decoder,
+    trajectory_msgpack_decoder,
+)
 
 Format = Literal["ndjson", "msgpack"]
 FORMATS = ("ndjson", "msgpack")
@@ -99,20 +108,15 @@ class Envelope(msgspec.Struct, kw_only=True):
     skipped: str | None = None
 
 
-_json_enc = msgspec.json.Encoder()
-_mp_enc = msgspec.msgpack.Encoder()
+# The envelope's codecs are made here, its owner; the records' (and the one encoder) in records.py.
 _env_json = msgspec.json.Decoder(Envelope)
 _env_mp = msgspec.msgpack.Decoder(Envelope)
-_traj_json = msgspec.json.Decoder(Trajectory)
-_traj_mp = msgspec.msgpack.Decoder(Trajectory)
-_step_mp = msgspec.msgpack.Decoder(Step)
-_step_json = msgspec.json.Decoder(Step)
 
 
 def encode_message(msg: StreamMessage | RawTrajectoryMessage, fmt: Format) -> bytes:
     if fmt == "ndjson":
-        return _json_enc.encode(msg) + b"\n"
-    body = _mp_enc.encode(msg)
+        return json_encoder.encode(msg) + b"\n"
+    body = msgpack_encoder.encode(msg)
     return LEN.pack(len(body)) + body
 
 
@@ -132,9 +136,9 @@ def decode_logged(raw: bytes | msgspec.Raw, fmt: Format,
                   steps: list[msgspec.Raw] | None = None) -> tuple[Trajectory, list[Step]]:
     """A message's trajectory record and its logged steps, unresolved (``delta.resolve`` joins them)."""
     if fmt == "msgpack":
-        return _traj_mp.decode(raw), [_step_mp.decode(s) for s in steps or ()]
-    return _json_nan(raw, _traj_json, Trajectory, "steps"), [_json_nan(s, _step_json, Step, None)
-                                                               for s in steps or ()]
+        return trajectory_msgpack_decoder.decode(raw), [step_msgpack_decoder.decode(s) for s in steps or ()]
+    return _json_nan(raw, trajectory_json_decoder, Trajectory, "steps"), [
+        _json_nan(s, step_json_decoder, Step, None) for s in steps or ()]
 
 
 def _json_nan(raw: bytes | msgspec.Raw, dec: Any, kind: type[Any], steps_key: str | None) -> Any:

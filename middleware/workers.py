@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV
@@ -140,8 +139,3 @@ def _strip(argv: list[str], flags: set[str]) -> list[str]:
             continue
         out.append(arg)
     return out
-
-
-def worker_log_dirs(log: str) -> list[Path]:
-    """The per-worker logs under a local log directory (for tools that read them)."""
-    return sorted(Path(log).glob("worker-*"))

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/lint.sh  # ruff and mypy: a finding fails the run before any test
+bash scripts/lint.sh  # ruff, vulture and mypy: a finding fails the run before any test
 rm -rf dist && .venv/bin/python -m build --wheel --no-isolation -o dist . >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall dist/steptap-*.whl
 export STEPTAP_WHEEL_TEST=1

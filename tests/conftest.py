@@ -20,7 +20,8 @@ from typing import Any, NoReturn
 import msgspec
 import pytest
 
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.launch.procs import process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.wire import decode_envelope, decode_trajectory
 
 # tests/unit and tests/integration import the shared helpers here (faults, reference, conftest) by name.

@@ -30,5 +30,4 @@ ADAPTER = Adapter(
     binder=bind,
     modules=("langchain_openai",),
     description="langchain_openai.ChatOpenAI on the session (LangChain chains, LangGraph agents)",
-    extra_frameworks=("langgraph",),
 )

@@ -25,11 +25,12 @@ from steptap.middleware.exceptions import (
     BackendUnreachable,
     ModelNotFound,
 )
+from steptap.middleware.records import json_encoder
 
 logger = logging.getLogger("steptap.upstream")
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _MODELS_REFRESH_S = 2.0  # at most this often, an unknown model name re-reads the backend's /v1/models
 ROUTES = {

@@ -8,8 +8,6 @@ from typing import Any
 
 import msgspec
 
-from steptap.middleware.records import Trajectory
-
 
 class SteptapError(Exception):
     """An error answer from the proxy (OpenAI's error body)."""
@@ -37,8 +35,6 @@ class SessionInfo(msgspec.Struct, kw_only=True):
 
 
 _session_dec = msgspec.json.Decoder(SessionInfo)
-_traj_dec = msgspec.json.Decoder(Trajectory)
-_enc = msgspec.json.Encoder()
 
 
 def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,

@@ -19,16 +19,14 @@ from steptap.middleware import files
 from steptap.middleware.client.api import (
     SessionInfo,
     SteptapError,
-    _enc,
     _finish_body,
     _reward_body,
     _session_body,
     _session_dec,
-    _traj_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
 from steptap.middleware.delta import DeltaError, embed
-from steptap.middleware.records import Curation, Trajectory
+from steptap.middleware.records import Curation, Trajectory, json_encoder, trajectory_json_decoder
 from steptap.middleware.wire import (
     StreamCut,
     decode_envelope,
@@ -161,7 +159,7 @@ class SteptapClient:
         return h
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
-        data = _enc.encode(body) if body is not None else None
+        data = json_encoder.encode(body) if body is not None else None
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with self._http().request(method, self.base_url + path, data=data, headers=self._headers(),
                                         timeout=timeout) as resp:
@@ -205,7 +203,8 @@ class SteptapClient:
                             _finish_body(reward, status, deadline_s, on_deadline))
 
     async def get_session(self, session_id: str) -> Trajectory:
-        return _traj_dec.decode(await self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+        body = await self._request("GET", f"/sessions/{quote(session_id, safe='')}")
+        return trajectory_json_decoder.decode(body)
 
     # ---- curation (docs/console.md) ----------------------------------------------------------------------
 

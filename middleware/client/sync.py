@@ -13,15 +13,13 @@ from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.client.api import (
     SessionInfo,
     SteptapError,
-    _enc,
     _finish_body,
     _reward_body,
     _session_body,
     _session_dec,
-    _traj_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
-from steptap.middleware.records import Trajectory
+from steptap.middleware.records import Trajectory, json_encoder, trajectory_json_decoder
 
 
 def split_url(url: str) -> tuple[str, str | None]:
@@ -99,7 +97,8 @@ class SyncSteptapClient:
         headers = {"Content-Type": "application/json"}
         if self.control_token:
             headers["Authorization"] = f"Bearer {self.control_token}"
-        return http_call(self.base_url + path, method, body=_enc.encode(body) if body is not None else None,
+        data = json_encoder.encode(body) if body is not None else None
+        return http_call(self.base_url + path, method, body=data,
                          headers=headers, timeout_s=self.timeout_s if timeout_s is None else timeout_s,
                          unix_socket=self.unix_socket)
 
@@ -132,7 +131,7 @@ class SyncSteptapClient:
                       _finish_body(reward, status, deadline_s, on_deadline))
 
     def get_session(self, session_id: str) -> Trajectory:
-        return _traj_dec.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
+        return trajectory_json_decoder.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))
 
     def ack(self, consumer: str, cursor: str) -> None:
         self._request("POST", "/trajectories/ack", {"consumer": consumer, "cursor": cursor})

@@ -7,15 +7,6 @@ import os
 import shutil
 import subprocess
 
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
-from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
-    TOOL_PARSERS,
-    choose_tool_parser,
-    pick_tool_parser,
-    served_name,
-)
-from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
-
 
 def has_gpu() -> bool:
     if shutil.which("nvidia-smi") is None:

@@ -32,13 +32,12 @@ from steptap.middleware.launch.placement import has_gpu, replica_env, replica_th
 from steptap.middleware.launch.procs import healthy, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.up_files import RunFiles
-from steptap.middleware.launch.up_parser import PY, STEPTAP, _free_port, _split, build_parser  # noqa: F401 - old paths
-from steptap.middleware.launch.up_preflight import (  # noqa: F401 - _learner_lora_rank: old path
+from steptap.middleware.launch.up_parser import STEPTAP, _free_port, _split, build_parser
+from steptap.middleware.launch.up_preflight import (
     Interrupted,
     Preflight,
     Refused,
     StartupError,
-    _learner_lora_rank,
 )
 from steptap.middleware.launch.view import StatusBoard, render_line
 

@@ -11,15 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
-from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
-    TOOL_PARSERS,
-    choose_tool_parser,
-    pick_tool_parser,
-    served_name,
-)
+from steptap.middleware.launch.model_info import TOOL_PARSERS
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
-from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.launch.vllm_venv import ensure_venv
 

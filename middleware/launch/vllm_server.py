@@ -19,23 +19,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
+from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir
 from steptap.middleware.launch import procs
-from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
-    TOOL_PARSERS,
-    choose_tool_parser,
-    pick_tool_parser,
-    served_name,
-)
-from steptap.middleware.launch.placement import has_gpu  # noqa: F401 - old import path
+from steptap.middleware.launch.model_info import choose_tool_parser, served_name
+from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND
 from steptap.middleware.launch.plugin import ensure_plugin
-from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
-from steptap.middleware.launch.vllm_venv import (  # noqa: F401 - old import paths
-    CPU_FLAVOR,
-    GPU_FLAVOR,
-    MARKER,
-    default_venv,
+from steptap.middleware.launch.vllm_venv import (
     ensure_venv,
 )
 from steptap.middleware.lifetime import die_with_parent
@@ -262,12 +252,3 @@ class VLLMServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def __getattr__(name: str) -> object:
-    # The command line moved to vllm_command.py, which imports this module: its names are re-exported lazily.
-    if name in ("main", "parse", "plan_servers", "TCP_REFUSED"):
-        from steptap.middleware.launch import vllm_command
-
-        return getattr(vllm_command, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

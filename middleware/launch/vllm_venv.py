@@ -10,15 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir  # noqa: F401 - cache_root re-exported
-from steptap.middleware.launch.model_info import (  # noqa: F401 - pick_tool_parser re-exported
-    TOOL_PARSERS,
-    choose_tool_parser,
-    pick_tool_parser,
-    served_name,
-)
+from steptap.middleware.files import cache_root
 from steptap.middleware.launch.placement import has_gpu
-from steptap.middleware.launch.procs import process_group_alive  # noqa: F401 - re-exported for callers
 
 MARKER = ".steptap-venv-complete"  # written last: a venv without it was never finished
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.

@@ -90,7 +90,6 @@ class Compaction:
         del self._traj_ends[:gone]
         del self._traj_firsts[:gone]
         await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
-        self.stats.compacted_segments += len(victims)
         self.stats.segments = len(self._valid_end) + 1
         logger.info("compacted %d segment(s) of %s (before %s)", len(victims), self.dir, min_cursor)
         return victims

@@ -211,6 +211,15 @@ class Recovery:
             f"; {len(later)} later frame(s) in them looked intact" if later else "",
         )
 
+    # What an opened and a finished trajectory change: at start-up (``_index``), on append (``wal._track``).
+    def _opened(self, trajectory_id: str, segno: int) -> None:
+        self._open_sessions.setdefault(trajectory_id, segno)
+
+    def _finished(self, trajectory_id: str, refs: list[Any], segno: int, end: int) -> None:
+        self._open_sessions.pop(trajectory_id, None)
+        self._traj_ends.append(cursor_key(segno, end))
+        self._traj_firsts.append(first_segment(refs, segno))
+
     def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
         """Track what compaction must keep (open sessions, the latest policy version) and where finished
         trajectories end."""
@@ -220,11 +229,9 @@ class Recovery:
             # An unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
             return
         if isinstance(peek, PeekOpened):
-            self._open_sessions.setdefault(peek.trajectory_id, segno)
+            self._opened(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
-            self._open_sessions.pop(peek.id, None)
-            self._traj_ends.append(cursor_key(segno, end))
-            self._traj_firsts.append(first_segment(peek.step_refs, segno))
+            self._finished(peek.id, peek.step_refs, segno, end)
         elif isinstance(peek, PeekDropped):
             self._open_sessions.pop(peek.trajectory_id, None)
         elif isinstance(peek, PeekVersion):

@@ -40,14 +40,13 @@ from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
 from steptap.middleware.log.degraded import Degraded
 from steptap.middleware.log.reader import Reader
-from steptap.middleware.log.recovery import LogInUseError, Recovery, first_segment
+from steptap.middleware.log.recovery import LogInUseError, Recovery
 from steptap.middleware.log.remote import Remote
 from steptap.middleware.log.segments import (
     HEADER,
     MAX_RECORD,
     CorruptLogError,
     create_segment,
-    cursor_key,
     format_cursor,
     frame,
     parse_cursor,
@@ -89,12 +88,10 @@ class LogStats(msgspec.Struct, kw_only=True):
     torn_records: int = 0  # torn tails truncated at open
     torn_bytes: int = 0
     corrupt_records: int = 0  # bad frames inside sealed segments (the rest of each is skipped)
-    last_commit_latency_s: float = 0.0  # write + sync of the last group
     last_batch_records: int = 0
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
     active_uploads: int = 0  # uploads of the active segment's committed part (timer)
-    compacted_segments: int = 0
     # Records that did not decode, skipped by a reader (each time one reads them)
     undecodable_records: int = 0
     write_errors: int = 0  # failed group commits (disk full, I/O error)
@@ -244,10 +241,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         with self._lock:
             return sum(self._valid_end.values()) + self._size
 
-    def _committed(self, batch: list[Item], written: Written, seconds: float) -> None:
+    def _committed(self, batch: list[Item], written: Written) -> None:
         """On the loop, once per group: resolve its appends, track what readers need, wake the followers."""
         positions, sealed, error = written
-        self.stats.last_commit_latency_s = seconds
         self.stats.last_batch_records = len(positions)
         self.stats.records += len(positions)
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
@@ -286,11 +282,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
 
     def _track(self, record: LogRecord, segno: int, offset: int) -> None:
         if isinstance(record, SessionOpened):
-            self._open_sessions.setdefault(record.trajectory_id, segno)
+            self._opened(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
-            self._open_sessions.pop(record.id, None)
-            self._traj_ends.append(cursor_key(segno, offset))
-            self._traj_firsts.append(first_segment(record.step_refs, segno))
+            self._finished(record.id, record.step_refs, segno, offset)
         elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
             self._open_sessions.pop(record.trajectory_id, None)
         elif isinstance(record, PolicyVersion):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,14 +35,14 @@ class NotWritten(Exception):
 
 
 class CommitThread:
-    """One dedicated thread that writes queued frames in groups. ``committed(batch, written, seconds)`` runs
+    """One dedicated thread that writes queued frames in groups. ``committed(batch, written)`` runs
     on the event loop once per group; ``died(exc, unresolved)`` once if the thread itself fails (a bug)."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         write: Callable[[list[bytes]], Written],
-        committed: Callable[[list[Item], Written, float], None],
+        committed: Callable[[list[Item], Written], None],
         died: Callable[[BaseException, list[Item]], None],
         max_batch_bytes: int,
     ) -> None:
@@ -106,7 +105,6 @@ class CommitThread:
                         break
                     batch.append(nxt)
                     size += len(nxt[0])
-                t0 = time.perf_counter()
                 written: Written
                 if self._failed:
                     written = ([], [], NotWritten("an earlier group of the log failed"))
@@ -116,7 +114,7 @@ class CommitThread:
                     except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group
                         written = ([], [], exc)
                     self._failed = written[2] is not None
-                self._call(self._committed, batch, written, time.perf_counter() - t0)
+                self._call(self._committed, batch, written)
             self._call(_resolve, self.stopped)
         except BaseException as exc:  # noqa: BLE001 - report it on the loop: nothing may wait forever
             self._call(self._died, exc, batch)

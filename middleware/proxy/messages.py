@@ -14,8 +14,10 @@ from typing import Any
 
 from steptap.middleware.proxy.translation import (
     HANDLE_KEY,
+    carry_over,
     reasoning_handle,
     reasoning_of,
+    text_of,
 )
 from steptap.middleware.proxy.translation import bad as _bad
 from steptap.middleware.proxy.translation import new_id as _new_id
@@ -58,17 +60,7 @@ def models_body(openai_models: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad("content must be a string or a list of blocks", where)
-    out = []
-    for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"),
-                                                                                        str):
-            raise _bad("only text blocks are served here", f"{where}[{i}]")
-        out.append(block["text"])
-    return "".join(out)
+    return text_of(content, where, ("text",), "blocks")
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -246,13 +238,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
             raise _bad("'tool_choice' must be {type: auto|any|none|tool}", "tool_choice")
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
-    for key in _SAME:
-        if key in body:
-            chat[key] = body[key]
-    if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    return chat
+    return carry_over(chat, body, _SAME)
 
 
 # --- reply: chat reply -> Messages reply --------------------------------------------------------------------

@@ -42,8 +42,7 @@ from steptap.middleware.proxy.protocols import (
     anthropic_errors,
     open_protocol,
 )
-from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _upstream_body: old import paths
-    _json_object,
+from steptap.middleware.proxy.serving import (
     _sticky_id,
     _too_large,
     _upstream_body,
@@ -53,10 +52,11 @@ from steptap.middleware.proxy.serving import (  # noqa: F401 - patch_request, _u
 )
 from steptap.middleware.proxy.sse import StreamRelay
 from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.records import Step
+from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
-from steptap.middleware.sessions.manager import LiveSession, SessionManager
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.session import LiveSession
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE
@@ -64,7 +64,7 @@ from steptap.middleware.weights.swapper import CUT_MESSAGE
 logger = logging.getLogger("steptap.relay")
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await model_call(request, CHAT)
 

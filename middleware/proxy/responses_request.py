@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from steptap.middleware.proxy.translation import HANDLE_KEY, take_handles
+from steptap.middleware.proxy.translation import HANDLE_KEY, carry_over, take_handles, text_of
 from steptap.middleware.proxy.translation import bad as _bad
 
 # Chat parameters a Responses body may carry that mean the same on both routes (vLLM's extras included).
@@ -79,19 +79,7 @@ class Translation:
 
 
 def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad("content must be a string or a list of text parts", where)
-    parts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"unsupported content part {kind!r} (only text is served)", f"{where}[{i}]")
-        if not isinstance(part.get("text"), str):
-            raise _bad("a text part needs a string 'text'", f"{where}[{i}]")
-        parts.append(part["text"])
-    return "".join(parts)
+    return text_of(content, where, ("input_text", "output_text", "text"), "text parts")
 
 
 def custom_arguments(text: str) -> str:
@@ -357,12 +345,7 @@ def translate(body: dict[str, Any], history: list[dict[str, Any]]) -> Translatio
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
-    for key in SAME:
-        if key in body:
-            chat[key] = body[key]
-    if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
+    carry_over(chat, body, SAME)
     return tr
 
 

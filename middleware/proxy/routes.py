@@ -17,12 +17,13 @@ from steptap.middleware.proxy import tito
 from steptap.middleware.proxy.capture import CHAT
 from steptap.middleware.proxy.protocols import Messages, anthropic_errors
 from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.weights.routes import SWAPPER_KEY
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 
 
 async def models(request: web.Request) -> web.Response:

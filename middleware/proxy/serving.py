@@ -13,11 +13,13 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.proxy import prompts
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.identity import Identity
-from steptap.middleware.sessions.manager import LiveSession, SessionManager
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -18,6 +18,7 @@ from aiohttp import web
 from steptap.middleware.errors import error_body, status_of
 from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, DomainError
 from steptap.middleware.proxy import capture, tito
+from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 

@@ -43,12 +43,12 @@ import msgspec
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
-from steptap.middleware.records import Step
+from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
 # what it would put after any assistant turn.

@@ -1,6 +1,6 @@
 """What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s,
-their ids, the reasoning handle. (What conversation a body holds reaches ``sessions/prefix.py`` as the relay
-translated it: ``SessionManager.record``'s ``chat``.)"""
+their ids, a message's text, the keys passed on unchanged, the reasoning handle. (What conversation a body
+holds reaches ``sessions/prefix.py`` as the relay translated it: ``SessionManager.record``'s ``chat``.)"""
 
 from __future__ import annotations
 
@@ -13,6 +13,35 @@ from steptap.middleware.errors import ApiError
 def bad(message: str, where: str | None = None) -> ApiError:
     """A 400 naming the part of the body at fault (the protocol's error shape is applied at its edge)."""
     return ApiError(400, message if where is None else f"{message} (at {where})", "invalid_request")
+
+
+def text_of(content: Any, where: str, kinds: tuple[str, ...], noun: str) -> str:
+    """A message's text: a string, or its text parts (``type`` in ``kinds``) joined; any other part is a 400
+    naming it (``noun``: what the protocol calls its parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"content must be a string or a list of {noun}", where)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if not isinstance(part, dict) or kind not in kinds:
+            raise bad(f"unsupported content part {kind!r} (only text is served)", f"{where}[{i}]")
+        if not isinstance(part.get("text"), str):
+            raise bad("a text part needs a string 'text'", f"{where}[{i}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def carry_over(chat: dict[str, Any], body: dict[str, Any], same: tuple[str, ...]) -> dict[str, Any]:
+    """The chat body's last keys: those the protocol passes on unchanged (``same``), and a stream's usage."""
+    for key in same:
+        if key in body:
+            chat[key] = body[key]
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
 
 
 def new_id(kind: str) -> str:

@@ -15,12 +15,13 @@ from steptap.middleware.auth import require_control
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
-from steptap.middleware.records import Mode, TrainOn, to_builtins
+from steptap.middleware.records import Mode, TrainOn, json_encoder, to_builtins
 from steptap.middleware.sessions.identity import valid_session_id
-from steptap.middleware.sessions.manager import AUTO_PREFIX, LiveSession, SessionManager
+from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.rewards import finite
+from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession
 
-_encode = msgspec.json.Encoder().encode
+_encode = json_encoder.encode
 
 SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)
 

@@ -44,9 +44,7 @@ from steptap.middleware.records import (
     msgpack_encoder,
 )
 from steptap.middleware.sessions.closing import Closing
-from steptap.middleware.sessions.groups import GROUP_RETENTION_S as GROUP_RETENTION_S  # X as X: re-exported
-from steptap.middleware.sessions.groups import Group as Group
-from steptap.middleware.sessions.groups import Groups as Groups
+from steptap.middleware.sessions.groups import Group, Groups
 from steptap.middleware.sessions.holding import Holding
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import Holdings
@@ -54,12 +52,10 @@ from steptap.middleware.sessions.recording import Recording
 from steptap.middleware.sessions.replay import Replay
 from steptap.middleware.sessions.rewarding import Rewarding
 from steptap.middleware.sessions.rewards import RewardFn
-from steptap.middleware.sessions.session import AUTO_PREFIX as AUTO_PREFIX  # X as X: re-exported (old paths)
-from steptap.middleware.sessions.session import LiveSession as LiveSession
-from steptap.middleware.sessions.session import Log as Log
-from steptap.middleware.sessions.session import new_key as new_key
+from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, new_key
 
 logger = logging.getLogger("steptap.sessions")
+
 
 class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     def __init__(

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from steptap.middleware.exceptions import DomainError, SwapError, SwapUnavailable
+from steptap.middleware.exceptions import DomainError, SwapUnavailable
 from steptap.middleware.weights.policy import HoldsPolicy, Policy
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class Adapters(HoldsPolicy):
         def _client(self, backend: str) -> BackendClient: ...
         def _targets(self) -> list[str]: ...
         def _swapped(self, t0: float, stall_s: float) -> None: ...
-        async def _persist(self, new: Policy) -> None: ...
-        async def _rollback(self, loaded: list[str], lora_name: str | None) -> None: ...
+        async def _settle(self, new: Policy, lora_name: str | None, loaded: list[str], touched: list[str],
+                          failed: dict[str, str], results: list[Any]) -> None: ...
         async def _tell_version(self, backend: str, version: int) -> None: ...
 
     async def ensure_adapter(self) -> None:
@@ -76,19 +76,8 @@ class Adapters(HoldsPolicy):
         figures: dict[str, dict[str, Any]] = {b: {"ok": b in loaded, "error": failed.get(b), "paused_s": 0.0}
                                               for b in targets}
         self.replica_figures = figures
-        if failed and (not loaded or self.pool is None):
-            await self._rollback(loaded, lora_name)
-            raise SwapError("; ".join(failed.values()), _code(results))
         new = self.policy.adapter(new_version, lora_path)
-        try:
-            await self._persist(new)
-        except SwapError:
-            await self._rollback(loaded, lora_name)
-            raise
-        for b, msg in failed.items():
-            assert self.pool is not None
-            self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it returns): "
-                                  f"{msg}")
+        await self._settle(new, lora_name, loaded, loaded, failed, results)
         old = self.lora_name
         # New calls route here
         self.policy = new

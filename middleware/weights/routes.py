@@ -14,6 +14,7 @@ from steptap.middleware import metrics as metric_names
 from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
+from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
 
@@ -29,7 +30,7 @@ class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _weights_request = msgspec.json.Decoder(WeightsRequest)
-_json = msgspec.json.Encoder()
+_json = json_encoder
 
 
 def swapper_of(app: web.Application) -> WeightSwapper:

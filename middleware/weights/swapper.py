@@ -289,26 +289,13 @@ class WeightSwapper(Gate, Recovery, Adapters):
                 if failed and transfer is not None and not loaded and not self.on_disk and any(
                         isinstance(r, TransferFailed) and r.touched for r in results):
                     await self._revert(targets, results, new_version, failed)  # raises
-                if failed and (not loaded or self.pool is None):
-                    # Nowhere (or, with no pool to take a replica out, not everywhere) to serve the new
-                    # weights: the old version keeps its number, so every replica keeps its weights too.
-                    await self._rollback(touched, lora_name)
-                    raise SwapError("; ".join(failed.values()), _code(results))
                 if path is not None:
                     new = self.policy.from_disk(new_version, path)
                 elif transfer is not None:
                     new = self.policy.transferred(new_version)
                 else:
                     new = self.policy.adapter(new_version, lora_path)  # type: ignore[arg-type]  # exactly one
-                try:
-                    await self._persist(new)
-                except SwapError:
-                    await self._rollback(loaded, lora_name)
-                    raise
-                for b, msg in failed.items():  # it never serves the old weights under the new version
-                    assert self.pool is not None
-                    self.pool.take_out(b, f"failed the swap to version {new_version} (reloaded before it "
-                                          f"returns): {msg}")
+                await self._settle(new, lora_name, loaded, touched, failed, results)
                 for b in loaded:
                     figures[b]["ok"] = True
                 old_lora = self.lora_name
@@ -408,8 +395,27 @@ class WeightSwapper(Gate, Recovery, Adapters):
                              f"({exc.message})")
             raise SwapError(f"{exc.message}. {b} may now be unusable: restart it", exc.code) from None
 
+    async def _settle(self, new: Policy, lora_name: str | None, loaded: list[str], touched: list[str],
+                      failed: dict[str, str], results: list[Any]) -> None:
+        """A load's outcome over the replicas (both swaps, lora.py's too): nowhere (or, with no pool to take a
+        replica out, not everywhere) to serve the new weights rolls back every replica it ``touched`` and the
+        old version keeps its number; else ``new`` is persisted and each failed replica taken out (the caller
+        then sets ``self.policy``)."""
+        if failed and (not loaded or self.pool is None):
+            await self._rollback(touched, lora_name)
+            raise SwapError("; ".join(failed.values()), _code(results))
+        try:
+            await self._persist(new)
+        except SwapError:
+            await self._rollback(loaded, lora_name)
+            raise
+        for b, msg in failed.items():  # it never serves the old weights under the new version
+            assert self.pool is not None
+            self.pool.take_out(b, f"failed the swap to version {new.version} (reloaded before it returns): "
+                                  f"{msg}")
+
     async def _persist(self, new: Policy) -> None:
-        """The new state's record, durable before it goes live (the caller then sets ``self.policy``)."""
+        """The new state's record, durable before it goes live."""
         if self.log is None:
             return
         try:

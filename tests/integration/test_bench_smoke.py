@@ -183,3 +183,14 @@ def test_learner_throughput_smallest_run(tiny_model_dir, tmp_path):
     s = result["summary"]
     assert (s["rows"], s["seq_tokens"], s["trained_tokens"], s["micro_batches"]) == (4, 96, 32, 2)
     assert s["bare_tokens_per_s"] > 0 and s["engine_tokens_per_s"] > 0 and len(result["pairs"]) == 1
+
+
+def test_wal_commit_rate_smallest_run(tmp_path):
+    """The log's commit-rate benchmark (moved out of tests/unit): a short run prints its figures and its
+    syncs-per-append checks hold."""
+    cmd = [sys.executable, str(BENCH / "wal_commit_rate.py"), "--dir", str(tmp_path), "--seconds", "0.3"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["concurrency 1", "concurrency 64"], proc.stdout
+    assert "1.000 syncs/append" in lines[0]

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def _vllm_venv_ready() -> bool:
-    from steptap.middleware.launch.vllm_server import default_venv
+    from steptap.middleware.launch.vllm_venv import default_venv
 
     return (default_venv() / "bin" / "python").exists()
 

@@ -24,7 +24,8 @@ from conftest import Backend, Proxy, free_port, http_json, missing
 from reference import reference_logprobs
 from test_protocols import open_session, steps_of
 
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.launch.procs import process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.metrics import METRICS_KEY
 
 pytestmark = pytest.mark.vllm

@@ -49,7 +49,7 @@ SESSIONS = 24  # opened on the shared port; the chance that the kernel puts all 
 
 
 def _vllm_venv_ready() -> None:
-    from steptap.middleware.launch.vllm_server import default_venv
+    from steptap.middleware.launch.vllm_venv import default_venv
 
     if not (default_venv() / "bin" / "python").exists():
         missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")

@@ -15,7 +15,8 @@ import pytest
 from conftest import Backend, Proxy, free_port, http_json, missing
 from test_protocols import open_session, steps_of
 
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, process_group_alive
+from steptap.middleware.launch.procs import process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.proxy.responses import parse_handle
 
 pytestmark = pytest.mark.vllm

@@ -211,7 +211,7 @@ def test_failed_agents_stop_the_stack_but_finished_agents_end_it_cleanly(
 def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path: Path) -> None:
     """Its own vLLM (the tiny model built by up): interrupted mid-start, nothing survives, vLLM's engine
     processes included (vLLM runs in a session of its own under `steptap vllm`)."""
-    from steptap.middleware.launch.vllm_server import default_venv
+    from steptap.middleware.launch.vllm_venv import default_venv
 
     if not (default_venv() / "bin" / "python").exists():
         missing("no vLLM virtualenv (bash scripts/setup.sh builds it)")

@@ -17,16 +17,10 @@ import pytest
 from conftest import Backend, free_port, http_json
 from reference import reference_logprobs
 
-from steptap.middleware.launch.vllm_server import (
-    MARKER,
-    VLLMServer,
-    VLLMStartError,
-    default_venv,
-    ensure_venv,
-    pick_tool_parser,
-    process_group_alive,
-    ties_embeddings,
-)
+from steptap.middleware.launch.model_info import pick_tool_parser
+from steptap.middleware.launch.procs import process_group_alive
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, ties_embeddings
+from steptap.middleware.launch.vllm_venv import MARKER, default_venv, ensure_venv
 
 LOGPROB_TOL = 1e-4  # measured agreement is ~1e-6 (float32 on both sides); 1e-4 leaves room for kernel order
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {

@@ -21,7 +21,8 @@ from conftest import Proxy, missing
 
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.launch.procs import process_group_alive
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, default_venv
+from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
+from steptap.middleware.launch.vllm_venv import default_venv
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from steptap.learner.tiny_model import build_tiny_model
-from steptap.middleware.launch import up
+from steptap.middleware.launch import up, up_preflight
 from steptap.middleware.launch.model_info import choose_tool_parser, tokenizer_tokens
 from steptap.middleware.launch.vllm_server import VLLMServer
 
@@ -88,7 +88,8 @@ def test_a_tied_model_with_a_lora_learner_is_accepted(tied_dir: Path, tmp_path: 
     )
     runner = up.Up(args)
     runner.model_dir = str(tied_dir)
-    assert up._learner_lora_rank(runner._learner_argv()) == 8  # read by the learner's own config parser
+    # read by the learner's own config parser
+    assert up_preflight._learner_lora_rank(runner._learner_argv()) == 8
     runner._refuse_tied_full_weights()  # no exception: LoRA never reloads the tied base weights
     runner.args.learn_args = ""
     with pytest.raises(up.Refused, match="LoRA"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from steptap.learner.tiny_model import build_tiny_model
-from steptap.middleware.launch import vllm_server
+from steptap.middleware.launch import vllm_command
 
 STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]
 
@@ -36,14 +36,14 @@ def test_tcp_in_dev_mode_is_refused_without_insecure_tcp(model_dir: Path, extra:
 def test_tcp_is_allowed_when_asked_for(model_dir: Path) -> None:
     for argv in (["--port", "1", "--insecure-tcp"], ["--port", "1", "--insecure-tcp", "--", "--api-key",
                                                      "k"]):
-        args, extra = vllm_server.parse(["--model", str(model_dir), *argv])
-        servers, _ = vllm_server.plan_servers(args, extra)
+        args, extra = vllm_command.parse(["--model", str(model_dir), *argv])
+        servers, _ = vllm_command.plan_servers(args, extra)
         assert [s.url for s in servers] == ["http://127.0.0.1:1"]
 
 
 def test_replicas_serve_on_their_own_unix_sockets_in_a_private_directory(model_dir: Path) -> None:
-    args, extra = vllm_server.parse(["--model", str(model_dir), "--replicas", "3"])
-    servers, own_dir = vllm_server.plan_servers(args, extra)
+    args, extra = vllm_command.parse(["--model", str(model_dir), "--replicas", "3"])
+    servers, own_dir = vllm_command.plan_servers(args, extra)
     try:
         assert own_dir is not None and stat.S_IMODE(Path(own_dir).stat().st_mode) == 0o700
         socks = [s.uds for s in servers]
