@@ -84,8 +84,7 @@ def limits_table_mismatches(text: str) -> list[str]:
 
     import msgspec
 
-    from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.config import add_proxy_flags
+    from steptap.middleware.config import ProxyConfig, add_proxy_flags
     from steptap.middleware.flags import flag_name as _flag
 
     parser = argparse.ArgumentParser()
