@@ -54,7 +54,8 @@ def decode_body(raw: bytes, endpoint: str, manager: SessionManager, ident: Ident
         if session is not None:
             got = prompts.decode_completion(raw, session.prompt)
             if got is not None:
-                body, session.prompt = got
+                body, held = got
+                manager.hold_prompt(session, held)
                 return body, True
     return _json_object(raw), False
 

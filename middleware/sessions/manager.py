@@ -247,6 +247,16 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             return self.sessions[sid] if ident.key is not None and self.keys.get(ident.key) == sid else None
         return self.sessions.get(AUTO_PREFIX + sid)
 
+    def hold_prompt(self, session: LiveSession, held: tuple[bytes, list[int]] | None) -> None:
+        """Keep ``held`` (the latest token prompt's raw bytes and ids, proxy/prompts.py) on an open session,
+        its bytes counted in what the session and the proxy hold (the ids are the latest call's, counted
+        with it)."""
+        size = (len(held[0]) if held else 0) - (len(session.prompt[0]) if session.prompt else 0)
+        session.prompt = held
+        if session.id in self.sessions and not session.pending:  # what _register counted, _unregister frees
+            session.bytes += size
+            self.holdings.hold(0, size)
+
     def _pending(self, sid: str) -> LiveSession:
         """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a
         call the backend refuses opens nothing. Concurrent first calls on one id share it."""

@@ -136,8 +136,17 @@ async def test_a_token_prompt_is_decoded_from_what_is_new_and_recorded_as_vllm_e
         previous = last.prompt_token_ids
         prompt = prompt + choice["token_ids"] + [300 + (turn * 50 + i) % 600 for i in range(50)]
     assert reused == [False, True, False, True]
+    # The prompt's raw bytes the session keeps count in what it and the proxy hold, until it closes
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    assert session.prompt is not None and len(session.prompt[0]) > 400 * 3
+    kept, counted, held = session.prompt, session.bytes, manager.holdings.bytes_held
+    manager.hold_prompt(session, None)  # what serving.decode_body does with each new prompt
+    assert (session.bytes, manager.holdings.bytes_held) == (counted - len(kept[0]), held - len(kept[0]))
+    manager.hold_prompt(session, kept)
+    assert (session.bytes, manager.holdings.bytes_held) == (counted, held)
     async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=proxy.control) as resp:
         assert resp.status == 200
+    assert manager.holdings.bytes_held == held - counted  # all of it freed with the session
     async with SteptapClient(proxy.url, proxy.token) as client:
         [delivery] = [d async for d in client.trajectories("prompt-test", follow=False)
                       if d.trajectory.id == info["id"]]
