@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -303,11 +304,11 @@ async def _export_proxy(url: str, token: str, out: str, mode: str | None, **kw: 
     writer = PartWriter(out, **kw)
     batch: list[Trajectory] = []
     async with SteptapClient(url, token, timeout_s=10) as client:
-        deadline = time.monotonic() + LOOKUP_PATIENCE_S
 
         async def write() -> None:
+            deadline = time.monotonic() + LOOKUP_PATIENCE_S  # each batch's own
             marks = await lookup(client, [t.id for t in batch], lambda: time.monotonic() > deadline,
-                                 lambda msg: print(msg, file=sys.stderr))
+                                 lambda msg: print(re.sub(r"\[/?\w+\]", "", msg), file=sys.stderr))
             writer.curation = marks
             for traj in batch:
                 await asyncio.to_thread(writer.add, traj)
