@@ -45,14 +45,14 @@ async def test_export_from_the_stream_and_the_log_writes_what_was_curated(
         await client.curate("b", "reward", value=-1.0)
         await client.curate("b", "tag", tags=["judged"])
     for source in (["--proxy", proxy.url], ["--log", str(log_dir)]):
-        summary, rows = await _export(proxy, *source, "--out", str(tmp_path / source[0][2:]))
+        summary, rows = await _export(proxy, *source, "--out", str(tmp_path / f"out-{source[0][2:]}"))
         assert sorted(rows) == ["b", "c"] and summary["excluded_trajectories"] == 1, source
         b, c = rows["b"], rows["c"]
         assert b["trajectory_reward"] == 1.0 and b["curated_reward"] == -1.0, source
         assert b["curation_tags"] == ["judged"] and not b["curation_excluded"], source
         assert c["curated_reward"] == 1.0 and c["curation"] is None and c["curation_tags"] == [], source
         kept_summary, kept = await _export(proxy, *source, "--keep-excluded", "--overwrite",
-                                           "--out", str(tmp_path / source[0][2:]))
+                                           "--out", str(tmp_path / f"out-{source[0][2:]}"))
         assert sorted(kept) == ["a", "b", "c"] and kept_summary["kept_excluded"], source
         assert kept["a"]["curation_excluded"]
         assert json.loads(kept["a"]["curation"])["reasons"] == ["off topic"]
