@@ -11,8 +11,12 @@ reward came from (``reward_sources``: callback, http, human, default), the ratin
 streamed (``late_rewards``, from ``--log`` only: the stream carries no reward records) and metadata; nested
 objects are JSON strings so every file has one fixed schema (``schema()``). Provenance: with ``--model-dir``
 (the model the run started from), every row and ``OUT/_provenance.json`` name its weights, tokenizer and chat
-template by hash (``model_files.provenance``; a leading ``_`` keeps it out of parquet readers). Nothing is
-acknowledged on the proxy's stream. pyarrow is imported lazily (``pip install 'steptap[env]'``).
+template by hash (``model_files.provenance``; a leading ``_`` keeps it out of parquet readers). Curation
+(middleware/curation.py) is applied as the learner applies it: the trajectories and steps the marks exclude
+are left out (``--keep-excluded``: kept, ``curation_excluded`` set), ``curated_reward`` /
+``curated_step_reward`` hold the edited rewards beside the recorded ones, ``curation_tags`` the tags; the
+marks come from the log (``--log``) or the proxy's lookup (``--proxy``). Nothing is acknowledged on the
+proxy's stream. pyarrow is imported lazily (``pip install 'steptap[env]'``).
 """
 
 from __future__ import annotations
@@ -21,19 +25,27 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from steptap.middleware.client import TOKEN_ENV
+import msgspec
+
+from steptap.middleware.client import TOKEN_ENV, SteptapClient
+from steptap.middleware.client.curation import lookup
+from steptap.middleware.curation import CurationState, edit_rewards, fold
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.files import FILE_MODE, atomic_write, makedirs
 from steptap.middleware.model_files import provenance
 from steptap.middleware.records import RewardAdded, Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
+LOOKUP_BATCH = 64  # trajectories held from the stream while their curation marks are asked for
+LOOKUP_PATIENCE_S = 60.0  # a proxy that cannot answer a lookup (restarting) is asked again this long
 
 
 def _pa() -> Any:
@@ -88,6 +100,11 @@ def schema() -> Any:
             ("model_hash", pa.string()),
             ("tokenizer_hash", pa.string()),
             ("chat_template_hash", pa.string()),
+            ("curation_excluded", pa.bool_()),
+            ("curation_tags", pa.list_(pa.string())),
+            ("curation", pa.string()),
+            ("curated_reward", pa.float64()),
+            ("curated_step_reward", pa.float64()),
         ]
     )
 
@@ -95,10 +112,14 @@ PROVENANCE_KEYS = ("model_hash", "tokenizer_hash", "chat_template_hash")
 
 
 def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
-              prov: dict[str, str | None] | None = None) -> Iterator[dict[str, Any]]:
+              prov: dict[str, str | None] | None = None, curation: CurationState | None = None,
+              keep_excluded: bool = False) -> Iterator[dict[str, Any]]:
     """One dict per step of ``traj`` (the columns of ``schema()``): ``late``, its late rewards; ``prov``,
-    the model's hashes."""
+    the model's hashes; ``curation``, its folded marks: the steps they exclude are left out (with
+    ``keep_excluded``: kept, ``curation_excluded`` set), the ``curated_*`` rewards are the edited ones."""
     traj = full_trajectory(traj)  # a trajectory holding delta steps gets full rows
+    state = curation or CurationState()
+    edited = edit_rewards(traj, state)  # the same steps, in the same order
     late_json = json.dumps([{"name": r.name, "value": r.value, "step": r.step, "source": r.source, "at": r.at}
                             for r in late or ()])
     common = {
@@ -114,11 +135,19 @@ def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
         "reward_sources": json.dumps(traj.reward_sources),
         "late_rewards": late_json,
         **{k: (prov or {}).get(k) for k in PROVENANCE_KEYS},
+        "curation_tags": state.tags,
+        "curation": json.dumps(msgspec.to_builtins(state)) if state.marks else None,
+        "curated_reward": edited.reward,
     }
-    for step in traj.steps:
+    for step, curated in zip(traj.steps, edited.steps, strict=True):
+        excluded = state.excluded or step.index in state.excluded_steps
+        if excluded and not keep_excluded:
+            continue
         request = step.request or {}
         yield {
             **common,
+            "curation_excluded": excluded,
+            "curated_step_reward": float(sum(curated.rewards.values())),
             "step_index": step.index,
             "choice": step.choice,
             "policy_version": step.policy_version,
@@ -153,9 +182,12 @@ class PartWriter:
 
     def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000,
                  late: dict[str, list[RewardAdded]] | None = None,
-                 provenance: dict[str, str | None] | None = None) -> None:
+                 provenance: dict[str, str | None] | None = None,
+                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False) -> None:
         self.pa = _pa()
         self.late = late or {}
+        self.curation = curation or {}
+        self.keep_excluded = keep_excluded
         self.provenance = provenance or {}
         # the provenance also in each file's key-value metadata (readers that drop columns keep it)
         self.schema = schema().with_metadata({"steptap.provenance": json.dumps(self.provenance)})
@@ -165,6 +197,8 @@ class PartWriter:
         self.rows = 0
         self.trajectories = 0
         self.bad_rows = 0  # rows left out: a value no column holds
+        self.excluded_trajectories = 0  # left out: curation excluded them (kept with keep_excluded)
+        self.excluded_steps = 0  # steps of the others left out (or kept) for the same reason
         self._buf: list[dict[str, Any]] = []
         self._writer: Any = None
         self._tmp: Path | None = None
@@ -172,8 +206,15 @@ class PartWriter:
         self._in_file = 0
 
     def add(self, traj: Trajectory) -> None:
+        state = self.curation.get(traj.id)
+        if state is not None and state.excluded:
+            self.excluded_trajectories += 1
+            if not self.keep_excluded:
+                return
+        elif state is not None:
+            self.excluded_steps += sum(s.index in state.excluded_steps for s in traj.steps)
         self.trajectories += 1
-        for row in step_rows(traj, self.late.get(traj.id), self.provenance):
+        for row in step_rows(traj, self.late.get(traj.id), self.provenance, state, self.keep_excluded):
             self._buf.append(row)
             if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
                 self._flush()
@@ -238,29 +279,47 @@ def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any)
     return writer
 
 
-async def proxy_trajectories(url: str, token: str) -> AsyncIterator[Trajectory]:
+async def proxy_trajectories(client: SteptapClient) -> AsyncIterator[Trajectory]:
     """The finished trajectories a proxy's stream holds now (from the start of its log; no ack)."""
     import aiohttp
 
-    from steptap.middleware.client import SteptapClient, SteptapError
+    from steptap.middleware.client import SteptapError
 
-    async with SteptapClient(url, token, timeout_s=10) as client:
-        try:  # the stream reconnects forever on connection errors: check once that the proxy is there
-            await client._request("GET", "/health")
-        except SteptapError as exc:
-            if exc.status != 503:  # 503: up, its backend degraded (the log is still readable)
-                raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ConnectionError(f"cannot reach the steptap proxy at {url}: {exc}") from exc
-        async for delivery in client.trajectories(CONSUMER, follow=False, cursor=None, dedup=True):
-            yield delivery.trajectory
+    try:  # the stream reconnects forever on connection errors: check once that the proxy is there
+        await client._request("GET", "/health")
+    except SteptapError as exc:
+        if exc.status != 503:  # 503: up, its backend degraded (the log is still readable)
+            raise
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConnectionError(f"cannot reach the steptap proxy at {client.base_url}: {exc}") from exc
+    async for delivery in client.trajectories(CONSUMER, follow=False, cursor=None, dedup=True):
+        yield delivery.trajectory
 
 
 async def _export_proxy(url: str, token: str, out: str, mode: str | None, **kw: Any) -> PartWriter:
+    """Trajectories in batches of ``LOOKUP_BATCH``, each batch's curation marks asked of the proxy (the
+    learner's lookup) before it is written."""
+    from steptap.middleware.client import SteptapClient
+
     writer = PartWriter(out, **kw)
-    async for traj in proxy_trajectories(url, token):
-        if mode is None or traj.mode == mode:
-            await asyncio.to_thread(writer.add, traj)
+    batch: list[Trajectory] = []
+    async with SteptapClient(url, token, timeout_s=10) as client:
+
+        async def write() -> None:
+            deadline = time.monotonic() + LOOKUP_PATIENCE_S  # each batch's own
+            marks = await lookup(client, [t.id for t in batch], lambda: time.monotonic() > deadline,
+                                 lambda msg: print(re.sub(r"\[/?\w+\]", "", msg), file=sys.stderr))
+            writer.curation = marks
+            for traj in batch:
+                await asyncio.to_thread(writer.add, traj)
+            batch.clear()
+
+        async for traj in proxy_trajectories(client):
+            if mode is None or traj.mode == mode:
+                batch.append(traj)
+                if len(batch) >= LOOKUP_BATCH:
+                    await write()
+        await write()
     writer.close()
     return writer
 
@@ -282,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
                    "tokenizer and chat template hashes go in every row and OUT/_provenance.json")
     p.add_argument("--overwrite", action="store_true", help="replace existing part files in --out")
+    p.add_argument("--keep-excluded", action="store_true", help="keep the trajectories and steps curation "
+                   "excluded (curation_excluded set) instead of leaving them out")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from steptap.middleware.client import SteptapError
 
@@ -297,11 +358,14 @@ def main(argv: list[str] | None = None) -> int:
             from steptap.middleware.log.offline import LogReader
 
             reader = LogReader(args.log)
+            notes = reader.annotations()
             writer = export_trajectories(
                 reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file,
-                late=reader.late_rewards(), provenance=prov,
+                late=notes.late, provenance=prov, keep_excluded=args.keep_excluded,
+                curation={tid: fold(marks) for tid, marks in notes.marks.items()},
             )
-            skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes}
+            skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes,
+                       "marks_over": notes.marks_over}
         else:
             if not args.control_token:
                 p.error("--proxy needs the control token (--control-token or $STEPTAP_CONTROL_TOKEN)")
@@ -313,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                     args.mode,
                     rows_per_file=args.rows_per_file,
                     provenance=prov,
+                    keep_excluded=args.keep_excluded,
                 )
             )
             skipped = {}
-    except (FileNotFoundError, ImportError, OSError, SteptapError) as exc:
+    except (FileNotFoundError, ImportError, OSError, RuntimeError, SteptapError) as exc:
         p.exit(2, f"steptap export: {exc}\n")
     print(
         json.dumps(
@@ -327,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                 "files": [f.name for f in writer.files],
                 "bad_rows": writer.bad_rows,
                 "late_rewards": sum(len(v) for v in writer.late.values()),
+                "excluded_trajectories": writer.excluded_trajectories,
+                "excluded_steps": writer.excluded_steps,
+                "kept_excluded": args.keep_excluded,
                 **skipped,
             }
         )

@@ -36,9 +36,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import msgspec
-
-from steptap.middleware.curation import CurationState
+from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import Sampling, Step, Trajectory
 
@@ -204,12 +202,11 @@ def build_batch(
             continue
         # Steps as given: full, or as logged (the client's full=False), expanded one at a time holding the
         # latest call's in full, so a long session costs the rows its context once, not once a step
-        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
-        reward = float(sum({**traj.rewards, **marks.rewards}.values()))
         if marks.rewards or marks.step_rewards:
             c["curated_reward_edits"] += 1
-            steps = [msgspec.structs.replace(s, rewards={**s.rewards, **marks.step_rewards[s.index]})
-                     if s.index in marks.step_rewards else s for s in steps]
+            traj = edit_rewards(traj, marks)
+        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
+        reward = traj.reward
         expander = Expander()
         before = (len(batch.samples), len(batch.sequences), Counter(c))
         try:

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from steptap.middleware.records import Curation, CurationAction
+from steptap.middleware.records import Curation, CurationAction, Trajectory
 
 MAX_MARKS_PER_TRAJECTORY = 256  # a trajectory's marks beyond this are refused (409): bounded memory
 MAX_LOOKUP_IDS = 4096  # ids per lookup (POST /curation/lookup)
@@ -79,3 +79,13 @@ def fold(marks: list[Curation]) -> CurationState:
     state.reasons = [why for why in excluded.values() if why is not None]
     return state
 
+
+
+def edit_rewards(traj: Trajectory, state: CurationState) -> Trajectory:
+    """``traj`` with the reward edits of ``state``: each edited component (of the trajectory, of a step)
+    replaced; what it was recorded with otherwise (the same object when nothing was edited)."""
+    if not state.rewards and not state.step_rewards:
+        return traj
+    steps = [msgspec.structs.replace(s, rewards={**s.rewards, **state.step_rewards[s.index]})
+             if s.index in state.step_rewards else s for s in traj.steps]
+    return msgspec.structs.replace(traj, rewards={**traj.rewards, **state.rewards}, steps=steps)

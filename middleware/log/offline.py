@@ -4,6 +4,7 @@
     for traj in reader.trajectories():
         ...
     print(reader.stats)                                 # records, trajectories, undecodable, corrupt_bytes
+    notes = reader.annotations()                        # late rewards and curation marks, by trajectory
 
 Read-only: no lock is taken, nothing is repaired or written, so it is safe beside a live writer (it sees what
 was committed when each segment is read; a torn or still-being-written tail is simply where reading stops).
@@ -27,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from steptap.middleware.curation import MAX_MARKS_PER_TRAJECTORY
 from steptap.middleware.delta import resolve
 from steptap.middleware.log.segments import (
     FRAME,
@@ -37,7 +39,13 @@ from steptap.middleware.log.segments import (
     scan_frames,
     seg_name,
 )
-from steptap.middleware.records import RewardAdded, Trajectory, log_decoder, step_msgpack_decoder
+from steptap.middleware.records import (
+    Curation,
+    RewardAdded,
+    Trajectory,
+    log_decoder,
+    step_msgpack_decoder,
+)
 
 MAX_REMEMBERED_IDS = 1_000_000  # de-duplication memory: about 100 MB at most
 
@@ -49,6 +57,14 @@ class ReaderStats(msgspec.Struct, kw_only=True):
     duplicates: int = 0  # finished trajectories seen again and skipped
     undecodable: int = 0  # intact frames this version could not decode (skipped)
     corrupt_bytes: int = 0  # bytes after a bad frame inside a segment (skipped)
+
+
+class Annotations(msgspec.Struct, kw_only=True):
+    """``LogReader.annotations``: late rewards and curation marks by trajectory id, in log order."""
+
+    late: dict[str, list[RewardAdded]] = {}
+    marks: dict[str, list[Curation]] = {}
+    marks_over: int = 0  # marks past MAX_MARKS_PER_TRAJECTORY for their trajectory (not held)
 
 
 class LogReader:
@@ -114,14 +130,23 @@ class LogReader:
             self.stats.trajectories += 1
             yield record
 
-    def late_rewards(self) -> dict[str, list[RewardAdded]]:
-        """Rewards given after their trajectory went to the stream (``late``), by trajectory id, in log
-        order: recorded for the dataset, never trained (sessions/holding.py)."""
-        out: dict[str, list[RewardAdded]] = {}
+    def annotations(self) -> Annotations:
+        """What was said of trajectories besides their own record, in one pass of the log: rewards given
+        after the trajectory went to the stream (``late``: recorded for the dataset, never trained,
+        sessions/holding.py) and curation marks (middleware/curation.py), by trajectory id, in log order.
+        A trajectory's marks past ``MAX_MARKS_PER_TRAJECTORY`` (the proxy refuses more) are counted in
+        ``marks_over``, not held."""
+        out = Annotations()
         segnos, read = self._segments()
         for record in self._records(segnos, read, _Frames(read), count=False):
             if isinstance(record, RewardAdded) and record.late:
-                out.setdefault(record.trajectory_id, []).append(record)
+                out.late.setdefault(record.trajectory_id, []).append(record)
+            elif isinstance(record, Curation):
+                marks = out.marks.setdefault(record.trajectory_id, [])
+                if len(marks) < MAX_MARKS_PER_TRAJECTORY:
+                    marks.append(record)
+                else:
+                    out.marks_over += 1
         return out
 
     def _records(self, segnos: list[int], read: Any, steps: _Frames, count: bool = True) -> Iterator[Any]:
@@ -196,4 +221,4 @@ def read_trajectories(location: str, *, mode: str | None = None) -> Iterator[Tra
     return LogReader(location).trajectories(mode=mode)
 
 
-__all__ = ["LogReader", "ReaderStats", "read_trajectories"]
+__all__ = ["Annotations", "LogReader", "ReaderStats", "read_trajectories"]
