@@ -1,6 +1,7 @@
 """The console's routes (docs/console.md): the page (``/console/``, static files shipped in the wheel), the
 JSON it polls (``/console/api/...``), curation (``POST /sessions/<id>/curation``, also under the console's
-path for the page) and the learner's lookup of marks (``POST /curation/lookup``).
+path for the page), a person's rating (the rewards route's, under the console's path) and the learner's
+lookup of marks (``POST /curation/lookup``).
 
 Nothing here renders what an agent sent: the page builds the DOM with ``textContent`` only, and every
 response forbids inline scripts (``Content-Security-Policy``), so a ``<script>`` in a message stays text."""
@@ -35,7 +36,7 @@ from steptap.middleware.errors import ApiError
 from steptap.middleware.log.stream import LOG_KEY
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.records import Curation, Trajectory, to_builtins
-from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.control import SESSIONS_KEY, RewardBody, give_reward
 
 logger = logging.getLogger("steptap.console")
 
@@ -144,16 +145,20 @@ async def sessions(request: web.Request) -> web.Response:
         raise ApiError(400, "'limit' must be 1 to 1000", "invalid_parameter")
     excluded = {"1": True, "0": False}.get(q.get("excluded", ""))
     status, text = q.get("status") or None, q.get("q") or None
+    manager, index = request.app[SESSIONS_KEY], request.app[INDEX_KEY]
     rows = []
-    if status in (None, "running") and excluded is None and not q.get("tag"):
-        for s in list(request.app[SESSIONS_KEY].sessions.values())[-limit:]:
-            t = s.trajectory
+    if excluded is None and not q.get("tag"):
+        # open sessions, then held ones (finished, their reward pending: not in the index until released)
+        live = [(t, "running") for t in (s.trajectory for s in manager.sessions.values())]
+        held = [(h.trajectory, "pending") for h in manager.held.values()]
+        for t, shown in (live if status in (None, "running") else [])[-limit:] + (
+                held if status in (None, "pending") else [])[-limit:]:
             if (q.get("group") and t.group_id != q["group"]) or (text and text.lower() not in t.id.lower()):
                 continue
-            rows.append({"id": t.id, "group_id": t.group_id, "status": "running", "mode": t.mode,
-                         "reward": t.reward, "steps": len(t.steps), "created_at": t.created_at,
-                         "curation": to_builtins(request.app[INDEX_KEY].state(t.id))})
-    rows += request.app[INDEX_KEY].query(
+            rows.append({"id": t.id, "group_id": t.group_id, "status": shown, "mode": t.mode,
+                         "reward": t.reward, "steps": len(t.step_refs) or len(t.steps),
+                         "created_at": t.created_at, "curation": to_builtins(index.state(t.id))})
+    rows += index.query(
         group=q.get("group") or None, status=status, mode=q.get("mode") or None,
         min_reward=_number(q, "min_reward"), max_reward=_number(q, "max_reward"), text=text,
         tag=q.get("tag") or None, excluded=excluded, limit=limit)
@@ -169,6 +174,13 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
     done = manager.recent.get(sid)
     if done is not None:
         return full_trajectory(done)
+    held = manager.held.get(sid)
+    if held is not None:  # its reward pending, no longer in memory: its steps from the log
+        try:
+            return await asyncio.to_thread(request.app[LOG_KEY].with_steps, held.trajectory)
+        except (ValueError, msgspec.DecodeError):
+            raise ApiError(404, f"trajectory {sid[:128]!r} is held but its steps are gone",
+                           "not_found") from None
     traj = await request.app[INDEX_KEY].trajectory(sid)
     if traj is None:
         raise ApiError(404, f"no trajectory {sid[:128]!r} in this proxy's log", "not_found")
@@ -184,7 +196,18 @@ async def trajectory(request: web.Request) -> web.Response:
     index = request.app[INDEX_KEY]
     data["curation"] = to_builtins(index.state(sid))
     data["marks"] = msgspec.to_builtins(index.marks.get(sid, []))
+    data["pending"] = request.app[SESSIONS_KEY].pending_state(sid)  # its reward awaited (null: not held)
     return _json(data)
+
+
+async def rate(request: web.Request) -> web.Response:
+    """A person's rating from the page: the rewards route's, always with ``source: "human"`` (on a held
+    trajectory it releases it to the learner)."""
+    require_act(request)
+    manager = request.app[SESSIONS_KEY]
+    body: RewardBody = _decode(await request.read(), RewardBody)
+    body = msgspec.structs.replace(body, source="human")
+    return _json(await give_reward(manager, manager.canonical_id(request.match_info["session_id"]), body))
 
 
 # ---- curation ----------------------------------------------------------------------------------------------
@@ -256,5 +279,6 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/console/api/sessions", sessions)
     r.add_get("/console/api/sessions/{session_id}", trajectory)
     r.add_post("/console/api/sessions/{session_id}/curation", curate)
+    r.add_post("/console/api/sessions/{session_id}/rewards", rate)
     r.add_post("/sessions/{session_id}/curation", curate)
     r.add_post("/curation/lookup", lookup)

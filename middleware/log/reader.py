@@ -171,6 +171,12 @@ class Reader:
             raise ValueError(f"no trajectory at {cursor}")
         return resolve_found(Found(payload, [self._payload_at(ref.at) for ref in peek.step_refs]))
 
+    def with_steps(self, traj: Trajectory) -> Trajectory:
+        """A trajectory whose steps are refs (a held one's) with its full steps read back. Reads from disk:
+        call it off the event loop."""
+        steps = [step_msgpack_decoder.decode(self._payload_at(ref.at)) for ref in traj.step_refs]
+        return resolve(traj, steps)
+
     @staticmethod
     def start_of(after: str, payload: bytes) -> str:
         """Where the record ``payload`` that ends at cursor ``after`` starts."""

@@ -130,12 +130,16 @@ async def get_session(request: web.Request) -> web.Response:
 
 
 async def post_reward(request: web.Request) -> web.Response:
-    """A reward on an open session; on a held one (finished with its reward pending) it releases the
-    trajectory to the stream; on one already streamed it is recorded as late (never trained)."""
     require_control(request)
     manager = request.app[SESSIONS_KEY]
-    sid = manager.canonical_id(request.match_info["session_id"])
     body: RewardBody = _decode(await request.read(), RewardBody)
+    return _json(await give_reward(manager, manager.canonical_id(request.match_info["session_id"]), body))
+
+
+async def give_reward(manager: SessionManager, sid: str, body: RewardBody) -> dict[str, Any]:
+    """A reward on an open session; on a held one (finished with its reward pending) it releases the
+    trajectory to the stream; on one already streamed it is recorded as late (never trained). The caller
+    checked who asks (the control token here, the console's control role in ``console/routes.py``)."""
     try:
         value = finite(body.value)
     except ValueError as exc:
@@ -149,15 +153,14 @@ async def post_reward(request: web.Request) -> web.Response:
             raise ApiError(400, "this session's reward is pending: it takes a trajectory-level reward "
                            "(no step)", "invalid_body")
         if await manager.release(sid, value, body.name, body.source) is not None:
-            return _json({"session_id": sid, "name": body.name, "value": value, "step": None,
-                          "released": True})
+            return {"session_id": sid, "name": body.name, "value": value, "step": None, "released": True}
     if sid not in manager.sessions and sid in manager.closed:
         record = await manager.late_reward(sid, value, body.name, body.step, body.source)
-        return _json({"session_id": sid, "name": record.name, "value": record.value, "step": record.step,
-                      "late": True})
+        return {"session_id": sid, "name": record.name, "value": record.value, "step": record.step,
+                "late": True}
     session = manager.get(sid)
     record = await manager.add_reward(session, value, body.name, body.step, body.source)
-    return _json({"session_id": session.id, "name": record.name, "value": record.value, "step": record.step})
+    return {"session_id": session.id, "name": record.name, "value": record.value, "step": record.step}
 
 
 async def finish_session(request: web.Request) -> web.Response:

