@@ -53,6 +53,9 @@ class Found(NamedTuple):
     steps: list[bytes]
 
 
+BAD_KEPT = 65_536
+
+
 class Reader:
     """Mixin of ``TrajectoryLog``: everything that reads committed records."""
 
@@ -67,6 +70,7 @@ class Reader:
     aclose: Callable[[], Awaitable[None]]
     dir: Path
     stats: LogStats
+    _bad: set[str]  # the cursors of the undecodable records counted so far
 
     # ---- reading -----------------------------------------------------------------------------------------
 
@@ -184,6 +188,12 @@ class Reader:
         return format_cursor(segno, end - FRAME.size - len(payload))
 
     def _undecodable(self, cursor: str, exc: Exception) -> None:
+        # Each bad record counts once, however many readers meet it (the stream, the console, a rebuild);
+        # the set is bounded: past it, each reading counts
+        if cursor in self._bad:
+            return
+        if len(self._bad) < BAD_KEPT:
+            self._bad.add(cursor)
         self.stats.undecodable_records += 1
         logger.error("trajectory log %s: skipped an undecodable record before cursor %s: %s", self.dir,
                      cursor, exc)

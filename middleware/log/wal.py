@@ -126,6 +126,7 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self.degraded_reason: str | None = None  # why the log cannot write, while it cannot
         self._probe: asyncio.Task[None] | None = None
         self.stats = LogStats()
+        self._bad: set[str] = set()
         self._fs = fs
         self._remote_root = remote_root
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steptap-wal")

@@ -49,10 +49,17 @@ def browser() -> Iterator[Any]:
 
 
 async def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
-    """Poll ``check`` (in a thread: the proxy runs on this loop) until it returns something true."""
+    """Poll ``check`` (in a thread: the proxy runs on this loop) until it returns something true. The page
+    re-renders its tables as it polls the proxy, so an element found a moment ago may be gone (stale): that
+    reads as "not yet", and the next poll finds the new one."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout
     while True:
-        value = await asyncio.to_thread(check)
+        try:
+            value = await asyncio.to_thread(check)
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
@@ -84,6 +91,13 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
     def css(sel: str) -> list[Any]:
         return browser.find_elements(By.CSS_SELECTOR, sel)
 
+    def click(sel: str) -> bool:
+        """Click the element ``sel`` names now (a row the page re-rendered is found again by wait_for)."""
+        found = css(sel)
+        if found:
+            found[0].click()
+        return bool(found)
+
     def points() -> int:
         return len(css("#reward-curve circle.point"))
 
@@ -108,7 +122,7 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
 
     # Open g1-a: its token ids are on the page; exclude it before its group completes
     await wait_for("g1-a in the list", lambda: css("#session-table tr[data-id='g1-a']"))
-    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g1-a']")[0].click())
+    await wait_for("a click on g1-a's row", lambda: click("#session-table tr[data-id='g1-a']"))
     await wait_for("the trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g1-a")
     async with http.get(proxy.url + "/console/api/sessions/g1-a", headers=proxy.control) as r:
         ids = (await r.json())["steps"][0]["response_token_ids"]
@@ -124,7 +138,7 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
         assert r.status == 200 and "reward_pending" in await r.json()
     await wait_for("g1-b listed as pending", lambda: [c.text for c in css(
         "#session-table tr[data-id='g1-b'] td")][2:3] == ["pending"])
-    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g1-b']")[0].click())
+    await wait_for("a click on g1-b's row", lambda: click("#session-table tr[data-id='g1-b']"))
     await wait_for("the held trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g1-b")
     await wait_for("its pending reward", lambda: browser.find_element(By.ID, "traj-pending").text.startswith(
         "reward pending") and browser.find_element(By.ID, "rate").is_displayed())
@@ -151,9 +165,9 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
         c.text == "1" for c in css("#learner tr:last-child td:last-child")))
 
     # Agent text is text: the script tags show as characters and nothing ran
-    await asyncio.to_thread(lambda: css("#session-table tr[data-id='g0-xss']")[0].click())
+    await wait_for("a click on g0-xss's row", lambda: click("#session-table tr[data-id='g0-xss']"))
     await wait_for("the xss trajectory", lambda: css("#traj-id") and css("#traj-id")[0].text == "g0-xss")
-    shown = [p.text for p in css("#steps pre")]
+    shown = await wait_for("the xss steps", lambda: [p.text for p in css("#steps pre")])
     assert XSS_TEXT in shown
     assert any(json.loads(XSS_ARGS)["q"] in text for text in shown)  # the tool call, as JSON text
     assert not css("#steps script") and not css("#steps img")
