@@ -462,6 +462,16 @@ async def test_a_lora_load_the_server_refuses_keeps_the_old_version(
 # --- keep mode (the default): calls in flight continue on the new weights -----------------------------------
 
 
+async def _freeze(server: Backend) -> None:
+    """Freeze the calls in flight before a full-weight swap begins, so a swap slower than the rest of a
+    generation (a loaded machine) cannot let a call finish first: vLLM's own ``pause?mode=keep``, which the
+    swap's pause(keep) then finds in place (setting the paused state again changes nothing); the swap's
+    ``/resume`` lets them go on."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{server.url}/pause", params={"mode": "keep"}) as resp:
+            assert resp.status == 200, await resp.text()
+
+
 async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
     """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
     while True:
@@ -491,6 +501,7 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
                                         prompt=f"keep {i}")) for i in range(n)]
     await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
+    await _freeze(swap_server)
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
     assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
     steps = await asyncio.gather(*calls)  # every call succeeded (call() asserts 200 and [DONE])
@@ -615,6 +626,7 @@ async def test_keep_swap_splits_tito_calls_where_vllm_says(
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(generating(), 300)
+    await _freeze(swap_server)  # frozen in flight before the swap begins (see _freeze)
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
     assert version == 1 and sw.state().in_flight == n  # every second turn was generating across the swap
     steps = await asyncio.gather(*calls)
