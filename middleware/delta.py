@@ -27,7 +27,7 @@ from typing import Any, overload
 
 import msgspec
 
-from steptap.middleware.records import Delta, LogRecord, Step, StepRef, Trajectory, msgpack_encoder
+from steptap.middleware.records import Delta, LogRecord, Step, Trajectory, msgpack_encoder
 
 _enc = msgpack_encoder.encode
 _replace = msgspec.structs.replace
@@ -252,12 +252,6 @@ class LazySteps(Sequence[Step]):
             self.materialized += len(base.prompt_token_ids)
         self._last = base
         return base
-
-
-def refs_of(steps: Iterable[Step], starts: dict[int, str]) -> list[StepRef]:
-    """The references a finished trajectory writes for its steps (``starts``: step index -> where its record
-    starts)."""
-    return [StepRef(at=starts[s.index], rewards=s.rewards) for s in steps]
 
 
 class Expander:

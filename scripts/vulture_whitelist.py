@@ -26,5 +26,3 @@ _.init_transfer_engine, _.trainer_send_weights, iterator, trainer_args
 max_completion_tokens, top_logprobs, return_token_ids, echo  # proxy/validate.py: checked at the edge
 finished_at  # records.Trajectory: part of the record the learner and export read
 
-# unused, left while middleware/delta.py is being changed elsewhere: delete with that work
-refs_of
