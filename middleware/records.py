@@ -26,7 +26,9 @@ import msgspec
 #    the first (``Delta.kind == "choice"``), whose prompt ids and request it shares.
 # 6: a trajectory's ``reward_sources``, a reward's ``source`` and ``late``, and the held-trajectory records
 #    (``Held``, ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
-SCHEMA_VERSION = 6
+# 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes are
+#    stored once, by content, beside the log, and the logged request refers to them instead of holding them.
+SCHEMA_VERSION = 7
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
@@ -94,6 +96,18 @@ class Delta(msgspec.Struct, kw_only=True):
     shared: int = 0
 
 
+class ImageRef(msgspec.Struct, kw_only=True):
+    """One image a step's prompt showed the model, in prompt order (the order vLLM expanded its placeholder
+    tokens in ``prompt_token_ids``). The bytes are stored once by content beside the log (``log/images.py``);
+    readers resolve a ref by its digest."""
+
+    sha256: str  # hex digest of the image's bytes as the model received them
+    mime: str = ""  # image/png, image/jpeg, ...
+    width: int = 0
+    height: int = 0
+    size: int = 0  # bytes
+
+
 class StepRef(msgspec.Struct, array_like=True):
     """A finished trajectory's reference to one of its logged ``Step`` records."""
 
@@ -139,6 +153,7 @@ class Step(Record, tag="step"):
     # The rule that decided call_class (sessions/classify.py); "" in records made before it
     call_rule: str = ""
     branch: int = 0  # the main line's branch this step is on (a compaction starts the next)
+    images: list[ImageRef] = []  # the images its prompt showed the model, in prompt order (v7)
 
     def token_versions(self) -> list[int]:
         """The policy version that sampled each response token."""
