@@ -26,8 +26,8 @@ import msgspec
 #    the first (``Delta.kind == "choice"``), whose prompt ids and request it shares.
 # 6: a trajectory's ``reward_sources``, a reward's ``source`` and ``late``, and the held-trajectory records
 #    (``Held``, ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
-# 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes are
-#    stored once, by content, beside the log, and the logged request refers to them instead of holding them.
+# 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes
+#    are stored once, by content, beside the log; the logged request refers to them instead of holding them.
 SCHEMA_VERSION = 7
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
