@@ -34,7 +34,7 @@
 # Without a GPU the script stops at once with exit status 3 (nothing else runs).
 #
 # Status: written without a GPU at hand; NOT RUN by the project yet (neither the disk loop, nor the collective
-# loop, nor the NCCL step). On CPU the same collective code path runs over gloo in
+# loop, nor the NCCL step, nor the GSM8K run). On CPU the same collective code path runs over gloo in
 # tests/integration/test_weight_transfer.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

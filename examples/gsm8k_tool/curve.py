@@ -18,7 +18,8 @@ from steptap.learner.plot import read_rows  # the one reader of the metrics file
 
 
 def by_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """version -> {"reward": mean training reward of the batches it sampled, "batches": n, "accuracy": ...}."""
+    """version -> {"reward": the mean training reward of the batches it sampled, "batches": how many,
+    "accuracy": held-out accuracy}."""
     out: dict[int, dict[str, Any]] = {}
     rewards: dict[int, list[float]] = {}
     for r in rows:

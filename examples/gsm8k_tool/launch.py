@@ -41,15 +41,15 @@ def learner_settings(path: Path = CONFIG) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="make_data.py's output directory (train.parquet, test.parquet)")
+    p.add_argument("--data", required=True, help="make_data.py's output directory (train/test.parquet)")
     p.add_argument("--model", default="", help=f"model directory or hub name (default ${MODEL_ENV}, else "
                    f"{DEFAULT_MODEL})")
     p.add_argument("--config", default=str(CONFIG), help="the learner TOML")
     p.add_argument("--replicas", type=int, default=1, help="vLLM servers, replica i on GPU i")
     p.add_argument("--backend", action="append", default=[], help="use running vLLM server(s) instead")
     p.add_argument("--learner-gpus", default="", help="GPU indices for the learner's workers, e.g. 3 or 6,7")
-    p.add_argument("--gpu-share", type=float, default=0.0, help="vLLM's --gpu-memory-utilization (default: 0.85 "
-                   "beside a learner on its own GPUs, 0.45 when they share)")
+    p.add_argument("--gpu-share", type=float, default=0.0, help="vLLM's --gpu-memory-utilization (default: "
+                   "0.85 beside a learner on its own GPUs, 0.45 when they share)")
     p.add_argument("--max-model-len", type=int, default=8192, help="vLLM's context (prompt + 5 steps)")
     p.add_argument("--batch-groups", type=int, default=0, help="override learner.toml's prompts per update")
     p.add_argument("--updates", type=int, default=0, help="stop after this many updates (0: the epochs)")
@@ -73,14 +73,15 @@ def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str],
     if args.backend and args.replicas > 1:
         raise ValueError("--backend names running servers; --replicas starts them: give one of the two")
     if gpus and any(int(g) < args.replicas for g in gpus):
-        raise ValueError(f"--learner-gpus {args.learner_gpus}: GPUs 0..{args.replicas - 1} serve the replicas")
+        raise ValueError(f"--learner-gpus {args.learner_gpus}: GPUs 0..{args.replicas - 1} serve replicas")
     data = Path(args.data)
     sample = ["--max-tokens", str(args.max_tokens), "--max-steps", str(args.max_steps)]
     agents = [*STEPTAP, "env", "run", str(data / "train.parquet"), "--n", str(n),
               "--concurrency", str(groups * n), "--epochs", str(args.epochs), *sample]
     agents += ["--limit", str(args.rows)] if args.rows else []
     evals = ["--concurrency", "128", *sample] + (["--limit", str(args.eval_rows)] if args.eval_rows else [])
-    learn = ["--workers", str(max(1, len(gpus)))] + (["--batch-groups", str(groups)] if args.batch_groups else [])
+    learn = ["--workers", str(max(1, len(gpus)))]
+    learn += ["--batch-groups", str(groups)] if args.batch_groups else []
     argv = [*STEPTAP, "up", "--model", args.model or os.environ.get(MODEL_ENV) or DEFAULT_MODEL,
             "--config", args.config, "--task", "gsm8k_tool",
             "--agents", shlex.join(agents),
@@ -90,8 +91,9 @@ def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str],
     if args.backend:
         argv += [a for b in args.backend for a in ("--backend", b)]
     else:
-        vllm = ["--max-lora-rank", str(int(cfg.get("lora_rank", 16)) or 16),
-                "--max-model-len", str(args.max_model_len), "--", "--gpu-memory-utilization", str(args.gpu_share or (0.85 if gpus else 0.45))]
+        share = args.gpu_share or (0.85 if gpus else 0.45)
+        vllm = ["--max-lora-rank", str(int(cfg.get("lora_rank", 16)) or 16), "--max-model-len",
+                str(args.max_model_len), "--", "--gpu-memory-utilization", str(share)]
         argv += ["--replicas", str(args.replicas), f"--vllm-args={shlex.join(vllm)}"]
     if args.updates:
         argv += ["--max-updates", str(args.updates)]

@@ -1,6 +1,6 @@
 """Convert GSM8K into Agent-R1's row format for the ``calculator`` environment.
 
-    python examples/gsm8k_tool/make_data.py --hub --out data/gsm8k-tool              # openai/gsm8k (downloads)
+    python examples/gsm8k_tool/make_data.py --hub --out data/gsm8k-tool      # openai/gsm8k (downloads)
     python examples/gsm8k_tool/make_data.py --input train.parquet --split train --out data/gsm8k-tool
 
 The input is GSM8K as the hub publishes it (``openai/gsm8k``, config ``main``): one problem per row with

