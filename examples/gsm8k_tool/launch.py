@@ -3,8 +3,9 @@
     python examples/gsm8k_tool/launch.py --data data/gsm8k-tool --replicas 3 --learner-gpus 3
     python examples/gsm8k_tool/launch.py --data DIR --print          # the steptap up command, not run
 
-The model is ``--model``, else ``$STEPTAP_GSM8K_MODEL``, else Qwen/Qwen3-4B-Instruct-2507 (a hub name vLLM and
-the learner load from the Hugging Face cache, downloading it once). The agents are ``steptap env run`` over
+The model is ``--model``, else ``$STEPTAP_GSM8K_MODEL``, else Qwen/Qwen3-4B-Instruct-2507: a directory, or a
+hub name fetched once into the Hugging Face cache (``huggingface_hub.snapshot_download``: ``steptap vllm``
+takes a directory). The agents are ``steptap env run`` over
 ``DATA/train.parquet`` (``make_data.py``) in groups of ``group_size``, as many episodes at once as one update
 takes; ``steptap eval`` scores ``DATA/test.parquet`` greedily at start and every ``--eval-every`` versions.
 
@@ -37,6 +38,17 @@ def learner_settings(path: Path = CONFIG) -> dict[str, Any]:
     with path.open("rb") as fh:
         raw = tomllib.load(fh)
     return raw.get("learner", raw)
+
+
+def model_dir(name: str) -> str:
+    """A local model directory: ``name`` itself, or the hub repository's snapshot in the Hugging Face cache
+    (downloaded the first time; ``HF_HUB_OFFLINE=1`` uses the cache only)."""
+    if Path(name).is_dir():
+        return name
+    from huggingface_hub import snapshot_download
+
+    print(f"launch: fetching {name} into the Hugging Face cache (once)", file=sys.stderr, flush=True)
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +91,8 @@ def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str],
     agents = [*STEPTAP, "env", "run", str(data / "train.parquet"), "--n", str(n),
               "--concurrency", str(groups * n), "--epochs", str(args.epochs), *sample]
     agents += ["--limit", str(args.rows)] if args.rows else []
-    evals = ["--concurrency", "128", *sample] + (["--limit", str(args.eval_rows)] if args.eval_rows else [])
+    evals = ["--concurrency", "128", "--temperature", "0", *sample]  # held-out accuracy: greedy
+    evals += ["--limit", str(args.eval_rows)] if args.eval_rows else []
     learn = ["--workers", str(max(1, len(gpus)))]
     learn += ["--batch-groups", str(groups)] if args.batch_groups else []
     argv = [*STEPTAP, "up", "--model", args.model or os.environ.get(MODEL_ENV) or DEFAULT_MODEL,
@@ -110,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd, env = up_command(args, up_args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.print:
+    if args.print:  # the model as named: nothing is fetched
         print(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)]))
         return 0
+    at = cmd.index("--model") + 1
+    cmd[at] = model_dir(cmd[at])
     # steptap up replaces this process: its signals and exit status are the run's.
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0  # not reached

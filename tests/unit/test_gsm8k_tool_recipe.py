@@ -66,7 +66,7 @@ def test_launch_builds_an_up_command_up_parses_from_the_one_learner_toml(tmp_pat
     vllm = shlex.split(up.vllm_args)
     assert vllm[vllm.index("--max-lora-rank") + 1] == str(cfg["lora_rank"])  # vLLM takes the adapter
     assert vllm[vllm.index("--gpu-memory-utilization") + 1] == "0.85"  # the learner has its own GPU
-    assert up.eval == str(tmp_path / "test.parquet")
+    assert up.eval == str(tmp_path / "test.parquet") and "--temperature 0" in up.eval_args  # greedy
     learn = config_from_argv(["--config", up.config, "--model-dir", "m", *shlex.split(up.learn_args)])
     assert learn.engine == "verl" and learn.workers == 1
 
@@ -78,6 +78,7 @@ def test_launch_model_from_the_environment_backends_and_refusals(
     up, env = _up(["--data", str(tmp_path), "--backend", "unix:/s/v.sock", "--batch-groups", "2"])
     assert up.model == "/models/tiny" and up.backend == ["unix:/s/v.sock"] and env == {}
     assert "--batch-groups 2" in up.learn_args and "--concurrency 10" in up.agents
+    assert launch.model_dir(str(tmp_path)) == str(tmp_path)  # a directory is used as it is, nothing fetched
     shared, _ = _up(["--data", str(tmp_path)])  # one replica sharing the GPU with the learner
     assert "--gpu-memory-utilization 0.45" in shared.vllm_args
     with pytest.raises(ValueError, match="serve replicas"):
