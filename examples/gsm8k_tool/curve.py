@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("metrics", help="the metrics file (steptap up: WORKDIR/metrics.jsonl)")
     p.add_argument("--json", action="store_true", help="one JSON object, versions as keys")
     args = p.parse_args(argv)
-    curve = by_version(read_rows(args.metrics))
+    try:
+        curve = by_version(read_rows(args.metrics))
+    except OSError as exc:
+        print(f"curve: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(curve) if args.json else table(curve))
     return 0 if any("batches" in c for c in curve.values()) else 1
 
