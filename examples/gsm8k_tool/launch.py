@@ -84,6 +84,8 @@ def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str],
     gpus = [g for g in args.learner_gpus.split(",") if g.strip()]
     if args.backend and args.replicas > 1:
         raise ValueError("--backend names running servers; --replicas starts them: give one of the two")
+    if gpus and not args.backend and args.replicas < 2:  # up pins replicas to GPUs only if several
+        raise ValueError("--learner-gpus needs --replicas 2 or more (one replica runs on the learner's GPUs)")
     if gpus and any(int(g) < args.replicas for g in gpus):
         raise ValueError(f"--learner-gpus {args.learner_gpus}: GPUs 0..{args.replicas - 1} serve replicas")
     data = Path(args.data)

@@ -81,6 +81,8 @@ def test_launch_model_from_the_environment_backends_and_refusals(
     assert launch.model_dir(str(tmp_path)) == str(tmp_path)  # a directory is used as it is, nothing fetched
     shared, _ = _up(["--data", str(tmp_path)])  # one replica sharing the GPU with the learner
     assert "--gpu-memory-utilization 0.45" in shared.vllm_args
+    with pytest.raises(ValueError, match="needs --replicas 2 or more"):
+        launch.up_command(launch.build_parser().parse_args(["--data", "d", "--learner-gpus", "1"]), [])
     with pytest.raises(ValueError, match="serve replicas"):
         launch.up_command(launch.build_parser().parse_args(
             ["--data", "d", "--replicas", "2", "--learner-gpus", "1"]), [])
