@@ -27,13 +27,14 @@ from typing import Any
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
 from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
-from steptap.middleware.client import forget_control_token
+from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="parquet dataset (prompt, reward_model, agent_name, env_kwargs)")
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
-    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV), help=f"default ${TOKEN_ENV}")
+    p.add_argument("--control-token", help=f"default ${TOKEN_ENV}, else the file ${TOKEN_FILE_ENV} names "
+                   "(what `steptap up` gives its --agents)")
     p.add_argument(
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )
@@ -71,7 +72,12 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.proxy:
         p.error(f"no proxy URL: pass --proxy or set {URL_ENV}")
     if not args.control_token:
-        p.error(f"no control token: pass --control-token or set {TOKEN_ENV}")
+        try:
+            args.control_token = default_control_token()
+        except ValueError as exc:
+            p.error(str(exc))
+    if not args.control_token:
+        p.error(f"no control token: pass --control-token or set {TOKEN_ENV} (or {TOKEN_FILE_ENV})")
     if args.concurrency < 1:
         p.error("--concurrency must be at least 1")
     forget_control_token()  # read: no environment, tool or grader started from here inherits it

@@ -282,3 +282,26 @@ def test_export_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
         os.umask(old)
     assert writer.files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in writer.files)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o700  # created here: private
+
+
+def test_env_run_takes_the_control_token_from_the_file_steptap_up_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`steptap up --agents` hands its driver $STEPTAP_CONTROL_TOKEN_FILE, never the token itself."""
+    from steptap.adapters.env.cli import main_env
+    from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    token = tmp_path / "control_token"
+    token.write_text("")
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(token))
+    run = ["run", str(tmp_path / "none.parquet"), "--proxy", "http://127.0.0.1:9"]
+    with pytest.raises(SystemExit):
+        main_env(run)
+    assert "empty token file" in capsys.readouterr().err  # a broken file is named, not "no token"
+    token.write_text("t0k\n")
+    with pytest.raises(SystemExit):
+        main_env(run)
+    err = capsys.readouterr().err
+    assert "no dataset at" in err and "no control token" not in err  # past the token check, to the data
+    assert TOKEN_FILE_ENV not in os.environ  # read once, kept from what the run starts
