@@ -49,8 +49,12 @@ class Peek(msgspec.Struct, kw_only=True, tag_field="type"):
     trajectory_id: str = ""
 
 
+class PeekImage(msgspec.Struct):
+    sha256: str = ""
+
+
 class PeekStep(Peek, tag="step"):
-    pass
+    images: list[PeekImage] = []  # compaction keeps what a kept step refers to (images.py)
 
 
 class PeekOpened(Peek, tag="session_opened"):
@@ -121,6 +125,7 @@ class Recovery:
     # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
     _download_remote: Callable[[], list[int]]
     _open_sessions: dict[str, int]
+    _image_segs: dict[str, int]
     _traj_ends: array[int]
     _traj_firsts: array[int]
     _valid_end: dict[int, int]
@@ -228,7 +233,10 @@ class Recovery:
         except msgspec.DecodeError:
             # An unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
             return
-        if isinstance(peek, PeekOpened):
+        if isinstance(peek, PeekStep):
+            for image in peek.images:
+                self._image_segs[image.sha256] = segno
+        elif isinstance(peek, PeekOpened):
             self._opened(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
             self._finished(peek.id, peek.step_refs, segno, end)

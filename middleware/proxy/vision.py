@@ -1,0 +1,266 @@
+"""Images in model calls: each image part of the chat body sent upstream (the three protocols' images arrive
+there as chat ``image_url`` parts: messages.py, responses_request.py) read, checked and hashed before anything
+is forwarded or recorded.
+
+A data URL is decoded; an http(s) URL is fetched by the proxy itself (only from the hosts ``--image-urls``
+allows, bounded in size and time, no redirects) and sent upstream as a data URL, so vLLM, the record and the
+image store see the same bytes. Each image is decoded with Pillow (an undecodable one, or one past
+``max_image_bytes`` / ``max_image_pixels`` / ``max_images_per_call``, is a 400 and nothing is recorded). The
+logged request holds a reference in place of each image's data (``with_refs``; log/images.py stores the bytes
+once by digest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import Overloaded
+from steptap.middleware.log.images import digest, ref_of
+from steptap.middleware.proxy.translation import data_url
+from steptap.middleware.records import ImageRef
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message, "invalid_image")
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image of a call, as the model receives it."""
+
+    sha256: str
+    data: bytes
+    mime: str
+    width: int
+    height: int
+
+    def ref(self) -> ImageRef:
+        return ImageRef(sha256=self.sha256, mime=self.mime, width=self.width, height=self.height,
+                        size=len(self.data))
+
+    def data_url(self) -> str:
+        return f"data:{self.mime};base64,{base64.b64encode(self.data).decode()}"
+
+
+def _source(part: dict[str, Any]) -> Any:
+    spec = part.get("image_url")
+    return spec.get("url") if isinstance(spec, dict) else spec
+
+
+def image_parts(chat: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The chat body's ``image_url`` parts, in prompt order."""
+    for msg in chat.get("messages") or ():
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    yield part
+
+
+def has_images(chat: dict[str, Any]) -> bool:
+    return next(image_parts(chat), None) is not None
+
+
+async def gather(chat: dict[str, Any], cfg: ProxyConfig, known: dict[str, Image]) -> list[Image]:
+    """Each image of the chat body, in prompt order; ``known`` (source -> image) spares a source met before
+    in this call its second decode or fetch."""
+    out: list[Image] = []
+    for part in image_parts(chat):
+        src = _source(part)
+        if not isinstance(src, str) or not src:
+            raise _bad("an image_url part needs a string url")
+        if len(out) >= cfg.max_images_per_call:
+            raise _bad(f"the call carries more than {cfg.max_images_per_call} images (max_images_per_call)")
+        if src not in known:
+            raw = await _fetch(src, cfg) if src.startswith(("http://", "https://")) else _decode_data_url(src,
+                                                                                                         cfg)
+            known[src] = await asyncio.to_thread(inspect, raw, cfg)
+        out.append(known[src])
+    return out
+
+
+def _decode_data_url(src: str, cfg: ProxyConfig) -> bytes:
+    head, sep, payload = src.partition(",")
+    if not head.startswith("data:") or not sep or not head.endswith(";base64"):
+        raise _bad("an image must be a base64 data URL (data:image/png;base64,...) or an http(s) URL, not "
+                   f"{src[:40]!r}")
+    if len(payload) * 3 // 4 > cfg.max_image_bytes + 3:
+        raise _bad(f"an image is larger than {cfg.max_image_bytes} bytes (max_image_bytes)")
+    try:
+        return binascii.a2b_base64(payload, strict_mode=False)
+    except (binascii.Error, ValueError):
+        raise _bad("an image's data URL is not valid base64") from None
+
+
+def inspect(raw: bytes, cfg: ProxyConfig) -> Image:
+    """The image's digest, type and size, once Pillow decoded it whole (a thread: decoding takes time)."""
+    from PIL import Image as Pil  # noqa: N813 - only when a call carries an image
+    from PIL import UnidentifiedImageError
+
+    if len(raw) > cfg.max_image_bytes:
+        raise _bad(f"an image is larger than {cfg.max_image_bytes} bytes (max_image_bytes)")
+    try:
+        with Pil.open(io.BytesIO(raw)) as img:
+            width, height = img.size
+            if width * height > cfg.max_image_pixels:  # from the header, before decoding
+                raise _bad(f"an image of {width}x{height} pixels is past max_image_pixels "
+                           f"({cfg.max_image_pixels})")
+            img.load()
+            mime = Pil.MIME.get(img.format or "", "application/octet-stream")
+    except ApiError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Pil.DecompressionBombError) as exc:
+        raise _bad(f"an image could not be decoded: {exc}") from None
+    return Image(sha256=digest(raw), data=raw, mime=mime, width=width, height=height)
+
+
+def _host_allowed(url: str, cfg: ProxyConfig) -> bool:
+    host = (urlsplit(url).hostname or "").lower()
+    return "*" in cfg.image_urls or host in {h.lower() for h in cfg.image_urls}
+
+
+async def _fetch(url: str, cfg: ProxyConfig) -> bytes:
+    """An image URL's bytes: allowed hosts only, no redirects, at most ``max_image_bytes``, within
+    ``image_url_timeout_s``."""
+    if not _host_allowed(url, cfg):
+        raise _bad(f"image URLs from {urlsplit(url).hostname!r} are not fetched: allow the host with "
+                   "--image-urls HOST (or '*'), or send the image as a base64 data URL")
+    timeout = aiohttp.ClientTimeout(total=cfg.image_url_timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as http, \
+                http.get(url, allow_redirects=False) as resp:
+            if resp.status != 200:
+                raise _bad(f"fetching the image {url[:200]} answered {resp.status}")
+            if (resp.content_length or 0) > cfg.max_image_bytes:
+                raise _bad(f"the image at {url[:200]} is larger than {cfg.max_image_bytes} bytes "
+                           "(max_image_bytes)")
+            data = await resp.content.read(cfg.max_image_bytes + 1)
+            if len(data) > cfg.max_image_bytes or not resp.content.at_eof():
+                raise _bad(f"the image at {url[:200]} is larger than {cfg.max_image_bytes} bytes "
+                           "(max_image_bytes)")
+            return data
+    except TimeoutError:
+        raise _bad(f"fetching the image {url[:200]} took longer than {cfg.image_url_timeout_s} s "
+                   "(image_url_timeout_s)") from None
+    except aiohttp.ClientError as exc:
+        raise _bad(f"fetching the image {url[:200]} failed: {exc}") from None
+
+
+def with_data(chat: dict[str, Any], known: dict[str, Image]) -> dict[str, Any]:
+    """The chat body with each fetched URL image as the data URL of its bytes (the same object when no part
+    changes)."""
+    if not any(isinstance(s, str) and s.startswith(("http://", "https://")) for s in map(_source,
+                                                                                           image_parts(chat))):
+        return chat
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        src = _source(p)
+        if p.get("type") != "image_url" or src not in known or not src.startswith(("http://", "https://")):
+            return p
+        spec = p["image_url"]
+        return {**p, "image_url": {**spec, "url": known[src].data_url()} if isinstance(spec, dict)
+                else known[src].data_url()}
+
+    messages = [{**m, "content": [part(p) if isinstance(p, dict) else p for p in m["content"]]}
+                if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                for m in chat["messages"]]
+    return {**chat, "messages": messages}
+
+
+def with_refs(body: Any, known: dict[str, Image]) -> Any:
+    """The agent's body (chat, Responses or Messages) with each image's data or URL replaced by its
+    reference (``ref_of``), copied only where it changes: what the log holds."""
+    if isinstance(body, list):
+        out = [with_refs(v, known) for v in body]
+        return body if all(a is b for a, b in zip(out, body, strict=True)) else out
+    if not isinstance(body, dict):
+        return body
+    kind = body.get("type")
+    if kind == "image_url":  # chat
+        src = _source(body)
+        if src in known:
+            spec = body["image_url"]
+            ref = ref_of(known[src].sha256)
+            return {**body, "image_url": {**spec, "url": ref} if isinstance(spec, dict) else ref}
+    elif kind == "input_image":  # Responses
+        src = body.get("image_url")
+        if src in known:
+            return {**body, "image_url": ref_of(known[src].sha256)}
+    elif kind == "image" and isinstance(body.get("source"), dict):  # Messages
+        source = body["source"]
+        src = (data_url(source.get("media_type"), source.get("data")) if source.get("type") == "base64"
+               else source.get("url"))
+        if src in known:
+            ref = ref_of(known[src].sha256)
+            return {**body, "source": {**source, "data": ref} if source.get("type") == "base64"
+                    else {**source, "url": ref}}
+    changed = {k: with_refs(v, known) for k, v in body.items() if isinstance(v, (dict, list))}
+    changed = {k: v for k, v in changed.items() if v is not body[k]}
+    return {**body, **changed} if changed else body
+
+
+def strip_images(body: Any) -> Any:
+    """A refused call's body as its failed step keeps it: each image's data dropped (never stored)."""
+    known: dict[str, Image] = {}
+    for src in _all_sources(body):
+        known[src] = _OMITTED
+    return with_refs(body, known) if known else body
+
+
+_OMITTED = Image(sha256="omitted", data=b"", mime="", width=0, height=0)  # a refused call's images
+
+
+def _all_sources(body: Any) -> Iterator[str]:
+    if isinstance(body, list):
+        for v in body:
+            yield from _all_sources(v)
+    elif isinstance(body, dict):
+        kind = body.get("type")
+        src: Any = None
+        if kind == "image_url":
+            src = _source(body)
+        elif kind == "input_image":
+            src = body.get("image_url")
+        elif kind == "image" and isinstance(body.get("source"), dict):
+            s = body["source"]
+            src = data_url(s.get("media_type"), s.get("data")) if s.get("type") == "base64" else s.get("url")
+        if isinstance(src, str):
+            yield src
+        for v in body.values():
+            if isinstance(v, (dict, list)):
+                yield from _all_sources(v)
+
+
+class ImageMemory:
+    """The decoded image bytes the calls in flight hold, against ``max_image_memory`` (429 beyond)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    @contextlib.contextmanager
+    def hold(self, size: int) -> Iterator[None]:
+        if size and self.held + size > self.limit:
+            raise Overloaded(f"images in flight would take more than {self.limit} bytes (max_image_memory): "
+                             "retry later")
+        self.held += size
+        try:
+            yield
+        finally:
+            self.held -= size
+
+
+IMAGE_MEMORY_KEY = web.AppKey("steptap_image_memory", ImageMemory)
