@@ -1,0 +1,104 @@
+"""The image store beside the log (log/images.py): each image once by digest, 0600, atomic; compaction removes
+the images no kept step refers to and never one a call in flight holds; a reopened log knows which are
+referred to from its records."""
+
+from __future__ import annotations
+
+import io
+import stat
+from pathlib import Path
+
+from steptap.middleware.log.images import IMAGES_DIR, digest, digest_of_ref, ref_of
+from steptap.middleware.log.wal import TrajectoryLog
+from steptap.middleware.records import ImageRef, SessionOpened, Step, Trajectory
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (4, 3)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _files(log_dir: Path) -> set[str]:
+    d = log_dir / IMAGES_DIR
+    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+
+
+def _step(tid: str, index: int, *shas: str) -> Step:
+    return Step(trajectory_id=tid, index=index, prompt_token_ids=list(range(50)),
+                images=[ImageRef(sha256=s, mime="image/png") for s in shas])
+
+
+async def test_each_image_is_stored_once_private_and_whole(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path))
+    a, b = png((255, 0, 0)), png((0, 0, 255))
+    sa, sb = digest(a), digest(b)
+    await log.images.put([(sa, a), (sb, b)])
+    await log.images.put([(sa, a)])  # a screenshot replayed next turn: nothing new written
+    assert _files(tmp_path) == {sa, sb}  # no temporary file left beside them
+    path = tmp_path / IMAGES_DIR / sa
+    assert path.read_bytes() == a and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / IMAGES_DIR).stat().st_mode) == 0o700
+    assert log.images.get(sb) == b
+    assert log.images.get("0" * 64) is None and log.images.get("../../etc/passwd") is None
+    assert digest_of_ref(ref_of(sa)) == sa and digest_of_ref("steptap-image:sha256:xyz") is None
+    await log.close()
+
+
+async def _roll(log: TrajectoryLog, tag: str) -> str:
+    end = ""
+    for i in range(8):  # past a few 1 KiB segments
+        await log.append(SessionOpened(trajectory_id=f"{tag}{i}"))
+        end = await log.append(Trajectory(id=f"{tag}{i}", status="finished"))
+    return end
+
+
+async def test_compaction_removes_images_no_kept_step_refers_to(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
+    old, kept, pending, orphan = (png((i * 40, 0, 0)) for i in range(1, 5))
+    s_old, s_kept, s_pending, s_orphan = map(digest, (old, kept, pending, orphan))
+    await log.images.put([(s_old, old), (s_orphan, orphan), (s_pending, pending), (s_kept, kept)])
+    await log.append(SessionOpened(trajectory_id="a"))
+    await log.append(_step("a", 0, s_old))
+    await log.append(Trajectory(id="a", status="finished"))
+    await _roll(log, "f")
+    await log.append(SessionOpened(trajectory_id="o1"))  # open: compaction stops before it
+    await log.append(_step("o1", 0, s_kept))
+    await _roll(log, "g")
+    await log.append(SessionOpened(trajectory_id="o2"))
+    end = await log.append(_step("o2", 0, s_kept))  # the same screenshot in another session
+    with log.images.hold([s_pending]):  # a call in flight that will refer to it
+        assert await log.compact(end)
+        # the old image's only step is gone, and the orphan (its call was refused upstream) with it
+        assert _files(tmp_path) == {s_kept, s_pending}
+    await log.close()
+
+    # Reopened: which images the retained steps refer to is read from the records themselves
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
+    await log.append(Trajectory(id="o1", status="finished"))
+    end = await _roll(log, "h")
+    assert await log.compact(end)  # o1's step goes; o2's stays and keeps the image it shares
+    assert not any(isinstance(r, Step) and r.trajectory_id == "o1" for r in log.records())
+    assert _files(tmp_path) == {s_kept}  # no longer held, never referred to: gone
+    await log.close()
+
+
+async def test_compaction_keeps_the_images_of_retained_steps(tmp_path: Path) -> None:
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
+    gone, shown = png((1, 2, 3)), png((3, 2, 1))
+    s_gone, s_shown = digest(gone), digest(shown)
+    await log.images.put([(s_gone, gone), (s_shown, shown)])
+    await log.append(SessionOpened(trajectory_id="a"))
+    await log.append(_step("a", 0, s_gone))
+    end = await log.append(Trajectory(id="a", status="finished"))
+    for i in range(8):
+        await log.append(SessionOpened(trajectory_id=f"f{i}"))
+        end = await log.append(Trajectory(id=f"f{i}", status="finished"))
+    await log.append(SessionOpened(trajectory_id="open"))  # still open: its step must stay
+    await log.append(_step("open", 0, s_shown))
+    assert await log.compact(end)
+    assert _files(tmp_path) == {s_shown}
+    assert any(isinstance(r, Step) and r.trajectory_id == "open" for r in log.records())
+    await log.close()
