@@ -1,6 +1,6 @@
 """The image store: the bytes of each image a step's prompt showed the model, stored once by content beside
 the log (``<log dir>/images/<sha256 hex>``), 0600. A step names its images (``Step.images``) and its logged
-request refers to them (``ref_of``) instead of holding the base64 again, so a screenshot replayed every turn
+request refers to them (``records.ref_of``) instead of holding the base64 again, so a screenshot replayed every turn
 costs one copy.
 
 An image is written (atomic, synced under ``fsync`` durability: files.py) before the step that refers to it is
@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -23,32 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from steptap.middleware import files
+from steptap.middleware.records import is_digest
 
 logger = logging.getLogger("steptap.wal")
 
 IMAGES_DIR = "images"
-REF_PREFIX = "steptap-image:sha256:"  # what a logged request holds where the agent sent an image's bytes
-_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def is_digest(text: str) -> bool:
-    return bool(_HEX.fullmatch(text))
-
-
-def ref_of(sha256: str) -> str:
-    """The reference a logged request holds in place of an image's data (resolved by ``digest_of_ref``)."""
-    return REF_PREFIX + sha256
-
-
-def digest_of_ref(value: Any) -> str | None:
-    """The digest a ``ref_of`` string names, else None."""
-    if isinstance(value, str) and value.startswith(REF_PREFIX) and is_digest(value[len(REF_PREFIX):]):
-        return value[len(REF_PREFIX):]
-    return None
 
 
 class ImageStore:
@@ -136,3 +118,4 @@ class ImageStore:
 
     def __len__(self) -> int:
         return len(self._known)
+

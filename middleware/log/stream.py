@@ -37,13 +37,12 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import require_control
-from steptap.middleware.log.images import is_digest
 from steptap.middleware.errors import ApiError, bad_request
 from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors, TooManyConsumers
 from steptap.middleware.log.reader import Found, Skipped
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.records import Trajectory, log_decoder, step_msgpack_decoder
+from steptap.middleware.records import Trajectory, is_digest, log_decoder, step_msgpack_decoder
 from steptap.middleware.wire import (
     FORMATS,
     MSGPACK,

@@ -28,9 +28,9 @@ from aiohttp import web
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import Overloaded
-from steptap.middleware.log.images import digest, ref_of
+from steptap.middleware.log.images import digest
 from steptap.middleware.proxy.translation import data_url
-from steptap.middleware.records import ImageRef
+from steptap.middleware.records import ImageRef, ref_of
 
 
 def _bad(message: str) -> ApiError:

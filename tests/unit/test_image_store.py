@@ -8,9 +8,11 @@ import io
 import stat
 from pathlib import Path
 
-from steptap.middleware.log.images import IMAGES_DIR, digest, digest_of_ref, ref_of
+import pytest
+
+from steptap.middleware.log.images import IMAGES_DIR, digest
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.records import ImageRef, SessionOpened, Step, Trajectory
+from steptap.middleware.records import ImageRef, SessionOpened, Step, Trajectory, digest_of_ref, ref_of
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (4, 3)) -> bytes:
@@ -102,3 +104,37 @@ async def test_compaction_keeps_the_images_of_retained_steps(tmp_path: Path) -> 
     assert _files(tmp_path) == {s_shown}
     assert any(isinstance(r, Step) and r.trajectory_id == "open" for r in log.records())
     await log.close()
+
+
+async def test_readers_resolve_images_from_the_log_and_export_writes_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import pyarrow.parquet as pq
+
+    from steptap.adapters import export
+    from steptap.middleware.log.offline import LogReader
+
+    shot, gone = png((9, 9, 9)), png((8, 8, 8))
+    s_shot, s_gone = digest(shot), digest(gone)
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    await log.images.put([(s_shot, shot)])
+    request = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": ref_of(s_shot)}}]}]}
+    steps = [Step(trajectory_id="t", index=i, request=request, prompt_token_ids=[1, 2],
+                  images=[ImageRef(sha256=s_shot, mime="image/png", width=4, height=3, size=len(shot))]
+                  + ([ImageRef(sha256=s_gone)] if i else []))
+             for i in range(2)]  # the second turn shows the screenshot again, and one the log lost
+    await log.append(Trajectory(id="t", status="finished", steps=steps))
+    await log.close()
+
+    reader = LogReader(str(tmp_path / "log"))
+    assert reader.image(s_shot) == shot and reader.image(s_gone) is None and reader.image("x") is None
+    assert export.main(["--log", str(tmp_path / "log"), "--out", str(tmp_path / "out"),
+                        "--images-dir", str(tmp_path / "img")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["images"] == 1 and summary["images_missing"] == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "img").iterdir()} == {s_shot: shot}
+    rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert [[i["sha256"] for i in json.loads(r["images"])] for r in rows] == [[s_shot], [s_shot, s_gone]]
+    assert digest_of_ref(json.loads(rows[0]["messages"])[0]["content"][0]["image_url"]["url"]) == s_shot

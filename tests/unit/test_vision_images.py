@@ -17,9 +17,10 @@ from aiohttp import web
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
-from steptap.middleware.log.images import IMAGES_DIR, digest, digest_of_ref
+from steptap.middleware.log.images import IMAGES_DIR, digest
 from steptap.middleware.proxy import messages, vision
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
+from steptap.middleware.records import digest_of_ref
 
 CFG = ProxyConfig(backend="http://127.0.0.1:9")
 
