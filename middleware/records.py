@@ -7,6 +7,7 @@ here and reused everywhere.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal
 
@@ -26,8 +27,9 @@ import msgspec
 #    the first (``Delta.kind == "choice"``), whose prompt ids and request it shares.
 # 6: a trajectory's ``reward_sources``, a reward's ``source`` and ``late``, and the held-trajectory records
 #    (``Held``, ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
-# 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes are
-#    stored once, by content, beside the log, and the logged request refers to them instead of holding them.
+# 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes
+#    are stored once, by content, beside the log, and the logged request refers to them instead of holding
+#    them.
 SCHEMA_VERSION = 7
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
@@ -108,9 +110,14 @@ class ImageRef(msgspec.Struct, kw_only=True):
     size: int = 0  # bytes
 
 
-# What a logged request holds where the agent sent an image's data or URL: the image's digest (its bytes are in
-# the image store beside the log, log/images.py), so a screenshot replayed every turn is stored once.
+# What a logged request holds where the agent sent an image's data or URL: the image's digest (its bytes are
+# in the image store beside the log, log/images.py), so a screenshot replayed every turn is stored once.
 IMAGE_REF_PREFIX = "steptap-image:sha256:"
+
+
+def image_digest(data: bytes) -> str:
+    """What names an image: the sha256 hex digest of its bytes."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def is_digest(text: str) -> bool:

@@ -1,19 +1,19 @@
 """The image store: the bytes of each image a step's prompt showed the model, stored once by content beside
 the log (``<log dir>/images/<sha256 hex>``), 0600. A step names its images (``Step.images``) and its logged
-request refers to them (``records.ref_of``) instead of holding the base64 again, so a screenshot replayed every turn
-costs one copy.
+request refers to them (``records.ref_of``) instead of holding the base64 again, so a screenshot replayed
+every turn costs one copy.
 
 An image is written (atomic, synced under ``fsync`` durability: files.py) before the step that refers to it is
 appended; under ``os`` durability it is written unsynced, as the log's own groups are. Writes run off the
 event loop. Compaction (compaction.py) removes the images no kept record refers to, never one a call in flight
-holds (``hold``). A remote log (remote.py) gets each image uploaded under ``<url>/images/`` when it is written.
+holds (``hold``). A remote log (remote.py) gets each image uploaded under ``<url>/images/`` when it is
+written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 from collections import Counter
@@ -27,10 +27,6 @@ from steptap.middleware.records import is_digest
 logger = logging.getLogger("steptap.wal")
 
 IMAGES_DIR = "images"
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class ImageStore:

@@ -10,7 +10,6 @@ our keys changed, never through a Struct (unknown fields would be lost). The ups
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -35,7 +34,6 @@ from steptap.middleware.exceptions import (
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.log.stream import LOG_KEY
 from steptap.middleware.proxy import capture, replies, tito, vision
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import (
@@ -54,7 +52,7 @@ from steptap.middleware.proxy.serving import (
 )
 from steptap.middleware.proxy.sse import StreamRelay
 from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.records import ImageRef, Step, json_encoder
+from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.manager import SessionManager
@@ -102,7 +100,7 @@ async def _model_call(
     request: web.Request, endpoint: str, raw: bytes, started_at: float, t0: float
 ) -> web.StreamResponse:
     app = request.app
-    cfg, manager = app[CONFIG_KEY], app[SESSIONS_KEY]
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     ident = identify(request)  # a malformed session id is a 400
     body, ids = decode_body(raw, endpoint, manager, ident)
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
@@ -117,98 +115,50 @@ async def _model_call(
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
     stream = bool(view.stream)
-    # Images: read, checked and hashed before anything is forwarded or recorded (a bad one is a 400 and
-    # nothing is recorded); stored once by digest, held from compaction until the steps refer to them
-    known: dict[str, vision.Image] = {}
-    images = await vision.gather(edge, cfg, known) if vision.has_images(edge) else []
-    store = app[LOG_KEY].images
-    with contextlib.ExitStack() as held:
-        if images:
-            held.enter_context(app[vision.IMAGE_MEMORY_KEY].hold(sum(len(i.data) for i in known.values())))
-            held.enter_context(store.hold([i.sha256 for i in known.values()]))
-            await store.put((i.sha256, i.data) for i in known.values())
-        return await _admitted(request, endpoint, ident, raw, body, proto, view, stream, (known, images, held),
-                               started_at, t0)
-
-
-async def _admitted(request: web.Request, endpoint: str, ident: Any, raw: bytes, body: dict[str, Any],
-                    proto: Protocol | None, view: Any, stream: bool,
-                    seen: tuple[dict[str, vision.Image], list[vision.Image], contextlib.ExitStack],
-                    started_at: float, t0: float) -> web.StreamResponse:
-    app = request.app
-    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
-    known, images, held = seen
-    upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
-    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-        served = await pool.route(view.model)  # before resolving: a refused call opens no session
-        session = await manager.resolve(ident)  # identify
-        if proto is not None:
-            proto.prepare(None if session.trajectory.anonymous else session.id)
-            for field in proto.dropped:
-                app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
-            if vision.has_images(proto.chat):  # a stored conversation's images (previous_response_id)
-                images = await _images_again(app, manager, session, proto.chat, known, held)
-        try:
-            async with manager.call(session, steps=view.n or 1, size=len(raw)), \
-                    app[SWAPPER_KEY].gate() as ticket:  # gate
-                served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
-                # entry (it would only push named sessions out of the pool's bounded map).
-                replica = pool.acquire(pool.pick(_sticky_id(session)))
-                if proto is not None:
-                    await proto.adapt(replica.client, served)
-                    proto.chat = vision.with_data(proto.chat, known)
-                chat_body = proto.chat if proto is not None else vision.with_data(body, known)
-                out, asked = patch_request(chat_body, upstream_endpoint, served, cfg)
-                call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
-                    request=vision.with_refs(body, known),  # the log holds each image once, by digest
-                    sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
-                    model=view.model or served,
-                    served_model=served,
-                    backend=replica.name,
-                    started_at=started_at,
-                    policy_version=ticket.version,
-                ))
-                call.proto = proto
-                call.spans = ticket.spans
-                call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
-                if call.tito and images:  # vLLM's render and generate routes take no images here
-                    call.tito = False
-                    session.tito_state = None
-                    call.notes.append("token-in-token-out is off for a call with images (rendered by vLLM)")
-                call.chat = out
-                call.images = [i.ref() for i in images]
-                call.known = known
-                try:
-                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out),
-                                          stream)
-                finally:
-                    pool.release(call.replica)
-        finally:
-            metrics = app[METRICS_KEY]
-            metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
-                time.perf_counter() - t0
-            )
-
-
-async def _images_again(app: web.Application, manager: SessionManager, session: LiveSession,
-                        chat: dict[str, Any], known: dict[str, vision.Image], held: contextlib.ExitStack
-                        ) -> list[vision.Image]:
-    """The images of a chat body a stored conversation extended (``previous_response_id``): those it adds
-    were checked when their call came; too many together is a 400 (an auto session it opened is dropped)."""
-    before = set(known)
-    try:
-        images = await vision.gather(chat, app[CONFIG_KEY], known)
-    except ApiError:
-        if session.pending and session.inflight == 0:
-            manager.pending.pop(session.id, None)
-        raise
-    added = [known[src] for src in known if src not in before]
-    if added:
-        store = app[LOG_KEY].images
-        held.enter_context(store.hold([i.sha256 for i in added]))
-        await store.put((i.sha256, i.data) for i in added)
-    return images
+    # Images: read, checked (a 400, nothing recorded) and stored before anything is forwarded (vision.py)
+    async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images, edge) as pics:
+        with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+            served = await pool.route(view.model)  # before resolving: a refused call opens no session
+            session = await manager.resolve(ident)  # identify
+            if proto is not None:
+                proto.prepare(None if session.trajectory.anonymous else session.id)
+                for field in proto.dropped:
+                    app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
+                await pics.again(proto.chat, manager, session)  # a stored conversation's images
+            try:
+                async with manager.call(session, steps=view.n or 1, size=len(raw)), \
+                        app[SWAPPER_KEY].gate() as ticket:  # gate
+                    served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
+                    # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
+                    # entry (it would only push named sessions out of the pool's bounded map).
+                    replica = pool.acquire(pool.pick(_sticky_id(session)))
+                    if proto is not None:
+                        await proto.adapt(replica.client, served)
+                    out, asked = patch_request(pics.upstream(proto.chat if proto is not None else body),
+                                               upstream_endpoint, served, cfg)
+                    call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0,
+                                 common=dict(
+                        request=pics.logged(body),  # each image as its reference (stored once)
+                        sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+                        model=view.model or served,
+                        served_model=served,
+                        backend=replica.name,
+                        started_at=started_at,
+                        policy_version=ticket.version,
+                    ))
+                    call.proto, call.spans = proto, ticket.spans
+                    call.tito = pics.tito(session, upstream_endpoint == CHAT and (cfg.tito or session.tito))
+                    call.chat, call.pics = out, pics
+                    try:
+                        payload = _upstream_body(raw, body, out) if proto is None else _encode(out)
+                        return await call.run(payload, stream)
+                    finally:
+                        pool.release(call.replica)
+            finally:
+                metrics = app[METRICS_KEY]
+                metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
+                    time.perf_counter() - t0
+                )
 
 
 async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,
@@ -276,8 +226,7 @@ class _Call(StreamRelay):
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
         self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
-        self.images: list[ImageRef] = []  # the prompt's images, in prompt order (each step names them)
-        self.known: dict[str, vision.Image] = {}  # source -> image, for the references the log holds
+        self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -406,10 +355,10 @@ class _Call(StreamRelay):
                 self.proto.annotate(step)
             if self.notes:
                 step.notes = [*step.notes, *self.notes]
-            step.images = list(self.images)
-        # A translated request's messages as sent upstream: continuity is judged on them (sessions/prefix.py),
-        # each image as its reference
-        chat = vision.with_refs(self.chat.get("messages"), self.known) if self.proto is not None else None
+            step.images = self.pics.refs()
+        # A translated request's messages as sent upstream (images as references): continuity is judged on
+        # them (sessions/prefix.py)
+        chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
         await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = (tito.next_state(self.chat, steps[0], stop_reason) if len(steps) == 1

@@ -93,8 +93,8 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
         if isinstance(part, dict) and part.get("type") == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str) or not url:
-                raise _bad("an input_image needs an 'image_url' (a data URL or an http(s) URL; file_id is not "
-                           "served)", f"{where}[{i}]")
+                raise _bad("an input_image needs an 'image_url' (a data URL or an http(s) URL; file_id is "
+                           "not served)", f"{where}[{i}]")
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             parts.append({"type": "text", "text": _text_of([part], f"{where}[{i}]")})

@@ -28,9 +28,10 @@ from aiohttp import web
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import Overloaded
-from steptap.middleware.log.images import digest
 from steptap.middleware.proxy.translation import data_url
-from steptap.middleware.records import ImageRef, ref_of
+from steptap.middleware.records import ImageRef, image_digest, ref_of
+from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.session import Images, LiveSession
 
 
 def _bad(message: str) -> ApiError:
@@ -124,7 +125,7 @@ def inspect(raw: bytes, cfg: ProxyConfig) -> Image:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Pil.DecompressionBombError) as exc:
         raise _bad(f"an image could not be decoded: {exc}") from None
-    return Image(sha256=digest(raw), data=raw, mime=mime, width=width, height=height)
+    return Image(sha256=image_digest(raw), data=raw, mime=mime, width=width, height=height)
 
 
 def _host_allowed(url: str, cfg: ProxyConfig) -> bool:
@@ -264,3 +265,67 @@ class ImageMemory:
 
 
 IMAGE_MEMORY_KEY = web.AppKey("steptap_image_memory", ImageMemory)
+
+
+class CallImages:
+    """One call's images while it is in flight (an async context manager): read from the chat body on
+    entry, their bytes counted against ``max_image_memory`` and held from compaction until the call's steps
+    name them, stored before anything is forwarded."""
+
+    def __init__(self, cfg: ProxyConfig | None, memory: ImageMemory | None, store: Images | None,
+                 chat: dict[str, Any] | None = None) -> None:
+        self.cfg, self.memory, self.store, self.chat = cfg, memory, store, chat
+        self.known: dict[str, Image] = {}  # source (data URL or URL) -> image
+        self.images: list[Image] = []  # the prompt's, in prompt order
+        self._stack = contextlib.ExitStack()
+
+    async def __aenter__(self) -> CallImages:
+        if self.chat is not None:
+            await self.read(self.chat)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    async def read(self, chat: dict[str, Any]) -> None:
+        """The chat body's images (all of them: a stored conversation's too); the new ones held and stored."""
+        if not has_images(chat):
+            return
+        assert self.cfg is not None and self.memory is not None and self.store is not None
+        before = set(self.known)
+        self.images = await gather(chat, self.cfg, self.known)
+        new = [image for src, image in self.known.items() if src not in before]
+        if new:
+            self._stack.enter_context(self.memory.hold(sum(len(i.data) for i in new)))
+            self._stack.enter_context(self.store.hold([i.sha256 for i in new]))
+            await self.store.put((i.sha256, i.data) for i in new)
+
+    async def again(self, chat: dict[str, Any], manager: SessionManager, session: LiveSession) -> None:
+        """After a stored conversation was joined (``previous_response_id``): too many images together is a
+        400 like any other, and an auto session the call would have opened is dropped."""
+        try:
+            await self.read(chat)
+        except ApiError:
+            if session.pending and session.inflight == 0:
+                manager.pending.pop(session.id, None)
+            raise
+
+    def refs(self) -> list[ImageRef]:
+        return [i.ref() for i in self.images]
+
+    def logged(self, body: Any) -> Any:
+        return with_refs(body, self.known) if self.known else body
+
+    def upstream(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return with_data(chat, self.known) if self.known else chat
+
+    def tito(self, session: LiveSession, wanted: bool) -> bool:
+        """Token-in-token-out for this call: not with images (vLLM renders those itself); what a later turn
+        would extend is then forgotten."""
+        if wanted and self.images:
+            session.tito_state = None
+            return False
+        return wanted
+
+
+NO_IMAGES = CallImages(None, None, None)  # a call without images (what _Call starts with)

@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from steptap.middleware.log.images import IMAGES_DIR, digest
+from steptap.middleware.log.images import IMAGES_DIR
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.records import ImageRef, SessionOpened, Step, Trajectory, digest_of_ref, ref_of
+from steptap.middleware.records import (
+    ImageRef,
+    SessionOpened,
+    Step,
+    Trajectory,
+    digest_of_ref,
+    image_digest,
+    ref_of,
+)
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (4, 3)) -> bytes:
@@ -36,7 +44,7 @@ def _step(tid: str, index: int, *shas: str) -> Step:
 async def test_each_image_is_stored_once_private_and_whole(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path))
     a, b = png((255, 0, 0)), png((0, 0, 255))
-    sa, sb = digest(a), digest(b)
+    sa, sb = image_digest(a), image_digest(b)
     await log.images.put([(sa, a), (sb, b)])
     await log.images.put([(sa, a)])  # a screenshot replayed next turn: nothing new written
     assert _files(tmp_path) == {sa, sb}  # no temporary file left beside them
@@ -60,7 +68,7 @@ async def _roll(log: TrajectoryLog, tag: str) -> str:
 async def test_compaction_removes_images_no_kept_step_refers_to(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
     old, kept, pending, orphan = (png((i * 40, 0, 0)) for i in range(1, 5))
-    s_old, s_kept, s_pending, s_orphan = map(digest, (old, kept, pending, orphan))
+    s_old, s_kept, s_pending, s_orphan = map(image_digest, (old, kept, pending, orphan))
     await log.images.put([(s_old, old), (s_orphan, orphan), (s_pending, pending), (s_kept, kept)])
     await log.append(SessionOpened(trajectory_id="a"))
     await log.append(_step("a", 0, s_old))
@@ -90,7 +98,7 @@ async def test_compaction_removes_images_no_kept_step_refers_to(tmp_path: Path) 
 async def test_compaction_keeps_the_images_of_retained_steps(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
     gone, shown = png((1, 2, 3)), png((3, 2, 1))
-    s_gone, s_shown = digest(gone), digest(shown)
+    s_gone, s_shown = image_digest(gone), image_digest(shown)
     await log.images.put([(s_gone, gone), (s_shown, shown)])
     await log.append(SessionOpened(trajectory_id="a"))
     await log.append(_step("a", 0, s_gone))
@@ -116,7 +124,7 @@ async def test_readers_resolve_images_from_the_log_and_export_writes_them(
     from steptap.middleware.log.offline import LogReader
 
     shot, gone = png((9, 9, 9)), png((8, 8, 8))
-    s_shot, s_gone = digest(shot), digest(gone)
+    s_shot, s_gone = image_digest(shot), image_digest(gone)
     log = await TrajectoryLog.open(str(tmp_path / "log"))
     await log.images.put([(s_shot, shot)])
     request = {"messages": [{"role": "user", "content": [

@@ -17,10 +17,10 @@ from aiohttp import web
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
-from steptap.middleware.log.images import IMAGES_DIR, digest
+from steptap.middleware.log.images import IMAGES_DIR
 from steptap.middleware.proxy import messages, vision
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
-from steptap.middleware.records import digest_of_ref
+from steptap.middleware.records import digest_of_ref, image_digest
 
 CFG = ProxyConfig(backend="http://127.0.0.1:9")
 
@@ -45,7 +45,8 @@ RED, BLUE = png((255, 0, 0)), png((0, 0, 255), (6, 5))
 
 
 def chat_body(*urls: str) -> dict[str, Any]:
-    parts = [{"type": "text", "text": "look"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    parts = [{"type": "text", "text": "look"}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return {"model": "m", "messages": [{"role": "user", "content": parts}]}
 
 
@@ -64,7 +65,8 @@ def messages_body(*images: bytes, url: str | None = None) -> dict[str, Any]:
 
 
 async def test_each_protocol_reaches_vllm_as_chat_image_parts_in_prompt_order() -> None:
-    for chat in (chat_body(durl(RED), durl(BLUE)), responses_to_chat(responses_body(durl(RED), durl(BLUE)), []),
+    for chat in (chat_body(durl(RED), durl(BLUE)),
+                 responses_to_chat(responses_body(durl(RED), durl(BLUE)), []),
                  messages.to_chat(messages_body(RED, BLUE))):
         parts = chat["messages"][-1]["content"]
         assert parts[0] == {"type": "text", "text": "look"}
@@ -72,7 +74,7 @@ async def test_each_protocol_reaches_vllm_as_chat_image_parts_in_prompt_order() 
         known: dict[str, vision.Image] = {}
         images = await vision.gather(chat, CFG, known)
         assert [(i.sha256, i.mime, i.width, i.height) for i in images] == [
-            (digest(RED), "image/png", 4, 3), (digest(BLUE), "image/png", 6, 5)]
+            (image_digest(RED), "image/png", 4, 3), (image_digest(BLUE), "image/png", 6, 5)]
     # a turn without images stays a plain string (what the template saw before)
     assert messages.to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})["messages"] == [
@@ -85,7 +87,7 @@ async def test_the_logged_request_holds_references_not_the_bytes(make: Any) -> N
     chat = body if make is chat_body else responses_to_chat(body, [])
     known: dict[str, vision.Image] = {}
     images = await vision.gather(chat, CFG, known)
-    assert [i.sha256 for i in images] == [digest(RED), digest(BLUE), digest(RED)]
+    assert [i.sha256 for i in images] == [image_digest(RED), image_digest(BLUE), image_digest(RED)]
     logged = vision.with_refs(body, known)
     text = json.dumps(logged)
     assert b64(RED) not in text and b64(BLUE) not in text
@@ -98,13 +100,14 @@ def test_messages_base64_and_url_sources_become_references() -> None:
     known = {vision.data_url("image/png", b64(RED)): vision.inspect(RED, CFG),
              "https://example.test/a.png": vision.inspect(BLUE, CFG)}
     blocks = vision.with_refs(body, known)["messages"][0]["content"]
-    assert digest_of_ref(blocks[1]["source"]["data"]) == digest(RED)
+    assert digest_of_ref(blocks[1]["source"]["data"]) == image_digest(RED)
     assert blocks[1]["source"]["media_type"] == "image/png"
-    assert digest_of_ref(blocks[2]["source"]["url"]) == digest(BLUE)
+    assert digest_of_ref(blocks[2]["source"]["url"]) == image_digest(BLUE)
 
 
 @pytest.mark.parametrize(("chat", "cfg", "words"), [
-    (chat_body(durl(RED), durl(BLUE)), ProxyConfig(backend="x", max_images_per_call=1), "max_images_per_call"),
+    (chat_body(durl(RED), durl(BLUE)), ProxyConfig(backend="x", max_images_per_call=1),
+     "max_images_per_call"),
     (chat_body(durl(RED)), ProxyConfig(backend="x", max_image_bytes=len(RED) - 1), "max_image_bytes"),
     (chat_body(durl(png((0, 0, 0), (100, 100)))), ProxyConfig(backend="x", max_image_pixels=9999),
      "max_image_pixels"),
@@ -140,7 +143,7 @@ async def test_url_images_are_fetched_from_allowed_hosts_only(aiohttp_server: An
     chat = chat_body(base + "red.png", durl(BLUE))
     known: dict[str, vision.Image] = {}
     images = await vision.gather(chat, allowed, known)
-    assert images[0].sha256 == digest(RED) and images[0].data == RED
+    assert images[0].sha256 == image_digest(RED) and images[0].data == RED
     upstream = vision.with_data(chat, known)  # vLLM gets the bytes the proxy fetched, as a data URL
     assert upstream["messages"][0]["content"][1]["image_url"]["url"] == durl(RED)
     assert chat["messages"][0]["content"][1]["image_url"]["url"] == base + "red.png"
@@ -178,12 +181,12 @@ async def test_a_refused_image_is_a_400_in_each_protocols_shape_and_nothing_is_r
     log = client.app[SESSIONS_KEY].log
     assert list(log.records()) == [] and not (tmp_path / "log" / IMAGES_DIR).exists()
     # the store's reader route: the control token, a digest, 404 for one it does not hold
-    resp = await client.get(f"/images/{digest(RED)}")
+    resp = await client.get(f"/images/{image_digest(RED)}")
     assert resp.status == 401
-    resp = await client.get(f"/images/{digest(RED)}", headers={"Authorization": "Bearer t"})
+    resp = await client.get(f"/images/{image_digest(RED)}", headers={"Authorization": "Bearer t"})
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "image_not_found"
     resp = await client.get("/images/nothex", headers={"Authorization": "Bearer t"})
     assert resp.status == 400
-    await log.images.put([(digest(RED), RED)])
-    resp = await client.get(f"/images/{digest(RED)}", headers={"Authorization": "Bearer t"})
+    await log.images.put([(image_digest(RED), RED)])
+    resp = await client.get(f"/images/{image_digest(RED)}", headers={"Authorization": "Bearer t"})
     assert resp.status == 200 and await resp.read() == RED
