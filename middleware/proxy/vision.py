@@ -194,18 +194,18 @@ def with_refs(body: Any, known: dict[str, Image]) -> Any:
         src = _source(body)
         if src in known:
             spec = body["image_url"]
-            ref = ref_of(known[src].sha256)
+            ref = _ref(known[src])
             return {**body, "image_url": {**spec, "url": ref} if isinstance(spec, dict) else ref}
     elif kind == "input_image":  # Responses
         src = body.get("image_url")
         if src in known:
-            return {**body, "image_url": ref_of(known[src].sha256)}
+            return {**body, "image_url": _ref(known[src])}
     elif kind == "image" and isinstance(body.get("source"), dict):  # Messages
         source = body["source"]
         src = (data_url(source.get("media_type"), source.get("data")) if source.get("type") == "base64"
                else source.get("url"))
         if src in known:
-            ref = ref_of(known[src].sha256)
+            ref = _ref(known[src])
             return {**body, "source": {**source, "data": ref} if source.get("type") == "base64"
                     else {**source, "url": ref}}
     changed = {k: with_refs(v, known) for k, v in body.items() if isinstance(v, (dict, list))}
@@ -221,7 +221,12 @@ def strip_images(body: Any) -> Any:
     return with_refs(body, known) if known else body
 
 
-_OMITTED = Image(sha256="omitted", data=b"", mime="", width=0, height=0)  # a refused call's images
+_OMITTED = Image(sha256="", data=b"", mime="", width=0, height=0)  # a refused call's images
+OMITTED = "steptap-image:omitted"  # what a refused call's failed step holds in place of an image
+
+
+def _ref(image: Image) -> str:
+    return OMITTED if image is _OMITTED else ref_of(image.sha256)
 
 
 def _all_sources(body: Any) -> Iterator[str]:

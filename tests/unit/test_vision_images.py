@@ -190,3 +190,9 @@ async def test_a_refused_image_is_a_400_in_each_protocols_shape_and_nothing_is_r
     await log.images.put([(image_digest(RED), RED)])
     resp = await client.get(f"/images/{image_digest(RED)}", headers={"Authorization": "Bearer t"})
     assert resp.status == 200 and await resp.read() == RED
+
+
+def test_a_refused_calls_images_leave_only_a_marker() -> None:
+    for body in (chat_body(durl(RED)), responses_body(durl(RED)), messages_body(RED)):
+        kept = json.dumps(vision.strip_images(body))
+        assert b64(RED) not in kept and kept.count(vision.OMITTED) == 1
