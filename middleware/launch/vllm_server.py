@@ -137,10 +137,10 @@ class VLLMServer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
             env["OMP_NUM_THREADS"] = str(self.threads)
-        if self.torchvision is not None:
+        env.update(self.extra_env)
+        if self.torchvision is not None:  # first, before any given PYTHONPATH
             paths = (str(self.torchvision), env.get("PYTHONPATH"))
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-        env.update(self.extra_env)
         return env
 
     def notices(self) -> list[str]:
