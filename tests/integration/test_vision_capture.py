@@ -8,6 +8,7 @@ Responses agents send their third image as a URL the proxy fetches from a local 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -19,8 +20,10 @@ from aiohttp import web
 from conftest import Backend, Proxy, http_json
 from vision import png, vision_logprobs
 
+from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.delta import full_steps
 from steptap.middleware.log.images import IMAGES_DIR
+from steptap.middleware.log.offline import LogReader
 from steptap.middleware.records import Step, digest_of_ref, image_digest
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -158,6 +161,11 @@ async def test_three_turns_of_images_are_recorded_once_each_with_vllms_prompt_id
         assert step.response_logprobs == pytest.approx(oracle, abs=1e-4)
     stored = {p.name: p.read_bytes() for p in (proxy.log_dir / IMAGES_DIR).iterdir()}
     assert stored == dict(zip(DIGESTS, IMAGES, strict=True))  # each distinct image once
-    # readers resolve them: the proxy's route
+    # readers resolve them: the proxy's route, both clients (the learner's resolve), the offline reader
     async with http.get(f"{proxy.url}/images/{DIGESTS[2]}", headers=proxy.control) as resp:
         assert resp.status == 200 and await resp.read() == IMAGES[2]
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        assert await client.image(DIGESTS[0]) == IMAGES[0] and await client.image("0" * 64) is None
+    resolve = SyncSteptapClient(proxy.url, proxy.token).image
+    assert await asyncio.to_thread(resolve, DIGESTS[1]) == IMAGES[1]
+    assert LogReader(str(proxy.log_dir)).image(DIGESTS[2]) == IMAGES[2]
