@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from steptap.middleware import files
+from steptap.middleware.exceptions import LogUnavailable
 from steptap.middleware.records import is_digest
 
 logger = logging.getLogger("steptap.wal")
@@ -54,7 +55,10 @@ class ImageStore:
         with self._lock:
             new = {sha: data for sha, data in images if sha not in self._known}
         if new:
-            await asyncio.to_thread(self._write, new)
+            try:
+                await asyncio.to_thread(self._write, new)
+            except OSError as exc:  # disk full, I/O error: a call it cannot record is not made (503)
+                raise LogUnavailable(f"the image store could not write: {exc}") from exc
 
     def _write(self, new: dict[str, bytes]) -> None:
         files.private_dir(self.dir)

@@ -288,11 +288,12 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
 
     def _track(self, record: LogRecord, segno: int, offset: int) -> None:
         if isinstance(record, Step):
-            for image in record.images:
-                self._image_segs[image.sha256] = segno
+            self._refers(record.images, segno)
         elif isinstance(record, SessionOpened):
             self._opened(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
+            for step in record.steps:  # an anonymous call's steps live in its trajectory record
+                self._refers(step.images, segno)
             self._finished(record.id, record.step_refs, segno, offset)
         elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
             self._open_sessions.pop(record.trajectory_id, None)

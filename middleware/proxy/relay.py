@@ -134,8 +134,7 @@ async def _model_call(
                     replica = pool.acquire(pool.pick(_sticky_id(session)))
                     if proto is not None:
                         await proto.adapt(replica.client, served)
-                    out, asked = patch_request(pics.upstream(proto.chat if proto is not None else body),
-                                               upstream_endpoint, served, cfg)
+                    out, asked = patch_request(pics.upstream(proto, body), upstream_endpoint, served, cfg)
                     call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0,
                                  common=dict(
                         request=pics.logged(body),  # each image as its reference (stored once)

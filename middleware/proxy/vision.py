@@ -286,7 +286,11 @@ class CallImages:
 
     async def __aenter__(self) -> CallImages:
         if self.chat is not None:
-            await self.read(self.chat)
+            try:
+                await self.read(self.chat)
+            except BaseException:
+                self._stack.close()  # __aexit__ will not run
+                raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -321,8 +325,15 @@ class CallImages:
     def logged(self, body: Any) -> Any:
         return with_refs(body, self.known) if self.known else body
 
-    def upstream(self, chat: dict[str, Any]) -> dict[str, Any]:
-        return with_data(chat, self.known) if self.known else chat
+    def upstream(self, proto: Any, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat body sent upstream, fetched images as data URLs; a protocol keeps it so (a stored
+        Responses conversation replays the bytes, never fetches again)."""
+        chat = proto.chat if proto is not None else body
+        if self.known:
+            chat = with_data(chat, self.known)
+            if proto is not None:
+                proto.chat = chat
+        return chat
 
     def tito(self, session: LiveSession, wanted: bool) -> bool:
         """Token-in-token-out for this call: not with images (vLLM renders those itself); what a later turn

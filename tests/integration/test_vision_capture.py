@@ -24,7 +24,7 @@ from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.delta import full_steps
 from steptap.middleware.log.images import IMAGES_DIR
 from steptap.middleware.log.offline import LogReader
-from steptap.middleware.records import Step, digest_of_ref, image_digest
+from steptap.middleware.records import Step, Trajectory, digest_of_ref, image_digest
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -159,6 +159,11 @@ async def test_three_turns_of_images_are_recorded_once_each_with_vllms_prompt_id
         oracle = vision_logprobs(vision_vllm.model_dir, step.prompt_token_ids, step.response_token_ids,
                                  shown_bytes)
         assert step.response_logprobs == pytest.approx(oracle, abs=1e-4)
+    # an anonymous call showing the first image again: named in its one record, not stored twice
+    await _post(http, f"{proxy.url}/v1/chat/completions", {
+        "model": vision_vllm.served_model, "messages": [chat_turn([srcs[0]], 0)], "max_tokens": 1})
+    anonymous = [r for r in log.records() if isinstance(r, Trajectory) and r.anonymous]
+    assert [[i.sha256 for i in s.images] for t in anonymous for s in t.steps] == [[DIGESTS[0]]]
     stored = {p.name: p.read_bytes() for p in (proxy.log_dir / IMAGES_DIR).iterdir()}
     assert stored == dict(zip(DIGESTS, IMAGES, strict=True))  # each distinct image once
     # readers resolve them: the proxy's route, both clients (the learner's resolve), the offline reader

@@ -97,20 +97,30 @@ async def test_compaction_removes_images_no_kept_step_refers_to(tmp_path: Path) 
 
 async def test_compaction_keeps_the_images_of_retained_steps(tmp_path: Path) -> None:
     log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)
-    gone, shown = png((1, 2, 3)), png((3, 2, 1))
-    s_gone, s_shown = image_digest(gone), image_digest(shown)
-    await log.images.put([(s_gone, gone), (s_shown, shown)])
+    gone, shown, anon = png((1, 2, 3)), png((3, 2, 1)), png((4, 5, 6))
+    s_gone, s_shown, s_anon = image_digest(gone), image_digest(shown), image_digest(anon)
+    await log.images.put([(s_gone, gone), (s_shown, shown), (s_anon, anon)])
     await log.append(SessionOpened(trajectory_id="a"))
     await log.append(_step("a", 0, s_gone))
-    end = await log.append(Trajectory(id="a", status="finished"))
-    for i in range(8):
-        await log.append(SessionOpened(trajectory_id=f"f{i}"))
-        end = await log.append(Trajectory(id=f"f{i}", status="finished"))
+    await log.append(Trajectory(id="a", status="finished"))
+    end = await _roll(log, "f")
     await log.append(SessionOpened(trajectory_id="open"))  # still open: its step must stay
     await log.append(_step("open", 0, s_shown))
+    await _roll(log, "g")
+    await log.append(SessionOpened(trajectory_id="o2"))
+    # an anonymous call: its step lives in its trajectory record
+    await log.append(Trajectory(id="anon", status="finished", anonymous=True,
+                                steps=[_step("anon", 0, s_anon)]))
     assert await log.compact(end)
-    assert _files(tmp_path) == {s_shown}
+    assert _files(tmp_path) == {s_shown, s_anon}
     assert any(isinstance(r, Step) and r.trajectory_id == "open" for r in log.records())
+    await log.close()
+
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=1024)  # which images are named: from records
+    await log.append(Trajectory(id="open", status="finished"))
+    end = await _roll(log, "r")
+    assert await log.compact(end)  # up to o2's segment: the open session's step goes, the anonymous one stays
+    assert _files(tmp_path) == {s_anon}
     await log.close()
 
 
