@@ -333,6 +333,9 @@ class CallImages:
             chat = with_data(chat, self.known)
             if proto is not None:
                 proto.chat = chat
+            for src, image in list(self.known.items()):  # what upstream holds reads as references too
+                if src.startswith(("http://", "https://")):
+                    self.known[image.data_url()] = image
         return chat
 
     def tito(self, session: LiveSession, wanted: bool) -> bool:

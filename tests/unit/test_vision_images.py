@@ -17,7 +17,7 @@ from aiohttp import web
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
-from steptap.middleware.log.images import IMAGES_DIR
+from steptap.middleware.log.images import IMAGES_DIR, ImageStore
 from steptap.middleware.proxy import messages, vision
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
 from steptap.middleware.records import digest_of_ref, image_digest
@@ -196,3 +196,28 @@ def test_a_refused_calls_images_leave_only_a_marker() -> None:
     for body in (chat_body(durl(RED)), responses_body(durl(RED)), messages_body(RED)):
         kept = json.dumps(vision.strip_images(body))
         assert b64(RED) not in kept and kept.count(vision.OMITTED) == 1
+
+
+async def test_a_fetched_image_reads_as_its_reference_in_what_upstream_got(aiohttp_server: Any,
+                                                                           tmp_path: Path) -> None:
+    """The messages continuity is judged on (the chat body sent upstream, a fetched image as its data URL)
+    hold references too, never the bytes."""
+    async def image(request: web.Request) -> web.Response:
+        return web.Response(body=RED, content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/red.png", image)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/red.png")).replace("localhost", "127.0.0.1")
+    cfg = ProxyConfig(backend="x", image_urls=["127.0.0.1"])
+    store = ImageStore(tmp_path)
+    pics = vision.CallImages(cfg, vision.ImageMemory(cfg.max_image_memory), store, chat_body(url))
+    async with pics:
+        upstream = pics.upstream(None, chat_body(url))
+        assert b64(RED) in json.dumps(upstream)
+        logged = pics.logged(upstream["messages"])
+        assert b64(RED) not in json.dumps(logged)
+        assert digest_of_ref(logged[0]["content"][1]["image_url"]["url"]) == image_digest(RED)
+        assert [r.sha256 for r in pics.refs()] == [image_digest(RED)]
+        assert store.get(image_digest(RED)) == RED  # stored (the fetched bytes) before anything was sent
+
