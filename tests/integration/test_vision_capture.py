@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 from conftest import Backend, Proxy, http_json
@@ -174,3 +177,21 @@ async def test_three_turns_of_images_are_recorded_once_each_with_vllms_prompt_id
     resolve = SyncSteptapClient(proxy.url, proxy.token).image
     assert await asyncio.to_thread(resolve, DIGESTS[1]) == IMAGES[1]
     assert LogReader(str(proxy.log_dir)).image(DIGESTS[2]) == IMAGES[2]
+    if agent is _chat_agent:  # `steptap export --proxy --images-dir`: rows name them, the folder holds them
+        async with http.post(f"{proxy.url}/sessions/auto:vis-chat_agent/finish", json={"reward": 1.0},
+                             headers=proxy.control) as resp:
+            assert resp.status == 200, await resp.text()
+        out, folder = proxy.log_dir.parent / "out", proxy.log_dir.parent / "images"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "steptap.middleware.cli", "export", "--proxy", proxy.url, "--out", str(out),
+            "--images-dir", str(folder), env={**os.environ, "STEPTAP_CONTROL_TOKEN": proxy.token},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        summary = json.loads(stdout.decode().strip().splitlines()[-1])
+        assert summary["images"] == 3 and summary["images_missing"] == 0
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == dict(zip(DIGESTS, IMAGES, strict=True))
+        rows = sorted((r for r in pq.read_table(out).to_pylist()
+                       if r["trajectory_id"] == "auto:vis-chat_agent"), key=lambda r: r["step_index"])
+        assert [[i["sha256"] for i in json.loads(r["images"])] for r in rows] == [
+            DIGESTS[: k + 1] for k in range(3)]
