@@ -221,3 +221,21 @@ async def test_a_fetched_image_reads_as_its_reference_in_what_upstream_got(aioht
         assert [r.sha256 for r in pics.refs()] == [image_digest(RED)]
         assert store.get(image_digest(RED)) == RED  # stored (the fetched bytes) before anything was sent
 
+
+
+async def test_images_in_flight_are_bounded_together(tmp_path: Path) -> None:
+    from steptap.middleware.errors import status_of
+    from steptap.middleware.exceptions import Overloaded
+
+    cfg = ProxyConfig(backend="x", max_image_bytes=len(BLUE), max_image_memory=len(BLUE) + len(RED) - 1)
+    memory, store = vision.ImageMemory(cfg.max_image_memory), ImageStore(tmp_path)
+    async with vision.CallImages(cfg, memory, store, chat_body(durl(BLUE))):
+        assert memory.held == len(BLUE)
+        with pytest.raises(Overloaded) as err:  # a second call's image would pass the bound: 429
+            async with vision.CallImages(cfg, memory, store, chat_body(durl(RED))):
+                pass
+        assert status_of(err.value) == 429 and "max_image_memory" in err.value.message
+        assert memory.held == len(BLUE)
+    assert memory.held == 0  # given back when the call ends
+    async with vision.CallImages(cfg, memory, store, chat_body(durl(RED))):
+        assert memory.held == len(RED)
