@@ -100,7 +100,4 @@ def build_vision_model(out: Path, seed: int, tokenizer: object) -> None:
     pre = out / "preprocessor_config.json"
     data = json.loads(pre.read_text())
     data["processor_class"] = "Qwen2VLProcessor"
-    # The PIL class by name: what a processor without torchvision loads (vLLM's transformers, which has
-    # torchvision, still picks its torchvision class: docs/platform.md)
-    data["image_processor_type"] = "Qwen2VLImageProcessorPil"
     pre.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

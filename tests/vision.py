@@ -57,13 +57,15 @@ def image_part(image: bytes) -> dict[str, Any]:
 @functools.lru_cache(maxsize=2)
 def _load(model_dir: str) -> tuple[Any, Any]:
     import torch
-    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLForConditionalGeneration
+
+    # transformers' top-level AutoImageProcessor is a placeholder that asks for torchvision when it is not
+    # installed; the module's own picks the backend there is (PIL in this venv)
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     torch.set_num_threads(min(2, torch.get_num_threads()))  # the test machine's cores are shared
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # The PIL image processor from the model's own preprocessor_config.json (AutoImageProcessor asks for
-    # torchvision, which this venv does not have).
-    return model, Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    return model, AutoImageProcessor.from_pretrained(model_dir)  # the model's own preprocessor_config.json
 
 
 def pixels(model_dir: str | Path, images: Sequence[bytes]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ _GUARDED = '@(torch.library.register_fake("torchvision::{op}") if torchvision.ex
 PROBE = "import torchvision.transforms.v2.functional; import vllm.model_executor.models.qwen2_vl"
 # Images a prompt may carry (vLLM profiles its memory with this many at the largest size), no videos.
 MM_LIMITS = {"image": 4, "video": 0}
+INSTALL_TIMEOUT_S = 600  # the install (a 7 MB wheel) or the probe (imports vLLM)
 
 
 def is_vision_model(model_dir: Path) -> bool:
@@ -61,8 +62,7 @@ def ensure_torchvision(venv: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         python = str(venv / "bin" / "python")
         try:
-            out = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                                  TORCHVISION], capture_output=True, text=True, check=False)
+            out = _run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), TORCHVISION])
             if out.returncode != 0:
                 raise RuntimeError(f"could not install {TORCHVISION} for vLLM: {out.stderr[-2000:]}")
             package = tmp / "torchvision"
@@ -74,8 +74,7 @@ def ensure_torchvision(venv: Path) -> Path:
             for op in ("nms", "qnms"):
                 text = text.replace(_UNGUARDED.format(op=op), _GUARDED.format(op=op))
             meta.write_text(text)
-            probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=False,
-                                   env={**os.environ, "PYTHONPATH": str(tmp)})
+            probe = _run([python, "-c", PROBE], env={**os.environ, "PYTHONPATH": str(tmp)})
             if probe.returncode != 0:
                 raise RuntimeError(f"torchvision for vLLM does not import: {probe.stderr[-2000:]}")
             (tmp / MARKER).write_text(TORCHVISION + "\n")
@@ -84,3 +83,14 @@ def ensure_torchvision(venv: Path) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``cmd``'s result, bounded: a hung install or probe (an unreachable index) becomes a clear error."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                              timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... did not finish in {INSTALL_TIMEOUT_S} s") from None
+    except OSError as exc:
+        raise RuntimeError(f"cannot run {cmd[0]}: {exc}") from None

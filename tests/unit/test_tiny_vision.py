@@ -13,7 +13,13 @@ from vision import pixels, png
 
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.learner.tiny_vision import MAX_PIXELS, MIN_PIXELS, VISION_TOKENS
-from steptap.middleware.launch.vision import MM_LIMITS, is_vision_model
+from steptap.middleware.launch.vision import (
+    MARKER,
+    MM_LIMITS,
+    ensure_torchvision,
+    is_vision_model,
+    overlay_dir,
+)
 from steptap.middleware.launch.vllm_server import VLLMServer
 
 
@@ -93,3 +99,13 @@ def test_vllm_is_started_with_the_multimodal_limits_only_for_a_vision_model(visi
     assert server.environment()["PYTHONPATH"] == "/x"
     server.torchvision = Path("/tv")  # what start() sets from launch/vision.py's ensure_torchvision
     assert server.environment()["PYTHONPATH"] == "/tv:/x"
+
+
+def test_torchvision_for_vllm_is_built_once_and_a_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    venv = tmp_path / "vllm-cpu"  # no python in it: the install cannot run
+    with pytest.raises(RuntimeError, match="cannot run"):
+        ensure_torchvision(venv)
+    assert not overlay_dir(venv).exists() and not list(tmp_path.glob(".*build*"))
+    overlay_dir(venv).mkdir()
+    (overlay_dir(venv) / MARKER).write_text("torchvision==0.28.0\n")  # complete: used as it is
+    assert ensure_torchvision(venv) == overlay_dir(venv)
