@@ -88,7 +88,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             parts.append({"type": "image_url", "image_url": {"url": _image_source(block.get("source"),
                                                                                   f"{where}[{i}].source")}})
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
-            result = _text(block.get("content", ""), f"{where}[{i}].content")
+            result = _tool_result(block.get("content", ""), f"{where}[{i}].content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         else:
             raise _bad(f"unsupported user block {kind!r} (text, image and tool_result are served)",
@@ -99,6 +99,17 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
         else:
             out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
     return out
+
+
+def _tool_result(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text, or (with image blocks: a computer-use screenshot) its text and
+    image parts in order."""
+    if not isinstance(content, list) or not any(isinstance(b, dict) and b.get("type") == "image"
+                                                for b in content):
+        return _text(content, where)
+    return [{"type": "image_url", "image_url": {"url": _image_source(b.get("source"), f"{where}[{i}]")}}
+            if b.get("type") == "image" else {"type": "text", "text": _text([b], f"{where}[{i}]")}
+            for i, b in enumerate(content)]
 
 
 def _image_source(source: Any, where: str) -> str:

@@ -83,8 +83,8 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A user message's content: its text, or (with ``input_image`` parts) its text and image parts in order
-    as chat parts (proxy/vision.py reads them)."""
+    """A user message's (or a tool output's) content: its text, or (with ``input_image`` parts) its text and
+    image parts in order as chat parts (proxy/vision.py reads them)."""
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
                                                 for p in content):
         return _text_of(content, where)
@@ -171,7 +171,7 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             if not isinstance(given_id, str):
                 raise _bad(f"a {kind} needs a string 'call_id'", where)
             out.append({"role": "tool", "tool_call_id": given_id,
-                        "content": _text_of(item.get("output"), f"{where}.output")})
+                        "content": _user_content(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             # The reasoning of the reply that follows: its text goes to the template as the assistant
             # message's reasoning (rendered where the template renders it); its encrypted_content, when the

@@ -195,3 +195,26 @@ async def test_three_turns_of_images_are_recorded_once_each_with_vllms_prompt_id
                        if r["trajectory_id"] == "auto:vis-chat_agent"), key=lambda r: r["step_index"])
         assert [[i["sha256"] for i in json.loads(r["images"])] for r in rows] == [
             DIGESTS[: k + 1] for k in range(3)]
+
+
+async def test_a_computer_use_screenshot_in_a_tool_result_is_recorded(
+        make_proxy: Any, vision_vllm: Backend, http: aiohttp.ClientSession) -> None:
+    """Anthropic computer use: the screenshot comes back in a ``tool_result``; vLLM sees it (its pads in the
+    prompt ids), the step names it, the oracle agrees."""
+    proxy: Proxy = await make_proxy(vision_vllm.url)
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(IMAGES[1])}}
+    await _post(http, f"{proxy.url}/s/computer/v1/messages", {
+        "model": vision_vllm.served_model, "max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "user", "content": "click the button"},
+            {"role": "assistant",
+             "content": [{"type": "tool_use", "id": "c1", "name": "computer", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                          "content": [{"type": "text", "text": "done"}, shot]}]}]})
+    log = proxy.app[SESSIONS_KEY].log  # type: ignore[attr-defined]
+    [step] = full_steps(r for r in log.records() if isinstance(r, Step))
+    assert step.status == "ok" and [i.sha256 for i in step.images] == [DIGESTS[1]]
+    assert step.prompt_token_ids.count(image_token(vision_vllm.model_dir)) == TOKENS[1]
+    assert b64(IMAGES[1]) not in json.dumps(step.request)
+    oracle = vision_logprobs(vision_vllm.model_dir, step.prompt_token_ids, step.response_token_ids,
+                             [IMAGES[1]])
+    assert step.response_logprobs == pytest.approx(oracle, abs=1e-4)

@@ -239,3 +239,25 @@ async def test_images_in_flight_are_bounded_together(tmp_path: Path) -> None:
     assert memory.held == 0  # given back when the call ends
     async with vision.CallImages(cfg, memory, store, chat_body(durl(RED))):
         assert memory.held == len(RED)
+
+
+async def test_a_tool_results_screenshot_is_an_image_of_the_prompt() -> None:
+    """Computer use: the screenshot comes back in the tool result (Messages ``tool_result``, Responses
+    ``function_call_output``), read like a user turn's image and logged as its reference."""
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64(BLUE)}}
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "click it"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "computer", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": [{"type": "text", "text": "done"}, shot]}]}]}
+    responses = {"model": "m", "input": [
+        {"type": "function_call", "call_id": "c1", "name": "computer", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "done"}, {"type": "input_image", "image_url": durl(BLUE)}]}]}
+    for agent_body, chat in ((body, messages.to_chat(body)), (responses, responses_to_chat(responses, []))):
+        tool = [m for m in chat["messages"] if m["role"] == "tool"][0]
+        assert tool["content"][0] == {"type": "text", "text": "done"}
+        known: dict[str, vision.Image] = {}
+        assert [i.sha256 for i in await vision.gather(chat, CFG, known)] == [image_digest(BLUE)]
+        logged = json.dumps(vision.with_refs(agent_body, known))
+        assert b64(BLUE) not in logged and f"steptap-image:sha256:{image_digest(BLUE)}" in logged
