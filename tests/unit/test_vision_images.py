@@ -261,3 +261,16 @@ async def test_a_tool_results_screenshot_is_an_image_of_the_prompt() -> None:
         assert [i.sha256 for i in await vision.gather(chat, CFG, known)] == [image_digest(BLUE)]
         logged = json.dumps(vision.with_refs(agent_body, known))
         assert b64(BLUE) not in logged and f"steptap-image:sha256:{image_digest(BLUE)}" in logged
+
+
+async def test_count_tokens_never_lets_vllm_fetch_an_image_url(aiohttp_client: Any, tmp_path: Path) -> None:
+    """``count_tokens`` renders through vLLM: a URL image there is checked as a call's is (a 400 naming
+    --image-urls by default), never handed to vLLM to fetch."""
+    from steptap.middleware.app import create_app
+
+    cfg = ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"), control_token="t")
+    client = await aiohttp_client(create_app(cfg))
+    body = messages_body(url="http://169.254.169.254/latest/meta-data")
+    body.pop("max_tokens")
+    status, err = await _post(client, "/v1/messages/count_tokens", body)
+    assert status == 400 and err["type"] == "error" and "--image-urls" in err["error"]["message"]
