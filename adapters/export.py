@@ -29,13 +29,13 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from steptap.middleware.client import TOKEN_ENV, SteptapClient
+from steptap.middleware.client import TOKEN_ENV, SteptapClient, SyncSteptapClient
 from steptap.middleware.client.curation import lookup
 from steptap.middleware.curation import CurationState, edit_rewards, fold
 from steptap.middleware.delta import full_trajectory
@@ -105,6 +105,7 @@ def schema() -> Any:
             ("curation", pa.string()),
             ("curated_reward", pa.float64()),
             ("curated_step_reward", pa.float64()),
+            ("images", pa.string()),
         ]
     )
 
@@ -173,6 +174,9 @@ def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
             "prompt_tokens": step.usage.prompt_tokens,
             "completion_tokens": step.usage.completion_tokens,
             "version_spans": json.dumps(step.version_spans),
+            # the images its prompt showed the model, in prompt order; the messages name each by its
+            # reference (records.ref_of), the bytes are in --images-dir or the log's image store
+            "images": json.dumps(msgspec.to_builtins(step.images)),
         }
 
 
@@ -183,8 +187,15 @@ class PartWriter:
     def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000,
                  late: dict[str, list[RewardAdded]] | None = None,
                  provenance: dict[str, str | None] | None = None,
-                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False) -> None:
+                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False,
+                 images_dir: str | Path | None = None, resolve: Callable[[str], bytes | None] | None = None,
+                 ) -> None:
         self.pa = _pa()
+        # each image the rows name, written once as IMAGES_DIR/<sha256> (``resolve``: the log's or proxy's)
+        self.images_dir = makedirs(images_dir) if images_dir is not None else None
+        self.resolve = resolve
+        self.images = 0
+        self.images_missing = 0  # named by a step, held by neither the log nor the proxy (compacted)
         self.late = late or {}
         self.curation = curation or {}
         self.keep_excluded = keep_excluded
@@ -214,10 +225,25 @@ class PartWriter:
         elif state is not None:
             self.excluded_steps += sum(s.index in state.excluded_steps for s in traj.steps)
         self.trajectories += 1
+        if self.images_dir is not None and self.resolve is not None:
+            self._save_images(traj)
         for row in step_rows(traj, self.late.get(traj.id), self.provenance, state, self.keep_excluded):
             self._buf.append(row)
             if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
                 self._flush()
+
+    def _save_images(self, traj: Trajectory) -> None:
+        assert self.images_dir is not None and self.resolve is not None
+        for sha in dict.fromkeys(i.sha256 for s in traj.steps for i in s.images):
+            path = self.images_dir / sha
+            if path.exists():
+                continue
+            data = self.resolve(sha)
+            if data is None:
+                self.images_missing += 1
+                continue
+            atomic_write(path, data, durable=False)
+            self.images += 1
 
     def _flush(self) -> None:
         if not self._buf:
@@ -341,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
                    "tokenizer and chat template hashes go in every row and OUT/_provenance.json")
     p.add_argument("--overwrite", action="store_true", help="replace existing part files in --out")
+    p.add_argument("--images-dir", help="also write the bytes of each image a step names, once, as "
+                   "IMAGES_DIR/<sha256> (the rows' images column and messages name them)")
     p.add_argument("--keep-excluded", action="store_true", help="keep the trajectories and steps curation "
                    "excluded (curation_excluded set) instead of leaving them out")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -363,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file,
                 late=notes.late, provenance=prov, keep_excluded=args.keep_excluded,
                 curation={tid: fold(marks) for tid, marks in notes.marks.items()},
+                images_dir=args.images_dir, resolve=reader.image,
             )
             skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes,
                        "marks_over": notes.marks_over}
@@ -378,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows_per_file=args.rows_per_file,
                     provenance=prov,
                     keep_excluded=args.keep_excluded,
+                    images_dir=args.images_dir,
+                    resolve=SyncSteptapClient(args.proxy.rstrip("/"), args.control_token).image,
                 )
             )
             skipped = {}
@@ -395,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                 "excluded_trajectories": writer.excluded_trajectories,
                 "excluded_steps": writer.excluded_steps,
                 "kept_excluded": args.keep_excluded,
+                "images": writer.images,
+                "images_missing": writer.images_missing,
                 **skipped,
             }
         )

@@ -20,7 +20,7 @@ from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
-from steptap.middleware.proxy import relay, routes
+from steptap.middleware.proxy import relay, routes, vision
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
@@ -45,6 +45,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
     app[METRICS_KEY] = Metrics()
     app[TASKS_KEY] = set()
+    app[vision.IMAGE_MEMORY_KEY] = vision.ImageMemory(config.max_image_memory)
     pool = app[POOL_KEY] = ReplicaPool(config)
     # conversations behind previous_response_id (a worker's own: its ids name its port)
     app[STORE_KEY] = ResponseStore(worker_port=config.worker_port,

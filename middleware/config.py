@@ -151,6 +151,19 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_groups: Annotated[int, _help("groups tracked; the oldest complete ones are dropped first")] = 100_000
     max_held_trajectories: Annotated[int, _help(
         "most finished sessions waiting for their pending reward (429 beyond)")] = 10_000
+    # --- images (docs/protocols.md, "Images"): checked before anything is forwarded or recorded ---
+    max_image_bytes: Annotated[int, _help(
+        "the largest image a model call may carry, decoded (400 beyond)")] = 20 * MIB
+    max_images_per_call: Annotated[int, _help("most images in one model call's prompt (400 beyond)")] = 64
+    max_image_pixels: Annotated[int, _help(
+        "most pixels (width x height) of one image (400 beyond)")] = 40_000_000
+    max_image_memory: Annotated[int, _help(
+        "decoded image bytes all model calls in flight hold together (429 beyond)")] = 512 * MIB
+    image_urls: Annotated[list[str], _help(
+        "hosts the proxy may fetch an http(s) image URL from (repeat the flag; '*': any host); none by "
+        "default: a URL image is a 400 naming this flag")] = []
+    image_url_timeout_s: Annotated[float, _help(
+        "seconds to fetch one image URL (400 beyond)")] = 10.0
 
     def __post_init__(self) -> None:
         if self.session_idle_timeout_s is not None and self.session_idle_timeout_s <= 0:
@@ -160,7 +173,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                      "max_concurrent_calls",
                      "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions",
                      "upstream_max_connections", "max_closed_sessions", "max_groups", "max_held_trajectories",
-                     "replica_max_failures"):
+                     "replica_max_failures", "max_image_bytes", "max_images_per_call", "max_image_pixels",
+                     "max_image_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_body_memory < 6 * self.body_limit:
@@ -168,6 +182,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                              "its body)")
         if not 0 < self.reward_deadline_s <= self.max_reward_deadline_s:
             raise ValueError("reward_deadline_s must be positive and at most max_reward_deadline_s")
+        if self.max_image_memory < self.max_image_bytes:
+            raise ValueError("max_image_memory must be at least max_image_bytes (one image)")
+        if self.image_url_timeout_s <= 0:
+            raise ValueError("image_url_timeout_s must be positive")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:

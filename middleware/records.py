@@ -7,6 +7,7 @@ here and reused everywhere.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal
 
@@ -106,6 +107,34 @@ class ImageRef(msgspec.Struct, kw_only=True):
     width: int = 0
     height: int = 0
     size: int = 0  # bytes
+
+
+# What a logged request holds where the agent sent an image's data or URL: the image's digest (its bytes are
+# in the image store beside the log, log/images.py), so a screenshot replayed every turn is stored once.
+IMAGE_REF_PREFIX = "steptap-image:sha256:"
+
+
+def image_digest(data: bytes) -> str:
+    """What names an image: the sha256 hex digest of its bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_digest(text: str) -> bool:
+    """A sha256 hex digest (64 lowercase hex digits): what names an image."""
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def ref_of(sha256: str) -> str:
+    """The reference a logged request holds in place of an image's data (``digest_of_ref`` reads it)."""
+    return IMAGE_REF_PREFIX + sha256
+
+
+def digest_of_ref(value: Any) -> str | None:
+    """The digest a ``ref_of`` string names, else None."""
+    if isinstance(value, str) and value.startswith(IMAGE_REF_PREFIX):
+        sha = value[len(IMAGE_REF_PREFIX):]
+        return sha if is_digest(sha) else None
+    return None
 
 
 class StepRef(msgspec.Struct, array_like=True):

@@ -26,7 +26,7 @@ from steptap.middleware.client.api import (
 )
 from steptap.middleware.client.tokens import default_control_token
 from steptap.middleware.delta import DeltaError, embed
-from steptap.middleware.records import Curation, Trajectory, json_encoder, trajectory_json_decoder
+from steptap.middleware.records import Curation, Trajectory, is_digest, json_encoder, trajectory_json_decoder
 from steptap.middleware.wire import (
     StreamCut,
     decode_envelope,
@@ -167,6 +167,18 @@ class SteptapClient:
             if resp.status >= 400:
                 raise SteptapError.from_body(resp.status, raw)
             return raw
+
+    async def image(self, sha256: str) -> bytes | None:
+        """The bytes of an image a step names (``ImageRef.sha256``; ``GET /images/<sha256>``), None when the
+        proxy's log does not hold it. The learner's ``resolve``."""
+        if not is_digest(sha256):
+            raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
+        try:
+            return await self._request("GET", f"/images/{sha256}")
+        except SteptapError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     # ---- sessions and rewards ----------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from steptap.middleware.client.api import (
     _session_dec,
 )
 from steptap.middleware.client.tokens import default_control_token
-from steptap.middleware.records import Trajectory, json_encoder, trajectory_json_decoder
+from steptap.middleware.records import Trajectory, is_digest, json_encoder, trajectory_json_decoder
 
 
 def split_url(url: str) -> tuple[str, str | None]:
@@ -105,6 +105,18 @@ class SyncSteptapClient:
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                  timeout_s: float | None = None) -> bytes:
         status, raw = self._call(method, path, body, timeout_s)
+        if status >= 400:
+            raise SteptapError.from_body(status, raw)
+        return raw
+
+    def image(self, sha256: str) -> bytes | None:
+        """The bytes of an image a step names (``GET /images/<sha256>``), None when the proxy's log does not
+        hold it: a ``resolve(sha256)`` for code without an event loop (the learner, ``steptap export``)."""
+        if not is_digest(sha256):
+            raise ValueError(f"not a sha256 hex digest: {sha256[:80]!r}")
+        status, raw = self._call("GET", f"/images/{sha256}")
+        if status == 404:
+            return None
         if status >= 400:
             raise SteptapError.from_body(status, raw)
         return raw

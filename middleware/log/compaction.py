@@ -4,7 +4,8 @@ Only a prefix of sealed segments is ever deleted, locally and remotely: the segm
 ``min_cursor`` (every consumer has acknowledged them) and before the segment holding the ``SessionOpened`` of
 the oldest session still open (so a restart can still rebuild every open session), before the first step any
 unacknowledged finished trajectory refers to (``step_refs``), and never one the remote copy still lacks. The
-latest ``PolicyVersion`` record is re-appended first if its segment is about to go.
+latest ``PolicyVersion`` record is re-appended first if its segment is about to go. Then the images no kept
+step refers to and no call in flight holds are removed (images.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
+    from steptap.middleware.log.images import ImageStore
     from steptap.middleware.log.wal import LogStats
     from steptap.middleware.records import LogRecord, PolicyVersion
 
@@ -38,6 +40,7 @@ class Compaction:
     # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
     _compact_lock: asyncio.Lock
     _fs: Any
+    _image_segs: dict[str, int]
     _io: ThreadPoolExecutor
     _last_version: tuple[int, PolicyVersion] | None
     _lock: threading.Lock
@@ -51,6 +54,7 @@ class Compaction:
     _valid_end: dict[int, int]
     append: Callable[[LogRecord], Awaitable[str]]
     dir: Path
+    images: ImageStore
     stats: LogStats
 
     @property
@@ -90,6 +94,10 @@ class Compaction:
         del self._traj_ends[:gone]
         del self._traj_firsts[:gone]
         await asyncio.get_running_loop().run_in_executor(self._io, self._delete, victims)
+        # The images only deleted records referred to (or none did: a call refused after they were stored)
+        for sha in [sha for sha, segno in self._image_segs.items() if segno <= victims[-1]]:
+            del self._image_segs[sha]
+        await asyncio.to_thread(self.images.sweep, set(self._image_segs))
         self.stats.segments = len(self._valid_end) + 1
         logger.info("compacted %d segment(s) of %s (before %s)", len(victims), self.dir, min_cursor)
         return victims

@@ -30,6 +30,7 @@ import msgspec
 
 from steptap.middleware.curation import MAX_MARKS_PER_TRAJECTORY
 from steptap.middleware.delta import resolve
+from steptap.middleware.log.images import IMAGES_DIR
 from steptap.middleware.log.segments import (
     FRAME,
     HEADER,
@@ -43,6 +44,7 @@ from steptap.middleware.records import (
     Curation,
     RewardAdded,
     Trajectory,
+    is_digest,
     log_decoder,
     step_msgpack_decoder,
 )
@@ -101,6 +103,25 @@ class LogReader:
                 return data
 
         return _segnos(names), read
+
+    def image(self, sha256: str) -> bytes | None:
+        """The bytes of an image a step names (``Step.images``), from the log's image store (log/images.py);
+        None when the log does not hold it (compacted, or never stored). The learner's ``resolve``."""
+        if not is_digest(sha256):
+            return None
+        loc = self.location
+        if "://" not in loc or loc.startswith("file://"):
+            try:
+                return (Path(loc.removeprefix("file://")) / IMAGES_DIR / sha256).read_bytes()
+            except FileNotFoundError:
+                return None
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(loc, **self._storage_options)
+        try:
+            return bytes(fs.cat_file(f"{path.rstrip('/')}/{IMAGES_DIR}/{sha256}"))
+        except FileNotFoundError:
+            return None
 
     # ---- reading ------------------------------------------------------------------------------------------
 

@@ -49,8 +49,12 @@ class Peek(msgspec.Struct, kw_only=True, tag_field="type"):
     trajectory_id: str = ""
 
 
+class PeekImage(msgspec.Struct):
+    sha256: str = ""
+
+
 class PeekStep(Peek, tag="step"):
-    pass
+    images: list[PeekImage] = []  # compaction keeps what a kept step refers to (images.py)
 
 
 class PeekOpened(Peek, tag="session_opened"):
@@ -65,10 +69,15 @@ class PeekRef(msgspec.Struct, array_like=True):
     at: str  # a StepRef's cursor (its rewards are not read)
 
 
+class PeekImages(msgspec.Struct):
+    images: list[PeekImage] = []
+
+
 class PeekTrajectory(Peek, tag="trajectory"):
     id: str = ""
     status: str = "running"
     step_refs: list[PeekRef] = []
+    steps: list[PeekImages] = []  # an anonymous call's steps live in its trajectory record
 
 
 class PeekVersion(Peek, tag="policy_version"):
@@ -121,6 +130,7 @@ class Recovery:
     # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
     _download_remote: Callable[[], list[int]]
     _open_sessions: dict[str, int]
+    _image_segs: dict[str, int]
     _traj_ends: array[int]
     _traj_firsts: array[int]
     _valid_end: dict[int, int]
@@ -220,6 +230,11 @@ class Recovery:
         self._traj_ends.append(cursor_key(segno, end))
         self._traj_firsts.append(first_segment(refs, segno))
 
+    def _refers(self, images: list[Any], segno: int) -> None:
+        """A record in ``segno`` names these images: compaction keeps them while it is kept (images.py)."""
+        for image in images:
+            self._image_segs[image.sha256] = segno
+
     def _index(self, segno: int, end: int, payload: bytes | memoryview) -> None:
         """Track what compaction must keep (open sessions, the latest policy version) and where finished
         trajectories end."""
@@ -228,9 +243,13 @@ class Recovery:
         except msgspec.DecodeError:
             # An unknown record kind (newer writer) or a bad record (readers skip it): nothing to track
             return
-        if isinstance(peek, PeekOpened):
+        if isinstance(peek, PeekStep):
+            self._refers(peek.images, segno)
+        elif isinstance(peek, PeekOpened):
             self._opened(peek.trajectory_id, segno)
         elif isinstance(peek, PeekTrajectory) and peek.status != "running":
+            for step in peek.steps:
+                self._refers(step.images, segno)
             self._finished(peek.id, peek.step_refs, segno, end)
         elif isinstance(peek, PeekDropped):
             self._open_sessions.pop(peek.trajectory_id, None)

@@ -42,7 +42,7 @@ from steptap.middleware.log.cursors import CONSUMER_RE, ConsumerCursors, TooMany
 from steptap.middleware.log.reader import Found, Skipped
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.records import Trajectory, log_decoder, step_msgpack_decoder
+from steptap.middleware.records import Trajectory, is_digest, log_decoder, step_msgpack_decoder
 from steptap.middleware.wire import (
     FORMATS,
     MSGPACK,
@@ -94,6 +94,7 @@ def add_routes(app: web.Application, *, compact: bool = True, heartbeat_s: float
     app.router.add_get("/trajectories", get_trajectories)
     app.router.add_post("/trajectories/ack", post_ack)
     app.router.add_delete("/trajectories/consumers/{consumer}", delete_consumer)
+    app.router.add_get("/images/{sha256}", get_image)
     app.on_shutdown.append(_end_streams)
     app.cleanup_ctx.append(_lag_ctx(lag_interval_s))
 
@@ -301,3 +302,17 @@ async def _compact(app: web.Application, why: str) -> list[int]:
 
 
 __all__ = ["LOG_KEY", "StreamMessage", "ConsumerCursors", "add_routes", "ApiError", "delete_consumer"]
+
+
+async def get_image(request: web.Request) -> web.Response:
+    """``GET /images/<sha256>``: the bytes of an image a step names (``Step.images``; log/images.py)."""
+    require_control(request)
+    sha = request.match_info["sha256"]
+    if not is_digest(sha):
+        raise bad_request("an image is named by its sha256 hex digest (64 lowercase hex digits)",
+                          "invalid_image_ref")
+    data = await asyncio.to_thread(request.app[LOG_KEY].images.get, sha)
+    if data is None:
+        raise ApiError(404, f"no image {sha} in this log", "image_not_found")
+    return web.Response(body=data, content_type="application/octet-stream",
+                        headers={"Cache-Control": "private, max-age=31536000, immutable"})

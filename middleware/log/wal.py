@@ -39,6 +39,7 @@ from steptap.middleware import files
 from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
 from steptap.middleware.log.compaction import Compaction
 from steptap.middleware.log.degraded import Degraded
+from steptap.middleware.log.images import ImageStore
 from steptap.middleware.log.reader import Reader
 from steptap.middleware.log.recovery import LogInUseError, Recovery
 from steptap.middleware.log.remote import Remote
@@ -59,6 +60,7 @@ from steptap.middleware.records import (
     LogRecord,
     PolicyVersion,
     SessionOpened,
+    Step,
     Trajectory,
     msgpack_encoder,
 )
@@ -151,6 +153,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self._lock = threading.Lock()
         self._upload_lock = threading.Lock()  # one upload at a time (remote.py)
         self._compact_lock = asyncio.Lock()
+        # The images beside the log (images.py), and the last segment referring to each (compaction sweeps)
+        self.images = ImageStore(dirpath, durable=durability == "fsync", fs=fs, remote_root=remote_root)
+        self._image_segs: dict[str, int] = {}
 
     # ---- opening and recovery ----------------------------------------------------------------------------
 
@@ -282,9 +287,13 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
                 fut.set_exception(LogClosedError("trajectory log writer died"))
 
     def _track(self, record: LogRecord, segno: int, offset: int) -> None:
-        if isinstance(record, SessionOpened):
+        if isinstance(record, Step):
+            self._refers(record.images, segno)
+        elif isinstance(record, SessionOpened):
             self._opened(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
+            for step in record.steps:  # an anonymous call's steps live in its trajectory record
+                self._refers(step.images, segno)
             self._finished(record.id, record.step_refs, segno, offset)
         elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
             self._open_sessions.pop(record.trajectory_id, None)

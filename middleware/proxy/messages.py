@@ -15,6 +15,7 @@ from typing import Any
 from steptap.middleware.proxy.translation import (
     HANDLE_KEY,
     carry_over,
+    data_url,
     reasoning_handle,
     reasoning_of,
     text_of,
@@ -75,21 +76,50 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _user(content: Any, where: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results become tool messages (in order), its text one user message after them."""
+    """A user turn: its tool results become tool messages (in order), its text one user message after them;
+    with images, that message's content is its text and image parts in order (proxy/vision.py reads them)."""
     out: list[dict[str, Any]] = []
-    text: list[str] = []
+    parts: list[dict[str, Any]] = []
     for i, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_source(block.get("source"),
+                                                                                  f"{where}[{i}].source")}})
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
-            result = _text(block.get("content", ""), f"{where}[{i}].content")
+            result = _tool_result(block.get("content", ""), f"{where}[{i}].content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         else:
-            raise _bad(f"unsupported user block {kind!r} (text and tool_result are served)", f"{where}[{i}]")
-    if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+            raise _bad(f"unsupported user block {kind!r} (text, image and tool_result are served)",
+                       f"{where}[{i}]")
+    if parts or not out:
+        if any(p["type"] == "image_url" for p in parts):
+            out.append({"role": "user", "content": parts})
+        else:
+            out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
     return out
+
+
+def _tool_result(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text, or (with image blocks: a computer-use screenshot) its text and
+    image parts in order."""
+    if not isinstance(content, list) or not any(isinstance(b, dict) and b.get("type") == "image"
+                                                for b in content):
+        return _text(content, where)
+    return [{"type": "image_url", "image_url": {"url": _image_source(b.get("source"), f"{where}[{i}]")}}
+            if b.get("type") == "image" else {"type": "text", "text": _text([b], f"{where}[{i}]")}
+            for i, b in enumerate(content)]
+
+
+def _image_source(source: Any, where: str) -> str:
+    """An image block's source as the chat part's URL: base64 as a data URL, a URL as it is."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return data_url(source["media_type"], source["data"])
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise _bad("an image block's source must be {type: base64, media_type, data} or {type: url, url}", where)
 
 
 def _assistant(content: Any, where: str) -> dict[str, Any]:
@@ -169,7 +199,9 @@ def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             pending.append(c if isinstance(c, str) else "\n".join(p["text"] for p in c))
             continue
         if pending and msg["role"] == "user":
-            msg = {**msg, "content": "\n\n".join([*pending, msg["content"]])}
+            c = msg["content"]
+            msg = {**msg, "content": "\n\n".join([*pending, c]) if isinstance(c, str)
+                   else [{"type": "text", "text": "\n\n".join(pending) + "\n\n"}, *c]}
             pending = []
         out.append(msg)
     if pending:

@@ -34,7 +34,7 @@ from steptap.middleware.exceptions import (
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture, replies, tito
+from steptap.middleware.proxy import capture, replies, tito, vision
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import (
     PROTOCOL_ENDPOINTS,
@@ -115,47 +115,49 @@ async def _model_call(
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
     stream = bool(view.stream)
-    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-        served = await pool.route(view.model)  # before resolving: a refused call opens no session
-        session = await manager.resolve(ident)  # identify
-        if proto is not None:
-            proto.prepare(None if session.trajectory.anonymous else session.id)
-            for field in proto.dropped:
-                app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
-        try:
-            async with manager.call(session, steps=view.n or 1, size=len(raw)), \
-                    app[SWAPPER_KEY].gate() as ticket:  # gate
-                served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
-                # entry (it would only push named sessions out of the pool's bounded map).
-                replica = pool.acquire(pool.pick(_sticky_id(session)))
-                if proto is not None:
-                    await proto.adapt(replica.client, served)
-                out, asked = patch_request(proto.chat if proto is not None else body, upstream_endpoint,
-                                           served, cfg)
-                call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0, common=dict(
-                    request=body,
-                    sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
-                    model=view.model or served,
-                    served_model=served,
-                    backend=replica.name,
-                    started_at=started_at,
-                    policy_version=ticket.version,
-                ))
-                call.proto = proto
-                call.spans = ticket.spans
-                call.tito = bool(cfg.tito or session.tito) and upstream_endpoint == CHAT
-                call.chat = out
-                try:
-                    return await call.run(_upstream_body(raw, body, out) if proto is None else _encode(out),
-                                          stream)
-                finally:
-                    pool.release(call.replica)
-        finally:
-            metrics = app[METRICS_KEY]
-            metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
-                time.perf_counter() - t0
-            )
+    # Images: read, checked (a 400, nothing recorded) and stored before anything is forwarded (vision.py)
+    async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images, edge) as pics:
+        with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+            served = await pool.route(view.model)  # before resolving: a refused call opens no session
+            session = await manager.resolve(ident)  # identify
+            if proto is not None:
+                proto.prepare(None if session.trajectory.anonymous else session.id)
+                for field in proto.dropped:
+                    app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
+                await pics.again(proto.chat, manager, session)  # a stored conversation's images
+            try:
+                async with manager.call(session, steps=view.n or 1, size=len(raw)), \
+                        app[SWAPPER_KEY].gate() as ticket:  # gate
+                    served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
+                    # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
+                    # entry (it would only push named sessions out of the pool's bounded map).
+                    replica = pool.acquire(pool.pick(_sticky_id(session)))
+                    if proto is not None:
+                        await proto.adapt(replica.client, served)
+                    out, asked = patch_request(pics.upstream(proto, body), upstream_endpoint, served, cfg)
+                    call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0,
+                                 common=dict(
+                        request=pics.logged(body),  # each image as its reference (stored once)
+                        sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+                        model=view.model or served,
+                        served_model=served,
+                        backend=replica.name,
+                        started_at=started_at,
+                        policy_version=ticket.version,
+                    ))
+                    call.proto, call.spans = proto, ticket.spans
+                    call.tito = pics.tito(session, upstream_endpoint == CHAT and (cfg.tito or session.tito))
+                    call.chat, call.pics = out, pics
+                    try:
+                        payload = _upstream_body(raw, body, out) if proto is None else _encode(out)
+                        return await call.run(payload, stream)
+                    finally:
+                        pool.release(call.replica)
+            finally:
+                metrics = app[METRICS_KEY]
+                metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
+                    time.perf_counter() - t0
+                )
 
 
 async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,
@@ -177,7 +179,7 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
             manager.pending.pop(session.id, None)
         return
     model = body.get("model")
-    step = capture.failed_step(endpoint, message, "invalid_request", request=body,
+    step = capture.failed_step(endpoint, message, "invalid_request", request=vision.strip_images(body),
                                model=model if isinstance(model, str) else "", started_at=started_at,
                                latency_s=time.perf_counter() - t0)
     try:
@@ -223,6 +225,7 @@ class _Call(StreamRelay):
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
         self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
+        self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -351,8 +354,10 @@ class _Call(StreamRelay):
                 self.proto.annotate(step)
             if self.notes:
                 step.notes = [*step.notes, *self.notes]
-        # A translated request's messages as sent upstream: continuity is judged on them (sessions/prefix.py)
-        chat = self.chat.get("messages") if self.proto is not None else None
+            step.images = self.pics.refs()
+        # A translated request's messages as sent upstream (images as references): continuity is judged on
+        # them (sessions/prefix.py)
+        chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
         await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
             self.session.tito_state = (tito.next_state(self.chat, steps[0], stop_reason) if len(steps) == 1

@@ -82,6 +82,25 @@ def _text_of(content: Any, where: str) -> str:
     return text_of(content, where, ("input_text", "output_text", "text"), "text parts")
 
 
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's (or a tool output's) content: its text, or (with ``input_image`` parts) its text and
+    image parts in order as chat parts (proxy/vision.py reads them)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _bad("an input_image needs an 'image_url' (a data URL or an http(s) URL; file_id is "
+                           "not served)", f"{where}[{i}]")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}[{i}]")})
+    return parts
+
+
 def custom_arguments(text: str) -> str:
     """A custom tool call's input as the arguments of its function (as vLLM's tool parsers serialize them)."""
     return json.dumps({CUSTOM_ARG: text}, ensure_ascii=False)
@@ -124,8 +143,10 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"unsupported role {role!r}", where)
+            content = item.get("content")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content"), f"{where}.content")})
+                        "content": _user_content(content, f"{where}.content") if role == "user"
+                        else _text_of(content, f"{where}.content")})
         elif kind == "function_call":
             name, args, call_id = _strings(item, where, "name", "arguments", "call_id")
             namespace = item.get("namespace")
@@ -150,7 +171,7 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             if not isinstance(given_id, str):
                 raise _bad(f"a {kind} needs a string 'call_id'", where)
             out.append({"role": "tool", "tool_call_id": given_id,
-                        "content": _text_of(item.get("output"), f"{where}.output")})
+                        "content": _user_content(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             # The reasoning of the reply that follows: its text goes to the template as the assistant
             # message's reasoning (rendered where the template renders it); its encrypted_content, when the

@@ -13,7 +13,7 @@ from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import messages as messages_api
-from steptap.middleware.proxy import tito
+from steptap.middleware.proxy import tito, vision
 from steptap.middleware.proxy.capture import CHAT
 from steptap.middleware.proxy.protocols import Messages, anthropic_errors
 from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
@@ -54,13 +54,15 @@ async def _count_tokens(request: web.Request) -> web.Response:
     check_model_call_origin(request)
     body = _json_object(await read_body(request))
     proto = Messages(body, "", count_only=True)
+    known: dict[str, vision.Image] = {}  # images checked and fetched as a call's: vLLM never fetches a URL
+    await vision.gather(proto.chat, app[CONFIG_KEY], known)
     ident = identify(request)
     pool = app[POOL_KEY]
     served = await pool.route(proto.chat.get("model"))
     session = await app[SESSIONS_KEY].resolve(ident)
     upstream = pool.pick(_sticky_id(session)).client
     await proto.adapt(upstream, served)
-    out, _ = patch_request(proto.chat, CHAT, served, app[CONFIG_KEY])
+    out, _ = patch_request(vision.with_data(proto.chat, known), CHAT, served, app[CONFIG_KEY])
     try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
         rendered = await tito.render(upstream, out)
     except tito.TitoError as exc:

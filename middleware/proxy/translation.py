@@ -33,6 +33,11 @@ def text_of(content: Any, where: str, kinds: tuple[str, ...], noun: str) -> str:
     return "".join(parts)
 
 
+def data_url(mime: Any, data: Any) -> str:
+    """An image's base64 data (an Anthropic source) as the data URL of the chat part it becomes."""
+    return f"data:{mime if isinstance(mime, str) else 'application/octet-stream'};base64,{data}"
+
+
 def carry_over(chat: dict[str, Any], body: dict[str, Any], same: tuple[str, ...]) -> dict[str, Any]:
     """The chat body's last keys: those the protocol passes on unchanged (``same``), and a stream's usage."""
     for key in same:

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
@@ -26,7 +28,18 @@ logger = logging.getLogger("steptap.sessions")
 AUTO_PREFIX = "auto:"
 
 
+class Images(Protocol):
+    """The image store beside the log (log/images.py), as the relay uses it."""
+
+    async def put(self, images: Iterable[tuple[str, bytes]]) -> None: ...  # durable when it returns
+
+    def hold(self, digests: Iterable[str]) -> AbstractContextManager[None]: ...  # kept from compaction
+
+
 class Log(Protocol):
+    @property
+    def images(self) -> Images: ...
+
     async def append(self, record: LogRecord) -> str: ...
 
     async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends

@@ -215,6 +215,7 @@ VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_pref
 # What opens an HTTP client session; outside backend/ only the kernel's client of the proxy itself may.
 SESSION_MAKERS = {"ClientSession", "TCPConnector", "UnixConnector", "request", "get", "post"}
 PROXY_CLIENT = Path("client/stream.py")  # the proxy's own async client (its control API, not vLLM)
+IMAGE_FETCH = Path("proxy/vision.py")  # fetches an image URL from a host --image-urls allows (never vLLM)
 
 
 def vllm_http_outside_backend(root: Path) -> list[str]:
@@ -236,13 +237,14 @@ def vllm_http_outside_backend(root: Path) -> list[str]:
                 if hit and not node.value.startswith(("--",
                                                       " ")) and "/" in node.value and " " not in node.value:
                     wrong.append(f"{rel}:{node.lineno}: vLLM route {node.value!r}")
-            elif isinstance(node, ast.ImportFrom) and node.module == "aiohttp" and rel != PROXY_CLIENT:
+            elif isinstance(node, ast.ImportFrom) and node.module == "aiohttp" and rel not in (PROXY_CLIENT,
+                                                                                               IMAGE_FETCH):
                 made = {a.name for a in node.names} & SESSION_MAKERS
                 if made:
                     wrong.append(f"{rel}:{node.lineno}: imports aiohttp.{sorted(made)[0]}")
             elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                   and node.value.id in aliases
-                  and node.attr in SESSION_MAKERS and rel != PROXY_CLIENT):
+                  and node.attr in SESSION_MAKERS and rel not in (PROXY_CLIENT, IMAGE_FETCH)):
                 wrong.append(f"{rel}:{node.lineno}: aiohttp.{node.attr}")
     return wrong
 

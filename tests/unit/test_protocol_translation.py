@@ -80,7 +80,7 @@ def test_responses_stream_events_are_ordered_and_complete() -> None:
     {"input": "x", "tools": [{"type": "function", "name": "ns.f"},
                              {"type": "namespace", "name": "ns",
                               "tools": [{"type": "function", "name": "f"}]}]},
-    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
 ])
 def test_responses_bodies_it_cannot_serve_are_400(body: dict) -> None:
     with pytest.raises(ApiError) as err:
