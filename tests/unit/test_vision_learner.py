@@ -1,0 +1,235 @@
+"""The learner on vision steps (issue 23): rows, the torch engine's image inputs, the logprob check.
+
+The "recorded" logprobs come from the tiny vision model itself: a response sampled with transformers
+``generate`` (KV cache, M-RoPE deltas at generation time), its raw logprobs taken from generate's logits, as
+vLLM records them. The learner recomputes them in one full forward pass with the images; exact means within
+the tests' float32 tolerance (1e-4), the default ``vision_logprob_tol``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from steptap.learner.config import LearnerConfig
+from steptap.learner.engines.torch_engine import TorchEngine
+from steptap.learner.metrics_log import update_row
+from steptap.learner.rows import build_batch
+from steptap.learner.vision import MISMATCH, UNRESOLVED, VisionInputs, check_message, pad_runs
+from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
+
+torch.set_num_threads(1)
+TOL = LearnerConfig().vision_logprob_tol
+
+
+def build_tiny_vl(out: Path, text_model_dir: Path) -> Path:
+    """A tiny random Qwen2-VL (2 layers, a 1-block vision tower) with the tiny model's tokenizer plus Qwen2-VL's
+    three vision tokens, and Qwen2-VL's image processor at small pixel bounds."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(text_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>",
+                                                          "<|image_pad|>"]})
+    start, end, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=False),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=pad, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny-vl"), tiny_model_dir)
+
+
+def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    img = Image.new("RGB", (w, h), color)
+    for x in range(0, w, 7):  # not flat: patches that differ
+        for y in range(0, h, 5):
+            img.putpixel((x, y), (x * 3 % 256, y * 5 % 256, (x + y) % 256))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+IMAGES = {hashlib.sha256(b).hexdigest(): b for b in (_png(60, 50, (200, 30, 40)), _png(40, 90, (10, 120, 220)))}
+DIGESTS = list(IMAGES)
+
+
+class Recorder:
+    """Record-shaped vision steps from the model itself: prompts as vLLM expands them, a sampled response and
+    its raw logprobs."""
+
+    def __init__(self, vl_dir: Path) -> None:
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(vl_dir)
+        self.model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+        self.inputs = VisionInputs(vl_dir, IMAGES.get)
+        self.pad = self.inputs.image_token_id
+        self.start, self.end = self.tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+
+    def prompt(self, digests: list[str], text: str) -> list[int]:
+        """The chat prompt with each image's pad token repeated per merged patch (vLLM's expansion)."""
+        ids = self.tok.encode("<|im_start|>user\n")
+        for d in digests:
+            grid = self.inputs.processor(images=[_image(d)], return_tensors="pt")["image_grid_thw"][0]
+            ids += [self.start] + [self.pad] * (int(grid.prod()) // self.inputs.merge ** 2) + [self.end]
+        return ids + self.tok.encode(f"{text}<|im_end|>\n<|im_start|>assistant\n")
+
+    @torch.no_grad()
+    def step(self, index: int, digests: list[str], text: str, seed: int, images: bool = True) -> Step:
+        """A sampled step; ``images=False``: what a text-only path would record (the pad tokens seen as text)."""
+        prompt = self.prompt(digests, text)
+        ids = torch.tensor([prompt])
+        extra = {}
+        if images:
+            pix = self.inputs.processor(images=[_image(d) for d in digests], return_tensors="pt")
+            extra = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"],
+                     "mm_token_type_ids": self.inputs.token_types(ids)}
+        torch.manual_seed(seed)
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                  temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=6, min_new_tokens=6,
+                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra)
+        resp = out.sequences[0, len(prompt):]
+        logits = torch.stack(out.logits, dim=1)[0].float()  # raw: before the sampler's warpers
+        lps = torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
+        return Step(index=index, prompt_token_ids=prompt, response_token_ids=resp.tolist(),
+                    response_logprobs=lps.tolist(), sampling=Sampling(temperature=1.0),
+                    images=[ImageRef(sha256=d, mime="image/png") for d in digests],
+                    prefix="first" if index == 0 else "extends")
+
+
+def _image(digest: str):  # type: ignore[no-untyped-def]
+    from PIL import Image
+
+    return Image.open(io.BytesIO(IMAGES[digest])).convert("RGB")
+
+
+@pytest.fixture(scope="module")
+def recorder(vl_dir: Path) -> Recorder:
+    return Recorder(vl_dir)
+
+
+@pytest.fixture(scope="module")
+def trajs(recorder: Recorder) -> list[Trajectory]:
+    """Two groups of two one-to-two-step trajectories: one image, two images, and a text step."""
+    out = []
+    for g in range(2):
+        for m in range(2):
+            first = recorder.step(0, DIGESTS[:1] if m == 0 else DIGESTS, f"look {g}", seed=10 * g + m)
+            steps = [first]
+            if m == 0:  # a second call in the same session showing the same image: never packed
+                steps.append(recorder.step(1, DIGESTS[:1], f"look {g} again", seed=100 + g))
+            out.append(Trajectory(id=f"t{g}{m}", group_id=f"g{g}", status="finished", steps=steps,
+                                  rewards={"r": float(m + g)}))
+    return out
+
+
+def _strip_images(trajs: list[Trajectory]) -> list[Trajectory]:
+    import msgspec
+
+    return [msgspec.structs.replace(t, steps=[msgspec.structs.replace(s, images=[]) for s in t.steps])
+            for t in trajs]
+
+
+def test_the_processor_agrees_with_the_expanded_prompt(recorder: Recorder) -> None:
+    step = recorder.step(0, DIGESTS, "two", seed=0)
+    got = recorder.inputs(step)
+    assert isinstance(got, dict) and got["image_grid_thw"].shape == (2, 3)
+    want = [int(g.prod()) // 4 for g in got["image_grid_thw"]]
+    assert pad_runs(step.prompt_token_ids, recorder.pad) == want and want[0] != want[1]
+
+
+def test_torch_engine_trains_vision_steps_on_the_recorded_logprobs(vl_dir: Path, recorder: Recorder,
+                                                                    trajs: list[Trajectory]) -> None:
+    """Vision steps: a sequence each (never packed), the learner's logprobs before the update are vLLM's
+    (generate's) within the tolerance, the update is on-policy (ppo_kl ~ 0) and moves the weights. The same
+    steps with their images dropped (the prompt's pad tokens read as text) differ: there the check fires."""
+    batch = build_batch(trajs, version=0, vision=recorder.inputs)
+    assert batch.counts["vision_steps"] == 6 and batch.counts["trained_steps"] == 6
+    assert len(batch.sequences) == 6 and batch.counts["packed_steps"] == 0 and batch.has_vision
+    assert all(len(s.images) in (1, 2) for s in batch.samples)
+
+    eng = TorchEngine(LearnerConfig(model_dir=str(vl_dir), lr=1e-2, micro_batch_tokens=4096).validate())
+    gap, tokens = eng.logprob_gap(batch)
+    assert tokens == 6 * 6 and gap <= TOL, gap
+    assert check_message(gap, TOL, tokens) is None
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    stats = eng.train_step(batch)
+    assert abs(stats.ppo_kl) < 1e-5 and stats.pg_clipfrac == 0.0 and stats.tokens == 36
+    assert stats.grad_norm > 0
+    moved = {k for k, v in eng.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert any("visual" in k for k in moved) and any("language_model" in k for k in moved)
+
+    # Images dropped: the same tokens as text, trained as the text path would; the logprobs are not vLLM's
+    eng.model.load_state_dict(before)
+    text = build_batch(_strip_images(trajs), version=0, vision=recorder.inputs)
+    assert not text.has_vision and text.counts["vision_steps"] == 0
+    stats = eng.train_step(text)
+    assert abs(stats.ppo_kl) > 100 * TOL
+    # ... and the check on steps whose recorded logprobs came without the images (vLLM not seeing them) fires
+    eng.model.load_state_dict(before)
+    blind = [Trajectory(id="b", group_id="gb", status="finished",
+                        steps=[recorder.step(0, DIGESTS[:1], "look 0", seed=0, images=False)])]
+    blind[0].steps[0].images = [ImageRef(sha256=DIGESTS[0])]
+    gap, tokens = eng.logprob_gap(build_batch(blind, version=0, vision=recorder.inputs))
+    assert tokens == 6 and gap > 100 * TOL
+    assert "vision check failed" in (check_message(gap, TOL, tokens) or "")
+
+
+def test_lora_adapts_only_the_language_model(vl_dir: Path, recorder: Recorder,
+                                             trajs: list[Trajectory]) -> None:
+    eng = TorchEngine(LearnerConfig(model_dir=str(vl_dir), lora_rank=4, lora_alpha=8, lr=1e-2,
+                                    lora_targets=("q_proj", "v_proj", "qkv", "fc1")).validate())
+    trainable = [n for n, p in eng.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "language_model" in n for n in trainable)
+    batch = build_batch(trajs[:2], version=0, vision=recorder.inputs)
+    gap, _ = eng.logprob_gap(batch)
+    assert gap <= TOL  # the adapter starts at zero: the base model's logprobs
+    assert eng.train_step(batch).grad_norm > 0
+
+
+def test_unresolvable_or_mismatched_images_are_dropped_and_counted(vl_dir: Path, recorder: Recorder,
+                                                                   trajs: list[Trajectory]) -> None:
+    """Never trained as text: an image the resolver lacks, a grid the prompt disagrees with, a text policy."""
+    known = {DIGESTS[0]: IMAGES[DIGESTS[0]]}  # the second image is not resolvable
+    partial = VisionInputs(vl_dir, known.get)
+    batch = build_batch(trajs, version=0, vision=partial)
+    # t01 and t11 show both images: their one step each is dropped; the one-image steps train
+    assert batch.counts[UNRESOLVED] == 2 and batch.counts["trained_steps"] == 4
+    assert {s.trajectory_id for s in batch.samples} == {"t00", "t10"}
+    row = update_row(1, batch, None, 0, 0.0)
+    assert row["counts"][UNRESOLVED] == 2  # in the metrics like every other drop cause
+
+    import msgspec
+
+    step = trajs[0].steps[0]
+    short = msgspec.structs.replace(step, prompt_token_ids=[t for i, t in enumerate(step.prompt_token_ids)
+                                                            if not (t == recorder.pad and i % 5 == 0)])
+    bad = [msgspec.structs.replace(trajs[0], steps=[short])]
+    batch = build_batch(bad, version=0, vision=recorder.inputs)
+    assert batch.counts[MISMATCH] == 1 and not batch.samples
+
+    batch = build_batch(trajs[:1], version=0)  # a text policy: no vision inputs
+    assert batch.counts["dropped_image_text_model"] == 2 and not batch.samples
+
+
+def test_a_text_model_dir_is_not_a_vision_one(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        VisionInputs(tiny_model_dir, IMAGES.get)
