@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,40 @@ def test_unresolvable_or_mismatched_images_are_dropped_and_counted(vl_dir: Path,
 def test_a_text_model_dir_is_not_a_vision_one(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="not a vision-language model"):
         VisionInputs(tiny_model_dir, IMAGES.get)
+
+
+def test_the_daemon_checks_the_first_vision_batch_loudly(vl_dir: Path, recorder: Recorder, trajs: list[Trajectory],
+                                                         tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """The daemon builds the rows with its resolver, checks the first vision batch once: within the tolerance
+    it notes the gap; beyond it an error line, and with vision_check = "stop" the learner stops."""
+    from steptap.learner import daemon
+    from steptap.learner.config import config_from_argv
+    from steptap.learner.vision import VisionMismatch
+
+    def learner(check: str) -> daemon.Learner:
+        # A closed port: the learner asks the proxy nothing before train()
+        return daemon.Learner(config_from_argv([
+            "--proxy-url", "http://127.0.0.1:9", "--control-token", "t", "--model-dir", str(vl_dir),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / f"{check}.jsonl"),
+            "--no-progress", "--num-threads", "1", "--vision-check", check]), resolve=IMAGES.get)
+
+    blind = [Trajectory(id="b", group_id="gb", status="finished",
+                        steps=[recorder.step(0, DIGESTS[:1], "look 0", seed=0, images=False)])]
+    blind[0].steps[0].images = [ImageRef(sha256=DIGESTS[0])]
+
+    warn = learner("warn")
+    assert warn.vision is not None
+    with caplog.at_level(logging.ERROR, logger="steptap.learner"):
+        gap = warn._vision_check(build_batch(blind, version=warn.version, vision=warn.vision))
+    assert gap is not None and gap > 100 * TOL
+    assert any("vision check failed" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    assert warn._vision_check(build_batch(trajs, version=0, vision=warn.vision)) is None  # checked once
+
+    stop = learner("stop")
+    good = build_batch(trajs, version=stop.version, vision=stop.vision)
+    assert good.counts["vision_steps"] == 6
+    gap = stop._vision_check(good)
+    assert gap is not None and gap <= TOL
+    with pytest.raises(VisionMismatch, match="vision check failed"):
+        learner("stop")._vision_check(build_batch(blind, version=0, vision=stop.vision))
