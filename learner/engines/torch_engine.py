@@ -132,7 +132,8 @@ class TorchEngine:
         self.value_head: torch.nn.Linear | None = None
         self.value_head_restored = False  # load_state_dict: the head came from the checkpoint
         if cfg.algorithm == "gae":  # starts at V = 0: the first advantages are the whitened returns
-            self.value_head = torch.nn.Linear(self.model.config.get_text_config().hidden_size, 1).to(self.device)
+            hidden = self.model.config.get_text_config().hidden_size  # a VL model's is its text model's
+            self.value_head = torch.nn.Linear(hidden, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.value_lr,
@@ -390,9 +391,9 @@ class TorchEngine:
 
     @torch.no_grad()
     def logprob_gap(self, batch: Batch) -> tuple[float, int]:
-        """The start-up check (learner/vision.py): the largest gap between this policy's raw logprobs (before
-        any update, temperature 1, as vLLM records them) and the recorded ones, over the response tokens of the
-        batch's vision sequences sampled by the learner's version; (gap, tokens compared)."""
+        """The start-up check (learner/vision.py): the largest gap between this policy's raw logprobs
+        (before any update, temperature 1, as vLLM records them) and the recorded ones, over the response
+        tokens of the batch's vision sequences sampled by the learner's version; (gap, tokens compared)."""
         from steptap.learner.vision import logprob_gap
 
         lay = self._layout(batch)

@@ -334,6 +334,11 @@ class VerlEngine:
             seconds=time.perf_counter() - t0, rollout_is_mean=is_mean,
         )
 
+    def logprob_gap(self, batch: Batch) -> tuple[float, int]:
+        """The vision check: vision steps are not built for this engine (its config check refuses a
+        vision-language model dir), so it never has a vision batch to check."""
+        raise NotImplementedError("engine verl: vision steps are not built yet (docs/vision-learner.md)")
+
     # -- weights out, checkpoints -------------------------------------------------------------------------
     def hf_weights(self) -> dict[str, torch.Tensor]:
         return next(x for x in self.wg.hf_weights() if x is not None)

@@ -28,8 +28,8 @@ TOL = LearnerConfig().vision_logprob_tol
 
 
 def build_tiny_vl(out: Path, text_model_dir: Path) -> Path:
-    """A tiny random Qwen2-VL (2 layers, a 1-block vision tower) with the tiny model's tokenizer plus Qwen2-VL's
-    three vision tokens, and Qwen2-VL's image processor at small pixel bounds."""
+    """A tiny random Qwen2-VL (2 layers, a 1-block vision tower) with the tiny model's tokenizer plus
+    Qwen2-VL's three vision tokens, and Qwen2-VL's image processor at small pixel bounds."""
     from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -40,7 +40,8 @@ def build_tiny_vl(out: Path, text_model_dir: Path) -> Path:
     cfg = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=False),
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         tie_word_embeddings=False),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=pad, tie_word_embeddings=False)
@@ -68,7 +69,8 @@ def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-IMAGES = {hashlib.sha256(b).hexdigest(): b for b in (_png(60, 50, (200, 30, 40)), _png(40, 90, (10, 120, 220)))}
+IMAGES = {hashlib.sha256(b).hexdigest(): b
+          for b in (_png(60, 50, (200, 30, 40)), _png(40, 90, (10, 120, 220)))}
 DIGESTS = list(IMAGES)
 
 
@@ -95,7 +97,7 @@ class Recorder:
 
     @torch.no_grad()
     def step(self, index: int, digests: list[str], text: str, seed: int, images: bool = True) -> Step:
-        """A sampled step; ``images=False``: what a text-only path would record (the pad tokens seen as text)."""
+        """A sampled step; ``images=False``: what a text-only path records (the pad tokens seen as text)."""
         prompt = self.prompt(digests, text)
         ids = torch.tensor([prompt])
         extra = {}
@@ -236,9 +238,10 @@ def test_a_text_model_dir_is_not_a_vision_one(tiny_model_dir: Path) -> None:
         VisionInputs(tiny_model_dir, IMAGES.get)
 
 
-def test_the_daemon_checks_the_first_vision_batch_loudly(vl_dir: Path, recorder: Recorder, trajs: list[Trajectory],
-                                                         tmp_path: Path, caplog: pytest.LogCaptureFixture
-                                                         ) -> None:
+def test_the_daemon_checks_the_first_vision_batch_loudly(
+    vl_dir: Path, recorder: Recorder, trajs: list[Trajectory], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The daemon builds the rows with its resolver, checks the first vision batch once: within the tolerance
     it notes the gap; beyond it an error line, and with vision_check = "stop" the learner stops."""
     from steptap.learner import daemon
@@ -271,3 +274,9 @@ def test_the_daemon_checks_the_first_vision_batch_loudly(vl_dir: Path, recorder:
     assert gap is not None and gap <= TOL
     with pytest.raises(VisionMismatch, match="vision check failed"):
         learner("stop")._vision_check(build_batch(blind, version=0, vision=stop.vision))
+
+
+def test_the_verl_engine_refuses_a_vision_model_until_it_is_built(vl_dir: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="vision-language models"):
+        LearnerConfig(model_dir=str(vl_dir), engine="verl", truncation_mode="drop").validate()
+    LearnerConfig(model_dir=str(tiny_model_dir), engine="verl", truncation_mode="drop").validate()
