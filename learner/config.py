@@ -208,11 +208,6 @@ def verl_engine_problems(cfg: LearnerConfig) -> list[str]:
         out.append("engine verl: kl_coef > 0 needs lora_rank > 0 (the reference is the base model with the "
                    "adapter disabled); a separate reference worker group for full fine-tuning is not built "
                    "yet")
-    from steptap.learner.vision import vision_config
-
-    if cfg.model_dir and vision_config(cfg.model_dir) is not None:
-        out.append("engine verl: vision-language models (a vision_config in model_dir) are not built for the "
-                   "verl engine yet; use --engine torch (docs/vision-learner.md)")
     if cfg.workers < 1 or cfg.nodes < 1 or cfg.workers % cfg.nodes:
         out.append("engine verl: workers must be a positive multiple of nodes")
     return out

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from steptap.learner.rows import Batch
 from steptap.middleware.records import Step
 
 Resolve = Callable[[str], "bytes | None"]  # an image's bytes by its sha256 (hex), None when unknown
@@ -57,6 +58,14 @@ def pad_runs(prompt_ids: list[int], pad_id: int) -> list[int]:
                 runs.append(1)
         prev = t
     return runs
+
+
+def lora_targets(targets: tuple[str, ...] | list[str], model_dir: str | Path) -> list[str] | str:
+    """peft's ``target_modules``: the names as given, or for a vision-language model a regex (peft matches it
+    in full) keeping LoRA to the language model's layers: the vision tower stays as vLLM serves it."""
+    if vision_config(model_dir) is None:
+        return list(targets)
+    return rf".*language_model\..*\.({'|'.join(targets)})"
 
 
 class VisionInputs:
@@ -103,9 +112,22 @@ class VisionInputs:
         return (ids == self.image_token_id).long()
 
 
-def logprob_gap(learner: list[float], recorded: list[float]) -> float:
-    """The largest per-token gap between the learner's and the recorded logprobs (0 when there are none)."""
-    return max((abs(a - b) for a, b in zip(learner, recorded, strict=True)), default=0.0)
+def vision_gap(batch: Batch, seq_logprobs: Callable[[list[int]], list[list[float]]]) -> tuple[float, int]:
+    """The check over ``batch``'s vision sequences: the largest gap between the policy's raw logprobs and the
+    recorded ones, over the response tokens of the samples of the learner's version; (gap, tokens compared).
+    ``seq_logprobs(qs)``: for each sequence index, the policy's logprob of each of its ids after the first
+    (position t predicts id t + 1), the engine's own forward."""
+    qs = [q for q, seq in enumerate(batch.sequences) if seq.vision is not None
+          and any(batch.samples[i].policy_version == batch.version for i in seq.samples)]
+    gap, n = 0.0, 0
+    for q, lps in zip(qs, seq_logprobs(qs) if qs else [], strict=True):
+        for i in batch.sequences[q].samples:
+            s = batch.samples[i]
+            if s.policy_version == batch.version:
+                mine = lps[s.offset - 1 : s.offset - 1 + len(s.response_ids)]
+                gap = max([gap, *(abs(a - b) for a, b in zip(mine, s.logprobs, strict=True))])
+                n += len(mine)
+    return gap, n
 
 
 def check_message(gap: float, tol: float, tokens: int) -> str | None:

@@ -96,7 +96,7 @@ class TorchEngine:
     def __init__(self, cfg: LearnerConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        from steptap.learner.vision import vision_config
+        from steptap.learner.vision import lora_targets, vision_config
 
         self.cfg = cfg
         self.device = pick_device(cfg.device)
@@ -112,13 +112,10 @@ class TorchEngine:
         if cfg.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
-            # A vision-language model: only the language model's layers (a regex peft matches in full)
-            targets: list[str] | str = list(cfg.lora_targets)
-            if vl:
-                targets = rf".*language_model\..*\.({'|'.join(cfg.lora_targets)})"
             model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                      lora_dropout=cfg.lora_dropout,
-                                                     target_modules=targets,
+                                                     target_modules=lora_targets(cfg.lora_targets,
+                                                                                 cfg.model_dir),
                                                      task_type="CAUSAL_LM"))
         elif cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just disables the adapter)
             ref = auto.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
@@ -391,26 +388,22 @@ class TorchEngine:
 
     @torch.no_grad()
     def logprob_gap(self, batch: Batch) -> tuple[float, int]:
-        """The start-up check (learner/vision.py): the largest gap between this policy's raw logprobs
-        (before any update, temperature 1, as vLLM records them) and the recorded ones, over the response
-        tokens of the batch's vision sequences sampled by the learner's version; (gap, tokens compared)."""
-        from steptap.learner.vision import logprob_gap
+        """The vision check (learner/vision.py) with this policy before any update, at temperature 1 (vLLM
+        records raw logprobs)."""
+        from steptap.learner.vision import vision_gap
 
         lay = self._layout(batch)
         self.model.eval()
-        gap, n = 0.0, 0
-        for q, seq in enumerate(batch.sequences):
-            fresh = [i for i in seq.samples if batch.samples[i].policy_version == batch.version]
-            if seq.vision is None or not fresh:
-                continue
-            logits = self._logits(self.model, lay, [q])[0]  # [L-1, V]
-            lp = token_logprobs(logits[None], lay.ids[q][1:][None].to(self.device),
-                                torch.ones(1, logits.shape[0], device=self.device))[0]
-            for i in fresh:
-                s = batch.samples[i]
-                mine = lp[s.offset - 1 : s.offset - 1 + len(s.response_ids)].tolist()
-                gap, n = max(gap, logprob_gap(mine, s.logprobs)), n + len(mine)
-        return gap, n
+
+        def raw(qs: list[int]) -> list[list[float]]:
+            out = []
+            for q in qs:
+                logits = self._logits(self.model, lay, [q])  # [1, L-1, V]
+                ones = torch.ones(logits.shape[:2], device=self.device)
+                out.append(token_logprobs(logits, lay.ids[q][1:][None].to(self.device), ones)[0].tolist())
+            return out
+
+        return vision_gap(batch, raw)
 
     # -- sampling (in-process tests and demos without vLLM) -------------------------------------------
     @torch.no_grad()

@@ -8,120 +8,27 @@ the tests' float32 tolerance (1e-4), the default ``vision_logprob_tol``.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from vision_steps import DIGESTS, IMAGES, Recorder, blind, build_tiny_vl, trajectories
 
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
 from steptap.learner.metrics_log import update_row
 from steptap.learner.rows import build_batch
 from steptap.learner.vision import MISMATCH, UNRESOLVED, VisionInputs, check_message, pad_runs
-from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
+from steptap.middleware.records import Trajectory
 
 torch.set_num_threads(1)
 TOL = LearnerConfig().vision_logprob_tol
 
 
-def build_tiny_vl(out: Path, text_model_dir: Path) -> Path:
-    """A tiny random Qwen2-VL (2 layers, a 1-block vision tower) with the tiny model's tokenizer plus
-    Qwen2-VL's three vision tokens, and Qwen2-VL's image processor at small pixel bounds."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = AutoTokenizer.from_pretrained(text_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>",
-                                                          "<|image_pad|>"]})
-    start, end, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         tie_word_embeddings=False),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
-        vision_start_token_id=start, vision_end_token_id=end, image_token_id=pad, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     return build_tiny_vl(tmp_path_factory.mktemp("tiny-vl"), tiny_model_dir)
-
-
-def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
-    from PIL import Image
-
-    img = Image.new("RGB", (w, h), color)
-    for x in range(0, w, 7):  # not flat: patches that differ
-        for y in range(0, h, 5):
-            img.putpixel((x, y), (x * 3 % 256, y * 5 % 256, (x + y) % 256))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-IMAGES = {hashlib.sha256(b).hexdigest(): b
-          for b in (_png(60, 50, (200, 30, 40)), _png(40, 90, (10, 120, 220)))}
-DIGESTS = list(IMAGES)
-
-
-class Recorder:
-    """Record-shaped vision steps from the model itself: prompts as vLLM expands them, a sampled response and
-    its raw logprobs."""
-
-    def __init__(self, vl_dir: Path) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(vl_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
-        self.inputs = VisionInputs(vl_dir, IMAGES.get)
-        self.pad = self.inputs.image_token_id
-        self.start, self.end = self.tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
-
-    def prompt(self, digests: list[str], text: str) -> list[int]:
-        """The chat prompt with each image's pad token repeated per merged patch (vLLM's expansion)."""
-        ids = self.tok.encode("<|im_start|>user\n")
-        for d in digests:
-            grid = self.inputs.processor(images=[_image(d)], return_tensors="pt")["image_grid_thw"][0]
-            ids += [self.start] + [self.pad] * (int(grid.prod()) // self.inputs.merge ** 2) + [self.end]
-        return ids + self.tok.encode(f"{text}<|im_end|>\n<|im_start|>assistant\n")
-
-    @torch.no_grad()
-    def step(self, index: int, digests: list[str], text: str, seed: int, images: bool = True) -> Step:
-        """A sampled step; ``images=False``: what a text-only path records (the pad tokens seen as text)."""
-        prompt = self.prompt(digests, text)
-        ids = torch.tensor([prompt])
-        extra = {}
-        if images:
-            pix = self.inputs.processor(images=[_image(d) for d in digests], return_tensors="pt")
-            extra = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"],
-                     "mm_token_type_ids": self.inputs.token_types(ids)}
-        torch.manual_seed(seed)
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                  temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=6, min_new_tokens=6,
-                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0, **extra)
-        resp = out.sequences[0, len(prompt):]
-        logits = torch.stack(out.logits, dim=1)[0].float()  # raw: before the sampler's warpers
-        lps = torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
-        return Step(index=index, prompt_token_ids=prompt, response_token_ids=resp.tolist(),
-                    response_logprobs=lps.tolist(), sampling=Sampling(temperature=1.0),
-                    images=[ImageRef(sha256=d, mime="image/png") for d in digests],
-                    prefix="first" if index == 0 else "extends")
-
-
-def _image(digest: str):  # type: ignore[no-untyped-def]
-    from PIL import Image
-
-    return Image.open(io.BytesIO(IMAGES[digest])).convert("RGB")
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +38,7 @@ def recorder(vl_dir: Path) -> Recorder:
 
 @pytest.fixture(scope="module")
 def trajs(recorder: Recorder) -> list[Trajectory]:
-    """Two groups of two one-to-two-step trajectories: one image, two images, and a text step."""
-    out = []
-    for g in range(2):
-        for m in range(2):
-            first = recorder.step(0, DIGESTS[:1] if m == 0 else DIGESTS, f"look {g}", seed=10 * g + m)
-            steps = [first]
-            if m == 0:  # a second call in the same session showing the same image: never packed
-                steps.append(recorder.step(1, DIGESTS[:1], f"look {g} again", seed=100 + g))
-            out.append(Trajectory(id=f"t{g}{m}", group_id=f"g{g}", status="finished", steps=steps,
-                                  rewards={"r": float(m + g)}))
-    return out
+    return trajectories(recorder)
 
 
 def _strip_images(trajs: list[Trajectory]) -> list[Trajectory]:
@@ -188,10 +85,7 @@ def test_torch_engine_trains_vision_steps_on_the_recorded_logprobs(vl_dir: Path,
     assert abs(stats.ppo_kl) > 100 * TOL
     # ... and the check on steps whose recorded logprobs came without the images (vLLM not seeing them) fires
     eng.model.load_state_dict(before)
-    blind = [Trajectory(id="b", group_id="gb", status="finished",
-                        steps=[recorder.step(0, DIGESTS[:1], "look 0", seed=0, images=False)])]
-    blind[0].steps[0].images = [ImageRef(sha256=DIGESTS[0])]
-    gap, tokens = eng.logprob_gap(build_batch(blind, version=0, vision=recorder.inputs))
+    gap, tokens = eng.logprob_gap(build_batch(blind(recorder), version=0, vision=recorder.inputs))
     assert tokens == 6 and gap > 100 * TOL
     assert "vision check failed" in (check_message(gap, TOL, tokens) or "")
 
@@ -255,14 +149,11 @@ def test_the_daemon_checks_the_first_vision_batch_loudly(
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / f"{check}.jsonl"),
             "--no-progress", "--num-threads", "1", "--vision-check", check]), resolve=IMAGES.get)
 
-    blind = [Trajectory(id="b", group_id="gb", status="finished",
-                        steps=[recorder.step(0, DIGESTS[:1], "look 0", seed=0, images=False)])]
-    blind[0].steps[0].images = [ImageRef(sha256=DIGESTS[0])]
-
+    unseen = blind(recorder)
     warn = learner("warn")
     assert warn.vision is not None
     with caplog.at_level(logging.ERROR, logger="steptap.learner"):
-        gap = warn._vision_check(build_batch(blind, version=warn.version, vision=warn.vision))
+        gap = warn._vision_check(build_batch(unseen, version=warn.version, vision=warn.vision))
     assert gap is not None and gap > 100 * TOL
     assert any("vision check failed" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
     assert warn._vision_check(build_batch(trajs, version=0, vision=warn.vision)) is None  # checked once
@@ -273,7 +164,7 @@ def test_the_daemon_checks_the_first_vision_batch_loudly(
     gap = stop._vision_check(good)
     assert gap is not None and gap <= TOL
     with pytest.raises(VisionMismatch, match="vision check failed"):
-        learner("stop")._vision_check(build_batch(blind, version=0, vision=stop.vision))
+        learner("stop")._vision_check(build_batch(unseen, version=0, vision=stop.vision))
 
 
 def test_the_verl_engine_refuses_a_vision_model_until_it_is_built(vl_dir: Path, tiny_model_dir: Path) -> None:
