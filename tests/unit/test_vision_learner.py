@@ -179,7 +179,8 @@ def test_verl_keeps_vision_position_ids_through_its_micro_batching() -> None:
     def td(parts: list[torch.Tensor]):  # type: ignore[no-untyped-def]
         return tu.get_tensordict({"position_ids": torch.nested.as_nested_tensor(parts, layout=torch.jagged)})
 
-    if not getattr(tu.nested_tensor_from_tensor_list, "steptap_fixed", False):  # fixed already in this process
+    # verl's own re-nesting, unless this process fixed it already
+    if not getattr(tu.nested_tensor_from_tensor_list, "steptap_fixed", False):
         picked = tu.index_select_tensor_dict(td(rows), [2, 0])
         # [2, j, 64]: the lengths summed into a dimension, which later splits and paddings read
         assert picked["position_ids"].size(2) == 23 + 41
