@@ -193,7 +193,8 @@ def _corpus(rng: random.Random, n: int = 8000) -> Iterator[str]:
             yield f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
 
 
-def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False) -> None:
+def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False,
+                     vision: bool = False) -> None:
     from tokenizers import (
         AddedToken,
         Regex,
@@ -224,6 +225,10 @@ def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False)
     tok.train_from_iterator(_corpus(random.Random(CORPUS_SEED)), trainer=trainer)
     added = TOOL_TOKENS + (THINK_TOKENS if reasoning else [])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    if vision:  # Qwen2-VL's vision tokens are special tokens
+        from steptap.learner.tiny_vision import VISION_TOKENS
+
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -231,6 +236,10 @@ def _build_tokenizer(out: Path, max_length: int = 2048, reasoning: bool = False)
         model_max_length=max_length,
     )
     fast.chat_template = REASONING_TEMPLATE if reasoning else CHAT_TEMPLATE
+    if vision:
+        from steptap.learner.tiny_vision import vision_template
+
+        fast.chat_template = vision_template(fast.chat_template)
     fast.save_pretrained(str(out))
     config_path = out / "tokenizer_config.json"  # say what transformers will load it as anyway
     config = json.loads(config_path.read_text())
@@ -242,12 +251,14 @@ def build_tiny_model(
     out_dir: str | Path, seed: int = 0, *, arch: str = "qwen2", tied: bool = False,
     long_context: bool = False,
     reasoning: bool = False,
+    vision: bool = False,
 ) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
     (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
     LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`);
     ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens
-    (serve with ``--reasoning-parser deepseek_r1``)."""
+    (serve with ``--reasoning-parser deepseek_r1``); ``vision``: a Qwen2-VL-shaped model with its image
+    processor (tiny_vision.py), qwen2 arch only."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -265,8 +276,15 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out, LONG_CONTEXT if long_context else 2048, reasoning)
+    if vision and (arch != "qwen2" or tied or long_context):
+        raise ValueError("vision builds a Qwen2-VL model: qwen2 arch, untied, not long-context")
+    _build_tokenizer(out, LONG_CONTEXT if long_context else 2048, reasoning, vision)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
+    if vision:
+        from steptap.learner.tiny_vision import build_vision_model
+
+        build_vision_model(out, seed, tokenizer)
+        return out
     im_end, eot = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
 
     config = config_cls(
@@ -342,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reasoning", action="store_true",
                         help="<think>/</think> tokens and a Qwen3-style template that renders the current "
                              "turn's reasoning (serve with --reasoning-parser deepseek_r1)")
+    parser.add_argument("--vision", action="store_true",
+                        help="a Qwen2-VL-shaped model (a tiny vision tower, its image processor and the "
+                             "vision tokens in the chat template), for image inputs")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     out = build_tiny_model(args.dir, seed=args.seed, arch=args.arch, tied=args.tied,
-                           long_context=args.long_context, reasoning=args.reasoning)
+                           long_context=args.long_context, reasoning=args.reasoning, vision=args.vision)
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
     return 0

