@@ -1,6 +1,6 @@
-"""Record-shaped vision steps without vLLM (issue 23): a tiny random Qwen2-VL built from the tiny model's
-tokenizer, two test images by digest, and steps sampled from the model itself with transformers ``generate``
-(their raw logprobs taken from generate's logits, as vLLM records them)."""
+"""Record-shaped vision steps without vLLM (issue 23), on the tiny vision model (``vision_model_dir``,
+tests/vision.py): two test images by digest, and steps sampled from the model itself with transformers
+``generate`` (their raw logprobs taken from generate's logits, as vLLM records them)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,6 @@ import torch
 
 from steptap.learner.vision import VisionInputs
 from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
-
-
-def build_tiny_vl(out: Path, text_model_dir: Path) -> Path:
-    """A tiny random Qwen2-VL (2 layers, a 1-block vision tower) with the tiny model's tokenizer plus
-    Qwen2-VL's three vision tokens, and Qwen2-VL's image processor at small pixel bounds."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = AutoTokenizer.from_pretrained(text_model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>",
-                                                          "<|image_pad|>"]})
-    start, end, pad = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         tie_word_embeddings=False),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
-        vision_start_token_id=start, vision_end_token_id=end, image_token_id=pad, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
-    return out
 
 
 def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vision_steps import Recorder, blind, build_tiny_vl, trajectories
+from vision_steps import Recorder, blind, trajectories
 
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
@@ -21,8 +21,8 @@ TOL = LearnerConfig().vision_logprob_tol
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    return build_tiny_vl(tmp_path_factory.mktemp("tiny-vl"), tiny_model_dir)
+def vl_dir(vision_model_dir: Path) -> Path:
+    return vision_model_dir
 
 
 def test_verl_engine_trains_vision_steps_as_the_torch_engine_does(ray_cluster, vl_dir: Path) -> None:
