@@ -123,9 +123,13 @@ class Learner:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.engine = make_engine(cfg)
-        self.vision = VisionInputs(cfg.model_dir, resolve) if vision_config(cfg.model_dir) else None
-        self.vision_checked = False  # the first batch with vision steps is checked against vLLM's logprobs
         self.sources = [Source(url, cfg.token()) for url in cfg.urls()]
+        if vision_config(cfg.model_dir):
+            self.vision: VisionInputs | None = VisionInputs(
+                cfg.model_dir, resolve or _image_resolver([s.url for s in self.sources], cfg.token()))
+        else:
+            self.vision = None
+        self.vision_checked = False  # the first batch with vision steps is checked against vLLM's logprobs
         self.origin: dict[int, Source] = {}  # id(trajectory) -> the source that delivered it, until consumed
         self.grouper = Grouper(cfg)
         self.version, self.updates = 0, 0
@@ -161,8 +165,9 @@ class Learner:
                 groups, t0 = await self._next_groups(), time.perf_counter()
                 trajs = [t for g in groups for t in g] + self._drain()
                 marks = await self._curation(trajs)
-                batch = build_batch(trajs, version=self.version, curation=marks, vision=self.vision,
-                                    **self._row_options())
+                # off the loop: a vision step's images are fetched from its proxy while its row is built
+                batch = await asyncio.to_thread(build_batch, trajs, version=self.version, curation=marks,
+                                                vision=self.vision, **self._row_options())
                 dropped = curation.note(trajs, marks)
                 if dropped:
                     self.metrics.note(dropped)
@@ -404,6 +409,22 @@ def _proxy_state(proxy_url: str, token: str | None = None) -> tuple[int, str | N
         return int(health.get("policy_version") or 0), str(wanted) if wanted else None
     except (OSError, ValueError, TypeError, AttributeError, SteptapError):
         return 0, None
+
+
+def _image_resolver(urls: list[str], token: str) -> Resolve:
+    """Image bytes by digest from the proxies the stream comes from (content-addressed: any that holds it)."""
+    clients = [SyncSteptapClient(url, token or None, timeout_s=30.0) for url in urls]
+
+    def resolve(sha256: str) -> bytes | None:
+        for client in clients:
+            try:
+                data = client.image(sha256)
+            except (OSError, SteptapError):  # that proxy is down or refuses: ask the next
+                continue
+            if data is not None:
+                return data
+        return None
+    return resolve
 
 
 async def _run(cfg: LearnerConfig, resolve: Resolve | None = None) -> None:

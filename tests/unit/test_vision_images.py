@@ -274,3 +274,20 @@ async def test_count_tokens_never_lets_vllm_fetch_an_image_url(aiohttp_client: A
     body.pop("max_tokens")
     status, err = await _post(client, "/v1/messages/count_tokens", body)
     assert status == 400 and err["type"] == "error" and "--image-urls" in err["error"]["message"]
+
+
+async def test_the_learners_resolver_asks_each_proxy_until_one_holds_the_image(aiohttp_server: Any,
+                                                                               tmp_path: Path) -> None:
+    import asyncio
+
+    from steptap.learner.daemon import _image_resolver
+    from steptap.middleware.app import create_app
+    from steptap.middleware.sessions.control import SESSIONS_KEY
+
+    cfg = ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"), control_token="t")
+    server = await aiohttp_server(create_app(cfg))
+    await server.app[SESSIONS_KEY].log.images.put([(image_digest(RED), RED)])
+    # the first proxy is down (nothing listens on port 9): the resolver goes on to the next
+    resolve = _image_resolver(["http://127.0.0.1:9", str(server.make_url("/"))], "t")
+    assert await asyncio.to_thread(resolve, image_digest(RED)) == RED
+    assert await asyncio.to_thread(resolve, "0" * 64) is None
