@@ -27,13 +27,15 @@ from typing import Any
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
 from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
-from steptap.middleware.client import forget_control_token
+from steptap.middleware.client import default_control_token, forget_control_token
+from steptap.middleware.client.tokens import TOKEN_FILE_ENV
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="parquet dataset (prompt, reward_model, agent_name, env_kwargs)")
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
-    p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV), help=f"default ${TOKEN_ENV}")
+    p.add_argument("--control-token", default=default_control_token(),
+                   help=f"default ${TOKEN_ENV}, else the file ${TOKEN_FILE_ENV} (what `steptap up` gives agents)")
     p.add_argument(
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )
@@ -71,7 +73,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.proxy:
         p.error(f"no proxy URL: pass --proxy or set {URL_ENV}")
     if not args.control_token:
-        p.error(f"no control token: pass --control-token or set {TOKEN_ENV}")
+        p.error(f"no control token: pass --control-token or set {TOKEN_ENV} or {TOKEN_FILE_ENV}")
     if args.concurrency < 1:
         p.error("--concurrency must be at least 1")
     forget_control_token()  # read: no environment, tool or grader started from here inherits it
@@ -188,6 +190,9 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
                             "eval_accuracy": acc["accuracy"],
                             "eval_episodes": acc["episodes"],
                             "eval_reward_mean": acc["reward_mean"],
+                            "eval_turns_mean": acc["turns_mean"],
+                            "eval_tool_call_rate": acc["tool_call_rate"],
+                            "eval_well_formed_rate": acc["well_formed_rate"],
                         }
                     )
                     + "\n" for version, acc in by_version.items())
@@ -230,8 +235,14 @@ def _print_report(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report), flush=True)
         return
     for version, acc in report["by_version"].items():
+        tools = (
+            f", tool calls {acc['tool_call_rate']:.2f}, well-formed {acc['well_formed_rate']:.2f}"
+            if acc.get("tool_call_rate") is not None
+            else ""
+        )
         print(
-            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})",
+            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})"
+            f"{tools}, turns {acc['turns_mean']:.2f}",
             flush=True,
         )
     if not report["by_version"]:
