@@ -5,8 +5,9 @@ format (``<tool_call>{"name", "arguments"}</tool_call>``, parsed by vLLM's herme
 from the text), multi-turn: call -> tool result -> answer. A short system prompt and ONE worked tool example, as chat turns
 (SmolLM2's chat template renders neither ``tools`` nor ``tool_calls``, so the prompt is where the model learns
 the format, and calls go back into the history as the text the model wrote). Rewards: a process reward once
-per episode (``CALL_REWARD`` on the step of the first well-formed calculator call, else ``ATTEMPT_REWARD`` on
-the first ``<tool_call>`` block that did not parse or run), and 1.0 for the exact product as the answer's last
+per episode, graded (``CALL_REWARD`` for a well-formed calculator call, ``ATTEMPT_REWARD`` for a ``<tool_call>``
+block that did not parse or run, ``OPENED_REWARD`` for one opened and never closed; paid up to the best grade
+reached), and 1.0 for the exact product as the answer's last
 number. The answer is never forced.
 
 The GPU recipe (GSM8K rows, the ``calculator`` environment) is the same loop with another dataset and config.
@@ -21,7 +22,10 @@ from steptap.adapters.env.base import Message, Observation, RewardValue, ToolEnv
 from steptap.adapters.env.calculator import CalculatorTool, hermes_tool_call
 
 CALL_REWARD = 0.1  # small beside the outcome's 1.0: a call alone never beats a right answer
-ATTEMPT_REWARD = 0.05  # a <tool_call> that did not parse or run: the format half learnt (GRPO needs variance)
+ATTEMPT_REWARD = 0.05  # a <tool_call> block that did not parse or run: the format half learnt
+OPENED_REWARD = 0.02  # a <tool_call> opened, never closed: the first thing the base model gets right
+# Why the grades: the base model (T=1) opened a <tool_call> in 9 of 21 first replies but closed one in 1, so a
+# reward for closed blocks only left nearly every GRPO group without variance.
 EVAL_SEED = 1234  # held-out rows come from this seed and are never drawn for training
 NAME = "tool_agent"
 
@@ -73,8 +77,8 @@ def make_rows(n: int, *, seed: int = 0, held_out: int = 0) -> list[dict[str, Any
 
 class ToolAgentEnv(ToolEnv):
     """The calculator ToolEnv with the recipe's prompt (system + one worked example as turns), calls kept as
-    text in the history, and one process reward per episode: ``CALL_REWARD`` on the step of the first
-    well-formed call, else ``ATTEMPT_REWARD`` on the first step that attempted one."""
+    text in the history, and the graded process reward: each step earns what its grade adds to the best one
+    paid so far in the episode (at most ``CALL_REWARD`` in all)."""
 
     def __init__(self, *, system: str = SYSTEM, example: list[dict[str, Any]] | None = None,
                  max_steps: int = 3) -> None:
@@ -92,7 +96,12 @@ class ToolAgentEnv(ToolEnv):
     async def step(self, action: Message) -> tuple[Observation, RewardValue, bool, dict[str, Any]]:
         calls, well_formed = self.calls, self.well_formed_calls
         obs, _, done, info = await super().step(action)
-        earned = CALL_REWARD if self.well_formed_calls > well_formed else ATTEMPT_REWARD if self.calls > calls else 0
+        if self.well_formed_calls > well_formed:
+            earned = CALL_REWARD
+        elif self.calls > calls:
+            earned = ATTEMPT_REWARD
+        else:
+            earned = OPENED_REWARD if "<tool_call>" in (action.get("content") or "") else 0.0
         reward = earned - self.paid if earned > self.paid else None  # at most CALL_REWARD an episode
         self.paid = max(self.paid, earned)
         return obs, reward, done, info

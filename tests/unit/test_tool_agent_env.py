@@ -14,6 +14,7 @@ from steptap.adapters.env.tool_agent import (
     ATTEMPT_REWARD,
     CALL_REWARD,
     EVAL_SEED,
+    OPENED_REWARD,
     ToolAgentEnv,
     make_rows,
     pairs,
@@ -83,6 +84,13 @@ def test_a_malformed_call_earns_the_attempt_reward_and_a_wrong_answer_nothing() 
     env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
     steps = _episode(env, [{"content": "The answer is 5535."}])  # right without the tool: still right
     assert steps == [(None, True, steps[0][2])] and env.outcome() == 1.0 and steps[0][2]["calls"] == 0
+
+
+def test_a_tool_call_opened_and_never_closed_earns_the_smallest_grade_and_ends_the_episode() -> None:
+    env = ToolAgentEnv()
+    env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
+    (step,) = _episode(env, [{"content": '<tool_call>\n{"result": 5535}'}])
+    assert step[0] == OPENED_REWARD and step[1] and step[2]["calls"] == 0 and env.outcome() == 1.0
 
 
 def test_a_call_whose_tool_reports_an_error_is_not_well_formed() -> None:
