@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -44,21 +45,21 @@ TOOL_SERIES = (  # (key, label, colour): a tool environment's held-out series
 )
 
 
-def _tool_panel(ax: object, rows: list[dict], evals: list[dict]) -> None:
+def _tool_panel(ax: Any, rows: list[dict], evals: list[dict]) -> None:
     for key, label, colour in TOOL_SERIES:
         pts = eval_points(rows, evals, key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ms=4, color=colour, label=label)  # type: ignore[attr-defined]
-    ax.set_ylabel("held-out (greedy)")  # type: ignore[attr-defined]
-    ax.set_ylim(-0.05, 1.05)  # type: ignore[attr-defined]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ms=4, color=colour, label=label)
+    ax.set_ylabel("held-out (greedy)")
+    ax.set_ylim(-0.05, 1.05)
     turns = eval_points(rows, evals, "eval_turns_mean")
-    twin = ax.twinx()  # type: ignore[attr-defined]
+    twin = ax.twinx()
     twin.plot([p[0] for p in turns], [p[1] for p in turns], ls="--", marker=".", color="tab:gray",
               label="turns / episode")
     twin.set_ylabel("turns")
-    lines = ax.get_legend_handles_labels()  # type: ignore[attr-defined]
+    lines = ax.get_legend_handles_labels()
     more = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="best", fontsize=8)  # type: ignore[attr-defined]
-    ax.grid(alpha=0.3)  # type: ignore[attr-defined]
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] | None = None) -> Path:

@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="parquet dataset (prompt, reward_model, agent_name, env_kwargs)")
     p.add_argument("--proxy", default=os.environ.get(URL_ENV), help=f"proxy URL (default ${URL_ENV})")
     p.add_argument("--control-token", default=default_control_token(),
-                   help=f"default ${TOKEN_ENV}, else the file ${TOKEN_FILE_ENV} (what `steptap up` gives agents)")
+                   help=f"default ${TOKEN_ENV}, else the file ${TOKEN_FILE_ENV} (as `steptap up` gives it)")
     p.add_argument(
         "--env", help="environment for every row (a registered name or module:attr / file.py:attr)"
     )

@@ -306,9 +306,9 @@ class Tally:
 
     def by_version(self) -> dict[int, dict[str, Any]]:
         """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean", "turns_mean",
-        "tool_call_rate", "well_formed_rate"}}`` over finished episodes. The two rates (the fraction of episodes
-        with at least one tool call, and with at least one well-formed one) are ``None`` when the episodes'
-        info did not count calls (not a ``ToolEnv``)."""
+        "tool_call_rate", "well_formed_rate"}}`` over finished episodes. The two rates (the fraction of
+        episodes with at least one tool call, and with at least one well-formed one) are ``None`` when the
+        episodes' info did not count calls (not a ``ToolEnv``)."""
         return {
             version: {
                 "episodes": int(n),

@@ -1,14 +1,15 @@
 """The multi-turn tool recipe's task (examples/tool_agent), registered as the ``tool_agent`` environment.
 
 Products a small model cannot work out in its head (3-digit x 2-digit), the ``calculator`` tool in hermes
-format (``<tool_call>{"name", "arguments"}</tool_call>``, parsed by vLLM's hermes tool parser or, failing that,
-from the text), multi-turn: call -> tool result -> answer. A short system prompt and ONE worked tool example, as chat turns
-(SmolLM2's chat template renders neither ``tools`` nor ``tool_calls``, so the prompt is where the model learns
-the format, and calls go back into the history as the text the model wrote). Rewards: a process reward once
-per episode, graded (``CALL_REWARD`` for a well-formed calculator call, ``ATTEMPT_REWARD`` for a ``<tool_call>``
-block that did not parse or run, ``OPENED_REWARD`` for one opened and never closed; paid up to the best grade
-reached), and 1.0 for the exact product as the answer's last
-number. The answer is never forced.
+format (``<tool_call>{"name", "arguments"}</tool_call>``, parsed by vLLM's hermes tool parser or, failing
+that, from the text), multi-turn: call -> tool result -> answer. A short system prompt and ONE worked tool
+example as chat turns: SmolLM2's chat template renders neither ``tools`` nor ``tool_calls``, so the prompt is
+where the model learns the format, and calls go back into the history as the text the model wrote.
+
+Rewards: a process reward once per episode, graded (``CALL_REWARD`` for a well-formed calculator call,
+``ATTEMPT_REWARD`` for a ``<tool_call>`` block that did not parse or run, ``OPENED_REWARD`` for one opened and
+never closed; paid up to the best grade reached), and 1.0 for the exact product as the answer's last number.
+The answer is never forced.
 
 The GPU recipe (GSM8K rows, the ``calculator`` environment) is the same loop with another dataset and config.
 """

@@ -281,7 +281,7 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
     assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
     for r in updates:  # each member's own answer trained with the KL term, its forced call not
         assert r["counts"]["trained_steps"] == 2 and r["counts"]["dropped_unreproducible"] == 2
-    recorded = [t for t in LogReader(str(proxy.log_dir)).trajectories() if t.metadata.get("dataset") == train.stem]
+    recorded = _recorded(proxy.log_dir, train)
     assert len(recorded) == 4
     for t in recorded:  # the prompt, the call's process reward, the call back in the history as text
         call, answer = t.steps
@@ -292,8 +292,8 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
         sent = answer.request["messages"]
         assert sent[-2]["content"].startswith("<tool_call>") and sent[-1]["role"] == "tool"
     (version,) = evaluated["by_version"].values()
-    assert version["episodes"] == 2 and version["tool_call_rate"] == 1.0 and version["well_formed_rate"] == 1.0
-    assert version["turns_mean"] == 2.0
+    assert version["episodes"] == 2 and version["turns_mean"] == 2.0
+    assert version["tool_call_rate"] == 1.0 and version["well_formed_rate"] == 1.0
     (row,) = [r for r in rows if "eval_tool_call_rate" in r]
     assert row["eval_version"] == 2 and row["eval_well_formed_rate"] == 1.0 and row["eval_turns_mean"] == 2.0
 

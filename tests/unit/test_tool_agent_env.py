@@ -23,7 +23,8 @@ from steptap.adapters.env.tool_agent import (
 
 def _call(expression: str) -> dict[str, Any]:  # as vLLM's hermes parser returns it
     args = json.dumps({"expression": expression})
-    return {"content": "", "tool_calls": [{"id": "c1", "function": {"name": "calculator", "arguments": args}}]}
+    call = {"id": "c1", "function": {"name": "calculator", "arguments": args}}
+    return {"content": "", "tool_calls": [call]}
 
 
 def _episode(env: ToolAgentEnv, actions: list[dict[str, Any]]) -> list[tuple[Any, bool, dict[str, Any]]]:
@@ -78,7 +79,8 @@ def test_a_malformed_call_earns_the_attempt_reward_and_a_wrong_answer_nothing() 
     env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
     steps = _episode(env, [{"content": '<tool_call>\n{"result": 5535}\n</tool_call>'}, _call("123 * 45"),
                            {"content": "The answer is 5536."}])
-    assert steps[0][0] == ATTEMPT_REWARD and steps[1][0] == CALL_REWARD - ATTEMPT_REWARD  # at most CALL_REWARD
+    assert steps[0][0] == ATTEMPT_REWARD
+    assert steps[1][0] == CALL_REWARD - ATTEMPT_REWARD  # at most CALL_REWARD an episode
     assert json.loads(env.messages[7]["content"])["error"].startswith("unknown tool")
     assert env.outcome() == 0.0 and not steps[-1][2]["correct"]
     env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
@@ -109,7 +111,8 @@ def test_eval_rates_by_version_count_episodes_with_a_call_and_with_a_well_formed
         tally.add(Episode(epoch=0, row=i, member=0, group_id="g", status="finished", reward=float(correct),
                           correct=correct, steps=info["turns"], policy_version=3, info=info))
     v = tally.by_version()[3]
-    assert (v["accuracy"], v["tool_call_rate"], v["well_formed_rate"], v["turns_mean"]) == (0.5, 0.5, 0.25, 1.75)
+    figures = (v["accuracy"], v["tool_call_rate"], v["well_formed_rate"], v["turns_mean"])
+    assert figures == (0.5, 0.5, 0.25, 1.75)
     plain = Tally()  # an environment that counts no calls: no rates
     plain.add(Episode(epoch=0, row=0, member=0, group_id="g", status="finished", reward=1.0, correct=True,
                       steps=1, policy_version=0, info={"turns": 1}))
