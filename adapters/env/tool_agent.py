@@ -48,7 +48,8 @@ def question(a: int, b: int) -> str:
 
 def pairs(n: int, seed: int, exclude: set[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """``n`` distinct (3-digit, 2-digit) pairs from ``seed``, none in ``exclude``."""
-    rng, out, seen = random.Random(seed), [], set(exclude or ())
+    rng, seen = random.Random(seed), set(exclude or ())
+    out: list[tuple[int, int]] = []
     if n > 900 * 90 - len(seen):
         raise ValueError(f"at most {900 * 90 - len(seen)} distinct rows")
     while len(out) < n:

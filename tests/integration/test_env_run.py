@@ -269,12 +269,12 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
         "--batch-groups", "1", "--group-size", "2", "--max-updates", "2", "--num-threads", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--metrics-file", str(metrics), "--no-progress"])))
-    run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "16"]
+    run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]  # the forced call: ~50
     report = await _steptap_async(proxy, "env", "run", str(train), *run)
     assert report["episodes"] == 4 and report["finished"] == 4
     await asyncio.wait_for(learner, 300)
     evaluated = await _steptap_async(proxy, "eval", str(evalset), *run[:2], "--temperature", "0", "--json",
-                                     "--max-tokens", "16", "--metrics-file", str(metrics))
+                                     "--max-tokens", "64", "--metrics-file", str(metrics))
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in rows if "update" in r]
