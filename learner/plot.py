@@ -1,13 +1,16 @@
 """``steptap plot METRICS.jsonl -o curves.png``: reward and loss curves from the learner's metrics file.
 
 Rows written by ``steptap eval --metrics-file`` (``eval_version``, ``eval_accuracy``) are drawn on the reward
-panel at the update that published that policy version (version 0: before the first update)."""
+panel at the update that published that policy version (version 0: before the first update). A tool
+environment's eval rows (``eval_tool_call_rate``, ``eval_well_formed_rate``, ``eval_turns_mean``) get a panel
+of their own: held-out accuracy, the two rates and the turns per episode, by update."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -20,16 +23,43 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def eval_points(rows: list[dict], evals: list[dict]) -> list[tuple[int, float]]:
-    """(update, accuracy) for each eval row: the first update whose published version reached its version."""
+def eval_points(rows: list[dict], evals: list[dict], key: str = "eval_accuracy") -> list[tuple[int, float]]:
+    """(update, value of ``key``) for each eval row that has it: at the first update whose published version
+    reached the row's version."""
     points = []
     for e in evals:
+        if e.get(key) is None:
+            continue
         version = e["eval_version"]
         published = (r["update"] for r in rows if (r.get("policy_version") or 0) >= version)
         x = 0 if version <= 0 else next(published, None)
         if x is not None:
-            points.append((x, float(e["eval_accuracy"])))
+            points.append((x, float(e[key])))
     return points
+
+
+TOOL_SERIES = (  # (key, label, colour): a tool environment's held-out series
+    ("eval_accuracy", "accuracy", "tab:orange"),
+    ("eval_tool_call_rate", "tool-call rate", "tab:blue"),
+    ("eval_well_formed_rate", "well-formed rate", "tab:green"),
+)
+
+
+def _tool_panel(ax: Any, rows: list[dict], evals: list[dict]) -> None:
+    for key, label, colour in TOOL_SERIES:
+        pts = eval_points(rows, evals, key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ms=4, color=colour, label=label)
+    ax.set_ylabel("held-out (greedy)")
+    ax.set_ylim(-0.05, 1.05)
+    turns = eval_points(rows, evals, "eval_turns_mean")
+    twin = ax.twinx()
+    twin.plot([p[0] for p in turns], [p[1] for p in turns], ls="--", marker=".", color="tab:gray",
+              label="turns / episode")
+    twin.set_ylabel("turns")
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] | None = None) -> Path:
@@ -40,7 +70,9 @@ def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] |
 
     x = [r["update"] for r in rows]
     has_entropy = any(r.get("entropy") is not None for r in rows)
-    fig, axes = plt.subplots(3 if has_entropy else 2, 1, figsize=(8, 8 if has_entropy else 6), sharex=True)
+    has_tools = any(e.get("eval_tool_call_rate") is not None for e in evals or [])
+    panels = 2 + has_entropy + has_tools
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2 + 2 * panels), sharex=True)
     ax_r, ax_l = axes[0], axes[1]
     reward = [r.get("reward_mean") for r in rows]
     ax_r.plot(x, reward, marker="o", ms=3, label="mean reward")
@@ -67,6 +99,8 @@ def plot(rows: list[dict], out: str | Path, title: str = "", evals: list[dict] |
         axes[2].plot(x, [r.get("entropy") for r in rows], color="tab:purple", label="entropy (nats/token)")
         axes[2].legend(loc="best")
         axes[2].grid(alpha=0.3)
+    if has_tools:
+        _tool_panel(axes[-1], rows, evals or [])
     axes[-1].set_xlabel("update")
     fig.suptitle(title or "steptap learner")
     fig.tight_layout()

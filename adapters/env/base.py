@@ -94,15 +94,32 @@ class ToolEnv(AgentEnv):
     A step's reward is the sum of its tool calls' process rewards (``None`` when no tool gave one). Tool calls
     come from the message's ``tool_calls`` (a server with a tool parser) or, failing that, from hermes
     ``<tool_call>{...}</tool_call>`` blocks in its text. Unknown tools, bad JSON and tools that raise become
-    error results the model sees, never exceptions."""
+    error results the model sees, never exceptions.
 
-    def __init__(self, tools: list[BaseTool], *, max_steps: int = 4, system: str | None = None) -> None:
+    ``calls_in_content``: the assistant turn goes back into the history with its calls as the hermes text the
+    model wrote, not as ``tool_calls`` (for chat templates that render no ``tool_calls``, like SmolLM2's:
+    the model would otherwise see an empty turn before each tool result).
+
+    Counted per episode, in every step's info: ``calls`` (tool calls the model made, parsed or not) and
+    ``well_formed_calls`` (those naming a known tool, with JSON object arguments, that ran without an error
+    result); ``steptap eval`` reports them as the tool-call and well-formed rates."""
+
+    def __init__(
+        self,
+        tools: list[BaseTool],
+        *,
+        max_steps: int = 4,
+        system: str | None = None,
+        calls_in_content: bool = False,
+    ) -> None:
         super().__init__()
         self.tool_map = {t.name: t for t in tools}
         self.max_steps = max_steps
         self.system = system
+        self.calls_in_content = calls_in_content
         self.turn = 0
         self.tool_calls = 0
+        self.calls = self.well_formed_calls = 0
         self.answer: str | None = None
 
     def tools(self) -> list[dict[str, Any]] | None:
@@ -116,12 +133,18 @@ class ToolEnv(AgentEnv):
             self.messages.insert(0, {"role": "system", "content": self.system})
         self.env_kwargs = env_kwargs
         self.turn, self.tool_calls, self.answer = 0, 0, None
+        self.calls = self.well_formed_calls = 0
         return list(self.messages)
 
     async def step(self, action: Message) -> tuple[Observation, RewardValue, bool, dict[str, Any]]:
         self.turn += 1
         calls = parse_tool_calls(action)
-        self.messages.append(assistant_message(action, calls))
+        self.calls += len(calls)
+        if self.calls_in_content:
+            self.messages.append({"role": "assistant", "content": as_text(action)})
+        else:
+            self.messages.append(assistant_message(action, calls))
+        counts = {"calls": self.calls, "well_formed_calls": self.well_formed_calls}
         if not calls:
             self.answer = action.get("content") or ""
             score = self.score(self.answer)
@@ -129,7 +152,7 @@ class ToolEnv(AgentEnv):
                 list(self.messages),
                 None,
                 True,
-                {"answer": self.answer, "correct": score >= 1.0, "score": score},
+                {"answer": self.answer, "correct": score >= 1.0, "score": score, **counts},
             )
         rewards: list[float] = []
         for call in calls[:MAX_TOOL_CALLS]:
@@ -148,7 +171,12 @@ class ToolEnv(AgentEnv):
                 }
             )
         done = self.turn >= self.max_steps
-        info = {"tool_calls": len(calls), "truncated": done}
+        info = {
+            "tool_calls": len(calls),
+            "truncated": done,
+            "calls": self.calls,
+            "well_formed_calls": self.well_formed_calls,
+        }
         return list(self.messages), (sum(rewards) if rewards else None), done, info
 
     async def run_tool(self, call: dict[str, Any]) -> tuple[str, float | None]:
@@ -169,6 +197,7 @@ class ToolEnv(AgentEnv):
             return json.dumps({"error": f"{type(exc).__name__}: {exc}"}), None
         self.tool_calls += 1
         text, reward = result if isinstance(result, tuple) else (result, None)
+        self.well_formed_calls += not _is_error(str(text))
         return str(text), reward
 
     def score(self, answer: str) -> float:
@@ -255,6 +284,28 @@ def assistant_message(action: Message, calls: list[dict[str, Any]]) -> Message:
     if action.get("tool_calls"):
         msg["tool_calls"] = action["tool_calls"]
     return msg
+
+
+def as_text(action: Message) -> str:
+    """The assistant turn as the text a hermes model wrote: its content, then each of its ``tool_calls`` as a
+    ``<tool_call>`` block (a server's tool parser takes them out of the content)."""
+    parts = [action.get("content") or ""]
+    for call in action.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = _arguments(fn.get("arguments"))
+        parts.append(
+            "<tool_call>\n" + json.dumps({"name": fn.get("name", ""), "arguments": args}) + "\n</tool_call>"
+        )
+    return "\n".join(p for p in parts if p)
+
+
+def _is_error(text: str) -> bool:
+    """A tool result that is an ``{"error": ...}`` object (what ``run_tool`` and the tools here return)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and "error" in value
 
 
 def parse_number(text: str | None) -> float | None:

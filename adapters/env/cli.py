@@ -194,6 +194,9 @@ def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -
                             "eval_accuracy": acc["accuracy"],
                             "eval_episodes": acc["episodes"],
                             "eval_reward_mean": acc["reward_mean"],
+                            "eval_turns_mean": acc["turns_mean"],
+                            "eval_tool_call_rate": acc["tool_call_rate"],
+                            "eval_well_formed_rate": acc["well_formed_rate"],
                         }
                     )
                     + "\n" for version, acc in by_version.items())
@@ -236,8 +239,14 @@ def _print_report(report: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(report), flush=True)
         return
     for version, acc in report["by_version"].items():
+        tools = (
+            f", tool calls {acc['tool_call_rate']:.2f}, well-formed {acc['well_formed_rate']:.2f}"
+            if acc.get("tool_call_rate") is not None
+            else ""
+        )
         print(
-            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})",
+            f"policy version {version}: accuracy {acc['accuracy']:.3f} ({acc['correct']}/{acc['episodes']})"
+            f"{tools}, turns {acc['turns_mean']:.2f}",
             flush=True,
         )
     if not report["by_version"]:

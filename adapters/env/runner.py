@@ -277,8 +277,9 @@ class Tally:
         self.episodes = self.finished = self.aborted = self.failed_to_start = self.steps = 0
         self.reward_sum, self.rewarded = 0.0, 0
         self.errors: list[str] = []
-        # policy version -> [episodes, correct, reward sum, rewarded]
-        self.versions: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0])
+        # policy version -> [episodes, correct, reward sum, rewarded, turns sum,
+        #                    episodes whose info counts calls, ... with a call, ... with a well-formed one]
+        self.versions: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0, 0, 0])
 
     def add(self, ep: Episode) -> None:
         self.episodes += 1
@@ -297,17 +298,28 @@ class Tally:
             if ep.reward is not None:
                 v[2] += ep.reward
                 v[3] += 1
+            v[4] += int(ep.info.get("turns", ep.steps))
+            if "calls" in ep.info:  # a ToolEnv's counts (AgentEnvLoop passes its last info on)
+                v[5] += 1
+                v[6] += int(ep.info["calls"]) > 0
+                v[7] += int(ep.info.get("well_formed_calls", 0)) > 0
 
     def by_version(self) -> dict[int, dict[str, Any]]:
-        """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean"}}`` over finished episodes."""
+        """``{policy_version: {"episodes", "correct", "accuracy", "reward_mean", "turns_mean",
+        "tool_call_rate", "well_formed_rate"}}`` over finished episodes. The two rates (the fraction of
+        episodes with at least one tool call, and with at least one well-formed one) are ``None`` when the
+        episodes' info did not count calls (not a ``ToolEnv``)."""
         return {
             version: {
                 "episodes": int(n),
                 "correct": int(correct),
                 "accuracy": correct / n,
                 "reward_mean": rsum / rn if rn else None,
+                "turns_mean": turns / n,
+                "tool_call_rate": called / counted if counted else None,
+                "well_formed_rate": well / counted if counted else None,
             }
-            for version, (n, correct, rsum, rn) in sorted(self.versions.items())
+            for version, (n, correct, rsum, rn, turns, counted, called, well) in sorted(self.versions.items())
         }
 
     def summary(self) -> dict[str, Any]:

@@ -238,12 +238,64 @@ async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_e
         assert answer.request["messages"][-1]["role"] == "tool" and answer.response_token_ids
 
     # `steptap eval` at two policy versions: before training and after the second swap.
-    expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5}
+    expected = {"episodes": 4, "correct": 2, "accuracy": 0.5, "reward_mean": 0.5, "turns_mean": 2.0,
+                "tool_call_rate": 1.0, "well_formed_rate": 1.0}
     assert first["by_version"] == {"0": expected} and second["by_version"] == {"2": expected}
     assert [(r["eval_version"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r] == [(0, 0.5),
                                                                                                (2, 0.5)]
     evals = [t for t in recorded if t.mode == "eval"]
     assert len(evals) == 8 and sorted(t.steps[-1].policy_version for t in evals) == [0] * 4 + [2] * 4
+
+
+async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_evaluates_its_rates(
+    make_proxy, swap_vllm: Backend, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """examples/tool_agent on the tiny model: its generated rows, its environment (the first turn forced: a
+    random model writes no tool call), its learner.toml (LoRA, KL to the base) for two updates through the
+    proxy with a swap after each, and `steptap eval`'s tool-call, well-formed and turns figures."""
+    from steptap.adapters.env.tool_agent import EVAL_SEED
+    from steptap.adapters.env.tool_agent import make_rows as tool_rows
+    from steptap.learner import daemon
+    from steptap.learner.config import config_from_argv
+
+    proxy = await make_proxy(swap_vllm.url)
+    scripted = str(ROOT / "examples/tool_agent/scripted.py") + ":make_env"
+    train = write_rows(tool_rows(2, seed=0, held_out=2), tmp_path / f"tool-{uuid.uuid4().hex[:8]}.parquet")
+    evalset = write_rows(tool_rows(2, seed=EVAL_SEED), tmp_path / "tool-eval.parquet")
+    metrics = tmp_path / "metrics.jsonl"
+    learner = asyncio.create_task(daemon._run(config_from_argv([
+        "--config", str(ROOT / "examples/tool_agent/learner.toml"),
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(swap_vllm.model_dir),
+        "--batch-groups", "1", "--group-size", "2", "--max-updates", "2", "--num-threads", "1",
+        "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--metrics-file", str(metrics), "--no-progress"])))
+    run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]  # the forced call: ~50
+    report = await _steptap_async(proxy, "env", "run", str(train), *run)
+    assert report["episodes"] == 4 and report["finished"] == 4
+    await asyncio.wait_for(learner, 300)
+    evaluated = await _steptap_async(proxy, "eval", str(evalset), *run[:2], "--temperature", "0", "--json",
+                                     "--max-tokens", "64", "--metrics-file", str(metrics))
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    updates = [r for r in rows if "update" in r]
+    assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
+    for r in updates:  # each member's own answer trained with the KL term, its forced call not
+        assert r["counts"]["trained_steps"] == 2 and r["counts"]["dropped_unreproducible"] == 2
+    recorded = _recorded(proxy.log_dir, train)
+    assert len(recorded) == 4
+    for t in recorded:  # the prompt, the call's process reward, the call back in the history as text
+        call, answer = t.steps
+        assert [m["role"] for m in call.request["messages"]] == ["system", "user", "assistant", "tool",
+                                                                 "assistant", "user"]
+        assert call.rewards == {"process": 0.1} and call.response["tool_calls"][0]["function"]["name"] == (
+            "calculator")
+        sent = answer.request["messages"]
+        assert sent[-2]["content"].startswith("<tool_call>") and sent[-1]["role"] == "tool"
+    (version,) = evaluated["by_version"].values()
+    assert version["episodes"] == 2 and version["turns_mean"] == 2.0
+    assert version["tool_call_rate"] == 1.0 and version["well_formed_rate"] == 1.0
+    (row,) = [r for r in rows if "eval_tool_call_rate" in r]
+    assert row["eval_version"] == 2 and row["eval_well_formed_rate"] == 1.0 and row["eval_turns_mean"] == 2.0
 
 
 def test_up_runs_eval_beside_the_stack_into_the_metrics_file(vllm_server: Backend, tmp_path: Path) -> None:

@@ -38,3 +38,21 @@ def test_the_live_view_shows_eval_accuracy_beside_the_training_reward(tmp_path: 
     assert board.updates == 1 and board.recent_reward(3) == 0.5  # eval rows are not training updates
     assert board.evals == {0: 0.25, 1: 0.75}
     assert "eval accuracy by version v0: 0.250  v1: 0.750" in render_line(board)
+
+
+def test_a_tool_environments_eval_rows_get_their_own_panel(tmp_path: Path) -> None:
+    updates = [{"update": u, "policy_version": u, "reward_mean": 0.1, "loss": 0.0} for u in range(1, 5)]
+    evals = [
+        {"eval_version": v, "eval_accuracy": 0.1 * v, "eval_tool_call_rate": 0.2 * v,
+         "eval_well_formed_rate": 0.15 * v, "eval_turns_mean": 1 + 0.2 * v}
+        for v in (0, 2, 4)
+    ]
+    assert eval_points(updates, evals, "eval_tool_call_rate") == [(0, 0.0), (2, 0.4), (4, 0.8)]
+    assert eval_points(updates, [{"eval_version": 0, "eval_accuracy": 0.5}], "eval_turns_mean") == []
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*updates, *evals]))
+    assert main([str(metrics), "-o", str(tmp_path / "t.png")]) == 0
+    from PIL import Image
+
+    with Image.open(tmp_path / "t.png") as img:
+        assert img.size[1] == 800  # three panels: reward, loss, the tool panel (2 + 2 * 3 inches at 100 dpi)
