@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from steptap.middleware.sessions.prefix import Grown
+
 _decode = msgspec.json.decode
 _ids = msgspec.json.Decoder(list[int])  # strict: a float or a bool is not an id
 _KEY = b'"prompt"'
@@ -31,9 +33,10 @@ _prompt_of = msgspec.json.Decoder(_Prompt)
 
 
 def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
-                      ) -> tuple[dict[str, Any], tuple[bytes, list[int]] | None] | None:
-    """The body of ``raw`` (as ``msgspec.json.decode`` gives it) and what the session holds for its next call
-    (the prompt's bytes and ids, or None when the prompt is not token ids); None: decode it whole."""
+                      ) -> tuple[dict[str, Any], tuple[bytes, list[int]], Grown | None] | None:
+    """The body of ``raw`` (as ``msgspec.json.decode`` gives it), what the session holds for its next call
+    (the prompt's bytes and ids) and, when the ids continue the held ones, how they were built (for
+    ``prefix.extends``); None: decode it whole."""
     try:
         found = _prompt_of.decode(raw)
     except msgspec.DecodeError:
@@ -58,6 +61,7 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
         return None
     try:
         ids = _extend(prompt, held) if held is not None else None
+        grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
             ids = _ids.decode(prompt)
         body = _decode(b"".join((raw[:at], b"null", raw[at + len(prompt):])))
@@ -66,7 +70,7 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
     if not isinstance(body, dict):
         return None
     body["prompt"] = ids
-    return body, (prompt, ids)
+    return body, (prompt, ids), grown
 
 
 def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:

@@ -427,6 +427,10 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
             decided = decided._replace(cause="no_scale_out")
         if generate is not None:
             metrics.child(metrics.tito_turns, "tokens").inc()
+            state = decided.state
+            assert state is not None
+            # built as the previous step's prompt + response + what is new: prefix.extends compares only that
+            session.grown = (turn.prompt, state.prompt_ids, state.response_ids)
             return turn, generate
         if decided.cause == "tokens":
             decided = decided._replace(cause="template")

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from steptap.middleware.proxy.prompts import decode_completion
+from steptap.middleware.sessions.prefix import Grown
 
 
 def _body(prompt: object, **kw: object) -> bytes:
@@ -18,7 +19,7 @@ def _body(prompt: object, **kw: object) -> bytes:
 Held = tuple[bytes, list[int]]
 
 
-def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] | None:
+def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held, Grown | None] | None:
     got = decode_completion(raw, held)
     if got is not None:
         assert got[0] == msgspec.json.decode(raw)
@@ -29,14 +30,15 @@ def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] 
 def test_a_continued_prompt_decodes_only_its_new_ids() -> None:
     first = _check(_body(list(range(300, 1300))), None)
     assert first is not None
-    body, held = first
-    assert held is not None and held[1] is body["prompt"]
+    body, held, grown = first
+    assert held[1] is body["prompt"] and grown is None
     # json.dumps writes ", " between ids: the held bytes then a comma after spaces, as the agent sends them
     nxt = _check(_body([*range(300, 1300), 7, 300, 5000]), held)
     assert nxt is not None
     ids = nxt[0]["prompt"]
     assert ids == [*range(300, 1300), 7, 300, 5000]
     assert all(a is b for a, b in zip(ids, held[1], strict=False))  # the old objects: an identity compare
+    assert nxt[2] == (ids, held[1], None) and nxt[2][0] is ids and nxt[2][1] is held[1]  # prefix.extends' hint
     # compact JSON too
     compact = msgspec.json.encode({"prompt": [*range(300, 1300), 9]})
     assert _check(compact, (msgspec.json.encode(list(range(300, 1300))), held[1])) is not None
@@ -53,6 +55,7 @@ def test_other_bytes_decode_whole_and_give_the_same_body() -> None:
     for raw in cases:
         got = _check(raw, held)
         assert got is not None and got[0]["prompt"] == msgspec.json.decode(raw)["prompt"]
+        assert got[2] is None  # decoded whole: no hint that it starts with the held ids
     retry = _check(cases[2], held)
     assert retry is not None and retry[0]["prompt"] is not held[1]
 
