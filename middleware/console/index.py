@@ -88,8 +88,8 @@ class RunIndex:
             async for after, found in agen:
                 if isinstance(found, Found):
                     try:
-                        # its steps as logged (deltas not expanded: a summary reads no prompt ids, and building
-                        # a long session's full steps here held the event loop for a second at 120k tokens)
+                        # its steps as logged (deltas not expanded: a summary reads no prompt ids, and
+                        # building a long session's full steps here held the event loop for a second)
                         traj = resolve_found(found, full=False)
                     except (ValueError, msgspec.DecodeError) as exc:
                         logger.warning("console: a trajectory before %s left out: %s", after, exc)

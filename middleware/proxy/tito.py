@@ -43,13 +43,13 @@ import msgspec
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
-from steptap.middleware.records import Step, json_encoder
+from steptap.middleware.records import Step, json_encoder, msgpack_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
-_packer = msgspec.msgpack.Encoder()
+_packer = msgpack_encoder
 _unpack = msgspec.msgpack.decode
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
@@ -61,8 +61,8 @@ _TAIL_MAX = 4  # tokens a template may put after an assistant turn's end token (
 class State(NamedTuple):
     """What the next turn of a TITO session extends."""
 
-    sent: bytes  # the turn's messages as sent, msgpack-encoded (a next turn that starts with them: same bytes)
-    count: int  # how many messages that is
+    sent: bytes  # the turn's messages as sent, msgpack-encoded (a next turn starting with them: same bytes)
+    n_sent: int  # how many messages that is
     reply: Any  # the reply as returned, normalized
     tools: str  # the tools, as JSON (a change of tools changes the system prompt: no extension)
     prompt_ids: list[int]
@@ -108,7 +108,7 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
         return Plan([], state, "no_messages")
     if (chat.get("n") or 1) != 1:
         return Plan([], state, "n")
-    n = state.count + 1  # the previous turn's messages + its reply
+    n = state.n_sent + 1  # the previous turn's messages + its reply
     if not (len(messages) >= n and _same(messages, state) and _norm(messages[n - 1]) == state.reply):
         # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
         # ids, content parts), as prefix.py does
@@ -141,7 +141,7 @@ def _same(messages: list[Any], state: State) -> bool:
     """Whether ``messages`` starts with the previous turn's messages exactly as sent: equal msgpack bytes
     (an int is not taken for a float or a bool, as ``==`` would): an agent resends its whole history every
     turn, and this is one encode and one byte compare instead of normalizing every message."""
-    return bool(state.sent) and _pack(messages[:state.count]) == state.sent
+    return bool(state.sent) and _pack(messages[:state.n_sent]) == state.sent
 
 
 def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id: str | None) -> str | None:
@@ -248,6 +248,10 @@ class Turn:
             held = self._raw[name] = (value, msgspec.Raw(_encode(value)))
         return held[1]
 
+    def encoded_prompt(self) -> tuple[bytes, list[int]]:
+        """The prompt's JSON and its ids (what a stream's first chunk echoes: ``prompts.take_echo``)."""
+        return bytes(self._encoded("prompt", self.prompt)), self.prompt
+
     async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
 
@@ -350,7 +354,7 @@ class Turn:
                     state = derendered["stream_state"]
                     chunk = derendered["chunk"]
                     if first:
-                        chunk["prompt_token_ids"] = self.prompt
+                        chunk["prompt_token_ids"] = self._encoded("prompt", self.prompt)  # encoded once
                         first = False
                     for g in gen["choices"]:
                         self._report(g)

@@ -96,7 +96,8 @@ def extends(prev: Step, step: Step, grown: Grown | None = None) -> bool:
 def classify(prev: Step | None, step: Step, old_chat: list[Any] | None = None,
              new_chat: list[Any] | None = None, grown: Grown | None = None) -> PrefixCause:
     """The prefix cause of ``step`` given the session's previous step; ``old_chat`` / ``new_chat``: their
-    requests in chat form, when the relay translated them (Messages, Responses); ``grown``: see ``extends``."""
+    requests in chat form, when the relay translated them (Messages, Responses); ``grown``: see
+    ``extends``."""
     if prev is None:
         return "first"
     if extends(prev, step, grown):

@@ -41,8 +41,8 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
-                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt", "sealed",
-                 "starts", "tito", "tito_state", "trajectory")
+                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt",
+                 "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
