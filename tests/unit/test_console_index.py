@@ -74,8 +74,8 @@ async def test_a_followed_session_of_delta_steps_is_summarized_as_logged(tmp_pat
     try:
         first = Step(trajectory_id="d", index=0, policy_version=2, prompt_token_ids=list(range(100, 5000)),
                      response_token_ids=[7, 8], sampling=Sampling())
-        nxt = Step(trajectory_id="d", index=1, policy_version=3, prompt_token_ids=[*range(100, 5000), 7, 8, 9],
-                   response_token_ids=[5], sampling=Sampling(), prefix="extends")
+        nxt = Step(trajectory_id="d", index=1, policy_version=3, response_token_ids=[5], sampling=Sampling(),
+                   prompt_token_ids=[*range(100, 5000), 7, 8, 9], prefix="extends")
         refs = [StepRef(at=(await log.append_at(s))[0]) for s in (first, compress(nxt, first))]
         await log.append(Trajectory(id="d", group_id="g", status="finished", step_refs=refs,
                                     rewards={"reward": 0.5}))
