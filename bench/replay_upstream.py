@@ -6,7 +6,8 @@
 flush each) when the request asks for ``"stream": true``, else the recorded JSON. With several fixtures, the
 request's ``max_tokens`` picks one (each fixture has its own; the first is the default). Nothing else in the
 request is parsed, and those two by a byte search: the cost on this side is the same whoever calls. ``GET
-/v1/models`` answers with the recorded model list, and the vLLM dev-mode routes a proxy may call at start
+/v1/models`` answers with the recorded model list, ``POST /v1/completions`` echoes the prompt as vLLM does
+(``completions``: for ``long_session.py``), and the vLLM dev-mode routes a proxy may call at start
 (health, version, pause state) answer as vLLM does. Any other route is a 404 and is counted (``GET
 /bench/stats``), so a benchmark sees what it missed.
 """
@@ -19,6 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,6 +53,32 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return resp
     stats[f"chat {fixture.name}"] += 1
     return web.Response(body=fixture.reply, content_type="application/json")
+
+
+class _Prompt(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw()
+
+
+_prompt_of = msgspec.json.Decoder(_Prompt)
+
+
+async def completions(request: web.Request) -> web.Response:
+    """A ``/v1/completions`` reply of 8 tokens that echoes the request's prompt (its raw bytes) as
+    ``prompt_token_ids``, as vLLM does with ``return_token_ids``: the proxy's cost per call at a long token
+    prompt without vLLM's (``long_session.py --backend`` on this upstream)."""
+    body = await request.read()
+    request.app[STATS]["completions"] += 1
+    prompt = bytes(_prompt_of.decode(body).prompt) or b"[]"
+    return web.Response(body=_COMPLETION_HEAD + prompt + _COMPLETION_TAIL, content_type="application/json")
+
+
+_COMPLETION_HEAD = (
+    b'{"id":"cmpl-replay","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,'
+    b'"text":"abcdefgh","logprobs":{"text_offset":[0,1,2,3,4,5,6,7],"token_logprobs":[-1.0,-1.0,-1.0,-1.0,'
+    b'-1.0,-1.0,-1.0,-1.0],"tokens":["a","b","c","d","e","f","g","h"],"top_logprobs":null},'
+    b'"finish_reason":"length","stop_reason":null,"token_ids":[5,6,7,8,9,10,11,12],"prompt_logprobs":null,'
+    b'"prompt_token_ids":')
+_COMPLETION_TAIL = b'}],"usage":{"prompt_tokens":1,"total_tokens":9,"completion_tokens":8}}'
 
 
 async def models(request: web.Request) -> web.Response:
@@ -98,6 +126,7 @@ def create_app(fixtures: Fixture | list[Fixture]) -> web.Application:
         raise SystemExit("each fixture needs its own max_tokens (the replay tells calls apart by it)")
     app[STATS] = Counter()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", ok)
     app.router.add_get("/ping", ok)

@@ -88,7 +88,9 @@ class RunIndex:
             async for after, found in agen:
                 if isinstance(found, Found):
                     try:
-                        traj = resolve_found(found)
+                        # its steps as logged (deltas not expanded: a summary reads no prompt ids, and
+                        # building a long session's full steps here held the event loop for a second)
+                        traj = resolve_found(found, full=False)
                     except (ValueError, msgspec.DecodeError) as exc:
                         logger.warning("console: a trajectory before %s left out: %s", after, exc)
                         continue

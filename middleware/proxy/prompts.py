@@ -1,4 +1,5 @@
-"""A ``/v1/completions`` body whose prompt is token ids, decoded from what is new.
+"""A session's token prompt decoded from what is new: a ``/v1/completions`` body whose prompt is token ids,
+and vLLM's echo of a chat call's prompt ids (``take_echo``).
 
 An agent sends its whole context every call: at 120k tokens the prompt is a 0.6 MB JSON array, and decoding
 it (120k int objects) was the proxy's largest cost per call. A session keeps the raw bytes of its latest
@@ -9,13 +10,23 @@ also makes the prefix check (``sessions/prefix.extends``) an identity compare.
 
 Anything else (no session, no ``prompt`` key where expected, another shape, other bytes) decodes the whole
 body: the result is the same dict either way.
+
+A chat call's prompt is messages, but vLLM's reply echoes its prompt ids (``return_token_ids``): the same
+held bytes and ids serve it, so a chat session's step decodes only the ids of the last reply and its new
+messages, and its continuity check is an identity compare too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+from steptap.middleware.sessions.prefix import Grown
+
+if TYPE_CHECKING:
+    from steptap.middleware.sessions.manager import SessionManager
+    from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
 _ids = msgspec.json.Decoder(list[int])  # strict: a float or a bool is not an id
@@ -31,9 +42,10 @@ _prompt_of = msgspec.json.Decoder(_Prompt)
 
 
 def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
-                      ) -> tuple[dict[str, Any], tuple[bytes, list[int]] | None] | None:
-    """The body of ``raw`` (as ``msgspec.json.decode`` gives it) and what the session holds for its next call
-    (the prompt's bytes and ids, or None when the prompt is not token ids); None: decode it whole."""
+                      ) -> tuple[dict[str, Any], tuple[bytes, list[int]], Grown | None] | None:
+    """The body of ``raw`` (as ``msgspec.json.decode`` gives it), what the session holds for its next call
+    (the prompt's bytes and ids) and, when the ids continue the held ones, how they were built (for
+    ``prefix.extends``); None: decode it whole."""
     try:
         found = _prompt_of.decode(raw)
     except msgspec.DecodeError:
@@ -58,6 +70,7 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
         return None
     try:
         ids = _extend(prompt, held) if held is not None else None
+        grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
             ids = _ids.decode(prompt)
         body = _decode(b"".join((raw[:at], b"null", raw[at + len(prompt):])))
@@ -66,7 +79,63 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
     if not isinstance(body, dict):
         return None
     body["prompt"] = ids
-    return body, (prompt, ids)
+    return body, (prompt, ids), grown
+
+
+_ECHO = b'"prompt_token_ids"'
+
+
+def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
+              ) -> tuple[bytes, bytes, list[int], Grown | None] | None:
+    """vLLM's echo of a chat call's prompt ids (a chat reply, or a stream's first chunk): ``data`` with the
+    echo's value replaced by ``null`` (decoded, it gives the same dict less the ids), the echo's bytes, its
+    ids (only what is new decoded when they continue the held ones: an agent's next call echoes the last
+    prompt + reply + its new messages) and how they were built (``prefix.extends``); None: no echo of ids
+    there (or more than one key of that name), decode it whole. A ``"prompt_token_ids":`` in ``data`` is a
+    key (a quote in a string is escaped), and an array of ids ends at its first ``]``."""
+    key = data.find(_ECHO)
+    if key < 0 or data.find(_ECHO, key + 1) >= 0:
+        return None
+    at = key + len(_ECHO)
+    while at < len(data) and data[at] in _SPACE:
+        at += 1
+    if data[at:at + 1] != b":":
+        return None
+    at += 1
+    while at < len(data) and data[at] in _SPACE:
+        at += 1
+    end = data.find(b"]", at)
+    if data[at:at + 1] != b"[" or end < 0:
+        return None
+    echo = data[at:end + 1]
+    if held is not None and echo == held[0]:
+        return b"".join((data[:at], b"null", data[end + 1:])), echo, held[1], None  # the same bytes: ids
+    try:
+        ids = _extend(echo, held) if held is not None else None
+        grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
+        if ids is None:
+            ids = _ids.decode(echo)
+    except msgspec.DecodeError:
+        return None
+    return b"".join((data[:at], b"null", data[end + 1:])), echo, ids, grown
+
+
+Echo = tuple[bytes, bytes, list[int], Grown | None]  # take_echo's: (the rest, the echo, its ids, how built)
+
+
+def session_echo(data: bytes, manager: SessionManager, session: LiveSession,
+                 built: tuple[bytes, list[int]] | None) -> Echo | None:
+    """``take_echo`` for a chat reply or first chunk of ``session``: its ids held for the next call (a named
+    session's). ``built``: a TITO turn's prompt (its JSON, its ids), which its stream echoes."""
+    if built is not None:
+        return take_echo(data, built)
+    if session.trajectory.anonymous:
+        return None  # one call: nothing to continue
+    echo = take_echo(data, session.prompt)
+    if echo is not None:
+        manager.hold_prompt(session, (echo[1], echo[2]))
+        session.grown = echo[3]
+    return echo
 
 
 def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:

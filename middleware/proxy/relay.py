@@ -226,6 +226,7 @@ class _Call(StreamRelay):
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
         self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
         self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)
+        self.built: tuple[bytes, list[int]] | None = None  # a TITO turn's prompt (its JSON, its ids)
 
     async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
         if self.tito:
@@ -299,6 +300,7 @@ class _Call(StreamRelay):
     async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
         base = self.upstream.name  # the replica as configured (never http://localhost)
         turn.spans = self.spans
+        self.built = turn.encoded_prompt()
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)
@@ -411,13 +413,14 @@ class _Call(StreamRelay):
             raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
         except aiohttp.ClientError as exc:
             raise BackendCut(f"backend {base} cut the reply: {exc}") from None
+        echo = self._take_echo(data) if self.endpoint == CHAT else None
         # Typed, stripped in vLLM's bytes; else the dict path
         if self.proto is None:
             view: replies.ReplyView | replies.CompletionView | None
             if self.endpoint == CHAT:
-                view = replies.reply_view(data)
-                steps = None if view is None else replies.steps_from_view(view, latency_s=self._latency(),
-                                                                          **self.common)
+                view = replies.reply_view(data if echo is None else echo[0])
+                steps = None if view is None else replies.steps_from_view(
+                    view, None if echo is None else echo[2], latency_s=self._latency(), **self.common)
             else:
                 view = replies.completion_view(data)
                 known = replies.known_prompt(self.common["request"])  # the ids vLLM echoes: not decoded
@@ -430,12 +433,14 @@ class _Call(StreamRelay):
                     await self.record(steps, stop)  # durable before the reply leaves
                     return web.Response(body=body, status=resp.status, content_type="application/json")
         try:
-            reply = _decode(data)
+            reply = _decode(data if echo is None else echo[0])
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
                 raise ValueError("no choices")
         except (msgspec.DecodeError, ValueError):
             raise BackendMalformed(f"backend {base} sent a malformed reply (not an OpenAI "
                                    "completion)") from None
+        if echo is not None:
+            reply["prompt_token_ids"] = echo[2]
         return await self._reply_plain(reply, resp.status, data)
 
     async def _reply_plain(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:

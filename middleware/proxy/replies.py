@@ -168,9 +168,10 @@ def steps_from_completion(view: CompletionView, known: list[int] | None, **commo
     return steps
 
 
-def steps_from_view(view: ReplyView, **common: Any) -> list[Step] | None:
-    """What ``capture.steps_from_reply`` gives for the same reply, or None (take the dict path)."""
-    prompt = _ids(view.prompt_token_ids)
+def steps_from_view(view: ReplyView, echo: list[int] | None = None, **common: Any) -> list[Step] | None:
+    """What ``capture.steps_from_reply`` gives for the same reply, or None (take the dict path). ``echo``: the
+    prompt ids when they were taken out of the body before the view was decoded (``prompts.take_echo``)."""
+    prompt = _ids(view.prompt_token_ids) if echo is None else echo
     steps = []
     try:
         for ch in view.choices:

@@ -54,7 +54,7 @@ def decode_body(raw: bytes, endpoint: str, manager: SessionManager, ident: Ident
         if session is not None:
             got = prompts.decode_completion(raw, session.prompt)
             if got is not None:
-                body, held = got
+                body, held, session.grown = got
                 manager.hold_prompt(session, held)
                 return body, True
     return _json_object(raw), False

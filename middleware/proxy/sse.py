@@ -17,7 +17,7 @@ from aiohttp import web
 
 from steptap.middleware.errors import error_body, status_of
 from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, DomainError
-from steptap.middleware.proxy import capture, tito
+from steptap.middleware.proxy import capture, prompts, tito
 from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
@@ -27,9 +27,13 @@ if TYPE_CHECKING:
     from steptap.middleware.proxy.capture import Asked
     from steptap.middleware.proxy.protocols import Protocol
     from steptap.middleware.records import Step
+    from steptap.middleware.sessions.manager import SessionManager
+    from steptap.middleware.sessions.prefix import Grown
+    from steptap.middleware.sessions.session import LiveSession
     from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
+_ECHO = b'"prompt_token_ids"'
 _encode = json_encoder.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -60,10 +64,17 @@ class StreamRelay:
     proto: Protocol | None
     write_timeout: float
     spans: Spans | None
+    manager: SessionManager
+    session: LiveSession
+    built: tuple[bytes, list[int]] | None  # a TITO turn's prompt (its JSON, its ids)
     if TYPE_CHECKING:  # _Call's
         def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step: ...
         def _latency(self) -> float: ...
         async def record(self, steps: list[Step], stop_reason: Any = None) -> None: ...
+
+    def _take_echo(self, data: bytes) -> tuple[bytes, bytes, list[int], Grown | None] | None:
+        """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``)."""
+        return prompts.session_echo(data, self.manager, self.session, self.built)
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
         """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
@@ -167,6 +178,7 @@ class StreamRelay:
         else:
             batches = source  # already line batches (token-in-token-out)
         proto = self.proto
+        echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
@@ -192,12 +204,17 @@ class StreamRelay:
                         done = True
                         break
                     try:
-                        chunk = _decode(payload)
+                        # the echo's ids decoded from what is new (prompts.take_echo), the rest as before
+                        echo = self._take_echo(payload) if echo_left and _ECHO in payload else None
+                        chunk = _decode(payload if echo is None else echo[0])
                         if not isinstance(chunk, dict):
                             raise ValueError
                     except (msgspec.DecodeError, ValueError):
                         failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
                         break
+                    if echo is not None:
+                        chunk["prompt_token_ids"] = echo[2]
+                        echo_left = False
                     if "error" in chunk and not chunk.get("choices"):
                         upstream_error = b"data: " + payload + b"\n\n"
                         err = chunk["error"]

@@ -43,12 +43,14 @@ import msgspec
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
-from steptap.middleware.records import Step, json_encoder
+from steptap.middleware.records import Step, json_encoder, msgpack_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
 from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
+_packer = msgpack_encoder
+_unpack = msgspec.msgpack.decode
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
 # what it would put after any assistant turn.
@@ -59,7 +61,9 @@ _TAIL_MAX = 4  # tokens a template may put after an assistant turn's end token (
 class State(NamedTuple):
     """What the next turn of a TITO session extends."""
 
-    conversation: list[Any]  # normalized messages + the reply as returned
+    sent: bytes  # the turn's messages as sent, msgpack-encoded (a next turn starting with them: same bytes)
+    n_sent: int  # how many messages that is
+    reply: Any  # the reply as returned, normalized
     tools: str  # the tools, as JSON (a change of tools changes the system prompt: no extension)
     prompt_ids: list[int]
     response_ids: list[int]
@@ -67,6 +71,11 @@ class State(NamedTuple):
     reasoning: str | None = None  # the reply's reasoning as logged
     response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
     cut: str = ""  # the reply ended on a stop string or stop token the agent named: why nothing extends it
+
+    def conversation(self) -> list[Any]:
+        """The normalized messages + the reply as returned (only for a turn that does not start with the
+        same bytes: normalizing a long history is what the byte compare saves)."""
+        return [_norm(m) for m in _unpack(self.sent)] + [self.reply] if self.sent else []
 
 
 class Plan(NamedTuple):
@@ -99,22 +108,40 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
         return Plan([], state, "no_messages")
     if (chat.get("n") or 1) != 1:
         return Plan([], state, "n")
-    conv = [_norm(m) for m in messages]
-    old = state.conversation
-    if conv[: len(old)] != old:
-        return Plan([], state, _message_cause(old, conv))
-    if len(conv) == len(old):
+    n = state.n_sent + 1  # the previous turn's messages + its reply
+    if not (len(messages) >= n and _same(messages, state) and _norm(messages[n - 1]) == state.reply):
+        # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
+        # ids, content parts), as prefix.py does
+        conv = [_norm(m) for m in messages]
+        old = state.conversation()
+        if conv[: len(old)] != old:
+            return Plan([], state, _message_cause(old, conv))
+    if len(messages) == n:
         return Plan([], state, "no_new_messages")
     if _tools_key(chat) != state.tools:
         return Plan([], state, "tools_changed")
     if not state.ended:
         return Plan([], state, "reply_unfinished")
-    replayed = messages[len(old) - 1]
-    nth = sum(1 for m in messages[:len(old)] if isinstance(m, dict) and m.get("role") == "assistant") - 1
+    replayed = messages[n - 1]
+    nth = sum(1 for m in messages[:n] if isinstance(m, dict) and m.get("role") == "assistant") - 1
     cause = _reasoning_cause(state, replayed, (handles or {}).get(nth), session_id)
     if cause is not None:
         return Plan([], state, cause)
-    return Plan(messages[len(old):], state, "tokens")
+    return Plan(messages[n:], state, "tokens")
+
+
+def _pack(messages: list[Any]) -> bytes | None:
+    try:
+        return _packer.encode(messages)
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
+        return None
+
+
+def _same(messages: list[Any], state: State) -> bool:
+    """Whether ``messages`` starts with the previous turn's messages exactly as sent: equal msgpack bytes
+    (an int is not taken for a float or a bool, as ``==`` would): an agent resends its whole history every
+    turn, and this is one encode and one byte compare instead of normalizing every message."""
+    return bool(state.sent) and _pack(messages[:state.n_sent]) == state.sent
 
 
 def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id: str | None) -> str | None:
@@ -142,14 +169,19 @@ def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None) -> Sta
     if stop_reason is not None:
         # cut by a stop string or a stop token the agent named: its last token need not end a turn, and an end
         # token spliced after it would be one the model never sampled; the next turn is rendered
-        return State([], "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
+        return State(b"", 0, None, "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
                      else "reply_stop_token")
+    sent = _pack(messages)
+    if sent is None:
+        return None
     # What token ended it is checked against the template
     ended = step.finish_reason in ("stop", "tool_calls")
     response_id = step.response.get("response_id")
-    return State([_norm(m) for m in messages] + [_norm(step.response)], _tools_key(chat),
-                 list(step.prompt_token_ids), list(step.response_token_ids), ended,
-                 reasoning_of(step.response) or None, response_id if isinstance(response_id, str) else None)
+    # The step's own id lists, not copies (a step is never changed once recorded; the next prompt is a new
+    # list): copying 120k ids a turn was linear in the context for nothing
+    return State(sent, len(messages), _norm(step.response), _tools_key(chat), step.prompt_token_ids,
+                 step.response_token_ids, ended, reasoning_of(step.response) or None,
+                 response_id if isinstance(response_id, str) else None)
 
 
 def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
@@ -206,9 +238,27 @@ class Turn:
         self.plan = plan
         self.prompt: list[int] = []
         self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
+        # The prompt ids and the chat body, JSON-encoded once: every generate and derender body (one per chunk
+        # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body
+        self._raw: dict[str, tuple[Any, msgspec.Raw]] = {}  # name -> (the value encoded, its JSON)
+
+    def _encoded(self, name: str, value: Any) -> msgspec.Raw:
+        held = self._raw.get(name)
+        if held is None or held[0] is not value:
+            held = self._raw[name] = (value, msgspec.Raw(_encode(value)))
+        return held[1]
+
+    def encoded_prompt(self) -> tuple[bytes, list[int]]:
+        """The prompt's JSON and its ids (what a stream's first chunk echoes: ``prompts.take_echo``)."""
+        return bytes(self._encoded("prompt", self.prompt)), self.prompt
 
     async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
+
+    def _generate_body(self, generate: dict[str, Any]) -> dict[str, Any]:
+        if generate.get("token_ids") is self.prompt:
+            return {**generate, "token_ids": self._encoded("prompt", self.prompt)}
+        return generate
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
         return await render(self.client, self.chat, messages=messages, add_generation_prompt=generation,
@@ -245,12 +295,12 @@ class Turn:
             self.spans.report(gen_choice.get("index", 0), gen_choice["weight_versions"])
 
     def _derender_body(self, **fields: Any) -> dict[str, Any]:
-        return {"model": self.chat.get("model"), "prompt_token_ids": self.prompt, "chat_request": self.chat,
-                **fields}
+        return {"model": self.chat.get("model"), "prompt_token_ids": self._encoded("prompt", self.prompt),
+                "chat_request": self._encoded("chat", self.chat), **fields}
 
     async def reply(self, generate: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed turn: the chat reply, with the prompt and response ids vLLM generated with."""
-        gen = await self._post("generate", generate)
+        gen = await self._post("generate", self._generate_body(generate))
         chat = {**self.chat, "stream": False}
         chat.pop("stream_options", None)
         self.chat = chat
@@ -281,7 +331,7 @@ class Turn:
     async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         state: Any = None
         first = True
-        async with await self.client.post("generate", _encode(generate)) as resp:
+        async with await self.client.post("generate", _encode(self._generate_body(generate))) as resp:
             if resp.status >= 400:
                 raise TitoError(resp.status, await resp.read())
             pending = b""
@@ -304,7 +354,7 @@ class Turn:
                     state = derendered["stream_state"]
                     chunk = derendered["chunk"]
                     if first:
-                        chunk["prompt_token_ids"] = self.prompt
+                        chunk["prompt_token_ids"] = self._encoded("prompt", self.prompt)  # encoded once
                         first = False
                     for g in gen["choices"]:
                         self._report(g)
@@ -381,6 +431,10 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
             decided = decided._replace(cause="no_scale_out")
         if generate is not None:
             metrics.child(metrics.tito_turns, "tokens").inc()
+            state = decided.state
+            assert state is not None
+            # built as the previous step's prompt + response + what is new: prefix.extends compares only that
+            session.grown = (turn.prompt, state.prompt_ids, state.response_ids)
             return turn, generate
         if decided.cause == "tokens":
             decided = decided._replace(cause="template")

@@ -75,20 +75,32 @@ def first_messages(step: Step, messages: list[Any] | None = None, n: int = 2) ->
     return (_conversation(step, messages) or [])[:n]
 
 
-def extends(prev: Step, step: Step) -> bool:
-    """Whether ``step``'s prompt ids start with ``prev``'s prompt + response ids (both in full form)."""
+Grown = tuple[list[int], list[int], list[int] | None]
+"""A prompt id list as the proxy built it: (the list, the list it starts with, the list right after that or
+None): ``old + rest`` (proxy/prompts.py) or ``prompt + response + rest`` (proxy/tito.py)."""
+
+
+def extends(prev: Step, step: Step, grown: Grown | None = None) -> bool:
+    """Whether ``step``'s prompt ids start with ``prev``'s prompt + response ids (both in full form).
+    ``grown``: how ``step``'s list was built, when the proxy built it from ``prev``'s own lists: those items
+    are not compared again (at 120k ids the compare and its slice were linear in the context)."""
     n, r = len(prev.prompt_token_ids), len(prev.response_token_ids)
     ids = step.prompt_token_ids
-    return len(ids) >= n + r and ids[:n] == prev.prompt_token_ids and ids[n:n + r] == prev.response_token_ids
+    if len(ids) < n + r:
+        return False
+    if grown is not None and grown[0] is ids and grown[1] is prev.prompt_token_ids:
+        return grown[2] is prev.response_token_ids or ids[n:n + r] == prev.response_token_ids
+    return ids[:n] == prev.prompt_token_ids and ids[n:n + r] == prev.response_token_ids
 
 
 def classify(prev: Step | None, step: Step, old_chat: list[Any] | None = None,
-             new_chat: list[Any] | None = None) -> PrefixCause:
+             new_chat: list[Any] | None = None, grown: Grown | None = None) -> PrefixCause:
     """The prefix cause of ``step`` given the session's previous step; ``old_chat`` / ``new_chat``: their
-    requests in chat form, when the relay translated them (Messages, Responses)."""
+    requests in chat form, when the relay translated them (Messages, Responses); ``grown``: see
+    ``extends``."""
     if prev is None:
         return "first"
-    if extends(prev, step):
+    if extends(prev, step, grown):
         return "extends"
     before = prev.prompt_token_ids + prev.response_token_ids
     ids = step.prompt_token_ids
@@ -111,12 +123,13 @@ _RANK: dict[str, int] = {"extends": 0, "rerendered": 1, "truncated": 2, "history
 
 
 def classify_after(prev_call: list[Step], step: Step, old_chat: list[Any] | None = None,
-                   new_chat: list[Any] | None = None) -> PrefixCause:
+                   new_chat: list[Any] | None = None, grown: Grown | None = None) -> PrefixCause:
     """The cause against the previous call, which may have had several choices (``n > 1``): the agent went on
     from one of them, so the most continuous verdict wins."""
     if not prev_call:
         return "first"
-    return min((classify(prev, step, old_chat, new_chat) for prev in prev_call), key=_RANK.__getitem__)
+    return min((classify(prev, step, old_chat, new_chat, grown) for prev in prev_call),
+               key=_RANK.__getitem__)
 
 
 def _message_cause(old: list[Any], new: list[Any]) -> PrefixCause:

@@ -58,8 +58,9 @@ class Recording:
         # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
         # choices of one call share it.
         prev_call = list(session.full.values())
+        grown, session.grown = session.grown, None  # used here: held, it would keep the last prompt alive
         for step in steps:
-            step.prefix = classify_after(prev_call, step, session.conversation, chat)
+            step.prefix = classify_after(prev_call, step, session.conversation, chat, grown)
         line_before = dataclasses.replace(session.line)
         on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat)
         forms: list[Step] = []
@@ -70,7 +71,8 @@ class Recording:
             step.index = len(traj.steps) + offset
             base = None
             if step.prefix == "extends":  # one previous choice: classify_after found it extends (no 2nd pass)
-                base = prev_call[0] if len(prev_call) == 1 else next(p for p in prev_call if extends(p, step))
+                base = (prev_call[0] if len(prev_call) == 1 else
+                        next(p for p in prev_call if extends(p, step, grown)))
             if offset and step.choice and steps[0].choice == 0:
                 base = steps[0]  # another choice of this call: its request and prompt are the first's
             if session.sealed and not traj.anonymous:

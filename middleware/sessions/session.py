@@ -20,6 +20,7 @@ from steptap.middleware.records import (
     msgpack_encoder,
 )
 from steptap.middleware.sessions.classify import MainLine
+from steptap.middleware.sessions.prefix import Grown
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -53,8 +54,8 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
-                 "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt", "sealed",
-                 "starts", "tito", "tito_state", "trajectory")
+                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt",
+                 "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -82,6 +83,9 @@ class LiveSession:
         # Its latest token prompt's raw bytes and ids: the next one is decoded from what is new
         # (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's steps hold)
         self.prompt: tuple[bytes, list[int]] | None = None
+        # The latest prompt id list the proxy built from the previous step's lists (prefix.Grown): its
+        # continuity check skips what it took from them
+        self.grown: Grown | None = None
         self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it

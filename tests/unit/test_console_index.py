@@ -61,3 +61,33 @@ async def test_the_index_loads_follows_filters_and_reads_back(tmp_path: Path) ->
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
         await log.close()
+
+
+async def test_a_followed_session_of_delta_steps_is_summarized_as_logged(tmp_path: Path) -> None:
+    from steptap.middleware.delta import compress
+    from steptap.middleware.records import StepRef
+
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    index = RunIndex(log)
+    cursor = await asyncio.to_thread(index.load)
+    follower = asyncio.create_task(index.follow(cursor))
+    try:
+        first = Step(trajectory_id="d", index=0, policy_version=2, prompt_token_ids=list(range(100, 5000)),
+                     response_token_ids=[7, 8], sampling=Sampling())
+        nxt = Step(trajectory_id="d", index=1, policy_version=3, response_token_ids=[5], sampling=Sampling(),
+                   prompt_token_ids=[*range(100, 5000), 7, 8, 9], prefix="extends")
+        refs = [StepRef(at=(await log.append_at(s))[0]) for s in (first, compress(nxt, first))]
+        await log.append(Trajectory(id="d", group_id="g", status="finished", step_refs=refs,
+                                    rewards={"reward": 0.5}))
+        for _ in range(100):
+            if "d" in index.summaries:
+                break
+            await asyncio.sleep(0.02)
+        summary = index.summaries["d"]
+        assert summary.steps == 2 and summary.version == 3 and summary.reward == 0.5
+        back = await index.trajectory("d")  # the viewer reads it back in full
+        assert back is not None and back.steps[1].prompt_token_ids == nxt.prompt_token_ids
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await log.close()

@@ -108,3 +108,21 @@ def test_after_an_n_choice_call_the_continued_choice_counts() -> None:
     assert classify_after(choices, nxt) == "extends"
     assert classify(choices[-1], nxt) != "extends"
     assert classify_after([], nxt) == "first"
+
+
+def test_a_prompt_built_from_the_previous_lists_compares_only_what_is_new() -> None:
+    from steptap.middleware.sessions.prefix import extends
+
+    prev = Step(prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5])
+    tito = prev.prompt_token_ids + prev.response_token_ids + [9]  # proxy/tito.py's build
+    grown = (tito, prev.prompt_token_ids, prev.response_token_ids)
+    assert extends(prev, Step(prompt_token_ids=tito), grown)
+    tokens = prev.prompt_token_ids + [4, 6, 9]  # proxy/prompts.py's: the old list + the decoded rest
+    assert not extends(prev, Step(prompt_token_ids=tokens), (tokens, prev.prompt_token_ids, None))
+    tokens = prev.prompt_token_ids + [4, 5, 9]
+    assert extends(prev, Step(prompt_token_ids=tokens), (tokens, prev.prompt_token_ids, None))
+    # a hint about other lists (another call's, a copy) is not taken: the ids are compared
+    other = [1, 7, 3, 4, 5, 9]
+    assert not extends(prev, Step(prompt_token_ids=other), (list(other), prev.prompt_token_ids, None))
+    assert not extends(prev, Step(prompt_token_ids=other), (other, [1, 2, 3], None))
+    assert not extends(prev, Step(prompt_token_ids=[1, 2, 3, 4]), ([1, 2, 3, 4], prev.prompt_token_ids, None))

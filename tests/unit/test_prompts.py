@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from steptap.middleware.proxy.prompts import decode_completion
+from steptap.middleware.sessions.prefix import Grown
 
 
 def _body(prompt: object, **kw: object) -> bytes:
@@ -18,7 +19,7 @@ def _body(prompt: object, **kw: object) -> bytes:
 Held = tuple[bytes, list[int]]
 
 
-def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] | None:
+def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held, Grown | None] | None:
     got = decode_completion(raw, held)
     if got is not None:
         assert got[0] == msgspec.json.decode(raw)
@@ -29,14 +30,15 @@ def _check(raw: bytes, held: Held | None) -> tuple[dict[str, Any], Held | None] 
 def test_a_continued_prompt_decodes_only_its_new_ids() -> None:
     first = _check(_body(list(range(300, 1300))), None)
     assert first is not None
-    body, held = first
-    assert held is not None and held[1] is body["prompt"]
+    body, held, grown = first
+    assert held[1] is body["prompt"] and grown is None
     # json.dumps writes ", " between ids: the held bytes then a comma after spaces, as the agent sends them
     nxt = _check(_body([*range(300, 1300), 7, 300, 5000]), held)
     assert nxt is not None
     ids = nxt[0]["prompt"]
     assert ids == [*range(300, 1300), 7, 300, 5000]
     assert all(a is b for a, b in zip(ids, held[1], strict=False))  # the old objects: an identity compare
+    assert nxt[2] == (ids, held[1], None) and nxt[2][0] is ids and nxt[2][1] is held[1]  # extends' hint
     # compact JSON too
     compact = msgspec.json.encode({"prompt": [*range(300, 1300), 9]})
     assert _check(compact, (msgspec.json.encode(list(range(300, 1300))), held[1])) is not None
@@ -53,6 +55,7 @@ def test_other_bytes_decode_whole_and_give_the_same_body() -> None:
     for raw in cases:
         got = _check(raw, held)
         assert got is not None and got[0]["prompt"] == msgspec.json.decode(raw)["prompt"]
+        assert got[2] is None  # decoded whole: no hint that it starts with the held ids
     retry = _check(cases[2], held)
     assert retry is not None and retry[0]["prompt"] is not held[1]
 
@@ -68,3 +71,32 @@ def test_shapes_it_leaves_to_the_whole_decode() -> None:
     assert decode_completion(b"[1, 2]", held) is None
     assert decode_completion(b'{"prompt": [1, 2', held) is None  # not JSON: the caller's 400
     assert decode_completion(b'{"model": "m"}', held) is None
+
+
+def test_a_chat_reply_echo_is_decoded_from_what_is_new() -> None:
+    from steptap.middleware.proxy.prompts import take_echo
+
+    def reply(ids: list[int], content: str = "a") -> bytes:
+        return msgspec.json.encode({"id": "c", "choices": [{"index": 0, "message": {"content": content},
+                                                            "token_ids": [7, 8]}], "prompt_token_ids": ids})
+
+    first = take_echo(reply(list(range(300, 1300))), None)
+    assert first is not None
+    rest, echo, ids, grown = first
+    assert ids == list(range(300, 1300)) and grown is None and echo == msgspec.json.encode(ids)
+    assert msgspec.json.decode(rest) == {**msgspec.json.decode(reply(ids)), "prompt_token_ids": None}
+    raw = reply([*range(300, 1300), 7, 8, 42])  # the last prompt + its reply + the new message
+    nxt = take_echo(raw, (echo, ids))
+    assert nxt is not None and nxt[2] == [*range(300, 1300), 7, 8, 42]
+    assert all(a is b for a, b in zip(nxt[2], ids, strict=False)) and nxt[3] == (nxt[2], ids, None)
+    assert msgspec.json.decode(nxt[0]) == {**msgspec.json.decode(raw), "prompt_token_ids": None}
+    same = take_echo(reply(ids), (echo, ids))  # a retry: the held list itself
+    assert same is not None and same[2] is ids and same[3] is None
+    other = take_echo(reply([1, *range(301, 1300), 5]), (echo, ids))  # other bytes: decoded whole
+    assert other is not None and other[2] == [1, *range(301, 1300), 5] and other[3] is None
+    # text that looks like the key is inside a string (its quotes escaped): not the echo
+    quoted = take_echo(reply(ids, content='"prompt_token_ids": [1]'), None)
+    assert quoted is not None and quoted[2] == ids
+    assert take_echo(b'{"choices": [], "prompt_token_ids": null}', None) is None
+    assert take_echo(b'{"prompt_token_ids": [1, 2], "x": {"prompt_token_ids": [3]}}', None) is None
+    assert take_echo(b'{"prompt_token_ids": [1.5, 2]}', None) is None  # not ids: the dict path says so
