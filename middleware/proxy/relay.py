@@ -36,12 +36,7 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies, tito, vision
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
-from steptap.middleware.proxy.protocols import (
-    PROTOCOL_ENDPOINTS,
-    Protocol,
-    anthropic_errors,
-    open_protocol,
-)
+from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.serving import (
     _sticky_id,
     _too_large,
