@@ -30,6 +30,11 @@ _GUARDED = '@(torch.library.register_fake("torchvision::{op}") if torchvision.ex
 PROBE = "import torchvision.transforms.v2.functional; import vllm.model_executor.models.qwen2_vl"
 # Images a prompt may carry (vLLM profiles its memory with this many at the largest size), no videos.
 MM_LIMITS = {"image": 4, "video": 0}
+# The image processor both sides load (vLLM through --mm-processor-kwargs, the learner's from_pretrained): the
+# slow PIL one, the only one the learner's venv (no torchvision) has; the fast torchvision one resizes
+# differently (docs/platform.md). transformers' ``backend="pil"`` would also reach vLLM's video processor, which
+# has no PIL backend; ``use_fast`` reaches only the image processor.
+IMAGE_PROCESSOR: dict[str, object] = {"use_fast": False}
 INSTALL_TIMEOUT_S = 600  # the install (a 7 MB wheel) or the probe (imports vLLM)
 
 
@@ -39,10 +44,12 @@ def is_vision_model(model_dir: Path) -> bool:
 
 
 def vision_args(given: Sequence[str]) -> list[str]:
-    """vLLM flags a vision model is served with, unless ``given`` sets them."""
-    if any(a == "--limit-mm-per-prompt" or a.startswith("--limit-mm-per-prompt=") for a in given):
-        return []
-    return ["--limit-mm-per-prompt", json.dumps(MM_LIMITS)]
+    """vLLM flags a vision model is served with, each unless ``given`` sets it."""
+    args: list[str] = []
+    for flag, value in (("--limit-mm-per-prompt", MM_LIMITS), ("--mm-processor-kwargs", IMAGE_PROCESSOR)):
+        if not any(a == flag or a.startswith(flag + "=") for a in given):
+            args += [flag, json.dumps(value)]
+    return args
 
 
 def overlay_dir(venv: Path) -> Path:

@@ -66,6 +66,33 @@ def test_two_image_prompt_logprobs_match_the_oracle_and_not_without_the_images(v
         vision_logprobs(vision_vllm.model_dir, prompt, response, images[:1])
 
 
+def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend) -> None:
+    """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must be
+    the same one (launch/vision.py's IMAGE_PROCESSOR), else their bicubic resizes differ (docs/platform.md)."""
+    image = _noise(5, (100, 60))
+    content = [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}]
+    reply = http_json(f"{vision_vllm.url}/v1/chat/completions", {
+        "model": vision_vllm.served_model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": True, "return_token_ids": True,
+    }, timeout=300)
+    choice = reply["choices"][0]
+    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+    oracle = vision_logprobs(vision_vllm.model_dir, reply["prompt_token_ids"], choice["token_ids"], [image])
+    assert logprobs == pytest.approx(oracle, abs=1e-4)
+
+
+def _noise(seed: int, size: tuple[int, int]) -> bytes:
+    """A PNG of random pixels: every pixel differs from its neighbours, so resizes that differ show."""
+    import io
+    import random
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def _gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
