@@ -124,3 +124,20 @@ async def test_a_weight_swap_serves_new_logprobs_for_images_seen_before(
         assert resp.status == 200, await resp.text()
     prompt, response, logprobs = _replay(vision_vllm)
     assert logprobs == pytest.approx(vision_logprobs(old, prompt, response, images), abs=1e-4)
+
+
+async def test_the_encoder_cache_reset_keeps_the_engine_serving_images_seen_before(vision_vllm: Backend) -> None:
+    """The swapper's reset after a full-weight load (backend/client.py): vLLM 0.32 has the route, and it clears
+    the scheduler's and the worker's halves together, so an image seen before is encoded again (a reload,
+    which clears only the worker's, kills the engine here: docs/platform.md)."""
+    from steptap.middleware.backend.client import BackendClient
+
+    images = [b for b, _ in IMAGES]
+    _replay(vision_vllm)  # the images' encoder outputs cached
+    client = BackendClient(vision_vllm.url)
+    try:
+        await client.reset_encoder_cache()
+    finally:
+        await client.close()
+    prompt, response, logprobs = _replay(vision_vllm)
+    assert logprobs == pytest.approx(vision_logprobs(vision_vllm.model_dir, prompt, response, images), abs=1e-4)

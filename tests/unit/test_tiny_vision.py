@@ -14,6 +14,7 @@ from vision import pixels, png
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.learner.tiny_vision import MAX_PIXELS, MIN_PIXELS, VISION_TOKENS
 from steptap.middleware.launch.vision import (
+    IMAGE_PROCESSOR,
     MARKER,
     MM_LIMITS,
     ensure_torchvision,
@@ -91,10 +92,14 @@ def test_vllm_is_started_with_the_multimodal_limits_only_for_a_vision_model(visi
     cmd = VLLMServer(vision_model_dir, gpu=False).command(python)
     i = cmd.index("--limit-mm-per-prompt")
     assert json.loads(cmd[i + 1]) == MM_LIMITS
+    i = cmd.index("--mm-processor-kwargs")  # the image processor the learner loads too
+    assert json.loads(cmd[i + 1]) == IMAGE_PROCESSOR == {"use_fast": False}
     given = VLLMServer(vision_model_dir, gpu=False, extra_args=["--limit-mm-per-prompt={\"image\": 1}"])
     assert given.command(python).count("--limit-mm-per-prompt") == 0
+    assert given.command(python).count("--mm-processor-kwargs") == 1
     text = VLLMServer(tiny_model_dir, gpu=False)
     assert "--limit-mm-per-prompt" not in text.command(python) and not text.vision
+    assert "--mm-processor-kwargs" not in text.command(python)
     server = VLLMServer(vision_model_dir, gpu=False, env={"PYTHONPATH": "/x"})
     assert server.environment()["PYTHONPATH"] == "/x"
     server.torchvision = Path("/tv")  # what start() sets from launch/vision.py's ensure_torchvision
