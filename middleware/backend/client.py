@@ -266,7 +266,7 @@ class BackendClient:
         return not isinstance(body, dict) or bool(body.get("success", True))
 
     async def reset_encoder_cache(self) -> None:
-        """Drop the cached vision-encoder outputs, in the scheduler and the worker (a no-op on text models)."""
+        """Drop the cached vision-encoder outputs, in the scheduler and the worker (no-op on text models)."""
         await self.call("POST", "/reset_encoder_cache")
 
     async def set_label(self, version: str) -> None:

@@ -187,8 +187,9 @@ class Recovery(HoldsPolicy):
             return False
 
     async def _reset_caches(self, backend: str, *, encoder: bool = True) -> None:
-        """After a load: the prefix cache, and (``encoder``, full weights) the vision encoder's cached outputs,
-        stale when the vision tower changed (a reload clears only the worker's half: docs/platform.md)."""
+        """After a load: the prefix cache, and (``encoder``: full weights) the vision encoder's cached
+        outputs, stale when the vision tower changed (a reload clears only the worker's half:
+        docs/platform.md)."""
         # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
         client = self._client(backend)
         for _ in range(20):

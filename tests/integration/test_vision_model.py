@@ -67,8 +67,9 @@ def test_two_image_prompt_logprobs_match_the_oracle_and_not_without_the_images(v
 
 
 def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend) -> None:
-    """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must be
-    the same one (launch/vision.py's IMAGE_PROCESSOR), else their bicubic resizes differ (docs/platform.md)."""
+    """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must
+    be the same one (launch/vision.py's IMAGE_PROCESSOR), else their bicubic resizes differ
+    (docs/platform.md)."""
     image = _noise(5, (100, 60))
     content = [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}]
     reply = http_json(f"{vision_vllm.url}/v1/chat/completions", {
@@ -126,10 +127,12 @@ async def test_a_weight_swap_serves_new_logprobs_for_images_seen_before(
     assert logprobs == pytest.approx(vision_logprobs(old, prompt, response, images), abs=1e-4)
 
 
-async def test_the_encoder_cache_reset_keeps_the_engine_serving_images_seen_before(vision_vllm: Backend) -> None:
-    """The swapper's reset after a full-weight load (backend/client.py): vLLM 0.32 has the route, and it clears
-    the scheduler's and the worker's halves together, so an image seen before is encoded again (a reload,
-    which clears only the worker's, kills the engine here: docs/platform.md)."""
+async def test_the_encoder_cache_reset_keeps_the_engine_serving_images_seen_before(
+    vision_vllm: Backend,
+) -> None:
+    """The swapper's reset after a full-weight load (backend/client.py): vLLM 0.32 has the route, and it
+    clears the scheduler's and the worker's halves together, so an image seen before is encoded again (a
+    reload, which clears only the worker's, kills the engine here: docs/platform.md)."""
     from steptap.middleware.backend.client import BackendClient
 
     images = [b for b, _ in IMAGES]
@@ -140,4 +143,5 @@ async def test_the_encoder_cache_reset_keeps_the_engine_serving_images_seen_befo
     finally:
         await client.close()
     prompt, response, logprobs = _replay(vision_vllm)
-    assert logprobs == pytest.approx(vision_logprobs(vision_vllm.model_dir, prompt, response, images), abs=1e-4)
+    oracle = vision_logprobs(vision_vllm.model_dir, prompt, response, images)
+    assert logprobs == pytest.approx(oracle, abs=1e-4)
