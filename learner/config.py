@@ -120,6 +120,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rollout_rs_threshold: Annotated[str, _help("rollout_rs: its threshold(s), verl's format")] = ""
     pack_extends: Annotated[bool, _help("merge `extends` chains into one sequence")] = True
 
+    # -- vision steps (learner/vision.py)
+    vision_check: Annotated[Literal["warn", "stop"], _help(
+        "the first batch with vision steps: the learner's logprobs against vLLM's beyond vision_logprob_tol "
+        "are an error line and a metric (warn), or stop the learner (stop)")] = "warn"
+    vision_logprob_tol: Annotated[float, _help(
+        "largest per-token logprob gap the vision check accepts (1e-4: the tests' float32 tolerance; a bf16 "
+        "learner needs more)")] = 1e-4
+
     # -- loop, checkpoints, what the user sees
     push_every: Annotated[int, _help("publish weights to the proxy every N updates; 0: never")] = 1
     weights_dir: Annotated[str, _help(

@@ -29,7 +29,8 @@ from steptap.learner import checkpoint, curation
 from steptap.learner.config import LearnerConfig, config_from_argv
 from steptap.learner.engines.base import make_engine
 from steptap.learner.metrics_log import MetricsLog, update_row
-from steptap.learner.rows import build_batch
+from steptap.learner.rows import Batch, build_batch
+from steptap.learner.vision import Resolve, VisionInputs, VisionMismatch, check_message, vision_config
 from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient, delivery_key
 from steptap.middleware.records import Trajectory
 
@@ -114,12 +115,16 @@ class Grouper:
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    def __init__(self, cfg: LearnerConfig, resolve: Resolve | None = None) -> None:
+        """``resolve``: image bytes by digest (the stream client's or the log's) for vision steps; without one
+        a vision policy's image steps are dropped as unresolved."""
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
         self.engine = make_engine(cfg)
+        self.vision = VisionInputs(cfg.model_dir, resolve) if vision_config(cfg.model_dir) else None
+        self.vision_checked = False  # the first batch with vision steps is checked against vLLM's logprobs
         self.sources = [Source(url, cfg.token()) for url in cfg.urls()]
         self.origin: dict[int, Source] = {}  # id(trajectory) -> the source that delivered it, until consumed
         self.grouper = Grouper(cfg)
@@ -156,12 +161,14 @@ class Learner:
                 groups, t0 = await self._next_groups(), time.perf_counter()
                 trajs = [t for g in groups for t in g] + self._drain()
                 marks = await self._curation(trajs)
-                batch = build_batch(trajs, version=self.version, curation=marks, **self._row_options())
+                batch = build_batch(trajs, version=self.version, curation=marks, vision=self.vision,
+                                    **self._row_options())
                 dropped = curation.note(trajs, marks)
                 if dropped:
                     self.metrics.note(dropped)
                 batch.counts.update(self.grouper.counts)
                 self.grouper.counts.clear()
+                gap = await asyncio.to_thread(self._vision_check, batch)
                 stats = await asyncio.to_thread(self.engine.train_step, batch) if batch.samples else None
                 self._consume(trajs)
                 if stats is None:  # nothing trainable: consumed and counted, not an update
@@ -171,13 +178,35 @@ class Learner:
                 self.updates += 1
                 if self.cfg.push_every and self.updates % self.cfg.push_every == 0:
                     await asyncio.to_thread(self._publish)
-                self.metrics.log(update_row(self.updates, batch, stats, self.version,
-                                            time.perf_counter() - t0))
+                row = update_row(self.updates, batch, stats, self.version, time.perf_counter() - t0)
+                if gap is not None:
+                    row["vision_logprob_gap"] = gap
+                self.metrics.log(row)
                 if self.updates % self.cfg.checkpoint_every == 0:
                     await self.checkpoint()
         finally:
             for pump in self.pumps:
                 pump.cancel()
+
+    def _vision_check(self, batch: Batch) -> float | None:
+        """The first batch holding vision steps: the policy's logprobs against vLLM's (learner/vision.py),
+        before any update on them; the gap, or None when not checked here."""
+        if self.vision_checked or not batch.has_vision:
+            return None
+        self.vision_checked = True
+        gap, tokens = self.engine.logprob_gap(batch)
+        if not tokens:  # none sampled by this version: the next vision batch is checked
+            self.vision_checked = False
+            return None
+        error = check_message(gap, self.cfg.vision_logprob_tol, tokens)
+        if error is None:
+            self.metrics.note(f"vision check: {tokens} response tokens within {gap:.3g} of vLLM's logprobs")
+            return gap
+        self.metrics.note(f"[red]{error}[/red]")
+        logger.error(error)
+        if self.cfg.vision_check == "stop":
+            raise VisionMismatch(error)
+        return gap
 
     # -- the streams --------------------------------------------------------------------------------
     async def _pump(self, src: Source) -> None:
@@ -377,8 +406,8 @@ def _proxy_state(proxy_url: str, token: str | None = None) -> tuple[int, str | N
         return 0, None
 
 
-async def _run(cfg: LearnerConfig) -> None:
-    learner = await asyncio.to_thread(Learner, cfg)  # setup (model load) off the loop
+async def _run(cfg: LearnerConfig, resolve: Resolve | None = None) -> None:
+    learner = await asyncio.to_thread(Learner, cfg, resolve)  # setup (model load) off the loop
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:

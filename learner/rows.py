@@ -10,6 +10,12 @@ A sample holds no prompt of its own: it is an offset into its sequence (``Batch.
 come full or as logged (delta steps, the client's ``full=False``): they are expanded one at a time, so a long
 session costs the rows its context once, not once a step.
 
+Vision steps (``Step.images``): a step that showed the model images is a sample carrying its image refs and a
+sequence of its own, never packed (Qwen2-VL's M-RoPE position ids are computed per sequence from the image
+grids); ``vision`` (learner/vision.py) turns it into model inputs (``Sequence.vision``) or names why it is
+dropped: images the resolver cannot give, a processor whose grids disagree with the prompt's pad tokens, or a
+policy without a vision tower. Such a step is never trained as text.
+
 Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
 ``Batch.counts``.
 
@@ -34,11 +40,17 @@ step between them); rewards before the first trained step precede every trained 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import DeltaError, Expander
-from steptap.middleware.records import Sampling, Step, Trajectory
+from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
+
+# step -> its model inputs (pixel_values, image_grid_thw) or the cause it is dropped for (learner/vision.py)
+VisionFn = Callable[[Step], "dict[str, Any] | str"]
+IMAGES_UNSUPPORTED = "dropped_image_text_model"  # a step with images and no vision preparer (a text policy)
 
 
 @dataclass(slots=True)
@@ -63,6 +75,7 @@ class Sample:
     # Per response token, when a step's tokens came from several policy versions (a generation that spanned a
     # weight swap): staleness is each token's own. 0 = a stale token out of the loss (stale_mode="drop").
     token_weights: list[float] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)  # the images its prompt showed, in prompt order
 
     def weights(self) -> list[float]:
         """The staleness weight of each response token."""
@@ -79,6 +92,7 @@ class Sequence:
 
     input_ids: list[int]
     samples: list[int] = field(default_factory=list)  # indices into Batch.samples
+    vision: dict[str, Any] | None = None  # a vision step's image inputs (pixel_values, image_grid_thw)
 
 
 @dataclass(slots=True)
@@ -88,6 +102,11 @@ class Batch:
     counts: Counter = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)  # scalar reward of each trained trajectory
     trajectory_ids: list[str] = field(default_factory=list)  # every trajectory consumed (trained or dropped)
+    version: int = 0  # the learner's policy version the batch was built at
+
+    @property
+    def has_vision(self) -> bool:
+        return any(s.vision is not None for s in self.sequences)
 
     @property
     def num_tokens(self) -> int:
@@ -179,13 +198,15 @@ def build_batch(
     pack_extends: bool = True,
     train_aborted: bool = False,
     curation: dict[str, CurationState] | None = None,
+    vision: VisionFn | None = None,
 ) -> Batch:
     """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
     policy version. Staleness is per token (lag = version - the version that sampled it,
     ``Step.version_spans``): a step is dropped as stale only when its newest token is. ``curation``: each
     trajectory's marks (middleware/curation.py): excluded trajectories and steps are dropped and counted,
-    edited rewards replace the recorded ones."""
-    batch = Batch()
+    edited rewards replace the recorded ones. ``vision``: image steps' inputs (module docstring); None: the
+    policy has no vision tower and image steps are dropped."""
+    batch = Batch(version=version)
     c = batch.counts
     for traj in trajectories:
         batch.trajectory_ids.append(traj.id)
@@ -226,6 +247,10 @@ def build_batch(
                 reason = "dropped_side" if side and traj.train == "main" else (
                     "dropped_curated_step" if step.index in marks.excluded_steps
                     else _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode))
+                inputs = None
+                if not reason and step.images:
+                    got = vision(step) if vision is not None else IMAGES_UNSUPPORTED
+                    reason, inputs = (got, None) if isinstance(got, str) else (None, got)
                 if reason:
                     c[reason] += 1
                     if last_kept is not None:  # its reward is credited to the closest trained step before it
@@ -245,6 +270,7 @@ def build_batch(
                     policy_version=step.policy_version,
                     ret=ret,
                     reward=rewards[pos],
+                    images=list(step.images),
                 )
                 weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
                 if len(set(versions)) > 1:  # tokens of several versions: weights per token
@@ -258,12 +284,20 @@ def build_batch(
                     c["downweighted_stale"] += 1
                 if sample.truncated:
                     c["kept_truncated"] += 1
-                _place(batch, sample, None if side else prev_kept, step, pack_extends)
+                if inputs is not None:  # a sequence of its own, and none packs onto it
+                    sample.seq, sample.offset = len(batch.sequences), len(step.prompt_token_ids)
+                    batch.samples.append(sample)
+                    batch.sequences.append(Sequence(
+                        input_ids=list(step.prompt_token_ids) + list(step.response_token_ids),
+                        samples=[len(batch.samples) - 1], vision=inputs))
+                    c["vision_steps"] += 1
+                else:
+                    _place(batch, sample, None if side else prev_kept, step, pack_extends)
                 last_kept = (sample, pos)
                 if side:  # a sequence of its own; the main line's chain goes on past it
                     c["trained_side_steps"] += 1
-                else:
-                    prev_kept = sample
+                else:  # a vision step ends the chain: the next step starts a sequence
+                    prev_kept = sample if inputs is None else None
                 trained_any = True
                 c["trained_steps"] += 1
             if trained_any:

@@ -8,6 +8,7 @@ worker group (``verl``). The daemon only ever calls:
   safetensors model directory, or a peft adapter when ``lora`` is true), handed to ``publish.swap_written``;
 - ``state_dict()`` / ``load_state_dict(state)``: the engine's part of a checkpoint, tensors and plain values
   only (``checkpoint.py`` stores it as safetensors + JSON);
+- ``logprob_gap(batch) -> (gap, tokens)``: the vision check, before any update on the batch;
 - ``close()``: release workers and processes.
 """
 
@@ -45,6 +46,9 @@ class Engine(Protocol):
     def named_weights(self) -> list[tuple[str, Any]]: ...  # full weights (HF names) for a collective publish
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    # The vision check (learner/vision.py): the largest gap to the recorded logprobs, and tokens compared
+    def logprob_gap(self, batch: Batch) -> tuple[float, int]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 

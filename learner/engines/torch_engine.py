@@ -16,6 +16,12 @@ behaviour logprobs directly, so the clip handles the mismatch. With ``rollout_is
 is taken against the proximal logprobs and verl's truncated importance weights min(proximal/behaviour, c)
 multiply the loss.
 
+Vision steps (learner/vision.py). When the model dir is a vision-language model (its config has a
+``vision_config``) the policy is loaded as ``AutoModelForImageTextToText``, LoRA adapts only the language
+model's linear layers (the vision tower stays as vLLM serves it), and each vision sequence is a micro-batch of
+its own whose forward gets its ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (the model
+computes its M-RoPE positions from them). ``logprob_gap`` is the start-up check against vLLM's logprobs.
+
 Step-level credit (``algorithm = "gae"``). The engine adds a value head: one linear layer on the policy's last
 hidden state (detached, so the value loss never moves the policy), with its own AdamW. Before the update a
 no-grad pass reads the value at each step's action boundary (the last prompt token, where the step's first
@@ -51,6 +57,7 @@ class _Layout(NamedTuple):
     temp: list[torch.Tensor]  # [L-1] sampling temperature (1 where masked)
     top_p: list[torch.Tensor]
     top_k: list[torch.Tensor]
+    vision: list[dict[str, Any] | None]  # a vision sequence's image inputs (rows.Sequence.vision)
 
 
 def pick_device(name: str) -> torch.device:
@@ -87,24 +94,31 @@ def sampler_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Te
 
 class TorchEngine:
     def __init__(self, cfg: LearnerConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from steptap.learner.vision import lora_targets, vision_config
 
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype).to(self.device)
+        vcfg = vision_config(cfg.model_dir)
+        vl = vcfg is not None
+        auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+        self.image_token_id = int(vcfg["image_token_id"]) if vcfg else -1
+        model = auto.from_pretrained(cfg.model_dir, dtype=dtype).to(self.device)
         self.reference = None
         if cfg.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                      lora_dropout=cfg.lora_dropout,
-                                                     target_modules=list(cfg.lora_targets),
+                                                     target_modules=lora_targets(cfg.lora_targets,
+                                                                                 cfg.model_dir),
                                                      task_type="CAUSAL_LM"))
         elif cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just disables the adapter)
-            ref = AutoModelForCausalLM.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
+            ref = auto.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
             self.reference = ref.to(self.device).eval().requires_grad_(False)
         self.model = model
         self.model.config.use_cache = False
@@ -115,7 +129,8 @@ class TorchEngine:
         self.value_head: torch.nn.Linear | None = None
         self.value_head_restored = False  # load_state_dict: the head came from the checkpoint
         if cfg.algorithm == "gae":  # starts at V = 0: the first advantages are the whitened returns
-            self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1).to(self.device)
+            hidden = self.model.config.get_text_config().hidden_size  # a VL model's is its text model's
+            self.value_head = torch.nn.Linear(hidden, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.value_lr,
@@ -163,7 +178,7 @@ class TorchEngine:
     def _layout(self, batch: Batch) -> _Layout:
         gae = self.value_head is not None  # its advantages need the values first: _fill_advantages
         advs = None if gae else algos.compute_advantages(batch.samples, self.cfg)
-        out = _Layout([], [], [], [], [], [], [])
+        out = _Layout([], [], [], [], [], [], [], [])
         for seq in batch.sequences:
             n = len(seq.input_ids) - 1
             ids = torch.tensor(seq.input_ids, dtype=torch.long)
@@ -177,7 +192,8 @@ class TorchEngine:
                     adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
                 temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k), strict=False):
+            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k, seq.vision),
+                               strict=False):
                 getattr(out, name).append(t)
         return out
 
@@ -208,13 +224,16 @@ class TorchEngine:
         assert self.value_head is not None
         return idx, self.value_head(h.detach().float()).squeeze(-1)
 
-    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        """Consecutive groups of sequences whose padded size (count x longest) fits the token budget."""
+    def _micro_batches(self, lengths: list[int], solo: list[bool] | None = None) -> list[list[int]]:
+        """Consecutive groups of sequences whose padded size (count x longest) fits the token budget; a
+        ``solo`` sequence (a vision one: its positions come from its own image grids) is a group alone."""
         groups: list[list[int]] = []
         cur: list[int] = []
         longest = 0
+        alone = solo or [False] * len(lengths)
         for i, n in enumerate(lengths):
-            if cur and (len(cur) + 1) * max(longest, n) > self.cfg.micro_batch_tokens:
+            if cur and (alone[i] or alone[cur[0]]
+                        or (len(cur) + 1) * max(longest, n) > self.cfg.micro_batch_tokens):
                 groups.append(cur)
                 cur, longest = [], 0
             cur.append(i)
@@ -224,22 +243,29 @@ class TorchEngine:
     def _pad(self, rows: list[torch.Tensor], value: float | int) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(self.device)
 
-    def _logits(self, model: torch.nn.Module, ids: list[torch.Tensor]) -> torch.Tensor:
-        return self._forward(model, ids)[0]
+    def _logits(self, model: torch.nn.Module, lay: _Layout, mb: list[int]) -> torch.Tensor:
+        return self._forward(model, lay, mb)[0]
 
-    def _forward(self, model: torch.nn.Module, ids: list[torch.Tensor],
+    def _forward(self, model: torch.nn.Module, lay: _Layout, mb: list[int],
                  hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, L-1, V] (position t predicts t + 1) and, when asked, the last hidden state [B, L, H]."""
+        """Logits [B, L-1, V] (position t predicts t + 1) and, when asked, the last hidden state [B, L, H], of
+        the sequences ``mb``; a vision sequence (alone in its micro-batch) with its image inputs."""
+        ids = [lay.ids[i] for i in mb]
         input_ids = self._pad(ids, self.pad_id)
         attn = self._pad([torch.ones_like(t) for t in ids], 0)
-        out = model(input_ids=input_ids, attention_mask=attn, output_hidden_states=hidden)
+        vision = lay.vision[mb[0]]
+        extra = {} if vision is None else {
+            "pixel_values": vision["pixel_values"].to(self.device, self.model.dtype),
+            "image_grid_thw": vision["image_grid_thw"].to(self.device),
+            "mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        out = model(input_ids=input_ids, attention_mask=attn, output_hidden_states=hidden, **extra)
         return out.logits[:, :-1], out.hidden_states[-1] if hidden else None
 
     # -- one update ---------------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepStats:
         t0 = time.perf_counter()
         lay = self._layout(batch)
-        mbs = self._micro_batches([len(t) for t in lay.ids])
+        mbs = self._micro_batches([len(t) for t in lay.ids], [v is not None for v in lay.vision])
         decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
         need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
         n_tokens = int(sum(m.sum() for m in lay.mask))
@@ -259,7 +285,7 @@ class TorchEngine:
             behaviour, prox = rec, None
             if gae:
                 with torch.no_grad():
-                    all_logits, hidden = self._forward(self.model, [lay.ids[i] for i in mb], hidden=True)
+                    all_logits, hidden = self._forward(self.model, lay, mb, hidden=True)
                     idx, v = self._boundary_values(hidden, batch, mb)
                     values[idx] = v.cpu()
                     del hidden
@@ -268,7 +294,7 @@ class TorchEngine:
                     # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T,
                     # V].
                     if not gae:
-                        all_logits = self._logits(self.model, [lay.ids[i] for i in mb])
+                        all_logits = self._logits(self.model, lay, mb)
                     logits = all_logits[mask].unsqueeze(0)  # [1, N, V]
                     tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
                     raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
@@ -306,7 +332,7 @@ class TorchEngine:
                 targets = self._pad([lay.ids[i][1:] for i in mb], 0)
                 temp = self._pad([lay.temp[i] for i in mb], 1.0)
                 adv = self._pad([lay.adv[i] for i in mb], 0.0)
-                logits, hidden = self._forward(self.model, [lay.ids[i] for i in mb], hidden=gae)
+                logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
                 log_prob = token_logprobs(logits, targets, temp)
                 entropy = self._entropy(logits, temp)
                 loss, m = algos.policy_loss(
@@ -355,11 +381,29 @@ class TorchEngine:
     @torch.no_grad()
     def _reference_logprobs(self, lay: _Layout, mb: list[int], targets: torch.Tensor,
                             temp: torch.Tensor) -> torch.Tensor:
-        ids = [lay.ids[i] for i in mb]
         if self.reference is not None:
-            return token_logprobs(self._logits(self.reference, ids), targets, temp)
+            return token_logprobs(self._logits(self.reference, lay, mb), targets, temp)
         with self.model.disable_adapter():  # LoRA: the base weights are the reference
-            return token_logprobs(self._logits(self.model, ids), targets, temp)
+            return token_logprobs(self._logits(self.model, lay, mb), targets, temp)
+
+    @torch.no_grad()
+    def logprob_gap(self, batch: Batch) -> tuple[float, int]:
+        """The vision check (learner/vision.py) with this policy before any update, at temperature 1 (vLLM
+        records raw logprobs)."""
+        from steptap.learner.vision import vision_gap
+
+        lay = self._layout(batch)
+        self.model.eval()
+
+        def raw(qs: list[int]) -> list[list[float]]:
+            out = []
+            for q in qs:
+                logits = self._logits(self.model, lay, [q])  # [1, L-1, V]
+                ones = torch.ones(logits.shape[:2], device=self.device)
+                out.append(token_logprobs(logits, lay.ids[q][1:][None].to(self.device), ones)[0].tolist())
+            return out
+
+        return vision_gap(batch, raw)
 
     # -- sampling (in-process tests and demos without vLLM) -------------------------------------------
     @torch.no_grad()

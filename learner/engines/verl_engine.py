@@ -40,7 +40,9 @@ import torch
 from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
+from steptap.learner.engines.verl_metrics import last, mean, total
 from steptap.learner.rows import Batch
+from steptap.learner.vision import lora_targets, vision_config
 
 logger = logging.getLogger("steptap.learner.verl")
 
@@ -82,6 +84,9 @@ if TrainingWorker is not object:
 
                 verl_cpu.init_gloo()  # before verl builds the backend string cpu:gloo,cpu:gloo
                 verl_cpu.register_fsdp2_for_cpu()
+            from steptap.learner.engines.verl_vision import fix_nested_select
+
+            fix_nested_select()  # vision rows' 3-D position ids through verl's micro-batching
             super().__init__(config)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -153,6 +158,7 @@ class VerlEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self.image_token_id = int((vision_config(cfg.model_dir) or {}).get("image_token_id", -1))
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             env = {"RAY_AUTH_MODE": "disabled"} if not cfg.ray_address else {}
@@ -191,7 +197,8 @@ class VerlEngine:
         c = self.cfg
         model = HFModelConfig(path=c.model_dir, use_remove_padding=not self.cpu,
                               enable_gradient_checkpointing=c.gradient_checkpointing, lora_rank=c.lora_rank,
-                              lora_alpha=c.lora_alpha, target_modules=list(c.lora_targets),
+                              lora_alpha=c.lora_alpha,
+                              target_modules=lora_targets(c.lora_targets, c.model_dir),
                               override_config={} if not self.cpu else {"attn_implementation": "sdpa"})
         mp = {"param_dtype": c.model_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
         engine = FSDPEngineConfig(
@@ -221,6 +228,7 @@ class VerlEngine:
         seqs = list(batch.sequences)
         n_pad = -len(seqs) % self.cfg.workers  # every worker gets the same number of rows
         prompts, responses, masks, advantages, recorded, temps = [], [], [], [], [], []
+        visions = [seq.vision for seq in seqs] + [None] * n_pad  # a vision row's image inputs
         for seq in seqs:
             first = batch.samples[seq.samples[0]]
             p = first.offset  # the first step's response starts here: everything before is verl's prompt
@@ -246,7 +254,7 @@ class VerlEngine:
                 lst.append(torch.zeros(1))
             temps.append(1.0)
         return dict(prompts=prompts, responses=responses, mask=masks, adv=advantages, recorded=recorded,
-                    temps=temps, n_real=len(seqs))
+                    temps=temps, n_real=len(seqs), vision=visions)
 
     def _tensordict(self, rows: dict[str, Any], **extra: torch.Tensor) -> Any:
         from torch.nn.utils.rnn import pad_sequence
@@ -265,6 +273,12 @@ class VerlEngine:
             "response_mask": pad_sequence(rows["mask"], batch_first=True),
             "advantages": pad_sequence(rows["adv"], batch_first=True),
         }
+        if any(v is not None for v in rows["vision"]):  # M-RoPE positions, the images (learner/vision.py)
+            from steptap.learner.engines.verl_vision import fix_nested_select, verl_fields
+
+            fix_nested_select()  # the driver splits the batch among the workers with it too
+            tensors |= verl_fields(self.cfg.model_dir, self.image_token_id, rows["vision"],
+                                   tensors["input_ids"], attn)
         tensors |= extra
         temps = rows["temps"]
         temperature: Any = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, dtype=torch.float32)
@@ -272,7 +286,12 @@ class VerlEngine:
             temperature, float) else None)
         if not isinstance(temperature, float):
             td["temperature"] = temperature
-        return left_right_2_no_padding(td)
+        td = left_right_2_no_padding(td)
+        if "multi_modal_inputs" in tensors:
+            from steptap.learner.engines.verl_vision import position_rows
+
+            position_rows(td)
+        return td
 
     def _logprobs(self, rows: dict[str, Any], *, unit_temperature: bool = False,
                   reference: bool = False) -> torch.Tensor:
@@ -327,12 +346,25 @@ class VerlEngine:
         k = self.cfg.epochs
         return StepStats(
             # verl's clip fraction and KL are means per micro-batch (per rank), not weighted by token count
-            loss=_mean(metrics.get("loss")), pg_clipfrac=_mean(metrics.get("actor/pg_clipfrac")),
-            ppo_kl=_mean(metrics.get("actor/ppo_kl")), kl=_mean(metrics.get("kl_loss")),
-            entropy=_sum(metrics.get("actor/entropy_loss")) / k, grad_norm=_last(metrics.get("grad_norm")),
+            loss=mean(metrics.get("loss")), pg_clipfrac=mean(metrics.get("actor/pg_clipfrac")),
+            ppo_kl=mean(metrics.get("actor/ppo_kl")), kl=mean(metrics.get("kl_loss")),
+            entropy=total(metrics.get("actor/entropy_loss")) / k, grad_norm=last(metrics.get("grad_norm")),
             tokens=n_tokens, seq_tokens=sum(len(s.input_ids) for s in batch.sequences),
             seconds=time.perf_counter() - t0, rollout_is_mean=is_mean,
         )
+
+    def logprob_gap(self, batch: Batch) -> tuple[float, int]:
+        """The vision check (learner/vision.py): the workers' raw logprobs (temperature 1)."""
+        from steptap.learner.vision import vision_gap
+
+        rows = self._rows(batch)
+        lp = self._logprobs(rows, unit_temperature=True)  # [B, R]: from each row's first response token
+
+        def raw(qs: list[int]) -> list[list[float]]:  # aligned as the sequence's targets: prompt part 0
+            return [[0.0] * (len(rows["prompts"][q]) - 1) + lp[q, :len(rows["responses"][q])].tolist()
+                    for q in qs]
+
+        return vision_gap(batch, raw)
 
     # -- weights out, checkpoints -------------------------------------------------------------------------
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -413,29 +445,3 @@ def _remote_worker() -> Any:
     import ray
 
     return ray.remote(SteptapTrainingWorker)
-
-
-def _values(v: Any) -> list[float]:
-    if v is None:
-        return []
-    if not isinstance(v, list):
-        v = [v]
-    out = []
-    for x in v:
-        x = getattr(x, "value", x)  # verl Metric
-        out += _values(x) if isinstance(x, list) else [float(x)]
-    return out
-
-
-def _mean(v: Any) -> float:
-    vals = _values(v)
-    return sum(vals) / len(vals) if vals else 0.0
-
-
-def _sum(v: Any) -> float:
-    return sum(_values(v))
-
-
-def _last(v: Any) -> float:
-    vals = _values(v)
-    return vals[-1] if vals else 0.0
