@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import Backend, http_json
 from test_swap_vllm import TOKEN, proxy
-from vision import image_part, png, vision_logprobs
+from vision import image_part, noise_png, png, vision_logprobs
 
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.learner.tiny_vision import FACTOR, VISION_TOKENS
@@ -70,7 +70,7 @@ def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend
     """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must
     be the same one (launch/vision.py's IMAGE_PROCESSOR), else their bicubic resizes differ
     (docs/platform.md)."""
-    image = _noise(5, (100, 60))
+    image = noise_png(5, (100, 60))
     content = [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}]
     reply = http_json(f"{vision_vllm.url}/v1/chat/completions", {
         "model": vision_vllm.served_model, "messages": [{"role": "user", "content": content}],
@@ -80,18 +80,6 @@ def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
     oracle = vision_logprobs(vision_vllm.model_dir, reply["prompt_token_ids"], choice["token_ids"], [image])
     assert logprobs == pytest.approx(oracle, abs=1e-4)
-
-
-def _noise(seed: int, size: tuple[int, int]) -> bytes:
-    """A PNG of random pixels: every pixel differs from its neighbours, so resizes that differ show."""
-    import io
-    import random
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
-    return out.getvalue()
 
 
 def _gap(a: list[float], b: list[float]) -> float:
