@@ -77,7 +77,7 @@ class VisionInputs:
         # installed; the module's own picks the backend IMAGE_PROCESSOR names (PIL), as vLLM is told to
         from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
-        from steptap.middleware.launch.vision import IMAGE_PROCESSOR
+        from steptap.middleware.model_files import IMAGE_PROCESSOR
 
         cfg = vision_config(model_dir)
         if cfg is None:

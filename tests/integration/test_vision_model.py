@@ -68,7 +68,7 @@ def test_two_image_prompt_logprobs_match_the_oracle_and_not_without_the_images(v
 
 def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend) -> None:
     """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must
-    be the same one (launch/vision.py's IMAGE_PROCESSOR), else their bicubic resizes differ
+    be the same one (model_files.py's IMAGE_PROCESSOR), else their bicubic resizes differ
     (docs/platform.md)."""
     image = noise_png(5, (100, 60))
     content = [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}]

@@ -14,7 +14,6 @@ from vision import pixels, png
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.learner.tiny_vision import MAX_PIXELS, MIN_PIXELS, VISION_TOKENS
 from steptap.middleware.launch.vision import (
-    IMAGE_PROCESSOR,
     MARKER,
     MM_LIMITS,
     ensure_torchvision,
@@ -22,6 +21,7 @@ from steptap.middleware.launch.vision import (
     overlay_dir,
 )
 from steptap.middleware.launch.vllm_server import VLLMServer
+from steptap.middleware.model_files import IMAGE_PROCESSOR
 
 
 @pytest.fixture(scope="module")
