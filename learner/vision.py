@@ -74,14 +74,16 @@ class VisionInputs:
 
     def __init__(self, model_dir: str | Path, resolve: Resolve | None) -> None:
         # transformers' top-level AutoImageProcessor is a torchvision placeholder when torchvision is not
-        # installed; the module's own picks the PIL backend then
+        # installed; the module's own picks the backend IMAGE_PROCESSOR names (PIL), as vLLM is told to
         from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+        from steptap.middleware.model_files import IMAGE_PROCESSOR
 
         cfg = vision_config(model_dir)
         if cfg is None:
             raise ValueError(f"{model_dir} is not a vision-language model (no vision_config)")
         self.image_token_id = int(cfg["image_token_id"])
-        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir), **IMAGE_PROCESSOR)
         self.merge = int(getattr(self.processor, "merge_size", 0)
                          or cfg["vision_config"].get("spatial_merge_size", 2))
         self.resolve = resolve

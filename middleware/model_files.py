@@ -1,7 +1,8 @@
 """What a model directory says about itself, read without torch: tensor names and shapes from the safetensors
 headers, whether the output layer ties the input embeddings, its chat template, and the hashes a dataset
-names it by (``provenance``). Kernel: the weight swap's checks, ``steptap vllm``/``up`` and ``steptap export``
-ask the same questions and must get the same answers."""
+names it by (``provenance``), the image processor a vision model is loaded with. Kernel: the weight swap's
+checks, ``steptap vllm``/``up``, ``steptap export`` and the learner ask the same questions and must get the
+same answers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from typing import Any
 # The files a tokenizer is made of (transformers' names); the chat template is hashed on its own
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json")
+
+# The image processor vLLM (through launch/vision.py's --mm-processor-kwargs) and the learner both load: the
+# slow PIL one, the only one the learner's venv (no torchvision) has; the fast torchvision one resizes
+# differently (docs/platform.md). transformers' ``backend="pil"`` would also reach vLLM's video processor,
+# which has no PIL backend; ``use_fast`` reaches only the image processor.
+IMAGE_PROCESSOR: dict[str, object] = {"use_fast": False}
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -25,4 +25,5 @@ _.init_transfer_engine, _.trainer_send_weights, iterator, trainer_args
 # msgspec Struct fields: decoded, validated and written, never read by name
 max_completion_tokens, top_logprobs, return_token_ids, echo  # proxy/validate.py: checked at the edge
 finished_at  # records.Trajectory: part of the record the learner and export read
+mime  # records.ImageRef: part of the record (the image bytes' type, for readers and export)
 

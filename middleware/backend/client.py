@@ -265,6 +265,10 @@ class BackendClient:
         body = await self.call("POST", "/reset_prefix_cache")
         return not isinstance(body, dict) or bool(body.get("success", True))
 
+    async def reset_encoder_cache(self) -> None:
+        """Drop the cached vision-encoder outputs, in the scheduler and the worker (no-op on text models)."""
+        await self.call("POST", "/reset_encoder_cache")
+
     async def set_label(self, version: str) -> None:
         """vLLM's own label for its weights (``/weight_info``, its metrics)."""
         await self.call("POST", "/update_weight_version", {"new_version": version})

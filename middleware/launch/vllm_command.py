@@ -13,6 +13,7 @@ from pathlib import Path
 
 from steptap.middleware.launch.model_info import TOOL_PARSERS
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
+from steptap.middleware.launch.vision import ensure_torchvision
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.launch.vllm_venv import ensure_venv
 
@@ -109,7 +110,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--log", help="server log file (default: ~/.cache/steptap/logs/vllm-PORT.log), 0600")
     p.add_argument("--venv", help="the vLLM virtualenv (default: in ~/.cache/steptap, or STEPTAP_VLLM_VENV)")
     p.add_argument("--health-timeout", type=float, default=600.0)
-    p.add_argument("--install-only", action="store_true", help="build the virtualenv and exit")
+    p.add_argument("--install-only", action="store_true",
+                   help="build the virtualenv (on CPU with vision models' torchvision) and exit")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="N servers, each on its own unix socket (or TCP port PORT+i); one per GPU when GPUs "
                         "are present, on CPU they share the cores; give each to `steptap serve --backend`")
@@ -167,7 +169,11 @@ def _planned(args: argparse.Namespace, extra: list[str], i: int, gpu: bool | Non
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse(list(sys.argv[1:] if argv is None else argv))
     if args.install_only:
-        print(ensure_venv(args.venv))
+        gpu = has_gpu()
+        venv = ensure_venv(args.venv, gpu)
+        if not gpu:  # vision models' torchvision (launch/vision.py): built here, not on a first server start
+            ensure_torchvision(venv)
+        print(venv)
         return 0
     try:
         servers, own_dir = plan_servers(args, extra)

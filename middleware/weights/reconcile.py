@@ -63,7 +63,7 @@ class Recovery(HoldsPolicy):
                 if self.pool is not None:
                     self.pool.take_out(b, err)
                 raise TransferFailed(f"{exc.message}; {err}: restart it", True) from None
-            await self._reset_prefix_cache(b)
+            await self._reset_caches(b)
             where = (f"version {self.version}'s weights" if self.on_disk
                      else "the last weights on disk, not the current version's")
             raise TransferFailed(f"{exc.message}; {b} reloaded {self.path} from disk ({where})",
@@ -82,7 +82,7 @@ class Recovery(HoldsPolicy):
                     if self.pool is not None:
                         self.pool.take_out(b, err)
                     continue
-                await self._reset_prefix_cache(b)
+                await self._reset_caches(b)
         new = self.policy.from_disk(new_version, self.path)
         await self._persist(new)
         self.policy = new
@@ -101,7 +101,7 @@ class Recovery(HoldsPolicy):
                     await self._client(b).unload_lora(lora_name)
                 elif self.path is not None and self.on_disk:
                     await self._client(b).reload_weights(self.path)
-                    await self._reset_prefix_cache(b)
+                    await self._reset_caches(b)
                 else:
                     self.degraded = f"{b} holds weights of a failed swap and the previous ones are unknown"
                 await self._tell_version(b, self.version)
@@ -151,7 +151,7 @@ class Recovery(HoldsPolicy):
                 await client.pause("wait")
                 paused = True
                 await client.reload_weights(self.path)
-                await self._reset_prefix_cache(backend)
+                await self._reset_caches(backend)
                 if not self.on_disk:  # the only replica: the disk weights become a version of their own
                     new = self.policy.from_disk(self.version + 1, self.path)
                     await self._persist(new)
@@ -186,13 +186,20 @@ class Recovery(HoldsPolicy):
                 raise
             return False
 
-    async def _reset_prefix_cache(self, backend: str) -> None:
+    async def _reset_caches(self, backend: str, *, encoder: bool = True) -> None:
+        """After a load: the prefix cache, and (``encoder``: full weights) the vision encoder's cached
+        outputs, stale when the vision tower changed (a reload clears only the worker's half:
+        docs/platform.md)."""
         # Nothing runs while paused, so the reset succeeds; it answers success=false while blocks are held.
+        client = self._client(backend)
         for _ in range(20):
-            if await self._client(backend).reset_prefix_cache():
-                return
+            if await client.reset_prefix_cache():
+                break
             await asyncio.sleep(0.05)
-        raise SwapError(f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
+        else:
+            raise SwapError(f"{backend} did not reset its prefix cache", "prefix_cache_reset_failed")
+        if encoder:
+            await client.reset_encoder_cache()
 
     async def _inspect_backends(self) -> None:
         """Read the device and the served weights' path from vLLM's dev-mode ``/server_info`` (its config

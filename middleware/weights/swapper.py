@@ -355,7 +355,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
             await self._load_one(b, path, lora_path, lora_name)
         touched.append(b)
         await self._tell_version(b, version)
-        await self._reset_prefix_cache(b)
+        await self._reset_caches(b, encoder=lora_path is None)  # a LoRA leaves the vision tower as it is
 
     async def _resume_all(self, backends: list[str], paused_at: dict[str, float],
                           figures: dict[str, dict[str, Any]]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import Backend, http_json
-from vision import image_part, png
+from vision import image_part, noise_png, png
 
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.torch_engine import TorchEngine
@@ -21,8 +21,8 @@ from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
 
 pytestmark = pytest.mark.vllm
 TOL = LearnerConfig().vision_logprob_tol
-# Sides multiples of 28: no resize, where vLLM's torchvision processor and the learner's PIL one differ
-IMAGES = [png(11), png(12, (112, 84))]
+# The second is resized (100x60 to 112x56): both sides load the same image processor (launch/vision.py)
+IMAGES = [png(11), noise_png(12, (100, 60))]
 STORE = {hashlib.sha256(b).hexdigest(): b for b in IMAGES}
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import Backend, http_json
 from test_swap_vllm import TOKEN, proxy
-from vision import image_part, png, vision_logprobs
+from vision import image_part, noise_png, png, vision_logprobs
 
 from steptap.learner.tiny_model import build_tiny_model
 from steptap.learner.tiny_vision import FACTOR, VISION_TOKENS
@@ -66,6 +66,22 @@ def test_two_image_prompt_logprobs_match_the_oracle_and_not_without_the_images(v
         vision_logprobs(vision_vllm.model_dir, prompt, response, images[:1])
 
 
+def test_a_resized_image_gets_the_same_pixels_on_both_sides(vision_vllm: Backend) -> None:
+    """100x60 is no multiple of 28: the processor resizes it (to 112x56), and vLLM's and the oracle's must
+    be the same one (model_files.py's IMAGE_PROCESSOR), else their bicubic resizes differ
+    (docs/platform.md)."""
+    image = noise_png(5, (100, 60))
+    content = [{"type": "text", "text": "Look:"}, image_part(image), {"type": "text", "text": "What is it?"}]
+    reply = http_json(f"{vision_vllm.url}/v1/chat/completions", {
+        "model": vision_vllm.served_model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": True, "return_token_ids": True,
+    }, timeout=300)
+    choice = reply["choices"][0]
+    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+    oracle = vision_logprobs(vision_vllm.model_dir, reply["prompt_token_ids"], choice["token_ids"], [image])
+    assert logprobs == pytest.approx(oracle, abs=1e-4)
+
+
 def _gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -97,3 +113,23 @@ async def test_a_weight_swap_serves_new_logprobs_for_images_seen_before(
         assert resp.status == 200, await resp.text()
     prompt, response, logprobs = _replay(vision_vllm)
     assert logprobs == pytest.approx(vision_logprobs(old, prompt, response, images), abs=1e-4)
+
+
+async def test_the_encoder_cache_reset_keeps_the_engine_serving_images_seen_before(
+    vision_vllm: Backend,
+) -> None:
+    """The swapper's reset after a full-weight load (backend/client.py): vLLM 0.32 has the route, and it
+    clears the scheduler's and the worker's halves together, so an image seen before is encoded again (a
+    reload, which clears only the worker's, kills the engine here: docs/platform.md)."""
+    from steptap.middleware.backend.client import BackendClient
+
+    images = [b for b, _ in IMAGES]
+    _replay(vision_vllm)  # the images' encoder outputs cached
+    client = BackendClient(vision_vllm.url)
+    try:
+        await client.reset_encoder_cache()
+    finally:
+        await client.close()
+    prompt, response, logprobs = _replay(vision_vllm)
+    oracle = vision_logprobs(vision_vllm.model_dir, prompt, response, images)
+    assert logprobs == pytest.approx(oracle, abs=1e-4)

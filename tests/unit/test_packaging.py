@@ -208,6 +208,7 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
 # --- one client for vLLM (backend/) -------------------------------------------------------------------------
 # Routes only vLLM serves (the proxy serves /v1/models and /health itself, so those cannot tell).
 VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_prefix_cache",
+               "reset_encoder_cache",
                "load_lora_adapter",
                "update_weight_version", "/weight_info", "/server_info", "get_world_size",
                "weight_transfer_engine",

@@ -21,6 +21,7 @@ from steptap.middleware.launch.vision import (
     overlay_dir,
 )
 from steptap.middleware.launch.vllm_server import VLLMServer
+from steptap.middleware.model_files import IMAGE_PROCESSOR
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +92,14 @@ def test_vllm_is_started_with_the_multimodal_limits_only_for_a_vision_model(visi
     cmd = VLLMServer(vision_model_dir, gpu=False).command(python)
     i = cmd.index("--limit-mm-per-prompt")
     assert json.loads(cmd[i + 1]) == MM_LIMITS
+    i = cmd.index("--mm-processor-kwargs")  # the image processor the learner loads too
+    assert json.loads(cmd[i + 1]) == IMAGE_PROCESSOR == {"use_fast": False}
     given = VLLMServer(vision_model_dir, gpu=False, extra_args=["--limit-mm-per-prompt={\"image\": 1}"])
     assert given.command(python).count("--limit-mm-per-prompt") == 0
+    assert given.command(python).count("--mm-processor-kwargs") == 1
     text = VLLMServer(tiny_model_dir, gpu=False)
     assert "--limit-mm-per-prompt" not in text.command(python) and not text.vision
+    assert "--mm-processor-kwargs" not in text.command(python)
     server = VLLMServer(vision_model_dir, gpu=False, env={"PYTHONPATH": "/x"})
     assert server.environment()["PYTHONPATH"] == "/x"
     server.torchvision = Path("/tv")  # what start() sets from launch/vision.py's ensure_torchvision

@@ -139,6 +139,7 @@ async def test_swap_calls_the_backend_in_order_with_mode_wait(
         "/collective_rpc",
         "/update_weight_version",
         "/reset_prefix_cache",
+        "/reset_encoder_cache",  # full weights: the vision tower may have changed (a LoRA below leaves it)
         "/resume",
     ]
     assert fake.calls[2][1] == {"method": "reload_weights", "kwargs": {"weights_path": str(new)}}
@@ -621,7 +622,7 @@ async def test_keep_swap_pauses_with_keep_and_marks_the_calls_in_flight(
     # Not held by the call
     assert await asyncio.wait_for(sw.swap(path=str(model_dir(tmp_path / "new"))), 10) == 1
     assert fake.routes() == ["/pause?mode=keep", "/collective_rpc", "/update_weight_version",
-                             "/reset_prefix_cache", "/resume"]
+                             "/reset_prefix_cache", "/reset_encoder_cache", "/resume"]
     release.set()
     await call
     assert got["spans"] == [[0, 0], [5, 1]] and sw.state().cut_calls == 0 and sw.state().spanning_calls == 1
