@@ -55,18 +55,8 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
         return None
     # Where the value sits in ``raw``: after the one ``"prompt"`` key (a second occurrence, in a string or a
     # nested object, and the bytes there not being the value: decode it whole)
-    key = raw.find(_KEY)
-    if key < 0 or raw.find(_KEY, key + 1) >= 0:
-        return None
-    at = key + len(_KEY)
-    while at < len(raw) and raw[at] in _SPACE:
-        at += 1
-    if raw[at:at + 1] != b":":
-        return None
-    at += 1
-    while at < len(raw) and raw[at] in _SPACE:
-        at += 1
-    if not raw.startswith(prompt, at):
+    at = _value_at(raw, _KEY)
+    if at is None or not raw.startswith(prompt, at):
         return None
     try:
         ids = _extend(prompt, held) if held is not None else None
@@ -85,6 +75,23 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
 _ECHO = b'"prompt_token_ids"'
 
 
+def _value_at(raw: bytes, key: bytes) -> int | None:
+    """Where the value of the one ``key`` in ``raw`` starts (past its colon and spaces); None when the key is
+    absent, there more than once, or not followed by a colon."""
+    found = raw.find(key)
+    if found < 0 or raw.find(key, found + 1) >= 0:
+        return None
+    at = found + len(key)
+    while at < len(raw) and raw[at] in _SPACE:
+        at += 1
+    if raw[at:at + 1] != b":":
+        return None
+    at += 1
+    while at < len(raw) and raw[at] in _SPACE:
+        at += 1
+    return at
+
+
 def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
               ) -> tuple[bytes, bytes, list[int], Grown | None] | None:
     """vLLM's echo of a chat call's prompt ids (a chat reply, or a stream's first chunk): ``data`` with the
@@ -93,17 +100,9 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
     prompt + reply + its new messages) and how they were built (``prefix.extends``); None: no echo of ids
     there (or more than one key of that name), decode it whole. A ``"prompt_token_ids":`` in ``data`` is a
     key (a quote in a string is escaped), and an array of ids ends at its first ``]``."""
-    key = data.find(_ECHO)
-    if key < 0 or data.find(_ECHO, key + 1) >= 0:
+    at = _value_at(data, _ECHO)
+    if at is None:
         return None
-    at = key + len(_ECHO)
-    while at < len(data) and data[at] in _SPACE:
-        at += 1
-    if data[at:at + 1] != b":":
-        return None
-    at += 1
-    while at < len(data) and data[at] in _SPACE:
-        at += 1
     end = data.find(b"]", at)
     if data[at:at + 1] != b"[" or end < 0:
         return None
