@@ -19,6 +19,7 @@ extension points fails that test instead of a training run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import types
 from collections.abc import Iterator
@@ -215,3 +216,11 @@ def activate() -> None:
         platform_manager.set_platform(PlatformCPU())
     register_fsdp2_for_cpu()
 
+
+def attention(cpu: bool) -> tuple[bool, str]:
+    """(use_remove_padding, attn_implementation) for verl's model. verl defaults to flash_attention_2 over
+    packed rows, which needs the ``flash_attn`` package (CUDA only, often absent: it is built per torch and
+    CUDA version). Without it, torch's sdpa over padded rows: sdpa on packed rows would attend across
+    sequences."""
+    flash = not cpu and importlib.util.find_spec("flash_attn") is not None
+    return flash, "flash_attention_2" if flash else "sdpa"

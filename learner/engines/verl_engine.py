@@ -195,11 +195,14 @@ class VerlEngine:
         from verl.workers.utils.losses import ppo_loss
 
         c = self.cfg
-        model = HFModelConfig(path=c.model_dir, use_remove_padding=not self.cpu,
+        from steptap.learner.engines.verl_cpu import attention
+
+        rmpad, attn = attention(self.cpu)
+        model = HFModelConfig(path=c.model_dir, use_remove_padding=rmpad,
                               enable_gradient_checkpointing=c.gradient_checkpointing, lora_rank=c.lora_rank,
                               lora_alpha=c.lora_alpha,
                               target_modules=lora_targets(c.lora_targets, c.model_dir),
-                              override_config={} if not self.cpu else {"attn_implementation": "sdpa"})
+                              override_config={"attn_implementation": attn})
         mp = {"param_dtype": c.model_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
         engine = FSDPEngineConfig(
             strategy="fsdp2", model_dtype=c.model_dtype, mixed_precision=mp, use_torch_compile=False,

@@ -88,3 +88,19 @@ def test_verl_version_is_checked() -> None:
         mp.setattr(importlib.metadata, "version", lambda name: "0.10.2")
         with pytest.raises(RuntimeError, match=r"written against verl .*found verl 0.10.2"):
             check_verl_version()
+
+
+def test_attention_is_flash_over_packed_rows_only_where_flash_attn_is_installed(monkeypatch) -> None:
+    import importlib.util
+
+    from verl.workers.config import HFModelConfig
+
+    # verl's own default, which the GPU path replaces when flash_attn is missing (it is, on these machines)
+    assert '"attn_implementation", "flash_attention_2"' in inspect.getsource(HFModelConfig)
+    assert verl_cpu.attention(cpu=True) == (False, "sdpa")
+    have = importlib.util.find_spec("flash_attn") is not None
+    assert verl_cpu.attention(cpu=False) == ((True, "flash_attention_2") if have else (False, "sdpa"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+    assert verl_cpu.attention(cpu=False) == (True, "flash_attention_2")
+    assert verl_cpu.attention(cpu=True) == (False, "sdpa")  # never flash on CPU
