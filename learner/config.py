@@ -49,7 +49,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "micro-batches by token budget (micro_batch_tokens per worker), verl's packing")] = True
     gradient_checkpointing: Annotated[bool, _help(
         "recompute activations in backward (GPU memory for time)")] = False
-    model_dtype: Annotated[str, _help("FSDP parameter dtype: fp32 | bf16 (GPU)")] = "fp32"
+    model_dtype: Annotated[str, _help(
+        "parameter dtype on a GPU: fp32 (float32 weights and optimizer state, bf16 compute) | bf16")] = "fp32"
 
     # -- tracking through verl.utils.tracking.Tracking, besides the JSON-lines metrics file
     trackers: Annotated[tuple[str, ...], _help(

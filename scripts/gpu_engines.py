@@ -68,10 +68,10 @@ def reference_batch(model_dir: Path) -> tuple[Batch, dict[str, torch.Tensor]]:
                 logits = model(input_ids=torch.tensor([full])).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(full[1:])[:, None])[:, 0]
             lp = lp - 0.4 * (torch.arange(len(lp)) % 2)
-            steps = [Step(index=0, prompt_token_ids=p1, response_token_ids=r1, prefix="first", sampling=Sampling(),
-                          response_logprobs=lp[len(p1) - 1:len(p1) - 1 + len(r1)].tolist()),
-                     Step(index=1, prompt_token_ids=p2, response_token_ids=r2, prefix="extends", sampling=Sampling(),
-                          response_logprobs=lp[len(p2) - 1:].tolist())]
+            steps = [Step(index=0, prompt_token_ids=p1, response_token_ids=r1, prefix="first",
+                          sampling=Sampling(), response_logprobs=lp[len(p1) - 1:len(p2) - 13].tolist()),
+                     Step(index=1, prompt_token_ids=p2, response_token_ids=r2, prefix="extends",
+                          sampling=Sampling(), response_logprobs=lp[len(p2) - 1:].tolist())]
             trajs.append(Trajectory(id=f"t{g}{m}", group_id=f"g{g}", status="finished", steps=steps,
                                     rewards={"r": float(m) + 0.25 * g}))
     return build_batch(trajs, version=0), w0
@@ -103,11 +103,21 @@ def changed_share(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor
         if k in after and after[k].shape == v.shape and v.is_floating_point():
             a = after[k].detach().float().cpu()
             n += v.numel()
-            moved += int((a != v.float()).sum())
+            moved += int((a != v.detach().float().cpu()).sum())
     return moved / max(n, 1)
 
 
-def run_torch(cfg: LearnerConfig, batch: Batch, ref: list[torch.Tensor], w0: dict) -> dict:
+def adapter_moved(path: Path) -> float:
+    """The largest |lora_B| in a written peft adapter: 0 before any update (peft starts B at zero)."""
+    from safetensors.torch import load_file
+
+    found = next(path.rglob("adapter_model.safetensors"), None)
+    if found is None:
+        return -1.0
+    return max(float(t.abs().max()) for k, t in load_file(str(found)).items() if "lora_B" in k)
+
+
+def run_torch(cfg: LearnerConfig, batch: Batch, ref: list[torch.Tensor], out: Path) -> dict:
     from steptap.learner.engines.torch_engine import TorchEngine
 
     t0 = time.perf_counter()
@@ -115,18 +125,21 @@ def run_torch(cfg: LearnerConfig, batch: Batch, ref: list[torch.Tensor], w0: dic
     dev = next(eng.model.parameters()).device
     dtype = str(next(eng.model.parameters()).dtype)
     gap = 0.0
-    with torch.no_grad():
-        for seq, want in zip(batch.sequences, ref, strict=True):
+    lay = eng._layout(batch)
+    with torch.no_grad():  # through the engine's own forward (its dtype, autocast, padding)
+        for q, (seq, want) in enumerate(zip(batch.sequences, ref, strict=True)):
             first = batch.samples[seq.samples[0]].offset
-            x = torch.tensor([seq.input_ids], device=dev)
-            logits = eng.model(input_ids=x).logits[0, first - 1:-1].float()
-            got = torch.log_softmax(logits, -1).gather(-1, x[0, first:, None])[:, 0].cpu()
+            logits = eng._logits(eng.model, lay, [q])[0, first - 1:].float()
+            x = torch.tensor(seq.input_ids[first:], device=logits.device)
+            got = torch.log_softmax(logits, -1).gather(-1, x[:, None])[:, 0].cpu()
             gap = max(gap, max_gap(got, want))
+        mine = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}  # as loaded (its dtype)
     stats = eng.train_step(batch)
-    share = changed_share(w0, {k: v for k, v in eng.model.state_dict().items()})
+    share = changed_share(mine, eng.model.state_dict())
+    lora_b = adapter_moved(eng.write_weights(out / "torch-adapter", version=1)) if cfg.lora_rank else None
     eng.close()
     return dict(device=str(dev), dtype=dtype, gap=gap, loss=stats.loss, grad_norm=stats.grad_norm,
-                changed=share, seconds=time.perf_counter() - t0)
+                changed=share, lora_b=lora_b, seconds=time.perf_counter() - t0)
 
 
 def run_verl(cfg: LearnerConfig, batch: Batch, ref: list[torch.Tensor], w0: dict, out: Path) -> dict:
@@ -142,14 +155,29 @@ def run_verl(cfg: LearnerConfig, batch: Batch, ref: list[torch.Tensor], w0: dict
         lp = eng._logprobs(rows, unit_temperature=True)  # [B, R], float32 on the driver
         gap = max(max_gap(lp[q], want) for q, want in enumerate(ref))
         stats = eng.train_step(batch)
+        common = dict(cuda=not eng.cpu, startup_s=startup, gap=gap, loss=stats.loss,
+                      grad_norm=stats.grad_norm)
+        if cfg.lora_rank:
+            lora_b = adapter_moved(eng.write_weights(out / "verl-adapter", version=1))
+            return dict(common, lora_b=lora_b, seconds=time.perf_counter() - t0)
         trained = eng.hf_weights()
         written = eng.write_weights(out / "verl-weights", version=1)
         loaded = AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).state_dict()
         same = all(torch.equal(loaded[k].float(), v.float().cpu()) for k, v in trained.items() if k in loaded)
-        return dict(cuda=not eng.cpu, startup_s=startup, gap=gap, loss=stats.loss, grad_norm=stats.grad_norm,
-                    changed=changed_share(w0, trained), written_is_trained=same, seconds=time.perf_counter() - t0)
+        return dict(common, changed=changed_share(w0, trained), written_is_trained=same,
+                    seconds=time.perf_counter() - t0)
     finally:
         eng.close()
+
+
+def moved(r: dict, name: str, a: argparse.Namespace) -> None:
+    if a.lora:  # the base stays frozen; the written adapter's B matrices left zero
+        check(f"{name} engine loss finite, adapter written and moved",
+              math.isfinite(r["loss"]) and r["lora_b"] > 0,
+              f"loss {r['loss']:.5g}, max |lora_B| {r['lora_b']:.3g} at lr {a.lr:g}")
+    else:
+        check(f"{name} engine loss finite, weights moved", math.isfinite(r["loss"]) and r["changed"] > 0,
+              f"loss {r['loss']:.5g}, {100 * r['changed']:.1f} % of weights changed at lr {a.lr:g}")
 
 
 def main() -> int:
@@ -157,6 +185,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lora", type=int, default=0,
+                    help="LoRA rank (and a KL to the base model), 0: full weights")
     a = ap.parse_args()
     out = Path(a.out or tempfile.mkdtemp(prefix="gpu-engines-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -171,31 +201,40 @@ def main() -> int:
     ref = true_logprobs(batch)
     base = dict(model_dir=str(model_dir), lr=a.lr, weight_decay=0.0, grad_clip=1.0, truncation_mode="drop",
                 device=a.device)
+    if a.lora:
+        base |= dict(lora_rank=a.lora, lora_alpha=2 * a.lora, kl_coef=0.01)
     results = {}
-    for name in ("torch", "verl"):
+    runs = {"torch": {}, "torch-bf16": {"model_dtype": "bf16"}, "verl": {}}
+    for name, extra in runs.items():
+        if name == "torch-bf16" and a.device == "cpu":
+            continue  # the torch engine is float32 on CPU whatever model_dtype says
         try:
-            cfg = LearnerConfig(**base, engine=name).validate()
-            results[name] = (run_torch(cfg, batch, ref, w0) if name == "torch"
-                             else run_verl(cfg, batch, ref, w0, out))
+            cfg = LearnerConfig(**base, **extra, engine=name.split("-")[0]).validate()
+            results[name] = (run_verl(cfg, batch, ref, w0, out) if name == "verl"
+                             else run_torch(cfg, batch, ref, out))
             print(f"{name}: {json.dumps(results[name])}", flush=True)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
             print(f"{name} engine failed:\n{results[name]['error']}", flush=True)
     report["engines"] = results
     t, v = results["torch"], results["verl"]
-    bf16 = t.get("dtype") == "torch.bfloat16"
+    bf16 = a.device == "cuda"  # the torch engine's forward runs in bf16 there (autocast or bf16 weights)
     if check("torch engine ran", "error" not in t, t.get("device", "")):
         check("torch engine on the device", t["device"].startswith(a.device), t["device"])
         check("torch engine logprobs vs the float32 reference", t["gap"] <= (0.25 if bf16 else 1e-3),
               f"max gap {t['gap']:.3g} ({t['dtype']})")
-        check("torch engine loss finite, weights moved", math.isfinite(t["loss"]) and t["changed"] > 0,
-              f"loss {t['loss']:.5g}, {100 * t['changed']:.1f} % of weights changed at lr {a.lr:g}")
+        moved(t, "torch", a)
+    tb = results.get("torch-bf16")
+    if tb is not None and check("torch engine with model_dtype bf16 ran", "error" not in tb) and not a.lora \
+            and "error" not in t:
+        check("float32 weights keep more of a small update than bf16 weights", t["changed"] > tb["changed"],
+              f"{100 * t['changed']:.1f} % vs {100 * tb['changed']:.1f} % of weights changed at lr {a.lr:g}")
     if check("verl engine ran", "error" not in v):
         check("verl engine on the device", v["cuda"] == (a.device == "cuda"), "cuda" if v["cuda"] else "cpu")
         check("verl engine logprobs vs the float32 reference", v["gap"] <= 1e-3, f"max gap {v['gap']:.3g}")
-        check("verl engine loss finite, weights moved", math.isfinite(v["loss"]) and v["changed"] > 0,
-              f"loss {v['loss']:.5g}, {100 * v['changed']:.1f} % of weights changed at lr {a.lr:g}")
-        check("verl engine's written weights are what it trained", v["written_is_trained"])
+        moved(v, "verl", a)
+        if not a.lora:
+            check("verl engine's written weights are what it trained", v["written_is_trained"])
     if "error" not in t and "error" not in v:
         rel = abs(t["loss"] - v["loss"]) / max(abs(v["loss"]), 1e-6)
         check("the two engines' losses agree within 10 %", rel <= 0.10,

@@ -100,7 +100,12 @@ class TorchEngine:
 
         self.cfg = cfg
         self.device = pick_device(cfg.device)
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # float32 parameters and AdamW state unless asked (a bf16 weight drops an update much smaller than
+        # 1/256 of itself: most of one at lr 1e-5, measured by scripts/gpu_engines.py); on CUDA the forward
+        # runs in bf16 under autocast, as vLLM's does
+        gpu = self.device.type == "cuda"
+        dtype = torch.bfloat16 if gpu and cfg.model_dtype == "bf16" else torch.float32
+        self.bf16_compute = gpu
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         vcfg = vision_config(cfg.model_dir)
@@ -258,7 +263,8 @@ class TorchEngine:
             "pixel_values": vision["pixel_values"].to(self.device, self.model.dtype),
             "image_grid_thw": vision["image_grid_thw"].to(self.device),
             "mm_token_type_ids": (input_ids == self.image_token_id).long()}
-        out = model(input_ids=input_ids, attention_mask=attn, output_hidden_states=hidden, **extra)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_compute):
+            out = model(input_ids=input_ids, attention_mask=attn, output_hidden_states=hidden, **extra)
         return out.logits[:, :-1], out.hidden_states[-1] if hidden else None
 
     # -- one update ---------------------------------------------------------------------------------
@@ -413,11 +419,11 @@ class TorchEngine:
         the logprobs as vLLM would record them (log softmax of the unscaled logits)."""
         self.model.eval()
         ids = torch.tensor([prompt_ids] * n, device=self.device)
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                  temperature=temperature, top_p=1.0, top_k=None,
-                                  max_new_tokens=max_new_tokens,
-                                  output_logits=True, return_dict_in_generate=True,
-                                  pad_token_id=self.pad_id, use_cache=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_compute):
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=temperature, top_p=1.0, top_k=None,
+                                      max_new_tokens=max_new_tokens, output_logits=True,
+                                      return_dict_in_generate=True, pad_token_id=self.pad_id, use_cache=True)
         resp = out.sequences[:, len(prompt_ids):]  # [n, T]
         logits = torch.stack(out.logits, dim=1).float()  # [n, T, V], raw (before the temperature warper)
         logps = torch.gather(F.log_softmax(logits, -1), -1, resp.unsqueeze(-1)).squeeze(-1)

@@ -100,7 +100,8 @@ def test_attention_is_flash_over_packed_rows_only_where_flash_attn_is_installed(
     assert verl_cpu.attention(cpu=True) == (False, "sdpa")
     have = importlib.util.find_spec("flash_attn") is not None
     assert verl_cpu.attention(cpu=False) == ((True, "flash_attention_2") if have else (False, "sdpa"))
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+    real = importlib.util.find_spec  # a stand-in for an installed flash_attn (none can be installed here)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "flash_attn" else real(n, *a))
     assert verl_cpu.attention(cpu=False) == (True, "flash_attention_2")
     assert verl_cpu.attention(cpu=True) == (False, "sdpa")  # never flash on CPU
