@@ -14,16 +14,20 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   compaction's summary in place of the task and the turns): a new branch of the same trajectory
   (``Step.branch`` counts them), whose later calls are ``main`` again;
 - ``main`` by ``edited``: the same first two messages, the history edited later on (OpenClaw moves its
-  internal-context message to the end of every request): still the main line, though not one token sequence
-  (``Step.prefix`` says why);
+  internal-context message to the end of every request), or the message after the system prompt continued
+  (Claude Code appends "[Your previous response had no visible output ...]" to the task to retry an empty
+  reply): still the main line, though not one token sequence (``Step.prefix`` says why);
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
 The main line's continuity is judged against its own last call, never a side call's, so a side call between
-two turns leaves the main line one token sequence. Pure; ``SessionManager.record`` applies it.
+two turns leaves the main line one token sequence. System prompts are compared as the model sees them: Claude
+Code's ``x-anthropic-billing-header`` line, which changes with the conversation, is left out as vLLM leaves it
+out of the prompt. Pure; ``SessionManager.record`` applies it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,12 +64,63 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         return Decision("main", "first", line.branch)
     if prefix in ("extends", "rerendered"):
         return Decision("main", prefix, line.branch)
-    opening = first_messages(step, chat)
+    opening = _opening(step, chat)
     if line.start and opening[:1] == line.start[:1]:  # the same system prompt
-        if opening[1:] != line.start[1:]:  # what followed it was replaced: a compaction
+        if not _continues(line.start[1:], opening[1:]):  # what followed it was replaced: a compaction
             return Decision("branch", "rewrites_history", line.branch + 1)
         return Decision("main", "edited", line.branch)
     return Decision("side", "other", line.branch)
+
+
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's attribution line (vllm/renderers/chat_utils.py)
+
+
+def _without_billing(message: Any) -> Any:
+    """A system message as the model sees it: vLLM drops a text part's first line when it is Claude Code's
+    billing header (its value changes with the conversation, e.g. after a compaction)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if isinstance(text, str) and text.startswith(BILLING_HEADER):
+            rest = text.partition("\n")[2]
+            if rest:
+                parts.append({**part, "text": rest})
+            continue
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def _opening(step: Step, chat: list[Any] | None) -> list[Any]:
+    """The first two messages, normalized, the system prompt as the model sees it."""
+    messages = chat if chat is not None else (
+        step.request.get("messages") if step.endpoint == "chat.completions" else None)
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            and messages[0].get("role") == "system":
+        chat = [_without_billing(messages[0]), *messages[1:2]]
+    return first_messages(step, chat)
+
+
+def _continues(before: list[Any], after: list[Any]) -> bool:
+    """Whether the message after the system prompt is the main line's, or it continued (its text extended: a
+    retry that appends to the task), rather than replaced by another (a compaction's summary)."""
+    if before == after:
+        return True
+    if len(before) != 1 or len(after) != 1:
+        return False
+    (role, content, calls, name), (role2, content2, calls2, name2) = before[0], after[0]
+    return (role, calls, name) == (role2, calls2, name2) and _text_continues(content, content2)
+
+
+def _text_continues(before: str, after: str) -> bool:
+    # normalized content is its JSON: text is a JSON string, anything else (parts with images) compared whole
+    try:
+        old, new = json.loads(before), json.loads(after)
+    except ValueError:
+        return False
+    return isinstance(old, str) and isinstance(new, str) and len(new) > len(old) and new.startswith(old)
 
 
 def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | None = None) -> None:
@@ -73,7 +128,7 @@ def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | No
     if decision.call_class == "side":
         return
     if not line.started or decision.call_class == "branch":  # a branch's own opening: its summary
-        line.started, line.start = True, first_messages(step, chat)
+        line.started, line.start = True, _opening(step, chat)
     line.branch = decision.branch
 
 
