@@ -42,7 +42,7 @@ class AgentLaunch:
 
 
 def side_models(agent: str | None) -> list[str]:
-    """The model names ``agent``'s side calls use, for the session ``steptap run`` opens (its side aliases)."""
+    """The model names ``agent``'s side calls use: the side aliases of the session ``steptap run`` opens."""
     return [SMALL_FAST] if agent == "claude-code" else []
 
 
