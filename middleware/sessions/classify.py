@@ -11,8 +11,10 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   last call token for token, or the same conversation came back rendered otherwise);
 - ``branch`` by ``rewrites_history``: it starts as the main line does (the same first message: the system
   prompt) but the history was rewritten from its start (the message after the system prompt is another: a
-  compaction's summary in place of the task and the turns): a new branch of the same trajectory
-  (``Step.branch`` counts them), whose later calls are ``main`` again;
+  compaction's summary in place of the task and the turns), or none of the agent's turns of the main line's
+  last call is left in it (Codex keeps its opening messages and the task and puts the summary in place of the
+  turns): a new branch of the same trajectory (``Step.branch`` counts them), whose later calls are ``main``
+  again;
 - ``main`` by ``edited``: the same first two messages, the history edited later on (OpenClaw moves its
   internal-context message to the end of every request), or the message after the system prompt continued
   (Claude Code appends "[Your previous response had no visible output ...]" to the task to retry an empty
@@ -54,9 +56,10 @@ class Decision:
 
 
 def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collection[str] = (),
-           chat: list[Any] | None = None) -> Decision:
+           chat: list[Any] | None = None, last: Last = None) -> Decision:
     """The class of ``step`` given the main line and ``prefix`` (its continuity against the main line's last
-    call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated. Does not
+    call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated; ``last``:
+    the main line's last call and its messages in chat form (None when translated and not at hand). Does not
     change ``line``: ``advance`` does, once per call."""
     if step.model in side_models or step.model in line.side_models:
         return Decision("side", "side_model", line.branch)
@@ -66,7 +69,7 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         return Decision("main", prefix, line.branch)
     opening = _opening(step, chat)
     if line.start and opening[:1] == line.start[:1]:  # the same system prompt
-        if not _continues(line.start[1:], opening[1:]):  # what followed it was replaced: a compaction
+        if not _continues(line.start[1:], opening[1:]) or _turns_gone(last, step, chat):  # a compaction
             return Decision("branch", "rewrites_history", line.branch + 1)
         return Decision("main", "edited", line.branch)
     return Decision("side", "other", line.branch)
@@ -103,6 +106,25 @@ def _opening(step: Step, chat: list[Any] | None) -> list[Any]:
     return first_messages(step, chat)
 
 
+Last = tuple[Step, list[Any] | None] | None
+_WHOLE = 1 << 30  # first_messages' count for a whole conversation
+
+
+def _turns_gone(last: Last, step: Step, chat: list[Any] | None) -> bool:
+    """Whether the main line's last call held turns of the agent (assistant messages) and none of them, nor
+    that call's reply, is left in ``step``'s conversation: its history after the opening replaced, not edited
+    (a retry or a sliding window keeps some)."""
+    if last is None:
+        return False
+    prev, prev_chat = last
+    # empty for /v1/completions, or a translated call whose messages are not at hand (after a restart)
+    turns = [m for m in first_messages(prev, prev_chat, _WHOLE) if m[0] == "assistant"]
+    if not turns:
+        return False
+    new = first_messages(step, chat, _WHOLE)
+    return not any(t in new for t in (*turns, *first_messages(prev, [prev.response], 1)))
+
+
 def _continues(before: list[Any], after: list[Any]) -> bool:
     """Whether the message after the system prompt is the main line's, or it continued (its text extended: a
     retry that appends to the task), rather than replaced by another (a compaction's summary)."""
@@ -133,12 +155,12 @@ def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | No
 
 
 def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = (),
-          chat: list[Any] | None = None) -> bool:
+          chat: list[Any] | None = None, last: Last = None) -> bool:
     """Classify the steps of one call (the choices of one call share a class) and move the line on; returns
     whether the call is on the main line (so the session judges the next call against it)."""
     if not steps:
         return False
-    decision = decide(line, steps[0], prefixes[0], side_models, chat)
+    decision = decide(line, steps[0], prefixes[0], side_models, chat, last)
     for step in steps:
         step.call_class, step.call_rule, step.branch = decision.call_class, decision.rule, decision.branch
     if any(s.status == "ok" for s in steps):  # a failed call carries no ids: the line stays where it was

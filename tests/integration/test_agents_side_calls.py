@@ -180,3 +180,58 @@ async def test_claude_code_title_calls_are_side_and_its_compaction_opens_a_branc
     assert trained == [s.index for s in line]
     print(f"claude-code side calls: {round(took)} s, "
           f"{[(s.index, s.call_class, s.call_rule, s.branch, len(s.prompt_token_ids)) for s in steps]}")
+
+
+async def test_codex_auto_compaction_opens_a_branch(long_proxy: Any, long_vllm: Any, agent_cli: Any,
+                                                    tmp_path: Path) -> None:
+    """Codex with its auto-compaction set low (its own `model_auto_compact_token_limit`; nothing turned off):
+    after the tool call it compacts locally (a custom provider has no /responses/compact), the whole history
+    and a checkpoint request with no tools (main, ``rerendered``: the same conversation rendered without
+    them), then goes on from its opening messages, the task and the summary in place of the turns (branch 1:
+    no turn of the agent is left), which the scripted model answers."""
+    from steptap.learner.rows import build_batch
+
+    work = tmp_path / "codex"
+    work.mkdir()
+    cli = agent_cli("codex")
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
+           "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", "codex",
+        "--", "exec", "--skip-git-repo-check", "--json", "-c", "model_auto_compact_token_limit=2000",
+        task("codex"), cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        pytest.fail(f"Codex did not finish in {TIMEOUT_S} s")
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    assert proc.returncode == 0, stderr[-3000:]
+    sid, count = session_of(stderr)
+    traj = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(sid)
+    steps = traj.steps
+    assert count == len(steps) and all(s.status == "ok" for s in steps), [s.error for s in steps]
+    assert [(s.call_class, s.call_rule, s.branch) for s in steps] == [
+        ("main", "first", 0), ("main", "rerendered", 0), ("branch", "rewrites_history", 1)]
+    tool, compaction, branch = steps
+    assert tool.finish_reason == "tool_calls" and tool.request.get("tools")
+    assert "CONTEXT CHECKPOINT COMPACTION" in json.dumps(compaction.request["input"][-1])
+    assert not compaction.request.get("tools")
+    items = branch.request["input"]
+    assert not [i for i in items if i.get("type") in ("function_call", "function_call_output")]
+    assert "produced a summary of its thinking process" in json.dumps(items[-1])
+    texts = [part.get("text") for i in items if isinstance(i.get("content"), list) for part in i["content"]]
+    assert task("codex") in texts  # the task is kept: the turns after it were replaced
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    said = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
+            and e["item"].get("type") == "agent_message"]
+    assert said[-1] == "The summary was read."
+    # nothing is a side call here: the learner trains all three, the branch a sequence of its own
+    batch = build_batch([traj], version=0)
+    assert batch.counts["dropped_side"] == 0
+    assert [[batch.samples[i].step_index for i in q.samples] for q in batch.sequences] == [[0], [1], [2]]
+    print(f"codex compaction: {[(s.call_class, s.call_rule, s.branch, len(s.prompt_token_ids))
+                                for s in steps]}")

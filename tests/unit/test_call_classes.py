@@ -110,6 +110,39 @@ def test_claude_code_retry_and_compaction_as_it_sends_them() -> None:
     assert decide(line, cut, "history_edited").call_class == "branch"
 
 
+def test_turns_replaced_after_the_task_open_a_branch_and_turns_kept_do_not() -> None:
+    """Codex 0.169.0's compaction (measured) keeps its opening messages and the task and puts the summary in
+    place of the turns: a branch. A retry or a sliding window keeps some of the agent's turns: an edit."""
+    dev = {"role": "system", "content": "You are Codex."}
+    env, task = {"role": "user", "content": "<environment_context>"}, {"role": "user", "content": "do it"}
+    function = {"name": "exec_command", "arguments": '{"cmd": "ls"}'}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                   "function": function}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}
+    line = MainLine()
+    first = step([dev, env, task], [1, 2, 3], [4])
+    apply(line, [first], ["first"])
+    checkpoint = {"role": "user", "content": "CONTEXT CHECKPOINT COMPACTION"}
+    compaction = step([dev, env, task, call, result, checkpoint], [1, 2, 3, 4, 5, 6], [7])
+    compaction.response = {"role": "assistant", "content": "The summary."}
+    summary = {"role": "user", "content": "Another language model started this problem: The summary."}
+    after = step([dev, env, task, summary], [1, 2, 3, 8], [9])
+    branch = Decision("branch", "rewrites_history", 1)
+    assert decide(line, after, "truncated", last=(compaction, None)) == branch
+    # the same call judged without the main line's last call at hand (a restart): an edit, as before
+    assert decide(line, after, "truncated") == Decision("main", "edited", 0)
+    # a sliding window keeps the last call's reply; a retry keeps its tool call: edits
+    later = step([dev, env, task, call, result], [1, 2, 3, 4, 5], [10])
+    later.response = {"role": "assistant", "content": "next"}
+    go = {"role": "user", "content": "go"}
+    window = step([dev, env, task, {"role": "assistant", "content": "next"}, go], [1, 2, 3, 11], [12])
+    assert decide(line, window, "history_edited", last=(later, None)).rule == "edited"
+    retry = step([dev, env, task, call, {**result, "content": "a.txt (retry)"}], [1, 2, 3, 13], [14])
+    assert decide(line, retry, "history_edited", last=(later, None)).rule == "edited"
+    # a last call without any turn of the agent (the first) never counts as replaced
+    assert decide(line, window, "history_edited", last=(first, None)).rule == "edited"
+
+
 def test_a_failed_call_does_not_start_or_move_the_line() -> None:
     line = MainLine()
     failed = step([SYSTEM], [], [])
