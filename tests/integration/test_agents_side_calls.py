@@ -233,5 +233,5 @@ async def test_codex_auto_compaction_opens_a_branch(long_proxy: Any, long_vllm: 
     batch = build_batch([traj], version=0)
     assert batch.counts["dropped_side"] == 0
     assert [[batch.samples[i].step_index for i in q.samples] for q in batch.sequences] == [[0], [1], [2]]
-    print(f"codex compaction: {[(s.call_class, s.call_rule, s.branch, len(s.prompt_token_ids))
-                                for s in steps]}")
+    classes = [(s.call_class, s.call_rule, s.branch, len(s.prompt_token_ids)) for s in steps]
+    print(f"codex compaction: {classes}")
