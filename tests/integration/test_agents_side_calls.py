@@ -235,3 +235,33 @@ async def test_codex_auto_compaction_opens_a_branch(long_proxy: Any, long_vllm: 
     assert [[batch.samples[i].step_index for i in q.samples] for q in batch.sequences] == [[0], [1], [2]]
     classes = [(s.call_class, s.call_rule, s.branch, len(s.prompt_token_ids)) for s in steps]
     print(f"codex compaction: {classes}")
+
+
+def test_a_side_alias_is_served_by_the_backends_model_only_in_its_session(long_proxy: Any,
+                                                                          long_vllm: Any) -> None:
+    """What `steptap run --agent claude-code` relies on: a name the session lists as a side alias is served by
+    the backend's model (a call and count_tokens) and recorded as a side call; another unknown name, or the
+    alias outside its session, is still a 404 in Anthropic's shape."""
+    import urllib.error
+
+    client = SyncSteptapClient(long_proxy.url, long_proxy.token)
+    info = client.open_session(side_models=[SMALL_FAST])
+    root = info.base_url.removesuffix("/v1")
+    body = {"max_tokens": 4, "messages": [{"role": "user", "content": "Say hi."}]}
+    version = {"anthropic-version": "2023-06-01"}
+    headers = {"x-api-key": info.api_key, **version}
+    reply = http_json(f"{root}/v1/messages", {**body, "model": SMALL_FAST}, headers=headers)
+    assert reply["model"] == SMALL_FAST and reply["type"] == "message"
+    counted = http_json(f"{root}/v1/messages/count_tokens", {**body, "model": SMALL_FAST}, headers=headers)
+    for url, model, hdrs in [(f"{root}/v1/messages", "another-model", headers),
+                             (f"{long_proxy.url}/v1/messages", SMALL_FAST, version)]:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http_json(url, {**body, "model": model}, headers=hdrs)
+        assert refused.value.code == 404
+        error = json.loads(refused.value.read())
+        assert error["type"] == "error" and error["error"]["type"] == "not_found_error", error
+    client.finish(info.id)
+    (step,) = client.get_session(info.id).steps
+    assert (step.model, step.served_model, step.call_class, step.call_rule) == (
+        SMALL_FAST, long_vllm.served_model, "side", "side_model")
+    assert counted == {"input_tokens": len(step.prompt_token_ids)}
