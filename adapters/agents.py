@@ -23,6 +23,9 @@ PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` th
 BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi"}
 AGENTS = tuple(BINARIES)
 CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
+# Claude Code's small-fast model (its title calls): a name of its own, a side alias of the session (the proxy
+# serves it by the backend's model), so those calls are side calls whatever order they arrive in.
+SMALL_FAST = "steptap-small-fast"
 
 
 class AgentError(Exception):
@@ -36,6 +39,11 @@ class AgentLaunch:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)  # the settings written, for the user and the tests
+
+
+def side_models(agent: str | None) -> list[str]:
+    """The model names ``agent``'s side calls use: the side aliases of the session ``steptap run`` opens."""
+    return [SMALL_FAST] if agent == "claude-code" else []
 
 
 def agents_dir() -> Path:
@@ -106,7 +114,9 @@ def prepare(
 
 
 def _claude_code(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
-    # The Anthropic SDK appends /v1/messages itself: the base is the session's root, without /v1.
+    # The Anthropic SDK appends /v1/messages itself: the base is the session's root, without /v1. No
+    # CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC: it turns off the title call (and tools) the session should
+    # show; the three below only stop telemetry, error reports and updates (docs/agents.md).
     launch.env.update(
         ANTHROPIC_BASE_URL=base.removesuffix("/v1"),
         ANTHROPIC_API_KEY=api_key,
@@ -114,12 +124,11 @@ def _claude_code(launch: AgentLaunch, base: str, api_key: str, model: str, home:
         ANTHROPIC_DEFAULT_OPUS_MODEL=model,
         ANTHROPIC_DEFAULT_SONNET_MODEL=model,
         ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
-        ANTHROPIC_SMALL_FAST_MODEL=model,
+        ANTHROPIC_SMALL_FAST_MODEL=SMALL_FAST,
         CLAUDE_CONFIG_DIR=str(_private_dir(home / "claude")),
         DISABLE_TELEMETRY="1",
         DISABLE_ERROR_REPORTING="1",
         DISABLE_AUTOUPDATER="1",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
     )
 
 

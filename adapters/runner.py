@@ -148,7 +148,8 @@ class Runner:
                     metadata=self.args.metadata or {},
                     idle_timeout_s=self.args.idle_timeout,
                     train=self.args.train,
-                    side_models=self.args.side_models,
+                    side_models=[*(self.args.side_models or ()), *agents.side_models(self.args.agent)]
+                    or None,
                 )
             except Exception as exc:  # noqa: BLE001 - e.g. the proxy went away mid-run
                 m.status = "not started"

@@ -69,7 +69,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     any_model: Annotated[bool, _help("route every model name to the backend's served model")] = False
     side_models: Annotated[list[str], _help(
         "model names whose calls are side calls, not the agent's main line (--side-models repeated; e.g. "
-        "Claude Code's small-fast model); a session adds its own (sessions/classify.py)")] = []
+        "Claude Code's small-fast model); a session adds its own (sessions/classify.py); a name the backend "
+        "does not serve is served by its model")] = []
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from typing import Any, Literal
 
 import aiohttp
@@ -138,8 +139,9 @@ class BackendClient:
             raise BackendError(f"backend {self.name} sent a malformed model list: {exc!r}") from None
         return self.served
 
-    async def route(self, model: str | None) -> str:
-        """The served model for a requested name: itself, or (``--any-model``) the backend's first model."""
+    async def route(self, model: str | None, aliases: Collection[str] = ()) -> str:
+        """The served model for a requested name: itself, or (``--any-model``, or a side-call alias in
+        ``aliases`` the backend does not serve) the backend's first model."""
         if model in self.served:
             return model
         if not self.served or time.monotonic() - self._served_at > _MODELS_REFRESH_S:
@@ -150,7 +152,7 @@ class BackendClient:
                     raise BackendUnreachable(exc.message) from None
             if model in self.served:
                 return model
-        if model is None or self.config.any_model:
+        if model is None or self.config.any_model or model in aliases:
             if not self.served:
                 raise BackendUnavailable(f"backend {self.name} serves no model")
             return self.served[0]

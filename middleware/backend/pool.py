@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -282,9 +282,9 @@ class ReplicaPool:
         if not self.healthy():
             await asyncio.gather(*(self.admit(r) for r in list(self.replicas.values()) if not r.removed))
 
-    async def route(self, model: str | None) -> str:
+    async def route(self, model: str | None, aliases: Collection[str] = ()) -> str:
         await self.ready()
-        return await self.pick().client.route(model)
+        return await self.pick().client.route(model, aliases)
 
     async def models(self) -> tuple[int, bytes]:
         await self.ready()

@@ -113,7 +113,7 @@ async def _model_call(
     # Images: read, checked (a 400, nothing recorded) and stored before anything is forwarded (vision.py)
     async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images, edge) as pics:
         with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-            served = await pool.route(view.model)  # before resolving: a refused call opens no session
+            served = await pool.route(view.model, manager.side_aliases(ident))  # refused: opens no session
             session = await manager.resolve(ident)  # identify
             if proto is not None:
                 proto.prepare(None if session.trajectory.anonymous else session.id)

@@ -58,7 +58,7 @@ async def _count_tokens(request: web.Request) -> web.Response:
     await vision.gather(proto.chat, app[CONFIG_KEY], known)
     ident = identify(request)
     pool = app[POOL_KEY]
-    served = await pool.route(proto.chat.get("model"))
+    served = await pool.route(proto.chat.get("model"), app[SESSIONS_KEY].side_aliases(ident))
     session = await app[SESSIONS_KEY].resolve(ident)
     upstream = pool.pick(_sticky_id(session)).client
     await proto.adapt(upstream, served)

@@ -11,19 +11,25 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   last call token for token, or the same conversation came back rendered otherwise);
 - ``branch`` by ``rewrites_history``: it starts as the main line does (the same first message: the system
   prompt) but the history was rewritten from its start (the message after the system prompt is another: a
-  compaction's summary in place of the task and the turns): a new branch of the same trajectory
-  (``Step.branch`` counts them), whose later calls are ``main`` again;
+  compaction's summary in place of the task and the turns), or none of the agent's turns of the main line's
+  last call is left in it (Codex keeps its opening messages and the task and puts the summary in place of the
+  turns): a new branch of the same trajectory (``Step.branch`` counts them), whose later calls are ``main``
+  again;
 - ``main`` by ``edited``: the same first two messages, the history edited later on (OpenClaw moves its
-  internal-context message to the end of every request): still the main line, though not one token sequence
-  (``Step.prefix`` says why);
+  internal-context message to the end of every request), or the message after the system prompt continued
+  (Claude Code appends "[Your previous response had no visible output ...]" to the task to retry an empty
+  reply): still the main line, though not one token sequence (``Step.prefix`` says why);
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
 The main line's continuity is judged against its own last call, never a side call's, so a side call between
-two turns leaves the main line one token sequence. Pure; ``SessionManager.record`` applies it.
+two turns leaves the main line one token sequence. System prompts are compared as the model sees them: Claude
+Code's ``x-anthropic-billing-header`` line, which changes with the conversation, is left out as vLLM leaves it
+out of the prompt. Pure; ``SessionManager.record`` applies it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +56,10 @@ class Decision:
 
 
 def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collection[str] = (),
-           chat: list[Any] | None = None) -> Decision:
+           chat: list[Any] | None = None, last: Last = None) -> Decision:
     """The class of ``step`` given the main line and ``prefix`` (its continuity against the main line's last
-    call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated. Does not
+    call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated; ``last``:
+    the main line's last call and its messages in chat form (None when translated and not at hand). Does not
     change ``line``: ``advance`` does, once per call."""
     if step.model in side_models or step.model in line.side_models:
         return Decision("side", "side_model", line.branch)
@@ -60,12 +67,82 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         return Decision("main", "first", line.branch)
     if prefix in ("extends", "rerendered"):
         return Decision("main", prefix, line.branch)
-    opening = first_messages(step, chat)
+    opening = _opening(step, chat)
     if line.start and opening[:1] == line.start[:1]:  # the same system prompt
-        if opening[1:] != line.start[1:]:  # what followed it was replaced: a compaction
+        if not _continues(line.start[1:], opening[1:]) or _turns_gone(last, step, chat):  # a compaction
             return Decision("branch", "rewrites_history", line.branch + 1)
         return Decision("main", "edited", line.branch)
     return Decision("side", "other", line.branch)
+
+
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's attribution line (vllm/renderers/chat_utils.py)
+
+
+def _without_billing(message: Any) -> Any:
+    """A system message as the model sees it: vLLM drops a text part's first line when it is Claude Code's
+    billing header (its value changes with the conversation, e.g. after a compaction)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if isinstance(text, str) and text.startswith(BILLING_HEADER):
+            rest = text.partition("\n")[2]
+            if rest:
+                parts.append({**part, "text": rest})
+            continue
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def _opening(step: Step, chat: list[Any] | None) -> list[Any]:
+    """The first two messages, normalized, the system prompt as the model sees it."""
+    messages = chat if chat is not None else (
+        step.request.get("messages") if step.endpoint == "chat.completions" else None)
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            and messages[0].get("role") == "system":
+        chat = [_without_billing(messages[0]), *messages[1:2]]
+    return first_messages(step, chat)
+
+
+Last = tuple[Step, list[Any] | None] | None
+_WHOLE = 1 << 30  # first_messages' count for a whole conversation
+
+
+def _turns_gone(last: Last, step: Step, chat: list[Any] | None) -> bool:
+    """Whether the main line's last call held turns of the agent (assistant messages) and none of them, nor
+    that call's reply, is left in ``step``'s conversation: its history after the opening replaced, not edited
+    (a retry or a sliding window keeps some)."""
+    if last is None:
+        return False
+    prev, prev_chat = last
+    # empty for /v1/completions, or a translated call whose messages are not at hand (after a restart)
+    turns = [m for m in first_messages(prev, prev_chat, _WHOLE) if m[0] == "assistant"]
+    if not turns:
+        return False
+    new = first_messages(step, chat, _WHOLE)
+    return not any(t in new for t in (*turns, *first_messages(prev, [prev.response], 1)))
+
+
+def _continues(before: list[Any], after: list[Any]) -> bool:
+    """Whether the message after the system prompt is the main line's, or it continued (its text extended: a
+    retry that appends to the task), rather than replaced by another (a compaction's summary)."""
+    if before == after:
+        return True
+    if len(before) != 1 or len(after) != 1:
+        return False
+    (role, content, calls, name), (role2, content2, calls2, name2) = before[0], after[0]
+    return (role, calls, name) == (role2, calls2, name2) and _text_continues(content, content2)
+
+
+def _text_continues(before: str, after: str) -> bool:
+    # normalized content is its JSON: text is a JSON string, anything else (parts with images) compared whole
+    try:
+        old, new = json.loads(before), json.loads(after)
+    except ValueError:
+        return False
+    return isinstance(old, str) and isinstance(new, str) and len(new) > len(old) and new.startswith(old)
 
 
 def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | None = None) -> None:
@@ -73,17 +150,17 @@ def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | No
     if decision.call_class == "side":
         return
     if not line.started or decision.call_class == "branch":  # a branch's own opening: its summary
-        line.started, line.start = True, first_messages(step, chat)
+        line.started, line.start = True, _opening(step, chat)
     line.branch = decision.branch
 
 
 def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = (),
-          chat: list[Any] | None = None) -> bool:
+          chat: list[Any] | None = None, last: Last = None) -> bool:
     """Classify the steps of one call (the choices of one call share a class) and move the line on; returns
     whether the call is on the main line (so the session judges the next call against it)."""
     if not steps:
         return False
-    decision = decide(line, steps[0], prefixes[0], side_models, chat)
+    decision = decide(line, steps[0], prefixes[0], side_models, chat, last)
     for step in steps:
         step.call_class, step.call_rule, step.branch = decision.call_class, decision.rule, decision.branch
     if any(s.status == "ok" for s in steps):  # a failed call carries no ids: the line stays where it was

@@ -247,6 +247,12 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             return self.sessions[sid] if ident.key is not None and self.keys.get(ident.key) == sid else None
         return self.sessions.get(AUTO_PREFIX + sid)
 
+    def side_aliases(self, ident: Identity) -> list[str]:
+        """The side-call model names a call may use that the backend need not serve (routed to its model):
+        the proxy's ``side_models`` and those of the open session the call names."""
+        session = self.peek(ident)
+        return [*self.config.side_models, *(session.line.side_models if session is not None else ())]
+
     def hold_prompt(self, session: LiveSession, held: tuple[bytes, list[int]] | None) -> None:
         """Keep ``held`` (the latest token prompt's raw bytes and ids, proxy/prompts.py) on an open session,
         its bytes counted in what the session and the proxy hold (the ids are the latest call's, counted

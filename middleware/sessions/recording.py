@@ -62,7 +62,9 @@ class Recording:
         for step in steps:
             step.prefix = classify_after(prev_call, step, session.conversation, chat, grown)
         line_before = dataclasses.replace(session.line)
-        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat)
+        last = (prev_call[0], session.conversation) if prev_call else None  # the main line's last call
+        on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat,
+                                last)
         forms: list[Step] = []
         bases: list[Step | None] = []
         for offset, step in enumerate(steps):

@@ -32,6 +32,9 @@ DEFAULT_RULES = [
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
+    # Codex's turn after a compaction holds the task again (its trigger too) with the summary: answered, so
+    # the turn ends rather than calling the tool and compacting again
+    (r"produced a summary of its thinking process", "The summary was read."),
     (r"STEPTAP_CALL (\{[^\n]*\})", "<tool_call>\n\\1\n</tool_call>"),
 ]
 

@@ -47,11 +47,16 @@ def test_claude_code_gets_the_session_root_and_key_in_its_environment(tmp_path: 
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9999/s/sess-1"  # the SDK adds /v1/messages
     assert env["ANTHROPIC_API_KEY"] == KEY
     for name in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                 "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_SMALL_FAST_MODEL"):
+                 "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
         assert env[name] == MODEL, name
-    for name in ("DISABLE_TELEMETRY", "DISABLE_ERROR_REPORTING", "DISABLE_AUTOUPDATER",
-                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"):
+    # its small-fast calls (titles) name a side alias of the session, served by the session's model
+    assert env["ANTHROPIC_SMALL_FAST_MODEL"] == agents.SMALL_FAST
+    assert agents.side_models("claude-code") == [agents.SMALL_FAST]
+    assert [agents.side_models(a) for a in ("codex", "openclaw", "pi", None)] == [[], [], [], []]
+    for name in ("DISABLE_TELEMETRY", "DISABLE_ERROR_REPORTING", "DISABLE_AUTOUPDATER"):
         assert env[name] == "1", name
+    # default features on: this variable also turns off Claude Code's title call (docs/agents.md)
+    assert "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC" not in env
     config_dir = Path(env["CLAUDE_CONFIG_DIR"])
     assert config_dir.parent == tmp_path / "home" and stat.S_IMODE(config_dir.stat().st_mode) == 0o700
     _private(launch, tmp_path / "home")

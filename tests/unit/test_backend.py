@@ -94,3 +94,16 @@ async def test_pause_takes_its_mode_explicitly() -> None:
     client = BackendClient("http://127.0.0.1:9")
     with pytest.raises(ValueError, match="wait, keep or abort"):
         await client.pause("later")  # type: ignore[arg-type]
+
+
+async def test_a_side_alias_is_served_by_the_backends_model_and_other_names_are_not() -> None:
+    import time
+
+    from steptap.middleware.exceptions import ModelNotFound
+
+    client = BackendClient("http://127.0.0.1:9")  # nothing listens: the served list below is fresh
+    client.served, client._served_at = [MODEL], time.monotonic()
+    assert await client.route(MODEL) == MODEL
+    assert await client.route("steptap-small-fast", ["steptap-small-fast"]) == MODEL
+    with pytest.raises(ModelNotFound, match="steptap-small-fast"):
+        await client.route("steptap-small-fast", ["another"])

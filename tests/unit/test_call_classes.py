@@ -21,6 +21,7 @@ from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Sampling, Step, Trajectory, step_json_decoder, trajectory_json_decoder
 from steptap.middleware.sessions.classify import Decision, MainLine, apply, decide
+from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.prefix import first_messages
 
@@ -78,6 +79,70 @@ def test_each_rule_decides_its_class() -> None:
     assert decide(line, moved, "history_edited") == Decision("main", "edited", 1)
 
 
+def billed(fingerprint: str, text: str) -> dict[str, Any]:
+    """A system message as Claude Code sends it (in chat form): its billing line first (vLLM drops it)."""
+    billing = f"x-anthropic-billing-header: cc_version=2.1.197.{fingerprint}; cc_entrypoint=cli;"
+    return {"role": "system", "content": [{"type": "text", "text": billing}, {"type": "text", "text": text}]}
+
+
+def test_claude_code_retry_and_compaction_as_it_sends_them() -> None:
+    """Measured shapes of Claude Code 2.1.197: the billing line changes with the conversation (left out, as
+    vLLM leaves it out); an empty reply retried by appending to the task is an edit; a compaction that opens
+    with another first message, under the same system prompt, is a branch."""
+    context = {"type": "text", "text": "<system-reminder>context</system-reminder>"}
+    task = {"role": "user", "content": [context, {"type": "text", "text": "Say hello."}]}
+    line = MainLine()
+    first = step([billed("7b2", "You are Claude Code."), task], [1, 2], [3])
+    apply(line, [first], ["first"])
+    nudge = "[Your previous response had no visible output. Please continue.]"
+    retry = {"role": "user", "content": [*task["content"], {"type": "text", "text": nudge}]}
+    again = step([billed("7b2", "You are Claude Code."), retry], [1, 2, 4], [5])
+    assert decide(line, again, "history_edited") == Decision("main", "edited", 0)
+    continued = "This session is being continued from a previous conversation."
+    summary = {"role": "user", "content": [context, {"type": "text", "text": continued}]}
+    compacted = step([billed("f9d", "You are Claude Code."), summary], [1, 2, 6], [7])
+    assert decide(line, compacted, "history_edited") == Decision("branch", "rewrites_history", 1)
+    # another system prompt after the billing line is still another: a title call
+    title = step([billed("363", "Generate a concise title."), task], [8], [9])
+    assert decide(line, title, "history_edited") == Decision("side", "other", 0)
+    # a shorter first message, or another role, is not a continuation
+    cut = step([billed("7b2", "You are Claude Code."), {"role": "user", "content": [context]}], [1], [2])
+    assert decide(line, cut, "history_edited").call_class == "branch"
+
+
+def test_turns_replaced_after_the_task_open_a_branch_and_turns_kept_do_not() -> None:
+    """Codex 0.169.0's compaction (measured) keeps its opening messages and the task and puts the summary in
+    place of the turns: a branch. A retry or a sliding window keeps some of the agent's turns: an edit."""
+    dev = {"role": "system", "content": "You are Codex."}
+    env, task = {"role": "user", "content": "<environment_context>"}, {"role": "user", "content": "do it"}
+    function = {"name": "exec_command", "arguments": '{"cmd": "ls"}'}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                   "function": function}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}
+    line = MainLine()
+    first = step([dev, env, task], [1, 2, 3], [4])
+    apply(line, [first], ["first"])
+    checkpoint = {"role": "user", "content": "CONTEXT CHECKPOINT COMPACTION"}
+    compaction = step([dev, env, task, call, result, checkpoint], [1, 2, 3, 4, 5, 6], [7])
+    compaction.response = {"role": "assistant", "content": "The summary."}
+    summary = {"role": "user", "content": "Another language model started this problem: The summary."}
+    after = step([dev, env, task, summary], [1, 2, 3, 8], [9])
+    branch = Decision("branch", "rewrites_history", 1)
+    assert decide(line, after, "truncated", last=(compaction, None)) == branch
+    # the same call judged without the main line's last call at hand (a restart): an edit, as before
+    assert decide(line, after, "truncated") == Decision("main", "edited", 0)
+    # a sliding window keeps the last call's reply; a retry keeps its tool call: edits
+    later = step([dev, env, task, call, result], [1, 2, 3, 4, 5], [10])
+    later.response = {"role": "assistant", "content": "next"}
+    go = {"role": "user", "content": "go"}
+    window = step([dev, env, task, {"role": "assistant", "content": "next"}, go], [1, 2, 3, 11], [12])
+    assert decide(line, window, "history_edited", last=(later, None)).rule == "edited"
+    retry = step([dev, env, task, call, {**result, "content": "a.txt (retry)"}], [1, 2, 3, 13], [14])
+    assert decide(line, retry, "history_edited", last=(later, None)).rule == "edited"
+    # a last call without any turn of the agent (the first) never counts as replaced
+    assert decide(line, window, "history_edited", last=(first, None)).rule == "edited"
+
+
 def test_a_failed_call_does_not_start_or_move_the_line() -> None:
     line = MainLine()
     failed = step([SYSTEM], [], [])
@@ -98,6 +163,11 @@ async def test_a_session_records_counts_and_rebuilds_its_lines(manager: SessionM
                                                                 tmp_path: Path) -> None:
     calls = session_calls()
     session = await manager.open(session_id="s1", train="all", side_models=["small-fast"])
+    # the names a call may use without the backend serving them: the proxy's, and the session's for a call
+    # that reaches it (its key), never another session's
+    assert manager.side_aliases(Identity("path", "s1", session.key)) == ["claude-haiku", "small-fast"]
+    assert manager.side_aliases(Identity("path", "s1", None)) == ["claude-haiku"]
+    assert manager.side_aliases(Identity("anonymous")) == ["claude-haiku"]
     for s in calls[:2]:
         await manager.record(session, [s])
     # the session's own alias and the proxy's: side calls, and neither moves the main line
