@@ -14,6 +14,9 @@ body: the result is the same dict either way.
 A chat call's prompt is messages, but vLLM's reply echoes its prompt ids (``return_token_ids``): the same
 held bytes and ids serve it, so a chat session's step decodes only the ids of the last reply and its new
 messages, and its continuity check is an identity compare too.
+
+The other way, a TITO turn sends vLLM the previous prompt + the reply + the new messages' ids: its JSON is the
+held bytes continued (``grown_json``), only the new ids encoded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.prefix import Grown
 
 if TYPE_CHECKING:
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
+_encode = json_encoder.encode
 _ids = msgspec.json.Decoder(list[int])  # strict: a float or a bool is not an id
 _KEY = b'"prompt"'
 _SPACE = b" \t\r\n"
@@ -149,3 +154,14 @@ def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:
     if prompt[at:at + 1] != b"," or old.rstrip(_SPACE)[-1:] != b"]" or not old_ids:
         return None
     return old_ids + _ids.decode(b"[" + prompt[at + 1:])
+
+
+def grown_json(held: tuple[bytes, list[int]], rest: list[int]) -> bytes:
+    """The JSON of ``held``'s ids + ``rest``: the held bytes (a JSON array of those ids) continued, only
+    ``rest`` encoded (encoding 120k ids a turn was linear in the context)."""
+    old, old_ids = held
+    if not rest:
+        return old
+    if not old_ids:
+        return _encode(rest)
+    return b"".join((old.rstrip(_SPACE)[:-1], b",", _encode(rest)[1:]))

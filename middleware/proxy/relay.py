@@ -296,6 +296,7 @@ class _Call(StreamRelay):
         base = self.upstream.name  # the replica as configured (never http://localhost)
         turn.spans = self.spans
         self.built = turn.encoded_prompt()
+        self.manager.hold_prompt(self.session, self.built)  # the next turn's JSON continues it (tito.Turn)
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)

@@ -42,6 +42,7 @@ import msgspec
 
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.exceptions import BackendError
+from steptap.middleware.proxy import prompts
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step, json_encoder, msgpack_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
@@ -232,8 +233,10 @@ async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) ->
 class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
-    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan) -> None:
+    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan,
+                 held: tuple[bytes, list[int]] | None = None) -> None:
         self.client = client
+        self.held = held  # the session's latest prompt, its JSON and ids (LiveSession.prompt)
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
@@ -276,7 +279,10 @@ class Turn:
         if split is None:
             return None
         tail, added = split
-        self.prompt = state.prompt_ids + state.response_ids + tail + added
+        rest = state.response_ids + tail + added  # short: the long prompt list is copied once, not thrice
+        self.prompt = state.prompt_ids + rest
+        if self.held is not None and self.held[1] is state.prompt_ids:  # its JSON continued, not re-encoded
+            self._raw["prompt"] = (self.prompt, msgspec.Raw(prompts.grown_json(self.held, rest)))
         params = dict(full["sampling_params"])
         if self.chat.get("max_tokens") is None and self.chat.get("max_completion_tokens") is None:
             # render's default is the context left after its own (shorter) prompt
@@ -421,7 +427,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
     of the fallback to the normal path, counted by cause in either case."""
     decided = plan(session.tito_state, chat, handles, session.id)
     if decided.cause == "tokens":
-        turn = Turn(client, chat, decided)
+        turn = Turn(client, chat, decided, session.prompt)
         try:
             generate = await turn.request(stream)
         except TitoError as exc:

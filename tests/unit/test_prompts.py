@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
-from steptap.middleware.proxy.prompts import decode_completion
+from steptap.middleware.proxy.prompts import decode_completion, grown_json
 from steptap.middleware.sessions.prefix import Grown
 
 
@@ -100,3 +102,16 @@ def test_a_chat_reply_echo_is_decoded_from_what_is_new() -> None:
     assert take_echo(b'{"choices": [], "prompt_token_ids": null}', None) is None
     assert take_echo(b'{"prompt_token_ids": [1, 2], "x": {"prompt_token_ids": [3]}}', None) is None
     assert take_echo(b'{"prompt_token_ids": [1.5, 2]}', None) is None  # not ids: the dict path says so
+
+
+_ID = st.integers(min_value=0, max_value=2**31)
+
+
+@given(old=st.lists(_ID, max_size=40), rest=st.lists(_ID, max_size=40), spaced=st.booleans())
+def test_grown_json_is_the_whole_encode(old: list[int], rest: list[int], spaced: bool) -> None:
+    # The held bytes as msgspec writes them, or as an agent's json.dumps does (", " between ids)
+    held_bytes = json.dumps(old).encode() if spaced else msgspec.json.encode(old)
+    got = grown_json((held_bytes, old), rest)
+    assert msgspec.json.decode(got) == old + rest  # what vLLM reads: the same ids
+    if not spaced:
+        assert got == msgspec.json.encode(old + rest)  # byte for byte the whole encode
