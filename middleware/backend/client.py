@@ -55,7 +55,7 @@ class Parts(aiohttp.payload.Payload):
 
     _autoclose = True  # bytes in memory: nothing to close
 
-    def __init__(self, parts: list[bytes]) -> None:
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
         super().__init__(parts, content_type="application/json")
         self._size = sum(len(p) for p in parts)
 
@@ -76,7 +76,7 @@ class Parts(aiohttp.payload.Payload):
 def json_parts(held: dict[str, bytes], rest: dict[str, Any]) -> Parts:
     """A JSON object of ``held`` (values that are JSON already, sent as they are), then ``rest`` (no key of
     ``held``)."""
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     for key, value in held.items():
         parts += (b"," if parts else b"{") + _encode(key) + b":", value
     tail = _encode(rest)
