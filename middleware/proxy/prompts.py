@@ -39,40 +39,33 @@ _KEY = b'"prompt"'
 _SPACE = b" \t\r\n"
 
 
-class _Prompt(msgspec.Struct):
-    prompt: msgspec.Raw = msgspec.Raw()
-
-
-_prompt_of = msgspec.json.Decoder(_Prompt)
-
-
 def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
                       ) -> tuple[dict[str, Any], tuple[bytes, list[int]], Grown | None] | None:
     """The body of ``raw`` (as ``msgspec.json.decode`` gives it), what the session holds for its next call
     (the prompt's bytes and ids) and, when the ids continue the held ones, how they were built (for
-    ``prefix.extends``); None: decode it whole."""
-    try:
-        found = _prompt_of.decode(raw)
-    except msgspec.DecodeError:
-        return None  # not an object, or not JSON: the caller's decode says so in its own words
-    prompt = bytes(found.prompt)
-    if not prompt.startswith(b"["):
-        return None
-    # Where the value sits in ``raw``: after the one ``"prompt"`` key (a second occurrence, in a string or a
-    # nested object, and the bytes there not being the value: decode it whole)
+    ``prefix.extends``); None: decode it whole.
+
+    Found by bytes, not by parsing the whole body: the value after the one ``"prompt"`` key, up to its first
+    ``]`` (an array of ids ends there; anything else does not decode as ids), and the rest of the body decoded
+    with null in its place, which must then be the top-level key's value. A body with a ``\\u`` escape could
+    spell another key "prompt": decoded whole."""
     at = _value_at(raw, _KEY)
-    if at is None or not raw.startswith(prompt, at):
+    if at is None or raw[at:at + 1] != b"[" or b"\\u" in raw:
         return None
+    end = raw.find(b"]", at)
+    if end < 0:
+        return None
+    prompt = raw[at:end + 1]
     try:
         ids = _extend(prompt, held) if held is not None else None
         grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
             ids = _ids.decode(prompt)
-        body = _decode(b"".join((raw[:at], b"null", raw[at + len(prompt):])))
-    except msgspec.DecodeError:  # not all ids (text, a batch): decode it whole
+        body = _decode(b"".join((raw[:at], b"null", raw[end + 1:])))
+    except msgspec.DecodeError:  # not all ids (text, a batch), or not JSON: decode it whole
         return None
-    if not isinstance(body, dict):
-        return None
+    if not isinstance(body, dict) or "prompt" not in body or body["prompt"] is not None:
+        return None  # the one "prompt" was not the top-level key
     body["prompt"] = ids
     return body, (prompt, ids), grown
 

@@ -73,6 +73,27 @@ def test_shapes_it_leaves_to_the_whole_decode() -> None:
     assert decode_completion(b"[1, 2]", held) is None
     assert decode_completion(b'{"prompt": [1, 2', held) is None  # not JSON: the caller's 400
     assert decode_completion(b'{"model": "m"}', held) is None
+    assert decode_completion(b'{"model": "m", "x": {"prompt": [1, 2]}}', held) is None  # nested only
+    # a top-level key spelled with an escape, and another "prompt" nested: never the nested one's ids
+    assert decode_completion(b'{"pr\\u006fmpt": null, "x": {"prompt": [1, 2]}}', held) is None
+
+
+_VALUE = st.recursive(st.none() | st.integers() | st.text(alphabet='"prompt[],{}\\ '),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                          st.sampled_from(["prompt", "model", "x"]), inner, max_size=3), max_leaves=8)
+
+
+@given(prompt=st.lists(st.integers(0, 2**31), max_size=30) | _VALUE,
+       extra=st.dictionaries(st.sampled_from(["model", "stop", "x", "max_tokens"]), _VALUE, max_size=3))
+def test_found_by_bytes_or_not_at_all(prompt: Any, extra: dict[str, Any]) -> None:
+    """Whatever the body holds around its prompt (keys, strings, nested objects named "prompt"), what is
+    found by bytes is what a whole decode gives (``_check`` asserts it), or nothing."""
+    raw = _body(prompt, **extra)
+    got = _check(raw, None)
+    if got is not None:
+        assert got[0]["prompt"] == prompt
+        nxt = _check(_body([*got[0]["prompt"], 5], **extra), got[1])  # continued: the same, from the held
+        assert nxt is not None and (nxt[2] is not None) == bool(prompt)  # (an empty one continues nothing)
 
 
 def test_a_chat_reply_echo_is_decoded_from_what_is_new() -> None:
