@@ -49,12 +49,10 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
     ``]`` (an array of ids ends there; anything else does not decode as ids), and the rest of the body decoded
     with null in its place, which must then be the top-level key's value. A body with a ``\\u`` escape could
     spell another key "prompt": decoded whole."""
-    at = _value_at(raw, _KEY)
-    if at is None or raw[at:at + 1] != b"[" or b"\\u" in raw:
+    found = _array_at(raw, _KEY)
+    if found is None or _may_escape_a_key(raw):
         return None
-    end = raw.find(b"]", at)
-    if end < 0:
-        return None
+    at, end = found
     prompt = raw[at:end + 1]
     try:
         ids = _extend(prompt, held) if held is not None else None
@@ -73,11 +71,13 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
 _ECHO = b'"prompt_token_ids"'
 
 
-def _value_at(raw: bytes, key: bytes) -> int | None:
-    """Where the value of the one ``key`` in ``raw`` starts (past its colon and spaces); None when the key is
-    absent, there more than once, or not followed by a colon."""
+def _array_at(raw: bytes, key: bytes) -> tuple[int, int] | None:
+    """Where the array after the one ``key`` in ``raw`` starts (past its colon and spaces) and where its first
+    ``]`` is (an array of ids ends there; anything else fails to decode as ids); None when the key is absent,
+    there more than once, or not followed by a colon and a ``[``. The array is not searched for the key: ids
+    hold no quote."""
     found = raw.find(key)
-    if found < 0 or raw.find(key, found + 1) >= 0:
+    if found < 0:
         return None
     at = found + len(key)
     while at < len(raw) and raw[at] in _SPACE:
@@ -87,7 +87,26 @@ def _value_at(raw: bytes, key: bytes) -> int | None:
     at += 1
     while at < len(raw) and raw[at] in _SPACE:
         at += 1
-    return at
+    end = raw.find(b"]", at)
+    if raw[at:at + 1] != b"[" or end < 0 or raw.find(key, end) >= 0:
+        return None
+    return at, end
+
+
+def _may_escape_a_key(raw: bytes) -> bool:
+    """Whether ``raw`` may hold a ``\\u`` escape, with which a key could spell "prompt" (a backslash is found
+    at memchr speed; past a few of them, taken as yes: the whole decode decides)."""
+    at = raw.find(b"\\")
+    for _ in range(_ESCAPES_LOOKED_AT):
+        if at < 0:
+            return False
+        if raw[at + 1:at + 2] == b"u":
+            return True
+        at = raw.find(b"\\", at + 2)  # past the escaped character (an escaped backslash too)
+    return True
+
+
+_ESCAPES_LOOKED_AT = 64
 
 
 def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
@@ -98,12 +117,10 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
     prompt + reply + its new messages) and how they were built (``prefix.extends``); None: no echo of ids
     there (or more than one key of that name), decode it whole. A ``"prompt_token_ids":`` in ``data`` is a
     key (a quote in a string is escaped), and an array of ids ends at its first ``]``."""
-    at = _value_at(data, _ECHO)
-    if at is None:
+    found = _array_at(data, _ECHO)
+    if found is None:
         return None
-    end = data.find(b"]", at)
-    if data[at:at + 1] != b"[" or end < 0:
-        return None
+    at, end = found
     echo = data[at:end + 1]
     if held is not None and echo == held[0]:
         return b"".join((data[:at], b"null", data[end + 1:])), echo, held[1], None  # the same bytes: ids

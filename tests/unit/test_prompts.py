@@ -76,9 +76,13 @@ def test_shapes_it_leaves_to_the_whole_decode() -> None:
     assert decode_completion(b'{"model": "m", "x": {"prompt": [1, 2]}}', held) is None  # nested only
     # a top-level key spelled with an escape, and another "prompt" nested: never the nested one's ids
     assert decode_completion(b'{"pr\\u006fmpt": null, "x": {"prompt": [1, 2]}}', held) is None
+    # other escapes (a newline stop string, an escaped backslash before a "u") keep the fast path
+    for stop in ("\n\n", "a\\u"):
+        got = _check(_body([*range(300, 400), 7], stop=[stop]), held)
+        assert got is not None and got[2] is not None and got[0]["stop"] == [stop]
 
 
-_VALUE = st.recursive(st.none() | st.integers() | st.text(alphabet='"prompt[],{}\\ '),
+_VALUE = st.recursive(st.none() | st.integers() | st.text(alphabet='"prompt[],{}\\ u\né'),
                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
                           st.sampled_from(["prompt", "model", "x"]), inner, max_size=3), max_leaves=8)
 
