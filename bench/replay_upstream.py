@@ -123,7 +123,7 @@ async def not_found(request: web.Request) -> web.Response:
     )
 
 
-# --- --tito: a made-up tokenizer and template, vLLM's TITO routes' shapes -------------------------------------
+# --- --tito: a made-up tokenizer and template, vLLM's TITO routes' shapes -----------------------------------
 
 _ROLES = {"system": 399, "user": 343, "assistant": 414, "tool": 415}
 _END = 2  # the end-of-turn token
