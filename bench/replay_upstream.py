@@ -10,6 +10,13 @@ request is parsed, and those two by a byte search: the cost on this side is the 
 (``completions``: for ``long_session.py``), and the vLLM dev-mode routes a proxy may call at start
 (health, version, pause state) answer as vLLM does. Any other route is a 404 and is counted (``GET
 /bench/stats``), so a benchmark sees what it missed.
+
+``--tito``: a chat session in token-in-token-out mode (``long_session.py --chat``) instead of the recorded
+chat reply: ``/v1/chat/completions`` renders the messages with a made-up tokenizer (two bytes a token, a
+ChatML-like template whose end token is 2) and answers a 2-token reply ending on it, with the prompt ids
+echoed; ``chat/completions/render``, ``inference/v1/generate`` and ``chat/completions/derender`` answer as
+vLLM's do (a generate request's ids are not read: its cost on this side is a byte search). The proxy's CPU per
+TITO turn at a given context, with nothing else in the call's wall time.
 """
 
 from __future__ import annotations
@@ -116,7 +123,76 @@ async def not_found(request: web.Request) -> web.Response:
     )
 
 
-def create_app(fixtures: Fixture | list[Fixture]) -> web.Application:
+# --- --tito: a made-up tokenizer and template, vLLM's TITO routes' shapes -----------------------------------
+
+_ROLES = {"system": 399, "user": 343, "assistant": 414, "tool": 415}
+_END = 2  # the end-of-turn token
+_REPLY = [3580, _END]  # every reply: "fandi" and the end token
+
+
+def _render(messages: list[dict], generation: bool) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        text = (m.get("content") or "").encode()
+        ids += [1, _ROLES.get(m.get("role"), 343), 201]
+        pairs = text + b" " if len(text) % 2 else text
+        ids += [100 + (pairs[i] * 31 + pairs[i + 1]) % 3900 for i in range(0, len(pairs), 2)]
+        ids += [_END, 201]
+    return ids + [1, 414, 201] if generation else ids
+
+
+def _logprobs(ids: list[int]) -> dict:
+    return {"content": [{"token": "fandi" if t != _END else "<|im_end|>", "token_id": t, "logprob": -1.0,
+                         "bytes": [], "top_logprobs": []} for t in ids]}
+
+
+async def tito_chat(request: web.Request) -> web.Response:
+    body = msgspec.json.decode(await request.read())
+    request.app[STATS]["tito chat"] += 1
+    prompt = _render(body["messages"], True)
+    return web.Response(body=msgspec.json.encode({
+        "id": "chatcmpl-replay", "object": "chat.completion", "created": 1, "model": body.get("model"),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "fandi"},
+                     "logprobs": _logprobs(_REPLY), "finish_reason": "stop", "stop_reason": None,
+                     "token_ids": _REPLY}],
+        "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 2, "completion_tokens": 2},
+        "prompt_token_ids": prompt}), content_type="application/json")
+
+
+async def tito_render(request: web.Request) -> web.Response:
+    body = msgspec.json.decode(await request.read())
+    request.app[STATS]["tito render"] += 1
+    ids = _render(body["messages"], bool(body.get("add_generation_prompt", True)))
+    params = {"temperature": 1.0, "max_tokens": body.get("max_tokens") or 131072 - len(ids), "logprobs": 0}
+    return web.Response(body=msgspec.json.encode({"request_id": "render-replay", "token_ids": ids,
+                                                 "sampling_params": params, "model": body.get("model"),
+                                                 "stream": False}), content_type="application/json")
+
+
+async def tito_generate(request: web.Request) -> web.Response:
+    await request.read()
+    request.app[STATS]["tito generate"] += 1
+    return web.Response(body=msgspec.json.encode({
+        "request_id": "generate-replay", "output_mode": "tokens", "choices": [{
+            "index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": _REPLY,
+            "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+            "logprobs": {"content": [{"token_id": t, "logprob": -1.0, "rank": 1, "top_logprobs": []}
+                                     for t in _REPLY]}}]}), content_type="application/json")
+
+
+async def tito_derender(request: web.Request) -> web.Response:
+    await request.read()
+    request.app[STATS]["tito derender"] += 1
+    return web.Response(body=msgspec.json.encode({
+        "id": "generate-replay", "object": "chat.completion", "created": 1, "model": "replay",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "fandi"},
+                     "logprobs": _logprobs(_REPLY[:-1]), "finish_reason": "stop", "stop_reason": None,
+                     "token_ids": _REPLY[:-1]}],
+        "usage": {"prompt_tokens": 0, "total_tokens": 1, "completion_tokens": 1}}),
+        content_type="application/json")
+
+
+def create_app(fixtures: Fixture | list[Fixture], tito: bool = False) -> web.Application:
     if isinstance(fixtures, Fixture):
         fixtures = [fixtures]
     app = web.Application(client_max_size=64 * 1024**2)
@@ -125,7 +201,11 @@ def create_app(fixtures: Fixture | list[Fixture]) -> web.Application:
     if len(app[BY_MAX_TOKENS]) != len(fixtures):
         raise SystemExit("each fixture needs its own max_tokens (the replay tells calls apart by it)")
     app[STATS] = Counter()
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", tito_chat if tito else chat)
+    if tito:
+        app.router.add_post("/v1/chat/completions/render", tito_render)
+        app.router.add_post("/inference/v1/generate", tito_generate)
+        app.router.add_post("/v1/chat/completions/derender", tito_derender)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", ok)
@@ -143,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fixture", action="append", help=f"repeatable; default {DEFAULT_FIXTURE}")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tito", action="store_true", help="answer a chat session's TITO routes (see above)")
     args = p.parse_args(argv)
-    serve(create_app([load(name) for name in args.fixture or [DEFAULT_FIXTURE]]), port=args.port)
+    serve(create_app([load(name) for name in args.fixture or [DEFAULT_FIXTURE]], args.tito), port=args.port)
     return 0
 
 

@@ -27,3 +27,6 @@ max_completion_tokens, top_logprobs, return_token_ids, echo  # proxy/validate.py
 finished_at  # records.Trajectory: part of the record the learner and export read
 mime  # records.ImageRef: part of the record (the image bytes' type, for readers and export)
 
+
+# aiohttp's Payload interface (backend/client.py: Parts): called by aiohttp's client, never by name here
+_.as_bytes, _.write_with_length

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import aiohttp
 import msgspec
+from aiohttp.abc import AbstractStreamWriter
 
 from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.config import ProxyConfig
@@ -46,6 +47,44 @@ ROUTES = {
 ADMIN_TIMEOUT_S = 600.0  # an admin call (a reload of a large model) may take this long
 # VLLM's /pause modes: finish, hold, or fail the requests in flight
 PauseMode = Literal["wait", "keep", "abort"]
+
+
+class Parts(aiohttp.payload.Payload):
+    """A JSON body sent as its parts in order, each written as it is: a TITO body's 0.6 MB of prompt ids go
+    out from the bytes the session holds, never joined into a copy (aiohttp joins a one-piece body with its
+    headers on Python before 3.12.9; here only the first, short part is)."""
+
+    _autoclose = True  # bytes in memory: nothing to close
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        super().__init__(parts, content_type="application/json")
+        self._size = sum(len(p) for p in parts)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._value)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        for part in self._value:
+            await writer.write(part)
+
+    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+        await self.write(writer)  # the length is the size: this payload sets it
+
+
+def json_parts(held: dict[str, bytes], rest: dict[str, Any]) -> Parts:
+    """A JSON object of ``held`` (values that are JSON already, sent as they are), then ``rest`` (no key of
+    ``held``)."""
+    parts: list[bytes | memoryview] = []
+    for key, value in held.items():
+        parts += (b"," if parts else b"{") + _encode(key) + b":", value
+    tail = _encode(rest)
+    if not parts:
+        return Parts([tail])
+    parts.append(b"," + tail[1:] if len(tail) > 2 else b"}")
+    return Parts(parts)
 
 
 def unreachable(name: str, exc: BaseException) -> BackendUnreachable:
@@ -161,8 +200,9 @@ class BackendClient:
             f"{', '.join(self.served) or 'nothing'})."
         )
 
-    async def post(self, endpoint: str, payload: bytes) -> aiohttp.ClientResponse:
-        """Send a model call (``ROUTES`` names it); the caller reads and releases the response."""
+    async def post(self, endpoint: str, payload: bytes | Parts) -> aiohttp.ClientResponse:
+        """Send a model call (``ROUTES`` names it; a JSON body, or its ``Parts``); the caller reads and
+        releases the response."""
         http = self._calls()
         url = self.base + ROUTES[endpoint]
         try:
@@ -177,8 +217,9 @@ class BackendClient:
             raise unreachable(self.name, exc) from None
 
     async def post_json(self, endpoint: str, body: Any) -> tuple[int, bytes]:
-        """A JSON call on a model route (render, generate, derender): ``(status, body)`` as vLLM answered."""
-        resp = await self.post(endpoint, _encode(body))
+        """A JSON call on a model route (render, generate, derender; ``body`` a value, or a JSON body's
+        ``Parts``): ``(status, body)`` as vLLM answered."""
+        resp = await self.post(endpoint, body if isinstance(body, Parts) else _encode(body))
         try:
             return resp.status, await resp.read()
         except TimeoutError:

@@ -14,6 +14,9 @@ body: the result is the same dict either way.
 A chat call's prompt is messages, but vLLM's reply echoes its prompt ids (``return_token_ids``): the same
 held bytes and ids serve it, so a chat session's step decodes only the ids of the last reply and its new
 messages, and its continuity check is an identity compare too.
+
+The other way, a TITO turn sends vLLM the previous prompt + the reply + the new messages' ids: its JSON is the
+held bytes continued (``grown_json``), only the new ids encoded.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.prefix import Grown
 
 if TYPE_CHECKING:
@@ -29,45 +33,37 @@ if TYPE_CHECKING:
     from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
+_encode = json_encoder.encode
 _ids = msgspec.json.Decoder(list[int])  # strict: a float or a bool is not an id
 _KEY = b'"prompt"'
 _SPACE = b" \t\r\n"
-
-
-class _Prompt(msgspec.Struct):
-    prompt: msgspec.Raw = msgspec.Raw()
-
-
-_prompt_of = msgspec.json.Decoder(_Prompt)
 
 
 def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
                       ) -> tuple[dict[str, Any], tuple[bytes, list[int]], Grown | None] | None:
     """The body of ``raw`` (as ``msgspec.json.decode`` gives it), what the session holds for its next call
     (the prompt's bytes and ids) and, when the ids continue the held ones, how they were built (for
-    ``prefix.extends``); None: decode it whole."""
-    try:
-        found = _prompt_of.decode(raw)
-    except msgspec.DecodeError:
-        return None  # not an object, or not JSON: the caller's decode says so in its own words
-    prompt = bytes(found.prompt)
-    if not prompt.startswith(b"["):
+    ``prefix.extends``); None: decode it whole.
+
+    Found by bytes, not by parsing the whole body: the value after the one ``"prompt"`` key, up to its first
+    ``]`` (an array of ids ends there; anything else does not decode as ids), and the rest of the body decoded
+    with null in its place, which must then be the top-level key's value. A body with a ``\\u`` escape could
+    spell another key "prompt": decoded whole."""
+    found = _array_at(raw, _KEY)
+    if found is None or _may_escape_a_key(raw):
         return None
-    # Where the value sits in ``raw``: after the one ``"prompt"`` key (a second occurrence, in a string or a
-    # nested object, and the bytes there not being the value: decode it whole)
-    at = _value_at(raw, _KEY)
-    if at is None or not raw.startswith(prompt, at):
-        return None
+    at, end = found
+    prompt = raw[at:end + 1]
     try:
         ids = _extend(prompt, held) if held is not None else None
         grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
             ids = _ids.decode(prompt)
-        body = _decode(b"".join((raw[:at], b"null", raw[at + len(prompt):])))
-    except msgspec.DecodeError:  # not all ids (text, a batch): decode it whole
+        body = _decode(b"".join((raw[:at], b"null", raw[end + 1:])))
+    except msgspec.DecodeError:  # not all ids (text, a batch), or not JSON: decode it whole
         return None
-    if not isinstance(body, dict):
-        return None
+    if not isinstance(body, dict) or "prompt" not in body or body["prompt"] is not None:
+        return None  # the one "prompt" was not the top-level key
     body["prompt"] = ids
     return body, (prompt, ids), grown
 
@@ -75,11 +71,13 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
 _ECHO = b'"prompt_token_ids"'
 
 
-def _value_at(raw: bytes, key: bytes) -> int | None:
-    """Where the value of the one ``key`` in ``raw`` starts (past its colon and spaces); None when the key is
-    absent, there more than once, or not followed by a colon."""
+def _array_at(raw: bytes, key: bytes) -> tuple[int, int] | None:
+    """Where the array after the one ``key`` in ``raw`` starts (past its colon and spaces) and where its first
+    ``]`` is (an array of ids ends there; anything else fails to decode as ids); None when the key is absent,
+    there more than once, or not followed by a colon and a ``[``. The array is not searched for the key: ids
+    hold no quote."""
     found = raw.find(key)
-    if found < 0 or raw.find(key, found + 1) >= 0:
+    if found < 0:
         return None
     at = found + len(key)
     while at < len(raw) and raw[at] in _SPACE:
@@ -89,7 +87,26 @@ def _value_at(raw: bytes, key: bytes) -> int | None:
     at += 1
     while at < len(raw) and raw[at] in _SPACE:
         at += 1
-    return at
+    end = raw.find(b"]", at)
+    if raw[at:at + 1] != b"[" or end < 0 or raw.find(key, end) >= 0:
+        return None
+    return at, end
+
+
+def _may_escape_a_key(raw: bytes) -> bool:
+    """Whether ``raw`` may hold a ``\\u`` escape, with which a key could spell "prompt" (a backslash is found
+    at memchr speed; past a few of them, taken as yes: the whole decode decides)."""
+    at = raw.find(b"\\")
+    for _ in range(_ESCAPES_LOOKED_AT):
+        if at < 0:
+            return False
+        if raw[at + 1:at + 2] == b"u":
+            return True
+        at = raw.find(b"\\", at + 2)  # past the escaped character (an escaped backslash too)
+    return True
+
+
+_ESCAPES_LOOKED_AT = 64
 
 
 def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
@@ -100,12 +117,10 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
     prompt + reply + its new messages) and how they were built (``prefix.extends``); None: no echo of ids
     there (or more than one key of that name), decode it whole. A ``"prompt_token_ids":`` in ``data`` is a
     key (a quote in a string is escaped), and an array of ids ends at its first ``]``."""
-    at = _value_at(data, _ECHO)
-    if at is None:
+    found = _array_at(data, _ECHO)
+    if found is None:
         return None
-    end = data.find(b"]", at)
-    if data[at:at + 1] != b"[" or end < 0:
-        return None
+    at, end = found
     echo = data[at:end + 1]
     if held is not None and echo == held[0]:
         return b"".join((data[:at], b"null", data[end + 1:])), echo, held[1], None  # the same bytes: ids
@@ -149,3 +164,14 @@ def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:
     if prompt[at:at + 1] != b"," or old.rstrip(_SPACE)[-1:] != b"]" or not old_ids:
         return None
     return old_ids + _ids.decode(b"[" + prompt[at + 1:])
+
+
+def grown_json(held: tuple[bytes, list[int]], rest: list[int]) -> bytes:
+    """The JSON of ``held``'s ids + ``rest``: the held bytes (a JSON array of those ids) continued, only
+    ``rest`` encoded (encoding 120k ids a turn was linear in the context)."""
+    old, old_ids = held
+    if not rest:
+        return old
+    if not old_ids:
+        return _encode(rest)
+    return b"".join((old.rstrip(_SPACE)[:-1], b",", _encode(rest)[1:]))

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import check_model_call_origin
-from steptap.middleware.backend.client import timed_out
+from steptap.middleware.backend.client import Parts, timed_out
 from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
@@ -223,7 +223,7 @@ class _Call(StreamRelay):
         self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)
         self.built: tuple[bytes, list[int]] | None = None  # a TITO turn's prompt (its JSON, its ids)
 
-    async def run(self, payload: bytes, stream: bool) -> web.StreamResponse:
+    async def run(self, payload: bytes | Parts, stream: bool) -> web.StreamResponse:
         if self.tito:
             metrics = self.request.app[METRICS_KEY]
             handles = self.proto.handles if self.proto is not None else None
@@ -273,7 +273,7 @@ class _Call(StreamRelay):
             if resp is not None:
                 resp.release()
 
-    async def _forward(self, payload: bytes) -> aiohttp.ClientResponse:
+    async def _forward(self, payload: bytes | Parts) -> aiohttp.ClientResponse:
         """Send the call to the session's replica; one that cannot be reached got nothing, so it is taken out
         and the call (with its session) moves to another healthy replica, once."""
         try:
@@ -296,6 +296,7 @@ class _Call(StreamRelay):
         base = self.upstream.name  # the replica as configured (never http://localhost)
         turn.spans = self.spans
         self.built = turn.encoded_prompt()
+        self.manager.hold_prompt(self.session, self.built)  # the next turn's JSON continues it (tito.Turn)
         try:
             if stream:
                 return await self._relay_stream(turn.chunks(generate), 200)

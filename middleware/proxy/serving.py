@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.backend.client import Parts
 from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
@@ -87,15 +88,22 @@ def _sticky_id(session: LiveSession) -> str | None:
     return None if session.trajectory.anonymous else session.id
 
 
-def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes:
+def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> bytes | Parts:
     """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs),
-    the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded."""
+    the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded. A
+    long body goes as ``Parts``, the agent's bytes written from where they were read (no copy)."""
     if any(out[k] is not v for k, v in body.items()):
         return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
-    if len(out) == len(body):
-        return raw  # the agent asked for token ids and logprobs itself: forwarded as it came
+    if len(out) == len(body):  # the agent asked for token ids and logprobs itself: forwarded as it came
+        return raw if len(raw) < _PARTS_FROM else Parts([raw[:1], memoryview(raw)[1:]])
     end = raw.rstrip()
     if not body or not end.endswith(b"}"):
         return _encode(out)
     added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
-    return b"".join((end[:-1], b",", added, b"}"))
+    if len(end) < _PARTS_FROM:
+        return b"".join((end[:-1], b",", added, b"}"))
+    # the first part short: aiohttp joins only that one with the headers
+    return Parts([end[:1], memoryview(end)[1:-1], b"," + added + b"}"])
+
+
+_PARTS_FROM = 1 << 16  # a body this long goes out in parts (two copies of it cost more than a list)

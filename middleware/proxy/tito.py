@@ -40,8 +40,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.client import BackendClient, Parts, json_parts
 from steptap.middleware.exceptions import BackendError
+from steptap.middleware.proxy import prompts
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step, json_encoder, msgpack_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
@@ -212,7 +213,7 @@ class TitoError(Exception):
         self.body = body
 
 
-async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any] | Parts) -> dict[str, Any]:
     """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
     status, data = await client.post_json(endpoint, body)
     if status >= 400:
@@ -232,33 +233,35 @@ async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) ->
 class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
-    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan) -> None:
+    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan,
+                 held: tuple[bytes, list[int]] | None = None) -> None:
         self.client = client
+        self.held = held  # the session's latest prompt, its JSON and ids (LiveSession.prompt)
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
         self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
         # The prompt ids and the chat body, JSON-encoded once: every generate and derender body (one per chunk
-        # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body
-        self._raw: dict[str, tuple[Any, msgspec.Raw]] = {}  # name -> (the value encoded, its JSON)
+        # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body; they
+        # go out as they are (``Parts``), never copied into a body
+        self._raw: dict[str, tuple[Any, bytes]] = {}  # name -> (the value encoded, its JSON)
 
-    def _encoded(self, name: str, value: Any) -> msgspec.Raw:
+    def _json(self, name: str, value: Any) -> bytes:
         held = self._raw.get(name)
         if held is None or held[0] is not value:
-            held = self._raw[name] = (value, msgspec.Raw(_encode(value)))
+            held = self._raw[name] = (value, _encode(value))
         return held[1]
 
     def encoded_prompt(self) -> tuple[bytes, list[int]]:
         """The prompt's JSON and its ids (what a stream's first chunk echoes: ``prompts.take_echo``)."""
-        return bytes(self._encoded("prompt", self.prompt)), self.prompt
+        return self._json("prompt", self.prompt), self.prompt
 
-    async def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, endpoint: str, body: dict[str, Any] | Parts) -> dict[str, Any]:
         return await post_json(self.client, endpoint, body)
 
-    def _generate_body(self, generate: dict[str, Any]) -> dict[str, Any]:
-        if generate.get("token_ids") is self.prompt:
-            return {**generate, "token_ids": self._encoded("prompt", self.prompt)}
-        return generate
+    def _generate_body(self, generate: dict[str, Any]) -> Parts:
+        return json_parts({"token_ids": self._json("prompt", generate["token_ids"])},
+                          {k: v for k, v in generate.items() if k != "token_ids"})
 
     async def _render(self, messages: list[dict[str, Any]], generation: bool) -> dict[str, Any]:
         return await render(self.client, self.chat, messages=messages, add_generation_prompt=generation,
@@ -276,7 +279,10 @@ class Turn:
         if split is None:
             return None
         tail, added = split
-        self.prompt = state.prompt_ids + state.response_ids + tail + added
+        rest = state.response_ids + tail + added  # short: the long prompt list is copied once, not thrice
+        self.prompt = state.prompt_ids + rest
+        if self.held is not None and self.held[1] is state.prompt_ids:  # its JSON continued, not re-encoded
+            self._raw["prompt"] = (self.prompt, prompts.grown_json(self.held, rest))
         params = dict(full["sampling_params"])
         if self.chat.get("max_tokens") is None and self.chat.get("max_completion_tokens") is None:
             # render's default is the context left after its own (shorter) prompt
@@ -294,9 +300,10 @@ class Turn:
         if self.spans is not None and gen_choice.get("weight_versions"):
             self.spans.report(gen_choice.get("index", 0), gen_choice["weight_versions"])
 
-    def _derender_body(self, **fields: Any) -> dict[str, Any]:
-        return {"model": self.chat.get("model"), "prompt_token_ids": self._encoded("prompt", self.prompt),
-                "chat_request": self._encoded("chat", self.chat), **fields}
+    def _derender_body(self, **fields: Any) -> Parts:
+        return json_parts({"prompt_token_ids": self._json("prompt", self.prompt),
+                           "chat_request": self._json("chat", self.chat)}, {"model": self.chat.get("model"),
+                                                                              **fields})
 
     async def reply(self, generate: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed turn: the chat reply, with the prompt and response ids vLLM generated with."""
@@ -331,7 +338,7 @@ class Turn:
     async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         state: Any = None
         first = True
-        async with await self.client.post("generate", _encode(self._generate_body(generate))) as resp:
+        async with await self.client.post("generate", self._generate_body(generate)) as resp:
             if resp.status >= 400:
                 raise TitoError(resp.status, await resp.read())
             pending = b""
@@ -354,7 +361,7 @@ class Turn:
                     state = derendered["stream_state"]
                     chunk = derendered["chunk"]
                     if first:
-                        chunk["prompt_token_ids"] = self._encoded("prompt", self.prompt)  # encoded once
+                        chunk["prompt_token_ids"] = msgspec.Raw(self._json("prompt", self.prompt))  # once
                         first = False
                     for g in gen["choices"]:
                         self._report(g)
@@ -421,7 +428,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
     of the fallback to the normal path, counted by cause in either case."""
     decided = plan(session.tito_state, chat, handles, session.id)
     if decided.cause == "tokens":
-        turn = Turn(client, chat, decided)
+        turn = Turn(client, chat, decided, session.prompt)
         try:
             generate = await turn.request(stream)
         except TitoError as exc:

@@ -137,7 +137,7 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 def json_nodes(raw: bytes, cap: int) -> int:
     """An upper bound on the JSON values in ``raw``, counted without decoding: commas and openings; when that
     passes ``cap``, counted again outside strings (braces and commas in text are not values)."""
-    quick = raw.count(b",") + raw.count(b"{") + raw.count(b"[")
+    quick = len(raw) - len(raw.translate(None, b",{["))  # one pass (three counts took twice as long)
     if quick <= cap:
         return quick
     bare = _JSON_STRING.sub(b"", raw)

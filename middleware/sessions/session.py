@@ -80,8 +80,9 @@ class LiveSession:
         # The latest call's messages in chat form, as the relay translated them (Messages, Responses): what
         # the next call's continuity is judged on when it does not extend it (None: its request's own)
         self.conversation: list[Any] | None = None
-        # Its latest token prompt's raw bytes and ids: the next one is decoded from what is new
-        # (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's steps hold)
+        # Its latest token prompt's raw bytes and ids: the next one is decoded from what is new, and a TITO
+        # turn's JSON continues them (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's
+        # steps hold)
         self.prompt: tuple[bytes, list[int]] | None = None
         # The latest prompt id list the proxy built from the previous step's lists (prefix.Grown): its
         # continuity check skips what it took from them

@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+from aiohttp import web
 from faults import MODEL, FaultInjector, serve_unix
+from hypothesis import given
+from hypothesis import strategies as st
 
-from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.client import BackendClient, json_parts
 from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.client import split_url
 from steptap.middleware.exceptions import SwapError
@@ -107,3 +111,46 @@ async def test_a_side_alias_is_served_by_the_backends_model_and_other_names_are_
     assert await client.route("steptap-small-fast", ["steptap-small-fast"]) == MODEL
     with pytest.raises(ModelNotFound, match="steptap-small-fast"):
         await client.route("steptap-small-fast", ["another"])
+
+
+@given(held=st.dictionaries(st.sampled_from(["token_ids", "prompt_token_ids", "chat_request"]),
+                            st.lists(st.integers(0, 2**31), max_size=20), max_size=3),
+       rest=st.dictionaries(st.sampled_from(["model", "stream", "sampling_params"]),
+                            st.none() | st.integers() | st.text(max_size=5), max_size=3))
+def test_json_parts_is_the_object_encoded_whole(held: dict[str, list[int]], rest: dict[str, Any]) -> None:
+    parts = json_parts({k: msgspec.json.encode(v) for k, v in held.items()}, rest)
+    joined = b"".join(parts._value)
+    assert msgspec.json.decode(joined) == {**held, **rest}
+    assert parts.size == len(joined)
+
+
+async def test_a_body_in_parts_arrives_whole_with_its_length() -> None:
+    """A real aiohttp server reads what ``Parts`` wrote: the parts joined, with their Content-Length, and the
+    same again when the parts are sent twice."""
+    got: list[tuple[bytes, str | None]] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        got.append((await request.read(), request.headers.get("Content-Length")))
+        return web.json_response({})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/inference/v1/generate", echo)
+    folder = Path(tempfile.mkdtemp(prefix="stp-", dir="/tmp"))
+    runner = await serve_unix(app, str(folder / "v.sock"))
+    client = BackendClient(f"unix:{folder}/v.sock")
+    await client.start()  # reads /v1/models: a 404 here, logged and read again on first use
+    try:
+        ids = msgspec.json.encode(list(range(100_000, 300_000)))  # 1.4 MB: aiohttp writes it in pieces
+        body = json_parts({"token_ids": ids}, {"model": "m", "stream": False})
+        for _ in range(2):  # the same parts sent again (a retry after a dropped pooled connection)
+            resp = await client.post("generate", body)
+            assert resp.status == 200
+            resp.release()
+        want = b"".join(body._value)
+        assert got == [(want, str(len(want)))] * 2
+        assert msgspec.json.decode(want)["token_ids"] == list(range(100_000, 300_000))
+    finally:
+        await client.close()
+        await runner.cleanup()
+        (folder / "v.sock").unlink(missing_ok=True)
+        folder.rmdir()

@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
-from steptap.middleware.proxy.prompts import decode_completion
+from steptap.middleware.proxy.prompts import decode_completion, grown_json
 from steptap.middleware.sessions.prefix import Grown
 
 
@@ -71,6 +73,31 @@ def test_shapes_it_leaves_to_the_whole_decode() -> None:
     assert decode_completion(b"[1, 2]", held) is None
     assert decode_completion(b'{"prompt": [1, 2', held) is None  # not JSON: the caller's 400
     assert decode_completion(b'{"model": "m"}', held) is None
+    assert decode_completion(b'{"model": "m", "x": {"prompt": [1, 2]}}', held) is None  # nested only
+    # a top-level key spelled with an escape, and another "prompt" nested: never the nested one's ids
+    assert decode_completion(b'{"pr\\u006fmpt": null, "x": {"prompt": [1, 2]}}', held) is None
+    # other escapes (a newline stop string, an escaped backslash before a "u") keep the fast path
+    for stop in ("\n\n", "a\\u"):
+        got = _check(_body([*range(300, 400), 7], stop=[stop]), held)
+        assert got is not None and got[2] is not None and got[0]["stop"] == [stop]
+
+
+_VALUE = st.recursive(st.none() | st.integers() | st.text(alphabet='"prompt[],{}\\ u\né'),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                          st.sampled_from(["prompt", "model", "x"]), inner, max_size=3), max_leaves=8)
+
+
+@given(prompt=st.lists(st.integers(0, 2**31), max_size=30) | _VALUE,
+       extra=st.dictionaries(st.sampled_from(["model", "stop", "x", "max_tokens"]), _VALUE, max_size=3))
+def test_found_by_bytes_or_not_at_all(prompt: Any, extra: dict[str, Any]) -> None:
+    """Whatever the body holds around its prompt (keys, strings, nested objects named "prompt"), what is
+    found by bytes is what a whole decode gives (``_check`` asserts it), or nothing."""
+    raw = _body(prompt, **extra)
+    got = _check(raw, None)
+    if got is not None:
+        assert got[0]["prompt"] == prompt
+        nxt = _check(_body([*got[0]["prompt"], 5], **extra), got[1])  # continued: the same, from the held
+        assert nxt is not None and (nxt[2] is not None) == bool(prompt)  # (an empty one continues nothing)
 
 
 def test_a_chat_reply_echo_is_decoded_from_what_is_new() -> None:
@@ -100,3 +127,16 @@ def test_a_chat_reply_echo_is_decoded_from_what_is_new() -> None:
     assert take_echo(b'{"choices": [], "prompt_token_ids": null}', None) is None
     assert take_echo(b'{"prompt_token_ids": [1, 2], "x": {"prompt_token_ids": [3]}}', None) is None
     assert take_echo(b'{"prompt_token_ids": [1.5, 2]}', None) is None  # not ids: the dict path says so
+
+
+_ID = st.integers(min_value=0, max_value=2**31)
+
+
+@given(old=st.lists(_ID, max_size=40), rest=st.lists(_ID, max_size=40), spaced=st.booleans())
+def test_grown_json_is_the_whole_encode(old: list[int], rest: list[int], spaced: bool) -> None:
+    # The held bytes as msgspec writes them, or as an agent's json.dumps does (", " between ids)
+    held_bytes = json.dumps(old).encode() if spaced else msgspec.json.encode(old)
+    got = grown_json((held_bytes, old), rest)
+    assert msgspec.json.decode(got) == old + rest  # what vLLM reads: the same ids
+    if not spaced:
+        assert got == msgspec.json.encode(old + rest)  # byte for byte the whole encode

@@ -88,13 +88,18 @@ def test_unexpected_shapes_fall_back_to_the_dict_path() -> None:
 def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> None:
     """No re-encode of the agent's body when the proxy only adds keys: the same JSON value as encoding the
     patched dict, the agent's own bytes kept; a changed value (the model name) re-encodes."""
+    from steptap.middleware.backend.client import Parts
     from steptap.middleware.config import ProxyConfig
     from steptap.middleware.proxy.relay import _upstream_body, patch_request
 
     cfg = ProxyConfig(backend="http://127.0.0.1:1")
     history = [{"role": "user", "content": "h\u00e9 \"q\" \\ \n"}] * 3
+    long = [{"role": "user", "content": "x" * 70_000}]  # sent in parts (backend.client.Parts)
     cases = {
         "added": (b'{"model":"tiny", "messages":' + json.dumps(history).encode() + b'} \n', True),
+        "added, long": (b'{"model":"tiny", "messages":' + json.dumps(long).encode() + b'} \n', True),
+        "asked both, long": (b'{"messages":' + json.dumps(long).encode() + b',"logprobs":true,'
+                             b'"return_token_ids":true}', True),
         "asked both": (b'{"messages":[],"logprobs":true,"return_token_ids":true}', True),
         "renamed": (b'{"model":"other","messages":[]}', False),
         "turned on": (b'{"messages":[],"logprobs":false}', False),
@@ -103,6 +108,10 @@ def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> Non
         body = msgspec.json.decode(raw)
         out, _ = patch_request(body, "chat.completions", "tiny", cfg)
         sent = _upstream_body(raw, body, out)
+        if len(raw) > 65536:
+            assert isinstance(sent, Parts), name
+            sent = b"".join(sent._value)
+        assert isinstance(sent, bytes)
         assert msgspec.json.decode(sent) == out, name
         assert sent.startswith(raw.rstrip()[:-1]) == kept, (name, sent)
 

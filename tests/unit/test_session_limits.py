@@ -1,7 +1,8 @@
 """The session domain under pressure, over HTTP, with no model call (the backend is a refused address: the
 control plane needs none): a reward racing ``finish`` is either in the delivered trajectory or refused, ids
 with a trailing newline are refused, sessions time out by default, and what closed sessions leave behind is
-bounded (checked with the proxy's own gauges and dictionaries)."""
+bounded (checked with the proxy's own gauges and dictionaries); and the JSON value count that bounds a body
+before it is decoded."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import aiohttp
 import pytest
 from conftest import Proxy, ndjson_trajectories
 from faults import refused_address
+from hypothesis import given
+from hypothesis import strategies as st
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.limits import json_nodes
 
 
 @pytest.fixture
@@ -158,3 +162,21 @@ async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any,
     assert sorted((await delivered(http, proxy))[info["id"]]["rewards"]) == answered
     status, body = await post(http, proxy, "/sessions", {"metadata": {"blob": "x" * 3000}})
     assert status == 413 and body["error"]["code"] == "record_too_large", body
+
+
+@given(st.recursive(st.none() | st.integers() | st.text(alphabet=',{["\\ a'),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                  max_size=4), max_leaves=20))
+def test_json_nodes_counts_openings_and_commas(value: Any) -> None:
+    raw = json.dumps(value).encode()
+    quick = raw.count(b",") + raw.count(b"{") + raw.count(b"[")  # the bound: every opening and comma
+    assert json_nodes(raw, 10**9) == quick
+    # past the cap, counted again outside strings: braces and commas in text are not values
+    assert json_nodes(raw, -1) == _openings_and_commas(value)
+
+
+def _openings_and_commas(value: Any) -> int:
+    items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else None
+    if items is None:
+        return 0
+    return 1 + max(0, len(items) - 1) + sum(_openings_and_commas(v) for v in items)
