@@ -140,14 +140,14 @@ def closed(serve_proxy: Any, sid: str) -> Any:
 def _tool_loop_sync(client: Any, model: str) -> str:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
     first = client.chat.completions.create(
-        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(TOOL_CALL)
+        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=128, extra_body=forced(TOOL_CALL)
     )
     call = first.choices[0].message.tool_calls[0]
     args = json.loads(call.function.arguments)
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
     second = client.chat.completions.create(
-        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(ANSWER)
+        model=model, messages=messages, tools=[ADD_TOOL], max_tokens=128, extra_body=forced(ANSWER)
     )
     return second.choices[0].message.content
 
@@ -171,7 +171,7 @@ async def test_openai_async_client(serve_proxy: Any, steptap: dict[str, Any], se
             model=served_model,
             messages=messages,
             tools=[ADD_TOOL],
-            max_tokens=64,
+            max_tokens=128,
             extra_body=forced(TOOL_CALL),
         )
         call = first.choices[0].message.tool_calls[0]
@@ -180,7 +180,7 @@ async def test_openai_async_client(serve_proxy: Any, steptap: dict[str, Any], se
             {"role": "tool", "tool_call_id": call.id, "content": "5"},
         ]
         second = await client.chat.completions.create(
-            model=served_model, messages=messages, tools=[ADD_TOOL], max_tokens=64, extra_body=forced(ANSWER)
+            model=served_model, messages=messages, tools=[ADD_TOOL], max_tokens=128, extra_body=forced(ANSWER)
         )
         assert second.choices[0].message.content == ANSWER
         await s.reward_step(0.5, step=0, name="tool_ok")
@@ -211,7 +211,7 @@ def test_langgraph_react_agent(serve_proxy: Any, steptap: dict[str, Any]) -> Non
     ) as s:
         llm = s.bind(
             "langchain",
-            max_tokens=64,
+            max_tokens=128,
             http_client=script.sync_client(),
             http_async_client=script.async_client(),
         )
@@ -251,7 +251,7 @@ async def test_openai_agents_sdk(serve_proxy: Any, steptap: dict[str, Any]) -> N
             instructions="Add numbers with the tool.",
             tools=[add],
             model=model,
-            model_settings=ModelSettings(max_tokens=64),
+            model_settings=ModelSettings(max_tokens=128),
         )
         result = await Runner.run(agent, "What is 2 + 3?", max_turns=4)
         s.set_reward(1.0 if result.final_output == ANSWER else 0.0)
@@ -276,7 +276,7 @@ async def test_openai_agents_model_provider(
 
     script = ScriptedOutputs(TOOL_CALL, ANSWER)
     async with async_session(**steptap) as s:
-        agent = Agent(name="adder", tools=[add], model="gpt-4o", model_settings=ModelSettings(max_tokens=64))
+        agent = Agent(name="adder", tools=[add], model="gpt-4o", model_settings=ModelSettings(max_tokens=128))
         run_config = RunConfig(
             model_provider=provider(
                 s, model=served_model, client_kwargs={"http_client": script.async_client()}
@@ -315,7 +315,7 @@ def test_smolagents_tool_calling_agent(serve_proxy: Any, steptap: dict[str, Any]
             "smolagents",
             s,
             tool_choice="auto",
-            max_tokens=64,
+            max_tokens=128,
             client_kwargs={"http_client": script.sync_client()},
         )
         # smolagents' default system prompt is ~1900 tokens for the tiny model's tokenizer, and the test
@@ -340,7 +340,7 @@ def test_smolagents_tool_calling_agent(serve_proxy: Any, steptap: dict[str, Any]
 
 def test_litellm_completion(serve_proxy: Any, steptap: dict[str, Any]) -> None:
     with session(**steptap, group_id="adapters-litellm", reward=grade(2)) as s:
-        llm = registry.bind("litellm", s, max_tokens=64)
+        llm = registry.bind("litellm", s, max_tokens=128)
         assert llm.model.startswith("openai/")
         messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
         first = llm.completion(messages=messages, tools=[ADD_TOOL], extra_body=forced(TOOL_CALL))

@@ -66,7 +66,7 @@ def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(
     serve_proxy: Proxy, tmp_path: Path
 ) -> None:
     data = _dataset(tmp_path, 2)
-    run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]
+    run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "128"]
     report = _steptap(serve_proxy, *run)
     assert report["episodes"] == 4 and report["finished"] == 4 and report["reward_mean"] == 1.0
 
@@ -132,7 +132,7 @@ def test_export_from_the_log_and_from_the_proxy_has_one_row_per_step(
     import pyarrow.parquet as pq
 
     data = _dataset(tmp_path, 1)
-    _steptap(serve_proxy, "env", "run", str(data), "--env", SCRIPTED, "--n", "1", "--max-tokens", "64")
+    _steptap(serve_proxy, "env", "run", str(data), "--env", SCRIPTED, "--n", "1", "--max-tokens", "128")
     from_log = _steptap(
         serve_proxy, "export", "--log", str(serve_proxy.log_dir), "--out", str(tmp_path / "a")
     )
@@ -193,8 +193,8 @@ async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_e
     train, later = _dataset(tmp_path, 2, free_answer=True), _dataset(tmp_path, 1, free_answer=True)
     metrics = tmp_path / "metrics.jsonl"  # the learner's, which `steptap eval` appends to (as under `up`)
     ckpt = tmp_path / "ckpt"
-    env_run = ["--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "64", "--max-steps", "2"]
-    evaluate = ["eval", str(evalset), "--env", SCRIPTED, "--json", "--max-tokens", "64",
+    env_run = ["--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "128", "--max-steps", "2"]
+    evaluate = ["eval", str(evalset), "--env", SCRIPTED, "--json", "--max-tokens", "128",
                 "--metrics-file", str(metrics)]
 
     first = await _steptap_async(proxy, *evaluate)
@@ -269,12 +269,12 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
         "--batch-groups", "1", "--group-size", "2", "--max-updates", "2", "--num-threads", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--metrics-file", str(metrics), "--no-progress"])))
-    run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "64"]  # the forced call: ~50
+    run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "128"]  # the forced call: ~50
     report = await _steptap_async(proxy, "env", "run", str(train), *run)
     assert report["episodes"] == 4 and report["finished"] == 4
     await asyncio.wait_for(learner, 300)
     evaluated = await _steptap_async(proxy, "eval", str(evalset), *run[:2], "--temperature", "0", "--json",
-                                     "--max-tokens", "64", "--metrics-file", str(metrics))
+                                     "--max-tokens", "128", "--metrics-file", str(metrics))
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in rows if "update" in r]
