@@ -66,7 +66,8 @@ def test_tool_env_dataset_runs_as_groups_with_process_rewards_and_resumes(
     serve_proxy: Proxy, tmp_path: Path
 ) -> None:
     data = _dataset(tmp_path, 2)
-    run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4", "--max-tokens", "128"]
+    run = ["env", "run", str(data), "--env", SCRIPTED, "--n", "2", "--concurrency", "4",
+           "--max-tokens", "128"]
     report = _steptap(serve_proxy, *run)
     assert report["episodes"] == 4 and report["finished"] == 4 and report["reward_mean"] == 1.0
 
