@@ -13,6 +13,9 @@ path that runs on GPUs run on a local Ray cluster of CPU workers:
 3. ``init_gloo()``: called by the worker before verl's ``TrainingWorker.__init__``; otherwise verl builds
    the backend string ``cpu:gloo,cpu:gloo`` from the device name, which torch rejects.
 
+Beside them, ``attention()``: the attention verl's model uses on each platform (flash-attention over packed
+rows only where ``flash_attn`` is installed; SDPA on padded rows on CPU and on GPUs without it).
+
 ``tests/unit/test_verl_cpu.py`` checks each against the installed verl, so a verl release that moves these
 extension points fails that test instead of a training run.
 """
