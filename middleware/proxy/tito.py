@@ -42,7 +42,7 @@ import msgspec
 
 from steptap.middleware.backend.client import BackendClient, Parts, json_parts
 from steptap.middleware.exceptions import BackendError
-from steptap.middleware.proxy import prompts
+from steptap.middleware.proxy import derender, prompts
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step, json_encoder, msgpack_encoder
 from steptap.middleware.sessions.prefix import _message_cause, _norm
@@ -245,6 +245,8 @@ class Turn:
         # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body; they
         # go out as they are (``Parts``), never copied into a body
         self._raw: dict[str, tuple[Any, bytes]] = {}  # name -> (the value encoded, its JSON)
+        self._stream_state: Any = None  # a streamed derender's state, carried from call to call
+        self._echoed = False  # a stream's first chunk carries the prompt's ids, once
 
     def _json(self, name: str, value: Any) -> bytes:
         held = self._raw.get(name)
@@ -300,10 +302,12 @@ class Turn:
         if self.spans is not None and gen_choice.get("weight_versions"):
             self.spans.report(gen_choice.get("index", 0), gen_choice["weight_versions"])
 
-    def _derender_body(self, **fields: Any) -> Parts:
-        return json_parts({"prompt_token_ids": self._json("prompt", self.prompt),
-                           "chat_request": self._json("chat", self.chat)}, {"model": self.chat.get("model"),
-                                                                              **fields})
+    def _derender_body(self, prompt: bytes, **fields: Any) -> Parts:
+        held = self._raw.get("chat")
+        if held is None or held[0] is not self.chat:  # encoded once a turn, cut to what derender reads
+            held = self._raw["chat"] = (self.chat, _encode(derender.chat_request(self.chat)))
+        return json_parts({"prompt_token_ids": prompt, "chat_request": held[1]},
+                          {"model": self.chat.get("model"), **fields})
 
     async def reply(self, generate: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed turn: the chat reply, with the prompt and response ids vLLM generated with."""
@@ -311,7 +315,8 @@ class Turn:
         chat = {**self.chat, "stream": False}
         chat.pop("stream_options", None)
         self.chat = chat
-        reply = await self._post("chat.derender", self._derender_body(generate_response=_without_eos(gen)))
+        reply = await self._post("chat.derender", self._derender_body(  # reads the prompt's last ids only
+            _encode(self.prompt[-derender.PROMPT_TAIL:]), generate_response=derender.without_eos(gen)))
         reply["prompt_token_ids"] = self.prompt
         # derender knows no prompt (its usage says 0 tokens): agents size their context by this
         done = sum(len(g.get("token_ids") or ()) for g in gen.get("choices") or ())
@@ -323,7 +328,7 @@ class Turn:
             self._report(g)
             if g.get("logprobs") and g["logprobs"].get("content") is not None:
                 # the sampled tokens' logprobs as vLLM computed them (derender copies them as text tokens)
-                choice["logprobs"] = _chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+                choice["logprobs"] = derender.chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
         return reply
 
     async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
@@ -336,80 +341,57 @@ class Turn:
             raise TitoError(502, f"malformed token-in-token-out answer: {exc!r}".encode()) from None
 
     async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
-        state: Any = None
-        first = True
         async with await self.client.post("generate", self._generate_body(generate)) as resp:
             if resp.status >= 400:
                 raise TitoError(resp.status, await resp.read())
             pending = b""
-            async for data in resp.content.iter_any():
+            async for data in resp.content.iter_any():  # all that came while the last derender was out
                 lines = (pending + data).split(b"\n")
                 pending = lines.pop()
                 out: list[bytes] = []
+                gens: list[dict[str, Any]] = []
                 for line in lines:
                     if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
+                        if gens:
+                            out.append(await self._derender_chunk(derender.merge(gens)))
+                            gens = []
                         out.append(b"data: [DONE]")
                         continue
                     gen = _decode(payload)
-                    if not gen.get("choices"):
-                        continue  # the usage chunk: the step counts tokens from the ids
-                    derendered = await self._post("chat.derender", self._derender_body(
-                        stream=True, generate_chunk=_without_eos(gen), stream_state=state))
-                    state = derendered["stream_state"]
-                    chunk = derendered["chunk"]
-                    if first:
-                        chunk["prompt_token_ids"] = msgspec.Raw(self._json("prompt", self.prompt))  # once
-                        first = False
-                    for g in gen["choices"]:
-                        self._report(g)
-                    for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
-                        choice["token_ids"] = g.get("token_ids")
-                        if g.get("finish_reason") is not None:
-                            choice["stop_reason"] = g.get("stop_reason")
-                        if g.get("logprobs") and g["logprobs"].get("content") is not None:
-                            choice["logprobs"] = _chat_logprobs(choice.get("logprobs"),
-                                                                g["logprobs"]["content"])
-                    if not chunk.get("choices") and gen["choices"]:
-                        chunk["choices"] = [{"index": g["index"], "delta": {},
-                                             "token_ids": g.get("token_ids"),
-                                             "logprobs": _chat_logprobs(None, (g.get("logprobs") or {}).get(
-                                                 "content") or []), "finish_reason": g.get("finish_reason"),
-                                             "stop_reason": g.get("stop_reason")}
-                                            for g in gen["choices"]]
-                    out.append(b"data: " + _encode(chunk))
+                    if gen.get("choices"):  # not the usage chunk: the step counts tokens from the ids
+                        gens.append(gen)
+                if gens:
+                    out.append(await self._derender_chunk(derender.merge(gens)))
                 yield out
 
-
-def _without_eos(gen: dict[str, Any]) -> dict[str, Any]:
-    """The generate result as derender should see it: without the end-of-sequence or stop token that ended a
-    choice (vLLM's chat route leaves it out of the text; derender would detokenize it into the content). A
-    stop string is not cut from the text by derender: such calls are rendered (``plan``)."""
-    choices = []
-    for ch in gen.get("choices") or ():
-        ids = ch.get("token_ids") or []
-        if (ch.get("finish_reason") == "stop" and (ch.get("stop_reason") is None or isinstance(
-                ch.get("stop_reason"), int)) and ids):
-            lp = ch.get("logprobs") or {}
-            ch = {**ch, "token_ids": ids[:-1]}
-            if lp.get("content"):
-                ch["logprobs"] = {**lp, "content": lp["content"][:-1]}
-        choices.append(ch)
-    return {**gen, "choices": choices}
-
-
-def _chat_logprobs(derendered: Any, generated: list[dict[str, Any]]) -> dict[str, Any]:
-    """Chat-shaped logprobs whose values are the generated tokens' (one per token id, the end token
-    included); the token text derender gave is kept where it lines up."""
-    content = list((derendered or {}).get("content") or [])
-    if len(content) == len(generated) - 1:  # the end token derender did not see
-        content.append({"token": "", "logprob": 0.0, "bytes": [], "top_logprobs": []})
-    if len(content) == len(generated):
-        return {"content": [{**c, "logprob": g["logprob"]} for c, g in zip(content, generated, strict=True)]}
-    return {"content": [{"token": f"token_id:{g['token_id']}", "logprob": g["logprob"], "bytes": None,
-                         "top_logprobs": []} for g in generated]}
+    async def _derender_chunk(self, gen: dict[str, Any]) -> bytes:
+        """One chat SSE line for one generate chunk (or several merged), through a streamed derender."""
+        derendered = await self._post("chat.derender", self._derender_body(
+            self._json("prompt", self.prompt), stream=True, generate_chunk=derender.without_eos(gen),
+            stream_state=self._stream_state))
+        self._stream_state = derendered["stream_state"]
+        chunk = derendered["chunk"]
+        if not self._echoed:
+            chunk["prompt_token_ids"] = msgspec.Raw(self._json("prompt", self.prompt))  # once
+            self._echoed = True
+        for g in gen["choices"]:
+            self._report(g)
+        for choice, g in zip(chunk.get("choices") or (), gen["choices"], strict=False):
+            choice["token_ids"] = g.get("token_ids")
+            if g.get("finish_reason") is not None:
+                choice["stop_reason"] = g.get("stop_reason")
+            if g.get("logprobs") and g["logprobs"].get("content") is not None:
+                choice["logprobs"] = derender.chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
+        if not chunk.get("choices") and gen["choices"]:
+            chunk["choices"] = [{"index": g["index"], "delta": {}, "token_ids": g.get("token_ids"),
+                                 "logprobs": derender.chat_logprobs(
+                                     None, (g.get("logprobs") or {}).get("content") or []),
+                                 "finish_reason": g.get("finish_reason"), "stop_reason": g.get("stop_reason")}
+                                for g in gen["choices"]]
+        return b"data: " + _encode(chunk)
 
 
 def backend_error(name: str, exc: TitoError) -> BackendError:
