@@ -87,6 +87,16 @@ def words(tokens: int, seed: int) -> str:
     return " ".join(f"{rng.choice(vocab)}{rng.randrange(100)}" for _ in range(max(1, tokens // 4)))
 
 
+async def _streamed(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    """A streamed chat reply as a plain one (the content of its deltas, joined)."""
+    text = []
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:]).get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+    return {"choices": [{"message": {"content": "".join(text)}}]}
+
+
 def proxy_memory(pid: int) -> dict[str, int]:
     """The proxy's resident memory now and at its peak, in KiB (``/proc/PID/status``)."""
     out: dict[str, int] = {}
@@ -125,15 +135,17 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, base
                 # A reply within a small grammar ends on its own (an EOS), so the next turn extends it in TITO
                 # mode; a reply cut by max_tokens would fall back to rendering.
                 url = f"{info['base_url']}/chat/completions"
-                body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 1.0,
-                        "structured_outputs": {"regex": "[a-z]{1,6}"}}
+                # --reply-chars: exactly that many letters (at worst a token each, then the end token)
+                regex = f"[a-z]{{{args.reply_chars}}}" if args.reply_chars else "[a-z]{1,6}"
+                body = {"model": model, "messages": messages, "max_tokens": max(16, args.reply_chars + 1),
+                        "temperature": 1.0, "structured_outputs": {"regex": regex}, "stream": args.stream}
             else:
                 url = f"{info['base_url']}/completions"
                 body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 1.0,
                         "return_token_ids": True}
             async with http.post(url, json=body,
                                  headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
-                reply = await resp.json()
+                reply = await (_streamed(resp) if args.stream and resp.status == 200 else resp.json())
                 if resp.status != 200:
                     return {"session": info["id"], "calls": calls,
                             "refused": {"turn": turn + 1, "reply": reply}}
@@ -331,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model's vocabulary size (ids are drawn below it)")
     p.add_argument("--chat", action="store_true",
                    help="chat messages to /v1/chat/completions in a TITO session (vLLM --enable-scale-out)")
+    p.add_argument("--stream", action="store_true", help="--chat: streamed replies, as agent CLIs ask")
+    p.add_argument("--reply-chars", type=int, default=0,
+                   help="--chat: replies of exactly this many letters (default: 1-6)")
     p.add_argument("--full", action="store_true",
                    help="the issue's profile: 200 turns (~120k tokens at the end)")
     p.add_argument("--call-timeout", type=float, default=600.0)
@@ -342,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                         "its CPU")
     p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     p.add_argument("--idle-seconds", type=float, default=10.0,
-                   help="measure the proxy's idle CPU this long before the session (0: not): the net CPU per "
-                        "call subtracts it over the call's wall time")
+                   help="measure the proxy's idle CPU this long before the session and again after it (0: "
+                        "not): the net CPU per call subtracts the lower rate over the call's wall time")
     args = p.parse_args(argv)
     if args.full:
         args.turns = 200
@@ -357,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm = None
     proxy = None
     baseline = None
+    idle_after = 0.0
     try:
         if args.backend is None:
             vllm = start_vllm(work)
@@ -379,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         cache_before = prefix_cache(args.backend)
         session = asyncio.run(run_session(args, proxy, model, baseline, idle))
         cache_after = prefix_cache(args.backend)
+        # again once the session is done: right after the start the proxy may still be settling, and a rate
+        # too high would flatter the long calls (the longer a call waits, the more of it is subtracted)
+        idle_after = idle_rate(proxy.pid, args.idle_seconds) if args.idle_seconds > 0 else 0.0
+        rate = min(idle, idle_after) / 1e6  # ms per second
+        for call in session["calls"]:
+            call["proxy_net_cpu_ms"] = round(call["proxy_cpu_ms"] - rate * call["wall_s"], 2)
         proxy.stop(timeout=30)
         calls = session["calls"]
         size = logged_bytes(log_dir, session["session"]) if calls and not session["refused"] else {}
@@ -404,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                          "median_first_5": statistics.median(cpu[:k]) if k else None,
                          "median_last_5": statistics.median(cpu[-k:]) if k else None,
                          f"turn_{len(cpu)}": cpu[-1] if cpu else None},
-        "proxy_idle_cpu_ms_per_s": round(idle / 1e6, 3),
+        "proxy_idle_cpu_ms_per_s": {"before": round(idle / 1e6, 3), "after": round(idle_after / 1e6, 3)},
         "proxy_net_cpu_ms": {"turn_1": net[0] if net else None,
                              "median_first_5": statistics.median(net[:k]) if k else None,
                              "median_last_5": statistics.median(net[-k:]) if k else None,

@@ -22,6 +22,7 @@ TITO turn at a given context, with nothing else in the call's wall time.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import sys
 from collections import Counter
@@ -41,6 +42,7 @@ _MAX_TOKENS = re.compile(rb'"max_tokens"\s*:\s*(\d+)')
 FIXTURE = web.AppKey("fixture", Fixture)  # the default (first) fixture
 BY_MAX_TOKENS = web.AppKey("by_max_tokens", dict)  # max_tokens -> (fixture, its SSE events split once)
 STATS = web.AppKey("stats", Counter)
+READ_DELAY = web.AppKey("read_delay", float)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -169,8 +171,17 @@ async def tito_render(request: web.Request) -> web.Response:
                                                  "stream": False}), content_type="application/json")
 
 
+async def _read_late(request: web.Request) -> bytes:
+    """The body, read only after ``--read-delay`` seconds: a busy vLLM takes its time to read what it is sent,
+    and the proxy's writes wait (and wake) as it drains them."""
+    delay = request.app[READ_DELAY]
+    if delay:
+        await asyncio.sleep(delay)
+    return await request.read()
+
+
 async def tito_generate(request: web.Request) -> web.Response:
-    await request.read()
+    await _read_late(request)
     request.app[STATS]["tito generate"] += 1
     return web.Response(body=msgspec.json.encode({
         "request_id": "generate-replay", "output_mode": "tokens", "choices": [{
@@ -181,7 +192,7 @@ async def tito_generate(request: web.Request) -> web.Response:
 
 
 async def tito_derender(request: web.Request) -> web.Response:
-    await request.read()
+    await _read_late(request)
     request.app[STATS]["tito derender"] += 1
     return web.Response(body=msgspec.json.encode({
         "id": "generate-replay", "object": "chat.completion", "created": 1, "model": "replay",
@@ -192,7 +203,8 @@ async def tito_derender(request: web.Request) -> web.Response:
         content_type="application/json")
 
 
-def create_app(fixtures: Fixture | list[Fixture], tito: bool = False) -> web.Application:
+def create_app(fixtures: Fixture | list[Fixture], tito: bool = False,
+               read_delay: float = 0.0) -> web.Application:
     if isinstance(fixtures, Fixture):
         fixtures = [fixtures]
     app = web.Application(client_max_size=64 * 1024**2)
@@ -201,6 +213,7 @@ def create_app(fixtures: Fixture | list[Fixture], tito: bool = False) -> web.App
     if len(app[BY_MAX_TOKENS]) != len(fixtures):
         raise SystemExit("each fixture needs its own max_tokens (the replay tells calls apart by it)")
     app[STATS] = Counter()
+    app[READ_DELAY] = read_delay
     app.router.add_post("/v1/chat/completions", tito_chat if tito else chat)
     if tito:
         app.router.add_post("/v1/chat/completions/render", tito_render)
@@ -224,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixture", action="append", help=f"repeatable; default {DEFAULT_FIXTURE}")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tito", action="store_true", help="answer a chat session's TITO routes (see above)")
+    p.add_argument("--read-delay", type=float, default=0.0,
+                   help="--tito: wait this long before reading a generate or derender body (a busy receiver)")
     args = p.parse_args(argv)
-    serve(create_app([load(name) for name in args.fixture or [DEFAULT_FIXTURE]], args.tito), port=args.port)
+    serve(create_app([load(name) for name in args.fixture or [DEFAULT_FIXTURE]], args.tito, args.read_delay),
+          port=args.port)
     return 0
 
 
