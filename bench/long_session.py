@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="also send each turn's body through the bare pass-through (bench/passthrough.py): "
                         "its CPU")
+    p.add_argument("--recheck", type=int, default=0, metavar="N",
+                   help="after the session, N first turns again in a new session (turn 1's cost measured "
+                        "next to the last turn's)")
     p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     p.add_argument("--idle-seconds", type=float, default=10.0,
                    help="measure the proxy's idle CPU this long before the session and again after it (0: "
@@ -373,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy = None
     baseline = None
     idle_after = 0.0
+    recheck: list[dict[str, Any]] = []
     try:
         if args.backend is None:
             vllm = start_vllm(work)
@@ -395,11 +399,17 @@ def main(argv: list[str] | None = None) -> int:
         cache_before = prefix_cache(args.backend)
         session = asyncio.run(run_session(args, proxy, model, baseline, idle))
         cache_after = prefix_cache(args.backend)
+        if args.recheck and not session["refused"]:
+            # the first turns again, right after the last: this machine's CPU accounting drifts over a long
+            # run, so turn 200 is also compared with turn-1 calls made a minute apart from it
+            again = asyncio.run(run_session(argparse.Namespace(**{**vars(args), "turns": args.recheck}),
+                                            proxy, model, None, idle))
+            recheck = again["calls"]
         # again once the session is done: right after the start the proxy may still be settling, and a rate
         # too high would flatter the long calls (the longer a call waits, the more of it is subtracted)
         idle_after = idle_rate(proxy.pid, args.idle_seconds) if args.idle_seconds > 0 else 0.0
         rate = min(idle, idle_after) / 1e6  # ms per second
-        for call in session["calls"]:
+        for call in session["calls"] + recheck:
             call["proxy_net_cpu_ms"] = round(call["proxy_cpu_ms"] - rate * call["wall_s"], 2)
         proxy.stop(timeout=30)
         calls = session["calls"]
@@ -430,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         "proxy_net_cpu_ms": {"turn_1": net[0] if net else None,
                              "median_first_5": statistics.median(net[:k]) if k else None,
                              "median_last_5": statistics.median(net[-k:]) if k else None,
-                             f"turn_{len(net)}": net[-1] if net else None},
+                             f"turn_{len(net)}": net[-1] if net else None,
+                             "recheck_median": statistics.median(c["proxy_net_cpu_ms"] for c in recheck)
+                             if recheck else None},
         "passthrough_cpu_ms": {"median_first_5": statistics.median(pt[:k]),
                                "median_last_5": statistics.median(
             pt[-k:])} if pt else None,
@@ -442,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "proxy_memory_kib_at_end": session.get("proxy_memory"),
         "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
         "calls": calls,
+        "recheck_calls": recheck,
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": git,
                  "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                  "args": vars(args)},
