@@ -23,7 +23,8 @@ def test_chat_request_keeps_the_options_and_the_history_tool_calls_only() -> Non
                          {"role": "assistant", "tool_calls": [_call(3)]},
                          {"role": "user", "content": "more"}]}
     cut = derender.chat_request(chat)
-    assert {k: v for k, v in cut.items() if k != "messages"} == {k: v for k, v in chat.items() if k != "messages"}
+    options = {k: v for k, v in chat.items() if k != "messages"}
+    assert {k: v for k, v in cut.items() if k != "messages"} == options
     # vLLM counts the history's tool calls over the assistant messages (Kimi-K2-style ids number them)
     assert sum(len(m.get("tool_calls") or ()) for m in cut["messages"] if m["role"] == "assistant") == 3
     assert [c["id"] for m in cut["messages"] for c in m["tool_calls"]] == ["call_1", "call_2", "call_3"]
@@ -35,7 +36,8 @@ def test_chat_request_keeps_the_options_and_the_history_tool_calls_only() -> Non
 
 def _chunk(ids: list[int], finish: str | None = None, versions: Any = None) -> dict[str, Any]:
     return {"request_id": "r", "usage": None, "choices": [
-        {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None, "weight_versions": versions,
+        {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None,
+         "weight_versions": versions,
          "logprobs": {"content": [{"token_id": t, "logprob": -t / 10} for t in ids]}}]}
 
 
