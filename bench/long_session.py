@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recheck", type=int, default=0, metavar="N",
                    help="after the session, N first turns again in a new session (turn 1's cost measured "
                         "next to the last turn's)")
+    p.add_argument("--quiet-timers", action="store_true",
+                   help="the proxy's health checks and idle sweep hourly, not every 2 s and 1 s: its CPU per "
+                        "call without the background's (the limits stay the defaults)")
     p.add_argument("--keep-log", metavar="DIR", help="move the proxy's log here at the end")
     p.add_argument("--idle-seconds", type=float, default=10.0,
                    help="measure the proxy's idle CPU this long before the session and again after it (0: "
@@ -388,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or served["data"][0]["id"]
         log_dir = str(work / "log")
         port = free_port()
-        proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, [], None),
+        # --quiet-timers: the health checks and the idle sweep (per second, not per call) out of the figures
+        timers = ["--health-interval", "3600", "--sweep-interval", "3600"] if args.quiet_timers else []
+        proxy = Steptap("steptap", steptap_cmd(args.backend, port, log_dir, timers, None),
                         log=str(work / "steptap.log"))
         proxy.port = port
         proxy.start(timeout=120)
