@@ -116,8 +116,8 @@ def idle_rate(pid: int, seconds: float) -> float:
     return (cpu_ns(pid) - before) / (time.perf_counter() - t0)
 
 
-async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, baseline: Server | None = None,
-                      idle: float = 0.0) -> dict[str, Any]:
+async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
+                      baseline: Server | None = None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     timeout = aiohttp.ClientTimeout(total=args.call_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -164,8 +164,7 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str, base
             tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
             used = cpu_ns(proxy.pid) - before
             calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
-                          "proxy_cpu_ms": round(used / 1e6, 2),
-                          "proxy_net_cpu_ms": round((used - idle * wall) / 1e6, 2),
+                          "proxy_cpu_ms": round(used / 1e6, 2),  # net of the idle rate: after the session
                           "passthrough_cpu_ms": base_ms})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
                 print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
@@ -402,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                               log=str(work / "passthrough.log")).start()
         idle = idle_rate(proxy.pid, args.idle_seconds) if args.idle_seconds > 0 else 0.0
         cache_before = prefix_cache(args.backend)
-        session = asyncio.run(run_session(args, proxy, model, baseline, idle))
+        session = asyncio.run(run_session(args, proxy, model, baseline))
         cache_after = prefix_cache(args.backend)
         if args.recheck and not session["refused"]:
             # the first turns again, right after the last: this machine's CPU accounting drifts over a long
             # run, so turn 200 is also compared with turn-1 calls made a minute apart from it
             again = asyncio.run(run_session(argparse.Namespace(**{**vars(args), "turns": args.recheck}),
-                                            proxy, model, None, idle))
+                                            proxy, model))
             recheck = again["calls"]
         # again once the session is done: right after the start the proxy may still be settling, and a rate
         # too high would flatter the long calls (the longer a call waits, the more of it is subtracted)

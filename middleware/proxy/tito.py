@@ -348,24 +348,18 @@ class Turn:
             async for data in resp.content.iter_any():  # all that came while the last derender was out
                 lines = (pending + data).split(b"\n")
                 pending = lines.pop()
-                out: list[bytes] = []
                 gens: list[dict[str, Any]] = []
+                done = False  # [DONE] is the stream's last event: it goes after what it follows
                 for line in lines:
                     if not line.startswith(b"data:"):
                         continue
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
-                        if gens:
-                            out.append(await self._derender_chunk(derender.merge(gens)))
-                            gens = []
-                        out.append(b"data: [DONE]")
-                        continue
-                    gen = _decode(payload)
-                    if gen.get("choices"):  # not the usage chunk: the step counts tokens from the ids
+                        done = True
+                    elif (gen := _decode(payload)).get("choices"):  # not the usage chunk (ids count tokens)
                         gens.append(gen)
-                if gens:
-                    out.append(await self._derender_chunk(derender.merge(gens)))
-                yield out
+                out = [await self._derender_chunk(derender.merge(gens))] if gens else []
+                yield out + [b"data: [DONE]"] if done else out
 
     async def _derender_chunk(self, gen: dict[str, Any]) -> bytes:
         """One chat SSE line for one generate chunk (or several merged), through a streamed derender."""
