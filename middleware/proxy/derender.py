@@ -11,10 +11,20 @@ chunk), where what it reads of them is small:
 - **The prompt's ids:** a non-streamed derender reads only the last few, to seed detokenization (vLLM:
   "a suffix of the prompt is enough", ``DerenderChatRequest.prompt_token_ids``): it gets the last
   ``PROMPT_TAIL``. A streamed one with a parser configured reads back to the prompt's last reasoning marker,
-  wherever it is: it gets the whole prompt, once per derender call.
+  which in a spliced prompt is an earlier reply's end of reasoning: it gets what the turn added after the
+  previous reply (``tito.Turn.added``), as a rendered prompt would show it.
 - **Streamed chunks:** generate chunks that arrived while the previous derender call was out go to the next
   one together (``merge``), so the number of derender calls is bounded by how fast vLLM answers them, not by
   the tokens generated (vLLM's parsers take several tokens a chunk, as under speculative decoding).
+
+A streamed turn mostly skips derender: vLLM's chat route takes the prompt as ids
+(``kv_transfer_params.prompt_token_ids``, its decode-side reuse), generates from them without rendering and
+streams as a chat call does, its parsers holding their state in the process: one call a turn, not a derender
+call per chunk. vLLM renders the messages instead (and ignores the ids) when ``echo`` is set or a message
+holds non-text content, so those turns (``takes_ids`` false) keep generate and derender, as do turns whose
+prompt holds an earlier reply's reasoning (``tito.State.reasoned``: the chat route's parsers would read its
+end marker). The chat route's replies carry no ``weight_versions``: a keep swap's split is the relayed count,
+as for any stream (weights/spans.py).
 """
 
 from __future__ import annotations
@@ -22,6 +32,24 @@ from __future__ import annotations
 from typing import Any
 
 PROMPT_TAIL = 64  # ids a non-streamed derender is sent (it seeds its detokenizer from the last few)
+
+
+def takes_ids(chat: dict[str, Any]) -> bool:
+    """Whether vLLM's chat route generates from ``kv_transfer_params.prompt_token_ids`` for ``chat``: no
+    ``echo``, every message's content a string or text parts (stricter than vLLM's own check, so the ids are
+    never silently ignored)."""
+    if chat.get("echo"):
+        return False
+    for m in chat.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and not all(
+                isinstance(p, dict) and p.get("type", "text") == "text" and p.keys() <= _TEXT_PART
+                for p in content):
+            return False
+    return True
+
+
+_TEXT_PART = {"type", "text"}
 
 
 def chat_request(chat: dict[str, Any]) -> dict[str, Any]:

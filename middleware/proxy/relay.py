@@ -1,6 +1,5 @@
 """The model-call handlers (the other agent-facing routes are in routes.py, the SSE relay in sse.py, the
-upstream body in serving.py). One call reads top to bottom in ``model_call``:
-identify -> gate -> forward -> capture -> record once -> reply.
+upstream body in serving.py). ``model_call``: identify -> gate -> forward -> capture -> record once -> reply.
 
 The agent's body is decoded once (it is recorded as the step's ``request`` anyway) and re-encoded with only
 our keys changed, never through a Struct (unknown fields would be lost). The upstream reply is parsed once;
@@ -299,7 +298,8 @@ class _Call(StreamRelay):
         self.manager.hold_prompt(self.session, self.built)  # the next turn's JSON continues it (tito.Turn)
         try:
             if stream:
-                return await self._relay_stream(turn.chunks(generate), 200)
+                async with turn.stream(generate) as source:
+                    return await self._relay_stream(source, 200)
             reply = await turn.reply(generate)
         except tito.TitoError as exc:
             err = tito.backend_error(base, exc)
@@ -358,8 +358,8 @@ class _Call(StreamRelay):
         chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
         await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
-            self.session.tito_state = (tito.next_state(self.chat, steps[0], stop_reason) if len(steps) == 1
-                                       else None)
+            self.session.tito_state = (tito.next_state(
+                self.chat, steps[0], stop_reason, self.session.tito_state) if len(steps) == 1 else None)
 
     async def _record_quietly(self, step: Step) -> None:
         try:

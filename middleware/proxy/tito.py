@@ -7,11 +7,11 @@ reply as returned + new messages), the prompt is built from tokens:
 
     previous prompt ids + previous response ids + template tail after the turn's end token + new messages' ids
 
-and sent to vLLM as token ids (``/inference/v1/generate``); the reply is derendered by vLLM (tool parser
-applied, ``/v1/chat/completions/derender``) into the chat reply the agent expects, streamed or not. The ids of
-only the new messages come from vLLM's render route: the difference between rendering a fixed two-message
-conversation with and without the new messages after it, so the template decides how they open and close (the
-proxy has no tokenizer). These routes need vLLM's ``--enable-scale-out``.
+and sent to vLLM as token ids: to ``/inference/v1/generate``, the reply derendered by vLLM (tool parser
+applied, ``/v1/chat/completions/derender``) into the chat reply the agent expects; a streamed turn, where it
+can, to the chat route with the ids as its prompt (``Turn.stream``). The new messages' ids come from vLLM's
+render route: the difference between rendering a fixed two-message conversation with and without them, so
+the template decides how they open and close (no tokenizer here). These need vLLM's ``--enable-scale-out``.
 
 Reasoning: the previous reply's tokens hold its reasoning as sampled (``<think>...</think>``), which the
 template may render otherwise or drop. The replayed reply may carry it back as text (chat ``reasoning``, a
@@ -28,12 +28,12 @@ turn is rendered (``reply_stop_string``, ``reply_stop_token``). A call that asks
 too (``stop_strings``): vLLM's derender does not cut the text at them.
 
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
-falls back to normal rendering; the fallback is counted by cause (``steptap_tito_turns{path}``), named in the
-step's notes, and the step's ``prefix`` names the break as usual.
+is rendered as normal, counted by cause (``steptap_tito_turns{path}``), named in the step's notes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
@@ -72,6 +72,7 @@ class State(NamedTuple):
     reasoning: str | None = None  # the reply's reasoning as logged
     response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
     cut: str = ""  # the reply ended on a stop string or stop token the agent named: why nothing extends it
+    reasoned: bool = False  # a reply of this sequence carried reasoning: its markers are in the next prompts
 
     def conversation(self) -> list[Any]:
         """The normalized messages + the reply as returned (only for a turn that does not start with the
@@ -161,9 +162,10 @@ def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id
     return None
 
 
-def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None) -> State | None:
-    """The state after a recorded turn (None when the step cannot be extended). ``stop_reason``: vLLM's, for
-    the reply's choice (a string: the stop string that cut it; an int: the stop token id that ended it)."""
+def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
+               before: State | None = None) -> State | None:
+    """The state after a recorded turn from ``before`` (None: the step cannot be extended). ``stop_reason``:
+    vLLM's for the reply's choice (a string: the stop string that cut it; an int: the stop token id)."""
     messages = chat.get("messages")
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
@@ -180,9 +182,10 @@ def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None) -> Sta
     response_id = step.response.get("response_id")
     # The step's own id lists, not copies (a step is never changed once recorded; the next prompt is a new
     # list): copying 120k ids a turn was linear in the context for nothing
+    reasoning = reasoning_of(step.response) or None
     return State(sent, len(messages), _norm(step.response), _tools_key(chat), step.prompt_token_ids,
-                 step.response_token_ids, ended, reasoning_of(step.response) or None,
-                 response_id if isinstance(response_id, str) else None)
+                 step.response_token_ids, ended, reasoning, response_id if isinstance(response_id, str) else
+                 None, reasoned=reasoning is not None or (before is not None and before.reasoned))
 
 
 def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
@@ -240,6 +243,7 @@ class Turn:
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
+        self.added: list[int] = []  # the prompt after the previous reply (``request``)
         self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
         # The prompt ids and the chat body, JSON-encoded once: every generate and derender body (one per chunk
         # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body; they
@@ -281,7 +285,10 @@ class Turn:
         if split is None:
             return None
         tail, added = split
-        rest = state.response_ids + tail + added  # short: the long prompt list is copied once, not thrice
+        # A streamed derender gets only this: vLLM's reasoning parsers look back to the prompt's last marker
+        # (when spliced, an earlier reply's end of reasoning) and would take the reply for content
+        self.added = tail + added
+        rest = state.response_ids + self.added  # short: the long prompt list is copied once, not thrice
         self.prompt = state.prompt_ids + rest
         if self.held is not None and self.held[1] is state.prompt_ids:  # its JSON continued, not re-encoded
             self._raw["prompt"] = (self.prompt, prompts.grown_json(self.held, rest))
@@ -331,6 +338,24 @@ class Turn:
                 choice["logprobs"] = derender.chat_logprobs(choice.get("logprobs"), g["logprobs"]["content"])
         return reply
 
+    @contextlib.asynccontextmanager
+    async def stream(self, generate: dict[str, Any]) -> AsyncIterator[Any]:
+        """A streamed turn's source: vLLM's chat route on the prompt's ids where it takes them and no earlier
+        reply's reasoning is in them (its parsers would misread it, see ``request``), relayed as any chat
+        stream; else generate and derender (``chunks``). An error answer raises ``TitoError``."""
+        if not derender.takes_ids(self.chat) or self.plan.state is None or self.plan.state.reasoned:
+            yield self.chunks(generate)
+            return
+        ids = b'{"prompt_token_ids":' + self._json("prompt", self.prompt) + b"}"
+        body = {k: v for k, v in self.chat.items() if k != "kv_transfer_params"}
+        resp = await self.client.post("chat.completions", json_parts({"kv_transfer_params": ids}, body))
+        try:
+            if resp.status >= 400:
+                raise TitoError(resp.status, await resp.read())
+            yield resp
+        finally:
+            resp.release()
+
     async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk. A malformed
         answer ends it as a ``TitoError`` (the relay records the failure and ends the agent's stream)."""
@@ -364,7 +389,7 @@ class Turn:
     async def _derender_chunk(self, gen: dict[str, Any]) -> bytes:
         """One chat SSE line for one generate chunk (or several merged), through a streamed derender."""
         derendered = await self._post("chat.derender", self._derender_body(
-            self._json("prompt", self.prompt), stream=True, generate_chunk=derender.without_eos(gen),
+            self._json("added", self.added), stream=True, generate_chunk=derender.without_eos(gen),
             stream_state=self._stream_state))
         self._stream_state = derendered["stream_state"]
         chunk = derendered["chunk"]

@@ -5,8 +5,9 @@ them, so after ``/resume`` each recomputes its key/value cache (prompt and token
 and samples on from there (measured: docs/platform.md). A call's tokens before the swap are then the old
 version's and every later one the new version's, exactly. Where the split lies, by the kind of call:
 
-- token-in-token-out (``/inference/v1/generate``): vLLM's own ``weight_versions`` (the label every swap sets
-  before ``/resume``, reported on the final output) give each split exactly; the proxy's marks say which
+- plain token-in-token-out turns (``/inference/v1/generate``): vLLM's own ``weight_versions`` (the label every
+  swap sets before ``/resume``, reported on the final output) give each split exactly (a streamed TITO turn is
+  a chat stream, below, unless its messages hold images); the proxy's marks say which
   versions apply (a label also moves at a LoRA swap, which changes no weights under a call in flight);
 - streamed chat: the count of tokens the proxy had relayed when the swap marked it (after the load, before
   ``/resume``: nothing is sampled in between). vLLM hands every output sampled before the pause to its API
@@ -14,9 +15,8 @@ version's and every later one the new version's, exactly. Where the split lies, 
   call's pump that waits on the backend has counted them all. A pump that is not waiting (held by an agent
   that reads slowly, with vLLM's bytes queued behind it) gives no count: its split is unknown, as below;
 - non-streamed chat: chat completions report no per-token versions, so the split is unknown; the tokens keep
-the
-  version the call started on (staleness over-counted, never under-counted; the logprobs are exact either
-  way).
+  the version the call started on (staleness over-counted, never under-counted; the logprobs are exact
+  either way).
 """
 
 from __future__ import annotations

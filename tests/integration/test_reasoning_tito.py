@@ -113,7 +113,8 @@ async def test_responses_three_turns_one_sequence_and_an_edit_falls_back(
 
     # the agent keeps its own history (store: false), the output items as returned, as Codex does
     history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "hi"}]
-    for turn, extra, stream in ((1, forced(1), False), (2, forced(2), False),
+    # turn 2, a TITO turn, streamed: vLLM's chat route on the ids splits its reasoning as a chat stream does
+    for turn, extra, stream in ((1, forced(1), False), (2, forced(2), True),
                                 (3, {"max_output_tokens": 4}, False)):
         response = await ask(history, extra, stream)
         if turn < 3:
@@ -172,7 +173,7 @@ async def test_messages_three_turns_one_sequence_and_a_forged_signature_falls_ba
         return blocks
 
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    for turn, extra, stream in ((1, forced(1), True), (2, forced(2), False), (3, {"max_tokens": 4}, False)):
+    for turn, extra, stream in ((1, forced(1), True), (2, forced(2), True), (3, {"max_tokens": 4}, False)):
         content = await say(messages, extra, stream)
         if turn < 3:
             assert [b["type"] for b in content] == ["thinking", "text"]

@@ -581,9 +581,10 @@ async def _vllm_metric(url: str, name: str) -> float:
 async def test_keep_swap_splits_tito_calls_where_vllm_says(
     swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
 ) -> None:
-    """Token-in-token-out turns (``/inference/v1/generate``) in flight across a keep swap, non-streamed (the
-    proxy sees no token before the reply) and streamed: each split comes from vLLM's own ``weight_versions``,
-    and the tokens before it are the old weights', those after it the new weights'."""
+    """Token-in-token-out turns in flight across a keep swap, non-streamed (generate: the proxy sees no token
+    before the reply, the split comes from vLLM's own ``weight_versions``) and streamed (vLLM's chat route on
+    the prompt's ids: the split is the count of tokens relayed, as for any stream): the tokens before each
+    split are the old weights', those after it the new weights'."""
     client = await proxy(aiohttp_client, swap_server.url, tmp_path / "log", tito=True)
     sw = swapper(client)
     base = swap_server.model_dir

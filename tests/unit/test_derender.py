@@ -65,3 +65,20 @@ def test_without_eos_leaves_out_the_token_that_ended_a_stopped_choice_only() -> 
     by_string = _chunk([5, 6], "stop")
     by_string["choices"][0]["stop_reason"] = "END"
     assert derender.without_eos(by_string)["choices"][0]["token_ids"] == [5, 6]
+
+
+def test_the_chat_route_takes_the_ids_only_where_vllm_would_not_render_instead() -> None:
+    # vLLM ignores kv_transfer_params.prompt_token_ids (and renders) when echo is set or a message holds
+    # non-text content: such streamed turns keep generate + derender, so the ids are never silently dropped
+    text = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "u"}]},
+            {"role": "assistant", "content": None, "tool_calls": [_call(1)]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"text": "3"}]}]
+    assert derender.takes_ids({"messages": text})
+    assert not derender.takes_ids({"messages": text, "echo": True})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    assert not derender.takes_ids({"messages": [*text, {"role": "user", "content": [image]}]})
+    # a text part with a media key, or a part of an unknown type, counts as non-text (vLLM's own rule)
+    assert not derender.takes_ids({"messages": [{"role": "user", "content": [{"type": "text", "text": "u",
+                                                                              "image_url": "x"}]}]})
+    assert not derender.takes_ids({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
+    assert not derender.takes_ids({"messages": [{"role": "user", "content": ["not a part"]}]})

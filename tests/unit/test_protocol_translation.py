@@ -302,6 +302,14 @@ def test_tito_splices_a_reasoning_reply_only_when_the_replay_vouches_for_it() ->
     assert tito.plan(plain, chat).cause == "tokens"
     chat["messages"][1] = {**hi, "reasoning": "x"}
     assert tito.plan(plain, chat).cause == "reasoning_edited"
+    # once a reply of the sequence reasoned, its markers stay in every later prompt (a streamed turn then goes
+    # through derender, sent only what the turn added: vLLM's parsers would read that end of reasoning)
+    assert state is not None and plain is not None and state.reasoned and not plain.reasoned
+    later = tito.next_state(chat, Step(prompt_token_ids=[1, 2, 3, 4, 5], response_token_ids=[6],
+                                       finish_reason="stop", response=hi), None, state)
+    assert later is not None and later.reasoned
+    assert not tito.next_state(chat, Step(prompt_token_ids=[1], response_token_ids=[6], finish_reason="stop",
+                                          response=hi), None, plain).reasoned
 
 
 def test_tito_new_ids_follow_the_assistant_turn_however_the_template_renders_it() -> None:
