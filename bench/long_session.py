@@ -129,7 +129,17 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
         messages = [{"role": "system", "content": "You read files."},
                     {"role": "user", "content": words(args.first, 0)}]
         calls: list[dict[str, Any]] = []
+        firsts: list[dict[str, Any]] = []
         for turn in range(args.turns):
+            if args.interleave and turn >= args.turns - args.interleave:
+                # a new session's first turn right before this one: the two compared a second apart, so the
+                # machine's drift over a long run cancels out of the ratio
+                one = await run_session(argparse.Namespace(**{**vars(args), "turns": 1, "interleave": 0,
+                                                           "quiet": True}),
+                                        proxy, model)
+                if one["refused"]:
+                    return {**one, "calls": calls}
+                firsts.extend(one["calls"])
             before, t0 = cpu_ns(proxy.pid), time.perf_counter()
             if args.chat:
                 # A reply within a small grammar ends on its own (an EOS), so the next turn extends it in TITO
@@ -178,7 +188,7 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
         rss = proxy_memory(proxy.pid)
         async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
-    return {"session": info["id"], "calls": calls, "refused": None, "proxy_memory": rss}
+    return {"session": info["id"], "calls": calls, "refused": None, "proxy_memory": rss, "firsts": firsts}
 
 
 def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
@@ -327,6 +337,18 @@ def start_vllm(work: Path) -> Any:
     return server
 
 
+def _interleaved(last: list[dict[str, Any]], firsts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last turns against the new sessions' first turns run each right before one of them: medians, and
+    their ratio raw and net of the idle rate."""
+    out: dict[str, Any] = {"pairs": len(firsts)}
+    for key in ("proxy_cpu_ms", "proxy_net_cpu_ms"):
+        a, b = statistics.median(c[key] for c in last), statistics.median(c[key] for c in firsts)
+        out[key] = {"last_turns": a, "first_turns": b, "ratio": round(a / b, 3) if b > 0 else None}
+    out["wall_s"] = {"last_turns": statistics.median(c["wall_s"] for c in last),
+                     "first_turns": statistics.median(c["wall_s"] for c in firsts)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", help="a running vLLM on the long-context tiny model (default: start one)")
@@ -357,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recheck", type=int, default=0, metavar="N",
                    help="after the session, N first turns again in a new session (turn 1's cost measured "
                         "next to the last turn's)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="the last N turns each right after a new session's first turn: turn 200 against "
+                        "turn 1 measured side by side (their medians' ratio), whatever the drift")
     p.add_argument("--quiet-timers", action="store_true",
                    help="the proxy's health checks and idle sweep hourly, not every 2 s and 1 s: its CPU per "
                         "call without the background's (the limits stay the defaults)")
@@ -379,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     idle_after = 0.0
     recheck: list[dict[str, Any]] = []
+    firsts: list[dict[str, Any]] = []
     try:
         if args.backend is None:
             vllm = start_vllm(work)
@@ -413,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         # too high would flatter the long calls (the longer a call waits, the more of it is subtracted)
         idle_after = idle_rate(proxy.pid, args.idle_seconds) if args.idle_seconds > 0 else 0.0
         rate = min(idle, idle_after) / 1e6  # ms per second
-        for call in session["calls"] + recheck:
+        firsts = session.get("firsts") or []
+        for call in session["calls"] + recheck + firsts:
             call["proxy_net_cpu_ms"] = round(call["proxy_cpu_ms"] - rate * call["wall_s"], 2)
         proxy.stop(timeout=30)
         calls = session["calls"]
@@ -447,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"turn_{len(net)}": net[-1] if net else None,
                              "recheck_median": statistics.median(c["proxy_net_cpu_ms"] for c in recheck)
                              if recheck else None},
+        "interleaved": _interleaved(calls[-len(firsts):], firsts) if firsts else None,
         "passthrough_cpu_ms": {"median_first_5": statistics.median(pt[:k]),
                                "median_last_5": statistics.median(
             pt[-k:])} if pt else None,
@@ -459,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_prefix_cache": {key: cache_after.get(key, 0) - cache_before.get(key, 0) for key in cache_after},
         "calls": calls,
         "recheck_calls": recheck,
+        "interleaved_first_calls": firsts,
         "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "git": git,
                  "wall_s": round(time.time() - t0, 1), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                  "args": vars(args)},
