@@ -100,6 +100,13 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.tito_streams = Counter(
+            "steptap_tito_streams",
+            "token-in-token-out streamed turns by route: 'chat' (vLLM's chat route on the prompt's ids), "
+            "'derender_reasoning' (after a reply with reasoning), 'derender_content' (images or echo)",
+            ["route"],
+            registry=r,
+        )
         self.sessions_opened = Counter(
             "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
         )

@@ -298,7 +298,7 @@ class _Call(StreamRelay):
         self.manager.hold_prompt(self.session, self.built)  # the next turn's JSON continues it (tito.Turn)
         try:
             if stream:
-                async with turn.stream(generate) as source:
+                async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
                     return await self._relay_stream(source, 200)
             reply = await turn.reply(generate)
         except tito.TitoError as exc:

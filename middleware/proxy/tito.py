@@ -22,10 +22,9 @@ rendered: an opaque value from elsewhere (``handle_foreign``), a handle naming a
 (``handle_unknown``), changed reasoning text (``reasoning_edited``), or reasoning left out with no handle
 (``reasoning_dropped``).
 
-Stops the agent names: a reply cut by a stop string or a stop token id ends on the token that completed it,
-not necessarily on an end of turn, and the proxy does not add an end token the model never sampled: the next
-turn is rendered (``reply_stop_string``, ``reply_stop_token``). A call that asks for stop strings is rendered
-too (``stop_strings``): vLLM's derender does not cut the text at them.
+Stops the agent names: a reply cut by a stop string or a stop token id need not end a turn, and the proxy adds
+no end token the model never sampled: the next turn is rendered (``reply_stop_string``, ``reply_stop_token``),
+as is a call asking for stop strings (``stop_strings``: vLLM's derender does not cut the text at them).
 
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
 is rendered as normal, counted by cause (``steptap_tito_turns{path}``), named in the step's notes.
@@ -164,8 +163,7 @@ def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id
 
 def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
                before: State | None = None) -> State | None:
-    """The state after a recorded turn from ``before`` (None: the step cannot be extended). ``stop_reason``:
-    vLLM's for the reply's choice (a string: the stop string that cut it; an int: the stop token id)."""
+    """The state after a turn from ``before`` (None: not extendable); ``stop_reason``: vLLM's (str, int)."""
     messages = chat.get("messages")
     if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
         return None
@@ -339,11 +337,13 @@ class Turn:
         return reply
 
     @contextlib.asynccontextmanager
-    async def stream(self, generate: dict[str, Any]) -> AsyncIterator[Any]:
-        """A streamed turn's source: vLLM's chat route on the prompt's ids where it takes them and no earlier
-        reply's reasoning is in them (its parsers would misread it, see ``request``), relayed as any chat
-        stream; else generate and derender (``chunks``). An error answer raises ``TitoError``."""
-        if not derender.takes_ids(self.chat) or self.plan.state is None or self.plan.state.reasoned:
+    async def stream(self, generate: dict[str, Any], metrics: Any) -> AsyncIterator[Any]:
+        """A streamed turn's source, counted by route: vLLM's chat route on the ids unless vLLM would render
+        or they hold an earlier reply's reasoning (``request``); else generate and derender (``chunks``)."""
+        route = ("derender_content" if not derender.takes_ids(self.chat) else "derender_reasoning"
+                 if self.plan.state is None or self.plan.state.reasoned else "chat")
+        metrics.child(metrics.tito_streams, route).inc()
+        if route != "chat":
             yield self.chunks(generate)
             return
         ids = b'{"prompt_token_ids":' + self._json("prompt", self.prompt) + b"}"

@@ -127,6 +127,8 @@ async def test_responses_three_turns_one_sequence_and_an_edit_falls_back(
     one_sequence(steps, think)
     check_logprobs(steps[2], think_vllm.model_dir)
     assert metrics.tito_turns.labels("tokens")._value.get() == 2
+    # streamed after a reasoning reply: generate + derender, sent what the turn added (not the chat route)
+    assert metrics.tito_streams.labels("derender_reasoning")._value.get() == 1
 
     # an edited reasoning text, its handle intact: rendered instead, counted, and the step says why
     info = await open_session(http, proxy, tito=True)

@@ -114,6 +114,8 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     assert [s.status for s in steps] == ["ok"] * 5
     assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
     assert metrics.tito_turns.labels("tokens")._value.get() == 4
+    # streamed, no reasoning: each went to vLLM's chat route on the ids (no derender call per chunk)
+    assert metrics.tito_streams.labels("chat")._value.get() == 4
     # the whole trajectory, token by token: each prompt is the previous prompt + what was sampled + new ids
     sequence = steps[0].prompt_token_ids + steps[0].response_token_ids
     for prev, step in zip(steps, steps[1:], strict=False):
