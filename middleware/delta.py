@@ -5,13 +5,20 @@ token, and its request usually repeats the base's (the same tools, the same mess
 whole, a session of n turns over a growing context costs O(n^2) bytes; logged as a delta it costs what is new:
 
 - ``prompt_token_ids``: only the ids after the base's prompt + response;
-- ``request``: only the keys whose value differs from the base's; a list that continues the base's list of the
-  same key (``messages``, ``input``) keeps only its new items (``Delta.tails``); ``Delta.keys`` keeps the
-  order.
+- ``request``: only the keys whose value differs from the base's; a list that starts with items of the base's
+  list of the same key (``messages``, ``input``) keeps only the items after them (``Delta.tails``: how many of
+  the base's it starts with; since schema 8 not always all of them: Claude Code moves its ``cache_control``
+  mark to its newest message each call, so the base's last message comes again without it); ``Delta.keys``
+  keeps the order.
 
 The choices of one call (``n > 1``, schema 5) share its request and prompt: each choice after the first is a
 delta of the first (``Delta.kind == "choice"``: its prompt is the first's first ``shared`` ids + its own), so
 a call records its request once, not n times.
+
+A main-line step that does not extend the call before it but starts with most of its prompt ids (schema 8:
+OpenClaw moves an internal-context message to the end of every request; a compaction keeps the system prompt
+and tools) is a delta of that call's step too (``Delta.kind == "prefix"``: its prompt is the base's first
+``shared`` ids + its own).
 
 The delta form is the log's (and the live session's) business: every reader hands out full steps, equal
 (msgpack byte for byte) to the step as it was made. Values are compared by their msgpack bytes, so ``1`` and
@@ -63,6 +70,34 @@ def compress_choice(step: Step, first: Step) -> Step:
     )
 
 
+PREFIX_MIN = 1024  # fewer shared prompt ids than this (or than half the step's own): the step is logged whole
+_BLOCK = 4096
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many first ids two prompts share: compared a block at a time (at C speed), then id by id."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i:i + _BLOCK] == b[i:i + _BLOCK]:
+        i += _BLOCK
+    end = min(i + _BLOCK, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return min(i, n)
+
+
+def compress_prefix(step: Step, base: Step) -> Step | None:
+    """The logged form of ``step`` (full), which does not extend ``base`` (full, the call before it) but
+    starts with most of its prompt ids; None when it shares too few for a delta to be worth its reading."""
+    ids = step.prompt_token_ids
+    keep = shared_prefix(ids, base.prompt_token_ids)
+    if keep < PREFIX_MIN or 2 * keep < len(ids):
+        return None
+    request, tails = _request_delta(step.request, base.request)
+    return _replace(step, prompt_token_ids=ids[keep:], request=request,
+                    delta=Delta(base=base.index, keys=list(step.request), tails=tails, kind="prefix",
+                                shared=keep))
+
+
 def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = None,
                    base_ids: Any = None) -> tuple[dict[str, Any], dict[str, int]]:
     """What of ``request`` differs from ``base``: its own values, and the lists that continue the base's
@@ -84,14 +119,32 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = Non
                 type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)
             ):
                 continue  # the base's value: not stored
-            if isinstance(value, list) and isinstance(old, list) and old and len(value) >= len(old) and (
-                _enc(value[: len(old)]) == _enc(old)
-            ):
-                tails[key] = len(old)
-                out[key] = value[len(old):]
+            if isinstance(value, list) and isinstance(old, list) and (kept := _kept(value, old)):
+                tails[key] = kept
+                out[key] = value[kept:]
                 continue
         out[key] = value
     return out, tails
+
+
+def _kept(value: list[Any], old: list[Any]) -> int:
+    """How many of ``old``'s first items ``value`` starts with (msgpack bytes equal). A list that continues
+    the base's costs one encode of each; one whose last item was edited (a moved cache mark) two; else the
+    longest shared start is bisected (a few encodes of the lists' starts, at C speed)."""
+    n = min(len(value), len(old))
+
+    def same(k: int) -> bool:
+        return _enc(value[:k]) == _enc(old[:k])
+
+    if n == 0 or same(n):
+        return n
+    if n == 1 or same(n - 1):
+        return n - 1
+    lo, hi = 0, n - 1  # same(lo) holds, same(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if same(mid) else (lo, mid)
+    return lo
 
 
 def _same_size(a: Any, b: Any) -> bool:
@@ -111,22 +164,22 @@ def expand(step: Step, base: Step) -> Step:
     request: dict[str, Any] = {}
     for key in d.keys:
         if key in d.tails:
-            old = base.request.get(key)
-            if not isinstance(old, list) or len(old) != d.tails[key]:
-                raise DeltaError(f"step {step.index}: the base's {key!r} is not the {d.tails[key]} items it "
-                                 "continues")
-            request[key] = old + step.request[key]
+            old, kept = base.request.get(key), d.tails[key]
+            if not isinstance(old, list) or len(old) < kept:
+                raise DeltaError(f"step {step.index}: the base's {key!r} has fewer than the {kept} items it "
+                                 "starts with")
+            request[key] = old[:kept] + step.request[key]
         elif key in step.request:
             request[key] = step.request[key]
         elif key in base.request:
             request[key] = base.request[key]
         else:
             raise DeltaError(f"step {step.index}: request key {key!r} is in neither it nor its base")
-    if d.kind == "choice":
+    if d.kind in ("choice", "prefix"):
         if d.shared > len(base.prompt_token_ids):
             raise DeltaError(f"step {step.index} shares {d.shared} prompt ids of step {base.index}, which "
                              f"has {len(base.prompt_token_ids)}")
-        if d.shared == len(base.prompt_token_ids) and not step.prompt_token_ids:
+        if d.kind == "choice" and d.shared == len(base.prompt_token_ids) and not step.prompt_token_ids:
             ids = base.prompt_token_ids  # one list for the call's choices, as capture made them
         else:
             ids = base.prompt_token_ids[: d.shared] + step.prompt_token_ids

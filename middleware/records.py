@@ -29,7 +29,11 @@ import msgspec
 #    (``Held``, ``HeldDropped``: a finish whose reward is pending, sessions/holding.py).
 # 7: images: a step names each image its prompt showed the model (``Step.images``, ``ImageRef``); the bytes
 #    are stored once, by content, beside the log; the logged request refers to them instead of holding them.
-SCHEMA_VERSION = 7
+# 8: a delta step's list may start with only some of its base's items (``Delta.tails``: the first k of them,
+#    then its own): an agent that edits its last message each call logs from that message on, not all again;
+#    a main-line step that does not extend the call before but shares most of its prompt is a delta of it
+#    (``Delta.kind == "prefix"``: the base's first ``shared`` prompt ids + its own).
+SCHEMA_VERSION = 8
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
@@ -90,10 +94,11 @@ class Delta(msgspec.Struct, kw_only=True):
     base: int  # the index of the step it extends
     # The full request's keys in order; a key missing from ``request`` is the base's value
     keys: list[str] = []
-    tails: dict[str, int] = {}  # a list the base's list of that key (this many items) continues
+    tails: dict[str, int] = {}  # a list that starts with this many items of the base's list of that key
     # "extends": its prompt is the base's prompt + response + its own ids (a later call). "choice" (v5):
-    # another choice of the base's call (n > 1): its prompt is the base's first ``shared`` ids + its own
-    kind: Literal["extends", "choice"] = "extends"
+    # another choice of the base's call (n > 1): its prompt is the base's first ``shared`` ids + its own.
+    # "prefix" (v8): a later call that does not extend the base but starts with its first ``shared`` ids
+    kind: Literal["extends", "choice", "prefix"] = "extends"
     shared: int = 0
 
 

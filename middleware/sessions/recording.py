@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from steptap.middleware.delta import compress, compress_choice
+from steptap.middleware.delta import compress, compress_choice, compress_prefix
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.records import Step
 from steptap.middleware.sessions.classify import apply as classify_call
@@ -83,8 +83,12 @@ class Recording:
                 session.late += 1
                 base = None
             # what the log and session hold
-            forms.append(step if base is None else compress_choice(step, base) if base is steps[0] else
-                         compress(step, base))
+            form = (step if base is None else compress_choice(step, base) if base is steps[0] else
+                    compress(step, base))
+            if (base is None and prev_call and step.status == "ok" and step.call_class != "side"
+                    and not session.sealed and (shares := compress_prefix(step, prev_call[0])) is not None):
+                form, base = shares, prev_call[0]  # an edited history: most of the prompt is the last call's
+            forms.append(form)
             bases.append(base)
         size = 0
         sizes = [self.holdings.size_of([f]) for f in forms]

@@ -98,6 +98,47 @@ def test_a_delta_expands_to_the_step_byte_for_byte() -> None:
         full_steps([logged])  # its base is not there
 
 
+def test_a_list_whose_late_items_were_edited_logs_from_the_first_edit() -> None:
+    """Claude Code marks its newest message with ``cache_control`` and drops the mark from the one before at
+    the next call: each call's messages start with all but the last of the previous call's. Logged from the
+    edited message on (schema 8), a delta stays the same size however long the session; before, the whole list
+    was logged again each call."""
+    def mark(m: dict[str, Any]) -> dict[str, Any]:
+        part = {"type": "text", "text": m["content"], "cache_control": {"type": "ephemeral"}}
+        return {**m, "content": [part]}
+
+    steps = turns(8)[:8]
+    for i, s in enumerate(steps):
+        s.index = i
+        msgs = s.request["messages"]
+        msgs[-1] = mark(msgs[-1])  # the newest message carries the mark, the earlier ones not
+    sizes: list[int] = []
+    for base, step in zip(steps[5:7], steps[6:8], strict=True):  # 5 -> 6, 6 -> 7 (turn 4 re-rendered)
+        logged = compress(step, base)
+        n = len(base.request["messages"])
+        assert logged.delta is not None and logged.delta.tails == {"messages": n - 1}
+        assert logged.request["messages"] == step.request["messages"][n - 1:]  # the unmarked one, the new
+        assert enc(expand(logged, base)) == enc(step)
+        sizes.append(len(logged.request["messages"]))
+    assert sizes == [3, 3]  # each call: the unmarked message and the two new ones, not the history again
+    # an item edited further back: the shared start is found, whatever its length
+    step, base = steps[7], steps[6]
+    step.request["messages"][3] = {"role": "tool", "content": "edited"}
+    logged = compress(step, base)
+    assert logged.delta is not None and logged.delta.tails == {"messages": 3}
+    assert enc(expand(logged, base)) == enc(step)
+    # a list shorter than its base's (a history cut in a call that still extends the tokens)
+    step.request["messages"] = step.request["messages"][:2]
+    logged = compress(step, base)
+    assert logged.delta is not None and logged.delta.tails == {"messages": 2}
+    assert logged.request["messages"] == []
+    assert enc(expand(logged, base)) == enc(step)
+    # a base with fewer items than the delta starts with: a clear error, never a wrong request
+    short = msgspec.structs.replace(base, request={**base.request, "messages": base.request["messages"][:1]})
+    with pytest.raises(DeltaError, match="fewer than the 2 items"):
+        expand(logged, short)
+
+
 def make_stream_app(log: TrajectoryLog) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app[CONTROL_TOKEN_KEY] = TOKEN
@@ -213,6 +254,56 @@ async def test_logged_and_held_bytes_grow_linearly(manager: SessionManager) -> N
     full = sum(len(enc(s)) for s in steps)
     assert sum(sizes) < full / 10
     assert held < 2 * sum(sizes) and traj_bytes < 100 * len(steps)
+
+
+def edited_turns(n: int, first: int = 3000, per_turn: int = 150, reply: int = 12) -> list[Step]:
+    """``n`` calls of an agent that ends every request with an internal-context message (OpenClaw): each
+    call moves it after the new turns, so no prompt extends the one before, though each starts with most of
+    it."""
+    steps: list[Step] = []
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "go"}]
+    internal = {"role": "user", "content": "<context>runtime notes</context>"}
+    ids = [(7 * i) % 150_000 for i in range(first)]
+    for t in range(n):
+        response = [(t * 31 + k) % 150_000 for k in range(reply)]
+        steps.append(Step(
+            model="m", served_model="m", endpoint="chat.completions",
+            request={"model": "m", "messages": [*history, internal], "tools": TOOLS},
+            sampling=Sampling(temperature=1.0), prompt_token_ids=ids + [9, 9, 9], response_token_ids=response,
+            response_logprobs=[-0.5] * reply, finish_reason="stop", response={"role": "assistant"},
+            started_at=2000.0 + t, latency_s=0.5))
+        history = [*history, {"role": "assistant", "content": f"reply {t}"},
+                   {"role": "tool", "content": f"out {t} " * 40}]
+        ids = ids + response + [(t * 13 + k) % 150_000 for k in range(per_turn)]
+    return steps
+
+
+async def test_an_edited_history_is_logged_as_what_it_adds(manager: SessionManager, tmp_path: Path) -> None:
+    """A main-line call that does not extend the one before but starts with most of its prompt (schema 8) is
+    logged as a ``prefix`` delta of it: the ids after the shared start, the messages after the first one that
+    changed. Every reader hands out the steps as made; a session of such calls grows linearly."""
+    steps = edited_turns(12)
+    await run_session(manager, steps)
+    assert {s.prefix for s in steps[1:]} == {"history_edited"} and {s.call_class for s in steps} == {"main"}
+    logged = [s for s in manager.sessions["s1"].trajectory.steps]
+    assert logged[0].delta is None
+    for made, form in zip(steps[1:], logged[1:], strict=True):
+        d = form.delta
+        assert d is not None and d.kind == "prefix" and d.base == made.index - 1
+        assert d.shared == len(made.prompt_token_ids) - 150 - 12 - 3  # all but the new ids and the moved ones
+        assert form.prompt_token_ids == made.prompt_token_ids[d.shared:]
+        assert form.request["messages"] == made.request["messages"][-3:]  # from where the moved one was
+    sizes = [len(enc(f)) for f in logged[1:]]
+    assert sizes[-1] < 1.2 * sizes[0] and sum(sizes) < sum(len(enc(s)) for s in steps[1:]) / 10
+    await manager.finish(session := manager.sessions["s1"])
+    assert session.trajectory.status == "finished"
+    records = list(manager.log.records())  # type: ignore[attr-defined]
+    expected = [enc(s) for s in steps]
+    assert [enc(s) for s in steps_of(records)] == expected
+    assert [enc(s) for s in LogReader(str(tmp_path / "log")).trajectories().__next__().steps] == expected
+    # a base that is not the call before (a damaged log): a clear error
+    with pytest.raises(DeltaError, match="shares"):
+        expand(logged[5], msgspec.structs.replace(steps[4], prompt_token_ids=steps[4].prompt_token_ids[:100]))
 
 
 async def test_the_latest_call_held_in_full_counts_against_the_session(tmp_path: Path) -> None:
