@@ -4,14 +4,17 @@ and unchanged (default settings, streaming as each does by default), driven side
 agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
 
 Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted_tools: the model
-then calls it); the CLI runs ``echo steptap-ran-<cli>-$((6*7))``, sends the output back, and the model answers
-``The tool ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command).
-Checked per agent: exit 0; the printed answer; the tool-call step's response ids decode to the hermes call the
-CLI received and the answer step's to the text it printed; every logprob equals a transformers recomputation
-on the step's ids; where the session is one token sequence, the answer's prompt starts with the tool call's
-prompt + response ids; each step's call class; what each protocol adds (Claude Code's count_tokens, Codex's
-token counts and dropped tools). Then pi with a small context window compacts: its summary calls are side
-calls and the next task opens branch 1.
+then calls it), a session of ``HOPS + 1`` tool calls: each call's command prints the next one's trigger
+(``echo steptap-next.<cli>.<tool>.<arg>.$((3-1))``, the count made by the shell), the last one runs ``echo
+steptap-ran-<cli>-$((6*7))``, and the model answers ``The tool ran. Its output: steptap-ran-<cli>-42`` (the
+``42`` exists only if the shell ran the command). Checked per agent: exit 0; the printed answer; each
+tool-call step's response ids decode to the hermes call the CLI received, in the chain's order, and the
+answer step's to the text it printed; each call's output is in the next step's prompt (the CLI ran it and
+sent it back); every logprob equals a transformers recomputation on the step's ids; where the session is one
+token sequence, each step's prompt starts with the previous step's prompt + response ids; each extending
+step is logged as what is new (a delta that does not grow with the session); each step's call class; what
+each protocol adds (Claude Code's count_tokens, Codex's token counts and dropped tools). Then pi with a small
+context window compacts: its summary calls are side calls and the next task opens branch 1.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ ONE_SEQUENCE = {"claude-code": True, "codex": True, "openclaw": False, "pi": Tru
 # Each main-line step's (call_class, call_rule), measured; and the side calls beside them: Claude Code (its
 # default settings) sends a title call on its small-fast model with the task's first call (side by that alias;
 # which of the two is recorded first varies), no other CLI makes one in these one-shot runs.
-MAIN_LINE = [("main", "first"), ("main", "extends")]
-CLASSES = {"openclaw": [("main", "first"), ("main", "edited")]}
+HOPS = 8  # the calls before the marker's: each session is HOPS + 1 tool calls, then the answer
+MAIN_LINE = [("main", "first")] + [("main", "extends")] * (HOPS + 1)
+CLASSES = {"openclaw": [("main", "first")] + [("main", "edited")] * (HOPS + 1)}
 SIDE_CALLS = {"claude-code": [("side", "side_model")]}
 
 
@@ -56,12 +60,25 @@ def marker(agent: str) -> str:
 
 
 def call(agent: str) -> dict[str, Any]:
+    return calls(agent, 0)[-1]
+
+
+def calls(agent: str, hops: int) -> list[dict[str, Any]]:
+    """The tool calls of a session of ``hops + 1`` (tool_script.DEFAULT_RULES): each chained call prints the
+    count of those left before the marker's."""
     name, arg = TOOLS[agent] if agent in TOOLS else ("run_shell", "command")
-    return {"name": name, "arguments": {arg: f"echo steptap-ran-{agent}-$((6*7))"}}
+    chain = [f"echo steptap-next.{agent}.{name}.{arg}.$(({k}-1))" for k in range(hops, 0, -1)]
+    return [{"name": name, "arguments": {arg: cmd}} for cmd in [*chain, f"echo steptap-ran-{agent}-$((6*7))"]]
 
 
-def task(agent: str) -> str:
-    return f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(call(agent))}"
+def printed(agent: str, hops: int) -> list[str]:
+    """What each call of ``calls`` prints."""
+    name, arg = TOOLS[agent] if agent in TOOLS else ("run_shell", "command")
+    return [f"steptap-next.{agent}.{name}.{arg}.{k - 1}" for k in range(hops, 0, -1)] + [marker(agent)]
+
+
+def task(agent: str, hops: int = 0) -> str:
+    return f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(calls(agent, hops)[0])}"
 
 
 def answer(agent: str) -> str:
@@ -71,12 +88,12 @@ def answer(agent: str) -> str:
 def cli_args(agent: str) -> list[str]:
     """What follows `steptap run --agent NAME --`: the CLI's own one-shot form."""
     if agent == "claude-code":  # print mode asks before running a tool: echo is allowed, nothing turned off
-        return ["-p", task(agent), "--output-format", "json", "--allowedTools", "Bash(echo:*)"]
+        return ["-p", task(agent, HOPS), "--output-format", "json", "--allowedTools", "Bash(echo:*)"]
     if agent == "codex":
-        return ["exec", "--skip-git-repo-check", "--json", task(agent)]
+        return ["exec", "--skip-git-repo-check", "--json", task(agent, HOPS)]
     if agent == "openclaw":
-        return ["agent", "exec", "--json", task(agent)]
-    return ["--no-session", "-p", task(agent)]
+        return ["agent", "exec", "--json", task(agent, HOPS)]
+    return ["--no-session", "-p", task(agent, HOPS)]
 
 
 def printed_text(agent: str, stdout: str) -> str:
@@ -129,11 +146,11 @@ async def run_python_agent(proxy: Any) -> tuple[str, str, float]:
     async with async_session(proxy.url, proxy.token) as s:
         agent = Agent(name="shell", instructions="Run commands with the tool.", tools=[run_shell],
                       model=registry.bind("openai_agents", s), model_settings=ModelSettings(max_tokens=256))
-        result = await Runner.run(agent, task("openai-agents"), max_turns=4)
+        result = await Runner.run(agent, task("openai-agents", HOPS), max_turns=HOPS + 3)
     return s.id, result.final_output, time.monotonic() - started
 
 
-def check_steps(agent: str, traj: Any, printed: str, model_dir: Path, tok: Any) -> dict[str, Any]:
+def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: Any) -> dict[str, Any]:
     """The exactness checks of one agent's trajectory; returns what was measured (for the report line)."""
     steps = traj.steps
     assert all(s.status == "ok" for s in steps), (agent, [s.error for s in steps])
@@ -143,29 +160,71 @@ def check_steps(agent: str, traj: Any, printed: str, model_dir: Path, tok: Any) 
     tool_steps = [s for s in line if s.finish_reason == "tool_calls"]
     text = [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in line]
     answers = [s for s, t in zip(line, text, strict=True) if t == answer(agent)]
-    assert len(tool_steps) == 1 and len(answers) == 1, (agent, [(s.finish_reason, s.response) for s in steps])
-    (tool_step,), (answer_step,) = tool_steps, answers
-    expected = call(agent)
-    hermes = f"<tool_call>\n{json.dumps(expected)}\n</tool_call>"
-    assert tok.decode(tool_step.response_token_ids, skip_special_tokens=True) == hermes, agent
-    (sent,) = tool_step.response["tool_calls"]  # what the proxy parsed and relayed to the CLI
-    assert sent["function"]["name"] == expected["name"], agent
-    assert json.loads(sent["function"]["arguments"]) == expected["arguments"], agent
-    assert answer(agent) in printed, (agent, printed)
-    # the shell's output went back to the model in the answer step's prompt (never in the tool call's)
-    assert marker(agent) in tok.decode(answer_step.prompt_token_ids), agent
-    assert marker(agent) not in tok.decode(tool_step.prompt_token_ids), agent
+    assert len(tool_steps) == HOPS + 1 and len(answers) == 1 and line[-1] is answers[0], (
+        agent, [(s.finish_reason, s.response) for s in steps])
+    outputs = printed(agent, HOPS)
+    for tool_step, expected, after, output in zip(tool_steps, calls(agent, HOPS), line[1:], outputs,
+                                                  strict=True):
+        hermes = f"<tool_call>\n{json.dumps(expected)}\n</tool_call>"
+        assert tok.decode(tool_step.response_token_ids, skip_special_tokens=True) == hermes, agent
+        (sent,) = tool_step.response["tool_calls"]  # what the proxy parsed and relayed to the CLI
+        assert sent["function"]["name"] == expected["name"], agent
+        assert json.loads(sent["function"]["arguments"]) == expected["arguments"], agent
+        # the shell's output went back to the model in the next step's prompt (never before it)
+        assert output in tok.decode(after.prompt_token_ids), (agent, output)
+        assert output not in tok.decode(tool_step.prompt_token_ids), (agent, output)
+    assert answer(agent) in printed_text, (agent, printed_text)
     worst = 0.0
     refs = reference_logprobs_of(model_dir, [(s.prompt_token_ids, s.response_token_ids) for s in steps])
     for step, ref in zip(steps, refs, strict=True):
         assert len(step.response_logprobs) == len(step.response_token_ids) >= 1, (agent, step.index)
         worst = max(worst, max(abs(a - b) for a, b in zip(step.response_logprobs, ref, strict=True)))
         assert step.response_logprobs == pytest.approx(ref, abs=1e-4), (agent, step.index)
-    turn = tool_step.prompt_token_ids + tool_step.response_token_ids
-    one = answer_step.prompt_token_ids[: len(turn)] == turn
-    assert one == ONE_SEQUENCE[agent], (agent, answer_step.prefix)
-    return {"steps": len(steps), "prompt": len(tool_step.prompt_token_ids), "logprob_err": worst,
-            "prefix": [s.prefix for s in steps], "one_sequence": one}
+    ones = [b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)]
+            == a.prompt_token_ids + a.response_token_ids for a, b in zip(line, line[1:], strict=False)]
+    assert ones == [ONE_SEQUENCE[agent]] * len(ones), (agent, [s.prefix for s in line])
+    return {"steps": len(steps), "prompt": [len(s.prompt_token_ids) for s in line], "logprob_err": worst,
+            "prefix": [s.prefix for s in steps], "one_sequence": ones[0]}
+
+
+async def logged(log_dir: Path, sid: str) -> list[Any]:
+    """The session's Step records as the proxy's log holds them (opened beside its writer)."""
+    from steptap.middleware.log.wal import TrajectoryLog
+    from steptap.middleware.records import Step
+
+    log = await TrajectoryLog.open(str(log_dir), readonly=True)
+    try:
+        return [r for r in log.records() if isinstance(r, Step) and r.trajectory_id == sid]
+    finally:
+        await log.close()
+
+
+def linear_space(agent: str, steps: list[Any], records: list[Any]) -> dict[str, Any]:
+    """Each main-line step after the first is logged as what is new: one that extends the call before, its
+    prompt ids after that call's prompt + response; one that does not (OpenClaw moves a message each call),
+    its ids after the prompt start it shares with that call (a ``prefix`` delta). Each is smaller than any of
+    those steps whole, and the chained calls' do not grow with the session."""
+    from steptap.middleware.records import msgpack_encoder
+
+    assert [r.index for r in records] == [s.index for s in steps], agent
+    size = [len(msgpack_encoder.encode(r)) for r in records]
+    by_index = {s.index: s for s in steps}
+    line = [(s, r, n) for s, r, n in zip(steps, records, size, strict=True) if s.call_class != "side"]
+    assert line[0][1].delta is None, agent
+    for step, rec, _ in line[1:]:
+        base = by_index[rec.delta.base]
+        start = (len(base.prompt_token_ids) + len(base.response_token_ids) if rec.delta.kind == "extends"
+                 else rec.delta.shared)
+        assert rec.delta.kind == ("extends" if step.prefix == "extends" else "prefix"), (agent, step.index)
+        assert rec.prompt_token_ids == step.prompt_token_ids[start:], (agent, step.index)
+    deltas = [n for _, _, n in line[1:]]
+    full = [len(msgpack_encoder.encode(s)) for s, _, _ in line[1:]]  # each logged whole
+    # the chained calls each add the same (Claude Code's grew before schema 8: it moves its cache mark, so
+    # its history was logged again each call; its first delta still logs its first message again)
+    chained = deltas[1: HOPS - 1]
+    assert len(deltas) == HOPS + 1 and max(chained) - min(chained) < 100, (agent, size)
+    assert max(deltas) < min(full), (agent, size, full)
+    return {"logged": size, "whole": sum(full)}
 
 
 def protocol_checks(agent: str, steps: list[Any], stdout: str, proxy: Any) -> None:
@@ -209,12 +268,14 @@ async def test_four_cli_and_a_python_agent_call_a_tool_and_answer_exactly(
         traj = client.get_session(found.group(1))
         assert traj.status == "finished" and len(traj.steps) == int(found.group(2))
         report[agent] = {"s": round(took), **check_steps(agent, traj, printed_text(agent, stdout),
-                                                         long_vllm.model_dir, tok)}
+                                                         long_vllm.model_dir, tok),
+                         **linear_space(agent, traj.steps, await logged(long_proxy.log_dir, traj.id))}
         protocol_checks(agent, traj.steps, stdout, long_proxy)
     sid, final, took = results[-1]
     traj = client.get_session(sid)
     checked = check_steps("openai-agents", traj, final, long_vllm.model_dir, tok)
-    report["openai-agents"] = {"s": round(took), **checked}
+    space = linear_space("openai-agents", traj.steps, await logged(long_proxy.log_dir, sid))
+    report["openai-agents"] = {"s": round(took), **checked, **space}
     print(f"agent matrix: {round(wall)} s wall, side by side: {report}")
 
 

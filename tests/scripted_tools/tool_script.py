@@ -27,10 +27,17 @@ SCRIPT_ENV = "STEPTAP_TOOL_SCRIPT"  # the script file the processor in vLLM's pr
 MAX_RULES = 64
 MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
 
+_NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\."  # a chain's output (below)
+_CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
 DEFAULT_RULES = [
     # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
+    # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.N` asks for the next
+    # call, which prints N - 1 (by the shell's arithmetic: only a command that ran moves the chain on); at 0,
+    # the call that prints the `steptap-ran-AGENT-42` marker
+    (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.$((\4-1))"}}' + "\n</tool_call>"),
+    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7))"}}' + "\n</tool_call>"),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     # Codex's turn after a compaction holds the task again (its trigger too) with the summary: answered, so
     # the turn ends rather than calling the tool and compacting again

@@ -75,6 +75,21 @@ def test_default_rules_call_the_tool_the_task_names_then_answer_with_its_output(
     assert choose(rules, "user\nNo trigger here.") is None
 
 
+def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Path) -> None:
+    """A chain (a session of many turns): each output names the next call; the command line echoed back
+    (`$((2-1))`, not yet a number) never moves it on, and the output after 0 hops is the marker's call."""
+    rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
+    echoed = "user\n<tool_response>\nCommand: echo steptap-next.claude-code.Bash.command.$((2-1))\n"
+    assert choose(rules, echoed + "</tool_response>") == "The tool ran. Its output: Command: echo " \
+        "steptap-next.claude-code.Bash.command.$((2-1))"
+    assert choose(rules, echoed + "steptap-next.claude-code.Bash.command.1\n</tool_response>") == hermes_call(
+        "Bash", {"command": "echo steptap-next.claude-code.Bash.command.$((1-1))"})
+    wrapped = 'user\n<tool_response>\n{"out": "steptap-next.codex.exec_command.cmd.0"}\n</tool_response>'
+    assert choose(rules, wrapped) == hermes_call("exec_command", {"cmd": "echo steptap-ran-codex-$((6*7))"})
+    assert choose(rules, "user\n<tool_response>\nsteptap-ran-codex-42\n</tool_response>") == \
+        "The tool ran. Its output: steptap-ran-codex-42"
+
+
 def test_a_filled_in_reply_is_bounded(tmp_path: Path) -> None:
     rules = load_script(write_script(tmp_path / "s.json", [(r"ECHO (.*)", r"\1\1")]))
     assert len(choose(rules, "ECHO " + "x" * 3000) or "") == 4096
