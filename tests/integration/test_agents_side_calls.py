@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from conftest import http_json
 from reference import reference_logprobs_of
-from test_agents_matrix import TIMEOUT_S, answer, task
+from test_agents_matrix import TIMEOUT_S, answer, logged, task
 
 from steptap.adapters.agents import SMALL_FAST
 from steptap.middleware.client import SyncSteptapClient
@@ -173,6 +173,14 @@ async def test_claude_code_title_calls_are_side_and_its_compaction_opens_a_branc
     tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
     assert [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in (answered, last)] == [
         answer("claude-code"), answer("branch")]
+    # The compaction and the branch keep the system prompt and tools (and the compaction the conversation):
+    # each is logged as a prefix delta of the call before it (schema 8), not whole.
+    records = {r.index: r for r in await logged(long_proxy.log_dir, sid)}
+    for step, before in ((compaction, answered), (branch, compaction)):
+        d = records[step.index].delta
+        assert d is not None and (d.kind, d.base) == ("prefix", before.index), (step.index, d)
+        assert step.prompt_token_ids[:d.shared] == before.prompt_token_ids[:d.shared] and d.shared > 30_000
+        assert records[step.index].prompt_token_ids == step.prompt_token_ids[d.shared:]
     # The learner's default (`main`) drops the titles and trains the main line and the branch.
     batch = build_batch([traj], version=0)
     assert batch.counts["dropped_side"] == 2
