@@ -92,16 +92,17 @@ def compress_prefix(step: Step, base: Step) -> Step | None:
     keep = shared_prefix(ids, base.prompt_token_ids)
     if keep < PREFIX_MIN or 2 * keep < len(ids):
         return None
-    request, tails = _request_delta(step.request, base.request)
+    request, tails = _request_delta(step.request, base.request, ids, base.prompt_token_ids, keep)
     return _replace(step, prompt_token_ids=ids[keep:], request=request,
                     delta=Delta(base=base.index, keys=list(step.request), tails=tails, kind="prefix",
                                 shared=keep))
 
 
-def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = None,
-                   base_ids: Any = None) -> tuple[dict[str, Any], dict[str, int]]:
-    """What of ``request`` differs from ``base``: its own values, and the lists that continue the base's
-    (``ids``, ``base_ids``: the steps' prompt ids, which a token-id prompt is)."""
+def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = None, base_ids: Any = None,
+                   shared: int | None = None) -> tuple[dict[str, Any], dict[str, int]]:
+    """What of ``request`` differs from ``base``: its own values, and the lists that start with the base's
+    items (``ids``, ``base_ids``: the steps' prompt ids, which a token-id prompt is; ``shared``: how many
+    first ids they share, None when ``ids`` extends all of ``base_ids``)."""
     if request is base:  # the choices of one call share one request object
         return {}, {}
     out: dict[str, Any] = {}
@@ -109,11 +110,13 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = Non
     for key, value in request.items():
         if key in base:
             old = base[key]
-            if ids is not None and value is ids and old is base_ids and len(value) >= len(old):
+            if ids is not None and value is ids and old is base_ids and len(value) >= (shared or len(old)):
                 # A token-id prompt, which the step's ids are (proxy/replies.known_prompt): the step extends
-                # its base, so the list starts with the base's (``prefix.extends`` compared them): no encode.
-                tails[key] = len(old)
-                out[key] = value[len(old):]
+                # its base, so the list starts with the base's (``prefix.extends`` compared them), or shares
+                # ``shared`` first ids with it (counted): no encode
+                kept = len(old) if shared is None else shared
+                tails[key] = kept
+                out[key] = value[kept:]
                 continue
             if old is value or (
                 type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)

@@ -23,7 +23,15 @@ from steptap.learner.rows import build_batch
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.delta import DeltaError, compress, expand, full_steps, resolve, steps_of
+from steptap.middleware.delta import (
+    DeltaError,
+    compress,
+    compress_prefix,
+    expand,
+    full_steps,
+    resolve,
+    steps_of,
+)
 from steptap.middleware.errors import error_middleware
 from steptap.middleware.exceptions import SessionFull
 from steptap.middleware.log.offline import LogReader
@@ -301,6 +309,15 @@ async def test_an_edited_history_is_logged_as_what_it_adds(manager: SessionManag
     expected = [enc(s) for s in steps]
     assert [enc(s) for s in steps_of(records)] == expected
     assert [enc(s) for s in LogReader(str(tmp_path / "log")).trajectories().__next__().steps] == expected
+    # a token prompt that is the step's own ids (known_prompt): its shared start is the ids', not encoded
+    a, b = (msgspec.structs.replace(x, request={"model": "m", "prompt": x.prompt_token_ids})
+            for x in steps[:2])
+    b.index = 1
+    form = compress_prefix(b, a)
+    assert form is not None and form.delta is not None
+    assert form.delta.tails == {"prompt": form.delta.shared}
+    assert form.request["prompt"] == form.prompt_token_ids
+    assert enc(expand(form, a)) == enc(b)
     # a base that is not the call before (a damaged log): a clear error
     with pytest.raises(DeltaError, match="shares"):
         expand(logged[5], msgspec.structs.replace(steps[4], prompt_token_ids=steps[4].prompt_token_ids[:100]))
