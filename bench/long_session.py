@@ -16,6 +16,9 @@ its new tokens).
 (``"tito": true``): with a random model a reply re-renders as other tokens than it sampled, which TITO avoids
 by building each prompt from the previous ids. Each reply is held to a short word by a grammar so it ends on
 its own (a reply cut by ``max_tokens`` falls back to rendering). The text is sized at about 4 tokens a word.
+``--edit-history`` (with ``--chat``) ends every request with a context message that the next request moves
+after the new turns, as OpenClaw does: no call extends the one before (each is rendered, ``history_edited``),
+and each is logged as a ``prefix`` delta of the call before (schema 8).
 
     python bench/long_session.py                       # 30 turns (20k -> ~35k tokens): a few minutes
     python bench/long_session.py --full                # the profile: 200 turns, 20k -> ~120k tokens
@@ -147,7 +150,10 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
                 url = f"{info['base_url']}/chat/completions"
                 # --reply-chars: exactly that many letters (at worst a token each, then the end token)
                 regex = f"[a-z]{{{args.reply_chars}}}" if args.reply_chars else "[a-z]{1,6}"
-                body = {"model": model, "messages": messages, "max_tokens": max(16, args.reply_chars + 1),
+                # --edit-history: a context message last in every request, moved after the new turns at the
+                # next (as OpenClaw does): no prompt extends the one before
+                sent = messages + [EDITED] if args.edit_history else messages
+                body = {"model": model, "messages": sent, "max_tokens": max(16, args.reply_chars + 1),
                         "temperature": 1.0, "structured_outputs": {"regex": regex}, "stream": args.stream}
             else:
                 url = f"{info['base_url']}/completions"
@@ -189,6 +195,9 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
         async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
     return {"session": info["id"], "calls": calls, "refused": None, "proxy_memory": rss, "firsts": firsts}
+
+
+EDITED = {"role": "user", "content": "<context>runtime notes resent last in every request</context>"}
 
 
 def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
@@ -261,6 +270,7 @@ def logged_bytes(log_dir: str, sid: str) -> dict[str, Any]:
     return {
         "steps": len(logged), "deltas": sum(s.delta is not None for s in logged),
         "prefixes": dict(collections.Counter(s.prefix for s in logged)),
+        "delta_kinds": dict(collections.Counter(s.delta.kind for s in logged if s.delta is not None)),
         "session_bytes": total, "session_mib": round(total / MIB, 3),
         "step_bytes_first": steps_bytes[0],
         "step_bytes_mean_after_first": round(statistics.mean(steps_bytes[1:]))
@@ -365,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true",
                    help="chat messages to /v1/chat/completions in a TITO session (vLLM --enable-scale-out)")
     p.add_argument("--stream", action="store_true", help="--chat: streamed replies, as agent CLIs ask")
+    p.add_argument("--edit-history", action="store_true",
+                   help="--chat: a context message last in every request, moved at the next (as OpenClaw)")
     p.add_argument("--reply-chars", type=int, default=0,
                    help="--chat: replies of exactly this many letters (default: 1-6)")
     p.add_argument("--full", action="store_true",
