@@ -72,6 +72,7 @@ def compress_choice(step: Step, first: Step) -> Step:
 
 PREFIX_MIN = 1024  # fewer shared prompt ids than this (or than half the step's own): the step is logged whole
 _BLOCK = 4096
+_BISECT_MAX = 4096  # the longest list whose shared start with the base's is bisected
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -132,8 +133,8 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = Non
 
 def _kept(value: list[Any], old: list[Any]) -> int:
     """How many of ``old``'s first items ``value`` starts with (msgpack bytes equal). A list that continues
-    the base's costs one encode of each; one whose last item was edited (a moved cache mark) two; else the
-    longest shared start is bisected (a few encodes of the lists' starts, at C speed)."""
+    the base's costs one encode of each; one whose last item was edited (a moved cache mark) two; else, for
+    a list of up to 4,096 items, the longest shared start is bisected (a few encodes of the lists' starts)."""
     n = min(len(value), len(old))
 
     def same(k: int) -> bool:
@@ -143,6 +144,8 @@ def _kept(value: list[Any], old: list[Any]) -> int:
         return n
     if n == 1 or same(n - 1):
         return n - 1
+    if n > _BISECT_MAX:  # not a conversation (a long id list): logged whole rather than bisected
+        return 0
     lo, hi = 0, n - 1  # same(lo) holds, same(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -141,6 +141,12 @@ def test_a_list_whose_late_items_were_edited_logs_from_the_first_edit() -> None:
     assert logged.delta is not None and logged.delta.tails == {"messages": 2}
     assert logged.request["messages"] == []
     assert enc(expand(logged, base)) == enc(step)
+    # a long list of ids (not a conversation) edited early: logged whole, not bisected over its encodes
+    base.request["ids"] = list(range(10_000))
+    step.request["ids"] = [*range(100), -1, *range(101, 10_001)]
+    whole = compress(step, base)
+    assert whole.delta is not None and "ids" not in whole.delta.tails
+    assert whole.request["ids"] == step.request["ids"] and enc(expand(whole, base)) == enc(step)
     # a base with fewer items than the delta starts with: a clear error, never a wrong request
     short = msgspec.structs.replace(base, request={**base.request, "messages": base.request["messages"][:1]})
     with pytest.raises(DeltaError, match="fewer than the 2 items"):
