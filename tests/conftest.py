@@ -144,7 +144,9 @@ def _own_server(
 def swappable_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     """A second server of our own whose weights tests may change (never the shared one, never an
     STEPTAP_TEST_BACKEND server). Use it through ``swap_vllm``, which puts the original weights back."""
-    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-swappable")
+    # server load tracking: vLLM's ``GET /load`` counts the calls inside its handlers, even while paused
+    yield from _own_server(tiny_model_dir, tmp_path_factory, "vllm-swappable",
+                           extra_args=["--enable-server-load-tracking"])
 
 
 @pytest.fixture(scope="session")

@@ -472,6 +472,13 @@ async def _freeze(server: Backend) -> None:
             assert resp.status == 200, await resp.text()
 
 
+async def _resume(server: Backend) -> None:
+    """Lets what ``_freeze`` held go on (vLLM's own ``/resume``)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{server.url}/resume") as resp:
+            assert resp.status == 200, await resp.text()
+
+
 async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
     """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
     while True:
@@ -616,15 +623,24 @@ async def test_keep_swap_splits_tito_calls_where_vllm_says(
         return steps[1]
 
     opened = await asyncio.gather(*(first(i) for i in range(n)))
+    # The second turns queue in a frozen vLLM and start together at /resume: sent into a running one, a
+    # turn could end before the last had started, and "all n generating" would never hold at once. A frozen
+    # engine publishes no counts, so the queue is read from the API server's own load count (``/load``).
+    await _freeze(swap_server)
     calls = [asyncio.ensure_future(second(i, sid, msgs, stream=i % 2 == 1)) for i,
              (sid, msgs) in enumerate(opened)]
 
-    async def generating() -> None:  # every second turn running in vLLM (they step together), 8 tokens each
-        while await _vllm_metric(swap_server.url, "vllm:num_requests_running") < n:
+    async def generating() -> None:
+        while (await asyncio.to_thread(http_json, f"{swap_server.url}/load"))["server_load"] < n:
             await asyncio.sleep(0.05)
-        running_at = await _vllm_metric(swap_server.url, "vllm:generation_tokens_total")
-        while await _vllm_metric(swap_server.url, "vllm:generation_tokens_total") < running_at + n * 8:
-            await asyncio.sleep(0.05)
+        await _resume(swap_server)
+        # Admitted together, the turns step together: the streamed ones' relayed tokens (read in process,
+        # no polling of a busy vLLM) pace the generate ones, which the proxy cannot see before their reply.
+        while True:
+            counts = [c.get(0, 0) for c in (s.counter() for s in list(sw._spans) if s.counter) if c]
+            if len(counts) == n // 2 and min(counts) >= 8:
+                return
+            await asyncio.sleep(0.01)
 
     await asyncio.wait_for(generating(), 300)
     await _freeze(swap_server)  # frozen in flight before the swap begins (see _freeze)
