@@ -44,13 +44,12 @@ from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy import derender, prompts
 from steptap.middleware.proxy.translation import parse_handle, reasoning_of
 from steptap.middleware.records import Step, json_encoder, msgpack_encoder
-from steptap.middleware.sessions.prefix import _message_cause, _norm
+from steptap.middleware.sessions.prefix import Norms, _message_cause, _norm, normalized
 from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
 _packer = msgpack_encoder
-_unpack = msgspec.msgpack.decode
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
 # what it would put after any assistant turn.
@@ -72,11 +71,12 @@ class State(NamedTuple):
     response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
     cut: str = ""  # the reply ended on a stop string or stop token the agent named: why nothing extends it
     reasoned: bool = False  # a reply of this sequence carried reasoning: its markers are in the next prompts
+    messages: list[Any] | None = None  # the turn's messages, the list as sent
 
-    def conversation(self) -> list[Any]:
+    def conversation(self, norms: Norms | None = None) -> list[Any]:
         """The normalized messages + the reply as returned (only for a turn that does not start with the
         same bytes: normalizing a long history is what the byte compare saves)."""
-        return [_norm(m) for m in _unpack(self.sent)] + [self.reply] if self.sent else []
+        return normalized(self.messages, norms) + [self.reply] if self.messages is not None else []
 
 
 class Plan(NamedTuple):
@@ -92,7 +92,7 @@ def _tools_key(chat: dict[str, Any]) -> str:
 
 
 def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | None = None,
-         session_id: str | None = None) -> Plan:
+         session_id: str | None = None, norms: Norms | None = None) -> Plan:
     """Whether this chat body extends the previous turn, and with which messages. ``handles``: the reasoning
     handles the assistant messages were replayed with (by assistant message); ``session_id``: the
     session's."""
@@ -113,8 +113,8 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
     if not (len(messages) >= n and _same(messages, state) and _norm(messages[n - 1]) == state.reply):
         # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
         # ids, content parts), as prefix.py does
-        conv = [_norm(m) for m in messages]
-        old = state.conversation()
+        conv = normalized(messages, norms)
+        old = state.conversation(norms)
         if conv[: len(old)] != old:
             return Plan([], state, _message_cause(old, conv))
     if len(messages) == n:
@@ -175,15 +175,15 @@ def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
     sent = _pack(messages)
     if sent is None:
         return None
-    # What token ended it is checked against the template
-    ended = step.finish_reason in ("stop", "tool_calls")
+    ended = step.finish_reason in ("stop", "tool_calls")  # which token ended it: checked against the template
     response_id = step.response.get("response_id")
     # The step's own id lists, not copies (a step is never changed once recorded; the next prompt is a new
     # list): copying 120k ids a turn was linear in the context for nothing
     reasoning = reasoning_of(step.response) or None
     return State(sent, len(messages), _norm(step.response), _tools_key(chat), step.prompt_token_ids,
                  step.response_token_ids, ended, reasoning, response_id if isinstance(response_id, str) else
-                 None, reasoned=reasoning is not None or (before is not None and before.reasoned))
+                 None, reasoned=reasoning is not None or (before is not None and before.reasoned),
+                 messages=messages)
 
 
 def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
@@ -427,7 +427,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
                                                                                    dict[str, Any]] | str:
     """The turn and its generate request when this call extends the session's previous turn; else the cause
     of the fallback to the normal path, counted by cause in either case."""
-    decided = plan(session.tito_state, chat, handles, session.id)
+    decided = plan(session.tito_state, chat, handles, session.id, session.norms)
     if decided.cause == "tokens":
         turn = Turn(client, chat, decided, session.prompt)
         try:

@@ -29,13 +29,12 @@ out of the prompt. Pure; ``SessionManager.record`` applies it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from steptap.middleware.records import CallClass, PrefixCause, Step
-from steptap.middleware.sessions.prefix import first_messages
+from steptap.middleware.sessions.prefix import Norms, first_messages, messages_of
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Decision:
 
 
 def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collection[str] = (),
-           chat: list[Any] | None = None, last: Last = None) -> Decision:
+           chat: list[Any] | None = None, last: Last = None, norms: Norms | None = None) -> Decision:
     """The class of ``step`` given the main line and ``prefix`` (its continuity against the main line's last
     call, ``prefix.classify_after``); ``chat``: its request's messages in chat form when translated; ``last``:
     the main line's last call and its messages in chat form (None when translated and not at hand). Does not
@@ -69,7 +68,8 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         return Decision("main", prefix, line.branch)
     opening = _opening(step, chat)
     if line.start and opening[:1] == line.start[:1]:  # the same system prompt
-        if not _continues(line.start[1:], opening[1:]) or _turns_gone(last, step, chat):  # a compaction
+        # a compaction: the task replaced, or every turn of the agent gone
+        if not _continues(line.start[1:], opening[1:]) or _turns_gone(last, step, chat, norms):
             return Decision("branch", "rewrites_history", line.branch + 1)
         return Decision("main", "edited", line.branch)
     return Decision("side", "other", line.branch)
@@ -107,10 +107,9 @@ def _opening(step: Step, chat: list[Any] | None) -> list[Any]:
 
 
 Last = tuple[Step, list[Any] | None] | None
-_WHOLE = 1 << 30  # first_messages' count for a whole conversation
 
 
-def _turns_gone(last: Last, step: Step, chat: list[Any] | None) -> bool:
+def _turns_gone(last: Last, step: Step, chat: list[Any] | None, norms: Norms | None = None) -> bool:
     """Whether the main line's last call held turns of the agent (assistant messages) and none of them, nor
     that call's reply, is left in ``step``'s conversation: its history after the opening replaced, not edited
     (a retry or a sliding window keeps some)."""
@@ -118,10 +117,10 @@ def _turns_gone(last: Last, step: Step, chat: list[Any] | None) -> bool:
         return False
     prev, prev_chat = last
     # empty for /v1/completions, or a translated call whose messages are not at hand (after a restart)
-    turns = [m for m in first_messages(prev, prev_chat, _WHOLE) if m[0] == "assistant"]
+    turns = [m for m in messages_of(prev, prev_chat, norms) if m[0] == "assistant"]
     if not turns:
         return False
-    new = first_messages(step, chat, _WHOLE)
+    new = messages_of(step, chat, norms)
     return not any(t in new for t in (*turns, *first_messages(prev, [prev.response], 1)))
 
 
@@ -136,12 +135,8 @@ def _continues(before: list[Any], after: list[Any]) -> bool:
     return (role, calls, name) == (role2, calls2, name2) and _text_continues(content, content2)
 
 
-def _text_continues(before: str, after: str) -> bool:
-    # normalized content is its JSON: text is a JSON string, anything else (parts with images) compared whole
-    try:
-        old, new = json.loads(before), json.loads(after)
-    except ValueError:
-        return False
+def _text_continues(old: Any, new: Any) -> bool:
+    # normalized text content is a str; anything else (parts with images) is compared whole
     return isinstance(old, str) and isinstance(new, str) and len(new) > len(old) and new.startswith(old)
 
 
@@ -155,12 +150,12 @@ def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | No
 
 
 def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = (),
-          chat: list[Any] | None = None, last: Last = None) -> bool:
+          chat: list[Any] | None = None, last: Last = None, norms: Norms | None = None) -> bool:
     """Classify the steps of one call (the choices of one call share a class) and move the line on; returns
     whether the call is on the main line (so the session judges the next call against it)."""
     if not steps:
         return False
-    decision = decide(line, steps[0], prefixes[0], side_models, chat, last)
+    decision = decide(line, steps[0], prefixes[0], side_models, chat, last, norms)
     for step in steps:
         step.call_class, step.call_rule, step.branch = decision.call_class, decision.rule, decision.branch
     if any(s.status == "ok" for s in steps):  # a failed call carries no ids: the line stays where it was

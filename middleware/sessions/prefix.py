@@ -34,7 +34,8 @@ def _args(value: Any) -> Any:
 
 def _norm(msg: Any) -> Any:
     """A message reduced to what identifies it in a conversation (reasoning and tool-call ids are ignored:
-    agents commonly drop the first and rewrite the second; both only change the rendering)."""
+    agents commonly drop the first and rewrite the second; both only change the rendering). Text content
+    stays a ``str``; anything else (parts with images) is its JSON in a 1-tuple, so the two never meet."""
     if not isinstance(msg, dict):
         return msg
     content = msg.get("content")
@@ -43,6 +44,8 @@ def _norm(msg: Any) -> Any:
     if isinstance(content, list):  # [{"type": "text", "text": ...}] is the same as the joined text
         if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(p.get("text", "") for p in content) or None
+    if content is not None and not isinstance(content, str):
+        content = (json.dumps(content, sort_keys=True),)
     calls = tuple(
         (
             (c.get("function") or {}).get("name"),
@@ -51,10 +54,64 @@ def _norm(msg: Any) -> Any:
         for c in msg.get("tool_calls") or ()
         if isinstance(c, dict)
     )
-    return (msg.get("role"), json.dumps(content, sort_keys=True), calls, msg.get("name"))
+    return (msg.get("role"), content, calls, msg.get("name"))
 
 
-def _conversation(step: Step, messages: list[Any] | None) -> list[Any] | None:
+class Norms:
+    """A session's latest message lists and their normalized forms. A call that does not extend the last one
+    has its messages judged by the TITO plan, its prefix cause and its class, and the next call judges them
+    again as the previous call's: at 400 messages each pass cost milliseconds. A message at the same place
+    in a held list, the same object or equal (``==``, at C speed), takes that list's form; only the others
+    are normalized."""
+
+    __slots__ = ("_held",)
+    KEEP = 2  # lists held while a call is judged: its own and the previous call's
+
+    def __init__(self) -> None:
+        self._held: list[tuple[list[Any], list[Any]]] = []  # (a copy of the list, its normalized form)
+
+    def __call__(self, messages: list[Any]) -> list[Any]:
+        """``[_norm(m) for m in messages]`` (a new list: callers append to it)."""
+        start: list[Any] = []
+        for msgs, norm in self._held:  # the longest start shared with a held list, compared at C speed
+            k = _shared(messages, msgs)
+            if k > len(start):
+                start = norm[:k]
+        out = start
+        fresh = False
+        for i in range(len(start), len(messages)):
+            m = messages[i]
+            for msgs, norm in self._held:
+                if i < len(msgs) and (msgs[i] is m or msgs[i] == m):
+                    out.append(norm[i])
+                    break
+            else:
+                out.append(_norm(m))
+                fresh = True
+        if fresh or not any(len(msgs) == len(messages) for msgs, _ in self._held):
+            self._held = [(list(messages), out), *self._held[:self.KEEP - 1]]
+        return list(out)
+
+    def settle(self) -> None:
+        """The call is judged: only its list is held for the next one (the last normalized)."""
+        del self._held[1:]
+
+
+def _shared(a: list[Any], b: list[Any], block: int = 16) -> int:
+    """How many first items two lists share (``==``, the same object first), a block at a time."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i:i + block] == b[i:i + block]:
+        i += block
+    while i < n and (a[i] is b[i] or a[i] == b[i]):
+        i += 1
+    return min(i, n)
+
+
+def normalized(messages: list[Any], norms: Norms | None = None) -> list[Any]:
+    return norms(messages) if norms is not None else [_norm(m) for m in messages]
+
+
+def _conversation(step: Step, messages: list[Any] | None, norms: Norms | None = None) -> list[Any] | None:
     """The step's conversation, normalized: ``messages`` (its request in chat form, as the relay translated
     it for Messages and Responses), else a chat request's own messages (None for ``/v1/completions``, or a
     translated step whose translation is not at hand, e.g. rebuilt after a restart)."""
@@ -62,7 +119,7 @@ def _conversation(step: Step, messages: list[Any] | None) -> list[Any] | None:
         messages = step.request.get("messages")
     if not isinstance(messages, list):
         return None
-    return [_norm(m) for m in messages]
+    return normalized(messages, norms)
 
 
 def first_messages(step: Step, messages: list[Any] | None = None, n: int = 2) -> list[Any]:
@@ -73,6 +130,12 @@ def first_messages(step: Step, messages: list[Any] | None = None, n: int = 2) ->
     elif step.endpoint == "chat.completions" and isinstance(step.request.get("messages"), list):
         messages = step.request["messages"][:n]
     return (_conversation(step, messages) or [])[:n]
+
+
+def messages_of(step: Step, messages: list[Any] | None = None, norms: Norms | None = None) -> list[Any]:
+    """``step``'s whole conversation normalized (empty for ``/v1/completions``, or a translated step whose
+    translation is not at hand); ``messages``: its request in chat form, when translated."""
+    return _conversation(step, messages, norms) or []
 
 
 Grown = tuple[list[int], list[int], list[int] | None]
@@ -90,14 +153,17 @@ def extends(prev: Step, step: Step, grown: Grown | None = None) -> bool:
         return False
     if grown is not None and grown[0] is ids and grown[1] is prev.prompt_token_ids:
         return grown[2] is prev.response_token_ids or ids[n:n + r] == prev.response_token_ids
-    return ids[:n] == prev.prompt_token_ids and ids[n:n + r] == prev.response_token_ids
+    if ids[n:n + r] != prev.response_token_ids or ids[max(0, n - 64):n] != prev.prompt_token_ids[-64:]:
+        return False  # most breaks show at the end of the previous prompt: not compared whole
+    return ids[:n] == prev.prompt_token_ids
 
 
 def classify(prev: Step | None, step: Step, old_chat: list[Any] | None = None,
-             new_chat: list[Any] | None = None, grown: Grown | None = None) -> PrefixCause:
+             new_chat: list[Any] | None = None, grown: Grown | None = None,
+             norms: Norms | None = None) -> PrefixCause:
     """The prefix cause of ``step`` given the session's previous step; ``old_chat`` / ``new_chat``: their
     requests in chat form, when the relay translated them (Messages, Responses); ``grown``: see
-    ``extends``."""
+    ``extends``; ``norms``: the session's (``Norms``)."""
     if prev is None:
         return "first"
     if extends(prev, step, grown):
@@ -109,8 +175,8 @@ def classify(prev: Step | None, step: Step, old_chat: list[Any] | None = None,
         same = chained == prev.response.get("response_id") and (
             prev.request.get("instructions") == step.request.get("instructions"))
         return "rerendered" if same else "history_edited"
-    old = _conversation(prev, old_chat)
-    new = _conversation(step, new_chat)
+    old = _conversation(prev, old_chat, norms)
+    new = _conversation(step, new_chat, norms)
     if old is None or new is None:  # /v1/completions: only the ids to go by
         if len(ids) < len(before) and before[: len(ids)] == ids:
             return "truncated"
@@ -123,12 +189,13 @@ _RANK: dict[str, int] = {"extends": 0, "rerendered": 1, "truncated": 2, "history
 
 
 def classify_after(prev_call: list[Step], step: Step, old_chat: list[Any] | None = None,
-                   new_chat: list[Any] | None = None, grown: Grown | None = None) -> PrefixCause:
+                   new_chat: list[Any] | None = None, grown: Grown | None = None,
+                   norms: Norms | None = None) -> PrefixCause:
     """The cause against the previous call, which may have had several choices (``n > 1``): the agent went on
     from one of them, so the most continuous verdict wins."""
     if not prev_call:
         return "first"
-    return min((classify(prev, step, old_chat, new_chat, grown) for prev in prev_call),
+    return min((classify(prev, step, old_chat, new_chat, grown, norms) for prev in prev_call),
                key=_RANK.__getitem__)
 
 

@@ -60,11 +60,12 @@ class Recording:
         prev_call = list(session.full.values())
         grown, session.grown = session.grown, None  # used here: held, it would keep the last prompt alive
         for step in steps:
-            step.prefix = classify_after(prev_call, step, session.conversation, chat, grown)
+            step.prefix = classify_after(prev_call, step, session.conversation, chat, grown, session.norms)
         line_before = dataclasses.replace(session.line)
         last = (prev_call[0], session.conversation) if prev_call else None  # the main line's last call
         on_main = classify_call(session.line, steps, [s.prefix for s in steps], self.config.side_models, chat,
-                                last)
+                                last, session.norms)
+        session.norms.settle()
         forms: list[Step] = []
         bases: list[Step | None] = []
         for offset, step in enumerate(steps):

@@ -20,7 +20,7 @@ from steptap.middleware.records import (
     msgpack_encoder,
 )
 from steptap.middleware.sessions.classify import MainLine
-from steptap.middleware.sessions.prefix import Grown
+from steptap.middleware.sessions.prefix import Grown, Norms
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -54,8 +54,8 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
-                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "pending", "prompt",
-                 "sealed", "starts", "tito", "tito_state", "trajectory")
+                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "norms", "pending",
+                 "prompt", "sealed", "starts", "tito", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -88,6 +88,7 @@ class LiveSession:
         # continuity check skips what it took from them
         self.grown: Grown | None = None
         self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
+        self.norms = Norms()  # its latest message lists, normalized (prefix.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
         self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory

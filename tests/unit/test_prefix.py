@@ -126,3 +126,59 @@ def test_a_prompt_built_from_the_previous_lists_compares_only_what_is_new() -> N
     assert not extends(prev, Step(prompt_token_ids=other), (list(other), prev.prompt_token_ids, None))
     assert not extends(prev, Step(prompt_token_ids=other), (other, [1, 2, 3], None))
     assert not extends(prev, Step(prompt_token_ids=[1, 2, 3, 4]), ([1, 2, 3, 4], prev.prompt_token_ids, None))
+
+
+def test_extends_compares_the_whole_prompt_after_its_end_agrees() -> None:
+    from steptap.middleware.sessions.prefix import extends
+
+    ids = list(range(1000, 1300))
+    prev = Step(prompt_token_ids=ids, response_token_ids=[7, 8])
+    assert extends(prev, Step(prompt_token_ids=ids + [7, 8, 9]))
+    edited = [*ids[:10], 5, *ids[11:]]  # far from the end: the end agrees, the whole compare finds it
+    assert not extends(prev, Step(prompt_token_ids=edited + [7, 8, 9]))
+    moved = ids[:-3] + [7, 8] + ids[-3:]  # the end moved after the reply (OpenClaw's context message)
+    assert not extends(prev, Step(prompt_token_ids=moved + [9]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_sessions_norms_equal_normalizing_each_message(seed: int) -> None:
+    """``Norms`` reuses the forms of held lists' messages (same place, same object or equal) and normalizes
+    the rest: over a session of edits, moves, drops and new messages it equals normalizing every message."""
+    import random
+
+    from steptap.middleware.sessions.prefix import Norms, _norm
+
+    rng = random.Random(seed)
+    pool = [U("u1"), A("a1"), U([{"type": "text", "text": "u1"}]), A(None, [{"function": {
+        "name": "f", "arguments": '{"a": 1}'}}]), {"role": "tool", "content": "5"}, U(""), S("s"),
+        U([{"type": "image_url", "image_url": {"url": "data:x"}}]), A("a1", reasoning_content="r")]
+    norms = Norms()
+    messages = [S("s"), U("task")]
+    for _ in range(30):
+        change = rng.randrange(5)
+        if change == 0:  # new messages
+            messages = messages + [dict(rng.choice(pool)) for _ in range(rng.randrange(1, 4))]
+        elif change == 1 and len(messages) > 2:  # one edited in place (a new object)
+            i = rng.randrange(len(messages))
+            messages = [*messages[:i], {**messages[i], "content": f"edit {rng.random()}"}, *messages[i + 1:]]
+        elif change == 2 and len(messages) > 2:  # one moved to the end
+            i = rng.randrange(len(messages))
+            messages = [*messages[:i], *messages[i + 1:], messages[i]]
+        elif change == 3:  # dropped from the middle
+            messages = messages[:1] + messages[rng.randrange(1, len(messages) + 1):]
+        else:  # the same conversation, decoded again: equal, not the same objects
+            messages = [dict(m) for m in messages]
+        for _ in range(rng.randrange(1, 3)):  # judged once or more (plan, prefix, class)
+            got = norms(messages)
+            assert got == [_norm(m) for m in messages]
+            got.append("callers may append")
+        if rng.random() < 0.5:
+            norms.settle()
+
+
+def test_norms_keep_text_and_other_content_apart() -> None:
+    from steptap.middleware.sessions.prefix import _norm
+
+    # a text whose characters are a JSON list is not the list itself
+    assert _norm(U('["a"]')) != _norm(U(["a"]))  # type: ignore[arg-type]
+    assert _norm(U("")) == _norm(A(None) | {"role": "user"})
