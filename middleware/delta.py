@@ -75,8 +75,9 @@ _BLOCK = 4096
 _BISECT_MAX = 4096  # the longest list whose shared start with the base's is bisected
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many first ids two prompts share: compared a block at a time (at C speed), then id by id."""
+def shared_prefix(a: list[Any], b: list[Any]) -> int:
+    """How many first items two lists share (two prompts' ids, two conversations' messages): compared a
+    block at a time (at C speed), then item by item."""
     n, i = min(len(a), len(b)), 0
     while i < n and a[i:i + _BLOCK] == b[i:i + _BLOCK]:
         i += _BLOCK

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from steptap.middleware.delta import shared_prefix
 from steptap.middleware.records import PrefixCause, Step
 
 
@@ -74,7 +75,7 @@ class Norms:
         """``[_norm(m) for m in messages]`` (a new list: callers append to it)."""
         start: list[Any] = []
         for msgs, norm in self._held:  # the longest start shared with a held list, compared at C speed
-            k = _shared(messages, msgs)
+            k = shared_prefix(messages, msgs)
             if k > len(start):
                 start = norm[:k]
         out = start
@@ -95,16 +96,6 @@ class Norms:
     def settle(self) -> None:
         """The call is judged: only its list is held for the next one (the last normalized)."""
         del self._held[1:]
-
-
-def _shared(a: list[Any], b: list[Any], block: int = 16) -> int:
-    """How many first items two lists share (``==``, the same object first), a block at a time."""
-    n, i = min(len(a), len(b)), 0
-    while i < n and a[i:i + block] == b[i:i + block]:
-        i += block
-    while i < n and (a[i] is b[i] or a[i] == b[i]):
-        i += 1
-    return min(i, n)
 
 
 def normalized(messages: list[Any], norms: Norms | None = None) -> list[Any]:
