@@ -19,10 +19,16 @@ from typing import Any, NoReturn
 
 import msgspec
 import pytest
+from hypothesis import settings
 
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.wire import decode_envelope, decode_trajectory
+
+# Property tests run the same examples every run and take the time they take: a loaded machine must not
+# fail one by Hypothesis' per-example deadline, nor a new random example turn up in someone else's landing
+settings.register_profile("steptap", deadline=None, derandomize=True)
+settings.load_profile("steptap")
 
 # tests/unit and tests/integration import the shared helpers here (faults, reference, conftest) by name.
 sys.path.insert(0, str(Path(__file__).parent))

@@ -58,7 +58,7 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
         ids = _extend(prompt, held) if held is not None else None
         grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
-            ids = _ids.decode(prompt)
+            ids = _shared(prompt, held) or _ids.decode(prompt)
         body = _decode(b"".join((raw[:at], b"null", raw[end + 1:])))
     except msgspec.DecodeError:  # not all ids (text, a batch), or not JSON: decode it whole
         return None
@@ -128,7 +128,7 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
         ids = _extend(echo, held) if held is not None else None
         grown: Grown | None = None if ids is None or held is None else (ids, held[1], None)
         if ids is None:
-            ids = _ids.decode(echo)
+            ids = _shared(echo, held) or _ids.decode(echo)
     except msgspec.DecodeError:
         return None
     return b"".join((data[:at], b"null", data[end + 1:])), echo, ids, grown
@@ -164,6 +164,45 @@ def _extend(prompt: bytes, held: tuple[bytes, list[int]]) -> list[int] | None:
     if prompt[at:at + 1] != b"," or old.rstrip(_SPACE)[-1:] != b"]" or not old_ids:
         return None
     return old_ids + _ids.decode(b"[" + prompt[at + 1:])
+
+
+def _shared(prompt: bytes, held: tuple[bytes, list[int]] | None) -> list[int] | None:
+    """The ids of ``prompt`` when it starts with some of the held prompt's (an edited history: the same bytes
+    up to a comma): those taken from the held list, only the rest decoded; None when no id is shared whole.
+    The shared ids are the held list's int objects, so ``delta.shared_prefix`` compares them by identity."""
+    if held is None or not held[1]:
+        return None
+    old, old_ids = held
+    cut = old.rfind(b",", 0, _shared_bytes(prompt, old))  # the ids before it are whole in both
+    if cut < 0:
+        return None
+    n = old.count(b",", 0, cut + 1)
+    if n > len(old_ids):
+        return None
+    ids = old_ids[:n]
+    ids.extend(_ids.decode(b"[" + prompt[cut + 1:]))
+    return ids
+
+
+_BLOCK = 1 << 16
+
+
+def _shared_bytes(a: bytes, b: bytes) -> int:
+    """How many first bytes ``a`` and ``b`` share: compared a block at a time (memcmp, no copies), then
+    bisected in the block where they differ."""
+    n, view, i = min(len(a), len(b)), memoryview(b), 0
+    while i + _BLOCK <= n and a.startswith(view[i:i + _BLOCK], i):
+        i += _BLOCK
+    lo, hi = i, min(i + _BLOCK, n)  # a[:lo] == b[:lo]
+    if a.startswith(view[lo:hi], lo):
+        return hi
+    while hi - lo > 1:  # a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a.startswith(view[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def grown_json(held: tuple[bytes, list[int]], rest: list[int]) -> bytes:

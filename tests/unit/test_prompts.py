@@ -140,3 +140,47 @@ def test_grown_json_is_the_whole_encode(old: list[int], rest: list[int], spaced:
     assert msgspec.json.decode(got) == old + rest  # what vLLM reads: the same ids
     if not spaced:
         assert got == msgspec.json.encode(old + rest)  # byte for byte the whole encode
+
+
+@given(old=st.lists(_ID, max_size=60), keep=st.integers(min_value=0, max_value=60),
+       new=st.lists(_ID, max_size=20), spaced=st.booleans(), block=st.sampled_from([1, 3, 16, 1 << 16]))
+def test_an_edited_prompt_takes_the_ids_it_shares_from_the_held_list(old: list[int], keep: int,
+                                                                     new: list[int], spaced: bool,
+                                                                     block: int) -> None:
+    """An echo (or token prompt) that starts with some of the held ids, then differs (an edited history):
+    the ids are the whole decode's, the shared ones the held list's own objects; at any block size of the
+    byte compare."""
+    import steptap.middleware.proxy.prompts as prompts
+    from steptap.middleware.proxy.prompts import take_echo
+
+    def enc(ids: list[int]) -> bytes:
+        return json.dumps(ids).encode() if spaced else msgspec.json.encode(ids)
+
+    held_ids = msgspec.json.decode(enc(old))
+    ids = [*old[:keep], *new]
+    raw = b'{"choices": [], "prompt_token_ids": ' + enc(ids) + b"}"
+    saved, prompts._BLOCK = prompts._BLOCK, block
+    try:
+        got = take_echo(raw, (enc(old), held_ids))
+        body = decode_completion(_body(ids), (json.dumps(old).encode(), held_ids))
+    finally:
+        prompts._BLOCK = saved
+    assert got is not None and got[2] == ids and msgspec.json.decode(got[1]) == ids
+    assert body is not None and body[0]["prompt"] == ids
+    for taken in (got[2], body[0]["prompt"]):
+        shared = 0
+        while shared < min(len(ids), len(old)) and ids[shared] == old[shared]:
+            shared += 1
+        # every id before the last shared comma is the held object (the last shared may be cut in its text)
+        whole = max(0, shared - 1)
+        assert all(taken[i] is held_ids[i] for i in range(whole)) or taken is held_ids
+
+
+def test_shared_bytes_is_the_common_start() -> None:
+    from steptap.middleware.proxy.prompts import _shared_bytes
+
+    a = bytes(range(256)) * 1000
+    for at in (0, 1, 65535, 65536, 65537, 100000, len(a) - 1):
+        b = a[:at] + b"\xff\xfe" + a[at + 2:]
+        assert _shared_bytes(a, b) == at + (a[at] == 0xFF)
+    assert _shared_bytes(a, a) == len(a) and _shared_bytes(a, a[:10]) == 10 and _shared_bytes(b"", a) == 0
