@@ -15,6 +15,9 @@ A chat call's prompt is messages, but vLLM's reply echoes its prompt ids (``retu
 held bytes and ids serve it, so a chat session's step decodes only the ids of the last reply and its new
 messages, and its continuity check is an identity compare too.
 
+A prompt that shares only a start with the held one (an edited history: a message changed or moved) takes
+the ids before the last comma of the shared bytes from the held list and decodes the rest (``_shared``).
+
 The other way, a TITO turn sends vLLM the previous prompt + the reply + the new messages' ids: its JSON is the
 held bytes continued (``grown_json``), only the new ids encoded.
 """
