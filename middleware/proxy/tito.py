@@ -61,7 +61,6 @@ class State(NamedTuple):
     """What the next turn of a TITO session extends."""
 
     sent: bytes  # the turn's messages as sent, msgpack-encoded (a next turn starting with them: same bytes)
-    n_sent: int  # how many messages that is
     reply: Any  # the reply as returned, normalized
     tools: str  # the tools, as JSON (a change of tools changes the system prompt: no extension)
     prompt_ids: list[int]
@@ -109,7 +108,7 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
         return Plan([], state, "no_messages")
     if (chat.get("n") or 1) != 1:
         return Plan([], state, "n")
-    n = state.n_sent + 1  # the previous turn's messages + its reply
+    n = len(state.messages or ()) + 1  # the previous turn's messages + its reply
     if not (len(messages) >= n and _same(messages, state) and _norm(messages[n - 1]) == state.reply):
         # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
         # ids, content parts), as prefix.py does
@@ -142,7 +141,7 @@ def _same(messages: list[Any], state: State) -> bool:
     """Whether ``messages`` starts with the previous turn's messages exactly as sent: equal msgpack bytes
     (an int is not taken for a float or a bool, as ``==`` would): an agent resends its whole history every
     turn, and this is one encode and one byte compare instead of normalizing every message."""
-    return bool(state.sent) and _pack(messages[:state.n_sent]) == state.sent
+    return bool(state.sent) and _pack(messages[:len(state.messages or ())]) == state.sent
 
 
 def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id: str | None) -> str | None:
@@ -170,7 +169,7 @@ def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
     if stop_reason is not None:
         # cut by a stop string or a stop token the agent named: its last token need not end a turn, and an end
         # token spliced after it would be one the model never sampled; the next turn is rendered
-        return State(b"", 0, None, "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
+        return State(b"", None, "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
                      else "reply_stop_token")
     sent = _pack(messages)
     if sent is None:
@@ -180,7 +179,7 @@ def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
     # The step's own id lists, not copies (a step is never changed once recorded; the next prompt is a new
     # list): copying 120k ids a turn was linear in the context for nothing
     reasoning = reasoning_of(step.response) or None
-    return State(sent, len(messages), _norm(step.response), _tools_key(chat), step.prompt_token_ids,
+    return State(sent, _norm(step.response), _tools_key(chat), step.prompt_token_ids,
                  step.response_token_ids, ended, reasoning, response_id if isinstance(response_id, str) else
                  None, reasoned=reasoning is not None or (before is not None and before.reasoned),
                  messages=messages)

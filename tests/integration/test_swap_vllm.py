@@ -577,14 +577,6 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
     assert f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}
 
 
-async def _vllm_metric(url: str, name: str) -> float:
-    """One of vLLM's Prometheus figures, summed over its labels."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    text = await asyncio.to_thread(lambda: opener.open(f"{url}/metrics", timeout=30).read().decode())
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 async def test_keep_swap_splits_tito_calls_where_vllm_says(
     swap_server: Backend, learner_model: Any, tmp_path: Path, aiohttp_client: MakeClient
 ) -> None:
