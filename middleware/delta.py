@@ -44,10 +44,17 @@ class DeltaError(ValueError):
     """A delta step whose base is not there (a damaged or partial log): its full form cannot be rebuilt."""
 
 
-def compress(step: Step, base: Step) -> Step:
+Kept = tuple[list[Any], list[Any], int]
+"""A list known to start with another's first items, msgpack byte for byte: (the list, the other, how many).
+The TITO plan compared a turn's messages with the previous turn's so (``proxy/tito_plan.py``): the request's
+delta does not encode both again."""
+
+
+def compress(step: Step, base: Step, kept: Kept | None = None) -> Step:
     """The logged form of ``step`` (full), which extends ``base`` (full): a copy holding only what is new."""
     skip = len(base.prompt_token_ids) + len(base.response_token_ids)
-    request, tails = _request_delta(step.request, base.request, step.prompt_token_ids, base.prompt_token_ids)
+    request, tails = _request_delta(step.request, base.request, step.prompt_token_ids, base.prompt_token_ids,
+                                    kept=kept)
     return _replace(
         step,
         prompt_token_ids=step.prompt_token_ids[skip:],
@@ -101,10 +108,12 @@ def compress_prefix(step: Step, base: Step) -> Step | None:
 
 
 def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = None, base_ids: Any = None,
-                   shared: int | None = None) -> tuple[dict[str, Any], dict[str, int]]:
+                   shared: int | None = None, kept: Kept | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, int]]:
     """What of ``request`` differs from ``base``: its own values, and the lists that start with the base's
     items (``ids``, ``base_ids``: the steps' prompt ids, which a token-id prompt is; ``shared``: how many
-    first ids they share, None when ``ids`` extends all of ``base_ids``)."""
+    first ids they share, None when ``ids`` extends all of ``base_ids``; ``kept``: a list known to start with
+    the base's)."""
     if request is base:  # the choices of one call share one request object
         return {}, {}
     out: dict[str, Any] = {}
@@ -116,17 +125,19 @@ def _request_delta(request: dict[str, Any], base: dict[str, Any], ids: Any = Non
                 # A token-id prompt, which the step's ids are (proxy/replies.known_prompt): the step extends
                 # its base, so the list starts with the base's (``prefix.extends`` compared them), or shares
                 # ``shared`` first ids with it (counted): no encode
-                kept = len(old) if shared is None else shared
-                tails[key] = kept
-                out[key] = value[kept:]
+                first = len(old) if shared is None else shared
+                tails[key] = first
+                out[key] = value[first:]
                 continue
             if old is value or (
                 type(old) is type(value) and _same_size(old, value) and _enc(old) == _enc(value)
             ):
                 continue  # the base's value: not stored
-            if isinstance(value, list) and isinstance(old, list) and (kept := _kept(value, old)):
-                tails[key] = kept
-                out[key] = value[kept:]
+            if isinstance(value, list) and isinstance(old, list) and (
+                    n := kept[2] if kept is not None and kept[0] is value and kept[1] is old else
+                    _kept(value, old)):
+                tails[key] = n
+                out[key] = value[n:]
                 continue
         out[key] = value
     return out, tails

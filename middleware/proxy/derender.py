@@ -22,9 +22,9 @@ A streamed turn mostly skips derender: vLLM's chat route takes the prompt as ids
 streams as a chat call does, its parsers holding their state in the process: one call a turn, not a derender
 call per chunk. vLLM renders the messages instead (and ignores the ids) when ``echo`` is set or a message
 holds non-text content, so those turns (``takes_ids`` false) keep generate and derender, as do turns whose
-prompt holds an earlier reply's reasoning (``tito.State.reasoned``: the chat route's parsers would read its
-end marker). The chat route's replies carry no ``weight_versions``: a keep swap's split is the relayed count,
-as for any stream (weights/spans.py).
+prompt holds an earlier reply's reasoning (``tito_plan.State.reasoned``: the chat route's parsers would
+read its end marker). The chat route's replies carry no ``weight_versions``: a keep swap's split is the
+relayed count, as for any stream (weights/spans.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def merge(gens: list[dict[str, Any]]) -> dict[str, Any]:
 def without_eos(gen: dict[str, Any]) -> dict[str, Any]:
     """The generate result as derender should see it: without the end-of-sequence or stop token that ended a
     choice (vLLM's chat route leaves it out of the text; derender would detokenize it into the content). A
-    stop string is not cut from the text by derender: such calls are rendered (``tito.plan``)."""
+    stop string is not cut from the text by derender: such calls are rendered (``tito_plan.plan``)."""
     choices = []
     for ch in gen.get("choices") or ():
         ids = ch.get("token_ids") or []

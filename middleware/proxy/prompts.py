@@ -216,4 +216,5 @@ def grown_json(held: tuple[bytes, list[int]], rest: list[int]) -> bytes:
         return old
     if not old_ids:
         return _encode(rest)
-    return b"".join((old.rstrip(_SPACE)[:-1], b",", _encode(rest)[1:]))
+    # a view, not a slice: the 0.6 MB of held bytes are copied once, into the new JSON
+    return b"".join((memoryview(old)[:len(old.rstrip(_SPACE)) - 1], b",", _encode(rest)[1:]))

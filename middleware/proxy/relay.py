@@ -357,9 +357,8 @@ class _Call(StreamRelay):
         # them (sessions/prefix.py)
         chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
         await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
-        if self.tito:  # what the next turn extends (a failed or multi-choice call extends nothing)
-            self.session.tito_state = (tito.next_state(
-                self.chat, steps[0], stop_reason, self.session.tito_state) if len(steps) == 1 else None)
+        if self.tito:
+            tito.end_turn(self.session, self.chat, steps, stop_reason)
 
     async def _record_quietly(self, step: Step) -> None:
         try:

@@ -27,162 +27,39 @@ no end token the model never sampled: the next turn is rendered (``reply_stop_st
 as is a call asking for stop strings (``stop_strings``: vLLM's derender does not cut the text at them).
 
 When the history is not append-only (edited, summarised, tools changed, a reply cut by max_tokens), the turn
-is rendered as normal, counted by cause (``steptap_tito_turns{path}``), named in the step's notes.
+is rendered as normal, counted by cause (``steptap_tito_turns{path}``), named in the step's notes. Which turn
+extends, and what it leaves for the next: ``proxy/tito_plan.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
 from steptap.middleware.backend.client import BackendClient, Parts, json_parts
 from steptap.middleware.exceptions import BackendError
 from steptap.middleware.proxy import derender, prompts
-from steptap.middleware.proxy.translation import parse_handle, reasoning_of
-from steptap.middleware.records import Step, json_encoder, msgpack_encoder
-from steptap.middleware.sessions.prefix import Norms, _message_cause, _norm, normalized
+from steptap.middleware.proxy.tito_plan import Plan, next_state, plan
+from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
-_packer = msgpack_encoder
 
 # A fixed conversation that ends with an assistant turn: what the template puts after it for new messages is
 # what it would put after any assistant turn.
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_NOT_RENDERED = ("stream", "stream_options", "n")
+# What no chat template reads (sampling; the messages are the base's): a base render is held under the rest
+_NOT_TEMPLATE = frozenset({*_NOT_RENDERED, "messages", "max_tokens", "max_completion_tokens", "temperature",
+                           "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs",
+                           "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "structured_outputs", "logit_bias", "ignore_eos", "min_tokens", "return_token_ids",
+                           "metadata", "user"})
 _TAIL_MAX = 4  # tokens a template may put after an assistant turn's end token (ChatML: one newline)
-
-
-class State(NamedTuple):
-    """What the next turn of a TITO session extends."""
-
-    sent: bytes  # the turn's messages as sent, msgpack-encoded (a next turn starting with them: same bytes)
-    reply: Any  # the reply as returned, normalized
-    tools: str  # the tools, as JSON (a change of tools changes the system prompt: no extension)
-    prompt_ids: list[int]
-    response_ids: list[int]
-    ended: bool  # the reply ended on its own, not by max_tokens
-    reasoning: str | None = None  # the reply's reasoning as logged
-    response_id: str | None = None  # what a reasoning handle names (a Responses or Messages reply's id)
-    cut: str = ""  # the reply ended on a stop string or stop token the agent named: why nothing extends it
-    reasoned: bool = False  # a reply of this sequence carried reasoning: its markers are in the next prompts
-    messages: list[Any] | None = None  # the turn's messages, the list as sent
-
-    def conversation(self, norms: Norms | None = None) -> list[Any]:
-        """The normalized messages + the reply as returned (only for a turn that does not start with the
-        same bytes: normalizing a long history is what the byte compare saves)."""
-        return normalized(self.messages, norms) + [self.reply] if self.messages is not None else []
-
-
-class Plan(NamedTuple):
-    """A TITO turn: the new messages after the previous turn (empty: fall back, ``cause`` says why)."""
-
-    new: list[dict[str, Any]]
-    state: State | None
-    cause: str
-
-
-def _tools_key(chat: dict[str, Any]) -> str:
-    return json.dumps(chat.get("tools") or [], sort_keys=True)
-
-
-def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | None = None,
-         session_id: str | None = None, norms: Norms | None = None) -> Plan:
-    """Whether this chat body extends the previous turn, and with which messages. ``handles``: the reasoning
-    handles the assistant messages were replayed with (by assistant message); ``session_id``: the
-    session's."""
-    if state is None:
-        return Plan([], None, "first")
-    if state.cut:
-        return Plan([], state, state.cut)
-    if chat.get("stop"):
-        # vLLM's derender does not cut the text at a stop string (the chat route does): rendered, the agent
-        # gets the reply it would get in normal mode
-        return Plan([], state, "stop_strings")
-    messages = chat.get("messages")
-    if not isinstance(messages, list):
-        return Plan([], state, "no_messages")
-    if (chat.get("n") or 1) != 1:
-        return Plan([], state, "n")
-    n = len(state.messages or ()) + 1  # the previous turn's messages + its reply
-    if not (len(messages) >= n and _same(messages, state) and _norm(messages[n - 1]) == state.reply):
-        # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
-        # ids, content parts), as prefix.py does
-        conv = normalized(messages, norms)
-        old = state.conversation(norms)
-        if conv[: len(old)] != old:
-            return Plan([], state, _message_cause(old, conv))
-    if len(messages) == n:
-        return Plan([], state, "no_new_messages")
-    if _tools_key(chat) != state.tools:
-        return Plan([], state, "tools_changed")
-    if not state.ended:
-        return Plan([], state, "reply_unfinished")
-    replayed = messages[n - 1]
-    nth = sum(1 for m in messages[:n] if isinstance(m, dict) and m.get("role") == "assistant") - 1
-    cause = _reasoning_cause(state, replayed, (handles or {}).get(nth), session_id)
-    if cause is not None:
-        return Plan([], state, cause)
-    return Plan(messages[n:], state, "tokens")
-
-
-def _pack(messages: list[Any]) -> bytes | None:
-    try:
-        return _packer.encode(messages)
-    except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
-        return None
-
-
-def _same(messages: list[Any], state: State) -> bool:
-    """Whether ``messages`` starts with the previous turn's messages exactly as sent: equal msgpack bytes
-    (an int is not taken for a float or a bool, as ``==`` would): an agent resends its whole history every
-    turn, and this is one encode and one byte compare instead of normalizing every message."""
-    return bool(state.sent) and _pack(messages[:len(state.messages or ())]) == state.sent
-
-
-def _reasoning_cause(state: State, replayed: Any, handle: str | None, session_id: str | None) -> str | None:
-    """Why the replayed reply cannot stand for its logged tokens (None: it can)."""
-    text = (reasoning_of(replayed) if isinstance(replayed, dict) else None) or None
-    if handle is not None:
-        named = parse_handle(handle)
-        if named is None:
-            return "handle_foreign"
-        if state.response_id is None or named != (state.response_id, session_id):
-            return "handle_unknown"
-    if text is not None and text != state.reasoning:
-        return "reasoning_edited"
-    if state.reasoning and text is None and handle is None:
-        return "reasoning_dropped"
-    return None
-
-
-def next_state(chat: dict[str, Any], step: Step, stop_reason: Any = None,
-               before: State | None = None) -> State | None:
-    """The state after a turn from ``before`` (None: not extendable); ``stop_reason``: vLLM's (str, int)."""
-    messages = chat.get("messages")
-    if step.status != "ok" or not isinstance(messages, list) or not step.response_token_ids:
-        return None
-    if stop_reason is not None:
-        # cut by a stop string or a stop token the agent named: its last token need not end a turn, and an end
-        # token spliced after it would be one the model never sampled; the next turn is rendered
-        return State(b"", None, "", [], [], False, cut="reply_stop_string" if isinstance(stop_reason, str)
-                     else "reply_stop_token")
-    sent = _pack(messages)
-    if sent is None:
-        return None
-    ended = step.finish_reason in ("stop", "tool_calls")  # which token ended it: checked against the template
-    response_id = step.response.get("response_id")
-    # The step's own id lists, not copies (a step is never changed once recorded; the next prompt is a new
-    # list): copying 120k ids a turn was linear in the context for nothing
-    reasoning = reasoning_of(step.response) or None
-    return State(sent, _norm(step.response), _tools_key(chat), step.prompt_token_ids,
-                 step.response_token_ids, ended, reasoning, response_id if isinstance(response_id, str) else
-                 None, reasoned=reasoning is not None or (before is not None and before.reasoned),
-                 messages=messages)
 
 
 def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], list[int]] | None:
@@ -225,7 +102,7 @@ async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any] |
 async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """vLLM's render of a chat body (``token_ids``: the prompt exactly as a chat call would see it), with
     ``changes`` applied to the body."""
-    body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options", "n")}
+    body = {k: v for k, v in chat.items() if k not in _NOT_RENDERED}
     body.update(changes)
     return await post_json(client, "chat.render", body)
 
@@ -234,9 +111,14 @@ class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
     def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan,
-                 held: tuple[bytes, list[int]] | None = None) -> None:
+                 held: tuple[bytes, list[int]] | None = None,
+                 base: tuple[bytes, list[int]] | None = None) -> None:
         self.client = client
         self.held = held  # the session's latest prompt, its JSON and ids (LiveSession.prompt)
+        # The base conversation's render, by the body it was rendered with (messages aside): the same for
+        # every turn of a session that keeps its tools and settings, so rendered once, not every turn (with
+        # an agent's tools, tens of thousands of tokens for vLLM to render)
+        self.base = base
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
         self.prompt: list[int] = []
@@ -275,7 +157,10 @@ class Turn:
         state = self.plan.state
         assert state is not None
         full = await self._render(_BASE + self.plan.new, True)
-        base = (await self._render(_BASE, False))["token_ids"]
+        key = _encode({k: v for k, v in self.chat.items() if k not in _NOT_TEMPLATE})
+        if self.base is None or self.base[0] != key:
+            self.base = (key, (await self._render(_BASE, False))["token_ids"])
+        base = self.base[1]
         ids = full["token_ids"]
         end = state.response_ids[-1]  # the token that ended the reply (its stop token)
         split = _after_base(base, ids, end)
@@ -427,10 +312,16 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
     """The turn and its generate request when this call extends the session's previous turn; else the cause
     of the fallback to the normal path, counted by cause in either case."""
     decided = plan(session.tito_state, chat, handles, session.id, session.norms)
+    session.tito_packed = decided.packed  # the next state's bytes (tito_plan.next_state)
+    prev = decided.state
+    # the log's delta need not encode both message lists again to find the previous ones kept (delta.Kept)
+    session.kept = (chat["messages"], prev.messages, len(prev.messages)) if (
+        decided.same and prev is not None and prev.messages is not None) else None
     if decided.cause == "tokens":
-        turn = Turn(client, chat, decided, session.prompt)
+        turn = Turn(client, chat, decided, session.prompt, session.tito_base)
         try:
             generate = await turn.request(stream)
+            session.tito_base = turn.base
         except TitoError as exc:
             if exc.status not in (404, 405):
                 raise backend_error(client.name, exc) from None
@@ -447,3 +338,10 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
             decided = decided._replace(cause="template")
     metrics.child(metrics.tito_turns, decided.cause).inc()
     return decided.cause
+
+
+def end_turn(session: Any, chat: dict[str, Any], steps: list[Step], stop_reason: Any) -> None:
+    """What the session's next turn extends (a failed or multi-choice call extends nothing)."""
+    packed, session.tito_packed = session.tito_packed, None
+    session.tito_state = (next_state(chat, steps[0], stop_reason, session.tito_state, packed)
+                          if len(steps) == 1 else None)

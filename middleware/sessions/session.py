@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
+from steptap.middleware.delta import Kept
 from steptap.middleware.records import (
     LogRecord,
     Step,
@@ -54,12 +55,15 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
-                 "grown", "inflight", "key", "last_active", "late", "line", "lock", "norms", "pending",
-                 "prompt", "sealed", "starts", "tito", "tito_state", "trajectory")
+                 "grown", "inflight", "kept", "key", "last_active", "late", "line", "lock", "norms",
+                 "pending", "prompt", "sealed", "starts", "tito", "tito_base", "tito_packed", "tito_state",
+                 "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
         self.tito_state: Any = None  # what its next turn extends in that mode
+        self.tito_base: Any = None  # its latest render of the base conversation (tito.Turn)
+        self.tito_packed: Any = None  # the call's messages and their msgpack, for its next state (tito_plan)
         self.trajectory = trajectory
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
@@ -87,6 +91,7 @@ class LiveSession:
         # The latest prompt id list the proxy built from the previous step's lists (prefix.Grown): its
         # continuity check skips what it took from them
         self.grown: Grown | None = None
+        self.kept: Kept | None = None  # the call's messages, known to start with the latest step's (delta)
         self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.norms = Norms()  # its latest message lists, normalized (prefix.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record

@@ -98,6 +98,14 @@ async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, 
 KEYS: dict[str, str] = {}  # session id -> its key (an opened session takes calls with its key only)
 
 
+async def vllm_renders(http: aiohttp.ClientSession, backend: Backend) -> float:
+    """The render calls vLLM has answered (its own request counter, by route)."""
+    async with http.get(f"{backend.url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(
+        'http_requests_total{handler="/v1/chat/completions/render"'))
+
+
 def visible(reply: dict[str, Any]) -> Any:
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls")
              or ()]
@@ -109,11 +117,14 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
 ) -> None:
     proxy = await make_proxy(vllm_server.url)
     metrics = proxy.app[METRICS_KEY]
+    renders = await vllm_renders(http, vllm_server)
     sid, replies = await converse(http, proxy, vllm_server, tito=True)
     steps = full_steps(proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps)
     assert [s.status for s in steps] == ["ok"] * 5
     assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
     assert metrics.tito_turns.labels("tokens")._value.get() == 4
+    # a render of each turn's new messages, and of the base conversation once: the same body every turn
+    assert await vllm_renders(http, vllm_server) - renders == 4 + 1
     # streamed, no reasoning: each went to vLLM's chat route on the ids (no derender call per chunk)
     assert metrics.tito_streams.labels("chat")._value.get() == 4
     # the whole trajectory, token by token: each prompt is the previous prompt + what was sampled + new ids

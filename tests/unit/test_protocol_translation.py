@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy import messages, responses, tito
+from steptap.middleware.proxy import messages, responses, tito, tito_plan
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
 from steptap.middleware.proxy.translation import take_handles
 from steptap.middleware.records import Step
@@ -206,26 +206,26 @@ def test_models_in_anthropic_shape() -> None:
     assert not messages.is_anthropic_client({"authorization": "Bearer x"})
 
 
-def _state(chat: dict, finish: str = "stop") -> tito.State | None:
+def _state(chat: dict, finish: str = "stop") -> tito_plan.State | None:
     step = Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason=finish,
                 response={"role": "assistant", "content": "hi"})
-    return tito.next_state(chat, step)
+    return tito_plan.next_state(chat, step)
 
 
 def test_tito_extends_only_append_only_histories() -> None:
     first = {"messages": [{"role": "user", "content": "a"}]}
     state = _state(first)
     history = [*first["messages"], {"role": "assistant", "content": "hi"}]
-    assert tito.plan(None, first).cause == "first"
-    go = tito.plan(state, {"messages": [*history, {"role": "user", "content": "b"}]})
+    assert tito_plan.plan(None, first).cause == "first"
+    go = tito_plan.plan(state, {"messages": [*history, {"role": "user", "content": "b"}]})
     assert go.cause == "tokens" and go.new == [{"role": "user", "content": "b"}]
-    assert tito.plan(state, {"messages": [{"role": "user", "content": "A"}, history[1],
+    assert tito_plan.plan(state, {"messages": [{"role": "user", "content": "A"}, history[1],
                                           {"role": "user", "content": "b"}]}).cause == "history_edited"
-    assert tito.plan(state, {"messages": history}).cause == "no_new_messages"
-    assert tito.plan(state, {"messages": [*history, {"role": "user", "content": "b"}],
+    assert tito_plan.plan(state, {"messages": history}).cause == "no_new_messages"
+    assert tito_plan.plan(state, {"messages": [*history, {"role": "user", "content": "b"}],
                              "tools": [{"type": "function"}]}).cause == "tools_changed"
     cut = _state(first, finish="length")
-    assert tito.plan(cut, {"messages": [*history, {"role": "user",
+    assert tito_plan.plan(cut, {"messages": [*history, {"role": "user",
                                                    "content": "b"}]}).cause == "reply_unfinished"
 
 
@@ -278,12 +278,12 @@ def test_tito_splices_a_reasoning_reply_only_when_the_replay_vouches_for_it() ->
     first = {"messages": [{"role": "user", "content": "a"}]}
     step = Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4], finish_reason="stop",
                 response={"role": "assistant", "content": "hi", "reasoning": "plan", "response_id": "msg_1"})
-    state = tito.next_state(first, step)
+    state = tito_plan.next_state(first, step)
     handle = "steptap:msg_1:s1"
 
     def cause(reply: dict, handles: dict | None = None, session: str = "s1") -> str:
         chat = {"messages": [*first["messages"], reply, {"role": "user", "content": "b"}]}
-        return tito.plan(state, chat, handles, session).cause
+        return tito_plan.plan(state, chat, handles, session).cause
 
     hi = {"role": "assistant", "content": "hi"}
     assert cause(hi, {0: handle}) == "tokens"  # the handle alone (Codex sends no text)
@@ -295,21 +295,21 @@ def test_tito_splices_a_reasoning_reply_only_when_the_replay_vouches_for_it() ->
     assert cause(hi, {0: "EqQBCkYIBxgCKkD-anthropic"}) == "handle_foreign"
     assert cause(hi) == "reasoning_dropped"
     # a reply without reasoning needs nothing; reasoning added to it is an edit
-    plain = tito.next_state(first, Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4],
+    plain = tito_plan.next_state(first, Step(prompt_token_ids=[1, 2], response_token_ids=[3, 4],
                                         finish_reason="stop",
                                         response={"role": "assistant", "content": "hi"}))
     chat = {"messages": [*first["messages"], hi, {"role": "user", "content": "b"}]}
-    assert tito.plan(plain, chat).cause == "tokens"
+    assert tito_plan.plan(plain, chat).cause == "tokens"
     chat["messages"][1] = {**hi, "reasoning": "x"}
-    assert tito.plan(plain, chat).cause == "reasoning_edited"
+    assert tito_plan.plan(plain, chat).cause == "reasoning_edited"
     # once a reply of the sequence reasoned, its markers stay in every later prompt (a streamed turn then goes
     # through derender, sent only what the turn added: vLLM's parsers would read that end of reasoning)
     assert state is not None and plain is not None and state.reasoned and not plain.reasoned
-    later = tito.next_state(chat, Step(prompt_token_ids=[1, 2, 3, 4, 5], response_token_ids=[6],
+    later = tito_plan.next_state(chat, Step(prompt_token_ids=[1, 2, 3, 4, 5], response_token_ids=[6],
                                        finish_reason="stop", response=hi), None, state)
     assert later is not None and later.reasoned
-    assert not tito.next_state(chat, Step(prompt_token_ids=[1], response_token_ids=[6], finish_reason="stop",
-                                          response=hi), None, plain).reasoned
+    assert not tito_plan.next_state(chat, Step(prompt_token_ids=[1], response_token_ids=[6],
+                                               finish_reason="stop", response=hi), None, plain).reasoned
 
 
 def test_tito_new_ids_follow_the_assistant_turn_however_the_template_renders_it() -> None:
