@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from steptap.middleware import malloc
+
+    malloc.tune()  # a long session's growing buffers from the heap, not fresh pages each call
     try:
         import uvloop
 

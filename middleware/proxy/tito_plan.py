@@ -66,8 +66,9 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
     handles the assistant messages were replayed with (by assistant message); ``session_id``: the
     session's."""
     messages = chat.get("messages")
-    data = _pack(messages) if isinstance(messages, list) else None
-    packed = None if data is None else (messages, data)
+    packed: tuple[list[Any], bytes] | None = None
+    if isinstance(messages, list) and (data := _pack(messages)) is not None:
+        packed = (messages, data)
     if state is None:
         return Plan([], None, "first", packed)
     if state.cut:
@@ -82,7 +83,8 @@ def plan(state: State | None, chat: dict[str, Any], handles: dict[int, str] | No
         return Plan([], state, "n", packed)
     n = len(state.messages or ()) + 1  # the previous turn's messages + its reply
     # msgpack items are self-delimiting: bytes that start with the previous items' are those items
-    same = bool(state.sent) and data is not None and data.startswith(state.sent, _header(len(messages)))
+    same = bool(state.sent) and packed is not None and packed[1].startswith(state.sent,
+                                                                             _header(len(messages)))
     if not (len(messages) >= n and same and _norm(messages[n - 1]) == state.reply):
         # not the previous messages as sent: judged on the normalized conversation (reasoning, tool-call
         # ids, content parts), as prefix.py does

@@ -59,7 +59,7 @@ class Recording:
         # choices of one call share it.
         prev_call = list(session.full.values())
         grown, session.grown = session.grown, None  # used here: held, it would keep the last prompt alive
-        kept, session.kept = session.kept, None
+        witness, session.kept = session.kept, None  # the messages the TITO plan found kept (delta.Kept)
         for step in steps:
             step.prefix = classify_after(prev_call, step, session.conversation, chat, grown, session.norms)
         line_before = dataclasses.replace(session.line)
@@ -86,7 +86,7 @@ class Recording:
                 base = None
             # what the log and session hold
             form = (step if base is None else compress_choice(step, base) if base is steps[0] else
-                    compress(step, base, kept))
+                    compress(step, base, witness))
             if (base is None and prev_call and step.status == "ok" and step.call_class != "side"
                     and not session.sealed and (shares := compress_prefix(step, prev_call[0])) is not None):
                 form, base = shares, prev_call[0]  # an edited history: most of the prompt is the last call's
