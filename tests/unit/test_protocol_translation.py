@@ -148,6 +148,30 @@ def test_anthropic_bodies_it_cannot_serve_are_400(body: dict) -> None:
         "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
 
 
+TITLE_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
+                "additionalProperties": False}
+
+
+def test_structured_output_formats_become_vllms_json_schema_grammar() -> None:
+    """Claude Code's title calls ask for JSON (``output_config.format``, as its binary builds them; the older
+    ``output_format``): a grammar on a local model too, not dropped."""
+    base = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "<session>fix it"}]}
+    want = {"type": "json_schema", "json_schema": {"name": "output", "schema": TITLE_SCHEMA}}
+    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": TITLE_SCHEMA}}},
+                  {"output_format": {"type": "json_schema", "schema": TITLE_SCHEMA}}):
+        body = {**base, **extra}
+        assert messages.to_chat(body)["response_format"] == want
+        assert messages.dropped(body) == []
+    fmt = {"type": "json_schema", "schema": TITLE_SCHEMA}
+    both = {**base, "output_config": {"effort": "low", "format": fmt}}
+    assert messages.to_chat(both)["response_format"] == want
+    assert messages.dropped(both) == ["output_config.effort"]
+    for bad in ({"type": "json_schema"}, {"type": "text"}, "json"):
+        with pytest.raises(ApiError) as err:
+            messages.to_chat({**base, "output_config": {"format": bad}})
+        assert "output_config.format" in err.value.message
+
+
 def test_claude_code_first_call_translates() -> None:
     """Claude Code 2.1.197's first call (captured, texts shortened): system blocks with its billing header and
     cache_control, a system message after the first user message, adaptive thinking, context_management and
@@ -161,7 +185,8 @@ def test_claude_code_first_call_translates() -> None:
     assert system[0]["text"].startswith("x-anthropic-billing-header")
     assert "cache_control" not in json.dumps(chat)
     assert messages.has_mid_system(chat)
-    assert messages.dropped(body) == ["thinking", "context_management", "output_config"]
+    assert messages.dropped(body) == ["thinking", "context_management", "output_config.effort"]
+    assert "response_format" not in chat
     assert chat["max_tokens"] == body["max_tokens"] and chat["stream"] is True
     assert [t["function"]["name"] for t in chat["tools"]] == [t["name"] for t in body["tools"]]
     # count_tokens bodies carry no max_tokens

@@ -73,6 +73,9 @@ def test_default_rules_call_the_tool_the_task_names_then_answer_with_its_output(
     answer = choose(rules, "user\n<tool_response>\n\na b\nsecond line\n</tool_response>")
     assert answer == "The tool ran. Its output: a b"
     assert choose(rules, "user\nNo trigger here.") is None
+    # Claude Code's title call holds the task (and its trigger) in <session> tags: a title, as its JSON
+    title = json.loads(choose(rules, f"user\n<session>{task}</session>") or "")
+    assert title == {"title": "Scripted session title"}
 
 
 def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Path) -> None:
