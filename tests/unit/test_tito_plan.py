@@ -82,3 +82,14 @@ def test_the_kept_messages_make_the_same_delta_without_encoding_them() -> None:
     # a witness for other lists says nothing about these: the delta compares them itself
     wrong = compress(step, base, (list(new), old, 1))
     assert msgpack_encoder.encode(wrong) == msgpack_encoder.encode(plain)
+
+
+def test_the_tools_are_compared_whatever_their_key_order() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    first = {"messages": _turns(1), "tools": [tool]}
+    state = tito_plan.next_state(first, _step(first["messages"], [1], "ok"))
+    reordered = {"function": {"parameters": {"type": "object"}, "name": "f"}, "type": "function"}
+    turn = [*first["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "b"}]
+    assert tito_plan.plan(state, {"messages": turn, "tools": [reordered]}).cause == "tokens"
+    renamed = {**tool, "function": {**tool["function"], "name": "g"}}
+    assert tito_plan.plan(state, {"messages": turn, "tools": [renamed]}).cause == "tools_changed"
