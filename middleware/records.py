@@ -327,6 +327,7 @@ LogRecord = Step | Trajectory | SessionOpened | RewardAdded | PolicyVersion | Cu
 # no type, so these two encode everything the proxy writes, records or not.
 msgpack_encoder = msgspec.msgpack.Encoder()
 json_encoder = msgspec.json.Encoder()
+sorted_json_encoder = msgspec.json.Encoder(order="sorted")  # a value's JSON whatever its dicts' key order
 log_decoder = msgspec.msgpack.Decoder(LogRecord)
 trajectory_msgpack_decoder = msgspec.msgpack.Decoder(Trajectory)
 trajectory_json_decoder = msgspec.json.Decoder(Trajectory)
