@@ -39,6 +39,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                           _help("SO_REUSEPORT on the shared port (set by steptap serve --workers)")] = False
     worker_port: Annotated[int | None, _help(
         "a worker's own port besides the shared one (set by steptap serve --workers)")] = None
+    listen_fd: Annotated[int | None, _help(
+        "serve on this inherited listening socket (set by steptap up: the port it bound, never released "
+        "for another process to take while vLLM starts)")] = None
     refuse_swaps: Annotated[str | None, _help(
         "why POST /admin/weights is refused (set by steptap serve --workers)")] = None
     swap_mode: Annotated[Literal["keep", "drain"], _help(
@@ -238,7 +241,7 @@ CONFIG_KEY = web.AppKey("steptap_config", ProxyConfig)
 
 # Fields that are not plain flags: derived at start (sampling_defaults), or the second and later --backend.
 NOT_FLAGS = {"sampling_defaults", "backends"}
-HIDDEN = {"reuse_port", "worker_port", "refuse_swaps"}  # set by `steptap serve --workers` for each worker
+HIDDEN = {"reuse_port", "worker_port", "refuse_swaps", "listen_fd"}  # set by `steptap serve --workers` / `up`
 # Read from a file or the environment as well as a flag
 SECRET_ENV = {"control_token": TOKEN_ENV, "backend_api_key": "STEPTAP_BACKEND_API_KEY",
               "viewer_token": "STEPTAP_VIEWER_TOKEN"}

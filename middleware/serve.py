@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
               file=sys.stderr)
         return 2
+    if workers > 1 and config.listen_fd is not None:
+        print("steptap serve: --workers share a port by SO_REUSEPORT, not an inherited socket",
+              file=sys.stderr)
+        return 2
     if workers > 1:
         from steptap.middleware.workers import run_workers
 
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"control token (generated) in {token_file}", flush=True)
     if config.reuse_port or config.worker_port:
         asyncio.run(_serve_worker(app, config))
+    elif config.listen_fd is not None:  # bound by the launcher (steptap up): the port was never free
+        web.run_app(app, sock=socket.socket(fileno=config.listen_fd), print=None, access_log=None,
+                    backlog=backlog(config))
     else:
         web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                     backlog=backlog(config))

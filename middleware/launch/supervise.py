@@ -34,12 +34,14 @@ class Child:
         log_path: Path,
         env: dict[str, str] | None = None,
         may_exit: bool = False,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
         self.may_exit = may_exit  # exit code 0 is not a failure (an agent population that finished)
+        self.pass_fds = pass_fds  # inherited (the proxy's listening socket)
         self.proc: subprocess.Popen[bytes] | None = None
         self.known: set[int] = set()  # descendants seen while it ran, killed at stop if still alive
 
@@ -62,6 +64,7 @@ class Child:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                pass_fds=self.pass_fds,
                 start_new_session=True,
                 preexec_fn=die_with_parent(),  # noqa: PLW1509 - up starts children before any thread exists
             )

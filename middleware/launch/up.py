@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -56,8 +57,10 @@ class Up(Preflight, RunFiles):
             self.workdir / "control_token")
         self.sock_dir: str | None = None  # the managed vLLM's private socket directory
         self.proxy_port = args.port or _free_port(args.host)
-        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # a wildcard is reached locally
-        self.proxy_url = f"http://{local}:{self.proxy_port}"
+        self.listener: socket.socket | None = None  # the proxy's port, bound here and inherited by serve
+        # a wildcard is reached locally
+        self.local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        self.proxy_url = f"http://{self.local_host}:{self.proxy_port}"
         self.given = [b.rstrip("/") for b in args.backend or []]  # running replicas to use
         self.backend = self.given[0] if self.given else ""
         self.sup = Supervisor(grace_s=args.grace)
@@ -115,7 +118,23 @@ class Up(Preflight, RunFiles):
         for url, child in children:  # they load side by side
             self._wait_healthy(child, url)
 
+    def _reserve_port(self) -> None:
+        """Bind the proxy's port before vLLM's minutes of start-up, and hand the socket to serve: a port
+        picked, released and bound later can be taken in between (by another run, or as the ephemeral port
+        of any outgoing connection)."""
+        if "--workers" in _split(self.args.serve_args):
+            return  # serve's workers bind the shared port themselves (SO_REUSEPORT)
+        family = socket.AF_INET6 if ":" in self.args.host else socket.AF_INET
+        try:
+            self.listener = socket.create_server((self.args.host, self.args.port), family=family)
+        except OSError as exc:
+            where = f"{self.args.host}:{self.args.port}"
+            raise Refused(f"the proxy cannot listen on {where} (--port, --host): {exc.strerror}") from None
+        self.proxy_port = self.listener.getsockname()[1]
+        self.proxy_url = f"http://{self.local_host}:{self.proxy_port}"
+
     def _start_proxy(self) -> None:
+        fds = () if self.listener is None else (self.listener.fileno(),)
         argv = [
             *STEPTAP,
             "serve",
@@ -130,9 +149,12 @@ class Up(Preflight, RunFiles):
             str(self.token_file),
             "--console-learner-metrics",  # the console draws the learner's loss, KL, grad norm
             str(self.metrics_path),
+            *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
             *_split(self.args.serve_args),
         ]
-        child = self.sup.start(Child("serve", argv, self.logs / "serve.log"))
+        child = self.sup.start(Child("serve", argv, self.logs / "serve.log", pass_fds=fds))
+        if self.listener is not None:
+            self.listener.close()  # serve holds it now
         self._write_pids()
         self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
         self._wait_healthy(child, self.proxy_url)
@@ -233,6 +255,7 @@ class Up(Preflight, RunFiles):
         failed: Child | None = None
         try:
             self._refuse_missing_learner()
+            self._reserve_port()
             self._prepare_token()
             self._prepare_model()
             self._refuse_tied_full_weights()
@@ -257,6 +280,8 @@ class Up(Preflight, RunFiles):
             print(f"[steptap up] {exc}", file=sys.stderr, flush=True)
         finally:
             self.sup.stop_all()
+            if self.listener is not None:
+                self.listener.close()
             if self.sock_dir is not None:
                 shutil.rmtree(self.sock_dir, ignore_errors=True)
         if failed is not None:

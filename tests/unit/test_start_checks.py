@@ -8,8 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -122,3 +127,59 @@ def test_up_max_updates_reaches_the_learner_so_it_stops_at_exactly_n(tied_dir: P
     assert learner_cfg("--max-updates", "2").max_updates == 2
     assert learner_cfg().max_updates == 0
     assert learner_cfg("--max-updates", "2", "--learn-args=--max-updates 5").max_updates == 5
+
+
+def test_up_holds_the_proxy_port_from_the_start_until_serve_inherits_it(tmp_path: Path) -> None:
+    """`--port 0`: up binds the proxy's port before vLLM's start-up and serve inherits the socket
+    (``--listen-fd``), so the port is never free in between (a port picked, released and bound a minute
+    later was taken meanwhile in CI); a port in use is refused before anything starts."""
+    runner = up.Up(up.build_parser().parse_args(["--port", "0", "--no-learner", "--workdir", str(tmp_path)]))
+    runner._reserve_port()
+    assert runner.listener is not None
+    try:
+        port = runner.proxy_port
+        assert port > 0 and runner.proxy_url == f"http://127.0.0.1:{port}"
+        with socket.socket() as other, pytest.raises(OSError):  # held: no other process can take it
+            other.bind(("127.0.0.1", port))
+        taken = up.Up(up.build_parser().parse_args(["--port", str(port), "--workdir", str(tmp_path)]))
+        with pytest.raises(up.Refused, match=f"cannot listen on 127.0.0.1:{port}"):
+            taken._reserve_port()
+    finally:
+        runner.listener.close()
+
+
+def test_serve_answers_on_the_socket_it_inherits(tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    out = tmp_path / "serve.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
+                                 "--listen-fd", str(listener.fileno()), "--log", str(tmp_path / "log"),
+                                 "--control-token", "t"],
+                                pass_fds=(listener.fileno(),), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    listener.close()  # serve's copy is the only one now
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, out.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                    body = json.loads(resp.read())
+                break
+            except urllib.error.HTTPError as exc:  # answered (503: the backend at :9 is down)
+                body = json.loads(exc.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, out.read_text()
+                time.sleep(0.2)
+        assert isinstance(body, dict)
+        assert f"http://127.0.0.1:{port}" in out.read_text()  # its own address, as it prints it
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    # and with --workers it is refused: they share a port by SO_REUSEPORT
+    r = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--listen-fd", "3",
+                        "--workers", "2", "--control-token", "t", "--log", str(tmp_path / "log2")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "inherited socket" in r.stderr
