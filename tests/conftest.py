@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 import urllib.request
@@ -49,10 +50,50 @@ class Backend:
     pid: int | None = None
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range: outgoing connections take their local ports from it."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_PICK = random.Random()  # seeded from the OS: concurrent test processes pick apart
+
+
+def free_ports(n: int = 1) -> int:
+    """A port P such that P..P+n-1 are free now, below the ephemeral range. A server is started on it seconds
+    or a minute later (vLLM's start-up), and a port from ``bind(0)`` lies in that range, where any outgoing
+    connection of the machine may be given it meanwhile (one was: "address already in use"); below it only
+    another listener can take it. Random, so concurrent test processes rarely pick alike; checked by
+    binding."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        if low - 10_000 > 1024:
+            base = _PICK.randrange(low - 10_000, low - n)
+        else:  # an unusual range: the kernel's pick
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+            if base + n > 65535:
+                continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 120.0,

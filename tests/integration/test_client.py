@@ -4,13 +4,13 @@ across a server restart, the persisted seen-set across consumer restarts, errors
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from aiohttp import web
+from conftest import free_port
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.client import SeenSet, SteptapClient, SteptapError, SyncSteptapClient
@@ -42,9 +42,7 @@ class Server:
 
     def __init__(self, logdir: Path) -> None:
         self.logdir = logdir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()  # the restart binds it again: below the ephemeral range
         self.url = f"http://127.0.0.1:{self.port}"
         self.log: TrajectoryLog | None = None
         self.runner: web.AppRunner | None = None

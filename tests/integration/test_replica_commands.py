@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from conftest import CONTROL_TOKEN, http_json, missing
+from conftest import CONTROL_TOKEN, free_ports, http_json, missing
 
 from steptap.middleware.client import SteptapClient, SyncSteptapClient
 from steptap.middleware.launch.procs import process_group_alive
@@ -53,29 +52,6 @@ def _vllm_venv_ready() -> None:
 
     if not (default_venv() / "bin" / "python").exists():
         missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
-
-
-def free_ports(n: int) -> int:
-    """A port P such that P..P+n-1 are free now (the commands take consecutive ports)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _answers(url: str) -> bool:

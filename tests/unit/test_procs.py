@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.launch.procs import healthy, process_group_alive, stop_group, wait_healthy
@@ -99,14 +100,6 @@ def test_wait_healthy_gives_up_when_the_process_exits(tmp_path: Path) -> None:
 # --- children die with their launcher; a start finds a server left behind (issue 25, item 13) ---------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gone(pids: set[int], within_s: float) -> bool:
     import psutil
 
@@ -127,7 +120,7 @@ def test_serve_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
 
     import psutil
 
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen(
         [sys.executable, "-m", "steptap.middleware.cli", "serve", "--workers", "2", "--port", str(port),
          "--backend", "http://127.0.0.1:9", "--log", str(tmp_path / "log")],

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from steptap.adapters.env.dataset import Row
 from steptap.adapters.env.runner import DatasetRunner, RunConfig
@@ -52,14 +53,8 @@ def test_a_row_naming_a_file_runs_when_trusted_and_a_flag_may_name_one(tmp_path:
     assert _runner([other], env="os.path:join")._factory(other) is os.path.join  # --env is the user's own
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_reward_command_gets_the_trajectory_on_stdin_and_never_the_token(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "STEPTAP_CONTROL_TOKEN": TOKEN, "STEPTAP_LOG_LEVEL": "WARNING"}
     serve = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
