@@ -100,6 +100,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     config = config_from_args(argv)
+    workers = args_of(argv).workers
+    if workers > 1 and config.listen_fd is not None:
+        print("steptap serve: --workers share a port by SO_REUSEPORT, not an inherited socket",
+              file=sys.stderr)
+        return 2
+    sock = None
+    if workers <= 1 and not (config.reuse_port or config.worker_port):
+        try:
+            sock = listener(config.host, config.port, config.listen_fd)
+        except OSError as exc:
+            print(f"steptap serve: cannot listen on {config.host}:{config.port} (--host, --port): "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
+        config.port = sock.getsockname()[1]  # --port 0: the one the kernel gave
     token_file = None
     if not config.control_token:  # generated: kept in a 0600 file, never printed; one for all workers
         config.control_token = generate_token()
@@ -110,13 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         except PrivateDirError as exc:
             print(f"steptap serve: {exc}", file=sys.stderr)
             return 2
-    workers = args_of(argv).workers
     if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
         print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
-              file=sys.stderr)
-        return 2
-    if workers > 1 and config.listen_fd is not None:
-        print("steptap serve: --workers share a port by SO_REUSEPORT, not an inherited socket",
               file=sys.stderr)
         return 2
     if workers > 1:
@@ -144,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"control token (generated) in {token_file}", flush=True)
     if config.reuse_port or config.worker_port:
         asyncio.run(_serve_worker(app, config))
-    elif config.listen_fd is not None:  # bound by the launcher (steptap up): the port was never free
-        web.run_app(app, sock=socket.socket(fileno=config.listen_fd), print=None, access_log=None,
-                    backlog=backlog(config))
     else:
-        web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
-                    backlog=backlog(config))
+        web.run_app(app, sock=sock, print=None, access_log=None, backlog=backlog(config))
     return 0
+
+
+def listener(host: str, port: int, fd: int | None = None) -> socket.socket:
+    """The proxy's listening socket: inherited (``fd``: ``steptap up`` bound it before vLLM's start-up), or
+    bound here, before anything starts: a port in use is one clear line, and ``--port 0`` knows its port
+    before it prints its address (the backlog is set when serving starts)."""
+    if fd is not None:
+        return socket.socket(fileno=fd)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
 
 
 def backlog(config: ProxyConfig) -> int:

@@ -41,6 +41,7 @@ from steptap.middleware.launch.up_preflight import (
     StartupError,
 )
 from steptap.middleware.launch.view import StatusBoard, render_line
+from steptap.middleware.serve import listener
 
 
 class Up(Preflight, RunFiles):
@@ -124,9 +125,8 @@ class Up(Preflight, RunFiles):
         of any outgoing connection)."""
         if "--workers" in _split(self.args.serve_args):
             return  # serve's workers bind the shared port themselves (SO_REUSEPORT)
-        family = socket.AF_INET6 if ":" in self.args.host else socket.AF_INET
         try:
-            self.listener = socket.create_server((self.args.host, self.args.port), family=family)
+            self.listener = listener(self.args.host, self.args.port)
         except OSError as exc:
             where = f"{self.args.host}:{self.args.port}"
             raise Refused(f"the proxy cannot listen on {where} (--port, --host): {exc.strerror}") from None

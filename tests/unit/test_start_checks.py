@@ -153,7 +153,7 @@ def test_serve_answers_on_the_socket_it_inherits(tmp_path: Path) -> None:
     port = listener.getsockname()[1]
     out = tmp_path / "serve.out"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
+        proc = subprocess.Popen([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", "0",
                                  "--listen-fd", str(listener.fileno()), "--log", str(tmp_path / "log"),
                                  "--control-token", "t"],
                                 pass_fds=(listener.fileno(),), stdout=f, stderr=subprocess.STDOUT,
@@ -174,7 +174,7 @@ def test_serve_answers_on_the_socket_it_inherits(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, out.read_text()
                 time.sleep(0.2)
         assert isinstance(body, dict)
-        assert f"http://127.0.0.1:{port}" in out.read_text()  # its own address, as it prints it
+        assert f"http://127.0.0.1:{port} " in out.read_text()  # its address, the socket's port (not --port 0)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
@@ -183,3 +183,14 @@ def test_serve_answers_on_the_socket_it_inherits(tmp_path: Path) -> None:
                         "--workers", "2", "--control-token", "t", "--log", str(tmp_path / "log2")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "inherited socket" in r.stderr
+
+
+def test_serve_says_in_one_line_that_its_port_is_taken(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
+                            "--control-token", "t", "--log", str(tmp_path / "log")],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"steptap serve: cannot listen on 127.0.0.1:{port} (--host, --port): ")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
