@@ -180,10 +180,18 @@ async def _serve_worker(app: Any, config: ProxyConfig) -> None:
 
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port,
-                      backlog=backlog(config)).start()
-    if config.worker_port:
-        await web.TCPSite(runner, config.host, config.worker_port, backlog=backlog(config)).start()
+    port = config.port
+    try:
+        await web.TCPSite(runner, config.host, port, reuse_port=config.reuse_port,
+                          backlog=backlog(config)).start()
+        if config.worker_port:
+            port = config.worker_port
+            await web.TCPSite(runner, config.host, port, backlog=backlog(config)).start()
+    except OSError as exc:  # one line, not a traceback (the launcher then stops the other workers)
+        await runner.cleanup()
+        print(f"steptap serve: worker cannot listen on {config.host}:{port}: {exc.strerror or exc}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

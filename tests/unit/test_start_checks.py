@@ -191,6 +191,13 @@ def test_serve_says_in_one_line_that_its_port_is_taken(tmp_path: Path) -> None:
         r = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
                             "--control-token", "t", "--log", str(tmp_path / "log")],
                            capture_output=True, text=True, timeout=60)
+        workers = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", str(port),
+                                  "--workers", "2", "--control-token", "t", "--log", str(tmp_path / "log2")],
+                                 capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"steptap serve: cannot listen on 127.0.0.1:{port} (--host, --port): ")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # --workers: each worker says so in a line, and the launcher stops the others
+    said = workers.stdout + workers.stderr
+    assert workers.returncode != 0 and f"worker cannot listen on 127.0.0.1:{port}: " in said, said
+    assert "Traceback" not in said
