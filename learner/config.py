@@ -159,6 +159,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         problems = []
         if not self.model_dir:
             problems.append("model_dir is required")
+        elif _looks_like_a_path(self.model_dir) and not Path(self.model_dir).expanduser().is_dir():
+            problems.append(f"model_dir {self.model_dir!r}: no such directory")
+        if self.reference_dir and _looks_like_a_path(self.reference_dir) and not Path(
+                self.reference_dir).expanduser().is_dir():
+            problems.append(f"reference_dir {self.reference_dir!r}: no such directory")
         if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY:
             problems.append(f"algorithm {self.algorithm!r}: gae or a critic-free verl advantage estimator")
         if self.algorithm == "gae" and not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1
@@ -229,6 +234,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--field-name`` per ``LearnerConfig`` field (``flags.py``: its help the field's description),
     default None = unset, so a value from the config file stands unless a flag is given."""
     add_struct_flags(parser, LearnerConfig, layered=True)
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A local path, not a hub name (``org/name``: one slash, no leading dot, slash or tilde)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
 def config_from_argv(argv: list[str] | None, prog: str = "steptap learn") -> LearnerConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import time
 from collections import Counter, OrderedDict
 
@@ -444,6 +445,10 @@ async def _run(cfg: LearnerConfig, resolve: Resolve | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = config_from_argv(argv)
+    try:
+        cfg = config_from_argv(argv)
+    except ValueError as exc:  # every problem at once, in lines, not a traceback
+        print(f"steptap learn: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(_run(cfg))
     return 0

@@ -3,6 +3,8 @@ does not do is refused at start with a message naming the alternative (never sil
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from steptap.learner.config import config_from_argv
@@ -33,3 +35,17 @@ def test_verl_engine_refuses_what_it_cannot_do(flags: list[str], message: str) -
                                    ["--kl-coef", "0.1"]])
 def test_the_torch_engine_still_does_them(flags: list[str]) -> None:
     assert config_from_argv(["--model-dir", "m", *flags]).engine == "torch"
+
+
+def test_a_missing_model_directory_is_named_and_learn_says_each_problem_in_a_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="model_dir '/nonexistent-steptap': no such directory"):
+        config_from_argv(["--model-dir", "/nonexistent-steptap"])
+    assert config_from_argv(["--model-dir", "Qwen/Qwen3-0.6B"]).model_dir == "Qwen/Qwen3-0.6B"  # a hub name
+    assert config_from_argv(["--model-dir", str(tmp_path)]).model_dir == str(tmp_path)
+    from steptap.learner import daemon
+
+    assert daemon.main(["--model-dir", str(tmp_path), "--lr", "-1", "--reference-dir", "./nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("steptap learn: invalid learner config:\n") and "Traceback" not in err
+    assert "  lr must be > 0\n" in err and "  reference_dir './nope': no such directory" in err
