@@ -157,7 +157,7 @@ class Learner:
                 self.metrics.note("the checkpoint has no value head (older, or not a gae run): it starts at "
                                   "V = 0")
         else:
-            self.version = max(_proxy_version(s.url) for s in self.sources)
+            self.version = max(_proxy_state(s.url)[0] for s in self.sources)
 
     async def train(self) -> None:
         self.pumps = [asyncio.create_task(self._pump(src)) for src in self.sources]
@@ -351,7 +351,7 @@ class Learner:
                 done = True
             except (PublishError, OSError) as exc:
                 self.metrics.note(f"[red]publish failed[/red] on {src.url}: {exc}")
-                self.version = max(self.version, _proxy_version(src.url))
+                self.version = max(self.version, _proxy_state(src.url)[0])
         if done:
             self.version = max(self.version, version)
 
@@ -393,11 +393,6 @@ class Learner:
         for src in self.sources:
             await src.client.close()
         self.metrics.close()
-
-
-def _proxy_version(proxy_url: str) -> int:
-    """The proxy's current policy version (its /health), or 0 when it cannot be asked."""
-    return _proxy_state(proxy_url)[0]
 
 
 def _proxy_state(proxy_url: str, token: str | None = None) -> tuple[int, str | None]:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -106,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     sock = None
+    from steptap.middleware.launch.procs import listener
+
     if workers <= 1 and not (config.reuse_port or config.worker_port):
         try:
             sock = listener(config.host, config.port, config.listen_fd)
@@ -156,16 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         web.run_app(app, sock=sock, print=None, access_log=None, backlog=backlog(config))
     return 0
-
-
-def listener(host: str, port: int, fd: int | None = None) -> socket.socket:
-    """The proxy's listening socket: inherited (``fd``: ``steptap up`` bound it before vLLM's start-up), or
-    bound here, before anything starts: a port in use is one clear line, and ``--port 0`` knows its port
-    before it prints its address (the backlog is set when serving starts)."""
-    if fd is not None:
-        return socket.socket(fileno=fd)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
 
 
 def backlog(config: ProxyConfig) -> int:

@@ -9,12 +9,16 @@ over TCP or a unix socket (``unix:PATH``), through the middleware's client (stdl
 A launcher that dies hard (SIGKILL, OOM) runs no cleanup, and its children, leaders of their own sessions,
 would go on serving: every child steptap starts gets ``steptap.middleware.lifetime.die_with_parent`` (SIGTERM
 when the launcher dies, so a ``steptap vllm`` child still stops its own vLLM group in order).
+
+The proxy's listening socket (``listener``) is bound by whoever starts first (``steptap up``, before vLLM's
+start-up, or ``steptap serve``) and inherited by serve: its port is never free in between.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -120,3 +124,13 @@ def wait_healthy(
 
     ok = wait_until(lambda: healthy(url), timeout, abort)
     return time.monotonic() - t0 if ok else None
+
+
+def listener(host: str, port: int, fd: int | None = None) -> socket.socket:
+    """The proxy's listening socket: inherited (``fd``: ``steptap up`` bound it before vLLM's start-up), or
+    bound here, before anything starts: a port in use is one clear line, and ``--port 0`` knows its port
+    before it prints its address (the backlog is set when serving starts)."""
+    if fd is not None:
+        return socket.socket(fileno=fd)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)

@@ -30,7 +30,7 @@ from steptap.middleware.files import (
     private_dir,
 )
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
-from steptap.middleware.launch.procs import healthy, wait_until
+from steptap.middleware.launch.procs import healthy, listener, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.up_files import RunFiles
 from steptap.middleware.launch.up_parser import STEPTAP, _free_port, _split, build_parser
@@ -41,7 +41,6 @@ from steptap.middleware.launch.up_preflight import (
     StartupError,
 )
 from steptap.middleware.launch.view import StatusBoard, render_line
-from steptap.middleware.serve import listener
 
 
 class Up(Preflight, RunFiles):

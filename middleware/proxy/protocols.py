@@ -19,7 +19,7 @@ from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.exceptions import DomainError
 from steptap.middleware.metrics import METRICS_KEY, Metrics
-from steptap.middleware.proxy import messages, responses, responses_request, tito
+from steptap.middleware.proxy import messages, messages_request, responses, responses_request, tito
 from steptap.middleware.proxy.translation import take_handles
 
 logger = logging.getLogger("steptap.relay")
@@ -132,12 +132,13 @@ class Messages(Protocol):
     endpoint = messages.ENDPOINT
 
     def __init__(self, body: dict[str, Any], model: str, count_only: bool = False) -> None:
-        self.chat = messages.to_chat(body, count_only)
+        self.chat = messages_request.to_chat(body, count_only)
         self.handles = take_handles(self.chat["messages"])
         self.shape = messages.Shape(body, body.get("model") or model)
         self.events = messages.EventStream(self.shape)
-        self.dropped = messages.dropped(body)
-        self.notes = [f"dropped {key}: not honoured by this proxy" for key in self.dropped]
+        drops = messages_request.dropped(body)
+        self.dropped = [label for _, label in drops]
+        self.notes = [f"dropped {field}: not honoured by this proxy" for field, _ in drops]
 
     def prepare(self, session_id: str | None) -> None:
         self.shape.session_id = session_id
@@ -146,8 +147,8 @@ class Messages(Protocol):
         step.response["response_id"] = self.shape.id  # what a thinking block's signature names
 
     async def adapt(self, upstream: BackendClient, served: str) -> None:
-        if messages.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):
-            self.chat = {**self.chat, "messages": messages.fold_system(self.chat["messages"])}
+        if messages_request.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):
+            self.chat = {**self.chat, "messages": messages_request.fold_system(self.chat["messages"])}
             self.notes = [*self.notes, "system messages after the first folded into the next user turn "
                                        "(the chat template refuses or drops them)"]
 

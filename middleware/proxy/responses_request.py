@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from steptap.middleware.proxy.translation import HANDLE_KEY, carry_over, take_handles, text_of
+from steptap.middleware.proxy.translation import HANDLE_KEY, MAX_NOTES, carry_over, take_handles, text_of
 from steptap.middleware.proxy.translation import bad as _bad
 
 # Chat parameters a Responses body may carry that mean the same on both routes (vLLM's extras included).
@@ -47,7 +47,6 @@ HOSTED_TOOLS = (
 )
 _INCLUDE_SERVED = {"reasoning.encrypted_content"}
 _EFFORTS = ("low", "medium", "high")  # what vLLM's chat route takes as reasoning_effort
-MAX_NOTES = 64  # a body of a thousand unknown keys gets this many notes and one that counts the rest
 NAMESPACE_SEP = "."  # a namespace child's function name is "<namespace>.<name>", as OpenAI's models see it
 
 CUSTOM_ARG = "input"  # the one string argument of a custom tool's function

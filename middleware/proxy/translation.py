@@ -53,6 +53,8 @@ def new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
 
 
+# A body of a thousand unknown keys gets this many notes on its step, and one that stands for the rest
+MAX_NOTES = 64
 HANDLE_PREFIX = "steptap:"
 # The key a translation puts a replayed reasoning's opaque value under in its assistant chat message, taken
 # out (``take_handles``) before the chat body goes anywhere.

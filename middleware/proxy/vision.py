@@ -1,6 +1,6 @@
 """Images in model calls: each image part of the chat body sent upstream (the three protocols' images arrive
-there as chat ``image_url`` parts: messages.py, responses_request.py) read, checked and hashed before anything
-is forwarded or recorded.
+there as chat ``image_url`` parts: messages_request.py, responses_request.py) read, checked and hashed before
+anything is forwarded or recorded.
 
 A data URL is decoded; an http(s) URL is fetched by the proxy itself (only from the hosts ``--image-urls``
 allows, bounded in size and time, no redirects) and sent upstream as a data URL, so vLLM, the record and the

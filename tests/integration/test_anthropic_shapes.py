@@ -166,3 +166,26 @@ async def test_refused_calls_are_recorded_as_failed_steps(proxy: Proxy, vllm_ser
     assert "max_tokens" in steps[1].error.message and steps[1].request == too_long  # type: ignore[union-attr]
     prom = await (await http.get(f"{proxy.url}/metrics")).text()
     assert 'steptap_refused_calls_total{endpoint="messages"} 2.0' in prom
+
+
+async def test_claude_codes_web_search_call_is_answered_without_the_server_tool(
+        proxy: Proxy, vllm_server: Backend, http: aiohttp.ClientSession) -> None:
+    """Claude Code's WebSearch tool makes a sub-call offering only the server tool ``web_search_20250305``
+    (its shape, as its binary builds it). The backend cannot search: the tool is not offered, the call is
+    answered and recorded with a note, and the metric counts it by family, however many unknown keys come
+    with it (under "other", one label)."""
+    body = {"model": vllm_server.served_model, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Perform a web search for the query: steptap"}],
+            "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 8}],
+            **{f"unknown_{i}": i for i in range(100)}}
+    status, reply = await post(http, f"{proxy.url}/s/search/v1/messages", body)
+    assert status == 200, reply
+    assert reply["type"] == "message" and all(b["type"] != "server_tool_use" for b in reply["content"])
+    [step] = steps_of(proxy, "auto:search")
+    assert step.status == "ok"
+    assert "dropped tools[0] (type 'web_search_20250305'): not honoured by this proxy" in step.notes
+    assert "<tools>" not in decode(vllm_server, step.prompt_token_ids)  # no tool was offered to the model
+    prom = await (await http.get(f"{proxy.url}/metrics")).text()
+    fields = {line.split('field="')[1].split('"')[0] for line in prom.splitlines()
+              if line.startswith('steptap_dropped_fields_total{endpoint="messages"')}
+    assert {"tools:web_search", "other"} <= fields and not any(f.startswith("unknown_") for f in fields)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy import messages, responses, tito, tito_plan
+from steptap.middleware.proxy import messages, messages_request, responses, tito, tito_plan
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
-from steptap.middleware.proxy.translation import take_handles
+from steptap.middleware.proxy.translation import MAX_NOTES, take_handles
 from steptap.middleware.records import Step
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -101,7 +101,7 @@ def test_response_store_is_per_session_and_bounded() -> None:
 
 
 def test_anthropic_blocks_become_chat_messages() -> None:
-    chat = messages.to_chat({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}],
+    chat = messages_request.to_chat({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}],
                              "stop_sequences": ["END"], "tool_choice": {"type": "any"},
                              "tools": [{"name": "add", "input_schema": {"type": "object"}}], "messages": [
         {"role": "user", "content": "2+3?"},
@@ -142,7 +142,7 @@ def test_anthropic_reply_and_stop_reasons() -> None:
 ])
 def test_anthropic_bodies_it_cannot_serve_are_400(body: dict) -> None:
     with pytest.raises(ApiError) as err:
-        messages.to_chat(body)
+        messages_request.to_chat(body)
     assert err.value.status == 400
     assert json.loads(messages.error_body(400, "m")) == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
@@ -160,15 +160,15 @@ def test_structured_output_formats_become_vllms_json_schema_grammar() -> None:
     for extra in ({"output_config": {"format": {"type": "json_schema", "schema": TITLE_SCHEMA}}},
                   {"output_format": {"type": "json_schema", "schema": TITLE_SCHEMA}}):
         body = {**base, **extra}
-        assert messages.to_chat(body)["response_format"] == want
-        assert messages.dropped(body) == []
+        assert messages_request.to_chat(body)["response_format"] == want
+        assert messages_request.dropped(body) == []
     fmt = {"type": "json_schema", "schema": TITLE_SCHEMA}
     both = {**base, "output_config": {"effort": "low", "format": fmt}}
-    assert messages.to_chat(both)["response_format"] == want
-    assert messages.dropped(both) == ["output_config.effort"]
+    assert messages_request.to_chat(both)["response_format"] == want
+    assert messages_request.dropped(both) == [("output_config.effort", "output_config.effort")]
     for bad in ({"type": "json_schema"}, {"type": "text"}, "json"):
         with pytest.raises(ApiError) as err:
-            messages.to_chat({**base, "output_config": {"format": bad}})
+            messages_request.to_chat({**base, "output_config": {"format": bad}})
         assert "output_config.format" in err.value.message
 
 
@@ -177,25 +177,51 @@ def test_claude_code_first_call_translates() -> None:
     cache_control, a system message after the first user message, adaptive thinking, context_management and
     output_config. It used to be a 400 at messages[1]."""
     body = json.loads((FIXTURES / "claude_code_messages.json").read_text())
-    chat = messages.to_chat(body)
+    chat = messages_request.to_chat(body)
     roles = [m["role"] for m in chat["messages"]]
     assert roles == ["system", "user", "system"]
     system = chat["messages"][0]["content"]
     assert [p["type"] for p in system] == ["text"] * len(body["system"])  # parts: vLLM drops the billing line
     assert system[0]["text"].startswith("x-anthropic-billing-header")
     assert "cache_control" not in json.dumps(chat)
-    assert messages.has_mid_system(chat)
-    assert messages.dropped(body) == ["thinking", "context_management", "output_config.effort"]
+    assert messages_request.has_mid_system(chat)
+    assert [f for f, _ in messages_request.dropped(body)] == [
+        "thinking", "context_management", "output_config.effort"]
     assert "response_format" not in chat
     assert chat["max_tokens"] == body["max_tokens"] and chat["stream"] is True
     assert [t["function"]["name"] for t in chat["tools"]] == [t["name"] for t in body["tools"]]
     # count_tokens bodies carry no max_tokens
-    count = messages.to_chat({k: v for k, v in body.items() if k != "max_tokens"}, count_only=True)
+    count = messages_request.to_chat({k: v for k, v in body.items() if k != "max_tokens"}, count_only=True)
     assert count["messages"] == chat["messages"]
 
 
+def test_server_tools_are_dropped_and_noted_and_every_label_is_bounded() -> None:
+    """A server tool (Claude Code's web search sub-call offers ``web_search_20250305``) is not offered to the
+    model and is noted, never a 400; a ``tool_choice`` naming it goes with it. Unknown keys are noted by name
+    but counted as "other": an agent cannot grow the metric's label set (each label is a series kept)."""
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}
+    read = {"name": "Read", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+    body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "search it"}],
+            "tools": [search], "tool_choice": {"type": "tool", "name": "web_search"}}
+    chat = messages_request.to_chat(body)
+    assert "tools" not in chat and "tool_choice" not in chat
+    assert messages_request.dropped(body) == [("tools[0] (type 'web_search_20250305')", "tools:web_search"),
+                                      ("tool_choice", "tool_choice")]
+    mixed = {**body, "tools": [read, search, {"type": "bash_20250124", "name": "bash"},
+                               {"type": "zz_custom_thing", "name": "z"}], "tool_choice": {"type": "any"}}
+    chat = messages_request.to_chat(mixed)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Read"] and chat["tool_choice"] == "required"
+    labels = [label for _, label in messages_request.dropped(mixed)]
+    assert labels == ["tools:web_search", "tools:bash", "tools:other"]
+    many = {"max_tokens": 1, **{f"unknown_{i}": i for i in range(1000)}}
+    drops = messages_request.dropped(many)
+    assert len(drops) == MAX_NOTES + 1 and drops[0] == ("unknown_0", "other")
+    assert drops[-1] == ("...", "other")
+    assert {label for _, label in drops} == {"other"}
+
+
 def test_thinking_blocks_replay_as_reasoning() -> None:
-    chat = messages.to_chat({"max_tokens": 5, "messages": [
+    chat = messages_request.to_chat({"max_tokens": 5, "messages": [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "let me ", "signature": "sig1"},
@@ -207,12 +233,13 @@ def test_thinking_blocks_replay_as_reasoning() -> None:
     # the first signature goes beside the chat body (a handle, if the proxy made it: tito.py judges it)
     assert take_handles(chat["messages"]) == {0: "sig1"}
     assert chat["messages"][1] == {"role": "assistant", "content": "a", "reasoning": "let me think"}
-    assert messages.dropped({"thinking": {"type": "disabled"}, "metadata": {}, "max_tokens": 1}) == []
-    assert messages.dropped({"thinking": {"type": "enabled", "budget_tokens": 10}}) == ["thinking"]
+    assert messages_request.dropped({"thinking": {"type": "disabled"}, "metadata": {}, "max_tokens": 1}) == []
+    enabled = {"thinking": {"type": "enabled", "budget_tokens": 10}}
+    assert messages_request.dropped(enabled) == [("thinking", "thinking")]
 
 
 def test_fold_system_into_the_next_user_turn() -> None:
-    folded = messages.fold_system([
+    folded = messages_request.fold_system([
         {"role": "system", "content": "top"}, {"role": "user", "content": "a"},
         {"role": "system", "content": [{"type": "text", "text": "s1"}, {"type": "text", "text": "s2"}]},
         {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"},

@@ -18,7 +18,7 @@ from aiohttp import web
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.log.images import IMAGES_DIR, ImageStore
-from steptap.middleware.proxy import messages, vision
+from steptap.middleware.proxy import messages_request, vision
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
 from steptap.middleware.records import digest_of_ref, image_digest
 
@@ -67,7 +67,7 @@ def messages_body(*images: bytes, url: str | None = None) -> dict[str, Any]:
 async def test_each_protocol_reaches_vllm_as_chat_image_parts_in_prompt_order() -> None:
     for chat in (chat_body(durl(RED), durl(BLUE)),
                  responses_to_chat(responses_body(durl(RED), durl(BLUE)), []),
-                 messages.to_chat(messages_body(RED, BLUE))):
+                 messages_request.to_chat(messages_body(RED, BLUE))):
         parts = chat["messages"][-1]["content"]
         assert parts[0] == {"type": "text", "text": "look"}
         assert [p["image_url"]["url"] for p in parts[1:]] == [durl(RED), durl(BLUE)]
@@ -76,7 +76,7 @@ async def test_each_protocol_reaches_vllm_as_chat_image_parts_in_prompt_order() 
         assert [(i.sha256, i.mime, i.width, i.height) for i in images] == [
             (image_digest(RED), "image/png", 4, 3), (image_digest(BLUE), "image/png", 6, 5)]
     # a turn without images stays a plain string (what the template saw before)
-    assert messages.to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": [
+    assert messages_request.to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})["messages"] == [
         {"role": "user", "content": "ab"}]
 
@@ -254,7 +254,8 @@ async def test_a_tool_results_screenshot_is_an_image_of_the_prompt() -> None:
         {"type": "function_call", "call_id": "c1", "name": "computer", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": [
             {"type": "input_text", "text": "done"}, {"type": "input_image", "image_url": durl(BLUE)}]}]}
-    for agent_body, chat in ((body, messages.to_chat(body)), (responses, responses_to_chat(responses, []))):
+    for agent_body, chat in ((body, messages_request.to_chat(body)),
+                             (responses, responses_to_chat(responses, []))):
         tool = [m for m in chat["messages"] if m["role"] == "tool"][0]
         assert tool["content"][0] == {"type": "text", "text": "done"}
         known: dict[str, vision.Image] = {}
