@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = config_from_args(argv)
     workers = args_of(argv).workers
-    if workers > 1 and config.listen_fd is not None:
-        print("steptap serve: --workers share a port by SO_REUSEPORT, not an inherited socket",
-              file=sys.stderr)
+    if workers > 1 and (config.listen_fd is not None or not config.port):
+        print("steptap serve: --workers share a fixed --port by SO_REUSEPORT (each worker also takes one of "
+              "the next N ports), not --port 0 or an inherited socket", file=sys.stderr)
         return 2
     sock = None
     from steptap.middleware.launch.procs import listener

@@ -183,6 +183,10 @@ def test_serve_answers_on_the_socket_it_inherits(tmp_path: Path) -> None:
                         "--workers", "2", "--control-token", "t", "--log", str(tmp_path / "log2")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "inherited socket" in r.stderr
+    r = subprocess.run([*STEPTAP, "serve", "--backend", "http://127.0.0.1:9", "--port", "0",
+                        "--workers", "2", "--control-token", "t", "--log", str(tmp_path / "log3")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not --port 0" in r.stderr
 
 
 def test_serve_says_in_one_line_that_its_port_is_taken(tmp_path: Path) -> None:
