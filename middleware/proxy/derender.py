@@ -20,11 +20,13 @@ chunk), where what it reads of them is small:
 A streamed turn mostly skips derender: vLLM's chat route takes the prompt as ids
 (``kv_transfer_params.prompt_token_ids``, its decode-side reuse), generates from them without rendering and
 streams as a chat call does, its parsers holding their state in the process: one call a turn, not a derender
-call per chunk. vLLM renders the messages instead (and ignores the ids) when ``echo`` is set or a message
-holds non-text content, so those turns (``takes_ids`` false) keep generate and derender, as do turns whose
-prompt holds an earlier reply's reasoning (``tito_plan.State.reasoned``: the chat route's parsers would
-read its end marker). The chat route's replies carry no ``weight_versions``: a keep swap's split is the
-relayed count, as for any stream (weights/spans.py).
+call per chunk. It is sent the conversation cut as derender's is, plus its last message (``chat_request``):
+the history it would not render is 0.5 MB at 120k tokens, for vLLM to parse and the proxy to write. vLLM
+renders the messages instead (and ignores the ids) when ``echo`` is set or a message holds non-text content,
+so those turns (``takes_ids`` false, judged on the whole conversation) keep generate and derender, as do
+turns whose prompt holds an earlier reply's reasoning (``tito_plan.State.reasoned``: the chat route's
+parsers would read its end marker). The chat route's replies carry no ``weight_versions``: a keep swap's
+split is the relayed count, as for any stream (weights/spans.py).
 """
 
 from __future__ import annotations
@@ -52,13 +54,18 @@ def takes_ids(chat: dict[str, Any]) -> bool:
 _TEXT_PART = {"type", "text"}
 
 
-def chat_request(chat: dict[str, Any]) -> dict[str, Any]:
-    """``chat`` as derender needs it: the conversation cut to the assistant messages' tool calls."""
+def chat_request(chat: dict[str, Any], last: bool = False) -> dict[str, Any]:
+    """``chat`` as derender needs it: the conversation cut to the assistant messages' tool calls. ``last``:
+    and its last message, for vLLM's chat route on ids (which renders nothing and reads the conversation
+    only for the tool calls and, without a generation prompt, the last message's role)."""
     messages = chat.get("messages")
     if not isinstance(messages, list):
         return chat
     calls = [{"role": "assistant", "content": None, "tool_calls": m["tool_calls"]} for m in messages
              if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")]
+    end = messages[-1] if last and messages else None
+    if isinstance(end, dict) and not (end.get("role") == "assistant" and end.get("tool_calls")):
+        calls.append(end)
     return {**chat, "messages": calls}
 
 

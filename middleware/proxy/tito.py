@@ -231,7 +231,9 @@ class Turn:
             yield self.chunks(generate)
             return
         ids = b'{"prompt_token_ids":' + self._json("prompt", self.prompt) + b"}"
-        body = {k: v for k, v in self.chat.items() if k != "kv_transfer_params"}
+        # the history cut to what vLLM reads of it there: it renders nothing (derender.chat_request)
+        body = {k: v for k, v in derender.chat_request(self.chat, last=True).items()
+                if k != "kv_transfer_params"}
         resp = await self.client.post("chat.completions", json_parts({"kv_transfer_params": ids}, body))
         try:
             if resp.status >= 400:

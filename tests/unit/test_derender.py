@@ -32,6 +32,12 @@ def test_chat_request_keeps_the_options_and_the_history_tool_calls_only() -> Non
     assert chat["messages"][2]["content"] == "thinking"  # the agent's body is not changed
     assert derender.chat_request({**chat, "messages": []})["messages"] == []
     assert derender.chat_request({"model": "m"}) == {"model": "m"}
+    # for vLLM's chat route on ids: the last message too (its role, without a generation prompt), once
+    routed = derender.chat_request(chat, last=True)["messages"]
+    assert routed[:-1] == cut["messages"] and routed[-1] is chat["messages"][-1]
+    ends_on_a_call = {**chat, "messages": chat["messages"][:-1]}
+    assert derender.chat_request(ends_on_a_call, last=True)["messages"] == cut["messages"]
+    assert derender.chat_request({**chat, "messages": []}, last=True)["messages"] == []
 
 
 def _chunk(ids: list[int], finish: str | None = None, versions: Any = None) -> dict[str, Any]:
