@@ -99,6 +99,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     config = config_from_args(argv)
+    from steptap.middleware.backend.url import problem
+
+    bad = [p for p in map(problem, filter(None, [config.backend, *config.backends])) if p]
+    if bad:
+        print(f"steptap serve: --backend {bad[0]}", file=sys.stderr)
+        return 2
+    if "://" not in config.log or config.log.startswith("file://"):  # a local log: its directory, now
+        from steptap.middleware.files import makedirs
+
+        try:
+            makedirs(config.log.removeprefix("file://"))
+        except OSError as exc:
+            print(f"steptap serve: --log {config.log}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     workers = args_of(argv).workers
     if workers > 1 and (config.listen_fd is not None or not config.port):
         print("steptap serve: --workers share a fixed --port by SO_REUSEPORT (each worker also takes one of "
@@ -110,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if workers <= 1 and not (config.reuse_port or config.worker_port):
         try:
             sock = listener(config.host, config.port, config.listen_fd)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # in use, not here, or not a port (OverflowError)
             print(f"steptap serve: cannot listen on {config.host}:{config.port} (--host, --port): "
-                  f"{exc.strerror or exc}", file=sys.stderr)
+                  f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
             return 2
         config.port = sock.getsockname()[1]  # --port 0: the one the kernel gave
     token_file = None

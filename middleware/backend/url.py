@@ -6,6 +6,7 @@ Stdlib only: the kernel's sync client and the launchers share it with the async 
 from __future__ import annotations
 
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 UNIX_BASE = "http://localhost"  # the HTTP base of a server reached over a unix socket
 
@@ -31,6 +32,24 @@ class BackendUrl(NamedTuple):
 
     def __str__(self) -> str:
         return self.name
+
+
+def problem(url: str) -> str | None:
+    """Why ``url`` names no server (None when it does): ``http(s)://host[:port]`` or ``unix:PATH``."""
+    if url.strip().startswith("unix:"):
+        try:
+            BackendUrl.parse(url)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    parts = urlsplit(url.strip())
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as exc:
+        return f"{url!r}: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r}: expected http(s)://host:port or unix:PATH"
+    return None
 
 
 def name_of(url: str) -> str:

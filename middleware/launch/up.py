@@ -126,9 +126,10 @@ class Up(Preflight, RunFiles):
             return  # serve's workers bind the shared port themselves (SO_REUSEPORT)
         try:
             self.listener = listener(self.args.host, self.args.port)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # in use, not here, or not a port (OverflowError)
             where = f"{self.args.host}:{self.args.port}"
-            raise Refused(f"the proxy cannot listen on {where} (--port, --host): {exc.strerror}") from None
+            why = getattr(exc, "strerror", None) or exc
+            raise Refused(f"the proxy cannot listen on {where} (--port, --host): {why}") from None
         self.proxy_port = self.listener.getsockname()[1]
         self.proxy_url = f"http://{self.local_host}:{self.proxy_port}"
 

@@ -205,3 +205,20 @@ def test_serve_says_in_one_line_that_its_port_is_taken(tmp_path: Path) -> None:
     said = workers.stdout + workers.stderr
     assert workers.returncode != 0 and f"worker cannot listen on 127.0.0.1:{port}: " in said, said
     assert "Traceback" not in said
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--backend", "notaurl"], "--backend 'notaurl': expected http(s)://host:port or unix:PATH"),
+    (["--backend", "http://127.0.0.1:9", "--backend", "unix:"], "--backend 'unix:': expected unix:/path"),
+    (["--backend", "http://127.0.0.1:99999"], "--backend 'http://127.0.0.1:99999': Port out of range"),
+    (["--backend", "http://127.0.0.1:9", "--port", "99999"], "cannot listen on 127.0.0.1:99999"),
+    (["--backend", "http://127.0.0.1:9", "--log", "/proc/steptap-no-such-dir"],
+     "--log /proc/steptap-no-such-dir: No such file or directory"),
+])
+def test_serve_refuses_what_it_cannot_serve_at_start_in_one_line(tmp_path: Path, flags: list[str],
+                                                                   said: str) -> None:
+    argv = [*STEPTAP, "serve", "--port", "0", "--control-token", "t", "--log", str(tmp_path / "log"), *flags]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)  # the later --port/--log win
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"steptap serve: {said}"), r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
