@@ -105,18 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"steptap serve: --backend {bad[0]}", file=sys.stderr)
         return 2
-    if "://" not in config.log or config.log.startswith("file://"):  # a local log: its directory, now
-        from steptap.middleware.files import makedirs
-
-        try:
-            makedirs(config.log.removeprefix("file://"))
-        except OSError as exc:
-            print(f"steptap serve: --log {config.log}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
     workers = args_of(argv).workers
     if workers > 1 and (config.listen_fd is not None or not config.port):
         print("steptap serve: --workers share a fixed --port by SO_REUSEPORT (each worker also takes one of "
               "the next N ports), not --port 0 or an inherited socket", file=sys.stderr)
+        return 2
+    if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
+        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
+              file=sys.stderr)
         return 2
     sock = None
     from steptap.middleware.launch.procs import listener
@@ -139,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         except PrivateDirError as exc:
             print(f"steptap serve: {exc}", file=sys.stderr)
             return 2
-    if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
-        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
-              file=sys.stderr)
-        return 2
     if workers > 1:
         from steptap.middleware.workers import run_workers
 
         return run_workers(config, list(argv), workers)
+    if "://" not in config.log or config.log.startswith("file://"):  # a local log: its directory, now
+        from steptap.middleware.files import makedirs
+
+        try:
+            makedirs(config.log.removeprefix("file://"))
+        except OSError as exc:
+            print(f"steptap serve: --log {config.log}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

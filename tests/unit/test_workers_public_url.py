@@ -27,7 +27,7 @@ def test_worker_urls_derive_from_a_public_url_template() -> None:
 
 
 def test_a_plain_public_url_with_workers_is_refused() -> None:
-    out = subprocess.run([*STEPTAP, "serve", "--workers", "2", "--port", "0", "--backend",
+    out = subprocess.run([*STEPTAP, "serve", "--workers", "2", "--port", "18400", "--backend",
                           "http://127.0.0.1:9",
                           "--public-url", "https://front.example.com"],
                          capture_output=True, text=True, timeout=60, env={"STEPTAP_CONTROL_TOKEN": "t" * 32,
