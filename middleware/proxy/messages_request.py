@@ -181,12 +181,12 @@ def dropped(body: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _choice_gone(choice: Any, tools: list[Any]) -> bool:
-    """Whether ``tool_choice`` asks for a tool only a dropped typed tool was (by name, or ``any``)."""
+    """Whether ``tool_choice`` names a dropped typed tool, or is left with no tool at all (vLLM refuses a
+    tool choice without tools)."""
     if not isinstance(choice, dict) or not any(_typed(t) for t in tools):
         return False
     names = {t.get("name") for t in tools if isinstance(t, dict) and not _typed(t)}
-    kind = choice.get("type")
-    return (kind == "tool" and choice.get("name") not in names) or (kind == "any" and not names)
+    return choice.get("name") not in names if choice.get("type") == "tool" else not names
 
 
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -177,7 +177,7 @@ async def test_claude_codes_web_search_call_is_answered_without_the_server_tool(
     body = {"model": vllm_server.served_model, "max_tokens": 8,
             "messages": [{"role": "user", "content": "Perform a web search for the query: steptap"}],
             "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 8}],
-            **{f"unknown_{i}": i for i in range(100)}}
+            "tool_choice": {"type": "auto"}, **{f"unknown_{i}": i for i in range(100)}}
     status, reply = await post(http, f"{proxy.url}/s/search/v1/messages", body)
     assert status == 200, reply
     assert reply["type"] == "message" and all(b["type"] != "server_tool_use" for b in reply["content"])

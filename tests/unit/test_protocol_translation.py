@@ -207,6 +207,9 @@ def test_server_tools_are_dropped_and_noted_and_every_label_is_bounded() -> None
     assert "tools" not in chat and "tool_choice" not in chat
     assert messages_request.dropped(body) == [("tools[0] (type 'web_search_20250305')", "tools:web_search"),
                                       ("tool_choice", "tool_choice")]
+    auto = {**body, "tool_choice": {"type": "auto"}}  # no tool left to choose among: vLLM would refuse it
+    assert "tool_choice" not in messages_request.to_chat(auto)
+    assert ("tool_choice", "tool_choice") in messages_request.dropped(auto)
     mixed = {**body, "tools": [read, search, {"type": "bash_20250124", "name": "bash"},
                                {"type": "zz_custom_thing", "name": "z"}], "tool_choice": {"type": "any"}}
     chat = messages_request.to_chat(mixed)
