@@ -106,6 +106,10 @@ async def test_stale_downweight_is_counted(make_proxy, tmp_path: Path, tiny_mode
 
 def test_config_file_flags_env_and_validation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "learner.toml"
+    monkeypatch.chdir(tmp_path)  # its model_dir, ./tiny-model, must be a directory
+    with pytest.raises(ValueError, match="model_dir './tiny-model': no such directory"):
+        config_from_argv(["--config", str(example)])
+    (tmp_path / "tiny-model").mkdir()
     cfg = config_from_argv(["--config", str(example), "--lr", "3e-4", "--lora-targets", "q_proj", "v_proj",
                             "--no-progress", "--stale-mode", "downweight"])
     assert (cfg.lr, cfg.lora_targets, cfg.progress, cfg.stale_mode) == (3e-4, ("q_proj", "v_proj"), False,
