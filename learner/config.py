@@ -159,11 +159,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         problems = []
         if not self.model_dir:
             problems.append("model_dir is required")
-        elif _looks_like_a_path(self.model_dir) and not Path(self.model_dir).expanduser().is_dir():
-            problems.append(f"model_dir {self.model_dir!r}: no such directory")
-        if self.reference_dir and _looks_like_a_path(self.reference_dir) and not Path(
-                self.reference_dir).expanduser().is_dir():
-            problems.append(f"reference_dir {self.reference_dir!r}: no such directory")
+        for name in ("model_dir", "reference_dir"):  # a hub name (org/name) is left to transformers
+            path = getattr(self, name)
+            if path and _looks_like_a_path(path) and not Path(path).expanduser().is_dir():
+                problems.append(f"{name} {path!r}: no such directory")
         if self.algorithm not in core_algos.ADV_ESTIMATOR_REGISTRY:
             problems.append(f"algorithm {self.algorithm!r}: gae or a critic-free verl advantage estimator")
         if self.algorithm == "gae" and not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1

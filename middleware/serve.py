@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
               file=sys.stderr)
         return 2
-    sock = None
     from steptap.middleware.launch.procs import listener
 
+    sock = None
     if workers <= 1 and not (config.reuse_port or config.worker_port):
         try:
             sock = listener(config.host, config.port, config.listen_fd)

@@ -56,11 +56,8 @@ class Up(Preflight, RunFiles):
         self.token_file = Path(args.control_token_file).resolve() if args.control_token_file else (
             self.workdir / "control_token")
         self.sock_dir: str | None = None  # the managed vLLM's private socket directory
-        self.proxy_port = args.port or _free_port(args.host)
         self.listener: socket.socket | None = None  # the proxy's port, bound here and inherited by serve
-        # a wildcard is reached locally
-        self.local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        self.proxy_url = f"http://{self.local_host}:{self.proxy_port}"
+        self._proxy_at(args.port)  # 0: the port is known once bound (_reserve_port)
         self.given = [b.rstrip("/") for b in args.backend or []]  # running replicas to use
         self.backend = self.given[0] if self.given else ""
         self.sup = Supervisor(grace_s=args.grace)
@@ -122,16 +119,20 @@ class Up(Preflight, RunFiles):
         """Bind the proxy's port before vLLM's minutes of start-up, and hand the socket to serve: a port
         picked, released and bound later can be taken in between (by another run, or as the ephemeral port
         of any outgoing connection)."""
-        if "--workers" in _split(self.args.serve_args):
-            return  # serve's workers bind the shared port themselves (SO_REUSEPORT)
+        if "--workers" in _split(self.args.serve_args):  # serve's workers bind it themselves (SO_REUSEPORT)
+            self._proxy_at(self.args.port or _free_port(self.args.host))
+            return
         try:
             self.listener = listener(self.args.host, self.args.port)
         except (OSError, OverflowError) as exc:  # in use, not here, or not a port (OverflowError)
             where = f"{self.args.host}:{self.args.port}"
             why = getattr(exc, "strerror", None) or exc
             raise Refused(f"the proxy cannot listen on {where} (--port, --host): {why}") from None
-        self.proxy_port = self.listener.getsockname()[1]
-        self.proxy_url = f"http://{self.local_host}:{self.proxy_port}"
+        self._proxy_at(self.listener.getsockname()[1])
+
+    def _proxy_at(self, port: int) -> None:
+        local = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host  # a wildcard: locally
+        self.proxy_port, self.proxy_url = port, f"http://{local}:{port}"
 
     def _start_proxy(self) -> None:
         fds = () if self.listener is None else (self.listener.fileno(),)

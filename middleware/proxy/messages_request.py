@@ -247,7 +247,7 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
     if tools:
         if not isinstance(tools, list):
             raise _bad("'tools' must be a list", "tools")
-        chat["tools"] = []
+        offered = []
         for i, tool in enumerate(tools):
             if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
                 raise _bad("a tool needs a name", f"tools[{i}]")
@@ -256,10 +256,10 @@ def to_chat(body: dict[str, Any], count_only: bool = False) -> dict[str, Any]:
             fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
             if tool.get("description"):
                 fn["description"] = tool["description"]
-            chat["tools"].append({"type": "function", "function": fn})
+            offered.append({"type": "function", "function": fn})
+        if offered:
+            chat["tools"] = offered
     choice = body.get("tool_choice")
-    if not chat.get("tools"):
-        chat.pop("tools", None)
     if choice is not None and not (isinstance(tools, list) and _choice_gone(choice, tools)):
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind == "auto" or kind == "none":
