@@ -34,6 +34,7 @@ extends, and what it leaves for the next: ``proxy/tito_plan.py``.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -121,6 +122,8 @@ class Turn:
         self.base = base
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
+        # The session's spare list and the list it is a prefix of (LiveSession.tito_spare), for ``_grow``
+        self.spare: tuple[list[int], list[int]] | None = None
         self.prompt: list[int] = []
         self.added: list[int] = []  # the prompt after the previous reply (``request``)
         self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
@@ -170,8 +173,8 @@ class Turn:
         # A streamed derender gets only this: vLLM's reasoning parsers look back to the prompt's last marker
         # (when spliced, an earlier reply's end of reasoning) and would take the reply for content
         self.added = tail + added
-        rest = state.response_ids + self.added  # short: the long prompt list is copied once, not thrice
-        self.prompt = state.prompt_ids + rest
+        rest = state.response_ids + self.added  # short: the long prompt list is built once, not thrice
+        self.prompt = self._grow(state.prompt_ids, rest)
         if self.held is not None and self.held[1] is state.prompt_ids:  # its JSON continued, not re-encoded
             self._raw["prompt"] = (self.prompt, prompts.grown_json(self.held, rest))
         params = dict(full["sampling_params"])
@@ -185,6 +188,22 @@ class Turn:
         if stream:
             out["stream_options"] = {"include_usage": True}
         return out
+
+    def _grow(self, old: list[int], rest: list[int]) -> list[int]:
+        """``old + rest`` as a new list. At 120k ids, copying ``old`` (and freeing the list two turns old)
+        touched every id object a turn: ~0.5 ms with cold caches. So the list the previous turn was built
+        from, which is ``old``'s prefix and dead once that turn is done, is grown in place instead: only
+        what the last two turns added is copied. Dead means no reference but the ones here: any other
+        holder (a step kept somewhere, a turn in flight on the same state) gets a copy, as before."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            ids, of = spare
+            del spare  # the pair's reference: ``ids`` is left with this frame's and getrefcount's argument's
+            if of is old and sys.getrefcount(ids) == 2 and len(ids) <= len(old):
+                ids += old[len(ids):]
+                ids += rest
+                return ids
+        return old + rest
 
     def _report(self, gen_choice: dict[str, Any]) -> None:
         # generate's weight_versions (the final output only): where a keep swap split this choice, exactly
@@ -314,6 +333,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
     """The turn and its generate request when this call extends the session's previous turn; else the cause
     of the fallback to the normal path, counted by cause in either case."""
     decided = plan(session.tito_state, chat, handles, session.id, session.norms)
+    spare, session.tito_spare = session.tito_spare, None  # a turn not built from ids leaves none
     session.tito_packed = decided.packed  # the next state's bytes (tito_plan.next_state)
     prev = decided.state
     # the log's delta need not encode both message lists again to find the previous ones kept (delta.Kept)
@@ -321,6 +341,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
         decided.same and prev is not None and prev.messages is not None) else None
     if decided.cause == "tokens":
         turn = Turn(client, chat, decided, session.prompt, session.tito_base)
+        turn.spare, spare = spare, None
         try:
             generate = await turn.request(stream)
             session.tito_base = turn.base
@@ -335,6 +356,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
             assert state is not None
             # built as the previous step's prompt + response + what is new: prefix.extends compares only that
             session.grown = (turn.prompt, state.prompt_ids, state.response_ids)
+            session.tito_spare = (state.prompt_ids, turn.prompt)  # grown into the next turn's (Turn._grow)
             return turn, generate
         if decided.cause == "tokens":
             decided = decided._replace(cause="template")

@@ -56,6 +56,8 @@ from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, n
 
 logger = logging.getLogger("steptap.sessions")
 
+_POINTER = 8  # bytes a list holds per item (the items are a prompt's own ids, counted with it)
+
 
 class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     def __init__(
@@ -256,8 +258,10 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     def hold_prompt(self, session: LiveSession, held: tuple[bytes, list[int]] | None) -> None:
         """Keep ``held`` (the latest token prompt's raw bytes and ids, proxy/prompts.py) on an open session,
         its bytes counted in what the session and the proxy hold (the ids are the latest call's, counted
-        with it)."""
-        size = (len(held[0]) if held else 0) - (len(session.prompt[0]) if session.prompt else 0)
+        with it), and so is a TITO session's spare list (``LiveSession.tito_spare``: a pointer an id)."""
+        now = (len(held[0]) if held else 0) + (_POINTER * len(session.tito_spare[0]) if session.tito_spare
+                                                else 0)
+        size, session.prompt_bytes = now - session.prompt_bytes, now
         session.prompt = held
         if session.id in self.sessions and not session.pending:  # what _register counted, _unregister frees
             session.bytes += size

@@ -56,14 +56,17 @@ class LiveSession:
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
                  "grown", "inflight", "kept", "key", "last_active", "late", "line", "lock", "norms",
-                 "pending", "prompt", "sealed", "starts", "tito", "tito_base", "tito_packed", "tito_state",
-                 "trajectory")
+                 "pending", "prompt", "prompt_bytes", "sealed", "starts", "tito", "tito_base", "tito_packed",
+                 "tito_spare", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
         self.tito_state: Any = None  # what its next turn extends in that mode
         self.tito_base: Any = None  # its latest render of the base conversation (tito.Turn)
         self.tito_packed: Any = None  # the call's messages and their msgpack, for its next state (tito_plan)
+        # The prompt list its latest turn was built from, and that turn's: dead once the turn is done, it is
+        # grown in place into the next turn's list (tito.Turn), so a turn copies and frees no whole prompt
+        self.tito_spare: tuple[list[int], list[int]] | None = None
         self.trajectory = trajectory
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
@@ -88,6 +91,7 @@ class LiveSession:
         # turn's JSON continues them (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's
         # steps hold)
         self.prompt: tuple[bytes, list[int]] | None = None
+        self.prompt_bytes = 0  # what ``prompt`` and ``tito_spare`` hold, as counted in ``bytes``
         # The latest prompt id list the proxy built from the previous step's lists (prefix.Grown): its
         # continuity check skips what it took from them
         self.grown: Grown | None = None

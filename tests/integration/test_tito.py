@@ -16,6 +16,7 @@ from reference import reference_logprobs
 
 from steptap.middleware.delta import full_steps  # the session holds delta steps
 from steptap.middleware.metrics import METRICS_KEY
+from steptap.middleware.proxy import tito
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
 pytestmark = pytest.mark.vllm
@@ -72,8 +73,16 @@ async def chat_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     return msg
 
 
-async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool) -> tuple[str,
-                                                                                                     list]:
+async def chat_plain(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str) -> dict[str, Any]:
+    """A plain chat call with the session's key: the reply's message."""
+    async with http.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status == 200, await resp.text()
+        message: dict[str, Any] = (await resp.json())["choices"][0]["message"]
+    return {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+
+
+async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, tito: bool,
+                   stream: bool = True) -> tuple[str, list]:
     async with http.post(f"{proxy.url}/sessions", json={"tito": tito}, headers=proxy.control) as resp:
         info = await resp.json()
     url = f"{info['base_url']}/chat/completions"
@@ -88,7 +97,7 @@ async def converse(http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, 
                                 "temperature": 0, "max_tokens": 40 if forced else 5}
         if forced:
             body["structured_outputs"] = {"regex": forced}
-        reply = await chat_stream(http, url, body, info["api_key"])
+        reply = await (chat_stream if stream else chat_plain)(http, url, body, info["api_key"])
         replies.append(reply)
         messages.append(reply)  # the reply as returned goes back into the history
     KEYS[info["id"]] = info["api_key"]
@@ -104,6 +113,24 @@ async def vllm_renders(http: aiohttp.ClientSession, backend: Backend) -> float:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(
         'http_requests_total{handler="/v1/chat/completions/render"'))
+
+
+def one_sequence(steps: list[Any]) -> None:
+    """Each prompt is the previous prompt + what was sampled + new ids."""
+    sequence = steps[0].prompt_token_ids + steps[0].response_token_ids
+    for prev, step in zip(steps, steps[1:], strict=False):
+        before = prev.prompt_token_ids + prev.response_token_ids
+        assert step.prompt_token_ids[: len(before)] == before
+        sequence += step.prompt_token_ids[len(before):] + step.response_token_ids
+    assert sequence == steps[-1].prompt_token_ids + steps[-1].response_token_ids
+
+
+def vllms_logprobs(backend: Backend, step: Any) -> None:
+    """A free (unforced) reply's logprobs are vLLM's for exactly the step's ids."""
+    ref = reference_logprobs(backend.model_dir, step.prompt_token_ids, step.response_token_ids)
+    assert len(step.response_logprobs) == len(ref)
+    for got, want in zip(step.response_logprobs, ref, strict=True):
+        assert math.isclose(got, want, abs_tol=1e-4), (got, want)  # float32 both sides; see test_protocols
 
 
 def visible(reply: dict[str, Any]) -> Any:
@@ -127,24 +154,13 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
     assert await vllm_renders(http, vllm_server) - renders == 4 + 1
     # streamed, no reasoning: each went to vLLM's chat route on the ids (no derender call per chunk)
     assert metrics.tito_streams.labels("chat")._value.get() == 4
-    # the whole trajectory, token by token: each prompt is the previous prompt + what was sampled + new ids
-    sequence = steps[0].prompt_token_ids + steps[0].response_token_ids
-    for prev, step in zip(steps, steps[1:], strict=False):
-        before = prev.prompt_token_ids + prev.response_token_ids
-        assert step.prompt_token_ids[: len(before)] == before
-        sequence += step.prompt_token_ids[len(before):] + step.response_token_ids
-    assert sequence == steps[-1].prompt_token_ids + steps[-1].response_token_ids
+    one_sequence(steps)  # the whole trajectory, token by token
     # the agent saw ordinary replies: the forced calls parsed by the tool parser
     assert re.fullmatch("[a-z]{1,6}", replies[0]["content"])
     assert visible(replies[1])[1] == [("add", {"a": 2, "b": 3})]
     assert visible(replies[3])[1] == [("add", {"a": 4, "b": 4})]
     assert replies[2]["content"] == "5"
-    # the free (unforced) turn's logprobs are vLLM's for exactly these ids
-    last = steps[-1]
-    ref = reference_logprobs(vllm_server.model_dir, last.prompt_token_ids, last.response_token_ids)
-    assert len(last.response_logprobs) == len(ref)
-    for got, want in zip(last.response_logprobs, ref, strict=True):
-        assert math.isclose(got, want, abs_tol=1e-4), (got, want)  # float32 both sides; see test_protocols
+    vllms_logprobs(vllm_server, steps[-1])
 
     # normal mode on the same conversation: while its turns extend, TITO's prompts are exactly its renders
     # and the greedy replies are the same
@@ -172,6 +188,34 @@ async def test_five_turn_tool_conversation_is_one_token_sequence(
         assert resp.status == 200
     assert proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps[-1].prefix == "history_edited"
     assert metrics.tito_turns.labels("history_edited")._value.get() == 1
+
+
+async def test_plain_turns_grow_the_last_prompt_list_in_place_and_stay_exact(
+    make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain turn's prompt list is the dead list of two turns before, grown in place (``Turn._grow``):
+    from the fourth turn no prompt is copied, and the session stays one exact sequence, the last reply's
+    logprobs vLLM's for its ids (vLLM got the prompt from its JSON, not from this list)."""
+    grown: list[bool] = []
+    real = tito.Turn._grow
+
+    def spy(self: tito.Turn, old: list[int], rest: list[int]) -> list[int]:
+        spare = self.spare
+        target = id(spare[0]) if spare is not None else None
+        del spare  # no reference held here: it would make the spare look alive
+        out = real(self, old, rest)
+        grown.append(id(out) == target)
+        return out
+
+    monkeypatch.setattr(tito.Turn, "_grow", spy)
+    proxy = await make_proxy(vllm_server.url)
+    sid, _ = await converse(http, proxy, vllm_server, tito=True, stream=False)
+    steps = full_steps(proxy.app[SESSIONS_KEY].sessions[sid].trajectory.steps)
+    assert [s.prefix for s in steps] == ["first"] + ["extends"] * 4
+    # turn 2 has no spare; turn 3's is the first prompt, which the first step (logged whole) still holds
+    assert grown == [False, False, True, True]
+    one_sequence(steps)
+    vllms_logprobs(vllm_server, steps[-1])
 
 
 async def test_tito_for_anthropic_streamed_and_responses_plain(
