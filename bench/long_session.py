@@ -79,6 +79,12 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of ``pid`` so far (``/proc/PID/stat`` field 10): pages the kernel handed it fresh."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
 def ids(n: int, seed: int, vocab: int) -> list[int]:
     return [100 + (seed * 7919 + i * 31) % (vocab - 200) for i in range(n)]
 
@@ -143,7 +149,7 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
                 if one["refused"]:
                     return {**one, "calls": calls}
                 firsts.extend(one["calls"])
-            before, t0 = cpu_ns(proxy.pid), time.perf_counter()
+            before, faults, t0 = cpu_ns(proxy.pid), minor_faults(proxy.pid), time.perf_counter()
             if args.chat:
                 # A reply within a small grammar ends on its own (an EOS), so the next turn extends it in TITO
                 # mode; a reply cut by max_tokens would fall back to rendering.
@@ -179,8 +185,10 @@ async def run_session(args: argparse.Namespace, proxy: Steptap, model: str,
                 base_ms = round((cpu_ns(baseline.pid) - before_pt) / 1e6, 2)
             tokens = len(prompt)  # a chat turn's: read from the logged steps at the end (TITO's usage has 0)
             used = cpu_ns(proxy.pid) - before
+            faults = minor_faults(proxy.pid) - faults
             calls.append({"turn": turn + 1, "prompt_tokens": tokens, "wall_s": round(wall, 3),
                           "proxy_cpu_ms": round(used / 1e6, 2),  # net of the idle rate: after the session
+                          "proxy_minor_faults": faults,
                           "passthrough_cpu_ms": base_ms})
             if not args.quiet and (turn < 3 or (turn + 1) % 10 == 0):
                 print(f"turn {turn + 1}: {tokens if not args.chat else '?'} tokens, {wall:.1f}s, proxy cpu "
