@@ -194,6 +194,21 @@ class Step(Record, tag="step"):
         return token_versions(self.version_spans, self.policy_version, len(self.response_token_ids))
 
 
+class StepVersions(msgspec.Struct):
+    """A logged ``Step`` read for its token versions alone: the rest of the record (its prompt ids above all)
+    is skipped by the decoder, never built (the console's index reads every finished session this way)."""
+
+    policy_version: int = 0
+    response_token_ids: list[int] = []
+    version_spans: list[list[int]] = []
+
+
+def newest_version(step: Step | StepVersions) -> int:
+    """The newest policy version that sampled one of a step's tokens (its own when it has none)."""
+    return max(token_versions(step.version_spans, step.policy_version, len(step.response_token_ids))
+               or [step.policy_version])
+
+
 def token_versions(spans: list[list[int]], version: int, n: int) -> list[int]:
     """Per-token versions of ``n`` tokens from ``[[start, version], ...]`` (empty: all ``version``)."""
     out = [version] * n
@@ -333,6 +348,7 @@ trajectory_msgpack_decoder = msgspec.msgpack.Decoder(Trajectory)
 trajectory_json_decoder = msgspec.json.Decoder(Trajectory)
 step_msgpack_decoder = msgspec.msgpack.Decoder(Step)
 step_json_decoder = msgspec.json.Decoder(Step)
+step_versions_decoder = msgspec.msgpack.Decoder(StepVersions)
 
 
 def to_builtins(record: msgspec.Struct) -> Any:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from steptap.middleware.delta import embed, resolve
+from steptap.middleware.delta import resolve
 from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
 from steptap.middleware.log.segments import (
     FRAME,
@@ -302,12 +302,12 @@ class Reader:
         return format_cursor(self._segno, self._size)
 
 
-def resolve_found(found: Found, full: bool = True) -> Trajectory:
+def resolve_found(found: Found) -> Trajectory:
     """A logged trajectory and its steps -> the trajectory with full steps (``DecodeError``,
-    ``DeltaError``); ``full=False``: the steps as logged (``delta.embed``)."""
+    ``DeltaError``)."""
 
     traj = log_decoder.decode(found.payload)
     if not isinstance(traj, Trajectory):
         raise msgspec.ValidationError("not a trajectory record")
     steps = [step_msgpack_decoder.decode(p) for p in found.steps]
-    return resolve(traj, steps) if full else embed(traj, steps)
+    return resolve(traj, steps)

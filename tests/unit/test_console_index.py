@@ -8,7 +8,16 @@ from pathlib import Path
 
 from steptap.middleware.console.index import RunIndex
 from steptap.middleware.log.wal import TrajectoryLog
-from steptap.middleware.records import Curation, PolicyVersion, Sampling, Step, Trajectory
+from steptap.middleware.records import (
+    Curation,
+    PolicyVersion,
+    Sampling,
+    Step,
+    Trajectory,
+    msgpack_encoder,
+    newest_version,
+    step_versions_decoder,
+)
 
 
 def _traj(tid: str, reward: float, version: int, *, mode: str = "train", group: str = "g",
@@ -91,3 +100,15 @@ async def test_a_followed_session_of_delta_steps_is_summarized_as_logged(tmp_pat
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
         await log.close()
+
+
+def test_a_logged_steps_versions_are_read_without_its_prompt() -> None:
+    """The console's index reads a finished session's steps for their newest version alone
+    (``StepVersions``): the same answer as the whole step's, across a keep swap's spans."""
+    for spans, want in (([], 3), ([[0, 3], [2, 4]], 4), ([[0, 3], [9, 5]], 3)):  # a span past the end: none
+        step = Step(policy_version=3, prompt_token_ids=list(range(1000, 21000)), response_token_ids=[7, 8, 9],
+                    version_spans=spans, request={"messages": [{"role": "user", "content": "x" * 1000}]})
+        logged = msgpack_encoder.encode(step)
+        view = step_versions_decoder.decode(logged)
+        assert newest_version(view) == newest_version(step) == want
+        assert view.response_token_ids == [7, 8, 9]
