@@ -341,7 +341,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
         decided.same and prev is not None and prev.messages is not None) else None
     if decided.cause == "tokens":
         turn = Turn(client, chat, decided, session.prompt, session.tito_base)
-        turn.spare, spare = spare, None
+        turn.spare, spare = spare, None  # the turn's alone: a reference left here would keep it from growing
         try:
             generate = await turn.request(stream)
             session.tito_base = turn.base
