@@ -28,6 +28,6 @@ trap 'rm -rf "$links"' EXIT
 mkdir "$links/steptap"
 for pkg in middleware learner adapters; do ln -s "$root/$pkg" "$links/steptap/$pkg"; done
 cd "$links"
-"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.venv/mypy-cache" \
+"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "${MYPY_CACHE_DIR:-$root/.venv/mypy-cache}" \
   --python-executable "$root/.venv/bin/python" -p steptap.middleware -p steptap.learner -p steptap.adapters \
   | sed 's#^steptap/##'
