@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from steptap.middleware.files import atomic_write, cache_root
+from steptap.middleware.files import atomic_write, cache_root, secret_dir
 
 KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an environment variable
 PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
@@ -74,6 +75,29 @@ def find_cli(agent: str, path: str | None = None) -> Path:
         f"{BINARIES[agent]} ({agent}) is neither on PATH nor in {cached.parent}: install it with "
         "`bash scripts/install_agents.sh` (or put it on PATH)"
     )
+
+
+HOMES_ENV = "STEPTAP_AGENT_HOMES"  # where the agents' private homes go (default: the user's cache)
+
+
+def under_temp(path: Path) -> bool:
+    """Whether ``path`` is in the temp directory (tempfile's, or /tmp)."""
+    path = path.resolve()
+    return any(path == t or t in path.parents
+               for t in {Path(tempfile.gettempdir()).resolve(), Path("/tmp").resolve()})
+
+
+def new_agent_home(root: Path | None = None) -> Path:
+    """A fresh private (0700) directory for one run's agent settings and state, which the caller removes: under
+    ``root`` (default ``$STEPTAP_AGENT_HOMES``, else the user's cache), never in the temp directory. Codex >=
+    0.169 refuses to create its sandbox helpers (``codex-linux-sandbox``) under the temp directory, and every
+    sandboxed shell command then fails (``bwrap: execvp codex-linux-sandbox``): AgentError there. ``steptap
+    run`` and the task runner both take their agent homes from here."""
+    root = Path(root or os.environ.get(HOMES_ENV) or cache_root() / "agent-homes")
+    if under_temp(root):
+        raise AgentError(f"agent homes cannot be in the temp directory ({root}): Codex's sandbox refuses "
+                         f"its helpers there; set ${HOMES_ENV} to a directory elsewhere")
+    return Path(tempfile.mkdtemp(prefix="run-", dir=secret_dir(root)))  # mkdtemp: 0700
 
 
 def _private_dir(path: Path) -> Path:

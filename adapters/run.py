@@ -153,6 +153,8 @@ async def _main(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             shutil.rmtree(runner.tmpdir, ignore_errors=True)
+            if runner.homes:
+                shutil.rmtree(runner.homes, ignore_errors=True)
     for m in members:
         tag = f"[{m.index}] " if args.n > 1 else ""
         print(f"steptap run: {tag}{describe(m)}", file=sys.stderr)

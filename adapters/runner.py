@@ -133,6 +133,7 @@ class Runner:
         self.interrupted = False
         self.sem = asyncio.Semaphore(args.concurrency)
         self.tmpdir = tempfile.mkdtemp(prefix="steptap-run-")
+        self.homes: str | None = None  # the agents' private homes (agents.new_agent_home), made when needed
 
     # -- one member ------------------------------------------------------------------------------------------
     async def member(self, m: Member) -> Member:
@@ -210,9 +211,10 @@ class Runner:
         if not self.args.agent:
             return list(self.args.command)
         try:
+            self.homes = self.homes or str(agents.new_agent_home())
             launch = agents.prepare(
                 self.args.agent, base_url=info.base_url, api_key=info.api_key, model=self.args.model,
-                home=Path(self.tmpdir) / f"agent-{m.index}", args=list(self.args.command), cli=self.args.cli,
+                home=Path(self.homes) / f"agent-{m.index}", args=list(self.args.command), cli=self.args.cli,
             )
         except (agents.AgentError, OSError) as exc:
             m.exit_code = 127

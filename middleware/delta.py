@@ -34,7 +34,7 @@ from typing import Any, overload
 
 import msgspec
 
-from steptap.middleware.records import Delta, LogRecord, Step, Trajectory, msgpack_encoder
+from steptap.middleware.records import Delta, LogRecord, Step, StepRef, Trajectory, msgpack_encoder
 
 _enc = msgpack_encoder.encode
 _replace = msgspec.structs.replace
@@ -240,6 +240,15 @@ def resolve(traj: Trajectory, logged: list[Step]) -> Trajectory:
     return _replace(traj, steps=full_steps(traj.steps))
 
 
+def _finished_class(ref: StepRef) -> dict[str, str]:
+    """The class a step finished with, when a later call reclassified it (``StepRef.call``); else nothing."""
+    if ref.call is None:
+        return {}
+    if len(ref.call) != 2 or ref.call[0] not in ("main", "side", "branch"):
+        raise DeltaError(f"a step reference's call class {ref.call!r} is not [class, rule]")
+    return {"call_class": ref.call[0], "call_rule": ref.call[1]}
+
+
 def embed(traj: Trajectory, logged: list[Step]) -> Trajectory:
     """Like ``resolve``, but the steps stay as logged (a delta step keeps its ``delta``): what a reader that
     expands steps one at a time takes (the learner's rows: ``Expander``), in memory linear in the session.
@@ -254,7 +263,7 @@ def embed(traj: Trajectory, logged: list[Step]) -> Trajectory:
         if s.delta is not None and s.delta.base not in seen:
             raise DeltaError(f"step {s.index} extends step {s.delta.base}, which is not before it")
         seen.add(s.index)
-        steps.append(_replace(s, rewards=dict(ref.rewards)))
+        steps.append(_replace(s, rewards=dict(ref.rewards), **_finished_class(ref)))
     return _replace(traj, steps=steps, step_refs=[])
 
 

@@ -147,6 +147,9 @@ class StepRef(msgspec.Struct, array_like=True):
 
     at: str  # the cursor where the Step record starts
     rewards: dict[str, float] = {}  # its rewards when the trajectory finished (given after it was logged)
+    # [call_class, call_rule] it finished with, when a later call reclassified it (a tool-less first call
+    # superseded by an agent loop: ["side", "superseded"], sessions/classify.py); None: as logged
+    call: list[str] | None = None
 
 
 class Step(Record, tag="step"):

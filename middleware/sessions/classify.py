@@ -19,6 +19,12 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   internal-context message to the end of every request), or the message after the system prompt continued
   (Claude Code appends "[Your previous response had no visible output ...]" to the task to retry an empty
   reply): still the main line, though not one token sequence (``Step.prefix`` says why);
+- ``main`` by ``supersedes``: the main line so far is one call that offered no tools (a title call sent first:
+  opencode's small model, "You are a title generator ..."), and this call offers tools and would otherwise be a
+  side call (another system prompt): an agent loop cannot start with that tool-less call, so the main line
+  starts here, and that call (its choices) turns ``side`` by ``superseded`` (``SessionManager.record`` marks it;
+  the finished trajectory's ``StepRef`` carries the new class, the logged step keeps the one it was logged
+  with). So which of the two arrives first decides nothing, with no configuration;
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
 The main line's continuity is judged against its own last call, never a side call's, so a side call between
@@ -33,6 +39,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from steptap.middleware.records import CallClass, PrefixCause, Step
 from steptap.middleware.sessions.prefix import Norms, first_messages, messages_of
 
@@ -44,6 +52,8 @@ class MainLine:
     start: list[Any] = field(default_factory=list)  # the first two messages (normalized) of its branch
     branch: int = 0
     started: bool = False
+    # the main line is its first call alone, which offered no tools: a call with tools may take its place
+    provisional: bool = False
     side_models: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -72,7 +82,17 @@ def decide(line: MainLine, step: Step, prefix: PrefixCause, side_models: Collect
         if not _continues(line.start[1:], opening[1:]) or _turns_gone(last, step, chat, norms):
             return Decision("branch", "rewrites_history", line.branch + 1)
         return Decision("main", "edited", line.branch)
+    if line.provisional and offers_tools(step):  # an agent loop does not start with a tool-less call
+        return Decision("main", SUPERSEDES, line.branch)
     return Decision("side", "other", line.branch)
+
+
+SUPERSEDES, SUPERSEDED = "supersedes", "superseded"
+
+
+def offers_tools(step: Step) -> bool:
+    """Whether the call offered the model tools (chat, Responses and Messages all name them ``tools``)."""
+    return bool(step.request.get("tools"))
 
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's attribution line (vllm/renderers/chat_utils.py)
@@ -144,20 +164,35 @@ def advance(line: MainLine, decision: Decision, step: Step, chat: list[Any] | No
     """Move the main line on after a call of ``decision``'s class (side calls leave it as it was)."""
     if decision.call_class == "side":
         return
-    if not line.started or decision.call_class == "branch":  # a branch's own opening: its summary
+    restart = not line.started or decision.rule == SUPERSEDES
+    if restart or decision.call_class == "branch":  # a branch's own opening: its summary
         line.started, line.start = True, _opening(step, chat)
+    line.provisional = restart and not offers_tools(step)
     line.branch = decision.branch
 
 
 def apply(line: MainLine, steps: list[Step], prefixes: list[PrefixCause], side_models: Collection[str] = (),
           chat: list[Any] | None = None, last: Last = None, norms: Norms | None = None) -> bool:
     """Classify the steps of one call (the choices of one call share a class) and move the line on; returns
-    whether the call is on the main line (so the session judges the next call against it)."""
+    whether the call is on the main line (so the session judges the next call against it). A call that
+    ``supersedes`` the main line's tool-less first call: the caller turns that call's steps ``side``
+    (``supersede``)."""
     if not steps:
         return False
     decision = decide(line, steps[0], prefixes[0], side_models, chat, last, norms)
     for step in steps:
         step.call_class, step.call_rule, step.branch = decision.call_class, decision.rule, decision.branch
+        if decision.rule == SUPERSEDES:  # the main line starts here: judged against nothing before it
+            step.prefix = "first"
     if any(s.status == "ok" for s in steps):  # a failed call carries no ids: the line stays where it was
         advance(line, decision, steps[0], chat)
     return decision.call_class != "side"
+
+
+def supersede(steps: list[Step], before: int) -> None:
+    """After a call that ``supersedes`` the main line: the steps before index ``before`` that were on the main
+    line (its tool-less first call, its choices) turned ``side`` by ``superseded``, in place (new objects: the
+    logged ones are not touched)."""
+    for i, step in enumerate(steps):
+        if step.index < before and step.call_class != "side":
+            steps[i] = msgspec.structs.replace(step, call_class="side", call_rule=SUPERSEDED)

@@ -22,6 +22,7 @@ from steptap.middleware.records import (
     Trajectory,
     TrajectoryStatus,
 )
+from steptap.middleware.sessions.classify import SUPERSEDED
 from steptap.middleware.sessions.rewards import run_reward
 from steptap.middleware.sessions.session import LiveSession
 
@@ -132,7 +133,9 @@ class Closing:
             if isinstance(at, asyncio.Task):
                 at = None if at.cancelled() or at.exception() is not None else at.result()[0]
             if at is not None:  # else its append failed: not durable, so not in the trajectory
-                refs.append(StepRef(at=at, rewards=step.rewards))
+                refs.append(StepRef(at=at, rewards=step.rewards,
+                                    call=[step.call_class, step.call_rule] if step.call_rule == SUPERSEDED
+                                    else None))
         return msgspec.structs.replace(traj, steps=[], step_refs=refs)
 
     @staticmethod

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from steptap.middleware.delta import compress, compress_choice, compress_prefix
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.records import Step
+from steptap.middleware.sessions.classify import SUPERSEDES, supersede
 from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.prefix import classify_after, extends
 from steptap.middleware.sessions.session import NOT_LOGGED, LiveSession, full_sizes, not_logged
@@ -88,7 +89,8 @@ class Recording:
             form = (step if base is None else compress_choice(step, base) if base is steps[0] else
                     compress(step, base, witness))
             if (base is None and prev_call and step.status == "ok" and step.call_class != "side"
-                    and not session.sealed and (shares := compress_prefix(step, prev_call[0])) is not None):
+                    and step.prefix != "first" and not session.sealed
+                    and (shares := compress_prefix(step, prev_call[0])) is not None):
                 form, base = shares, prev_call[0]  # an edited history: most of the prompt is the last call's
             forms.append(form)
             bases.append(base)
@@ -178,5 +180,7 @@ class Recording:
             raise
         for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task.result()[0]
+        if steps[0].call_rule == SUPERSEDES:  # durable: the tool-less call it replaced is a side call now
+            supersede(traj.steps, steps[0].index)
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))

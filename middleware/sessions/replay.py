@@ -19,7 +19,7 @@ from steptap.middleware.records import (
     Trajectory,
     msgpack_encoder,
 )
-from steptap.middleware.sessions.classify import Decision, advance
+from steptap.middleware.sessions.classify import SUPERSEDES, Decision, advance, supersede
 from steptap.middleware.sessions.limits import RECORD_SLACK
 from steptap.middleware.sessions.session import LiveSession, full_sizes, not_logged
 
@@ -103,6 +103,8 @@ class Replay:
                     if record.status == "ok":  # the main line as it was: its opening, its branch
                         advance(session.line, Decision(record.call_class, record.call_rule, record.branch),
                                 full)
+                        if record.call_rule == SUPERSEDES:  # as recorded live: what it replaced is side
+                            supersede(steps, record.index)
                 elif session is not None:  # its index given twice (a log written before the writer stopped
                     # at a failure)
                     logger.error("session %s: step %d left out at rebuild: the index is taken", session.id,

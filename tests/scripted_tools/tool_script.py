@@ -27,7 +27,8 @@ SCRIPT_ENV = "STEPTAP_TOOL_SCRIPT"  # the script file the processor in vLLM's pr
 MAX_RULES = 64
 MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
 
-_NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\."  # a chain's output (below)
+# a chain's output (below): steptap-next.AGENT.TOOL.ARG.READ_TOOL.READ_ARG.N
+_NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\.(\w+)\.(\w+)\."
 _CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
 DEFAULT_RULES = [
     # Claude Code's title call (the user's message in <session> tags) asks for JSON with a schema, a grammar
@@ -36,12 +37,24 @@ DEFAULT_RULES = [
     # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
-    # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.N` asks for the next
-    # call, which prints N - 1 (by the shell's arithmetic: only a command that ran moves the chain on); at 0,
-    # the call that prints the `steptap-ran-AGENT-42` marker
-    (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.$((\4-1))"}}' + "\n</tool_call>"),
-    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7))"}}' + "\n</tool_call>"),
+    # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.READ.RARG.N` asks for
+    # the next call of the shell tool TOOL, which prints N - 1 (by the shell's arithmetic: only a command that
+    # ran moves the chain on); at 0, the call that writes the `steptap-ran-AGENT-42` marker to a file with a
+    # redirect (a command each CLI sandboxes) and prints where it is for the file tool READ (argument RARG)
+    (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1))"}}' + "\n</tool_call>"),
+    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7)) > steptap-\1.txt && echo steptap-read.\4.\5.$PWD/'
+     r'steptap-\1.txt"}}' + "\n</tool_call>"),
+    # The file read back with the CLI's own file tool: the write's output `steptap-read.TOOL.ARG./abs/path`
+    # asks for that tool's call on that path (its output, the file, holds the marker)
+    # (Codex has no file-read tool of its own: it reads with `cat` through its shell tool)
+    (r"<tool_response>[\s\S]*?steptap-read\.exec_command\.(\w+)\.(/[\w./-]+)",
+     '<tool_call>\n{"name": "exec_command", "arguments": {"\\1": "cat \\2"}}\n</tool_call>'),
+    (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.(/[\w./-]+)",
+     '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
+    # a reply with a special token mid-text (the end-of-text token, not the end of the turn): what a client
+    # is shown of it (tests/integration/test_special_tokens.py)
+    (r"STEPTAP_SPECIAL", "Before<|endoftext|>after"),
     # Codex's turn after a compaction holds the task again (its trigger too) with the summary: answered, so
     # the turn ends rather than calling the tool and compacting again
     (r"produced a summary of its thinking process", "The summary was read."),

@@ -20,7 +20,7 @@ from steptap.middleware.delta import full_steps
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Sampling, Step, Trajectory, step_json_decoder, trajectory_json_decoder
-from steptap.middleware.sessions.classify import Decision, MainLine, apply, decide
+from steptap.middleware.sessions.classify import Decision, MainLine, apply, decide, supersede
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.prefix import first_messages
@@ -282,3 +282,92 @@ async def test_a_refused_call_leaves_the_main_line_as_it_was(tmp_path: Path) -> 
         await manager.record(session, [compacted])  # would have opened branch 1
     assert (session.line.branch, session.line.start) == (0, first_messages(first))
     await log.close()
+
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+TITLER = {"role": "system", "content": "You are a title generator. You output ONLY a thread title."}
+
+
+def title_first_calls() -> list[Step]:
+    """opencode's order: its title call (its small model, no tools) recorded first, then its agent loop (another
+    system prompt, tools): two calls of the loop, the second extending the first."""
+    task = {"role": "user", "content": "fix it"}
+    title = step([TITLER, task], [7, 8], [20], started=1)
+    loop = step([SYSTEM, task], [1, 2, 3], [10, 11], started=2)
+    loop.request["tools"] = TOOLS
+    again = step([SYSTEM, task, {"role": "assistant", "content": "reply 2"}, {"role": "tool", "content": "x"}],
+                 [1, 2, 3, 10, 11, 4], [12], started=3)
+    again.request["tools"] = TOOLS
+    return [title, loop, again]
+
+
+def test_a_tool_less_first_call_is_superseded_by_the_agent_loop_in_either_order() -> None:
+    title, loop, again = title_first_calls()
+    line = MainLine()
+    loop.prefix = "history_edited"  # as judged against the title call: the main line starts anew
+    for s, prefix in [(title, "first"), (loop, "history_edited"), (again, "extends")]:
+        apply(line, [s], [prefix])  # type: ignore[list-item]
+    assert [(s.call_class, s.call_rule) for s in (title, loop, again)] == [
+        ("main", "first"), ("main", "supersedes"), ("main", "extends")]
+    assert loop.prefix == "first"
+    steps = [title, loop, again]
+    for i, s in enumerate(steps):
+        s.index = i
+    supersede(steps, 1)
+    assert [(s.call_class, s.call_rule) for s in steps] == [
+        ("side", "superseded"), ("main", "supersedes"), ("main", "extends")]
+    assert title.call_class == "main"  # a new object: the logged one is not touched
+    # the other order: the title call is a side call at once
+    title, loop, again = title_first_calls()
+    line = MainLine()
+    for s, prefix in [(loop, "first"), (title, "history_edited"), (again, "extends")]:
+        apply(line, [s], [prefix])  # type: ignore[list-item]
+    assert [(s.call_class, s.call_rule) for s in (loop, title, again)] == [
+        ("main", "first"), ("side", "other"), ("main", "extends")]
+    # only a tool-less first call alone is provisional: a main line of two calls, or one with tools, stays
+    title, loop, again = title_first_calls()
+    line = MainLine()
+    apply(line, [title], ["first"])
+    follow = step([TITLER, {"role": "user", "content": "fix it"}, {"role": "assistant", "content": "reply 1"},
+                   {"role": "user", "content": "more"}], [7, 8, 20, 9], [21], started=1.5)
+    apply(line, [follow], ["extends"])
+    assert decide(line, loop, "history_edited") == Decision("side", "other", 0)
+    line = MainLine()
+    apply(line, [again], ["first"])
+    other = step([TITLER], [7], [8])
+    other.request["tools"] = TOOLS
+    assert decide(line, other, "history_edited") == Decision("side", "other", 0)
+
+
+async def test_a_superseded_title_call_is_side_in_the_session_the_log_and_after_a_restart(
+        manager: SessionManager, tmp_path: Path) -> None:
+    from steptap.middleware.log.offline import LogReader
+
+    title, loop, again = title_first_calls()
+    session = await manager.open(session_id="t1")
+    for s in (title, loop):
+        await manager.record(session, [s])
+    held = session.trajectory.steps
+    assert [(s.call_class, s.call_rule, s.prefix) for s in held] == [
+        ("side", "superseded", "first"), ("main", "supersedes", "first")]
+    assert held[1].delta is None  # the main line's start: logged whole, never a delta of the title
+    # a restart: the rebuilt session says the same, and the next call extends the agent's first
+    await manager.log.close()  # type: ignore[attr-defined]
+    log = await TrajectoryLog.open(str(tmp_path / "log"))
+    again_mgr = SessionManager(manager.config, log, Metrics(), None, set())
+    assert await again_mgr.rebuild() == 1
+    session = again_mgr.sessions["t1"]
+    assert [(s.call_class, s.call_rule) for s in session.trajectory.steps] == [
+        ("side", "superseded"), ("main", "supersedes")]
+    await again_mgr.record(session, [again])
+    assert session.trajectory.steps[2].delta is not None and session.trajectory.steps[2].delta.base == 1
+    await again_mgr.finish(session)
+    await log.close()
+    manager.log = await TrajectoryLog.open(str(tmp_path / "log"))  # for the fixture's close
+    # the log keeps each step as it was logged; the finished trajectory says what it finished as
+    (done,) = list(LogReader(str(tmp_path / "log")).trajectories())
+    assert [(s.call_class, s.call_rule) for s in done.steps] == [
+        ("side", "superseded"), ("main", "supersedes"), ("main", "extends")]
+    batch = build_batch([done], version=0)
+    assert batch.counts["dropped_side"] == 1
+    assert [[batch.samples[i].step_index for i in seq.samples] for seq in batch.sequences] == [[1, 2]]

@@ -80,16 +80,24 @@ def test_default_rules_call_the_tool_the_task_names_then_answer_with_its_output(
 
 def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Path) -> None:
     """A chain (a session of many turns): each output names the next call; the command line echoed back
-    (`$((2-1))`, not yet a number) never moves it on, and the output after 0 hops is the marker's call."""
+    (`$((2-1))`, not yet a number) never moves it on; after 0 hops the shell writes the marker to a file and
+    prints where, and that output asks for the CLI's own file tool on it (Codex's: `cat` in its shell)."""
     rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
-    echoed = "user\n<tool_response>\nCommand: echo steptap-next.claude-code.Bash.command.$((2-1))\n"
-    assert choose(rules, echoed + "</tool_response>") == "The tool ran. Its output: Command: echo " \
-        "steptap-next.claude-code.Bash.command.$((2-1))"
-    assert choose(rules, echoed + "steptap-next.claude-code.Bash.command.1\n</tool_response>") == hermes_call(
-        "Bash", {"command": "echo steptap-next.claude-code.Bash.command.$((1-1))"})
-    wrapped = 'user\n<tool_response>\n{"out": "steptap-next.codex.exec_command.cmd.0"}\n</tool_response>'
-    assert choose(rules, wrapped) == hermes_call("exec_command", {"cmd": "echo steptap-ran-codex-$((6*7))"})
-    assert choose(rules, "user\n<tool_response>\nsteptap-ran-codex-42\n</tool_response>") == \
+    chain = "steptap-next.claude-code.Bash.command.Read.file_path"
+    echoed = f"user\n<tool_response>\nCommand: echo {chain}.$((2-1))\n"
+    assert choose(rules, echoed + "</tool_response>") == f"The tool ran. Its output: Command: echo {chain}.$((2-1))"
+    assert choose(rules, echoed + f"{chain}.1\n</tool_response>") == hermes_call(
+        "Bash", {"command": f"echo {chain}.$((1-1))"})
+    wrapped = f'user\n<tool_response>\n{{"out": "{chain}.0"}}\n</tool_response>'
+    write = "echo steptap-ran-claude-code-$((6*7)) > steptap-claude-code.txt && " \
+        "echo steptap-read.Read.file_path.$PWD/steptap-claude-code.txt"
+    assert choose(rules, wrapped) == hermes_call("Bash", {"command": write})
+    wrote = f"user\n<tool_response>\nCommand: {write}\nsteptap-read.Read.file_path./w/steptap-claude-code.txt\n"
+    assert choose(rules, wrote + "</tool_response>") == hermes_call(
+        "Read", {"file_path": "/w/steptap-claude-code.txt"})
+    codex = "user\n<tool_response>\nOutput:\nsteptap-read.exec_command.cmd./w/steptap-codex.txt\n</tool_response>"
+    assert choose(rules, codex) == hermes_call("exec_command", {"cmd": "cat /w/steptap-codex.txt"})
+    assert choose(rules, "user\n<tool_response>\n     1\tsteptap-ran-codex-42\n</tool_response>") == \
         "The tool ran. Its output: steptap-ran-codex-42"
 
 
