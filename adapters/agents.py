@@ -21,7 +21,9 @@ from steptap.middleware.files import atomic_write, cache_root, secret_dir
 KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an environment variable
 PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
 # The CLI binary of each agent, as npm installs it (node_modules/.bin/NAME) and as it is called on PATH.
-BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi"}
+BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi",
+            "opencode": "opencode", "qwen-code": "qwen", "vibe": "vibe"}
+VENVS = {"vibe": "vibe"}  # the CLIs from PyPI: each in a venv of its own in the cache (venvs/NAME/bin/BINARY)
 AGENTS = tuple(BINARIES)
 CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
 # Claude Code's small-fast model (its title calls): a name of its own, a side alias of the session (the proxy
@@ -58,6 +60,8 @@ def node_bin_dir() -> Path:
 
 def cached_cli(agent: str) -> Path:
     """The CLI's binary in the cache (it may not exist)."""
+    if agent in VENVS:
+        return agents_dir() / "venvs" / VENVS[agent] / "bin" / BINARIES[agent]
     return agents_dir() / "clis" / "node_modules" / ".bin" / BINARIES[agent]
 
 
@@ -88,8 +92,8 @@ def under_temp(path: Path) -> bool:
 
 
 def new_agent_home(root: Path | None = None) -> Path:
-    """A fresh private (0700) directory for one run's agent settings and state, which the caller removes: under
-    ``root`` (default ``$STEPTAP_AGENT_HOMES``, else the user's cache), never in the temp directory. Codex >=
+    """A fresh private (0700) directory for one run's agent settings and state, which the caller removes:
+    under ``root`` (default ``$STEPTAP_AGENT_HOMES``, else the user's cache), never in the temp directory. Codex >=
     0.169 refuses to create its sandbox helpers (``codex-linux-sandbox``) under the temp directory, and every
     sandboxed shell command then fails (``bwrap: execvp codex-linux-sandbox``): AgentError there. ``steptap
     run`` and the task runner both take their agent homes from here."""
@@ -132,6 +136,12 @@ def prepare(
         _openclaw(launch, base, api_key, model, home)
     elif agent == "pi":
         _pi(launch, base, api_key, model, home)
+    elif agent == "opencode":
+        _opencode(launch, base, api_key, model, home)
+    elif agent == "qwen-code":
+        _qwen_code(launch, base, api_key, model, home)
+    elif agent == "vibe":
+        _vibe(launch, base, api_key, model, home)
     else:
         raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
     return launch
@@ -224,3 +234,67 @@ def _pi(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) ->
         PI_TELEMETRY="0",
         **{KEY_ENV: api_key},
     )
+
+
+def _opencode(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # opencode's own config file (OPENCODE_CONFIG) and its data, state, cache and config dirs (XDG_*) private;
+    # its title calls use the same provider and model (no small_model of its own): the proxy tells them apart
+    # (a tool-less first call superseded by the agent loop, sessions/classify.py)
+    root = _private_dir(home / "opencode")
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {PROVIDER: {
+            "npm": "@ai-sdk/openai-compatible", "name": PROVIDER,
+            "options": {"baseURL": base, "apiKey": f"{{env:{KEY_ENV}}}"},
+            "models": {model: {"name": model, "limit": {"context": CONTEXT_WINDOW, "output": MAX_TOKENS}}},
+        }},
+        "model": f"{PROVIDER}/{model}",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    _write(root / "opencode.json", json.dumps(config, indent=2) + "\n", launch.files)
+    launch.env.update(
+        OPENCODE_CONFIG=str(root / "opencode.json"),
+        **{f"XDG_{d.upper()}_HOME": str(_private_dir(root / d))
+           for d in ("config", "data", "state", "cache")},
+        **{KEY_ENV: api_key},
+    )
+
+
+def _qwen_code(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # Qwen Code reads ~/.qwen (no variable moves it): HOME is a private dir holding .qwen/settings.json; the
+    # OpenAI provider from its own variables
+    root = _private_dir(home / "qwen")
+    settings = {"security": {"auth": {"selectedType": "openai"}}, "model": {"name": model},
+                "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+                "general": {"disableAutoUpdate": True}}
+    qwen_dir = _private_dir(root / ".qwen")
+    _write(qwen_dir / "settings.json", json.dumps(settings, indent=2) + "\n", launch.files)
+    launch.env.update(HOME=str(root), OPENAI_BASE_URL=base, OPENAI_API_KEY=api_key, OPENAI_MODEL=model)
+
+
+def _vibe(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # Mistral Vibe's home (VIBE_HOME, instead of ~/.vibe): a generic (OpenAI chat) provider and the model
+    root = _private_dir(home / "vibe")
+    config = "\n".join([
+        'active_model = "steptap"',
+        "enable_telemetry = false",
+        "enable_update_checks = false",
+        "enable_auto_update = false",
+        "",
+        "[[providers]]",
+        f'name = "{PROVIDER}"',
+        f"api_base = {_toml_string(base)}",
+        f'api_key_env_var = "{KEY_ENV}"',
+        'backend = "generic"',
+        "",
+        "[[models]]",
+        f"name = {_toml_string(model)}",
+        f'provider = "{PROVIDER}"',
+        'alias = "steptap"',
+        "temperature = 1.0",
+        f"max_context_length = {CONTEXT_WINDOW}",
+        "",
+    ])
+    _write(root / "config.toml", config, launch.files)
+    launch.env.update(VIBE_HOME=str(root), **{KEY_ENV: api_key})

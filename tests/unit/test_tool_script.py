@@ -85,17 +85,20 @@ def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Pa
     rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
     chain = "steptap-next.claude-code.Bash.command.Read.file_path"
     echoed = f"user\n<tool_response>\nCommand: echo {chain}.$((2-1))\n"
-    assert choose(rules, echoed + "</tool_response>") == f"The tool ran. Its output: Command: echo {chain}.$((2-1))"
+    ran = f"The tool ran. Its output: Command: echo {chain}.$((2-1))"
+    assert choose(rules, echoed + "</tool_response>") == ran
     assert choose(rules, echoed + f"{chain}.1\n</tool_response>") == hermes_call(
         "Bash", {"command": f"echo {chain}.$((1-1))"})
     wrapped = f'user\n<tool_response>\n{{"out": "{chain}.0"}}\n</tool_response>'
     write = "echo steptap-ran-claude-code-$((6*7)) > steptap-claude-code.txt && " \
         "echo steptap-read.Read.file_path.$PWD/steptap-claude-code.txt"
     assert choose(rules, wrapped) == hermes_call("Bash", {"command": write})
-    wrote = f"user\n<tool_response>\nCommand: {write}\nsteptap-read.Read.file_path./w/steptap-claude-code.txt\n"
+    wrote = f"user\n<tool_response>\nCommand: {write}\n" \
+        "steptap-read.Read.file_path./w/steptap-claude-code.txt\n"
     assert choose(rules, wrote + "</tool_response>") == hermes_call(
         "Read", {"file_path": "/w/steptap-claude-code.txt"})
-    codex = "user\n<tool_response>\nOutput:\nsteptap-read.exec_command.cmd./w/steptap-codex.txt\n</tool_response>"
+    codex = "user\n<tool_response>\nOutput:\nsteptap-read.exec_command.cmd./w/steptap-codex.txt\n" \
+        "</tool_response>"
     assert choose(rules, codex) == hermes_call("exec_command", {"cmd": "cat /w/steptap-codex.txt"})
     assert choose(rules, "user\n<tool_response>\n     1\tsteptap-ran-codex-42\n</tool_response>") == \
         "The tool ran. Its output: steptap-ran-codex-42"
