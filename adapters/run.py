@@ -13,11 +13,12 @@ is untrusted. When it exits, the session is finished with a reward from
   ``.<index>`` appended).
 
 No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0: ``finished`` without reward.
-``--agent NAME`` (``agents.AGENTS``: claude-code, codex, openclaw, pi, opencode, qwen-code, vibe) runs that CLI (from PATH or the cache scripts/install_agents.sh
-fills) with its provider settings written for the session into a private directory (adapters/agents.py); the
-arguments after ``--`` go to the CLI. ``-n K`` runs K members of one group (``group_size=K``), at most
-``--concurrency`` at once, their output lines prefixed with ``[i]``. Ctrl-C (or SIGTERM) kills the children's
-process groups and aborts their sessions. The members themselves are ``runner.py``.
+``--agent NAME`` (``agents.AGENTS``: claude-code, codex, openclaw, pi, opencode, qwen-code, vibe) runs that
+CLI (from PATH or the cache scripts/install_agents.sh fills) with its provider settings written for the
+session into a private directory (adapters/agents.py); the arguments after ``--`` go to the CLI. ``-n K`` runs
+K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines prefixed with
+``[i]``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
+themselves are ``runner.py``.
 """
 
 from __future__ import annotations
