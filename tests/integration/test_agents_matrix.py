@@ -399,3 +399,42 @@ def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: 
     assert out.returncode == 2, out.stderr
     assert "pi (pi) is neither on PATH nor in" in out.stderr and "install_agents.sh" in out.stderr
     assert "Traceback" not in out.stderr and "session" not in out.stderr
+
+
+def test_codex_calls_its_goal_tool_mid_session_and_completes(long_proxy: Any, long_vllm: Any, agent_cli: Any,
+                                                             tmp_path: Path) -> None:
+    """Codex (its default `exec`: a persistent thread) offers `create_goal`; the model calls it after a shell
+    call, and Codex's next request carries the goal's objective as a `function_call_output` with no `call_id`
+    (`name: goal_objective`, `namespace: agent`). Before, the proxy answered 400 and Codex exited 1
+    (`turn.failed`); now it goes to the model as a tool's output (docs/protocols.md), the session stays one
+    token sequence, and Codex answers and exits 0."""
+    from transformers import AutoTokenizer
+
+    work = tmp_path / "codex-goal"
+    work.mkdir()
+    first = {"name": "exec_command", "arguments": {"cmd": "echo steptap-goal.finish"}}
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
+           "PATH": f"{agent_cli('codex').parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent", "codex",
+         "--", "exec", "--skip-git-repo-check", "--json", f"Run it. STEPTAP_CALL {json.dumps(first)}"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL,
+        check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e.get("type") in ("error", "turn.failed")], events
+    found = re.search(r"steptap run: session (\S+) exit 0 -> finished", out.stderr)
+    assert found, out.stderr[-3000:]
+    steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
+    assert [(s.status, s.call_class, s.prefix) for s in steps] == [
+        ("ok", "main", "first"), ("ok", "main", "extends"), ("ok", "main", "extends")]
+    assert [c["function"]["name"] for s in steps[:2] for c in s.response["tool_calls"]] == [
+        "exec_command", "create_goal"]
+    (item,) = [i for i in steps[2].request["input"]
+               if i.get("type") == "function_call_output" and "call_id" not in i]
+    assert (item["name"], item["namespace"], item["output"]) == ("goal_objective", "agent", "Reach finish.")
+    tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
+    # the model was shown the objective as a tool's output, after create_goal's own
+    assert "<tool_response>\nReach finish.\n</tool_response>" in tok.decode(steps[2].prompt_token_ids)
+    printed = printed_text("codex", out.stdout)
+    assert printed.startswith("The tool ran. Its output: {") and '"objective":"Reach finish."' in printed

@@ -51,6 +51,10 @@ DEFAULT_RULES = [
      '<tool_call>\n{"name": "exec_command", "arguments": {"\\1": "cat \\2"}}\n</tool_call>'),
     (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.(/[\w./-]+)",
      '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
+    # Codex's goal tool mid-session: an output `steptap-goal.WORD` asks for `create_goal` (its objective: reach
+    # WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)
+    (r"<tool_response>[\s\S]*?steptap-goal\.(\w+)",
+     '<tool_call>\n{"name": "create_goal", "arguments": {"objective": "Reach \\1."}}\n</tool_call>'),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     # a reply with a special token mid-text (the end-of-text token, not the end of the turn): what a client
     # is shown of it (tests/integration/test_special_tokens.py)
