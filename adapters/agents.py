@@ -245,7 +245,9 @@ def _opencode(launch: AgentLaunch, base: str, api_key: str, model: str, home: Pa
         "$schema": "https://opencode.ai/config.json",
         "provider": {PROVIDER: {
             "npm": "@ai-sdk/openai-compatible", "name": PROVIDER,
-            "options": {"baseURL": base, "apiKey": f"{{env:{KEY_ENV}}}"},
+            # no request timeout (its default, 300 s, is shorter than a CPU backend's prefill of its ~15k-token
+            # first prompt under load: measured, the call was cut and sent again)
+            "options": {"baseURL": base, "apiKey": f"{{env:{KEY_ENV}}}", "timeout": False},
             "models": {model: {"name": model, "limit": {"context": CONTEXT_WINDOW, "output": MAX_TOKENS}}},
         }},
         "model": f"{PROVIDER}/{model}",
@@ -270,7 +272,10 @@ def _qwen_code(launch: AgentLaunch, base: str, api_key: str, model: str, home: P
                 "general": {"disableAutoUpdate": True}}
     qwen_dir = _private_dir(root / ".qwen")
     _write(qwen_dir / "settings.json", json.dumps(settings, indent=2) + "\n", launch.files)
-    launch.env.update(HOME=str(root), OPENAI_BASE_URL=base, OPENAI_API_KEY=api_key, OPENAI_MODEL=model)
+    # QWEN_CODE_API_TIMEOUT_MS: an hour, not its default (its ~37k-token first prompt took a CPU backend under
+    # load past it: measured, the call was cut and sent again)
+    launch.env.update(HOME=str(root), OPENAI_BASE_URL=base, OPENAI_API_KEY=api_key, OPENAI_MODEL=model,
+                      QWEN_CODE_API_TIMEOUT_MS=str(3600 * 1000))
 
 
 def _vibe(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:

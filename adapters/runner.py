@@ -193,6 +193,7 @@ class Runner:
         # the agent never holds the control token
         env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
         env.update(
+            PWD=os.getcwd(),  # where it runs: opencode works in $PWD, which a launcher may have left stale
             OPENAI_BASE_URL=info.base_url,
             OPENAI_API_BASE=info.base_url,  # older clients read this name
             OPENAI_API_KEY=info.api_key,

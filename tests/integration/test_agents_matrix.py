@@ -52,7 +52,9 @@ TOOLS = {"claude-code": ("Bash", "command", "Read", "file_path"),
          "qwen-code": ("run_shell_command", "command", "read_file", "file_path"),
          "vibe": ("bash", "command", "read_file", "path"),
          "openai-agents": ("run_shell", "command", "read_file", "path")}
-CLIS = [a for a in TOOLS if a != "openai-agents"]
+# STEPTAP_TEST_MATRIX_ONLY=a,b: by hand, run those agents only (never set in CI: the matrix is every agent)
+ONLY = [a for a in os.environ.get("STEPTAP_TEST_MATRIX_ONLY", "").split(",") if a]
+CLIS = [a for a in TOOLS if a != "openai-agents" and (not ONLY or a in ONLY)]
 # Whether each call's prompt extends the one before + its reply token for token, per agent (measured).
 # OpenClaw's is not: it sends an internal-context user message last in every request, so the next request
 # moves it after the new turns (an edit that keeps the history: classified main, rule `edited`).
@@ -122,8 +124,8 @@ def cli_args(agent: str, work: Path) -> list[str]:
         return ["exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json", text]
     if agent == "openclaw":
         return ["agent", "exec", "--json", text]
-    if agent == "opencode":
-        return ["run", "--format", "json", text]
+    if agent == "opencode":  # `run` quotes an argument holding spaces: the task's words as they are
+        return ["run", "--format", "json", *text.split(" ")]
     if agent == "qwen-code":  # headless, a shell command needs the yolo approval mode (no sandbox by default)
         return ["-p", text, "--approval-mode", "yolo", "--output-format", "json"]
     if agent == "vibe":
@@ -307,11 +309,13 @@ async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer
 ) -> None:
     from transformers import AutoTokenizer
 
+    assert not (ONLY and os.environ.get("CI")), "STEPTAP_TEST_MATRIX_ONLY is for runs by hand"
     clis = {agent: agent_cli(agent) for agent in CLIS}
     started = time.monotonic()
+    python_agent = [run_python_agent(long_proxy, tmp_path / "openai-agents")] if not ONLY or \
+        "openai-agents" in ONLY else []
     results = await asyncio.gather(
-        *(run_cli(agent, long_proxy, cli, tmp_path / agent) for agent, cli in clis.items()),
-        run_python_agent(long_proxy, tmp_path / "openai-agents"))
+        *(run_cli(agent, long_proxy, cli, tmp_path / agent) for agent, cli in clis.items()), *python_agent)
     wall = time.monotonic() - started
     tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
     client = SyncSteptapClient(long_proxy.url, long_proxy.token)
@@ -326,6 +330,9 @@ async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer
                                                          long_vllm.model_dir, tok, tmp_path / agent),
                          **linear_space(agent, traj.steps, await logged(long_proxy.log_dir, traj.id))}
         protocol_checks(agent, traj.steps, stdout, long_proxy)
+    if not python_agent:
+        print(f"agent matrix ({', '.join(clis)} only): {round(wall)} s wall, side by side: {report}")
+        return
     sid, final, took = results[-1]
     traj = client.get_session(sid)
     checked = check_steps("openai-agents", traj, final, long_vllm.model_dir, tok, tmp_path / "openai-agents")

@@ -137,7 +137,7 @@ def test_opencode_gets_its_own_config_file_and_private_xdg_dirs(tmp_path: Path) 
     config = json.loads(Path(launch.env["OPENCODE_CONFIG"]).read_text())
     assert config["provider"] == {"steptap": {
         "npm": "@ai-sdk/openai-compatible", "name": "steptap",
-        "options": {"baseURL": BASE, "apiKey": "{env:STEPTAP_API_KEY}"},
+        "options": {"baseURL": BASE, "apiKey": "{env:STEPTAP_API_KEY}", "timeout": False},
         "models": {MODEL: {"name": MODEL, "limit": {"context": 65536, "output": 4096}}}}}
     assert config["model"] == f"steptap/{MODEL}" and config["autoupdate"] is False
     for d in ("CONFIG", "DATA", "STATE", "CACHE"):  # its sessions and caches never reach the user's own
@@ -157,6 +157,7 @@ def test_qwen_code_gets_a_private_home_and_the_openai_variables(tmp_path: Path) 
     assert settings["telemetry"] == {"enabled": False}
     assert {k: launch.env[k] for k in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL")} == {
         "OPENAI_BASE_URL": BASE, "OPENAI_API_KEY": KEY, "OPENAI_MODEL": MODEL}
+    assert launch.env["QWEN_CODE_API_TIMEOUT_MS"] == "3600000"
     _private(launch, tmp_path / "home")
 
 
