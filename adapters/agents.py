@@ -1,4 +1,5 @@
-"""``steptap run --agent NAME``: the provider settings of the common agent CLIs, written for one session.
+"""``steptap run --agent NAME``: the provider settings of the common agent CLIs (Claude Code, Codex, OpenClaw,
+pi, Gemini CLI), written for one session.
 
 Each CLI gets its settings in a private (0700) directory of its own, named by the CLI's own environment
 variable (so the user's real config is never read or changed), and the session's key only in the environment
@@ -20,7 +21,9 @@ from steptap.middleware.files import atomic_write, cache_root
 KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an environment variable
 PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
 # The CLI binary of each agent, as npm installs it (node_modules/.bin/NAME) and as it is called on PATH.
-BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi"}
+BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi", "gemini": "gemini"}
+# The cache's folder of each CLI (scripts/install_agents.sh): Gemini CLI has one of its own
+CACHE_FOLDERS = {"gemini": "gemini"}
 AGENTS = tuple(BINARIES)
 CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
 # Claude Code's small-fast model (its title calls): a name of its own, a side alias of the session (the proxy
@@ -57,7 +60,7 @@ def node_bin_dir() -> Path:
 
 def cached_cli(agent: str) -> Path:
     """The CLI's binary in the cache (it may not exist)."""
-    return agents_dir() / "clis" / "node_modules" / ".bin" / BINARIES[agent]
+    return agents_dir() / CACHE_FOLDERS.get(agent, "clis") / "node_modules" / ".bin" / BINARIES[agent]
 
 
 def find_cli(agent: str, path: str | None = None) -> Path:
@@ -108,6 +111,8 @@ def prepare(
         _openclaw(launch, base, api_key, model, home)
     elif agent == "pi":
         _pi(launch, base, api_key, model, home)
+    elif agent == "gemini":
+        _gemini(launch, base, api_key, model, home)
     else:
         raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
     return launch
@@ -199,4 +204,32 @@ def _pi(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) ->
         PI_SKIP_VERSION_CHECK="1",
         PI_TELEMETRY="0",
         **{KEY_ENV: api_key},
+    )
+
+
+def gemini_settings(model: str) -> dict:
+    """Gemini CLI's user settings: its Gemini API key auth on the base URL the environment names (the
+    ``gateway`` type that ``GOOGLE_GEMINI_BASE_URL`` selects by itself fails 0.61's own check), the session's
+    model, and no usage statistics, telemetry or update checks."""
+    return {
+        "security": {"auth": {"selectedType": "gemini-api-key"}},
+        "model": {"name": model},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    }
+
+
+def _gemini(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # Google's SDK appends /v1beta/models/MODEL:METHOD itself: the base is the session's root, without /v1.
+    # GEMINI_CLI_HOME holds the .gemini folder (settings, history) in place of ~/.gemini.
+    root = _private_dir(home / "gemini")
+    settings = json.dumps(gemini_settings(model), indent=2) + "\n"
+    _write(_private_dir(root / ".gemini") / "settings.json", settings, launch.files)
+    launch.env.update(
+        GEMINI_CLI_HOME=str(root),
+        GOOGLE_GEMINI_BASE_URL=base.removesuffix("/v1"),
+        GEMINI_API_KEY=api_key,  # sent as x-goog-api-key
+        GEMINI_MODEL=model,
+        GEMINI_TELEMETRY_ENABLED="false",
     )

@@ -9,7 +9,8 @@ The test gives the CLI a task holding the trigger; the CLI sends nothing special
 
 ``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
 tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
-the answer ``The tool ran. Its output: <its first line>`` and the turn ends; a tool response holding a
+the answer ``The tool ran. Its output: <its first line>`` and the turn ends (a chain's and a read-back's
+markers excepted, below); a tool response holding a
 ``steptap-ran-...`` word anywhere answers with that word instead (the CLIs wrap a command's output
 differently; a test echoes ``steptap-ran-$((6*7))`` so the answer holds ``steptap-ran-42`` only if the command
 ran).
@@ -36,6 +37,11 @@ DEFAULT_RULES = [
     # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
+    # A read-back: a command's output `steptap-read.TOOL.ARG.PATH` asks for the CLI's own file tool TOOL on
+    # PATH (its argument ARG); what the file holds (a chain's next step, below) moves the session on only if
+    # the tool read it
+    (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.([\w./-]*\w)",
+     '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
     # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.N` asks for the next
     # call, which prints N - 1 (by the shell's arithmetic: only a command that ran moves the chain on); at 0,
     # the call that prints the `steptap-ran-AGENT-42` marker
