@@ -350,3 +350,82 @@ def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: 
     assert out.returncode == 2, out.stderr
     assert "pi (pi) is neither on PATH nor in" in out.stderr and "install_agents.sh" in out.stderr
     assert "Traceback" not in out.stderr and "session" not in out.stderr
+
+
+# --- Gemini CLI (Gemini API): a file written with its shell tool, read back with its own file tool ----------
+
+GEMINI_HOPS = 3  # the chain after the read-back: each hop's trigger comes from the one before
+
+
+def gemini_calls() -> list[dict[str, Any]]:
+    """Its shell tool writes a file holding the chain's first trigger and prints the read-back marker
+    (tool_script.DEFAULT_RULES); its read_file tool reads the file, whose trigger moves the chain on; the
+    last hop prints the marker the answer quotes."""
+    shell = "run_shell_command"
+    write = (f"echo steptap-next.gemini.{shell}.command.$(({GEMINI_HOPS})) > note.txt && "
+             "echo steptap-read.read_file.file_path.no''te.txt")  # the marker only if the shell ran it
+    hops = [f"echo steptap-next.gemini.{shell}.command.$(({k}-1))" for k in range(GEMINI_HOPS, 0, -1)]
+    return [{"name": shell, "arguments": {"command": write}},
+            {"name": "read_file", "arguments": {"file_path": "note.txt"}},
+            *({"name": shell, "arguments": {"command": c}}
+              for c in [*hops, "echo steptap-ran-gemini-$((6*7))"])]
+
+
+async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
+    long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
+) -> None:
+    """Gemini CLI, pinned and unchanged (headless, ``--approval-mode yolo``: its default policy asks before a
+    shell command, which headless mode cannot), through `steptap run --agent gemini`: every step exact and
+    main, one token sequence, each extending step logged as what is new."""
+    from transformers import AutoTokenizer
+
+    from steptap.middleware.records import msgpack_encoder
+
+    cli, work = agent_cli("gemini"), tmp_path / "work"
+    work.mkdir()
+    expected = gemini_calls()
+    task = f"Write the note, read it back, then tell me what it says. STEPTAP_CALL {json.dumps(expected[0])}"
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
+           "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent",
+         "gemini", "--", "--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p", task],
+        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S,
+        check=False)
+    assert out.returncode == 0, f"{out.stdout[-2000:]} {out.stderr[-3000:]}"
+    found = re.search(r"steptap run: session (\S+) exit 0 -> finished (\d+) steps", out.stderr)
+    assert found, out.stderr[-3000:]
+    assert answer("gemini") in json.loads(out.stdout)["response"]
+    assert (work / "note.txt").read_text() == f"steptap-next.gemini.run_shell_command.command.{GEMINI_HOPS}\n"
+    steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
+    assert all(s.status == "ok" and s.endpoint == "gemini" for s in steps), [(s.error, s.notes)
+                                                                              for s in steps]
+    classes = [(s.call_class, s.call_rule) for s in steps]
+    assert classes == [("main", "first")] + [("main", "extends")] * len(expected), classes
+    tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
+    chain = "steptap-next.gemini.run_shell_command.command"
+    outputs = ["steptap-read.read_file.file_path.note.txt", f"{chain}.{GEMINI_HOPS}",
+               *(f"{chain}.{k - 1}" for k in range(GEMINI_HOPS, 0, -1)), marker("gemini")]
+    for step, call_, after, output in zip(steps, expected, steps[1:], outputs, strict=True):
+        assert tok.decode(step.response_token_ids, skip_special_tokens=True) == (
+            f"<tool_call>\n{json.dumps(call_)}\n</tool_call>")
+        assert output in tok.decode(after.prompt_token_ids)  # the tool ran and its output went back
+        assert output not in tok.decode(step.prompt_token_ids)
+    assert tok.decode(steps[-1].response_token_ids, skip_special_tokens=True) == answer("gemini")
+    refs = reference_logprobs_of(long_vllm.model_dir,
+                                 [(s.prompt_token_ids, s.response_token_ids) for s in steps])
+    worst = 0.0
+    for step, ref in zip(steps, refs, strict=True):
+        worst = max(worst, max(abs(a - b) for a, b in zip(step.response_logprobs, ref, strict=True)))
+        assert step.response_logprobs == pytest.approx(ref, abs=1e-4), step.index
+    for a, b in zip(steps, steps[1:], strict=False):  # one token sequence
+        assert b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)] == (
+            a.prompt_token_ids + a.response_token_ids), b.index
+    records = await logged(long_proxy.log_dir, found.group(1))
+    size = [len(msgpack_encoder.encode(r)) for r in records]
+    assert records[0].delta is None and all(r.delta.kind == "extends" for r in records[1:]), size
+    hops = size[3:-1]  # the chained calls each add the same: the log grows by what is new, flat
+    whole = [len(msgpack_encoder.encode(s)) for s in steps[1:]]
+    assert max(hops) - min(hops) < 100 and max(size[1:]) < min(whole), (size, whole)
+    print(f"gemini: {len(steps)} steps, prompt {[len(s.prompt_token_ids) for s in steps]}, logged {size}, "
+          f"max logprob error {worst:.1e}")
