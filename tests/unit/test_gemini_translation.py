@@ -229,3 +229,17 @@ def test_paths_errors_and_the_models_list() -> None:
     assert not gemini.is_gemini_client({"Authorization": "Bearer k"}, {})
     assert json_schema({"type": "ARRAY", "items": {"type": "NUMBER"}, "max_items": 3}) == {
         "type": "array", "items": {"type": "number"}, "maxItems": 3}
+
+
+def test_the_session_key_as_google_s_sdks_send_it() -> None:
+    from types import SimpleNamespace
+
+    from steptap.middleware.sessions.identity import Identity, identify
+
+    def req(headers: dict[str, str], query: dict[str, str], path_id: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(match_info={"agent_session": path_id} if path_id else {}, headers=headers,
+                               query=query)
+
+    assert identify(req({"x-goog-api-key": "stk-a"}, {})) == Identity("key", key="stk-a")
+    assert identify(req({}, {"key": "stk-b"}, "s1")) == Identity("path", session_id="s1", key="stk-b")
+    assert identify(req({"x-goog-api-key": "AIza-not-ours"}, {})) == Identity("anonymous")
