@@ -44,9 +44,16 @@ class AgentLaunch:
     files: list[Path] = field(default_factory=list)  # the settings written, for the user and the tests
 
 
+# Gemini CLI's utility calls (web search and fetch, loop detection, summaries, compression, its classifier)
+# name Google's models, as its 0.61 model table resolves them: side aliases of the session
+GEMINI_SIDE_MODELS = ("gemini-3-flash-preview", "gemini-3.1-flash-lite", "gemini-3.5-flash-lite",
+                      "gemini-3.5-flash", "gemini-3.8-flash", "gemini-3-flash", "gemini-2.5-flash",
+                      "gemini-2.5-flash-lite")
+
+
 def side_models(agent: str | None) -> list[str]:
     """The model names ``agent``'s side calls use: the side aliases of the session ``steptap run`` opens."""
-    return [SMALL_FAST] if agent == "claude-code" else []
+    return [SMALL_FAST] if agent == "claude-code" else list(GEMINI_SIDE_MODELS) if agent == "gemini" else []
 
 
 def agents_dir() -> Path:

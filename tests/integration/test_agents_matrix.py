@@ -376,7 +376,7 @@ async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
 ) -> None:
     """Gemini CLI, pinned and unchanged (headless, ``--approval-mode yolo``: its default policy asks before a
     shell command, which headless mode cannot), through `steptap run --agent gemini`: every step exact and
-    main, one token sequence, each extending step logged as what is new."""
+    main, one token sequence, each extending step logged as what is new; then its web search, a side call."""
     from transformers import AutoTokenizer
 
     from steptap.middleware.records import msgpack_encoder
@@ -429,3 +429,23 @@ async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
     assert max(hops) - min(hops) < 100 and max(size[1:]) < min(whole), (size, whole)
     print(f"gemini: {len(steps)} steps, prompt {[len(s.prompt_token_ids) for s in steps]}, logged {size}, "
           f"max logprob error {worst:.1e}")
+
+    # its web search tool is a utility call of its own (gemini-3-flash-preview, Google's hosted search tool):
+    # a side call by the session's side alias, the search dropped and noted, the main line unbroken
+    search = {"name": "google_web_search", "arguments": {"query": "steptap"}}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent",
+         "gemini", "--", "--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p",
+         f"Search the web. STEPTAP_CALL {json.dumps(search)}"],
+        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S,
+        check=False)
+    assert out.returncode == 0, f"{out.stdout[-2000:]} {out.stderr[-3000:]}"
+    assert json.loads(out.stdout)["response"].startswith("The tool ran. Its output: ")
+    found = re.search(r"steptap run: session (\S+) exit 0", out.stderr)
+    assert found, out.stderr[-3000:]
+    steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
+    assert [(s.call_class, s.call_rule, s.model) for s in steps] == [
+        ("main", "first", long_vllm.served_model), ("side", "side_model", "gemini-3-flash-preview"),
+        ("main", "extends", long_vllm.served_model)], [(s.call_class, s.call_rule, s.model) for s in steps]
+    assert "tools[0].googleSearch: a tool Google's servers run: the backend cannot, so the model is not " \
+           "offered it" in steps[1].notes
