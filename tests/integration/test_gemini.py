@@ -15,7 +15,15 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Backend, Proxy
-from test_protocols import CHAT_TOOLS, FORCE_CALL, assert_exact, direct_chat, open_session, steps_of
+from test_protocols import (
+    CHAT_TOOLS,
+    FORCE_ANSWER_CHAT,
+    FORCE_CALL,
+    assert_exact,
+    direct_chat,
+    open_session,
+    steps_of,
+)
 
 from steptap.middleware.metrics import METRICS_KEY
 
@@ -57,7 +65,7 @@ async def test_function_call_round_trip_is_exact_and_count_tokens_is_its_prompt(
 ) -> None:
     base = f"{proxy.url}/s/gem"
     contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": "What is 2 + 3?"}]}]
-    config = {"temperature": 0, "maxOutputTokens": 40}
+    config = {"temperature": 0, "maxOutputTokens": 60}
     first_body = {"contents": contents, "systemInstruction": SYSTEM, "tools": TOOLS,
                   "generationConfig": config, **FORCE_CALL}
     status, first = await generate(http, base, first_body, stream)
@@ -111,10 +119,10 @@ async def test_a_tito_session_replayed_as_gemini_cli_replays_it_is_one_sequence(
     base = info["base_url"].removesuffix("/v1")
     headers = {**HEADERS, "x-goog-api-key": info["api_key"]}
     contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": "What is 2 + 3?"}]}]
-    for turn in range(3):
+    for turn in range(3):  # a call, an answer (forced: one cut by maxOutputTokens would end no turn), free
         body = {"contents": contents, "tools": TOOLS,
-                "generationConfig": {"temperature": 0, "maxOutputTokens": 40 if turn == 0 else 5},
-                **(FORCE_CALL if turn == 0 else {})}
+                "generationConfig": {"temperature": 0, "maxOutputTokens": 60 if turn == 0 else 5},
+                **({0: FORCE_CALL, 1: FORCE_ANSWER_CHAT}.get(turn, {}))}
         status, reply = await generate(http, base, body, True, headers)
         assert status == 200, reply
         parts = reply["candidates"][0]["content"]["parts"]
