@@ -9,6 +9,7 @@ reply side and the errors: ``gemini.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -22,9 +23,6 @@ from steptap.middleware.proxy.translation import bad as _bad
 SYNTHETIC_SIGNATURE = "skip_thought_signature_validator"
 GENERATE, STREAM, COUNT = "generateContent", "streamGenerateContent", "countTokens"  # the path's methods
 _SNAKE = re.compile(r"(?<!^)(?=[A-Z])")
-_PART_DATA = ("text", "inlineData", "fileData", "functionCall", "functionResponse", "executableCode",
-              "codeExecutionResult")
-_PART_META = {"thought", "thoughtSignature", "videoMetadata"}
 
 
 def split_call(call: str) -> tuple[str, str]:
@@ -36,6 +34,7 @@ def split_call(call: str) -> tuple[str, str]:
     return model.removeprefix("models/"), method
 
 
+@functools.lru_cache(maxsize=256)  # only ever given this package's field names
 def snake(name: str) -> str:
     """``systemInstruction`` -> ``system_instruction``."""
     return _SNAKE.sub("_", name).lower()
@@ -48,10 +47,19 @@ def get(value: dict[str, Any], name: str) -> Any:
     return value.get(snake(name))
 
 
-def unknown(value: dict[str, Any], names: set[str] | tuple[str, ...]) -> list[str]:
-    """The keys of ``value`` not among ``names`` (under either spelling)."""
-    both = {*names, *(snake(n) for n in names)}
+def spellings(*names: str) -> frozenset[str]:
+    """``names`` under both spellings."""
+    return frozenset({*names, *(snake(n) for n in names)})
+
+
+def unknown(value: dict[str, Any], names: frozenset[str] | tuple[str, ...]) -> list[str]:
+    """The keys of ``value`` not among ``names`` (a ``spellings`` set, or names taken under both)."""
+    both = names if isinstance(names, frozenset) else spellings(*names)
     return [k for k in value if k not in both]
+
+
+_PART_KEYS = spellings("text", "inlineData", "fileData", "functionCall", "functionResponse", "executableCode",
+                       "codeExecutionResult", "thought", "thoughtSignature", "videoMetadata")
 
 
 class Translation:
@@ -124,7 +132,7 @@ def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _extra_keys(part: dict[str, Any], where: str, tr: Translation) -> None:
-    for key in unknown(part, (*_PART_DATA, *_PART_META)):
+    for key in unknown(part, _PART_KEYS):
         tr.note(f"{where}.{key}", "parts:other", "not honoured by this proxy")
 
 
