@@ -354,21 +354,21 @@ def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: 
 
 # --- Gemini CLI (Gemini API): a file written with its shell tool, read back with its own file tool ----------
 
-GEMINI_HOPS = 3  # the chain after the read-back: each hop's trigger comes from the one before
+GEMINI_READS = 4  # files read back in a chain: each holds the next one's name
 
 
 def gemini_calls() -> list[dict[str, Any]]:
-    """Its shell tool writes a file holding the chain's first trigger and prints the read-back marker
-    (tool_script.DEFAULT_RULES); its read_file tool reads the file, whose trigger moves the chain on; the
-    last hop prints the marker the answer quotes."""
-    shell = "run_shell_command"
-    write = (f"echo steptap-next.gemini.{shell}.command.$(({GEMINI_HOPS})) > note.txt && "
-             "echo steptap-read.read_file.file_path.no''te.txt")  # the marker only if the shell ran it
-    hops = [f"echo steptap-next.gemini.{shell}.command.$(({k}-1))" for k in range(GEMINI_HOPS, 0, -1)]
-    return [{"name": shell, "arguments": {"command": write}},
-            {"name": "read_file", "arguments": {"file_path": "note.txt"}},
-            *({"name": shell, "arguments": {"command": c}}
-              for c in [*hops, "echo steptap-ran-gemini-$((6*7))"])]
+    """Its shell tool writes ``GEMINI_READS`` files, each naming the next in a read-back marker
+    (tool_script.DEFAULT_RULES), the last the marker the answer quotes, and prints the first one's marker; its
+    read_file tool then reads them one by one. No ``$(( ))``: Gemini CLI refuses a command with ``$(...)``
+    ("Command injection detected"), so the numbers are printf's (a marker appears only if the shell ran)."""
+    files = [f"printf 'steptap-read.read_file.file_path.note%d.txt\\n' {k + 1} > note{k}.txt"
+             for k in range(1, GEMINI_READS)]
+    write = " && ".join([*files, f"printf 'steptap-ran-gemini-%d\\n' 42 > note{GEMINI_READS}.txt",
+                         "echo steptap-read.read_file.file_path.no''te1.txt"])
+    return [{"name": "run_shell_command", "arguments": {"command": write}},
+            *({"name": "read_file", "arguments": {"file_path": f"note{k}.txt"}}
+              for k in range(1, GEMINI_READS + 1))]
 
 
 async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
@@ -396,17 +396,16 @@ async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
     found = re.search(r"steptap run: session (\S+) exit 0 -> finished (\d+) steps", out.stderr)
     assert found, out.stderr[-3000:]
     assert answer("gemini") in json.loads(out.stdout)["response"]
-    assert (work / "note.txt").read_text() == f"steptap-next.gemini.run_shell_command.command.{GEMINI_HOPS}\n"
+    assert (work / "note1.txt").read_text() == "steptap-read.read_file.file_path.note2.txt\n"
     steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
     assert all(s.status == "ok" and s.endpoint == "gemini" for s in steps), [(s.error, s.notes)
                                                                               for s in steps]
     classes = [(s.call_class, s.call_rule) for s in steps]
     assert classes == [("main", "first")] + [("main", "extends")] * len(expected), classes
     tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
-    chain = "steptap-next.gemini.run_shell_command.command"
-    outputs = ["steptap-read.read_file.file_path.note.txt", f"{chain}.{GEMINI_HOPS}",
-               *(f"{chain}.{k - 1}" for k in range(GEMINI_HOPS, 0, -1)), marker("gemini")]
-    for step, call_, after, output in zip(steps, expected, steps[1:], outputs, strict=True):
+    outputs = [*(f"steptap-read.read_file.file_path.note{k}.txt" for k in range(1, GEMINI_READS + 1)),
+               marker("gemini")]
+    for step, call_, after, output in zip(steps[:-1], expected, steps[1:], outputs, strict=True):
         assert tok.decode(step.response_token_ids, skip_special_tokens=True) == (
             f"<tool_call>\n{json.dumps(call_)}\n</tool_call>")
         assert output in tok.decode(after.prompt_token_ids)  # the tool ran and its output went back
@@ -424,7 +423,7 @@ async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
     records = await logged(long_proxy.log_dir, found.group(1))
     size = [len(msgpack_encoder.encode(r)) for r in records]
     assert records[0].delta is None and all(r.delta.kind == "extends" for r in records[1:]), size
-    hops = size[3:-1]  # the chained calls each add the same: the log grows by what is new, flat
+    hops = size[2:-1]  # the chained reads each add the same: the log grows by what is new, flat
     whole = [len(msgpack_encoder.encode(s)) for s in steps[1:]]
     assert max(hops) - min(hops) < 100 and max(size[1:]) < min(whole), (size, whole)
     print(f"gemini: {len(steps)} steps, prompt {[len(s.prompt_token_ids) for s in steps]}, logged {size}, "
