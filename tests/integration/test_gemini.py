@@ -21,6 +21,7 @@ from test_protocols import (
     FORCE_CALL,
     assert_exact,
     direct_chat,
+    faulty,  # noqa: F401 - the fixture, by its name
     open_session,
     steps_of,
 )
@@ -191,3 +192,32 @@ async def test_routes_identity_and_errors_in_gemini_s_shape(
                      else "PERMISSION_DENIED", "")
     prom = await (await http.get(f"{proxy.url}/metrics")).text()
     assert 'steptap_dropped_fields_total{endpoint="gemini",field="safetySettings"} 2.0' in prom
+
+
+async def test_backend_faults_in_gemini_s_shape(faulty: tuple[Any, Proxy],  # noqa: F811 - the fixture
+                                               http: aiohttp.ClientSession) -> None:
+    """A backend's 500 and a stream cut mid-way (tests/faults.py): Gemini's error body, and once streaming,
+    what arrived relayed then the error object on a line of its own; both recorded as failed steps."""
+    from faults import MODEL
+
+    injector, proxy = faulty
+    base = f"{proxy.url}/s/f/v1beta/models/{MODEL}:"
+    body = {"contents": [{"parts": [{"text": "hi"}]}]}
+    injector.mode = "error500"
+    async with http.post(base + "generateContent", json=body) as resp:
+        assert resp.status == 502
+        err = await resp.json()
+    assert (err["error"]["code"], err["error"]["status"]) == (502, "UNAVAILABLE")
+    injector.mode = "cut"
+    async with http.post(base + "streamGenerateContent?alt=sse", json=body) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    *events, tail = raw.strip().split("\r\n\r\n")
+    assert events and all(e.startswith("data: ") and "candidates" in e for e in events), raw
+    assert json.loads(tail)["error"]["code"] == 502 and not tail.startswith("data:")
+    injector.mode = "ok"
+    async with http.post(base + "generateContent", json=body) as resp:
+        assert resp.status == 200
+    steps = steps_of(proxy, "auto:f")
+    assert [(s.endpoint, s.status) for s in steps] == [("gemini", "failed"), ("gemini", "failed"),
+                                                       ("gemini", "ok")]
