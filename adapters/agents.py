@@ -1,4 +1,5 @@
-"""``steptap run --agent NAME``: the provider settings of the common agent CLIs, written for one session.
+"""``steptap run --agent NAME``: the provider settings of the common agent CLIs (Claude Code, Codex, OpenClaw,
+pi, Gemini CLI, opencode, Qwen Code, Mistral Vibe), written for one session.
 
 Each CLI gets its settings in a private (0700) directory of its own, named by the CLI's own environment
 variable (so the user's real config is never read or changed), and the session's key only in the environment
@@ -22,7 +23,9 @@ KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an e
 PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
 # The CLI binary of each agent, as npm installs it (node_modules/.bin/NAME) and as it is called on PATH.
 BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi",
-            "opencode": "opencode", "qwen-code": "qwen", "vibe": "vibe"}
+            "gemini": "gemini", "opencode": "opencode", "qwen-code": "qwen", "vibe": "vibe"}
+# The cache's folder of each CLI (scripts/install_agents.sh): Gemini CLI has one of its own
+CACHE_FOLDERS = {"gemini": "gemini"}
 VENVS = {"vibe": "vibe"}  # the CLIs from PyPI: each in a venv of its own in the cache (venvs/NAME/bin/BINARY)
 AGENTS = tuple(BINARIES)
 CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
@@ -44,9 +47,16 @@ class AgentLaunch:
     files: list[Path] = field(default_factory=list)  # the settings written, for the user and the tests
 
 
+# Gemini CLI's utility calls (web search and fetch, loop detection, summaries, compression, its classifier)
+# name Google's models, as its 0.61 model table resolves them: side aliases of the session
+GEMINI_SIDE_MODELS = ("gemini-3-flash-preview", "gemini-3.1-flash-lite", "gemini-3.5-flash-lite",
+                      "gemini-3.5-flash", "gemini-3.8-flash", "gemini-3-flash", "gemini-2.5-flash",
+                      "gemini-2.5-flash-lite")
+
+
 def side_models(agent: str | None) -> list[str]:
     """The model names ``agent``'s side calls use: the side aliases of the session ``steptap run`` opens."""
-    return [SMALL_FAST] if agent == "claude-code" else []
+    return [SMALL_FAST] if agent == "claude-code" else list(GEMINI_SIDE_MODELS) if agent == "gemini" else []
 
 
 def agents_dir() -> Path:
@@ -62,7 +72,7 @@ def cached_cli(agent: str) -> Path:
     """The CLI's binary in the cache (it may not exist)."""
     if agent in VENVS:
         return agents_dir() / "venvs" / VENVS[agent] / "bin" / BINARIES[agent]
-    return agents_dir() / "clis" / "node_modules" / ".bin" / BINARIES[agent]
+    return agents_dir() / CACHE_FOLDERS.get(agent, "clis") / "node_modules" / ".bin" / BINARIES[agent]
 
 
 def find_cli(agent: str, path: str | None = None) -> Path:
@@ -142,6 +152,8 @@ def prepare(
         _qwen_code(launch, base, api_key, model, home)
     elif agent == "vibe":
         _vibe(launch, base, api_key, model, home)
+    elif agent == "gemini":
+        _gemini(launch, base, api_key, model, home)
     else:
         raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
     return launch
@@ -245,8 +257,8 @@ def _opencode(launch: AgentLaunch, base: str, api_key: str, model: str, home: Pa
         "$schema": "https://opencode.ai/config.json",
         "provider": {PROVIDER: {
             "npm": "@ai-sdk/openai-compatible", "name": PROVIDER,
-            # no request timeout (its default, 300 s, is shorter than a CPU backend's prefill of its ~15k-token
-            # first prompt under load: measured, the call was cut and sent again)
+            # no request timeout (its default, 300 s, is shorter than a CPU backend's prefill of its ~15k-
+            # token first prompt under load: measured, the call was cut and sent again)
             "options": {"baseURL": base, "apiKey": f"{{env:{KEY_ENV}}}", "timeout": False},
             "models": {model: {"name": model, "limit": {"context": CONTEXT_WINDOW, "output": MAX_TOKENS}}},
         }},
@@ -303,3 +315,31 @@ def _vibe(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) 
     ])
     _write(root / "config.toml", config, launch.files)
     launch.env.update(VIBE_HOME=str(root), **{KEY_ENV: api_key})
+
+
+def gemini_settings(model: str) -> dict:
+    """Gemini CLI's user settings: its Gemini API key auth on the base URL the environment names (the
+    ``gateway`` type that ``GOOGLE_GEMINI_BASE_URL`` selects by itself fails 0.61's own check), the session's
+    model, and no usage statistics, telemetry or update checks."""
+    return {
+        "security": {"auth": {"selectedType": "gemini-api-key"}},
+        "model": {"name": model},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    }
+
+
+def _gemini(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # Google's SDK appends /v1beta/models/MODEL:METHOD itself: the base is the session's root, without /v1.
+    # GEMINI_CLI_HOME holds the .gemini folder (settings, history) in place of ~/.gemini.
+    root = _private_dir(home / "gemini")
+    settings = json.dumps(gemini_settings(model), indent=2) + "\n"
+    _write(_private_dir(root / ".gemini") / "settings.json", settings, launch.files)
+    launch.env.update(
+        GEMINI_CLI_HOME=str(root),
+        GOOGLE_GEMINI_BASE_URL=base.removesuffix("/v1"),
+        GEMINI_API_KEY=api_key,  # sent as x-goog-api-key
+        GEMINI_MODEL=model,
+        GEMINI_TELEMETRY_ENABLED="false",
+    )

@@ -20,7 +20,7 @@ from steptap.middleware.errors import error_middleware
 from steptap.middleware.log import stream
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
-from steptap.middleware.proxy import relay, routes, vision
+from steptap.middleware.proxy import gemini_routes, relay, routes, vision
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
@@ -69,6 +69,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
         r.add_post(prefix + "/v1/messages", relay.messages)
         r.add_post(prefix + "/v1/messages/count_tokens", routes.count_tokens)
         r.add_get(prefix + "/v1/models", routes.models)
+        gemini_routes.add_routes(r, prefix)  # Google's Gemini API
     r.add_route("HEAD", "/", routes.base_probe)
     r.add_route("HEAD", "/s/{agent_session}", routes.base_probe)
     r.add_route("*", "/s/{agent_session}/{tail:.*}", control.agent_path_forbidden)

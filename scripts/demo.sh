@@ -45,8 +45,8 @@ mkdir -p "$OUT"
 
 t0=$(date +%s)
 if [ "$SKIP_SETUP" = 0 ]; then
-  echo "== set-up: bash scripts/setup.sh (project venv + vLLM venv; minutes the first time, seconds after)"
-  bash scripts/setup.sh
+  echo "== set-up: bash scripts/setup.sh --demo (project venv + vLLM venv; minutes the first time, seconds after)"
+  bash scripts/setup.sh --demo
 fi
 setup_s=$(( $(date +%s) - t0 ))
 echo "== set-up took ${setup_s} s"

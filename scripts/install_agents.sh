@@ -4,6 +4,7 @@
 #   ~/.cache/steptap/agents/clis   the npm CLIs (Claude Code, Codex, OpenClaw, pi, opencode, Qwen Code),
 #                                  exact versions, one package.json
 #   ~/.cache/steptap/agents/venvs  the PyPI CLIs (Mistral Vibe), each in a venv of its own, exact versions
+#   ~/.cache/steptap/agents/gemini Gemini CLI, exact version, a package.json of its own (below)
 # Everything comes from the npm registry; nothing is downloaded when a CLI runs. Idempotent: a stamp of the pins
 # skips the work when nothing changed. Prints a few lines; npm's output goes to agents/install.log.
 set -euo pipefail
@@ -20,10 +21,12 @@ CLIS='{
     "@qwen-code/qwen-code": "0.24.4"
   }
 }'
-# PyPI CLIs: venv name, the Python it needs, the pinned requirement (Mistral Vibe needs Python >= 3.12; its 3.x releases pin a certifi the index lacks)
+# PyPI CLIs: venv name, the Python it needs, the pinned requirement (Mistral Vibe needs Python >= 3.12;
+# its 3.x releases pin a certifi the index lacks)
 PYPI_CLIS=(
   "vibe|3.12|mistral-vibe==2.26.1"
 )
+GEMINI_CLI_VERSION=0.61.0  # @google/gemini-cli: its own folder, installed after the others
 root=${STEPTAP_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/steptap/agents}
 say() { echo "[agents] $*"; }
 mkdir -p "$root/node" "$root/clis" "$root/venvs"
@@ -39,7 +42,8 @@ run() {  # a command with its output in the log; on failure, the end of the log 
 }
 command -v npm >/dev/null || { say "npm not found: install Node.js and npm (any version; Node $NODE_VERSION comes from npm)"; exit 1; }
 
-stamp=$(printf '%s\n%s\n%s\n' "$NODE_VERSION" "$CLIS" "${PYPI_CLIS[*]}" | sha256sum | cut -c1-16)
+stamp=$(printf '%s\n%s\n%s\n%s\n' "$NODE_VERSION" "$CLIS" "${PYPI_CLIS[*]}" "$GEMINI_CLI_VERSION" | sha256sum |
+  cut -c1-16)
 if [ "$(cat "$root/.steptap-stamp" 2>/dev/null)" = "$stamp" ]; then
   say "agent CLIs are up to date ($root)"
   exit 0
@@ -94,5 +98,21 @@ for cli in claude codex openclaw pi opencode qwen "$root/venvs/vibe/bin/vibe"; d
   fi
   say "${cli##*/}: ${version%%$'\n'*}"
 done
+
+# Gemini CLI (bundled, no dependencies of its own): a folder of its own, so its pin moves alone
+mkdir -p "$root/gemini"
+printf '{"name": "steptap-gemini-cli", "private": true, "dependencies": {"@google/gemini-cli": "%s"}}\n' \
+  "$GEMINI_CLI_VERSION" >"$root/gemini/package.json"
+run npm install --prefix "$root/gemini" "${npm_flags[@]}"
+scratch=$(mktemp -d)  # its --version writes a settings folder: not the user's ~/.gemini
+version=$(GEMINI_CLI_HOME=$scratch "$root/gemini/node_modules/.bin/gemini" --version 2>>"$log" || true)
+rm -rf "$scratch"
+if [ "${version%%$'\n'*}" != "$GEMINI_CLI_VERSION" ]; then
+  echo "$version" >>"$log"
+  say "failed: gemini --version; the end of $log:"
+  tail -n 30 "$log"
+  exit 1
+fi
+say "gemini: $version"
 echo "$stamp" >"$root/.steptap-stamp"
 say "done in $((SECONDS - t0)) s"

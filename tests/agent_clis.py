@@ -4,8 +4,8 @@ Agent CLIs send system prompts and tool lists of 15-30k tokens, far past the tin
 they run against ``steptap tiny-model --long-context`` served with ``--max-model-len 131072``
 (``VLLM_CPU_KVCACHE_SPACE=1`` holds it: 209,664 tokens of KV cache). Reuse running ones with
 STEPTAP_TEST_LONG_BACKEND=http://host:port and STEPTAP_TEST_LONG_MODEL_DIR=the model it serves. The CLIs come
-from the cache scripts/install_agents.sh fills; STEPTAP_TEST_<NAME> (CLAUDE_CODE, CODEX, OPENCLAW, PI) names
-another binary. Imported into conftest.py, which makes these fixtures visible to every test.
+from the cache scripts/install_agents.sh fills; STEPTAP_TEST_<NAME> (CLAUDE_CODE, CODEX, OPENCLAW, PI,
+GEMINI) names another binary. Imported into conftest.py, which makes these fixtures visible to every test.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _env_name(agent: str) -> str:
 
 @pytest.fixture(scope="session")
 def agent_cli() -> Callable[[str], Path]:
-    """``agent_cli(name) -> Path``: the installed CLI of ``name`` (claude-code, codex, openclaw, pi)."""
+    """``agent_cli(name) -> Path``: the installed CLI of ``name`` (``adapters.agents.AGENTS``)."""
 
     def find(agent: str) -> Path:
         assert agent in AGENTS, f"unknown agent {agent!r}"

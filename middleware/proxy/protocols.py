@@ -1,4 +1,5 @@
-"""The agent-facing protocols that ride on chat completions: what the relay asks of each.
+"""The agent-facing protocols that ride on chat completions (Responses, Messages, Gemini): what the relay asks
+of each.
 
 A ``Protocol`` holds one call's translation: the chat body sent upstream, the agent's reply built from the
 chat reply (plain, or SSE events from chat chunks), and errors in the protocol's own shape. The relay does the
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -19,13 +20,22 @@ from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.errors import ApiError, status_of
 from steptap.middleware.exceptions import DomainError
 from steptap.middleware.metrics import METRICS_KEY, Metrics
-from steptap.middleware.proxy import messages, messages_request, responses, responses_request, tito
+from steptap.middleware.proxy import (
+    gemini,
+    gemini_contents,
+    gemini_request,
+    messages,
+    messages_request,
+    responses,
+    responses_request,
+    tito,
+)
 from steptap.middleware.proxy.translation import take_handles
 
 logger = logging.getLogger("steptap.relay")
 
 STORE_KEY = web.AppKey("steptap_response_store", responses.ResponseStore)
-PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT)
+PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT, gemini.ENDPOINT)
 
 
 class Protocol:
@@ -165,11 +175,49 @@ class Messages(Protocol):
         return self.events.error(status, message)
 
     def upstream_error(self, status: int, data: bytes) -> bytes:
-        try:
-            message = json.loads(data)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = data[:500].decode("utf-8", "replace")
-        return messages.error_body(status, message)
+        return messages.error_body(status, _upstream_message(data))
+
+
+class Gemini(Protocol):
+    endpoint = gemini.ENDPOINT
+
+    def __init__(self, body: dict[str, Any], model: str, stream: bool = False,
+                 count_only: bool = False) -> None:
+        tr = gemini_request.translate(body, model, stream, count_only)  # validates before any session
+        self.chat = tr.chat
+        self.handles = take_handles(self.chat["messages"])
+        self.dropped = [label for _, label, _ in tr.notes]
+        self.notes = [f"{field}: {reason}" for field, _, reason in tr.notes]
+        self.shape = gemini.Shape(body, model)
+        self.events = gemini.EventStream(self.shape)
+
+    def prepare(self, session_id: str | None) -> None:
+        self.shape.session_id = session_id
+
+    def annotate(self, step: Any) -> None:
+        step.response["response_id"] = self.shape.id  # what a thoughtSignature names
+
+    def reply(self, chat_reply: dict[str, Any]) -> bytes:
+        return json.dumps(self.shape.from_chat(chat_reply), ensure_ascii=False).encode()
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        return self.events.feed(chunk)
+
+    def finish(self, chat_reply: dict[str, Any]) -> bytes:
+        return self.events.finish(chat_reply)
+
+    def stream_error(self, status: int, message: str, code: str) -> bytes:
+        return self.events.error(status, message)
+
+    def upstream_error(self, status: int, data: bytes) -> bytes:
+        return gemini.error_body(status, _upstream_message(data))
+
+
+def _upstream_message(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return data[:500].decode("utf-8", "replace")
 
 
 # (replica URL, served model) -> whether its template renders a system message after the first; bounded (a
@@ -202,29 +250,38 @@ async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
     return _MID_SYSTEM[key]
 
 
-def open_protocol(endpoint: str, body: dict[str, Any], app: web.Application) -> Protocol:
+def open_protocol(endpoint: str, body: dict[str, Any], request: web.Request) -> Protocol:
     if endpoint == responses.ENDPOINT:
-        return Responses(body, "", app[STORE_KEY], app[METRICS_KEY])
+        return Responses(body, "", request.app[STORE_KEY], request.app[METRICS_KEY])
+    if endpoint == gemini.ENDPOINT:  # the model and the method are the path's (gemini_routes.py)
+        model, method = gemini_contents.split_call(request.match_info["call"])
+        return Gemini(body, model, stream=method == gemini_contents.STREAM)
     return Messages(body, "")
+
+
+async def shaped_errors(request: web.Request, call: Awaitable[web.StreamResponse],
+                        body_of: Callable[[int, str], bytes]) -> web.StreamResponse:
+    """Await a call; any error it ends in leaves as ``body_of(status, message)``: a protocol whose SDK parses
+    only its own error shape (Anthropic's, Google's)."""
+    try:
+        return await call
+    except ApiError as exc:
+        return _error(body_of, exc.status, exc.message)
+    except DomainError as exc:
+        return _error(body_of, status_of(exc), exc.message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(body_of, exc.status, exc.reason or "error")
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(body_of, 500, "internal proxy error")
+
+
+def _error(body_of: Callable[[int, str], bytes], status: int, message: str) -> web.Response:
+    return web.Response(body=body_of(status, message), status=status, content_type="application/json")
 
 
 async def anthropic_errors(request: web.Request, call: Awaitable[web.StreamResponse]) -> web.StreamResponse:
     """Await a Messages call; any error it ends in leaves in Anthropic's shape (its SDK parses no other)."""
-    try:
-        return await call
-    except ApiError as exc:
-        return _anthropic_error(exc.status, exc.message)
-    except DomainError as exc:
-        return _anthropic_error(status_of(exc), exc.message)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _anthropic_error(exc.status, exc.reason or "error")
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return _anthropic_error(500, "internal proxy error")
-
-
-def _anthropic_error(status: int, message: str) -> web.Response:
-    return web.Response(body=messages.error_body(status, message), status=status,
-                        content_type="application/json")
+    return await shaped_errors(request, call, messages.error_body)

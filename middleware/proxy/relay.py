@@ -101,7 +101,7 @@ async def _model_call(
     try:
         # Another protocol rides on chat completions: translated (and checked in its own format) before the
         # rest.
-        proto = open_protocol(endpoint, body, app) if endpoint in PROTOCOL_ENDPOINTS else None
+        proto = open_protocol(endpoint, body, request) if endpoint in PROTOCOL_ENDPOINTS else None
         # A prompt decoded as token ids was typed then (strict ints): the edge check skips its 120k items
         edge = proto.chat if proto is not None else body if not ids else {**body, "prompt": []}
         view = check_model_call(edge, upstream_endpoint == CHAT, cfg.max_n)

@@ -12,8 +12,8 @@ from steptap.middleware.auth import check_model_call_origin, is_control
 from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
+from steptap.middleware.proxy import gemini, tito, vision
 from steptap.middleware.proxy import messages as messages_api
-from steptap.middleware.proxy import tito, vision
 from steptap.middleware.proxy.capture import CHAT
 from steptap.middleware.proxy.protocols import Messages, anthropic_errors
 from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
@@ -27,11 +27,14 @@ _encode = json_encoder.encode
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served models; in Anthropic's shape for an Anthropic client (its SDK parses no other)."""
+    """The served models; in Anthropic's shape for an Anthropic client, in Gemini's for a Google one (their
+    SDKs parse no other)."""
     status, data = await request.app[POOL_KEY].models()
-    if status == 200 and messages_api.is_anthropic_client(request.headers):
+    shape = (messages_api.models_body if messages_api.is_anthropic_client(request.headers) else
+             gemini.models_body if gemini.is_gemini_client(request.headers, request.query) else None)
+    if status == 200 and shape is not None:
         try:
-            data = _encode(messages_api.models_body(_decode(data)))
+            data = _encode(shape(_decode(data)))
         except (msgspec.DecodeError, AttributeError, TypeError):
             pass  # not vLLM's list: passed on as it came
     return web.Response(body=data, status=status, content_type="application/json")

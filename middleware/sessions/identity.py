@@ -1,7 +1,8 @@
 """Which session a model call belongs to (docs/SECURITY.md, "Parties and credentials").
 
 In order: the path (``/s/<id>/v1/...``), the ``X-Steptap-Session`` header, a steptap API key
-(``Authorization: Bearer stk-...``). A session opened by ``POST /sessions`` is reached only with its key (with
+(``Authorization: Bearer stk-...``; Anthropic's SDKs send it as ``x-api-key``, Google's as ``x-goog-api-key``
+or ``?key=``). A session opened by ``POST /sessions`` is reached only with its key (with
 or without its id); an id alone reaches an auto-created session in its own namespace (``auto:<id>``). Anything
 else (no key, ``EMPTY``, an ``sk-...`` key) is anonymous: the call is served and recorded as a one-step
 session of its own.
@@ -33,14 +34,16 @@ def valid_session_id(value: str) -> bool:
 
 
 def identify(request: Any) -> Identity:
-    """``request``: anything with ``match_info`` and ``headers`` (an aiohttp request; the domain imports no
-    aiohttp)."""
+    """``request``: anything with ``match_info``, ``headers`` and ``query`` (an aiohttp request; the domain
+    imports no aiohttp)."""
     sid = request.match_info.get(PATH_PARAM)
     source: Source = "path"
     if sid is None:
         sid = request.headers.get(SESSION_HEADER)
         source = "header"
-    token = bearer(request) or request.headers.get("x-api-key")  # Anthropic's SDK sends its key there
+    # Anthropic's SDKs send their key as x-api-key; Google's as x-goog-api-key, or in the query as ?key=
+    token = (bearer(request) or request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+             or request.query.get("key"))
     key = token if token is not None and token.startswith(SESSION_KEY_PREFIX) else None
     if sid is not None:
         if not valid_session_id(sid):

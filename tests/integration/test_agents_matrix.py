@@ -452,3 +452,101 @@ def test_codex_calls_its_goal_tool_mid_session_and_completes(long_proxy: Any, lo
     assert "<tool_response>\nReach finish.\n</tool_response>" in tok.decode(steps[2].prompt_token_ids)
     printed = printed_text("codex", out.stdout)
     assert printed.startswith("The tool ran. Its output: {") and '"objective":"Reach finish."' in printed
+
+
+# --- Gemini CLI (Gemini API): a file written with its shell tool, read back with its own file tool ----------
+
+GEMINI_READS = 4  # files read back in a chain: each holds the next one's name
+
+
+def gemini_calls() -> list[dict[str, Any]]:
+    """Its shell tool writes ``GEMINI_READS`` files, each naming the next in a read-back marker
+    (tool_script.DEFAULT_RULES), the last the marker the answer quotes, and prints the first one's marker; its
+    read_file tool then reads them one by one. No ``$(( ))``: Gemini CLI refuses a command with ``$(...)``
+    ("Command injection detected"), so the numbers are printf's (a marker appears only if the shell ran)."""
+    files = [f"printf 'steptap-read.read_file.file_path.note%d.txt\\n' {k + 1} > note{k}.txt"
+             for k in range(1, GEMINI_READS)]
+    write = " && ".join([*files, f"printf 'steptap-ran-gemini-%d\\n' 42 > note{GEMINI_READS}.txt",
+                         "echo steptap-read.read_file.file_path.no''te1.txt"])
+    return [{"name": "run_shell_command", "arguments": {"command": write}},
+            *({"name": "read_file", "arguments": {"file_path": f"note{k}.txt"}}
+              for k in range(1, GEMINI_READS + 1))]
+
+
+async def test_gemini_cli_writes_a_file_reads_it_back_and_answers_exactly(
+    long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
+) -> None:
+    """Gemini CLI, pinned and unchanged (headless, ``--approval-mode yolo``: its default policy asks before a
+    shell command, which headless mode cannot), through `steptap run --agent gemini`: every step exact and
+    main, one token sequence, each extending step logged as what is new; then its web search, a side call."""
+    from transformers import AutoTokenizer
+
+    from steptap.middleware.records import msgpack_encoder
+
+    cli, work = agent_cli("gemini"), tmp_path / "work"
+    work.mkdir()
+    expected = gemini_calls()
+    task = f"Write the note, read it back, then tell me what it says. STEPTAP_CALL {json.dumps(expected[0])}"
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token,
+           "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent",
+         "gemini", "--", "--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p", task],
+        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S,
+        check=False)
+    assert out.returncode == 0, f"{out.stdout[-2000:]} {out.stderr[-3000:]}"
+    found = re.search(r"steptap run: session (\S+) exit 0 -> finished (\d+) steps", out.stderr)
+    assert found, out.stderr[-3000:]
+    assert answer("gemini") in json.loads(out.stdout)["response"]
+    assert (work / "note1.txt").read_text() == "steptap-read.read_file.file_path.note2.txt\n"
+    steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
+    assert all(s.status == "ok" and s.endpoint == "gemini" for s in steps), [(s.error, s.notes)
+                                                                              for s in steps]
+    classes = [(s.call_class, s.call_rule) for s in steps]
+    assert classes == [("main", "first")] + [("main", "extends")] * len(expected), classes
+    tok = AutoTokenizer.from_pretrained(str(long_vllm.model_dir))
+    outputs = [*(f"steptap-read.read_file.file_path.note{k}.txt" for k in range(1, GEMINI_READS + 1)),
+               marker("gemini")]
+    for step, call_, after, output in zip(steps[:-1], expected, steps[1:], outputs, strict=True):
+        assert tok.decode(step.response_token_ids, skip_special_tokens=True) == (
+            f"<tool_call>\n{json.dumps(call_)}\n</tool_call>")
+        assert output in tok.decode(after.prompt_token_ids)  # the tool ran and its output went back
+        assert output not in tok.decode(step.prompt_token_ids)
+    assert tok.decode(steps[-1].response_token_ids, skip_special_tokens=True) == answer("gemini")
+    refs = reference_logprobs_of(long_vllm.model_dir,
+                                 [(s.prompt_token_ids, s.response_token_ids) for s in steps])
+    worst = 0.0
+    for step, ref in zip(steps, refs, strict=True):
+        worst = max(worst, max(abs(a - b) for a, b in zip(step.response_logprobs, ref, strict=True)))
+        assert step.response_logprobs == pytest.approx(ref, abs=1e-4), step.index
+    for a, b in zip(steps, steps[1:], strict=False):  # one token sequence
+        assert b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.response_token_ids)] == (
+            a.prompt_token_ids + a.response_token_ids), b.index
+    records = await logged(long_proxy.log_dir, found.group(1))
+    size = [len(msgpack_encoder.encode(r)) for r in records]
+    assert records[0].delta is None and all(r.delta.kind == "extends" for r in records[1:]), size
+    hops = size[2:-1]  # the chained reads each add the same: the log grows by what is new, flat
+    whole = [len(msgpack_encoder.encode(s)) for s in steps[1:]]
+    assert max(hops) - min(hops) < 100 and max(size[1:]) < min(whole), (size, whole)
+    print(f"gemini: {len(steps)} steps, prompt {[len(s.prompt_token_ids) for s in steps]}, logged {size}, "
+          f"max logprob error {worst:.1e}")
+
+    # its web search tool is a utility call of its own (gemini-3-flash-preview, Google's hosted search tool):
+    # a side call by the session's side alias, the search dropped and noted, the main line unbroken
+    search = {"name": "google_web_search", "arguments": {"query": "steptap"}}
+    out = subprocess.run(
+        [sys.executable, "-m", "steptap.middleware.cli", "run", "--proxy", long_proxy.url, "--agent",
+         "gemini", "--", "--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p",
+         f"Search the web. STEPTAP_CALL {json.dumps(search)}"],
+        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S,
+        check=False)
+    assert out.returncode == 0, f"{out.stdout[-2000:]} {out.stderr[-3000:]}"
+    assert json.loads(out.stdout)["response"].startswith("The tool ran. Its output: ")
+    found = re.search(r"steptap run: session (\S+) exit 0", out.stderr)
+    assert found, out.stderr[-3000:]
+    steps = SyncSteptapClient(long_proxy.url, long_proxy.token).get_session(found.group(1)).steps
+    assert [(s.call_class, s.call_rule, s.model) for s in steps] == [
+        ("main", "first", long_vllm.served_model), ("side", "side_model", "gemini-3-flash-preview"),
+        ("main", "extends", long_vllm.served_model)], [(s.call_class, s.call_rule, s.model) for s in steps]
+    assert "tools[0].googleSearch: a tool Google's servers run: the backend cannot, so the model is not " \
+           "offered it" in steps[1].notes

@@ -201,3 +201,55 @@ async def test_messages_three_turns_one_sequence_and_a_forged_signature_falls_ba
     last = steps_of(proxy, info["id"])[-1]
     assert "token-in-token-out fell back to rendering: handle_unknown" in last.notes
     assert metrics.tito_turns.labels("handle_unknown")._value.get() == 1
+
+
+async def test_gemini_three_turns_replayed_as_gemini_cli_replays_them_are_one_sequence(
+    make_proxy: Any, think_vllm: Backend, http: aiohttp.ClientSession
+) -> None:
+    """Gemini CLI drops the thought parts from the history it sends back and keeps the ``thoughtSignature``:
+    the handle alone vouches for the logged reasoning, which is spliced back. Its synthetic signature (what
+    it puts on a call that came without one) vouches for nothing: that turn is rendered."""
+    from transformers import AutoTokenizer
+
+    think = AutoTokenizer.from_pretrained(str(think_vllm.model_dir)).convert_tokens_to_ids("<think>")
+    proxy: Proxy = await make_proxy(think_vllm.url, tito=True)
+    metrics = proxy.app[METRICS_KEY]
+
+    async def generate(sid: str, key: str, contents: list[dict[str, Any]], extra: dict[str, Any],
+                       most: int = 20, stream: bool = False) -> list[dict[str, Any]]:
+        config = {"temperature": 0, "maxOutputTokens": most, "thinkingConfig": {"includeThoughts": True}}
+        body = {"contents": contents, "generationConfig": config, **extra}
+        method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+        async with http.post(f"{proxy.url}/s/{sid}/v1beta/models/tiny:{method}", json=body,
+                             headers={"x-goog-api-key": key}) as resp:
+            assert resp.status == 200, await resp.text()
+            raw = await resp.read()
+        replies = [json.loads(e[6:]) for e in raw.split(b"\r\n\r\n") if e] if stream else [json.loads(raw)]
+        return [p for r in replies for p in r["candidates"][0]["content"]["parts"]]
+
+    info = await open_session(http, proxy)
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": "hi"}]}]
+    for turn, extra, most, stream in ((1, forced(1), 20, True), (2, forced(2), 20, False), (3, {}, 4, False)):
+        parts = await generate(info["id"], info["api_key"], contents, extra, most, stream)
+        if turn < 3:
+            assert "".join(p["text"] for p in parts if p.get("thought")) == f"plan {turn}"
+            kept = [p for p in parts if not p.get("thought")]  # what Gemini CLI keeps in its history
+            assert "".join(p["text"] for p in kept) == f" Hi {turn}"
+            signatures = [p["thoughtSignature"] for p in kept if "thoughtSignature" in p]
+            assert [s.split(":")[0] for s in signatures] == ["steptap"]
+            contents += [{"role": "model", "parts": kept},
+                         {"role": "user", "parts": [{"text": f"more {turn}"}]}]
+    steps = steps_of(proxy, info["id"])
+    assert {s.endpoint for s in steps} == {"gemini"}
+    one_sequence(steps, think)
+    check_logprobs(steps[2], think_vllm.model_dir)
+    assert metrics.tito_turns.labels("tokens")._value.get() == 2
+
+    info = await open_session(http, proxy)
+    kept = [{**p, "thoughtSignature": "skip_thought_signature_validator"} if "thoughtSignature" in p else p
+            for p in contents[1]["parts"]]
+    await generate(info["id"], info["api_key"], contents[:1], forced(1))
+    await generate(info["id"], info["api_key"], [contents[0], {"role": "model", "parts": kept},
+                                                 {"role": "user", "parts": [{"text": "again"}]}], {}, 2)
+    last = steps_of(proxy, info["id"])[-1]
+    assert "token-in-token-out fell back to rendering: reasoning_dropped" in last.notes

@@ -9,7 +9,8 @@ The test gives the CLI a task holding the trigger; the CLI sends nothing special
 
 ``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
 tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
-the answer ``The tool ran. Its output: <its first line>`` and the turn ends; a tool response holding a
+the answer ``The tool ran. Its output: <its first line>`` and the turn ends (a chain's and a read-back's
+markers excepted, below); a tool response holding a
 ``steptap-ran-...`` word anywhere answers with that word instead (the CLIs wrap a command's output
 differently; a test echoes ``steptap-ran-$((6*7))`` so the answer holds ``steptap-ran-42`` only if the command
 ran).
@@ -37,6 +38,14 @@ DEFAULT_RULES = [
     # a CLI that wraps the output (Codex's header lines, OpenClaw's JSON) still shows the marker (ending in a
     # digit, so a command line echoed back, `steptap-ran-$((6*7))`, never matches)
     (r"<tool_response>[\s\S]*?(steptap-ran-[\w-]{0,40}\d)\b", r"The tool ran. Its output: \1"),
+    # A read-back: a command's output `steptap-read.TOOL.ARG.PATH` asks for the CLI's own file tool TOOL on
+    # PATH (its argument ARG); what the file holds (a chain's next step, below, or the marker above) moves the
+    # session on only if the tool read it. Codex has no file-read tool of its own: it reads with `cat` through
+    # its shell tool
+    (r"<tool_response>[\s\S]*?steptap-read\.exec_command\.(\w+)\.(/[\w./-]+)",
+     '<tool_call>\n{"name": "exec_command", "arguments": {"\\1": "cat \\2"}}\n</tool_call>'),
+    (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.([\w./-]*\w)",
+     '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
     # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.READ.RARG.N` asks for
     # the next call of the shell tool TOOL, which prints N - 1 (by the shell's arithmetic: only a command that
     # ran moves the chain on); at 0, the call that writes the `steptap-ran-AGENT-42` marker to a file with a
@@ -44,15 +53,8 @@ DEFAULT_RULES = [
     (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1))"}}' + "\n</tool_call>"),
     (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7)) > steptap-\1.txt && '
      r'echo steptap-read.\4.\5.$PWD/steptap-\1.txt"}}' + "\n</tool_call>"),
-    # The file read back with the CLI's own file tool: the write's output `steptap-read.TOOL.ARG./abs/path`
-    # asks for that tool's call on that path (its output, the file, holds the marker)
-    # (Codex has no file-read tool of its own: it reads with `cat` through its shell tool)
-    (r"<tool_response>[\s\S]*?steptap-read\.exec_command\.(\w+)\.(/[\w./-]+)",
-     '<tool_call>\n{"name": "exec_command", "arguments": {"\\1": "cat \\2"}}\n</tool_call>'),
-    (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.(/[\w./-]+)",
-     '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
-    # Codex's goal tool mid-session: an output `steptap-goal.WORD` asks for `create_goal` (its objective: reach
-    # WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)
+    # Codex's goal tool mid-session: an output `steptap-goal.WORD` asks for `create_goal` (its objective:
+    # reach WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)
     (r"<tool_response>[\s\S]*?steptap-goal\.(\w+)",
      '<tool_call>\n{"name": "create_goal", "arguments": {"objective": "Reach \\1."}}\n</tool_call>'),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
