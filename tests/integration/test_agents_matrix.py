@@ -83,13 +83,13 @@ def calls(agent: str, hops: int, work: Path | None = None) -> list[dict[str, Any
     marker to a file there with a redirect and the CLI's own file tool reading it back; else the shell call
     that prints the marker."""
     name, arg, read, rarg = TOOLS[agent]
-    chain = [f"echo steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.$(({k}-1))" for k in range(hops, 0, -1)]
+    chain = [f"echo steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.$(({k}-1)) {work}"
+             for k in range(hops, 0, -1)]
     shell = [{"name": name, "arguments": {arg: cmd}} for cmd in chain]
     if work is None:
         return [*shell, {"name": name, "arguments": {arg: f"echo steptap-ran-{agent}-$((6*7))"}}]
-    write = (f"echo steptap-ran-{agent}-$((6*7)) > steptap-{agent}.txt && "
-             f"echo steptap-read.{read}.{rarg}.$PWD/steptap-{agent}.txt")
     path = str(path_of(agent, work))
+    write = f"echo steptap-ran-{agent}-$((6*7)) > {path} && echo steptap-read.{read}.{rarg}.{path}"
     return [*shell, {"name": name, "arguments": {arg: write}},
             {"name": read, "arguments": {rarg: f"cat {path}" if agent == "codex" else path}}]
 
@@ -97,7 +97,7 @@ def calls(agent: str, hops: int, work: Path | None = None) -> list[dict[str, Any
 def printed(agent: str, hops: int, work: Path) -> list[str]:
     """What each call of ``calls`` prints (the file's read: its line, whatever the tool wraps it in)."""
     name, arg, read, rarg = TOOLS[agent]
-    return [f"steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.{k - 1}" for k in range(hops, 0, -1)] + [
+    return [f"steptap-next.{agent}.{name}.{arg}.{read}.{rarg}.{k - 1} {work}" for k in range(hops, 0, -1)] + [
         f"steptap-read.{read}.{rarg}.{path_of(agent, work)}", marker(agent)]
 
 

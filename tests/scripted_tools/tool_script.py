@@ -46,13 +46,15 @@ DEFAULT_RULES = [
      '<tool_call>\n{"name": "exec_command", "arguments": {"\\1": "cat \\2"}}\n</tool_call>'),
     (r"<tool_response>[\s\S]*?steptap-read\.(\w+)\.(\w+)\.([\w./-]*\w)",
      '<tool_call>\n{"name": "\\1", "arguments": {"\\2": "\\3"}}\n</tool_call>'),
-    # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.READ.RARG.N` asks for
-    # the next call of the shell tool TOOL, which prints N - 1 (by the shell's arithmetic: only a command that
-    # ran moves the chain on); at 0, the call that writes the `steptap-ran-AGENT-42` marker to a file with a
-    # redirect (a command each CLI sandboxes) and prints where it is for the file tool READ (argument RARG)
-    (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1))"}}' + "\n</tool_call>"),
-    (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7)) > steptap-\1.txt && '
-     r'echo steptap-read.\4.\5.$PWD/steptap-\1.txt"}}' + "\n</tool_call>"),
+    # A chain of calls (a session of many turns): an output `steptap-next.AGENT.TOOL.ARG.READ.RARG.N DIR` asks
+    # for the next call of the shell tool TOOL, which prints N - 1 (by the shell's arithmetic: only a command
+    # that ran moves the chain on) and DIR; at 0, the call that writes the `steptap-ran-AGENT-42` marker to a
+    # file in DIR with a redirect (a command each CLI sandboxes) and prints where it is for the file tool READ
+    # (argument RARG). No variable in a command (`$PWD`): Claude Code's permission check refuses one
+    (_NEXT + r"([1-9]) (/[\w./-]+)",
+     _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1)) \7"}}' + "\n</tool_call>"),
+    (_NEXT + r"0 (/[\w./-]+)", _CALL + r'"echo steptap-ran-\1-$((6*7)) > \6/steptap-\1.txt && '
+     r'echo steptap-read.\4.\5.\6/steptap-\1.txt"}}' + "\n</tool_call>"),
     # Codex's goal tool mid-session: an output `steptap-goal.WORD` asks for `create_goal` (its objective:
     # reach WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)
     (r"<tool_response>[\s\S]*?steptap-goal\.(\w+)",

@@ -84,14 +84,14 @@ def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Pa
     prints where, and that output asks for the CLI's own file tool on it (Codex's: `cat` in its shell)."""
     rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
     chain = "steptap-next.claude-code.Bash.command.Read.file_path"
-    echoed = f"user\n<tool_response>\nCommand: echo {chain}.$((2-1))\n"
-    ran = f"The tool ran. Its output: Command: echo {chain}.$((2-1))"
+    echoed = f"user\n<tool_response>\nCommand: echo {chain}.$((2-1)) /w\n"
+    ran = f"The tool ran. Its output: Command: echo {chain}.$((2-1)) /w"
     assert choose(rules, echoed + "</tool_response>") == ran
-    assert choose(rules, echoed + f"{chain}.1\n</tool_response>") == hermes_call(
-        "Bash", {"command": f"echo {chain}.$((1-1))"})
-    wrapped = f'user\n<tool_response>\n{{"out": "{chain}.0"}}\n</tool_response>'
-    write = "echo steptap-ran-claude-code-$((6*7)) > steptap-claude-code.txt && " \
-        "echo steptap-read.Read.file_path.$PWD/steptap-claude-code.txt"
+    assert choose(rules, echoed + f"{chain}.1 /w\n</tool_response>") == hermes_call(
+        "Bash", {"command": f"echo {chain}.$((1-1)) /w"})
+    wrapped = f'user\n<tool_response>\n{{"out": "{chain}.0 /w"}}\n</tool_response>'
+    write = "echo steptap-ran-claude-code-$((6*7)) > /w/steptap-claude-code.txt && " \
+        "echo steptap-read.Read.file_path./w/steptap-claude-code.txt"
     assert choose(rules, wrapped) == hermes_call("Bash", {"command": write})
     wrote = f"user\n<tool_response>\nCommand: {write}\n" \
         "steptap-read.Read.file_path./w/steptap-claude-code.txt\n"
