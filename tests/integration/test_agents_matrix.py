@@ -89,7 +89,7 @@ def calls(agent: str, hops: int, work: Path | None = None) -> list[dict[str, Any
     if work is None:
         return [*shell, {"name": name, "arguments": {arg: f"echo steptap-ran-{agent}-$((6*7))"}}]
     path = str(path_of(agent, work))
-    write = f"echo steptap-ran-{agent}-$((6*7)) > {path} && echo steptap-read.{read}.{rarg}.{path}"
+    write = f"printf steptap-ran-{agent}-%d 42 > {path} && echo steptap-read.{read}.{rarg}.{path}"
     return [*shell, {"name": name, "arguments": {arg: write}},
             {"name": read, "arguments": {rarg: f"cat {path}" if agent == "codex" else path}}]
 
@@ -116,7 +116,7 @@ def cli_args(agent: str, work: Path) -> list[str]:
     text = task(agent, HOPS, work)
     if agent == "claude-code":  # print mode asks before running a tool: its own flags let the task write
         return ["-p", text, "--output-format", "json", "--permission-mode", "acceptEdits",
-                "--allowedTools", "Bash(echo:*)"]
+                "--allowedTools", "Bash(echo:*)", "Bash(printf:*)"]
     if agent == "codex":  # not a git repository: the check skipped; its sandbox lets it write the workspace
         return ["exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json", text]
     if agent == "openclaw":
@@ -214,7 +214,7 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
     assert len(tool_steps) == HOPS + 2 and len(answers) == 1 and line[-1] is answers[0], (
         agent, [(s.finish_reason, s.response) for s in steps])
     # the shell wrote the file (under the CLI's own sandbox), and its own file tool read it back (below)
-    assert path_of(agent, work).read_text() == marker(agent) + "\n", agent
+    assert path_of(agent, work).read_text() == marker(agent), agent
     outputs = printed(agent, HOPS, work)
     for tool_step, expected, after, output in zip(tool_steps, calls(agent, HOPS, work), line[1:], outputs,
                                                   strict=True):

@@ -50,10 +50,11 @@ DEFAULT_RULES = [
     # for the next call of the shell tool TOOL, which prints N - 1 (by the shell's arithmetic: only a command
     # that ran moves the chain on) and DIR; at 0, the call that writes the `steptap-ran-AGENT-42` marker to a
     # file in DIR with a redirect (a command each CLI sandboxes) and prints where it is for the file tool READ
-    # (argument RARG). No variable in a command (`$PWD`): Claude Code's permission check refuses one
+    # (argument RARG). No variable or expansion in it (`$PWD`, `$((6*7))`): Claude Code's permission check
+    # refuses them beside a redirect (the 42 comes from printf's %d: only a command that ran writes it)
     (_NEXT + r"([1-9]) (/[\w./-]+)",
      _CALL + r'"echo steptap-next.\1.\2.\3.\4.\5.$((\6-1)) \7"}}' + "\n</tool_call>"),
-    (_NEXT + r"0 (/[\w./-]+)", _CALL + r'"echo steptap-ran-\1-$((6*7)) > \6/steptap-\1.txt && '
+    (_NEXT + r"0 (/[\w./-]+)", _CALL + r'"printf steptap-ran-\1-%d 42 > \6/steptap-\1.txt && '
      r'echo steptap-read.\4.\5.\6/steptap-\1.txt"}}' + "\n</tool_call>"),
     # Codex's goal tool mid-session: an output `steptap-goal.WORD` asks for `create_goal` (its objective:
     # reach WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)

@@ -90,7 +90,7 @@ def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Pa
     assert choose(rules, echoed + f"{chain}.1 /w\n</tool_response>") == hermes_call(
         "Bash", {"command": f"echo {chain}.$((1-1)) /w"})
     wrapped = f'user\n<tool_response>\n{{"out": "{chain}.0 /w"}}\n</tool_response>'
-    write = "echo steptap-ran-claude-code-$((6*7)) > /w/steptap-claude-code.txt && " \
+    write = "printf steptap-ran-claude-code-%d 42 > /w/steptap-claude-code.txt && " \
         "echo steptap-read.Read.file_path./w/steptap-claude-code.txt"
     assert choose(rules, wrapped) == hermes_call("Bash", {"command": write})
     wrote = f"user\n<tool_response>\nCommand: {write}\n" \
