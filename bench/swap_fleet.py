@@ -99,7 +99,10 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
         k = 0
         while time.monotonic() + args.every < stop:
             await asyncio.sleep(args.every)
-            await sw.swap(path=weights[k % 2])
+            if args.lora:  # an adapter: keep mode loads it beside the old one, drain pauses for it
+                await sw.swap(lora_path=weights[k % 2])
+            else:
+                await sw.swap(path=weights[k % 2])
             loads.append(sw.state().last_paused_s or 0.0)
             k += 1
         await asyncio.sleep(max(0.0, stop - time.monotonic()))
@@ -144,6 +147,23 @@ def _perturb(src: Path, dst: Path, seed: int) -> str:
     return str(write_weights(model, None, dst))
 
 
+def _adapter(src: Path, dst: Path, seed: int) -> str:
+    """A rank-8 LoRA adapter of ``src`` whose B matrices are random (peft starts them at zero, a no-op)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    peft.save_pretrained(str(dst))
+    return str(dst)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir")
@@ -155,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--same-length", action="store_true",
                     help="every reply --tokens long (a fleet in lockstep)")
+    ap.add_argument("--lora", action="store_true", help="swap rank-8 LoRA adapters instead of full weights")
+    ap.add_argument("--json", help="write every phase's row and the summary here")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM argument (repeatable)")
     args = ap.parse_args(argv)
 
     from steptap.learner.tiny_model import build_tiny_model
@@ -163,11 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="swap-fleet-") as tmp:
         root = Path(tmp)
         model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
-        weights = [_perturb(model, root / "w", seed) for seed in (1, 2)]
+        make = (lambda seed: _adapter(model, root / f"a{seed}", seed)) if args.lora else (
+            lambda seed: _perturb(model, root / "w", seed))
+        weights = [make(seed) for seed in (1, 2)]
         longest = max(_length(i, args) for i in range(args.agents))
         server = VLLMServer(model, port=_free_port(), served_model_name="tiny", threads=args.threads,
                             log_path=root / "vllm.log",
-                            max_model_len=max(2048, longest + 256))  # the reply and its short prompt
+                            max_model_len=max(2048, longest + 256),  # the reply and its short prompt
+                            extra_args=args.vllm_arg)
         server.start()
         try:
             server.wait_healthy(timeout=600)
@@ -192,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
               f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
               f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
     print(f"keep / drain tokens/s: {tps['keep'] / tps['drain']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "tokens_per_s": tps,
+                                               "keep_over_drain": tps["keep"] / tps["drain"]}, indent=1))
     return 0
 
 

@@ -338,8 +338,8 @@ class OlderVLLM:
 
 
 def older_openapi(doc: dict[str, Any], lacks: frozenset[str]) -> dict[str, Any]:
-    """``doc`` as a vLLM without ``lacks`` would publish it: their routes gone; ``pause_keep``: ``keep`` out of
-    ``/pause``'s modes; ``tito``: generate's logprobs without ``token_id`` (vLLM 0.26's chat-shaped ones);
+    """``doc`` as a vLLM without ``lacks`` would publish it: their routes gone; ``pause_keep``: ``keep`` out
+    of ``/pause``'s modes; ``tito``: generate's logprobs without ``token_id`` (vLLM 0.26's chat-shaped ones);
     ``weight_versions``: no ``weight_versions`` on generate's choices."""
     import copy
 

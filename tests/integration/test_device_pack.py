@@ -1,9 +1,10 @@
-"""Carrying wheels to the GPU device in parts (scripts/device_pack.py here, scripts/device_unpack.py there), on
-a real wheel set: torch 2.13.0's CPU wheel (183 MiB, over one call) and typing-extensions, resolved against an
-image list that has torch's other dependencies. Packed once per session (pip takes the torch wheel from this
-machine's disk), cut into calls of 60 MiB, each call folder received as the device receives it, joined byte
-for byte, installed into a target folder and imported from there; a part with a wrong hash is refused. These
-are the scripts the device runs; only the interpreter differs (this machine's Python 3.11 here, cp311 wheels).
+"""Carrying wheels to the GPU device in parts (scripts/device_pack.py here, scripts/device_unpack.py there),
+on a real wheel set: torch 2.13.0's CPU wheel (183 MiB, over one call) and typing-extensions, resolved against
+an image list that has torch's other dependencies. Packed once per session (pip takes the torch wheel from
+this machine's disk), cut into calls of 60 MiB, each call folder received as the device receives it, joined
+byte for byte, installed into a target folder and imported from there; a part with a wrong hash is refused.
+These are the scripts the device runs; only the interpreter differs (this machine's Python 3.11 here, cp311
+wheels).
 """
 
 from __future__ import annotations

