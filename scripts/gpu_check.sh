@@ -4,8 +4,8 @@
 #   1. first_light.json: vLLM 0.26 on the GPU with the tiny model (float32) and SmolLM2-135M from its pip
 #      package (bf16), both built on the device; what the proxy reads of that vLLM (its gaps and fallbacks); a
 #      capture check through the proxy (recorded logprobs against transformers on the GPU, fp32 and bf16);
-#   2. swap_full.json, swap_lora.json: bench/swap_fleet.py, a fleet with long replies while full weights, then
-#      LoRA adapters, swap every few seconds, drain against keep (issue 21's target: keep >= 1.5x drain);
+#   2. swap_fleet.json: bench/swap_fleet.py on one vLLM, a fleet with long replies while full weights, then LoRA
+#      adapters, swap every 5 s, drain against keep (issue 21's target: keep >= 1.5x drain's fleet tokens/s);
 #   3. gpu_engines.json: one update with the torch engine and one with verl (scripts/gpu_engines.py);
 #   4. tool_recipe.jsonl: the tool recipe's first updates (examples/tool_agent on SmolLM2, LoRA, 2 updates).
 #
@@ -53,21 +53,22 @@ if [ "${1:-}" != "--long" ]; then  # --------------------------------- first lig
   if [ "$DRY" = 1 ]; then
     FLEET=(--agents 2 --tokens 48 --every 4 --phase 10 --rounds 1)
     ENGINES=(--device cpu)
+    M=5  # the time bounds on 2 shared CPU cores
     step first_light 600 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light" --dry
   else
-    FLEET=(--agents 32 --tokens 1024 --every 5 --phase 20 --rounds 1 --vllm-arg=--gpu-memory-utilization
+    FLEET=(--agents 32 --tokens 1024 --every 5 --phase 15 --rounds 1 --vllm-arg=--gpu-memory-utilization
            --vllm-arg=0.3 --vllm-arg=--enforce-eager)
     ENGINES=()
-    step first_light 240 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
+    M=1
+    step first_light 150 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
   fi
   cp "$OUT_DIR/first_light/first_light.json" "$OUT_DIR/" 2>/dev/null || true
-  step swap_full 150 $PY bench/swap_fleet.py "${FLEET[@]}" --json "$OUT_DIR/swap_full.json"
-  step swap_lora 150 $PY bench/swap_fleet.py "${FLEET[@]}" --lora --json "$OUT_DIR/swap_lora.json"
-  step engines 180 $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
+  step swap_fleet $((150 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora --json "$OUT_DIR/swap_fleet.json"
+  step engines $((100 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
   cp "$OUT_DIR/engines/gpu_engines.json" "$OUT_DIR/" 2>/dev/null || true
   if [ "$TOOL" = 1 ]; then  # the tool recipe's first updates on SmolLM2 (LoRA), as examples/tool_agent runs it
     T="$OUT_DIR/tool"
-    step tool_recipe 240 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
+    step tool_recipe 150 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
       --model $OUT_DIR/first_light/smollm2 --config examples/tool_agent/learner.toml --no-view --workdir $T/run \
       --vllm-args='-- --gpu-memory-utilization 0.3' --max-updates 2 --agents 'steptap env run \
       $T/data/train.parquet --n 8 --concurrency 16 --max-tokens 48 --fresh' \

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-PARTS = ("first_light", "swap_full", "swap_lora", "gpu_engines")
+PARTS = ("first_light", "swap_fleet", "gpu_engines")
 
 
 def main() -> int:
@@ -20,11 +20,11 @@ def main() -> int:
         summary[name] = json.loads(f.read_text()) if f.exists() else None
     for name, server in ((summary["first_light"] or {}).get("servers") or {}).items():
         print(f"{name}: {server.get('summary')}; logprob gap {server.get('logprob_gap')}")
-    for name in ("swap_full", "swap_lora"):
-        fleet = summary[name]
+    for kind in ("full", "lora"):
+        fleet = (summary["swap_fleet"] or {}).get(kind)
         if fleet:
             tps = {m: round(v, 1) for m, v in fleet["tokens_per_s"].items()}
-            print(f"{name}: fleet tokens/s {tps}, keep / drain {fleet['keep_over_drain']:.2f}x")
+            print(f"{kind} swaps: fleet tokens/s {tps}, keep / drain {fleet['keep_over_drain']}")
     checks = (summary["gpu_engines"] or {}).get("checks") or {}
     print(f"engines: {sum(c['ok'] for c in checks.values())} of {len(checks)} checks passed")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
