@@ -355,7 +355,7 @@ def main() -> int:
             result = install(stash, prefix)
             print(f"installed under {prefix}: {json.dumps(result)}")
         if a.what == "report" or a.report:
-            result = report(stash, prefix)
+            result = {**result, "report": report(stash, prefix)} if result else report(stash, prefix)
             print(json.dumps(result, indent=1))
     except Refused as exc:
         print(f"device_unpack: REFUSED: {exc}", file=sys.stderr)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks. By default FIRST LIGHT (docs/gpu-runbook.md): one command of about 8 minutes on the GPU device once
-# scripts/device_unpack.py installed the carried wheels there; every figure goes as JSON into --out ($OUT there):
+# scripts/device_unpack.py installed the carried wheels there; every figure goes as JSON into --out (and, where
+# the device tool sets $OUT, the figures and a logs.tgz into $OUT, what comes back):
 #   1. first_light.json: vLLM 0.26 on the GPU with the tiny model (float32) and SmolLM2-135M from its pip
 #      package (bf16), both built on the device; what the proxy reads of that vLLM (its gaps and fallbacks); a
 #      capture check through the proxy (recorded logprobs against transformers on the GPU, fp32 and bf16);
@@ -24,13 +25,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" != "--long" ]; then  # --------------------------------- first light -------------------------------
-  OUT_DIR=${OUT:-runs/gpu-first-light-$(date +%Y%m%d-%H%M%S)}; DRY=0; TOOL=1
+  OUT_DIR=runs/gpu-first-light-$(date +%Y%m%d-%H%M%S); DRY=0; TOOL=1
   while [ $# -gt 0 ]; do
     case "$1" in
       --out) OUT_DIR=$2; shift 2 ;;
       --dry) DRY=1; TOOL=0; shift ;;
       --skip-tool) TOOL=0; shift ;;
-      -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+      -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
       *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
   done
@@ -75,6 +76,12 @@ if [ "${1:-}" != "--long" ]; then  # --------------------------------- first lig
       && cp $T/run/metrics.jsonl $OUT_DIR/tool_recipe.jsonl"
   fi
   $PY scripts/gpu_summary.py "$OUT_DIR"
+  if [ -n "${OUT:-}" ] && [ "$OUT" != "$OUT_DIR" ]; then  # the device tool brings back <= 8 files from $OUT
+    cp "$OUT_DIR"/summary.json "$OUT_DIR"/first_light.json "$OUT_DIR"/swap_fleet.json "$OUT_DIR"/gpu_engines.json \
+       "$OUT_DIR"/tool_recipe.jsonl "$OUT" 2>/dev/null || true
+    (cd "$OUT_DIR" && tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude='*.gguf' *.log */*.log \
+       */logs 2>/dev/null) || true
+  fi
   echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo SOME STEPS FAILED); figures in $OUT_DIR"
   exit $failed
 fi
