@@ -313,7 +313,8 @@ def report(stash: Path, prefix: Path) -> dict:
     if (vllm_site / "bin" / "vllm").exists():
         code, text = run([sys.executable, str(vllm_site / "bin" / "vllm"), "--version"], env)
         out["vllm_version"] = text.splitlines()[-1] if text else f"exit {code}"
-        code, text = run([sys.executable, "-c", "import torch, vllm, vllm._C_stable_libtorch; print('ok')"], env)
+        kernels = "import torch, vllm, vllm._C_stable_libtorch; print('ok')"
+        code, text = run([sys.executable, "-c", kernels], env)
         out["vllm_kernels_import"] = "ok" if code == 0 else text[-800:]
         out["routes"] = static_routes(vllm_site)
     if learner_site.exists():
