@@ -99,7 +99,10 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
         k = 0
         while time.monotonic() + args.every < stop:
             await asyncio.sleep(args.every)
-            await sw.swap(path=weights[k % 2])
+            if args.lora:  # an adapter (--kinds lora): keep loads it beside the old one, drain pauses for it
+                await sw.swap(lora_path=weights[k % 2])
+            else:
+                await sw.swap(path=weights[k % 2])
             loads.append(sw.state().last_paused_s or 0.0)
             k += 1
         await asyncio.sleep(max(0.0, stop - time.monotonic()))
@@ -144,6 +147,23 @@ def _perturb(src: Path, dst: Path, seed: int) -> str:
     return str(write_weights(model, None, dst))
 
 
+def _adapter(src: Path, dst: Path, seed: int) -> str:
+    """A rank-8 LoRA adapter of ``src`` whose B matrices are random (peft starts them at zero, a no-op)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    peft.save_pretrained(str(dst))
+    return str(dst)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir")
@@ -155,43 +175,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--same-length", action="store_true",
                     help="every reply --tokens long (a fleet in lockstep)")
+    ap.add_argument("--kinds", default="full", help="what swaps, in order on one server: full,lora")
+    ap.add_argument("--json", help="write every phase's row and the summary here")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM argument (repeatable)")
     args = ap.parse_args(argv)
 
     from steptap.learner.tiny_model import build_tiny_model
     from steptap.middleware.launch.vllm_server import VLLMServer
 
+    kinds = args.kinds.split(",")
     with tempfile.TemporaryDirectory(prefix="swap-fleet-") as tmp:
         root = Path(tmp)
         model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
-        weights = [_perturb(model, root / "w", seed) for seed in (1, 2)]
+        weights = {"full": [_perturb(model, root / "w", s) for s in (1, 2)] if "full" in kinds else [],
+                   "lora": [_adapter(model, root / f"a{s}", s) for s in (1, 2)] if "lora" in kinds else []}
         longest = max(_length(i, args) for i in range(args.agents))
         server = VLLMServer(model, port=_free_port(), served_model_name="tiny", threads=args.threads,
                             log_path=root / "vllm.log",
-                            max_model_len=max(2048, longest + 256))  # the reply and its short prompt
+                            max_model_len=max(2048, longest + 256),  # the reply and its short prompt
+                            extra_args=args.vllm_arg)
         server.start()
         try:
             server.wait_healthy(timeout=600)
             rows = []
-            for r in range(args.rounds):
-                for mode in ("drain", "keep"):
-                    row = asyncio.run(_phase(server.url, mode, weights, args, str(root / f"log-{r}-{mode}")))
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+            for kind in kinds:  # one server: full weights first, then adapters (LoRA routing from then on)
+                args.lora = kind == "lora"
+                for r in range(args.rounds):
+                    for mode in ("drain", "keep"):
+                        row = asyncio.run(_phase(server.url, mode, weights[kind], args,
+                                                 str(root / f"log-{kind}-{r}-{mode}")))
+                        row["kind"] = kind
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
         finally:
             server.stop()
-    by = {m: [r for r in rows if r["mode"] == m] for m in ("drain", "keep")}
-    tps = {m: statistics.mean(r["tokens_per_s"] for r in rs) for m, rs in by.items()}
     spread = "" if args.same_length else " (mean; spread over 0.5x-1.5x)"
     print(f"\nagents {args.agents} x {args.tokens} tokens{spread}, a swap every {args.every:g} s, "
           f"{args.rounds} x {args.phase:g} s per mode")
-    for m, rs in by.items():
-        print(f"{m:5s}: {tps[m]:.1f} tok/s, longest stall {max(r['longest_stall_s'] for r in rs):.2f} s "
-              f"(after a call's first token: {max(r['longest_mid_call_stall_s'] for r in rs):.2f} s; "
-              f"the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
-              f"swaps {sum(r['swaps'] for r in rs)}, spanning calls {sum(r['spanning_calls'] for r in rs)}, "
-              f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
-              f"load {statistics.median(r['load_s'] for r in rs if r['load_s'] is not None):.3f} s")
-    print(f"keep / drain tokens/s: {tps['keep'] / tps['drain']:.2f}x")
+    summary: dict[str, Any] = {"args": vars(args), "rows": rows}
+    for kind in kinds:
+        by = {m: [r for r in rows if r["mode"] == m and r["kind"] == kind] for m in ("drain", "keep")}
+        tps = {m: statistics.mean(r["tokens_per_s"] for r in rs) for m, rs in by.items()}
+        for m, rs in by.items():
+            loads = [r["load_s"] for r in rs if r["load_s"] is not None] or [0.0]
+            print(f"{kind} {m:5s}: {tps[m]:.1f} tok/s, "
+                  f"longest stall {max(r['longest_stall_s'] for r in rs):.2f} s "
+                  f"(after a call's first token: {max(r['longest_mid_call_stall_s'] for r in rs):.2f} s; "
+                  f"the swap's own: {max(r['proxy_longest_stall_s'] for r in rs):.2f} s), "
+                  f"swaps {sum(r['swaps'] for r in rs)}, "
+                  f"spanning calls {sum(r['spanning_calls'] for r in rs)}, "
+                  f"cut {sum(r['cut'] for r in rs)}, failed {sum(r['failed'] for r in rs)}, "
+                  f"load {statistics.median(loads):.3f} s")
+        ratio = tps["keep"] / tps["drain"] if tps["drain"] else None
+        print(f"{kind}: keep / drain tokens/s: {ratio:.2f}x" if ratio else f"{kind}: drain delivered nothing")
+        summary[kind] = {"tokens_per_s": tps, "keep_over_drain": ratio}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0
 
 

@@ -47,6 +47,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[TASKS_KEY] = set()
     app[vision.IMAGE_MEMORY_KEY] = vision.ImageMemory(config.max_image_memory)
     pool = app[POOL_KEY] = ReplicaPool(config)
+    app[control.TITO_SUPPORT_KEY] = pool
     # conversations behind previous_response_id (a worker's own: its ids name its port)
     app[STORE_KEY] = ResponseStore(worker_port=config.worker_port,
                                    shared_port=config.port if config.worker_port else None)
@@ -117,6 +118,9 @@ async def _swapper_ctx(app: web.Application) -> AsyncIterator[None]:
     # vLLM paused, or on new weights under the old version); one that cannot be stays out, named in /health.
     pool = app[POOL_KEY]
     await pool.admit_all(swapper.reconcile)
+    why = pool.tito_problem() if app[CONFIG_KEY].tito else None
+    if why is not None:
+        logger.warning("--tito: %s; its calls take the normal path (counted as no_scale_out)", why)
     loop = asyncio.get_running_loop()
     checker = loop.create_task(pool.health_loop(), name="steptap-replica-health")
     hup = False

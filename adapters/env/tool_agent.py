@@ -6,10 +6,10 @@ that, from the text), multi-turn: call -> tool result -> answer. A short system 
 example as chat turns: SmolLM2's chat template renders neither ``tools`` nor ``tool_calls``, so the prompt is
 where the model learns the format, and calls go back into the history as the text the model wrote.
 
-Rewards: a process reward once per episode, graded (``CALL_REWARD`` for a well-formed calculator call,
-``ATTEMPT_REWARD`` for a ``<tool_call>`` block that did not parse or run, ``OPENED_REWARD`` for one opened and
-never closed; paid up to the best grade reached), and 1.0 for the exact product as the answer's last number.
-The answer is never forced.
+Rewards: a process reward once per episode, graded along the call's format (``GRADES``: a ``<tool_call>``
+opened, closed, naming the calculator, with an ``expression`` argument, run without an error; paid up to the
+best grade reached, at most ``CALL_REWARD``), and 1.0 for the exact product as the answer's last number. The
+answer is never forced.
 
 The GPU recipe (GSM8K rows, the ``calculator`` environment) is the same loop with another dataset and config.
 """
@@ -19,14 +19,20 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from steptap.adapters.env.base import Message, Observation, RewardValue, ToolEnv
+from steptap.adapters.env.base import Message, Observation, RewardValue, ToolEnv, parse_tool_calls
 from steptap.adapters.env.calculator import CalculatorTool, hermes_tool_call
 
-CALL_REWARD = 0.1  # small beside the outcome's 1.0: a call alone never beats a right answer
-ATTEMPT_REWARD = 0.05  # a <tool_call> block that did not parse or run: the format half learnt
+# The process reward's grades, one per part of the call's format (small beside the outcome's 1.0):
+CALL_REWARD = 0.1  # a well-formed call that ran
+ARGUMENTS_REWARD = 0.08  # a closed block naming the calculator with an "expression" argument that did not run
+NAMED_REWARD = 0.06  # a closed block naming the calculator
+ATTEMPT_REWARD = 0.04  # a closed <tool_call> block naming no calculator (the base model's {"result": N})
 OPENED_REWARD = 0.02  # a <tool_call> opened, never closed: the first thing the base model gets right
-# Why the grades: the base model (T=1) opened a <tool_call> in 9 of 21 first replies but closed one in 1, so a
-# reward for closed blocks only left nearly every GRPO group without variance.
+# Why the grades. The base model (T=1) opens a <tool_call> in about 1 reply of 4 and almost never closes one,
+# so a reward for closed blocks alone left nearly every GRPO group without variance. With three grades
+# (opened, closed, ran) one run of two learned and the other did not (issue 40): it learned to close blocks
+# shaped like the tool's *result* ({"result": 876 * 63}), and nothing paid a step from there towards
+# {"name": "calculator", "arguments": {...}}. Each part of the format now earns its own step.
 EVAL_SEED = 1234  # held-out rows come from this seed and are never drawn for training
 NAME = "tool_agent"
 
@@ -96,17 +102,25 @@ class ToolAgentEnv(ToolEnv):
         return list(self.messages)
 
     async def step(self, action: Message) -> tuple[Observation, RewardValue, bool, dict[str, Any]]:
-        calls, well_formed = self.calls, self.well_formed_calls
+        well_formed = self.well_formed_calls
         obs, _, done, info = await super().step(action)
         if self.well_formed_calls > well_formed:
             earned = CALL_REWARD
-        elif self.calls > calls:
-            earned = ATTEMPT_REWARD
         else:
-            earned = OPENED_REWARD if "<tool_call>" in (action.get("content") or "") else 0.0
+            earned = max((grade(c) for c in parse_tool_calls(action)), default=0.0)
+            if not earned and "<tool_call>" in (action.get("content") or ""):
+                earned = OPENED_REWARD
         reward = earned - self.paid if earned > self.paid else None  # at most CALL_REWARD an episode
         self.paid = max(self.paid, earned)
         return obs, reward, done, info
+
+
+def grade(call: dict[str, Any]) -> float:
+    """A parsed call that did not run well-formed, graded by how much of the format it has."""
+    if call["name"] != CalculatorTool.name:
+        return ATTEMPT_REWARD
+    args = call["arguments"]
+    return ARGUMENTS_REWARD if isinstance(args, dict) and "expression" in args else NAMED_REWARD
 
 
 def make_env() -> ToolAgentEnv:

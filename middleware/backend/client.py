@@ -18,6 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp.abc import AbstractStreamWriter
 
+from steptap.middleware.backend.capabilities import Capabilities, from_openapi
 from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
@@ -126,6 +127,10 @@ class BackendClient:
         self._admin: aiohttp.ClientSession | None = None
         self.served: list[str] = []
         self._served_at = 0.0
+        # what this vLLM serves of what steptap uses (capabilities.py): everything until its /openapi.json
+        # is read, once, when the replica is first admitted
+        self.caps = Capabilities()
+        self._probed = False
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -251,6 +256,26 @@ class BackendClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             state["error"] = f"{type(exc).__name__}: {exc}"
         return state
+
+    async def read_capabilities(self) -> Capabilities:
+        """Read the server's ``/openapi.json`` (and ``/version``) once and say, in one start-up line, what it
+        lacks and the fallback each gap takes. A server that answers without a document keeps every
+        capability (``known`` false); one that does not answer (``BackendUnreachable``) is asked again on
+        its next admission."""
+        if self._probed:
+            return self.caps
+        try:
+            doc = await self.call("GET", "/openapi.json")
+        except BackendError:
+            doc = None  # it answered, without a document (--disable-fastapi-docs)
+        try:
+            info = await self.call("GET", "/version")
+        except BackendError:
+            info = None
+        self.caps = from_openapi(doc, info.get("version") if isinstance(info, dict) else None)
+        self._probed = True
+        (logger.warning if self.caps.missing() else logger.info)("%s", self.caps.summary(self.name))
+        return self.caps
 
     # --- admin routes (vLLM's dev mode) ---------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.backend.url import name_of
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.exceptions import BackendUnavailable, BackendUnreachable, DomainError
+from steptap.middleware.exceptions import BackendError, BackendUnavailable, BackendUnreachable, DomainError
 
 logger = logging.getLogger("steptap.replicas")
 
@@ -168,6 +168,18 @@ class ReplicaPool:
                 self._sticky.popitem(last=False)
         return rep
 
+    def tito_problem(self) -> str | None:
+        """Why a token-in-token-out session cannot run here (a replica taking calls lacks vLLM's scale-out
+        routes in the wire format the proxy speaks), or None."""
+        for rep in self.healthy():
+            caps = rep.client.caps
+            if not caps.tito:
+                version = f"vLLM {caps.version}" if caps.version else "its vLLM"
+                return (f"token-in-token-out needs vLLM's render, generate and derender routes, with token "
+                        f"ids in generate's logprobs (vLLM 0.32 has them); backend {rep.name} ({version}) "
+                        f"cannot: {caps.why.get('tito', 'missing')}")
+        return None
+
     def client(self, name: str) -> BackendClient | None:
         """The replica's client (the weight swapper's admin calls go through it too)."""
         rep = self.replicas.get(name)
@@ -224,6 +236,9 @@ class ReplicaPool:
                 rep.reason = f"health check failed: {state.get('error', 'not healthy')}"
                 rep.unreachable = not str(state.get("error", "")).startswith("HTTP ")
                 return False
+            caps = await rep.client.read_capabilities()  # once: its start-up line says what it lacks
+            if not caps.token_ids:
+                raise BackendError(caps.summary(rep.name))
             if self._admit is not None:
                 await self._admit(rep.name)  # raises if it cannot serve the current version
             with contextlib.suppress(DomainError):

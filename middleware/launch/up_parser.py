@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=5, help="policy versions between evaluations")
     p.add_argument("--eval-args", default="", help='for `steptap eval`: --eval-args="--env calculator --n 2"')
     p.add_argument("--max-updates", type=int, help="stop after the learner has made this many updates")
+    p.add_argument("--seed", type=int,
+                   help="the run's seed: the learner's (torch: the LoRA init, dropout) and vLLM's sampler's "
+                        "(vLLM --seed, one more per replica); default: a new random one, printed and kept in "
+                        "summary.json")
     p.add_argument("--engine", choices=("torch", "verl"),
                    help="the learner's engine (steptap learn --engine)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of running (after start-up)")

@@ -41,6 +41,19 @@ def _given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+_FIND_VLLM = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
+
+
+def takes_scale_out_flag(python: Path) -> bool:
+    """Whether the vLLM that ``python`` imports declares ``--enable-scale-out`` (0.32 does; 0.26 serves the
+    token-in-token-out routes without it and refuses the flag). Read from its argument definitions without
+    importing vLLM; when they cannot be read, the flag is given (the pinned versions take it)."""
+    found = subprocess.run([str(python), "-c", _FIND_VLLM], capture_output=True, text=True, check=False)
+    root = Path(found.stdout.strip() or "/nonexistent") / "entrypoints"
+    files = list(root.rglob("cli_args.py")) if found.returncode == 0 else []
+    return not files or any("enable_scale_out" in f.read_text(errors="replace") for f in files)
+
+
 class VLLMServer:
     """One vLLM OpenAI server process (and the engine processes it spawns), in its own process group.
 
@@ -94,6 +107,7 @@ class VLLMServer:
         self.extra_env = dict(env or {})
         # Start vLLM with steptap's transfer engine (off when the installed vLLM refuses it)
         self.transfer = True
+        self.scale_out_flag = True  # start(): False for a vLLM without --enable-scale-out (0.26)
         self.process: subprocess.Popen[bytes] | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
@@ -116,7 +130,8 @@ class VLLMServer:
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
         cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         # Token-in-token-out routes
-        cmd += [] if _given(extra, "--enable-scale-out") else ["--enable-scale-out"]
+        if self.scale_out_flag and not _given(extra, "--enable-scale-out"):
+            cmd += ["--enable-scale-out"]
         if self.transfer and not _given(extra, "--weight-transfer-config"):  # weights by collective transfer
             cmd += ["--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND})]
         if self.max_model_len and not _given(extra, "--max-model-len"):
@@ -195,6 +210,7 @@ class VLLMServer:
         if self.vision and not self.gpu:
             self.torchvision = ensure_torchvision(venv)
         python = venv / "bin" / "python"
+        self.scale_out_flag = takes_scale_out_flag(python)
         if self.uds is not None:
             self.uds.unlink(missing_ok=True)  # a socket left by a killed server: vLLM would fail to bind
         private_dir(self.log_path.parent)

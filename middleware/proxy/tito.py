@@ -339,6 +339,8 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
     # the log's delta need not encode both message lists again to find the previous ones kept (delta.Kept)
     session.kept = (chat["messages"], prev.messages, len(prev.messages)) if (
         decided.same and prev is not None and prev.messages is not None) else None
+    if decided.cause == "tokens" and not client.caps.tito:  # an older vLLM (backend/capabilities.py)
+        decided = decided._replace(cause="no_scale_out")
     if decided.cause == "tokens":
         turn = Turn(client, chat, decided, session.prompt, session.tito_base)
         turn.spare, spare = spare, None  # the turn's alone: a reference left here would keep it from growing

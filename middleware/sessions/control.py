@@ -6,7 +6,7 @@ anything changes: an error leaves the session as it was.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from aiohttp import web
@@ -24,6 +24,15 @@ from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession
 _encode = json_encoder.encode
 
 SESSIONS_KEY = web.AppKey("steptap_sessions", SessionManager)
+
+
+class TitoSupport(Protocol):
+    """Whether the backends can run token-in-token-out sessions (the replica pool answers)."""
+
+    def tito_problem(self) -> str | None: ...
+
+
+TITO_SUPPORT_KEY = web.AppKey("steptap_tito_support", TitoSupport)
 
 
 class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,6 +99,10 @@ async def open_session(request: web.Request) -> web.Response:
         raise ApiError(400, "group_size must be at least 1", "invalid_body")
     if body.idle_timeout_s is not None and not body.idle_timeout_s > 0:
         raise ApiError(400, "idle_timeout_s must be positive", "invalid_body")
+    support = request.app.get(TITO_SUPPORT_KEY)
+    why = support.tito_problem() if body.tito and support is not None else None
+    if why is not None:  # an older vLLM (backend/capabilities.py): refused now, not turn by turn
+        raise ApiError(501, why, "not_supported")
     manager = request.app[SESSIONS_KEY]
     session = await manager.open(
         group_id=body.group_id,

@@ -115,6 +115,8 @@ class Recovery(HoldsPolicy):
     async def _tell_version(self, backend: str, version: int) -> None:
         # vLLM's own label for its weights (its /weight_info and metrics): ``reconcile`` reads it back after a
         # restart to tell whether a replica serves the persisted version. Errors ignored (older servers).
+        if not self._client(backend).caps.labels:
+            return  # an older vLLM (no /update_weight_version): said at start-up
         try:
             await self._client(backend).set_label(str(version))
         except DomainError:
@@ -170,7 +172,13 @@ class Recovery(HoldsPolicy):
                     logger.warning("%s was paused (a swap cut short): resuming it", backend)
                 await self._client(backend).resume()
 
+    def _lacking(self, capability: str) -> list[str]:
+        """The swap's replicas whose vLLM lacks ``capability`` (backend/capabilities.py)."""
+        return [b for b in self._targets() if not getattr(self._client(b).caps, capability)]
+
     async def _label(self, backend: str) -> str | None:
+        if not self._client(backend).caps.labels:
+            return None  # an older vLLM (no /weight_info): nothing to compare
         try:
             return await self._client(backend).label()
         except DomainError as exc:

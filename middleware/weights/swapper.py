@@ -243,6 +243,7 @@ class WeightSwapper(Gate, Recovery, Adapters):
             if self.validate_paths:
                 check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
         elif transfer is not None:
+            collective.refuse_unsupported([self._client(b) for b in self._targets()])
             if self.cpu_backend is None or self.path is None:
                 await self._inspect_backends()
             if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
@@ -258,6 +259,11 @@ class WeightSwapper(Gate, Recovery, Adapters):
         keep = self.mode == "keep"
         if keep and lora_path is not None and lora_name is not None:  # set together (one test for mypy)
             return await self._swap_lora_beside(lora_path, lora_name, new_version)
+        lacking = self._lacking("pause_keep") if keep else []
+        if lacking:  # an older vLLM (capabilities.py): drain, pause?mode=wait, as swap_mode = "drain"
+            keep = False
+            logger.warning("the swap to version %d drains: %s cannot pause with mode=keep", new_version,
+                           ", ".join(lacking))
         t0 = time.monotonic()
         self._held_wait = 0.0
         resume_errors: list[str] = []

@@ -105,6 +105,16 @@ class TransferFailed(SwapError):
         self.touched = touched
 
 
+def refuse_unsupported(clients: list[BackendClient]) -> None:
+    """Refuse a transfer, before anything pauses, to replicas whose vLLM has no weight-transfer routes."""
+    lacking = [c for c in clients if not c.caps.transfer]
+    if lacking:
+        names = ", ".join(c.name for c in lacking)
+        raise SwapRefused(f"refusing a transfer: {names} serve no weight-transfer "
+                          f"routes ({lacking[0].caps.why.get('transfer')}): publish through disk "
+                          "(weight_sync = \"disk\")", "transfer_unsupported")
+
+
 async def plan(clients: list[BackendClient]) -> tuple[dict[str, int], int]:
     """Each replica's first rank in the group (the learner is 0) and the group's size: ask each its world."""
     offsets, rank = {}, 1
@@ -129,8 +139,9 @@ async def receive(client: BackendClient, spec: Transfer, rank_offset: int, world
     except DomainError as exc:
         raise TransferFailed(f"weight transfer to {client.name} failed: {exc.message}", touched) from None
     finally:
-        try:  # the group is one transfer's: a later one makes its own
-            await client.shutdown_transfer()
+        try:  # the group is one transfer's: a later one makes its own (an older vLLM has no route for it)
+            if client.caps.transfer_shutdown:
+                await client.shutdown_transfer()
         except DomainError as exc:
             logger.warning("could not release the transfer group on %s: %s", client.name, exc.message)
 

@@ -222,3 +222,26 @@ def test_serve_refuses_what_it_cannot_serve_at_start_in_one_line(tmp_path: Path,
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"steptap serve: {said}"), r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_up_seed_reaches_the_learner_and_vllm_and_a_missing_one_is_drawn_once(tied_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """The run's seed (issue 40: a recipe's run printed and repeatable): --seed is the learner's torch seed
+    and vLLM's --seed (whose default, 0, every run would share), one more per replica; without it one is drawn
+    and used for both; a --seed given to vLLM itself wins."""
+    from steptap.learner.config import config_from_argv
+
+    def runner(*argv: str) -> up.Up:
+        r = up.Up(up.build_parser().parse_args(["--model", str(tied_dir), "--workdir", str(tmp_path), *argv]))
+        r.model_dir, r.proxy_url = str(tied_dir), "http://127.0.0.1:1"
+        return r
+
+    given = runner("--seed", "17")
+    assert config_from_argv(given._learner_argv()).seed == 17
+    assert given._vllm_seed(["--threads", "2"], 0) == ["--", "--seed", "17"]
+    assert given._vllm_seed(["--", "--max-model-len", "8192"], 1) == ["--seed", "18"]
+    assert given._vllm_seed(["--", "--seed", "5"], 0) == [] and given._vllm_seed(["--", "--seed=5"], 0) == []
+    drawn = runner()
+    assert config_from_argv(drawn._learner_argv()).seed == drawn.seed and 0 <= drawn.seed < 1 << 31
+    assert drawn._vllm_seed([], 0) == ["--", "--seed", str(drawn.seed)]
+    assert config_from_argv(runner("--seed", "17", "--learn-args=--seed 3")._learner_argv()).seed == 3

