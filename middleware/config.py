@@ -82,6 +82,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "accepted it")] = True
     max_auto_sessions: Annotated[int, _help(
         "most auto-created sessions open at once, apart from max_open_sessions (429 beyond)")] = 1000
+    max_auto_sessions_per_peer: Annotated[int, _help(
+        "most auto-created sessions one client address opens (pending or open; 429 beyond): one caller "
+        "cannot keep max_auto_sessions full for every agent")] = 750
     auto_session_idle_timeout_s: Annotated[float, _help(
         "auto-created sessions idle this long are closed as timed_out")] = 60.0
     force_sampling: Annotated[dict[str, float], _help(
@@ -176,6 +179,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                      "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes",
                      "max_concurrent_calls",
                      "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions",
+                     "max_auto_sessions_per_peer",
                      "upstream_max_connections", "max_closed_sessions", "max_groups", "max_held_trajectories",
                      "replica_max_failures", "max_image_bytes", "max_images_per_call", "max_image_pixels",
                      "max_image_memory"):

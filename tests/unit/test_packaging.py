@@ -216,7 +216,7 @@ VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_pref
 # What opens an HTTP client session; outside backend/ only the kernel's client of the proxy itself may.
 SESSION_MAKERS = {"ClientSession", "TCPConnector", "UnixConnector", "request", "get", "post"}
 PROXY_CLIENT = Path("client/stream.py")  # the proxy's own async client (its control API, not vLLM)
-IMAGE_FETCH = Path("proxy/vision.py")  # fetches an image URL from a host --image-urls allows (never vLLM)
+IMAGE_FETCH = Path("proxy/image_urls.py")  # fetches an image URL from a host --image-urls allows (never vLLM)
 
 
 def vllm_http_outside_backend(root: Path) -> list[str]:
