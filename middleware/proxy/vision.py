@@ -339,13 +339,14 @@ class CallImages:
         assert self.cfg is not None and self.memory is not None
         self.images = await gather(chat, self.cfg, self.known, self.memory, self._holds)
 
-    @contextlib.asynccontextmanager
-    async def stored(self) -> AsyncIterator[None]:
+    def stored(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Around the append of a step that names these images: each stored first (once by digest), and kept
-        from compaction until the step is in the log."""
-        if not self.images or self.store is None:
-            yield
-            return
+        from compaction until the step is in the log (a call without images: nothing, at no cost)."""
+        return _NOTHING if not self.images or self.store is None else self._stored()
+
+    @contextlib.asynccontextmanager
+    async def _stored(self) -> AsyncIterator[None]:
+        assert self.store is not None
         with self.store.hold([i.sha256 for i in self.images]):
             await self.store.put((i.sha256, i.data) for i in self.images)
             yield
@@ -379,3 +380,4 @@ class CallImages:
 
 
 NO_IMAGES = CallImages(None, None, None)  # a call without images (what _Call starts with)
+_NOTHING = contextlib.nullcontext()

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from typing import Any
 
 from steptap.middleware.config import ProxyConfig
@@ -58,6 +58,7 @@ from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, n
 logger = logging.getLogger("steptap.sessions")
 
 _POINTER = 8  # bytes a list holds per item (the items are a prompt's own ids, counted with it)
+_NOTHING = nullcontext()
 
 
 class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
@@ -288,19 +289,22 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             session.bytes = len(msgpack_encoder.encode(traj))
         return session
 
-    @contextmanager
-    def first_call(self, session: LiveSession) -> Iterator[None]:
+    def first_call(self, session: LiveSession) -> AbstractContextManager[None]:
         """From a call's ``resolve`` to its ``call`` (its images read meanwhile): an auto session still
-        pending counts the call as in flight (the idle sweep keeps it), and a refusal drops it."""
-        pending = int(session.pending)
-        session.inflight += pending
+        pending counts the call as in flight (the idle sweep keeps it), and a refusal drops it (any other
+        session: nothing, at no cost)."""
+        return self._first_call(session) if session.pending else _NOTHING
+
+    @contextmanager
+    def _first_call(self, session: LiveSession) -> Iterator[None]:
+        session.inflight += 1
         try:
             yield
         except BaseException:
-            session.inflight -= pending
+            session.inflight -= 1
             self.drop_pending(session)
             raise
-        session.inflight -= pending
+        session.inflight -= 1
 
     def drop_pending(self, session: LiveSession) -> None:
         """An auto session whose calls all ended with no step recorded: forgotten (it never opened)."""
