@@ -65,6 +65,8 @@ async def test_a_viewer_logging_in_again_and_again_never_logs_the_operator_out(
         assert status == 200
     resp = await client.get("/console/api/me", cookies={access.COOKIE: operator})
     assert resp.status == 200 and (await resp.json())["role"] == "control"
+    await (await client.post("/console/api/logout", cookies={access.COOKIE: operator})).read()
+    assert (await client.get("/console/api/me", cookies={access.COOKIE: operator})).status == 401
 
 
 async def test_a_login_code_lives_minutes(aiohttp_client: Any, backend: str, tmp_path: Path,
