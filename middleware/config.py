@@ -168,9 +168,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "image bytes all model calls in flight hold, and pixels being decoded (429 beyond); also the most "
         "one call's images may decode to (400 beyond)")] = 512 * MIB
     image_urls: Annotated[list[str], _help(
-        "hosts the proxy may fetch an http(s) image URL from (repeat the flag; '*': any host name), only at a "
-        "public address unless an IP or network here lists it (10.0.0.0/8); none by default: a URL image is a "
-        "400 naming this flag")] = []
+        "hosts the proxy may fetch an http(s) image URL from (repeat the flag; '*': any host name), only at "
+        "a public address unless an IP or network here lists it (10.0.0.0/8); none by default: a URL image "
+        "is a 400 naming this flag")] = []
     image_url_timeout_s: Annotated[float, _help(
         "seconds to fetch one image URL (400 beyond)")] = 10.0
 
