@@ -289,7 +289,7 @@ class ImageMemory:
 
     def close(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
 
