@@ -142,7 +142,8 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transfer_timeout_s: Annotated[float, _help(
         "collective: bound on the rendezvous and on each tensor")] = 120.0
     disk_every: Annotated[int, _help(
-        "collective: every Nth version through disk anyway (a restarted replica reloads it); 0: never")] = 0
+        "collective: every Nth version through disk anyway, so a replica that restarts (or a run whose "
+        "learner died) finds weights on disk at most N versions old; 0: never (only when a proxy asks)")] = 10
     checkpoint_dir: Annotated[str, _help("any fsspec URL")] = "./steptap-checkpoints"
     checkpoint_every: Annotated[int, _help("updates; the stream cursor is acknowledged only here")] = 10
     keep_checkpoints: Annotated[int, _help("checkpoints kept (older ones are deleted)")] = 2
@@ -185,6 +186,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if problems:
             raise ValueError("invalid learner config:\n  " + "\n  ".join(problems))
         return self
+
+    def through_disk(self, version: int) -> bool:
+        """Whether ``version`` is published through disk: always under ``weight_sync = "disk"``; under
+        collective, every ``disk_every``-th (a proxy that wants one, ``disk_wanted``, gets it regardless)."""
+        return self.weight_sync == "disk" or (self.disk_every > 0 and version % self.disk_every == 0)
 
     def urls(self) -> list[str]:
         """The proxies to stream from and publish to: ``proxy_urls``, else ``proxy_url``."""

@@ -293,7 +293,6 @@ class Learner:
         from steptap.learner.publish import PublishError, prune, request_swap
 
         version, lora = self.version + 1, self.engine.lora
-        every = self.cfg.disk_every
         if self.cfg.weight_sync == "collective" and not lora:
             states = [_proxy_state(src.url, self.cfg.token()) for src in self.sources]
             # A proxy made a version of disk weights meanwhile
@@ -302,7 +301,7 @@ class Learner:
             # A replica lost a transferred version: this one goes through disk, whatever disk_every
             if wanted:
                 self.metrics.note(f"publishing version {version} through disk: {wanted[0]}")
-            elif not (every and version % every == 0):
+            elif not self.cfg.through_disk(version):
                 self._publish_collective(version)
                 return
         try:

@@ -60,7 +60,7 @@ def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web
     app[REWARD_KEY] = (
         reward_fn if reward_fn is not None else (load_reward(config.reward) if config.reward else None)
     )
-    app.cleanup_ctx.extend([_upstream_ctx, _log_ctx, _swapper_ctx, _tasks_ctx])
+    app.cleanup_ctx.extend([_upstream_ctx, _log_ctx, _swapper_ctx, _tasks_ctx, _images_ctx])
 
     r = app.router
     for prefix in ("", "/s/{agent_session}"):
@@ -147,6 +147,11 @@ async def _tasks_ctx(app: web.Application) -> AsyncIterator[None]:
     # persistence tasks (anonymous closes, failed steps, idle closes) finish before the log closes
     while tasks:
         await asyncio.gather(*list(tasks), return_exceptions=True)
+
+
+async def _images_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    app[vision.IMAGE_MEMORY_KEY].close()  # its decoding threads (a decode in progress is not waited for)
 
 
 @web.middleware

@@ -82,6 +82,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "accepted it")] = True
     max_auto_sessions: Annotated[int, _help(
         "most auto-created sessions open at once, apart from max_open_sessions (429 beyond)")] = 1000
+    max_auto_sessions_per_peer: Annotated[int, _help(
+        "most auto-created sessions one client address opens (pending or open; 429 beyond): one caller "
+        "cannot keep max_auto_sessions full for every agent")] = 750
     auto_session_idle_timeout_s: Annotated[float, _help(
         "auto-created sessions idle this long are closed as timed_out")] = 60.0
     force_sampling: Annotated[dict[str, float], _help(
@@ -162,10 +165,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     max_image_pixels: Annotated[int, _help(
         "most pixels (width x height) of one image (400 beyond)")] = 40_000_000
     max_image_memory: Annotated[int, _help(
-        "decoded image bytes all model calls in flight hold together (429 beyond)")] = 512 * MIB
+        "image bytes all model calls in flight hold, and pixels being decoded (429 beyond); also the most "
+        "one call's images may decode to (400 beyond)")] = 512 * MIB
     image_urls: Annotated[list[str], _help(
-        "hosts the proxy may fetch an http(s) image URL from (repeat the flag; '*': any host); none by "
-        "default: a URL image is a 400 naming this flag")] = []
+        "hosts the proxy may fetch an http(s) image URL from (repeat the flag; '*': any host name), only at "
+        "a public address unless an IP or network here lists it (10.0.0.0/8); none by default: a URL image "
+        "is a 400 naming this flag")] = []
     image_url_timeout_s: Annotated[float, _help(
         "seconds to fetch one image URL (400 beyond)")] = 10.0
 
@@ -176,6 +181,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                      "max_bytes_held", "max_n", "max_session_steps", "max_session_bytes",
                      "max_concurrent_calls",
                      "max_calls_per_peer", "max_calls_per_session", "max_open_sessions", "max_auto_sessions",
+                     "max_auto_sessions_per_peer",
                      "upstream_max_connections", "max_closed_sessions", "max_groups", "max_held_trajectories",
                      "replica_max_failures", "max_image_bytes", "max_images_per_call", "max_image_pixels",
                      "max_image_memory"):

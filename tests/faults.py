@@ -16,6 +16,12 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
   newline (legal framing a proxy must reassemble).
 - ``flood``: a stream that never ends, as fast as its reader takes it (a reader that stops reading fills every
   buffer on the way: the proxy's writes to it then block).
+- ``hold``: the call (chat or render) is counted in ``held`` and answered ``ok`` only once ``release`` is set:
+  a call the test keeps in flight for as long as it needs, with no clock.
+- ``no_ids``: the render route answers a JSON object without ``token_ids``.
+
+``/v1/chat/completions/render`` answers ``{"token_ids": PROMPT_IDS}`` (``count_tokens``' bookkeeping under
+the limits; what vLLM's render returns is tested against the real server).
 """
 
 from __future__ import annotations
@@ -92,7 +98,10 @@ class FaultInjector:
         self.connections: set[int] = set()  # distinct upstream connections seen (keep-alive reuse shows here)
         self.authorization: list[str | None] = []  # the Authorization header of each chat call
         self.app = web.Application(client_max_size=1 << 30)  # as vLLM: no body limit of its own
+        self.held = 0  # calls waiting in mode ``hold``
+        self.release = asyncio.Event()
         self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_post("/v1/chat/completions/render", self._render)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
 
@@ -102,12 +111,29 @@ class FaultInjector:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def _hold(self) -> None:
+        self.held += 1
+        try:
+            await self.release.wait()
+        finally:
+            self.held -= 1
+
+    async def _render(self, request: web.Request) -> web.Response:
+        await request.read()
+        mode = request.headers.get("X-Fault", self.mode)
+        if mode == "hold":
+            await self._hold()
+        return web.json_response({"request_id": "x"} if mode == "no_ids" else {"token_ids": PROMPT_IDS})
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         self.connections.add(id(request.transport))
         self.authorization.append(request.headers.get("Authorization"))
         body = await request.json()
         mode = request.headers.get("X-Fault", self.mode)
+        if mode == "hold":
+            await self._hold()
+            mode = "ok"
         if mode == "disconnect_once":  # as a server closing an idle keep-alive connection as it is reused
             self.mode = mode = "ok"
             assert request.transport is not None

@@ -25,10 +25,10 @@ from steptap.middleware.errors import ApiError
 Role = Literal["viewer", "control"]
 COOKIE = "steptap_console"
 CSRF_HEADER = "X-Steptap-Console"
-CODE_TTL_S = 3600.0  # a printed link works for an hour, once
+CODE_TTL_S = 600.0  # a printed link works for ten minutes, once (it sits in a terminal's scrollback)
 SESSION_TTL_S = 12 * 3600.0
 MAX_CODES = 256
-MAX_SESSIONS = 1024
+MAX_SESSIONS = 1024  # per role: a viewer logging in again and again pushes out only viewers
 
 
 class Access:
@@ -36,7 +36,9 @@ class Access:
 
     def __init__(self) -> None:
         self.codes: OrderedDict[str, tuple[Role, float]] = OrderedDict()  # code -> (role, expiry)
-        self.sessions: OrderedDict[str, tuple[Role, float]] = OrderedDict()  # cookie -> (role, expiry)
+        # cookie -> (role, expiry), a table per role
+        self.tables: dict[Role, OrderedDict[str, tuple[Role, float]]] = {"viewer": OrderedDict(),
+                                                                         "control": OrderedDict()}
 
     @staticmethod
     def _put(table: OrderedDict[str, tuple[Role, float]], role: Role, ttl: float, limit: int) -> str:
@@ -59,13 +61,20 @@ class Access:
         return role if role is not None and exp >= time.time() else None
 
     def open_session(self, role: Role) -> str:
-        return self._put(self.sessions, role, SESSION_TTL_S, MAX_SESSIONS)
+        return self._put(self.tables[role], role, SESSION_TTL_S, MAX_SESSIONS)
 
     def session_role(self, cookie: str | None) -> Role | None:
         if not cookie:
             return None
-        role, exp = self.sessions.get(cookie, (None, 0.0))
-        return role if role is not None and exp >= time.time() else None
+        for table in self.tables.values():
+            role, exp = table.get(cookie, (None, 0.0))
+            if role is not None:
+                return role if exp >= time.time() else None
+        return None
+
+    def close_session(self, cookie: str) -> None:
+        for table in self.tables.values():
+            table.pop(cookie, None)
 
 
 ACCESS_KEY = web.AppKey("steptap_console_access", Access)
@@ -110,6 +119,10 @@ def require_act(request: web.Request) -> None:
         raise ApiError(403, f"a console action needs the {CSRF_HEADER} header", "forbidden")
 
 
-def set_cookie(response: web.StreamResponse, value: str, secure: bool) -> None:
+def set_cookie(request: web.Request, response: web.StreamResponse, value: str) -> None:
+    """The console's cookie; ``Secure`` when the request came over TLS or the proxy is served under an https
+    ``public_url`` (a TLS front ahead of it: the proxy itself sees plain HTTP)."""
+    public = request.app[CONFIG_KEY].public_url or ""
+    secure = request.secure or public.lower().startswith("https://")
     response.set_cookie(COOKIE, value, max_age=int(SESSION_TTL_S), httponly=True, samesite="Strict",
                         secure=secure, path="/console")

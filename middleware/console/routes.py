@@ -97,12 +97,12 @@ async def login(request: web.Request) -> web.Response:
     if role is None:
         raise ApiError(401, "that code is spent, expired or unknown (or the token is wrong)", "unauthorized")
     response = _json({"role": role})
-    set_cookie(response, access.open_session(role), secure=request.secure)
+    set_cookie(request, response, access.open_session(role))
     return response
 
 
 async def logout(request: web.Request) -> web.Response:
-    request.app[ACCESS_KEY].sessions.pop(request.cookies.get("steptap_console", ""), None)
+    request.app[ACCESS_KEY].close_session(request.cookies.get("steptap_console", ""))
     response = _json({"role": None})
     response.del_cookie("steptap_console", path="/console")
     return response

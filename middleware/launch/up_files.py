@@ -49,7 +49,7 @@ class RunFiles:
         ]
         try:  # a one-time code, in the fragment: it never reaches a server's log, and is spent once used
             link = SyncSteptapClient(self.proxy_url, self.token, timeout_s=10).console_link()
-            lines.append(f"  console: {link}   (a one-time login link)")
+            lines.append(f"  console: {link}   (a one-time login link: it expires in ten minutes)")
         except (OSError, ValueError, KeyError, SteptapError) as exc:
             lines.append(f"  console: {self.proxy_url}/console/ (no login link: {exc})")
         for line in lines:

@@ -8,18 +8,12 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.auth import check_model_call_origin
 from steptap.middleware.backend.pool import POOL_KEY
-from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
-from steptap.middleware.proxy import gemini, relay, tito, vision
-from steptap.middleware.proxy.capture import CHAT
+from steptap.middleware.proxy import gemini, relay, routes
 from steptap.middleware.proxy.gemini_contents import COUNT, STREAM, split_call
 from steptap.middleware.proxy.protocols import Gemini, shaped_errors
-from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
 from steptap.middleware.records import json_encoder
-from steptap.middleware.sessions.control import SESSIONS_KEY
-from steptap.middleware.sessions.identity import identify
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
@@ -59,27 +53,9 @@ async def _count_tokens(request: web.Request) -> web.Response:
     """``{"totalTokens": N}``: the length of the prompt a ``generateContent`` call with these contents would
     send, rendered by the session's replica (the same translation and template): what the step's
     ``prompt_token_ids`` will hold."""
-    app = request.app
-    check_model_call_origin(request)
     name, _ = split_call(request.match_info["call"])
-    proto = Gemini(_json_object(await read_body(request)), name, count_only=True)
-    known: dict[str, vision.Image] = {}  # images checked and fetched as a call's: vLLM never fetches a URL
-    await vision.gather(proto.chat, app[CONFIG_KEY], known)
-    ident = identify(request)
-    pool = app[POOL_KEY]
-    served = await pool.route(name, app[SESSIONS_KEY].side_aliases(ident))
-    session = await app[SESSIONS_KEY].resolve(ident)
-    upstream = pool.pick(_sticky_id(session)).client
-    out, _ = patch_request(vision.with_data(proto.chat, known), CHAT, served, app[CONFIG_KEY])
-    try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
-        rendered = await tito.render(upstream, out)
-    except tito.TitoError as exc:
-        if exc.status in (404, 405):
-            raise ApiError(501, "countTokens renders through the backend's render route: start vLLM with "
-                                "--enable-scale-out", "not_supported") from None
-        raise ApiError(exc.status if exc.status < 500 else 502,
-                       tito.backend_error(upstream.name, exc).message, "backend_error") from None
-    return web.json_response({"totalTokens": len(rendered["token_ids"])})
+    ids = await routes.prompt_ids(request, lambda body: Gemini(body, name, count_only=True))
+    return web.json_response({"totalTokens": len(ids)})
 
 
 async def _listed(request: web.Request) -> list[dict[str, object]]:

@@ -17,7 +17,6 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.auth import check_model_call_origin
 from steptap.middleware.backend.client import Parts, timed_out
 from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.config import CONFIG_KEY
@@ -38,11 +37,10 @@ from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.serving import (
     _sticky_id,
-    _too_large,
     _upstream_body,
+    admitted_body,
     decode_body,
     patch_request,
-    read_body,
 )
 from steptap.middleware.proxy.sse import StreamRelay
 from steptap.middleware.proxy.validate import check_model_call
@@ -77,16 +75,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
-    app = request.app
     started_at, t0 = time.time(), time.perf_counter()
-    cfg, manager = app[CONFIG_KEY], app[SESSIONS_KEY]
-    check_model_call_origin(request)  # 415 / 403 before anything is read
-    manager.log.ensure_writable()  # 503 while the log cannot write: a call it cannot record is not made
-    if (request.content_length or 0) > cfg.body_limit:
-        raise _too_large(cfg)  # declared: refused before a byte is read
-    with manager.holdings.body_memory(request.content_length) as held:  # 429 past max_body_memory
-        raw = await read_body(request)  # 413 past max_request_bytes
-        held.read(raw)  # 413 past max_json_nodes, before anything is decoded
+    async with admitted_body(request) as raw:  # origin, a writable log, the body's limits (serving.py)
         return await _model_call(request, endpoint, raw, started_at, t0)
 
 
@@ -109,16 +99,19 @@ async def _model_call(
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
     stream = bool(view.stream)
-    # Images: read, checked (a 400, nothing recorded) and stored before anything is forwarded (vision.py)
-    async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images, edge) as pics:
-        with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-            served = await pool.route(view.model, manager.side_aliases(ident))  # refused: opens no session
-            session = await manager.resolve(ident)  # identify
-            if proto is not None:
-                proto.prepare(None if session.trajectory.anonymous else session.id)
-                for field in proto.dropped:
-                    app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
-                await pics.again(proto.chat, manager, session)  # a stored conversation's images
+    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+        served = await pool.route(view.model, manager.side_aliases(ident))  # refused: opens no session
+        session = await manager.resolve(ident, request.remote)  # identify
+        async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images) as pics:
+            with manager.first_call(session):  # refused before its call begins: no auto session opened
+                if proto is not None:
+                    proto.prepare(None if session.trajectory.anonymous else session.id)
+                    for field in proto.dropped:
+                        app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
+                # Images once admitted and routed (a refused call decodes none), a stored conversation's
+                # too: checked (a 400 or 429, nothing recorded) and held; stored with the step that names
+                # them (vision.py)
+                await pics.read(edge if proto is None else proto.chat)
             try:
                 async with manager.call(session, steps=view.n or 1, size=len(raw)), \
                         app[SWAPPER_KEY].gate() as ticket:  # gate
@@ -164,13 +157,12 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
         return
     manager = request.app[SESSIONS_KEY]
     try:
-        session = await manager.resolve(ident)
+        session = await manager.resolve(ident, request.remote)
     except DomainError:
         return
     # An auto session is opened by an accepted call only: a refused first call opens nothing
     if session.pending:
-        if session.inflight == 0:
-            manager.pending.pop(session.id, None)
+        manager.drop_pending(session)
         return
     model = body.get("model")
     step = capture.failed_step(endpoint, message, "invalid_request", request=vision.strip_images(body),
@@ -356,13 +348,15 @@ class _Call(StreamRelay):
         # A translated request's messages as sent upstream (images as references): continuity is judged on
         # them (sessions/prefix.py)
         chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
-        await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
+        async with self.pics.stored():  # the images the steps name: stored only now (the call was accepted)
+            await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
         if self.tito:
             tito.end_turn(self.session, self.chat, steps, stop_reason)
 
     async def _record_quietly(self, step: Step) -> None:
         try:
-            await self.manager.record(self.session, [step])
+            async with self.pics.stored():  # its request refers to them
+                await self.manager.record(self.session, [step])
         except Exception:  # a background task: log it, there is no agent left to tell
             logger.exception("could not record the failed step of session %s", self.session.id)
 

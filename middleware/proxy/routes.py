@@ -3,20 +3,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.auth import check_model_call_origin, is_control
+from steptap.middleware.auth import is_control
+from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
+from steptap.middleware.exceptions import BackendMalformed
 from steptap.middleware.proxy import gemini, tito, vision
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.capture import CHAT
-from steptap.middleware.proxy.protocols import Messages, anthropic_errors
-from steptap.middleware.proxy.serving import _json_object, _sticky_id, patch_request, read_body
+from steptap.middleware.proxy.protocols import Messages, Protocol, anthropic_errors
+from steptap.middleware.proxy.serving import _json_object, _sticky_id, admitted_body, patch_request
 from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
@@ -53,21 +56,37 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 
 
 async def _count_tokens(request: web.Request) -> web.Response:
+    ids = await prompt_ids(request, lambda body: Messages(body, "", count_only=True))
+    return web.json_response({"input_tokens": len(ids)})
+
+
+async def prompt_ids(request: web.Request, protocol: Callable[[dict[str, Any]], Protocol]) -> list[Any]:
+    """The ids of the prompt a model call with this body would send (Anthropic's and Gemini's token counts),
+    admitted as a model call is (serving.admitted_body, ``admitted``, images under ``max_image_memory``); the
+    session is looked up, never opened (any replica renders alike: the session's own is used when it has
+    one)."""
     app = request.app
-    check_model_call_origin(request)
-    body = _json_object(await read_body(request))
-    proto = Messages(body, "", count_only=True)
-    known: dict[str, vision.Image] = {}  # images checked and fetched as a call's: vLLM never fetches a URL
-    await vision.gather(proto.chat, app[CONFIG_KEY], known)
-    ident = identify(request)
-    pool = app[POOL_KEY]
-    served = await pool.route(proto.chat.get("model"), app[SESSIONS_KEY].side_aliases(ident))
-    session = await app[SESSIONS_KEY].resolve(ident)
-    upstream = pool.pick(_sticky_id(session)).client
-    await proto.adapt(upstream, served)
-    out, _ = patch_request(vision.with_data(proto.chat, known), CHAT, served, app[CONFIG_KEY])
+    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
+    async with admitted_body(request) as raw:
+        body = _json_object(raw)
+        proto = protocol(body)
+        ident = identify(request)
+        with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+            served = await pool.route(proto.chat.get("model"), manager.side_aliases(ident))
+            session = manager.peek(ident)
+            upstream = pool.pick(None if session is None else _sticky_id(session)).client
+            # images checked and fetched as a call's (vLLM never fetches a URL), never stored
+            async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], None) as pics:
+                await pics.read(proto.chat)
+                await proto.adapt(upstream, served)
+                out, _ = patch_request(pics.upstream(proto, body), CHAT, served, cfg)
+                return await _rendered_ids(upstream, out)
+
+
+async def _rendered_ids(upstream: BackendClient, chat: dict[str, Any]) -> list[Any]:
+    """The prompt ids vLLM renders ``chat`` to; an answer without them is a 502 naming the replica."""
     try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
-        rendered = await tito.render(upstream, out)
+        rendered = await tito.render(upstream, chat)
     except tito.TitoError as exc:
         if exc.status in (404, 405):
             raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
@@ -75,7 +94,12 @@ async def _count_tokens(request: web.Request) -> web.Response:
         raise ApiError(exc.status if exc.status < 500 else 502,
                        tito.backend_error(upstream.name, exc).message,
                        "backend_error") from None
-    return web.json_response({"input_tokens": len(rendered["token_ids"])})
+    except msgspec.DecodeError:
+        rendered = None
+    ids = rendered.get("token_ids") if isinstance(rendered, dict) else None
+    if not isinstance(ids, list):
+        raise BackendMalformed(f"backend {upstream.name} answered count_tokens' render without token_ids")
+    return ids
 
 
 async def health(request: web.Request) -> web.Response:
@@ -92,6 +116,8 @@ async def health(request: web.Request) -> web.Response:
         "backends": state["replicas"],
         "sessions_moved": state["sessions_moved"],
         "sessions_open": len(request.app[SESSIONS_KEY].sessions),
+        # auto sessions whose first call is in flight (each counts against max_auto_sessions)
+        "sessions_pending": len(request.app[SESSIONS_KEY].pending),
         "policy_version": int(swapper.version),
         "weights": swapper.state(),  # swap state (weights/swapper.py)
     }

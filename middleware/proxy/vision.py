@@ -1,13 +1,15 @@
 """Images in model calls: each image part of the chat body sent upstream (the three protocols' images arrive
-there as chat ``image_url`` parts: messages_request.py, responses_request.py) read, checked and hashed before
-anything is forwarded or recorded.
+there as chat ``image_url`` parts: messages_request.py, responses_request.py) read, checked and hashed once
+the call is admitted and routed (a refused call decodes nothing).
 
-A data URL is decoded; an http(s) URL is fetched by the proxy itself (only from the hosts ``--image-urls``
-allows, bounded in size and time, no redirects) and sent upstream as a data URL, so vLLM, the record and the
-image store see the same bytes. Each image is decoded with Pillow (an undecodable one, or one past
-``max_image_bytes`` / ``max_image_pixels`` / ``max_images_per_call``, is a 400 and nothing is recorded). The
-logged request holds a reference in place of each image's data (``with_refs``; log/images.py stores the bytes
-once by digest).
+A data URL is decoded; an http(s) URL is fetched by the proxy itself (image_urls.py: allowed hosts and
+addresses only, bounded, no redirects) and sent upstream as a data URL, so vLLM, the record and the image
+store see the same bytes. Each image's header is read first: its decoded size (width x height x the bytes a
+pixel takes) is checked against ``max_image_pixels`` and, with the call's other images, against
+``max_image_memory`` (a 400) before Pillow decodes it, on a small executor of its own (``ImageMemory``), its
+pixels held against ``max_image_memory`` while they are decoded and its bytes while the call is in flight (a
+429 beyond). The logged request holds a reference in place of each image's data (``with_refs``); the bytes are
+stored once by digest (log/images.py) only with the step that names them (``CallImages.stored``).
 """
 
 from __future__ import annotations
@@ -15,22 +17,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import contextlib
 import io
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import Overloaded
+from steptap.middleware.proxy import image_urls
 from steptap.middleware.proxy.translation import data_url
 from steptap.middleware.records import ImageRef, image_digest, ref_of
-from steptap.middleware.sessions.manager import SessionManager
+from steptap.middleware.sessions.limits import RETRY_AFTER_S
 from steptap.middleware.sessions.session import Images, LiveSession
 
 
@@ -47,6 +50,7 @@ class Image:
     mime: str
     width: int
     height: int
+    decoded: int = 0  # the bytes its pixels took once decoded
 
     def ref(self) -> ImageRef:
         return ImageRef(sha256=self.sha256, mime=self.mime, width=self.width, height=self.height,
@@ -75,10 +79,13 @@ def has_images(chat: dict[str, Any]) -> bool:
     return next(image_parts(chat), None) is not None
 
 
-async def gather(chat: dict[str, Any], cfg: ProxyConfig, known: dict[str, Image]) -> list[Image]:
+async def gather(chat: dict[str, Any], cfg: ProxyConfig, known: dict[str, Image], memory: ImageMemory,
+                 holds: contextlib.ExitStack) -> list[Image]:
     """Each image of the chat body, in prompt order; ``known`` (source -> image) spares a source met before
-    in this call its second decode or fetch."""
+    in this call its second decode or fetch. Each new image's bytes are held in ``memory`` on ``holds`` (until
+    the call ends) as soon as they are read, then it is decoded on ``memory``'s executor."""
     out: list[Image] = []
+    decoded = sum(i.decoded for i in known.values())  # the call's pixels decoded so far
     for part in image_parts(chat):
         src = _source(part)
         if not isinstance(src, str) or not src:
@@ -86,9 +93,14 @@ async def gather(chat: dict[str, Any], cfg: ProxyConfig, known: dict[str, Image]
         if len(out) >= cfg.max_images_per_call:
             raise _bad(f"the call carries more than {cfg.max_images_per_call} images (max_images_per_call)")
         if src not in known:
-            raw = await _fetch(src, cfg) if src.startswith(("http://", "https://")) else _decode_data_url(src,
-                                                                                                         cfg)
-            known[src] = await asyncio.to_thread(inspect, raw, cfg)
+            hold = holds.enter_context(memory.hold(0))
+            if src.startswith(("http://", "https://")):
+                raw = await image_urls.fetch(src, cfg, hold.resize)
+            else:
+                raw = _decode_data_url(src, cfg)
+                hold.resize(len(raw))
+            known[src] = await memory.decode(raw, cfg, decoded)
+            decoded += known[src].decoded
         out.append(known[src])
     return out
 
@@ -106,8 +118,17 @@ def _decode_data_url(src: str, cfg: ProxyConfig) -> bytes:
         raise _bad("an image's data URL is not valid base64") from None
 
 
-def inspect(raw: bytes, cfg: ProxyConfig) -> Image:
-    """The image's digest, type and size, once Pillow decoded it whole (a thread: decoding takes time)."""
+def pixel_bytes(mode: str) -> int:
+    """The bytes Pillow keeps a pixel of this mode in once decoded: 1 (1, L, P), 2 (I;16), else 4 (RGB is
+    kept in four)."""
+    return 1 if mode in ("1", "L", "P") else 2 if mode.startswith("I;16") else 4
+
+
+def inspect(raw: bytes, cfg: ProxyConfig, memory: ImageMemory | None = None, before: int = 0) -> Image:
+    """The image's digest, type and size, once Pillow decoded it whole (an image thread: decoding takes
+    time). Its decoded size is read from the header and checked before decoding: past ``max_image_pixels``,
+    or past ``max_image_memory`` with the ``before`` bytes the call's other images decode to, a 400; its
+    pixels are held in ``memory`` while decoded (a 429 when they do not fit now)."""
     from PIL import Image as Pil  # noqa: N813 - only when a call carries an image
     from PIL import UnidentifiedImageError
 
@@ -119,45 +140,21 @@ def inspect(raw: bytes, cfg: ProxyConfig) -> Image:
             if width * height > cfg.max_image_pixels:  # from the header, before decoding
                 raise _bad(f"an image of {width}x{height} pixels is past max_image_pixels "
                            f"({cfg.max_image_pixels})")
-            img.load()
-            mime = Pil.MIME.get(img.format or "", "application/octet-stream")
+            size = width * height * pixel_bytes(img.mode)
+            if before + size > cfg.max_image_memory:
+                raise _bad(f"the call's images decode to more than {cfg.max_image_memory} bytes "
+                           f"(max_image_memory): {width}x{height} {img.mode} takes {size}")
+            with memory.hold(size) if memory is not None else contextlib.nullcontext():
+                img.load()
+                mime = Pil.MIME.get(img.format or "", "application/octet-stream")
+                img.close()  # the pixels given back before their hold is
     except ApiError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Pil.DecompressionBombError) as exc:
         raise _bad(f"an image could not be decoded: {exc}") from None
-    return Image(sha256=image_digest(raw), data=raw, mime=mime, width=width, height=height)
-
-
-def _host_allowed(url: str, cfg: ProxyConfig) -> bool:
-    host = (urlsplit(url).hostname or "").lower()
-    return "*" in cfg.image_urls or host in {h.lower() for h in cfg.image_urls}
-
-
-async def _fetch(url: str, cfg: ProxyConfig) -> bytes:
-    """An image URL's bytes: allowed hosts only, no redirects, at most ``max_image_bytes``, within
-    ``image_url_timeout_s``."""
-    if not _host_allowed(url, cfg):
-        raise _bad(f"image URLs from {urlsplit(url).hostname!r} are not fetched: allow the host with "
-                   "--image-urls HOST (or '*'), or send the image as a base64 data URL")
-    timeout = aiohttp.ClientTimeout(total=cfg.image_url_timeout_s)
-    try:
-        async with aiohttp.ClientSession(timeout=timeout) as http, \
-                http.get(url, allow_redirects=False) as resp:
-            if resp.status != 200:
-                raise _bad(f"fetching the image {url[:200]} answered {resp.status}")
-            if (resp.content_length or 0) > cfg.max_image_bytes:
-                raise _bad(f"the image at {url[:200]} is larger than {cfg.max_image_bytes} bytes "
-                           "(max_image_bytes)")
-            data = await resp.content.read(cfg.max_image_bytes + 1)
-            if len(data) > cfg.max_image_bytes or not resp.content.at_eof():
-                raise _bad(f"the image at {url[:200]} is larger than {cfg.max_image_bytes} bytes "
-                           "(max_image_bytes)")
-            return data
-    except TimeoutError:
-        raise _bad(f"fetching the image {url[:200]} took longer than {cfg.image_url_timeout_s} s "
-                   "(image_url_timeout_s)") from None
-    except aiohttp.ClientError as exc:
-        raise _bad(f"fetching the image {url[:200]} failed: {exc}") from None
+    if memory is not None:
+        memory.count_decoded()
+    return Image(sha256=image_digest(raw), data=raw, mime=mime, width=width, height=height, decoded=size)
 
 
 def with_data(chat: dict[str, Any], known: dict[str, Image]) -> dict[str, Any]:
@@ -250,74 +247,109 @@ def _all_sources(body: Any) -> Iterator[str]:
                 yield from _all_sources(v)
 
 
+IMAGE_DECODERS = 2  # threads that decode images: at most this many images' pixels in memory at once
+
+
 class ImageMemory:
-    """The decoded image bytes the calls in flight hold, against ``max_image_memory`` (429 beyond)."""
+    """What the images of the calls in flight take, against ``max_image_memory`` (429 beyond): each image's
+    bytes while its call is in flight, and its pixels while they are decoded; and the small executor that
+    decodes them (never the loop's default one: the log stream and reward callbacks wait on that)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.decoded = 0  # images decoded (a count, for /metrics readers and tests)
+        self._lock = threading.Lock()  # the decoders hold pixels from their threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    @contextlib.contextmanager
-    def hold(self, size: int) -> Iterator[None]:
-        if size and self.held + size > self.limit:
-            raise Overloaded(f"images in flight would take more than {self.limit} bytes (max_image_memory): "
-                             "retry later")
-        self.held += size
-        try:
-            yield
-        finally:
-            self.held -= size
+    def hold(self, size: int) -> Hold:
+        """``size`` bytes held until the ``Hold`` (a context manager) ends; ``Hold.resize`` changes it."""
+        hold = Hold(self)
+        hold.resize(size)
+        return hold
+
+    def _change(self, by: int) -> None:
+        with self._lock:
+            if by > 0 and self.held + by > self.limit:
+                raise Overloaded(f"images in flight would take more than {self.limit} bytes "
+                                 "(max_image_memory): retry later", retry_after_s=RETRY_AFTER_S)
+            self.held += by
+
+    def count_decoded(self) -> None:
+        with self._lock:
+            self.decoded += 1
+
+    async def decode(self, raw: bytes, cfg: ProxyConfig, before: int) -> Image:
+        """``inspect`` on an image thread."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(IMAGE_DECODERS,
+                                                                   thread_name_prefix="steptap-image")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, inspect, raw, cfg, self, before)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class Hold:
+    """Bytes held in an ``ImageMemory`` (a context manager: given back when it ends)."""
+
+    def __init__(self, memory: ImageMemory) -> None:
+        self.memory = memory
+        self.size = 0
+
+    def resize(self, size: int) -> None:
+        self.memory._change(size - self.size)
+        self.size = size
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.memory._change(-self.size)
+        self.size = 0
 
 
 IMAGE_MEMORY_KEY = web.AppKey("steptap_image_memory", ImageMemory)
 
 
 class CallImages:
-    """One call's images while it is in flight (an async context manager): read from the chat body on
-    entry, their bytes counted against ``max_image_memory`` and held from compaction until the call's steps
-    name them, stored before anything is forwarded."""
+    """One call's images while it is in flight (an async context manager): read from the chat body once the
+    call is admitted (``read``), their bytes counted against ``max_image_memory`` until the call ends, stored
+    only with the step that names them (``stored``; never with a ``store`` of None: count_tokens)."""
 
-    def __init__(self, cfg: ProxyConfig | None, memory: ImageMemory | None, store: Images | None,
-                 chat: dict[str, Any] | None = None) -> None:
-        self.cfg, self.memory, self.store, self.chat = cfg, memory, store, chat
+    def __init__(self, cfg: ProxyConfig | None, memory: ImageMemory | None, store: Images | None) -> None:
+        self.cfg, self.memory, self.store = cfg, memory, store
         self.known: dict[str, Image] = {}  # source (data URL or URL) -> image
         self.images: list[Image] = []  # the prompt's, in prompt order
-        self._stack = contextlib.ExitStack()
+        self._holds = contextlib.ExitStack()
 
     async def __aenter__(self) -> CallImages:
-        if self.chat is not None:
-            try:
-                await self.read(self.chat)
-            except BaseException:
-                self._stack.close()  # __aexit__ will not run
-                raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._stack.close()
+        self._holds.close()
 
     async def read(self, chat: dict[str, Any]) -> None:
-        """The chat body's images (all of them: a stored conversation's too); the new ones held and stored."""
+        """The chat body's images (all of them: a stored conversation's too); the new ones read and held."""
         if not has_images(chat):
             return
-        assert self.cfg is not None and self.memory is not None and self.store is not None
-        before = set(self.known)
-        self.images = await gather(chat, self.cfg, self.known)
-        new = [image for src, image in self.known.items() if src not in before]
-        if new:
-            self._stack.enter_context(self.memory.hold(sum(len(i.data) for i in new)))
-            self._stack.enter_context(self.store.hold([i.sha256 for i in new]))
-            await self.store.put((i.sha256, i.data) for i in new)
+        assert self.cfg is not None and self.memory is not None
+        self.images = await gather(chat, self.cfg, self.known, self.memory, self._holds)
 
-    async def again(self, chat: dict[str, Any], manager: SessionManager, session: LiveSession) -> None:
-        """After a stored conversation was joined (``previous_response_id``): too many images together is a
-        400 like any other, and an auto session the call would have opened is dropped."""
-        try:
-            await self.read(chat)
-        except ApiError:
-            if session.pending and session.inflight == 0:
-                manager.pending.pop(session.id, None)
-            raise
+    def stored(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around the append of a step that names these images: each stored first (once by digest), and kept
+        from compaction until the step is in the log (a call without images: nothing, at no cost)."""
+        return _NOTHING if not self.images or self.store is None else self._stored()
+
+    @contextlib.asynccontextmanager
+    async def _stored(self) -> AsyncIterator[None]:
+        assert self.store is not None
+        with self.store.hold([i.sha256 for i in self.images]):
+            await self.store.put((i.sha256, i.data) for i in self.images)
+            yield
 
     def refs(self) -> list[ImageRef]:
         return [i.ref() for i in self.images]
@@ -348,3 +380,4 @@ class CallImages:
 
 
 NO_IMAGES = CallImages(None, None, None)  # a call without images (what _Call starts with)
+_NOTHING = contextlib.nullcontext()

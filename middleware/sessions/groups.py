@@ -59,9 +59,11 @@ class Groups:
     log: Log
     metrics: Metrics
     sessions: dict[str, LiveSession]
+    pending: dict[str, LiveSession]
     groups: dict[str, Group]
     if TYPE_CHECKING:  # SessionManager's and Closing's
         def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+        def drop_pending(self, session: LiveSession) -> None: ...
         async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory: ...
         def expire_held(self) -> None: ...
 
@@ -86,8 +88,12 @@ class Groups:
         return group
 
     def sweep(self) -> None:
-        """Close sessions idle past their timeout (``timed_out``, still delivered) and time out groups."""
+        """Close sessions idle past their timeout (``timed_out``, still delivered), forget pending auto
+        sessions no call holds past it (a first call that ended with no step), and time out groups."""
         now = time.monotonic()
+        idle_pending = self.config.auto_session_idle_timeout_s
+        for session in [s for s in self.pending.values() if now - s.last_active > idle_pending]:
+            self.drop_pending(session)  # one with a call in flight stays
         try:
             self.log.ensure_writable()
         except LogUnavailable:  # idle sessions are closed once their Trajectory record can be written

@@ -99,6 +99,17 @@ class Holdings:
                 retry_after_s=RETRY_AFTER_S,
             )
 
+    def check_auto(self, open_auto: int, peer_auto: int) -> None:
+        """A new auto session: within ``max_auto_sessions``, and within its caller's share
+        (``max_auto_sessions_per_peer``), so one address cannot keep the table full for every agent."""
+        self.check_open(open_auto, auto=True)
+        cap = self.config.max_auto_sessions_per_peer
+        if peer_auto >= cap:
+            raise Overloaded(
+                f"this client opened {peer_auto} auto sessions (max_auto_sessions_per_peer={cap}): finish "
+                "some, or retry later", retry_after_s=RETRY_AFTER_S,
+            )
+
     def check_room(self, sid: str, held_steps: int, held_bytes: int, steps: int, size: int) -> None:
         """SessionFull unless a session holding ``held_*`` may take ``steps`` steps of ``size`` bytes more."""
         cfg = self.config

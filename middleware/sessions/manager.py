@@ -19,12 +19,13 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from typing import Any
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
+    DomainError,
     RecordTooLarge,
     SessionClosed,
     SessionExists,
@@ -57,6 +58,7 @@ from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, n
 logger = logging.getLogger("steptap.sessions")
 
 _POINTER = 8  # bytes a list holds per item (the items are a prompt's own ids, counted with it)
+_NOTHING = nullcontext()
 
 
 class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
@@ -77,6 +79,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         self.auto_open = 0  # how many of them are auto-created (max_auto_sessions)
         # Auto sessions whose first call is in flight (not yet opened)
         self.pending: dict[str, LiveSession] = {}
+        self.auto_peers: dict[str, int] = {}  # auto sessions (pending or open) by the address opening them
         self.keys: dict[str, str] = {}  # session key -> id (kept after close, to answer 409 not 401)
         self.closed: dict[str, TrajectoryStatus] = {}  # id -> final status
         self.groups: dict[str, Group] = {}
@@ -195,6 +198,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     def _unregister(self, session: LiveSession) -> None:
         if self.sessions.pop(session.id, None) is not None:
             self.auto_open -= session.id.startswith(AUTO_PREFIX)
+            self._release_peer(session)
             self.holdings.hold(-len(session.trajectory.steps), -session.bytes)
         self.metrics.sessions_open.set(len(self.sessions))
 
@@ -207,8 +211,10 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             raise SessionNotFound(f"no session {sid!r}")
         return session
 
-    async def resolve(self, ident: Identity) -> LiveSession:
-        """The session a model call belongs to; anonymous calls get a fresh one-step session."""
+    async def resolve(self, ident: Identity, peer: str | None = None) -> LiveSession:
+        """The session a model call belongs to; anonymous calls get a fresh one-step session; a new id an
+        auto session, pending until a step of it is recorded (``peer``: the caller's address, whose share of
+        ``max_auto_sessions`` it takes)."""
         if ident.source == "anonymous":
             traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
             self.metrics.child(self.metrics.sessions_opened, "true").inc()
@@ -233,7 +239,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         if auto not in self.sessions and auto not in self.closed:
             if not self.config.auto_create:
                 raise SessionNotFound(f"no session {sid!r} (sessions are opened with POST /sessions)")
-            return self._pending(auto)
+            return self._pending(auto, peer or "")
         return self.get(auto)
 
     def peek(self, ident: Identity) -> LiveSession | None:
@@ -267,19 +273,57 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             session.bytes += size
             self.holdings.hold(0, size)
 
-    def _pending(self, sid: str) -> LiveSession:
+    def _pending(self, sid: str, peer: str) -> LiveSession:
         """An auto session not opened yet: it opens (``_open_pending``) with its first recorded step, so a
-        call the backend refuses opens nothing. Concurrent first calls on one id share it."""
+        call the backend refuses opens nothing. Concurrent first calls on one id share it. It counts against
+        ``max_auto_sessions`` and its caller's ``max_auto_sessions_per_peer`` from now until it closes, or
+        until its calls ended with no step (``drop_pending``; the idle sweep forgets one no call holds)."""
         session = self.pending.get(sid)
         if session is None:
-            self.holdings.check_open(self.auto_open + len(self.pending), auto=True)
+            self.holdings.check_auto(self.auto_open + len(self.pending), self.auto_peers.get(peer, 0))
             traj = Trajectory(id=sid, idle_timeout_s=self.config.auto_session_idle_timeout_s)
             session = self.pending[sid] = LiveSession(traj, None)
             session.pending = True
+            session.peer = peer
+            self.auto_peers[peer] = self.auto_peers.get(peer, 0) + 1
             session.bytes = len(msgpack_encoder.encode(traj))
         return session
 
+    def first_call(self, session: LiveSession) -> AbstractContextManager[None]:
+        """From a call's ``resolve`` to its ``call`` (its images read meanwhile): an auto session still
+        pending counts the call as in flight (the idle sweep keeps it), and a refusal drops it (any other
+        session: nothing, at no cost)."""
+        return self._first_call(session) if session.pending else _NOTHING
+
+    @contextmanager
+    def _first_call(self, session: LiveSession) -> Iterator[None]:
+        session.inflight += 1
+        try:
+            yield
+        except BaseException:
+            session.inflight -= 1
+            self.drop_pending(session)
+            raise
+        session.inflight -= 1
+
+    def drop_pending(self, session: LiveSession) -> None:
+        """An auto session whose calls all ended with no step recorded: forgotten (it never opened)."""
+        if session.pending and session.inflight == 0 and self.pending.get(session.id) is session:
+            del self.pending[session.id]
+            self._release_peer(session)
+
+    def _release_peer(self, session: LiveSession) -> None:
+        peer, session.peer = session.peer, None
+        if peer is not None:
+            left = self.auto_peers[peer] - 1
+            if left:
+                self.auto_peers[peer] = left
+            else:
+                del self.auto_peers[peer]  # bounded by the auto sessions
+
     async def _open_pending(self, session: LiveSession) -> None:
+        if self.pending.get(session.id) is not session:  # forgotten meanwhile, and its id taken again
+            raise SessionExists(f"session {session.id!r} was opened by another call")
         session.pending = False
         self.pending.pop(session.id, None)
         self._register(session)  # before the await: the session's next steps follow its SessionOpened record
@@ -302,8 +346,12 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         # anonymous call's record is checked against max_record_bytes in ``record``, step by step, before
         # the one record that holds them is built.
         if not session.trajectory.anonymous:
-            self.holdings.check_session_calls(session.id, session.inflight)
-            self._check_room(session, steps, size)
+            try:
+                self.holdings.check_session_calls(session.id, session.inflight)
+                self._check_room(session, steps, size)
+            except DomainError:
+                self.drop_pending(session)  # a first call refused here opens nothing
+                raise
         session.inflight += 1
         session.last_active = time.monotonic()
         try:
@@ -313,8 +361,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             session.last_active = time.monotonic()
             if session.inflight == 0 and session.drained is not None:
                 session.drained.set()
-            if session.pending and session.inflight == 0:  # its calls ended with no step: never opened
-                self.pending.pop(session.id, None)
+            self.drop_pending(session)  # its calls ended with no step: never opened
 
     # ---- steps ---------------------------------------------------------------------------------------------
 

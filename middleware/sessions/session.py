@@ -56,8 +56,8 @@ class LiveSession:
 
     __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
                  "grown", "inflight", "kept", "key", "last_active", "late", "line", "lock", "norms",
-                 "pending", "prompt", "prompt_bytes", "sealed", "starts", "tito", "tito_base", "tito_packed",
-                 "tito_spare", "tito_state", "trajectory")
+                 "peer", "pending", "prompt", "prompt_bytes", "sealed", "starts", "tito", "tito_base",
+                 "tito_packed", "tito_spare", "tito_state", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
@@ -78,6 +78,7 @@ class LiveSession:
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         # Auto-created, opened only when its first step is recorded (the backend accepted)
         self.pending = False
+        self.peer: str | None = None  # an auto session's: the address whose share it takes (manager.py)
         self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, and
         # the full copies of its latest call's delta steps (``full_extra``)
         self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next

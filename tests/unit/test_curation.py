@@ -84,5 +84,5 @@ def test_a_login_code_works_once_and_expires() -> None:
     assert access.redeem(old) is None  # expired
     cookie = access.open_session("control")
     assert access.session_role(cookie) == "control" and access.session_role("forged") is None
-    access.sessions[cookie] = ("control", time.time() - 1)
+    access.tables["control"][cookie] = ("control", time.time() - 1)
     assert access.session_role(cookie) is None

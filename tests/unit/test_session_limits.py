@@ -13,12 +13,13 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import Proxy, ndjson_trajectories
-from faults import refused_address
+from faults import MODEL, FaultInjector, refused_address
 from hypothesis import given
 from hypothesis import strategies as st
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.sessions.control import SESSIONS_KEY
+from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import json_nodes
 
 
@@ -162,6 +163,51 @@ async def test_reward_names_count_toward_the_session_bytes(control_proxy: Any,
     assert sorted((await delivered(http, proxy))[info["id"]]["rewards"]) == answered
     status, body = await post(http, proxy, "/sessions", {"metadata": {"blob": "x" * 3000}})
     assert status == 413 and body["error"]["code"] == "record_too_large", body
+
+
+async def test_a_pending_auto_session_no_call_holds_is_forgotten_after_the_idle_timeout(
+        control_proxy: Any) -> None:
+    """Issue 42, item 1: a pending auto session (its first call not yet recorded) counts against
+    max_auto_sessions; one that no call holds any more is forgotten by the idle sweep, never kept for good."""
+    proxy = await control_proxy(sweep_interval_s=3600)  # swept here, by hand
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    session = await manager.resolve(Identity("path", session_id="made-up"), "10.0.0.1")
+    assert manager.pending == {"auto:made-up": session} and manager.auto_peers == {"10.0.0.1": 1}
+    with manager.first_call(session):  # a call reading its images: held, however long it takes
+        session.last_active -= 3600
+        manager.sweep()
+        assert "auto:made-up" in manager.pending
+    manager.sweep()
+    assert manager.pending == {} and manager.auto_peers == {}
+
+
+async def test_held_trajectories_are_bounded(control_proxy: Any, http: aiohttp.ClientSession) -> None:
+    proxy = await control_proxy(max_held_trajectories=2)
+    for i in range(3):
+        status, info = await post(http, proxy, "/sessions", {})
+        status, body = await post(http, proxy, f"/sessions/{info['id']}/finish", {"reward": "pending"})
+        if i < 2:
+            assert status == 200, body
+    assert status == 429 and "max_held_trajectories" in body["error"]["message"], body
+
+
+async def test_the_bytes_open_sessions_hold_are_bounded(aiohttp_server: Any, make_proxy: Any,
+                                                        http: aiohttp.ClientSession) -> None:
+    backend = await aiohttp_server(FaultInjector().app)
+    proxy = await make_proxy(str(backend.make_url("")).rstrip("/"), max_bytes_held=20_000)
+    status, info = await post(http, proxy, "/sessions", {})
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 1000}]}
+    statuses = []
+    for _ in range(30):
+        async with http.post(f"{info['base_url']}/chat/completions", json=chat,
+                             headers={"Authorization": f"Bearer {info['api_key']}"}) as resp:
+            statuses.append(resp.status)
+            if resp.status != 200:
+                body = await resp.json()
+                break
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    assert "max_bytes_held" in body["error"]["message"], body
+    assert proxy.app[SESSIONS_KEY].bytes_held <= 20_000  # type: ignore[index]
 
 
 @given(st.recursive(st.none() | st.integers() | st.text(alphabet=',{["\\ a'),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -19,6 +20,7 @@ from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.log.images import IMAGES_DIR, ImageStore
 from steptap.middleware.proxy import messages_request, vision
+from steptap.middleware.proxy.image_urls import FETCH_FAILED
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
 from steptap.middleware.records import digest_of_ref, image_digest
 
@@ -42,6 +44,18 @@ def durl(data: bytes) -> str:
 
 
 RED, BLUE = png((255, 0, 0)), png((0, 0, 255), (6, 5))
+
+
+async def gather(chat: dict[str, Any], cfg: ProxyConfig, known: dict[str, vision.Image] | None = None
+                 ) -> list[vision.Image]:
+    """The chat body's images as a call reads them (held while it reads, on an image memory of its own);
+    ``known`` gets each by its source."""
+    memory = vision.ImageMemory(cfg.max_image_memory)
+    try:
+        with contextlib.ExitStack() as holds:
+            return await vision.gather(chat, cfg, {} if known is None else known, memory, holds)
+    finally:
+        memory.close()
 
 
 def chat_body(*urls: str) -> dict[str, Any]:
@@ -72,7 +86,7 @@ async def test_each_protocol_reaches_vllm_as_chat_image_parts_in_prompt_order() 
         assert parts[0] == {"type": "text", "text": "look"}
         assert [p["image_url"]["url"] for p in parts[1:]] == [durl(RED), durl(BLUE)]
         known: dict[str, vision.Image] = {}
-        images = await vision.gather(chat, CFG, known)
+        images = await gather(chat, CFG, known)
         assert [(i.sha256, i.mime, i.width, i.height) for i in images] == [
             (image_digest(RED), "image/png", 4, 3), (image_digest(BLUE), "image/png", 6, 5)]
     # a turn without images stays a plain string (what the template saw before)
@@ -86,7 +100,7 @@ async def test_the_logged_request_holds_references_not_the_bytes(make: Any) -> N
     body = make(durl(RED), durl(BLUE), durl(RED))  # the same screenshot twice
     chat = body if make is chat_body else responses_to_chat(body, [])
     known: dict[str, vision.Image] = {}
-    images = await vision.gather(chat, CFG, known)
+    images = await gather(chat, CFG, known)
     assert [i.sha256 for i in images] == [image_digest(RED), image_digest(BLUE), image_digest(RED)]
     logged = vision.with_refs(body, known)
     text = json.dumps(logged)
@@ -119,7 +133,7 @@ def test_messages_base64_and_url_sources_become_references() -> None:
 ])
 async def test_limits_and_bad_images_are_400s(chat: dict[str, Any], cfg: ProxyConfig, words: str) -> None:
     with pytest.raises(ApiError) as err:
-        await vision.gather(chat, cfg, {})
+        await gather(chat, cfg, {})
     assert err.value.status == 400 and err.value.code == "invalid_image"
     assert words in err.value.message
 
@@ -142,18 +156,18 @@ async def test_url_images_are_fetched_from_allowed_hosts_only(aiohttp_server: An
                           max_image_bytes=len(BLUE) * 10)
     chat = chat_body(base + "red.png", durl(BLUE))
     known: dict[str, vision.Image] = {}
-    images = await vision.gather(chat, allowed, known)
+    images = await gather(chat, allowed, known)
     assert images[0].sha256 == image_digest(RED) and images[0].data == RED
     upstream = vision.with_data(chat, known)  # vLLM gets the bytes the proxy fetched, as a data URL
     assert upstream["messages"][0]["content"][1]["image_url"]["url"] == durl(RED)
     assert chat["messages"][0]["content"][1]["image_url"]["url"] == base + "red.png"
-    for name, words in (("big.png", "max_image_bytes"), ("slow.png", "image_url_timeout_s"),
-                        ("moved.png", "302"), ("none", "could not be decoded")):
+    for name, words in (("big.png", FETCH_FAILED), ("slow.png", FETCH_FAILED), ("moved.png", FETCH_FAILED),
+                        ("none", "could not be decoded")):  # one text for every failed fetch (image_urls.py)
         with pytest.raises(ApiError) as err:
-            await vision.gather(chat_body(base + name), allowed, {})
+            await gather(chat_body(base + name), allowed, {})
         assert words in err.value.message, (name, err.value.message)
     with pytest.raises(ApiError) as err:
-        await vision.gather(chat, ProxyConfig(backend="x", image_urls=["images.example"]), {})
+        await gather(chat, ProxyConfig(backend="x", image_urls=["images.example"]), {})
     assert "--image-urls" in err.value.message
 
 
@@ -162,13 +176,20 @@ async def _post(client: Any, path: str, body: dict[str, Any]) -> tuple[int, Any]
     return resp.status, await resp.json()
 
 
+async def _backend(aiohttp_server: Any) -> str:
+    """The fault injector (its small fixed reply): images are refused before the backend would matter."""
+    from faults import FaultInjector
+
+    return str((await aiohttp_server(FaultInjector().app)).make_url("")).rstrip("/")
+
+
 async def test_a_refused_image_is_a_400_in_each_protocols_shape_and_nothing_is_recorded(
-        aiohttp_client: Any, tmp_path: Path) -> None:
+        aiohttp_client: Any, aiohttp_server: Any, tmp_path: Path) -> None:
     from steptap.middleware.app import create_app
     from steptap.middleware.sessions.control import SESSIONS_KEY
 
-    cfg = ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"), control_token="t",
-                      max_image_pixels=10)
+    cfg = ProxyConfig(backend=await _backend(aiohttp_server), log=str(tmp_path / "log"), control_token="t",
+                      max_image_pixels=10, any_model=True)
     client = await aiohttp_client(create_app(cfg))
     status, body = await _post(client, "/s/vis/v1/chat/completions", chat_body(durl(RED)))
     assert status == 400 and body["error"]["code"] == "invalid_image" and "max_image_pixels" in \
@@ -211,34 +232,43 @@ async def test_a_fetched_image_reads_as_its_reference_in_what_upstream_got(aioht
     url = str(server.make_url("/red.png")).replace("localhost", "127.0.0.1")
     cfg = ProxyConfig(backend="x", image_urls=["127.0.0.1"])
     store = ImageStore(tmp_path)
-    pics = vision.CallImages(cfg, vision.ImageMemory(cfg.max_image_memory), store, chat_body(url))
-    async with pics:
+    memory = vision.ImageMemory(cfg.max_image_memory)
+    async with vision.CallImages(cfg, memory, store) as pics:
+        await pics.read(chat_body(url))
         upstream = pics.upstream(None, chat_body(url))
         assert b64(RED) in json.dumps(upstream)
         logged = pics.logged(upstream["messages"])
         assert b64(RED) not in json.dumps(logged)
         assert digest_of_ref(logged[0]["content"][1]["image_url"]["url"]) == image_digest(RED)
         assert [r.sha256 for r in pics.refs()] == [image_digest(RED)]
-        assert store.get(image_digest(RED)) == RED  # stored (the fetched bytes) before anything was sent
-
+        assert store.get(image_digest(RED)) is None  # stored only with the step that names it
+        async with pics.stored():
+            assert store.get(image_digest(RED)) == RED  # the fetched bytes
+    memory.close()
 
 
 async def test_images_in_flight_are_bounded_together(tmp_path: Path) -> None:
+    """Each image's bytes are held while its call is in flight, its pixels while they are decoded."""
     from steptap.middleware.errors import status_of
     from steptap.middleware.exceptions import Overloaded
 
-    cfg = ProxyConfig(backend="x", max_image_bytes=len(BLUE), max_image_memory=len(BLUE) + len(RED) - 1)
+    wide = png((0, 0, 255), (20, 20))  # 1,600 bytes of pixels
+    limit = len(BLUE) + len(wide) + 20 * 20 * 4 - 1  # both calls' bytes and the second's pixels do not fit
+    cfg = ProxyConfig(backend="x", max_image_bytes=max(len(BLUE), len(wide)), max_image_memory=limit)
     memory, store = vision.ImageMemory(cfg.max_image_memory), ImageStore(tmp_path)
-    async with vision.CallImages(cfg, memory, store, chat_body(durl(BLUE))):
+    async with vision.CallImages(cfg, memory, store) as first:
+        await first.read(chat_body(durl(BLUE)))
         assert memory.held == len(BLUE)
-        with pytest.raises(Overloaded) as err:  # a second call's image would pass the bound: 429
-            async with vision.CallImages(cfg, memory, store, chat_body(durl(RED))):
-                pass
+        with pytest.raises(Overloaded) as err:  # the second call's pixels would pass the bound: 429
+            async with vision.CallImages(cfg, memory, store) as second:
+                await second.read(chat_body(durl(wide)))
         assert status_of(err.value) == 429 and "max_image_memory" in err.value.message
         assert memory.held == len(BLUE)
     assert memory.held == 0  # given back when the call ends
-    async with vision.CallImages(cfg, memory, store, chat_body(durl(RED))):
-        assert memory.held == len(RED)
+    async with vision.CallImages(cfg, memory, store) as second:
+        await second.read(chat_body(durl(wide)))
+        assert memory.held == len(wide)
+    memory.close()
 
 
 async def test_a_tool_results_screenshot_is_an_image_of_the_prompt() -> None:
@@ -259,17 +289,19 @@ async def test_a_tool_results_screenshot_is_an_image_of_the_prompt() -> None:
         tool = [m for m in chat["messages"] if m["role"] == "tool"][0]
         assert tool["content"][0] == {"type": "text", "text": "done"}
         known: dict[str, vision.Image] = {}
-        assert [i.sha256 for i in await vision.gather(chat, CFG, known)] == [image_digest(BLUE)]
+        assert [i.sha256 for i in await gather(chat, CFG, known)] == [image_digest(BLUE)]
         logged = json.dumps(vision.with_refs(agent_body, known))
         assert b64(BLUE) not in logged and f"steptap-image:sha256:{image_digest(BLUE)}" in logged
 
 
-async def test_count_tokens_never_lets_vllm_fetch_an_image_url(aiohttp_client: Any, tmp_path: Path) -> None:
+async def test_count_tokens_never_lets_vllm_fetch_an_image_url(aiohttp_client: Any, aiohttp_server: Any,
+                                                              tmp_path: Path) -> None:
     """``count_tokens`` renders through vLLM: a URL image there is checked as a call's is (a 400 naming
     --image-urls by default), never handed to vLLM to fetch."""
     from steptap.middleware.app import create_app
 
-    cfg = ProxyConfig(backend="http://127.0.0.1:9", log=str(tmp_path / "log"), control_token="t")
+    cfg = ProxyConfig(backend=await _backend(aiohttp_server), log=str(tmp_path / "log"), control_token="t",
+                      any_model=True)
     client = await aiohttp_client(create_app(cfg))
     body = messages_body(url="http://169.254.169.254/latest/meta-data")
     body.pop("max_tokens")
