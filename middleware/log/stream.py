@@ -200,7 +200,7 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
                 return _ndjson_message(cur, found)
             return await asyncio.to_thread(_ndjson_message, cur, found)
         except msgspec.DecodeError as exc:  # ValidationError included
-            log._undecodable(cur, exc)  # counted as the reader counts its own
+            log.undecodable(cur, exc)  # counted as the reader counts its own
             return encode(StreamMessage(cursor=cur, skipped=str(exc)))
 
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,
