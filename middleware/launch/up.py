@@ -31,7 +31,14 @@ from steptap.middleware.launch.placement import has_gpu, replica_env, replica_th
 from steptap.middleware.launch.procs import healthy, listener, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.up_files import RunFiles, Stack, announce, summary
-from steptap.middleware.launch.up_parser import STEPTAP, _free_port, _split, build_parser
+from steptap.middleware.launch.up_parser import (
+    STEPTAP,
+    _free_port,
+    _split,
+    build_parser,
+    learner_argv,
+    serve_argv,
+)
 from steptap.middleware.launch.up_preflight import (
     Interrupted,
     Preflight,
@@ -150,23 +157,8 @@ class Up:
 
     def _start_proxy(self) -> None:
         fds = () if self.listener is None else (self.listener.fileno(),)
-        argv = [
-            *STEPTAP,
-            "serve",
-            *[arg for url in self.backends for arg in ("--backend", url)],
-            "--host",
-            self.args.host,
-            "--port",
-            str(self.proxy_port),
-            "--log",
-            str(self.workdir / "trajectories"),
-            "--control-token-file",  # never on the command line: `ps` shows it to every local user
-            str(self.token_file),
-            "--console-learner-metrics",  # the console draws the learner's loss, KL, grad norm
-            str(self.metrics_path),
-            *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
-            *_split(self.args.serve_args),
-        ]
+        argv = serve_argv(self.args, self.backends, self.proxy_port, self.workdir, self.token_file,
+                          self.metrics_path, fds)
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log", pass_fds=fds))
         if self.listener is not None:
             self.listener.close()  # serve holds it now
@@ -176,25 +168,8 @@ class Up:
         self.served_model = _served_model(self.proxy_url, self.token) or self.served_model
 
     def _learner_argv(self) -> list[str]:
-        argv = ["--config", self.args.config] if self.args.config else []
-        return argv + [
-            "--proxy-url",
-            self.proxy_url,
-            "--model-dir",
-            self.model_dir,
-            "--metrics-file",
-            str(self.metrics_path),
-            "--checkpoint-dir",
-            str(self.workdir / "checkpoints"),
-            "--weights-dir",
-            str(self.workdir / "weights"),
-            *(["--engine", self.args.engine] if self.args.engine else []),
-            # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
-            # learner could make another update between that poll and the stop.
-            *(["--max-updates", str(self.args.max_updates)] if self.args.max_updates else []),
-            "--seed", str(self.seed),
-            *_split(self.args.learn_args),
-        ]
+        return learner_argv(self.args, self.proxy_url, self.model_dir, self.metrics_path, self.workdir,
+                            self.seed)
 
     def _start_learner(self) -> None:
         if self.args.no_learner:

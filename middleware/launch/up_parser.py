@@ -138,8 +138,8 @@ def serve_argv(args: argparse.Namespace, backends: list[str], port: int, workdir
     ]
 
 
-def learner_argv(args: argparse.Namespace, proxy_url: str, model_dir: str, metrics: Path,
-                 workdir: Path) -> list[str]:
+def learner_argv(args: argparse.Namespace, proxy_url: str, model_dir: str, metrics: Path, workdir: Path,
+                 seed: int) -> list[str]:
     """`steptap learn`'s flags (after ``learn``): the run's, then ``--learn-args`` (later wins)."""
     argv = ["--config", args.config] if args.config else []
     return argv + [
@@ -157,5 +157,6 @@ def learner_argv(args: argparse.Namespace, proxy_url: str, model_dir: str, metri
         # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
         # learner could make another update between that poll and the stop.
         *(["--max-updates", str(args.max_updates)] if args.max_updates else []),
+        "--seed", str(seed),
         *_split(args.learn_args),
     ]
