@@ -57,7 +57,7 @@ from steptap.middleware.weights.policy import LORA_PREFIX, Policy, Served, lora_
 from steptap.middleware.weights.reconcile import Reconciler
 from steptap.middleware.weights.replicas import Pool, Replicas
 from steptap.middleware.weights.spans import Spans
-from steptap.middleware.weights.transfer import Transfer
+from steptap.middleware.weights.transfer import Transfer, refuse_unsupported
 
 __all__ = ["CUT_MESSAGE", "CUT_WRITE_S", "LORA_PREFIX", "Ticket", "WeightState", "WeightSwapper"]
 
@@ -311,7 +311,7 @@ class WeightSwapper:
             if self.validate_paths:
                 check_weights_dir(path, cpu_backend=bool(self.cpu_backend), reference=self.path)
         elif transfer is not None:
-            collective.refuse_unsupported([self.replicas.client(b) for b in self.replicas.targets()])
+            refuse_unsupported([self.replicas.client(b) for b in self.replicas.targets()])
             if self.cpu_backend is None or self.path is None:
                 await self.replicas.inspect(self.served)
             if self.cpu_backend and self.path is not None and ties_embeddings(self.path):
