@@ -96,8 +96,10 @@ ALLOWED = {
     "backend": set(),
     "console": {"sessions", "log", "weights", "backend"},  # a view over them all, and curation into the log
 }
-# backend/url.py is stdlib only: the one URL parser, shared with the kernel's sync client and the launchers.
-SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl"}
+# backend/url.py is stdlib only: the one URL parser (and its check), shared with both of the kernel's clients
+# (client/api.py's proxy_url) and the launchers.
+SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl",
+          "steptap.middleware.backend.url.problem"}
 ROOTS = {"app", "serve"}  # may import every part
 ML = {"torch", "transformers", "ray", "verl", "peft", "accelerate", "vllm"}
 LAUNCH_ONLY = {"rich", "psutil"}
