@@ -317,7 +317,7 @@ async def proxy_trajectories(client: SteptapClient) -> AsyncIterator[Trajectory]
         if exc.status != 503:  # 503: up, its backend degraded (the log is still readable)
             raise
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise ConnectionError(f"cannot reach the steptap proxy at {client.base_url}: {exc}") from exc
+        raise ConnectionError(f"cannot reach the steptap proxy at {client.url}: {exc}") from exc
     async for delivery in client.trajectories(CONSUMER, follow=False, cursor=None, dedup=True):
         yield delivery.trajectory
 

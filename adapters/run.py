@@ -36,7 +36,7 @@ from typing import Any
 from steptap.adapters import agents
 from steptap.adapters.runner import Runner, describe, explain
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
-from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
+from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token, proxy_url
 
 
 class RunError(Exception):
@@ -106,6 +106,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("-n must be at least 1")
     if not args.proxy:
         p.error(f"no proxy URL: pass --proxy or set {URL_ENV}")
+    try:
+        proxy_url(args.proxy)  # as both clients take it: http(s)://host:port or unix:PATH, /v1 or not
+    except ValueError as exc:
+        p.error(f"--proxy: {exc}")
     if not args.control_token:
         p.error(f"no control token: pass --control-token or set {TOKEN_ENV}")
     if args.metadata is not None:

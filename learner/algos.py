@@ -9,8 +9,8 @@ does (``ray_trainer.compute_advantage``, ``workers/utils/losses.ppo_loss``) and 
   choice; with one step per trajectory this is exactly GRPO/RLOO). Step discounting is already folded into the
   return (rows.step_returns), so verl's token-level ``gamma`` (REINFORCE++) is 1.
 - Policy loss: ``get_policy_loss_fn(name)`` with an ``ActorConfig``; the micro-batch's share of the global
-  batch goes in ``config.global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss does,
-  so gradient accumulation over micro-batches equals one pass over the whole batch.
+  batch goes in the config's ``global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss
+  does, so gradient accumulation over micro-batches equals one pass over the whole batch.
 - Step-level GAE (``algorithm = "gae"``): verl's ``compute_gae_advantage_return`` is token-level; laid out
 with
   one *column per step* instead of per token it is GAE over steps: row = trajectory, column k = its k-th

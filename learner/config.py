@@ -193,8 +193,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.weight_sync == "disk" or (self.disk_every > 0 and version % self.disk_every == 0)
 
     def urls(self) -> list[str]:
-        """The proxies to stream from and publish to: ``proxy_urls``, else ``proxy_url``."""
-        return list(dict.fromkeys(u.rstrip("/") for u in (self.proxy_urls or (self.proxy_url,))))
+        """The proxies to stream from and publish to: ``proxy_urls``, else ``proxy_url``; each as both clients
+        parse it (``/v1`` stripped: one proxy named twice is one)."""
+        from steptap.middleware.client import proxy_url
+
+        return list(dict.fromkeys(proxy_url(u).name for u in (self.proxy_urls or (self.proxy_url,))))
 
     def token(self) -> str:
         from steptap.middleware.client import default_control_token
@@ -203,6 +206,20 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+def _url_problems(urls: tuple[str, ...]) -> list[str]:
+    """What is wrong with each proxy URL, as both clients would refuse it (at start, not at the first
+    publish)."""
+    from steptap.middleware.client import proxy_url
+
+    out = []
+    for url in urls:
+        try:
+            proxy_url(url)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 def verl_engine_problems(cfg: LearnerConfig) -> list[str]:
@@ -232,7 +249,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raw = tomllib.load(fh)
         data.update(raw.get("learner", raw))
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return msgspec.convert(data, LearnerConfig)
+    cfg = msgspec.convert(data, LearnerConfig)
+    problems = _url_problems(cfg.proxy_urls or (cfg.proxy_url,))
+    if problems:  # here, not at the first publish or stream
+        raise ValueError("invalid learner config:\n  " + "\n  ".join(f"proxy_urls: {p}" for p in problems))
+    return cfg
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -287,10 +287,7 @@ class Learner:
         """Write the weights once (the engine's own writer), swap them into every proxy in parallel under one
         version number (the learner is the version authority; a proxy that missed one catches up at the next,
         newer, version). A refused or unreachable proxy keeps serving its version; training goes on."""
-        import shutil
-        from concurrent.futures import ThreadPoolExecutor
-
-        from steptap.learner.publish import PublishError, prune, request_swap
+        from steptap.learner.publish import publish_written
 
         version, lora = self.version + 1, self.engine.lora
         if self.cfg.weight_sync == "collective" and not lora:
@@ -310,24 +307,13 @@ class Learner:
             self.metrics.note(f"[red]publish failed[/red]: {exc}")
             return
 
-        def swap(url: str) -> PublishError | OSError | None:
-            try:
-                request_swap(url, self.cfg.token(), path, lora=lora, version=version)
-                return None
-            except (PublishError, OSError) as exc:
-                return exc
-
-        with ThreadPoolExecutor(len(self.sources)) as pool:
-            errors = list(pool.map(swap, [s.url for s in self.sources]))
-        for src, err in zip(self.sources, errors, strict=False):
-            if err is not None:
-                self.metrics.note(f"[red]publish failed[/red] on {src.url}: {err}")
-        if any(e is None for e in errors):
+        answers = publish_written(path, [s.url for s in self.sources], self.cfg.token(), self.cfg.weights_dir,
+                                  version=version, lora=lora)
+        for url, answer in answers.items():
+            if not isinstance(answer, int):
+                self.metrics.note(f"[red]publish failed[/red] on {url}: {answer}")
+        if any(isinstance(a, int) for a in answers.values()):
             self.version = version
-            prune(self.cfg.weights_dir, protect=path)
-        elif all(getattr(e, "status", None) is not None for e in errors):
-            shutil.rmtree(path, ignore_errors=True)  # refused everywhere: nothing refers to it
-            # (after a timeout the swap may still have happened: then the directory stays)
 
     def _publish_collective(self, version: int) -> None:
         """``weight_sync = "collective"``: broadcast the full weights into each proxy's vLLM

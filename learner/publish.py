@@ -6,8 +6,10 @@ given); in LoRA mode the peft adapter is written (``save_pretrained``: ``adapter
 renamed into place, so vLLM never reads a half-written directory, and a LoRA adapter is never reloaded from a
 path it already cached. Old directories are pruned to the last ``keep``.
 
-The daemon calls ``publish_weights`` as is; it is synchronous (the training loop waits for the swap, which
-is what makes the next batch's steps carry the new version).
+One path publishes: ``publish_written`` swaps a written directory into every proxy under one version (the
+daemon writes with its engine, then calls it; ``publish_weights`` writes a model in hand and calls it). It is
+synchronous: the training loop waits for the swap, which is what makes the next batch's steps carry the new
+version.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +122,42 @@ def request_swap(
                            "proxy_unreachable") from None
 
 
+def publish_written(
+    path: Path,
+    proxy_urls: list[str],
+    control_token: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    version: int | None = None,
+    lora: bool = False,
+    keep: int = 3,
+    timeout_s: float = 900.0,
+) -> dict[str, int | PublishError]:
+    """Swap the weights written at ``path`` (``write_weights``, or an engine's own writer) into every proxy's
+    vLLM in parallel, under one version: the one way weights are published (the daemon's, and
+    ``publish_weights``'s). Returns each proxy's new ``policy_version``, or the ``PublishError`` it answered.
+    Once a proxy took them, older directories are pruned to ``keep``; refused by every proxy, the directory
+    is removed (nothing refers to it; after a timeout or with a proxy unreachable it stays, since the swap
+    may still have happened)."""
+    t0 = time.monotonic()
+
+    def swap(url: str) -> int | PublishError:
+        try:
+            return request_swap(url, control_token, path, lora=lora, version=version, timeout_s=timeout_s)
+        except PublishError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max(1, len(proxy_urls))) as pool:
+        answers = dict(zip(proxy_urls, pool.map(swap, proxy_urls), strict=True))
+    if any(isinstance(a, int) for a in answers.values()):
+        logger.info("published %s as policy version %s (swap %.2f s)", path,
+                    ", ".join(str(a) for a in answers.values() if isinstance(a, int)), time.monotonic() - t0)
+        prune(out_dir, keep=keep, protect=path)
+    elif all(isinstance(a, PublishError) and a.status is not None for a in answers.values()):
+        shutil.rmtree(path, ignore_errors=True)
+    return answers
+
+
 def publish_weights(
     model: Any,
     tokenizer: Any,
@@ -131,50 +170,19 @@ def publish_weights(
     keep: int = 3,
     timeout_s: float = 900.0,
 ) -> int:
-    """Write the weights (or the peft adapter with ``lora=True``) and swap them into the proxy's vLLM.
+    """Write the weights (or the peft adapter with ``lora=True``) and publish them to one proxy
+    (``publish_written``): for a script with a model in hand.
 
     Returns the new ``policy_version``. Raises ``PublishError`` when the proxy refuses or fails the swap (the
     directory just written is then removed: nothing refers to it) or cannot be reached (``status`` None; the
     directory is kept, since after a timeout the swap may still have happened). Training can go on either
     way: the proxy keeps serving its current version."""
-    t0 = time.monotonic()
     path = write_weights(model, tokenizer, out_dir, version=version, lora=lora)
-    return swap_written(path, proxy_url, control_token, out_dir, version=version, lora=lora, keep=keep,
-                        timeout_s=timeout_s, written_s=time.monotonic() - t0)
-
-
-def swap_written(
-    path: Path,
-    proxy_url: str,
-    control_token: str,
-    out_dir: str | os.PathLike[str],
-    *,
-    version: int | None = None,
-    lora: bool = False,
-    keep: int = 3,
-    timeout_s: float = 900.0,
-    written_s: float = 0.0,
-) -> int:
-    """Swap a directory ``write_weights`` (or an engine's ``write_weights``) wrote into the proxy's vLLM: the
-    second half of ``publish_weights``, for engines that write their weights themselves."""
-    t0 = time.monotonic()
-    try:
-        new_version = request_swap(
-            proxy_url, control_token, path, lora=lora, version=version, timeout_s=timeout_s
-        )
-    except PublishError as exc:
-        if exc.status is not None:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    logger.info(
-        "published %s as policy version %d (write %.2f s, swap %.2f s)",
-        path,
-        new_version,
-        written_s,
-        time.monotonic() - t0,
-    )
-    prune(out_dir, keep=keep, protect=path)
-    return new_version
+    answer = publish_written(path, [proxy_url], control_token, out_dir, version=version, lora=lora, keep=keep,
+                             timeout_s=timeout_s)[proxy_url]
+    if isinstance(answer, PublishError):
+        raise answer
+    return answer
 
 
 def prune(out_dir: str | os.PathLike[str], *, keep: int = 3, protect: Path | None = None) -> list[Path]:

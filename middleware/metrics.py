@@ -20,9 +20,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from steptap.middleware.auth import require_control
 from steptap.middleware.config import CONFIG_KEY
 
-# Metric names, the one definition: the proxy exports them and readers (`steptap up`'s live view, dashboards)
-# use these constants. prometheus_client adds ``_total`` to a counter's sample,
-# ``_count``/``_sum``/``_bucket`` to a histogram's; ``sample()`` says which sample a reader wants.
+# Metric names, the one definition: every metric the proxy exports is named here once, its exporters (this
+# module, weights/routes.py, backend/pool.py) and its readers (`steptap up`'s live view, dashboards, docs) use
+# these constants (tests/unit/test_docs_true.py holds both sides). prometheus_client adds ``_total`` to a
+# counter's sample, ``_count``/``_sum``/``_bucket`` to a histogram's; ``sample()`` says which sample a reader
+# wants.
 CALLS = "steptap_calls"
 CALL_LATENCY = "steptap_call_latency_seconds"
 STEPS = "steptap_steps"
@@ -39,6 +41,49 @@ SPANNING_CALLS = "steptap_calls_spanning_swaps"  # calls whose tokens came from 
 UNSPLIT_CALLS = "steptap_calls_spanning_swaps_unsplit"  # of those, recorded as one version (split unknown)
 # Response tokens recorded per policy version (label: version)
 TOKENS_BY_VERSION = "steptap_tokens_by_version"
+UPSTREAM_ERRORS = "steptap_upstream_errors"
+DROPPED_FIELDS = "steptap_dropped_fields"
+REFUSED_CALLS = "steptap_refused_calls"
+PROMPT_TOKENS = "steptap_prompt_tokens"
+RESPONSE_TOKENS = "steptap_response_tokens"
+PREFIX_STEPS = "steptap_prefix_steps"
+CALL_CLASS_STEPS = "steptap_call_class_steps"
+TITO_TURNS = "steptap_tito_turns"
+TITO_STREAMS = "steptap_tito_streams"
+SESSIONS_OPENED = "steptap_sessions_opened"
+SESSION_STEPS_HELD = "steptap_session_steps_held"
+SESSION_BYTES_HELD = "steptap_session_bytes_held"
+CALLS_INFLIGHT = "steptap_calls_inflight"
+BODY_BYTES_IN_FLIGHT = "steptap_body_bytes_in_flight"
+REWARDS = "steptap_rewards"
+HELD_TRAJECTORIES = "steptap_held_trajectories"
+HELD_ENDED = "steptap_held_ended"
+LATE_REWARDS = "steptap_late_rewards"
+CURATION_MARKS = "steptap_curation_marks"
+REWARD_CALLBACK_ERRORS = "steptap_reward_callback_errors"
+GROUPS_COMPLETE = "steptap_groups_complete"
+LOG_COMMIT_SECONDS = "steptap_log_commit_seconds"
+STREAM_LAG_RECORDS = "steptap_stream_lag_records"
+LOG_RECORDS = "steptap_log_records"
+LOG_COMMITS = "steptap_log_commits"
+LOG_TORN_RECORDS = "steptap_log_torn_records"
+LOG_CORRUPT_RECORDS = "steptap_log_corrupt_records"
+LOG_SEGMENTS = "steptap_log_segments"
+LOG_DISK_BYTES = "steptap_log_disk_bytes"
+LOG_UNDECODABLE_RECORDS = "steptap_log_undecodable_records"
+LOG_WRITE_ERRORS = "steptap_log_write_errors"
+LOG_DEGRADED = "steptap_log_degraded"
+WEIGHT_SWAP_FAILURES = "steptap_weight_swap_failures"
+WEIGHT_SWAP_PAUSED_SECONDS = "steptap_weight_swap_paused_seconds"
+WEIGHT_SWAP_STALL_SECONDS = "steptap_weight_swap_stall_seconds"
+WEIGHT_SWAP_HELD_CALLS = "steptap_weight_swap_held_calls"
+WEIGHT_SWAP_IN_FLIGHT = "steptap_weight_swap_in_flight"
+WEIGHT_SWAP_LAST_TIMESTAMP = "steptap_weight_swap_last_timestamp"
+REPLICA_UP = "steptap_replica_up"
+REPLICA_IN_FLIGHT = "steptap_replica_in_flight"
+REPLICA_CALLS = "steptap_replica_calls"
+REPLICA_TAKEN_OUT = "steptap_replica_taken_out"
+SESSIONS_MOVED = "steptap_sessions_moved"
 
 
 def sample(name: str, kind: str = "") -> str:
@@ -64,72 +109,72 @@ class Metrics:
             registry=r,
         )
         self.upstream_errors = Counter(
-            "steptap_upstream_errors", "backend failures by kind", ["kind"], registry=r
+            UPSTREAM_ERRORS, "backend failures by kind", ["kind"], registry=r
         )
         self.dropped_fields = Counter(
-            "steptap_dropped_fields",
+            DROPPED_FIELDS,
             "parts of a request accepted but not honoured (fields, hosted tools; named in the step's notes), "
             "by label",
             ["endpoint", "field"], registry=r
         )
         self.refused_calls = Counter(
-            "steptap_refused_calls", "model calls refused with a 4xx (by the proxy or the backend)",
+            REFUSED_CALLS, "model calls refused with a 4xx (by the proxy or the backend)",
             ["endpoint"],
             registry=r
         )
         self.steps = Counter(STEPS, "recorded steps", ["status", "anonymous"], registry=r)
-        self.prompt_tokens = Counter("steptap_prompt_tokens", "prompt tokens of recorded steps", registry=r)
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "prompt tokens of recorded steps", registry=r)
         self.response_tokens = Counter(
-            "steptap_response_tokens", "response tokens of recorded steps", registry=r
+            RESPONSE_TOKENS, "response tokens of recorded steps", registry=r
         )
         self.prefix = Counter(
-            "steptap_prefix_steps",
+            PREFIX_STEPS,
             "steps by prefix continuity (every break counted by cause)",
             ["cause"],
             registry=r,
         )
         self.call_class = Counter(
-            "steptap_call_class_steps",
+            CALL_CLASS_STEPS,
             "steps by the line of their session (main, side, branch) and the rule that decided it",
             ["call_class", "rule"],
             registry=r,
         )
         self.tito_turns = Counter(
-            "steptap_tito_turns",
+            TITO_TURNS,
             "token-in-token-out sessions' turns: 'tokens' when sent as ids, else the fallback's cause",
             ["path"],
             registry=r,
         )
         self.tito_streams = Counter(
-            "steptap_tito_streams",
+            TITO_STREAMS,
             "token-in-token-out streamed turns by route: 'chat' (vLLM's chat route on the prompt's ids), "
             "'derender_reasoning' (after a reply with reasoning), 'derender_content' (images or echo)",
             ["route"],
             registry=r,
         )
         self.sessions_opened = Counter(
-            "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
+            SESSIONS_OPENED, "sessions opened", ["anonymous"], registry=r
         )
         self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
         # What open sessions hold in memory, and the calls in flight: each bounded by a limit
         # (docs/limits.md).
-        self.steps_held = Gauge("steptap_session_steps_held", "steps held by open sessions", registry=r)
+        self.steps_held = Gauge(SESSION_STEPS_HELD, "steps held by open sessions", registry=r)
         self.bytes_held = Gauge(
-            "steptap_session_bytes_held", "encoded bytes of the steps open sessions hold", registry=r
+            SESSION_BYTES_HELD, "encoded bytes of the steps open sessions hold", registry=r
         )
-        self.calls_inflight = Gauge("steptap_calls_inflight", "model calls in flight", registry=r)
+        self.calls_inflight = Gauge(CALLS_INFLIGHT, "model calls in flight", registry=r)
         self.body_bytes = Gauge(
-            "steptap_body_bytes_in_flight", "estimated memory of the model-call bodies in flight", registry=r
+            BODY_BYTES_IN_FLIGHT, "estimated memory of the model-call bodies in flight", registry=r
         )
         self.trajectories = Counter(
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )
-        self.rewards = Counter("steptap_rewards", "rewards attached", ["target", "source"], registry=r)
-        self.held = Gauge("steptap_held_trajectories",
+        self.rewards = Counter(REWARDS, "rewards attached", ["target", "source"], registry=r)
+        self.held = Gauge(HELD_TRAJECTORIES,
                           "finished sessions waiting for their pending reward (off the stream)", registry=r)
-        self.held_ended = Counter("steptap_held_ended", "held trajectories ended: rewarded, default, dropped",
+        self.held_ended = Counter(HELD_ENDED, "held trajectories ended: rewarded, default, dropped",
                                   ["outcome"], registry=r)
-        self.late_rewards = Counter("steptap_late_rewards", "rewards given after the trajectory was streamed "
+        self.late_rewards = Counter(LATE_REWARDS, "rewards given after the trajectory was streamed "
                                     "(recorded, never trained)", ["source"], registry=r)
         self.reward_values = Histogram(
             REWARD_VALUE,
@@ -141,26 +186,26 @@ class Metrics:
         # (a gauge, since rewards may be negative) for the mean reward of closed trajectories.
         self.reward_sum = Gauge(REWARD_SUM, "sum of scalar trajectory rewards at close", registry=r)
         self.curation_marks = Counter(
-            "steptap_curation_marks", "curation marks written (docs/console.md)", ["action", "target"],
+            CURATION_MARKS, "curation marks written (docs/console.md)", ["action", "target"],
             registry=r)
         self.reward_errors = Counter(
-            "steptap_reward_callback_errors",
+            REWARD_CALLBACK_ERRORS,
             "reward callbacks that raised or timed out",
             ["kind"],
             registry=r,
         )
         self.groups_complete = Counter(
-            "steptap_groups_complete", "groups complete, by reason", ["reason"], registry=r
+            GROUPS_COMPLETE, "groups complete, by reason", ["reason"], registry=r
         )
         self.log_commit = Histogram(
-            "steptap_log_commit_seconds",
+            LOG_COMMIT_SECONDS,
             "time from append to durable (proxy view)",
             buckets=_COMMIT_BUCKETS,
             registry=r,
         )
         # Stream lag is the stream owner's to set (records between the log's end and a consumer's ack).
         self.stream_lag = Gauge(
-            "steptap_stream_lag_records",
+            STREAM_LAG_RECORDS,
             "finished trajectories after the consumer's acknowledged cursor",
             ["consumer"],
             registry=r,
@@ -194,22 +239,22 @@ class _LogCollector:
 
     def collect(self) -> Iterator[Any]:
         st = self.log.stats
-        yield CounterMetricFamily("steptap_log_records", "records appended since start", st.records)
-        yield CounterMetricFamily("steptap_log_commits", "group commits (one fdatasync each)", st.commits)
+        yield CounterMetricFamily(LOG_RECORDS, "records appended since start", st.records)
+        yield CounterMetricFamily(LOG_COMMITS, "group commits (one fdatasync each)", st.commits)
         yield GaugeMetricFamily(
-            "steptap_log_torn_records", "torn records cut from the tail at open", st.torn_records
+            LOG_TORN_RECORDS, "torn records cut from the tail at open", st.torn_records
         )
         yield GaugeMetricFamily(
-            "steptap_log_corrupt_records", "bad frames found in sealed segments", st.corrupt_records
+            LOG_CORRUPT_RECORDS, "bad frames found in sealed segments", st.corrupt_records
         )
-        yield GaugeMetricFamily("steptap_log_segments", "retained local segments", st.segments)
-        yield GaugeMetricFamily("steptap_log_disk_bytes", "bytes held by the retained local segments",
+        yield GaugeMetricFamily(LOG_SEGMENTS, "retained local segments", st.segments)
+        yield GaugeMetricFamily(LOG_DISK_BYTES, "bytes held by the retained local segments",
                                 self.log.disk_bytes)
-        yield CounterMetricFamily("steptap_log_undecodable_records",
+        yield CounterMetricFamily(LOG_UNDECODABLE_RECORDS,
                                   "records a reader could not decode and skipped", st.undecodable_records)
-        yield CounterMetricFamily("steptap_log_write_errors", "failed group commits (disk full, I/O error)",
+        yield CounterMetricFamily(LOG_WRITE_ERRORS, "failed group commits (disk full, I/O error)",
                                   st.write_errors)
-        yield GaugeMetricFamily("steptap_log_degraded", "1 while the log cannot write (model calls get 503)",
+        yield GaugeMetricFamily(LOG_DEGRADED, "1 while the log cannot write (model calls get 503)",
                                 1 if self.log.degraded else 0)
 
 

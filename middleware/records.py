@@ -257,6 +257,9 @@ class Trajectory(Record, tag="trajectory"):
 
 
 class SessionOpened(Record, tag="session_opened"):
+    """A session opened: what its trajectory starts as (``trajectory``), its key and its mode. The one place a
+    live session's ``Trajectory`` comes from, at open and when a restart rebuilds it from the log."""
+
     schema_version: int = SCHEMA_VERSION
     trajectory_id: str = ""
     group_id: str | None = None
@@ -270,6 +273,12 @@ class SessionOpened(Record, tag="session_opened"):
     train: TrainOn = "main"
     side_models: list[str] = []
     at: float = msgspec.field(default_factory=time.time)
+
+    def trajectory(self) -> Trajectory:
+        """The trajectory this session starts as (no steps yet), created when it opened."""
+        return Trajectory(id=self.trajectory_id, group_id=self.group_id, group_size=self.group_size,
+                          mode=self.mode, metadata=self.metadata, idle_timeout_s=self.idle_timeout_s,
+                          created_at=self.at, train=self.train, side_models=self.side_models)
 
 
 class RewardAdded(Record, tag="reward_added"):

@@ -5,7 +5,8 @@ worker group (``verl``). The daemon only ever calls:
 
 - ``train_step(batch) -> StepStats``: one update on a ``rows.Batch`` (advantages, loss, backward, optimizer);
 - ``write_weights(out_dir, version) -> Path``: the current policy as a fresh directory vLLM can load (an HF
-  safetensors model directory, or a peft adapter when ``lora`` is true), handed to ``publish.swap_written``;
+  safetensors model directory, or a peft adapter when ``lora`` is true), handed to
+  ``publish.publish_written``;
 - ``state_dict()`` / ``load_state_dict(state)``: the engine's part of a checkpoint, tensors and plain values
   only (``checkpoint.py`` stores it as safetensors + JSON);
 - ``logprob_gap(batch) -> (gap, tokens)``: the vision check, before any update on the batch;

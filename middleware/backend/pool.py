@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from steptap.middleware import metrics as names
 from steptap.middleware.backend.client import BackendClient
 from steptap.middleware.backend.url import name_of
 from steptap.middleware.config import ProxyConfig
@@ -322,17 +323,17 @@ class ReplicaCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        up = GaugeMetricFamily("steptap_replica_up", "1 when the replica takes new calls", labels=["replica"])
-        load = GaugeMetricFamily("steptap_replica_in_flight", "model calls in flight", labels=["replica"])
-        calls = CounterMetricFamily("steptap_replica_calls", "model calls sent", labels=["replica"])
-        outs = CounterMetricFamily("steptap_replica_taken_out", "times taken out", labels=["replica"])
+        up = GaugeMetricFamily(names.REPLICA_UP, "1 when the replica takes new calls", labels=["replica"])
+        load = GaugeMetricFamily(names.REPLICA_IN_FLIGHT, "model calls in flight", labels=["replica"])
+        calls = CounterMetricFamily(names.REPLICA_CALLS, "model calls sent", labels=["replica"])
+        outs = CounterMetricFamily(names.REPLICA_TAKEN_OUT, "times taken out", labels=["replica"])
         for rep in self.pool.replicas.values():
             up.add_metric([rep.name], 1.0 if rep.up else 0.0)
             load.add_metric([rep.name], rep.in_flight)
             calls.add_metric([rep.name], rep.calls)
             outs.add_metric([rep.name], rep.failures)
         yield from (up, load, calls, outs)
-        yield CounterMetricFamily("steptap_sessions_moved", "sessions moved to another replica (prefix-cache "
+        yield CounterMetricFamily(names.SESSIONS_MOVED, "sessions moved to another replica (prefix-cache "
                                   "misses)", value=self.pool.moves)
 
 

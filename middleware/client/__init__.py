@@ -20,12 +20,14 @@ they are still recognised; ids delivered but never acknowledged are deliberately
 may not have finished with them).
 
 ``SyncSteptapClient`` offers the control calls synchronously (stdlib only), plus the health, model list,
-weight swap and metrics that launchers and the learner poll.
+weight swap and metrics that launchers and the learner poll. Both take the same URL (``proxy_url``:
+``http(s)://host:port`` or ``unix:PATH``, with or without ``/v1``) and the same session options
+(``SessionOptions``, ``tito`` included).
 """
 
 from __future__ import annotations
 
-from steptap.middleware.client.api import SessionInfo, SteptapError
+from steptap.middleware.client.api import SessionInfo, SessionOptions, SteptapError, proxy_url
 from steptap.middleware.client.stream import Delivery, SeenSet, SteptapClient, delivery_key
 from steptap.middleware.client.sync import SyncSteptapClient, http_call, split_url
 from steptap.middleware.client.tokens import (
@@ -38,5 +40,5 @@ from steptap.middleware.client.tokens import (
 
 __all__ = ["SteptapClient", "SyncSteptapClient", "http_call", "split_url", "default_control_token",
            "forget_control_token", "read_token_file", "TOKEN_ENV", "TOKEN_FILE_ENV", "SteptapError",
-           "SessionInfo",
+           "SessionInfo", "SessionOptions", "proxy_url",
            "Delivery", "SeenSet", "delivery_key"]

@@ -1,12 +1,15 @@
-"""The control API's shapes, shared by both clients: request bodies, the session reply, errors as
-SteptapError."""
+"""What both clients share: the proxy's URL (``proxy_url``: ``unix:PATH`` or ``http(s)://host:port``, ``/v1``
+stripped, one type for both), the control API's shapes (the session options, request bodies, the session
+reply) and errors as SteptapError."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import msgspec
+
+from steptap.middleware.backend.url import BackendUrl, problem
 
 
 class SteptapError(Exception):
@@ -37,16 +40,45 @@ class SessionInfo(msgspec.Struct, kw_only=True):
 _session_dec = msgspec.json.Decoder(SessionInfo)
 
 
-def _session_body(group_id: str | None, group_size: int | None, mode: str, metadata: dict[str, Any] | None,
-                  idle_timeout_s: float | None, session_id: str | None, train: str = "main",
-                  side_models: list[str] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"mode": mode}
-    if train != "main":  # the proxy's default: a body an older proxy also takes
-        body["train"] = train
-    for k, v in (("group_id", group_id), ("group_size", group_size), ("metadata", metadata),
-                 ("idle_timeout_s", idle_timeout_s), ("id", session_id), ("side_models", side_models)):
-        if v is not None:
-            body[k] = v
+def proxy_url(url: str) -> BackendUrl:
+    """A proxy's URL, parsed once for both clients: ``http(s)://host:port`` or ``unix:PATH`` (a proxy served
+    on a unix socket), a trailing ``/`` and ``/v1`` stripped (the OpenAI base URL an agent is given names the
+    same proxy). ``ValueError`` saying what is wrong with any other."""
+    why = problem(url)
+    if why is not None:
+        raise ValueError(f"not a proxy URL: {why}")
+    return BackendUrl.parse(url)
+
+
+class SessionOptions(TypedDict, total=False):
+    """Every option of ``POST /sessions`` (docs/sessions.md), the same for both clients' ``open_session``;
+    ``session_id`` is the body's ``id``."""
+
+    group_id: str | None
+    group_size: int | None
+    mode: Literal["train", "eval"]
+    metadata: dict[str, Any] | None
+    idle_timeout_s: float | None
+    session_id: str | None  # choose its id instead of letting the proxy generate one
+    tito: bool  # token-in-token-out (docs/sessions.md, "TITO")
+    train: Literal["main", "all"]  # "Side calls and branches"
+    side_models: list[str] | None
+
+
+_BODY_NAMES = {"session_id": "id"}
+_DEFAULTS: dict[str, Any] = {"tito": False, "train": "main"}  # the proxy's own: a body an older proxy takes
+
+
+def session_body(options: SessionOptions) -> dict[str, Any]:
+    """The ``POST /sessions`` body of ``options``: unset and default options left out."""
+    unknown = set(options) - set(SessionOptions.__annotations__)
+    if unknown:
+        raise TypeError(f"open_session() got unknown options {sorted(unknown)}; it takes "
+                        f"{sorted(SessionOptions.__annotations__)}")
+    body: dict[str, Any] = {"mode": options.get("mode", "train")}
+    for name, value in options.items():
+        if value is not None and name != "mode" and _DEFAULTS.get(name, object()) != value:
+            body[_BODY_NAMES.get(name, name)] = value
     return body
 
 

@@ -39,9 +39,9 @@ async def lookup(client: SteptapClient, ids: list[str], stopped: Callable[[], bo
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 why = exc
             if stopped():
-                raise RuntimeError(f"stopped while asking {client.base_url} for curation marks ({why})")
+                raise RuntimeError(f"stopped while asking {client.url} for curation marks ({why})")
             if not warned:
-                note(f"[yellow]curation lookup failed[/yellow] at {client.base_url} ({why}); asking again")
+                note(f"[yellow]curation lookup failed[/yellow] at {client.url} ({why}); asking again")
                 warned = True
             await sleep(RETRY_S)
         out.update({tid: fold(m) for tid, m in marks.items()})

@@ -9,7 +9,7 @@ import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 from urllib.parse import quote
 
 import aiohttp
@@ -18,11 +18,13 @@ import msgspec
 from steptap.middleware import files
 from steptap.middleware.client.api import (
     SessionInfo,
+    SessionOptions,
     SteptapError,
     _finish_body,
     _reward_body,
-    _session_body,
     _session_dec,
+    proxy_url,
+    session_body,
 )
 from steptap.middleware.client.tokens import default_control_token
 from steptap.middleware.delta import DeltaError, embed
@@ -111,7 +113,9 @@ class SeenSet:
 
 
 class SteptapClient:
-    """Async client; use as ``async with SteptapClient(base_url, control_token) as c:``."""
+    """Async client; use as ``async with SteptapClient(base_url, control_token) as c:``. ``base_url``:
+    ``http(s)://host:port`` or ``unix:PATH``, ``/v1`` or not (``proxy_url``). ``session``: an aiohttp session
+    to share (a TCP proxy only: a ``unix:`` one is reached through the client's own)."""
 
     def __init__(
         self,
@@ -121,9 +125,12 @@ class SteptapClient:
         timeout_s: float = 60.0,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.url = proxy_url(base_url)  # ``url.name``: as given, for messages
+        self.base_url = self.url.base
         self.control_token = control_token or default_control_token()
         self.timeout_s = timeout_s
+        if self.url.socket is not None:
+            session = None  # a shared session's connector speaks TCP
         self._session = session
         self._own_session = session is None
         self._seen: dict[str, SeenSet] = {}
@@ -149,7 +156,8 @@ class SteptapClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(read_bufsize=1 << 20)
+            connector = aiohttp.UnixConnector(path=self.url.socket) if self.url.socket is not None else None
+            self._session = aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20)
         return self._session
 
     def _headers(self) -> dict[str, str]:
@@ -182,23 +190,11 @@ class SteptapClient:
 
     # ---- sessions and rewards ----------------------------------------------------------------------------
 
-    async def open_session(
-        self,
-        *,
-        group_id: str | None = None,
-        group_size: int | None = None,
-        mode: Literal["train", "eval"] = "train",
-        metadata: dict[str, Any] | None = None,
-        idle_timeout_s: float | None = None,
-        session_id: str | None = None,
-        train: Literal["main", "all"] = "main",
-        side_models: list[str] | None = None,
-    ) -> SessionInfo:
-        """Open a session (``session_id``: choose its id instead of letting the proxy generate one; ``train``
-        and ``side_models``: docs/sessions.md, "Side calls and branches")."""
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train,
-                             side_models)
-        return _session_dec.decode(await self._request("POST", "/sessions", body))
+    async def open_session(self, **options: Unpack[SessionOptions]) -> SessionInfo:
+        """Open a session (``SessionOptions``: the same for both clients; ``session_id``: choose its id
+        instead of letting the proxy generate one; ``tito``, ``train`` and ``side_models``:
+        docs/sessions.md)."""
+        return _session_dec.decode(await self._request("POST", "/sessions", session_body(options)))
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
                          step: int | Literal["last"] | None = None,
@@ -270,12 +266,7 @@ class SteptapClient:
 
         Reconnects with exponential backoff (up to ``max_backoff_s``) on connection errors and 5xx answers;
         4xx answers raise ``SteptapError``. With ``follow=False`` it ends once caught up with the log."""
-        seen: SeenSet | None = None
-        if dedup:
-            seen = self._seen.get(consumer)
-            if seen is None or (seen_file is not None and seen.path != Path(seen_file)):
-                seen = SeenSet(max_seen, seen_file)
-                self._seen[consumer] = seen
+        seen = self._seen_for(consumer, seen_file, max_seen) if dedup else None
         position = cursor
         backoff = 0.2
         # Between messages the server writes a heartbeat every heartbeat_s: silence much longer than that is
@@ -294,33 +285,12 @@ class SteptapClient:
                     if resp.status >= 400:
                         raise SteptapError.from_body(resp.status, await resp.read())
                     backoff = 0.2
-                    async for body in read_frames(resp.content, format):
-                        try:
-                            msg = decode_envelope(body, format)
-                        # Not a record problem: the stream itself is broken
-                        except msgspec.DecodeError as exc:
-                            raise StreamCut(f"undecodable stream message: {exc}") from None
-                        position = msg.cursor
-                        if msg.end:
+                    async for cur, delivery, end in self._messages(resp, consumer, format, full, seen):
+                        position = cur
+                        if end:
                             return
-                        if msg.skipped is not None:
-                            self._skip(consumer, msg.cursor, f"skipped by the proxy: {msg.skipped}")
-                            continue
-                        if not msg.trajectory:
-                            continue  # a heartbeat
-                        try:
-                            traj = decode_trajectory(msg.trajectory, format, msg.steps) if full else embed(
-                                *decode_logged(msg.trajectory, format, msg.steps))
-                        except (msgspec.DecodeError, DeltaError) as exc:  # a record we cannot read
-                            self._skip(consumer, msg.cursor, str(exc))
-                            continue
-                        if seen is not None:
-                            key = delivery_key(traj)
-                            if key in seen:
-                                logger.debug("dropping duplicate trajectory %s", traj.id)
-                                continue
-                            seen.delivered(key, msg.cursor)
-                        yield Delivery(msg.cursor, traj)
+                        if delivery is not None:
+                            yield delivery
             except (TimeoutError, aiohttp.ClientError, ConnectionError, StreamCut) as exc:
                 logger.info("trajectory stream for %s dropped (%s); reconnecting in %.1fs", consumer, exc,
                             backoff)
@@ -328,3 +298,47 @@ class SteptapClient:
                 logger.info("trajectory stream for %s ended by the proxy; reconnecting", consumer)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max_backoff_s)
+
+    def _seen_for(self, consumer: str, seen_file: str | os.PathLike[str] | None, max_seen: int) -> SeenSet:
+        seen = self._seen.get(consumer)
+        if seen is None or (seen_file is not None and seen.path != Path(seen_file)):
+            seen = SeenSet(max_seen, seen_file)
+            self._seen[consumer] = seen
+        return seen
+
+    async def _messages(self, resp: aiohttp.ClientResponse, consumer: str,
+                        format: Literal["ndjson", "msgpack"], full: bool,
+                        seen: SeenSet | None) -> AsyncIterator[tuple[str, Delivery | None, bool]]:
+        """Each stream message: (its cursor, the trajectory to deliver or None, whether the stream ended)."""
+        async for body in read_frames(resp.content, format):
+            try:
+                msg = decode_envelope(body, format)
+            except msgspec.DecodeError as exc:  # not a record problem: the stream itself is broken
+                raise StreamCut(f"undecodable stream message: {exc}") from None
+            if msg.end:
+                yield msg.cursor, None, True
+                return
+            yield msg.cursor, self._delivery(consumer, msg, format, full, seen), False
+
+    def _delivery(self, consumer: str, msg: Any, format: Literal["ndjson", "msgpack"], full: bool,
+                  seen: SeenSet | None) -> Delivery | None:
+        """The trajectory a message carries, unless it is a heartbeat, a skipped or unreadable record, or one
+        already delivered."""
+        if msg.skipped is not None:
+            self._skip(consumer, msg.cursor, f"skipped by the proxy: {msg.skipped}")
+            return None
+        if not msg.trajectory:
+            return None  # a heartbeat
+        try:
+            traj = decode_trajectory(msg.trajectory, format, msg.steps) if full else embed(
+                *decode_logged(msg.trajectory, format, msg.steps))
+        except (msgspec.DecodeError, DeltaError) as exc:  # a record we cannot read
+            self._skip(consumer, msg.cursor, str(exc))
+            return None
+        if seen is not None:
+            key = delivery_key(traj)
+            if key in seen:
+                logger.debug("dropping duplicate trajectory %s", traj.id)
+                return None
+            seen.delivered(key, msg.cursor)
+        return Delivery(msg.cursor, traj)

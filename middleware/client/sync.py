@@ -6,17 +6,18 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 from urllib.parse import quote, urlsplit
 
-from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.client.api import (
     SessionInfo,
+    SessionOptions,
     SteptapError,
     _finish_body,
     _reward_body,
-    _session_body,
     _session_dec,
+    proxy_url,
+    session_body,
 )
 from steptap.middleware.client.tokens import default_control_token
 from steptap.middleware.records import Trajectory, is_digest, json_encoder, trajectory_json_decoder
@@ -26,7 +27,7 @@ def split_url(url: str) -> tuple[str, str | None]:
     """``(http base URL, unix socket path or None)`` of a proxy or backend URL (``/v1`` stripped):
     ``unix:/run/x.sock`` (a vLLM started with ``--uds``) is reached as ``http://localhost`` over that
     socket."""
-    parsed = BackendUrl.parse(url)
+    parsed = proxy_url(url)
     return parsed.base, parsed.socket
 
 
@@ -79,7 +80,8 @@ class SyncSteptapClient:
     talks to a vLLM server (``health``, ``models``), over ``unix:PATH`` too."""
 
     def __init__(self, base_url: str, control_token: str | None = None, *, timeout_s: float = 60.0) -> None:
-        self.base_url, self.unix_socket = split_url(base_url)
+        self.url = proxy_url(base_url)  # ``url.name``: as given, for messages
+        self.base_url, self.unix_socket = self.url.base, self.url.socket
         self.control_token = control_token or default_control_token()
         self.timeout_s = timeout_s
 
@@ -121,14 +123,9 @@ class SyncSteptapClient:
             raise SteptapError.from_body(status, raw)
         return raw
 
-    def open_session(self, *, group_id: str | None = None, group_size: int | None = None,
-                     mode: Literal["train", "eval"] = "train", metadata: dict[str, Any] | None = None,
-                     idle_timeout_s: float | None = None, session_id: str | None = None,
-                     train: Literal["main", "all"] = "main",
-                     side_models: list[str] | None = None) -> SessionInfo:
-        body = _session_body(group_id, group_size, mode, metadata, idle_timeout_s, session_id, train,
-                             side_models)
-        return _session_dec.decode(self._request("POST", "/sessions", body))
+    def open_session(self, **options: Unpack[SessionOptions]) -> SessionInfo:
+        """Open a session (``SessionOptions``: the same for both clients)."""
+        return _session_dec.decode(self._request("POST", "/sessions", session_body(options)))
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,
                    step: int | Literal["last"] | None = None,

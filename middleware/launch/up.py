@@ -13,7 +13,6 @@ starts at once and a broken learner install fails in the learner's log, not here
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -24,17 +23,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV, SteptapError, SyncSteptapClient
-from steptap.middleware.files import (
-    atomic_write,  # readers poll these files: never half a file
-    private_dir,
-)
+from steptap.middleware.files import private_dir
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
 from steptap.middleware.launch.procs import healthy, listener, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
-from steptap.middleware.launch.up_files import RunFiles
-from steptap.middleware.launch.up_parser import STEPTAP, _free_port, _split, build_parser
+from steptap.middleware.launch.up_files import RunFiles, Stack, announce, summary
+from steptap.middleware.launch.up_parser import (
+    STEPTAP,
+    _free_port,
+    _split,
+    build_parser,
+    learner_argv,
+    serve_argv,
+)
 from steptap.middleware.launch.up_preflight import (
     Interrupted,
     Preflight,
@@ -44,8 +48,9 @@ from steptap.middleware.launch.up_preflight import (
 from steptap.middleware.launch.view import StatusBoard, render_line
 
 
-class Up(Preflight, RunFiles):
-    """One `steptap up` run: start, watch, stop, summarize."""
+class Up:
+    """One `steptap up` run: start, watch, stop, summarize. Its checks before anything starts are its
+    ``preflight`` (up_preflight.py), the files it leaves are its ``files`` (up_files.py)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -62,6 +67,9 @@ class Up(Preflight, RunFiles):
         self.given = [b.rstrip("/") for b in args.backend or []]  # running replicas to use
         self.backend = self.given[0] if self.given else ""
         self.sup = Supervisor(grace_s=args.grace)
+        self.files = RunFiles(self.workdir, self.sup)
+        self.preflight = Preflight(args, self.sup, self._log)
+        self.board: StatusBoard | None = None  # the live view's, once the run is up
         self.stop_reason: str | None = None
         self.t_start = time.time()
         self.t_ready: float | None = None
@@ -114,7 +122,7 @@ class Up(Preflight, RunFiles):
             self.backends.append(url)
             self._log(f"starting vLLM on {url} (log: {children[-1][1].log_path})")
         self.backend = self.backends[0]
-        self._write_pids()
+        self.files.write_pids()
         for url, child in children:  # they load side by side
             self._wait_healthy(child, url)
 
@@ -149,51 +157,19 @@ class Up(Preflight, RunFiles):
 
     def _start_proxy(self) -> None:
         fds = () if self.listener is None else (self.listener.fileno(),)
-        argv = [
-            *STEPTAP,
-            "serve",
-            *[arg for url in self.backends for arg in ("--backend", url)],
-            "--host",
-            self.args.host,
-            "--port",
-            str(self.proxy_port),
-            "--log",
-            str(self.workdir / "trajectories"),
-            "--control-token-file",  # never on the command line: `ps` shows it to every local user
-            str(self.token_file),
-            "--console-learner-metrics",  # the console draws the learner's loss, KL, grad norm
-            str(self.metrics_path),
-            *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
-            *_split(self.args.serve_args),
-        ]
+        argv = serve_argv(self.args, self.backends, self.proxy_port, self.workdir, self.token_file,
+                          self.metrics_path, fds)
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log", pass_fds=fds))
         if self.listener is not None:
             self.listener.close()  # serve holds it now
-        self._write_pids()
+        self.files.write_pids()
         self._log(f"starting the proxy on {self.proxy_url} (log: {child.log_path})")
         self._wait_healthy(child, self.proxy_url)
         self.served_model = _served_model(self.proxy_url, self.token) or self.served_model
 
     def _learner_argv(self) -> list[str]:
-        argv = ["--config", self.args.config] if self.args.config else []
-        return argv + [
-            "--proxy-url",
-            self.proxy_url,
-            "--model-dir",
-            self.model_dir,
-            "--metrics-file",
-            str(self.metrics_path),
-            "--checkpoint-dir",
-            str(self.workdir / "checkpoints"),
-            "--weights-dir",
-            str(self.workdir / "weights"),
-            *(["--engine", self.args.engine] if self.args.engine else []),
-            # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
-            # learner could make another update between that poll and the stop.
-            *(["--max-updates", str(self.args.max_updates)] if self.args.max_updates else []),
-            "--seed", str(self.seed),
-            *_split(self.args.learn_args),
-        ]
+        return learner_argv(self.args, self.proxy_url, self.model_dir, self.metrics_path, self.workdir,
+                            self.seed)
 
     def _start_learner(self) -> None:
         if self.args.no_learner:
@@ -203,7 +179,7 @@ class Up(Preflight, RunFiles):
         env = {**_without_token(os.environ), TOKEN_ENV: self.token}
         # may_exit: a learner with max_updates in its config ends by itself (exit 0), and that ends the run.
         child = self.sup.start(Child("learn", argv, self.logs / "learn.log", env=env, may_exit=True))
-        self._write_pids()
+        self.files.write_pids()
         self._log(f"starting the learner (log: {child.log_path}, metrics: {self.metrics_path})")
         # The learner has no health route: alive after a few seconds (its imports done) counts as started.
         wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
@@ -269,20 +245,21 @@ class Up(Preflight, RunFiles):
         rc = 0
         failed: Child | None = None
         try:
-            self._refuse_missing_learner()
+            self.preflight.refuse_missing_learner()
             self._reserve_port()
-            self._prepare_token()
-            self._prepare_model()
-            self._refuse_tied_full_weights()
+            self.token = self.preflight.prepare_token(self.token_file)
+            self.model_dir = self.preflight.prepare_model(self.workdir, self.logs, self.backend,
+                                                          self._abort_check)
+            self.preflight.refuse_tied_full_weights(self.model_dir, self._learner_argv())
             self._start_vllm()
             self._start_proxy()
             self._start_learner()
             self.t_ready = time.time()
-            self._write_pids()
+            self.files.write_pids()
             self._announce()
             self._start_eval()
             self._start_agents()
-            self._write_pids()
+            self.files.write_pids()
             failed = self._watch()
         except StartupError as exc:
             failed, rc = exc.child, 1
@@ -302,10 +279,25 @@ class Up(Preflight, RunFiles):
         if failed is not None:
             rc = 1
             self._report_failure(failed)
-        summary = self._summary(failed)
-        atomic_write(self.workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        self._log(f"stopped: {self.stop_reason}. Summary: {self.workdir / 'summary.json'}")
+        path = self.files.write_summary(self._summary(failed))
+        self._log(f"stopped: {self.stop_reason}. Summary: {path}")
         return rc
+
+    def _announce(self) -> None:
+        assert self.t_ready is not None  # run() sets it just before
+        self._log(f"ready in {self.t_ready - self.t_start:.0f} s; work directory {self.workdir}")
+        stack = Stack(proxy_url=self.proxy_url, backend=self.backend, model=self.served_model,
+                      model_dir=self.model_dir, control_token_file=str(self.token_file),
+                      metrics=str(self.metrics_path), token=self.token, seed=self.seed)
+        for line in announce(stack):
+            self._log(line)
+        self.files.write_stack(stack)
+
+    def _summary(self, failed: Child | None) -> dict[str, Any]:
+        board = self.board or StatusBoard(self.proxy_url, self.metrics_path, self.token)
+        return summary(board, task=self.args.task, model=self.served_model, model_dir=self.model_dir,
+                       workdir=self.workdir, seed=self.seed, t_start=self.t_start, t_ready=self.t_ready,
+                       stop_reason=self.stop_reason, failed=failed, metrics=self.metrics_path)
 
     def _watch(self) -> Child | None:
         board = StatusBoard(self.proxy_url, self.metrics_path, self.token)

@@ -1,10 +1,13 @@
-"""`steptap up`'s command line: its flags (the proxy's own from ``ProxyConfig``) and their parsing."""
+"""`steptap up`'s command line: its flags (the proxy's own from ``ProxyConfig``) and their parsing, and what
+they pass on to the proxy's and the learner's command lines."""
 
 from __future__ import annotations
 
 import argparse
 import socket
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
 from steptap.middleware.config import add_proxy_flags
@@ -21,6 +24,13 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steptap up", description="`steptap up`: the whole loop in one command.")
+    _stack_flags(p)
+    _run_flags(p)
+    return p
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    """What the stack is: the model, vLLM, the proxy, the work directory and its token."""
     p.add_argument("--model", help="model directory or hub name (default: build the offline tiny model)")
     p.add_argument("--config", help="learner TOML (steptap learn --config); overrides below win")
     add_proxy_flags(p, only={"host", "port"})  # the proxy's own defaults (ProxyConfig)
@@ -50,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the proxy's control token: read from this file, or generated into it (0600) when it does not "
         f"exist. Default: ${TOKEN_ENV}, else generated into WORKDIR/control_token",
     )
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """What runs on it, how it is watched, when it stops, and what each child is given besides."""
     p.add_argument("--no-learner", action="store_true", help="serve and record only, do not train")
     p.add_argument("--no-view", action="store_true", help="no live view, a status line instead")
     p.add_argument("--status-every", type=float, default=15.0)
@@ -94,10 +108,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-args", default="", help='for `steptap vllm`: --vllm-args="--threads 2"')
     p.add_argument("--serve-args", default="", help='for `steptap serve`: --serve-args="--any-model"')
     p.add_argument("--learn-args", default="", help='for `steptap learn`: --learn-args="--lr 1e-5"')
-    return p
 
 
 def _split(text: str) -> list[str]:
     import shlex
 
     return shlex.split(text) if text else []
+
+
+def serve_argv(args: argparse.Namespace, backends: list[str], port: int, workdir: Path, token_file: Path,
+               metrics: Path, fds: Sequence[int]) -> list[str]:
+    """`steptap serve` in front of ``backends``, on ``port`` (or the inherited socket ``fds``)."""
+    return [
+        *STEPTAP,
+        "serve",
+        *[arg for url in backends for arg in ("--backend", url)],
+        "--host",
+        args.host,
+        "--port",
+        str(port),
+        "--log",
+        str(workdir / "trajectories"),
+        "--control-token-file",  # never on the command line: `ps` shows it to every local user
+        str(token_file),
+        "--console-learner-metrics",  # the console draws the learner's loss, KL, grad norm
+        str(metrics),
+        *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
+        *_split(args.serve_args),
+    ]
+
+
+def learner_argv(args: argparse.Namespace, proxy_url: str, model_dir: str, metrics: Path, workdir: Path,
+                 seed: int) -> list[str]:
+    """`steptap learn`'s flags (after ``learn``): the run's, then ``--learn-args`` (later wins)."""
+    argv = ["--config", args.config] if args.config else []
+    return argv + [
+        "--proxy-url",
+        proxy_url,
+        "--model-dir",
+        model_dir,
+        "--metrics-file",
+        str(metrics),
+        "--checkpoint-dir",
+        str(workdir / "checkpoints"),
+        "--weights-dir",
+        str(workdir / "weights"),
+        *(["--engine", args.engine] if args.engine else []),
+        # The learner stops itself at exactly N updates: up's own check polls once a second, and a fast
+        # learner could make another update between that poll and the stop.
+        *(["--max-updates", str(args.max_updates)] if args.max_updates else []),
+        "--seed", str(seed),
+        *_split(args.learn_args),
+    ]

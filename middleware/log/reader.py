@@ -1,40 +1,31 @@
 """Reading a log: committed frames by position, every record in order (start-up), and finished trajectories
-after a cursor, following the log like ``tail -f`` (the stream). Reads run in threads; the segment table is
-shared with the writer under ``_lock``.
+after a cursor, following the log like ``tail -f`` (the stream). Reads run in threads; the segment table
+(``table.py``) is shared with the writer under its lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from steptap.middleware.delta import resolve
-from steptap.middleware.log.recovery import PeekTrajectory, known_kind, peek_decoder
+from steptap.middleware.log.index import PeekTrajectory, known_kind, peek_decoder
 from steptap.middleware.log.segments import (
     FRAME,
     HEADER,
-    cursor_key,
     format_cursor,
     frame_at,
     parse_cursor,
     scan_frames,
     seg_name,
 )
+from steptap.middleware.log.stats import LogStats
+from steptap.middleware.log.table import SegmentTable
 from steptap.middleware.records import LogRecord, Trajectory, log_decoder, step_msgpack_decoder
-
-if TYPE_CHECKING:
-    import threading
-    from array import array
-    from collections.abc import Awaitable, Callable
-    from pathlib import Path
-
-    from steptap.middleware.log.wal import LogStats
-
 
 logger = logging.getLogger("steptap.wal")
 
@@ -56,33 +47,38 @@ class Found(NamedTuple):
 BAD_KEPT = 65_536
 
 
+class Changes:
+    """What followers wait on: set (and replaced) after every commit, and once more when the log closes."""
+
+    def __init__(self, closed: bool = False) -> None:
+        self.event = asyncio.Event()
+        self.closed = closed  # no commit will come any more (closed, read-only, or its writer died)
+
+    def committed(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self.event.set()
+
+
 class Reader:
-    """Mixin of ``TrajectoryLog``: everything that reads committed records."""
+    """Everything that reads a log's committed records: the segments in ``table`` (shared with the writer),
+    the bad records counted in ``stats``, and, to follow the log, its ``changes``."""
 
-    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
-    _changed: asyncio.Event
-    _closed: bool
-    _lock: threading.Lock
-    _segno: int
-    _size: int
-    _traj_ends: array[int]
-    _valid_end: dict[int, int]
-    aclose: Callable[[], Awaitable[None]]
-    dir: Path
-    stats: LogStats
-    _bad: set[str]  # the cursors of the undecodable records counted so far
-
-    # ---- reading -----------------------------------------------------------------------------------------
-
-    def _end_of(self, segno: int) -> int:
-        with self._lock:
-            return self._size if segno == self._segno else self._valid_end.get(segno, 0)
+    def __init__(self, table: SegmentTable, stats: LogStats, changes: Changes) -> None:
+        self.table = table
+        self.dir = table.dir
+        self.stats = stats
+        self.changes = changes
+        self._bad: set[str] = set()  # the cursors of the undecodable records counted so far
 
     def _read_frames(self, segno: int, offset: int, limit_bytes: int) -> tuple[list[tuple[int, bytes]], int]:
         """Committed frames of ``segno`` from ``offset``: ([(offset after, payload)], new offset). Reads about
         ``limit_bytes``, or exactly one frame when the next is larger (its length is checked against the
         committed end first, so a bad length never becomes a huge read)."""
-        end = self._end_of(segno)
+        end = self.table.end_of(segno)
         if offset >= end:
             return [], offset
         try:
@@ -103,13 +99,13 @@ class Reader:
         return [(offset + e, bytes(data[s:e])) for s, e in frames], offset + frames[-1][1]
 
     def _start_position(self, cursor: str | None) -> tuple[int, int]:
-        segs = self._retained()
+        segs = self.table.retained()
         if cursor is None:
             return segs[0], len(HEADER)
         segno, offset = parse_cursor(cursor)
         if segno < segs[0]:
             return segs[0], len(HEADER)  # compacted: everything still retained is after it
-        if segno > self._segno or offset > self._end_of(segno) or offset < len(HEADER):
+        if segno > segs[-1] or offset > self.table.end_of(segno) or offset < len(HEADER):
             raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
         return segno, offset
 
@@ -117,24 +113,16 @@ class Reader:
         """``ValueError`` unless ``cursor`` names a record boundary of this log (or a compacted position).
         Reads one frame from disk: call it off the event loop."""
         segno, offset = parse_cursor(cursor)
-        segs = self._retained()
+        segs = self.table.retained()
         if segno < segs[0]:
             return
-        end = self._end_of(segno)
+        end = self.table.end_of(segno)
         if segno not in segs or offset < len(HEADER) or offset > end:
             raise ValueError(f"cursor {cursor!r} is beyond the end of this log")
         if offset == end:
             return
         if not frame_at(self.dir / seg_name(segno), offset, end):
             raise ValueError(f"cursor {cursor!r} does not point at a record of this log")
-
-    def _retained(self) -> list[int]:
-        with self._lock:
-            return sorted(self._valid_end) + [self._segno]
-
-    def _next_segment(self, segno: int) -> int | None:
-        later = [s for s in self._retained() if s > segno]
-        return later[0] if later else None
 
     def records(self) -> Iterator[LogRecord]:
         """Every retained, committed record in log order, as logged (steps in their delta form: ``delta``).
@@ -151,7 +139,7 @@ class Reader:
                 record = log_decoder.decode(payload)
             except msgspec.DecodeError as exc:  # ValidationError included
                 if known_kind(payload):
-                    self._undecodable(cursor, exc)
+                    self.undecodable(cursor, exc)
                 continue
             segno, after = parse_cursor(cursor)
             yield format_cursor(segno, after - FRAME.size - len(payload)), record
@@ -159,7 +147,7 @@ class Reader:
     def _payload_at(self, cursor: str) -> bytes:
         """The record that starts at ``cursor`` (a ``StepRef``); ``ValueError`` when none does any more."""
         segno, offset = parse_cursor(cursor)
-        if segno not in self._retained():
+        if segno not in self.table.retained():
             raise ValueError(f"no record at {cursor}: its segment was compacted")
         frames, _ = self._read_frames(segno, offset, 1)
         if not frames:
@@ -187,7 +175,8 @@ class Reader:
         segno, end = parse_cursor(after)
         return format_cursor(segno, end - FRAME.size - len(payload))
 
-    def _undecodable(self, cursor: str, exc: Exception) -> None:
+    def undecodable(self, cursor: str, exc: Exception) -> None:
+        """Count and log a record that does not decode (the reader's own, or one a stream met)."""
         # Each bad record counts once, however many readers meet it (the stream, the console, a rebuild);
         # the set is bounded: past it, each reading counts
         if cursor in self._bad:
@@ -206,7 +195,7 @@ class Reader:
                 yield format_cursor(segno, after), payload
             if frames:
                 continue
-            nxt = self._next_segment(segno)
+            nxt = self.table.next_after(segno)
             if nxt is None:
                 return
             segno, offset = nxt, len(HEADER)
@@ -223,7 +212,7 @@ class Reader:
         segno, offset = self._start_position(cursor)
         current = format_cursor(segno, offset)
         while True:
-            changed = self._changed
+            changed = self.changes.event
             batch, segno, offset = await loop.run_in_executor(None, self._read_trajectories, segno, offset,
                                                               raw)
             for cur, traj in batch:
@@ -232,7 +221,7 @@ class Reader:
                     yield cur, traj
             if batch:
                 continue
-            if self._closed:
+            if self.changes.closed:
                 return
             try:
                 await asyncio.wait_for(changed.wait(), idle)
@@ -253,7 +242,7 @@ class Reader:
                         peek = peek_decoder.decode(payload)
                     except msgspec.DecodeError as exc:
                         if known_kind(payload) == "trajectory":
-                            self._undecodable(cursor, exc)
+                            self.undecodable(cursor, exc)
                             out.append((cursor, Skipped(str(exc))))
                         continue  # another kind, or one this version does not know
                     if not (isinstance(peek, PeekTrajectory) and peek.status != "running"):
@@ -263,12 +252,12 @@ class Reader:
                         out.append((cursor, found if raw else resolve_found(found)))
                     # DeltaError and ValidationError included
                     except (ValueError, msgspec.DecodeError) as exc:
-                        self._undecodable(cursor, exc)
+                        self.undecodable(cursor, exc)
                         out.append((cursor, Skipped(str(exc))))
                 if not out:
                     out.append((format_cursor(segno, new_offset), None))
                 return out, segno, new_offset
-            nxt = self._next_segment(segno)
+            nxt = self.table.next_after(segno)
             if nxt is None:
                 return [], segno, offset
             segno, offset = nxt, len(HEADER)
@@ -290,16 +279,10 @@ class Reader:
         finally:
             await agen.aclose()
 
-    def trajectories_after(self, cursor: str | None) -> int:
-        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
-        if cursor is None:
-            return len(self._traj_ends)
-        return len(self._traj_ends) - bisect.bisect_right(self._traj_ends, cursor_key(*parse_cursor(cursor)))
-
     @property
     def end_cursor(self) -> str:
         """The cursor after the last committed record."""
-        return format_cursor(self._segno, self._size)
+        return format_cursor(*self.table.active)
 
 
 def resolve_found(found: Found) -> Trajectory:

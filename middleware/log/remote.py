@@ -12,63 +12,71 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import threading
+from typing import Any
 
 from steptap.middleware.files import atomic_write
 from steptap.middleware.log.segments import HEADER, SEG_RE, seg_name
-
-if TYPE_CHECKING:
-    import threading
-    from pathlib import Path
-    from typing import Any
-
-    from steptap.middleware.log.wal import LogStats
-
+from steptap.middleware.log.stats import LogStats
+from steptap.middleware.log.table import SegmentTable
 
 logger = logging.getLogger("steptap.wal")
 
 
-class Remote:
-    """Mixin of ``TrajectoryLog``: uploads of sealed segments and the restore of an empty local directory."""
+class Uploader:
+    """The remote copy of one log: ``fs`` (an fsspec filesystem) under ``root``, uploads of the segments in
+    ``table`` (one at a time), counted in ``stats``."""
 
-    # What TrajectoryLog (wal.py) provides, declared for the type checker (annotations only: no values).
-    _fs: Any
-    _lock: threading.Lock
-    _remote_root: str | None
-    _segno: int
-    _size: int
-    _upload_failed: set[int]
-    _upload_lock: threading.Lock
-    _uploading: set[int]
-    _uploads: set[asyncio.Task[None]]
-    dir: Path
-    stats: LogStats
-    _active_uploader: asyncio.Task[None] | None
+    def __init__(self, fs: Any, root: str, table: SegmentTable, stats: LogStats) -> None:
+        self.fs = fs
+        self.root = root
+        self.table = table
+        self.dir = table.dir
+        self.stats = stats
+        self.failed: set[int] = set()  # sealed segments whose upload failed (retried; compaction keeps them)
+        self._uploading: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()  # one upload at a time
+        self._active_uploader: asyncio.Task[None] | None = None
 
-    def _schedule_upload(self, segno: int, *, only_if_missing: bool = False) -> None:
-        if self._fs is None or segno in self._uploading:
+    def schedule(self, segno: int, *, only_if_missing: bool = False) -> None:
+        """Upload sealed segment ``segno`` in a thread (once at a time per segment)."""
+        if segno in self._uploading:
             return
         self._uploading.add(segno)
         task = asyncio.create_task(asyncio.to_thread(self._upload, segno, only_if_missing))
-        self._uploads.add(task)
+        self._tasks.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
-            self._uploads.discard(t)
+            self._tasks.discard(t)
             self._uploading.discard(segno)
 
         task.add_done_callback(done)
 
-    def _start_active_uploads(self, interval_s: float) -> None:
+    def sealed(self, segnos: list[int]) -> None:
+        """After a commit: upload the segments it sealed, and try the failed ones again."""
+        for segno in segnos + sorted(self.failed):
+            self.schedule(segno)
+
+    async def wait(self) -> None:
+        """Until every upload started so far has ended (compaction never deletes before)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def start_active_uploads(self, interval_s: float) -> None:
         self._active_uploader = asyncio.create_task(
             self._upload_active_forever(interval_s), name="steptap-wal-active-upload"
         )
+
+    def stop_active_uploads(self) -> None:
+        if self._active_uploader is not None:
+            self._active_uploader.cancel()
 
     async def _upload_active_forever(self, interval_s: float) -> None:
         uploaded = (0, 0)
         while True:
             await asyncio.sleep(interval_s)
-            with self._lock:
-                now = (self._segno, self._size)
+            now = self.table.active
             if now == uploaded or now[1] <= len(HEADER):
                 continue
             try:
@@ -78,45 +86,53 @@ class Remote:
                 logger.exception("uploading the active segment of %s failed", self.dir)
 
     def _upload_active(self, segno: int, size: int) -> None:
-        with self._upload_lock:
-            if segno != self._segno:
+        with self._lock:
+            if segno != self.table.active[0]:
                 return  # sealed meanwhile: its full upload covers it
             with open(self.dir / seg_name(segno), "rb") as f:
                 data = f.read(size)  # the committed part only, never a half-written group
-            self._fs.makedirs(self._remote_root, exist_ok=True)
-            self._fs.pipe_file(f"{self._remote_root}/{seg_name(segno)}", data)
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(f"{self.root}/{seg_name(segno)}", data)
             self.stats.active_uploads += 1
 
     def _upload(self, segno: int, only_if_missing: bool) -> None:
-        with self._upload_lock:
+        with self._lock:
             self._upload_sealed(segno, only_if_missing)
 
     def _upload_sealed(self, segno: int, only_if_missing: bool) -> None:
         local = self.dir / seg_name(segno)
-        remote = f"{self._remote_root}/{seg_name(segno)}"
+        remote = f"{self.root}/{seg_name(segno)}"
         try:
-            if only_if_missing and self._fs.exists(remote) and self._fs.size(remote) == local.stat().st_size:
+            if only_if_missing and self.fs.exists(remote) and self.fs.size(remote) == local.stat().st_size:
                 return
-            self._fs.makedirs(self._remote_root, exist_ok=True)
-            self._fs.put_file(str(local), remote)
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.put_file(str(local), remote)
             self.stats.uploads += 1
-            self._upload_failed.discard(segno)
+            self.failed.discard(segno)
         except FileNotFoundError:
             pass  # compacted before it was uploaded
         except Exception:  # noqa: BLE001 - retried at the next seal and the next open; the local copy stays
-            self._upload_failed.add(segno)
+            self.failed.add(segno)
             logger.exception("uploading %s to %s failed", local, remote)
 
-    def _download_remote(self) -> list[int]:
+    def delete(self, segno: int) -> None:
+        """Thread: remove a compacted segment's remote copy."""
         try:
-            names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._remote_root, detail=False)]
+            self.fs.rm_file(f"{self.root}/{seg_name(segno)}")
+        except FileNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001
+            logger.exception("deleting remote segment %d failed", segno)
+
+    def download(self) -> list[int]:
+        """Thread, at open: fill the empty local directory with the remote copy; returns the segments."""
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
         segnos = sorted(int(m.group(1)) for n in names if (m := SEG_RE.match(n)))
         for segno in segnos:  # each whole under its name, 0600 and synced (it may be the only local copy)
-            atomic_write(self.dir / seg_name(segno),
-                         self._fs.cat_file(f"{self._remote_root}/{seg_name(segno)}"))
+            atomic_write(self.dir / seg_name(segno), self.fs.cat_file(f"{self.root}/{seg_name(segno)}"))
         if segnos:
-            logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self._remote_root)
+            logger.info("restored %d segment(s) of %s from the remote copy", len(segnos), self.root)
         return segnos
-

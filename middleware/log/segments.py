@@ -8,7 +8,7 @@ header (``STAPLOG`` + a format byte) followed by frames::
 A **cursor** names the position just after a record: ``"SEGNO:OFFSET"`` (``"3:1048576"``; defined in
 ``wire.py``, which the stream's client shares). Reading "after cursor C" starts at that byte.
 
-Everything here is stateless; ``wal.TrajectoryLog`` holds the segment table and the writer.
+Everything here is stateless; ``table.py`` holds the segment table, ``active.py`` the write path.
 """
 
 from __future__ import annotations

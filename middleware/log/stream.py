@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 from aiohttp import web
@@ -164,17 +164,22 @@ def _flag(value: str | None, default: bool) -> bool:
     raise bad_request(f"expected 0 or 1, got {value!r}", "invalid_parameter")
 
 
-async def get_trajectories(request: web.Request) -> web.StreamResponse:
-    require_control(request)
-    log = request.app[LOG_KEY]
-    state = request.app[STREAM_STATE_KEY]
-    q = request.query
+class _Ask(NamedTuple):
+    """What a ``GET /trajectories`` asks for, checked."""
+
+    consumer: str | None
+    fmt: Format
+    follow: bool
+    heartbeat: float
+    cursor: str | None
+
+
+async def _ask(request: web.Request) -> _Ask:
+    log, state, q = request.app[LOG_KEY], request.app[STREAM_STATE_KEY], request.query
     consumer = _consumer(q.get("consumer"), required=False)
     asked = q.get("format", "ndjson")
     if asked not in FORMATS:
         raise bad_request("'format' must be 'ndjson' or 'msgpack'", "invalid_format")
-    fmt = cast(Format, asked)  # one of FORMATS, checked just above (mypy does not narrow `in` to a Literal)
-    follow = _flag(q.get("follow"), True)
     try:
         heartbeat = float(q.get("heartbeat", state.heartbeat_s))
     except ValueError:
@@ -186,28 +191,35 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
         cursor = await state.consumer_cursors(log).get(consumer)
     if cursor is not None:
         await _check_cursor(log, cursor)
+    # one of FORMATS, checked above (mypy does not narrow `in` to a Literal)
+    return _Ask(consumer, cast(Format, asked), _flag(q.get("follow"), True), heartbeat, cursor)
 
-    def encode(msg: StreamMessage | RawTrajectoryMessage) -> bytes:
-        return encode_message(msg, fmt)
 
-    async def message(cur: str, found: Found) -> bytes:
-        if fmt == "msgpack":  # passed through as logged: the client resolves the steps
-            return encode(RawTrajectoryMessage(
-                cursor=cur, trajectory=msgspec.Raw(found.payload), steps=[msgspec.Raw(p) for p in found.steps]
-            ))
-        try:  # JSON of the logged records; a large one built off the loop (a first step can be megabytes)
-            if len(found.payload) + sum(map(len, found.steps)) < INLINE_BYTES:
-                return _ndjson_message(cur, found)
-            return await asyncio.to_thread(_ndjson_message, cur, found)
-        except msgspec.DecodeError as exc:  # ValidationError included
-            log._undecodable(cur, exc)  # counted as the reader counts its own
-            return encode(StreamMessage(cursor=cur, skipped=str(exc)))
+async def _message(log: TrajectoryLog, fmt: Format, cur: str, found: Found) -> bytes:
+    """One finished trajectory on the stream, in ``fmt``."""
+    if fmt == "msgpack":  # passed through as logged: the client resolves the steps
+        return encode_message(RawTrajectoryMessage(
+            cursor=cur, trajectory=msgspec.Raw(found.payload), steps=[msgspec.Raw(p) for p in found.steps]
+        ), fmt)
+    try:  # JSON of the logged records; a large one built off the loop (a first step can be megabytes)
+        if len(found.payload) + sum(map(len, found.steps)) < INLINE_BYTES:
+            return _ndjson_message(cur, found)
+        return await asyncio.to_thread(_ndjson_message, cur, found)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        log.undecodable(cur, exc)  # counted as the reader counts its own
+        return encode_message(StreamMessage(cursor=cur, skipped=str(exc)), fmt)
 
+
+async def get_trajectories(request: web.Request) -> web.StreamResponse:
+    require_control(request)
+    log, state = request.app[LOG_KEY], request.app[STREAM_STATE_KEY]
+    ask = await _ask(request)
+    fmt = ask.fmt
     resp = web.StreamResponse(headers={"Content-Type": NDJSON if fmt == "ndjson" else MSGPACK,
                                        "Cache-Control": "no-store", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     # Not following: a short idle wait marks "caught up". Following: idle waits are heartbeats.
-    agen = log.tail(cursor, idle=heartbeat if follow else 0.0, raw=True)
+    agen = log.tail(ask.cursor, idle=ask.heartbeat if ask.follow else 0.0, raw=True)
     sent = 0
     task = asyncio.current_task()
     assert task is not None
@@ -215,18 +227,18 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
     try:
         async for cur, traj in agen:
             if isinstance(traj, Skipped):  # undecodable: say so (the client counts it) and move past it
-                await resp.write(encode(StreamMessage(cursor=cur, skipped=traj.reason)))
+                await resp.write(encode_message(StreamMessage(cursor=cur, skipped=traj.reason), fmt))
             elif traj is not None:
-                await resp.write(await message(cur, traj))
+                await resp.write(await _message(log, fmt, cur, traj))
                 sent += 1
-            elif follow:
-                await resp.write(encode(StreamMessage(cursor=cur, heartbeat=time.time())))
+            elif ask.follow:
+                await resp.write(encode_message(StreamMessage(cursor=cur, heartbeat=time.time()), fmt))
             else:
-                await resp.write(encode(StreamMessage(cursor=cur, end=True)))
+                await resp.write(encode_message(StreamMessage(cursor=cur, end=True), fmt))
                 break
     except (ConnectionResetError, asyncio.CancelledError):
-        logger.info("stream to consumer %s ended (client gone or shutdown) after %d trajectories", consumer,
-                    sent)
+        logger.info("stream to consumer %s ended (client gone or shutdown) after %d trajectories",
+                    ask.consumer, sent)
         raise
     finally:
         state.streams.discard(task)

@@ -8,9 +8,11 @@ in one ``write`` and one ``fdatasync`` (never on the event loop) and hands the g
 callback. A lone record is thus written and synced at once; records that arrive while a sync is in progress
 wait for the next one and share it. Each ``append`` resolves only after the sync that covered its record.
 
-**Recovery** at open (``recovery.py``) cuts a torn tail and rebuilds what the writer tracks; **reading**
-(``reader.py``) serves start-up, the stream and cursor checks; **remote logs** (``remote.py``) keep the
-write-ahead log local and upload sealed segments.
+``TrajectoryLog`` composes the parts, each given what it needs: the segment table (``table.py``) and what the
+log tracks (``index.py``), both shared; the active segment's write path (``active.py``) behind the writer
+thread; **recovery** at open (``recovery.py``), which cuts a torn tail and rebuilds the table and the index;
+**reading** (``reader.py``), which serves start-up, the stream and cursor checks; **remote logs**
+(``remote.py``), which keep the write-ahead log local and upload sealed segments.
 
 **Durability** (``durability``): ``fsync`` (the default) syncs each group before its appends return: a
 record survives a crash of the machine once ``append`` returns. ``os`` writes each group to the OS before its
@@ -27,43 +29,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
-from array import array
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from steptap.middleware import files
 from steptap.middleware.exceptions import LogUnavailable, RecordTooLarge
-from steptap.middleware.log.compaction import Compaction
-from steptap.middleware.log.degraded import Degraded
+from steptap.middleware.log.active import ActiveSegment
+from steptap.middleware.log.compaction import Compactor
+from steptap.middleware.log.degraded import DegradedMode
 from steptap.middleware.log.images import ImageStore
-from steptap.middleware.log.reader import Reader
-from steptap.middleware.log.recovery import LogInUseError, Recovery
-from steptap.middleware.log.remote import Remote
+from steptap.middleware.log.index import LogIndex
+from steptap.middleware.log.reader import Changes, Reader
+from steptap.middleware.log.recovery import LogInUseError, lock_dir, recover
+from steptap.middleware.log.remote import Uploader
 from steptap.middleware.log.segments import (
     HEADER,
     MAX_RECORD,
     CorruptLogError,
-    create_segment,
     format_cursor,
     frame,
     parse_cursor,
-    seg_name,
     split_location,
 )
+from steptap.middleware.log.stats import LogStats
+from steptap.middleware.log.table import SegmentTable
 from steptap.middleware.log.writer import CommitThread, Item, NotWritten, Written
-from steptap.middleware.records import (
-    HeldDropped,
-    LogRecord,
-    PolicyVersion,
-    SessionOpened,
-    Step,
-    Trajectory,
-    msgpack_encoder,
-)
+from steptap.middleware.records import LogRecord, PolicyVersion, Trajectory, msgpack_encoder
 
 # Format names are re-exported: callers import them from here.
 __all__ = [
@@ -83,32 +75,14 @@ class LogClosedError(RuntimeError):
     pass
 
 
-class LogStats(msgspec.Struct, kw_only=True):
-    records: int = 0  # records appended since open
-    bytes: int = 0  # bytes appended since open
-    commits: int = 0  # fdatasync calls (one per group commit, plus segment seals)
-    torn_records: int = 0  # torn tails truncated at open
-    torn_bytes: int = 0
-    corrupt_records: int = 0  # bad frames inside sealed segments (the rest of each is skipped)
-    last_batch_records: int = 0
-    segments: int = 0  # retained local segments
-    uploads: int = 0  # sealed segments uploaded to the remote URL
-    active_uploads: int = 0  # uploads of the active segment's committed part (timer)
-    # Records that did not decode, skipped by a reader (each time one reads them)
-    undecodable_records: int = 0
-    write_errors: int = 0  # failed group commits (disk full, I/O error)
-
-
-class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
+class TrajectoryLog:
     """An append-only, crash-safe log of ``LogRecord``s. Create with ``await
     TrajectoryLog.open(location)``."""
-
-    _active_uploader: asyncio.Task[None] | None = None
 
     def __init__(
         self, dirpath: Path, segment_bytes: int, fs: Any, remote_root: str | None,
         max_record_bytes: int = DEFAULT_MAX_RECORD, probe_interval_s: float = 1.0,
-        durability: str = "fsync", os_sync_interval_s: float = 0.2,
+        durability: str = "fsync", os_sync_interval_s: float = 0.2, *, readonly: bool = False,
     ) -> None:
         if not 0 < max_record_bytes <= MAX_RECORD:
             raise ValueError(f"max_record_bytes must be between 1 and {MAX_RECORD}")
@@ -118,46 +92,32 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
             raise ValueError("os_sync_interval_s must be positive")
         self.durability = durability
         self.os_sync_interval_s = os_sync_interval_s
-        self._unsynced = False  # durability "os": written groups not yet synced
-        self._syncer: asyncio.Task[None] | None = None
         self.dir = dirpath
         self.location = str(dirpath)  # what open() was given
         self.segment_bytes = segment_bytes
         self.max_record_bytes = max_record_bytes
-        self.probe_interval_s = probe_interval_s
-        self.degraded_reason: str | None = None  # why the log cannot write, while it cannot
-        self._probe: asyncio.Task[None] | None = None
         self.stats = LogStats()
-        self._bad: set[str] = set()
-        self._fs = fs
-        self._remote_root = remote_root
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steptap-wal")
         self._writer: CommitThread | None = None
-        self._fd_lock = threading.Lock()  # the active segment: the writer thread vs the timed sync ("os")
-        self._uploads: set[asyncio.Task[None]] = set()
-        self._closed = False
-        self._fd = -1
+        self._syncer: asyncio.Task[None] | None = None
         self._lock_fd = -1
-        self._upload_failed: set[int] = set()
-        self._uploading: set[int] = set()
-        self._segno = 0  # the active segment
-        self._size = 0  # its committed length
-        self._valid_end: dict[int, int] = {}  # sealed segno -> end of its readable frames
-        self._open_sessions: dict[str, int] = {}  # trajectory id -> segno of its SessionOpened
-        self._last_version: tuple[int, PolicyVersion] | None = None
-        self._traj_ends = array("q")  # cursor_key() after each finished trajectory, in log order (stream lag)
-        # Beside it: the segment of its first referenced step (compaction keeps it)
-        self._traj_firsts = array("q")
-        self._changed = asyncio.Event()  # set (and replaced) after every commit: wakes followers
-        # Guards the segment table (_segno, _size, _valid_end) between the writer thread and reader threads.
-        self._lock = threading.Lock()
-        self._upload_lock = threading.Lock()  # one upload at a time (remote.py)
-        self._compact_lock = asyncio.Lock()
-        # The images beside the log (images.py), and the last segment referring to each (compaction sweeps)
+        self._closing = False
+        self.table = SegmentTable(dirpath)
+        self.index = LogIndex()
+        self.changes = Changes(closed=readonly)  # a read-only log takes no appends
+        self.reader = Reader(self.table, self.stats, self.changes)
+        self.active = ActiveSegment(self.table, self.stats, segment_bytes=segment_bytes,
+                                    durability=durability)
+        self.health = DegradedMode(dirpath, self.stats, self._io, interval_s=probe_interval_s,
+                                   writable_again=self._writable_again, closed=lambda: self.changes.closed)
+        self.uploader = (Uploader(fs, remote_root, self.table, self.stats)
+                         if fs is not None and remote_root is not None else None)
+        # The images beside the log (images.py), kept while the index names them (compaction sweeps)
         self.images = ImageStore(dirpath, durable=durability == "fsync", fs=fs, remote_root=remote_root)
-        self._image_segs: dict[str, int] = {}
+        self.compactor = Compactor(self.table, self.index, self.stats, self.images, self._io, self.append,
+                                   self.uploader)
 
-    # ---- opening and recovery ----------------------------------------------------------------------------
+    # ---- opening ---------------------------------------------------------------------------------------
 
     @classmethod
     async def open(
@@ -191,31 +151,46 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
             location = upload_url
         dirpath, fs, root = split_location(location, cache_dir)
         log = cls(dirpath, segment_bytes, fs, root, max_record_bytes, probe_interval_s, durability,
-                  os_sync_interval_s)
+                  os_sync_interval_s, readonly=readonly)
         log.location = location
+        loop = asyncio.get_running_loop()
         if readonly:
             if not dirpath.is_dir():
                 raise FileNotFoundError(f"no trajectory log at {dirpath}")
-            log._closed = True  # appends refused
-            await asyncio.get_running_loop().run_in_executor(log._io, log._recover, True)
+            await loop.run_in_executor(log._io, log._recover, True)
             return log
         try:
-            await asyncio.get_running_loop().run_in_executor(log._io, log._recover)
+            await loop.run_in_executor(log._io, log._recover, False)
         except BaseException:
             log._release()
             raise
-        log._writer = CommitThread(
-            asyncio.get_running_loop(), log._write_batch, log._committed, log._writer_died, _MAX_BATCH_BYTES
-        )
-        log._writer.start()
-        if durability == "os":
-            log._syncer = asyncio.create_task(log._sync_forever(), name="steptap-wal-syncer")
-        if fs is not None:
-            for segno in sorted(log._valid_end):
-                log._schedule_upload(segno, only_if_missing=True)
-            if upload_interval_s:
-                log._start_active_uploads(upload_interval_s)
+        log._start(upload_interval_s)
         return log
+
+    def _recover(self, readonly: bool) -> None:
+        """I/O thread: lock the directory, rebuild the table and the index, open the active segment."""
+        if readonly:
+            recover(self.table, self.index, self.stats, readonly=True)
+            return
+        self._lock_fd = lock_dir(self.dir)
+        recover(self.table, self.index, self.stats,
+                restore=self.uploader.download if self.uploader is not None else None)
+        self.active.open()
+
+    def _start(self, upload_interval_s: float | None) -> None:
+        self._writer = CommitThread(
+            asyncio.get_running_loop(), self.active.write, self._committed, self._writer_died,
+            _MAX_BATCH_BYTES)
+        self._writer.start()
+        if self.durability == "os":
+            self._syncer = asyncio.create_task(
+                self.active.sync_forever(self.os_sync_interval_s, self._io, lambda: self.changes.closed,
+                                         self.health.degrade), name="steptap-wal-syncer")
+        if self.uploader is not None:
+            for segno in self.table.sealed():
+                self.uploader.schedule(segno, only_if_missing=True)
+            if upload_interval_s:
+                self.uploader.start_active_uploads(upload_interval_s)
 
     # ---- appending (group commit) ------------------------------------------------------------------------
 
@@ -227,9 +202,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
     async def append_at(self, record: LogRecord) -> tuple[str, str]:
         """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and
         ends."""
-        if self._closed:
+        if self.changes.closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
-        self.ensure_writable()
+        self.health.ensure_writable()
         payload = msgpack_encoder.encode(record)
         if len(payload) > self.max_record_bytes:
             raise RecordTooLarge(
@@ -237,15 +212,9 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
                 f"{self.max_record_bytes} bytes"
             )
         fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
-        assert self._writer is not None  # set by open() whenever _closed is False
+        assert self._writer is not None  # set by open() whenever the log is not closed
         self._writer.put((frame(payload), record, fut))
         return await fut
-
-    @property
-    def disk_bytes(self) -> int:
-        """Bytes held by the retained local segments."""
-        with self._lock:
-            return sum(self._valid_end.values()) + self._size
 
     def _committed(self, batch: list[Item], written: Written) -> None:
         """On the loop, once per group: resolve its appends, track what readers need, wake the followers."""
@@ -255,143 +224,117 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         self.stats.bytes += sum(len(b[0]) for b in batch[: len(positions)])
         # positions: the committed prefix of the batch
         for (data, record, fut), (segno, offset) in zip(batch, positions, strict=False):
-            self._track(record, segno, offset)
+            self.index.appended(record, segno, offset)
             if not fut.done():  # the caller may have gone away; the record is durable all the same
                 fut.set_result((format_cursor(segno, offset - len(data)), format_cursor(segno, offset)))
         if error is not None:
-            # Disk full, I/O error: what was committed before it stands (resolved above); the rest fails and
-            # the log refuses new records until a probe write succeeds, so memory and log stay in step. What
-            # was queued behind a failed group fails too (``NotWritten``, not a write error of its own).
-            failed = batch[len(positions):]
-            if not isinstance(error, NotWritten):
-                logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
-                self._degrade(error)
-            for _, _, fut in failed:
-                if not fut.done():
-                    unavailable = LogUnavailable("the trajectory log could not write: "
-                                                 f"{self.degraded_reason or error}")
-                    unavailable.__cause__ = error
-                    fut.set_exception(unavailable)
-        for segno in sealed + sorted(self._upload_failed):
-            self._schedule_upload(segno)
-        self._changed.set()
-        self._changed = asyncio.Event()
+            self._failed(batch[len(positions):], error)
+        if self.uploader is not None:
+            self.uploader.sealed(sealed)
+        self.changes.committed()
+
+    def _failed(self, failed: list[Item], error: BaseException) -> None:
+        """Disk full, I/O error: what was committed before it stands (resolved); the rest fails and the log
+        refuses new records until a probe write succeeds, so memory and log stay in step. What was queued
+        behind a failed group fails too (``NotWritten``, not a write error of its own)."""
+        if not isinstance(error, NotWritten):
+            logger.error("trajectory log write failed (%s); %d append(s) fail", error, len(failed))
+            self.health.degrade(error)
+        for _, _, fut in failed:
+            if not fut.done():
+                unavailable = LogUnavailable("the trajectory log could not write: "
+                                             f"{self.health.reason or error}")
+                unavailable.__cause__ = error
+                fut.set_exception(unavailable)
 
     def _writer_died(self, exc: BaseException, batch: list[Item]) -> None:
         """The writer only ends at close; if it died of a bug, fail what waits instead of hanging forever."""
         logger.error("trajectory log writer died", exc_info=exc)
-        self._closed = True
+        self.changes.closed = True
         assert self._writer is not None
         for _, _, fut in batch + self._writer.pending():
             if not fut.done():
                 fut.set_exception(LogClosedError("trajectory log writer died"))
 
-    def _track(self, record: LogRecord, segno: int, offset: int) -> None:
-        if isinstance(record, Step):
-            self._refers(record.images, segno)
-        elif isinstance(record, SessionOpened):
-            self._opened(record.trajectory_id, segno)
-        elif isinstance(record, Trajectory) and record.status != "running":
-            for step in record.steps:  # an anonymous call's steps live in its trajectory record
-                self._refers(step.images, segno)
-            self._finished(record.id, record.step_refs, segno, offset)
-        elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
-            self._open_sessions.pop(record.trajectory_id, None)
-        elif isinstance(record, PolicyVersion):
-            self._last_version = (segno, record)
+    def _writable_again(self) -> None:
+        if self._writer is not None:  # it wrote nothing since the failure (writer.py)
+            self._writer.resume()
 
-    def _write_batch(
-        self, frames: list[bytes]
-    ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
-        """Writer thread: write frames (rolling segments over at ``segment_bytes``), sync, return the position
-        after each committed frame (a prefix of ``frames``), the segments sealed on the way, and the error
-        that stopped it, if any."""
-        with self._fd_lock:
-            return self._write_frames(frames)
+    # ---- what the parts answer ---------------------------------------------------------------------------
 
-    def _write_frames(
-        self, frames: list[bytes]
-    ) -> tuple[list[tuple[int, int]], list[int], OSError | None]:
-        positions: list[tuple[int, int]] = []
-        committed = 0
-        sealed: list[int] = []
-        buf: list[bytes] = []
-        pos = self._size
-        try:
-            for fr in frames:
-                if pos > len(HEADER) and pos + len(fr) > self.segment_bytes:
-                    self._flush(buf)
-                    committed, buf = len(positions), []
-                    sealed.append(self._roll())
-                    pos = self._size
-                buf.append(fr)
-                pos += len(fr)
-                positions.append((self._segno, pos))
-            self._flush(buf)
-        except OSError as exc:
-            # Leave no half-written group behind: cut back to what was committed.
-            try:
-                os.ftruncate(self._fd, self._size)
-                os.lseek(self._fd, self._size, os.SEEK_SET)
-            except OSError:
-                pass
-            return positions[:committed], sealed, exc
-        return positions, sealed, None
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes held by the retained local segments."""
+        return self.table.disk_bytes()
 
-    def _flush(self, buf: list[bytes]) -> None:
-        if not buf:
-            return
-        # At the committed end; with fsync, written and synced by one system call where the platform can.
-        files.write_all(self._fd, b"".join(buf), self._size, dsync=self.durability == "fsync")
-        if self.durability == "fsync":
-            self.stats.commits += 1
-        else:
-            self._unsynced = True
-        with self._lock:
-            self._size += sum(len(b) for b in buf)
+    @property
+    def degraded(self) -> bool:
+        """True while the log cannot write (its last group commit failed and no probe has succeeded since)."""
+        return self.health.reason is not None
 
-    def _roll(self) -> int:
-        """Seal the active segment (already synced) and start the next; returns the sealed segno."""
-        old = self._segno
-        self._sync_now()  # durability "os": a sealed segment is synced like any other
-        # The next segment exists before any reader can be sent to it; if creating it fails (disk full), the
-        # active segment is untouched and the next batch tries again.
-        create_segment(self.dir, old + 1)
-        fd = os.open(self.dir / seg_name(old + 1), os.O_WRONLY)
-        os.lseek(fd, len(HEADER), os.SEEK_SET)
-        os.close(self._fd)
-        self._fd = fd
-        with self._lock:
-            self._valid_end[old] = self._size
-            self._segno = old + 1
-            self._size = len(HEADER)
-        self.stats.segments = len(self._valid_end) + 1
-        return old
+    @property
+    def degraded_reason(self) -> str | None:
+        """Why the log cannot write, while it cannot (``degraded.py``)."""
+        return self.health.reason
 
-    # ---- durability "os": the timed sync ------------------------------------------------------------------
+    def ensure_writable(self) -> None:
+        """``LogUnavailable`` while degraded: callers refuse new work instead of doing it and losing it."""
+        self.health.ensure_writable()
 
-    def _sync_locked(self) -> None:
-        with self._fd_lock:
-            self._sync_now()
+    @property
+    def last_policy_version(self) -> PolicyVersion | None:
+        """The latest ``PolicyVersion`` record (what compaction carries forward; the weight swapper restores
+        its state from it at start-up and owns what it means)."""
+        return self.index.last_version[1] if self.index.last_version is not None else None
 
-    def _sync_now(self) -> None:
-        """Sync what was written but not yet synced (durability ``os``); the caller holds ``_fd_lock`` or is
-        the only one left touching the segment."""
-        if self._unsynced:
-            files.datasync(self._fd)
-            self._unsynced = False
-            self.stats.commits += 1
+    async def compact(self, min_cursor: str) -> list[int]:
+        """``compaction.py``: delete the sealed segments every consumer is done with; returns them."""
+        return await self.compactor.compact(min_cursor)
 
-    async def _sync_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            await asyncio.sleep(self.os_sync_interval_s)
-            if not self._unsynced:
-                continue
-            try:
-                await loop.run_in_executor(self._io, self._sync_locked)
-            except OSError as exc:
-                self._degrade(exc)
+    def trajectories_after(self, cursor: str | None) -> int:
+        """How many finished trajectories the log holds after ``cursor`` (a consumer's lag)."""
+        return self.index.trajectories_after(cursor)
+
+    @property
+    def end_cursor(self) -> str:
+        """The cursor after the last committed record."""
+        return self.reader.end_cursor
+
+    def records(self) -> Iterator[LogRecord]:
+        """``reader.py``: every retained, committed record in log order, as logged."""
+        return self.reader.records()
+
+    def located_records(self) -> Iterator[tuple[str, LogRecord]]:
+        """``records()`` with the cursor where each starts."""
+        return self.reader.located_records()
+
+    def check_cursor(self, cursor: str) -> None:
+        """``ValueError`` unless ``cursor`` names a record boundary of this log (reads from disk)."""
+        self.reader.check_cursor(cursor)
+
+    def trajectory_at(self, cursor: str) -> Trajectory:
+        """The finished trajectory whose record starts at ``cursor``, with full steps (reads from disk)."""
+        return self.reader.trajectory_at(cursor)
+
+    def with_steps(self, traj: Trajectory) -> Trajectory:
+        """A held trajectory with its full steps read back from its refs (reads from disk)."""
+        return self.reader.with_steps(traj)
+
+    start_of = staticmethod(Reader.start_of)
+
+    def undecodable(self, cursor: str, exc: Exception) -> None:
+        """Count and log a record that does not decode (once per record)."""
+        self.reader.undecodable(cursor, exc)
+
+    def tail(self, cursor: str | None = None, *, idle: float | None = None,
+             raw: bool = False) -> AsyncGenerator[tuple[str, Any], None]:
+        """``reader.py``: finished trajectories after ``cursor``, with heartbeats every ``idle`` seconds."""
+        return self.reader.tail(cursor, idle=idle, raw=raw)
+
+    def follow(self, cursor: str | None = None, *,
+               until_idle: float | None = None) -> AsyncIterator[tuple[str, Trajectory]]:
+        """``reader.py``: finished trajectories after ``cursor``, waiting for new ones like ``tail -f``."""
+        return self.reader.follow(cursor, until_idle=until_idle)
 
     # ---- closing -----------------------------------------------------------------------------------------
 
@@ -399,28 +342,29 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
         """Finish queued appends, seal and upload the active segment of a remote log, and release the
         files."""
         if self._writer is None:  # read-only (or never opened)
-            self._closed = True
+            self.changes.closed = True
             self._io.shutdown(wait=True)
             return
-        if self._closed:
+        if self._closing:
             return
-        self._closed = True
+        self._closing = True
+        self.changes.closed = True
         self._writer.stop()
-        for task in (self._probe, self._active_uploader, self._syncer):
-            if task is not None:
-                task.cancel()
+        self.health.stop()
+        if self.uploader is not None:
+            self.uploader.stop_active_uploads()
+        if self._syncer is not None:
+            self._syncer.cancel()
         await self._writer.stopped  # every queued append resolved (a dead writer failed them)
         loop = asyncio.get_running_loop()
-        if self._fs is not None and self._size > len(HEADER):
-            sealed = await loop.run_in_executor(self._io, self._roll)
-            self._schedule_upload(sealed)
-        if self._uploads:
-            await asyncio.gather(*list(self._uploads), return_exceptions=True)
-        await loop.run_in_executor(self._io, self._sync_locked)
-        await loop.run_in_executor(self._io, os.close, self._fd)
+        if self.uploader is not None:
+            if self.table.active[1] > len(HEADER):
+                self.uploader.schedule(await loop.run_in_executor(self._io, self.active.roll))
+            await self.uploader.wait()
+        await loop.run_in_executor(self._io, self.active.close)
         self._io.shutdown(wait=True)
         self._release()
-        self._changed.set()  # followers return
+        self.changes.close()  # followers return
 
     def _release(self) -> None:
         if self._lock_fd >= 0:
@@ -432,4 +376,3 @@ class TrajectoryLog(Recovery, Reader, Remote, Degraded, Compaction):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-

@@ -3,8 +3,9 @@ dropped with a note, or refused with a 400 naming it.
 
 What the model cannot see as a Responses tool is flattened into a chat function: a ``namespace`` tool's
 children become ``<namespace>.<name>`` functions, a ``custom`` (freeform) tool a function of one string
-argument ``input``. ``Translation.calls`` maps those flat names back, so the reply side returns the call the
-agent expects (``function_call`` with its ``namespace``, or ``custom_tool_call``). Hosted tools
+argument ``input``. ``Translation.namespaced`` and ``Translation.custom`` map those flat names back, so the
+reply side returns the call the agent expects (``function_call`` with its ``namespace``, or
+``custom_tool_call``). Hosted tools
 (``web_search``, ...) need a server that runs them: they are dropped from what the model sees and noted. The
 notes (``Translation.notes``) are recorded on the step (``Step.notes``, as for every protocol) and counted in
 /metrics (``steptap_dropped_fields_total{endpoint, field}``, the label), so a capture never silently differs

@@ -130,17 +130,12 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         self.holdings.check_open(len(self.sessions) - self.auto_open)
         if idle_timeout_s is None:
             idle_timeout_s = self.config.session_idle_timeout_s
-        traj = Trajectory(
-            id=sid,
-            group_id=group_id,
-            group_size=group_size,
-            mode=mode,
-            metadata=metadata or {},
-            idle_timeout_s=idle_timeout_s,
-            train=train,
-            side_models=list(side_models or ()),
-        )
-        session = LiveSession(traj, new_key() if keyed else None)
+        opened = SessionOpened(trajectory_id=sid, group_id=group_id, group_size=group_size, mode=mode,
+                               metadata=metadata or {}, idle_timeout_s=idle_timeout_s,
+                               key=new_key() if keyed else None, tito=tito, train=train,
+                               side_models=list(side_models or ()))
+        traj = opened.trajectory()
+        session = LiveSession(traj, opened.key)
         session.tito = tito
         session.bytes = len(msgpack_encoder.encode(traj))
         if session.bytes > self.config.max_session_bytes:  # its Trajectory record could never be written
@@ -150,20 +145,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             )
         self._register(session)  # before the await: a concurrent open of the same id sees it
         try:
-            await self._append(
-                SessionOpened(
-                    trajectory_id=sid,
-                    group_id=group_id,
-                    group_size=group_size,
-                    mode=mode,
-                    metadata=traj.metadata,
-                    idle_timeout_s=idle_timeout_s,
-                    key=session.key,
-                    tito=tito,
-                    train=train,
-                    side_models=traj.side_models,
-                )
-            )
+            await self._append(opened)
         except BaseException:
             self._unregister(session)
             raise

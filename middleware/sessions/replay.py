@@ -67,17 +67,7 @@ class Replay:
             if isinstance(record, SessionOpened):
                 if record.anonymous:
                     continue
-                traj = Trajectory(
-                    id=record.trajectory_id,
-                    group_id=record.group_id,
-                    group_size=record.group_size,
-                    mode=record.mode,
-                    metadata=record.metadata,
-                    idle_timeout_s=record.idle_timeout_s,
-                    created_at=record.at,
-                    train=record.train,
-                    side_models=record.side_models,
-                )
+                traj = record.trajectory()
                 self.closed.pop(traj.id, None)
                 rebuilt = LiveSession(traj, record.key)
                 rebuilt.tito = record.tito

@@ -1,21 +1,21 @@
 """The gate every model call passes (``WeightSwapper.gate``), the drain bound's cut, and keep mode's
-bookkeeping of the calls in flight (version spans, LoRA adapters retired when their last call ends).
-
-A mixin of ``WeightSwapper`` (swapper.py), which holds the state these methods read."""
+bookkeeping of the calls in flight (version spans, the calls on each LoRA adapter, tokens per version)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from steptap.middleware.exceptions import SwapUnavailable
-from steptap.middleware.weights.policy import HoldsPolicy
+from steptap.middleware.weights.lora import Adapters
+from steptap.middleware.weights.policy import Served
 from steptap.middleware.weights.spans import Spans
 
 logger = logging.getLogger("steptap.weights")
@@ -35,68 +35,91 @@ class Ticket(msgspec.Struct, frozen=True):
     spans: Spans | None = None  # where a keep swap switched this call's tokens to a newer version
 
 
-class Gate(HoldsPolicy):
-    """``WeightSwapper``'s gate and the bookkeeping of the calls through it."""
+class Gate:
+    """The gate every model call passes, and the bookkeeping of the calls through it: reads the version (and
+    the adapter to route to) ``served`` holds as each call passes, and tells ``adapters`` which adapter each
+    call holds."""
 
-    _open: asyncio.Event
-    _idle: asyncio.Event
-    _in_flight: int
-    _held: int
-    _first_held_at: float | None
-    _calls: set[asyncio.Task[Any]]
-    _cut: Any
-    _spans: set[Spans]
-    _adapter_users: dict[str, int]
-    _retiring: dict[str, list[str]]
-    _background: set[asyncio.Task[Any]]
-    _started: bool
-    drain_timeout_s: float
-    cut_calls: int
-    spanning_calls: int
-    unsplit_calls: int
-    tokens_by_version: dict[int, int]
-    if TYPE_CHECKING:  # Adapters'
-        def _release_adapter(self, adapter: str) -> None: ...
+    def __init__(self, served: Served, adapters: Adapters, *, drain_timeout_s: float) -> None:
+        self.served = served
+        self.adapters = adapters
+        self.drain_timeout_s = drain_timeout_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0
+        self.held = 0  # calls waiting at the gate now
+        self.held_wait = 0.0  # the longest wait of a call held during the last closing
+        self._first_held_at: float | None = None
+        self._calls: set[asyncio.Task[Any]] = set()  # the tasks of calls through the gate
+        self._cut: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()  # those the drain bound cancelled
+        self.cut_calls = 0
+        self.spans: set[Spans] = set()  # of the calls through the gate (keep mode's marks)
+        self.spanning_calls = 0
+        self.unsplit_calls = 0
+        self.tokens_by_version: dict[int, int] = {}
+
+    @property
+    def holding(self) -> bool:
+        """Whether new calls wait (from ``close`` to ``reopen``)."""
+        return not self._open.is_set()
+
+    def close(self) -> None:
+        """From here new calls wait in the proxy (a swap runs)."""
+        self.held_wait = 0.0
+        self._open.clear()
+
+    def reopen(self) -> None:
+        """Held calls go now; ``held_wait`` is the longest wait, that of the first call held."""
+        self._open.set()
+        if self._first_held_at is not None:
+            self.held_wait = time.monotonic() - self._first_held_at
+            self._first_held_at = None
+
+    async def idle(self) -> None:
+        """Until no call is through the gate."""
+        await self._idle.wait()
 
     @asynccontextmanager
     async def gate(self) -> AsyncIterator[Ticket]:
         """Around every model call: waits while a swap runs, then yields the version that samples it."""
         if not self._open.is_set():
-            self._held += 1
+            self.held += 1
             if self._first_held_at is None:
                 self._first_held_at = time.monotonic()
             try:
                 while not self._open.is_set():  # another swap may start before this task runs again
                     await self._open.wait()
             finally:
-                self._held -= 1
+                self.held -= 1
         # No await between the check above and this increment: a swap cannot slip in between.
-        self._in_flight += 1
+        self.in_flight += 1
         self._idle.clear()
         task = asyncio.current_task()
         if task is not None:
             self._calls.add(task)
-        adapter = self.lora_name
-        spans = Spans(self.version, labelled=adapter is None)
-        self._spans.add(spans)
+        version, adapter = self.served.version, self.served.lora_name
+        spans = Spans(version, labelled=adapter is None)
+        self.spans.add(spans)
         if adapter is not None:
-            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
+            self.adapters.hold(adapter)
         try:
-            yield Ticket(self.version, adapter, spans)
+            yield Ticket(version, adapter, spans)
         finally:
-            self._spans.discard(spans)
+            self.spans.discard(spans)
             self.spanning_calls += bool(spans.marks)
             if adapter is not None:
-                self._release_adapter(adapter)
+                self.adapters.release(adapter)
             self._calls.discard(task)
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            self.in_flight -= 1
+            if self.in_flight == 0:
                 self._idle.set()
 
-    def _mark(self, version: int) -> None:
+    def mark(self, version: int) -> None:
         """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is
         sampled)."""
-        for spans in self._spans:
+        for spans in self.spans:
             spans.mark(version)
 
     def label(self, steps: Iterable[Any], spans: Spans | None) -> None:
@@ -112,7 +135,7 @@ class Gate(HoldsPolicy):
         while len(self.tokens_by_version) > _VERSIONS_KEPT:  # bounded: the latest versions only
             del self.tokens_by_version[min(self.tokens_by_version)]
 
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
         """Wait for the calls through the gate; past the bound, cut them (each is recorded as a failed step:
         relay asks ``was_cut``) so one slow reader cannot hold every agent for long."""
         try:
@@ -131,7 +154,7 @@ class Gate(HoldsPolicy):
             await asyncio.wait_for(self._idle.wait(), _CUT_GRACE_S)
         except TimeoutError:
             raise SwapUnavailable(
-                f"{self._in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
+                f"{self.in_flight} model calls still running after {self.drain_timeout_s:g} s and a cut; "
                 "swap abandoned, old weights kept",
                 "swap_drain_timeout",
             ) from None

@@ -1,5 +1,5 @@
-"""The latest policy version and the weights it names: one answer, held by the weight swapper
-(``WeightSwapper.policy``), read by everyone else (the gate, ``/health``, ``/metrics``, reconcile).
+"""The latest policy version and the weights it names: one answer, held by the weight swapper (``Served``,
+``WeightSwapper.policy``), read by everyone else (the gate, ``/health``, ``/metrics``, reconcile).
 
 Each transition (a full-weights swap from disk, a collective transfer, a LoRA adapter) makes a new ``Policy``;
 the swapper persists its ``record()`` in the trajectory log before it goes live. The record is the whole
@@ -74,10 +74,13 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
         return Policy(version=record.version, path=path, on_disk=on_disk, lora_path=record.lora_path)
 
 
-class HoldsPolicy:
-    """The swapper and its mixins read the state through these; only a new ``Policy`` changes it."""
+class Served:
+    """What the replicas serve now: the ``policy`` (only a new ``Policy`` changes it) and whether they run on
+    CPU (None: not asked yet). One is held by the swapper and handed to each of its parts."""
 
-    policy: Policy
+    def __init__(self, policy: Policy, cpu_backend: bool | None = None) -> None:
+        self.policy = policy
+        self.cpu_backend = cpu_backend
 
     @property
     def version(self) -> int:

@@ -81,18 +81,18 @@ class WeightsCollector:
         g, c = GaugeMetricFamily, CounterMetricFamily
         yield g(metric_names.POLICY_VERSION, "policy version of the weights being served", st.version)
         yield c(metric_names.WEIGHT_SWAPS, "successful weight swaps", st.swaps)
-        yield c("steptap_weight_swap_failures", "refused or failed weight swaps", st.failures)
+        yield c(metric_names.WEIGHT_SWAP_FAILURES, "refused or failed weight swaps", st.failures)
         yield g(
             metric_names.WEIGHT_SWAP_SECONDS,
             "duration of the last swap (calls held meanwhile)",
             st.last_swap_s or 0.0,
         )
         yield g(
-            "steptap_weight_swap_paused_seconds",
+            metric_names.WEIGHT_SWAP_PAUSED_SECONDS,
             "how long the backend was paused in the last swap",
             st.last_paused_s or 0.0,
         )
-        yield g("steptap_weight_swap_stall_seconds",
+        yield g(metric_names.WEIGHT_SWAP_STALL_SECONDS,
                 "the fleet's longest stall in the last swap (a call held at the gate or frozen in vLLM)",
                 st.last_stall_s or 0.0)
         yield g(metric_names.SWAP_STALL_MAX, "the fleet's longest stall in any swap", st.max_stall_s)
@@ -107,6 +107,6 @@ class WeightsCollector:
         for version, n in sorted(st.tokens_by_version.items()):
             tokens.add_metric([str(version)], n)
         yield tokens
-        yield g("steptap_weight_swap_held_calls", "model calls waiting for a swap to finish", st.held)
-        yield g("steptap_weight_swap_in_flight", "model calls through the swap gate", st.in_flight)
-        yield g("steptap_weight_swap_last_timestamp", "unix time of the last swap", st.last_swap_at or 0.0)
+        yield g(metric_names.WEIGHT_SWAP_HELD_CALLS, "model calls waiting for a swap to finish", st.held)
+        yield g(metric_names.WEIGHT_SWAP_IN_FLIGHT, "model calls through the swap gate", st.in_flight)
+        yield g(metric_names.WEIGHT_SWAP_LAST_TIMESTAMP, "unix time of the last swap", st.last_swap_at or 0.0)

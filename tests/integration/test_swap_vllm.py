@@ -482,7 +482,7 @@ async def _resume(server: Backend) -> None:
 async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
     """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
     while True:
-        counts = [s.counter().get(0, 0) if s.counter is not None else 0 for s in list(sw._spans)]
+        counts = [s.counter().get(0, 0) if s.counter is not None else 0 for s in list(sw.calls.spans)]
         if len(counts) >= calls and min(counts) >= tokens:
             return
         await asyncio.sleep(0.01)
@@ -572,8 +572,8 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
         assert gap(s["response_logprobs"], ref(base, s, adapter=published)) > DIFFERENT
     # unloaded once its last call ended, in the background: the gate's exit starts it (the agent may have its
     # reply before the handler leaves the gate), then it runs
-    await asyncio.wait_for(sw._idle.wait(), 60)
-    await asyncio.wait_for(asyncio.gather(*list(sw._background)), 60)
+    await asyncio.wait_for(sw.calls.idle(), 60)
+    await asyncio.wait_for(sw.adapters.unloaded(), 60)
     assert f"{LORA_PREFIX}-v1" not in {m["id"] for m in http_json(f"{swap_server.url}/v1/models")["data"]}
 
 
@@ -629,7 +629,7 @@ async def test_keep_swap_splits_tito_calls_where_vllm_says(
         # Admitted together, the turns step together: the streamed ones' relayed tokens (read in process,
         # no polling of a busy vLLM) pace the generate ones, which the proxy cannot see before their reply.
         while True:
-            counts = [c.get(0, 0) for c in (s.counter() for s in list(sw._spans) if s.counter) if c]
+            counts = [c.get(0, 0) for c in (s.counter() for s in list(sw.calls.spans) if s.counter) if c]
             if len(counts) == n // 2 and min(counts) >= 8:
                 return
             await asyncio.sleep(0.01)

@@ -231,8 +231,8 @@ async def test_a_replica_back_on_disk_weights_asks_for_a_disk_version_and_the_le
     await asyncio.to_thread(learner._publish)
     assert learner.version == sw.version == 1 and sw.on_disk is False
     # The replica restarts: it comes back with vLLM's own label (its weights are reloaded from disk below).
-    backend = sw._targets()[0]
-    await sw._client(backend).set_label("default")
+    backend = sw.replicas.targets()[0]
+    await sw.replicas.client(backend).set_label("default")
     await sw.reconcile(backend)
     assert sw.version == 2 and sw.on_disk  # the disk weights as a version of their own ...
     health = await (await client.get("/health", headers={"Authorization": f"Bearer {TOKEN}"})).json()

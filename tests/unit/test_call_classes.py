@@ -253,18 +253,18 @@ def test_serve_takes_side_models_repeated() -> None:
 
 def test_steptap_run_opens_its_sessions_with_train_and_side_models() -> None:
     from steptap.adapters.run import _parse_args
-    from steptap.middleware.client.api import _session_body
+    from steptap.middleware.client.api import session_body
 
     args = _parse_args(["--proxy", "http://p", "--control-token", "t", "--train", "all", "--side-model",
                         "haiku",
                         "--", "true"])
     assert (args.train, args.side_models) == ("all", ["haiku"])
-    body = _session_body(None, None, "train", None, None, None, args.train, args.side_models)
+    body = session_body({"train": args.train, "side_models": args.side_models})
     from steptap.middleware.sessions.control import OpenBody
 
     opened = msgspec.json.decode(msgspec.json.encode(body), type=OpenBody)
     assert (opened.train, opened.side_models) == ("all", ["haiku"])
-    assert "train" not in _session_body(None, None, "train", None, None, None)  # the default, unsent
+    assert "train" not in session_body({"train": "main"})  # the default, unsent
 
 
 

@@ -95,10 +95,11 @@ def test_a_tied_model_with_a_lora_learner_is_accepted(tied_dir: Path, tmp_path: 
     runner.model_dir = str(tied_dir)
     # read by the learner's own config parser
     assert up_preflight._learner_lora_rank(runner._learner_argv()) == 8
-    runner._refuse_tied_full_weights()  # no exception: LoRA never reloads the tied base weights
+    # no exception: LoRA never reloads the tied base weights
+    runner.preflight.refuse_tied_full_weights(runner.model_dir, runner._learner_argv())
     runner.args.learn_args = ""
     with pytest.raises(up.Refused, match="LoRA"):
-        runner._refuse_tied_full_weights()
+        runner.preflight.refuse_tied_full_weights(runner.model_dir, runner._learner_argv())
 
 
 def test_up_takes_several_running_replicas_but_not_with_replicas(tmp_path: Path,

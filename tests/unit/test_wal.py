@@ -628,10 +628,10 @@ async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(t
     assert [r.id for r in reader.records()] == ["t0", "t1", "t2"]
     await reader.close()
     for _ in range(1000):  # the timer syncs what was written
-        if not log._unsynced:
+        if not log.active.unsynced:
             break
         await asyncio.sleep(0.01)
-    assert not log._unsynced and log.stats.commits >= 1
+    assert not log.active.unsynced and log.stats.commits >= 1
     more = [await log.append(_traj(i)) for i in range(3, 30)]  # rolls segments: each sealed one synced first
     assert parse_cursor(more[-1])[0] > parse_cursor(cursors[0])[0]
     await log.close()

@@ -690,7 +690,7 @@ async def test_keep_lora_swap_loads_beside_the_old_adapter_without_pausing(
         assert ticket.served_model == new  # new calls use the new one at once
     release.set()
     await call  # the call left the gate: the old adapter's unload has started, in the background
-    await asyncio.wait_for(asyncio.gather(*list(sw._background)), 10)
+    await asyncio.wait_for(sw.adapters.unloaded(), 10)
     assert fake.adapters == {new} and sw.state().last_stall_s == 0.0
     await sw.close()
 
@@ -704,7 +704,7 @@ def test_tokens_per_version_stalls_and_spanning_calls_reach_metrics_and_the_live
     sw = WeightSwapper("http://127.0.0.1:9")
     sw.label([Step(policy_version=0, response_token_ids=[1, 2, 3, 4, 5], version_spans=[[0, 0], [2, 1]])],
              None)
-    sw.spanning_calls, sw.swaps, sw.max_stall_s = 1, 1, 0.25
+    sw.calls.spanning_calls, sw.swaps, sw.max_stall_s = 1, 1, 0.25
     registry = CollectorRegistry()
     registry.register(WeightsCollector(sw))
     board = StatusBoard("http://127.0.0.1:9", tmp_path / "metrics.jsonl")
