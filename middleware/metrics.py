@@ -39,11 +39,42 @@ SPANNING_CALLS = "steptap_calls_spanning_swaps"  # calls whose tokens came from 
 UNSPLIT_CALLS = "steptap_calls_spanning_swaps_unsplit"  # of those, recorded as one version (split unknown)
 # Response tokens recorded per policy version (label: version)
 TOKENS_BY_VERSION = "steptap_tokens_by_version"
+# The run's health (middleware/health.py): what the proxy counts...
+SESSIONS_OPENED = "steptap_sessions_opened"  # label anonymous
+HELD = "steptap_held_trajectories"
+REPLIES_CUT = "steptap_replies_cut"  # steps cut by max_tokens (finish_reason "length")
+IDLE_MAX = "steptap_sessions_idle_max_seconds"  # the longest an open session has gone without a call
+HELD_MAX = "steptap_held_oldest_seconds"  # the oldest held trajectory's wait for its reward
+# ... and, when the proxy knows the learner's metrics file (--console-learner-metrics), the learner's latest
+# batch: shares of groups with reward variance, of generated tokens in the loss, of replies cut; the mean
+# logprob gap to vLLM and the versions the trained tokens lag; one sample per finding (labels cause, level)
+HEALTH_GROUPS_VARIED = "steptap_health_groups_varied_share"
+HEALTH_TOKENS_TRAINED = "steptap_health_tokens_trained_share"
+HEALTH_REPLIES_CUT = "steptap_health_replies_cut_share"
+HEALTH_LOGPROB_GAP = "steptap_health_logprob_gap"
+HEALTH_VERSION_LAG = "steptap_health_version_lag"
+HEALTH_FINDING = "steptap_health_finding"
 
 
 def sample(name: str, kind: str = "") -> str:
     """The sample name a reader sees: ``sample(STEPS, "total")`` is ``steptap_steps_total``."""
     return f"{name}_{kind}" if kind else name
+
+
+def parse_text(text: str) -> dict[str, float]:
+    """Prometheus text -> every sample summed over its labels, by sample name (``_total`` kept as exposed);
+    a sample labelled by ``version``, ``status`` or ``anonymous`` also under ``name{value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+            for label in ("version", "status", "anonymous"):
+                if label in s.labels:
+                    key = f"{s.name}{{{s.labels[label]}}}"
+                    out[key] = out.get(key, 0.0) + float(s.value)
+    return out
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -82,6 +113,8 @@ class Metrics:
         self.response_tokens = Counter(
             "steptap_response_tokens", "response tokens of recorded steps", registry=r
         )
+        self.replies_cut = Counter(REPLIES_CUT, "recorded steps cut by max_tokens (finish_reason length)",
+                                   registry=r)
         self.prefix = Counter(
             "steptap_prefix_steps",
             "steps by prefix continuity (every break counted by cause)",
@@ -108,7 +141,7 @@ class Metrics:
             registry=r,
         )
         self.sessions_opened = Counter(
-            "steptap_sessions_opened", "sessions opened", ["anonymous"], registry=r
+            SESSIONS_OPENED, "sessions opened", ["anonymous"], registry=r
         )
         self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
         # What open sessions hold in memory, and the calls in flight: each bounded by a limit
@@ -125,7 +158,7 @@ class Metrics:
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )
         self.rewards = Counter("steptap_rewards", "rewards attached", ["target", "source"], registry=r)
-        self.held = Gauge("steptap_held_trajectories",
+        self.held = Gauge(HELD,
                           "finished sessions waiting for their pending reward (off the stream)", registry=r)
         self.held_ended = Counter("steptap_held_ended", "held trajectories ended: rewarded, default, dropped",
                                   ["outcome"], registry=r)
