@@ -88,6 +88,8 @@ class RunFiles:
             "reward_by_policy_version": board.reward_by_version(),
             "policy_versions": board.policy_version,
             "stop_reason": self.stop_reason,
+            # what the run's health names at the end (docs/health.md): empty for a healthy run
+            "health": [f._asdict() for f in board.findings()],
             "failed": failed.name if failed else None,
             "metrics": str(self.metrics_path),
         }
