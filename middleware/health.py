@@ -59,6 +59,8 @@ DROP_HINTS = {
     "dropped_empty": "empty replies",
     "dropped_aborted": "sessions that ended aborted (or an infrastructure failure): set train_aborted to "
                        "train aborted ones",
+    "dropped_infra_error": "infrastructure failures (a sandbox, an agent that did not start, a verifier or a "
+                           "judge that failed): never trained",
     "dropped_timed_out": "sessions closed by their idle timeout: finish them, or set train_aborted",
     "dropped_curated": "trajectories curation excluded",
     "dropped_curated_step": "steps curation excluded",
@@ -183,7 +185,7 @@ def learner_findings(rows: Iterable[Mapping[str, Any]], t: Thresholds = DEFAULTS
 class ProxyFigures(NamedTuple):
     opened: int = 0  # named sessions opened
     finished: int = 0  # trajectories closed finished
-    aborted: int = 0  # ... aborted (an infrastructure failure too) or timed out
+    aborted: int = 0  # ... any other way: aborted, timed out, an infrastructure failure
     open: int = 0  # named sessions open now
     held: int = 0  # finished sessions waiting for a pending reward
     idle_s: float = 0.0  # the longest an open session has gone without a call
@@ -202,10 +204,11 @@ def proxy_figures(values: Mapping[str, float]) -> ProxyFigures:
         return float(values.get(name, 0.0))
 
     closed = m.sample(m.TRAJECTORIES, "total")
+    ended = sum(v for k, v in values.items() if k.startswith(closed + "{") and k != closed + "{finished}")
     return ProxyFigures(
         opened=int(get(m.sample(m.SESSIONS_OPENED, "total") + "{false}")),
         finished=int(get(closed + "{finished}")),
-        aborted=int(get(closed + "{aborted}") + get(closed + "{timed_out}")),
+        aborted=int(ended),
         open=int(get(m.SESSIONS_OPEN)), held=int(get(m.HELD)),
         idle_s=get(m.IDLE_MAX), held_s=get(m.HELD_MAX),
         replies=int(get(m.sample(m.STEPS, "total"))), cut=int(get(m.sample(m.REPLIES_CUT, "total"))))
@@ -232,7 +235,7 @@ def proxy_findings(p: ProxyFigures, t: Thresholds = DEFAULTS) -> list[Finding]:
         why = f" (latest error: {p.error[:300]})" if p.error else ""
         out.append(Finding(
             "aborted", "warn",
-            f"{p.aborted} of {closed} sessions ended aborted or timed out{why}: aborted sessions do not "
+            f"{p.aborted} of {closed} sessions ended aborted, timed out or failed{why}: they do not "
             "train (an agent that crashes, a judge or grader that fails: an infrastructure failure)"))
     return out
 

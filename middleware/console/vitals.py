@@ -50,7 +50,7 @@ def proxy_figures(manager: SessionManager, metrics: m.Metrics) -> ProxyFigures:
     return ProxyFigures(
         opened=int(_by_label(metrics.sessions_opened).get("false", 0)),
         finished=int(closed.get("finished", 0)),
-        aborted=int(closed.get("aborted", 0) + closed.get("timed_out", 0)),
+        aborted=int(sum(v for k, v in closed.items() if k != "finished")),
         open=len(named), held=len(manager.held),
         idle_s=max((now_m - s.last_active for s in named if not s.inflight), default=0.0),
         held_s=max((now - h.at for h in manager.held.values()), default=0.0),
