@@ -131,6 +131,8 @@ async def test_a_learner_scoring_with_other_weights_stops_at_the_first_batch(
         await daemon._run(config_from_argv(_learner_argv(proxy, other, work, "--push-every", "1")))
     assert stop.value.finding.cause == "logprob_gap"
     assert "on average over 6 tokens of its first batch" in stop.value.finding.text
+    gap = float(stop.value.finding.text.split("differ from vLLM's by ")[1].split(" nats")[0])
+    assert gap > 5.0, stop.value.finding.text  # measured ~26 nats: far past the 0.5 default
     assert not (work / "weights").exists()  # stopped before anything was published
     console, found, code = await _named(http, proxy, work)
     assert "logprob_gap" in console and "logprob_gap" in found and code == doctor.STOP_EXIT
