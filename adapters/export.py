@@ -7,7 +7,8 @@ Writes ``OUT/part-00000.parquet``, ``part-00001.parquet``, ... (a new file every
 readable by ``pyarrow.parquet.read_table(OUT)`` and ``datasets.load_dataset("parquet", data_dir=OUT)``. Each
 row holds the step's exact token ids and logprobs, its rewards, the policy version that sampled it (and where
 a swap switched it: ``version_spans``), and its trajectory's id, group, mode, status, rewards, where each
-reward came from (``reward_sources``: callback, http, human, default), the ratings given after it was
+reward came from (``reward_sources``: callback, http, human, default) and what made it, by name, when its
+giver said (``reward_provenance``: a judge's model, prompt and rubric hashes), the ratings given after it was
 streamed (``late_rewards``, from ``--log`` only: the stream carries no reward records) and metadata; nested
 objects are JSON strings so every file has one fixed schema (``schema()``). Provenance: with ``--model-dir``
 (the model the run started from), every row and ``OUT/_provenance.json`` name its weights, tokenizer and chat
@@ -96,6 +97,7 @@ def schema() -> Any:
             ("completion_tokens", pa.int64()),
             ("version_spans", pa.string()),
             ("reward_sources", pa.string()),
+            ("reward_provenance", pa.string()),
             ("late_rewards", pa.string()),
             ("model_hash", pa.string()),
             ("tokenizer_hash", pa.string()),
@@ -121,8 +123,8 @@ def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
     traj = full_trajectory(traj)  # a trajectory holding delta steps gets full rows
     state = curation or CurationState()
     edited = edit_rewards(traj, state)  # the same steps, in the same order
-    late_json = json.dumps([{"name": r.name, "value": r.value, "step": r.step, "source": r.source, "at": r.at}
-                            for r in late or ()])
+    late_json = json.dumps([{"name": r.name, "value": r.value, "step": r.step, "source": r.source, "at": r.at,
+                             **({"provenance": r.provenance} if r.provenance else {})} for r in late or ()])
     common = {
         "trajectory_id": traj.id,
         "group_id": traj.group_id,
@@ -134,6 +136,7 @@ def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
         "metadata": json.dumps(traj.metadata, default=str),
         "num_steps": len(traj.steps),
         "reward_sources": json.dumps(traj.reward_sources),
+        "reward_provenance": json.dumps(traj.reward_provenance),
         "late_rewards": late_json,
         **{k: (prov or {}).get(k) for k in PROVENANCE_KEYS},
         "curation_tags": state.tags,
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV))
     p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
-    p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
+    p.add_argument("--mode", choices=("train", "eval", "judge"), help="only trajectories of this mode")
     p.add_argument("--rows-per-file", type=int, default=100_000)
     p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
                    "tokenizer and chat template hashes go in every row and OUT/_provenance.json")

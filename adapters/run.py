@@ -10,7 +10,9 @@ is untrusted. When it exits, the session is finished with a reward from
   last line of output; or
 - the reward file: whatever the agent wrote to ``$STEPTAP_REWARD_FILE`` (``--reward-file PATH`` names it;
   ``{index}`` and ``{session}`` in PATH are filled in, and with ``-n`` > 1 a PATH without them gets
-  ``.<index>`` appended).
+  ``.<index>`` appended); or
+- ``--reward-judge RUBRIC``: a judge model scores the session by the rubric (adapters/judge.py; its calls in a
+  judge session of their own); a judge that fails ends the session as an infrastructure failure.
 
 No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0: ``finished`` without reward.
 ``--agent NAME`` (``agents.AGENTS``: claude-code, codex, openclaw, pi, opencode, qwen-code, vibe) runs that
@@ -34,6 +36,7 @@ import sys
 from typing import Any
 
 from steptap.adapters import agents
+from steptap.adapters.judge import add_judge_flags, judge_from_args
 from steptap.adapters.runner import Runner, describe, explain
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token, proxy_url
@@ -85,6 +88,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--reward-cmd", default=None, help="shell command printing the reward (sees STEPTAP_* env)"
     )
     src.add_argument("--reward-file", default=None, help="file the agent writes its reward to")
+    add_judge_flags(p, src)
     p.add_argument("--reward-timeout", type=float, default=300.0, help="seconds the reward command may take")
     p.add_argument("--reward-pending", type=float, default=None, metavar="DEADLINE_S",
                    help="a member that exits without a reward finishes with its reward pending: held off the "
@@ -122,6 +126,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     if args.reward_pending is not None and not args.reward_pending > 0:
         p.error("--reward-pending must be positive")
     args.concurrency = max(1, args.concurrency or min(args.n, 8))
+    args.judge = judge_from_args(args, p.error)
     forget_control_token()  # read: nothing started from here inherits it
     return args
 

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from steptap.adapters import agents
+from steptap.adapters.judge import JudgeError
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
-from steptap.middleware.records import json_encoder
+from steptap.middleware.records import INFRA_FAILURE, json_encoder
 
 KILL_GRACE_S = 3.0
 
@@ -38,6 +39,7 @@ class Member:
     pending: bool = False  # finished with its reward pending (--reward-pending)
     steps: int | None = None
     error: str | None = None
+    judged: dict[int | None, float] | None = None  # the judge's rewards (--reward-judge), by step (None: all)
 
 # A reward is a line; a bigger reward file is an agent filling the disk or the memory. Of a reward command's
 # output only this tail is kept.
@@ -170,11 +172,15 @@ class Runner:
                 m.error = "interrupted"
                 await self._finish(m, None, "aborted")
                 return m
+            except JudgeError as exc:  # no reward could be made: an infrastructure failure, never a 0
+                m.error = f"judge: {exc}"
+                await self._finish(m, None, INFRA_FAILURE)
+                return m
             except Exception as exc:  # noqa: BLE001 - a failing grader aborts its member, not the run
                 m.error = str(exc)
                 await self._finish(m, None, "aborted")
                 return m
-            if m.reward is None and m.exit_code != 0:
+            if m.reward is None and m.judged is None and m.exit_code != 0:
                 m.error = f"agent exited {m.exit_code} with no reward"
                 await self._finish(m, None, "aborted")
             else:
@@ -255,6 +261,10 @@ class Runner:
             self.procs.pop(m.index, None)
 
     async def _reward(self, m: Member, reward_file: str) -> dict[str | None, float] | None:
+        judge = getattr(self.args, "judge", None)
+        if judge is not None:  # the judge posts its rewards (and their provenance) itself
+            m.judged = (await judge.reward(self.client, m.session_id)).rewards
+            return None
         if self.args.reward_cmd:
             env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
             env.update(
@@ -304,13 +314,15 @@ class Runner:
                 if name is not None:
                     await self.client.add_reward(m.session_id, value, name=name)
             pending = getattr(self.args, "reward_pending", None)
-            if status == "finished" and pending is not None and (reward or {}).get(None) is None:
+            if status == "finished" and pending is not None and (reward or {}).get(None) is None \
+                    and m.judged is None:
                 # the verdict comes later (a person, a test run): held off the stream until it does
                 await self.client.finish(m.session_id, reward="pending", deadline_s=pending,
                                          on_deadline=self.args.on_deadline)
                 m.pending = True
             else:
-                await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status)
+                await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status,
+                                         error=m.error if status != "finished" else None)
             m.status = status
         except Exception as exc:  # noqa: BLE001 - report it; the proxy's idle timeout closes it otherwise
             m.status = "unfinished"
@@ -372,6 +384,9 @@ def describe(m: Member) -> str:
     reward = ""
     if m.reward:
         reward = " reward " + ", ".join(f"{k}={v:g}" if k else f"{v:g}" for k, v in m.reward.items())
+    if m.judged:
+        reward = " judged " + ", ".join(f"step {k}={v:g}" if k is not None else f"{v:g}"
+                                        for k, v in m.judged.items())
     steps = f" {m.steps} steps" if m.steps is not None else ""
     why = f" ({m.error})" if m.error else ""
     code = "-" if m.exit_code is None else m.exit_code

@@ -285,7 +285,7 @@ class Session(_SessionBase):
 
     def _abort(self, exc: BaseException) -> None:
         try:
-            self._client.finish(self.id, status="aborted")
+            self._client.finish(self.id, status="aborted", error=_why(exc))
             self.status = "aborted"
         except Exception as err:  # noqa: BLE001 - never mask the agent's own exception
             logger.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)
@@ -295,6 +295,11 @@ class Session(_SessionBase):
             close = getattr(self._client, "close", None)
             if close is not None:
                 close()
+
+
+def _why(exc: BaseException) -> str:
+    """What ended a session aborted, kept on its trajectory (its error)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class AsyncSession(_SessionBase):
@@ -361,7 +366,7 @@ class AsyncSession(_SessionBase):
 
     async def _abort(self, exc: BaseException) -> None:
         try:
-            await self._client.finish(self.id, status="aborted")
+            await self._client.finish(self.id, status="aborted", error=_why(exc))
             self.status = "aborted"
         except Exception as err:  # noqa: BLE001 - never mask the agent's own exception
             logger.warning("steptap: could not abort session %s after %r: %s", self.id, exc, err)

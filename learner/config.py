@@ -129,6 +129,20 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "largest per-token logprob gap the vision check accepts (1e-4: the tests' float32 tolerance; a bf16 "
         "learner needs more)")] = 1e-4
 
+    # -- the run's health (learner/health.py, docs/health.md)
+    health_check: Annotated[Literal["stop", "warn", "off"], _help(
+        "what the health check does when nothing can be learned (no reward variance, no token in the loss, "
+        "logprobs unlike vLLM's): stop the run with the diagnosis, or only warn; it always warns, after the "
+        "first update")] = "stop"
+    health_window: Annotated[int, _help(
+        "batches in a row with nothing learnable before the check stops the run")] = 5
+    health_gap_nats: Annotated[float, _help(
+        "the mean |vLLM - learner| logprob of the first batch beyond which the run stops (the learner does "
+        "not score with the weights vLLM sampled with)")] = 0.5
+    health_stall_s: Annotated[float, _help(
+        "no batch for this long: the check reads the proxies (sessions that never finish, pending rewards)")
+    ] = 300.0
+
     # -- loop, checkpoints, what the user sees
     push_every: Annotated[int, _help("publish weights to the proxy every N updates; 0: never")] = 1
     weights_dir: Annotated[str, _help(
@@ -172,11 +186,14 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY or self.policy_loss == "bypass_mode":
             problems.append(f"policy_loss {self.policy_loss!r}: one of "
                             f"{sorted(core_algos.POLICY_LOSS_REGISTRY)}")
-        for name in ("batch_groups", "group_size", "epochs", "micro_batch_tokens", "checkpoint_every"):
+        for name in ("batch_groups", "group_size", "epochs", "micro_batch_tokens", "checkpoint_every",
+                     "health_window"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         if self.lr <= 0:
             problems.append("lr must be > 0")
+        if not (self.health_gap_nats > 0 and self.health_stall_s > 0):
+            problems.append("health_gap_nats and health_stall_s must be > 0")
         if not 0 < self.stale_decay <= 1:
             problems.append("stale_decay must be in (0, 1]")
         if self.rollout_rs and not self.rollout_rs_threshold:

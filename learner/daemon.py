@@ -21,98 +21,25 @@ import logging
 import signal
 import sys
 import time
-from collections import Counter, OrderedDict
 
 import aiohttp
 import torch
 
 from steptap.learner import checkpoint, curation
 from steptap.learner.config import LearnerConfig, config_from_argv
-from steptap.learner.engines.base import make_engine
+from steptap.learner.engines.base import StepStats, make_engine
+from steptap.learner.health import HealthCheck, HealthStop, figures
+from steptap.learner.intake import Grouper, Source
 from steptap.learner.metrics_log import MetricsLog, update_row
 from steptap.learner.rows import Batch, build_batch
 from steptap.learner.vision import Resolve, VisionInputs, VisionMismatch, check_message, vision_config
-from steptap.middleware.client import Delivery, SteptapClient, SteptapError, SyncSteptapClient, delivery_key
+from steptap.middleware.client import SteptapError, SyncSteptapClient, delivery_key
+from steptap.middleware.health import ProxyFigures, Thresholds, proxy_figures
+from steptap.middleware.metrics import parse_text
 from steptap.middleware.records import Trajectory
 
 logger = logging.getLogger("steptap.learner")
-
-
-class Ledger:
-    """Delivered cursors in stream order; which are consumed; the acknowledgeable prefix. Keyed by the
-    client's ``delivery_key`` (id and ``created_at``): a session id used again later is another trajectory."""
-
-    def __init__(self) -> None:
-        self._pending: OrderedDict[str, list] = OrderedDict()  # delivery key -> [cursor, consumed]
-        self.acked: str | None = None
-
-    def deliver(self, d: Delivery) -> None:
-        self._pending[delivery_key(d.trajectory)] = [d.cursor, False]
-
-    def consume(self, keys: list[str]) -> None:
-        for key in keys:
-            if key in self._pending:
-                self._pending[key][1] = True
-
-    def frontier(self) -> tuple[str | None, list[str]]:
-        """(the cursor up to which everything is consumed, keys consumed beyond it); drops the prefix."""
-        while self._pending and next(iter(self._pending.values()))[1]:
-            _, (cursor, _) = self._pending.popitem(last=False)
-            self.acked = cursor
-        return self.acked, [key for key, (_, done) in self._pending.items() if done]
-
-
-class Source:
-    """One proxy: its stream client, its own cursor, acknowledgement and ledger (trajectory ids are keyed by
-    source: ids chosen in session paths can repeat across proxies)."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url = url
-        self.client = SteptapClient(url, token or None)
-        self.ledger = Ledger()
-        self.cursor: str | None = None
-        self.skip: set[str] = set()
-        self.unreadable = 0  # stream records the client could not decode and skipped (reported in the notes)
-
-
-class Grouper:
-    """Collects a group's members (``group_id``) until ``group_size`` have arrived, in any final status
-    (an aborted member counts toward its group, it does not discard it), or until the group has waited
-    ``timeout_s``."""
-
-    def __init__(self, cfg: LearnerConfig) -> None:
-        self.cfg = cfg
-        self.open: dict[tuple[str, str], tuple[float, list[Trajectory]]] = {}
-        self.ready: list[list[Trajectory]] = []
-        self.counts: Counter = Counter()
-
-    def add(self, traj: Trajectory, source: str = "") -> bool:
-        """Hold ``traj`` for its group; False (counted) for one not to train on: anonymous, unless asked."""
-        if traj.anonymous and not self.cfg.train_anonymous:
-            self.counts["skipped_anonymous"] += 1
-            return False
-        key = (source, traj.group_id or f"_single:{traj.id}")  # a group never mixes proxies
-        _, members = self.open.setdefault(key, (time.monotonic(), []))
-        members.append(traj)
-        if traj.group_id is None or len(members) >= (traj.group_size or self.cfg.group_size):
-            self.ready.append(self.open.pop(key)[1])
-        return True
-
-    def take(self, n: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
-        """Up to ``n`` ready groups, and the members of timed-out groups too small to train on."""
-        now, small = time.monotonic(), []
-        for key, (since, members) in list(self.open.items()):
-            if now - since >= self.cfg.group_timeout_s:
-                del self.open[key]
-                trainable = [t for t in members if t.status == "finished" or self.cfg.train_aborted]
-                if len(trainable) >= self.cfg.min_group_members:
-                    self.counts["groups_timed_out"] += 1
-                    self.ready.append(members)
-                else:
-                    self.counts["dropped_small_group"] += len(members)
-                    small += members
-        out, self.ready = self.ready[:n], self.ready[n:]
-        return out, small
+HEALTH_STOP_EXIT = 3  # the exit code of a run the health check stopped (docs/health.md)
 
 
 class Learner:
@@ -135,10 +62,16 @@ class Learner:
         self.grouper = Grouper(cfg)
         self.version, self.updates = 0, 0
         self.checkpointed = -1  # the update count of the last checkpoint
-        self.pass_through: list[Trajectory] = []  # eval trajectories: consumed, counted, never trained
+        self.pass_through: list[Trajectory] = []  # eval and judge ones: consumed, counted, never trained
+        # consumed, never trained, and why: anonymous ones (unless train_anonymous), too-small groups
+        self.untrained: list[tuple[Trajectory, str]] = []
+        self.last_batch_at = self.probed_at = time.monotonic()
         self.stop = asyncio.Event()
         self.metrics = MetricsLog(cfg.metrics_file, cfg.tensorboard_dir, cfg.progress, cfg.max_updates,
                                  cfg.trackers, cfg.project, cfg.experiment, cfg.as_dict())
+        self.health = HealthCheck(cfg.health_check, Thresholds(window=cfg.health_window,
+                                                              gap_nats=cfg.health_gap_nats,
+                                                              stall_s=cfg.health_stall_s), self.metrics.note)
         state = checkpoint.load_latest(cfg.checkpoint_dir) if cfg.resume else None
         if state is not None:
             self.engine.load_state_dict(state["engine"] if "engine" in state else state)
@@ -164,11 +97,12 @@ class Learner:
         try:
             while not self._finished():
                 groups, t0 = await self._next_groups(), time.perf_counter()
+                untrained, self.untrained = self.untrained, []
                 trajs = [t for g in groups for t in g] + self._drain()
                 marks = await self._curation(trajs)
                 # off the loop: a vision step's images are fetched from its proxy while its row is built
                 batch = await asyncio.to_thread(build_batch, trajs, version=self.version, curation=marks,
-                                                vision=self.vision, **self._row_options())
+                                                vision=self.vision, dropped=untrained, **self._row_options())
                 dropped = curation.note(trajs, marks)
                 if dropped:
                     self.metrics.note(dropped)
@@ -176,15 +110,20 @@ class Learner:
                 self.grouper.counts.clear()
                 gap = await asyncio.to_thread(self._vision_check, batch)
                 stats = await asyncio.to_thread(self.engine.train_step, batch) if batch.samples else None
-                self._consume(trajs)
+                self._consume(trajs + [t for t, _ in untrained])
+                self.last_batch_at = time.monotonic()
                 if stats is None:  # nothing trainable: consumed and counted, not an update
                     self.metrics.note(f"nothing to train in {len(batch.trajectory_ids)} trajectories: "
                                       f"{dict(batch.counts)}")
+                    self._checked({"time": time.time(), "skipped_batch": len(batch.trajectory_ids),
+                                   "policy_version": self.version, "counts": dict(batch.counts)}, batch, None)
                     continue
                 self.updates += 1
+                row = update_row(self.updates, batch, stats, self.version, time.perf_counter() - t0)
+                self._checked(row, batch, stats)  # a stop here publishes nothing
                 if self.cfg.push_every and self.updates % self.cfg.push_every == 0:
                     await asyncio.to_thread(self._publish)
-                row = update_row(self.updates, batch, stats, self.version, time.perf_counter() - t0)
+                row["policy_version"] = self.version  # after this update's publish
                 if gap is not None:
                     row["vision_logprob_gap"] = gap
                 self.metrics.log(row)
@@ -193,6 +132,21 @@ class Learner:
         finally:
             for pump in self.pumps:
                 pump.cancel()
+
+    def _checked(self, row: dict, batch: Batch, stats: StepStats | None) -> None:
+        """The batch's health figures into its row, then the check (learner/health.py); on a stop the row and
+        the diagnosis are written before ``HealthStop`` goes up. A batch with nothing to train is logged
+        here."""
+        row["health"] = figures(batch, stats, self.cfg.algorithm)
+        try:
+            self.health.batch(row)
+        except HealthStop as stop:
+            self.metrics.log(row) if "update" in row else self.metrics.log_batch(row)
+            self.metrics.log_batch({"time": time.time(), "health_stop": stop.finding.text,
+                                    "cause": stop.finding.cause})
+            raise
+        if "update" not in row:
+            self.metrics.log_batch(row)
 
     def _vision_check(self, batch: Batch) -> float | None:
         """The first batch holding vision steps: the policy's logprobs against vLLM's (learner/vision.py),
@@ -233,8 +187,10 @@ class Learner:
                 src.ledger.consume([key])
                 continue
             self.origin[id(d.trajectory)] = src
-            if d.trajectory.mode == "eval" or not self.grouper.add(d.trajectory, src.url):
-                self.pass_through.append(d.trajectory)  # consumed, counted, never trained
+            if d.trajectory.mode != "train":  # eval, judge: consumed, counted, never trained
+                self.pass_through.append(d.trajectory)
+            elif not self.grouper.add(d.trajectory, src.url):  # anonymous: consumed, never trained
+                self.untrained.append((d.trajectory, "skipped_anonymous"))
 
     def _consume(self, trajs: list[Trajectory]) -> None:
         """Mark trajectories trained on or dropped in the ledger of the source each came from."""
@@ -252,10 +208,21 @@ class Learner:
                     raise RuntimeError("the trajectory stream ended")
             more, small = self.grouper.take(self.cfg.batch_groups - len(groups))
             groups += more
-            self.pass_through += small
+            self.untrained += [(t, "dropped_small_group") for t in small]  # consumed, never trained
             if len(groups) < self.cfg.batch_groups:
                 await asyncio.sleep(0.2)
+                await self._stalled()
         return groups
+
+    async def _stalled(self) -> None:
+        """No batch for ``health_stall_s``: what the proxies say (sessions that never finish, rewards that
+        never come: learner/health.py), read from their /metrics every half of it."""
+        now, stall = time.monotonic(), self.cfg.health_stall_s
+        if now - self.last_batch_at < stall or now - self.probed_at < stall / 2:
+            return
+        self.probed_at = now
+        self.health.proxies(await asyncio.to_thread(_proxy_figures, [s.url for s in self.sources],
+                                                    self.cfg.token()))
 
     async def _curation(self, trajs: list[Trajectory]) -> dict[str, curation.CurationState]:
         """The marks of ``trajs``, asked of the proxy each came from (learner/curation.py)."""
@@ -392,6 +359,18 @@ def _proxy_state(proxy_url: str, token: str | None = None) -> tuple[int, str | N
         return 0, None
 
 
+def _proxy_figures(urls: list[str], token: str) -> list[ProxyFigures]:
+    """Each proxy's health figures, from its /metrics (one that cannot be asked is left out)."""
+    out = []
+    for url in urls:
+        try:
+            out.append(proxy_figures(parse_text(SyncSteptapClient(url, token or None, timeout_s=5.0)
+                                                .metrics_text())))
+        except (OSError, ValueError, SteptapError):
+            continue
+    return out
+
+
 def _image_resolver(urls: list[str], token: str) -> Resolve:
     """Image bytes by digest from the proxies the stream comes from (content-addressed: any that holds it)."""
     clients = [SyncSteptapClient(url, token or None, timeout_s=30.0) for url in urls]
@@ -417,7 +396,11 @@ async def _run(cfg: LearnerConfig, resolve: Resolve | None = None) -> None:
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     try:
-        await learner.train()
+        try:
+            await learner.train()
+        except HealthStop:  # nothing can be learned: what was trained is kept, and the run stops, saying why
+            await learner.checkpoint()
+            raise
         await learner.checkpoint()  # a clean stop checkpoints (and acknowledges) what it trained
     finally:
         await learner.close()
@@ -430,5 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # every problem at once, in lines, not a traceback
         print(f"steptap learn: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_run(cfg))
+    try:
+        asyncio.run(_run(cfg))
+    except HealthStop as stop:  # its row is in the metrics file: steptap up, the console and doctor say it
+        print(f"steptap learn: the run's health check stopped it ({stop.finding.cause}): {stop}",
+              file=sys.stderr)
+        return HEALTH_STOP_EXIT
     return 0

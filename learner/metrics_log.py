@@ -5,7 +5,9 @@ Each update appends one JSON object to the metrics file (flushed at once, so ``s
 up``'s live view can read it while the learner runs). Keys: ``update``, ``time``, ``reward_mean``,
 ``reward_std``, ``loss``, ``pg_clipfrac``, ``ppo_kl``, ``kl``, ``entropy``, ``grad_norm``, ``tokens``,
 ``tokens_per_s``, ``policy_version`` (the learner's, after this update's publish), ``behaviour_version`` (the
-version that sampled most of the batch), and the batch's drop/break counts by cause.
+version that sampled most of the batch), the batch's drop/break counts by cause, and its ``health``
+(learner/health.py, docs/health.md). A batch with nothing to train writes a row too (``skipped_batch``, its
+counts and health, no ``update``), and the health check's stop a row ``{"health_stop", "cause"}``.
 
 Besides that file (which the live view and ``steptap plot`` read), every update goes through verl's
 ``verl.utils.tracking.Tracking`` to the backends named in ``trackers`` (console, tensorboard, wandb, mlflow,
@@ -68,6 +70,10 @@ def tracked_scalars(row: dict[str, Any]) -> dict[str, float]:
     out = {k: float(v) for k, v in row.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("update", "time")}
     out |= {f"counts/{k}": float(v) for k, v in row.get("counts", {}).items()}
+    health = row.get("health") or {}
+    out |= {f"health/{k}": float(v) for k, v in health.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out |= {f"health/tokens/{k}": float(v) for k, v in (health.get("tokens") or {}).items()}
     return out
 
 
@@ -118,6 +124,11 @@ class MetricsLog:
         self.console.print(status_line(row), highlight=False)  # above the bar when there is one
         if self._progress is not None:
             self._progress.update(self._task, advance=1)
+
+    def log_batch(self, row: dict[str, Any]) -> None:
+        """A row that is no update (a batch with nothing to train, the health check's stop): the file only."""
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
 
     def note(self, text: str) -> None:
         self.console.print(text, highlight=False)

@@ -17,7 +17,9 @@ dropped: images the resolver cannot give, a processor whose grids disagree with 
 policy without a vision tower. Such a step is never trained as text.
 
 Nothing is dropped silently: every skipped trajectory or step and every chain break is counted by cause in
-``Batch.counts``.
+``Batch.counts``, and the response tokens each cause kept out of the loss in ``Batch.tokens`` (the run's
+health, learner/health.py). Only ``train`` trajectories train: ``eval`` and ``judge`` ones are counted
+(``dropped_eval``, ``dropped_judge``).
 
 Side calls (``Step.call_class == "side"``: a title, a small-fast-model call, a summary beside the main line,
 sessions/classify.py) train only in a session opened with ``train: "all"``; by default they are dropped
@@ -40,7 +42,7 @@ step between them); rewards before the first trained step precede every trained 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,11 @@ class Batch:
     rewards: list[float] = field(default_factory=list)  # scalar reward of each trained trajectory
     trajectory_ids: list[str] = field(default_factory=list)  # every trajectory consumed (trained or dropped)
     version: int = 0  # the learner's policy version the batch was built at
+    # Response tokens of train trajectories: "generated" (all), "trained" (in the loss), and each drop cause's
+    tokens: Counter = field(default_factory=Counter)
+    replies: int = 0  # steps of train trajectories (model replies)
+    cut: Counter = field(default_factory=Counter)  # replies cut by max_tokens (finish_reason "length"), by it
+    unrewarded: int = 0  # trained trajectories no reward reached at all (none given, on it or its steps)
 
     @property
     def has_vision(self) -> bool:
@@ -199,27 +206,38 @@ def build_batch(
     train_aborted: bool = False,
     curation: dict[str, CurationState] | None = None,
     vision: VisionFn | None = None,
+    dropped: Iterable[tuple[Trajectory, str]] = (),
 ) -> Batch:
     """Turn finished trajectories into samples and packed sequences; ``version`` is the learner's current
     policy version. Staleness is per token (lag = version - the version that sampled it,
     ``Step.version_spans``): a step is dropped as stale only when its newest token is. ``curation``: each
     trajectory's marks (middleware/curation.py): excluded trajectories and steps are dropped and counted,
     edited rewards replace the recorded ones. ``vision``: image steps' inputs (module docstring); None: the
-    policy has no vision tower and image steps are dropped."""
+    policy has no vision tower and image steps are dropped. ``dropped``: trajectories consumed but never
+    trained, with why (anonymous ones, a timed-out group too small: the grouper counted them); only their
+    tokens are counted here."""
     batch = Batch(version=version)
     c = batch.counts
+    for traj, cause in dropped:  # consumed, never trained (anonymous, a too-small group): the grouper counted
+        batch.trajectory_ids.append(traj.id)
+        if traj.mode == "train":
+            _replies(batch, traj)
+            _untrained(batch, traj, cause)
     for traj in trajectories:
         batch.trajectory_ids.append(traj.id)
         c["trajectories"] += 1
-        if traj.mode == "eval":
-            c["dropped_eval"] += 1
+        if traj.mode != "train":
+            c[f"dropped_{traj.mode}"] += 1
             continue
+        _replies(batch, traj)
         if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
             c[f"dropped_{traj.status}"] += 1
+            _untrained(batch, traj, f"dropped_{traj.status}")
             continue
         marks = (curation or {}).get(traj.id) or CurationState()
         if marks.excluded:
             c["dropped_curated"] += 1
+            _untrained(batch, traj, "dropped_curated")
             continue
         # Steps as given: full, or as logged (the client's full=False), expanded one at a time holding the
         # latest call's in full, so a long session costs the rows its context once, not once a step
@@ -229,7 +247,7 @@ def build_batch(
         steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
         reward = traj.reward
         expander = Expander()
-        before = (len(batch.samples), len(batch.sequences), Counter(c))
+        before = (len(batch.samples), len(batch.sequences), Counter(c), Counter(batch.tokens))
         try:
             rets = step_returns(steps, reward, gamma)
             rewards = step_rewards(steps, reward)
@@ -253,6 +271,7 @@ def build_batch(
                     reason, inputs = (got, None) if isinstance(got, str) else (None, got)
                 if reason:
                     c[reason] += 1
+                    batch.tokens[reason] += len(step.response_token_ids)
                     if last_kept is not None:  # its reward is credited to the closest trained step before it
                         last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
                     if not side:
@@ -273,6 +292,10 @@ def build_batch(
                     images=list(step.images),
                 )
                 weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
+                kept = sum(w > 0 for w in weights)
+                batch.tokens["trained"] += kept
+                if kept < len(weights):  # tokens of a newer version kept, older ones out (stale_mode drop)
+                    batch.tokens["dropped_stale"] += len(weights) - kept
                 if len(set(versions)) > 1:  # tokens of several versions: weights per token
                     c["spanning_steps"] += 1
                     if any(w < 1.0 for w in weights):
@@ -303,12 +326,31 @@ def build_batch(
             if trained_any:
                 batch.rewards.append(reward)
                 c["trained_trajectories"] += 1
+                batch.unrewarded += not traj.rewards and not any(s.rewards for s in steps)
         except DeltaError:  # a damaged trajectory (a delta without its base): dropped whole, counted
             del batch.samples[before[0]:], batch.sequences[before[1]:]
             c.clear()
             c.update(before[2])
             c["dropped_unresolvable"] += 1
+            batch.tokens.clear()
+            batch.tokens.update(before[3])
+            _untrained(batch, traj, "dropped_unresolvable")
+    batch.tokens["generated"] += 0  # present, so a batch of nothing says 0
     return batch
+
+
+def _untrained(batch: Batch, traj: Trajectory, cause: str) -> None:
+    """A train trajectory none of whose tokens trains: its response tokens counted under ``cause``."""
+    batch.tokens[cause] += sum(len(s.response_token_ids) for s in traj.steps)
+
+
+def _replies(batch: Batch, traj: Trajectory) -> None:
+    """A train trajectory's replies and generated tokens, and those cut by ``max_tokens`` (by its value)."""
+    for s in traj.steps:
+        batch.replies += 1
+        batch.tokens["generated"] += len(s.response_token_ids)
+        if s.finish_reason == "length":
+            batch.cut[s.sampling.max_tokens or 0] += 1
 
 
 def _place(batch: Batch, sample: Sample, prev: Sample | None, step: Step, pack_extends: bool) -> None:

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
              "env"),
     "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step",
                "env"),
+    "doctor": ("steptap.adapters.doctor:main", "a run's health after the fact, from its files", None),
 }
 
 

@@ -62,7 +62,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "control token and one-time login links (docs/console.md)")] = ""
     console_learner_metrics: Annotated[str | None, _help(
         "the learner's metrics file (JSON lines): the console draws its loss, KL, grad norm and clip "
-        "fraction (steptap up sets it)")] = None
+        "fraction and its run health, also in /metrics (steptap up sets it)")] = None
+    health_stall_s: Annotated[float, _help(
+        "the console and /metrics name an open session silent this long, or a held trajectory waiting this "
+        "long for its reward (docs/health.md)")] = 300.0
     allowed_hosts: Annotated[list[str], _help(
         "a Host name model calls may carry besides the bind address, localhost and the public URL's host "
         "(repeatable; a foreign Host is refused: DNS rebinding)")] = []
@@ -196,6 +199,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             raise ValueError("max_image_memory must be at least max_image_bytes (one image)")
         if self.image_url_timeout_s <= 0:
             raise ValueError("image_url_timeout_s must be positive")
+        if not self.health_stall_s > 0:
+            raise ValueError("health_stall_s must be positive")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
         if self.max_session_bytes > self.max_record_bytes:

@@ -53,6 +53,13 @@ class WrongSessionKey(DomainError):
     code = "session_key_required"
 
 
+class RewardUnavailable(Exception):
+    """Raised by a reward callback (``--reward``) that cannot make a reward at all: a judge model that is down
+    or answers garbage, a grader that could not run. An infrastructure failure, never a reward of 0: the
+    session ends ``records.INFRA_FAILURE`` with this message as its error, and is never trained. (Any other
+    exception of a callback is recorded in the trajectory's error, which is still delivered as finished.)"""
+
+
 class StepNotFound(DomainError):
     code = "step_not_found"
 

@@ -84,11 +84,40 @@ REPLICA_IN_FLIGHT = "steptap_replica_in_flight"
 REPLICA_CALLS = "steptap_replica_calls"
 REPLICA_TAKEN_OUT = "steptap_replica_taken_out"
 SESSIONS_MOVED = "steptap_sessions_moved"
+# The run's health (middleware/health.py): what the proxy counts...
+REPLIES_CUT = "steptap_replies_cut"  # steps cut by max_tokens (finish_reason "length")
+IDLE_MAX = "steptap_sessions_idle_max_seconds"  # the longest an open session has gone without a call
+HELD_MAX = "steptap_held_oldest_seconds"  # the oldest held trajectory's wait for its reward
+# ... and, when the proxy knows the learner's metrics file (--console-learner-metrics), the learner's latest
+# batch: shares of groups with reward variance, of generated tokens in the loss, of replies cut; the mean
+# logprob gap to vLLM and the versions the trained tokens lag; one sample per finding (labels cause, level)
+HEALTH_GROUPS_VARIED = "steptap_health_groups_varied_share"
+HEALTH_TOKENS_TRAINED = "steptap_health_tokens_trained_share"
+HEALTH_REPLIES_CUT = "steptap_health_replies_cut_share"
+HEALTH_LOGPROB_GAP = "steptap_health_logprob_gap"
+HEALTH_VERSION_LAG = "steptap_health_version_lag"
+HEALTH_FINDING = "steptap_health_finding"
 
 
 def sample(name: str, kind: str = "") -> str:
     """The sample name a reader sees: ``sample(STEPS, "total")`` is ``steptap_steps_total``."""
     return f"{name}_{kind}" if kind else name
+
+
+def parse_text(text: str) -> dict[str, float]:
+    """Prometheus text -> every sample summed over its labels, by sample name (``_total`` kept as exposed);
+    a sample labelled by ``version``, ``status`` or ``anonymous`` also under ``name{value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+            for label in ("version", "status", "anonymous"):
+                if label in s.labels:
+                    key = f"{s.name}{{{s.labels[label]}}}"
+                    out[key] = out.get(key, 0.0) + float(s.value)
+    return out
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -127,6 +156,8 @@ class Metrics:
         self.response_tokens = Counter(
             RESPONSE_TOKENS, "response tokens of recorded steps", registry=r
         )
+        self.replies_cut = Counter(REPLIES_CUT, "recorded steps cut by max_tokens (finish_reason length)",
+                                   registry=r)
         self.prefix = Counter(
             PREFIX_STEPS,
             "steps by prefix continuity (every break counted by cause)",

@@ -33,6 +33,9 @@ import msgspec
 #    then its own): an agent that edits its last message each call logs from that message on, not all again;
 #    a main-line step that does not extend the call before but shares most of its prompt is a delta of it
 #    (``Delta.kind == "prefix"``: the base's first ``shared`` prompt ids + its own).
+#    Later, with no bump (defaulted fields and one more ``Mode``): a reward's provenance
+#    (``RewardAdded.provenance``, ``Trajectory.reward_provenance``: a judge's model, prompt and rubric
+#    hash) and the ``judge`` mode (a judge's own calls, never trained).
 SCHEMA_VERSION = 8
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
@@ -40,10 +43,18 @@ TrainOn = Literal["main", "all"]  # which steps of a session train: its main lin
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
 TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
+# A trajectory whose reward could not be made (a judge or a grader that failed: infrastructure, never a
+# reward of 0, never trained) ends with this status and the failure as its error: "aborted" until the
+# infrastructure status of its own lands
+INFRA_FAILURE: TrajectoryStatus = "aborted"
 # Where a trajectory-level reward came from: the --reward callback, the control API (a script, a finish's own
 # reward), a person (the console, or a script saying so), or a pending reward's deadline default
 RewardSource = Literal["callback", "http", "human", "default"]
-Mode = Literal["train", "eval"]
+# "eval": evaluated, never trained; "judge": a judge model's own calls scoring another session
+# (adapters/judge.py), never trained, never in the eval curve
+Mode = Literal["train", "eval", "judge"]
+# A reward's provenance: flat, short values (a judge's model, prompt and rubric hash, its scale and samples)
+Provenance = dict[str, str | int | float | bool | None]
 
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=False, tag_field="type"):
@@ -247,6 +258,9 @@ class Trajectory(Record, tag="trajectory"):
     # Model names whose calls are side calls in this session (besides the proxy's)
     side_models: list[str] = []
     reward_sources: dict[str, RewardSource] = {}  # trajectory-level reward name -> where it came from
+    # reward name (trajectory or step level) -> what made it, when its giver said (a judge: model, prompt and
+    # rubric hashes, scale, samples)
+    reward_provenance: dict[str, Provenance] = {}
 
     @property
     def reward(self) -> float:
@@ -291,6 +305,7 @@ class RewardAdded(Record, tag="reward_added"):
     source: RewardSource = "http"
     # Given after the session's trajectory went to the stream: recorded and exported, never trained
     late: bool = False
+    provenance: Provenance = {}  # what made it, when its giver said (a judge's model, prompt, rubric hash)
 
 
 class Held(Record, tag="held"):

@@ -97,6 +97,7 @@ summary = {
     "policy_versions": up["policy_versions"],
     "reward_by_policy_version": up["reward_by_policy_version"],
     "stop_reason": up["stop_reason"],
+    "health": up.get("health", []),  # what the run's health named at the end (docs/health.md): [] when healthy
     "curves": str(out / "curves.png"),
     "metrics": up["metrics"],
 }

@@ -26,6 +26,7 @@ from typing import Any
 
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
 from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
+from steptap.adapters.judge import add_judge_flags, judge_from_args
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 
@@ -148,6 +149,7 @@ def main_env(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--state", help="state file of finished groups (default DATA.state.jsonl)")
     p.add_argument("--fresh", action="store_true", help="ignore (and replace) the state file: redo every row")
+    add_judge_flags(p)  # a judge's reward besides the environment's (docs/judge.md)
     if argv[:1] != ["run"]:
         p.print_usage(sys.stderr)
         print("steptap env: expected `run DATA.parquet [...]` or `list`", file=sys.stderr)
@@ -161,6 +163,7 @@ def main_env(argv: list[str] | None = None) -> int:
         Path(state).unlink()
     rows = _load(p, args)
     cfg = _config(args, "train", args.n, args.epochs, state)
+    cfg.judge = judge_from_args(args, p.error)
     report = {**_run(rows, cfg, "episodes").summary(), "state_file": state}
     print(json.dumps(report))
     return 0 if report["failed_to_start"] == 0 else 1

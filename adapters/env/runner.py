@@ -46,6 +46,7 @@ class RunConfig:
     idle_timeout_s: float | None = 600.0
     name: str = "data"  # group ids start with it
     keep_episodes: int = 10_000  # Episode objects kept in DatasetRunner.episodes (counts cover them all)
+    judge: Any = None  # a judge (adapters/judge.py) scoring each episode besides its environment's reward
 
 
 @dataclass
@@ -243,6 +244,11 @@ class DatasetRunner:
                         s.set_reward(float(value), name=str(part))
                 elif reward is not None:
                     s.set_reward(float(reward))
+                if cfg.judge is not None:  # JudgeError: the session ends aborted with it (an infra failure)
+                    judged = (await cfg.judge.reward(client, s.id)).rewards
+                    if None in judged:  # counted in the episode's reward, as the proxy sums them
+                        reward = {**(reward if isinstance(reward, dict) else {} if reward is None
+                                     else {"reward": reward}), cfg.judge.cfg.name: judged[None]}
                 ep.reward, ep.info = _total(reward), dict(info)
                 correct = info.get("correct")
                 ep.correct = (

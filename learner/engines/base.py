@@ -35,6 +35,10 @@ class StepStats(NamedTuple):
     rollout_is_mean: float = 1.0
     value_loss: float = 0.0  # gae: the value head's loss (0 otherwise)
     value_mean: float = 0.0  # gae: mean value at the steps' action boundaries, before the update
+    # mean |vLLM's recorded logprob - the policy's own, raw (temperature 1), before the update| over the
+    # trained tokens sampled by the learner's current version (learner/health.py); gap_tokens 0: not measured
+    logprob_gap: float = 0.0
+    gap_tokens: int = 0
 
 
 class Engine(Protocol):

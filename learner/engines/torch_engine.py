@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
+from steptap.learner.health import gap_sums
 from steptap.learner.rows import Batch
 
 __all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
@@ -58,6 +59,7 @@ class _Layout(NamedTuple):
     top_p: list[torch.Tensor]
     top_k: list[torch.Tensor]
     vision: list[dict[str, Any] | None]  # a vision sequence's image inputs (rows.Sequence.vision)
+    fresh: list[torch.Tensor]  # [L-1] bool: a trained token of a step the learner's current version sampled
 
 
 def pick_device(name: str) -> torch.device:
@@ -183,22 +185,24 @@ class TorchEngine:
     def _layout(self, batch: Batch) -> _Layout:
         gae = self.value_head is not None  # its advantages need the values first: _fill_advantages
         advs = None if gae else algos.compute_advantages(batch.samples, self.cfg)
-        out = _Layout([], [], [], [], [], [], [], [])
+        out = _Layout([], [], [], [], [], [], [], [], [])
         for seq in batch.sequences:
             n = len(seq.input_ids) - 1
             ids = torch.tensor(seq.input_ids, dtype=torch.long)
             mask, adv, rec = torch.zeros(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
             temp, top_p, top_k = torch.ones(n), torch.ones(n), torch.zeros(n, dtype=torch.long)
+            fresh = torch.zeros(n, dtype=torch.bool)  # a trained token the current version sampled
             for i in seq.samples:
                 s = batch.samples[i]
                 lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
                 mask[lo:hi] = torch.tensor(s.weights()) > 0  # a stale token (weight 0) is out of the loss
+                fresh[lo:hi] = mask[lo:hi] & (s.policy_version == batch.version)
                 if advs is not None:
                     adv[lo:hi] = advs[i]
                 rec[lo:hi] = torch.tensor(s.logprobs)
                 temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k, seq.vision),
-                               strict=False):
+            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k, seq.vision, fresh),
+                               strict=True):
                 getattr(out, name).append(t)
         return out
 
@@ -283,6 +287,7 @@ class TorchEngine:
         # micro-batch
         old, masks, is_w, ref = [], [], [], []
         is_means = []
+        gaps: list[tuple[float, int]] = []  # the logprob gap of each micro-batch (learner/health.py)
         for mb in mbs:
             targets = self._pad([lay.ids[i][1:] for i in mb], 0)
             mask = self._pad([lay.mask[i] for i in mb], False)
@@ -310,6 +315,8 @@ class TorchEngine:
                                             self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
                     del logits
                 behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
+                fresh = self._pad([lay.fresh[i] for i in mb], False)
+                gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
                 is_w.append(w)
@@ -330,7 +337,7 @@ class TorchEngine:
         sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0,
                 "value_loss": 0.0}
         grad_norm = 0.0
-        for _epoch in range(self.cfg.epochs):
+        for epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             if gae:
                 self.value_optimizer.zero_grad(set_to_none=True)
@@ -340,6 +347,9 @@ class TorchEngine:
                 adv = self._pad([lay.adv[i] for i in mb], 0.0)
                 logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
                 log_prob = token_logprobs(logits, targets, temp)
+                if epoch == 0 and not need_prox:  # temperature 1 everywhere: these are the raw logprobs
+                    fresh = self._pad([lay.fresh[i] for i in mb], False)
+                    gaps.append(gap_sums(log_prob.detach(), old[j], fresh))
                 entropy = self._entropy(logits, temp)
                 loss, m = algos.policy_loss(
                     self.actor, log_prob, old[j], adv, masks[j],
@@ -374,6 +384,8 @@ class TorchEngine:
             seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
             rollout_is_mean=sum(is_means) / len(is_means) if is_means else 1.0,
             value_loss=sums["value_loss"] / k, value_mean=float(values.mean()) if gae else 0.0,
+            logprob_gap=sum(g * n for g, n in gaps) / max(1, sum(n for _, n in gaps)),
+            gap_tokens=sum(n for _, n in gaps),
         )
 
     def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
 from steptap.learner.engines.verl_metrics import last, mean, total
+from steptap.learner.engines.verl_rows import verl_rows
+from steptap.learner.health import gap_sums
 from steptap.learner.rows import Batch
 from steptap.learner.vision import lora_targets, vision_config
 
@@ -147,6 +149,7 @@ class VerlEngine:
         self.version_found = check_verl_version()
         self.cfg = cfg
         self.lora = cfg.lora_rank > 0  # publishes the peft adapter; the reference (KL) is the base model
+        self.gap_measured = False  # the logprob gap against vLLM's (learner/health.py), once at least
         self.cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
         t0 = time.perf_counter()
         if self.cpu:
@@ -225,39 +228,10 @@ class VerlEngine:
         wg.reset()
         return wg
 
-    # -- layout: steptap sequences -> verl's left/right padded rows ---------------------------------------
+    # -- layout: steptap sequences -> verl's left/right padded rows (verl_rows.py) ------------------------
     def _rows(self, batch: Batch) -> dict[str, Any]:
         advs = algos.compute_advantages(batch.samples, self.cfg)
-        seqs = list(batch.sequences)
-        n_pad = -len(seqs) % self.cfg.workers  # every worker gets the same number of rows
-        prompts, responses, masks, advantages, recorded, temps = [], [], [], [], [], []
-        visions = [seq.vision for seq in seqs] + [None] * n_pad  # a vision row's image inputs
-        for seq in seqs:
-            first = batch.samples[seq.samples[0]]
-            p = first.offset  # the first step's response starts here: everything before is verl's prompt
-            resp = seq.input_ids[p:]
-            mask, adv, rec = torch.zeros(len(resp)), torch.zeros(len(resp)), torch.zeros(len(resp))
-            for i in seq.samples:
-                s = batch.samples[i]
-                lo, hi = s.offset - p, s.offset - p + len(s.response_ids)
-                # a stale token (weight 0) is out of the mask, so out of the loss and of rollout correction
-                # too
-                mask[lo:hi] = (torch.tensor(s.weights()) > 0).float()
-                adv[lo:hi], rec[lo:hi] = advs[i], torch.tensor(s.logprobs)
-            temps.append(first.temperature)
-            prompts.append(torch.tensor(seq.input_ids[:p]))
-            responses.append(torch.tensor(resp))
-            masks.append(mask)
-            advantages.append(adv)
-            recorded.append(rec)
-        for _ in range(n_pad):  # a one-token row with nothing to train: weightless under any loss aggregation
-            prompts.append(torch.tensor([self.pad_id]))
-            responses.append(torch.tensor([self.pad_id]))
-            for lst in (masks, advantages, recorded):
-                lst.append(torch.zeros(1))
-            temps.append(1.0)
-        return dict(prompts=prompts, responses=responses, mask=masks, adv=advantages, recorded=recorded,
-                    temps=temps, n_real=len(seqs), vision=visions)
+        return verl_rows(batch, advs, self.cfg.workers, self.pad_id)
 
     def _tensordict(self, rows: dict[str, Any], **extra: torch.Tensor) -> Any:
         from torch.nn.utils.rnn import pad_sequence
@@ -321,12 +295,12 @@ class VerlEngine:
         decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
         need_temp = any(t != 1.0 for t in rows["temps"])
         extra: dict[str, torch.Tensor] = {}
-        old, is_mean = behaviour, 1.0
+        old, is_mean, recorded, unit = behaviour, 1.0, behaviour, None
         if need_temp or decoupled:
             prox = self._logprobs(rows)  # the learner's own policy at the sampling temperature
+            unit = self._logprobs(rows, unit_temperature=True) if need_temp else prox
             if need_temp:  # raw -> sampler: shift by what the temperature changes, measured on our weights
-                behaviour = torch.where(mask, behaviour + prox - self._logprobs(rows, unit_temperature=True),
-                                        0.0)
+                behaviour = torch.where(mask, behaviour + prox - unit, 0.0)
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
                 extra["rollout_is_weights"] = w
@@ -335,6 +309,11 @@ class VerlEngine:
                 old = prox
             else:
                 old = behaviour
+        elif not self.gap_measured:  # the first batch: one more forward pass, the check against vLLM's
+            unit = self._logprobs(rows, unit_temperature=True)
+        fresh = pad_sequence(rows["fresh"], batch_first=True).bool()
+        gap, gap_n = gap_sums(unit, recorded, fresh) if unit is not None else (0.0, 0)
+        self.gap_measured = self.gap_measured or gap_n > 0
         extra["old_log_probs"] = old
         if self.cfg.kl_coef > 0:
             extra["ref_log_prob"] = self._logprobs(rows, reference=True)
@@ -353,7 +332,7 @@ class VerlEngine:
             ppo_kl=mean(metrics.get("actor/ppo_kl")), kl=mean(metrics.get("kl_loss")),
             entropy=total(metrics.get("actor/entropy_loss")) / k, grad_norm=last(metrics.get("grad_norm")),
             tokens=n_tokens, seq_tokens=sum(len(s.input_ids) for s in batch.sequences),
-            seconds=time.perf_counter() - t0, rollout_is_mean=is_mean,
+            seconds=time.perf_counter() - t0, rollout_is_mean=is_mean, logprob_gap=gap, gap_tokens=gap_n,
         )
 
     def logprob_gap(self, batch: Batch) -> tuple[float, int]:

@@ -56,7 +56,7 @@ class SessionOptions(TypedDict, total=False):
 
     group_id: str | None
     group_size: int | None
-    mode: Literal["train", "eval"]
+    mode: Literal["train", "eval", "judge"]
     metadata: dict[str, Any] | None
     idle_timeout_s: float | None
     session_id: str | None  # choose its id instead of letting the proxy generate one
@@ -83,20 +83,22 @@ def session_body(options: SessionOptions) -> dict[str, Any]:
 
 
 def _reward_body(value: float, name: str | None, step: int | str | None,
-                 source: str | None = None) -> dict[str, Any]:
+                 source: str | None = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"value": value}
-    for k, v in (("name", name), ("step", step), ("source", source)):
+    for k, v in (("name", name), ("step", step), ("source", source), ("provenance", provenance or None)):
         if v is not None:
             body[k] = v
     return body
 
 
 def _finish_body(reward: float | str | None, status: str, deadline_s: float | None = None,
-                 on_deadline: str | float | None = None) -> dict[str, Any]:
+                 on_deadline: str | float | None = None, error: str | None = None) -> dict[str, Any]:
     """``reward="pending"``: held off the stream until its reward arrives or ``deadline_s`` passes
-    (``on_deadline``: "drop" or a reward value; docs/sessions.md)."""
+    (``on_deadline``: "drop" or a reward value; docs/sessions.md); ``error``: why it ended so (kept on the
+    trajectory, cut to 2000 characters)."""
     body: dict[str, Any] = {"status": status}
-    for k, v in (("reward", reward), ("deadline_s", deadline_s), ("on_deadline", on_deadline)):
+    for k, v in (("reward", reward), ("deadline_s", deadline_s), ("on_deadline", on_deadline),
+                 ("error", None if error is None else error[:2000])):
         if v is not None:
             body[k] = v
     return body

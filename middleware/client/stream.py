@@ -198,17 +198,19 @@ class SteptapClient:
 
     async def add_reward(self, session_id: str, value: float, *, name: str | None = None,
                          step: int | Literal["last"] | None = None,
-                         source: Literal["http", "human"] | None = None) -> None:
+                         source: Literal["http", "human"] | None = None,
+                         provenance: dict[str, Any] | None = None) -> None:
         """A reward; on a session finished with its reward pending it releases the trajectory; after the
-        trajectory was streamed it is recorded as late (never trained)."""
+        trajectory was streamed it is recorded as late (never trained). ``provenance``: what made it (at
+        most 16 flat entries), kept on the trajectory by the reward's name."""
         await self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
-                            _reward_body(value, name, step, source))
+                            _reward_body(value, name, step, source, provenance))
 
     async def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
                      status: str = "finished", deadline_s: float | None = None,
-                     on_deadline: Literal["drop"] | float | None = None) -> None:
+                     on_deadline: Literal["drop"] | float | None = None, error: str | None = None) -> None:
         await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
-                            _finish_body(reward, status, deadline_s, on_deadline))
+                            _finish_body(reward, status, deadline_s, on_deadline, error))
 
     async def get_session(self, session_id: str) -> Trajectory:
         body = await self._request("GET", f"/sessions/{quote(session_id, safe='')}")

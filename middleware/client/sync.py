@@ -129,15 +129,16 @@ class SyncSteptapClient:
 
     def add_reward(self, session_id: str, value: float, *, name: str | None = None,
                    step: int | Literal["last"] | None = None,
-                   source: Literal["http", "human"] | None = None) -> None:
+                   source: Literal["http", "human"] | None = None,
+                   provenance: dict[str, Any] | None = None) -> None:
         self._request("POST", f"/sessions/{quote(session_id, safe='')}/rewards",
-                      _reward_body(value, name, step, source))
+                      _reward_body(value, name, step, source, provenance))
 
     def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
                status: str = "finished", deadline_s: float | None = None,
-               on_deadline: Literal["drop"] | float | None = None) -> None:
+               on_deadline: Literal["drop"] | float | None = None, error: str | None = None) -> None:
         self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
-                      _finish_body(reward, status, deadline_s, on_deadline))
+                      _finish_body(reward, status, deadline_s, on_deadline, error))
 
     def get_session(self, session_id: str) -> Trajectory:
         return trajectory_json_decoder.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))

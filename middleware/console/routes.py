@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.console import vitals
 from steptap.middleware.console.access import (
     ACCESS_KEY,
     Access,
@@ -266,6 +267,8 @@ def add_routes(app: web.Application) -> None:
     """Call after the cleanup_ctx that opens the log is registered (the index reads it)."""
     app[ACCESS_KEY] = Access()
     app[RATE_KEY] = Rate()
+    app[vitals.TAIL_KEY] = vitals.LearnerTail()
+    app[METRICS_KEY].registry.register(vitals.HealthCollector(app))  # the run's health in /metrics
     app.cleanup_ctx.append(_index_ctx)
     r = app.router
     r.add_get("/console", to_page)

@@ -1,5 +1,6 @@
 """The run at a glance, for the console's overview: sessions, call rate, steps, the reward and eval curves by
-policy version, the learner's last numbers (from its metrics file), swaps, replicas and the log's disk use."""
+policy version, the learner's last numbers (from its metrics file), the run's health (vitals.py), swaps,
+replicas and the log's disk use."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client import Counter
 
 from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
+from steptap.middleware.console import vitals
 from steptap.middleware.console.index import RunIndex
 from steptap.middleware.log.stream import LOG_KEY
 from steptap.middleware.metrics import METRICS_KEY
@@ -85,6 +87,7 @@ async def run_summary(app: web.Application, index: RunIndex, rate: Rate) -> dict
         "reward_curve": index.curve("train"),
         "eval_curve": index.curve("eval"),
         "learner": learner,
+        "health": vitals.health(app),
         "swaps": {"count": weights.swaps, "failures": weights.failures, "last_at": weights.last_swap_at,
                   "last_paused_s": weights.last_paused_s, "last_swap_s": weights.last_swap_s,
                   "mode": weights.swap_mode, "history": list(index.swaps)},

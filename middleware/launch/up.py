@@ -312,6 +312,9 @@ class Up:
             while not self._stopping():
                 if (dead := self.sup.first_failed()) is not None:
                     self.stop_reason = f"{dead.name} exited with {dead.returncode}"
+                    board.read_metrics()
+                    if dead.name == "learn" and (why := board.health_stop()):  # it said why: say it here
+                        self.stop_reason = f"the learner's health check stopped the run: {why}"
                     return dead
                 if (agents := self.sup.get("agents")) is not None and agents.returncode == 0:
                     self.stop_reason = "the agents finished"

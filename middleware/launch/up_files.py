@@ -93,6 +93,8 @@ def summary(board: StatusBoard, *, task: str | None, model: str, model_dir: str,
         "reward_by_policy_version": board.reward_by_version(),
         "policy_versions": board.policy_version,
         "stop_reason": stop_reason,
+        # what the run's health names at the end (docs/health.md): empty for a healthy run
+        "health": [f._asdict() for f in board.findings()],
         "failed": failed.name if failed else None,
         "metrics": str(metrics),
     }

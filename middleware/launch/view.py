@@ -13,8 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from steptap.middleware import health as h
 from steptap.middleware import metrics as m
 from steptap.middleware.client import SteptapError, SyncSteptapClient
 
@@ -34,9 +33,12 @@ STALL_MAX = m.sample(m.SWAP_STALL_MAX)
 CUT = m.sample(m.SWAP_CUT_CALLS, "total")
 SPANNING = m.sample(m.SPANNING_CALLS, "total")
 TOKENS = m.sample(m.TOKENS_BY_VERSION, "total")
+# The run's health (middleware/health.py reads them by the same names)
+HEALTH = (m.sample(m.SESSIONS_OPENED, "total"), m.HELD_TRAJECTORIES, m.IDLE_MAX, m.HELD_MAX,
+          m.sample(m.REPLIES_CUT, "total"))
 READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLICY_VERSION, SWAPS,
          SWAP_SECONDS,
-         STALL_MAX, CUT, SPANNING)  # TOKENS has a sample per version recorded, none before the first call
+         STALL_MAX, CUT, SPANNING, *HEALTH)  # TOKENS has a sample per version, none before the first call
 
 # Keys of the learner's metrics rows; the first one present wins.
 K_UPDATE = ("update", "step", "updates")
@@ -52,16 +54,7 @@ def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Every sample summed over its labels, by sample name (``_total`` kept as exposed); a sample labelled by
-    policy version also under ``name{version}``."""
-    out: dict[str, float] = defaultdict(float)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] += float(sample.value)
-            if "version" in sample.labels:
-                out[f"{sample.name}{{{sample.labels['version']}}}"] += float(sample.value)
-    return dict(out)
+parse_prometheus = m.parse_text  # every sample summed over its labels, by sample name
 
 
 def _pick(values: dict[str, float], name: str) -> float | None:
@@ -79,6 +72,7 @@ class StatusBoard:
         self.health: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.evals: dict[int, float] = {}  # steptap eval's accuracy by policy version (same metrics file)
+        self.batches: list[dict[str, Any]] = []  # the learner's last batch rows (health) and its stop, if any
         self._offset = 0
         self._health_at = 0.0
         self._calls: list[tuple[float, float]] = []  # (time, calls counter) for a 10 s rate
@@ -127,6 +121,8 @@ class StatusBoard:
                 row = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(row, dict) and (isinstance(row.get("health"), dict) or "health_stop" in row):
+                self.batches = [*self.batches[-63:], row]
             if isinstance(row, dict) and _first(row, K_REWARD) is not None:
                 self.rows.append(row)
             elif isinstance(row, dict) and isinstance(row.get("eval_accuracy"), (int, float)):
@@ -213,6 +209,33 @@ class StatusBoard:
         got = sorted((int(k[len(prefix):-1]), v) for k, v in self.prom.items() if k.startswith(prefix))
         return "  ".join(f"v{k}: {int(v)}" for k, v in got[-6:]) or "-"
 
+    def findings(self) -> list[h.Finding]:
+        """What the run's health names now (the learner's rows, the proxy's counters)."""
+        return h.diagnose(self.batches, h.proxy_figures(self.prom) if self.prom else None)
+
+    def health_stop(self) -> str | None:
+        """The learner's health check's diagnosis, when it stopped the run."""
+        return next((str(r["health_stop"]) for r in reversed(self.batches) if "health_stop" in r), None)
+
+    def health_line(self) -> str:
+        found = self.findings()
+        return "; ".join(f"{f.level} {f.cause}" for f in found) if found else "nothing to name"
+
+    def health_figures(self) -> str:
+        s = h.summary(self.batches)
+
+        def pct(v: Any) -> str:
+            return "-" if v is None else f"{100 * v:.0f}%"
+
+        p = h.proxy_figures(self.prom)
+        gap, lag = s.get("logprob_gap"), s.get("version_lag")
+        learner = (f"variance {pct(s.get('groups_varied'))} of groups, {pct(s.get('tokens_trained'))} of "
+                   f"tokens in the loss, {pct(s.get('replies_cut'))} cut, gap "
+                   f"{'-' if gap is None else format(gap, '.3g')}, lag "
+                   f"{'-' if lag is None else format(lag, '.1f')}; ") if s else ""
+        return (f"{learner}sessions {p.opened} opened, {p.finished} finished, {p.aborted} aborted, {p.open} "
+                f"open, {p.held} pending")
+
     # -- rendering -------------------------------------------------------------------------------------
     def figures(self) -> list[tuple[str, str]]:
         def fmt(v: float | None, spec: str = ".0f") -> str:
@@ -238,6 +261,8 @@ class StatusBoard:
             ("learner loss", fmt(self.recent_loss(), ".4f")),
             ("last weight swap", self.last_swap()),
             ("tokens by policy version", self.tokens_by_version()),
+            ("run health", self.health_line()),
+            ("health figures", self.health_figures()),
         ]
 
     def render(self, title: str) -> Any:
@@ -248,6 +273,8 @@ class StatusBoard:
         table.add_column()
         for name, value in self.figures():
             table.add_row(name, value)
+        for f in self.findings():  # in words: what is wrong and what to do (docs/health.md)
+            table.add_row(f"[{'red' if f.level == 'stop' else 'yellow'}]{f.cause}", f.text)
         return table
 
 
@@ -262,6 +289,7 @@ def render_line(board: StatusBoard) -> str:
         "eval accuracy by version",
         "learner loss",
         "last weight swap",
+        "run health",
     }
     return " | ".join(f"{k} {v}" for k, v in board.figures() if k in keep)
 

@@ -151,6 +151,12 @@ class LogReader:
             self.stats.trajectories += 1
             yield record
 
+    def records(self) -> Iterator[Any]:
+        """Every decodable record, in log order, as logged (steps in their delta form, trajectories with
+        their step refs): what ``steptap doctor`` counts."""
+        segnos, read = self._segments()
+        yield from self._records(segnos, read, _Frames(read), count=False)
+
     def annotations(self) -> Annotations:
         """What was said of trajectories besides their own record, in one pass of the log: rewards given
         after the trajectory went to the stream (``late``: recorded for the dataset, never trained,

@@ -17,6 +17,7 @@ from steptap.middleware.exceptions import (
     SessionClosed,
 )
 from steptap.middleware.records import (
+    INFRA_FAILURE,
     Held,
     StepRef,
     Trajectory,
@@ -63,17 +64,18 @@ class Closing:
 
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None,
-        hold: tuple[float, OnDeadline] | None = None,
+        hold: tuple[float, OnDeadline] | None = None, error: str | None = None,
     ) -> Trajectory:
         """Close the session; ``hold`` (its reward pending: the deadline as unix seconds, what the deadline
-        does) writes a ``Held`` record instead of the streamed one (holding.py)."""
+        does) writes a ``Held`` record instead of the streamed one (holding.py); ``error``: why it ended so
+        (kept on the trajectory)."""
         async with session.lock:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
             if hold is not None:
                 self.check_hold()
             return await self._close_locked(session, status, None if reward is None else {"reward": reward},
-                                            hold)
+                                            hold, error)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
@@ -81,14 +83,15 @@ class Closing:
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
                             rewards: dict[str, float] | None = None,
-                            hold: tuple[float, OnDeadline] | None = None) -> Trajectory:
+                            hold: tuple[float, OnDeadline] | None = None, error: str | None = None
+                            ) -> Trajectory:
         """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory,
         then one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it
         was, open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the
         record."""
         session.closing = True
         traj = session.trajectory
-        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources))
+        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources), dict(traj.reward_provenance))
         try:
             self.log.ensure_writable()  # a 503 before anything changes
             if session.inflight:
@@ -97,16 +100,12 @@ class Closing:
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
             traj.reward_sources.update(dict.fromkeys(rewards or {}, "http"))
+            if error is not None:
+                traj.error = error
             # The callback sees full steps, built as it reads them (they share their rewards with traj's)
-            if self.reward_fn is not None:
-                given = dict(traj.rewards)
-                error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s, session.full)
-                traj.reward_sources.update(
-                    {k: "callback" for k, v in traj.rewards.items() if given.get(k) != v})
-                if error is not None:
-                    traj.error = error
-                    self.metrics.reward_errors.labels("timeout" if "timed out" in error else "error").inc()
-                    logger.warning("session %s: %s", traj.id, error)
+            unavailable = self.reward_fn is not None and await self._callback_reward(session, traj)
+            if unavailable and status == "finished" and hold is None:
+                status = INFRA_FAILURE  # no reward could be made: never trained as a reward of 0
             session.sealed = True
             self._finalize(traj, status)
             record = await self._closing_record(session)
@@ -115,10 +114,26 @@ class Closing:
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
-            traj.rewards, traj.error, traj.reward_sources = before
+            traj.rewards, traj.error, traj.reward_sources, traj.reward_provenance = before
             raise
         self._closed(session, held)
         return traj
+
+    async def _callback_reward(self, session: LiveSession, traj: Trajectory) -> bool:
+        """The ``--reward`` callback on a closing session; whether it could make no reward at all
+        (exceptions.RewardUnavailable: an infrastructure failure)."""
+        assert self.reward_fn is not None
+        given = dict(traj.rewards)
+        failed = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s, session.full)
+        traj.reward_sources.update({k: "callback" for k, v in traj.rewards.items() if given.get(k) != v})
+        if failed is None:
+            return False
+        traj.error = failed.message
+        kind = ("unavailable" if failed.unavailable else "timeout" if "timed out" in failed.message
+                else "error")
+        self.metrics.reward_errors.labels(kind).inc()
+        logger.warning("session %s: %s", traj.id, failed.message)
+        return failed.unavailable
 
     @staticmethod
     async def _closing_record(session: LiveSession) -> Trajectory:

@@ -48,11 +48,19 @@ class OpenBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                            msgspec.Meta(max_length=32)] = []
 
 
+# A reward's provenance: at most 16 flat entries, short keys and short string values (a judge's model, prompt
+# hash, rubric hash, scale): bounded, so it cannot grow a trajectory record by more than a few KiB
+_ProvKey = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+_ProvValue = Annotated[str, msgspec.Meta(max_length=512)] | int | float | bool | None
+ProvenanceBody = Annotated[dict[_ProvKey, _ProvValue], msgspec.Meta(max_length=16)]
+
+
 class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     value: float
     name: str = "reward"
     step: int | Literal["last"] | None = None
     source: Literal["http", "human"] = "http"  # "human": a person's rating (the console, a feedback script)
+    provenance: ProvenanceBody = {}  # what made it (a judge: model, prompt and rubric hashes), kept by name
 
 
 class FinishBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +69,9 @@ class FinishBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     status: Literal["finished", "aborted"] = "finished"
     deadline_s: float | None = None  # with "pending": seconds from now (default: --reward-deadline-s)
     on_deadline: Literal["drop"] | float = "drop"  # with "pending": drop it, or release it with this reward
+    # why it ended as it did (an aborted session: the judge that failed, the grader that crashed), kept on the
+    # trajectory
+    error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
 
 
 def _decode(raw: bytes, type_: type[Any], empty_ok: bool = False) -> Any:
@@ -165,14 +176,14 @@ async def give_reward(manager: SessionManager, sid: str, body: RewardBody) -> di
         if body.step is not None:
             raise ApiError(400, "this session's reward is pending: it takes a trajectory-level reward "
                            "(no step)", "invalid_body")
-        if await manager.release(sid, value, body.name, body.source) is not None:
+        if await manager.release(sid, value, body.name, body.source, body.provenance) is not None:
             return {"session_id": sid, "name": body.name, "value": value, "step": None, "released": True}
     if sid not in manager.sessions and sid in manager.closed:
-        record = await manager.late_reward(sid, value, body.name, body.step, body.source)
+        record = await manager.late_reward(sid, value, body.name, body.step, body.source, body.provenance)
         return {"session_id": sid, "name": record.name, "value": record.value, "step": record.step,
                 "late": True}
     session = manager.get(sid)
-    record = await manager.add_reward(session, value, body.name, body.step, body.source)
+    record = await manager.add_reward(session, value, body.name, body.step, body.source, body.provenance)
     return {"session_id": session.id, "name": record.name, "value": record.value, "step": record.step}
 
 
@@ -188,7 +199,7 @@ async def finish_session(request: web.Request) -> web.Response:
             reward = finite(body.reward)
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
-    traj = await manager.finish(session, body.status, reward, hold)
+    traj = await manager.finish(session, body.status, reward, hold, error=body.error)
     data = {"id": traj.id, "status": traj.status, "steps": len(traj.steps), "rewards": traj.rewards,
             "reward": traj.reward, "error": traj.error}
     pending = manager.pending_state(traj.id)

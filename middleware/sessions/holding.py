@@ -24,6 +24,7 @@ from steptap.middleware.exceptions import Overloaded, StepNotFound
 from steptap.middleware.records import (
     Held,
     HeldDropped,
+    Provenance,
     RewardAdded,
     RewardSource,
     Trajectory,
@@ -92,16 +93,19 @@ class Holding:
             return None
         return {"deadline_at": record.deadline_at, "on_deadline": record.on_deadline}
 
-    async def release(self, sid: str, value: float, name: str, source: RewardSource) -> Trajectory | None:
-        """The pending reward arrived: one Trajectory record, the held one with the reward in it (it streams
-        now). None when the trajectory is no longer held (released or dropped meanwhile)."""
+    async def release(self, sid: str, value: float, name: str, source: RewardSource,
+                      provenance: Provenance | None = None) -> Trajectory | None:
+        """The pending reward arrived: one Trajectory record, the held one with the reward (and what made it)
+        in it (it streams now). None when the trajectory is no longer held (released or dropped meanwhile)."""
         async with self.held_lock:
             record = self.held.get(sid)
             if record is None:
                 return None
             traj = msgspec.structs.replace(
                 record.trajectory, rewards={**record.trajectory.rewards, name: value},
-                reward_sources={**record.trajectory.reward_sources, name: source}, finished_at=time.time())
+                reward_sources={**record.trajectory.reward_sources, name: source}, finished_at=time.time(),
+                reward_provenance={**record.trajectory.reward_provenance,
+                                   **({name: dict(provenance)} if provenance else {})})
             await self._append(traj)
             self._released(traj, "rewarded" if source != "default" else "default")
             self.metrics.rewards.labels("trajectory", source).inc()
@@ -126,7 +130,8 @@ class Holding:
         old = self.recent.get(traj.id)
         if old is not None:  # the steps held in memory, with the new rewards
             self.recent[traj.id] = msgspec.structs.replace(old, rewards=traj.rewards,
-                                                           reward_sources=traj.reward_sources)
+                                                           reward_sources=traj.reward_sources,
+                                                           reward_provenance=traj.reward_provenance)
         if traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
             self.metrics.reward_sum.inc(traj.reward)
@@ -152,7 +157,7 @@ class Holding:
             self.expiring.discard(sid)
 
     async def late_reward(self, sid: str, value: float, name: str, step: int | str | None,
-                          source: RewardSource) -> RewardAdded:
+                          source: RewardSource, provenance: Provenance | None = None) -> RewardAdded:
         """A reward on a trajectory that already went to the stream: recorded (``late``, exported), counted,
         never trained."""
         traj = self.recent.get(sid)
@@ -164,7 +169,8 @@ class Holding:
                 raise StepNotFound(f"no step {step} in session {sid!r} (known steps: {n})")
         elif step is not None:
             index = int(step)  # the trajectory is no longer in memory: recorded as given
-        record = RewardAdded(trajectory_id=sid, name=name, value=value, step=index, source=source, late=True)
+        record = RewardAdded(trajectory_id=sid, name=name, value=value, step=index, source=source, late=True,
+                             provenance=provenance or {})
         await self._append(record)
         self.metrics.late_rewards.labels(source).inc()
         return record

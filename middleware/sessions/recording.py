@@ -140,6 +140,8 @@ class Recording:
             m.child(m.call_class, step.call_class, step.call_rule).inc()
             m.prompt_tokens.inc(len(step.prompt_token_ids))
             m.response_tokens.inc(len(step.response_token_ids))
+            if step.finish_reason == "length":  # cut by max_tokens (the run's health: middleware/health.py)
+                m.replies_cut.inc()
         if traj.anonymous and self.reward_fn is None:
             # A one-step session closes with its step: one record, the finished Trajectory that holds it (its
             # steps are logged nowhere else: ``delta.steps_of`` finds them).

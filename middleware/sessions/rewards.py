@@ -8,8 +8,11 @@ trajectory msgspec can encode).
 
 It may be sync (run in a thread, off the event loop) or async, and returns a float (the trajectory's reward,
 kept under the name ``callback``), per-step rewards (a list aligned with the steps, or a dict step index ->
-float), or None. An exception, a timeout or a bad return value is recorded in ``trajectory.error``; the
-trajectory is delivered either way.
+float), or None. It may also write rewards of its own names into the view (``traj.rewards``,
+``traj.steps[i].rewards``: shared with the trajectory) and what made them into ``traj.reward_provenance``
+(a judge does: adapters/judge.py). An exception, a timeout or a bad return value is recorded in
+``trajectory.error``; the trajectory is delivered either way, as finished, except after
+``exceptions.RewardUnavailable`` (no reward could be made at all): then it ends ``records.INFRA_FAILURE``.
 """
 
 from __future__ import annotations
@@ -19,16 +22,24 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 
 from steptap.middleware.delta import LazySteps
+from steptap.middleware.exceptions import RewardUnavailable
 from steptap.middleware.records import Step, Trajectory
 
 CALLBACK_NAME = "callback"
 
 RewardFn = Callable[[Trajectory], Any]
+
+
+class RewardError(NamedTuple):
+    """Why a callback gave no (usable) reward."""
+
+    message: str
+    unavailable: bool = False  # it raised RewardUnavailable: an infrastructure failure, not a reward
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -62,9 +73,9 @@ def reward_view(trajectory: Trajectory, full: dict[int, Step] | None = None) -> 
 
 
 async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float,
-                     full: dict[int, Step] | None = None) -> str | None:
+                     full: dict[int, Step] | None = None) -> RewardError | None:
     """Call ``fn`` with ``reward_view(trajectory, full)`` and apply what it returns to ``trajectory`` in
-    place. Returns an error message or None."""
+    place. Returns why it failed, or None."""
     view = reward_view(trajectory, full)
     try:
         if inspect.iscoroutinefunction(fn):
@@ -74,13 +85,15 @@ async def run_reward(fn: RewardFn, trajectory: Trajectory, timeout_s: float,
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, timeout_s)
     except TimeoutError:
-        return f"reward callback timed out after {timeout_s:g}s"
+        return RewardError(f"reward callback timed out after {timeout_s:g}s")
+    except RewardUnavailable as exc:
+        return RewardError(f"no reward: {exc}", unavailable=True)
     except Exception as exc:  # noqa: BLE001 - any failure of user code is recorded, never fatal
-        return f"reward callback raised {type(exc).__name__}: {exc}"
+        return RewardError(f"reward callback raised {type(exc).__name__}: {exc}")
     try:
         apply_result(trajectory, result)
     except (ValueError, TypeError, IndexError) as exc:
-        return f"reward callback returned an unusable value: {exc}"
+        return RewardError(f"reward callback returned an unusable value: {exc}")
     return None
 
 

@@ -16,6 +16,8 @@ import psutil
 import pytest
 from conftest import missing
 
+from steptap.middleware.health import diagnose
+
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = float(os.environ.get("STEPTAP_TEST_DEMO_MINUTES", "5"))
 MARGIN = 0.25  # the tiny model starts near 0.06 on this task; a working loop gets far above start + margin
@@ -69,6 +71,13 @@ def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) >= summary["updates"]
+    # A healthy run raises nothing (docs/health.md): no finding at the end, none in any update's rows, no stop
+    assert summary["health"] == [], summary["health"]
+    batches = [r for r in rows if "health" in r]
+    assert len(batches) >= summary["updates"] and not any("health_stop" in r for r in rows)
+    assert all(diagnose(batches[: i + 1]) == [] for i in range(len(batches))), diagnose(batches)
+    learn_log = (out / "logs" / "learn.log").read_text(errors="replace")
+    assert "health (" not in learn_log and "health: stopping" not in learn_log  # the check never warned
     # Nothing of the stack outlives the demo (up stops its children by pid at the end).
     leftovers = [
         p

@@ -122,6 +122,9 @@ def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny
           f"entropy {stats.entropy:.6f} vs {ref.entropy:.6f}, clip fraction {stats.pg_clipfrac} vs "
           f"{ref.pg_clipfrac}")
     assert stats.tokens == ref.tokens and stats.seq_tokens == ref.seq_tokens
+    # the run's health: the first batch's logprob gap to the recorded logprobs (0.4 on every other token),
+    # measured by the workers' own forward pass as the torch engine measures it
+    assert stats.gap_tokens == ref.gap_tokens > 0 and abs(stats.logprob_gap - ref.logprob_gap) <= 1e-4
     assert abs(stats.loss - ref.loss) <= reference["tol_loss"]
     assert abs(stats.grad_norm - ref.grad_norm) <= reference["tol_gnorm"]
     assert set(weights) == set(reference["w1"]) == set(grads)  # HF names, every tensor
@@ -225,7 +228,8 @@ async def test_a_crashed_verl_learner_resumes_its_version_and_cursor(ray_cluster
     argv = ["--engine", "verl", "--workers", "1", "--truncation-mode", "drop", "--proxy-url", proxy.url,
             "--control-token", proxy.token, "--model-dir", str(tiny_model_dir), "--consumer", "verl-test",
             "--batch-groups", "1", "--group-size", "2", "--push-every", "0", "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", "2", "--metrics-file", str(metrics), "--lr", "1e-3", "--no-progress"]
+            "--checkpoint-every", "2", "--metrics-file", str(metrics), "--lr", "1e-3", "--no-progress",
+            "--health-check", "warn"]  # made-up logprobs (-8.3): the check would stop at the first batch
 
     def rows() -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

@@ -39,3 +39,6 @@ async def test_every_metric_the_view_reads_is_exported(proxy: Proxy, vllm_server
     assert figures["steps recorded"] == "1" and figures["trajectories closed"] == "1"
     assert exported[view.REWARD_SUM] == 0.5 and exported[view.REWARD_COUNT] == 1
     assert figures["last weight swap"] == "none yet" and board.policy_version == 0
+    # the run's health from the same scrape (no learner file here: the proxy's part only)
+    assert figures["run health"] == "nothing to name"
+    assert figures["health figures"] == "sessions 1 opened, 1 finished, 0 aborted, 0 open, 0 pending"

@@ -7,7 +7,8 @@ ChatML template, the *last turn* is the text of the turns after the last assista
 forced token by token by ``tool_logits.ScriptedReplies`` inside vLLM; no rule matching leaves the model alone.
 The test gives the CLI a task holding the trigger; the CLI sends nothing special.
 
-``DEFAULT_RULES``: a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
+``DEFAULT_RULES``: a judge's prompt holding ``STEPTAP_JUDGE_SCORE=X`` answers ``SCORE: X`` (its last marker);
+a task holding ``STEPTAP_CALL {"name": ..., "arguments": {...}}`` (one line of JSON, the
 tool's name and arguments as the CLI under test defines them) gets that hermes tool call; a tool response gets
 the answer ``The tool ran. Its output: <its first line>`` and the turn ends (a chain's and a read-back's
 markers excepted, below); a tool response holding a
@@ -32,6 +33,9 @@ MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fai
 _NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\.(\w+)\.(\w+)\."
 _CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
 DEFAULT_RULES = [
+    # A judge's prompt (steptap.adapters.judge) whose conversation holds `STEPTAP_JUDGE_SCORE=X` answers
+    # `SCORE: X` for the last such marker (the greedy start): a test chooses each score the judge gives
+    (r"[\s\S]*STEPTAP_JUDGE_SCORE=(\w+)[\s\S]*Answer with one line: SCORE", r"SCORE: \1"),
     # Claude Code's title call (the user's message in <session> tags) asks for JSON with a schema, a grammar
     # in vLLM: its title as that JSON (a forced tool call, which its task's trigger would give, breaks it)
     (r"<session>[\s\S]*</session>", '{"title": "Scripted session title"}'),

@@ -139,6 +139,28 @@ def test_temperature_and_truncation_shift_the_raw_recorded_logprobs(engine: Torc
             assert st.ppo_kl <= 1e-4  # truncation only raises the sampler's logprob of a sampled token
 
 
+def test_the_logprob_gap_to_the_recorded_logprobs_is_measured_before_the_update(engine: TorchEngine) -> None:
+    """The run's health (learner/health.py): mean |recorded - the policy's raw logprob| over the trained
+    tokens the current version sampled, read off the passes the update makes anyway, on both paths (T = 1:
+    the first epoch's forward; T != 1: the behaviour pass). Logprobs recorded by these very weights: ~0;
+    shifted by 2.3 nats (weights other than the sampler's): 2.3; sampled by an older version: not measured."""
+    for temperature in (1.0, 0.5):
+        state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        trajs = _chain_trajs(engine, temperature)
+        st = engine.train_step(build_batch(trajs, version=0))
+        tokens = sum(len(s.response_token_ids) for t in trajs for s in t.steps)
+        assert st.gap_tokens == tokens and st.logprob_gap < 1e-4
+        engine.model.load_state_dict(state)
+        for t in trajs:
+            for s in t.steps:
+                s.response_logprobs = [lp - 2.3 for lp in s.response_logprobs]
+        st = engine.train_step(build_batch(trajs, version=0))
+        engine.model.load_state_dict(state)
+        assert st.gap_tokens == tokens and abs(st.logprob_gap - 2.3) < 1e-3
+        assert engine.train_step(build_batch(trajs, version=1)).gap_tokens == 0  # lag 1: not this version's
+        engine.model.load_state_dict(state)
+
+
 def test_lora_trains_only_the_adapter_and_checkpoints_round_trip(tiny_model_dir) -> None:
     cfg = LearnerConfig(model_dir=str(tiny_model_dir), lora_rank=4, lora_alpha=8, lr=1e-2, kl_coef=0.1,
                         lora_targets=("q_proj", "v_proj")).validate()

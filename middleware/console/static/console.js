@@ -88,8 +88,25 @@ function table(node, header, rows) {
   for (const r of rows) node.append(el("tr", {}, ...r.map((c) => el("td", {}, c))));
 }
 
+// The run's health (docs/health.md): what is wrong, in words, and the figures behind it
+function health(h) {
+  const l = h.learner || {}, p = h.proxy || {};
+  const pct = (v) => (v === null || v === undefined ? "-" : (100 * v).toFixed(0) + "%");
+  const figures = `groups with reward variance ${pct(l.groups_varied)}, tokens in the loss ` +
+    `${pct(l.tokens_trained)}, replies cut ${pct(l.replies_cut)}, logprob gap ${fmt(l.logprob_gap, 3)}, ` +
+    `version lag ${fmt(l.version_lag, 1)}; sessions ${p.opened} opened, ${p.finished} finished, ` +
+    `${p.aborted} aborted, ${p.open} open, ${p.held} pending`;
+  const items = h.findings.map((f) => el("li", { class: f.level, "data-cause": f.cause },
+    el("b", {}, `${f.level} (${f.cause})`), " ", f.text));
+  if (h.stopped) items.unshift(el("li", { class: "stop", "data-cause": h.stopped.cause },
+    el("b", {}, "the learner stopped the run"), " ", h.stopped.text));
+  $("health").replaceChildren(el("h3", {}, items.length ? "run health" : "run health: nothing to name"),
+    el("ul", {}, ...items), el("p", { class: "muted" }, figures));
+}
+
 async function overview() {
   const s = await api("/console/api/summary");
+  health(s.health);
   const last = s.learner.length ? s.learner[s.learner.length - 1] : {};
   const cards = [
     ["sessions open", s.sessions_open], ["finished", s.sessions_finished], ["calls/s", fmt(s.calls_per_s, 1)],
