@@ -33,13 +33,20 @@ import msgspec
 #    then its own): an agent that edits its last message each call logs from that message on, not all again;
 #    a main-line step that does not extend the call before but shares most of its prompt is a delta of it
 #    (``Delta.kind == "prefix"``: the base's first ``shared`` prompt ids + its own).
-SCHEMA_VERSION = 8
+# 9: task episodes (adapters/tasks): a trajectory may end as ``infra_error`` (an infrastructure failure, never
+#    a reward, never trained: ``infra_cause`` says which), and carries how its agent and verifier ended
+#    (``task_run``: exit codes, seconds, the tails of their output).
+SCHEMA_VERSION = 9
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
-TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
+TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out", "infra_error"]
+# Why an episode is an infrastructure error (status ``infra_error``): its sandbox did not start, its agent
+# died before its first model call, its verifier crashed (no reward file) or ran past its timeout, the run was
+# interrupted (Ctrl-C: the episode is run again when the run resumes), or another cause
+InfraCause = Literal["sandbox", "agent_start", "verifier_crash", "verifier_timeout", "interrupted", "other"]
 # Where a trajectory-level reward came from: the --reward callback, the control API (a script, a finish's own
 # reward), a person (the console, or a script saying so), or a pending reward's deadline default
 RewardSource = Literal["callback", "http", "human", "default"]
@@ -218,6 +225,22 @@ def token_versions(spans: list[list[int]], version: int, n: int) -> list[int]:
     return out[:n]
 
 
+class ProcessEnd(msgspec.Struct, kw_only=True):
+    """How one process of a task episode ended (its agent, its verifier)."""
+
+    exit_code: int | None = None  # None: killed at its timeout, or never started
+    timed_out: bool = False
+    seconds: float = 0.0
+    output: str = ""  # the tail of what it printed (stdout and stderr together)
+
+
+class TaskRun(msgspec.Struct, kw_only=True):
+    """A task episode's processes (adapters/tasks): the agent, then the verifier that gave its reward."""
+
+    agent: ProcessEnd | None = None
+    verifier: ProcessEnd | None = None
+
+
 class Trajectory(Record, tag="trajectory"):
     """One session: the steps of one agent run, its rewards and how it ended."""
 
@@ -244,6 +267,8 @@ class Trajectory(Record, tag="trajectory"):
     # Model names whose calls are side calls in this session (besides the proxy's)
     side_models: list[str] = []
     reward_sources: dict[str, RewardSource] = {}  # trajectory-level reward name -> where it came from
+    infra_cause: InfraCause | None = None  # v9: with status infra_error, why (the reason is ``error``)
+    task_run: TaskRun | None = None  # v9: a task episode's agent and verifier, as they ended
 
     @property
     def reward(self) -> float:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -18,7 +19,9 @@ from steptap.middleware.exceptions import (
 )
 from steptap.middleware.records import (
     Held,
+    InfraCause,
     StepRef,
+    TaskRun,
     Trajectory,
     TrajectoryStatus,
 )
@@ -39,6 +42,15 @@ logger = logging.getLogger("steptap.sessions")
 # Closed trajectories kept in memory for GET /sessions/<id> (in their held, delta form); the stream has them
 # all.
 RECENT_KEEP = 128
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a finished session's run ended besides its reward (a task episode's, docs/tasks.md)."""
+
+    error: str | None = None  # the reason (an infrastructure error's, an aborted run's)
+    infra_cause: InfraCause | None = None  # with status infra_error
+    task_run: TaskRun | None = None
 
 
 class Closing:
@@ -62,17 +74,18 @@ class Closing:
 
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None,
-        hold: tuple[float, OnDeadline] | None = None,
+        hold: tuple[float, OnDeadline] | None = None, ended: Ended | None = None,
     ) -> Trajectory:
         """Close the session; ``hold`` (its reward pending: the deadline as unix seconds, what the deadline
-        does) writes a ``Held`` record instead of the streamed one (holding.py)."""
+        does) writes a ``Held`` record instead of the streamed one (holding.py); ``ended`` is how a task
+        episode ended (its reason, infrastructure cause, agent and verifier)."""
         async with session.lock:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
             if hold is not None:
                 self.check_hold()
             return await self._close_locked(session, status, None if reward is None else {"reward": reward},
-                                            hold)
+                                            hold, ended)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
@@ -80,14 +93,15 @@ class Closing:
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
                             rewards: dict[str, float] | None = None,
-                            hold: tuple[float, OnDeadline] | None = None) -> Trajectory:
+                            hold: tuple[float, OnDeadline] | None = None,
+                            ended: Ended | None = None) -> Trajectory:
         """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory,
         then one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it
         was, open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the
         record."""
         session.closing = True
         traj = session.trajectory
-        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources))
+        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources), traj.infra_cause, traj.task_run)
         try:
             self.log.ensure_writable()  # a 503 before anything changes
             if session.inflight:
@@ -96,8 +110,12 @@ class Closing:
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
             traj.reward_sources.update(dict.fromkeys(rewards or {}, "http"))
-            # The callback sees full steps, built as it reads them (they share their rewards with traj's)
-            if self.reward_fn is not None:
+            if ended is not None:
+                traj.error = ended.error if ended.error is not None else traj.error
+                traj.infra_cause, traj.task_run = ended.infra_cause, ended.task_run
+            # The callback sees full steps, built as it reads them (they share their rewards with traj's); an
+            # infrastructure error has no reward to compute
+            if self.reward_fn is not None and status != "infra_error":
                 given = dict(traj.rewards)
                 error = await run_reward(self.reward_fn, traj, self.config.reward_timeout_s, session.full)
                 traj.reward_sources.update(
@@ -114,7 +132,7 @@ class Closing:
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
-            traj.rewards, traj.error, traj.reward_sources = before
+            traj.rewards, traj.error, traj.reward_sources, traj.infra_cause, traj.task_run = before
             raise
         self._closed(session, held)
         return traj
@@ -144,6 +162,8 @@ class Closing:
         """Bookkeeping once the Trajectory (or Held) record is durable."""
         traj = session.trajectory
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
+        if traj.status == "infra_error":
+            self.metrics.child(self.metrics.infra_errors, traj.infra_cause or "other").inc()
         if held is not None:
             self._held(held)
         elif traj.rewards:
