@@ -4,7 +4,8 @@ Both run as an episode would, without a model: a fresh copy of the working folde
 (``solution/solve.sh``, at /solution) or nothing in the agent's place, in the same sandbox, then the verifier.
 A task passes the check when the solution's reward reaches the threshold and the no-op's does not; a task
 without a solution, a verifier that crashes or times out, or a sandbox that does not start fails it, with the
-reason. No proxy is needed.
+reason. No proxy is needed. With ``--sandbox harbor`` both are Harbor trials in the task's container
+(Harbor's ``oracle`` and ``nop`` agents).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from steptap.adapters.tasks import containers
+from steptap.adapters.tasks.containers import HarborSettings
 from steptap.adapters.tasks.episode import Infra, copy_tree, read_verdict, run_verifier
 from steptap.adapters.tasks.format import SOLUTION_DIR, Task
 from steptap.adapters.tasks.sandbox import Job, Mount, Sandbox, search_path
@@ -31,9 +34,12 @@ class Checked:
         return self.problem is None
 
 
-async def _attempt(sb: Sandbox, task: Task, folder: Path, solve: bool, timeout: float | None) -> float:
+async def _attempt(sb: Sandbox, task: Task, folder: Path, solve: bool, timeout: float | None,
+                   harbor: HarborSettings | None = None) -> float:
     """One attempt's reward: the solution (or nothing), then the verifier; ``Infra`` when either fails."""
     shutil.rmtree(folder, ignore_errors=True)
+    if harbor is not None:
+        return await containers.reference(task, harbor, folder, solve)
     folder.mkdir(parents=True)
     copy_tree(task.app, folder / "app", task.app_exclude)
     sb.own(folder / "app")
@@ -59,14 +65,14 @@ async def _attempt(sb: Sandbox, task: Task, folder: Path, solve: bool, timeout: 
 
 
 async def check_task(sb: Sandbox, task: Task, work: Path, threshold: float,
-                     timeout: float | None = None) -> Checked:
+                     timeout: float | None = None, harbor: HarborSettings | None = None) -> Checked:
     out = Checked(task.name)
     if task.solution is None:
         out.problem = "no reference solution (solution/solve.sh)"
         return out
     try:
-        out.solution = await _attempt(sb, task, work / task.name / "solution", True, timeout)
-        out.noop = await _attempt(sb, task, work / task.name / "noop", False, timeout)
+        out.solution = await _attempt(sb, task, work / task.name / "solution", True, timeout, harbor)
+        out.noop = await _attempt(sb, task, work / task.name / "noop", False, timeout, harbor)
     except Infra as exc:
         out.problem = str(exc)
         return out
@@ -78,11 +84,11 @@ async def check_task(sb: Sandbox, task: Task, work: Path, threshold: float,
 
 
 async def check_all(sb: Sandbox, tasks: list[Task], work: Path, threshold: float, concurrency: int,
-                    timeout: float | None = None) -> list[Checked]:
+                    timeout: float | None = None, harbor: HarborSettings | None = None) -> list[Checked]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(task: Task) -> Checked:
         async with slots:
-            return await check_task(sb, task, work, threshold, timeout)
+            return await check_task(sb, task, work, threshold, timeout, harbor)
 
     return list(await asyncio.gather(*(one(t) for t in tasks)))

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +30,7 @@ from steptap.adapters.run import RunError, preflight
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.adapters.tasks import report
 from steptap.adapters.tasks.check import check_all
+from steptap.adapters.tasks.containers import HarborError, HarborSettings, harbor_python, install
 from steptap.adapters.tasks.episode import Settings
 from steptap.adapters.tasks.format import Dataset, TaskError, load
 from steptap.adapters.tasks.runner import Plan, RunDirError, TaskRunner, new_run_id, open_run
@@ -49,6 +51,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expose", action="append", default=[], type=Path, metavar="PATH",
                    help="another host folder the sandbox shows read-only (a toolchain; repeated)")
     p.add_argument("--keep", action="store_true", help="keep each episode's working folder and home")
+    g = p.add_argument_group("containers (Harbor's own environments, docs/tasks.md)")
+    g.add_argument("--sandbox", choices=("local", "harbor"), default="local",
+                   help="local: bubblewrap on this machine (default); harbor: each episode a Harbor trial in "
+                        "a container built from the task's environment/ (steptap tasks install-harbor first)")
+    g.add_argument("--harbor-env", default="docker", metavar="TYPE",
+                   help="Harbor's environment type: docker (default), podman, modal, daytona, ...")
+    g.add_argument("--harbor-env-import", default=None, metavar="MODULE:CLASS",
+                   help="a Harbor environment by import path, instead of --harbor-env")
+    g.add_argument("--harbor-env-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an argument of the environment (VALUE read as JSON when it is; repeated)")
 
 
 def _parser_run() -> argparse.ArgumentParser:
@@ -77,6 +89,10 @@ def _parser_run() -> argparse.ArgumentParser:
     p.add_argument("--infra-retries", type=int, default=1,
                    help="times an episode that failed for an infrastructure reason runs again (default 1)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--harbor-agent-import", default=None, metavar="MODULE:CLASS",
+                   help="with --sandbox harbor: a Harbor agent by import path, instead of --agent's")
+    p.add_argument("--container-proxy", default=None, metavar="URL",
+                   help="with --sandbox harbor: the proxy's URL as the containers reach it (default --proxy)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- COMMAND: run it on each instruction ({instruction} marks where; else it is the "
                         "last argument); with --agent, the CLI's own arguments instead of its one-shot form")
@@ -87,8 +103,11 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
     p = _parser_run()
     args = p.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not args.command and not args.agent:
+    if not args.command and not args.agent and not args.harbor_agent_import:
         p.error("give --agent NAME or a command after --")
+    if args.sandbox == "harbor" and args.command:
+        p.error("with --sandbox harbor the agent is Harbor's: --agent NAME or --harbor-agent-import, "
+                "no command")
     if args.n < 1 or args.rounds < 1 or args.infra_retries < 0:
         p.error("-n and --rounds must be at least 1, --infra-retries at least 0")
     if not args.proxy:
@@ -116,10 +135,32 @@ def _dataset(args: argparse.Namespace) -> tuple[Dataset, list[Any]]:
 
 def _sandbox(args: argparse.Namespace) -> Sandbox:
     sb = LocalSandbox(expose=args.expose)
-    problem = sb.problem()
+    problem = sb.problem() if args.sandbox == "local" else None
     if problem:
         raise RunError(problem)
     return sb
+
+
+def _harbor(args: argparse.Namespace) -> HarborSettings | None:
+    """What Harbor is handed with --sandbox harbor (its Python found now: a missing one is one line)."""
+    if args.sandbox != "harbor":
+        return None
+    kwargs: dict[str, Any] = {}
+    for item in args.harbor_env_kwarg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RunError(f"--harbor-env-kwarg {item!r}: KEY=VALUE")
+        try:
+            kwargs[key] = json.loads(value)
+        except ValueError:
+            kwargs[key] = value
+    try:
+        python = harbor_python()
+    except HarborError as exc:
+        raise RunError(str(exc)) from None
+    return HarborSettings(environment=args.harbor_env, environment_import=args.harbor_env_import,
+                          environment_kwargs=kwargs, agent_import=getattr(args, "harbor_agent_import", None),
+                          container_proxy=getattr(args, "container_proxy", None), python=python)
 
 
 async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
@@ -134,14 +175,17 @@ async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
     async with SteptapClient(args.proxy, args.control_token) as client:
         await preflight(client, args.proxy)
         model = args.model
-        if args.agent:
-            try:
+        harbor = _harbor(args)
+        try:
+            if args.agent and harbor is None:
                 cli = agents.find_cli(args.agent)
+            if args.agent or harbor is not None:
                 model = model or await asyncio.to_thread(served_model, args.proxy, args.control_token)
-            except (agents.AgentError, RuntimeError) as exc:
-                raise RunError(str(exc)) from None
+        except (agents.AgentError, RuntimeError) as exc:
+            raise RunError(str(exc)) from None
         settings = Settings(proxy_url=args.proxy, sandbox=sb, run_dir=run_dir, n=args.n, agent=args.agent,
-                            command=list(args.command), cli=cli if args.agent else None, model=model,
+                            command=list(args.command), cli=cli if args.agent and harbor is None else None,
+                            model=model, harbor=harbor,
                             mode=args.mode, train=args.train, agent_timeout_s=args.agent_timeout,
                             verifier_timeout_s=args.verifier_timeout, keep=args.keep, run_id=plan.run_id)
         runner = TaskRunner(tasks, settings, client, rounds=args.rounds, concurrency=args.concurrency,
@@ -211,13 +255,14 @@ def main_check(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         dataset, tasks = _dataset(args)
-        sb = _sandbox(args)
+        sb, harbor = _sandbox(args), _harbor(args)
     except (TaskError, RunError) as exc:
         print(f"{PROG} check: {exc}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="steptap-check-"))
     try:
-        results = asyncio.run(check_all(sb, tasks, work, args.threshold, max(1, args.concurrency or 2)))
+        results = asyncio.run(check_all(sb, tasks, work, args.threshold, max(1, args.concurrency or 2),
+                                        harbor=harbor))
     finally:
         if not args.keep:
             import shutil
@@ -254,11 +299,26 @@ def main_list(argv: list[str]) -> int:
     return 0
 
 
+def main_install_harbor(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog=f"{PROG} install-harbor", description="Build Harbor's own virtualenv "
+                                "(it needs Python >= 3.12), once per machine, for --sandbox harbor.")
+    p.add_argument("--python", default=None, help="the Python >= 3.12 to build it from (default: one found)")
+    args = p.parse_args(argv)
+    try:
+        python = install(args.python)
+    except (HarborError, OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+        print(f"{PROG} install-harbor: {exc}", file=sys.stderr)
+        return 2
+    print(f"Harbor is installed: {python}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": main_run, "check": main_check, "list": main_list}
+    commands = {"run": main_run, "check": main_check, "list": main_list,
+                "install-harbor": main_install_harbor}
     if not argv or argv[0] not in commands:
-        print(f"usage: {PROG} {{run,check,list}} DATASET [...]\n\n{(__doc__ or '').strip()}",
+        print(f"usage: {PROG} {{run,check,list,install-harbor}} ...\n\n{(__doc__ or '').strip()}",
               file=sys.stderr if argv else sys.stdout)
         return 0 if argv[:1] in ([], ["-h"], ["--help"]) and not argv[1:] else 2
     return commands[argv[0]](argv[1:])

@@ -24,7 +24,9 @@ from typing import Any, Literal
 
 from steptap.adapters import agents
 from steptap.adapters.runner import explain, parse_reward, read_small_file, session_env
+from steptap.adapters.tasks import containers
 from steptap.adapters.tasks.bridge import Bridge
+from steptap.adapters.tasks.containers import HarborSettings
 from steptap.adapters.tasks.format import TESTS_DIR, VERIFIER_DIR, Task
 from steptap.adapters.tasks.sandbox import PORT, Ended, Job, Mount, Sandbox, search_path
 from steptap.middleware.records import ProcessEnd, TaskRun
@@ -52,6 +54,7 @@ class Settings:
     verifier_timeout_s: float | None = None
     keep: bool = False  # keep each episode's app and home folders
     run_id: str = ""
+    harbor: HarborSettings | None = None  # episodes as Harbor trials in containers (containers.py)
 
 
 @dataclass
@@ -152,8 +155,11 @@ class Episode:
     async def _phases(self, info: Any) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        await self._agent(info)
-        rewards = await self._verify()
+        if self.s.harbor is not None:
+            rewards = await containers.episode(self, info, self.s.harbor)
+        else:
+            await self._agent(info)
+            rewards = await self._verify()
         named = {k: v for k, v in rewards.items() if k is not None}
         for name, value in named.items():
             await self.client.add_reward(self.r.session_id, value, name=name)

@@ -29,7 +29,9 @@ MAX_RULES = 64
 MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fails a request
 
 _NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\."  # a chain's output (below)
+_EPISODE = r"<tool_response>[\s\S]*?steptap-episode\.([\w-]+)\.(\w+)\.(\w+)\."  # a task episode's first call
 _CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
+_ANSWER = r'"echo N > /app/answer.txt; echo steptap-ran-\1-$((6*7))"}}' + "\n</tool_call>"
 DEFAULT_RULES = [
     # Claude Code's title call (the user's message in <session> tags) asks for JSON with a schema, a grammar
     # in vLLM: its title as that JSON (a forced tool call, which its task's trigger would give, breaks it)
@@ -47,6 +49,11 @@ DEFAULT_RULES = [
     # the call that prints the `steptap-ran-AGENT-42` marker
     (_NEXT + r"([1-9])\b", _CALL + r'"echo steptap-next.\1.\2.\3.$((\4-1))"}}' + "\n</tool_call>"),
     (_NEXT + r"0\b", _CALL + r'"echo steptap-ran-\1-$((6*7))"}}' + "\n</tool_call>"),
+    # A task episode (tests/integration/test_tasks_agents.py): its first call prints
+    # `steptap-episode.AGENT.TOOL.ARG.K`, K the digits of the sandbox's hostname (episode-K: only a command
+    # that ran prints it); episodes 0 and 1 then write the task's answer, the others a wrong one
+    (_EPISODE + r"([01])\b", _CALL + _ANSWER.replace("N", "42")),
+    (_EPISODE + r"([2-9])\b", _CALL + _ANSWER.replace("N", "41")),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     # Codex's turn after a compaction holds the task again (its trigger too) with the summary: answered, so
     # the turn ends rather than calling the tool and compacting again
