@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,13 +66,15 @@ def venv_dir() -> Path:
 
 
 def find_python() -> str | None:
-    """A Python >= 3.12 on PATH or in pyenv's versions, newest first."""
-    for name in ("python3.13", "python3.12"):
-        if found := shutil.which(name):
-            return found
+    """A Python >= 3.12 that runs: on PATH (pyenv's shims need a version set: tried, not trusted), then in
+    pyenv's versions, newest first."""
     root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
     versions = sorted(glob.glob(str(root / "versions" / "3.1[2-9]*" / "bin" / "python3")), reverse=True)
-    return versions[0] if versions else None
+    for candidate in [shutil.which("python3.13"), shutil.which("python3.12"), *versions]:
+        if candidate and subprocess.run([candidate, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+                                        capture_output=True).returncode == 0:
+            return candidate
+    return None
 
 
 def install(python: str | None = None) -> Path:
