@@ -18,6 +18,8 @@ from aiohttp import web
 
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                  "transfer-encoding", "upgrade", "host", "content-length"})
+# Not passed on either: the path names the session (a header naming another one is the agent's, not ours)
+DROPPED = HOP | {"x-steptap-session"}
 
 
 class Bridge:
@@ -63,7 +65,7 @@ class Bridge:
         assert self._http is not None
         if request.method == "POST":
             self.calls += 1
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED}
         body = request.content if request.body_exists else None
         out: web.StreamResponse | None = None
         try:

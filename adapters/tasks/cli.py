@@ -93,16 +93,17 @@ def _parser_run() -> argparse.ArgumentParser:
                    help="with --sandbox harbor: a Harbor agent by import path, instead of --agent's")
     p.add_argument("--container-proxy", default=None, metavar="URL",
                    help="with --sandbox harbor: the proxy's URL as the containers reach it (default --proxy)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="-- COMMAND: run it on each instruction ({instruction} marks where; else it is the "
-                        "last argument); with --agent, the CLI's own arguments instead of its one-shot form")
+    p.epilog = ("-- COMMAND...: run it on each instruction ({instruction} marks where; else it is the last "
+                "argument); with --agent, the CLI's own arguments instead of its one-shot form")
     return p
 
 
 def _parse_run(argv: list[str]) -> argparse.Namespace:
     p = _parser_run()
-    args = p.parse_args(argv)
-    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    # what follows -- is the command, whatever it holds (options of steptap's may come after the dataset)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.command = argv[cut + 1:]
     if not args.command and not args.agent and not args.harbor_agent_import:
         p.error("give --agent NAME or a command after --")
     if args.sandbox == "harbor" and args.command:
@@ -191,8 +192,7 @@ async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
         runner = TaskRunner(tasks, settings, client, rounds=args.rounds, concurrency=args.concurrency,
                             infra_retries=args.infra_retries)
         progress = Progress(len(runner.todo()), "episodes")
-        runner.on_result = lambda line: progress.update(
-            line["reward"], infra=str(sum(r["status"] == "infra_error" for r in runner.results)))
+        runner.on_result = lambda line: progress.update(line["reward"], infra=str(runner.infra_errors))
         main = asyncio.ensure_future(runner.run())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

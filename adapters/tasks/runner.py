@@ -108,7 +108,7 @@ class TaskRunner:
         self.on_result = on_result
         self.state = load_state(settings.run_dir)
         self.results: list[dict[str, Any]] = []  # this invocation's lines
-        self.not_started = 0
+        self.not_started = self.infra_errors = 0
 
     def todo(self) -> list[tuple[int, Task, int, int]]:
         """(round, task, episode index, next attempt) of every episode without a verdict."""
@@ -149,20 +149,29 @@ class TaskRunner:
 
     async def _episode(self, slots: asyncio.Semaphore, rnd: int, task: Task, k: int, attempt: int) -> None:
         for tries in range(self.infra_retries + 1):
-            async with slots:
-                result = await Episode(self.s, self.client, task, self.group_id(task, rnd), rnd, k,
-                                       attempt + tries).run()
+            episode = Episode(self.s, self.client, task, self.group_id(task, rnd), rnd, k, attempt + tries)
+            try:
+                async with slots:
+                    result = await episode.run()
+            except asyncio.CancelledError:  # its session finished as interrupted: recorded, run on resume
+                if episode.r.status:
+                    self._record(episode.r)
+                raise
             if not result.status:  # no session (the proxy is gone): not recorded, run again on resume
                 self.not_started += 1
                 return
-            line = state_line(result)
-            append_durable(self.s.run_dir / "state.jsonl", json.dumps(line) + "\n", mode=0o644)
-            self.state.append(line)
-            self.results.append(line)
-            if self.on_result is not None:
-                self.on_result(line)
-            if result.status != "infra_error" or result.infra_cause == "interrupted":
+            self._record(result)
+            if result.status != "infra_error":
                 return
+
+    def _record(self, result: Result) -> None:
+        line = state_line(result)
+        append_durable(self.s.run_dir / "state.jsonl", json.dumps(line) + "\n", mode=0o644)
+        self.state.append(line)
+        self.results.append(line)
+        self.infra_errors += result.status == "infra_error"
+        if self.on_result is not None:
+            self.on_result(line)
 
 
 def new_run_id() -> str:

@@ -96,7 +96,8 @@ async def _pump(stream: asyncio.StreamReader, log: Path | None) -> str:
     """Read a child's output to its end: the first ``MAX_OUTPUT_FILE`` bytes to ``log``, the tail kept."""
     tail = bytearray()
     written = 0
-    f = open(log, "wb") if log is not None else None  # noqa: SIM115 - closed below, written in chunks
+    # unbuffered: the log shows what the job printed as it runs
+    f = open(log, "wb", buffering=0) if log is not None else None  # noqa: SIM115 - closed below
     try:
         while chunk := await stream.read(1 << 16):
             tail += chunk

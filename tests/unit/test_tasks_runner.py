@@ -201,3 +201,50 @@ def test_a_run_folder_resumes_only_the_same_run(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="holds a run with n 4, not 8: resume it as it was, or pass"):
         open_run(tmp_path, plan("tasks-c", 8), fresh=False)
     assert open_run(tmp_path, plan("tasks-c", 8), fresh=True).run_id == "tasks-c"
+
+
+async def test_ctrl_c_records_the_episodes_interrupted_and_a_rerun_runs_them(make_proxy: Any,
+                                                                            sandbox: LocalSandbox,
+                                                                            tmp_path: Path) -> None:
+    """`steptap tasks run` stopped mid-episode (SIGINT): the agents are killed, their sessions end as
+    infrastructure errors (interrupted: never trained), recorded; the same command again runs just them."""
+    import asyncio
+    import os
+    import signal
+    import sys
+
+    proxy = await make_proxy(NO_BACKEND)
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run", str(FIXTURES / "answer"),
+            "-n", "2", "--proxy", proxy.url, "--run-dir", str(run_dir), "--json", "--"]
+    env = {**os.environ, "STEPTAP_CONTROL_TOKEN": proxy.token}
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(*args, "sh", "-c", "echo busy; sleep 600", env=env,
+                                                stdout=pipe, stderr=pipe)
+
+    def running() -> bool:  # both agents are running: each printed into its episode's log
+        logs = list((run_dir / "episodes" / "answer").glob("*/agent.log"))
+        return len(logs) == 2 and all(p.read_text() for p in logs)
+
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        while not running() and proc.returncode is None:
+            await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = await proc.communicate()
+        assert proc.returncode == 130, err.decode()[-2000:]
+        summary = json.loads(out.decode().strip().splitlines()[-1])
+        assert summary["interrupted"] and summary["infra_errors"] == {"interrupted": 2}
+        lines = [json.loads(ln) for ln in (run_dir / "state.jsonl").read_text().splitlines()]
+        assert sorted((r["index"], r["attempt"], r["status"], r["infra_cause"]) for r in lines) == [
+            (0, 0, "infra_error", "interrupted"), (1, 0, "infra_error", "interrupted")]
+        for r in lines:
+            traj = await client.get_session(r["session_id"])
+            assert traj.status == "infra_error" and traj.error == "the run was interrupted"
+        again = await asyncio.create_subprocess_exec(*args, "sh", "-c", "echo 42 > answer.txt", env=env,
+                                                     stdout=pipe, stderr=pipe)
+        out, err = await again.communicate()
+    assert again.returncode == 0, err.decode()[-2000:]
+    lines = [json.loads(ln) for ln in (run_dir / "state.jsonl").read_text().splitlines()]
+    assert sorted((r["index"], r["attempt"], r["status"], r["reward"]) for r in lines[2:]) == [
+        (0, 1, "finished", 1.0), (1, 1, "finished", 1.0)]
+    assert json.loads(out.decode().strip().splitlines()[-1])["tasks"][0]["passed"] == 2
