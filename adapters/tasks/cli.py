@@ -31,6 +31,7 @@ from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.adapters.tasks import report
 from steptap.adapters.tasks.check import check_all
 from steptap.adapters.tasks.containers import HarborError, HarborSettings, harbor_python, install
+from steptap.adapters.tasks.containers import preflight as preflight_harbor
 from steptap.adapters.tasks.episode import Settings
 from steptap.adapters.tasks.format import Dataset, TaskError, load
 from steptap.adapters.tasks.runner import Plan, RunDirError, TaskRunner, new_run_id, open_run
@@ -182,7 +183,9 @@ async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
                 cli = agents.find_cli(args.agent)
             if args.agent or harbor is not None:
                 model = model or await asyncio.to_thread(served_model, args.proxy, args.control_token)
-        except (agents.AgentError, RuntimeError) as exc:
+            if harbor is not None:  # Harbor's agent takes the session URL, or one line before any trial
+                await preflight_harbor(args.agent, harbor, args.proxy, model or "", run_dir / "preflight.log")
+        except (agents.AgentError, RuntimeError, HarborError) as exc:
             raise RunError(str(exc)) from None
         settings = Settings(proxy_url=args.proxy, sandbox=sb, run_dir=run_dir, n=args.n, agent=args.agent,
                             command=list(args.command), cli=cli if args.agent and harbor is None else None,

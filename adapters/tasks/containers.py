@@ -43,6 +43,15 @@ CAUSES = {"EnvironmentStartTimeoutError": "sandbox", "AgentSetupTimeoutError": "
           "RewardFileEmptyError": "verifier_crash", "VerifierOutputParseError": "verifier_crash",
           "AddTestsDirError": "verifier_crash", "DownloadVerifierDirError": "verifier_crash"}
 AGENT_FAILURES = ("AgentTimeoutError", "NonZeroAgentExitCodeError")
+# How each of Harbor's installed agents takes the session URL (harbor 0.25's agent configs, checked by
+# tests/integration/test_tasks_containers.py): its model name, whether Harbor parses a provider out of it, the
+# API it speaks, and whether its base URL ends in /v1 (Claude Code's SDK adds /v1 itself)
+HARBOR_AGENTS: dict[str, tuple[str, bool, str | None, bool]] = {
+    "claude-code": ("{model}", True, "anthropic_messages", False),
+    "codex": ("{model}", True, "openai_responses", True),
+    "openclaw": ("openai/{model}", False, None, True),
+    "pi": ("{model}", True, "openai_chat_completions", True),
+}
 
 
 class HarborError(Exception):
@@ -97,28 +106,48 @@ def harbor_python() -> Path:
     return python
 
 
+def agent_request(agent: str | None, h: HarborSettings, proxy: str, session_id: str, api_key: str,
+                  model: str) -> dict[str, Any]:
+    """The agent part of a driver request: Harbor's installed agent ``agent`` (or ``h.agent_import``) with its
+    model endpoint at the session URL as the containers reach the proxy."""
+    v1 = f"{(h.container_proxy or proxy).rstrip('/')}/s/{session_id}/v1"
+    env = {"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": api_key, agents.KEY_ENV: api_key, "OPENAI_MODEL": model}
+    if h.agent_import is not None or agent is None:
+        return {"import_path": h.agent_import, "env": env}
+    name_form, skip, api_format, with_v1 = HARBOR_AGENTS[agent]
+    return {"name": agent, "model": name_form.format(model=model), "skip_model_parsing": skip,
+            "api_format": api_format, "base_url": v1 if with_v1 else v1.removesuffix("/v1"),
+            "api_key_env": agents.KEY_ENV, "env": env}
+
+
 def _request(ep: Episode, info: Any, h: HarborSettings) -> dict[str, Any]:
-    proxy = (h.container_proxy or ep.s.proxy_url).rstrip("/")
-    v1 = f"{proxy}/s/{info.id}/v1"
-    # Claude Code's SDK adds /v1 itself (as ``steptap run --agent`` sets it); the others take the /v1 URL
-    base = v1.removesuffix("/v1") if ep.s.agent == "claude-code" else v1
-    env = {"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": info.api_key, agents.KEY_ENV: info.api_key,
-           "OPENAI_MODEL": ep.s.model or "", "STEPTAP_EPISODE": str(ep.r.index)}
-    named = h.agent_import is None
+    agent = agent_request(ep.s.agent, h, ep.s.proxy_url, info.id, info.api_key, ep.s.model or "")
+    agent["env"]["STEPTAP_EPISODE"] = str(ep.r.index)
     return {
         "task_dir": str(ep.task.root), "trials_dir": str(ep.dir / "harbor"),
         "trial_name": f"{ep.task.name}-r{ep.r.round}-e{ep.r.index}-a{ep.r.attempt}",
-        "environment": _environment(h),
-        "agent": {"name": ep.s.agent if named else None, "import_path": h.agent_import, "model": ep.s.model,
-                  "base_url": base if named else None, "api_key_env": agents.KEY_ENV if named else None,
-                  "env": env},
+        "environment": _environment(h), "agent": agent,
         "agent_timeout_s": ep.s.agent_timeout_s, "verifier_timeout_s": ep.s.verifier_timeout_s,
     }
+
+
+async def preflight(agent: str | None, h: HarborSettings, proxy: str, model: str, log: Path) -> str:
+    """Harbor's agent built from the request an episode would send (no container): the base URL it resolved,
+    or ``HarborError`` saying why it takes no session URL."""
+    request = {"resolve_only": True, "task_dir": "", "trials_dir": "", "environment": {},
+               "agent": agent_request(agent, h, proxy, "preflight", "preflight-key", model)}
+    out = await _drive(h.python or harbor_python(), request, log)
+    if out.get("exception"):
+        exc = out["exception"]
+        why = f"{exc.get('type')}: {exc.get('message')}"
+        raise HarborError(f"Harbor's {agent or h.agent_import} agent takes no session URL: {why}")
+    return str(out.get("base_url"))
 
 
 async def _drive(python: Path, request: dict[str, Any], log: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPTAP_CONTROL_TOKEN")}
     env.pop("PYTHONPATH", None)  # steptap's own path is not Harbor's
+    env.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # Harbor imports litellm: no fetch at each start
     if os.environ.get(PATH_ENV):
         env["PYTHONPATH"] = os.environ[PATH_ENV]
     driver = Path(__file__).with_name("harbor_driver.py")

@@ -54,13 +54,29 @@ def _config(req: dict[str, Any]) -> Any:
         agent=AgentConfig(name=agent.get("name"), import_path=agent.get("import_path"),
                           model_name=agent.get("model"), base_url=agent.get("base_url"),
                           model_api_key_name=agent.get("api_key_env"),
-                          skip_model_parsing=agent.get("name") is not None,
+                          model_api_format=agent.get("api_format"),
+                          skip_model_parsing=bool(agent.get("skip_model_parsing")),
                           override_timeout_sec=req.get("agent_timeout_s"), kwargs=agent.get("kwargs") or {},
                           env=agent.get("env") or {}),
         environment=EnvironmentConfig(type=env.get("type"), import_path=env.get("import_path"),
                                       kwargs=env.get("kwargs") or {}),
         verifier=VerifierConfig(override_timeout_sec=req.get("verifier_timeout_s")),
     )
+
+
+def resolve(req: dict[str, Any]) -> dict[str, Any]:
+    """The agent's model connection as Harbor resolves it from the request, without a trial (a preflight:
+    an agent that does not take the session URL says so before any container starts)."""
+    import tempfile
+
+    from harbor.agents.factory import AgentFactory
+
+    config = _config(req)
+    agent = AgentFactory.create_agent_from_config(config.agent, logs_dir=Path(tempfile.mkdtemp()))
+    connection = agent.model_connection
+    api_format = connection.model_api_format
+    return {"base_url": connection.resolved_base_url,
+            "api_format": getattr(api_format, "value", api_format)}
 
 
 async def run(req: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +102,7 @@ async def run(req: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     req = json.loads(sys.stdin.read())
     try:
-        out = asyncio.run(run(req))
+        out = resolve(req) if req.get("resolve_only") else asyncio.run(run(req))
     except Exception as exc:  # noqa: BLE001 - any failure to even run the trial is reported, not raised
         out = {"rewards": None, "exception": {"type": type(exc).__name__, "message": str(exc)[:2000]},
                "agent_started": False, "setup_failed": True}
