@@ -98,6 +98,8 @@ def task_args(agent: str, prompt: str) -> list[str]:
         return ["agent", "exec", "--json", prompt]
     if agent == "pi":
         return ["--no-session", "-p", prompt]
+    if agent == "gemini":
+        return ["--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p", prompt]
     raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
 
 

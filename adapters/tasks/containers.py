@@ -114,6 +114,9 @@ def agent_request(agent: str | None, h: HarborSettings, proxy: str, session_id: 
     env = {"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": api_key, agents.KEY_ENV: api_key, "OPENAI_MODEL": model}
     if h.agent_import is not None or agent is None:
         return {"import_path": h.agent_import, "env": env}
+    if agent not in HARBOR_AGENTS:
+        raise HarborError(f"Harbor's agent for {agent} is not set up to take a session URL here: name one "
+                          "with --harbor-agent-import")
     name_form, skip, api_format, with_v1 = HARBOR_AGENTS[agent]
     return {"name": agent, "model": name_form.format(model=model), "skip_model_parsing": skip,
             "api_format": api_format, "base_url": v1 if with_v1 else v1.removesuffix("/v1"),
