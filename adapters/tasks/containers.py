@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from steptap.adapters import agents
+from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
 from steptap.middleware.files import cache_root
 from steptap.middleware.records import ProcessEnd
 from steptap.middleware.venvs import build_once
@@ -148,7 +149,7 @@ async def preflight(agent: str | None, h: HarborSettings, proxy: str, model: str
 
 
 async def _drive(python: Path, request: dict[str, Any], log: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPTAP_CONTROL_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
     env.pop("PYTHONPATH", None)  # steptap's own path is not Harbor's
     env.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # Harbor imports litellm: no fetch at each start
     if os.environ.get(PATH_ENV):
