@@ -131,9 +131,13 @@ class Episode:
         try:
             await self._phases(info)
         except asyncio.CancelledError:
-            # not the agent's failure: never trained, and run again when the run resumes
-            await asyncio.shield(self._finish("infra_error", error="the run was interrupted",
-                                              cause="interrupted"))
+            # not the agent's failure: never trained, and run again when the run resumes. The finish is seen
+            # through even if the runner cancels again meanwhile, so the runner can record it
+            finish = asyncio.ensure_future(self._finish("infra_error", error="the run was interrupted",
+                                                        cause="interrupted"))
+            while not finish.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(finish)
             raise
         except Infra as exc:
             await self._finish("infra_error", error=str(exc)[:MAX_REASON], cause=exc.cause)

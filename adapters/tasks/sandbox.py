@@ -37,6 +37,7 @@ INSIDE = "/run/steptap"  # the launcher and the socket's folder, inside
 SYSTEM = ("/usr", "/etc")  # bound read-only; /bin, /lib, ... follow them (links, or bound too)
 LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PORT = 8400  # the inside end of the session's socket: http://127.0.0.1:PORT
+START_TIMEOUT_S = 120.0  # a sandbox not up by then (the launcher has not started the job) failed to start
 
 
 @dataclass
@@ -119,21 +120,17 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
             os.killpg(proc.pid, signal.SIGKILL)  # bwrap leads its group; its PID namespace dies with it
 
 
-async def _read_status(fd: int) -> str:
-    loop = asyncio.get_running_loop()
-    return (await loop.run_in_executor(None, _read_all, fd)).strip()
-
-
-def _read_all(fd: int) -> str:
+def _first_line(fd: int) -> str:
+    """(In a thread, which closes ``fd`` when done: nothing else may close it while a read may be under way.)
+    The launcher's first status line (``started`` or ``error WHY``), or "" when the sandbox closed the pipe
+    without one (it died before the launcher ran)."""
     out = bytearray()
     try:
-        while chunk := os.read(fd, 4096):
+        while b"\n" not in out and len(out) < 4096 and (chunk := os.read(fd, 4096)):
             out += chunk
-            if len(out) > 4096:
-                break
     finally:
         os.close(fd)
-    return out.decode("utf-8", "replace")
+    return out.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
 
 
 def search_path() -> str:
@@ -253,12 +250,19 @@ class LocalSandbox(Sandbox):
             return Ended(started=False, error=f"cannot start bubblewrap: {exc}")
         finally:
             os.close(status_w)  # the sandbox holds the only write end: EOF once it is gone
-        status = asyncio.ensure_future(_read_status(status_r))
         assert proc.stdout is not None
         output = asyncio.ensure_future(_pump(proc.stdout, job.log))
-        timed_out = False
+        timed_out, said = False, ""
+        first = asyncio.get_running_loop().run_in_executor(None, _first_line, status_r)  # it closes the fd
         try:
-            await asyncio.wait_for(proc.wait(), job.timeout_s)
+            # the job's time counts from its start: a sandbox slow to come up (a loaded machine) is not
+            # charged to the agent, one that never comes up is the sandbox's failure
+            said = await asyncio.wait_for(asyncio.shield(first), START_TIMEOUT_S)
+            if said.startswith("started"):
+                started_at = time.monotonic()
+                await asyncio.wait_for(proc.wait(), job.timeout_s)
+            else:
+                await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
         except TimeoutError:
             timed_out = True
             _kill(proc)
@@ -267,11 +271,12 @@ class LocalSandbox(Sandbox):
             _kill(proc)
             await proc.wait()
             raise
-        tail, said = await output, await status
+        tail = await output
         seconds = round(time.monotonic() - started_at, 3)
         if not said.startswith("started"):
             last = (tail.strip().splitlines() or ["the sandbox did not start"])[-1]
-            why = said.removeprefix("error ") or last
+            why = said.removeprefix("error ") or (
+                f"the sandbox did not start in {START_TIMEOUT_S:g} s" if timed_out else last)
             return Ended(started=False, seconds=seconds, output=tail, timed_out=timed_out, error=why[:500])
         code = None if timed_out else proc.returncode
         return Ended(started=True, exit_code=code, timed_out=timed_out, seconds=seconds, output=tail)
