@@ -101,6 +101,17 @@ def tool_output(steps: list[Any], needle: str) -> str:
     raise AssertionError(f"no step's request holds {needle!r}")
 
 
+def tool_messages(steps: list[Any]) -> list[str]:
+    """The text of every tool result a chat-completions agent (pi) sent back, over the session's steps."""
+    out = []
+    for step in steps:
+        for m in step.request.get("messages", []):
+            if m.get("role") == "tool":
+                content = m.get("content")
+                out.append(content if isinstance(content, str) else json.dumps(content))
+    return out
+
+
 def learner_takes(trajs: list[Any], group_size: int) -> tuple[list[str], list[float], dict[str, float]]:
     """What the learner's next update does with ``trajs``: its grouper, its rows, verl's GRPO advantages."""
     from steptap.learner.algos import compute_advantages
@@ -199,7 +210,7 @@ async def test_the_sandbox_holds_against_the_agent_own_tool_calls(long_proxy: An
     # the probe: every read denied, the token in no visible environment, the planted rewards ignored
     probe = lines[("probe", 0)]
     traj = client.get_session(probe["session_id"])
-    seen = tool_output(traj.steps, "environ-hits")
+    (seen,) = {text for text in tool_messages(traj.steps) if "environ-hits" in text}  # the probe's output
     assert seen.count("denied") == len(paths) and "read /" not in seen and "environ-hits 0" in seen, seen
     assert (probe["status"], probe["reward"], traj.reward) == ("finished", 0.0, 0.0)
     # past its timeout: killed with every process it started; the verifier judged what it left
