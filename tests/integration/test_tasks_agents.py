@@ -172,8 +172,8 @@ def probe_command(paths: list[str], token: str) -> str:
     it), rewards planted where an agent could, then the marker."""
     head, tail = token[: len(token) // 2], token[len(token) // 2:]
     reads = "; ".join(f'cat "{p}" >/dev/null 2>&1 && echo "read {p}" || echo denied' for p in paths)
-    return (f'{reads}; t="{head}"; t="$t{tail}"; echo "environ-hits $(cat /proc/[0-9]*/environ 2>/dev/null | '
-            'grep -ac "$t")"; echo 1 > /app/reward.txt; mkdir -p /logs/verifier 2>/dev/null && '
+    return (f'{reads}; t="{head}"; t="${{t}}{tail}"; echo "environ-hits $(cat /proc/[0-9]*/environ 2>/dev/null '
+            '| grep -ac -e "$t")"; echo 1 > /app/reward.txt; mkdir -p /logs/verifier 2>/dev/null && '
             'echo 1 > /logs/verifier/reward.txt; echo steptap-ran-probe-$((6*7))')
 
 
