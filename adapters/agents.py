@@ -114,6 +114,23 @@ def new_agent_home(root: Path | None = None) -> Path:
     return Path(tempfile.mkdtemp(prefix="run-", dir=secret_dir(root)))  # mkdtemp: 0700
 
 
+def task_args(agent: str, prompt: str) -> list[str]:
+    """The CLI's own one-shot form running ``prompt`` unattended in its working folder (``steptap tasks``:
+    the task's sandbox is the boundary, so the CLI asks no approval; Codex keeps its own workspace-write
+    sandbox, nested in the task's)."""
+    if agent == "claude-code":
+        return ["-p", prompt, "--output-format", "json", "--dangerously-skip-permissions"]
+    if agent == "codex":
+        return ["exec", "--skip-git-repo-check", "--json", "--sandbox", "workspace-write", prompt]
+    if agent == "openclaw":
+        return ["agent", "exec", "--json", prompt]
+    if agent == "pi":
+        return ["--no-session", "-p", prompt]
+    if agent == "gemini":
+        return ["--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p", prompt]
+    raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
+
+
 def _private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)

@@ -130,7 +130,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     forget_control_token()  # read: nothing started from here inherits it
     return args
 
-async def _preflight(client: Any, proxy: str) -> None:
+async def preflight(client: Any, proxy: str) -> None:
     """Fail fast, in one clear line, on an unreachable proxy or a refused token: a control call on a session
     that cannot exist answers 404 only when the proxy is there and accepts the token."""
     try:
@@ -145,7 +145,7 @@ async def _main(args: argparse.Namespace) -> int:
     from steptap.middleware.client import SteptapClient
 
     async with SteptapClient(args.proxy, args.control_token) as client:
-        await _preflight(client, args.proxy)
+        await preflight(client, args.proxy)
         if args.agent:  # before any session opens: a missing CLI or model is one line, not N aborted sessions
             try:
                 args.cli = agents.find_cli(args.agent)

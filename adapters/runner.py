@@ -50,6 +50,19 @@ def read_reward_file(path: str) -> dict[str | None, float] | None:
     """The reward an agent wrote to ``path``: None when there is no file; ``RuntimeError`` for a file that is
     not a regular one (a FIFO would block, ``/dev/zero`` never ends), one over ``MAX_REWARD_FILE`` or a bad
     reward. Opened without following a symlink and without blocking."""
+    data = read_small_file(path)
+    if data is None:
+        return None
+    try:
+        return parse_reward(data.decode("utf-8", "replace"))
+    except ValueError as exc:
+        raise RuntimeError(f"reward file {path}: {exc}") from None
+
+
+def read_small_file(path: str) -> bytes | None:
+    """A file someone untrusted wrote (an agent, a verifier): None when there is none; ``RuntimeError`` for
+    one that is not a regular file or is larger than ``MAX_REWARD_FILE``. Never follows a symlink, never
+    blocks."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -62,10 +75,7 @@ def read_reward_file(path: str) -> dict[str | None, float] | None:
         data = f.read(MAX_REWARD_FILE + 1)
     if len(data) > MAX_REWARD_FILE:
         raise RuntimeError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
-    try:
-        return parse_reward(data.decode("utf-8", "replace"))
-    except ValueError as exc:
-        raise RuntimeError(f"reward file {path}: {exc}") from None
+    return data
 
 
 async def _tail_of(proc: asyncio.subprocess.Process, data: bytes) -> bytes:
@@ -124,6 +134,23 @@ def _parse_reward(text: str) -> dict[str | None, float] | None:
     if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
         return {str(k): float(v) for k, v in value.items()}
     raise ValueError(f"not a number or a JSON object of numbers: {last[:200]!r}")
+
+def session_env(base_url: str, api_key: str, session_id: str, *, group_id: str | None = None,
+                model: str | None = None) -> dict[str, str]:
+    """What a program learns of its session from its environment (``steptap run``, ``steptap tasks``): the
+    OpenAI variables pointing at its session URL and key, its ids and the model to ask for; never a token."""
+    env = {
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_BASE": base_url,  # older clients read this name
+        "OPENAI_API_KEY": api_key,
+        "STEPTAP_SESSION_ID": session_id,
+    }
+    if group_id:
+        env["STEPTAP_GROUP_ID"] = group_id
+    if model:
+        env["OPENAI_MODEL"] = env["STEPTAP_MODEL"] = model
+    return env
+
 
 class Runner:
     def __init__(self, args: argparse.Namespace, client: Any) -> None:
@@ -198,19 +225,11 @@ class Runner:
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
         # the agent never holds the control token
         env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
-        env.update(
-            PWD=os.getcwd(),  # where it runs: opencode works in $PWD, which a launcher may have left stale
-            OPENAI_BASE_URL=info.base_url,
-            OPENAI_API_BASE=info.base_url,  # older clients read this name
-            OPENAI_API_KEY=info.api_key,
-            STEPTAP_SESSION_ID=info.id,
-            STEPTAP_REWARD_FILE=reward_file,
-            STEPTAP_MEMBER_INDEX=str(m.index),
-        )
-        if self.group_id:
-            env["STEPTAP_GROUP_ID"] = self.group_id
-        if self.args.model:
-            env["OPENAI_MODEL"] = env["STEPTAP_MODEL"] = self.args.model
+        env.update(session_env(info.base_url, info.api_key, info.id, group_id=self.group_id,
+                               model=self.args.model),
+                   STEPTAP_REWARD_FILE=reward_file,
+                   # where it runs: opencode works in $PWD, which a launcher may have left stale
+                   PWD=os.getcwd(), STEPTAP_MEMBER_INDEX=str(m.index))
         return env
 
     def _command(self, m: Member, info: Any, env: dict[str, str]) -> list[str]:

@@ -187,7 +187,8 @@ class Learner:
                 src.ledger.consume([key])
                 continue
             self.origin[id(d.trajectory)] = src
-            if d.trajectory.mode != "train":  # eval, judge: consumed, counted, never trained
+            # eval, judge, an infrastructure error: consumed, counted by the rows (by cause), never trained
+            if d.trajectory.mode != "train" or d.trajectory.status == "infra_error":
                 self.pass_through.append(d.trajectory)
             elif not self.grouper.add(d.trajectory, src.url):  # anonymous: consumed, never trained
                 self.untrained.append((d.trajectory, "skipped_anonymous"))

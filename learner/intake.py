@@ -60,9 +60,10 @@ class Grouper:
         self.counts: Counter = Counter()
 
     def add(self, traj: Trajectory, source: str = "") -> bool:
-        """Hold ``traj`` for its group; False (counted) for one not to train on: anonymous, unless asked."""
-        if traj.anonymous and not self.cfg.train_anonymous:
-            self.counts["skipped_anonymous"] += 1
+        """Hold ``traj`` for its group; False for one not to train on: anonymous (counted here), unless asked;
+        an infrastructure error, no member of its group (run again in its place; the rows count it)."""
+        if traj.anonymous and not self.cfg.train_anonymous or traj.status == "infra_error":
+            self.counts["skipped_anonymous"] += traj.status != "infra_error"
             return False
         key = (source, traj.group_id or f"_single:{traj.id}")  # a group never mixes proxies
         _, members = self.open.setdefault(key, (time.monotonic(), []))

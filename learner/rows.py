@@ -232,6 +232,8 @@ def build_batch(
         _replies(batch, traj)
         if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
             c[f"dropped_{traj.status}"] += 1
+            if traj.status == "infra_error":  # never trained, whatever the options: counted by its cause
+                c[f"infra_error_{traj.infra_cause or 'other'}"] += 1
             _untrained(batch, traj, f"dropped_{traj.status}")
             continue
         marks = (curation or {}).get(traj.id) or CurationState()

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
             "env"),
     "eval": ("steptap.adapters.env.cli:main_eval", "evaluate a dataset as eval sessions: accuracy by version",
              "env"),
+    "tasks": ("steptap.adapters.tasks.cli:main",
+              "run agents on task datasets in sandboxes, rewarded by the tasks' verifiers", None),
     "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step",
                "env"),
     "doctor": ("steptap.adapters.doctor:main", "a run's health after the fact, from its files", None),

@@ -30,6 +30,8 @@ CALL_LATENCY = "steptap_call_latency_seconds"
 STEPS = "steptap_steps"
 SESSIONS_OPEN = "steptap_sessions_open"
 TRAJECTORIES = "steptap_trajectories"
+# Trajectories closed as infrastructure errors, by cause (records.InfraCause)
+INFRA_ERRORS = "steptap_infra_errors"
 REWARD_VALUE = "steptap_reward_value"
 REWARD_SUM = "steptap_reward_sum"
 POLICY_VERSION = "steptap_policy_version"  # exported by the weight swapper's collector
@@ -200,6 +202,9 @@ class Metrics:
         self.trajectories = Counter(
             TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
         )
+        self.infra_errors = Counter(
+            INFRA_ERRORS, "trajectories closed as infrastructure errors (never trained), by cause", ["cause"],
+            registry=r)
         self.rewards = Counter(REWARDS, "rewards attached", ["target", "source"], registry=r)
         self.held = Gauge(HELD_TRAJECTORIES,
                           "finished sessions waiting for their pending reward (off the stream)", registry=r)

@@ -36,17 +36,24 @@ import msgspec
 #    Later, with no bump (defaulted fields and one more ``Mode``): a reward's provenance
 #    (``RewardAdded.provenance``, ``Trajectory.reward_provenance``: a judge's model, prompt and rubric
 #    hash) and the ``judge`` mode (a judge's own calls, never trained).
-SCHEMA_VERSION = 8
+# 9: task episodes (adapters/tasks): a trajectory may end as ``infra_error`` (an infrastructure failure, never
+#    a reward, never trained: ``infra_cause`` says which), and carries how its agent and verifier ended
+#    (``task_run``: exit codes, seconds, the tails of their output).
+SCHEMA_VERSION = 9
 
 CallClass = Literal["main", "side", "branch"]  # which line of its session a call is on (sessions/classify.py)
 TrainOn = Literal["main", "all"]  # which steps of a session train: its main line (and branches), or every one
 PrefixCause = Literal["extends", "first", "history_edited", "rerendered", "truncated"]
 StepStatus = Literal["ok", "failed"]
-TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out"]
-# A trajectory whose reward could not be made (a judge or a grader that failed: infrastructure, never a
-# reward of 0, never trained) ends with this status and the failure as its error: "aborted" until the
-# infrastructure status of its own lands
-INFRA_FAILURE: TrajectoryStatus = "aborted"
+TrajectoryStatus = Literal["running", "finished", "aborted", "timed_out", "infra_error"]
+# Why an episode is an infrastructure error (status ``infra_error``): its sandbox did not start, its agent
+# died before its first model call, its verifier crashed (no reward file) or ran past its timeout, the run was
+# interrupted (Ctrl-C: the episode is run again when the run resumes), its reward could not be made
+# (a judge or grader failed: exceptions.RewardUnavailable), or another cause
+InfraCause = Literal["sandbox", "agent_start", "verifier_crash", "verifier_timeout", "interrupted",
+                     "reward_unavailable", "other"]
+# A trajectory whose reward could not be made ends with this status, the failure as its error
+INFRA_FAILURE: TrajectoryStatus = "infra_error"
 # Where a trajectory-level reward came from: the --reward callback, the control API (a script, a finish's own
 # reward), a person (the console, or a script saying so), or a pending reward's deadline default
 RewardSource = Literal["callback", "http", "human", "default"]
@@ -232,6 +239,22 @@ def token_versions(spans: list[list[int]], version: int, n: int) -> list[int]:
     return out[:n]
 
 
+class ProcessEnd(msgspec.Struct, kw_only=True):
+    """How one process of a task episode ended (its agent, its verifier)."""
+
+    exit_code: int | None = None  # None: killed at its timeout, or never started
+    timed_out: bool = False
+    seconds: float = 0.0
+    output: str = ""  # the tail of what it printed (stdout and stderr together)
+
+
+class TaskRun(msgspec.Struct, kw_only=True):
+    """A task episode's processes (adapters/tasks): the agent, then the verifier that gave its reward."""
+
+    agent: ProcessEnd | None = None
+    verifier: ProcessEnd | None = None
+
+
 class Trajectory(Record, tag="trajectory"):
     """One session: the steps of one agent run, its rewards and how it ended."""
 
@@ -261,6 +284,8 @@ class Trajectory(Record, tag="trajectory"):
     # reward name (trajectory or step level) -> what made it, when its giver said (a judge: model, prompt and
     # rubric hashes, scale, samples)
     reward_provenance: dict[str, Provenance] = {}
+    infra_cause: InfraCause | None = None  # v9: with status infra_error, why (the reason is ``error``)
+    task_run: TaskRun | None = None  # v9: a task episode's agent and verifier, as they ended
 
     @property
     def reward(self) -> float:

@@ -88,6 +88,18 @@ if ! .venv/bin/python -c "import sys, steptap.middleware as m; sys.exit('site-pa
   say "back to the editable install"
   run "${pip[@]}" install --no-deps -e .
 fi
+# The task runner's local sandbox is bubblewrap (docs/tasks.md; its unit tests run in every lane): Debian's
+# package, installed the way Chromium is below.
+if ! [ -x /usr/bin/bwrap ] && ! command -v bwrap >/dev/null; then
+  apt=(apt-get); [ "$(id -u)" = 0 ] || apt=(sudo -n apt-get)
+  if "${apt[@]}" install -y bubblewrap >>"$log" 2>&1; then
+    say "installed bubblewrap"
+  else
+    say "could not install bubblewrap (apt-get install -y bubblewrap as root): the task sandbox tests will fail"\
+        " under CI"
+  fi
+fi
+done_part "bubblewrap checked"
 if [ "$MODE" = unit ]; then
   say "done in $((SECONDS - t0)) s (the unit lane: no vLLM, no browser, no agent CLI)"
   exit 0

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
-from steptap.adapters.env.runner import DatasetRunner, Episode, RunConfig, Tally
+from steptap.adapters.env.runner import DatasetRunner, RunConfig, Tally
 from steptap.adapters.judge import add_judge_flags, judge_from_args
+from steptap.adapters.progress import Progress
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 
@@ -84,36 +85,6 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     forget_control_token()  # read: no environment, tool or grader started from here inherits it
 
 
-class _Progress:
-    """A tqdm bar on stderr when tqdm is installed, else a line per finished group's worth of episodes."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.count = total, 0
-        self.rewards: list[float] = []
-        try:
-            from tqdm import tqdm
-
-            self.bar: Any = tqdm(total=total, desc=desc, unit="ep", file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            self.bar = None
-
-    def __call__(self, ep: Episode) -> None:
-        self.count += 1
-        if ep.reward is not None:
-            self.rewards.append(ep.reward)
-        recent = self.rewards[-64:]
-        mean = sum(recent) / len(recent) if recent else float("nan")
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{mean:.3f}", refresh=False)
-            self.bar.update(1)
-        elif self.count % 16 == 0 or self.count == self.total:
-            print(f"{self.count}/{self.total} episodes, mean reward {mean:.3f}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _load(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any]:
     try:
         rows = read_rows(args.data)
@@ -124,8 +95,8 @@ def _load(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Any]:
 
 def _run(rows: list[Any], cfg: RunConfig, desc: str) -> Tally:
     runner = DatasetRunner(rows, cfg)
-    progress = _Progress(len(runner.todo()) * cfg.n, desc)
-    runner.on_episode = progress
+    progress = Progress(len(runner.todo()) * cfg.n, desc)
+    runner.on_episode = lambda ep: progress.update(ep.reward)
     try:
         asyncio.run(runner.run())
     finally:

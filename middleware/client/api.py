@@ -92,13 +92,18 @@ def _reward_body(value: float, name: str | None, step: int | str | None,
 
 
 def _finish_body(reward: float | str | None, status: str, deadline_s: float | None = None,
-                 on_deadline: str | float | None = None, error: str | None = None) -> dict[str, Any]:
+                 on_deadline: str | float | None = None, error: str | None = None,
+                 infra_cause: str | None = None, task_run: Any = None) -> dict[str, Any]:
     """``reward="pending"``: held off the stream until its reward arrives or ``deadline_s`` passes
-    (``on_deadline``: "drop" or a reward value; docs/sessions.md); ``error``: why it ended so (kept on the
-    trajectory, cut to 2000 characters)."""
+    (``on_deadline``: "drop" or a reward value; docs/sessions.md); ``error``: why it ended so (kept, cut to
+    2000 characters). ``status="infra_error"`` with ``error`` (the reason) and ``infra_cause``: an
+    infrastructure failure, never trained (docs/tasks.md); ``task_run`` (a ``records.TaskRun``): how a task
+    episode's agent and verifier ended."""
     body: dict[str, Any] = {"status": status}
     for k, v in (("reward", reward), ("deadline_s", deadline_s), ("on_deadline", on_deadline),
-                 ("error", None if error is None else error[:2000])):
+                 ("error", None if error is None else error[:2000]), ("infra_cause", infra_cause)):
         if v is not None:
             body[k] = v
+    if task_run is not None:
+        body["task_run"] = msgspec.to_builtins(task_run)
     return body

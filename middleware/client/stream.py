@@ -208,9 +208,13 @@ class SteptapClient:
 
     async def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
                      status: str = "finished", deadline_s: float | None = None,
-                     on_deadline: Literal["drop"] | float | None = None, error: str | None = None) -> None:
-        await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
-                            _finish_body(reward, status, deadline_s, on_deadline, error))
+                     on_deadline: Literal["drop"] | float | None = None, error: str | None = None,
+                     infra_cause: str | None = None, task_run: Any = None) -> dict[str, Any]:
+        """Close the session; the proxy's answer (id, status, steps, rewards, reward, error, infra_cause)."""
+        raw = await self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
+                                 _finish_body(reward, status, deadline_s, on_deadline, error, infra_cause,
+                                              task_run))
+        return dict(msgspec.json.decode(raw))
 
     async def get_session(self, session_id: str) -> Trajectory:
         body = await self._request("GET", f"/sessions/{quote(session_id, safe='')}")

@@ -136,9 +136,13 @@ class SyncSteptapClient:
 
     def finish(self, session_id: str, *, reward: float | Literal["pending"] | None = None,
                status: str = "finished", deadline_s: float | None = None,
-               on_deadline: Literal["drop"] | float | None = None, error: str | None = None) -> None:
-        self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
-                      _finish_body(reward, status, deadline_s, on_deadline, error))
+               on_deadline: Literal["drop"] | float | None = None, error: str | None = None,
+               infra_cause: str | None = None, task_run: Any = None) -> dict[str, Any]:
+        """Close the session; the proxy's answer (id, status, steps, rewards, reward, error, infra_cause)."""
+        raw = self._request("POST", f"/sessions/{quote(session_id, safe='')}/finish",
+                           _finish_body(reward, status, deadline_s, on_deadline, error, infra_cause,
+                                              task_run))
+        return dict(json.loads(raw))
 
     def get_session(self, session_id: str) -> Trajectory:
         return trajectory_json_decoder.decode(self._request("GET", f"/sessions/{quote(session_id, safe='')}"))

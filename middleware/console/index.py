@@ -30,6 +30,8 @@ from steptap.middleware.records import (
 logger = logging.getLogger("steptap.console")
 
 MAX_METADATA_CHARS = 2000  # a summary's metadata, as JSON, for listing and search (the viewer shows it all)
+MAX_TASKS = 10_000  # the solve grid's tasks (each a few counters per policy version); the oldest go first
+SOLVED_AT = 1.0  # a task episode solved it with a reward of at least this (steptap tasks' default threshold)
 
 
 class Summary(msgspec.Struct, kw_only=True):
@@ -47,6 +49,18 @@ class Summary(msgspec.Struct, kw_only=True):
     metadata: str  # JSON, cut at MAX_METADATA_CHARS
     error: str | None = None
     anonymous: bool = False
+    task: tuple[str, str, str] | None = None  # a task episode's (dataset, name, hash): metadata["task"]
+    infra_cause: str | None = None
+
+
+def task_of(metadata: dict[str, Any]) -> tuple[str, str, str] | None:
+    """A task episode's identity from its metadata (``steptap tasks``), or None for any other session."""
+    task = metadata.get("task")
+    if isinstance(task, dict):
+        parts = tuple(task.get(k) for k in ("dataset", "name", "hash"))
+        if all(isinstance(p, str) and len(p) <= 256 for p in parts):
+            return parts  # type: ignore[return-value]
+    return None
 
 
 def summarize(traj: Trajectory, at: str, version: int) -> Summary:
@@ -55,7 +69,8 @@ def summarize(traj: Trajectory, at: str, version: int) -> Summary:
                    reward=traj.reward, rewards=dict(traj.rewards),
                    steps=len(traj.step_refs) or len(traj.steps),
                    version=version, created_at=traj.created_at, finished_at=traj.finished_at,
-                   metadata=meta[:MAX_METADATA_CHARS], error=traj.error, anonymous=traj.anonymous)
+                   metadata=meta[:MAX_METADATA_CHARS], error=traj.error, anonymous=traj.anonymous,
+                   task=task_of(traj.metadata), infra_cause=traj.infra_cause)
 
 
 class RunIndex:
@@ -67,6 +82,8 @@ class RunIndex:
         self.marks: OrderedDict[str, list[Curation]] = OrderedDict()
         # mode -> version -> [reward sum, count]: the curves (kept for every trajectory, evicted or not)
         self.by_version: dict[str, dict[int, list[float]]] = {"train": {}, "eval": {}}
+        # (mode, dataset, name, hash) -> version -> [episodes, solved, infrastructure errors]: the solve grid
+        self.tasks: OrderedDict[tuple[str, str, str, str], dict[int, list[int]]] = OrderedDict()
         self.finished = 0
         self.swaps: deque[dict[str, Any]] = deque(maxlen=100)  # version, at (and pause times, seen live)
 
@@ -122,6 +139,22 @@ class RunIndex:
             cell = self.by_version[summary.mode].setdefault(summary.version, [0.0, 0])
             cell[0] += summary.reward
             cell[1] += 1
+        if summary.task is not None and summary.status in ("finished", "infra_error"):
+            self._add_episode(summary)
+
+    def _add_episode(self, s: Summary) -> None:
+        assert s.task is not None
+        key = (s.mode, *s.task)
+        versions = self.tasks.setdefault(key, {})
+        self.tasks.move_to_end(key)
+        while len(self.tasks) > MAX_TASKS:
+            self.tasks.popitem(last=False)
+        cell = versions.setdefault(s.version, [0, 0, 0])
+        if s.status == "infra_error":  # not an attempt: counted apart, never as a failure
+            cell[2] += 1
+        else:
+            cell[0] += 1
+            cell[1] += s.reward >= SOLVED_AT
 
     def room_for_mark(self, tid: str) -> bool:
         return len(self.marks.get(tid, ())) < MAX_MARKS_PER_TRAJECTORY
@@ -137,6 +170,15 @@ class RunIndex:
 
     def state(self, tid: str) -> CurationState:
         return fold(self.marks.get(tid, []))
+
+    def task_grid(self) -> dict[str, Any]:
+        """The solve grid: each task's episodes, solved ones and infrastructure errors per policy version."""
+        rows = [{"mode": mode, "dataset": dataset, "name": name, "hash": hash_,
+                 "versions": {str(v): {"episodes": n, "solved": ok, "infra_errors": bad}
+                              for v, (n, ok, bad) in sorted(versions.items())}}
+                for (mode, dataset, name, hash_), versions in sorted(self.tasks.items())]
+        versions = sorted({v for versions in self.tasks.values() for v in versions})
+        return {"tasks": rows, "versions": versions, "solved_at": SOLVED_AT}
 
     def curve(self, mode: str) -> list[dict[str, float]]:
         """Mean reward per policy version, in version order."""

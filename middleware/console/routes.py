@@ -188,6 +188,12 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
     return traj
 
 
+async def tasks(request: web.Request) -> web.Response:
+    """The task solve grid (``steptap tasks`` episodes, by their metadata's task identity)."""
+    require_view(request)
+    return _json(request.app[INDEX_KEY].task_grid())
+
+
 async def trajectory(request: web.Request) -> web.Response:
     require_view(request)
     sid = request.app[SESSIONS_KEY].canonical_id(request.match_info["session_id"])
@@ -280,6 +286,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/console/api/codes", mint_code)
     r.add_get("/console/api/summary", summary)
     r.add_get("/console/api/sessions", sessions)
+    r.add_get("/console/api/tasks", tasks)
     r.add_get("/console/api/sessions/{session_id}", trajectory)
     r.add_post("/console/api/sessions/{session_id}/curation", curate)
     r.add_post("/console/api/sessions/{session_id}/rewards", rate)

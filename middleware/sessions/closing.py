@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -19,7 +20,9 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.records import (
     INFRA_FAILURE,
     Held,
+    InfraCause,
     StepRef,
+    TaskRun,
     Trajectory,
     TrajectoryStatus,
 )
@@ -43,6 +46,15 @@ logger = logging.getLogger("steptap.sessions")
 RECENT_KEEP = 128
 
 
+@dataclass(frozen=True)
+class Ended:
+    """How a finished session's run ended besides its reward (a task episode's, docs/tasks.md)."""
+
+    error: str | None = None  # the reason (an infrastructure error's, an aborted run's)
+    infra_cause: InfraCause | None = None  # with status infra_error
+    task_run: TaskRun | None = None
+
+
 class Closing:
     """``SessionManager``'s closing of sessions."""
 
@@ -64,18 +76,18 @@ class Closing:
 
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None,
-        hold: tuple[float, OnDeadline] | None = None, error: str | None = None,
+        hold: tuple[float, OnDeadline] | None = None, ended: Ended | None = None,
     ) -> Trajectory:
         """Close the session; ``hold`` (its reward pending: the deadline as unix seconds, what the deadline
-        does) writes a ``Held`` record instead of the streamed one (holding.py); ``error``: why it ended so
-        (kept on the trajectory)."""
+        does) writes a ``Held`` record instead of the streamed one (holding.py); ``ended`` is how a task
+        episode ended (its reason, infrastructure cause, agent and verifier)."""
         async with session.lock:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
             if hold is not None:
                 self.check_hold()
             return await self._close_locked(session, status, None if reward is None else {"reward": reward},
-                                            hold, error)
+                                            hold, ended)
 
     async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
@@ -83,15 +95,16 @@ class Closing:
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
                             rewards: dict[str, float] | None = None,
-                            hold: tuple[float, OnDeadline] | None = None, error: str | None = None
-                            ) -> Trajectory:
+                            hold: tuple[float, OnDeadline] | None = None,
+                            ended: Ended | None = None) -> Trajectory:
         """Close: no new call, wait (bounded) for the calls in flight so their steps are in the trajectory,
         then one durable Trajectory record. A record the log refuses (degraded: 503) leaves the session as it
         was, open, so the finish can be retried; ``rewards`` (the finish's own) are applied only with the
         record."""
         session.closing = True
         traj = session.trajectory
-        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources), dict(traj.reward_provenance))
+        before = (dict(traj.rewards), traj.error, dict(traj.reward_sources), dict(traj.reward_provenance),
+                  traj.infra_cause, traj.task_run)
         try:
             self.log.ensure_writable()  # a 503 before anything changes
             if session.inflight:
@@ -100,12 +113,16 @@ class Closing:
                     await asyncio.wait_for(session.drained.wait(), self.config.finish_drain_timeout_s)
             traj.rewards.update(rewards or {})
             traj.reward_sources.update(dict.fromkeys(rewards or {}, "http"))
-            if error is not None:
-                traj.error = error
-            # The callback sees full steps, built as it reads them (they share their rewards with traj's)
-            unavailable = self.reward_fn is not None and await self._callback_reward(session, traj)
+            if ended is not None:
+                traj.error = ended.error if ended.error is not None else traj.error
+                traj.infra_cause, traj.task_run = ended.infra_cause, ended.task_run
+            # The callback sees full steps, built as it reads them (they share their rewards with traj's); an
+            # infrastructure error has no reward to compute
+            unavailable = (self.reward_fn is not None and status != "infra_error"
+                           and await self._callback_reward(session, traj))
             if unavailable and status == "finished" and hold is None:
-                status = INFRA_FAILURE  # no reward could be made: never trained as a reward of 0
+                # no reward could be made: never trained as a reward of 0
+                status, traj.infra_cause = INFRA_FAILURE, "reward_unavailable"
             session.sealed = True
             self._finalize(traj, status)
             record = await self._closing_record(session)
@@ -114,7 +131,8 @@ class Closing:
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
-            traj.rewards, traj.error, traj.reward_sources, traj.reward_provenance = before
+            (traj.rewards, traj.error, traj.reward_sources, traj.reward_provenance, traj.infra_cause,
+             traj.task_run) = before
             raise
         self._closed(session, held)
         return traj
@@ -162,6 +180,8 @@ class Closing:
         """Bookkeeping once the Trajectory (or Held) record is durable."""
         traj = session.trajectory
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
+        if traj.status == "infra_error":
+            self.metrics.child(self.metrics.infra_errors, traj.infra_cause or "other").inc()
         if held is not None:
             self._held(held)
         elif traj.rewards:

@@ -15,7 +15,8 @@ from steptap.middleware.auth import require_control
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import SessionEvicted, SessionNotFound
-from steptap.middleware.records import Mode, TrainOn, json_encoder, to_builtins
+from steptap.middleware.records import InfraCause, Mode, TaskRun, TrainOn, json_encoder, to_builtins
+from steptap.middleware.sessions.closing import Ended
 from steptap.middleware.sessions.identity import valid_session_id
 from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.rewards import finite
@@ -63,15 +64,22 @@ class RewardBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     provenance: ProvenanceBody = {}  # what made it (a judge: model, prompt and rubric hashes), kept by name
 
 
+MAX_ERROR = 2000  # characters of a finish's reason
+MAX_OUTPUT = 16384  # characters of a task process's output tail
+
+
 class FinishBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "pending": the trajectory is held off the stream until its reward arrives or the deadline passes
     reward: float | Literal["pending"] | None = None
-    status: Literal["finished", "aborted"] = "finished"
+    # "infra_error": it failed for a reason that is not the agent's (docs/tasks.md): no reward, never trained
+    status: Literal["finished", "aborted", "infra_error"] = "finished"
     deadline_s: float | None = None  # with "pending": seconds from now (default: --reward-deadline-s)
     on_deadline: Literal["drop"] | float = "drop"  # with "pending": drop it, or release it with this reward
-    # why it ended as it did (an aborted session: the judge that failed, the grader that crashed), kept on the
-    # trajectory
-    error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+    # why it ended as it did (an aborted session: the judge that failed, the grader that crashed; an
+    # infra_error's reason), kept on the trajectory
+    error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR)] | None = None
+    infra_cause: InfraCause | None = None  # with infra_error (default "other")
+    task_run: TaskRun | None = None  # a task episode's agent and verifier, as they ended
 
 
 def _decode(raw: bytes, type_: type[Any], empty_ok: bool = False) -> Any:
@@ -199,13 +207,35 @@ async def finish_session(request: web.Request) -> web.Response:
             reward = finite(body.reward)
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
-    traj = await manager.finish(session, body.status, reward, hold, error=body.error)
+    traj = await manager.finish(session, body.status, reward, hold, _ended(body))
     data = {"id": traj.id, "status": traj.status, "steps": len(traj.steps), "rewards": traj.rewards,
-            "reward": traj.reward, "error": traj.error}
+            "reward": traj.reward, "error": traj.error, "infra_cause": traj.infra_cause}
     pending = manager.pending_state(traj.id)
     if pending is not None:
         data["reward_pending"] = pending
     return _json(data)
+
+
+def _ended(body: FinishBody) -> Ended | None:
+    """A finish's reason, infrastructure cause and task run, checked; None when it gives none."""
+    if body.status == "infra_error":
+        if body.reward is not None:
+            raise ApiError(400, "an infrastructure error has no reward (it is never trained)", "invalid_body")
+        if not body.error:
+            raise ApiError(400, 'status "infra_error" needs its reason in "error"', "invalid_body")
+    elif body.infra_cause is not None:
+        raise ApiError(400, 'infra_cause goes with "status": "infra_error"', "invalid_body")
+    elif body.error is not None and body.status == "finished":
+        raise ApiError(400, 'error goes with "status": "aborted" or "infra_error"', "invalid_body")
+    run = body.task_run
+    for end in (run.agent, run.verifier) if run is not None else ():
+        if end is not None and len(end.output) > MAX_OUTPUT:
+            raise ApiError(400, f"a task process's output is at most {MAX_OUTPUT} characters (its tail)",
+                           "invalid_body")
+    if body.error is None and run is None:
+        return None
+    cause = (body.infra_cause or "other") if body.status == "infra_error" else None
+    return Ended(error=body.error, infra_cause=cause, task_run=run)
 
 
 def _hold(body: FinishBody, manager: SessionManager) -> tuple[float, float | Literal["drop"]] | None:

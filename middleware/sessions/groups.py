@@ -72,7 +72,8 @@ class Groups:
             return
         group = self.groups[traj.group_id]
         group.members[traj.id] = traj.status
-        closed = sum(1 for s in group.members.values() if s != "running")
+        # an infrastructure error is no member: the runner runs the episode again in its place (docs/tasks.md)
+        closed = sum(1 for s in group.members.values() if s not in ("running", "infra_error"))
         if group.complete is None and group.size is not None and closed >= group.size:
             self._complete(group, "full")
 

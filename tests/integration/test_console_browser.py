@@ -5,7 +5,7 @@ The page logs in with a one-time link, draws a reward point per policy version (
 opens a trajectory and shows its token ids; an ``exclude`` click keeps that trajectory out of the next update
 (the learner's metrics say so); a session finished with its reward pending is listed as pending, rated in the
 page, and the learner trains it with that rating; script tags an agent sent in a message and in tool arguments
-show as text.
+show as text; a task episode is counted in the solve grid and shows its verifier's output.
 """
 
 from __future__ import annotations
@@ -172,6 +172,22 @@ async def test_the_console_in_a_browser(browser, swap_vllm, make_proxy, http: ai
     assert any(json.loads(XSS_ARGS)["q"] in text for text in shown)  # the tool call, as JSON text
     assert not css("#steps script") and not css("#steps img")
     assert browser.execute_script("return window.__xss === undefined")
+
+    # A task episode (steptap tasks, after the learner is done): the solve grid counts it by its task and
+    # version, and its verifier's output shows beside its steps, as text
+    task = {"dataset": "suite", "name": "answer", "hash": "0123456789abcdef"}
+    async with http.post(proxy.url + "/sessions", json={"id": "task-0", "metadata": {"task": task}},
+                         headers=proxy.control) as r:
+        assert r.status == 201
+    run = {"verifier": {"exit_code": 0, "seconds": 0.5, "output": "1 passed <b>in 0.01s</b>"}}
+    async with http.post(proxy.url + "/sessions/task-0/finish", json={"reward": 1.0, "task_run": run},
+                         headers=proxy.control) as r:
+        assert r.status == 200
+    await wait_for("the solve grid", lambda: [c.text for c in css("#task-grid td")][:2] == [
+        "suite/answer #01234567", "train"] and css("#task-grid td")[-1].text == "1/1")
+    await wait_for("a click on task-0's row", lambda: click("#session-table tr[data-id='task-0']"))
+    await wait_for("its verifier's output", lambda: [p.text for p in css("#traj-task .verifier-output")] == [
+        "1 passed <b>in 0.01s</b>"])
     shot = os.environ.get("STEPTAP_CONSOLE_SCREENSHOT") or str(tmp_path / "console.png")
     assert browser.save_screenshot(shot)
 

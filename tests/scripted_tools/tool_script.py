@@ -31,7 +31,9 @@ MAX_REPLY_CHARS = 4096  # a filled-in reply is cut here: the processor never fai
 
 # a chain's output (below): steptap-next.AGENT.TOOL.ARG.READ_TOOL.READ_ARG.N
 _NEXT = r"<tool_response>[\s\S]*?steptap-next\.([\w-]+)\.(\w+)\.(\w+)\.(\w+)\.(\w+)\."
+_EPISODE = r"<tool_response>[\s\S]*?steptap-episode\.([\w-]+)\.(\w+)\.(\w+)\."  # a task episode's first call
 _CALL = '<tool_call>\n{"name": "\\2", "arguments": {"\\3": '
+_ANSWER = r'"echo N > /app/answer.txt; echo steptap-ran-\1-$((6*7))"}}' + "\n</tool_call>"
 DEFAULT_RULES = [
     # A judge's prompt (steptap.adapters.judge) whose conversation holds `STEPTAP_JUDGE_SCORE=X` answers
     # `SCORE: X` for the last such marker (the greedy start): a test chooses each score the judge gives
@@ -64,6 +66,11 @@ DEFAULT_RULES = [
     # reach WORD); Codex then sends the objective back as a tool output with no call (docs/protocols.md)
     (r"<tool_response>[\s\S]*?steptap-goal\.(\w+)",
      '<tool_call>\n{"name": "create_goal", "arguments": {"objective": "Reach \\1."}}\n</tool_call>'),
+    # A task episode (tests/integration/test_tasks_agents.py): its first call prints
+    # `steptap-episode.AGENT.TOOL.ARG.K`, K the digits of the sandbox's hostname (episode-K: only a command
+    # that ran prints it); episodes 0 and 1 then write the task's answer, the others a wrong one
+    (_EPISODE + r"([01])\b", _CALL + _ANSWER.replace("N", "42")),
+    (_EPISODE + r"([2-9])\b", _CALL + _ANSWER.replace("N", "41")),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     # a reply with a special token mid-text (the end-of-text token, not the end of the turn): what a client
     # is shown of it (tests/integration/test_special_tokens.py)

@@ -129,6 +129,21 @@ async function overview() {
   $("status").textContent = `updated ${new Date(s.time * 1000).toLocaleTimeString()}`;
 }
 
+// ---- the task solve grid (steptap tasks: docs/tasks.md) --------------------------------------------
+async function taskGrid() {
+  const g = await api("/console/api/tasks");
+  $("tasks").hidden = !g.tasks.length;
+  if (!g.tasks.length) return;
+  $("tasks-note").textContent = `solved: a reward of at least ${g.solved_at}; an infrastructure error is ` +
+    "counted apart, never as a failure";
+  table($("task-grid"), ["task", "mode", ...g.versions.map((v) => `v${v}`)], g.tasks.map((t) =>
+    [`${t.dataset}/${t.name} #${t.hash.slice(0, 8)}`, t.mode, ...g.versions.map((v) => {
+      const c = t.versions[String(v)];
+      if (!c) return "";
+      return `${c.solved}/${c.episodes}` + (c.infra_errors ? ` (+${c.infra_errors} infra)` : "");
+    })]));
+}
+
 // ---- the list ---------------------------------------------------------------------------------------
 async function sessions() {
   const data = await api("/console/api/sessions?" + state.filters);
@@ -202,7 +217,24 @@ async function openTrajectory(id) {
   $("rate").hidden = !t.pending;
   $("traj-pending").textContent = t.pending ? "reward pending until " +
     new Date(t.pending.deadline_at * 1000).toLocaleTimeString() + ` (then ${t.pending.on_deadline})` : "";
+  taskRun(t);
   $("steps").replaceChildren(...t.steps.map((s) => stepNode(s, cur)));
+}
+
+// A task episode's agent and verifier as they ended, beside its steps (their output as text only)
+function taskRun(t) {
+  const run = t.task_run || {};
+  const parts = [];
+  if (t.status === "infra_error") {
+    parts.push(el("div", { class: "error" }, `infrastructure error (${t.infra_cause || "other"}): ${t.error || ""}`));
+  }
+  for (const [name, end] of [["agent", run.agent], ["verifier", run.verifier]]) {
+    if (!end) continue;
+    const how = end.timed_out ? "killed at its timeout" : `exit ${fmt(end.exit_code)}`;
+    parts.push(el("div", { class: "msg-role" }, `${name}: ${how}, ${fmt(end.seconds, 1)} s`),
+      el("pre", { class: `run-output ${name}-output` }, end.output || ""));
+  }
+  $("traj-task").replaceChildren(...parts);
 }
 
 async function mark(body) {
@@ -232,6 +264,7 @@ async function rateOpen() {
 async function refresh() {
   try {
     await overview();
+    await taskGrid();
     await sessions();
   } catch (e) {
     $("status").textContent = String(e.message || e);
