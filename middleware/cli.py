@@ -25,8 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
             "env"),
     "eval": ("steptap.adapters.env.cli:main_eval", "evaluate a dataset as eval sessions: accuracy by version",
              "env"),
-    "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step",
-               "env"),
+    "export": ("steptap.adapters.export:main",
+               "write finished trajectories as parquet (a row per step) or Harbor's RolloutDetail", "env"),
 }
 
 
