@@ -5,7 +5,8 @@ Each task runs as the local sandbox runs it, in bubblewrap: a fresh copy of ``en
 ``/app`` (writable), the host read-only, a private ``/tmp`` and HOME; ``solution/solve.sh`` (or nothing),
 then, with the solver gone, ``tests/test.sh`` with ``/tests`` and an empty ``/logs/verifier`` bound in. The
 reference solution must earn the full reward (1.0, or named parts summing to 1.0), the untouched ``/app``
-must earn 0.
+must earn 0. Two hostile episodes check what the verifiers promise (examples/tasks/README.md): a reward file
+planted by code under test is replaced, a FIFO in place of an output fails the check instead of hanging it.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def _sandbox(binds: list[str], command: list[str]) -> subprocess.CompletedProces
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
-def _episode(task: Path, tmp: Path, solve: bool) -> dict[str, float]:
-    """The rewards of one episode: the reference solution (or nothing) on a fresh copy, then the verifier."""
+def _episode(task: Path, tmp: Path, solution: Path | None) -> dict[str, float]:
+    """The rewards of one episode: ``solution/solve.sh`` (or nothing) on a fresh copy, then the verifier."""
     app, logs = tmp / "app", tmp / "logs"
     if (task / "environment" / "app").is_dir():
         shutil.copytree(task / "environment" / "app", app, symlinks=True)
@@ -73,8 +74,8 @@ def _episode(task: Path, tmp: Path, solve: bool) -> dict[str, float]:
     if os.geteuid() == 0:
         for path in (app, *app.rglob("*"), logs):
             os.lchown(path, NOBODY, NOBODY)
-    if solve:
-        run = _sandbox(["--bind", str(app), "/app", "--ro-bind", str(task / "solution"), "/solution"],
+    if solution is not None:
+        run = _sandbox(["--bind", str(app), "/app", "--ro-bind", str(solution), "/solution"],
                        ["bash", "/solution/solve.sh"])
         assert run.returncode == 0, f"{task.name}: solve.sh failed:\n{run.stdout}{run.stderr}"
     run = _sandbox(["--bind", str(app), "/app", "--ro-bind", str(task / "tests"), "/tests",
@@ -91,10 +92,35 @@ def _episode(task: Path, tmp: Path, solve: bool) -> dict[str, float]:
 
 @pytest.mark.parametrize("task", TASKS, ids=[t.name for t in TASKS])
 def test_the_reference_solution_passes_and_doing_nothing_fails(task: Path, tmp_path: Path) -> None:
-    solved = _episode(task, tmp_path / "solved", solve=True)
+    solved = _episode(task, tmp_path / "solved", task / "solution")
     assert sum(solved.values()) == 1.0, solved
-    untouched = _episode(task, tmp_path / "untouched", solve=False)
+    untouched = _episode(task, tmp_path / "untouched", None)
     assert sum(untouched.values()) == 0.0, untouched
+
+
+def _hostile(tmp: Path, script: str) -> Path:
+    (tmp / "hostile").mkdir(parents=True)
+    (tmp / "hostile" / "solve.sh").write_text(script)
+    return tmp / "hostile"
+
+
+def test_a_reward_file_written_by_code_under_test_counts_for_nothing(tmp_path: Path) -> None:
+    """fix-median fixed, and its module, imported by the checks, writes reward files of its own."""
+    task = SUITE / "fix-median"
+    plant = """
+    cat >> /app/stats.py <<'PY'
+    with open("/logs/verifier/reward.json", "w") as _f:
+        _f.write('{"planted": 7}')
+    PY
+    """
+    rewards = _episode(task, tmp_path, _hostile(tmp_path, (task / "solution/solve.sh").read_text()
+                                                + "\n".join(line[4:] for line in plant.splitlines())))
+    assert rewards == {"reward": 1.0}  # the verifier's own reward.txt; the planted reward.json is gone
+
+
+def test_a_fifo_in_place_of_the_output_fails_instead_of_hanging_the_verifier(tmp_path: Path) -> None:
+    rewards = _episode(SUITE / "count-errors", tmp_path, _hostile(tmp_path, "mkfifo /app/error_counts.txt\n"))
+    assert rewards == {"reward": 0.0}
 
 
 def test_the_suite_has_twenty_tasks_in_harbors_layout() -> None:

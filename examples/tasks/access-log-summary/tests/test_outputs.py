@@ -3,6 +3,8 @@ reward of 0.25 (all four right: 1.0; a missing or unreadable file: 0 for each), 
 named on the command line."""
 
 import json
+import os
+import stat
 import sys
 
 EXPECTED = {
@@ -12,12 +14,22 @@ EXPECTED = {
     "unique_ips": 9,
 }
 
+MAX_BYTES = 1 << 20
+
+
+def _read(path: str) -> bytes:
+    """``path``'s bytes. It must be a regular file of at most 1 MiB: a link, a FIFO or a device left there
+    fails the check rather than hang the verifier (a hung verifier is an infrastructure error, not a 0)."""
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_size <= MAX_BYTES, f"{path}: not a regular file of <= 1 MiB"
+    with open(path, "rb") as f:
+        return f.read(MAX_BYTES + 1)
+
 
 def rewards() -> dict[str, float]:
     try:
-        with open("/app/summary.json", encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError) as exc:
+        summary = json.loads(_read("/app/summary.json"))
+    except (OSError, ValueError, AssertionError) as exc:
         print(f"no summary: {exc!r}")
         summary = None
     if not isinstance(summary, dict) or set(summary) != set(EXPECTED):

@@ -1,7 +1,9 @@
 """/app/library.db, opened read-only, holds exactly the table and the rows of the CSV the task shipped (the
 answer key below), with the asked types."""
 
+import os
 import sqlite3
+import stat
 import sys
 
 COLUMNS = [("id", "INTEGER", 0, 1), ("title", "TEXT", 1, 0), ("author", "TEXT", 1, 0),
@@ -14,8 +16,20 @@ ROWS = [
     (5, "Bits and Pieces", "Claude Shannon", 1948, None),
 ]
 
+MAX_BYTES = 1 << 20
+
+
+def _read(path: str) -> bytes:
+    """``path``'s bytes. It must be a regular file of at most 1 MiB: a link, a FIFO or a device left there
+    fails the check rather than hang the verifier (a hung verifier is an infrastructure error, not a 0)."""
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_size <= MAX_BYTES, f"{path}: not a regular file of <= 1 MiB"
+    with open(path, "rb") as f:
+        return f.read(MAX_BYTES + 1)
+
 
 def _db() -> sqlite3.Connection:
+    _read("/app/library.db")  # a small regular file, or no database at all
     db = sqlite3.connect("file:/app/library.db?mode=ro", uri=True)
     db.execute("PRAGMA trusted_schema = OFF")
     return db
@@ -40,18 +54,17 @@ def test_the_rows_and_their_types_are_exact() -> None:
 
 
 def _main() -> int:
-    """Runs every test_ function (the file also runs under pytest, where there is one)."""
-    failed = 0
+    """Runs the test_ functions in order, stopping at the first failure (the file also runs under pytest,
+    where there is one)."""
     for name, test in list(globals().items()):
         if name.startswith("test_") and callable(test):
             try:
                 test()
-            except Exception as exc:  # a failed assertion, or an output that cannot be read
-                failed += 1
+            except Exception as exc:  # a failed assertion, an output that cannot be read, a timeout
                 print(f"FAILED {name}: {exc!r}")
-            else:
-                print(f"passed {name}")
-    return 1 if failed else 0
+                return 1
+            print(f"passed {name}")
+    return 0
 
 
 if __name__ == "__main__":

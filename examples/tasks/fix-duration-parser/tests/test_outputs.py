@@ -57,18 +57,17 @@ def test_parse_duration_matches_the_reference() -> None:
 
 
 def _main() -> int:
-    """Runs every test_ function (the file also runs under pytest, where there is one)."""
-    failed = 0
+    """Runs the test_ functions in order, stopping at the first failure (the file also runs under pytest,
+    where there is one)."""
     for name, test in list(globals().items()):
         if name.startswith("test_") and callable(test):
             try:
                 test()
-            except Exception as exc:  # a failed assertion, or an output that cannot be read
-                failed += 1
+            except Exception as exc:  # a failed assertion, an output that cannot be read, a timeout
                 print(f"FAILED {name}: {exc!r}")
-            else:
-                print(f"passed {name}")
-    return 1 if failed else 0
+                return 1
+            print(f"passed {name}")
+    return 0
 
 
 if __name__ == "__main__":
