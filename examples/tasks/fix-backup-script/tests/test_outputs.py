@@ -68,7 +68,7 @@ def test_a_source_without_txt_files_gives_an_empty_dest() -> None:
         with open(os.path.join(src, "readme.md"), "w", encoding="utf-8") as f:
             f.write("no text files here\n")
         run = _run(src, dest)
-        assert run.returncode == 0, run.stderr
+        assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
         assert os.path.isdir(dest) and os.listdir(dest) == []
 
 
