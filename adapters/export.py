@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("train", "eval"), help="only trajectories of this mode")
     p.add_argument("--rows-per-file", type=int, default=100_000, help="rows per parquet part")
     p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
-                   "tokenizer and chat template hashes go in every row and OUT/_provenance.json")
+                   "tokenizer and chat template hashes go in every row (or line) and, for parquet, "
+                   "OUT/_provenance.json")
     p.add_argument("--overwrite", action="store_true", help="replace the export files --out holds")
     p.add_argument("--images-dir", help="also write the bytes of each image a step names, once, as "
                    "IMAGES_DIR/<sha256> (the rows' images column and messages name them)")
