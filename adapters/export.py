@@ -1,23 +1,14 @@
-"""``steptap export``: finished trajectories as parquet, one row per step.
+"""``steptap export``: finished trajectories as parquet, one row per step, or as Harbor's RolloutDetail.
 
     steptap export --log runs/up-x/log --out data/steps            # a log directory or fsspec URL, no proxy
     steptap export --proxy http://127.0.0.1:8400 --out data/steps  # through a running proxy's stream
+    steptap export --log runs/up-x/log --format rollout-detail --out data/harbor
 
-Writes ``OUT/part-00000.parquet``, ``part-00001.parquet``, ... (a new file every ``--rows-per-file`` rows),
-readable by ``pyarrow.parquet.read_table(OUT)`` and ``datasets.load_dataset("parquet", data_dir=OUT)``. Each
-row holds the step's exact token ids and logprobs, its rewards, the policy version that sampled it (and where
-a swap switched it: ``version_spans``), and its trajectory's id, group, mode, status, rewards, where each
-reward came from (``reward_sources``: callback, http, human, default) and what made it, by name, when its
-giver said (``reward_provenance``: a judge's model, prompt and rubric hashes), the ratings given after it was
-streamed (``late_rewards``, from ``--log`` only: the stream carries no reward records) and metadata; nested
-objects are JSON strings so every file has one fixed schema (``schema()``). Provenance: with ``--model-dir``
-(the model the run started from), every row and ``OUT/_provenance.json`` name its weights, tokenizer and chat
-template by hash (``model_files.provenance``; a leading ``_`` keeps it out of parquet readers). Curation
-(middleware/curation.py) is applied as the learner applies it: the trajectories and steps the marks exclude
-are left out (``--keep-excluded``: kept, ``curation_excluded`` set), ``curated_reward`` /
-``curated_step_reward`` hold the edited rewards beside the recorded ones, ``curation_tags`` the tags; the
-marks come from the log (``--log``) or the proxy's lookup (``--proxy``). Nothing is acknowledged on the
-proxy's stream. pyarrow is imported lazily (``pip install 'steptap[env]'``).
+The command: where trajectories come from and which format writes them. ``--format parquet`` (the default,
+adapters/export_parquet.py) writes ``OUT/part-NNNNN.parquet``, one row per step; ``--format rollout-detail``
+(adapters/rollout_detail.py) writes ``OUT/rollout_details.jsonl``, one trajectory a line in Harbor's shapes.
+Either way curation (middleware/curation.py) is applied as the learner applies it, the marks coming from the
+log (``--log``) or the proxy's lookup (``--proxy``), and nothing is acknowledged on the proxy's stream.
 """
 
 from __future__ import annotations
@@ -27,281 +18,43 @@ import asyncio
 import json
 import os
 import re
-import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
+from steptap.adapters.export_parquet import PartWriter
+from steptap.adapters.rollout_detail import FILE_NAME, RolloutWriter
 from steptap.middleware.client import TOKEN_ENV, SteptapClient, SyncSteptapClient
 from steptap.middleware.client.curation import lookup
-from steptap.middleware.curation import CurationState, edit_rewards, fold
-from steptap.middleware.delta import full_trajectory
-from steptap.middleware.files import FILE_MODE, atomic_write, makedirs
+from steptap.middleware.curation import fold
 from steptap.middleware.model_files import provenance
-from steptap.middleware.records import RewardAdded, Trajectory
+from steptap.middleware.records import Trajectory
 
 CONSUMER = "steptap-export"  # the stream consumer name; never acknowledged
 LOOKUP_BATCH = 64  # trajectories held from the stream while their curation marks are asked for
 LOOKUP_PATIENCE_S = 60.0  # a proxy that cannot answer a lookup (restarting) is asked again this long
+FORMATS = ("parquet", "rollout-detail")
 
 
-def _pa() -> Any:
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError as exc:
-        raise ImportError("steptap export needs pyarrow: pip install 'steptap[env]'") from exc
-    return pyarrow
+def make_writer(fmt: str, out: str | Path, **kw: Any) -> PartWriter | RolloutWriter:
+    """The writer of ``fmt`` (``FORMATS``): parquet parts, or Harbor's shapes."""
+    return RolloutWriter(out, **kw) if fmt == "rollout-detail" else PartWriter(out, **kw)
 
 
-def schema() -> Any:
-    pa = _pa()
-    return pa.schema(
-        [
-            ("trajectory_id", pa.string()),
-            ("group_id", pa.string()),
-            ("group_size", pa.int64()),
-            ("mode", pa.string()),
-            ("trajectory_status", pa.string()),
-            ("trajectory_reward", pa.float64()),
-            ("trajectory_rewards", pa.string()),
-            ("metadata", pa.string()),
-            ("num_steps", pa.int64()),
-            ("step_index", pa.int64()),
-            ("choice", pa.int64()),
-            ("policy_version", pa.int64()),
-            ("model", pa.string()),
-            ("served_model", pa.string()),
-            ("endpoint", pa.string()),
-            ("status", pa.string()),
-            ("prefix", pa.string()),
-            ("finish_reason", pa.string()),
-            ("prompt_token_ids", pa.list_(pa.int32())),
-            ("response_token_ids", pa.list_(pa.int32())),
-            ("response_logprobs", pa.list_(pa.float64())),
-            ("step_reward", pa.float64()),
-            ("step_rewards", pa.string()),
-            ("temperature", pa.float64()),
-            ("top_p", pa.float64()),
-            ("top_k", pa.int64()),
-            ("max_tokens", pa.int64()),
-            ("messages", pa.string()),
-            ("response", pa.string()),
-            ("started_at", pa.float64()),
-            ("latency_s", pa.float64()),
-            ("prompt_tokens", pa.int64()),
-            ("completion_tokens", pa.int64()),
-            ("version_spans", pa.string()),
-            ("reward_sources", pa.string()),
-            ("reward_provenance", pa.string()),
-            ("late_rewards", pa.string()),
-            ("model_hash", pa.string()),
-            ("tokenizer_hash", pa.string()),
-            ("chat_template_hash", pa.string()),
-            ("curation_excluded", pa.bool_()),
-            ("curation_tags", pa.list_(pa.string())),
-            ("curation", pa.string()),
-            ("curated_reward", pa.float64()),
-            ("curated_step_reward", pa.float64()),
-            ("images", pa.string()),
-        ]
-    )
-
-PROVENANCE_KEYS = ("model_hash", "tokenizer_hash", "chat_template_hash")
+def existing_output(fmt: str, out: Path) -> list[Path]:
+    """What an export of ``fmt`` into ``out`` would replace."""
+    if not out.is_dir():
+        return []
+    if fmt == "rollout-detail":
+        return [out / FILE_NAME] if (out / FILE_NAME).exists() else []
+    return sorted(out.glob("part-*.parquet"))
 
 
-def step_rows(traj: Trajectory, late: list[RewardAdded] | None = None,
-              prov: dict[str, str | None] | None = None, curation: CurationState | None = None,
-              keep_excluded: bool = False) -> Iterator[dict[str, Any]]:
-    """One dict per step of ``traj`` (the columns of ``schema()``): ``late``, its late rewards; ``prov``,
-    the model's hashes; ``curation``, its folded marks: the steps they exclude are left out (with
-    ``keep_excluded``: kept, ``curation_excluded`` set), the ``curated_*`` rewards are the edited ones."""
-    traj = full_trajectory(traj)  # a trajectory holding delta steps gets full rows
-    state = curation or CurationState()
-    edited = edit_rewards(traj, state)  # the same steps, in the same order
-    late_json = json.dumps([{"name": r.name, "value": r.value, "step": r.step, "source": r.source, "at": r.at,
-                             **({"provenance": r.provenance} if r.provenance else {})} for r in late or ()])
-    common = {
-        "trajectory_id": traj.id,
-        "group_id": traj.group_id,
-        "group_size": traj.group_size,
-        "mode": traj.mode,
-        "trajectory_status": traj.status,
-        "trajectory_reward": traj.reward,
-        "trajectory_rewards": json.dumps(traj.rewards),
-        "metadata": json.dumps(traj.metadata, default=str),
-        "num_steps": len(traj.steps),
-        "reward_sources": json.dumps(traj.reward_sources),
-        "reward_provenance": json.dumps(traj.reward_provenance),
-        "late_rewards": late_json,
-        **{k: (prov or {}).get(k) for k in PROVENANCE_KEYS},
-        "curation_tags": state.tags,
-        "curation": json.dumps(msgspec.to_builtins(state)) if state.marks else None,
-        "curated_reward": edited.reward,
-    }
-    for step, curated in zip(traj.steps, edited.steps, strict=True):
-        excluded = state.excluded or step.index in state.excluded_steps
-        if excluded and not keep_excluded:
-            continue
-        request = step.request or {}
-        yield {
-            **common,
-            "curation_excluded": excluded,
-            "curated_step_reward": float(sum(curated.rewards.values())),
-            "step_index": step.index,
-            "choice": step.choice,
-            "policy_version": step.policy_version,
-            "model": step.model,
-            "served_model": step.served_model,
-            "endpoint": step.endpoint,
-            "status": step.status,
-            "prefix": step.prefix,
-            "finish_reason": step.finish_reason,
-            "prompt_token_ids": step.prompt_token_ids,
-            "response_token_ids": step.response_token_ids,
-            "response_logprobs": step.response_logprobs,
-            "step_reward": float(sum(step.rewards.values())),
-            "step_rewards": json.dumps(step.rewards),
-            "temperature": step.sampling.temperature,
-            "top_p": step.sampling.top_p,
-            "top_k": step.sampling.top_k,
-            "max_tokens": step.sampling.max_tokens,
-            "messages": json.dumps(request.get("messages", request.get("prompt")), default=str),
-            "response": json.dumps(step.response, default=str),
-            "started_at": step.started_at,
-            "latency_s": step.latency_s,
-            "prompt_tokens": step.usage.prompt_tokens,
-            "completion_tokens": step.usage.completion_tokens,
-            "version_spans": json.dumps(step.version_spans),
-            # the images its prompt showed the model, in prompt order; the messages name each by its
-            # reference (records.ref_of), the bytes are in --images-dir or the log's image store
-            "images": json.dumps(msgspec.to_builtins(step.images)),
-        }
-
-
-class PartWriter:
-    """Parquet parts under ``out``: row groups of ``batch_rows``, a new file every ``rows_per_file`` rows.
-    Each part is written under a temporary name and renamed when complete."""
-
-    def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000,
-                 late: dict[str, list[RewardAdded]] | None = None,
-                 provenance: dict[str, str | None] | None = None,
-                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False,
-                 images_dir: str | Path | None = None, resolve: Callable[[str], bytes | None] | None = None,
-                 ) -> None:
-        self.pa = _pa()
-        # each image the rows name, written once as IMAGES_DIR/<sha256> (``resolve``: the log's or proxy's)
-        self.images_dir = makedirs(images_dir) if images_dir is not None else None
-        self.resolve = resolve
-        self.images = 0
-        self.images_missing = 0  # named by a step, held by neither the log nor the proxy (compacted)
-        self.late = late or {}
-        self.curation = curation or {}
-        self.keep_excluded = keep_excluded
-        self.provenance = provenance or {}
-        # the provenance also in each file's key-value metadata (readers that drop columns keep it)
-        self.schema = schema().with_metadata({"steptap.provenance": json.dumps(self.provenance)})
-        self.out = makedirs(out)  # new directories 0700: the parts hold prompts and replies
-        self.rows_per_file, self.batch_rows = max(1, rows_per_file), max(1, batch_rows)
-        self.files: list[Path] = []
-        self.rows = 0
-        self.trajectories = 0
-        self.bad_rows = 0  # rows left out: a value no column holds
-        self.excluded_trajectories = 0  # left out: curation excluded them (kept with keep_excluded)
-        self.excluded_steps = 0  # steps of the others left out (or kept) for the same reason
-        self._buf: list[dict[str, Any]] = []
-        self._writer: Any = None
-        self._tmp: Path | None = None
-        self._file: Any = None
-        self._in_file = 0
-
-    def add(self, traj: Trajectory) -> None:
-        state = self.curation.get(traj.id)
-        if state is not None and state.excluded:
-            self.excluded_trajectories += 1
-            if not self.keep_excluded:
-                return
-        elif state is not None:
-            self.excluded_steps += sum(s.index in state.excluded_steps for s in traj.steps)
-        self.trajectories += 1
-        if self.images_dir is not None and self.resolve is not None:
-            self._save_images(traj)
-        for row in step_rows(traj, self.late.get(traj.id), self.provenance, state, self.keep_excluded):
-            self._buf.append(row)
-            if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
-                self._flush()
-
-    def _save_images(self, traj: Trajectory) -> None:
-        assert self.images_dir is not None and self.resolve is not None
-        for sha in dict.fromkeys(i.sha256 for s in traj.steps for i in s.images):
-            path = self.images_dir / sha
-            if path.exists():
-                continue
-            data = self.resolve(sha)
-            if data is None:
-                self.images_missing += 1
-                continue
-            atomic_write(path, data, durable=False)
-            self.images += 1
-
-    def _flush(self) -> None:
-        if not self._buf:
-            return
-        if self._writer is None:
-            final = self.out / f"part-{len(self.files):05d}.parquet"
-            self._tmp = final.with_name(f".{final.name}.tmp-{secrets.token_hex(8)}")
-            # 0600 whatever the umask, created here or not at all (never through a planted name)
-            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
-            os.fchmod(fd, FILE_MODE)
-            self._file = os.fdopen(fd, "wb")
-            self._writer = self.pa.parquet.ParquetWriter(self._file, self.schema)
-            self.files.append(final)
-        table = self._table(self._buf)
-        self._writer.write_table(table)
-        self._in_file += table.num_rows
-        self.rows += table.num_rows
-        self._buf = []
-        if self._in_file >= self.rows_per_file:
-            self._seal()
-
-    def _table(self, rows: list[dict[str, Any]]) -> Any:
-        """The rows as a table; a row no column can hold (an id past int32, a value past int64: what an agent
-        sent, or a bad record) is left out and counted in ``bad_rows``, never fatal to the export."""
-        bad = (self.pa.ArrowInvalid, self.pa.ArrowTypeError, OverflowError, TypeError, ValueError)
-        try:
-            return self.pa.Table.from_pylist(rows, schema=self.schema)
-        except bad:
-            kept = []
-            for row in rows:  # only after a failure: find the bad rows one at a time
-                try:
-                    self.pa.Table.from_pylist([row], schema=self.schema)
-                except bad:
-                    self.bad_rows += 1
-                    continue
-                kept.append(row)
-            return self.pa.Table.from_pylist(kept, schema=self.schema)
-
-    def _seal(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._file.close()
-            assert self._tmp is not None
-            os.replace(self._tmp, self.files[-1])
-            self._writer, self._tmp, self._in_file = None, None, 0
-
-    def close(self) -> None:
-        self._flush()
-        self._seal()
-        if self.provenance:
-            atomic_write(self.out / "_provenance.json", json.dumps(self.provenance, indent=2).encode())
-
-
-def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, **kw: Any) -> PartWriter:
-    writer = PartWriter(out, **kw)
+def export_trajectories(trajs: Iterable[Trajectory], out: str | Path, fmt: str = "parquet",
+                        **kw: Any) -> PartWriter | RolloutWriter:
+    writer = make_writer(fmt, out, **kw)
     for traj in trajs:
         writer.add(traj)
     writer.close()
@@ -325,12 +78,13 @@ async def proxy_trajectories(client: SteptapClient) -> AsyncIterator[Trajectory]
         yield delivery.trajectory
 
 
-async def _export_proxy(url: str, token: str, out: str, mode: str | None, **kw: Any) -> PartWriter:
+async def _export_proxy(url: str, token: str, out: str, mode: str | None, fmt: str,
+                        **kw: Any) -> PartWriter | RolloutWriter:
     """Trajectories in batches of ``LOOKUP_BATCH``, each batch's curation marks asked of the proxy (the
     learner's lookup) before it is written."""
     from steptap.middleware.client import SteptapClient
 
-    writer = PartWriter(out, **kw)
+    writer = make_writer(fmt, out, **kw)
     batch: list[Trajectory] = []
     async with SteptapClient(url, token, timeout_s=10) as client:
 
@@ -354,7 +108,7 @@ async def _export_proxy(url: str, token: str, out: str, mode: str | None, **kw: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``steptap export``: finished trajectories -> parquet, one row per step."""
+    """``steptap export``: finished trajectories -> parquet, one row per step (or Harbor's RolloutDetail)."""
     p = argparse.ArgumentParser(prog="steptap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--log", help="trajectory log directory or fsspec URL (read-only, no proxy needed)")
@@ -364,12 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         "--control-token or $STEPTAP_CONTROL_TOKEN)",
     )
     p.add_argument("--control-token", default=os.environ.get(TOKEN_ENV))
-    p.add_argument("--out", required=True, help="output directory for part-NNNNN.parquet files")
+    p.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet files, or "
+                   "rollout_details.jsonl)")
+    p.add_argument("--format", choices=FORMATS, default="parquet", help="parquet: one row per step; "
+                   "rollout-detail: one line per trajectory in Harbor's shapes "
+                   "(AgentContext.rollout_details, VerifierResult.rewards)")
     p.add_argument("--mode", choices=("train", "eval", "judge"), help="only trajectories of this mode")
-    p.add_argument("--rows-per-file", type=int, default=100_000)
+    p.add_argument("--rows-per-file", type=int, default=100_000, help="rows per parquet part")
     p.add_argument("--model-dir", help="the model the run sampled from (HF directory): its weights, "
-                   "tokenizer and chat template hashes go in every row and OUT/_provenance.json")
-    p.add_argument("--overwrite", action="store_true", help="replace existing part files in --out")
+                   "tokenizer and chat template hashes go in every row (or line) and, for parquet, "
+                   "OUT/_provenance.json")
+    p.add_argument("--overwrite", action="store_true", help="replace the export files --out holds")
     p.add_argument("--images-dir", help="also write the bytes of each image a step names, once, as "
                    "IMAGES_DIR/<sha256> (the rows' images column and messages name them)")
     p.add_argument("--keep-excluded", action="store_true", help="keep the trajectories and steps curation "
@@ -378,20 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     from steptap.middleware.client import SteptapError
 
     out = Path(args.out)
-    existing = sorted(out.glob("part-*.parquet")) if out.is_dir() else []
+    existing = existing_output(args.format, out)
     if existing and not args.overwrite:
-        p.exit(2, f"steptap export: {out} already holds {len(existing)} part file(s); use --overwrite\n")
+        p.exit(2, f"steptap export: {out} already holds {len(existing)} export file(s); use --overwrite\n")
     for f in existing:
         f.unlink()
     try:
         prov = {} if args.model_dir is None else provenance(args.model_dir)
+        per_format = {"rows_per_file": args.rows_per_file} if args.format == "parquet" else {}
         if args.log:
             from steptap.middleware.log.offline import LogReader
 
             reader = LogReader(args.log)
             notes = reader.annotations()
             writer = export_trajectories(
-                reader.trajectories(mode=args.mode), out, rows_per_file=args.rows_per_file,
+                reader.trajectories(mode=args.mode), out, args.format, **per_format,
                 late=notes.late, provenance=prov, keep_excluded=args.keep_excluded,
                 curation={tid: fold(marks) for tid, marks in notes.marks.items()},
                 images_dir=args.images_dir, resolve=reader.image,
@@ -407,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.control_token,
                     str(out),
                     args.mode,
-                    rows_per_file=args.rows_per_file,
+                    args.format,
+                    **per_format,
                     provenance=prov,
                     keep_excluded=args.keep_excluded,
                     images_dir=args.images_dir,
@@ -431,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 "kept_excluded": args.keep_excluded,
                 "images": writer.images,
                 "images_missing": writer.images_missing,
+                # a failed step is a parquet row (status "failed"), never a RolloutDetail turn
+                **({} if isinstance(writer, PartWriter) else {"failed_steps": writer.failed_steps}),
                 **skipped,
             }
         )

@@ -27,8 +27,8 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
              "env"),
     "tasks": ("steptap.adapters.tasks.cli:main",
               "run agents on task datasets in sandboxes, rewarded by the tasks' verifiers", None),
-    "export": ("steptap.adapters.export:main", "write finished trajectories as parquet, one row per step",
-               "env"),
+    "export": ("steptap.adapters.export:main",
+               "write finished trajectories as parquet (a row per step) or Harbor's RolloutDetail", "env"),
     "doctor": ("steptap.adapters.doctor:main", "a run's health after the fact, from its files", None),
 }
 

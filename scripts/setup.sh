@@ -2,10 +2,11 @@
 # Installs what a job runs, and only that:
 #   bash scripts/setup.sh          the whole test suite: the project's virtualenv (.venv) with every extra, vLLM's
 #                                  own virtualenv, Chromium (the console's browser test), bubblewrap (the task
-#                                  sandbox) and the agent CLIs (scripts/install_agents.sh)
+#                                  sandbox), the agent CLIs (scripts/install_agents.sh) and Harbor's virtualenv
 #   bash scripts/setup.sh --demo   the demo: .venv with the learner and the adapters, and vLLM's virtualenv
-#   bash scripts/setup.sh --unit   the unit lane: .venv with every extra; no vLLM, no browser, no agent CLI
-# vLLM's virtualenv and the CLIs live in the user cache (~/.cache/steptap), built once per machine (see
+#   bash scripts/setup.sh --unit   the unit lane: .venv with every extra and Harbor's virtualenv (the tests that
+#                                  read its formats, steptap tasks install-harbor); no vLLM, no browser, no agent CLI
+# vLLM's virtualenv, Harbor's and the CLIs live in the user cache (~/.cache/steptap), built once per machine (see
 # `steptap vllm --install-only`). Idempotent: a stamp of pyproject.toml + constraints.txt + the extras skips the
 # installs when nothing changed. Prints a few progress lines (with the seconds each part took); the installers'
 # full output goes to .venv/setup.log. Uses uv (from PyPI, put into the venv first) for the project's packages
@@ -18,7 +19,7 @@ case "${1:-}" in
   "") ;;
   --demo) MODE=demo ;;
   --unit) MODE=unit ;;
-  -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
   *) echo "setup.sh: unknown option $1 (--demo, --unit, or nothing for the whole suite)" >&2; exit 2 ;;
 esac
 t0=$SECONDS
@@ -100,6 +101,13 @@ if ! [ -x /usr/bin/bwrap ] && ! command -v bwrap >/dev/null; then
   fi
 fi
 done_part "bubblewrap checked"
+if [ "$MODE" != demo ]; then
+  # Harbor in a venv of its own (Python >= 3.12), for the tests only: they read the RolloutDetail export with
+  # Harbor's models and lint the built-in tasks (examples/tasks) with Harbor's linter (tests/harbor_venv.py); the same venv runs `steptap tasks --sandbox harbor`.
+  .venv/bin/steptap tasks install-harbor >>"$log" 2>&1 \
+    || say "Harbor's virtualenv is missing (steptap tasks install-harbor; $log): its checks fail under CI"
+  done_part "Harbor's virtualenv checked"
+fi
 if [ "$MODE" = unit ]; then
   say "done in $((SECONDS - t0)) s (the unit lane: no vLLM, no browser, no agent CLI)"
   exit 0

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from test_delta_steps import TOKEN, make_stream_app
 
-from steptap.adapters.export import step_rows
+from steptap.adapters.export_parquet import step_rows
 from steptap.learner.rows import build_batch
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.config import ProxyConfig

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from steptap.adapters.export import step_rows
+from steptap.adapters.export_parquet import step_rows
 from steptap.learner.rows import build_batch
 from steptap.middleware.auth import CONTROL_TOKEN_KEY
 from steptap.middleware.client import SteptapClient

@@ -62,7 +62,6 @@ LONG_FUNCTIONS = {
     "learner/tiny_model.py::build_tiny_model": "a flat description of the offline test model",
     "learner/transfer.py::_send": "the learner's collective transfer (the device room, issue 44)",
     "adapters/export.py::main": "steptap export's command (the tasks room, issue 38)",
-    "adapters/export.py::step_rows": "steptap export's rows (the tasks room, issue 38)",
     "adapters/env/runner.py::DatasetRunner._episode": "the env runner's episode (the learns room, issue 40)",
     "adapters/run.py::_parse_args": "steptap run's flat flag list (the agents room, issue 39)",
 }
@@ -73,7 +72,6 @@ LARGE_ROOMS = {
     "learner/engines/verl_engine.py": "the verl engine: verl's update driven from steptap's batches",
     "middleware/proxy/relay.py": "issue 41 item 2: the model call (another engineer)",
     "learner/daemon.py": "the learner's loop: stream, group, update, publish (issue 43 touches it)",
-    "adapters/export.py": "steptap export: log or stream to rows (issue 38 touches it)",
     "learner/engines/torch_engine.py": "the torch engine's update",
     "middleware/proxy/capture.py": "issue 41 item 2: the capture accumulator (another engineer)",
     "middleware/records.py": "the record contract: every record type of the log, one schema version",

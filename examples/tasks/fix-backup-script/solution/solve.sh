@@ -1,0 +1,17 @@
+#!/bin/bash
+set -euo pipefail
+cat > /app/backup.sh <<'SH'
+#!/bin/bash
+# Usage: backup.sh SOURCE_DIR DEST_DIR
+# Copies every file whose name ends in .txt directly in SOURCE_DIR into DEST_DIR (created when missing), each
+# under its own name with ".bak" added: "notes.txt" becomes "notes.txt.bak". Other files are left alone.
+set -euo pipefail
+src=$1
+dest=$2
+mkdir -p -- "$dest"
+shopt -s nullglob
+for f in "$src"/*.txt; do
+  [ -f "$f" ] || continue
+  cp -- "$f" "$dest/$(basename -- "$f").bak"
+done
+SH

@@ -1,0 +1,5 @@
+"""Counts the words of standard input."""
+
+import sys
+
+print(len(sys.stdin.read().split()))

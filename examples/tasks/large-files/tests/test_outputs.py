@@ -1,0 +1,42 @@
+"""/app/large_files.txt lists exactly the regular files above 1024 bytes of the data the task shipped (the
+answer key below: one of exactly 1024 bytes and a symbolic link to a large file are not in it)."""
+
+import os
+import stat
+import sys
+
+EXPECTED = [".cache/blob.bin", "docs/big file.log", "docs/report.txt", "images/raw/photo1.raw",
+            "images/raw/photo2.raw"]
+
+MAX_BYTES = 1 << 20
+
+
+def _read(path: str) -> bytes:
+    """``path``'s bytes. It must be a regular file of at most 1 MiB: a link, a FIFO or a device left there
+    fails the check rather than hang the verifier (a hung verifier is an infrastructure error, not a 0)."""
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_size <= MAX_BYTES, f"{path}: not a regular file of <= 1 MiB"
+    with open(path, "rb") as f:
+        return f.read(MAX_BYTES + 1)
+
+
+def test_the_list_is_exact() -> None:
+    assert _read("/app/large_files.txt").decode() == "".join(p + "\n" for p in EXPECTED)
+
+
+def _main() -> int:
+    """Runs the test_ functions in order, stopping at the first failure (the file also runs under pytest,
+    where there is one)."""
+    for name, test in list(globals().items()):
+        if name.startswith("test_") and callable(test):
+            try:
+                test()
+            except Exception as exc:  # a failed assertion, an output that cannot be read, a timeout
+                print(f"FAILED {name}: {exc!r}")
+                return 1
+            print(f"passed {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

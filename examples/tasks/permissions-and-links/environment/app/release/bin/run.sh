@@ -1,0 +1,2 @@
+#!/bin/sh
+echo "running $(readlink -f "$(dirname "$0")/../current")"

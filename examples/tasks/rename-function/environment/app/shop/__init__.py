@@ -1,0 +1,1 @@
+"""A tiny shop: users, orders and a report."""
