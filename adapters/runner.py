@@ -341,7 +341,8 @@ class Runner:
                 m.pending = True
             else:
                 await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status,
-                                         error=m.error if status != "finished" else None)
+                                         error=m.error if status != "finished" else None,
+                                         infra_cause="reward_unavailable" if status == INFRA_FAILURE else None)
             m.status = status
         except Exception as exc:  # noqa: BLE001 - report it; the proxy's idle timeout closes it otherwise
             m.status = "unfinished"
