@@ -186,6 +186,7 @@ def test_steptap_laid_out_from_the_working_tree_has_its_entry_points(tmp_path: P
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(site)),
+        cwd=tmp_path,  # not the repo root: its steptap.egg-info (an editable build's) would shadow the site's
         check=True,
     )
     names, cli = got.stdout.rsplit(" ", 1)
