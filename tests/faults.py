@@ -91,7 +91,8 @@ def _chunk(i: int) -> bytes:
 
 
 class FaultInjector:
-    def __init__(self, stall_s: float = 5.0) -> None:
+    def __init__(self, stall_s: float = 5.0, render: bool = True) -> None:
+        """``render=False``: no render route (a vLLM started without --enable-scale-out answers it 404)."""
         self.mode = "ok"
         self.stall_s = stall_s
         self.calls = 0
@@ -101,7 +102,8 @@ class FaultInjector:
         self.held = 0  # calls waiting in mode ``hold``
         self.release = asyncio.Event()
         self.app.router.add_post("/v1/chat/completions", self._chat)
-        self.app.router.add_post("/v1/chat/completions/render", self._render)
+        if render:
+            self.app.router.add_post("/v1/chat/completions/render", self._render)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
 

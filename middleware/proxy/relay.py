@@ -258,7 +258,7 @@ class _Call(StreamRelay):
                            "(--swap-drain-timeout)", "swap_cut")
                 else:
                     why = ("agent disconnected", "client_gone")
-                self.manager.spawn(self._record_quietly(self.failed(*why, partial)))
+                self._record_later(self.failed(*why, partial))
             raise
         finally:
             if resp is not None:
@@ -314,8 +314,7 @@ class _Call(StreamRelay):
             if not self.recorded:
                 partial = self.acc.reply() if self.acc is not None else None
                 self.recorded = True
-                self.manager.spawn(self._record_quietly(self.failed("agent disconnected", "client_gone",
-                                                                    partial)))
+                self._record_later(self.failed("agent disconnected", "client_gone", partial))
             raise
         return await self._reply_plain(reply, 200, None)
 
@@ -353,12 +352,20 @@ class _Call(StreamRelay):
         if self.tito:
             tito.end_turn(self.session, self.chat, steps, stop_reason)
 
+    def _record_later(self, step: Step) -> None:
+        """A failed step recorded in the background (the agent is gone, the handler returns now); the session
+        counts it as a call in flight until it is recorded."""
+        self.manager.hold_call(self.session)
+        self.manager.spawn(self._record_quietly(step))
+
     async def _record_quietly(self, step: Step) -> None:
         try:
             async with self.pics.stored():  # its request refers to them
                 await self.manager.record(self.session, [step])
         except Exception:  # a background task: log it, there is no agent left to tell
             logger.exception("could not record the failed step of session %s", self.session.id)
+        finally:
+            self.manager.release_call(self.session)
 
     # --- replies ------------------------------------------------------------------------------------------
 

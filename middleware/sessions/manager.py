@@ -334,16 +334,24 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             except DomainError:
                 self.drop_pending(session)  # a first call refused here opens nothing
                 raise
-        session.inflight += 1
-        session.last_active = time.monotonic()
+        self.hold_call(session)
         try:
             yield
         finally:
-            session.inflight -= 1
-            session.last_active = time.monotonic()
-            if session.inflight == 0 and session.drained is not None:
-                session.drained.set()
-            self.drop_pending(session)  # its calls ended with no step: never opened
+            self.release_call(session)
+
+    def hold_call(self, session: LiveSession) -> None:
+        """One more call of ``session`` in flight: ``call``'s, or a failed step recorded after its handler
+        returned (a pending auto session is not forgotten, nor a finish drained, before it is recorded)."""
+        session.inflight += 1
+        session.last_active = time.monotonic()
+
+    def release_call(self, session: LiveSession) -> None:
+        session.inflight -= 1
+        session.last_active = time.monotonic()
+        if session.inflight == 0 and session.drained is not None:
+            session.drained.set()
+        self.drop_pending(session)  # its calls ended with no step: never opened
 
     # ---- steps ---------------------------------------------------------------------------------------------
 

@@ -422,15 +422,16 @@ async def test_backend_faults_in_each_protocols_format(faulty: tuple[Any, Proxy]
     assert steps[1].response_token_ids[:1] == [11]  # the partial reply is kept
 
 
-async def test_tito_on_a_backend_without_scale_out_falls_back(faulty: tuple[Any, Proxy],
+async def test_tito_on_a_backend_without_scale_out_falls_back(aiohttp_server: Any, make_proxy: Any,
                                                               http: aiohttp.ClientSession) -> None:
     """TITO asked of a vLLM started without --enable-scale-out (no render route: 404): normal rendering,
     counted, never a failed call."""
-    from faults import MODEL
+    from faults import MODEL, FaultInjector
 
     from steptap.middleware.metrics import METRICS_KEY
 
-    _, proxy = faulty
+    server = await aiohttp_server(FaultInjector(render=False).app)
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), upstream_timeout_s=0.5)
     async with http.post(f"{proxy.url}/sessions", json={"tito": True}, headers=proxy.control) as resp:
         info = await resp.json()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
