@@ -38,6 +38,8 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s
 # default.
 os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
+# ... and the raylet's registration, 30 s by default (the verl engine tests errored at set-up under load)
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 
 @dataclass(frozen=True)
