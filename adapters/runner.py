@@ -340,9 +340,9 @@ class Runner:
                                          on_deadline=self.args.on_deadline)
                 m.pending = True
             else:
+                cause = "reward_unavailable" if status == INFRA_FAILURE else None
                 await self.client.finish(m.session_id, reward=(reward or {}).get(None), status=status,
-                                         error=m.error if status != "finished" else None,
-                                         infra_cause="reward_unavailable" if status == INFRA_FAILURE else None)
+                                         error=m.error if status != "finished" else None, infra_cause=cause)
             m.status = status
         except Exception as exc:  # noqa: BLE001 - report it; the proxy's idle timeout closes it otherwise
             m.status = "unfinished"
