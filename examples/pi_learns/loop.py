@@ -62,7 +62,8 @@ def eval_rows(summary: dict[str, Any], client: SyncSteptapClient, run_dir: Path)
 def evaluate(args: argparse.Namespace, client: SyncSteptapClient, version: int) -> None:
     run_dir = args.workdir / f"eval-v{version}"
     cmd = [*TASKS, str(args.data / "test"), "--agent", "pi", "--mode", "eval", "-n", "1", "--limit",
-           str(args.eval_limit), "--concurrency", str(args.concurrency), "--run-dir", str(run_dir), "--json"]
+           str(args.eval_limit), "--concurrency", str(args.concurrency), "--run-dir", str(run_dir), "--json",
+           "--agent-timeout", str(args.agent_timeout)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     if not lines or not lines[-1].startswith("{"):
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4, help="pi episodes at once, per run")
     p.add_argument("--eval-every", type=int, default=3, help="policy versions between evaluations")
     p.add_argument("--eval-limit", type=int, default=50, help="held-out tasks per evaluation")
+    p.add_argument("--agent-timeout", type=float, default=900.0,
+                   help="seconds a pi episode may run (the tasks say 180: on a loaded 2-core CPU most pi "
+                        "episodes ran past that mid-call, and a cut call trains nothing)")
     p.add_argument("--no-eval", action="store_true", help="training only")
     args = p.parse_args(argv)
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     client = SyncSteptapClient(url, default_control_token())
     train = subprocess.Popen([*TASKS, str(args.data / "train"), "--agent", "pi", "-n", str(args.n),
                               "--rounds", str(args.rounds), "--concurrency", str(args.concurrency),
-                              "--run-dir", str(args.workdir / "train")])
+                              "--run-dir", str(args.workdir / "train"),
+                              "--agent-timeout", str(args.agent_timeout)])
     signal.signal(signal.SIGTERM, lambda *_: (train.terminate(), sys.exit(143)))
     next_eval = None if args.no_eval else 0
     try:
