@@ -115,7 +115,8 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
         cpu0, vllm0, t0 = children_cpu(), cpu_of(long_swap.pid), time.monotonic()
         run_dir = tmp_path / f"run-{k}"
         code, summary, err = await tasks_run(proxy, pi, data / "train", run_dir, "--agent", "pi",
-                                             "--task", name, "-n", "4", "--concurrency", "4")
+                                             "--task", name, "-n", "4", "--concurrency", "4",
+                                             "--agent-timeout", "600")
         assert code == 0, err[-3000:]
         sampled, cpu1, vllm1 = time.monotonic(), children_cpu(), cpu_of(long_swap.pid)
         published = await version_at_least(proxy.url, proxy.token, k + 1, learner)
@@ -136,7 +137,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     monkeypatch.setenv("STEPTAP_CONTROL_TOKEN", proxy.token)
     monkeypatch.setenv("PATH", f"{pi.parent}:{os.environ['PATH']}")
     args = argparse.Namespace(data=data, workdir=tmp_path / "evals", eval_limit=5, concurrency=1,
-                              metrics_file=metrics)
+                              metrics_file=metrics, agent_timeout=600.0)
     client = SyncSteptapClient(proxy.url, proxy.token)
     await asyncio.to_thread(loop.evaluate, args, client, 2)  # off the loop, which serves the proxy
 
