@@ -199,6 +199,9 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string (same escapes)
 
 
+CODEX_STREAM_IDLE_MS = 30 * 60 * 1000
+
+
 def _codex(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
     codex_home = _private_dir(home / "codex")
     config = "\n".join([
@@ -211,6 +214,11 @@ def _codex(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path)
         f"base_url = {_toml_string(base)}",
         f'env_key = "{KEY_ENV}"',
         'wire_api = "responses"',
+        # Codex drops a stream that sends no event for 5 minutes (its default) and sends the call again: a
+        # CPU vLLM's prefill of several agents' first prompts outlasts that, and each retry queues the same
+        # prompt behind the one it abandoned (which still runs), so none finishes. A silent local backend is
+        # a slow one, not a dead one: the proxy's upstream_timeout_s (600 s) cuts a backend that hangs.
+        f"stream_idle_timeout_ms = {CODEX_STREAM_IDLE_MS}",
         "",
         "[analytics]",
         "enabled = false",

@@ -69,7 +69,8 @@ def test_codex_gets_a_private_codex_home_with_a_responses_provider(tmp_path: Pat
     assert config == {
         "model": MODEL, "model_provider": "steptap", "check_for_update_on_startup": False,
         "model_providers": {"steptap": {"name": "steptap", "base_url": BASE, "env_key": "STEPTAP_API_KEY",
-                                        "wire_api": "responses"}},
+                                        "wire_api": "responses",
+                                        "stream_idle_timeout_ms": agents.CODEX_STREAM_IDLE_MS}},
         "analytics": {"enabled": False},
     }
     assert launch.env["STEPTAP_API_KEY"] == KEY
