@@ -43,11 +43,12 @@ os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 
-# The suite runs side by side in pytest-xdist workers (`--dist loadgroup`, scripts/test.sh): a session fixture
-# is per worker, so the tests that share a costly one (a vLLM server starts in about a minute, Ray in half of
-# one) are kept on one worker by naming it; every other test goes wherever a worker is free. The first match
-# names the group. The matrix (the longest test) gets a worker and a long-context server of its own, and the
-# tiny server's many tests are dealt over two workers by file (one server start more, half the wait).
+# With STEPTAP_TEST_WORKERS=N the suite runs side by side in pytest-xdist workers (`--dist loadgroup`,
+# scripts/test.sh): a session fixture is per worker, so the tests that share a costly one (a vLLM server
+# starts in about a minute, Ray in half of one) are kept on one worker by naming it; every other test goes
+# wherever a worker is free. The first match names the group. The matrix (the longest test) gets a worker and
+# a long-context server of its own, and the tiny server's many tests are dealt over two workers by file (one
+# server start more, half the wait).
 _GROUPS = (
     ("matrix", lambda item: item.path.name == "test_agents_matrix.py"),
     ("long", lambda item: {"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"}
@@ -76,6 +77,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         group = groups[item.nodeid] = _group(item)
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one after another: the order as collected
     rank = {item.nodeid: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (order.get((groups[item.nodeid] or "").split("-")[0], len(order)),
                                  rank[item.nodeid]))
