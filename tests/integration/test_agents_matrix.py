@@ -197,7 +197,8 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
     call the CLI itself gave up on (its own request timeout, on a loaded CPU backend whose prefill of a
     15-40k-token prompt outlasts it: opencode, then sending it again) is a failed step `client_gone`: left out
     here. Which of opencode's title call and its loop's first call is recorded first decides only the rules
-    (`supersedes` / `superseded`, or `first` / `other`), never the classes."""
+    (`supersedes` / `superseded`, or `first` / `other`), never the classes; a title call it gave up leaves no
+    side call."""
     steps = [s for s in traj.steps if s.status == "ok"]
     gave_up = [s.error.type for s in traj.steps if s.status != "ok"]
     assert set(gave_up) <= {"client_gone"}, (agent, [s.error for s in traj.steps])
@@ -206,7 +207,10 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
                                                               if s not in line])
     expected = (CLASSES.get(agent, MAIN_LINE), SIDE_CALLS.get(agent, []))
     if agent == "opencode" and classes[0][:1] == [("main", "first")]:  # its loop's first call came first
-        expected = ([("main", "first"), *expected[0][1:]], [("side", "other")])
+        # ... or its title call (no tools) never came back in time: opencode gave it up (client_gone, measured
+        # at 305 s while six agents' first prompts queued on one vLLM thread) and went on without a title
+        titled = any(not s.request.get("tools") for s in steps)
+        expected = ([("main", "first"), *expected[0][1:]], [("side", "other")] if titled else [])
     assert classes == expected, agent
     tool_steps = [s for s in line if s.finish_reason == "tool_calls"]
     text = [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in line]
