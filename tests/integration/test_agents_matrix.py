@@ -129,16 +129,18 @@ def cli_args(agent: str, work: Path) -> list[str]:
 
 
 def printed_text(agent: str, stdout: str) -> str:
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    def lines() -> list[dict[str, Any]]:  # JSON lines (Codex, opencode): OpenClaw's one document spans lines
+        return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
     if agent == "claude-code":
         return json.loads(stdout)["result"]
     if agent == "codex":  # --json: JSON lines; the agent's messages are item.completed agent_message items
-        return "\n".join(e["item"]["text"] for e in lines if e.get("type") == "item.completed"
+        return "\n".join(e["item"]["text"] for e in lines() if e.get("type") == "item.completed"
                          and e["item"].get("type") == "agent_message")
     if agent == "openclaw":  # --json: one JSON document; the model's last reply is `final`
         return json.loads(stdout)["final"]
     if agent == "opencode":  # --format json: JSON lines; its text parts
-        return "\n".join(e["part"]["text"] for e in lines if e.get("type") == "text")
+        return "\n".join(e["part"]["text"] for e in lines() if e.get("type") == "text")
     return stdout  # pi -p and vibe -p print the reply as it is
 
 
