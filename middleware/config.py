@@ -160,7 +160,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "client_stalled)")] = 60.0
     stream_heartbeat_s: Annotated[float, _help(
         "while a streamed reply waits on the backend's first token, an SSE comment to the agent this often "
-        "(agents' idle timers, e.g. Node's fetch at 300 s, outlast a slow prefill); 0: none")] = 15.0
+        "(an agent's HTTP idle timeout, 300 s in opencode's, then outlasts a slow prefill); 0: none")] = 15.0
     max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
     upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
     max_closed_sessions: Annotated[int, _help(

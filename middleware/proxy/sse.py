@@ -258,8 +258,8 @@ class StreamRelay:
 
     async def _first_read(self, batches: Any, out: web.StreamResponse, beat: bytes) -> list[bytes]:
         """The backend's first read (its prefill), with ``beat`` (an SSE comment) to the agent every
-        ``heartbeat_s`` seconds meanwhile: an agent's idle timer sees the stream alive (Node's fetch gives up
-        after 300 s without a byte, and a CPU vLLM's prefill of several agents' first prompts takes longer),
+        ``heartbeat_s`` seconds meanwhile: an agent's HTTP idle timeout sees the stream alive (opencode's gave
+        up after 300 s without a byte, and a CPU vLLM's prefill of several agents' first prompts took longer),
         and an agent that left is noticed (``_AgentGone``) before the backend answers."""
         read: asyncio.Future[list[bytes]] = asyncio.ensure_future(anext(batches))
         try:
