@@ -255,7 +255,6 @@ class StreamRelay:
             failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
         return failure, upstream_error, done
 
-
     async def _first_read(self, batches: Any, out: web.StreamResponse, beat: bytes) -> list[bytes]:
         """The backend's first read (its prefill), with ``beat`` (an SSE comment) to the agent every
         ``heartbeat_s`` seconds meanwhile: an agent's HTTP idle timeout sees the stream alive (opencode's gave
