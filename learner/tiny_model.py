@@ -259,7 +259,8 @@ def build_tiny_model(
 ) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
     (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
-    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's), LONG_LAYERS layers and short replies (`_bias_end_of_turn`);
+    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's), LONG_LAYERS layers and short replies
+    (`_bias_end_of_turn`);
     ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens
     (serve with ``--reasoning-parser deepseek_r1``); ``vision``: a Qwen2-VL-shaped model with its image
     processor (tiny_vision.py), qwen2 arch only."""

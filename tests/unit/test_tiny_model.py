@@ -145,7 +145,8 @@ def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_pat
     )
     # one layer: the prefill of an agent CLI's prompt is all attention
     assert config["num_hidden_layers"] == LONG_LAYERS == 1
-    assert long.keys() == {k for k in short if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    assert long.keys() == {k for k in short
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
     assert not long["lm_head.weight"].equal(short["lm_head.weight"])
 
     tok = AutoTokenizer.from_pretrained(str(out))
