@@ -423,6 +423,31 @@ def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: 
     assert "Traceback" not in out.stderr and "session" not in out.stderr
 
 
+def test_openclaw_takes_the_config_run_agent_writes_and_refuses_a_key_it_does_not_know(
+        agent_cli: Any, tmp_path: Path) -> None:
+    """OpenClaw's config schema is strict: `openclaw config validate` (the installed CLI) accepts the provider
+    `run --agent openclaw` writes, its `timeoutSeconds` included, and names a key it does not know."""
+    from steptap.adapters import agents
+
+    agent_cli("openclaw")
+    launch = agents.prepare("openclaw", base_url="http://127.0.0.1:9/v1", api_key="k", model="m",
+                            home=tmp_path / "home", args=["config", "validate"])
+    config = Path(launch.env["OPENCLAW_CONFIG_PATH"])
+    assert json.loads(config.read_text())["models"]["providers"]["steptap"]["timeoutSeconds"] == 1800
+
+    def validate() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(launch.argv, env={**os.environ, **launch.env}, capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    valid = validate()
+    assert valid.returncode == 0 and "Config valid" in valid.stdout, valid.stdout + valid.stderr
+    wrong = json.loads(config.read_text())
+    wrong["models"]["providers"]["steptap"]["timeoutSecondz"] = 5
+    config.write_text(json.dumps(wrong))
+    invalid = validate()
+    assert invalid.returncode == 1 and 'Unrecognized key: "timeoutSecondz"' in invalid.stderr, invalid.stderr
+
+
 def test_codex_calls_its_goal_tool_mid_session_and_completes(long_proxy: Any, long_vllm: Any, agent_cli: Any,
                                                              tmp_path: Path) -> None:
     """Codex (its default `exec`: a persistent thread) offers `create_goal`; the model calls it after a shell

@@ -83,6 +83,7 @@ def test_openclaw_gets_a_custom_provider_and_private_state(tmp_path: Path) -> No
     provider = config["models"]["providers"]["steptap"]  # not `openai`: OpenClaw routes that id through Codex
     assert config["models"]["mode"] == "merge"
     assert provider == {"baseUrl": BASE, "apiKey": "${STEPTAP_API_KEY}", "api": "openai-completions",
+                        "timeoutSeconds": 1800,  # its 300 s default: agents.MODEL_REQUEST_TIMEOUT_S
                         "models": [{"id": MODEL, "name": MODEL, "contextWindow": 65536, "maxTokens": 4096}]}
     assert config["agents"]["defaults"]["model"]["primary"] == f"steptap/{MODEL}"
     state = Path(launch.env["OPENCLAW_STATE_DIR"])
