@@ -7,7 +7,10 @@ reasoning text or a forged handle falls back to rendering, counted by cause and 
 
 The replies are forced with a regex (structured outputs apply inside the reasoning with
 ``enable_in_reasoning``); the model's bias towards its ``<think>`` tokens makes the grammar's ``<think>`` the
-one token, not ``<``."""
+one token, not ``<``.
+
+A single reply's reasoning reaches a Responses agent as a ``reasoning`` item whose handle names its step,
+streamed and not (issue 20), on the same server."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from test_protocols import open_session, steps_of
 from steptap.middleware.launch.procs import process_group_alive
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.metrics import METRICS_KEY
+from steptap.middleware.proxy.responses import parse_handle
 
 pytestmark = pytest.mark.vllm
 
@@ -253,3 +257,32 @@ async def test_gemini_three_turns_replayed_as_gemini_cli_replays_them_are_one_se
                                                  {"role": "user", "parts": [{"text": "again"}]}], {}, 2)
     last = steps_of(proxy, info["id"])[-1]
     assert "token-in-token-out fell back to rendering: reasoning_dropped" in last.notes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_reply_is_a_reasoning_item_with_its_handle(  # type: ignore[no-untyped-def]
+        make_proxy, think_vllm: Backend, http: aiohttp.ClientSession, stream: bool) -> None:
+    proxy: Proxy = await make_proxy(think_vllm.url)
+    info = await open_session(http, proxy)
+    body = {"model": "tiny", "input": "hi", "stream": stream, "include": ["reasoning.encrypted_content"],
+            **forced(0)}
+    headers = {"Authorization": f"Bearer {info['api_key']}"}
+    async with http.post(f"{info['base_url']}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        raw = await resp.text()
+    if stream:
+        kinds = [e["type"] for e in sse_events(raw)]
+        assert "response.reasoning_text.delta" in kinds
+        # the reasoning item closes before the message item opens
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+        response = sse_events(raw)[-1]["response"]
+    else:
+        response = json.loads(raw)
+    reasoning, message = response["output"]
+    assert (reasoning["type"], message["type"]) == ("reasoning", "message")
+    [step] = steps_of(proxy, info["id"])
+    # what the agent got is what the step recorded (the text is vLLM's parser's split, streamed or not)
+    assert reasoning["content"][0]["text"] == step.response["reasoning_content"] == "plan 0"
+    assert message["content"][0]["text"] == step.response["content"] == " Hi 0"
+    # the handle names this step: its response id and its session
+    assert parse_handle(reasoning["encrypted_content"]) == (step.response["response_id"], info["id"])
