@@ -46,13 +46,13 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # With STEPTAP_TEST_WORKERS=N the suite runs side by side in pytest-xdist workers (`--dist loadgroup`,
 # scripts/test.sh): a session fixture is per worker, so the tests that share a costly one (a vLLM server
 # starts in about a minute, Ray in half of one) are kept on one worker by naming it; every other test goes
-# wherever a worker is free. The first match names the group. The matrix (the longest test) gets a worker and
-# a long-context server of its own, and the tiny server's many tests are dealt over two workers by file (one
-# server start more, half the wait).
+# wherever a worker is free. The first match names the group. The matrix and every other test on the
+# long-context server share one worker (a second long server would cost 2 GB and a start for minutes of
+# tests), and the tiny server's many tests are dealt over two workers by file (one server start more, half
+# the wait).
 _GROUPS = (
-    ("matrix", lambda item: item.path.name == "test_agents_matrix.py"),
-    ("long", lambda item: {"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"}
-     & set(item.fixturenames)),
+    ("long", lambda item: item.path.name == "test_agents_matrix.py"
+     or bool({"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"} & set(item.fixturenames))),
     ("ray", lambda item: "ray_cluster" in item.fixturenames),
     ("tiny", lambda item: {"vllm_server", "swappable_vllm", "proxy", "serve_proxy"} & set(item.fixturenames)),
     ("vision", lambda item: "vision_vllm" in item.fixturenames),
