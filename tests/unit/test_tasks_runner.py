@@ -103,7 +103,9 @@ async def test_the_bridge_passes_the_session_url_only(make_proxy: Any, sandbox: 
     task = load(app).tasks[0]
     runner = await _run(proxy, sandbox, [task], tmp_path / "run", ["python3", "/app/probe.py"], n=1)
     (line,) = runner.results
-    out = dict(ln.rsplit(" ", 1) for ln in line["agent"]["output"].splitlines())
+    printed = line["agent"]["output"]
+    assert all(len(ln.split()) == 2 for ln in printed.splitlines()), printed
+    out = dict(ln.rsplit(" ", 1) for ln in printed.splitlines())
     assert out.pop("/s/SID/v1/models") != "403"  # passed to the proxy (which answers for itself)
     assert out == {"/health": "403", "/metrics": "403", "/sessions/SID": "403", "/s/other/v1/models": "403",
                    "/s/SIDx/v1/models": "403", "/console/": "403"}
