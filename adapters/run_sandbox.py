@@ -4,7 +4,9 @@ a root built from nothing, no network but the session bridge), the default for `
 
 What a member sees, besides the system's /usr and /etc and the toolchains (read-only): its working directory
 at the path of ``steptap run``'s own, writable (the directory itself for one member, with ``.git``
-read-only; a copy of it of its own for each member of ``-n`` > 1, and when steptap runs as root), its home
+read-only; a copy of it of its own for each member of ``-n`` > 1; and run as root, where the sandbox's user
+(nobody) can write only what is handed to it, a lone member works on a copy whose new and changed files are
+written back when it ended, ``write_back``), its home
 (the agent's settings folder, or an empty one) and its reward file's folder, both writable at their host
 paths. Not the operator's home, not the control-token file, not the proxy's log, not another member's
 folders, not any host process. Its network is its session URL only (``tasks/bridge.py``), as
@@ -14,8 +16,10 @@ may hold the token, or other secrets).
 
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +73,7 @@ class RunSandbox:
         # a copy each: members of a group never edit the same files; and run as root, the sandbox's user
         # (nobody) can write only what is handed to it, never the operator's own folder
         self.copies = n > 1 or self.sb.owner() is not None
+        self.write_back = self.copies and n == 1  # a lone member's work is the operator's: back once it ended
 
     def problem(self, token_file: str | None, homes: Path | None) -> str | None:
         """Why members cannot run sandboxed from here (one line), or None: no bubblewrap, or a working
@@ -142,6 +147,34 @@ class RunSandbox:
                 prefix.close()
             await bridge.close()
             shutil.rmtree(net, ignore_errors=True)
+
+
+def write_back(copy: Path, dest: Path) -> int:
+    """A lone member's new and changed files written from its copy back into the working directory (run as
+    root, it worked on a copy: module docstring); the number written. Only regular files and folders, their
+    permission bits without set-id; never ``.git``, never through a link of either tree (a link the member
+    planted, or one of the operator's pointing outside); deletions are not carried back."""
+    written = 0
+    for dirpath, dirnames, filenames in os.walk(copy):
+        here = Path(dirpath)
+        target = dest / here.relative_to(copy)
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            dirnames[:] = []
+            continue
+        target.mkdir(exist_ok=True)
+        dirnames[:] = [d for d in dirnames
+                       if not (here / d).is_symlink() and not (here == copy and d == ".git")]
+        for name in filenames:
+            src, dst = here / name, target / name
+            mode = src.lstat().st_mode
+            if not stat.S_ISREG(mode) or dst.is_symlink() or (dst.exists() and not dst.is_file()):
+                continue
+            if dst.exists() and filecmp.cmp(src, dst, shallow=False):
+                continue
+            shutil.copyfile(src, dst)
+            os.chmod(dst, mode & 0o777)
+            written += 1
+    return written
 
 
 class Prefixed:

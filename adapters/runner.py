@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 from steptap.adapters import agents
 from steptap.adapters.judge import JudgeError
 from steptap.adapters.run_reward import parse_reward, read_reward_file, tail_of
-from steptap.adapters.run_sandbox import Place, RunSandbox, inside_url
+from steptap.adapters.run_sandbox import Place, RunSandbox, inside_url, write_back
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.adapters.tasks.sandbox import Ended
 from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
@@ -205,6 +205,8 @@ class Runner:
         if not ended.started:
             m.exit_code = 127
             raise RuntimeError(f"the sandbox did not start: {ended.error}")
+        if self.sandbox.write_back:
+            await asyncio.to_thread(write_back, place.work, self.sandbox.cwd)
         return int(ended.exit_code or 0)
 
     async def _run_agent(self, m: Member, info: Any, reward_file: str) -> int:

@@ -78,6 +78,7 @@ async def test_a_sandboxed_member_sees_its_folder_and_session_only(make_proxy: A
         code, out, err = await _run(proxy, work, "--sandbox", "-n", "2", "--reward-cmd", "cat answer.txt",
                                     "--", "sh", "-c", line,
                                     env={"STEPTAP_CONTROL_TOKEN_FILE": str(token_file)})
+        copied = not (work / "answer.txt").exists()  # the members worked on copies, graded there
         # one member, alone: it works on the directory itself, .git read-only (run as root: on a copy)
         code1, out1, err1 = await _run(proxy, work, "--sandbox", "--reward-cmd", "cat mine.txt", "--",
                                        "sh", "-c", line)
@@ -92,7 +93,7 @@ async def test_a_sandboxed_member_sees_its_folder_and_session_only(make_proxy: A
         (models,) = [ln for ln in mine if ln.startswith("bridge SESSION/models ")]
         assert not models.endswith(" 403") and "bridge http://127.0.0.1:8400/sessions 403" in mine, mine
         assert "git writable" in mine  # its own copy's .git: nothing the operator runs
-    assert not (work / "answer.txt").exists()  # the members worked on copies, graded there
+    assert copied
     sessions = [ln.split()[4] for ln in err.splitlines() if " session " in ln and "reward 42" in ln]
     assert len(sessions) == 2, err
     async with SteptapClient(proxy.url, proxy.token) as client:
@@ -100,10 +101,10 @@ async def test_a_sandboxed_member_sees_its_folder_and_session_only(make_proxy: A
     assert code1 == 0, err1
     assert "reward 0 -> finished" in err1, out1 + err1  # the reward command read what the member wrote
     assert not (work / ".git" / "hooks" / "post-checkout").exists()
-    if os.geteuid() == 0:  # the sandbox's user (nobody) writes only what is handed to it: a copy
-        assert "git writable" in out1 and not (work / "mine.txt").exists()
-    else:
-        assert "git read-only" in out1 and (work / "mine.txt").read_text() == "0\n"
+    assert (work / "mine.txt").read_text() == "0\n"  # its work is the operator's
+    # run as root the sandbox's user (nobody) writes only what is handed to it: a copy, its files written
+    # back (never its .git); else the directory itself, .git read-only
+    assert ("git writable" if os.geteuid() == 0 else "git read-only") in out1, out1
 
 
 def test_what_is_sandboxed_by_default_and_where_it_refuses(tmp_path: Path,
@@ -128,3 +129,28 @@ def test_what_is_sandboxed_by_default_and_where_it_refuses(tmp_path: Path,
     (tmp_path / "project" / "steptap-log").mkdir()
     assert "a proxy's log" in (why(tmp_path / "project") or "")
     assert "the run's own folders" in (why(tmp_path) or "")
+
+
+def test_a_lone_member_s_work_comes_back_only_as_files(tmp_path: Path) -> None:
+    """``write_back`` (a lone member run as root worked on a copy): new and changed regular files come back,
+    with their permission bits less set-id; never .git, never through a link, never a link itself."""
+    from steptap.adapters.run_sandbox import write_back
+
+    dest, copy, outside = tmp_path / "dest", tmp_path / "copy", tmp_path / "outside"
+    for d in (dest / ".git", dest / "src", outside, copy / ".git", copy / "src", copy / "new", copy / "out"):
+        d.mkdir(parents=True)
+    (dest / "src" / "same.py").write_text("same\n")
+    (copy / "src" / "same.py").write_text("same\n")
+    (dest / "src" / "old.py").write_text("old\n")
+    (copy / "src" / "old.py").write_text("changed\n")
+    (copy / "new" / "tool.sh").write_text("#!/bin/sh\n")
+    os.chmod(copy / "new" / "tool.sh", 0o6755)  # set-id bits: a root-owned set-uid file is never made
+    (copy / ".git" / "config").write_text("[core]\n\tfsmonitor = evil\n")
+    (dest / "out").symlink_to(outside)  # the operator's link pointing outside the folder
+    (copy / "out" / "x").write_text("through the link\n")
+    (copy / "planted").symlink_to("/etc/passwd")
+    assert write_back(copy, dest) == 2
+    assert (dest / "src" / "old.py").read_text() == "changed\n"
+    assert (dest / "new" / "tool.sh").stat().st_mode & 0o7777 == 0o755
+    assert not (dest / ".git" / "config").exists() and list(outside.iterdir()) == []
+    assert not (dest / "planted").exists() and not (dest / "planted").is_symlink()
