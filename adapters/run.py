@@ -19,7 +19,9 @@ No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0:
 CLI (from PATH or the cache scripts/install_agents.sh fills) with its provider settings written for the
 session into a private directory (adapters/agents.py); the arguments after ``--`` go to the CLI. ``-n K`` runs
 K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines prefixed with
-``[i]``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
+``[i]``. ``--agent`` runs in the local task sandbox by default (``run_sandbox.py``: the working directory, a
+home and the session URL only; ``--no-sandbox`` opts out with a warning); a plain command only with
+``--sandbox``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
 themselves are ``runner.py``.
 """
 
