@@ -160,13 +160,28 @@ def search_path() -> str:
 
 def toolchains() -> list[Path]:
     """The host folders an episode needs beyond /usr and /etc, read-only: the Python running steptap (its base
-    installation and its environment) and the agent CLIs' cache (Node 24 and the CLIs)."""
-    paths = [Path(sys.base_prefix), Path(sys.prefix), agents.agents_dir()]
+    installation and its environment), the agent CLIs' cache (Node 24 and the CLIs) and the Python
+    installation each of the cache's CLI virtualenvs runs on (Mistral Vibe needs Python >= 3.12: maybe not
+    steptap's)."""
+    paths = [Path(sys.base_prefix), Path(sys.prefix), agents.agents_dir(), *_venv_pythons()]
     out: list[Path] = []
     for p in paths:
         p = p.resolve()
         if p.is_dir() and p not in out and not any(q in p.parents for q in out):
             out = [q for q in out if p not in q.parents] + [p]
+    return out
+
+
+def _venv_pythons() -> list[Path]:
+    """The installation prefix of each Python the cache's CLI virtualenvs were made with (``home`` in their
+    ``pyvenv.cfg`` is its bin folder)."""
+    out = []
+    for cfg in sorted((agents.agents_dir() / "venvs").glob("*/pyvenv.cfg")):
+        with contextlib.suppress(OSError):
+            for line in cfg.read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    out.append(Path(value.strip()).parent)
     return out
 
 
