@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 from steptap.adapters import agents
 from steptap.adapters.judge import JudgeError
 from steptap.adapters.run_reward import parse_reward, read_reward_file, tail_of
-from steptap.adapters.run_sandbox import Place, RunSandbox, inside_url, write_back
+from steptap.adapters.run_sandbox import Place, Prefixed, RunSandbox, inside_url, write_back
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
 from steptap.adapters.tasks.sandbox import Ended
 from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
@@ -351,19 +351,11 @@ async def _pump(stream: asyncio.StreamReader | None, out: BinaryIO, tag: bytes) 
     """Copy a child's output line by line, each prefixed (lines of any length; a partial last line too)."""
     if stream is None:
         return
-    pending = b""
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            break
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        if lines:
-            out.write(b"".join(tag + ln + b"\n" for ln in lines))
-            out.flush()
-    if pending:
-        out.write(tag + pending + b"\n")
-        out.flush()
+    lines = Prefixed(tag, out)
+    while chunk := await stream.read(65536):
+        lines.write(chunk)
+    lines.close()
+
 
 def describe(m: Member) -> str:
     reward = ""
