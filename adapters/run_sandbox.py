@@ -40,6 +40,7 @@ from steptap.adapters.tasks.sandbox import (
 )
 
 LOG_FOLDER = "steptap-log"  # the proxy's default log folder (config.DEFAULT_LOG_DIR), where serve ran
+UP_RUNS = "runs"  # steptap up's default work folders (runs/up-STAMP: control_token, the log), where it ran
 
 
 def inside_url(session_id: str) -> str:
@@ -89,6 +90,10 @@ class RunSandbox:
             return f"{where} holds the control-token file {token_file}"
         if (self.cwd / LOG_FOLDER).exists():
             return f"{where} holds a proxy's log ({LOG_FOLDER}/); run from a folder without it"
+        runs = sorted((self.cwd / UP_RUNS).glob("*/control_token"))
+        if runs:
+            return (f"{where} holds steptap up's run folder {runs[0].parent} (its control token and log); "
+                    "run from a folder without it")
         for inner in (self.tmpdir, homes):
             if inner is not None and _within(inner.resolve(), self.cwd):
                 return f"{where} holds the run's own folders ({inner})"

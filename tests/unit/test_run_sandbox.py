@@ -129,6 +129,10 @@ def test_what_is_sandboxed_by_default_and_where_it_refuses(tmp_path: Path,
     (tmp_path / "project" / "steptap-log").mkdir()
     assert "a proxy's log" in (why(tmp_path / "project") or "")
     assert "the run's own folders" in (why(tmp_path) or "")
+    (tmp_path / "app" / "runs" / "up-1").mkdir(parents=True)
+    assert why(tmp_path / "app") is None
+    (tmp_path / "app" / "runs" / "up-1" / "control_token").write_text("t")
+    assert "steptap up's run folder" in (why(tmp_path / "app") or "")
 
 
 def test_a_lone_member_s_work_comes_back_only_as_files(tmp_path: Path) -> None:
