@@ -204,6 +204,14 @@ def _toml_string(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string (same escapes)
 
 
+# How long Codex and OpenClaw wait on one model request (Codex: for the stream's next event). Their defaults
+# (5 minutes) are shorter than a CPU vLLM's prefill of several agents' first prompts: Codex then sends the
+# same call again behind the one it abandoned (which still runs), OpenClaw gives up and retries. A silent
+# local backend is a slow one, not a dead one: the proxy's upstream_timeout_s (600 s) cuts one that hangs.
+MODEL_REQUEST_TIMEOUT_S = 30 * 60
+CODEX_STREAM_IDLE_MS = MODEL_REQUEST_TIMEOUT_S * 1000
+
+
 def _codex(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
     codex_home = _private_dir(home / "codex")
     config = "\n".join([
@@ -216,6 +224,7 @@ def _codex(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path)
         f"base_url = {_toml_string(base)}",
         f'env_key = "{KEY_ENV}"',
         'wire_api = "responses"',
+        f"stream_idle_timeout_ms = {CODEX_STREAM_IDLE_MS}",  # MODEL_REQUEST_TIMEOUT_S says why
         "",
         "[analytics]",
         "enabled = false",
@@ -232,6 +241,7 @@ def openclaw_config(base: str, model: str) -> dict:
             "baseUrl": base,
             "apiKey": f"${{{KEY_ENV}}}",
             "api": "openai-completions",
+            "timeoutSeconds": MODEL_REQUEST_TIMEOUT_S,
             "models": [{"id": model, "name": model, "contextWindow": CONTEXT_WINDOW,
                         "maxTokens": MAX_TOKENS}],
         }}},

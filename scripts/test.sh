@@ -21,4 +21,9 @@ bash scripts/lint.sh  # ruff, vulture and mypy: a finding fails the run before a
 rm -rf dist && .venv/bin/python -m build --wheel --no-isolation -o dist . >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall dist/steptap-*.whl
 export STEPTAP_WHEEL_TEST=1
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 --junitxml=.venv/test-report.xml "$@"
+# One test after another by default. STEPTAP_TEST_WORKERS=N runs them side by side in N pytest-xdist
+# workers, the tests that share a session's vLLM server kept on one worker (tests/conftest.py's groups): for a
+# machine with cores to spare. On two cores it is slower: the agent matrix and vLLM's prefill already fill
+# them, and three workers measured a load of 52.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${STEPTAP_TEST_WORKERS:-0}" --dist loadgroup \
+  --no-loadscope-reorder --durations=25 --junitxml=.venv/test-report.xml "$@"

@@ -13,6 +13,7 @@ import random
 import socket
 import sys
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,49 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 # Ray reads this when it is imported: on a loaded 2-core machine its node start-up can exceed the 60 s
 # default.
 os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
+# ... and the raylet's registration, 30 s by default (the verl engine tests errored at set-up under load)
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+
+
+# With STEPTAP_TEST_WORKERS=N the suite runs side by side in pytest-xdist workers (`--dist loadgroup`,
+# scripts/test.sh): a session fixture is per worker, so the tests that share a costly one (a vLLM server
+# starts in about a minute, Ray in half of one) are kept on one worker by naming it; every other test goes
+# wherever a worker is free. The first match names the group. The matrix (the longest test) gets a worker and
+# a long-context server of its own, and the tiny server's many tests are dealt over two workers by file (one
+# server start more, half the wait).
+_GROUPS = (
+    ("matrix", lambda item: item.path.name == "test_agents_matrix.py"),
+    ("long", lambda item: {"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"}
+     & set(item.fixturenames)),
+    ("ray", lambda item: "ray_cluster" in item.fixturenames),
+    ("tiny", lambda item: {"vllm_server", "swappable_vllm", "proxy", "serve_proxy"} & set(item.fixturenames)),
+    ("vision", lambda item: "vision_vllm" in item.fixturenames),
+)
+
+
+def _group(item: pytest.Item) -> str | None:
+    name = next((name for name, holds in _GROUPS if holds(item)), None)
+    if name == "tiny":
+        return f"tiny-{zlib.crc32(item.path.name.encode()) % 2}"
+    return name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test's group, and run the groups first, in _GROUPS' order (scripts/test.sh passes
+    --no-loadscope-reorder: xdist deals work in this order, the longest first, so no long group waits behind
+    short tests), then the rest as collected."""
+    order = {name: i for i, (name, _) in enumerate(_GROUPS)}
+    groups = {}
+    for item in items:
+        group = groups[item.nodeid] = _group(item)
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one after another: the order as collected
+    rank = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (order.get((groups[item.nodeid] or "").split("-")[0], len(order)),
+                                 rank[item.nodeid]))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 - ``hold``: the call (chat or render) is counted in ``held`` and answered ``ok`` only once ``release`` is set:
   a call the test keeps in flight for as long as it needs, with no clock.
 - ``no_ids``: the render route answers a JSON object without ``token_ids``.
+- ``hold_stream``: a streamed call's headers go out, then it is held as ``hold`` holds (a prefill that takes
+  as long as the test needs), then streams ``ok``.
 
 ``/v1/chat/completions/render`` answers ``{"token_ids": PROMPT_IDS}`` (``count_tokens``' bookkeeping under
 the limits; what vLLM's render returns is tested against the real server).
@@ -162,6 +164,8 @@ class FaultInjector:
             return web.json_response(_reply())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "hold_stream":
+            await self._hold()
         if mode == "split":
             for i in range(len(TOKENS)):
                 data = _chunk(i)

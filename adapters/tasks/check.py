@@ -67,6 +67,9 @@ async def _attempt(sb: Sandbox, task: Task, folder: Path, solve: bool, timeout: 
 async def check_task(sb: Sandbox, task: Task, work: Path, threshold: float,
                      timeout: float | None = None, harbor: HarborSettings | None = None) -> Checked:
     out = Checked(task.name)
+    if not task.verifier:
+        out.problem = "no verifier: a judge scores it (steptap tasks run --reward-judge), nothing to check"
+        return out
     if task.solution is None:
         out.problem = "no reference solution (solution/solve.sh)"
         return out

@@ -4,6 +4,7 @@
     steptap tasks check examples/tasks                      # each solution passes, doing nothing fails
     steptap tasks run examples/tasks --agent pi -n 4        # each task a group of 4 episodes
     steptap tasks run data/tasks.jsonl -n 4 -- ./my_agent.sh '{instruction}'
+    steptap tasks run data/tasks.jsonl --reward-judge rubric.md -- ./my_agent.sh   # a judge's reward too
 
 The proxy URL and control token come from ``--proxy`` / ``--control-token`` or STEPTAP_URL /
 STEPTAP_CONTROL_TOKEN (or the file STEPTAP_CONTROL_TOKEN_FILE names). A run keeps its state in ``--run-dir``:
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from steptap.adapters import agents
+from steptap.adapters.judge import add_judge_flags, judge_from_args
 from steptap.adapters.progress import Progress
 from steptap.adapters.run import RunError, preflight
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
@@ -34,7 +36,7 @@ from steptap.adapters.tasks.containers import HarborError, HarborSettings, harbo
 from steptap.adapters.tasks.containers import preflight as preflight_harbor
 from steptap.adapters.tasks.episode import Settings
 from steptap.adapters.tasks.format import Dataset, TaskError, load
-from steptap.adapters.tasks.runner import Plan, RunDirError, TaskRunner, new_run_id, open_run
+from steptap.adapters.tasks.runner import Plan, RunDirError, TaskRunner, new_run_id, open_run, unscored
 from steptap.adapters.tasks.sandbox import LocalSandbox, Sandbox
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token
 
@@ -94,6 +96,8 @@ def _parser_run() -> argparse.ArgumentParser:
                    help="with --sandbox harbor: a Harbor agent by import path, instead of --agent's")
     p.add_argument("--container-proxy", default=None, metavar="URL",
                    help="with --sandbox harbor: the proxy's URL as the containers reach it (default --proxy)")
+    # a judge's reward beside the verifier's; a task with no verifier: the judge's alone (docs/judge.md)
+    add_judge_flags(p.add_argument_group("a judge's reward (docs/judge.md)"))
     p.epilog = ("-- COMMAND...: run it on each instruction ({instruction} marks where; else it is the last "
                 "argument); with --agent, the CLI's own arguments instead of its one-shot form")
     return p
@@ -126,6 +130,7 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
     except ValueError:
         p.error("--pass-k is a comma-separated list of integers")
     args.concurrency = max(1, args.concurrency or min(args.n, 4))
+    args.judge = judge_from_args(args, p.error)
     return args
 
 
@@ -172,8 +177,9 @@ async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
     from steptap.middleware.client import SteptapClient
 
     run_dir = (args.run_dir or Path("runs") / f"tasks-{dataset.name}-{args.agent or 'command'}").resolve()
+    judge = args.judge.rubric_sha256 if args.judge is not None else None
     plan = open_run(run_dir, Plan(new_run_id(), dataset.name, args.n, args.rounds, args.mode, args.agent,
-                                  time.time()), args.fresh)
+                                  time.time(), judge), args.fresh)
     async with SteptapClient(args.proxy, args.control_token) as client:
         await preflight(client, args.proxy)
         model = args.model
@@ -191,7 +197,8 @@ async def _run(args: argparse.Namespace, dataset: Dataset, tasks: list[Any],
                             command=list(args.command), cli=cli if args.agent and harbor is None else None,
                             model=model, harbor=harbor,
                             mode=args.mode, train=args.train, agent_timeout_s=args.agent_timeout,
-                            verifier_timeout_s=args.verifier_timeout, keep=args.keep, run_id=plan.run_id)
+                            verifier_timeout_s=args.verifier_timeout, keep=args.keep, run_id=plan.run_id,
+                            judge=args.judge)
         runner = TaskRunner(tasks, settings, client, rounds=args.rounds, concurrency=args.concurrency,
                             infra_retries=args.infra_retries)
         progress = Progress(len(runner.todo()), "episodes")
@@ -240,6 +247,9 @@ def main_run(argv: list[str]) -> int:
     args = _parse_run(argv)
     try:
         dataset, tasks = _dataset(args)
+        problem = unscored(tasks, args.judge)
+        if problem:
+            raise RunError(problem)
         sb = _sandbox(args)
         runner, interrupted = asyncio.run(_run(args, dataset, tasks, sb))
     except (TaskError, RunError, RunDirError) as exc:

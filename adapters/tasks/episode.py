@@ -1,6 +1,9 @@
 """One episode's life: a session, a fresh copy of the task's folder, the agent in its sandbox on its own
 session URL, then (only once the agent is gone) the verifier with the task's tests, and its reward finishing
-the session, or an infrastructure error with its reason (docs/tasks.md).
+the session, or an infrastructure error with its reason (docs/tasks.md). With a judge (``Settings.judge``,
+docs/judge.md) the judge then scores the session too: its reward is a named one beside the verifier's (a task
+with no verifier is scored by the judge alone), and a judge that fails is an infrastructure error
+(``reward_unavailable``), never a 0.
 
 An episode's folders live under the run directory (``episodes/<task>/r<round>-e<index>-a<attempt>/``): ``app``
 (the working folder, mounted where the task expects it, /app by default), ``home`` (the agent's HOME, at
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from steptap.adapters import agents
+from steptap.adapters.judge import Judge, JudgeError
 from steptap.adapters.run_reward import parse_reward, read_small_file
 from steptap.adapters.runner import explain, session_env
 from steptap.adapters.tasks import containers
@@ -56,6 +60,7 @@ class Settings:
     keep: bool = False  # keep each episode's app and home folders
     run_id: str = ""
     harbor: HarborSettings | None = None  # episodes as Harbor trials in containers (containers.py)
+    judge: Judge | None = None  # scores each session after its verifier (adapters/judge.py)
 
 
 @dataclass
@@ -76,10 +81,20 @@ class Result:
     agent: ProcessEnd | None = None
     verifier: ProcessEnd | None = None
     policy_version: int | None = None  # its last step's (eval runs)
+    verified: float | None = None  # the verifier's reward (the sum of its named ones); None: no verifier ran
+    judged: dict[str, float] | None = None  # the judge's scores: "trajectory", or a step's index, -> score
 
     @property
     def reward(self) -> float | None:
-        return float(sum(self.rewards.values())) if self.status == "finished" and self.rewards else None
+        """The episode's verdict (pass rate, mean reward): the verifier's reward when it ran, else the judge's
+        (per step: the mean of its steps'), else the session's rewards' sum."""
+        if self.status != "finished":
+            return None
+        if self.verified is not None:
+            return self.verified
+        if self.judged:
+            return float(sum(self.judged.values()) / len(self.judged))
+        return float(sum(self.rewards.values())) if self.rewards else None
 
 
 class Infra(Exception):
@@ -154,11 +169,24 @@ class Episode:
             rewards = await containers.episode(self, info, self.s.harbor)
         else:
             await self._agent(info)
-            rewards = await self._verify()
+            rewards = await self._verify() if self.task.verifier else {}
+        if rewards:
+            self.r.verified = float(sum(rewards.values()))
+        if self.s.judge is not None:  # after the verifier (its failure spares the judge's calls)
+            await self._judge(self.s.judge)
         named = {k: v for k, v in rewards.items() if k is not None}
         for name, value in named.items():
             await self.client.add_reward(self.r.session_id, value, name=name)
         await self._finish("finished", reward=rewards.get(None))
+
+    async def _judge(self, judge: Judge) -> None:
+        """The judge scores the session and posts its rewards (a named reward, with its provenance); its calls
+        are a judge session of their own. No score is an infrastructure error, never a 0."""
+        try:
+            verdict = await judge.reward(self.client, self.r.session_id)
+        except JudgeError as exc:
+            raise Infra("reward_unavailable", f"judge: {exc}") from None
+        self.r.judged = {"trajectory" if k is None else str(k): v for k, v in verdict.rewards.items()}
 
     # -- the agent -------------------------------------------------------------------------------------
     def _command(self, info: Any, home: Path) -> tuple[list[str], dict[str, str]]:

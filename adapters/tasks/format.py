@@ -24,7 +24,8 @@ or ``task.toml``), one task directory, or a ``.jsonl`` / ``.parquet`` file of ro
 
 ``folder`` (copied to the working folder), ``tests`` (copied to /tests for the verifier only) and relative
 paths are resolved from the file's directory; ``verifier`` is a shell command that writes the reward file as
-test.sh does; only ``instruction`` and ``verifier`` are required. Other columns are ignored.
+test.sh does; only ``instruction`` is required: a row with no ``verifier`` (``null`` or absent) is scored by
+a judge alone (``steptap tasks run --reward-judge``, docs/judge.md). Other columns are ignored.
 
 A task's identity is its dataset's name, its own name and a content hash of everything that defines it (the
 folder's files, names, modes and link targets; a row's fields too), so a solve rate by task can be computed
@@ -77,7 +78,7 @@ class TaskId:
 class Task:
     id: TaskId
     instruction: str
-    verifier: str  # a shell command run in the working folder, /tests beside it
+    verifier: str  # a shell command run in the working folder, /tests beside it ("": none, a judge scores it)
     app: Path | None = None  # copied to the working folder (None: it starts empty)
     app_exclude: frozenset[str] = frozenset()  # names left out at app's top level
     tests: Path | None = None  # copied to /tests for the verifier only
@@ -270,8 +271,9 @@ def task_from_row(row: dict[str, Any], index: int, base: Path, dataset: str, whe
     instruction, verifier = row.get("instruction"), row.get("verifier")
     if not isinstance(instruction, str):
         raise TaskError(f"{where}: no instruction (a string)")
-    if not isinstance(verifier, str) or not verifier.strip():
-        raise TaskError(f"{where}: no verifier (a shell command that writes {VERIFIER_DIR}/reward.txt)")
+    if verifier is not None and (not isinstance(verifier, str) or not verifier.strip()):
+        raise TaskError(f"{where}: verifier must be a shell command that writes {VERIFIER_DIR}/reward.txt "
+                        "(or none: the run's judge scores the row)")
     solution = row.get("solution")
     if solution is not None and not isinstance(solution, str):
         raise TaskError(f"{where}: solution must be a shell command")
@@ -288,7 +290,7 @@ def task_from_row(row: dict[str, Any], index: int, base: Path, dataset: str, whe
     return Task(
         id=TaskId(dataset, name, _digest(h)),
         instruction=_instruction(instruction, Path(where)),
-        verifier=verifier,
+        verifier=verifier or "",
         app=app,
         tests=tests,
         solution=solution or None,

@@ -45,6 +45,7 @@ class Plan:
     mode: str
     agent: str | None
     created: float
+    judge: str | None = None  # the judge's rubric's sha256 (--reward-judge): a resumed run is judged alike
 
 
 def open_run(run_dir: Path, plan: Plan, fresh: bool) -> Plan:
@@ -58,7 +59,7 @@ def open_run(run_dir: Path, plan: Plan, fresh: bool) -> Plan:
             held = Plan(**json.loads(path.read_text()))
         except (ValueError, TypeError) as exc:
             raise RunDirError(f"{path}: not a task run's file ({exc}); use another --run-dir") from None
-        for key in ("dataset", "n", "rounds", "mode", "agent"):
+        for key in ("dataset", "n", "rounds", "mode", "agent", "judge"):
             if getattr(held, key) != getattr(plan, key):
                 raise RunDirError(f"{run_dir} holds a run with {key} {getattr(held, key)!r}, not "
                                   f"{getattr(plan, key)!r}: resume it as it was, or pass --fresh or another "
@@ -89,7 +90,7 @@ def state_line(r: Result) -> dict[str, Any]:
     return {"task": r.task, "hash": r.hash, "round": r.round, "index": r.index, "attempt": r.attempt,
             "group_id": r.group_id, "session_id": r.session_id, "status": r.status, "reward": r.reward,
             "rewards": r.rewards, "infra_cause": r.infra_cause, "error": r.error, "steps": r.steps,
-            "calls": r.calls, "policy_version": r.policy_version,
+            "calls": r.calls, "policy_version": r.policy_version, "judge": r.judged,
             "agent": msgspec.to_builtins(r.agent) if r.agent else None, "at": time.time()}
 
 
@@ -103,6 +104,9 @@ class TaskRunner:
                  on_result: Callable[[dict[str, Any]], None] | None = None) -> None:
         if settings.n < 1 or rounds < 1 or concurrency < 1 or infra_retries < 0:
             raise ValueError("n, rounds and concurrency must be at least 1, infra_retries at least 0")
+        problem = unscored(tasks, settings.judge)
+        if problem:
+            raise ValueError(problem)
         self.tasks, self.s, self.client = tasks, settings, client
         self.rounds, self.concurrency, self.infra_retries = rounds, concurrency, infra_retries
         self.on_result = on_result
@@ -172,6 +176,15 @@ class TaskRunner:
         self.infra_errors += result.status == "infra_error"
         if self.on_result is not None:
             self.on_result(line)
+
+
+def unscored(tasks: list[Task], judge: Any) -> str | None:
+    """Why the run cannot score its tasks (a task with no verifier, and no judge), or None."""
+    bare = [t.name for t in tasks if not t.verifier]
+    if bare and judge is None:
+        return (f"{len(bare)} task(s) have no verifier ({', '.join(bare[:3])}): give --reward-judge RUBRIC "
+                "to have a judge score them (docs/judge.md)")
+    return None
 
 
 def new_run_id() -> str:

@@ -51,6 +51,7 @@ class Summary(msgspec.Struct, kw_only=True):
     anonymous: bool = False
     task: tuple[str, str, str] | None = None  # a task episode's (dataset, name, hash): metadata["task"]
     infra_cause: str | None = None
+    verdict: float = 0.0  # a task episode's score for the solve grid (task_verdict)
 
 
 def task_of(metadata: dict[str, Any]) -> tuple[str, str, str] | None:
@@ -63,6 +64,15 @@ def task_of(metadata: dict[str, Any]) -> tuple[str, str, str] | None:
     return None
 
 
+def task_verdict(traj: Trajectory) -> float:
+    """What a task episode scored, as ``steptap tasks`` counts its pass rate (docs/tasks.md): its verifier's
+    rewards, i.e. the trajectory's but a judge's (a reward whose provenance names a rubric); an episode that a
+    judge alone scored: the judge's."""
+    judges = {name for name, p in traj.reward_provenance.items() if "rubric_sha256" in p}
+    own = [v for name, v in traj.rewards.items() if name not in judges]
+    return float(sum(own)) if own else traj.reward
+
+
 def summarize(traj: Trajectory, at: str, version: int) -> Summary:
     meta = json.dumps(traj.metadata, default=str)
     return Summary(id=traj.id, at=at, group_id=traj.group_id, status=traj.status, mode=traj.mode,
@@ -70,7 +80,7 @@ def summarize(traj: Trajectory, at: str, version: int) -> Summary:
                    steps=len(traj.step_refs) or len(traj.steps),
                    version=version, created_at=traj.created_at, finished_at=traj.finished_at,
                    metadata=meta[:MAX_METADATA_CHARS], error=traj.error, anonymous=traj.anonymous,
-                   task=task_of(traj.metadata), infra_cause=traj.infra_cause)
+                   task=task_of(traj.metadata), infra_cause=traj.infra_cause, verdict=task_verdict(traj))
 
 
 class RunIndex:
@@ -154,7 +164,7 @@ class RunIndex:
             cell[2] += 1
         else:
             cell[0] += 1
-            cell[1] += s.reward >= SOLVED_AT
+            cell[1] += s.verdict >= SOLVED_AT
 
     def room_for_mark(self, tid: str) -> bool:
         return len(self.marks.get(tid, ())) < MAX_MARKS_PER_TRAJECTORY

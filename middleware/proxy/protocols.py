@@ -38,6 +38,11 @@ STORE_KEY = web.AppKey("steptap_response_store", responses.ResponseStore)
 PROTOCOL_ENDPOINTS = (responses.ENDPOINT, messages.ENDPOINT, gemini.ENDPOINT)
 
 
+# An SSE comment: a line starting with ':' is no event (the SSE spec); the OpenAI and Anthropic SDKs, Codex
+# and Node's eventsource parsers skip it
+HEARTBEAT = b": waiting for the model\n\n"
+
+
 class Protocol:
     endpoint: str
     chat: dict[str, Any]
@@ -46,6 +51,8 @@ class Protocol:
     # what the proxy did that the request does not show (Step.notes): each drop, a translation choice
     notes: list[str] = []  # recorded on the call's steps
     handles: dict[int, str] = {}  # assistant message -> the reasoning handle it was replayed with (tito.py)
+    # sent while a stream waits on the backend (sse.py): an SSE comment, which this protocol's clients skip
+    heartbeat: bytes = HEARTBEAT
 
     async def adapt(self, upstream: BackendClient, served: str) -> None:
         """Translation choices that depend on the backend's template (asked once per replica and model)."""
@@ -180,6 +187,8 @@ class Messages(Protocol):
 
 class Gemini(Protocol):
     endpoint = gemini.ENDPOINT
+    # none: Google's SDK reads its buffer's `data:` events from the start, and a comment there stalls it
+    heartbeat = b""
 
     def __init__(self, body: dict[str, Any], model: str, stream: bool = False,
                  count_only: bool = False) -> None:

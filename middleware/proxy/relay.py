@@ -213,6 +213,7 @@ class _Call(StreamRelay):
         self.notes: list[str] = []  # recorded on this call's steps beside the protocol's
         self.chat: dict[str, Any] = {}  # the chat body sent upstream
         self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
+        self.heartbeat_s = request.app[CONFIG_KEY].stream_heartbeat_s
         self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
         self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
         self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)

@@ -18,6 +18,7 @@ from aiohttp import web
 from steptap.middleware.errors import error_body, status_of
 from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, DomainError
 from steptap.middleware.proxy import capture, prompts, tito
+from steptap.middleware.proxy.protocols import HEARTBEAT
 from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
@@ -63,6 +64,7 @@ class StreamRelay:
     acc: capture.ChatStream | capture.CompletionStream | None
     proto: Protocol | None
     write_timeout: float
+    heartbeat_s: float  # 0: none
     spans: Spans | None
     manager: SessionManager
     session: LiveSession
@@ -179,6 +181,7 @@ class StreamRelay:
             batches = source  # already line batches (token-in-token-out)
         proto = self.proto
         echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
+        beat = (HEARTBEAT if proto is None else proto.heartbeat) if self.heartbeat_s > 0 else b""
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
@@ -187,11 +190,12 @@ class StreamRelay:
                 # (weights/spans.py): where a keep swap splits this call.
                 self.waiting = True
                 try:
-                    lines = await anext(batches)
+                    lines = await (self._first_read(batches, out, beat) if beat else anext(batches))
                 except StopAsyncIteration:
                     break
                 finally:
                     self.waiting = False
+                beat = b""  # the backend answered: its tokens follow one another
                 parts: list[bytes] = []
                 for line in lines:
                     if not line.startswith(b"data:"):
@@ -250,6 +254,21 @@ class StreamRelay:
         if failure is None and not done:
             failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
         return failure, upstream_error, done
+
+    async def _first_read(self, batches: Any, out: web.StreamResponse, beat: bytes) -> list[bytes]:
+        """The backend's first read (its prefill), with ``beat`` (an SSE comment) to the agent every
+        ``heartbeat_s`` seconds meanwhile: an agent's HTTP idle timeout sees the stream alive (opencode's gave
+        up after 300 s without a byte, and a CPU vLLM's prefill of several agents' first prompts took longer),
+        and an agent that left is noticed (``_AgentGone``) before the backend answers."""
+        read: asyncio.Future[list[bytes]] = asyncio.ensure_future(anext(batches))
+        try:
+            while not (await asyncio.wait({read}, timeout=self.heartbeat_s))[0]:
+                await _send(out, beat, self.write_timeout)
+            return read.result()
+        finally:
+            if not read.done():  # the agent left, or this call was cancelled: stop the read before aclose
+                read.cancel()
+                await asyncio.wait({read})
 
 
 async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncGenerator[list[bytes], None]:

@@ -129,16 +129,18 @@ def cli_args(agent: str, work: Path) -> list[str]:
 
 
 def printed_text(agent: str, stdout: str) -> str:
-    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    def lines() -> list[dict[str, Any]]:  # JSON lines (Codex, opencode): OpenClaw's one document spans lines
+        return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
     if agent == "claude-code":
         return json.loads(stdout)["result"]
     if agent == "codex":  # --json: JSON lines; the agent's messages are item.completed agent_message items
-        return "\n".join(e["item"]["text"] for e in lines if e.get("type") == "item.completed"
+        return "\n".join(e["item"]["text"] for e in lines() if e.get("type") == "item.completed"
                          and e["item"].get("type") == "agent_message")
     if agent == "openclaw":  # --json: one JSON document; the model's last reply is `final`
         return json.loads(stdout)["final"]
     if agent == "opencode":  # --format json: JSON lines; its text parts
-        return "\n".join(e["part"]["text"] for e in lines if e.get("type") == "text")
+        return "\n".join(e["part"]["text"] for e in lines() if e.get("type") == "text")
     return stdout  # pi -p and vibe -p print the reply as it is
 
 
@@ -197,7 +199,8 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
     call the CLI itself gave up on (its own request timeout, on a loaded CPU backend whose prefill of a
     15-40k-token prompt outlasts it: opencode, then sending it again) is a failed step `client_gone`: left out
     here. Which of opencode's title call and its loop's first call is recorded first decides only the rules
-    (`supersedes` / `superseded`, or `first` / `other`), never the classes."""
+    (`supersedes` / `superseded`, or `first` / `other`), never the classes; a title call it gave up leaves no
+    side call."""
     steps = [s for s in traj.steps if s.status == "ok"]
     gave_up = [s.error.type for s in traj.steps if s.status != "ok"]
     assert set(gave_up) <= {"client_gone"}, (agent, [s.error for s in traj.steps])
@@ -206,7 +209,10 @@ def check_steps(agent: str, traj: Any, printed_text: str, model_dir: Path, tok: 
                                                               if s not in line])
     expected = (CLASSES.get(agent, MAIN_LINE), SIDE_CALLS.get(agent, []))
     if agent == "opencode" and classes[0][:1] == [("main", "first")]:  # its loop's first call came first
-        expected = ([("main", "first"), *expected[0][1:]], [("side", "other")])
+        # ... or its title call (no tools) never came back in time: opencode gave it up (client_gone, measured
+        # at 305 s while six agents' first prompts queued on one vLLM thread) and went on without a title
+        titled = any(not s.request.get("tools") for s in steps)
+        expected = ([("main", "first"), *expected[0][1:]], [("side", "other")] if titled else [])
     assert classes == expected, agent
     tool_steps = [s for s in line if s.finish_reason == "tool_calls"]
     text = [tok.decode(s.response_token_ids, skip_special_tokens=True) for s in line]
@@ -311,6 +317,8 @@ def protocol_checks(agent: str, steps: list[Any], stdout: str, proxy: Any) -> No
         assert all(any("hosted tool 'web_search' dropped" in n for n in s.notes) for s in steps)
 
 
+# six CLIs and a Python agent side by side on two cores: 843 s of call at load 5-9 (default bound: 900 s)
+@pytest.mark.timeout(1800)
 async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer_exactly(
     long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
 ) -> None:
@@ -413,6 +421,31 @@ def test_a_missing_agent_cli_is_one_clear_line_and_opens_no_session(long_proxy: 
     assert out.returncode == 2, out.stderr
     assert "pi (pi) is neither on PATH nor in" in out.stderr and "install_agents.sh" in out.stderr
     assert "Traceback" not in out.stderr and "session" not in out.stderr
+
+
+def test_openclaw_takes_the_config_run_agent_writes_and_refuses_a_key_it_does_not_know(
+        agent_cli: Any, tmp_path: Path) -> None:
+    """OpenClaw's config schema is strict: `openclaw config validate` (the installed CLI) accepts the provider
+    `run --agent openclaw` writes, its `timeoutSeconds` included, and names a key it does not know."""
+    from steptap.adapters import agents
+
+    agent_cli("openclaw")
+    launch = agents.prepare("openclaw", base_url="http://127.0.0.1:9/v1", api_key="k", model="m",
+                            home=tmp_path / "home", args=["config", "validate"])
+    config = Path(launch.env["OPENCLAW_CONFIG_PATH"])
+    assert json.loads(config.read_text())["models"]["providers"]["steptap"]["timeoutSeconds"] == 1800
+
+    def validate() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(launch.argv, env={**os.environ, **launch.env}, capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    valid = validate()
+    assert valid.returncode == 0 and "Config valid" in valid.stdout, valid.stdout + valid.stderr
+    wrong = json.loads(config.read_text())
+    wrong["models"]["providers"]["steptap"]["timeoutSecondz"] = 5
+    config.write_text(json.dumps(wrong))
+    invalid = validate()
+    assert invalid.returncode == 1 and 'Unrecognized key: "timeoutSecondz"' in invalid.stderr, invalid.stderr
 
 
 def test_codex_calls_its_goal_tool_mid_session_and_completes(long_proxy: Any, long_vllm: Any, agent_cli: Any,

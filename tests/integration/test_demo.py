@@ -19,7 +19,9 @@ from conftest import missing
 from steptap.middleware.health import diagnose
 
 ROOT = Path(__file__).resolve().parents[2]
-MINUTES = float(os.environ.get("STEPTAP_TEST_DEMO_MINUTES", "5"))
+# A bound, not the run's length: the demo stops at --target (0.7), in 2-3 minutes of learning on a quiet
+# machine; the suite's other workers share the cores, so the bound leaves room for a slower climb.
+MINUTES = float(os.environ.get("STEPTAP_TEST_DEMO_MINUTES", "12"))
 MARGIN = 0.25  # the tiny model starts near 0.06 on this task; a working loop gets far above start + margin
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -31,6 +33,7 @@ def _vllm_venv_ready() -> bool:
     return (default_venv() / "bin" / "python").exists()
 
 
+@pytest.mark.timeout(int(MINUTES * 60 + 900))
 def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     if not _vllm_venv_ready():
         missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")

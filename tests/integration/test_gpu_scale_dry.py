@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the group's rewards are 1 and 0 (its argument is the instruction).
 AGENT = """
 import json, os, sys, urllib.request
-body = {"model": os.environ["OPENAI_MODEL"], "max_tokens": 8,
-        "messages": [{"role": "user", "content": sys.argv[1]}]}
+body = {"max_tokens": 8, "messages": [{"role": "user", "content": sys.argv[1]}]}
+if os.environ.get("OPENAI_MODEL"):  # named when the run names one; else the proxy serves its model
+    body["model"] = os.environ["OPENAI_MODEL"]
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
                              {"Content-Type": "application/json",
                               "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})

@@ -5,7 +5,7 @@ on the right step (or the trajectory), the judge's next-turn reading changes the
 judge's calls are a ``judge`` session of their own that the learner never trains, a judge answering garbage
 ends the session as an infrastructure failure with the error, and the provenance reaches ``steptap export``.
 ``steptap run --reward-judge`` drives the first four; the proxy's reward callback (the HTTP finish) the
-last."""
+last; ``steptap tasks run --reward-judge`` the judge beside a task's verifier, or alone where it has none."""
 
 from __future__ import annotations
 
@@ -152,3 +152,67 @@ async def test_the_judge_as_the_proxys_reward_callback_at_finish(
     bad = await episode("nonsense")
     assert bad["status"] == INFRA_FAILURE and bad["rewards"] == {}
     assert bad["error"].startswith("no reward: the judge answered no score")
+
+
+# The agent of a task run: one model call, through the episode's bridge, with the instruction as the user turn
+TASK_AGENT = r"""
+import json, os, sys, urllib.request
+base, key, model = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], os.environ["OPENAI_MODEL"]
+body = json.dumps({"model": model, "max_tokens": 4,
+                   "messages": [{"role": "user", "content": sys.argv[1]}]}).encode()
+req = urllib.request.Request(base + "/chat/completions", body,
+                             {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+with opener.open(req, timeout=300) as r:
+    print(json.loads(r.read())["choices"][0]["message"]["content"])
+"""
+
+
+def test_a_task_run_is_judged_beside_its_verifier_and_alone_without_one(
+    long_proxy: Any, long_vllm: Any, tmp_path: Path
+) -> None:
+    """``steptap tasks run --reward-judge``: a row with a verifier gets the judge's reward beside the
+    verifier's (the pass rate stays the verifier's), a row with none is scored by the judge alone, and a judge
+    answering garbage ends its episode as an infrastructure failure (reward_unavailable), its judge session
+    aborted."""
+    (tmp_path / "rubric.md").write_text(RUBRIC)
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "agent.py").write_text(TASK_AGENT)
+    rows = [{"name": "verified", "instruction": "the task: STEPTAP_JUDGE_SCORE=7", "folder": "agent",
+             "verifier": "echo 1 > /logs/verifier/reward.txt"},
+            {"name": "open", "instruction": "the task: STEPTAP_JUDGE_SCORE=4", "folder": "agent"},
+            {"name": "garbage", "instruction": "the task: STEPTAP_JUDGE_SCORE=garbage", "folder": "agent"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run", str(tmp_path / "rows.jsonl"),
+           "-n", "1", "--concurrency", "3", "--infra-retries", "0", "--proxy", long_proxy.url,
+           "--model", long_vllm.served_model,
+           "--run-dir", str(tmp_path / "run"), "--json", "--reward-judge", str(tmp_path / "rubric.md"),
+           "--", "python3", "/app/agent.py", "{instruction}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                          env={**os.environ, "STEPTAP_CONTROL_TOKEN": long_proxy.token})
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    tasks = {row["task"]: row for row in summary["tasks"]}
+    # the verdict: the verifier's where there is one (not 1 + 7), else the judge's
+    assert (tasks["verified"]["passed"], tasks["verified"]["reward_mean"]) == (1, 1.0)
+    assert (tasks["open"]["passed"], tasks["open"]["reward_mean"]) == (1, 4.0)
+    assert summary["infra_errors"] == {"reward_unavailable": 1}
+    state = (tmp_path / "run" / "state.jsonl").read_text().splitlines()
+    lines = {r["task"]: r for r in map(json.loads, state)}
+    assert lines["verified"]["judge"] == {"trajectory": 7.0} and lines["open"]["judge"] == {"trajectory": 4.0}
+    client = SyncSteptapClient(long_proxy.url, long_proxy.token)
+    verified = client.get_session(lines["verified"]["session_id"])
+    assert verified.status == "finished" and verified.rewards == {"reward": 1.0, "judge": 7.0}
+    assert verified.reward == 8.0  # what trains: the named rewards' sum
+    opened = client.get_session(lines["open"]["session_id"])
+    assert opened.status == "finished" and opened.rewards == {"judge": 4.0}
+    prov = opened.reward_provenance["judge"]
+    assert prov["rubric_sha256"] == hashlib.sha256(RUBRIC.encode()).hexdigest() and prov["votes"] == "4"
+    judged = client.get_session(str(prov["judge_session"]))
+    assert judged.mode == "judge" and judged.metadata["judge_of"] == opened.id and judged.status == "finished"
+    assert [s.response.get("content") for s in judged.steps] == ["SCORE: 4"]
+    failed = client.get_session(lines["garbage"]["session_id"])
+    assert failed.status == INFRA_FAILURE and failed.infra_cause == "reward_unavailable"
+    assert failed.rewards == {} and failed.error is not None
+    assert failed.error.startswith("judge: the judge answered no score from 0 to 10 in 1 of 1 samples")
+    assert lines["garbage"]["error"] == failed.error and lines["garbage"]["reward"] is None

@@ -247,6 +247,46 @@ async def test_agent_hanging_up_mid_stream_records_a_failed_step(
     assert status == 200
 
 
+async def test_a_stream_waiting_on_the_backend_sends_heartbeats_and_notices_an_agent_that_left(
+    aiohttp_server: Any, make_proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    """While vLLM prefills (headers out, no token yet) the agent gets an SSE comment every
+    ``stream_heartbeat_s``: its idle timer sees the stream alive, the events that follow are vLLM's, and the
+    step is recorded whole. An agent that leaves meanwhile is recorded ``client_gone`` without waiting for the
+    backend, whose call is let go."""
+    injector = FaultInjector()
+    server = await aiohttp_server(injector.app)
+    proxy = await make_proxy(str(server.make_url("")).rstrip("/"), stream_heartbeat_s=0.05)
+    injector.mode = "hold_stream"
+    manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
+    resp = await http.post(f"{proxy.url}/s/beat/v1/chat/completions", json={**good(MODEL), "stream": True})
+    beats = 0
+    while beats < 3:  # they keep coming for as long as the backend holds the call
+        line = await resp.content.readline()
+        assert line in (b": waiting for the model\n", b"\n"), line
+        beats += line.startswith(b":")
+    pending = manager.sessions.get("auto:beat")  # an auto session exists once its first step is recorded
+    assert injector.held == 1 and (pending is None or not pending.trajectory.steps)
+    injector.release.set()
+    body = await resp.read()
+    events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and all(json.loads(e)["choices"] for e in events[:-1])
+    (step,) = manager.sessions["auto:beat"].trajectory.steps
+    assert step.status == "ok" and step.response_token_ids
+
+    injector.release.clear()
+    resp = await http.post(f"{proxy.url}/s/left/v1/chat/completions", json={**good(MODEL), "stream": True})
+    assert (await resp.content.readline()).startswith(b":")
+    resp.close()  # the agent leaves during the prefill
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if "auto:left" in manager.sessions and manager.sessions["auto:left"].trajectory.steps:
+            break
+    (step,) = manager.sessions["auto:left"].trajectory.steps  # recorded with the backend never released
+    assert step.status == "failed" and step.error.type == "client_gone"
+    assert injector.held == 0  # and the backend's call let go (vLLM aborts a request whose connection closes)
+
+
 async def test_unknown_model_routes_under_a_session_path_are_404(
     faulty: tuple[FaultInjector, Proxy], http: aiohttp.ClientSession
 ) -> None:

@@ -69,7 +69,8 @@ def test_codex_gets_a_private_codex_home_with_a_responses_provider(tmp_path: Pat
     assert config == {
         "model": MODEL, "model_provider": "steptap", "check_for_update_on_startup": False,
         "model_providers": {"steptap": {"name": "steptap", "base_url": BASE, "env_key": "STEPTAP_API_KEY",
-                                        "wire_api": "responses"}},
+                                        "wire_api": "responses",
+                                        "stream_idle_timeout_ms": agents.CODEX_STREAM_IDLE_MS}},
         "analytics": {"enabled": False},
     }
     assert launch.env["STEPTAP_API_KEY"] == KEY
@@ -82,6 +83,7 @@ def test_openclaw_gets_a_custom_provider_and_private_state(tmp_path: Path) -> No
     provider = config["models"]["providers"]["steptap"]  # not `openai`: OpenClaw routes that id through Codex
     assert config["models"]["mode"] == "merge"
     assert provider == {"baseUrl": BASE, "apiKey": "${STEPTAP_API_KEY}", "api": "openai-completions",
+                        "timeoutSeconds": 1800,  # its 300 s default: agents.MODEL_REQUEST_TIMEOUT_S
                         "models": [{"id": MODEL, "name": MODEL, "contextWindow": 65536, "maxTokens": 4096}]}
     assert config["agents"]["defaults"]["model"]["primary"] == f"steptap/{MODEL}"
     state = Path(launch.env["OPENCLAW_STATE_DIR"])

@@ -50,3 +50,20 @@ async def test_the_solve_grid_counts_episodes_by_task_and_version(make_proxy: An
     async with http.get(url, headers=proxy.control) as resp:
         listed = (await resp.json())["sessions"]
     assert [r["id"] for r in listed] == [last] and listed[0]["infra_cause"] == "verifier_crash"
+
+
+async def test_the_solve_grid_reads_the_verifiers_verdict_not_a_judges(make_proxy: Any, http: Any) -> None:
+    """A judge's reward beside the verifier's (``steptap tasks run --reward-judge``) trains but does not solve
+    a task: the grid reads the verifier's rewards; an episode scored by a judge alone, the judge's."""
+    proxy = await make_proxy("http://127.0.0.1:9")
+    judge = {"model": "tiny", "rubric_sha256": "ab" * 32}
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        for k, (verifier, judged) in enumerate([(0.0, 7.0), (1.0, 2.0), (None, 4.0), (None, 0.5)]):
+            s = await client.open_session(metadata={"task": TASK, "episode": k})
+            await client.add_reward(s.id, judged, name="judge", provenance=judge)
+            await client.finish(s.id, reward=verifier)
+            if k == 0:
+                traj = await client.get_session(s.id)
+                assert traj.reward == 7.0  # what trains: the sum
+    grid = await _grid(http, proxy, 4)
+    assert grid["tasks"][0]["versions"] == {"0": {"episodes": 4, "solved": 2, "infra_errors": 0}}

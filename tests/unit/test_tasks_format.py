@@ -144,8 +144,10 @@ def test_bad_datasets_are_one_line_each(tmp_path: Path) -> None:
     assert _problem(rows).startswith(f"{rows} line 2: not JSON")
     rows.write_text('[1, 2]\n')
     assert _problem(rows) == f"{rows} line 1: a row is a JSON object"
-    rows.write_text('{"instruction": "x"}\n')
-    assert "row 0: no verifier" in _problem(rows)
+    rows.write_text('{"instruction": "x", "verifier": " "}\n')
+    assert "row 0: verifier must be a shell command" in _problem(rows)
+    rows.write_text('{"instruction": "x"}\n{"instruction": "y", "verifier": null}\n')
+    assert [t.verifier for t in load(rows).tasks] == ["", ""]  # no verifier: a judge scores them (run)
     rows.write_text('{"verifier": "true"}\n')
     assert _problem(rows) == f"{rows} row 0: no instruction (a string)"
     rows.write_text('{"instruction": "x", "verifier": "true", "folder": "missing"}\n')

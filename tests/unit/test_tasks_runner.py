@@ -5,6 +5,7 @@ learner), and a rerun that runs only the episodes without a verdict, in the grou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -193,14 +194,71 @@ async def test_a_rerun_runs_only_the_episodes_without_a_verdict(make_proxy: Any,
 
 
 def test_a_run_folder_resumes_only_the_same_run(tmp_path: Path) -> None:
-    def plan(run_id: str, n: int = 4) -> Plan:
-        return Plan(run_id, "suite", n, 1, "train", "pi", 0.0)
+    def plan(run_id: str, n: int = 4, judge: str | None = None) -> Plan:
+        return Plan(run_id, "suite", n, 1, "train", "pi", 0.0, judge)
 
     assert open_run(tmp_path, plan("tasks-a"), fresh=False) == plan("tasks-a")
     assert open_run(tmp_path, plan("tasks-b"), fresh=False).run_id == "tasks-a"  # resumed: its own id
     with pytest.raises(RunDirError, match="holds a run with n 4, not 8: resume it as it was, or pass"):
         open_run(tmp_path, plan("tasks-c", 8), fresh=False)
+    with pytest.raises(RunDirError, match="holds a run with judge None, not 'abc'"):  # judged alike, or not
+        open_run(tmp_path, plan("tasks-c", judge="abc"), fresh=False)
     assert open_run(tmp_path, plan("tasks-c", 8), fresh=True).run_id == "tasks-c"
+
+
+async def test_a_judge_that_cannot_score_is_an_infrastructure_error_never_a_zero(
+        make_proxy: Any, sandbox: LocalSandbox, http: Any, tmp_path: Path) -> None:
+    """--reward-judge in a task run: a row with a verifier and one without (the judge alone scores it). The
+    agent makes no model call, so the judge has nothing to score: each episode (and its retry) ends
+    infra_error, cause reward_unavailable, with the judge's error, and none of the verifier's rewards."""
+    from steptap.adapters.judge import Judge, JudgeConfig
+
+    proxy = await make_proxy(NO_BACKEND)
+    ds = load(_rows(tmp_path, [
+        {"name": "verified", "instruction": "go",
+         "verifier": "echo '{\"reward\": 1, \"style\": 0.5}' > /logs/verifier/reward.json"},
+        {"name": "judged", "instruction": "go"},
+    ]))
+    judge = Judge(JudgeConfig(rubric="Score the answer."))
+    runner = await _run(proxy, sandbox, ds.tasks, tmp_path / "run", ["true"], n=1, judge=judge)
+    lines = runner.results
+    assert sorted((r["task"], r["attempt"], r["status"], r["infra_cause"]) for r in lines) == [
+        (task, attempt, "infra_error", "reward_unavailable") for task in ("judged", "verified")
+        for attempt in (0, 1)]
+    for r in lines:
+        assert r["reward"] is None and r["judge"] is None
+        assert r["error"] == f"judge: session {r['session_id']} has no step to judge"
+    # the verifier ran (its verdict is in the episode's folder), but its rewards were never posted
+    assert json.loads((tmp_path / "run" / "episodes" / "verified" / "r0-e0-a0" / "verifier" /
+                       "reward.json").read_text()) == {"reward": 1, "style": 0.5}
+    assert not (tmp_path / "run" / "episodes" / "judged" / "r0-e0-a0" / "verifier").exists()
+    async with SteptapClient(proxy.url, proxy.token) as client:
+        trajs = await _stream(client, 4)
+    assert {t.status for t in trajs} == {"infra_error"} and all(t.rewards == {} for t in trajs)
+    async with http.get(f"{proxy.url}/metrics") as resp:
+        assert 'steptap_infra_errors_total{cause="reward_unavailable"} 4.0' in await resp.text()
+
+
+def test_a_task_with_no_verifier_needs_a_judge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from steptap.adapters.tasks import cli
+    from steptap.adapters.tasks.runner import unscored
+
+    rows = _rows(tmp_path, [{"name": "open-ended", "instruction": "write a poem"}])
+    ds = load(rows)
+    settings = Settings(proxy_url=NO_BACKEND, sandbox=LocalSandbox(), run_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match=r"1 task\(s\) have no verifier \(open-ended\): give --reward-judge"):
+        TaskRunner(ds.tasks, settings, client=None)
+    assert unscored(ds.tasks, judge=object()) is None
+    base = ["run", str(rows), "--proxy", NO_BACKEND, "--control-token", "t", "--run-dir", str(tmp_path / "r")]
+    assert cli.main([*base, "--", "true"]) == 2  # before any proxy call
+    assert "have no verifier (open-ended): give --reward-judge RUBRIC" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # the judge's flags as steptap run reads them
+        cli.main([*base, "--reward-judge", str(tmp_path / "missing.md"), "--", "true"])
+    assert bad.value.code == 2 and "--reward-judge: " in capsys.readouterr().err
+    from steptap.adapters.tasks.check import check_task
+
+    checked = asyncio.run(check_task(LocalSandbox(), ds.tasks[0], tmp_path / "check", 1.0))
+    assert checked.problem is not None and checked.problem.startswith("no verifier: a judge scores it")
 
 
 async def test_ctrl_c_records_the_episodes_interrupted_and_a_rerun_runs_them(make_proxy: Any,

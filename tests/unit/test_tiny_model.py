@@ -127,12 +127,12 @@ def test_cli_builds_the_model(tmp_path: Path) -> None:
 def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_path: Path,
                                                                          tiny_model_dir: Path) -> None:
     """--long-context: the positions agent CLIs need, and a steady pull towards <|im_end|> (replies of ~25
-    tokens at temperature 1, not max_tokens); everything else as the default model."""
+    tokens at temperature 1, not max_tokens), one layer; the default model's tokenizer and shapes."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from steptap.learner.tiny_model import EOT_DIM, LONG_CONTEXT
+    from steptap.learner.tiny_model import EOT_DIM, LONG_CONTEXT, LONG_LAYERS
 
     out = build_tiny_model(tmp_path / "long", seed=0, long_context=True)
     config = json.loads((out / "config.json").read_text())
@@ -143,8 +143,10 @@ def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_pat
         load_file(str(out / "model.safetensors")),
         load_file(str(tiny_model_dir / "model.safetensors")),
     )
-    assert long.keys() == short.keys()
-    assert long["model.layers.0.mlp.up_proj.weight"].equal(short["model.layers.0.mlp.up_proj.weight"])
+    # one layer: the prefill of an agent CLI's prompt is all attention
+    assert config["num_hidden_layers"] == LONG_LAYERS == 1
+    assert long.keys() == {k for k in short
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
     assert not long["lm_head.weight"].equal(short["lm_head.weight"])
 
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -156,7 +158,7 @@ def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_pat
         with torch.no_grad():
             out_ = model(ids, output_hidden_states=True)
         held = out_.hidden_states[-1][0, :, EOT_DIM]
-        assert held.min() > 3.5 and held.max() < 4.5  # near-constant after the final norm, at every position
+        assert held.min() > 8.0 and held.max() < 10.0  # near-constant after the final norm, everywhere
         probs = out_.logits[0, -1].softmax(-1)
         assert int(probs.argmax()) == im_end
         assert 0.02 < float(probs[im_end]) < 0.08, float(probs[im_end])  # mean reply ~1/p tokens
