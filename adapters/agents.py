@@ -101,13 +101,18 @@ def under_temp(path: Path) -> bool:
                for t in {Path(tempfile.gettempdir()).resolve(), Path("/tmp").resolve()})
 
 
+def homes_root() -> Path:
+    """Where the agents' private homes go: ``$STEPTAP_AGENT_HOMES``, else the user's cache."""
+    return Path(os.environ.get(HOMES_ENV) or cache_root() / "agent-homes")
+
+
 def new_agent_home(root: Path | None = None) -> Path:
     """A fresh private (0700) directory for one run's agent settings and state, which the caller removes:
     under ``root`` (default ``$STEPTAP_AGENT_HOMES``, else the user's cache), never in the temp directory.
     Codex >= 0.169 refuses to create its sandbox helpers (``codex-linux-sandbox``) under the temp directory,
     and every sandboxed shell command then fails (``bwrap: execvp codex-linux-sandbox``): AgentError there.
     ``steptap run`` and the task runner both take their agent homes from here."""
-    root = Path(root or os.environ.get(HOMES_ENV) or cache_root() / "agent-homes")
+    root = Path(root or homes_root())
     if under_temp(root):
         raise AgentError(f"agent homes cannot be in the temp directory ({root}): Codex's sandbox refuses "
                          f"its helpers there; set ${HOMES_ENV} to a directory elsewhere")

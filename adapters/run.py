@@ -19,7 +19,9 @@ No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0:
 CLI (from PATH or the cache scripts/install_agents.sh fills) with its provider settings written for the
 session into a private directory (adapters/agents.py); the arguments after ``--`` go to the CLI. ``-n K`` runs
 K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines prefixed with
-``[i]``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
+``[i]``. ``--agent`` runs in the local task sandbox by default (``run_sandbox.py``: the working directory, a
+home and the session URL only; ``--no-sandbox`` opts out with a warning); a plain command only with
+``--sandbox``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
 themselves are ``runner.py``.
 """
 
@@ -33,10 +35,12 @@ import os
 import shutil
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from steptap.adapters import agents
 from steptap.adapters.judge import add_judge_flags, judge_from_args
+from steptap.adapters.run_sandbox import RunSandbox
 from steptap.adapters.runner import Runner, describe, explain
 from steptap.adapters.session import TOKEN_ENV, URL_ENV, served_model
 from steptap.middleware.client import TOKEN_FILE_ENV, default_control_token, forget_control_token, proxy_url
@@ -82,6 +86,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent", choices=agents.AGENTS, default=None,
                    help="run this agent CLI with its provider settings written for the session "
                         "(docs/agents.md); the arguments after -- go to it")
+    p.add_argument("--sandbox", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each member in a local bubblewrap sandbox: its working directory, its home and "
+                        "its session URL only (default: with --agent; docs/agents.md, \"steptap run's "
+                        "sandbox\")")
+    p.add_argument("--expose", action="append", default=[], type=Path, metavar="PATH",
+                   help="another host folder the sandbox shows read-only (a toolchain; repeated)")
     p.add_argument("--idle-timeout", type=float, default=None, help="session idle timeout in seconds")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -127,6 +137,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--reward-pending must be positive")
     args.concurrency = max(1, args.concurrency or min(args.n, 8))
     args.judge = judge_from_args(args, p.error)
+    args.sandbox = bool(args.agent) if args.sandbox is None else args.sandbox
+    if args.sandbox and args.reward_file is not None:
+        named = Path(os.path.abspath(args.reward_file.replace("{index}", "0").replace("{session}", "s")))
+        if not named.is_relative_to(Path.cwd().resolve()):
+            p.error("in the sandbox a member sees only its working directory: --reward-file must name a file "
+                    "in it (or leave it out: a private one is made), or pass --no-sandbox")
+    args.token_file = os.environ.get(TOKEN_FILE_ENV)  # kept out of the sandbox's view (run_sandbox.py)
     forget_control_token()  # read: nothing started from here inherits it
     return args
 
@@ -141,6 +158,19 @@ async def preflight(client: Any, proxy: str) -> None:
         raise RunError(explain(exc, proxy)) from None
     raise RunError(f"{proxy} does not look like a steptap proxy (a probe session exists)")
 
+def _sandbox(args: argparse.Namespace, runner: Runner) -> RunSandbox:
+    """The run's sandbox, checked: a CLI outside its view is shown read-only (its folder)."""
+    expose = list(args.expose)
+    sandbox = RunSandbox(Path.cwd(), args.n, Path(runner.tmpdir), expose, args.proxy)
+    if args.agent and not sandbox.visible(args.cli):
+        args.cli = Path(args.cli).resolve()
+        sandbox = RunSandbox(Path.cwd(), args.n, Path(runner.tmpdir), [*expose, args.cli.parent], args.proxy)
+    why = sandbox.problem(args.token_file, agents.homes_root() if args.agent else None)
+    if why:
+        raise RunError(f"cannot sandbox the members: {why} (or --no-sandbox, docs/SECURITY.md)")
+    return sandbox
+
+
 async def _main(args: argparse.Namespace) -> int:
     from steptap.middleware.client import SteptapClient
 
@@ -154,6 +184,12 @@ async def _main(args: argparse.Namespace) -> int:
             except (agents.AgentError, RuntimeError) as exc:
                 raise RunError(str(exc)) from None
         runner = Runner(args, client)
+        if args.sandbox:
+            runner.sandbox = _sandbox(args, runner)
+        elif args.agent:
+            print(f"steptap run: warning: --no-sandbox: {args.agent} runs as you, with your files and your "
+                  "network: its tool calls can read the control-token file and post their own rewards "
+                  "(docs/SECURITY.md)", file=sys.stderr)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, runner.interrupt)

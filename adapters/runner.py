@@ -8,11 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import math
 import os
+import shutil
 import signal
-import stat
 import sys
 import tempfile
 import uuid
@@ -22,7 +20,10 @@ from typing import Any, BinaryIO
 
 from steptap.adapters import agents
 from steptap.adapters.judge import JudgeError
+from steptap.adapters.run_reward import parse_reward, read_reward_file, tail_of
+from steptap.adapters.run_sandbox import Place, Prefixed, RunSandbox, inside_url, write_back
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
+from steptap.adapters.tasks.sandbox import Ended
 from steptap.middleware.client import TOKEN_FILE_ENV, SteptapError
 from steptap.middleware.records import INFRA_FAILURE, json_encoder
 
@@ -40,100 +41,6 @@ class Member:
     steps: int | None = None
     error: str | None = None
     judged: dict[int | None, float] | None = None  # the judge's rewards (--reward-judge), by step (None: all)
-
-# A reward is a line; a bigger reward file is an agent filling the disk or the memory. Of a reward command's
-# output only this tail is kept.
-MAX_REWARD_FILE = 64 * 1024
-
-
-def read_reward_file(path: str) -> dict[str | None, float] | None:
-    """The reward an agent wrote to ``path``: None when there is no file; ``RuntimeError`` for a file that is
-    not a regular one (a FIFO would block, ``/dev/zero`` never ends), one over ``MAX_REWARD_FILE`` or a bad
-    reward. Opened without following a symlink and without blocking."""
-    data = read_small_file(path)
-    if data is None:
-        return None
-    try:
-        return parse_reward(data.decode("utf-8", "replace"))
-    except ValueError as exc:
-        raise RuntimeError(f"reward file {path}: {exc}") from None
-
-
-def read_small_file(path: str) -> bytes | None:
-    """A file someone untrusted wrote (an agent, a verifier): None when there is none; ``RuntimeError`` for
-    one that is not a regular file or is larger than ``MAX_REWARD_FILE``. Never follows a symlink, never
-    blocks."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise RuntimeError(f"reward file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RuntimeError(f"reward file {path} is not a regular file")
-        data = f.read(MAX_REWARD_FILE + 1)
-    if len(data) > MAX_REWARD_FILE:
-        raise RuntimeError(f"reward file {path} is larger than {MAX_REWARD_FILE} bytes")
-    return data
-
-
-async def _tail_of(proc: asyncio.subprocess.Process, data: bytes) -> bytes:
-    """Feed ``data`` to the process's stdin and read its stdout to the end, keeping only the last
-    ``MAX_REWARD_FILE`` bytes (the reward is its last line; a grader may print logs before it)."""
-
-    async def feed() -> None:
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(data)
-            await proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # a command that does not read the trajectory
-        finally:
-            proc.stdin.close()
-
-    feeder = asyncio.ensure_future(feed())
-    assert proc.stdout is not None
-    tail = bytearray()
-    try:
-        while chunk := await proc.stdout.read(1 << 16):
-            tail += chunk
-            del tail[:-MAX_REWARD_FILE]
-        await feeder
-        await proc.wait()
-    finally:
-        feeder.cancel()
-    return bytes(tail)
-
-
-def parse_reward(text: str) -> dict[str | None, float] | None:
-    """A reward as printed or written: its last non-empty line, a finite number or a JSON object of named
-    finite numbers (``nan`` or ``inf`` would poison every advantage of its group)."""
-    out = _parse_reward(text)
-    if out is not None and not all(math.isfinite(v) for v in out.values()):
-        raise ValueError(f"a reward must be a finite number: {text.strip()[-200:]!r}")
-    return out
-
-
-def _parse_reward(text: str) -> dict[str | None, float] | None:
-    """A reward as printed or written: its last non-empty line, a number or a JSON object of named numbers."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        return None
-    last = lines[-1]
-    try:
-        return {None: float(last)}
-    except ValueError:
-        pass
-    try:
-        value = json.loads(last)
-    except ValueError as exc:
-        raise ValueError(f"not a number or a JSON object: {last[:200]!r}") from exc
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return {None: float(value)}
-    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
-        return {str(k): float(v) for k, v in value.items()}
-    raise ValueError(f"not a number or a JSON object of numbers: {last[:200]!r}")
 
 def session_env(base_url: str, api_key: str, session_id: str, *, group_id: str | None = None,
                 model: str | None = None) -> dict[str, str]:
@@ -163,6 +70,9 @@ class Runner:
         self.sem = asyncio.Semaphore(args.concurrency)
         self.tmpdir = tempfile.mkdtemp(prefix="steptap-run-")
         self.homes: str | None = None  # the agents' private homes (agents.new_agent_home), made when needed
+        self.sandbox: RunSandbox | None = None  # set by run.py unless --no-sandbox (run_sandbox.py)
+        self.places: dict[int, Place] = {}  # a sandboxed member's folders
+        self.running: dict[int, asyncio.Future[Ended]] = {}  # sandboxed members: cancelled on Ctrl-C
 
     # -- one member ------------------------------------------------------------------------------------------
     async def member(self, m: Member) -> Member:
@@ -186,41 +96,62 @@ class Runner:
                 m.error = explain(exc, self.args.proxy)
                 return m
             m.session_id = info.id
-            reward_file = self._reward_file(m)
             try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(reward_file)  # a reward left by an earlier run is not this run's
-                m.exit_code = await self._run_agent(m, info, reward_file)
-                if self.interrupted:
-                    raise asyncio.CancelledError
-                m.reward = await self._reward(m, reward_file)
-            except asyncio.CancelledError:
-                m.status = "aborted"
-                m.error = "interrupted"
-                await self._finish(m, None, "aborted")
-                return m
-            except JudgeError as exc:  # no reward could be made: an infrastructure failure, never a 0
-                m.error = f"judge: {exc}"
-                await self._finish(m, None, INFRA_FAILURE)
-                return m
-            except Exception as exc:  # noqa: BLE001 - a failing grader aborts its member, not the run
-                m.error = str(exc)
-                await self._finish(m, None, "aborted")
-                return m
-            if m.reward is None and m.judged is None and m.exit_code != 0:
-                m.error = f"agent exited {m.exit_code} with no reward"
-                await self._finish(m, None, "aborted")
-            else:
-                await self._finish(m, m.reward, "finished")
+                return await self._member(m, info)
+            finally:
+                if m.index in self.places:  # its copy of the working directory, its home, its reward
+                    shutil.rmtree(self.places.pop(m.index).folder, ignore_errors=True)
+
+    async def _member(self, m: Member, info: Any) -> Member:
+        try:
+            if self.sandbox is not None:
+                self.places[m.index] = self.sandbox.place(m.index)
+            reward_file = self._host_path(m, self._reward_file(m))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(reward_file)  # a reward left by an earlier run is not this run's
+            m.exit_code = await (self._run_sandboxed(m, info) if self.sandbox is not None
+                                 else self._run_agent(m, info, reward_file))
+            if self.interrupted:
+                raise asyncio.CancelledError
+            m.reward = await self._reward(m, reward_file)
+        except asyncio.CancelledError:
+            m.status = "aborted"
+            m.error = "interrupted"
+            await self._finish(m, None, "aborted")
             return m
+        except JudgeError as exc:  # no reward could be made: an infrastructure failure, never a 0
+            m.error = f"judge: {exc}"
+            await self._finish(m, None, INFRA_FAILURE)
+            return m
+        except Exception as exc:  # noqa: BLE001 - a failing grader aborts its member, not the run
+            m.error = str(exc)
+            await self._finish(m, None, "aborted")
+            return m
+        if m.reward is None and m.judged is None and m.exit_code != 0:
+            m.error = f"agent exited {m.exit_code} with no reward"
+            await self._finish(m, None, "aborted")
+        else:
+            await self._finish(m, m.reward, "finished")
+        return m
 
     def _reward_file(self, m: Member) -> str:
+        """The reward file's name as the member is given it (sandboxed: a path in its view)."""
         path = self.args.reward_file
         if path is None:
-            return os.path.join(self.tmpdir, f"reward.{m.index}")
+            place = self.places.get(m.index)
+            return os.path.join(place.folder / "out" if place else self.tmpdir, f"reward.{m.index}")
+        if self.sandbox is not None:  # in the working directory (run.py checked), which the member sees
+            path = os.path.join(self.sandbox.cwd, path)
         if "{index}" in path or "{session}" in path:  # replaced, not formatted: other braces stay as they are
             return path.replace("{index}", str(m.index)).replace("{session}", m.session_id)
         return f"{path}.{m.index}" if self.args.n > 1 else path
+
+    def _host_path(self, m: Member, path: str) -> str:
+        """Where a file the member names in its working directory is on the host (in its copy, -n > 1)."""
+        place = self.places.get(m.index)
+        if place is None or self.sandbox is None or not Path(path).is_relative_to(self.sandbox.cwd):
+            return path
+        return str(place.work / Path(path).relative_to(self.sandbox.cwd))
 
     def _agent_env(self, m: Member, info: Any, reward_file: str) -> dict[str, str]:
         # the agent never holds the control token
@@ -236,17 +167,47 @@ class Runner:
         """The program to run: the command as given, or the agent CLI with its settings written (into env)."""
         if not self.args.agent:
             return list(self.args.command)
+        launch = self._launch(m, info, info.base_url)
+        env.update(launch.env)
+        return launch.argv
+
+    def _launch(self, m: Member, info: Any, base_url: str) -> agents.AgentLaunch:
+        """The agent CLI with its settings written for the session at ``base_url``, in the member's home."""
         try:
             self.homes = self.homes or str(agents.new_agent_home())
-            launch = agents.prepare(
-                self.args.agent, base_url=info.base_url, api_key=info.api_key, model=self.args.model,
+            return agents.prepare(
+                self.args.agent, base_url=base_url, api_key=info.api_key, model=self.args.model,
                 home=Path(self.homes) / f"agent-{m.index}", args=list(self.args.command), cli=self.args.cli,
             )
         except (agents.AgentError, OSError) as exc:
             m.exit_code = 127
             raise RuntimeError(str(exc)) from exc
-        env.update(launch.env)
-        return launch.argv
+
+    async def _run_sandboxed(self, m: Member, info: Any) -> int:
+        """The member in its sandbox (run_sandbox.py): its calls reach its own session URL only."""
+        assert self.sandbox is not None
+        place, url = self.places[m.index], inside_url(info.id)
+        if self.args.agent:
+            launch = self._launch(m, info, url)
+            home, argv, cli_env = Path(self.homes or "") / f"agent-{m.index}", launch.argv, launch.env
+        else:
+            home, argv, cli_env = place.home, list(self.args.command), {}
+        env = self.sandbox.environment(home, cli_env)
+        env.update(session_env(url, info.api_key, info.id, group_id=self.group_id, model=self.args.model),
+                   STEPTAP_REWARD_FILE=self._reward_file(m), STEPTAP_MEMBER_INDEX=str(m.index))
+        out = sys.stdout.buffer if self.prefixed else None  # else it has the terminal
+        task = self.running[m.index] = asyncio.ensure_future(
+            self.sandbox.run(m.index, place, argv, env, info.id, home, out))
+        try:
+            ended = await task
+        finally:
+            self.running.pop(m.index, None)
+        if not ended.started:
+            m.exit_code = 127
+            raise RuntimeError(f"the sandbox did not start: {ended.error}")
+        if self.sandbox.write_back:
+            await asyncio.to_thread(write_back, place.work, self.sandbox.cwd)
+        return int(ended.exit_code or 0)
 
     async def _run_agent(self, m: Member, info: Any, reward_file: str) -> int:
         env = self._agent_env(m, info, reward_file)
@@ -300,16 +261,18 @@ class Runner:
                 raise RuntimeError(f"cannot read the trajectory for the reward command: {exc}") from None
             if self.group_id:
                 env["STEPTAP_GROUP_ID"] = self.group_id
+            place = self.places.get(m.index)
             proc = await asyncio.create_subprocess_shell(
                 self.args.reward_cmd,
                 env=env,
+                cwd=place.work if place is not None else None,  # a member's copy is what it made (-n > 1)
                 stdout=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
             self.procs[-1 - m.index] = proc  # killed on Ctrl-C like the agents
             try:
-                out = await asyncio.wait_for(_tail_of(proc, trajectory), self.args.reward_timeout)
+                out = await asyncio.wait_for(tail_of(proc, trajectory), self.args.reward_timeout)
             except TimeoutError:
                 _kill_group(proc, signal.SIGKILL)
                 await proc.wait()
@@ -361,6 +324,8 @@ class Runner:
             return
         self.interrupted = True
         print("\nsteptap run: interrupted; stopping the agents and aborting their sessions", file=sys.stderr)
+        for task in list(self.running.values()):
+            task.cancel()  # the sandbox is killed, every process in it (tasks/sandbox.py)
         for proc in list(self.procs.values()):
             _kill_group(proc, signal.SIGTERM)
         asyncio.get_running_loop().call_later(KILL_GRACE_S, self._kill_rest)
@@ -386,19 +351,11 @@ async def _pump(stream: asyncio.StreamReader | None, out: BinaryIO, tag: bytes) 
     """Copy a child's output line by line, each prefixed (lines of any length; a partial last line too)."""
     if stream is None:
         return
-    pending = b""
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            break
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        if lines:
-            out.write(b"".join(tag + ln + b"\n" for ln in lines))
-            out.flush()
-    if pending:
-        out.write(tag + pending + b"\n")
-        out.flush()
+    lines = Prefixed(tag, out)
+    while chunk := await stream.read(65536):
+        lines.write(chunk)
+    lines.close()
+
 
 def describe(m: Member) -> str:
     reward = ""

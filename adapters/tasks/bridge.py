@@ -16,6 +16,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from steptap.middleware.client import proxy_url as parse_proxy_url
+
 HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                  "transfer-encoding", "upgrade", "host", "content-length"})
 # Not passed on either: the path names the session (a header naming another one is the agent's, not ours)
@@ -26,7 +28,8 @@ class Bridge:
     """One episode's socket: ``await start()``, the agent runs, ``await close()``."""
 
     def __init__(self, socket: Path, proxy_url: str, session_id: str, owner: tuple[int, int] | None) -> None:
-        self.socket, self.proxy = socket, proxy_url.rstrip("/")
+        url = parse_proxy_url(proxy_url)  # http(s)://host:port, or unix:PATH (a proxy on a unix socket)
+        self.socket, self.proxy, self._proxy_socket = socket, url.base, url.socket
         self.prefix = f"/s/{session_id}"
         self.owner = owner  # (uid, gid) the sandbox runs as: it must be able to connect
         self.calls = 0  # POSTs passed on (model calls)
@@ -37,7 +40,9 @@ class Bridge:
     async def start(self) -> None:
         app = web.Application(client_max_size=1 << 40)  # the proxy applies its own limits
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._http = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None),
+        connector = aiohttp.UnixConnector(path=self._proxy_socket) if self._proxy_socket else None
+        self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                           timeout=aiohttp.ClientTimeout(total=None),
                                            read_bufsize=1 << 20)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from steptap.adapters.tasks import containers
 from steptap.adapters.tasks.containers import HarborSettings
-from steptap.adapters.tasks.episode import Infra, copy_tree, read_verdict, run_verifier
+from steptap.adapters.tasks.episode import Infra, read_verdict, run_verifier
 from steptap.adapters.tasks.format import SOLUTION_DIR, Task
-from steptap.adapters.tasks.sandbox import Job, Mount, Sandbox, search_path
+from steptap.adapters.tasks.sandbox import Job, Mount, Sandbox, copy_tree, search_path
 
 
 @dataclass

@@ -27,12 +27,13 @@ from typing import Any, Literal
 
 from steptap.adapters import agents
 from steptap.adapters.judge import Judge, JudgeError
-from steptap.adapters.runner import explain, parse_reward, read_small_file, session_env
+from steptap.adapters.run_reward import parse_reward, read_small_file
+from steptap.adapters.runner import explain, session_env
 from steptap.adapters.tasks import containers
 from steptap.adapters.tasks.bridge import Bridge
 from steptap.adapters.tasks.containers import HarborSettings
 from steptap.adapters.tasks.format import TESTS_DIR, VERIFIER_DIR, Task
-from steptap.adapters.tasks.sandbox import PORT, Ended, Job, Mount, Sandbox, search_path
+from steptap.adapters.tasks.sandbox import PORT, Ended, Job, Mount, Sandbox, copy_tree, search_path
 from steptap.middleware.records import ProcessEnd, TaskRun
 
 INSIDE_HOME = "/home/agent"
@@ -106,16 +107,6 @@ class Infra(Exception):
 
 def _end(e: Ended) -> ProcessEnd:
     return ProcessEnd(exit_code=e.exit_code, timed_out=e.timed_out, seconds=e.seconds, output=e.output)
-
-
-def copy_tree(source: Path | None, dest: Path, exclude: frozenset[str] = frozenset()) -> None:
-    """A fresh copy of ``source`` at ``dest`` (links kept as links: one pointing outside points at nothing of
-    the host inside the sandbox)."""
-    if source is None:
-        dest.mkdir(parents=True)
-        return
-    shutil.copytree(source, dest, symlinks=True,
-                    ignore=lambda d, names: [n for n in names if Path(d) == source and n in exclude])
 
 
 def _relocate(env: dict[str, str], host: Path, inside: str) -> dict[str, str]:

@@ -5,10 +5,12 @@ The sandbox has its own network namespace (no interface but an isolated loopback
 ``http://127.0.0.1:PORT/s/<id>/v1``, reaches this relay, which passes the bytes to the socket bound into the
 sandbox; the runner's end of that socket forwards only the session's own routes to the proxy
 (``bridge.py``). ``--status-fd`` receives ``started`` once the command runs (or ``error <why>``), so the
-runner tells a sandbox that never started from a command that failed. The exit code is the command's
+runner tells a sandbox that never started from a command that failed. ``--stdin``: the command reads the
+sandbox's stdin (a one-member ``steptap run`` at a terminal), else nothing. The exit code is the command's
 (128 + N for a signal, as shells report it).
 
-    python -I launcher.py --status-fd 3 [--listen 127.0.0.1:8400 --socket /run/steptap/net/s.sock] -- CMD
+    python -I launcher.py --status-fd 3 [--listen 127.0.0.1:8400 --socket /run/steptap/net/s.sock] \
+        [--stdin] -- CMD
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ async def main(args: argparse.Namespace) -> int:
             _status(args.status_fd, f"error cannot listen on {args.listen}: {exc}")
             return 127
     try:
-        proc = await asyncio.create_subprocess_exec(*args.command, stdin=asyncio.subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            *args.command, stdin=None if args.stdin else asyncio.subprocess.DEVNULL)
     except OSError as exc:
         _status(args.status_fd, f"error cannot run {args.command[0]!r}: {exc}")
         return 127
@@ -76,6 +79,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--status-fd", type=int, required=True)
     p.add_argument("--listen", default=None)
     p.add_argument("--socket", default=None)
+    p.add_argument("--stdin", action="store_true", help="the command reads the sandbox's stdin (steptap run)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,12 +54,14 @@ class Job:
 
     argv: list[str]
     cwd: str
-    timeout_s: float
+    timeout_s: float | None  # None: no limit (steptap run: the operator stops it)
     env: dict[str, str] = field(default_factory=dict)  # the whole environment: nothing is inherited
     mounts: list[Mount] = field(default_factory=list)
     hostname: str = "task"
     socket: Path | None = None  # a unix socket on the host, reachable inside as 127.0.0.1:PORT
     log: Path | None = None  # where its output goes (bounded), besides the tail kept
+    echo: Callable[[bytes], None] | None = None  # each piece of its output as it arrives, besides the tail
+    terminal: bool = False  # stdin, stdout and stderr the runner's own (steptap run): nothing captured
 
 
 @dataclass
@@ -93,14 +96,20 @@ class Sandbox(ABC):
         """Run ``job`` to its end or its timeout; never raises for the job's own failures."""
 
 
-async def _pump(stream: asyncio.StreamReader, log: Path | None) -> str:
-    """Read a child's output to its end: the first ``MAX_OUTPUT_FILE`` bytes to ``log``, the tail kept."""
+async def _pump(stream: asyncio.StreamReader | None, log: Path | None,
+                echo: Callable[[bytes], None] | None = None) -> str:
+    """Read a child's output to its end: the first ``MAX_OUTPUT_FILE`` bytes to ``log``, each piece to
+    ``echo``, the tail kept."""
+    if stream is None:  # a terminal job: its output went where the runner's goes
+        return ""
     tail = bytearray()
     written = 0
     # unbuffered: the log shows what the job printed as it runs
     f = open(log, "wb", buffering=0) if log is not None else None  # noqa: SIM115 - closed below
     try:
         while chunk := await stream.read(1 << 16):
+            if echo is not None:
+                echo(chunk)
             tail += chunk
             del tail[:-OUTPUT_TAIL * 4]
             if f is not None and written < MAX_OUTPUT_FILE:
@@ -133,6 +142,16 @@ def _first_line(fd: int) -> str:
     return out.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
 
 
+def copy_tree(source: Path | None, dest: Path, exclude: frozenset[str] = frozenset()) -> None:
+    """A fresh copy of ``source`` at ``dest`` for a sandbox to work on (links kept as links: one pointing
+    outside points at nothing of the host inside the sandbox)."""
+    if source is None:
+        dest.mkdir(parents=True)
+        return
+    shutil.copytree(source, dest, symlinks=True,
+                    ignore=lambda d, names: [n for n in names if Path(d) == source and n in exclude])
+
+
 def search_path() -> str:
     """The PATH of every job: the bin folder of the Python environment running steptap (resolved, as the
     sandbox shows it), then the system's."""
@@ -141,13 +160,28 @@ def search_path() -> str:
 
 def toolchains() -> list[Path]:
     """The host folders an episode needs beyond /usr and /etc, read-only: the Python running steptap (its base
-    installation and its environment) and the agent CLIs' cache (Node 24 and the CLIs)."""
-    paths = [Path(sys.base_prefix), Path(sys.prefix), agents.agents_dir()]
+    installation and its environment), the agent CLIs' cache (Node 24 and the CLIs) and the Python
+    installation each of the cache's CLI virtualenvs runs on (Mistral Vibe needs Python >= 3.12: maybe not
+    steptap's)."""
+    paths = [Path(sys.base_prefix), Path(sys.prefix), agents.agents_dir(), *_venv_pythons()]
     out: list[Path] = []
     for p in paths:
         p = p.resolve()
         if p.is_dir() and p not in out and not any(q in p.parents for q in out):
             out = [q for q in out if p not in q.parents] + [p]
+    return out
+
+
+def _venv_pythons() -> list[Path]:
+    """The installation prefix of each Python the cache's CLI virtualenvs were made with (``home`` in their
+    ``pyvenv.cfg`` is its bin folder)."""
+    out = []
+    for cfg in sorted((agents.agents_dir() / "venvs").glob("*/pyvenv.cfg")):
+        with contextlib.suppress(OSError):
+            for line in cfg.read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() == "home" and value.strip():
+                    out.append(Path(value.strip()).parent)
     return out
 
 
@@ -232,6 +266,8 @@ class LocalSandbox(Sandbox):
             a += [self.setpriv, f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
         a += [self.python, "-I", f"{INSIDE}/launcher.py", "--status-fd", str(status_fd)]
+        if job.terminal:
+            a += ["--stdin"]
         if job.socket is not None:
             a += ["--listen", f"127.0.0.1:{PORT}", "--socket", f"{INSIDE}/net/{job.socket.name}"]
         return [*a, "--", *job.argv]
@@ -241,17 +277,17 @@ class LocalSandbox(Sandbox):
         status_r, status_w = os.pipe()
         started_at = time.monotonic()
         try:
+            sub, held = asyncio.subprocess, job.terminal  # a terminal job's stdio is the runner's own
             proc = await asyncio.create_subprocess_exec(
-                *self.argv(job, status_w), env=job.env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, pass_fds=(status_w,),
+                *self.argv(job, status_w), env=job.env, stdin=None if held else sub.DEVNULL,
+                stdout=None if held else sub.PIPE, stderr=None if held else sub.STDOUT, pass_fds=(status_w,),
                 start_new_session=True)
         except OSError as exc:
             os.close(status_r)
             return Ended(started=False, error=f"cannot start bubblewrap: {exc}")
         finally:
             os.close(status_w)  # the sandbox holds the only write end: EOF once it is gone
-        assert proc.stdout is not None
-        output = asyncio.ensure_future(_pump(proc.stdout, job.log))
+        output = asyncio.ensure_future(_pump(proc.stdout, job.log, job.echo))
         timed_out, said = False, ""
         first = asyncio.get_running_loop().run_in_executor(None, _first_line, status_r)  # it closes the fd
         try:

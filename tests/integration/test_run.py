@@ -288,7 +288,7 @@ def test_reward_parsing_and_argument_errors(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from steptap.adapters.run import main
-    from steptap.adapters.runner import parse_reward
+    from steptap.adapters.run_reward import parse_reward
 
     assert parse_reward("working...\n0.5\n\n") == {None: 0.5}
     assert parse_reward('{"pass": 1, "len": -0.25}') == {"pass": 1.0, "len": -0.25}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from steptap.adapters.runner import parse_reward, read_reward_file
+from steptap.adapters.run_reward import parse_reward, read_reward_file
 
 
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", '{"a": NaN}', '{"a": Infinity}', "1e999"])

@@ -75,8 +75,6 @@ LARGE_ROOMS = {
     "learner/engines/torch_engine.py": "the torch engine's update",
     "middleware/proxy/capture.py": "issue 41 item 2: the capture accumulator (another engineer)",
     "middleware/records.py": "the record contract: every record type of the log, one schema version",
-    "adapters/runner.py": "steptap run's members: session, program, reward, finish (issue 42 item 3 "
-                          "moves the agent into the task sandbox, and splits it)",
 }
 VAGUE_NAMES = {"util", "utils", "helper", "helpers", "misc", "common", "mixin", "mixins", "stuff"}
 
