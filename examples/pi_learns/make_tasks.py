@@ -239,6 +239,23 @@ def write_task(spec: Spec, root: Path) -> Path:
     return d
 
 
+def harbor_box(task: Path, work: Path, logs: Path, *more: str) -> list[str]:
+    """A bubblewrap command line laid out as Harbor's container: ``work`` at /app, the task's tests
+    read-only at /tests, ``logs`` at /logs, the system read-only, its own pids; then ``more`` bwrap
+    arguments."""
+    box = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--unshare-pid",
+           "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", "--dev", "/dev", "--proc", "/proc",
+           "--tmpfs", "/tmp", "--bind", str(work), "/app", "--ro-bind", str(task / "tests"), "/tests",
+           "--bind", str(logs), "/logs"]
+    for link in ("bin", "lib", "lib64", "sbin"):
+        target = Path("/") / link
+        if target.is_symlink():
+            box += ["--symlink", str(target.readlink()), f"/{link}"]
+        elif target.is_dir():
+            box += ["--ro-bind", str(target), f"/{link}"]
+    return box + list(more)
+
+
 def make(out: Path, train: int, test: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
     held = specs(test, EVAL_SEED, kinds=kinds)
     training = specs(train, seed, exclude={s.key for s in held}, kinds=kinds)

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from make_tasks import harbor_box  # this folder's: the script's own directory is on sys.path
 
 from steptap.adapters.agents import cached_cli, prepare
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-BWRAP = shutil.which("bwrap") or "bwrap"
 
 
 # ---- capture: pi's first request
@@ -134,16 +134,7 @@ def run_calls(task: Path, calls: list[dict[str, Any]], tmp: Path) -> dict[str, f
     else:
         work.mkdir()
     logs.mkdir()
-    box = [BWRAP, "--die-with-parent", "--unshare-pid", "--unshare-net", "--ro-bind", "/usr", "/usr",
-           "--ro-bind", "/etc", "/etc", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-           "--bind", str(work), "/app", "--ro-bind", str(task / "tests"), "/tests",
-           "--bind", str(logs), "/logs", "--chdir", "/app"]
-    for link in ("bin", "lib", "lib64", "sbin"):
-        target = Path("/") / link
-        if target.is_symlink():
-            box += ["--symlink", os.readlink(target), f"/{link}"]
-        elif target.is_dir():
-            box += ["--ro-bind", str(target), f"/{link}"]
+    box = harbor_box(task, work, logs, "--unshare-net", "--chdir", "/app")
     for call in calls:
         args = call["arguments"]
         if call["name"] == "bash" and isinstance(args["command"], str):

@@ -49,16 +49,7 @@ def _verify(task: Path, tmp_path: Path, command: str | None) -> dict[str, float]
         shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(task / "environment" / "app", work)
     logs.mkdir()
-    sandbox = [BWRAP or "bwrap", "--die-with-parent", "--unshare-pid", "--ro-bind", "/usr", "/usr",
-               "--ro-bind", "/etc", "/etc", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-               "--bind", str(work), "/app", "--ro-bind", str(task / "tests"), "/tests",
-               "--ro-bind", str(task / "solution"), "/solution", "--bind", str(logs), "/logs"]
-    for link in ("bin", "lib", "lib64", "sbin"):
-        target = Path("/") / link
-        if target.is_symlink():
-            sandbox += ["--symlink", os.readlink(target), f"/{link}"]
-        elif target.is_dir():
-            sandbox += ["--ro-bind", str(target), f"/{link}"]
+    sandbox = make_tasks.harbor_box(task, work, logs, "--ro-bind", str(task / "solution"), "/solution")
     script = f"cd /app && {{ {command}; }} >/dev/null 2>&1; /tests/test.sh" if command else "/tests/test.sh"
     subprocess.run([*sandbox, "/bin/bash", "-c", script], check=True, timeout=60)
     return json.loads((logs / "verifier" / "reward.json").read_text())
