@@ -311,9 +311,12 @@ def _qwen_code(launch: AgentLaunch, base: str, api_key: str, model: str, home: P
     # Qwen Code reads ~/.qwen (no variable moves it): HOME is a private dir holding .qwen/settings.json; the
     # OpenAI provider from its own variables
     root = _private_dir(home / "qwen")
+    # tools.shell.enableInteractiveShell: its shell tool on a PTY, as in its interactive mode. Headless (-p)
+    # it runs commands as plain child processes and takes the result on the child's `exit` event, before
+    # the pipe is drained: a fast command's output came back `Output: (empty)` (measured, 0.24.4)
     settings = {"security": {"auth": {"selectedType": "openai"}}, "model": {"name": model},
                 "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
-                "general": {"disableAutoUpdate": True}}
+                "general": {"disableAutoUpdate": True}, "tools": {"shell": {"enableInteractiveShell": True}}}
     qwen_dir = _private_dir(root / ".qwen")
     _write(qwen_dir / "settings.json", json.dumps(settings, indent=2) + "\n", launch.files)
     # QWEN_CODE_API_TIMEOUT_MS: an hour, not its default (its ~37k-token first prompt took a CPU backend under

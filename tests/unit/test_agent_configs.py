@@ -157,6 +157,7 @@ def test_qwen_code_gets_a_private_home_and_the_openai_variables(tmp_path: Path) 
     assert settings["security"] == {"auth": {"selectedType": "openai"}}
     assert settings["model"] == {"name": MODEL}
     assert settings["telemetry"] == {"enabled": False}
+    assert settings["tools"] == {"shell": {"enableInteractiveShell": True}}  # a PTY: no output lost
     assert {k: launch.env[k] for k in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL")} == {
         "OPENAI_BASE_URL": BASE, "OPENAI_API_KEY": KEY, "OPENAI_MODEL": MODEL}
     assert launch.env["QWEN_CODE_API_TIMEOUT_MS"] == "3600000"
