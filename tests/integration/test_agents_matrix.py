@@ -327,7 +327,7 @@ def protocol_checks(agent: str, steps: list[Any], stdout: str, proxy: Any) -> No
         assert all(any("hosted tool 'web_search' dropped" in n for n in s.notes) for s in steps)
 
 
-# seven CLIs and a Python agent side by side on two cores (six took 843 s of call at load 5-9; default bound: 900 s)
+# seven CLIs and a Python agent side by side on two cores (six: 843 s of call at load 5-9; default: 900 s)
 @pytest.mark.timeout(1800)
 async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer_exactly(
     long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
