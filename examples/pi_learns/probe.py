@@ -25,7 +25,6 @@ import argparse
 import http.server
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,9 +38,7 @@ import httpx
 from make_tasks import harbor_box  # this folder's: the script's own directory is on sys.path
 
 from steptap.adapters.agents import cached_cli, prepare
-
-CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
+from steptap.adapters.env import parse_tool_calls
 
 # ---- capture: pi's first request
 
@@ -94,24 +91,15 @@ def capture(out: Path, pi_args: list[str], instruction: str) -> dict[str, Any]:
     return request
 
 
-
 # ---- replay: the request, n samples per task, each reply's calls run and verified
 
 def parse_calls(text: str, tools: dict[str, list[str]]) -> tuple[list[dict[str, Any]], int]:
-    """The well-formed hermes calls in ``text`` (JSON, one of pi's tools, its required arguments), and how
-    many ``<tool_call>`` blocks there were in all."""
-    blocks = CALL.findall(text)
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            continue
-        if not isinstance(call, dict) or call.get("name") not in tools:
-            continue
-        args = call.get("arguments")
-        if isinstance(args, dict) and all(k in args for k in tools[call["name"]]):
-            calls.append({"name": call["name"], "arguments": args})
+    """The well-formed hermes calls in ``text`` (one of pi's tools, its required arguments), and how many
+    ``<tool_call>`` blocks there were in all (the environment layer's parser reads them)."""
+    blocks = parse_tool_calls({"role": "assistant", "content": text})
+    calls = [{"name": c["name"], "arguments": c["arguments"]} for c in blocks
+             if c["name"] in tools and isinstance(c["arguments"], dict)
+             and all(k in c["arguments"] for k in tools[c["name"]])]
     return calls, len(blocks)
 
 
