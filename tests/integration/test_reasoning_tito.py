@@ -271,11 +271,12 @@ async def test_one_reply_is_a_reasoning_item_with_its_handle(  # type: ignore[no
         assert resp.status == 200, await resp.text()
         raw = await resp.text()
     if stream:
-        kinds = [e["type"] for e in sse_events(raw)]
+        events = sse_events(raw)
+        kinds = [e["type"] for e in events]
         assert "response.reasoning_text.delta" in kinds
         # the reasoning item closes before the message item opens
         assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
-        response = sse_events(raw)[-1]["response"]
+        response = events[-1]["response"]
     else:
         response = json.loads(raw)
     reasoning, message = response["output"]
