@@ -13,7 +13,7 @@ import random
 import socket
 import sys
 import urllib.request
-import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,44 +44,65 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 
 
 # With STEPTAP_TEST_WORKERS=N the suite runs side by side in pytest-xdist workers (`--dist loadgroup`,
-# scripts/test.sh): a session fixture is per worker, so the tests that share a costly one (a vLLM server
-# starts in about a minute, Ray in half of one) are kept on one worker by naming it; every other test goes
-# wherever a worker is free. The first match names the group. The matrix and every other test on the
-# long-context server share one worker (a second long server would cost 2 GB and a start for minutes of
-# tests), and the tiny server's many tests are dealt over two workers by file (one server start more, half
-# the wait).
+# scripts/test.sh): a session or module fixture is per worker, so the tests that share a costly one (a vLLM
+# server starts in 30-60 s and holds 1-2 GB, Ray in half a minute) are kept on one worker by naming a group.
+# Three groups hold the session's servers: the long-context server (the agent matrix and every test on it),
+# the tiny ones (the tiny server, the swappable one and the Ray cluster: test_learning and test_replicas take
+# theirs through request.getfixturevalue, which item.fixturenames does not show) and the vision server. Every
+# other integration file is a group of its own (its module fixtures, often its own vLLM, start once); unit
+# tests go wherever a worker is free. Groups are dealt longest first, by tests/DURATIONS.md.
 _GROUPS = (
     ("long", lambda item: item.path.name == "test_agents_matrix.py"
      or bool({"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"} & set(item.fixturenames))),
-    ("ray", lambda item: "ray_cluster" in item.fixturenames),
-    ("tiny", lambda item: {"vllm_server", "swappable_vllm", "proxy", "serve_proxy"} & set(item.fixturenames)),
+    ("tiny", lambda item: item.path.name in {"test_learning.py", "test_replicas.py"}
+     or bool({"vllm_server", "swappable_vllm", "swap_vllm", "proxy", "serve_proxy", "ray_cluster"}
+             & set(item.fixturenames))),
     ("vision", lambda item: "vision_vllm" in item.fixturenames),
 )
 
 
 def _group(item: pytest.Item) -> str | None:
     name = next((name for name, holds in _GROUPS if holds(item)), None)
-    if name == "tiny":
-        return f"tiny-{zlib.crc32(item.path.name.encode()) % 2}"
+    if name is None and item.path.parent.name == "integration":
+        return item.path.name
     return name
+
+
+def _recorded_seconds() -> dict[str, float]:
+    """Seconds per test file (``tests/unit/test_x.py``) from tests/DURATIONS.md, the last full run's; {} if
+    unreadable."""
+    seconds: dict[str, float] = {}
+    try:
+        lines = (Path(__file__).parent / "DURATIONS.md").read_text().splitlines()
+    except OSError:
+        return seconds
+    for line in lines:
+        cells = [c.strip(" `") for c in line.split("|")]
+        if len(cells) > 3 and cells[1].endswith(".py") and cells[3].replace(".", "", 1).isdigit():
+            seconds[cells[1]] = float(cells[3])
+    return seconds
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test's group, and run the groups first, in _GROUPS' order (scripts/test.sh passes
-    --no-loadscope-reorder: xdist deals work in this order, the longest first, so no long group waits behind
-    short tests), then the rest as collected."""
-    order = {name: i for i, (name, _) in enumerate(_GROUPS)}
+    """Mark each test's group; side by side, deal the groups longest first (scripts/test.sh passes
+    --no-loadscope-reorder: xdist deals work in this order), so no long group starts last; one after another,
+    the order as collected."""
     groups = {}
     for item in items:
         group = groups[item.nodeid] = _group(item)
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # one after another: the order as collected
+        return
+    recorded = _recorded_seconds()
+    per_file = Counter(item.nodeid.split("::")[0] for item in items)
+    load: Counter[str] = Counter()
+    for item in items:  # a file's seconds shared over its tests: a file split over groups counts in each
+        file = item.nodeid.split("::")[0]
+        load[groups[item.nodeid] or item.nodeid] += recorded.get(file, 0.0) / per_file[file]
     rank = {item.nodeid: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (order.get((groups[item.nodeid] or "").split("-")[0], len(order)),
-                                 rank[item.nodeid]))
+    items.sort(key=lambda item: (-load[groups[item.nodeid] or item.nodeid], rank[item.nodeid]))
 
 
 @dataclass(frozen=True)
