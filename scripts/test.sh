@@ -10,20 +10,26 @@
 # Arguments after the mode go to pytest (a file, -k, -x ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Side by side in pytest-xdist workers: STEPTAP_TEST_WORKERS=N, or by default two where there are two cores
+# and the memory free that two workers take (the whole suite: 20 GB, as each worker starts the vLLM servers
+# its tests need and two reached 20.4 GB here; the unit lane: 4 GB), else one after another (0). Tests that
+# share a session's server stay on one worker (tests/conftest.py's groups).
+workers() {  # workers GB_NEEDED
+  if [ -n "${STEPTAP_TEST_WORKERS:-}" ]; then echo "$STEPTAP_TEST_WORKERS"; return; fi
+  local free_gb
+  free_gb=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo)
+  if [ "$(nproc)" -ge 2 ] && [ "${free_gb:-0}" -ge "$1" ]; then echo 2; else echo 0; fi
+}
 if [ "${1:-}" = --unit ]; then
   shift
   bash scripts/setup.sh --unit
   bash scripts/lint.sh
-  exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit "$@"
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$(workers 4)" tests/unit "$@"
 fi
 bash scripts/setup.sh
 bash scripts/lint.sh  # ruff, vulture and mypy: a finding fails the run before any test
 rm -rf dist && .venv/bin/python -m build --wheel --no-isolation -o dist . >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall dist/steptap-*.whl
 export STEPTAP_WHEEL_TEST=1
-# One test after another by default. STEPTAP_TEST_WORKERS=N runs them side by side in N pytest-xdist
-# workers, the tests that share a session's vLLM server kept on one worker (tests/conftest.py's groups): for a
-# machine with cores to spare. On two cores it is slower: the agent matrix and vLLM's prefill already fill
-# them, and three workers measured a load of 52.
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${STEPTAP_TEST_WORKERS:-0}" --dist loadgroup \
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "$(workers 20)" --dist loadgroup \
   --no-loadscope-reorder --durations=25 --junitxml=.venv/test-report.xml "$@"

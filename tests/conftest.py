@@ -46,17 +46,18 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # With STEPTAP_TEST_WORKERS=N the suite runs side by side in pytest-xdist workers (`--dist loadgroup`,
 # scripts/test.sh): a session or module fixture is per worker, so the tests that share a costly one (a vLLM
 # server starts in 30-60 s and holds 1-2 GB, Ray in half a minute) are kept on one worker by naming a group.
-# Three groups hold the session's servers: the long-context server (the agent matrix and every test on it),
-# the tiny ones (the tiny server, the swappable one and the Ray cluster: test_learning and test_replicas take
-# theirs through request.getfixturevalue, which item.fixturenames does not show) and the vision server. Every
-# other integration file is a group of its own (its module fixtures, often its own vLLM, start once); unit
-# tests go wherever a worker is free. Groups are dealt longest first, by tests/DURATIONS.md.
+# A group for each of the session's servers and clusters: the long-context server (the agent matrix and every
+# test on it), the tiny server, the swappable one (test_replicas takes it through request.getfixturevalue,
+# which item.fixturenames does not show), Ray, the vision server. No test needs two of them. Every other
+# integration file is a group of its own (its module fixtures, often its own vLLM, start once); unit tests go
+# wherever a worker is free. Groups are dealt longest first, by tests/DURATIONS.md.
 _GROUPS = (
     ("long", lambda item: item.path.name == "test_agents_matrix.py"
      or bool({"long_vllm", "long_proxy", "tool_vllm", "serve_tool_proxy"} & set(item.fixturenames))),
-    ("tiny", lambda item: item.path.name in {"test_learning.py", "test_replicas.py"}
-     or bool({"vllm_server", "swappable_vllm", "swap_vllm", "proxy", "serve_proxy", "ray_cluster"}
-             & set(item.fixturenames))),
+    ("swap", lambda item: item.path.name == "test_replicas.py"
+     or bool({"swappable_vllm", "swap_vllm"} & set(item.fixturenames))),
+    ("ray", lambda item: "ray_cluster" in item.fixturenames),
+    ("tiny", lambda item: bool({"vllm_server", "proxy", "serve_proxy"} & set(item.fixturenames))),
     ("vision", lambda item: "vision_vllm" in item.fixturenames),
 )
 

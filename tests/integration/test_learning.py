@@ -94,12 +94,10 @@ async def _agent(client, openai_client, group: str, prompt: str,
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["torch", "verl"])
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path,
-                                                               engine: str,
-                                                               request: pytest.FixtureRequest) -> None:
-    """Full-weight swaps, with each engine (verl: one TrainingWorker on the session's Ray cluster; its steps
-    are sampled at temperature 1 without truncation, so ``--truncation-mode drop`` drops nothing). (LoRA mode
+async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path) -> None:
+    """Full-weight swaps, with the torch engine. The verl engine is not run here again: test_verl_engine shows
+    it computes the torch engine's loss, gradients and weights on the same batch and runs the daemon's loop
+    (checkpoint, crash, resume), and the swap takes the same weights from either. (LoRA mode
     is not run here: on a random-init model an adapter on the attention/MLP layers barely moves the output
     distribution, so this task does not learn with it; the LoRA swap itself is tested in test_swap_vllm, the
     LoRA training path in test_engine.)"""
@@ -112,10 +110,6 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
     from steptap.middleware.client import SteptapClient
 
     own_vllm = swap_vllm  # the learner swaps its weights
-    extra = []
-    if engine == "verl":
-        request.getfixturevalue("ray_cluster")
-        extra = ["--engine", "verl", "--workers", "1", "--truncation-mode", "drop"]
     torch.set_num_threads(1)
     proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
     targets = _target_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))
@@ -125,7 +119,7 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
         "--batch-groups", str(GROUPS), "--group-size", str(GROUP_SIZE), "--lr", "1e-2", "--push-every", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--checkpoint-every", "4", "--metrics-file", str(metrics), "--max-updates", str(N_UPDATES),
-        "--num-threads", "1", "--seed", "0", "--no-progress", *extra])
+        "--num-threads", "1", "--seed", "0", "--no-progress"])
     t0 = time.perf_counter()
     learner = asyncio.create_task(daemon._run(cfg))
 
@@ -152,7 +146,7 @@ async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_p
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     curve = [r["reward_mean"] for r in rows]
     minutes = (time.perf_counter() - t0) / 60
-    print(f"real loop ({engine}): reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, "
+    print(f"real loop: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, "
           f"{minutes:.1f} min; "
           f"curve {[round(c, 3) for c in curve]}; versions {[r['behaviour_version'] for r in rows]}; "
           f"training {sum(r['seq_tokens'] for r in rows) / sum(r['seconds'] for r in rows):.0f} tokens/s")
