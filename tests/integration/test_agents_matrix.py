@@ -332,7 +332,7 @@ def protocol_checks(agent: str, steps: list[Any], stdout: str, proxy: Any) -> No
 
 
 # eight CLIs and a Python agent side by side on two cores (six: 843 s of call at load 5-9; eight, on the
-# one-layer long-context model: 110 s, 2026-12-02; default: 900 s)
+# one-layer long-context model: 100 s, 2026-12-02; default: 900 s)
 @pytest.mark.timeout(1800)
 async def test_every_cli_and_a_python_agent_write_a_file_read_it_back_and_answer_exactly(
     long_proxy: Any, long_vllm: Any, agent_cli: Any, tmp_path: Path
