@@ -1,5 +1,5 @@
 """``steptap run --agent NAME``: the provider settings of the common agent CLIs (Claude Code, Codex, OpenClaw,
-pi, Gemini CLI, opencode, Qwen Code, Mistral Vibe), written for one session.
+pi, Gemini CLI, opencode, Qwen Code, Mistral Vibe, Continue's CLI), written for one session.
 
 Each CLI gets its settings in a private (0700) directory of its own, named by the CLI's own environment
 variable (so the user's real config is never read or changed), and the session's key only in the environment
@@ -23,9 +23,9 @@ KEY_ENV = "STEPTAP_API_KEY"  # the session key, for CLIs whose config names an e
 PROVIDER = "steptap"  # a custom provider id: OpenClaw routes the id `openai` through Codex's runtime
 # The CLI binary of each agent, as npm installs it (node_modules/.bin/NAME) and as it is called on PATH.
 BINARIES = {"claude-code": "claude", "codex": "codex", "openclaw": "openclaw", "pi": "pi",
-            "gemini": "gemini", "opencode": "opencode", "qwen-code": "qwen", "vibe": "vibe"}
-# The cache's folder of each CLI (scripts/install_agents.sh): Gemini CLI has one of its own
-CACHE_FOLDERS = {"gemini": "gemini"}
+            "gemini": "gemini", "opencode": "opencode", "qwen-code": "qwen", "vibe": "vibe", "continue": "cn"}
+# The cache's folder of each CLI (scripts/install_agents.sh): Gemini CLI and Continue's CLI have their own
+CACHE_FOLDERS = {"gemini": "gemini", "continue": "continue"}
 VENVS = {"vibe": "vibe"}  # the CLIs from PyPI: each in a venv of its own in the cache (venvs/NAME/bin/BINARY)
 AGENTS = tuple(BINARIES)
 CONTEXT_WINDOW, MAX_TOKENS = 65536, 4096  # what OpenClaw and pi are told the served model takes
@@ -176,6 +176,8 @@ def prepare(
         _vibe(launch, base, api_key, model, home)
     elif agent == "gemini":
         _gemini(launch, base, api_key, model, home)
+    elif agent == "continue":
+        _continue(launch, base, api_key, model, home)
     else:
         raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
     return launch
@@ -378,3 +380,29 @@ def _gemini(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path
         GEMINI_MODEL=model,
         GEMINI_TELEMETRY_ENABLED="false",
     )
+
+
+def continue_config(base: str, model: str) -> str:
+    """Continue's config.yaml: one model on the session (its OpenAI provider, the key read from
+    ``$STEPTAP_API_KEY`` as a secret), the context window and reply cap the other CLIs are told. JSON is YAML:
+    written as JSON, no YAML writer needed."""
+    config = {
+        "name": "steptap", "version": "1.0.0", "schema": "v1",
+        "models": [{
+            "name": "steptap", "provider": "openai", "model": model, "apiBase": base,
+            "apiKey": "${{ secrets." + KEY_ENV + " }}",
+            "roles": ["chat", "edit", "apply", "summarize"],
+            "defaultCompletionOptions": {"contextLength": CONTEXT_WINDOW, "maxTokens": MAX_TOKENS},
+        }],
+    }
+    return json.dumps(config, indent=2) + "\n"
+
+
+def _continue(launch: AgentLaunch, base: str, api_key: str, model: str, home: Path) -> None:
+    # Continue's CLI (cn) reads its config.yaml, permissions, sessions and logs from CONTINUE_GLOBAL_DIR (in
+    # place of ~/.continue); a local config.yaml there is used without a login. Its OpenTelemetry metrics go
+    # out only when an OTEL exporter is set; CONTINUE_CLI_ENABLE_TELEMETRY=0 turns them off besides. Headless
+    # (-p) it checks for no update.
+    root = _private_dir(home / "continue")
+    _write(root / "config.yaml", continue_config(base, model), launch.files)
+    launch.env.update(CONTINUE_GLOBAL_DIR=str(root), CONTINUE_CLI_ENABLE_TELEMETRY="0", **{KEY_ENV: api_key})

@@ -15,14 +15,14 @@ is untrusted. When it exits, the session is finished with a reward from
   judge session of their own); a judge that fails ends the session as an infrastructure failure.
 
 No reward and a non-zero exit: the session is ``aborted``. No reward and exit 0: ``finished`` without reward.
-``--agent NAME`` (``agents.AGENTS``: claude-code, codex, openclaw, pi, opencode, qwen-code, vibe) runs that
-CLI (from PATH or the cache scripts/install_agents.sh fills) with its provider settings written for the
-session into a private directory (adapters/agents.py); the arguments after ``--`` go to the CLI. ``-n K`` runs
-K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output lines prefixed with
-``[i]``. ``--agent`` runs in the local task sandbox by default (``run_sandbox.py``: the working directory, a
-home and the session URL only; ``--no-sandbox`` opts out with a warning); a plain command only with
-``--sandbox``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions. The members
-themselves are ``runner.py``.
+``--agent NAME`` (``agents.AGENTS``: claude-code, codex, openclaw, pi, gemini, opencode, qwen-code, vibe,
+continue) runs that CLI (from PATH or the cache scripts/install_agents.sh fills) with its provider settings
+written for the session into a private directory (adapters/agents.py); the arguments after ``--`` go to the
+CLI. ``-n K`` runs K members of one group (``group_size=K``), at most ``--concurrency`` at once, their output
+lines prefixed with ``[i]``. ``--agent`` runs in the local task sandbox by default (``run_sandbox.py``: the
+working directory, a home and the session URL only; ``--no-sandbox`` opts out with a warning); a plain command
+only with ``--sandbox``. Ctrl-C (or SIGTERM) kills the children's process groups and aborts their sessions.
+The members themselves are ``runner.py``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 #                                  exact versions, one package.json
 #   ~/.cache/steptap/agents/venvs  the PyPI CLIs (Mistral Vibe), each in a venv of its own, exact versions
 #   ~/.cache/steptap/agents/gemini Gemini CLI, exact version, a package.json of its own (below)
+#   ~/.cache/steptap/agents/continue Continue's CLI (cn), the same way
 # Everything comes from the npm registry; nothing is downloaded when a CLI runs. Idempotent: a stamp of the pins
 # skips the work when nothing changed. Prints a few lines; npm's output goes to agents/install.log.
 set -euo pipefail
@@ -27,6 +28,7 @@ PYPI_CLIS=(
   "vibe|3.12|mistral-vibe==2.26.1"
 )
 GEMINI_CLI_VERSION=0.61.0  # @google/gemini-cli: its own folder, installed after the others
+CONTINUE_CLI_VERSION=1.5.47  # @continuedev/cli (cn): its own folder too
 root=${STEPTAP_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/steptap/agents}
 say() { echo "[agents] $*"; }
 mkdir -p "$root/node" "$root/clis" "$root/venvs"
@@ -42,8 +44,8 @@ run() {  # a command with its output in the log; on failure, the end of the log 
 }
 command -v npm >/dev/null || { say "npm not found: install Node.js and npm (any version; Node $NODE_VERSION comes from npm)"; exit 1; }
 
-stamp=$(printf '%s\n%s\n%s\n%s\n' "$NODE_VERSION" "$CLIS" "${PYPI_CLIS[*]}" "$GEMINI_CLI_VERSION" | sha256sum |
-  cut -c1-16)
+stamp=$(printf '%s\n%s\n%s\n%s\n%s\n' "$NODE_VERSION" "$CLIS" "${PYPI_CLIS[*]}" "$GEMINI_CLI_VERSION" \
+  "$CONTINUE_CLI_VERSION" | sha256sum | cut -c1-16)
 if [ "$(cat "$root/.steptap-stamp" 2>/dev/null)" = "$stamp" ]; then
   say "agent CLIs are up to date ($root)"
   exit 0
@@ -99,20 +101,26 @@ for cli in claude codex openclaw pi opencode qwen "$root/venvs/vibe/bin/vibe"; d
   say "${cli##*/}: ${version%%$'\n'*}"
 done
 
-# Gemini CLI (bundled, no dependencies of its own): a folder of its own, so its pin moves alone
-mkdir -p "$root/gemini"
-printf '{"name": "steptap-gemini-cli", "private": true, "dependencies": {"@google/gemini-cli": "%s"}}\n' \
-  "$GEMINI_CLI_VERSION" >"$root/gemini/package.json"
-run npm install --prefix "$root/gemini" "${npm_flags[@]}"
-scratch=$(mktemp -d)  # its --version writes a settings folder: not the user's ~/.gemini
-version=$(GEMINI_CLI_HOME=$scratch "$root/gemini/node_modules/.bin/gemini" --version 2>>"$log" || true)
-rm -rf "$scratch"
-if [ "${version%%$'\n'*}" != "$GEMINI_CLI_VERSION" ]; then
-  echo "$version" >>"$log"
-  say "failed: gemini --version; the end of $log:"
-  tail -n 30 "$log"
-  exit 1
-fi
-say "gemini: $version"
+own_folder() {  # NAME PACKAGE VERSION BINARY HOME_VARIABLE: a bundled CLI in a folder of its own, so its pin moves
+  # alone; its --version writes a settings folder, so HOME_VARIABLE points it at a scratch one (not the user's)
+  local name=$1 package=$2 want=$3 binary=$4 home_var=$5 scratch version
+  mkdir -p "$root/$name"
+  printf '{"name": "steptap-%s", "private": true, "dependencies": {"%s": "%s"}}\n' "$name" "$package" "$want" \
+    >"$root/$name/package.json"
+  run npm install --prefix "$root/$name" "${npm_flags[@]}"
+  scratch=$(mktemp -d)
+  version=$(env "$home_var=$scratch" "$root/$name/node_modules/.bin/$binary" --version 2>>"$log" || true)
+  rm -rf "$scratch"
+  if [ "${version%%$'\n'*}" != "$want" ]; then
+    echo "$version" >>"$log"
+    say "failed: $binary --version; the end of $log:"
+    tail -n 30 "$log"
+    exit 1
+  fi
+  say "$binary: $version"
+}
+# Gemini CLI (bundled, no dependencies of its own); Continue's CLI (bundled, four small dependencies)
+own_folder gemini @google/gemini-cli "$GEMINI_CLI_VERSION" gemini GEMINI_CLI_HOME
+own_folder continue @continuedev/cli "$CONTINUE_CLI_VERSION" cn CONTINUE_GLOBAL_DIR
 echo "$stamp" >"$root/.steptap-stamp"
 say "done in $((SECONDS - t0)) s"

@@ -4,8 +4,9 @@ Agent CLIs send system prompts and tool lists of 15-30k tokens, far past the tin
 they run against ``steptap tiny-model --long-context`` served with ``--max-model-len 131072``
 (``VLLM_CPU_KVCACHE_SPACE=1`` holds it: 209,664 tokens of KV cache). Reuse running ones with
 STEPTAP_TEST_LONG_BACKEND=http://host:port and STEPTAP_TEST_LONG_MODEL_DIR=the model it serves. The CLIs come
-from the cache scripts/install_agents.sh fills; STEPTAP_TEST_<NAME> (CLAUDE_CODE, CODEX, OPENCLAW, PI,
-GEMINI) names another binary. Imported into conftest.py, which makes these fixtures visible to every test.
+from the cache scripts/install_agents.sh fills; STEPTAP_TEST_<NAME> (the agent's name upper-cased, ``-`` as
+``_``: CLAUDE_CODE, CODEX, ..., QWEN_CODE, CONTINUE) names another binary. Imported into conftest.py, which
+makes these fixtures visible to every test.
 """
 
 from __future__ import annotations

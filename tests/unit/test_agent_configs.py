@@ -180,6 +180,26 @@ def test_vibe_gets_a_generic_provider_in_its_own_home(tmp_path: Path,
     assert agents.cached_cli("vibe") == tmp_path / "cache" / "venvs" / "vibe" / "bin" / "vibe"
 
 
+def test_continue_gets_one_openai_model_in_its_own_global_dir(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    launch = _prepare("continue", tmp_path)
+    root = Path(launch.env["CONTINUE_GLOBAL_DIR"])
+    assert tmp_path / "home" in root.parents
+    # YAML, written as JSON (a YAML document too): its one model on the session, the key a secret of the
+    # environment (cn resolves `${{ secrets.NAME }}` from its environment first)
+    config = json.loads((root / "config.yaml").read_text())
+    assert config == {"name": "steptap", "version": "1.0.0", "schema": "v1", "models": [{
+        "name": "steptap", "provider": "openai", "model": MODEL, "apiBase": BASE,
+        "apiKey": "${{ secrets.STEPTAP_API_KEY }}", "roles": ["chat", "edit", "apply", "summarize"],
+        "defaultCompletionOptions": {"contextLength": 65536, "maxTokens": 4096}}]}
+    assert launch.env["STEPTAP_API_KEY"] == KEY and launch.env["CONTINUE_CLI_ENABLE_TELEMETRY"] == "0"
+    assert agents.side_models("continue") == []  # headless it sends no title or other side call
+    _private(launch, tmp_path / "home")
+    # a folder of its own in the cache, as Gemini CLI's
+    monkeypatch.setenv("STEPTAP_AGENTS_DIR", str(tmp_path / "cache"))
+    assert agents.cached_cli("continue") == tmp_path / "cache" / "continue" / "node_modules" / ".bin" / "cn"
+
+
 def test_agent_homes_are_private_fresh_and_never_in_the_temp_dir(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Codex >= 0.169 refuses its sandbox helpers under the temp dir: every sandboxed command would fail
