@@ -188,7 +188,11 @@ class StreamRelay:
             batches = source  # already line batches (token-in-token-out)
         proto = self.proto
         echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
-        beat = (HEARTBEAT if proto is None else proto.heartbeat) if self.heartbeat_s > 0 else b""
+        # Heartbeats only while the backend has sent nothing: when its first bytes are in already (the
+        # reader's count of bytes fed), the first read waits on nothing, and needs no task nor timed wait
+        answered = isinstance(source, aiohttp.ClientResponse) and source.content.total_bytes > 0
+        beating = self.heartbeat_s > 0 and not answered
+        beat = (HEARTBEAT if proto is None else proto.heartbeat) if beating else b""
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
