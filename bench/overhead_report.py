@@ -155,6 +155,38 @@ def verdicts(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
     return found
 
 
+BUDGET_SLACK = 1.10  # a CPU ratio more than 10% above the committed one is reported as a regression
+
+
+def cpu_figures(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per configuration: steptap's and the pass-through's CPU microseconds per call (medians over rounds) and
+    the ratio of the two (the median of the per-round ratios): the per-call CPU budget's figures."""
+    per = {(r["mode"], r["concurrency"], r["target"]): r["proxy_cpu_ms_per_call"] for r in summary["configs"]}
+    out = {}
+    for key, v in summary["targets"].items():
+        mode, c = key.split(" c=")
+        steptap, floor = per.get((mode, int(c), "steptap")), per.get((mode, int(c), "passthrough"))
+        if steptap is None or floor is None:
+            continue
+        out[key] = {"steptap_cpu_us": round(1000.0 * steptap, 1), "floor_cpu_us": round(1000.0 * floor, 1),
+                    "ratio_cpu": round(v["ratio_cpu"], 3)}
+    return out
+
+
+def check_budget(figures: dict[str, dict[str, float]], budget: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each configuration of the committed budget measured in this run: its CPU ratio to the pass-through
+    against the committed one (a ratio: the absolute microseconds move with the machine and its load), a
+    regression when more than ``BUDGET_SLACK`` times it."""
+    found = []
+    for key, want in budget.get("figures", {}).items():
+        got = figures.get(key)
+        if got is None or math.isnan(got["ratio_cpu"]):
+            continue
+        found.append({"config": key, "committed": want["ratio_cpu"], "measured": got["ratio_cpu"],
+                      "regression": got["ratio_cpu"] > BUDGET_SLACK * want["ratio_cpu"]})
+    return found
+
+
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [
@@ -204,6 +236,18 @@ def markdown(result: dict[str, Any]) -> str:
         for key, v in figs.items():
             lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['ratio_p99']:.2f} | "
                          f"{v['added_p50_ms']:+.3f} | {v['ratio_cpu']:.2f} |")
+    cpu = cpu_figures(s)
+    if cpu:
+        lines += ["", "CPU per call (user + system, all threads), microseconds:", "",
+                  "| config | steptap | pass-through (floor) | ratio |", "|---|---:|---:|---:|"]
+        for key, v in cpu.items():
+            lines.append(f"| {key} | {v['steptap_cpu_us']:.0f} | {v['floor_cpu_us']:.0f} | "
+                         f"{v['ratio_cpu']:.2f} |")
+    for b in result.get("budget", []):
+        word = "REGRESSION" if b["regression"] else "within budget"
+        lines.append(f"- {word}: {b['config']} CPU ratio {b['measured']:.2f} against the committed "
+                     f"{b['committed']:.2f} (bench/cpu_budget.json; more than {BUDGET_SLACK:.2f}x is a "
+                     "regression)")
     if s["verdicts"]:
         lines.append("")
         for key, v in s["verdicts"].items():

@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recorded
-from overhead_report import markdown, pct, summarize, summarize_run
+from overhead_report import check_budget, cpu_figures, markdown, pct, summarize, summarize_run
 from procs import Server, free_port, python_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -548,6 +548,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "dir; /dev/shm takes the disk's fsync out of the measurement)",
     )
     p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
+    p.add_argument(
+        "--budget",
+        default=str(Path(__file__).with_name("cpu_budget.json")),
+        help="the committed per-call CPU figures (ratios to the pass-through): a ratio more than 10%% above "
+        "one is reported as a REGRESSION",
+    )
+    p.add_argument("--write-budget", action="store_true", help="write this run's CPU figures to --budget")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -577,6 +584,17 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "git": _git_head(),
     }
+    if args.budget and Path(args.budget).exists():
+        budget = json.loads(Path(args.budget).read_text())
+        result["budget"] = check_budget(cpu_figures(result["summary"]), budget)
+    if args.write_budget:
+        figures = cpu_figures(result["summary"])
+        Path(args.budget).write_text(json.dumps({
+            "about": "steptap's CPU per call against the pass-through's in the same run (proxy_overhead.py "
+                     "--write-budget); a later run reports a ratio more than 10% above one of these",
+            "git": result["meta"]["git"], "at": result["meta"]["started_at"],
+            "command": result["meta"]["command"], "loadavg": result["meta"]["loadavg"],
+            "figures": figures}, indent=1) + "\n")
     text = markdown(result)
     print(text)
     if args.out:
