@@ -71,9 +71,35 @@ def _ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else float("nan")
 
 
+def _paired(runs: list[dict[str, Any]], mode: str, c: int, a: str, b: str) -> list[tuple[dict[str, Any],
+                                                                                         dict[str, Any]]]:
+    """(a's run, b's run) of each round that measured both in this configuration."""
+    pairs: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        if r["mode"] == mode and r["concurrency"] == c and r["target"] in (a, b):
+            pairs.setdefault(r["round"], {})[r["target"]] = r
+    return [(p[a], p[b]) for p in pairs.values() if len(p) == 2]
+
+
+def _figures(full: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
+    return {
+        "ratio_calls_per_s": med([_ratio(s["calls_per_s"], p["calls_per_s"]) for s, p in full]),
+        "ratio_p99": med([_ratio(s["p99_ms"], p["p99_ms"]) for s, p in full]),
+        "added_p50_ms": med([s["p50_ms"] - p["p50_ms"] for s, p in full]),
+        "added_cpu_ms_per_call": med(
+            [s["proxy_cpu_ms_per_call"] - p["proxy_cpu_ms_per_call"] for s, p in full]
+        ),
+        "ratio_cpu": med([_ratio(s["proxy_cpu_ms_per_call"], p["proxy_cpu_ms_per_call"]) for s, p in full]),
+    }
+
+
 def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tuple[str, int]]) -> dict[str,
                                                                                                       Any]:
-    out: dict[str, Any] = {"configs": [], "targets": {}}
+    """Medians per target and configuration; ``targets``: steptap's figures against the pass-through (the
+    verdicts are on them); ``baselines``: each baseline's against the pass-through, and ``vs_baseline``:
+    steptap's against each baseline, each a median over rounds of the per-round ratio."""
+    out: dict[str, Any] = {"configs": [], "targets": {}, "baselines": {}, "vs_baseline": {}}
+    proxies = [t for t in targets if t == "steptap" or t.startswith("baseline")]
     for mode, c in configs:
         for t in targets:
             rs = [r for r in runs if r["mode"] == mode and r["concurrency"] == c and r["target"] == t]
@@ -91,27 +117,22 @@ def summarize(runs: list[dict[str, Any]], targets: list[str], configs: list[tupl
                     ),
                     "calls": sum(r["calls"] for r in rs),
                     "log_wait_ms": med([r["log_wait_ms"] for r in rs if "log_wait_ms" in r])
-                    if t == "steptap"
+                    if t in proxies
                     else None,
                 }
             )
-        if not {"passthrough", "steptap"} <= set(targets):
-            continue
-        pairs: dict[int, dict[str, dict[str, Any]]] = {}
-        for r in runs:
-            if r["mode"] == mode and r["concurrency"] == c and r["target"] in ("passthrough", "steptap"):
-                pairs.setdefault(r["round"], {})[r["target"]] = r
-        full = [(p["steptap"], p["passthrough"]) for p in pairs.values() if len(p) == 2]
-        out["targets"][f"{mode} c={c}"] = {
-            "ratio_calls_per_s": med([_ratio(s["calls_per_s"], p["calls_per_s"]) for s, p in full]),
-            "ratio_p99": med([_ratio(s["p99_ms"], p["p99_ms"]) for s, p in full]),
-            "added_p50_ms": med([s["p50_ms"] - p["p50_ms"] for s, p in full]),
-            "added_cpu_ms_per_call": med(
-                [s["proxy_cpu_ms_per_call"] - p["proxy_cpu_ms_per_call"] for s, p in full]
-            ),
-            "ratio_cpu": med([_ratio(s["proxy_cpu_ms_per_call"], p["proxy_cpu_ms_per_call"]) for s,
-                              p in full]),
-        }
+        key = f"{mode} c={c}"
+        if "passthrough" in targets:
+            for t in proxies:
+                figures = _figures(_paired(runs, mode, c, t, "passthrough"))
+                if t == "steptap":
+                    out["targets"][key] = figures
+                else:
+                    out["baselines"].setdefault(t, {})[key] = figures
+        if "steptap" in targets:
+            for t in proxies:
+                if t != "steptap":
+                    out["vs_baseline"].setdefault(t, {})[key] = _figures(_paired(runs, mode, c, "steptap", t))
     out["verdicts"] = verdicts(out["targets"])
     return out
 
@@ -131,6 +152,38 @@ def verdicts(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
         # NaN: no figure
         ok = None if math.isnan(value) else bool(value >= bound if op == ">=" else value <= bound)
         found[f"{key}: {FIGURE_NAMES[fig]} {op} {bound}"] = {"value": value, "pass": ok}
+    return found
+
+
+BUDGET_SLACK = 1.10  # a CPU ratio more than 10% above the committed one is reported as a regression
+
+
+def cpu_figures(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per configuration: steptap's and the pass-through's CPU microseconds per call (medians over rounds) and
+    the ratio of the two (the median of the per-round ratios): the per-call CPU budget's figures."""
+    per = {(r["mode"], r["concurrency"], r["target"]): r["proxy_cpu_ms_per_call"] for r in summary["configs"]}
+    out = {}
+    for key, v in summary["targets"].items():
+        mode, c = key.split(" c=")
+        steptap, floor = per.get((mode, int(c), "steptap")), per.get((mode, int(c), "passthrough"))
+        if steptap is None or floor is None:
+            continue
+        out[key] = {"steptap_cpu_us": round(1000.0 * steptap, 1), "floor_cpu_us": round(1000.0 * floor, 1),
+                    "ratio_cpu": round(v["ratio_cpu"], 3)}
+    return out
+
+
+def check_budget(figures: dict[str, dict[str, float]], budget: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each configuration of the committed budget measured in this run: its CPU ratio to the pass-through
+    against the committed one (a ratio: the absolute microseconds move with the machine and its load), a
+    regression when more than ``BUDGET_SLACK`` times it."""
+    found = []
+    for key, want in budget.get("figures", {}).items():
+        got = figures.get(key)
+        if got is None or math.isnan(got["ratio_cpu"]):
+            continue
+        found.append({"config": key, "committed": want["ratio_cpu"], "measured": got["ratio_cpu"],
+                      "regression": got["ratio_cpu"] > BUDGET_SLACK * want["ratio_cpu"]})
     return found
 
 
@@ -157,6 +210,44 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['ratio_p99']:.2f} | {v['added_p50_ms']:+.3f} | "
                 f"{v['ratio_cpu']:.2f} | {v['added_cpu_ms_per_call']:+.3f} |"
             )
+    # each baseline against the floor, then steptap against it (ratios per round, medians)
+    floor = {"steptap": s["targets"], **s.get("baselines", {})}
+    if len(floor) > 1:
+        names = list(floor)
+        refs = result.get("baselines", {})
+        lines += [
+            "",
+            "calls/s / the pass-through's (added p50 ms at c=1; CPU ms per call), per target:",
+            "",
+            "| config | " + " | ".join(f"{n} ({refs.get(n, 'this checkout')})" for n in names) + " |",
+            "|---|" + "---:|" * len(names),
+        ]
+        for key in s["targets"]:
+            cells = []
+            for n in names:
+                v = floor[n].get(key)
+                cells.append("" if v is None else f"{v['ratio_calls_per_s']:.2f}x, "
+                             f"{v['added_p50_ms']:+.2f} ms, CPU {v['ratio_cpu']:.2f}x")
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    for name, figs in s.get("vs_baseline", {}).items():
+        lines += ["", f"steptap / {name} ({result.get('baselines', {}).get(name, '')}), same rounds:", "",
+                  "| config | calls/s ratio | p99 ratio | added p50 ms | CPU/call ratio |",
+                  "|---|---:|---:|---:|---:|"]
+        for key, v in figs.items():
+            lines.append(f"| {key} | {v['ratio_calls_per_s']:.2f} | {v['ratio_p99']:.2f} | "
+                         f"{v['added_p50_ms']:+.3f} | {v['ratio_cpu']:.2f} |")
+    cpu = cpu_figures(s)
+    if cpu:
+        lines += ["", "CPU per call (user + system, all threads), microseconds:", "",
+                  "| config | steptap | pass-through (floor) | ratio |", "|---|---:|---:|---:|"]
+        for key, v in cpu.items():
+            lines.append(f"| {key} | {v['steptap_cpu_us']:.0f} | {v['floor_cpu_us']:.0f} | "
+                         f"{v['ratio_cpu']:.2f} |")
+    for b in result.get("budget", []):
+        word = "REGRESSION" if b["regression"] else "within budget"
+        lines.append(f"- {word}: {b['config']} CPU ratio {b['measured']:.2f} against the committed "
+                     f"{b['committed']:.2f} (bench/cpu_budget.json; more than {BUDGET_SLACK:.2f}x is a "
+                     "regression)")
     if s["verdicts"]:
         lines.append("")
         for key, v in s["verdicts"].items():
@@ -165,18 +256,21 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- {word} {key} (measured {v['value']:.3f})")
     log = result.get("log")
     lines.append("")
-    if log:
+    for name, lg in result.get("logs", {"steptap": log} if log else {}).items():
         lines.append(
-            f"- log: {log['steps']} steps for {log['calls_sent']} calls sent to steptap "
-            f"({'one step per call' if log['one_step_per_call'] else 'MISMATCH'}); records {log['records']}"
+            f"- log ({name}): {lg['steps']} steps for {lg['calls_sent']} calls sent "
+            f"({'one step per call' if lg['one_step_per_call'] else 'MISMATCH'}); records {lg['records']}"
         )
     waits = [
         r for r in s["configs"] if r.get("log_wait_ms") is not None and r["log_wait_ms"] == r["log_wait_ms"]
     ]
     if waits:
         lines.append(
-            "- steptap's wait for its log commit (its own `steptap_log_commit_seconds`), mean ms per record: "
-            + ", ".join(f"{r['mode']} c={r['concurrency']} {r['log_wait_ms']:.2f}" for r in waits)
+            "- the wait for the log commit (each proxy's own `steptap_log_commit_seconds`), mean ms per "
+            "record: "
+            + ", ".join(
+                f"{r['target']} {r['mode']} c={r['concurrency']} {r['log_wait_ms']:.2f}" for r in waits
+            )
         )
     if result.get("fsync_ms"):
         f = result["fsync_ms"]

@@ -18,6 +18,11 @@ or MISS, and a miss does not fail the run.
 Correctness is checked on every run: the bodies the agent got through steptap equal the recorded ones minus
 what it did not ask for (logprobs, token ids), the direct and pass-through bodies equal the recorded bytes,
 and after steptap stops its log holds one step per call it served. A check that fails makes the exit status 1.
+
+``--baseline REF`` (repeatable) adds the proxy as it was at a git ref, side by side in the same run: the ref's
+tree is exported (``git archive``) to a temp dir and served by this checkout's Python and packages, as the
+target ``baseline`` (a second ref: ``baseline2``, ...), with its own log, checks and ratios to the same
+pass-through; the summary also gives each ratio of steptap to each baseline.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recorded
-from overhead_report import markdown, pct, summarize, summarize_run
+from overhead_report import check_budget, cpu_figures, markdown, pct, summarize, summarize_run
 from procs import Server, free_port, python_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,9 +86,18 @@ class LoadGen(Server):
         return json.loads(line)
 
 
-def steptap_cmd(backend: str, port: int, log_dir: str, extra: list[str], prefix: str | None) -> list[str]:
+def steptap_cmd(
+    backend: str, port: int, log_dir: str, extra: list[str], prefix: str | None, tree: str | None = None
+) -> list[str]:
+    """``steptap serve`` for this checkout, or (``tree``: a baseline's package dir, first on ``sys.path``)
+    for the code at another ref, run by this checkout's Python."""
     exe = Path(sys.executable).with_name("steptap")
-    if prefix:
+    if tree is not None:
+        boot = (f"import sys; sys.path.insert(0, {tree!r}); import steptap.middleware as m; "
+                f"assert m.__file__.startswith({tree!r}), m.__file__; "
+                "from steptap.middleware.cli import main; sys.exit(main())")
+        base = [*(shlex.split(prefix) if prefix else [sys.executable]), "-c", boot]
+    elif prefix:
         base = shlex.split(prefix)
     else:
         base = [str(exe)] if exe.exists() else [sys.executable, "-m", "steptap.middleware.cli"]
@@ -138,8 +152,30 @@ class Steptap(Server):
 # ---- correctness -----------------------------------------------------------------------------------------
 
 
+def is_proxy(target: str) -> bool:
+    """steptap, or steptap at a baseline ref."""
+    return target == "steptap" or target.startswith("baseline")
+
+
+def baseline_tree(ref: str, work: Path, name: str) -> str:
+    """The code at ``ref`` exported under ``work``, laid out as installed (``steptap/middleware``, ...);
+    returns the directory to put first on ``sys.path`` (a regular ``steptap`` package there shadows the
+    editable install's)."""
+    src = work / f"{name}-src"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    top = work / f"{name}-pkg"
+    (top / "steptap").mkdir(parents=True)
+    (top / "steptap" / "__init__.py").write_text("")
+    for pkg in ("middleware", "adapters", "learner"):
+        if (src / pkg).is_dir():
+            (top / "steptap" / pkg).symlink_to(src / pkg)
+    return str(top)
+
+
 def target_url(target: str, urls: dict[str, str], identity: str, rnd: int, mode: str, c: int) -> str:
-    if target == "steptap" and identity == "session":
+    if is_proxy(target) and identity == "session":
         # One session per worker: each worker is one agent making its calls in turn.
         return f"{urls[target]}/s/bench-r{rnd}-{mode}-c{c}-w{{worker}}/v1/chat/completions"
     return urls[target] + CHAT
@@ -151,7 +187,7 @@ def check_bodies(target: str, stream: bool, bodies: list[list[Any]], fx: recorde
     want = fx.stream if stream else fx.reply
     for text, count in bodies:
         body = text.encode()
-        if target == "steptap":
+        if is_proxy(target):
             why = recorded.same_agent_stream(body, want) if stream else recorded.same_agent_body(body, want)
         else:  # direct and pass-through relay the recorded bytes untouched
             why = None if body == want else f"bytes differ from the recording ({len(body)} vs {len(want)})"
@@ -186,8 +222,15 @@ async def _count_steps(log_dir: str) -> dict[str, int]:
     return counts
 
 
-def count_log(log_dir: str) -> dict[str, int]:
-    return asyncio.run(_count_steps(log_dir))
+def count_log(log_dir: str, tree: str | None = None) -> dict[str, int]:
+    """The log's counts, read by this checkout's reader, or (``tree``) by the baseline's own in a child."""
+    if tree is None:
+        return asyncio.run(_count_steps(log_dir))
+    here = str(Path(__file__).parent)
+    code = (f"import sys, json; sys.path.insert(0, {tree!r}); sys.path.insert(1, {here!r}); "
+            f"import proxy_overhead as p; print(json.dumps(p.count_log({log_dir!r})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -196,15 +239,15 @@ def count_log(log_dir: str) -> dict[str, int]:
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     fixtures = {"short": recorded.load(args.fixture), "long": recorded.load(args.long_fixture)}
     work = Path(tempfile.mkdtemp(prefix="steptap-bench-"))
-    log_dir = (
-        tempfile.mkdtemp(prefix="steptap-bench-log-", dir=args.log_root)
-        if args.log_root
-        else str(work / "log")
-    )
-    result_fsync_before = fsync_probe(args.log_root or str(work))
+    log_root = args.log_root or str(work)
+    # each steptap process (this checkout's, each baseline's) its own log
+    log_dirs: dict[str, str] = {}
+    result_fsync_before = fsync_probe(log_root)
     servers: list[Server] = []
     py_spy: subprocess.Popen[bytes] | None = None
     result: dict[str, Any] = {"problems": []}
+    baselines = dict(zip(baseline_names(args.baseline), args.baseline, strict=True))
+    proxies = [t for t in ["steptap", *baselines] if t in args.targets]
     try:
         replay = Server(
             "replay",
@@ -225,52 +268,58 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             servers.append(pt)
             urls["passthrough"] = pt.url
             pids["passthrough"] = pt.pid
-        steptap = None
-        if "steptap" in args.targets:
+        started: dict[str, Steptap] = {}
+        trees: dict[str, str | None] = {}
+        for name in proxies:
+            trees[name] = baseline_tree(baselines[name], work, name) if name in baselines else None
+            log_dirs[name] = tempfile.mkdtemp(prefix=f"steptap-bench-log-{name}-", dir=log_root)
             port = free_port()
-            steptap = Steptap(
-                "steptap",
+            proc = Steptap(
+                name,
                 steptap_cmd(
                     replay.url,
                     port,
-                    log_dir,
+                    log_dirs[name],
                     ["--max-concurrent-calls", str(MAX_CONCURRENT_CALLS), *args.steptap_arg],
                     args.steptap_cmd,
+                    trees[name],
                 ),
-                log=str(work / "steptap.log"),
+                log=str(work / f"{name}.log"),
             )
-            steptap.port = port
-            steptap.start(timeout=args.start_timeout)
-            servers.append(steptap)
-            urls["steptap"] = steptap.url
-            pids["steptap"] = steptap.pid
-            if args.profile:
-                py_spy = subprocess.Popen(
-                    [
-                        str(Path(sys.executable).with_name("py-spy")),
-                        "record",
-                        "-p",
-                        str(steptap.pid),
-                        "-r",
-                        "250",
-                        "-f",
-                        "raw",
-                        "-o",
-                        args.profile,
-                        "--nonblocking",
-                        *(["--gil"] if args.profile_gil else []),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+            proc.port = port
+            proc.start(timeout=args.start_timeout)
+            servers.append(proc)
+            started[name] = proc
+            urls[name] = proc.url
+            pids[name] = proc.pid
+        steptap = started.get(args.profile_target)
+        if steptap is not None and args.profile:
+            py_spy = subprocess.Popen(
+                [
+                    str(Path(sys.executable).with_name("py-spy")),
+                    "record",
+                    "-p",
+                    str(steptap.pid),
+                    "-r",
+                    "250",
+                    "-f",
+                    "raw",
+                    "-o",
+                    args.profile,
+                    "--nonblocking",
+                    *(["--gil"] if args.profile_gil else []),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         loadgen = LoadGen(log=str(work / "loadgen.log")).start()
         servers.append(loadgen)
 
         configs = [(mode, c) for mode in args.modes for c in args.concurrency]
         configs += [("long", c) for c in args.long_concurrency]  # the long reply: streamed only
-        targets = [t for t in TARGETS if t in args.targets]
+        targets = [t for t in [*TARGETS, *baselines] if t in args.targets]
         runs: list[dict[str, Any]] = []
-        sent_to_steptap = 0
+        sent = dict.fromkeys(proxies, 0)
         for rnd in range(args.rounds):
             for mode, c in configs:
                 stream = mode != "plain"
@@ -280,7 +329,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 # each.
                 groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
                 for group in groups:
-                    wait0 = log_wait(urls["steptap"]) if "steptap" in group else None
+                    wait0 = {t: log_wait(urls[t]) for t in group if is_proxy(t)}
                     res = loadgen.run(
                         targets=[
                             {"name": t, "url": target_url(t, urls, args.identity, rnd, mode, c)}
@@ -295,11 +344,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         watch_pids=sorted({pids[t] for t in group} | {pids["direct"]}),
                     )
                     total_calls = max(1, sum(r["calls"] for r in res["targets"].values()))
-                    wait1 = log_wait(urls["steptap"]) if wait0 is not None else None
+                    wait1 = {t: log_wait(urls[t]) for t in wait0}
                     for target in group:
                         tres = res["targets"][target]
-                        if target == "steptap":
-                            sent_to_steptap += tres["sent"]
+                        if is_proxy(target):
+                            sent[target] += tres["sent"]
                         row = {
                             "round": rnd,
                             "mode": mode,
@@ -312,8 +361,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         row["upstream_cpu_ms_per_call"] = (
                             1000.0 * res["cpu_s"][str(pids["direct"])] / total_calls
                         )
-                        if target == "steptap" and wait0 and wait1 and wait1[1] > wait0[1]:
-                            row["log_wait_ms"] = 1000.0 * (wait1[0] - wait0[0]) / (wait1[1] - wait0[1])
+                        w0, w1 = wait0.get(target), wait1.get(target)
+                        if w0 and w1 and w1[1] > w0[1]:
+                            row["log_wait_ms"] = 1000.0 * (w1[0] - w0[0]) / (w1[1] - w0[1])
                         row["proxy_cpu_ms_per_call"] = (
                             None if target == "direct" else 1000.0 * res["cpu_s"][str(pids[target])] / calls
                         )
@@ -344,26 +394,31 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             py_spy.send_signal(signal.SIGINT)
             py_spy.wait(30)
             py_spy = None
-        if steptap is not None:
-            steptap.stop(timeout=30)
-            counts = count_log(log_dir)
+        result["logs"] = {}
+        for name, proc in started.items():
+            proc.stop(timeout=30)
+            log_dir = log_dirs[name]
+            counts = count_log(log_dir, trees[name])
             steps = counts["steps"]
             log_bytes = sum(f.stat().st_size for f in Path(log_dir).rglob("*") if f.is_file())
-            result["log"] = {
-                "calls_sent": sent_to_steptap,
+            result["logs"][name] = {
+                "ref": baselines.get(name, "HEAD"),
+                "calls_sent": sent[name],
                 "records": counts,
                 "steps": steps,
                 "dir": log_dir,
                 "bytes": log_bytes,
-                "bytes_per_call": round(log_bytes / max(1, sent_to_steptap)),
-                "one_step_per_call": steps == sent_to_steptap,
+                "bytes_per_call": round(log_bytes / max(1, sent[name])),
+                "one_step_per_call": steps == sent[name],
             }
-            if steps != sent_to_steptap:
-                result["problems"].append(f"steptap log holds {steps} steps for {sent_to_steptap} calls")
+            if steps != sent[name]:
+                result["problems"].append(f"{name} log holds {steps} steps for {sent[name]} calls")
             if counts.get("failed_steps"):
-                result["problems"].append(f"steptap log holds {counts['failed_steps']} failed steps")
+                result["problems"].append(f"{name} log holds {counts['failed_steps']} failed steps")
+        if "steptap" in result["logs"]:
+            result["log"] = result["logs"]["steptap"]
         result["replay_stats"] = _replay_stats(replay.url)
-        result["fsync_ms"] = {"before": result_fsync_before, "after": fsync_probe(args.log_root or str(work))}
+        result["fsync_ms"] = {"before": result_fsync_before, "after": fsync_probe(log_root)}
     finally:
         if py_spy is not None and py_spy.poll() is None:
             py_spy.send_signal(signal.SIGINT)
@@ -371,12 +426,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for s in reversed(servers):
             s.stop()
         if args.keep:
-            print(f"kept logs in {work}")
+            print(f"kept logs in {work} and {sorted(log_dirs.values())}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(log_dir, ignore_errors=True)
+            for d in log_dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+    result["baselines"] = baselines
     result["summary"] = summarize(result["runs"], targets, configs)
     return result
+
+
+def baseline_names(refs: list[str]) -> list[str]:
+    """The targets of the ``--baseline`` refs: ``baseline``, ``baseline2``, ..."""
+    return ["baseline" if i == 0 else f"baseline{i + 1}" for i in range(len(refs))]
 
 
 def fsync_probe(directory: str, n: int = 100, size: int = 8192) -> dict[str, float]:
@@ -439,7 +501,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[1, 32],
         help="concurrencies of the long streamed reply (mode 'long', --long-fixture); empty: none",
     )
-    p.add_argument("--targets", type=lambda s: s.split(","), default=list(TARGETS))
+    p.add_argument(
+        "--targets",
+        type=lambda s: s.split(","),
+        default=list(TARGETS),
+        help="of direct, passthrough, steptap, and baseline (every --baseline ref: baseline, baseline2, ...)",
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="REF",
+        help="also run steptap as it was at this git ref, side by side (repeatable); add `baseline` to "
+        "--targets (the default targets take every baseline)",
+    )
     p.add_argument(
         "--identity",
         choices=("anonymous", "session"),
@@ -466,16 +541,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file"
     )
     p.add_argument("--profile-gil", action="store_true", help="with --profile: only samples holding the GIL")
+    p.add_argument("--profile-target", default="steptap", help="with --profile: which proxy (e.g. baseline)")
     p.add_argument(
         "--log-root",
         help="make steptap's trajectory log under this directory (default: a temp "
         "dir; /dev/shm takes the disk's fsync out of the measurement)",
     )
     p.add_argument("--out", help="write the full result (every run, summary, checks) as JSON here")
+    p.add_argument(
+        "--budget",
+        default=str(Path(__file__).with_name("cpu_budget.json")),
+        help="the committed per-call CPU figures (ratios to the pass-through): a ratio more than 10%% above "
+        "one is reported as a REGRESSION",
+    )
+    p.add_argument("--write-budget", action="store_true", help="write this run's CPU figures to --budget")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the trajectory log")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    bad = set(args.targets) - set(TARGETS)
+    names = baseline_names(args.baseline)
+    if "baseline" in args.targets or args.targets == list(TARGETS):
+        args.targets = [t for t in args.targets if t != "baseline"] + names
+    bad = set(args.targets) - set(TARGETS) - set(names)
     if bad:
         p.error(f"unknown targets {sorted(bad)}")
     return args
@@ -498,6 +584,17 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "git": _git_head(),
     }
+    if args.budget and Path(args.budget).exists():
+        budget = json.loads(Path(args.budget).read_text())
+        result["budget"] = check_budget(cpu_figures(result["summary"]), budget)
+    if args.write_budget:
+        figures = cpu_figures(result["summary"])
+        Path(args.budget).write_text(json.dumps({
+            "about": "steptap's CPU per call against the pass-through's in the same run (proxy_overhead.py "
+                     "--write-budget); a later run reports a ratio more than 10% above one of these",
+            "git": result["meta"]["git"], "at": result["meta"]["started_at"],
+            "command": result["meta"]["command"], "loadavg": result["meta"]["loadavg"],
+            "figures": figures}, indent=1) + "\n")
     text = markdown(result)
     print(text)
     if args.out:

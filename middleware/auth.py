@@ -6,6 +6,7 @@ The agent is untrusted: its URL or session key reaches the model routes and noth
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import secrets
@@ -69,6 +70,16 @@ LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain
 _WILDCARD = frozenset({"", "0.0.0.0", "::"})
 
 
+@functools.lru_cache(maxsize=1024)  # an agent sends the same Host on every call: parsed once, not per call
+def _host_allowed(header: str, host: str, allowed_hosts: tuple[str, ...], public_url: str | None) -> bool:
+    name = _host_name(header)
+    allowed = {*LOCAL_NAMES, socket.gethostname().lower(), _host_name(host),
+               *(_host_name(h) for h in allowed_hosts)}
+    if public_url:
+        allowed.add(urlsplit(public_url).hostname or "")
+    return bool(name) and (name in allowed or (host in _WILDCARD and _ip_literal(name)))
+
+
 def _host_name(value: str) -> str:
     """``Host``'s name without its port, lower case: ``[::1]:8400`` -> ``::1``."""
     try:
@@ -97,12 +108,8 @@ def check_model_call_origin(request: web.Request) -> None:
     header = request.headers.get("Host")
     if header is None:  # HTTP/1.0 without Host: no browser sends that
         return
-    name, cfg = _host_name(header), request.app[CONFIG_KEY]
-    allowed = {*LOCAL_NAMES, socket.gethostname().lower(), _host_name(cfg.host),
-               *(_host_name(h) for h in cfg.allowed_hosts)}
-    if cfg.public_url:
-        allowed.add(urlsplit(cfg.public_url).hostname or "")
-    if name and (name in allowed or (cfg.host in _WILDCARD and _ip_literal(name))):
+    cfg = request.app[CONFIG_KEY]
+    if _host_allowed(header, cfg.host, tuple(cfg.allowed_hosts), cfg.public_url):
         return
     raise ApiError(403, f"Host {header[:100]!r} is not one this proxy serves (add it with --allowed-hosts)",
                    "host_not_allowed")

@@ -1,7 +1,8 @@
 """``RunIndex``: what the console lists and draws, kept from the log: a bounded summary of each finished
 trajectory (where its record starts, so the viewer reads it back), every curation mark, and the mean reward
-by policy version (train and eval). Loaded once at start (one scan, in a thread), then kept up to date by
-following the log; marks are added as they are written."""
+by policy version (train and eval). Loaded once at start (one scan, in a thread), then brought up to date
+from the log when the console reads it (``current``: nothing runs per model call); marks are added as they
+are written."""
 
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ class RunIndex:
         self.tasks: OrderedDict[tuple[str, str, str, str], dict[int, list[int]]] = OrderedDict()
         self.finished = 0
         self.swaps: deque[dict[str, Any]] = deque(maxlen=100)  # version, at (and pause times, seen live)
+        self.cursor: str | None = None  # read up to here (``load``, then ``current``)
+        self._reading = asyncio.Lock()
 
     # ---- building ----------------------------------------------------------------------------------------
 
@@ -115,29 +118,45 @@ class RunIndex:
             elif isinstance(record, PolicyVersion):
                 self.swaps.append({"version": record.version, "at": record.at, "paused_s": None,
                                    "swap_s": None})
+        self.cursor = end
         return end
 
-    async def follow(self, cursor: str) -> None:
-        """Add each trajectory that finishes after ``cursor``, until cancelled."""
-        agen = self.log.tail(cursor, idle=None, raw=True)
-        try:
-            async for after, found in agen:
-                if isinstance(found, Found):
-                    try:
-                        traj = trajectory_msgpack_decoder.decode(found.payload)
-                        # its steps' versions alone: a summary reads no prompt ids, and building them
-                        # (a session's first prompt whole) here cost the event loop 0.36 ms per 20k ids
-                        steps: list[Step | StepVersions] = list(traj.steps)  # embedded (before v4)
-                        steps += [step_versions_decoder.decode(p) for p in found.steps]
-                        version = max(map(newest_version, steps), default=0)
-                    except (ValueError, msgspec.DecodeError) as exc:
-                        logger.warning("console: a trajectory before %s left out: %s", after, exc)
-                        continue
-                    self.add_trajectory(summarize(traj, self.log.start_of(after, found.payload), version))
-                elif isinstance(found, Skipped):
-                    logger.warning("console: an undecodable trajectory before %s left out", after)
-        finally:
-            await agen.aclose()
+    async def current(self) -> None:
+        """Catch up with the log before a read: add each trajectory that finished since the last one. Run on
+        a read of the console (its page polls every 2 s while open), never per model call: a follower woken
+        by every commit cost each call a thread hop and a decode on the event loop (issue 45)."""
+        if self.cursor is None or self.cursor == self.log.end_cursor:
+            return
+        async with self._reading:  # one catch-up at a time; a second reader waits for it and finds it done
+            while self.cursor != self.log.end_cursor:
+                summaries, cursor = await asyncio.to_thread(self._summaries_after, self.cursor)
+                for summary in summaries:
+                    self.add_trajectory(summary)
+                if cursor == self.cursor:
+                    break
+                self.cursor = cursor
+
+    def _summaries_after(self, cursor: str) -> tuple[list[Summary], str]:
+        """Thread: the summaries of a chunk of the trajectories finished after ``cursor``; where it ends."""
+        found, end = self.log.finished_after(cursor)
+        out: list[Summary] = []
+        for after, item in found:
+            if isinstance(item, Skipped):
+                logger.warning("console: an undecodable trajectory before %s left out", after)
+                continue
+            assert isinstance(item, Found)
+            try:
+                traj = trajectory_msgpack_decoder.decode(item.payload)
+                # its steps' versions alone: a summary reads no prompt ids, and building them
+                # (a session's first prompt whole) cost 0.36 ms per 20k ids
+                steps: list[Step | StepVersions] = list(traj.steps)  # embedded (before v4)
+                steps += [step_versions_decoder.decode(p) for p in item.steps]
+                version = max(map(newest_version, steps), default=0)
+            except (ValueError, msgspec.DecodeError) as exc:
+                logger.warning("console: a trajectory before %s left out: %s", after, exc)
+                continue
+            out.append(summarize(traj, self.log.start_of(after, item.payload), version))
+        return out, end
 
     def add_trajectory(self, summary: Summary) -> None:
         self.finished += 1

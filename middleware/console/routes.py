@@ -9,7 +9,6 @@ response forbids inline scripts (``Content-Security-Policy``), so a ``<script>``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -125,6 +124,7 @@ async def mint_code(request: web.Request) -> web.Response:
 
 async def summary(request: web.Request) -> web.Response:
     require_view(request)
+    await request.app[INDEX_KEY].current()
     return _json(await run_summary(request.app, request.app[INDEX_KEY], request.app[RATE_KEY]))
 
 
@@ -147,6 +147,7 @@ async def sessions(request: web.Request) -> web.Response:
     excluded = {"1": True, "0": False}.get(q.get("excluded", ""))
     status, text = q.get("status") or None, q.get("q") or None
     manager, index = request.app[SESSIONS_KEY], request.app[INDEX_KEY]
+    await index.current()
     rows = []
     if excluded is None and not q.get("tag"):
         # open sessions, then held ones (finished, their reward pending: not in the index until released)
@@ -171,7 +172,7 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
     live = manager.sessions.get(sid)
     if live is not None:
         return full_trajectory(live.trajectory)
-    # Just finished: in memory before the index's follower has read its record from the log
+    # Just finished: in memory (the index reads its record from the log on the next read)
     done = manager.recent.get(sid)
     if done is not None:
         return full_trajectory(done)
@@ -182,6 +183,7 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
         except (ValueError, msgspec.DecodeError):
             raise ApiError(404, f"trajectory {sid[:128]!r} is held but its steps are gone",
                            "not_found") from None
+    await request.app[INDEX_KEY].current()
     traj = await request.app[INDEX_KEY].trajectory(sid)
     if traj is None:
         raise ApiError(404, f"no trajectory {sid[:128]!r} in this proxy's log", "not_found")
@@ -191,6 +193,7 @@ async def _trajectory(request: web.Request, sid: str) -> Trajectory:
 async def tasks(request: web.Request) -> web.Response:
     """The task solve grid (``steptap tasks`` episodes, by their metadata's task identity)."""
     require_view(request)
+    await request.app[INDEX_KEY].current()
     return _json(request.app[INDEX_KEY].task_grid())
 
 
@@ -228,6 +231,7 @@ async def curate(request: web.Request) -> web.Response:
     if why:
         raise ApiError(400, why, "invalid_body")
     live = manager.sessions.get(sid)
+    await index.current()
     known = index.summaries.get(sid)
     if live is None and known is None and sid not in manager.closed:
         raise ApiError(404, f"no session {sid[:128]!r}", "not_found")
@@ -261,12 +265,8 @@ async def lookup(request: web.Request) -> web.Response:
 
 async def _index_ctx(app: web.Application) -> AsyncIterator[None]:
     index = app[INDEX_KEY] = RunIndex(app[LOG_KEY])
-    cursor = await asyncio.to_thread(index.load)
-    task = asyncio.get_running_loop().create_task(index.follow(cursor), name="steptap-console-index")
+    await asyncio.to_thread(index.load)  # then brought up to date on each read (RunIndex.current)
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 def add_routes(app: web.Application) -> None:

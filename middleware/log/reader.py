@@ -228,6 +228,14 @@ class Reader:
             except TimeoutError:
                 yield current, None
 
+    def finished_after(self, cursor: str) -> tuple[list[tuple[str, Any]], str]:
+        """Thread: the finished trajectories logged after ``cursor`` (at most a few MiB of the log: call again
+        from the cursor returned while it moves), each a ``Found`` (raw) or ``Skipped``, with the cursor after
+        each; and the cursor to read on from. A compacted cursor reads from the oldest retained record."""
+        segno, offset = self._start_position(cursor)
+        batch, segno, offset = self._read_trajectories(segno, offset, True)
+        return [(cur, found) for cur, found in batch if found is not None], format_cursor(segno, offset)
+
     def _read_trajectories(self, segno: int, offset: int, raw: bool) -> tuple[list[tuple[str, Any]], int,
                                                                               int]:
         """Thread: the next finished trajectories after (segno, offset); a (cursor, None) entry marks skipped

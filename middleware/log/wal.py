@@ -331,6 +331,10 @@ class TrajectoryLog:
         """``reader.py``: finished trajectories after ``cursor``, with heartbeats every ``idle`` seconds."""
         return self.reader.tail(cursor, idle=idle, raw=raw)
 
+    def finished_after(self, cursor: str) -> tuple[list[tuple[str, Any]], str]:
+        """``reader.py``: a chunk of the finished trajectories after ``cursor``, raw (off the loop)."""
+        return self.reader.finished_after(cursor)
+
     def follow(self, cursor: str | None = None, *,
                until_idle: float | None = None) -> AsyncIterator[tuple[str, Trajectory]]:
         """``reader.py``: finished trajectories after ``cursor``, waiting for new ones like ``tail -f``."""

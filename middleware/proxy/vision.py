@@ -324,19 +324,22 @@ class CallImages:
         self.cfg, self.memory, self.store = cfg, memory, store
         self.known: dict[str, Image] = {}  # source (data URL or URL) -> image
         self.images: list[Image] = []  # the prompt's, in prompt order
-        self._holds = contextlib.ExitStack()
+        self._holds: contextlib.ExitStack | None = None  # made for a call with images (most have none)
 
     async def __aenter__(self) -> CallImages:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._holds.close()
+        if self._holds is not None:
+            self._holds.close()
 
     async def read(self, chat: dict[str, Any]) -> None:
         """The chat body's images (all of them: a stored conversation's too); the new ones read and held."""
         if not has_images(chat):
             return
         assert self.cfg is not None and self.memory is not None
+        if self._holds is None:
+            self._holds = contextlib.ExitStack()
         self.images = await gather(chat, self.cfg, self.known, self.memory, self._holds)
 
     def stored(self) -> contextlib.AbstractAsyncContextManager[None]:

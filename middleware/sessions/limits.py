@@ -32,6 +32,12 @@ class Holdings:
         self.steps_held = 0  # steps of open sessions, in memory
         self.bytes_held = 0  # their encoded size
         self.body_bytes = 0  # estimated memory of the model-call bodies in flight (max_body_memory)
+        # The gauges read these counts when /metrics is scraped: nothing is set per call (each set takes the
+        # gauge's lock; five a call)
+        metrics.calls_inflight.set_function(lambda: self.calls_inflight)
+        metrics.body_bytes.set_function(lambda: self.body_bytes)
+        metrics.steps_held.set_function(lambda: self.steps_held)
+        metrics.bytes_held.set_function(lambda: self.bytes_held)
 
     @contextmanager
     def admitted(self, peer: str | None = None) -> Iterator[None]:
@@ -54,7 +60,6 @@ class Holdings:
             )
         self.calls_inflight += 1
         self.peer_calls[peer] = mine + 1
-        self.metrics.calls_inflight.set(self.calls_inflight)
         try:
             yield
         finally:
@@ -64,7 +69,6 @@ class Holdings:
                 self.peer_calls[peer] = left
             else:
                 del self.peer_calls[peer]  # bounded by the calls in flight
-            self.metrics.calls_inflight.set(self.calls_inflight)
 
     @contextmanager
     def body_memory(self, declared: int | None) -> Iterator[BodyHold]:
@@ -138,8 +142,6 @@ class Holdings:
     def hold(self, steps: int, size: int) -> None:
         self.steps_held += steps
         self.bytes_held += size
-        self.metrics.steps_held.set(self.steps_held)
-        self.metrics.bytes_held.set(self.bytes_held)
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -182,4 +184,3 @@ class BodyHold:
             )
         h.body_bytes += size - self.size
         self.size = size
-        h.metrics.body_bytes.set(h.body_bytes)

@@ -129,6 +129,12 @@ class Gate:
             if spans is not None:
                 step.version_spans = spans.of(step.choice)
                 unsplit |= bool(spans.marks) and not step.version_spans  # spanned, split unknown (spans.py)
+            n = len(step.response_token_ids)
+            if not step.version_spans:  # one version sampled them all (every call but a keep swap's): a sum
+                if n:
+                    self.tokens_by_version[step.policy_version] = (
+                        self.tokens_by_version.get(step.policy_version, 0) + n)
+                continue
             for v in step.token_versions():
                 self.tokens_by_version[v] = self.tokens_by_version.get(v, 0) + 1
         self.unsplit_calls += unsplit

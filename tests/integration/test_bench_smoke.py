@@ -153,6 +153,32 @@ def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_benchmark_runs_an_older_ref_side_by_side(tmp_path):
+    """``--baseline REF``: the proxy at a git ref (here this checkout's HEAD, exported) served beside this
+    checkout's, its own log counted by its own reader, its bodies checked, its ratios to the same pass-through
+    and steptap's to it in the summary."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(BENCH / "proxy_overhead.py"), "--baseline", "HEAD",
+           "--targets", "passthrough,steptap,baseline", "--rounds", "1", "--seconds", "20",
+           "--requests", "12", "--warmup", "2", "--concurrency", "1,2", "--modes", "plain,stream",
+           "--long-concurrency", "", "--out", str(out), "--quiet", "--budget", str(tmp_path / "none.json")]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["problems"] == [] and result["baselines"] == {"baseline": "HEAD"}
+    rows = {(r["mode"], r["concurrency"], r["target"]): r for r in result["summary"]["configs"]}
+    assert {t for _, _, t in rows} == {"passthrough", "steptap", "baseline"}
+    assert all(r["calls"] == 12 for r in rows.values()), rows
+    for name in ("steptap", "baseline"):  # each its own log: one step per call sent to it
+        log = result["logs"][name]
+        assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 4 * (12 + 2), log
+    keys = {"plain c=1", "plain c=2", "stream c=1", "stream c=2"}
+    assert set(result["summary"]["baselines"]["baseline"]) == keys
+    assert set(result["summary"]["vs_baseline"]["baseline"]) == keys
+    assert "steptap / baseline (HEAD)" in proc.stdout and "CPU per call" in proc.stdout
+
+
+@pytest.mark.timeout(300)
 def test_end_to_end_smallest_run_on_the_real_vllm(vllm_server, tmp_path):
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, str(BENCH / "end_to_end.py"), "--backend", vllm_server.url, "--pairs", "1",

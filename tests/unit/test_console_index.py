@@ -1,5 +1,6 @@
-"""The console's ``RunIndex`` over a real log (no vLLM): loaded at start (trajectories, marks, swaps), kept up
-to date by following the log, filtered, read back by where each trajectory starts; the curves by version."""
+"""The console's ``RunIndex`` over a real log (no vLLM): loaded at start (trajectories, marks, swaps), brought
+up to date from the log when it is read (``current``), filtered, read back by where each trajectory starts;
+the curves by version."""
 
 from __future__ import annotations
 
@@ -54,32 +55,31 @@ async def test_the_index_loads_follows_filters_and_reads_back(tmp_path: Path) ->
     assert ids(min_reward=0.5, mode="train") == ["a"] and ids(max_reward=0.5) == ["b"]
     assert ids(limit=1) == ["e"]
 
-    follower = asyncio.create_task(index.follow(cursor))
+    assert index.cursor == cursor == log.end_cursor
     try:
         await log.append(_traj("c", 0.25, 1))
-        for _ in range(100):
-            if "c" in index.summaries:
-                break
-            await asyncio.sleep(0.02)
+        await log.append(Step(trajectory_id="open", index=0, sampling=Sampling()))  # not finished: not listed
+        assert "c" not in index.summaries  # nothing runs per record: read on the next read of the console
+        await index.current()
+        assert index.cursor == log.end_cursor and list(index.summaries) == ["a", "b", "e", "c"]
+        await index.current()  # nothing new: nothing read
+        assert index.finished == 4
         assert index.summaries["c"].version == 1
         assert index.curve("train")[-1] == {"version": 1, "mean": 0.25, "n": 1}  # a point for the new version
         back = await index.trajectory("c")
         assert back is not None and back.steps[0].response_token_ids == [7, 8, 9]
         assert await index.trajectory("nobody") is None
     finally:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
         await log.close()
 
 
-async def test_a_followed_session_of_delta_steps_is_summarized_as_logged(tmp_path: Path) -> None:
+async def test_a_session_of_delta_steps_is_summarized_as_logged(tmp_path: Path) -> None:
     from steptap.middleware.delta import compress
     from steptap.middleware.records import StepRef
 
     log = await TrajectoryLog.open(str(tmp_path / "log"))
     index = RunIndex(log)
-    cursor = await asyncio.to_thread(index.load)
-    follower = asyncio.create_task(index.follow(cursor))
+    await asyncio.to_thread(index.load)
     try:
         first = Step(trajectory_id="d", index=0, policy_version=2, prompt_token_ids=list(range(100, 5000)),
                      response_token_ids=[7, 8], sampling=Sampling())
@@ -88,17 +88,12 @@ async def test_a_followed_session_of_delta_steps_is_summarized_as_logged(tmp_pat
         refs = [StepRef(at=(await log.append_at(s))[0]) for s in (first, compress(nxt, first))]
         await log.append(Trajectory(id="d", group_id="g", status="finished", step_refs=refs,
                                     rewards={"reward": 0.5}))
-        for _ in range(100):
-            if "d" in index.summaries:
-                break
-            await asyncio.sleep(0.02)
+        await index.current()
         summary = index.summaries["d"]
         assert summary.steps == 2 and summary.version == 3 and summary.reward == 0.5
         back = await index.trajectory("d")  # the viewer reads it back in full
         assert back is not None and back.steps[1].prompt_token_ids == nxt.prompt_token_ids
     finally:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
         await log.close()
 
 

@@ -14,7 +14,7 @@ TASK = {"dataset": "suite", "name": "answer", "hash": "0123456789abcdef"}
 
 
 async def _grid(http: Any, proxy: Any, episodes: int) -> dict[str, Any]:
-    for _ in range(2000):  # the index follows the log: the finished records arrive a moment later
+    for _ in range(2000):  # each read brings the index up to date from the log
         async with http.get(f"{proxy.url}/console/api/tasks", headers=proxy.control) as resp:
             assert resp.status == 200
             grid = await resp.json()
