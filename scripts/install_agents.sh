@@ -32,6 +32,10 @@ CONTINUE_CLI_VERSION=1.5.47  # @continuedev/cli (cn): its own folder too
 root=${STEPTAP_AGENTS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/steptap/agents}
 say() { echo "[agents] $*"; }
 mkdir -p "$root/node" "$root/clis" "$root/venvs"
+# One installer at a time per cache: two checkouts set up at once (or CI beside a developer) would otherwise
+# rebuild the same venvs and node_modules under each other. The second waits, then finds the stamp.
+exec 9>"$root/.install.lock"
+flock 9
 log=$root/install.log
 echo "=== $(date -u '+%Y-%m-%d %H:%M:%S') scripts/install_agents.sh" >>"$log"
 run() {  # a command with its output in the log; on failure, the end of the log and exit
