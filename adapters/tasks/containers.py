@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steptap.adapters import agents
+from steptap.adapters.agent_settings import KEY_ENV
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
 from steptap.middleware.files import cache_root
 from steptap.middleware.records import ProcessEnd
@@ -112,7 +112,7 @@ def agent_request(agent: str | None, h: HarborSettings, proxy: str, session_id: 
     """The agent part of a driver request: Harbor's installed agent ``agent`` (or ``h.agent_import``) with its
     model endpoint at the session URL as the containers reach the proxy."""
     v1 = f"{(h.container_proxy or proxy).rstrip('/')}/s/{session_id}/v1"
-    env = {"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": api_key, agents.KEY_ENV: api_key, "OPENAI_MODEL": model}
+    env = {"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": api_key, KEY_ENV: api_key, "OPENAI_MODEL": model}
     if h.agent_import is not None or agent is None:
         return {"import_path": h.agent_import, "env": env}
     if agent not in HARBOR_AGENTS:
@@ -121,7 +121,7 @@ def agent_request(agent: str | None, h: HarborSettings, proxy: str, session_id: 
     name_form, skip, api_format, with_v1 = HARBOR_AGENTS[agent]
     return {"name": agent, "model": name_form.format(model=model), "skip_model_parsing": skip,
             "api_format": api_format, "base_url": v1 if with_v1 else v1.removesuffix("/v1"),
-            "api_key_env": agents.KEY_ENV, "env": env}
+            "api_key_env": KEY_ENV, "env": env}
 
 
 def _request(ep: Episode, info: Any, h: HarborSettings) -> dict[str, Any]:

@@ -144,20 +144,25 @@ class StreamRelay:
             status = status_of(exc)
             tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
                     else self._error_event(status, exc.message, exc.code))
+        await self._end(out, tail, source if done else None)
+        return out
+
+    async def _end(self, out: web.StreamResponse, tail: bytes, source: Any) -> None:
+        """Send the stream's last event and end it; then read the end of ``source`` (the backend's reply, when
+        it sent [DONE])."""
         try:
             await _send(out, tail, self.guard)
             await _send(out, None, self.guard)  # the end
         except (_AgentGone, ConnectionResetError, aiohttp.ClientConnectionResetError):
             if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
                 self.request.transport.abort()
-            return out
-        if done and isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
+            return
+        if isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
             # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
             # unread closes its connection instead of returning it to the pool (a TCP connect per call).
             # Usually it came with [DONE] (no wait, and no task for wait_for).
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 await asyncio.wait_for(source.content.read(), 1.0)
-        return out
 
     @staticmethod
     def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from steptap.adapters import agents
+from steptap.adapters import agent_settings, agents
 
 BASE = "http://127.0.0.1:9999/s/sess-1/v1"
 KEY = "sk-session-secret"
@@ -70,7 +70,7 @@ def test_codex_gets_a_private_codex_home_with_a_responses_provider(tmp_path: Pat
         "model": MODEL, "model_provider": "steptap", "check_for_update_on_startup": False,
         "model_providers": {"steptap": {"name": "steptap", "base_url": BASE, "env_key": "STEPTAP_API_KEY",
                                         "wire_api": "responses",
-                                        "stream_idle_timeout_ms": agents.CODEX_STREAM_IDLE_MS}},
+                                        "stream_idle_timeout_ms": agent_settings.CODEX_STREAM_IDLE_MS}},
         "analytics": {"enabled": False},
     }
     assert launch.env["STEPTAP_API_KEY"] == KEY

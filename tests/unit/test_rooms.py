@@ -46,8 +46,6 @@ LONG_FUNCTIONS = {
     "middleware/sessions/replay.py::Replay._rebuild_sync":
         "issue 41 item 3, SessionManager's composition (another engineer)",
     "middleware/proxy/sse.py::StreamRelay._pump": "issue 41 item 2: the call's pipeline (another engineer)",
-    "middleware/proxy/sse.py::StreamRelay._relay_stream":
-        "issue 41 item 2: the call's pipeline (another engineer)",
     "middleware/proxy/relay.py::_model_call": "issue 41 item 2: the call's pipeline (another engineer)",
     "middleware/proxy/responses_request.py::input_messages":
         "one translation table of the Responses input items (agents' room, issue 39)",
