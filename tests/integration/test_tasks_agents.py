@@ -33,7 +33,7 @@ from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 1500  # four CLIs side by side, 16 episodes, on a shared 2-core CPU
-AGENTS = ("claude-code", "codex", "openclaw", "pi")  # the task runner's named agents (docs/tasks.md)
+AGENTS = ("claude-code", "codex", "openclaw", "pi")  # the CLIs run here (the runner takes all AGENTS)
 
 
 def harbor_task(root: Path, name: str, instruction: str, test_sh: str, agent_timeout: float = 600.0) -> Path:
