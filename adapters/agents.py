@@ -118,6 +118,17 @@ def task_args(agent: str, prompt: str) -> list[str]:
         return ["--no-session", "-p", prompt]
     if agent == "gemini":
         return ["--skip-trust", "--approval-mode", "yolo", "--output-format", "json", "-p", prompt]
+    if agent == "opencode":
+        # `run` joins its words with spaces, quoting a word that holds one: the prompt's words, each its own
+        # argument, come back as the prompt; after `--` none is read as an option. --auto: every permission
+        # not explicitly denied is granted (else a request for one is rejected headless)
+        return ["run", "--format", "json", "--auto", "--", *prompt.split(" ")]
+    if agent == "qwen-code":  # headless a shell command needs yolo (it says so on stderr)
+        return ["-p", prompt, "--approval-mode", "yolo", "--output-format", "json"]
+    if agent == "vibe":  # programmatic mode asks before a tool runs: --auto-approve
+        return ["-p", prompt, "--auto-approve"]
+    if agent == "continue":  # cn -p: headless; --auto: every tool allowed (headless drops the ones that ask)
+        return ["-p", "--auto", prompt]
     raise AgentError(f"unknown agent {agent!r}: one of {', '.join(AGENTS)}")
 
 

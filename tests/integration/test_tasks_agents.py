@@ -6,6 +6,7 @@ Each CLI gets one Harbor-format task run as a group of 4 episodes. The task's in
 of the sandbox's hostname (``episode-K``); the script then writes the right answer in episodes 0 and 1 and a
 wrong one in 2 and 3 (tool_script.DEFAULT_RULES), so the verifier's rewards are 1, 1, 0, 0 and the learner's
 data path (its grouper, rows and GRPO advantages) takes exactly those four trajectories with those rewards.
+opencode, Qwen Code, Mistral Vibe and Continue's CLI each solve the same task in one episode of their own.
 
 Then pi, the lightest CLI, is made by the scripted model's own tool calls to probe the sandbox: another
 episode's folder, the operator's home, the proxy's log, the control-token file and the runner's
@@ -33,7 +34,7 @@ from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 1500  # four CLIs side by side, 16 episodes, on a shared 2-core CPU
-AGENTS = ("claude-code", "codex", "openclaw", "pi")  # the task runner's named agents (docs/tasks.md)
+AGENTS = ("claude-code", "codex", "openclaw", "pi")  # the CLIs run here (the runner takes all AGENTS)
 
 
 def harbor_task(root: Path, name: str, instruction: str, test_sh: str, agent_timeout: float = 600.0) -> Path:
@@ -165,6 +166,28 @@ async def test_each_cli_solves_its_task_in_two_of_four_episodes(long_proxy: Any,
                          "agent_s": [round(t.task_run.agent.seconds) for t in trajs if t.task_run and
                                      t.task_run.agent]}
     print(f"tasks: four CLIs, 4 episodes each: {report}")
+
+
+async def test_the_other_clis_each_solve_their_task_in_one_episode(long_proxy: Any, agent_cli: Any,
+                                                                  tmp_path: Path) -> None:
+    """opencode, Qwen Code, Mistral Vibe and Continue's CLI in their task forms (agents.task_args): one
+    episode each, side by side (20 s on this machine, so the file stays short)."""
+    others = ("opencode", "qwen-code", "vibe", "continue")
+    runs = {agent: tmp_path / f"run-{agent}" for agent in others}
+    results = await asyncio.gather(*(
+        tasks_run(long_proxy, agent_cli(agent), episode_task(tmp_path, agent), runs[agent], "--agent", agent,
+                  "-n", "1") for agent in others))
+    client = SyncSteptapClient(long_proxy.url, long_proxy.token)
+    for agent, (code, summary, err) in zip(others, results, strict=True):
+        assert code == 0, f"{agent}: {err[-3000:]}"
+        assert summary["tasks"] == [{"task": f"answer-{agent}", "episodes": 1, "passed": 1, "pass_rate": 1.0,
+                                     "reward_mean": 1.0, "infra_errors": 0}], (agent, summary)
+        (line,) = state(runs[agent])
+        traj = client.get_session(line["session_id"])
+        name, arg = TOOLS[agent][:2]  # its own shell tool ran in the episode's sandbox (hostname episode-0)
+        tool_output(traj.steps, f"steptap-episode.{agent}.{name}.{arg}.0")
+        assert traj.task_run is not None and traj.task_run.agent is not None
+        assert traj.task_run.agent.exit_code == 0 and not traj.task_run.agent.timed_out, agent
 
 
 def probe_command(paths: list[str], token: str) -> str:

@@ -217,3 +217,23 @@ def test_agent_homes_are_private_fresh_and_never_in_the_temp_dir(tmp_path: Path,
     finally:
         one.rmdir()
         two.rmdir()
+
+
+def test_every_agent_has_a_one_shot_form_for_the_task_runner() -> None:
+    """`steptap tasks run --agent NAME`: each CLI's own unattended one-shot form, the instruction whole."""
+    prompt = "Fix calc.py so --check passes;  then say \"done\"\nand stop"
+    forms = {a: agents.task_args(a, prompt) for a in agents.AGENTS}
+    assert forms["opencode"][:5] == ["run", "--format", "json", "--auto", "--"]
+    # opencode joins its words with spaces (quoting one that holds a space): none holds one, so its message
+    # is the prompt as it is; after `--` a word like `--check` is not read as an option
+    assert " ".join(forms["opencode"][5:]) == prompt and not any(" " in w for w in forms["opencode"][5:])
+    assert forms["qwen-code"] == ["-p", prompt, "--approval-mode", "yolo", "--output-format", "json"]
+    assert forms["vibe"] == ["-p", prompt, "--auto-approve"]
+    assert forms["continue"] == ["-p", "--auto", prompt]
+    assert forms["pi"] == ["--no-session", "-p", prompt]
+    assert "--dangerously-skip-permissions" in forms["claude-code"]
+    assert forms["gemini"][:3] == ["--skip-trust", "--approval-mode", "yolo"]
+    for agent, form in forms.items():
+        assert prompt in form or agent == "opencode", agent
+    with pytest.raises(agents.AgentError, match="unknown agent"):
+        agents.task_args("cursor", prompt)
