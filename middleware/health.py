@@ -42,7 +42,7 @@ class Finding(NamedTuple):
     text: str  # what is wrong and what to do, in plain words
 
 
-CAUSES = ("no_variance", "nothing_trained", "few_trained", "cut", "logprob_gap", "versions_stuck",
+CAUSES = ("no_variance", "solved", "nothing_trained", "few_trained", "cut", "logprob_gap", "versions_stuck",
           "sessions_unfinished", "rewards_pending", "aborted")
 
 # Why a response token did not reach the loss (learner/rows.py's causes), and what to do about it
@@ -104,6 +104,8 @@ def _variance(rows: Sequence[Mapping[str, Any]], t: Thresholds) -> list[Finding]
     last = updates[-t.window:]
     h = last[-1]["health"]
     lo, hi = h.get("reward_min"), h.get("reward_max")
+    if _solved(updates, lo, hi):
+        return _solved_findings(last, lo, t)
     scope = "a group" if h.get("scope", "group") == "group" else "a batch"
     why = (f"every episode got {lo:g}" if lo is not None and lo == hi
            else "rewards differ between groups but never inside one (GRPO compares a group's members)")
@@ -121,6 +123,25 @@ def _variance(rows: Sequence[Mapping[str, Any]], t: Thresholds) -> list[Finding]
     if cut:
         out.append(Finding("cut", "warn", cut[0].upper() + cut[1:]))
     return out
+
+
+def _solved(updates: Sequence[Mapping[str, Any]], lo: Any, hi: Any) -> bool:
+    """Every episode of the latest batch got the best reward of the run, after groups did vary: the run
+    reached the top of its task, which is its aim, not a fault (a run whose rewards never varied is not)."""
+    if lo is None or lo != hi or not any(r["health"].get("groups_varied") for r in updates):
+        return False
+    best = max((r["health"]["reward_max"] for r in updates if r["health"].get("reward_max") is not None),
+               default=lo)
+    return bool(lo >= best)
+
+
+def _solved_findings(last: Sequence[Mapping[str, Any]], top: float, t: Thresholds) -> list[Finding]:
+    if len(last) < t.window or any(r["health"].get("groups_varied") for r in last):
+        return []  # a batch at the top between batches that vary: still learning
+    return [Finding("solved", "warn",
+                    f"every episode got {top:g}, the best reward of the run, in each of the last {len(last)} "
+                    "updates: the task is solved at this reward and nothing more is learned from it (give "
+                    "the agents harder tasks, or stop the run)")]
 
 
 def _tokens(rows: Sequence[Mapping[str, Any]], t: Thresholds) -> list[Finding]:

@@ -82,6 +82,23 @@ def test_equal_rewards_warn_after_the_first_update_and_stop_at_the_window() -> N
     assert h.learner_findings([*rows, varied], T) == []
 
 
+def _all(update: int, reward: float) -> dict:
+    pair = [_traj(f"a{update}", "g", reward, cut=True), _traj(f"b{update}", "g", reward, cut=True)]
+    return _row(build_batch(pair, version=0), update=update)
+
+
+def test_a_batch_at_the_runs_best_reward_after_variance_is_solved_not_a_fault() -> None:
+    varied = _row(build_batch([_traj("u", "g", 0.0), _traj("v", "g", 1.0)], version=0), update=1)
+    # the demo's last update: every episode got 1 after batches that varied; nothing to say
+    assert h.learner_findings([varied, _all(2, 1.0)], T) == []
+    # at the top for the whole window: said once, as solved, never a stop
+    (solved,) = h.learner_findings([varied, *[_all(u, 1.0) for u in (2, 3, 4)]], T)
+    assert (solved.cause, solved.level) == ("solved", "warn") and "every episode got 1" in solved.text
+    # all at 0 after variance is a fault still, and so is a top that was never left (no variance ever)
+    assert h.learner_findings([varied, _all(2, 0.0)], T)[0].cause == "no_variance"
+    assert h.learner_findings([_all(1, 1.0)], T)[0].cause == "no_variance"
+
+
 def test_nothing_in_the_loss_is_named_by_cause_and_stops_at_the_window() -> None:
     greedy = [_row(build_batch([_traj(f"a{i}", "g", 1.0, temperature=0.0)], version=0), update=None)
               for i in range(3)]
