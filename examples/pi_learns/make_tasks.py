@@ -43,13 +43,21 @@ WORDS = ("plum", "fig", "kiwi", "lime", "pear", "date", "yuzu", "sloe")
 FILLER = ("apple", "grape", "melon", "peach", "berry", "lemon", "mango", "olive")
 
 # The worked call, shown in every instruction: pi's bash tool, as a hermes block (SmolLM2's chat template
-# renders no tool schema, so this is where the model sees the format).
+# renders no tool schema, so this is where the model sees the format). It is shaped like the task but never
+# its solution (other numbers, another word, another edit of util.py): the base model copies the example, so
+# a generic one ("the sum of 2 and 3 into out.txt") was copied verbatim and earned nothing, while a copy of
+# this one writes the task's answer file, which the graded part rewards (README, "Status": the probe's rows).
 EXAMPLE = (
-    "You have a bash tool. Example: to write the sum of 2 and 3 into out.txt, call it like this:\n"
+    "You have a bash tool. Example: {what}, call it like this:\n"
     "<tool_call>\n"
-    '{"name": "bash", "arguments": {"command": "echo $((2 + 3)) > out.txt"}}\n'
+    '{{"name": "bash", "arguments": {{"command": {command}}}}}\n'
     "</tool_call>"
 )
+
+
+def example(what: str, command: str) -> str:
+    return EXAMPLE.format(what=what, command=json.dumps(command))
+
 
 DOCKERFILE = """FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends python3 && rm -rf /var/lib/apt/lists/*
@@ -158,6 +166,7 @@ class Spec:
     answer: str  # the file the verifier reads
     expected: object
     solve: str  # the oracle's command
+    example: str  # the instruction's worked call: the task's shape, not its solution
     files: dict[str, str] = field(default_factory=dict)  # the working folder's files
 
     @property
@@ -168,11 +177,13 @@ class Spec:
 def product(rng: random.Random) -> Spec:
     a, b = rng.randint(100, 999), rng.randint(10, 99)
     return Spec("product", ("product", a, b), f"Put the product of {a} and {b} into answer.txt.",
-                "answer.txt", a * b, f"echo $(({a} * {b})) > answer.txt")
+                "answer.txt", a * b, f"echo $(({a} * {b})) > answer.txt",
+                example("to put the product of 12 and 34 into answer.txt", "echo $((12 * 34)) > answer.txt"))
 
 
 def count(rng: random.Random) -> Spec:
     word = rng.choice(WORDS)
+    other = WORDS[(WORDS.index(word) + 1) % len(WORDS)]  # the example's word: never the task's
     n_lines = rng.randint(6, 14)
     hits = rng.randint(1, n_lines - 2)
     lines = [f"{i},{word},{rng.randint(1, 99)}" for i in range(hits)]
@@ -182,7 +193,9 @@ def count(rng: random.Random) -> Spec:
     digest = hashlib.sha256(data.encode()).hexdigest()[:8]  # the data itself is part of the key
     return Spec("count", ("count", word, n_lines, hits, digest),
                 f"Count the lines of data.csv that contain '{word}' and write the number into count.txt.",
-                "count.txt", hits, f"grep -c {word} data.csv > count.txt", {"data.csv": data})
+                "count.txt", hits, f"grep -c {word} data.csv > count.txt",
+                example(f"to count the lines of data.csv that contain '{other}' and write the number into count.txt",
+                        f"grep -c {other} data.csv > count.txt"), {"data.csv": data})
 
 
 def offbyone(rng: random.Random) -> Spec:
@@ -194,7 +207,9 @@ def offbyone(rng: random.Random) -> Spec:
     return Spec("offbyone", ("offbyone", *case),
                 "util.py's total() skips the last item. Fix util.py so that `python3 test_util.py` passes.",
                 "util.py", [(c, sum(c)) for c in [case, *held]],
-                "sed -i 's/len(items) - 1/len(items)/' util.py", files)
+                "sed -i 's/len(items) - 1/len(items)/' util.py",
+                example("to make total() start at the second item of util.py",
+                        "sed -i 's/range(0,/range(1,/' util.py"), files)
 
 
 MAKERS: dict[str, Callable[[random.Random], Spec]] = {"product": product, "count": count,
@@ -224,7 +239,7 @@ def write_task(spec: Spec, root: Path) -> Path:
     (d / "environment" / "app").mkdir(parents=True)
     (d / "tests").mkdir()
     (d / "solution").mkdir()
-    (d / "instruction.md").write_text(f"{spec.instruction}\n\n{EXAMPLE}\n")
+    (d / "instruction.md").write_text(f"{spec.instruction}\n\n{spec.example}\n")
     (d / "task.toml").write_text(TASK_TOML.format(name=spec.name, kind=spec.kind))
     (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
     for name, text in spec.files.items():

@@ -176,13 +176,14 @@ def task_request(captured: dict[str, Any], task: Path, template: str | None, ins
 
 
 def probe_task(client: httpx.Client, model: str, body: dict[str, Any], task: Path, n: int, max_tokens: int,
-               group: int, tmp: Path) -> dict[str, Any]:
+               group: int, tmp: Path, temperature: float | None = None) -> dict[str, Any]:
     tools = {t["function"]["name"]: t["function"]["parameters"].get("required", [])
              for t in body.get("tools", [])}
     body = {**body, "model": model, "stream": False, "max_completion_tokens": max_tokens}
     body.pop("stream_options", None)
     rows = []
-    for sampling in ({"n": n}, {"n": 1, "temperature": 0.0}):
+    sampled_at = {"n": n} if temperature is None else {"n": n, "temperature": temperature}
+    for sampling in (sampled_at, {"n": 1, "temperature": 0.0}):
         r = client.post("/v1/chat/completions", json={**body, **sampling})
         r.raise_for_status()
         for choice in r.json()["choices"]:
@@ -193,7 +194,7 @@ def probe_task(client: httpx.Client, model: str, body: dict[str, Any], task: Pat
             calls, blocks = parse_calls("".join(parsed) + text, tools)
             text = "".join(parsed) + text
             reward = run_calls(task, calls, tmp) if calls else {}
-            rows.append({"greedy": "temperature" in sampling, "blocks": blocks, "calls": len(calls),
+            rows.append({"greedy": sampling.get("temperature") == 0.0, "blocks": blocks, "calls": len(calls),
                          "names": [c["name"] for c in calls], "finish": choice["finish_reason"],
                          "outcome": reward.get("outcome", 0.0), "reward": sum(reward.values()),
                          "text": text[:300]})
@@ -244,7 +245,7 @@ def replay(args: argparse.Namespace) -> None:
                 for task in sorted(p for p in Path(tasks).iterdir() if p.is_dir())[: args.limit]:
                     body = task_request(captured, task, chat_template, None)
                     row = probe_task(client, model, body, task, args.n, args.max_tokens, args.group,
-                                     Path(tmp))
+                                     Path(tmp), args.temperature)
                     rows.append(row)
                     print(json.dumps({"variant": name, **row}, default=str), flush=True)
                 keys = ("call_rate", "block_rate", "exact_rate", "mean_reward", "stop_rate",
@@ -253,7 +254,8 @@ def replay(args: argparse.Namespace) -> None:
                 summary["greedy_calls"] = sum(r["greedy"]["calls"] > 0 for r in rows) / len(rows)
                 summary["greedy_exact"] = sum(r["greedy"]["outcome"] for r in rows) / len(rows)
                 summary["tasks_with_variance"] = sum(r["group_variance_share"] > 0 for r in rows) / len(rows)
-                print(json.dumps({"summary": name, "tasks": len(rows), "n": args.n, **summary}), flush=True)
+                print(json.dumps({"summary": name, "tasks": len(rows), "n": args.n,
+                                  "temperature": args.temperature, **summary}), flush=True)
     finally:
         if proc is not None:
             os.killpg(proc.pid, 15)
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--limit", type=int, default=6, help="tasks per variant")
     r.add_argument("--max-tokens", type=int, default=256, help="cap on pi's max_completion_tokens (4096)")
     r.add_argument("--group", type=int, default=8, help="GRPO group size for the variance share")
+    r.add_argument("--temperature", type=float, help="sample at this temperature instead of pi's (none: "
+                   "vLLM's 1.0), as the proxy's --force-sampling temperature=T would")
     args = p.parse_args(argv)
     if args.cmd == "capture":
         capture(Path(args.out), args.pi_args, args.instruction)

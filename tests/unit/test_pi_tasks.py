@@ -65,6 +65,12 @@ def test_each_kinds_verifier_pays_the_file_part_then_the_exact_outcome(kind: str
     wrong = {"product": "echo 12 > answer.txt", "count": "echo 0 > count.txt",
              "offbyone": "sed -i 's/len(items) - 1/len(items) - 2/' util.py"}[kind]
     assert _verify(task, tmp_path, wrong) == {"outcome": 0.0, "file": make_tasks.FILE_REWARD}
+    # the instruction's worked call, copied as it stands (what the base model does): the task's shape, so
+    # it earns the graded part, never the outcome (it is not the solution)
+    block = (task / "instruction.md").read_text().split("<tool_call>\n")[1].split("\n</tool_call>")[0]
+    copied = json.loads(block)["arguments"]["command"]
+    assert copied != (task / "solution/solve.sh").read_text().splitlines()[-1]
+    assert _verify(task, tmp_path, copied) == {"outcome": 0.0, "file": make_tasks.FILE_REWARD}
     solved = _verify(task, tmp_path, "bash /solution/solve.sh")
     assert solved == {"outcome": 1.0, "file": make_tasks.FILE_REWARD}
     if kind == "offbyone":  # the held cases, not the agent's test file, decide: a special case is not a fix
