@@ -194,8 +194,8 @@ def count(rng: random.Random) -> Spec:
     return Spec("count", ("count", word, n_lines, hits, digest),
                 f"Count the lines of data.csv that contain '{word}' and write the number into count.txt.",
                 "count.txt", hits, f"grep -c {word} data.csv > count.txt",
-                example(f"to count the lines of data.csv that contain '{other}' and write the number into count.txt",
-                        f"grep -c {other} data.csv > count.txt"), {"data.csv": data})
+                example(f"to count the lines of data.csv that contain '{other}' and write the number into "
+                        "count.txt", f"grep -c {other} data.csv > count.txt"), {"data.csv": data})
 
 
 def offbyone(rng: random.Random) -> Spec:
