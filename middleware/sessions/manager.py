@@ -108,6 +108,13 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         self.metrics.log_commit.observe(time.perf_counter() - t0)
         return cursors
 
+    async def _append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]:
+        """``_append_at`` of a record already encoded (``payload``: its msgpack bytes, written as is)."""
+        t0 = time.perf_counter()
+        cursors = await self.log.append_encoded(payload, record)
+        self.metrics.log_commit.observe(time.perf_counter() - t0)
+        return cursors
+
     # ---- opening and resolving ---------------------------------------------------------------------------
 
     async def open(
