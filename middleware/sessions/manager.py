@@ -15,6 +15,7 @@ is judged against); its closing ``Trajectory`` record refers to the logged steps
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -90,6 +91,9 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         self.expiring: set[str] = set()
         self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
         self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
+        # An anonymous trajectory's id: this manager's random half, then a count (no system call a call: a
+        # uuid4 reads the kernel's random source, and releases the GIL to the log's writer thread meanwhile)
+        self._anon_half, self._anon_count = "anon-" + uuid.uuid4().hex[:16], itertools.count()
 
     # ---- background work --------------------------------------------------------------------------------
 
@@ -205,7 +209,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         auto session, pending until a step of it is recorded (``peer``: the caller's address, whose share of
         ``max_auto_sessions`` it takes)."""
         if ident.source == "anonymous":
-            traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
+            traj = Trajectory(id=f"{self._anon_half}{next(self._anon_count):016x}", anonymous=True)
             self.metrics.child(self.metrics.sessions_opened, "true").inc()
             return LiveSession(traj, None)
         if ident.source == "key":
