@@ -202,10 +202,23 @@ class TrajectoryLog:
     async def append_at(self, record: LogRecord) -> tuple[str, str]:
         """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and
         ends."""
+        self._check_open()
+        return await self._queue(msgpack_encoder.encode(record), record)
+
+    async def append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]:
+        """``append_at`` of a record its caller already encoded: ``payload`` is ``record``'s msgpack bytes
+        (what ``msgpack_encoder.encode(record)`` gives), written as they are; ``record`` is what the log's
+        index reads once it is committed. A caller that measures a record encodes it once."""
+        self._check_open()
+        return await self._queue(payload, record)
+
+    def _check_open(self) -> None:
         if self.changes.closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
         self.health.ensure_writable()
-        payload = msgpack_encoder.encode(record)
+
+    def _queue(self, payload: bytes, record: LogRecord) -> asyncio.Future[tuple[str, str]]:
+        """Hand the record's frame to the writer thread; the future resolves once its group is durable."""
         if len(payload) > self.max_record_bytes:
             raise RecordTooLarge(
                 f"the record is {len(payload)} bytes, above the trajectory log's limit of "
@@ -214,7 +227,7 @@ class TrajectoryLog:
         fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         assert self._writer is not None  # set by open() whenever the log is not closed
         self._writer.put((frame(payload), record, fut))
-        return await fut
+        return fut
 
     def _committed(self, batch: list[Item], written: Written) -> None:
         """On the loop, once per group: resolve its appends, track what readers need, wake the followers."""

@@ -4,8 +4,6 @@ as the agent's own bytes where it can be."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -21,6 +19,7 @@ from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import Identity
+from steptap.middleware.sessions.limits import BodyHold
 from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.session import LiveSession
 
@@ -28,21 +27,40 @@ _decode = msgspec.json.decode
 _encode = json_encoder.encode
 
 
-@asynccontextmanager
-async def admitted_body(request: web.Request) -> AsyncIterator[bytes]:
-    """Around an agent call that renders or generates (a model call, ``count_tokens``), before anything is
-    decoded: JSON from an allowed Host (415 / 403), a log that can write (503: a call it cannot record is not
-    made), the body within ``max_request_bytes`` (413), held against ``max_body_memory`` (429) from before it
-    is read, and its JSON values counted against ``max_json_nodes`` (413)."""
+def admitted_body(request: web.Request) -> AdmittedBody:
+    """Around an agent call that renders or generates (a model call, ``count_tokens``; ``async with
+    admitted_body(request) as raw:``), before anything is decoded: JSON from an allowed Host (415 / 403), a
+    log that can write (503: a call it cannot record is not made), the body within ``max_request_bytes``
+    (413), held against ``max_body_memory`` (429) from before it is read, and its JSON values counted against
+    ``max_json_nodes`` (413)."""
     cfg, manager = request.app[CONFIG_KEY], request.app[SESSIONS_KEY]
     check_model_call_origin(request)  # 415 / 403 before anything is read
     manager.log.ensure_writable()
     if (request.content_length or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read
-    with manager.holdings.body_memory(request.content_length) as held:  # 429 past max_body_memory
-        raw = await read_body(request)  # 413 past max_request_bytes
-        held.read(raw)  # 413 past max_json_nodes, before anything is decoded
-        yield raw
+    return AdmittedBody(request, manager.holdings.body_memory(request.content_length))  # 429 past it
+
+
+class AdmittedBody:
+    """``admitted_body``'s block: the body read on entry, its memory held until the block ends (an object, not
+    a generator's context manager: every model call enters one)."""
+
+    __slots__ = ("held", "request")
+
+    def __init__(self, request: web.Request, held: BodyHold) -> None:
+        self.request, self.held = request, held
+
+    async def __aenter__(self) -> bytes:
+        try:
+            raw = await read_body(self.request)  # 413 past max_request_bytes
+            self.held.read(raw)  # 413 past max_json_nodes, before anything is decoded
+        except BaseException:
+            self.held.resize(0)
+            raise
+        return raw
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.held.resize(0)
 
 
 async def read_body(request: web.Request) -> bytes:

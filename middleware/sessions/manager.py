@@ -15,12 +15,13 @@ is judged against); its closing ``Trajectory`` record refers to the logged steps
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
+from collections.abc import Coroutine, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from steptap.middleware.config import ProxyConfig
@@ -90,6 +91,9 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         self.expiring: set[str] = set()
         self.holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held, against the limits
         self.admitted = self.holdings.admitted  # around a model call: a 429 beyond max_concurrent_calls
+        # An anonymous trajectory's id: this manager's random half, then a count (no system call a call: a
+        # uuid4 reads the kernel's random source, and releases the GIL to the log's writer thread meanwhile)
+        self._anon_half, self._anon_count = "anon-" + uuid.uuid4().hex[:16], itertools.count()
 
     # ---- background work --------------------------------------------------------------------------------
 
@@ -105,6 +109,13 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
     async def _append_at(self, record: LogRecord) -> tuple[str, str]:
         t0 = time.perf_counter()
         cursors = await self.log.append_at(record)
+        self.metrics.log_commit.observe(time.perf_counter() - t0)
+        return cursors
+
+    async def _append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]:
+        """``_append_at`` of a record already encoded (``payload``: its msgpack bytes, written as is)."""
+        t0 = time.perf_counter()
+        cursors = await self.log.append_encoded(payload, record)
         self.metrics.log_commit.observe(time.perf_counter() - t0)
         return cursors
 
@@ -198,7 +209,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         auto session, pending until a step of it is recorded (``peer``: the caller's address, whose share of
         ``max_auto_sessions`` it takes)."""
         if ident.source == "anonymous":
-            traj = Trajectory(id="anon-" + uuid.uuid4().hex, anonymous=True)
+            traj = Trajectory(id=f"{self._anon_half}{next(self._anon_count):016x}", anonymous=True)
             self.metrics.child(self.metrics.sessions_opened, "true").inc()
             return LiveSession(traj, None)
         if ident.source == "key":
@@ -317,16 +328,16 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
             raise
         self.metrics.sessions_opened.labels("false").inc()
 
-    @asynccontextmanager
-    async def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AsyncIterator[None]:
-        """Around one model call: a closing or full session takes none, and an idle timeout never closes a
+    def call(self, session: LiveSession, steps: int = 1, size: int = 0) -> AbstractAsyncContextManager[None]:
+        """Around one model call (``async with manager.call(...)``: checked and counted when called, released
+        when the block ends): a closing or full session takes none, and an idle timeout never closes a
         session while one of its calls is in flight. ``steps`` and ``size`` (the request body) are what the
         call will add at least; ``record`` enforces the exact limits."""
         if session.closing:
             raise SessionClosed(f"session {session.id!r} is closing")
         # The call records its request once, however many choices it asks for (delta.compress_choice); an
-        # anonymous call's record is checked against max_record_bytes in ``record``, step by step, before
-        # the one record that holds them is built.
+        # anonymous call's one record is checked against max_record_bytes in ``record``, encoded once, before
+        # it is logged.
         if not session.trajectory.anonymous:
             try:
                 self.holdings.check_session_calls(session.id, session.inflight)
@@ -335,10 +346,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
                 self.drop_pending(session)  # a first call refused here opens nothing
                 raise
         self.hold_call(session)
-        try:
-            yield
-        finally:
-            self.release_call(session)
+        return _InCall(self, session)
 
     def hold_call(self, session: LiveSession) -> None:
         """One more call of ``session`` in flight: ``call``'s, or a failed step recorded after its handler
@@ -375,3 +383,18 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         and its session key."""
         base = self.config.public_url or origin or self.config.base_url()
         return {"id": session.id, "base_url": f"{base.rstrip('/')}/s/{session.id}/v1", "api_key": session.key}
+
+
+class _InCall:
+    """``SessionManager.call``'s hold, released when the block ends (not a generator: a third of the cost)."""
+
+    __slots__ = ("manager", "session")
+
+    def __init__(self, manager: SessionManager, session: LiveSession) -> None:
+        self.manager, self.session = manager, session
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.manager.release_call(self.session)

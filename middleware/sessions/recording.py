@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from steptap.middleware.delta import compress, compress_choice, compress_prefix
 from steptap.middleware.exceptions import RecordTooLarge
-from steptap.middleware.records import Step
+from steptap.middleware.records import Step, msgpack_encoder
 from steptap.middleware.sessions.classify import SUPERSEDES, supersede
 from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.prefix import classify_after, extends
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from steptap.middleware.config import ProxyConfig
     from steptap.middleware.metrics import Metrics
-    from steptap.middleware.records import Held, LogRecord, Trajectory, TrajectoryStatus
+    from steptap.middleware.records import CallClass, Held, LogRecord, Trajectory, TrajectoryStatus
     from steptap.middleware.sessions.limits import Holdings
     from steptap.middleware.sessions.rewards import RewardFn
 
@@ -40,6 +40,7 @@ class Recording:
     if TYPE_CHECKING:  # SessionManager's and Closing's
         async def _append(self, record: LogRecord) -> str: ...
         async def _append_at(self, record: LogRecord) -> tuple[str, str]: ...
+        async def _append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]: ...
         async def _open_pending(self, session: LiveSession) -> None: ...
         def _check_room(self, session: LiveSession, steps: int, size: int) -> None: ...
         @staticmethod
@@ -54,6 +55,8 @@ class Recording:
         ``chat``: the call's messages in chat form when the relay translated its request (Messages,
         Responses): continuity is judged on them, and on the latest call's, held for the next call."""
         traj = session.trajectory
+        if traj.anonymous and self.reward_fn is None:
+            return await self._record_anonymous(session, steps)
         if session.pending:
             await self._open_pending(session)
         # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
@@ -96,10 +99,6 @@ class Recording:
             bases.append(base)
         size = 0
         sizes = [self.holdings.size_of([f]) for f in forms]
-        if traj.anonymous and self.reward_fn is None and sum(sizes) > self.config.max_record_bytes:
-            # its one record would hold them all: refused before that record is built
-            raise RecordTooLarge(f"the call's {len(steps)} steps make {sum(sizes)} bytes, above "
-                                 f"max_record_bytes={self.config.max_record_bytes}")
         # The latest call is held in full beside its delta form: what the full copies hold counts too, or a
         # session's memory would grow with its context while its counted bytes grow only with its new tokens.
         # (a side call is not on the main line: the next call is not judged against it, nothing is held for
@@ -127,30 +126,14 @@ class Recording:
             session.full = mine = {s.index: s for s in steps if s.status == "ok"}
             session.full_sizes, session.full_extra = held, extra
             session.conversation = None if chat is None else list(chat)  # a copy: the list is the relay's
-        for step, form in zip(steps, forms, strict=True):
+        for form in forms:
             if session.sealed and not traj.anonymous:
                 logger.warning(
                     "step of session %s arrived after it was closed; logged, not in the trajectory", traj.id
                 )
             else:
                 traj.steps.append(form)
-            m = self.metrics
-            m.child(m.steps, step.status, "true" if traj.anonymous else "false").inc()
-            m.child(m.prefix, step.prefix).inc()
-            m.child(m.call_class, step.call_class, step.call_rule).inc()
-            m.prompt_tokens.inc(len(step.prompt_token_ids))
-            m.response_tokens.inc(len(step.response_token_ids))
-            if step.finish_reason == "length":  # cut by max_tokens (the run's health: middleware/health.py)
-                m.replies_cut.inc()
-        if traj.anonymous and self.reward_fn is None:
-            # A one-step session closes with its step: one record, the finished Trajectory that holds it (its
-            # steps are logged nowhere else: ``delta.steps_of`` finds them).
-            session.closing = True
-            self._finalize(traj, "finished")
-            traj.steps_logged = False
-            await self._append(traj)
-            self._closed(session)
-            return
+        self._count(steps, traj.anonymous)
         # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share
         # one group commit.
         tasks = [asyncio.ensure_future(self._append_at(form)) for form in forms]
@@ -186,3 +169,49 @@ class Recording:
             supersede(traj.steps, steps[0].index)
         if traj.anonymous:  # the reward callback may be slow: it runs after the reply, off the call's path
             self.spawn(self._close_logged(session, "finished"))
+
+    async def _record_anonymous(self, session: LiveSession, steps: list[Step]) -> None:
+        """A call in no session (no reward callback): a one-step session that closes with its step, logged as
+        one record, the finished Trajectory that holds its steps (they are logged nowhere else:
+        ``delta.steps_of`` finds them). What ``record`` would judge of a session's first call, without what
+        only a later call reads (the main line's opening, the held full copies, the session's bytes): each
+        step ``first``, ``main`` by ``first`` (``side`` by ``side_model`` for a side alias), a choice after
+        the first a delta of it. The record is encoded once: its size checked against ``max_record_bytes``
+        and its bytes handed to the log as they are."""
+        traj = session.trajectory
+        session.grown = session.kept = None
+        side = bool(steps) and steps[0].model in self.config.side_models  # classify.decide, line not started
+        call_class: CallClass = "side" if side else "main"
+        rule = "side_model" if side else "first"
+        kept = len(traj.steps)
+        forms: list[Step] = []
+        for offset, step in enumerate(steps):
+            step.prefix, step.call_class, step.call_rule, step.branch = "first", call_class, rule, 0
+            step.trajectory_id, step.group_id, step.index = traj.id, traj.group_id, kept + offset
+            # another choice of this call: its request and prompt are the first's
+            choice = offset and step.choice and steps[0].choice == 0
+            forms.append(compress_choice(step, steps[0]) if choice else step)
+        traj.steps.extend(forms)
+        self._finalize(traj, "finished")
+        traj.steps_logged = False
+        payload = msgpack_encoder.encode(traj)
+        if len(payload) > self.config.max_record_bytes:
+            del traj.steps[kept:]
+            traj.status, traj.finished_at, traj.steps_logged = "running", None, True
+            raise RecordTooLarge(f"the call's {len(steps)} steps make a record of {len(payload)} bytes, "
+                                 f"above max_record_bytes={self.config.max_record_bytes}")
+        self._count(steps, True)
+        session.closing = True
+        await self._append_encoded(payload, traj)
+        self._closed(session)
+
+    def _count(self, steps: list[Step], anonymous: bool) -> None:
+        m = self.metrics
+        for step in steps:
+            m.child(m.steps, step.status, "true" if anonymous else "false").inc()
+            m.child(m.prefix, step.prefix).inc()
+            m.child(m.call_class, step.call_class, step.call_rule).inc()
+            m.prompt_tokens.inc(len(step.prompt_token_ids))
+            m.response_tokens.inc(len(step.response_token_ids))
+            if step.finish_reason == "length":  # cut by max_tokens (the run's health: middleware/health.py)
+                m.replies_cut.inc()

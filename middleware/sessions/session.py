@@ -46,6 +46,9 @@ class Log(Protocol):
 
     async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends
 
+    # ``append_at`` of a record the caller encoded (its msgpack bytes), written as they are
+    async def append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]: ...
+
     def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
 
     def located_records(self) -> Any: ...  # (where it starts, record), in log order

@@ -1,6 +1,7 @@
 """The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark
 (bench/proxy_overhead.py, the long streamed reply included), the end-to-end one on the real vLLM
-(bench/end_to_end.py) and the learner's throughput (bench/learner_throughput.py). Each runs, produces numbers,
+(bench/end_to_end.py), the learner's throughput (bench/learner_throughput.py), the log's commit rate and the
+record path alone (bench/record_path.py). Each runs, produces numbers,
 and its own correctness checks hold. Timing thresholds are not asserted here (the machine is shared); the
 benchmarks print PASS/MISS themselves."""
 
@@ -220,3 +221,14 @@ def test_wal_commit_rate_smallest_run(tmp_path):
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["concurrency 1", "concurrency 64"], proc.stdout
     assert "1.000 syncs/append" in lines[0]
+
+
+def test_record_path_smallest_run(tmp_path):
+    """The record path alone (bench/record_path.py): a short run prints its CPU a call, and the log holds one
+    one-step anonymous trajectory per call it made (warm-up included)."""
+    cmd = [sys.executable, str(BENCH / "record_path.py"), "--dir", str(tmp_path), "--calls", "64",
+           "--concurrency", "4"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "us CPU a call" in proc.stdout and "NOT one per call" not in proc.stdout, proc.stdout
+    assert "log: 144 one-step anonymous trajectories" in proc.stdout, proc.stdout  # 16 x 4 + 20 x 4 to warm

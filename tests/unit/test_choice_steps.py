@@ -109,7 +109,7 @@ async def test_an_n8_call_logs_and_holds_its_request_once(manager: SessionManage
 
 async def test_the_session_limit_counts_the_request_once(tmp_path: Path) -> None:
     """A session with room for the request once (not 8 times) takes the n=8 call; an anonymous call whose
-    steps would pass max_record_bytes is refused before its record is built."""
+    steps would pass max_record_bytes is refused before its record is logged."""
     steps = call_steps(0, list(range(3000)), [{"role": "user", "content": BIG}])
     one = len(enc(steps[0]))
     log = await TrajectoryLog.open(str(tmp_path / "log"), max_record_bytes=3 * one)
