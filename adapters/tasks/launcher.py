@@ -40,6 +40,11 @@ async def _relay(socket_path: str, reader: asyncio.StreamReader, writer: asyncio
         return
     try:
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    except asyncio.CancelledError:
+        # the episode ended with this connection open: its task ends here, since Python 3.11's
+        # start_server callback asks a cancelled task for its exception and prints the traceback into the
+        # agent's output
+        pass
     finally:
         for w in (writer, up_writer):
             w.close()
