@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -150,6 +150,7 @@ async def _lines(content: aiohttp.StreamReader, name: str, timeout_s: float,
         yield [pending]
 
 
+@runtime_checkable
 class Backend(Protocol):
     """One replica's client as the proxy's model calls use it (``client.BackendClient``; a fake stands behind
     it). ``send``, ``stream`` and ``post_json`` raise only ``exceptions.Backend*`` errors."""
