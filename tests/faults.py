@@ -43,7 +43,6 @@ from aiohttp import web
 from steptap.middleware.backend.boundary import BackendReply, BackendStream
 from steptap.middleware.backend.capabilities import Capabilities
 from steptap.middleware.backend.client import Parts
-from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import BackendStatus
 
 MODEL = "fault-model"
@@ -222,7 +221,6 @@ class FaultBackend:
 
     def __init__(self, answers: dict[str, list[Any]], name: str = "fault://backend") -> None:
         self.name = name
-        self.config = ProxyConfig()
         self.caps = Capabilities()
         self.answers = answers
         self.calls: list[tuple[str, bytes]] = []  # (endpoint, the body as sent)

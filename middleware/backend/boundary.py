@@ -29,7 +29,6 @@ from steptap.middleware.exceptions import (
 if TYPE_CHECKING:
     from steptap.middleware.backend.capabilities import Capabilities
     from steptap.middleware.backend.client import Parts
-    from steptap.middleware.config import ProxyConfig
 
 # What a call on the wire can raise (aiohttp's timeouts are TimeoutErrors, its OS errors ClientErrors)
 WIRE_ERRORS = (TimeoutError, aiohttp.ClientError, OSError)
@@ -156,8 +155,7 @@ class Backend(Protocol):
     it). ``send``, ``stream`` and ``post_json`` raise only ``exceptions.Backend*`` errors."""
 
     name: str  # as configured: in every message and record
-    config: ProxyConfig
-    caps: Capabilities
+    caps: Capabilities  # what it serves of what steptap uses (TITO routes, ...)
 
     async def send(self, endpoint: str, payload: bytes | Parts) -> BackendReply:
         """A model call (``client.ROUTES`` names it), its reply read whole, whatever its status."""
