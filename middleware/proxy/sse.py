@@ -82,9 +82,8 @@ class StreamRelay:
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
         """Relay SSE events as they come (``source``: the backend's ``BackendStream``, or a token-in-token-out
-        turn's line batches); the steps are
-        recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
-        recorded as a failed step and sent as an error event."""
+        turn's line batches); the steps are recorded before ``[DONE]``. Once the headers are out a failure can
+        no longer be an HTTP error: it is recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         # The split is known only while the pump is caught up with vLLM (TITO: from vLLM's weight_versions;
