@@ -87,6 +87,7 @@ _STATUS: dict[type[ex.DomainError], int] = {
     ex.BackendUnreachable: 502,
     ex.BackendUnavailable: 503,
     ex.BackendTimeout: 504,
+    ex.BackendStatus: 502,
     ex.BackendError: 502,
     ex.BackendCut: 502,
     ex.BackendMalformed: 502,

@@ -101,6 +101,16 @@ class BackendError(DomainError):
     code = "backend_error"
 
 
+class BackendStatus(BackendError):
+    """The backend answered a call steptap makes for itself (render, generate, derender) with an error status:
+    ``status`` and vLLM's ``body`` (a model call's error status goes to the agent as vLLM sent it)."""
+
+    def __init__(self, backend: str, status: int, body: bytes) -> None:
+        super().__init__(f"backend {backend} answered {status}")
+        self.status = status
+        self.body = body
+
+
 class BackendCut(DomainError):
     code = "backend_cut"
 

@@ -24,6 +24,9 @@ Switch the behaviour with ``injector.mode = "..."`` (applies to the next calls) 
 
 ``/v1/chat/completions/render`` answers ``{"token_ids": PROMPT_IDS}`` (``count_tokens``' bookkeeping under
 the limits; what vLLM's render returns is tested against the real server).
+
+``FaultBackend`` fails one level up, with no HTTP: a fake of the backend client behind the ``Backend``
+protocol (``backend/boundary.py``), its failures the ``Backend*`` errors ``BackendClient`` maps them to.
 """
 
 from __future__ import annotations
@@ -31,10 +34,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from steptap.middleware.backend.boundary import BackendReply, BackendStream
+from steptap.middleware.backend.capabilities import Capabilities
+from steptap.middleware.backend.client import Parts
+from steptap.middleware.exceptions import BackendStatus
 
 MODEL = "fault-model"
 PROMPT_IDS = [1, 2, 3]
@@ -199,6 +208,64 @@ class FaultInjector:
         await resp.write(b"data: [DONE]\n\n")
         await asyncio.sleep(0.02)  # the body's end arrives apart from [DONE], as from a busy server
         return resp
+
+
+class FaultBackend:
+    """A fault-injecting fake of the backend client (a stand-in, named as such): it stands behind
+    ``backend.boundary.Backend`` as ``BackendClient`` does, with no HTTP below it. Each call on an endpoint
+    (``client.ROUTES``' names) takes the next of ``answers[endpoint]``: a ``(status, body)`` reply, a
+    ``(status, batches)`` stream whose batches are lists of lines or a ``Backend*`` error raised where it
+    stands (a stream cut mid-way, a timeout), or a ``Backend*`` error raised by the call itself. For what the
+    proxy does with a failure once mapped; ``FaultInjector`` (above) makes the failures on a real connection,
+    through ``BackendClient``'s mapping."""
+
+    def __init__(self, answers: dict[str, list[Any]], name: str = "fault://backend") -> None:
+        self.name = name
+        self.caps = Capabilities()
+        self.answers = answers
+        self.calls: list[tuple[str, bytes]] = []  # (endpoint, the body as sent)
+        self.released = 0  # streams released
+
+    def _next(self, endpoint: str, payload: bytes | Parts) -> Any:
+        self.calls.append((endpoint, payload if isinstance(payload, bytes) else b"".join(payload._value)))
+        answer = self.answers[endpoint].pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def send(self, endpoint: str, payload: bytes | Parts) -> BackendReply:
+        status, body = self._next(endpoint, payload)
+        return BackendReply(status, body, {})
+
+    async def stream(self, endpoint: str, payload: bytes | Parts) -> BackendStream:
+        status, batches = self._next(endpoint, payload)
+
+        async def lines() -> AsyncGenerator[list[bytes], None]:
+            for batch in batches:
+                if isinstance(batch, Exception):
+                    raise batch
+                yield batch
+
+        return _FakeStream(self, status, lines())
+
+    async def post_json(self, endpoint: str, body: Any) -> bytes:
+        reply = await self.send(endpoint, body if isinstance(body, Parts) else json.dumps(body).encode())
+        if reply.status >= 400:
+            raise BackendStatus(self.name, reply.status, reply.body)
+        return reply.body
+
+
+class _FakeStream(BackendStream):
+    """A ``FaultBackend`` stream: counts its release."""
+
+    __slots__ = ("fake",)
+
+    def __init__(self, fake: FaultBackend, status: int, batches: AsyncGenerator[list[bytes], None]) -> None:
+        super().__init__(status, batches, name=fake.name)
+        self.fake = fake
+
+    def release(self) -> None:
+        self.fake.released += 1
 
 
 async def serve_unix(app: web.Application, path: str) -> web.AppRunner:

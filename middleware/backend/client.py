@@ -1,6 +1,8 @@
 """``BackendClient``: everything steptap asks of one vLLM server, over its HTTP (``unix:`` or http(s)).
 
-Model calls (``post``: chat, completions, token-in-token-out routes), the served models, health, and the admin
+Model calls (``send``: a whole reply, ``stream``: its lines as they come, ``post_json``: the
+token-in-token-out routes; their types and the one map of wire errors in boundary.py), the served models,
+health, and the admin
 routes of a weight swap (pause / resume / reload / LoRA / prefix cache / labels / weight transfer). Every
 failure leaves as a domain error that names the replica (``exceptions.Backend*``), never an aiohttp one.
 Two sessions: one pooled for model calls, one fresh connection per admin call (uvicorn drops a connection
@@ -18,11 +20,20 @@ import aiohttp
 import msgspec
 from aiohttp.abc import AbstractStreamWriter
 
+from steptap.middleware.backend.boundary import (
+    WIRE_ERRORS,
+    BackendReply,
+    BackendStream,
+    mapped,
+    open_stream,
+    read_body,
+)
 from steptap.middleware.backend.capabilities import Capabilities, from_openapi
 from steptap.middleware.backend.url import BackendUrl
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import (
     BackendError,
+    BackendStatus,
     BackendTimeout,
     BackendUnavailable,
     BackendUnreachable,
@@ -86,14 +97,6 @@ def json_parts(held: dict[str, bytes], rest: dict[str, Any]) -> Parts:
         return Parts([tail])
     parts.append(b"," + tail[1:] if len(tail) > 2 else b"}")
     return Parts(parts)
-
-
-def unreachable(name: str, exc: BaseException) -> BackendUnreachable:
-    return BackendUnreachable(f"backend {name} is unreachable: {exc or type(exc).__name__}")
-
-
-def timed_out(name: str, seconds: float) -> BackendTimeout:
-    return BackendTimeout(f"backend {name} sent nothing for {seconds:g}s")
 
 
 def open_session(url: BackendUrl, api_key: str | None = None, *, connector_args: dict[str, Any] | None = None,
@@ -205,9 +208,8 @@ class BackendClient:
             f"{', '.join(self.served) or 'nothing'})."
         )
 
-    async def post(self, endpoint: str, payload: bytes | Parts) -> aiohttp.ClientResponse:
-        """Send a model call (``ROUTES`` names it; a JSON body, or its ``Parts``); the caller reads and
-        releases the response."""
+    async def _post(self, endpoint: str, payload: bytes | Parts) -> aiohttp.ClientResponse:
+        """Send a model call (``ROUTES`` names it; a JSON body, or its ``Parts``): its response, unread."""
         http = self._calls()
         url = self.base + ROUTES[endpoint]
         try:
@@ -216,23 +218,31 @@ class BackendClient:
             except aiohttp.ServerDisconnectedError:
                 # a pooled connection the backend had just closed: nothing was answered, send it once more
                 return await http.post(url, data=payload, headers=_JSON_HEADERS)
-        except TimeoutError:
-            raise timed_out(self.name, self.config.upstream_timeout_s) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise unreachable(self.name, exc) from None
+        except WIRE_ERRORS as exc:
+            raise mapped(self.name, exc, self.config.upstream_timeout_s, "send") from None
 
-    async def post_json(self, endpoint: str, body: Any) -> tuple[int, bytes]:
-        """A JSON call on a model route (render, generate, derender; ``body`` a value, or a JSON body's
-        ``Parts``): ``(status, body)`` as vLLM answered."""
-        resp = await self.post(endpoint, body if isinstance(body, Parts) else _encode(body))
+    async def send(self, endpoint: str, payload: bytes | Parts) -> BackendReply:
+        """A model call, its reply read whole and released, whatever its status."""
+        resp = await self._post(endpoint, payload)
         try:
-            return resp.status, await resp.read()
-        except TimeoutError:
-            raise timed_out(self.name, self.config.upstream_timeout_s) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise unreachable(self.name, exc) from None
+            body = await read_body(resp, self.name, self.config.upstream_timeout_s)
         finally:
             resp.release()
+        return BackendReply(resp.status, body, resp.headers)
+
+    async def stream(self, endpoint: str, payload: bytes | Parts) -> BackendStream:
+        """A model call whose reply is read as it comes (SSE lines; a line over twice ``read_bufsize`` is
+        ``BackendMalformed``); the caller releases it."""
+        return open_stream(await self._post(endpoint, payload), self.name, self.config.upstream_timeout_s,
+                           self.config.read_bufsize * 2)
+
+    async def post_json(self, endpoint: str, body: Any) -> bytes:
+        """A JSON call on a model route steptap makes itself (render, generate, derender; ``body`` a value,
+        or a JSON body's ``Parts``): the answer's body; an error status is ``BackendStatus``."""
+        reply = await self.send(endpoint, body if isinstance(body, Parts) else _encode(body))
+        if reply.status >= 400:
+            raise BackendStatus(self.name, reply.status, reply.body)
+        return reply.body
 
     async def models(self, timeout_s: float = 10) -> tuple[int, bytes]:
         """The backend's ``/v1/models`` reply, as it sent it."""
@@ -240,10 +250,8 @@ class BackendClient:
             async with self._calls().get(f"{self.base}/v1/models",
                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.read()
-        except TimeoutError:
-            raise timed_out(self.name, timeout_s) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise unreachable(self.name, exc) from None
+        except WIRE_ERRORS as exc:  # read on the way: a failure is the listing's, as a send's
+            raise mapped(self.name, exc, timeout_s, "send") from None
 
     async def health(self) -> dict[str, Any]:
         """The backend's state for ``/health`` (never a secret)."""

@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.boundary import Backend
 from steptap.middleware.errors import ApiError, status_of
-from steptap.middleware.exceptions import DomainError
+from steptap.middleware.exceptions import BackendStatus, DomainError
 from steptap.middleware.metrics import METRICS_KEY, Metrics
 from steptap.middleware.proxy import (
     gemini,
@@ -54,7 +54,7 @@ class Protocol:
     # sent while a stream waits on the backend (sse.py): an SSE comment, which this protocol's clients skip
     heartbeat: bytes = HEARTBEAT
 
-    async def adapt(self, upstream: BackendClient, served: str) -> None:
+    async def adapt(self, upstream: Backend, served: str) -> None:
         """Translation choices that depend on the backend's template (asked once per replica and model)."""
 
     def prepare(self, session_id: str | None) -> None:
@@ -163,7 +163,7 @@ class Messages(Protocol):
     def annotate(self, step: Any) -> None:
         step.response["response_id"] = self.shape.id  # what a thinking block's signature names
 
-    async def adapt(self, upstream: BackendClient, served: str) -> None:
+    async def adapt(self, upstream: Backend, served: str) -> None:
         if messages_request.has_mid_system(self.chat) and not await keeps_mid_system(upstream, served):
             self.chat = {**self.chat, "messages": messages_request.fold_system(self.chat["messages"])}
             self.notes = [*self.notes, "system messages after the first folded into the next user turn "
@@ -237,7 +237,7 @@ _PROBE = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
           {"role": "user", "content": "c"}]
 
 
-async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
+async def keeps_mid_system(upstream: Backend, served: str) -> bool:
     """Whether the served template keeps a mid-conversation system message: rendered with it, and its ids
     differ from the same conversation without it. A backend without the render route (no
     ``--enable-scale-out``) cannot be asked: kept (a template that refuses it then answers the call with
@@ -249,7 +249,7 @@ async def keeps_mid_system(upstream: BackendClient, served: str) -> bool:
             with_it = await tito.render(upstream, probe)
             without = await tito.render(upstream, probe, messages=[_PROBE[0], _PROBE[2]])
             keeps = with_it["token_ids"] != without["token_ids"]
-        except tito.TitoError as exc:
+        except BackendStatus as exc:
             if exc.status in (404, 405):
                 return True  # not cached: the replica may be restarted with scale-out
             keeps = False  # the template raised on it

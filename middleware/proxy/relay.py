@@ -13,11 +13,11 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.backend.client import Parts, timed_out
+from steptap.middleware.backend.boundary import Backend, BackendReply, BackendStream
+from steptap.middleware.backend.client import Parts
 from steptap.middleware.backend.pool import POOL_KEY, Replica
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
@@ -25,6 +25,7 @@ from steptap.middleware.exceptions import (
     BackendCut,
     BackendError,
     BackendMalformed,
+    BackendStatus,
     BackendTimeout,
     BackendUnavailable,
     BackendUnreachable,
@@ -201,7 +202,7 @@ class _Call(StreamRelay):
         self.manager = manager
         self.session = session
         self.replica = replica
-        self.upstream = replica.client
+        self.upstream: Backend = replica.client
         self.asked = asked
         self.t0 = t0
         self.common = common
@@ -228,15 +229,17 @@ class _Call(StreamRelay):
                 return await self._run_tito(*turn, stream)
             if turn != "first":  # rendered instead: the step says why
                 self.notes.append(f"token-in-token-out fell back to rendering: {turn}")
-        resp: aiohttp.ClientResponse | None = None
+        source: BackendStream | None = None
         try:
-            resp = await self._forward(payload)  # forward
-            self.request.app[POOL_KEY].call_done(self.replica, resp.status)
-            if resp.status >= 400:
-                return await self._upstream_error(resp)
-            if stream:
-                return await self._relay_stream(resp, resp.status)
-            return await self._relay_plain(resp)
+            got = await self._forward(payload, stream)  # forward
+            self.request.app[POOL_KEY].call_done(self.replica, got.status)
+            if isinstance(got, BackendReply):
+                return await (self._relay_plain(got) if got.status < 400
+                              else self._upstream_error(got.status, got.body))
+            source = got
+            if got.status >= 400:
+                return await self._upstream_error(got.status, await got.read())
+            return await self._relay_stream(got, got.status)
         except BackendUnreachable:
             self._count("backend_unreachable")  # nothing reached the backend: no step
             raise
@@ -266,14 +269,15 @@ class _Call(StreamRelay):
                 self._record_later(self.failed(*why, partial))
             raise
         finally:
-            if resp is not None:
-                resp.release()
+            if source is not None:
+                source.release()
 
-    async def _forward(self, payload: bytes | Parts) -> aiohttp.ClientResponse:
-        """Send the call to the session's replica; one that cannot be reached got nothing, so it is taken out
-        and the call (with its session) moves to another healthy replica, once."""
+    async def _forward(self, payload: bytes | Parts, stream: bool) -> BackendReply | BackendStream:
+        """Send the call to the session's replica (its reply read whole, or a stream); one that cannot be
+        reached got nothing, so it is taken out and the call (with its session) moves to another healthy
+        replica, once."""
         try:
-            return await self.upstream.post(self.endpoint, payload)
+            return await (self.upstream.stream if stream else self.upstream.send)(self.endpoint, payload)
         except BackendUnreachable as exc:
             pool = self.request.app[POOL_KEY]
             pool.take_out(self.replica.name, exc.message, unreachable=True)
@@ -284,7 +288,7 @@ class _Call(StreamRelay):
             pool.release(self.replica)
             self.replica, self.upstream = pool.acquire(other), other.client
             self.common["backend"] = other.name
-            return await self.upstream.post(self.endpoint, payload)
+            return await (self.upstream.stream if stream else self.upstream.send)(self.endpoint, payload)
 
     # --- token-in-token-out --------------------------------------------------------------------------------
 
@@ -298,17 +302,17 @@ class _Call(StreamRelay):
                 async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
                     return await self._relay_stream(source, 200)
             reply = await turn.reply(generate)
-        except tito.TitoError as exc:
+        except BackendStatus as exc:
             err = tito.backend_error(base, exc)
             if not self.recorded:
                 await self.record([self.failed(err.message, "backend_error")])
             raise err from None
-        except (BackendUnreachable, BackendTimeout) as exc:  # the client names the replica
+        except (BackendUnreachable, BackendTimeout, BackendCut) as exc:  # the client names the replica
             if not self.recorded:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc.message}",
                                                "backend_error")])
             raise BackendError(exc.message) from None
-        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, KeyError) as exc:
+        except (msgspec.DecodeError, KeyError) as exc:  # an answer that is not what the route sends
             if not self.recorded:
                 await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
             raise BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}") from None
@@ -374,13 +378,9 @@ class _Call(StreamRelay):
 
     # --- replies ------------------------------------------------------------------------------------------
 
-    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _upstream_error(self, status: int, data: bytes) -> web.Response:
         base = self.upstream.name  # the replica as configured (never http://localhost)
-        try:
-            data = await resp.read()
-        except (TimeoutError, aiohttp.ClientError):
-            data = b""
-        if resp.status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
+        if status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
             endpoint = self.proto.endpoint if self.proto is not None else self.endpoint
             self.request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
             try:
@@ -391,29 +391,24 @@ class _Call(StreamRelay):
             # auto session the backend never accepted a call for stays unopened (refused calls fill no session
             # table)
             if not self.session.pending:
-                await self.record([self.failed(f"backend {base} refused the call ({resp.status}): {message}",
+                await self.record([self.failed(f"backend {base} refused the call ({status}): {message}",
                                                "backend_refused")])
             if self.proto is not None:
-                data = self.proto.upstream_error(resp.status, data)
-            return web.Response(body=data, status=resp.status, content_type="application/json")
+                data = self.proto.upstream_error(status, data)
+            return web.Response(body=data, status=status, content_type="application/json")
         try:
             message = _decode(data)["error"]["message"]
         except (msgspec.DecodeError, KeyError, TypeError):
             message = data[:200].decode("utf-8", "replace")
-        text = f"backend {base} answered {resp.status}: {message}"
-        if resp.status == 503:
+        text = f"backend {base} answered {status}: {message}"
+        if status == 503:
             await self.record([self.failed(text, "backend_error")])
             raise BackendUnavailable(text)
         raise BackendError(text)
 
-    async def _relay_plain(self, resp: aiohttp.ClientResponse) -> web.Response:
+    async def _relay_plain(self, got: BackendReply) -> web.Response:
         base = self.upstream.name  # the replica as configured (never http://localhost)
-        try:
-            data = await resp.read()
-        except TimeoutError:
-            raise timed_out(base, self.upstream.config.upstream_timeout_s) from None
-        except aiohttp.ClientError as exc:
-            raise BackendCut(f"backend {base} cut the reply: {exc}") from None
+        data = got.body
         echo = self._take_echo(data) if self.endpoint == CHAT else None
         # Typed, stripped in vLLM's bytes; else the dict path
         if self.proto is None:
@@ -432,7 +427,7 @@ class _Call(StreamRelay):
                 if body is not None:
                     stop = view.choices[0].stop_reason if view.choices else None
                     await self.record(steps, stop)  # durable before the reply leaves
-                    return web.Response(body=body, status=resp.status, content_type="application/json")
+                    return web.Response(body=body, status=got.status, content_type="application/json")
         try:
             reply = _decode(data if echo is None else echo[0])
             if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
@@ -442,7 +437,7 @@ class _Call(StreamRelay):
                                    "completion)") from None
         if echo is not None:
             reply["prompt_token_ids"] = echo[2]
-        return await self._reply_plain(reply, resp.status, data)
+        return await self._reply_plain(reply, got.status, data)
 
     async def _reply_plain(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:
         steps = capture.steps_from_reply(reply, self.endpoint, latency_s=self._latency(), **self.common)

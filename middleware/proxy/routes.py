@@ -10,11 +10,11 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.auth import is_control
-from steptap.middleware.backend.client import BackendClient
+from steptap.middleware.backend.boundary import Backend
 from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
-from steptap.middleware.exceptions import BackendMalformed
+from steptap.middleware.exceptions import BackendMalformed, BackendStatus
 from steptap.middleware.proxy import gemini, tito, vision
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.capture import CHAT
@@ -83,11 +83,11 @@ async def prompt_ids(request: web.Request, protocol: Callable[[dict[str, Any]], 
                 return await _rendered_ids(upstream, out)
 
 
-async def _rendered_ids(upstream: BackendClient, chat: dict[str, Any]) -> list[Any]:
+async def _rendered_ids(upstream: Backend, chat: dict[str, Any]) -> list[Any]:
     """The prompt ids vLLM renders ``chat`` to; an answer without them is a 502 naming the replica."""
     try:  # the client raises BackendUnreachable / BackendTimeout naming the replica
         rendered = await tito.render(upstream, chat)
-    except tito.TitoError as exc:
+    except BackendStatus as exc:
         if exc.status in (404, 405):
             raise ApiError(501, "count_tokens renders through the backend's render route: start vLLM with "
                                 "--enable-scale-out", "not_supported") from None

@@ -7,16 +7,21 @@ fed to capture and passed on (stripped, or translated by the call's protocol), t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.backend.boundary import BackendStream
 from steptap.middleware.errors import error_body, status_of
-from steptap.middleware.exceptions import BackendTimeout, BackendUnreachable, DomainError
+from steptap.middleware.exceptions import (
+    BackendCut,
+    BackendMalformed,
+    BackendStatus,
+    BackendTimeout,
+    BackendUnreachable,
+    DomainError,
+)
 from steptap.middleware.proxy import capture, prompts, tito
 from steptap.middleware.proxy.protocols import HEARTBEAT
 from steptap.middleware.records import json_encoder
@@ -24,7 +29,7 @@ from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 if TYPE_CHECKING:
-    from steptap.middleware.backend.client import BackendClient
+    from steptap.middleware.backend.boundary import Backend
     from steptap.middleware.proxy.capture import Asked
     from steptap.middleware.proxy.protocols import Protocol
     from steptap.middleware.records import Step
@@ -48,16 +53,12 @@ class _AgentStalled(_AgentGone):
     """The agent took no byte of its stream for ``stream_write_timeout_s``: its call slot is given back."""
 
 
-class _LineTooLong(Exception):
-    pass
-
-
 class StreamRelay:
     """``_Call``'s stream: relay, pump, the cut's end."""
 
     request: web.Request
     endpoint: str
-    upstream: BackendClient
+    upstream: Backend
     asked: Asked
     common: dict[str, Any]
     strip: bool
@@ -80,14 +81,14 @@ class StreamRelay:
         return prompts.session_echo(data, self.manager, self.session, self.built)
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
-        """Relay SSE events as they come (``source``: the backend's lines, a batch per read); the steps are
-        recorded before ``[DONE]``. Once the headers are out a failure can no longer be an HTTP error: it is
-        recorded as a failed step and sent as an error event."""
+        """Relay SSE events as they come (``source``: the backend's ``BackendStream``, or a token-in-token-out
+        turn's line batches); the steps are recorded before ``[DONE]``. Once the headers are out a failure can
+        no longer be an HTTP error: it is recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
         acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
         # The split is known only while the pump is caught up with vLLM (TITO: from vLLM's weight_versions;
         # its pump also waits on derender, with tokens in hand).
-        if self.spans is not None and isinstance(source, aiohttp.ClientResponse):
+        if self.spans is not None and isinstance(source, BackendStream):
             self.spans.counter = lambda: acc.token_counts() if self.waiting else None
         await out.prepare(self.request)
         self.guard = _WriteGuard(self.write_timeout)
@@ -153,16 +154,12 @@ class StreamRelay:
         try:
             await _send(out, tail, self.guard)
             await _send(out, None, self.guard)  # the end
-        except (_AgentGone, ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except (_AgentGone, ConnectionResetError):  # aiohttp's ClientConnectionResetError is one
             if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
                 self.request.transport.abort()
             return
-        if isinstance(source, aiohttp.ClientResponse) and not source.content.is_eof():
-            # Read the body's end (the blank line and chunked terminator after [DONE]): a response released
-            # unread closes its connection instead of returning it to the pool (a TCP connect per call).
-            # Usually it came with [DONE] (no wait, and no task for wait_for).
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                await asyncio.wait_for(source.content.read(), 1.0)
+        if isinstance(source, BackendStream):
+            await source.finish()  # its connection goes back to the pool
 
     @staticmethod
     def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
@@ -174,7 +171,7 @@ class StreamRelay:
         buffered (the transport still flushes it)."""
         try:
             await asyncio.wait_for(out.write_eof(tail), CUT_WRITE_S)
-        except (TimeoutError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             if self.request.transport is not None:
                 self.request.transport.close()
 
@@ -187,15 +184,13 @@ class StreamRelay:
         failure: tuple[str, str] | None = None  # (message, type)
         upstream_error: bytes | None = None
         done = False
-        if isinstance(source, aiohttp.ClientResponse):
-            batches = _line_batches(source.content, self.upstream.config.read_bufsize * 2)
-        else:
-            batches = source  # already line batches (token-in-token-out)
+        # the backend's line batches (a BackendStream's, or a token-in-token-out turn's): one read loop
+        batches = source.batches if isinstance(source, BackendStream) else source
         proto = self.proto
         echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
         # Heartbeats only while the backend has sent nothing: when its first bytes are in already (the
         # reader's count of bytes fed), the first read waits on nothing, and needs no task nor timed wait
-        answered = isinstance(source, aiohttp.ClientResponse) and source.content.total_bytes > 0
+        answered = isinstance(source, BackendStream) and source.answered
         beating = self.heartbeat_s > 0 and not answered
         beat = (HEARTBEAT if proto is None else proto.heartbeat) if beating else b""
         try:
@@ -252,18 +247,11 @@ class StreamRelay:
                     await _send(out, b"".join(parts), self.guard)
                 if done or (failure is not None and upstream_error is None):
                     break
-        except TimeoutError:
-            seconds = self.upstream.config.upstream_timeout_s
-            failure = (f"backend {base} sent nothing for {seconds:g}s mid-stream", "backend_timeout")
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            failure = (f"backend {base} cut the stream: {exc or type(exc).__name__}", "backend_cut")
-        except _LineTooLong:
-            failure = (f"backend {base} sent an over-long stream line", "backend_malformed")
-        except tito.TitoError as exc:
+        except BackendStatus as exc:  # a token-in-token-out route's error answer
             failure = (tito.backend_error(base, exc).message, "backend_error")
-        except BackendTimeout as exc:  # a token-in-token-out call the client could not make
-            failure = (exc.message, "backend_timeout")
-        except BackendUnreachable as exc:
+        except (BackendTimeout, BackendCut, BackendMalformed) as exc:  # the stream's, mapped by backend/
+            failure = (exc.message, exc.code.removesuffix("_reply"))
+        except BackendUnreachable as exc:  # a token-in-token-out call the client could not make
             failure = (exc.message, "backend_cut")
         finally:
             await batches.aclose()
@@ -285,19 +273,6 @@ class StreamRelay:
             if not read.done():  # the agent left, or this call was cancelled: stop the read before aclose
                 read.cancel()
                 await asyncio.wait({read})
-
-
-async def _line_batches(content: aiohttp.StreamReader, limit: int) -> AsyncGenerator[list[bytes], None]:
-    """The lines of a byte stream, as a list per network read (a line cut between reads waits for its end)."""
-    pending = b""
-    async for data in content.iter_any():
-        lines = (pending + data).split(b"\n")
-        pending = lines.pop()
-        if len(pending) > limit:
-            raise _LineTooLong
-        yield lines
-    if pending:
-        yield [pending]
 
 
 class _WriteGuard:
@@ -342,7 +317,7 @@ async def _send(out: web.StreamResponse, data: bytes | None, guard: _WriteGuard)
         if guard.expired and guard.task is not None and guard.task.uncancel() <= guard.cancelling:
             raise _AgentStalled() from None
         raise
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one
         raise _AgentGone() from exc
     finally:
         guard.since = None

@@ -40,8 +40,9 @@ from typing import Any
 
 import msgspec
 
-from steptap.middleware.backend.client import BackendClient, Parts, json_parts
-from steptap.middleware.exceptions import BackendError
+from steptap.middleware.backend.boundary import Backend
+from steptap.middleware.backend.client import Parts, json_parts
+from steptap.middleware.exceptions import BackendError, BackendMalformed, BackendStatus
 from steptap.middleware.proxy import derender, prompts
 from steptap.middleware.proxy.tito_plan import Plan, next_state, plan
 from steptap.middleware.records import Step, json_encoder
@@ -82,25 +83,14 @@ def _after_base(base: list[int], ids: list[int], end: int) -> tuple[list[int], l
     return tail, ids[start + len(tail):]
 
 
-class TitoError(Exception):
-    """The backend answered a TITO route with an error (status, its body)."""
-
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-        self.body = body
-
-
-async def post_json(client: BackendClient, endpoint: str, body: dict[str, Any] | Parts) -> dict[str, Any]:
-    """A JSON call to one of vLLM's render/generate routes; an error answer raises ``TitoError``."""
-    status, data = await client.post_json(endpoint, body)
-    if status >= 400:
-        raise TitoError(status, data)
-    reply: dict[str, Any] = _decode(data)  # these routes answer a JSON object
+async def post_json(client: Backend, endpoint: str, body: dict[str, Any] | Parts) -> dict[str, Any]:
+    """A JSON call to one of vLLM's render/generate routes; an error answer is the client's
+    ``BackendStatus``."""
+    reply: dict[str, Any] = _decode(await client.post_json(endpoint, body))  # these routes answer an object
     return reply
 
 
-async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
+async def render(client: Backend, chat: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """vLLM's render of a chat body (``token_ids``: the prompt exactly as a chat call would see it), with
     ``changes`` applied to the body."""
     body = {k: v for k, v in chat.items() if k not in _NOT_RENDERED}
@@ -111,7 +101,7 @@ async def render(client: BackendClient, chat: dict[str, Any], **changes: Any) ->
 class Turn:
     """One TITO turn against the backend: build the prompt ids, generate, derender."""
 
-    def __init__(self, client: BackendClient, chat: dict[str, Any], plan: Plan,
+    def __init__(self, client: Backend, chat: dict[str, Any], plan: Plan,
                  held: tuple[bytes, list[int]] | None = None,
                  base: tuple[bytes, list[int]] | None = None) -> None:
         self.client = client
@@ -253,31 +243,25 @@ class Turn:
         # the history cut to what vLLM reads of it there: it renders nothing (derender.chat_request)
         body = {k: v for k, v in derender.chat_request(self.chat, last=True).items()
                 if k != "kv_transfer_params"}
-        resp = await self.client.post("chat.completions", json_parts({"kv_transfer_params": ids}, body))
-        try:
-            if resp.status >= 400:
-                raise TitoError(resp.status, await resp.read())
-            yield resp
-        finally:
-            resp.release()
+        async with await self.client.stream("chat.completions",
+                                            json_parts({"kv_transfer_params": ids}, body)) as source:
+            await source.raise_for_status()
+            yield source
 
     async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
         """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk. A malformed
-        answer ends it as a ``TitoError`` (the relay records the failure and ends the agent's stream)."""
+        answer ends it as ``BackendMalformed`` (the relay records the failure and ends the agent's stream)."""
         try:
             async for batch in self._chunks(generate):
                 yield batch
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise TitoError(502, f"malformed token-in-token-out answer: {exc!r}".encode()) from None
+            raise BackendMalformed(f"backend {self.client.name} sent a malformed token-in-token-out answer: "
+                                   f"{exc!r}") from None
 
     async def _chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
-        async with await self.client.post("generate", self._generate_body(generate)) as resp:
-            if resp.status >= 400:
-                raise TitoError(resp.status, await resp.read())
-            pending = b""
-            async for data in resp.content.iter_any():  # all that came while the last derender was out
-                lines = (pending + data).split(b"\n")
-                pending = lines.pop()
+        async with await self.client.stream("generate", self._generate_body(generate)) as source:
+            await source.raise_for_status()
+            async for lines in source:  # all that came while the last derender was out
                 gens: list[dict[str, Any]] = []
                 done = False  # [DONE] is the stream's last event: it goes after what it follows
                 for line in lines:
@@ -318,7 +302,7 @@ class Turn:
         return b"data: " + _encode(chunk)
 
 
-def backend_error(name: str, exc: TitoError) -> BackendError:
+def backend_error(name: str, exc: BackendStatus) -> BackendError:
     try:
         message = _decode(exc.body)["error"]["message"]
     except (msgspec.DecodeError, KeyError, TypeError):
@@ -327,7 +311,7 @@ def backend_error(name: str, exc: TitoError) -> BackendError:
                         f"(is it started with --enable-scale-out?): {message}")
 
 
-async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, metrics: Any,
+async def start_turn(session: Any, chat: dict[str, Any], client: Backend, metrics: Any,
                      stream: bool, handles: dict[int, str] | None = None) -> tuple[Turn,
                                                                                    dict[str, Any]] | str:
     """The turn and its generate request when this call extends the session's previous turn; else the cause
@@ -347,7 +331,7 @@ async def start_turn(session: Any, chat: dict[str, Any], client: BackendClient, 
         try:
             generate = await turn.request(stream)
             session.tito_base = turn.base
-        except TitoError as exc:
+        except BackendStatus as exc:
             if exc.status not in (404, 405):
                 raise backend_error(client.name, exc) from None
             generate = None  # a vLLM without --enable-scale-out: normal rendering, counted
