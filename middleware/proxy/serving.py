@@ -123,7 +123,20 @@ def patch_request(
         out[name] = int(value) if name == "top_k" else value
     if cfg.drop_seed:
         out.pop("seed", None)  # the caller notes it (SEED_DROPPED): a backend that dies on it never sees it
+    if cfg.max_tokens_cap:
+        _cap_tokens(out, cfg.max_tokens_cap)
     return out, asked
+
+
+def _cap_tokens(out: dict[str, Any], cap: int) -> None:
+    """Every limit the call names lowered to ``cap`` (vLLM reads max_completion_tokens before max_tokens);
+    a call that names none gets ``cap`` as its max_tokens."""
+    named = [k for k in ("max_completion_tokens", "max_tokens") if out.get(k) is not None]
+    for key in named:
+        if out[key] > cap:
+            out[key] = cap
+    if not named:
+        out["max_tokens"] = cap
 
 
 # Every protocol's seed (Responses', Messages', Gemini's generationConfig.seed) is chat's ``seed`` by now

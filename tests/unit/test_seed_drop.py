@@ -1,5 +1,6 @@
-"""``drop_seed``: the body sent upstream carries no ``seed`` (a backend that dies on it never sees it), the
-agent's other keys as they were; without the flag the seed goes as sent."""
+"""What the proxy changes in the body it sends upstream. ``drop_seed``: no ``seed`` (a backend that dies on
+it never sees it), the agent's other keys as they were; without the flag the seed goes as sent.
+``max_tokens_cap``: every limit a call names lowered to the cap, a call without one given it."""
 
 from __future__ import annotations
 
@@ -29,3 +30,18 @@ def test_the_seed_is_dropped_only_where_the_backend_dies_on_it() -> None:
     out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", drop_seed=True))
     assert out == {"prompt": "hi", "logprobs": 0, "return_token_ids": True}
     assert _sent(b'{"messages":[]}', drop_seed=True) == _sent(b'{"messages":[]}')
+
+
+def test_max_tokens_cap_lowers_every_limit_a_call_names_and_gives_one_to_a_call_without() -> None:
+    raw = b'{"model":"tiny","messages":[],"max_completion_tokens":4096,"max_tokens":10}'
+    capped = _sent(raw, max_tokens_cap=64)
+    assert (capped["max_completion_tokens"], capped["max_tokens"]) == (64, 10)  # lowered, never raised
+    assert _sent(b'{"messages":[]}', max_tokens_cap=64)["max_tokens"] == 64
+    assert "max_tokens" not in _sent(b'{"messages":[]}')  # no cap: untouched
+    # what is recorded is what vLLM was asked for
+    from steptap.middleware.proxy.capture import sampling_of
+
+    assert sampling_of(capped, False).max_tokens == 64
+    body = {"prompt": "hi", "max_tokens": 500}
+    out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", max_tokens_cap=100))
+    assert out["max_tokens"] == 100 and body["max_tokens"] == 500  # the agent's body is not changed
