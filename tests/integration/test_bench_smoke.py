@@ -232,3 +232,14 @@ def test_record_path_smallest_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "us CPU a call" in proc.stdout and "NOT one per call" not in proc.stdout, proc.stdout
     assert "log: 144 one-step anonymous trajectories" in proc.stdout, proc.stdout  # 16 x 4 + 20 x 4 to warm
+
+
+def test_stream_capture_smallest_run():
+    """A streamed call's capture alone (bench/stream_capture.py): a short run prints each stage's figure, and
+    its check (one ok step, a logprob per token) passes on the recorded stream."""
+    cmd = [sys.executable, str(BENCH / "stream_capture.py"), "--reps", "2"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "chat_32_tokens: 34 events" in proc.stdout, proc.stdout
+    for stage in ("decode", "feed", "decode + strip + encode", "steps"):
+        assert any(line.strip().startswith(stage) for line in proc.stdout.splitlines()), proc.stdout
