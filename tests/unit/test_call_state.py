@@ -1,7 +1,7 @@
 """What the proxy holds for a session between its calls (``proxy/call_state.py``), with a real session
 manager on a real log (no model call): its bytes count in the session's and the proxy's while the session is
 open and are freed with it; the recorder's part of it is handed over once, in the call's context; and the
-table keeps no entry past its session, finished, timed out, forgotten (a pending auto session) or anonymous."""
+table keeps no entry past its session: finished, timed out, forgotten (a pending auto session), anonymous."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ async def test_held_bytes_count_while_open_and_go_with_the_session(manager: Sess
     assert (session.bytes, manager.holdings.bytes_held) == (opened + 1000, held + 1000)
     state.tito_spare = (ids, [])  # a TITO turn's spare list counts a pointer an id, with the next prompt
     state.hold_prompt(manager, session, (b"y" * 400, ids))
-    assert (session.bytes, manager.holdings.bytes_held) == (opened + 400 + POINTER * 300, held + 400 + POINTER * 300)
+    more = 400 + POINTER * 300
+    assert (session.bytes, manager.holdings.bytes_held) == (opened + more, held + more)
     await manager.finish(session)
     assert manager.holdings.bytes_held == held - opened  # the session's bytes, what the proxy held included
     gone = _gone(states, session)

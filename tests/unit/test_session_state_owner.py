@@ -61,14 +61,15 @@ def session_writes(root: Path) -> list[str]:
 def any_fields(path: Path, cls: str) -> list[str]:
     """``Class.field`` for each field of class ``cls`` in ``path`` whose annotation names ``Any`` (in the
     class body, or ``self.field: ...`` in its methods)."""
-    [node] = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls]
+    tree = ast.parse(path.read_text())
+    [node] = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
     found: list[str] = []
     for ann in (n for n in ast.walk(node) if isinstance(n, ast.AnnAssign)):
         annotation = ann.annotation
         if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted one
             annotation = ast.parse(annotation.value, mode="eval").body
-        if any((isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
-               for n in ast.walk(annotation)):
+        if any((isinstance(n, ast.Name) and n.id == "Any")
+               or (isinstance(n, ast.Attribute) and n.attr == "Any") for n in ast.walk(annotation)):
             target = ann.target
             found.append(f"{cls}.{target.attr if isinstance(target, ast.Attribute) else ast.unparse(target)}")
     return found
@@ -76,8 +77,8 @@ def any_fields(path: Path, cls: str) -> list[str]:
 
 def test_no_attribute_of_a_session_is_written_outside_sessions() -> None:
     wrong = session_writes(MIDDLEWARE)
-    assert not wrong, ("a LiveSession attribute written outside middleware/sessions/ (the proxy keeps its own "
-                       "state in proxy/call_state.py's CallState):\n" + "\n".join(wrong))
+    assert not wrong, ("a LiveSession attribute written outside middleware/sessions/ (the proxy keeps its "
+                       "own state in proxy/call_state.py's CallState):\n" + "\n".join(wrong))
 
 
 def test_the_session_and_the_proxy_state_have_no_any_field() -> None:
