@@ -75,6 +75,9 @@ class CallStates:
         self._by_session: weakref.WeakKeyDictionary[LiveSession, CallState] = weakref.WeakKeyDictionary()
 
     def of(self, session: LiveSession) -> CallState:
+        """The session's entry (made on first use); an anonymous session's is its one call's, kept nowhere."""
+        if session.trajectory.anonymous:
+            return CallState()
         state = self._by_session.get(session)
         if state is None:
             state = self._by_session[session] = CallState()

@@ -77,8 +77,8 @@ async def test_no_entry_outlives_a_timed_out_forgotten_or_anonymous_session(mana
     states.of(auto).hold_prompt(manager, auto, (b"z" * 100, [1]))  # not counted: it is not open yet
     assert auto.bytes == before and manager.holdings.bytes_held == timed.bytes
     anon = await manager.resolve(Identity("anonymous"))
-    states.of(anon).tito_state = None
-    refs = [_gone(states, s) for s in (timed, auto, anon)]
+    assert states.of(anon) is not states.of(anon) and anon not in states  # one call: its state is the call's
+    refs = [_gone(states, s) for s in (timed, auto)] + [weakref.ref(anon)]
     auto.last_active -= 10 * manager.config.auto_session_idle_timeout_s
     manager.sweep()  # closes the idle session, forgets the pending one no call holds
     for _ in range(200):
