@@ -21,6 +21,7 @@ from steptap.middleware.log import stream
 from steptap.middleware.log.wal import TrajectoryLog
 from steptap.middleware.metrics import METRICS_KEY, Metrics, metrics_handler
 from steptap.middleware.proxy import gemini_routes, relay, routes, vision
+from steptap.middleware.proxy.call_state import CALL_STATES_KEY, CallStates
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
 from steptap.middleware.sessions import control
@@ -102,6 +103,7 @@ async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
         if reopened:
             logger.info("rebuilt %d open sessions from %s", reopened, config.log)
         app[SESSIONS_KEY] = manager
+        app[CALL_STATES_KEY] = CallStates()  # what the proxy holds for each session between its calls
         app[stream.LOG_KEY] = log
         app[METRICS_KEY].watch_log(log)
         yield

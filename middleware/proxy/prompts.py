@@ -1,12 +1,12 @@
 """A session's token prompt decoded from what is new: a ``/v1/completions`` body whose prompt is token ids,
 and vLLM's echo of a chat call's prompt ids (``take_echo``).
 
-An agent sends its whole context every call: at 120k tokens the prompt is a 0.6 MB JSON array, and decoding
-it (120k int objects) was the proxy's largest cost per call. A session keeps the raw bytes of its latest
-prompt with the ids they decoded to (``LiveSession.prompt``); a prompt whose bytes start with them, up to the
-closing ``]`` and then a comma, holds the same ids first (the same text), so only the bytes after the comma
-are decoded and the list is the old one + the new ids. The new list shares the old one's int objects, which
-also makes the prefix check (``sessions/prefix.extends``) an identity compare.
+An agent sends its whole context every call: at 120k tokens the prompt is a 0.6 MB JSON array, and decoding it
+(120k int objects) was the proxy's largest cost per call. A session keeps the raw bytes of its latest prompt
+with the ids they decoded to (``CallState.prompt``, proxy/call_state.py); a prompt whose bytes start with
+them, up to the closing ``]`` and then a comma, holds the same ids first (the same text), so only the bytes
+after the comma are decoded and the list is the old one + the new ids. The new list shares the old one's int
+objects, which also makes the prefix check (``sessions/prefix.extends``) an identity compare.
 
 Anything else (no session, no ``prompt`` key where expected, another shape, other bytes) decodes the whole
 body: the result is the same dict either way.
@@ -32,6 +32,7 @@ from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.prefix import Grown
 
 if TYPE_CHECKING:
+    from steptap.middleware.proxy.call_state import CallState
     from steptap.middleware.sessions.manager import SessionManager
     from steptap.middleware.sessions.session import LiveSession
 
@@ -140,7 +141,7 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
 Echo = tuple[bytes, bytes, list[int], Grown | None]  # take_echo's: (the rest, the echo, its ids, how built)
 
 
-def session_echo(data: bytes, manager: SessionManager, session: LiveSession,
+def session_echo(data: bytes, manager: SessionManager, session: LiveSession, state: CallState,
                  built: tuple[bytes, list[int]] | None) -> Echo | None:
     """``take_echo`` for a chat reply or first chunk of ``session``: its ids held for the next call (a named
     session's). ``built``: a TITO turn's prompt (its JSON, its ids), which its stream echoes."""
@@ -148,10 +149,10 @@ def session_echo(data: bytes, manager: SessionManager, session: LiveSession,
         return take_echo(data, built)
     if session.trajectory.anonymous:
         return None  # one call: nothing to continue
-    echo = take_echo(data, session.prompt)
+    echo = take_echo(data, state.prompt)
     if echo is not None:
-        manager.hold_prompt(session, (echo[1], echo[2]))
-        session.grown = echo[3]
+        state.hold_prompt(manager, session, (echo[1], echo[2]))
+        state.grown = echo[3]
     return echo
 
 

@@ -34,6 +34,7 @@ from steptap.middleware.exceptions import (
 )
 from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies, tito, vision
+from steptap.middleware.proxy.call_state import CALL_STATES_KEY
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.serving import (
@@ -88,7 +89,7 @@ async def _model_call(
     app = request.app
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     ident = identify(request)  # a malformed session id is a 400
-    body, ids = decode_body(raw, endpoint, manager, ident)
+    body, ids = decode_body(raw, endpoint, manager, app[CALL_STATES_KEY], ident)
     upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     try:
         # Another protocol rides on chat completions: translated (and checked in its own format) before the
@@ -138,8 +139,9 @@ async def _model_call(
                     if cfg.drop_seed and "seed" in (proto.chat if proto is not None else body):
                         call.notes.append(SEED_DROPPED)  # dropped by patch_request, never sent
                         app[METRICS_KEY].dropped_fields.labels(endpoint, "seed").inc()
-                    call.tito = pics.tito(session, upstream_endpoint == CHAT and (cfg.tito or session.tito))
-                    call.chat, call.pics = out, pics
+                    call.chat, call.pics, call.state = out, pics, app[CALL_STATES_KEY].of(session)
+                    call.tito = pics.tito(call.state, upstream_endpoint == CHAT and (cfg.tito or
+                                                                                    session.tito))
                     try:
                         payload = _upstream_body(raw, body, out) if proto is None else _encode(out)
                         return await call.run(payload, stream)
@@ -174,7 +176,7 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
                                model=model if isinstance(model, str) else "", started_at=started_at,
                                latency_s=time.perf_counter() - t0)
     try:
-        await manager.record(session, [step])
+        await manager.record(session, [step], request.app[CALL_STATES_KEY].of(session).context())
     except DomainError:
         pass
 
@@ -224,7 +226,8 @@ class _Call(StreamRelay):
         if self.tito:
             metrics = self.request.app[METRICS_KEY]
             handles = self.proto.handles if self.proto is not None else None
-            turn = await tito.start_turn(self.session, self.chat, self.upstream, metrics, stream, handles)
+            turn = await tito.start_turn(self.session, self.state, self.chat, self.upstream, metrics, stream,
+                                         handles)
             if not isinstance(turn, str):
                 return await self._run_tito(*turn, stream)
             if turn != "first":  # rendered instead: the step says why
@@ -296,7 +299,8 @@ class _Call(StreamRelay):
         base = self.upstream.name  # the replica as configured (never http://localhost)
         turn.spans = self.spans
         self.built = turn.encoded_prompt()
-        self.manager.hold_prompt(self.session, self.built)  # the next turn's JSON continues it (tito.Turn)
+        # the next turn's JSON continues it (tito.Turn)
+        self.state.hold_prompt(self.manager, self.session, self.built)
         try:
             if stream:
                 async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
@@ -357,9 +361,10 @@ class _Call(StreamRelay):
         # them (sessions/prefix.py)
         chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
         async with self.pics.stored():  # the images the steps name: stored only now (the call was accepted)
-            await self.manager.record(self.session, steps, chat if isinstance(chat, list) else None)
+            await self.manager.record(self.session, steps,
+                                      self.state.context(chat if isinstance(chat, list) else None))
         if self.tito:
-            tito.end_turn(self.session, self.chat, steps, stop_reason)
+            tito.end_turn(self.state, self.chat, steps, stop_reason)
 
     def _record_later(self, step: Step) -> None:
         """A failed step recorded in the background (the agent is gone, the handler returns now); the session
@@ -370,7 +375,7 @@ class _Call(StreamRelay):
     async def _record_quietly(self, step: Step) -> None:
         try:
             async with self.pics.stored():  # its request refers to them
-                await self.manager.record(self.session, [step])
+                await self.manager.record(self.session, [step], self.state.context())
         except Exception:  # a background task: log it, there is no agent left to tell
             logger.exception("could not record the failed step of session %s", self.session.id)
         finally:

@@ -15,6 +15,7 @@ from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.proxy import prompts
+from steptap.middleware.proxy.call_state import CallStates
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
@@ -86,17 +87,18 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def decode_body(raw: bytes, endpoint: str, manager: SessionManager, ident: Identity
-                 ) -> tuple[dict[str, Any], bool]:
+def decode_body(raw: bytes, endpoint: str, manager: SessionManager, states: CallStates, ident: Identity
+                ) -> tuple[dict[str, Any], bool]:
     """The agent's body, and whether its prompt was decoded as token ids: a session's token prompt is decoded
     from what is new (prompts.py)."""
     if endpoint == COMPLETIONS:
         session = manager.peek(ident)
         if session is not None:
-            got = prompts.decode_completion(raw, session.prompt)
+            state = states.of(session)
+            got = prompts.decode_completion(raw, state.prompt)
             if got is not None:
-                body, held, session.grown = got
-                manager.hold_prompt(session, held)
+                body, held, state.grown = got
+                state.hold_prompt(manager, session, held)
                 return body, True
     return _json_object(raw), False
 

@@ -30,6 +30,7 @@ from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 if TYPE_CHECKING:
     from steptap.middleware.backend.boundary import Backend
+    from steptap.middleware.proxy.call_state import CallState
     from steptap.middleware.proxy.capture import Asked
     from steptap.middleware.proxy.protocols import Protocol
     from steptap.middleware.records import Step
@@ -69,6 +70,7 @@ class StreamRelay:
     spans: Spans | None
     manager: SessionManager
     session: LiveSession
+    state: CallState  # what the proxy holds for the session between calls
     built: tuple[bytes, list[int]] | None  # a TITO turn's prompt (its JSON, its ids)
     guard: _WriteGuard  # the stream's bound on each write to the agent
     if TYPE_CHECKING:  # _Call's
@@ -78,7 +80,7 @@ class StreamRelay:
 
     def _take_echo(self, data: bytes) -> tuple[bytes, bytes, list[int], Grown | None] | None:
         """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``)."""
-        return prompts.session_echo(data, self.manager, self.session, self.built)
+        return prompts.session_echo(data, self.manager, self.session, self.state, self.built)
 
     async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
         """Relay SSE events as they come (``source``: the backend's ``BackendStream``, or a token-in-token-out

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -47,6 +47,10 @@ from steptap.middleware.proxy import derender, prompts
 from steptap.middleware.proxy.tito_plan import Plan, next_state, plan
 from steptap.middleware.records import Step, json_encoder
 from steptap.middleware.weights.spans import Spans
+
+if TYPE_CHECKING:
+    from steptap.middleware.proxy.call_state import CallState
+    from steptap.middleware.sessions.session import LiveSession
 
 _decode = msgspec.json.decode
 _encode = json_encoder.encode
@@ -105,14 +109,14 @@ class Turn:
                  held: tuple[bytes, list[int]] | None = None,
                  base: tuple[bytes, list[int]] | None = None) -> None:
         self.client = client
-        self.held = held  # the session's latest prompt, its JSON and ids (LiveSession.prompt)
+        self.held = held  # the session's latest prompt, its JSON and ids (CallState.prompt)
         # The base conversation's render, by the body it was rendered with (messages aside): the same for
         # every turn of a session that keeps its tools and settings, so rendered once, not every turn (with
         # an agent's tools, tens of thousands of tokens for vLLM to render)
         self.base = base
         self.chat = chat  # the patched chat body (logprobs and token ids on)
         self.plan = plan
-        # The session's spare list and the list it is a prefix of (LiveSession.tito_spare), for ``_grow``
+        # The session's spare list and the list it is a prefix of (CallState.tito_spare), for ``_grow``
         self.spare: tuple[list[int], list[int]] | None = None
         self.prompt: list[int] = []
         self.added: list[int] = []  # the prompt after the previous reply (``request``)
@@ -311,26 +315,27 @@ def backend_error(name: str, exc: BackendStatus) -> BackendError:
                         f"(is it started with --enable-scale-out?): {message}")
 
 
-async def start_turn(session: Any, chat: dict[str, Any], client: Backend, metrics: Any,
-                     stream: bool, handles: dict[int, str] | None = None) -> tuple[Turn,
-                                                                                   dict[str, Any]] | str:
-    """The turn and its generate request when this call extends the session's previous turn; else the cause
-    of the fallback to the normal path, counted by cause in either case."""
-    decided = plan(session.tito_state, chat, handles, session.id, session.norms)
-    spare, session.tito_spare = session.tito_spare, None  # a turn not built from ids leaves none
-    session.tito_packed = decided.packed  # the next state's bytes (tito_plan.next_state)
+async def start_turn(session: LiveSession, state: CallState, chat: dict[str, Any], client: Backend,
+                     metrics: Any, stream: bool, handles: dict[int, str] | None = None
+                     ) -> tuple[Turn, dict[str, Any]] | str:
+    """The turn and its generate request when this call extends the session's previous turn (``state``: what
+    the proxy holds for the session); else the cause of the fallback to the normal path, counted by cause in
+    either case."""
+    decided = plan(state.tito_state, chat, handles, session.id, session.norms)
+    spare, state.tito_spare = state.tito_spare, None  # a turn not built from ids leaves none
+    state.tito_packed = decided.packed  # the next state's bytes (tito_plan.next_state)
     prev = decided.state
     # the log's delta need not encode both message lists again to find the previous ones kept (delta.Kept)
-    session.kept = (chat["messages"], prev.messages, len(prev.messages)) if (
+    state.kept = (chat["messages"], prev.messages, len(prev.messages)) if (
         decided.same and prev is not None and prev.messages is not None) else None
     if decided.cause == "tokens" and not client.caps.tito:  # an older vLLM (backend/capabilities.py)
         decided = decided._replace(cause="no_scale_out")
     if decided.cause == "tokens":
-        turn = Turn(client, chat, decided, session.prompt, session.tito_base)
+        turn = Turn(client, chat, decided, state.prompt, state.tito_base)
         turn.spare, spare = spare, None  # the turn's alone: a reference left here would keep it from growing
         try:
             generate = await turn.request(stream)
-            session.tito_base = turn.base
+            state.tito_base = turn.base
         except BackendStatus as exc:
             if exc.status not in (404, 405):
                 raise backend_error(client.name, exc) from None
@@ -338,11 +343,11 @@ async def start_turn(session: Any, chat: dict[str, Any], client: Backend, metric
             decided = decided._replace(cause="no_scale_out")
         if generate is not None:
             metrics.child(metrics.tito_turns, "tokens").inc()
-            state = decided.state
-            assert state is not None
+            last = decided.state
+            assert last is not None
             # built as the previous step's prompt + response + what is new: prefix.extends compares only that
-            session.grown = (turn.prompt, state.prompt_ids, state.response_ids)
-            session.tito_spare = (state.prompt_ids, turn.prompt)  # grown into the next turn's (Turn._grow)
+            state.grown = (turn.prompt, last.prompt_ids, last.response_ids)
+            state.tito_spare = (last.prompt_ids, turn.prompt)  # grown into the next turn's (Turn._grow)
             return turn, generate
         if decided.cause == "tokens":
             decided = decided._replace(cause="template")
@@ -350,8 +355,8 @@ async def start_turn(session: Any, chat: dict[str, Any], client: Backend, metric
     return decided.cause
 
 
-def end_turn(session: Any, chat: dict[str, Any], steps: list[Step], stop_reason: Any) -> None:
+def end_turn(state: CallState, chat: dict[str, Any], steps: list[Step], stop_reason: Any) -> None:
     """What the session's next turn extends (a failed or multi-choice call extends nothing)."""
-    packed, session.tito_packed = session.tito_packed, None
-    session.tito_state = (next_state(chat, steps[0], stop_reason, session.tito_state, packed)
+    packed, state.tito_packed = state.tito_packed, None
+    state.tito_state = (next_state(chat, steps[0], stop_reason, state.tito_state, packed)
                           if len(steps) == 1 else None)

@@ -23,7 +23,7 @@ import io
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -34,7 +34,10 @@ from steptap.middleware.proxy import image_urls
 from steptap.middleware.proxy.translation import data_url
 from steptap.middleware.records import ImageRef, image_digest, ref_of
 from steptap.middleware.sessions.limits import RETRY_AFTER_S
-from steptap.middleware.sessions.session import Images, LiveSession
+from steptap.middleware.sessions.session import Images
+
+if TYPE_CHECKING:
+    from steptap.middleware.proxy.call_state import CallState
 
 
 def _bad(message: str) -> ApiError:
@@ -373,11 +376,11 @@ class CallImages:
                     self.known[image.data_url()] = image
         return chat
 
-    def tito(self, session: LiveSession, wanted: bool) -> bool:
+    def tito(self, state: CallState, wanted: bool) -> bool:
         """Token-in-token-out for this call: not with images (vLLM renders those itself); what a later turn
         would extend is then forgotten."""
         if wanted and self.images:
-            session.tito_state = None
+            state.tito_state = None
             return False
         return wanted
 

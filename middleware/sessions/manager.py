@@ -58,7 +58,6 @@ from steptap.middleware.sessions.session import AUTO_PREFIX, LiveSession, Log, n
 
 logger = logging.getLogger("steptap.sessions")
 
-_POINTER = 8  # bytes a list holds per item (the items are a prompt's own ids, counted with it)
 _NOTHING = nullcontext()
 
 
@@ -237,7 +236,7 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
 
     def peek(self, ident: Identity) -> LiveSession | None:
         """The open session a call names, as ``resolve`` would find it with the same key, or None: opens
-        nothing, raises nothing (what the relay reads before the call is admitted: ``LiveSession.prompt``)."""
+        nothing, raises nothing (what the relay reads before the call is admitted: proxy/call_state.py)."""
         if ident.source == "anonymous":
             return None
         if ident.source == "key":
@@ -254,14 +253,9 @@ class SessionManager(Closing, Groups, Holding, Recording, Replay, Rewarding):
         session = self.peek(ident)
         return [*self.config.side_models, *(session.line.side_models if session is not None else ())]
 
-    def hold_prompt(self, session: LiveSession, held: tuple[bytes, list[int]] | None) -> None:
-        """Keep ``held`` (the latest token prompt's raw bytes and ids, proxy/prompts.py) on an open session,
-        its bytes counted in what the session and the proxy hold (the ids are the latest call's, counted
-        with it), and so is a TITO session's spare list (``LiveSession.tito_spare``: a pointer an id)."""
-        now = (len(held[0]) if held else 0) + (_POINTER * len(session.tito_spare[0]) if session.tito_spare
-                                                else 0)
-        size, session.prompt_bytes = now - session.prompt_bytes, now
-        session.prompt = held
+    def hold_bytes(self, session: LiveSession, size: int) -> None:
+        """Count ``size`` bytes more (or fewer) that the proxy holds for an open session between its calls
+        (its latest token prompt: proxy/call_state.py) in what the session and the proxy hold."""
         if session.id in self.sessions and not session.pending:  # what _register counted, _unregister frees
             session.bytes += size
             self.holdings.hold(0, size)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from steptap.middleware.delta import compress, compress_choice, compress_prefix
+from steptap.middleware.delta import Kept, compress, compress_choice, compress_prefix
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.records import Step, msgpack_encoder
 from steptap.middleware.sessions.classify import SUPERSEDES, supersede
 from steptap.middleware.sessions.classify import apply as classify_call
-from steptap.middleware.sessions.prefix import classify_after, extends
+from steptap.middleware.sessions.prefix import Grown, classify_after, extends
 from steptap.middleware.sessions.session import NOT_LOGGED, LiveSession, full_sizes, not_logged
 
 if TYPE_CHECKING:
@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from steptap.middleware.sessions.rewards import RewardFn
 
 logger = logging.getLogger("steptap.sessions")
+
+
+class CallContext(NamedTuple):
+    """What the proxy knows of a call that the recorder judges its steps with (proxy/call_state.py)."""
+
+    # The call's messages in chat form when the relay translated its request (Messages, Responses):
+    # continuity is judged on them, and on the latest call's, held for the next call
+    chat: list[Any] | None = None
+    grown: Grown | None = None  # the prompt id list the proxy built from the previous step's (prefix.Grown)
+    kept: Kept | None = None  # the call's messages, known to start with the latest step's (delta.Kept)
+
+
+NO_CONTEXT = CallContext()
 
 
 class Recording:
@@ -49,11 +62,10 @@ class Recording:
         async def _close_logged(self, session: LiveSession, status: TrajectoryStatus) -> None: ...
         def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
-    async def record(self, session: LiveSession, steps: list[Step], chat: list[Any] | None = None) -> None:
+    async def record(self, session: LiveSession, steps: list[Step], ctx: CallContext = NO_CONTEXT) -> None:
         """Index, link and append the steps of one call; returns once they are durable. A named session
         that the steps would take past its limits refuses them (SessionFull) before anything changes.
-        ``chat``: the call's messages in chat form when the relay translated its request (Messages,
-        Responses): continuity is judged on them, and on the latest call's, held for the next call."""
+        ``ctx``: what the proxy knows of the call (``CallContext``)."""
         traj = session.trajectory
         if traj.anonymous and self.reward_fn is None:
             return await self._record_anonymous(session, steps)
@@ -62,8 +74,7 @@ class Recording:
         # Continuity is judged against the latest call's ok steps (a failed step carries no usable ids); the
         # choices of one call share it.
         prev_call = list(session.full.values())
-        grown, session.grown = session.grown, None  # used here: held, it would keep the last prompt alive
-        witness, session.kept = session.kept, None  # the messages the TITO plan found kept (delta.Kept)
+        chat, grown, witness = ctx  # witness: the messages the TITO plan found kept (delta.Kept)
         for step in steps:
             step.prefix = classify_after(prev_call, step, session.conversation, chat, grown, session.norms)
         line_before = dataclasses.replace(session.line)
@@ -179,7 +190,6 @@ class Recording:
         the first a delta of it. The record is encoded once: its size checked against ``max_record_bytes``
         and its bytes handed to the log as they are."""
         traj = session.trajectory
-        session.grown = session.kept = None
         side = bool(steps) and steps[0].model in self.config.side_models  # classify.decide, line not started
         call_class: CallClass = "side" if side else "main"
         rule = "side_model" if side else "first"

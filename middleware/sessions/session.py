@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from steptap.middleware.auth import SESSION_KEY_PREFIX
-from steptap.middleware.delta import Kept
 from steptap.middleware.records import (
     LogRecord,
     Step,
@@ -21,7 +20,7 @@ from steptap.middleware.records import (
     msgpack_encoder,
 )
 from steptap.middleware.sessions.classify import MainLine
-from steptap.middleware.sessions.prefix import Grown, Norms
+from steptap.middleware.sessions.prefix import Norms
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -57,19 +56,12 @@ class Log(Protocol):
 class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
-    __slots__ = ("bytes", "closing", "conversation", "drained", "full", "full_extra", "full_sizes",
-                 "grown", "inflight", "kept", "key", "last_active", "late", "line", "lock", "norms",
-                 "peer", "pending", "prompt", "prompt_bytes", "sealed", "starts", "tito", "tito_base",
-                 "tito_packed", "tito_spare", "tito_state", "trajectory")
+    __slots__ = ("__weakref__", "bytes", "closing", "conversation", "drained", "full", "full_extra",
+                 "full_sizes", "inflight", "key", "last_active", "late", "line", "lock", "norms", "peer",
+                 "pending", "sealed", "starts", "tito", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
         self.tito = False  # token-in-token-out mode (proxy/tito.py), set at open
-        self.tito_state: Any = None  # what its next turn extends in that mode
-        self.tito_base: Any = None  # its latest render of the base conversation (tito.Turn)
-        self.tito_packed: Any = None  # the call's messages and their msgpack, for its next state (tito_plan)
-        # The prompt list its latest turn was built from, and that turn's: dead once the turn is done, it is
-        # grown in place into the next turn's list (tito.Turn), so a turn copies and frees no whole prompt
-        self.tito_spare: tuple[list[int], list[int]] | None = None
         self.trajectory = trajectory
         self.key = key  # None: auto-created (reached by its path or header id) or anonymous
         self.last_active = time.monotonic()
@@ -82,24 +74,16 @@ class LiveSession:
         # Auto-created, opened only when its first step is recorded (the backend accepted)
         self.pending = False
         self.peer: str | None = None  # an auto session's: the address whose share it takes (manager.py)
-        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, and
-        # the full copies of its latest call's delta steps (``full_extra``)
+        self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, the
+        # full copies of its latest call's delta steps (``full_extra``), and what the proxy holds for it
+        # between calls (its latest token prompt: proxy/call_state.py, counted by ``hold_bytes``)
         self.full: dict[int, Step] = {}  # the latest call's ok steps in full form (index -> step): the next
         # call's prefix is judged against them, and a step that extends one is logged as a delta of it
         self.full_sizes: dict[int, tuple[int, int]] = {}  # their sizes, bounded from above (``full_sizes``)
         self.full_extra = 0  # what the full copies of the delta steps among them hold (in ``bytes``)
         # The latest call's messages in chat form, as the relay translated them (Messages, Responses): what
         # the next call's continuity is judged on when it does not extend it (None: its request's own)
-        self.conversation: list[Any] | None = None
-        # Its latest token prompt's raw bytes and ids: the next one is decoded from what is new, and a TITO
-        # turn's JSON continues them (proxy/prompts.py; about 5 bytes a token beside the ids the latest call's
-        # steps hold)
-        self.prompt: tuple[bytes, list[int]] | None = None
-        self.prompt_bytes = 0  # what ``prompt`` and ``tito_spare`` hold, as counted in ``bytes``
-        # The latest prompt id list the proxy built from the previous step's lists (prefix.Grown): its
-        # continuity check skips what it took from them
-        self.grown: Grown | None = None
-        self.kept: Kept | None = None  # the call's messages, known to start with the latest step's (delta)
+        self.conversation: list[object] | None = None
         self.line = MainLine(side_models=frozenset(trajectory.side_models))  # its main line (classify.py)
         self.norms = Norms()  # its latest message lists, normalized (prefix.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record

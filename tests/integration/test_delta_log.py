@@ -5,7 +5,9 @@ hand out full steps whose prompt is as long as vLLM counted it."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import aiohttp
 from conftest import Backend, Proxy
@@ -13,6 +15,7 @@ from conftest import Backend, Proxy
 from steptap.middleware.client import SteptapClient
 from steptap.middleware.log.offline import LogReader
 from steptap.middleware.log.stream import LOG_KEY
+from steptap.middleware.proxy.call_state import CALL_STATES_KEY
 from steptap.middleware.records import Step, msgpack_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 
@@ -114,6 +117,7 @@ async def test_a_token_prompt_is_decoded_from_what_is_new_and_recorded_as_vllm_e
     async with http.post(f"{proxy.url}/sessions", json={}, headers=proxy.control) as resp:
         info = await resp.json()
     session = proxy.app[SESSIONS_KEY].sessions[info["id"]]  # type: ignore[index]
+    state = proxy.app[CALL_STATES_KEY].of(session)  # type: ignore[index]  # what the proxy holds for it
     prompt = [100 + i % 700 for i in range(400)]  # [200] is 300: not a cached small int
     echoed, reused = [], []
     previous: list[int] = []
@@ -131,22 +135,26 @@ async def test_a_token_prompt_is_decoded_from_what_is_new_and_recorded_as_vllm_e
         assert choice["prompt_token_ids"] == prompt and choice["logprobs"] is None
         echoed.append(choice["prompt_token_ids"])
         [last] = session.full.values()
-        assert session.prompt is not None and last.prompt_token_ids is session.prompt[1]  # the request's list
+        assert state.prompt is not None and last.prompt_token_ids is state.prompt[1]  # the request's list
         reused.append(bool(previous) and last.prompt_token_ids[200] is previous[200])
         previous = last.prompt_token_ids
         prompt = prompt + choice["token_ids"] + [300 + (turn * 50 + i) % 600 for i in range(50)]
     assert reused == [False, True, False, True]
     # The prompt's raw bytes the session keeps count in what it and the proxy hold, until it closes
     manager = proxy.app[SESSIONS_KEY]  # type: ignore[index]
-    assert session.prompt is not None and len(session.prompt[0]) > 400 * 3
-    kept, counted, held = session.prompt, session.bytes, manager.holdings.bytes_held
-    manager.hold_prompt(session, None)  # what serving.decode_body does with each new prompt
+    assert state.prompt is not None and len(state.prompt[0]) > 400 * 3
+    kept, counted, held = state.prompt, session.bytes, manager.holdings.bytes_held
+    state.hold_prompt(manager, session, None)  # what serving.decode_body does with each new prompt
     assert (session.bytes, manager.holdings.bytes_held) == (counted - len(kept[0]), held - len(kept[0]))
-    manager.hold_prompt(session, kept)
+    state.hold_prompt(manager, session, kept)
     assert (session.bytes, manager.holdings.bytes_held) == (counted, held)
     async with http.post(f"{proxy.url}/sessions/{info['id']}/finish", json={}, headers=proxy.control) as resp:
         assert resp.status == 200
     assert manager.holdings.bytes_held == held - counted  # all of it freed with the session
+    gone = weakref.ref(session)
+    del session, state, kept
+    gc.collect()
+    assert gone() is None  # nothing holds it, nor the proxy's state of it (a weak key: proxy/call_state.py)
     async with SteptapClient(proxy.url, proxy.token) as client:
         [delivery] = [d async for d in client.trajectories("prompt-test", follow=False)
                       if d.trajectory.id == info["id"]]
