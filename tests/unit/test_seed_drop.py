@@ -45,3 +45,10 @@ def test_max_tokens_cap_lowers_every_limit_a_call_names_and_gives_one_to_a_call_
     body = {"prompt": "hi", "max_tokens": 500}
     out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", max_tokens_cap=100))
     assert out["max_tokens"] == 100 and body["max_tokens"] == 500  # the agent's body is not changed
+
+
+def test_a_negative_cap_is_refused_when_the_config_is_read() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_tokens_cap must be 0"):
+        ProxyConfig(backend="http://x:1", max_tokens_cap=-1)
