@@ -174,11 +174,15 @@ class Spec:
         return f"{self.kind}-" + "-".join(str(k) for k in self.key[1:])
 
 
-def product(rng: random.Random) -> Spec:
-    a, b = rng.randint(100, 999), rng.randint(10, 99)
+def product_task(a: int, b: int) -> Spec:
+    """Put a * b into answer.txt (also the task of tests/integration/test_pi_learns.py)."""
     return Spec("product", ("product", a, b), f"Put the product of {a} and {b} into answer.txt.",
                 "answer.txt", a * b, f"echo $(({a} * {b})) > answer.txt",
                 example("to put the product of 12 and 34 into answer.txt", "echo $((12 * 34)) > answer.txt"))
+
+
+def product(rng: random.Random) -> Spec:
+    return product_task(rng.randint(100, 999), rng.randint(10, 99))
 
 
 def count(rng: random.Random) -> Spec:

@@ -52,8 +52,7 @@ def long_swap(long_vllm: Backend) -> Iterator[Backend]:
 def scripted_task(root: Path, a: int, b: int) -> str:
     """A product task of the family (a * b = 42: what the script's episodes 0 and 1 write), its instruction
     the family's with pi's scripted first call (it prints the episode's index) after it."""
-    spec = make_tasks.Spec("product", ("product", a, b), f"Put the product of {a} and {b} into answer.txt.",
-                           "answer.txt", a * b, f"echo $(({a} * {b})) > answer.txt")
+    spec = make_tasks.product_task(a, b)
     task = make_tasks.write_task(spec, root)
     command = "echo steptap-episode.pi.bash.command.$(hostname | tr -dc 0-9)"  # pi's bash tool
     probe = f"STEPTAP_CALL {json.dumps({'name': 'bash', 'arguments': {'command': command}})}"

@@ -483,9 +483,14 @@ async def _resume(server: Backend) -> None:
 
 async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
     """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
+    seen: dict[int, int] = {}  # a call's count, kept from a read while its relay waited on vLLM
     while True:
-        counts = [s.counter().get(0, 0) if s.counter is not None else 0 for s in list(sw.calls.spans)]
-        if len(counts) >= calls and min(counts) >= tokens:
+        for s in list(sw.calls.spans):
+            # None while the relay is not waiting on vLLM (its count may miss tokens: weights/spans.py)
+            now = s.counter() if s.counter is not None else None
+            if now is not None:
+                seen[id(s)] = now.get(0, 0)
+        if len(seen) >= calls and min(seen.values()) >= tokens:
             return
         await asyncio.sleep(0.01)
 
