@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from steptap.middleware.delta import Kept, compress, compress_choice, compress_prefix
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.records import Step, msgpack_encoder
-from steptap.middleware.sessions.classify import SUPERSEDES, supersede
+from steptap.middleware.sessions.classify import SUPERSEDES, decide, supersede
 from steptap.middleware.sessions.classify import apply as classify_call
 from steptap.middleware.sessions.prefix import Grown, classify_after, extends
 from steptap.middleware.sessions.session import NOT_LOGGED, LiveSession, full_sizes, not_logged
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from steptap.middleware.config import ProxyConfig
     from steptap.middleware.metrics import Metrics
-    from steptap.middleware.records import CallClass, Held, LogRecord, Trajectory, TrajectoryStatus
+    from steptap.middleware.records import Held, LogRecord, Trajectory, TrajectoryStatus
     from steptap.middleware.sessions.limits import Holdings
     from steptap.middleware.sessions.rewards import RewardFn
 
@@ -190,13 +190,13 @@ class Recording:
         the first a delta of it. The record is encoded once: its size checked against ``max_record_bytes``
         and its bytes handed to the log as they are."""
         traj = session.trajectory
-        side = bool(steps) and steps[0].model in self.config.side_models  # classify.decide, line not started
-        call_class: CallClass = "side" if side else "main"
-        rule = "side_model" if side else "first"
         kept = len(traj.steps)
         forms: list[Step] = []
         for offset, step in enumerate(steps):
-            step.prefix, step.call_class, step.call_rule, step.branch = "first", call_class, rule, 0
+            if not offset:  # a first call, its line not started: main by first, or side by side_model
+                first = decide(session.line, step, "first", self.config.side_models)
+            step.prefix, step.call_class, step.call_rule, step.branch = (
+                "first", first.call_class, first.rule, first.branch)
             step.trajectory_id, step.group_id, step.index = traj.id, traj.group_id, kept + offset
             # another choice of this call: its request and prompt are the first's
             choice = offset and step.choice and steps[0].choice == 0
