@@ -79,6 +79,88 @@ def evaluate(args: argparse.Namespace, client: SyncSteptapClient, version: int) 
               f"{r['eval_turns_mean']}", flush=True)
 
 
+def _train_cmd(args: argparse.Namespace, run_dir: Path, rounds: int, tasks: list[str]) -> list[str]:
+    picked = [a for name in tasks for a in ("--task", name)]
+    return [*TASKS, str(args.data / "train"), "--agent", "pi", "-n", str(args.n), "--rounds", str(rounds),
+            "--concurrency", str(args.concurrency), "--run-dir", str(run_dir),
+            "--agent-timeout", str(args.agent_timeout), *picked]
+
+
+class Driver:
+    """The training runs and the evaluations due, one child process at a time (SIGTERM stops the current)."""
+
+    def __init__(self, args: argparse.Namespace, client: SyncSteptapClient) -> None:
+        self.args, self.client = args, client
+        self.child: subprocess.Popen[bytes] | None = None
+        self.next_eval: int | None = None if args.no_eval else 0
+        self.evaluated = -1  # the last version evaluated
+
+    def stop(self) -> None:
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()
+            self.child.wait()
+
+    def eval_if_due(self, version: int, last: bool = False) -> None:
+        """At version 0, every ``--eval-every`` versions after, and (``last``) the run's last version."""
+        due = version >= self.next_eval if self.next_eval is not None else False
+        if due or (last and self.next_eval is not None and version not in (self.evaluated, -1)):
+            evaluate(self.args, self.client, version)
+            self.evaluated, self.next_eval = version, version + self.args.eval_every
+
+    def free_running(self) -> int:
+        """Every training task at once; the learner trains beside the agents as groups complete."""
+        cmd = _train_cmd(self.args, self.args.workdir / "train", self.args.rounds, [])
+        self.child = subprocess.Popen(cmd)
+        while self.child.poll() is None:
+            self.eval_if_due(_version(self.client))
+            time.sleep(5)
+        return int(self.child.returncode or 0)
+
+    def lockstep(self, groups: int) -> int:
+        """``groups`` training tasks (one update's batch), then wait for the update they feed: the learner
+        trains with the machine to itself, and every group is sampled by the latest version. Each batch
+        appends its budget to the metrics file (``lockstep_*``: the episodes' wall time with their verifiers,
+        then the wait for the new version: the update, writing the adapter and the swap)."""
+        names = sorted(d.name for d in (self.args.data / "train").iterdir() if d.is_dir())
+        chunks = [names[i:i + groups] for i in range(0, len(names), groups)]
+        done = self._batches_done()
+        for r in range(self.args.rounds):
+            for k, chunk in enumerate(chunks):
+                if (r, k) in done:  # a resumed run: its update came (a run dir alone says less)
+                    continue
+                version = _version(self.client)
+                self.eval_if_due(version)
+                t0 = time.monotonic()
+                run_dir = self.args.workdir / "train" / f"r{r}-b{k}"
+                self.child = subprocess.Popen(_train_cmd(self.args, run_dir, 1, chunk))
+                if self.child.wait() != 0:
+                    return self.child.returncode
+                t1 = time.monotonic()
+                if not self._wait_update(version):
+                    print(f"loop: no update within {self.args.update_timeout:.0f} s of batch {k} of round {r}"
+                          f" (version {version}); going on", file=sys.stderr, flush=True)
+                row = {"time": time.time(), "lockstep_round": r, "lockstep_batch": k, "lockstep_tasks": chunk,
+                       "lockstep_version": version, "lockstep_episodes_s": round(t1 - t0, 1),
+                       "lockstep_update_s": round(time.monotonic() - t1, 1)}
+                with self.args.metrics_file.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+        return 0
+
+    def _batches_done(self) -> set[tuple[int, int]]:
+        if not self.args.metrics_file.exists():
+            return set()
+        rows = (json.loads(line) for line in self.args.metrics_file.read_text().splitlines() if line.strip())
+        return {(r["lockstep_round"], r["lockstep_batch"]) for r in rows if "lockstep_batch" in r}
+
+    def _wait_update(self, version: int) -> bool:
+        deadline = time.monotonic() + self.args.update_timeout
+        while time.monotonic() < deadline:
+            if _version(self.client) > version:
+                return True
+            time.sleep(2)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("data", type=Path, help="make_tasks.py's --out: train/ and test/")
@@ -92,33 +174,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-timeout", type=float, default=900.0,
                    help="seconds a pi episode may run (the tasks say 180: on a loaded 2-core CPU most pi "
                         "episodes ran past that mid-call, and a cut call trains nothing)")
+    p.add_argument("--lockstep", type=int, default=0, metavar="G",
+                   help="run G training tasks (the learner's batch_groups), then wait for the update they "
+                        "feed before the next G, evaluating between: on a small CPU the learner then trains "
+                        "alone instead of beside vLLM (0: every task at once, training beside the agents)")
+    p.add_argument("--update-timeout", type=float, default=3600.0,
+                   help="with --lockstep: seconds to wait for an update before going on")
     p.add_argument("--no-eval", action="store_true", help="training only")
     args = p.parse_args(argv)
+    if args.lockstep < 0:
+        p.error("--lockstep: a number of tasks, 0 for none")
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"
     url = os.environ.get("STEPTAP_URL")
     if not url:
         p.error("no STEPTAP_URL: run this as `steptap up --agents`, or export the proxy's URL and token")
-    client = SyncSteptapClient(url, default_control_token())
-    train = subprocess.Popen([*TASKS, str(args.data / "train"), "--agent", "pi", "-n", str(args.n),
-                              "--rounds", str(args.rounds), "--concurrency", str(args.concurrency),
-                              "--run-dir", str(args.workdir / "train"),
-                              "--agent-timeout", str(args.agent_timeout)])
-    signal.signal(signal.SIGTERM, lambda *_: (train.terminate(), sys.exit(143)))
-    next_eval = None if args.no_eval else 0
+    driver = Driver(args, SyncSteptapClient(url, default_control_token()))
+
+    def _terminated(*_: object) -> None:
+        driver.stop()
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
-        while train.poll() is None:
-            version = _version(client)
-            if next_eval is not None and version >= next_eval:
-                evaluate(args, client, version)
-                next_eval = version + args.eval_every
-            time.sleep(5)
-        if next_eval is not None:
-            evaluate(args, client, _version(client))  # the last version's figures
+        rc = driver.lockstep(args.lockstep) if args.lockstep else driver.free_running()
+        driver.eval_if_due(_version(driver.client), last=True)
+        return rc
     finally:
-        if train.poll() is None:
-            train.terminate()
-            train.wait()
-    return int(train.returncode or 0)
+        driver.stop()
 
 
 if __name__ == "__main__":

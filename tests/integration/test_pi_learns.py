@@ -8,7 +8,8 @@ instruction: the scripted tool processor (tests/scripted_tools) makes the random
 episodes 0 and 1 of a group write 42 and episodes 2 and 3 write 41, and the verifier gives
 ``{outcome 1, file 0.1}`` and ``{outcome 0, file 0.1}``. Round 1 is one group, sampled by version 0; the
 learner trains it and publishes version 1; round 2, another task, is sampled by version 1, trained, and
-version 2 is published. The time of each part (the episodes with their verifiers, wall; vLLM's CPU; the
+version 2 is published: the recipe's driver in lockstep (loop.py ``--lockstep 1``), one group, then the update
+it feeds. The time of each part (the episodes with their verifiers, wall; vLLM's CPU; the
 learner's update; the swap) is printed: the budget of one update, in examples/pi_learns/README.md.
 """
 
@@ -19,14 +20,12 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import Backend, restore_original_weights
-from test_tasks_agents import state, tasks_run
+from test_tasks_agents import state
 
 from steptap.middleware.client import SyncSteptapClient
 from steptap.middleware.log.offline import LogReader
@@ -71,21 +70,6 @@ def cpu_of(pid: int | None) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
-async def update_row(metrics: Path, update: int, learner: asyncio.Task[Any]) -> tuple[dict[str, Any], float]:
-    """Wait for the learner's metrics row of ``update`` (written once its version is published); the row and
-    when it was seen. A learner that ended first raises its own error here."""
-    while True:
-        if metrics.exists():
-            for line in metrics.read_text().splitlines():
-                row = json.loads(line)
-                if row.get("update") == update:
-                    return row, time.monotonic()
-        if learner.done():
-            learner.result()
-            raise AssertionError(f"the learner stopped before its update {update}")
-        await asyncio.sleep(0.2)
-
-
 async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_swap: Backend, agent_cli,
                                                              tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from steptap.learner import checkpoint, daemon
@@ -93,7 +77,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
 
     proxy = await make_proxy(long_swap.url)
     data = tmp_path / "pi"  # as make_tasks.py lays it out: train/ and test/
-    names = [scripted_task(data / "train", 6, 7), scripted_task(data / "train", 3, 14)]
+    names = sorted([scripted_task(data / "train", 6, 7), scripted_task(data / "train", 3, 14)])
     held_out = scripted_task(data / "test", 2, 21)
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     learner = asyncio.create_task(daemon._run(config_from_argv([
@@ -102,34 +86,27 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
         "--batch-groups", "1", "--group-size", "4", "--max-updates", "2", "--num-threads", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(ckpt),
         "--metrics-file", str(metrics), "--no-progress"])))
-    pi, budget, rounds = agent_cli("pi"), [], []
-    for k, name in enumerate(names):
-        vllm0, t0 = cpu_of(long_swap.pid), time.monotonic()
-        run_dir = tmp_path / f"run-{k}"
-        code, summary, err = await tasks_run(proxy, pi, data / "train", run_dir, "--agent", "pi",
-                                             "--task", name, "-n", "4", "--concurrency", "4",
-                                             "--agent-timeout", "600")
-        assert code == 0, err[-3000:]
-        sampled, vllm1 = time.monotonic(), cpu_of(long_swap.pid)
-        row, published = await update_row(metrics, k + 1, learner)
-        budget.append({"episodes_wall_s": round(sampled - t0),
-                       "vllm_cpu_s": round(vllm1 - vllm0, 1), "train_s": round(row["seconds"], 1),
-                       "update_wall_s": row["wall_s"], "to_version_s": round(published - sampled, 1),
-                       "steps": row["counts"].get("trained_steps"), "seq_tokens": row["seq_tokens"]})
-        (task,) = summary["tasks"]
-        assert (task["task"], task["episodes"], task["passed"], task["infra_errors"]) == (name, 4, 2, 0)
-        rounds.append(sorted(state(run_dir), key=lambda r: r["index"]))
-    await asyncio.wait_for(learner, 600)
-
-    # the recipe's evaluation (loop.py: the runner's eval mode on the held-out split) at version 2
+    pi = agent_cli("pi")
     monkeypatch.setenv("STEPTAP_URL", proxy.url)
     monkeypatch.setenv("STEPTAP_CONTROL_TOKEN", proxy.token)
     monkeypatch.setenv("PATH", f"{pi.parent}:{os.environ['PATH']}")
-    args = argparse.Namespace(data=data, workdir=tmp_path / "evals", eval_limit=5, concurrency=1,
-                              metrics_file=metrics, agent_timeout=600.0)
+    # the recipe's driver in lockstep: round k's group, then the update it feeds, then the next
+    args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=4, n=4, rounds=1,
+                              metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0)
     client = SyncSteptapClient(proxy.url, proxy.token)
+    driver = loop.Driver(args, client)
+    vllm0 = cpu_of(long_swap.pid)
+    try:
+        assert await asyncio.to_thread(driver.lockstep, 1) == 0  # off the loop, which serves the proxy
+    finally:
+        driver.stop()
+    vllm_cpu = cpu_of(long_swap.pid) - vllm0
+    await asyncio.wait_for(learner, 600)
+    rounds = [sorted(state(tmp_path / "run/train" / f"r0-b{k}"), key=lambda r: r["index"]) for k in range(2)]
+
+    # the recipe's evaluation (loop.py: the runner's eval mode on the held-out split) at version 2
     assert (await asyncio.to_thread(client.health))["policy_version"] == 2  # the proxy serves version 2
-    await asyncio.to_thread(loop.evaluate, args, client, 2)  # off the loop, which serves the proxy
+    await asyncio.to_thread(loop.evaluate, args, client, 2)
 
     recorded = {t.id: t for t in LogReader(str(proxy.log_dir)).trajectories() if t.mode == "train"}
     updates = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -162,4 +139,13 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
         "eval_turns_mean": 3.0}, (held_out, evaluated)
     state_ = checkpoint.load_latest(str(ckpt))
     assert (state_["updates"], state_["version"]) == (2, 2)
-    print(f"pi_learns: one update's budget with the tiny model, per round: {budget}")
+    # the driver's budget of each batch: its episodes, then the wait for the version they fed
+    batches = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lockstep_batch" in r]
+    assert [(b["lockstep_batch"], b["lockstep_tasks"], b["lockstep_version"]) for b in batches] == [
+        (0, [names[0]], 0), (1, [names[1]], 1)]
+    budget = [{"episodes_wall_s": b["lockstep_episodes_s"], "to_version_s": b["lockstep_update_s"],
+               "train_s": round(u["seconds"], 1), "update_wall_s": u["wall_s"],
+               "steps": u["counts"].get("trained_steps"), "seq_tokens": u["seq_tokens"]}
+              for b, u in zip(batches, updates, strict=True)]
+    print(f"pi_learns: one update's budget with the tiny model, per round: {budget}; vLLM CPU over both "
+          f"rounds {vllm_cpu:.1f} s")
