@@ -40,10 +40,27 @@ REQUEST_TIMEOUT_S = 60.0
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads (``/proc/PID/stat``, clock ticks)."""
+    """User + system CPU time of a process and its live descendants, all their threads (``/proc/PID/stat``,
+    clock ticks): ``steptap serve --workers N`` serves from child processes."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    own = (int(fields[11]) + int(fields[12])) / _TICKS
+    return own + sum(_gone_is_zero(child) for child in _children(pid))
+
+
+def _gone_is_zero(pid: int) -> float:
+    try:
+        return cpu_seconds(pid)
+    except (FileNotFoundError, ProcessLookupError):  # exited since its parent listed it
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):  # gone since its parent listed it
+        return []
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")
