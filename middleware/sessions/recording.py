@@ -82,6 +82,8 @@ class Recorder:
         on_main = self._judge(session, steps, prev_call, ctx)
         forms, bases = self._logged_forms(session, steps, prev_call, ctx)
         sizes = [self.holdings.size_of([f]) for f in forms]
+        # a main-line call's ok steps are held in full from now (``extra``: what their full copies add);
+        # else the latest call stays held
         held, extra = self._held_sizes(session, steps, forms, bases, sizes) if on_main else ({}, 0)
         if not held:
             extra = session.full_extra
@@ -196,6 +198,7 @@ class Recorder:
 
     @staticmethod
     def _add(session: LiveSession, forms: list[Step]) -> None:
+        """The call's steps into the trajectory (a sealed session's are logged only)."""
         traj = session.trajectory
         for form in forms:
             if session.sealed and not traj.anonymous:
