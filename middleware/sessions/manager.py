@@ -52,7 +52,7 @@ from steptap.middleware.sessions.writer import Writer
 class SessionManager:
     def __init__(self, config: ProxyConfig, log: Log, metrics: Metrics, reward_fn: RewardFn | None,
                  tasks: set[asyncio.Task[Any]]) -> None:
-        self.config, self.log, self.metrics, self.reward_fn = config, log, metrics, reward_fn
+        self.config, self.log, self.metrics = config, log, metrics
         self.holdings = holdings = Holdings(config, metrics)  # calls in flight, steps and bytes held
         self.writer = writer = Writer(log, metrics, tasks)
         self.group_table = groups = Groups(config, metrics)
