@@ -1,6 +1,5 @@
 """Closing a session: wait (bounded) for its calls in flight, the reward callback, one durable ``Trajectory``
-record that refers to its logged steps, then the bookkeeping of closed sessions (bounded). ``Closing`` is a
-mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+record that refers to its logged steps, then the bookkeeping of closed sessions (bounded): ``Closer``."""
 
 from __future__ import annotations
 
@@ -8,15 +7,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from steptap.middleware.exceptions import (
-    SessionClosed,
-)
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.exceptions import SessionClosed
+from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (
     INFRA_FAILURE,
     Held,
@@ -27,17 +24,12 @@ from steptap.middleware.records import (
     TrajectoryStatus,
 )
 from steptap.middleware.sessions.classify import SUPERSEDED
-from steptap.middleware.sessions.rewards import run_reward
+from steptap.middleware.sessions.groups import Groups
+from steptap.middleware.sessions.holding import Holder, OnDeadline
+from steptap.middleware.sessions.registry import Registry
+from steptap.middleware.sessions.rewards import RewardFn, run_reward
 from steptap.middleware.sessions.session import LiveSession
-
-if TYPE_CHECKING:
-    from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.metrics import Metrics
-    from steptap.middleware.records import LogRecord
-    from steptap.middleware.sessions.groups import Group
-    from steptap.middleware.sessions.holding import OnDeadline
-    from steptap.middleware.sessions.rewards import RewardFn
-    from steptap.middleware.sessions.session import Log
+from steptap.middleware.sessions.writer import Writer
 
 logger = logging.getLogger("steptap.sessions")
 
@@ -55,24 +47,16 @@ class Ended:
     task_run: TaskRun | None = None
 
 
-class Closing:
-    """``SessionManager``'s closing of sessions."""
-
-    config: ProxyConfig
-    log: Log
-    metrics: Metrics
-    reward_fn: RewardFn | None
-    sessions: dict[str, LiveSession]
-    keys: dict[str, str]
-    closed: dict[str, TrajectoryStatus]
-    groups: dict[str, Group]
-    recent: OrderedDict[str, Trajectory]
-    if TYPE_CHECKING:  # SessionManager's and Groups'
-        async def _append(self, record: LogRecord) -> str: ...
-        def _unregister(self, session: LiveSession) -> None: ...
-        def _group_member_closed(self, traj: Trajectory) -> None: ...
-        def check_hold(self) -> None: ...
-        def _held(self, record: Held) -> None: ...
+class Closer:
+    def __init__(self, config: ProxyConfig, metrics: Metrics, reward_fn: RewardFn | None, writer: Writer,
+                 registry: Registry, groups: Groups, holder: Holder) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.reward_fn = reward_fn
+        self.writer = writer
+        self.registry = registry
+        self.groups = groups
+        self.holder = holder  # a finish with its reward pending: held (holding.py)
 
     async def finish(
         self, session: LiveSession, status: TrajectoryStatus = "finished", reward: float | None = None,
@@ -85,13 +69,21 @@ class Closing:
             if session.closing:
                 raise SessionClosed(f"session {session.id!r} is already closing")
             if hold is not None:
-                self.check_hold()
+                self.holder.check_hold()
             return await self._close_locked(session, status, None if reward is None else {"reward": reward},
                                             hold, ended)
 
-    async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
+    async def close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory:
         async with session.lock:
             return await self._close_locked(session, status)
+
+    async def close_logged(self, session: LiveSession, status: TrajectoryStatus) -> None:
+        """``close`` in the background (an idle session, an anonymous one with a reward callback): a failure
+        is logged."""
+        try:
+            await self.close(session, status)
+        except Exception:
+            logger.exception("closing session %s as %s failed", session.id, status)
 
     async def _close_locked(self, session: LiveSession, status: TrajectoryStatus,
                             rewards: dict[str, float] | None = None,
@@ -106,7 +98,7 @@ class Closing:
         before = (dict(traj.rewards), traj.error, dict(traj.reward_sources), dict(traj.reward_provenance),
                   traj.infra_cause, traj.task_run)
         try:
-            self.log.ensure_writable()  # a 503 before anything changes
+            self.writer.log.ensure_writable()  # a 503 before anything changes
             if session.inflight:
                 session.drained = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
@@ -124,17 +116,17 @@ class Closing:
                 # no reward could be made: never trained as a reward of 0
                 status, traj.infra_cause = INFRA_FAILURE, "reward_unavailable"
             session.sealed = True
-            self._finalize(traj, status)
+            finalize(traj, status)
             record = await self._closing_record(session)
             held = None if hold is None else Held(trajectory=record, deadline_at=hold[0], on_deadline=hold[1])
-            await self._append(record if held is None else held)
+            await self.writer.append(record if held is None else held)
         except BaseException:
             session.closing = session.sealed = False
             traj.status, traj.finished_at = "running", None
             (traj.rewards, traj.error, traj.reward_sources, traj.reward_provenance, traj.infra_cause,
              traj.task_run) = before
             raise
-        self._closed(session, held)
+        self.settle(session, held)
         return traj
 
     async def _callback_reward(self, session: LiveSession, traj: Trajectory) -> bool:
@@ -171,42 +163,29 @@ class Closing:
                                     else None))
         return msgspec.structs.replace(traj, steps=[], step_refs=refs)
 
-    @staticmethod
-    def _finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
-        traj.status = status
-        traj.finished_at = time.time()
-
-    def _closed(self, session: LiveSession, held: Held | None = None) -> None:
+    def settle(self, session: LiveSession, held: Held | None = None) -> None:
         """Bookkeeping once the Trajectory (or Held) record is durable."""
         traj = session.trajectory
         self.metrics.child(self.metrics.trajectories, traj.status).inc()
         if traj.status == "infra_error":
             self.metrics.child(self.metrics.infra_errors, traj.infra_cause or "other").inc()
         if held is not None:
-            self._held(held)
+            self.holder.hold(held)
         elif traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
             self.metrics.reward_sum.inc(traj.reward)
         if not traj.anonymous:
-            self.closed[traj.id] = traj.status
-            self.recent[traj.id] = traj
-            if len(self.recent) > RECENT_KEEP:
-                self.recent.popitem(last=False)
-            self._unregister(session)
+            registry = self.registry
+            registry.closed[traj.id] = traj.status
+            registry.recent[traj.id] = traj
+            if len(registry.recent) > RECENT_KEEP:
+                registry.recent.popitem(last=False)
+            registry.unregister(session)
             if held is None:  # a held one is a group's member once released
-                self._group_member_closed(traj)
-            self._prune()
+                self.groups.member_closed(traj)
+            registry.prune()
 
-    def _prune(self) -> None:
-        """Bound what closed sessions leave behind: their ids (409 rather than 404), keys and groups."""
-        cap = self.config.max_closed_sessions
-        while len(self.closed) > cap:
-            del self.closed[next(iter(self.closed))]
-        while len(self.keys) > cap + len(self.sessions):
-            key, sid = next(iter(self.keys.items()))
-            del self.keys[key]
-            if sid in self.sessions:  # still open: kept, moved to the end
-                self.keys[key] = sid
-        while len(self.groups) > self.config.max_groups:
-            done = next((g for g in self.groups.values() if g.complete is not None), None)
-            del self.groups[(done or next(iter(self.groups.values()))).id]
+
+def finalize(traj: Trajectory, status: TrajectoryStatus) -> None:
+    traj.status = status
+    traj.finished_at = time.time()

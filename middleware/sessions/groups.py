@@ -1,32 +1,20 @@
-"""Groups of sessions (complete when full or timed out) and the idle sweep that closes sessions past their
-timeout. ``Groups`` is a mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+"""Groups of sessions (``Group``), complete when full or timed out, and their table (``Groups``): a member
+joins when its session opens and counts once closed; complete groups stay visible for a while, and the table
+is bounded (``max_groups``)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from steptap.middleware.exceptions import (
-    GroupNotFound,
-    LogUnavailable,
-)
-from steptap.middleware.records import (
-    Trajectory,
-    TrajectoryStatus,
-)
-from steptap.middleware.sessions.session import LiveSession
-
-if TYPE_CHECKING:
-    from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.metrics import Metrics
-    from steptap.middleware.sessions.session import Log
-
-logger = logging.getLogger("steptap.sessions")
+from steptap.middleware.config import ProxyConfig
+from steptap.middleware.exceptions import GroupNotFound
+from steptap.middleware.metrics import Metrics
+from steptap.middleware.records import Trajectory, TrajectoryStatus
 
 GROUP_RETENTION_S = 3600.0  # complete groups stay visible (GET /groups/<id>) this long
+
+
 class Group:
     __slots__ = ("complete", "completed_at", "id", "members", "opened", "size")
 
@@ -53,21 +41,26 @@ class Group:
 
 
 class Groups:
-    """``SessionManager``'s groups and idle timeouts."""
+    """The groups by id (``groups``, what ``GET /groups/<id>`` reads)."""
 
-    config: ProxyConfig
-    log: Log
-    metrics: Metrics
-    sessions: dict[str, LiveSession]
-    pending: dict[str, LiveSession]
-    groups: dict[str, Group]
-    if TYPE_CHECKING:  # SessionManager's and Closing's
-        def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
-        def drop_pending(self, session: LiveSession) -> None: ...
-        async def _close(self, session: LiveSession, status: TrajectoryStatus) -> Trajectory: ...
-        def expire_held(self) -> None: ...
+    def __init__(self, config: ProxyConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.groups: dict[str, Group] = {}
 
-    def _group_member_closed(self, traj: Trajectory) -> None:
+    def join(self, traj: Trajectory) -> bool:
+        """An opened session joins its group; whether the group is new (the table grew)."""
+        assert traj.group_id is not None
+        group = self.groups.get(traj.group_id)
+        new = group is None
+        if group is None:
+            group = self.groups[traj.group_id] = Group(traj.group_id, traj.group_size)
+        elif group.size is None:
+            group.size = traj.group_size
+        group.members[traj.id] = traj.status
+        return new
+
+    def member_closed(self, traj: Trajectory) -> None:
         if traj.group_id is None or traj.group_id not in self.groups:
             return
         group = self.groups[traj.group_id]
@@ -88,31 +81,9 @@ class Groups:
             raise GroupNotFound(f"no group {group_id!r}")
         return group
 
-    def sweep(self) -> None:
-        """Close sessions idle past their timeout (``timed_out``, still delivered), forget pending auto
-        sessions no call holds past it (a first call that ended with no step), and time out groups."""
-        now = time.monotonic()
-        idle_pending = self.config.auto_session_idle_timeout_s
-        for session in [s for s in self.pending.values() if now - s.last_active > idle_pending]:
-            self.drop_pending(session)  # one with a call in flight stays
-        try:
-            self.log.ensure_writable()
-        except LogUnavailable:  # idle sessions are closed once their Trajectory record can be written
-            writable = False
-        else:
-            writable = True
-        for session in list(self.sessions.values()) if writable else ():
-            timeout = session.trajectory.idle_timeout_s
-            if (
-                timeout is not None
-                and not session.closing
-                and session.inflight == 0
-                and now - session.last_active > timeout
-            ):
-                session.closing = True  # claimed now, so the next sweep does not close it twice
-                self.spawn(self._close_logged(session, "timed_out"))
-        if writable:
-            self.expire_held()
+    def time_out(self, now: float) -> None:
+        """From the sweep: groups open past ``group_timeout_s`` complete, complete ones past their retention
+        are forgotten."""
         gt = self.config.group_timeout_s
         for gid, group in list(self.groups.items()):
             if group.complete is None and gt is not None and now - group.opened > gt:
@@ -120,13 +91,8 @@ class Groups:
             elif group.completed_at is not None and now - group.completed_at > GROUP_RETENTION_S:
                 del self.groups[gid]
 
-    async def _close_logged(self, session: LiveSession, status: TrajectoryStatus) -> None:
-        try:
-            await self._close(session, status)
-        except Exception:
-            logger.exception("closing session %s as %s failed", session.id, status)
-
-    async def sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
-            self.sweep()
+    def prune(self) -> None:
+        """At most ``max_groups``: a complete group goes first, else the oldest."""
+        while len(self.groups) > self.config.max_groups:
+            done = next((g for g in self.groups.values() if g.complete is not None), None)
+            del self.groups[(done or next(iter(self.groups.values()))).id]

@@ -1,6 +1,5 @@
 """Late and human rewards: a session finished with its reward pending is held, and a reward given after a
-trajectory went to the stream is recorded as late. ``Holding`` is a mixin of ``SessionManager`` (manager.py),
-which holds the state it reads.
+trajectory went to the stream is recorded as late (``Holder``).
 
 A held session's trajectory is one durable ``Held`` record (its steps as refs, its deadline, what the
 deadline does): not on the stream, so the learner never sees it. It is released by one ``Trajectory`` record,
@@ -15,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import msgspec
 
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import Overloaded, StepNotFound
+from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import (
     Held,
     HeldDropped,
@@ -30,39 +30,31 @@ from steptap.middleware.records import (
     Trajectory,
     msgpack_encoder,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Coroutine
-    from typing import Any
-
-    from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.metrics import Metrics
-    from steptap.middleware.records import LogRecord, TrajectoryStatus
-    from steptap.middleware.sessions.limits import Holdings
-    from steptap.middleware.sessions.session import Log
+from steptap.middleware.sessions.groups import Groups
+from steptap.middleware.sessions.limits import Holdings
+from steptap.middleware.sessions.registry import Registry
+from steptap.middleware.sessions.writer import Writer
 
 logger = logging.getLogger("steptap.sessions")
 
 OnDeadline = Literal["drop"] | float
 
 
-class Holding:
-    """``SessionManager``'s held trajectories and late rewards."""
+class Holder:
+    """The held trajectories (each released once, by its reward or its deadline) and late rewards."""
 
-    config: ProxyConfig
-    log: Log
-    metrics: Metrics
-    closed: dict[str, TrajectoryStatus]
-    recent: OrderedDict[str, Trajectory]
-    holdings: Holdings
-    held: dict[str, Held]  # id -> its Held record, until released or dropped
-    held_bytes: dict[str, int]  # its encoded size, counted in max_bytes_held while it waits
-    held_lock: asyncio.Lock  # a reward and the deadline never both end one
-    expiring: set[str]  # deadlines being recorded now (the next sweep does not start them again)
-    if TYPE_CHECKING:  # SessionManager's and Groups'
-        async def _append(self, record: LogRecord) -> str: ...
-        def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
-        def _group_member_closed(self, traj: Trajectory) -> None: ...
+    def __init__(self, config: ProxyConfig, metrics: Metrics, holdings: Holdings, writer: Writer,
+                 registry: Registry, groups: Groups) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.holdings = holdings
+        self.writer = writer
+        self.registry = registry  # a released or dropped one's final status, its steps held in ``recent``
+        self.groups = groups
+        self.held: dict[str, Held] = {}  # id -> its Held record, until released or dropped
+        self.held_bytes: dict[str, int] = {}  # its encoded size, counted in max_bytes_held while it waits
+        self.lock = asyncio.Lock()  # a reward and the deadline never both end one
+        self.expiring: set[str] = set()  # deadlines being recorded now (the next sweep does not start them)
 
     def check_hold(self) -> None:
         """Before a pending finish changes anything: room for one more held trajectory (429 beyond)."""
@@ -73,7 +65,7 @@ class Holding:
     def deadline_at(self, deadline_s: float | None) -> float:
         return time.time() + (self.config.reward_deadline_s if deadline_s is None else deadline_s)
 
-    def _held(self, record: Held) -> None:
+    def hold(self, record: Held) -> None:
         """Bookkeeping once a Held record is durable (or found by the replay)."""
         sid = record.trajectory.id
         self.held[sid] = record
@@ -81,7 +73,7 @@ class Holding:
         self.holdings.hold(0, size)
         self.metrics.held.set(len(self.held))
 
-    def _unheld(self, sid: str) -> Held | None:
+    def unhold(self, sid: str) -> Held | None:
         record = self.held.pop(sid, None)
         self.holdings.hold(0, -self.held_bytes.pop(sid, 0))
         self.metrics.held.set(len(self.held))
@@ -97,7 +89,7 @@ class Holding:
                       provenance: Provenance | None = None) -> Trajectory | None:
         """The pending reward arrived: one Trajectory record, the held one with the reward (and what made it)
         in it (it streams now). None when the trajectory is no longer held (released or dropped meanwhile)."""
-        async with self.held_lock:
+        async with self.lock:
             record = self.held.get(sid)
             if record is None:
                 return None
@@ -106,36 +98,36 @@ class Holding:
                 reward_sources={**record.trajectory.reward_sources, name: source}, finished_at=time.time(),
                 reward_provenance={**record.trajectory.reward_provenance,
                                    **({name: dict(provenance)} if provenance else {})})
-            await self._append(traj)
+            await self.writer.append(traj)
             self._released(traj, "rewarded" if source != "default" else "default")
             self.metrics.rewards.labels("trajectory", source).inc()
             return traj
 
     async def _drop(self, sid: str, reason: str) -> None:
-        async with self.held_lock:
+        async with self.lock:
             if sid not in self.held:
                 return
-            await self._append(HeldDropped(trajectory_id=sid, reason=reason))
-            record = self._unheld(sid)
+            await self.writer.append(HeldDropped(trajectory_id=sid, reason=reason))
+            record = self.unhold(sid)
             assert record is not None  # under the lock, checked above
             self.metrics.held_ended.labels("dropped").inc()
-            self.closed[sid] = "aborted"
-            self._group_member_closed(msgspec.structs.replace(record.trajectory, status="aborted"))
+            self.registry.closed[sid] = "aborted"
+            self.groups.member_closed(msgspec.structs.replace(record.trajectory, status="aborted"))
             logger.info("session %s: its reward did not arrive by the deadline; dropped", sid)
 
     def _released(self, traj: Trajectory, outcome: str) -> None:
-        self._unheld(traj.id)
+        self.unhold(traj.id)
         self.metrics.held_ended.labels(outcome).inc()
-        self.closed[traj.id] = traj.status
-        old = self.recent.get(traj.id)
+        self.registry.closed[traj.id] = traj.status
+        old = self.registry.recent.get(traj.id)
         if old is not None:  # the steps held in memory, with the new rewards
-            self.recent[traj.id] = msgspec.structs.replace(old, rewards=traj.rewards,
+            self.registry.recent[traj.id] = msgspec.structs.replace(old, rewards=traj.rewards,
                                                            reward_sources=traj.reward_sources,
                                                            reward_provenance=traj.reward_provenance)
         if traj.rewards:
             self.metrics.reward_values.observe(traj.reward)
             self.metrics.reward_sum.inc(traj.reward)
-        self._group_member_closed(traj)
+        self.groups.member_closed(traj)
 
     def expire_held(self) -> None:
         """From the sweep: held trajectories past their deadline get their default (or are dropped)."""
@@ -143,7 +135,7 @@ class Holding:
         for sid, record in list(self.held.items()):
             if record.deadline_at <= now and sid not in self.expiring:
                 self.expiring.add(sid)
-                self.spawn(self._expire(sid, record.on_deadline))
+                self.writer.spawn(self._expire(sid, record.on_deadline))
 
     async def _expire(self, sid: str, on_deadline: OnDeadline) -> None:
         try:
@@ -160,7 +152,7 @@ class Holding:
                           source: RewardSource, provenance: Provenance | None = None) -> RewardAdded:
         """A reward on a trajectory that already went to the stream: recorded (``late``, exported), counted,
         never trained."""
-        traj = self.recent.get(sid)
+        traj = self.registry.recent.get(sid)
         index: int | None = None
         if step == "last" or (isinstance(step, int) and traj is not None):
             n = len(traj.steps) if traj is not None else 0
@@ -171,6 +163,6 @@ class Holding:
             index = int(step)  # the trajectory is no longer in memory: recorded as given
         record = RewardAdded(trajectory_id=sid, name=name, value=value, step=index, source=source, late=True,
                              provenance=provenance or {})
-        await self._append(record)
+        await self.writer.append(record)
         self.metrics.late_rewards.labels(source).inc()
         return record

@@ -1,30 +1,25 @@
-"""Rewards on an open session: validated, logged, then applied (an error changes nothing). ``Rewarding`` is a
-mixin of ``SessionManager`` (manager.py), which holds the state it reads."""
+"""Rewards on an open session (``Rewarder``): validated, logged, then applied (an error changes nothing);
+``apply_reward``, also the replay's."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.exceptions import SessionClosed, SessionFull, StepNotFound
+from steptap.middleware.metrics import Metrics
 from steptap.middleware.records import Provenance, RewardAdded, RewardSource, Trajectory, json_encoder
+from steptap.middleware.sessions.limits import Holdings
 from steptap.middleware.sessions.session import LiveSession
-
-if TYPE_CHECKING:
-    from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.metrics import Metrics
-    from steptap.middleware.records import LogRecord
-    from steptap.middleware.sessions.limits import Holdings
+from steptap.middleware.sessions.writer import Writer
 
 
-class Rewarding:
-    """``SessionManager``'s rewards."""
-
-    config: ProxyConfig
-    metrics: Metrics
-    holdings: Holdings
-    if TYPE_CHECKING:  # SessionManager's
-        async def _append(self, record: LogRecord) -> str: ...
+class Rewarder:
+    def __init__(self, config: ProxyConfig, metrics: Metrics, holdings: Holdings, writer: Writer) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.holdings = holdings
+        self.writer = writer
 
     async def add_reward(
         self, session: LiveSession, value: float, name: str, step: int | str | None,
@@ -64,20 +59,20 @@ class Rewarding:
                 f"session {session.id!r} holds {session.bytes} bytes; another reward name would pass "
                 f"max_session_bytes={self.config.max_session_bytes}"
             )
-        await self._append(record)
-        self._apply_reward(session.trajectory, record)
+        await self.writer.append(record)
+        apply_reward(session.trajectory, record)
         session.bytes += size
         self.holdings.hold(0, size)
         session.last_active = time.monotonic()
         self.metrics.rewards.labels("trajectory" if index is None else "step", source).inc()
         return record
 
-    @staticmethod
-    def _apply_reward(traj: Trajectory, record: RewardAdded) -> None:
-        if record.provenance:
-            traj.reward_provenance[record.name] = dict(record.provenance)
-        if record.step is None:
-            traj.rewards[record.name] = record.value
-            traj.reward_sources[record.name] = record.source
-        elif 0 <= record.step < len(traj.steps):
-            traj.steps[record.step].rewards[record.name] = record.value
+
+def apply_reward(traj: Trajectory, record: RewardAdded) -> None:
+    if record.provenance:
+        traj.reward_provenance[record.name] = dict(record.provenance)
+    if record.step is None:
+        traj.rewards[record.name] = record.value
+        traj.reward_sources[record.name] = record.source
+    elif 0 <= record.step < len(traj.steps):
+        traj.steps[record.step].rewards[record.name] = record.value

@@ -73,7 +73,7 @@ class LiveSession:
         self.late = 0  # steps recorded after it was sealed (logged, each with an index of its own)
         # Auto-created, opened only when its first step is recorded (the backend accepted)
         self.pending = False
-        self.peer: str | None = None  # an auto session's: the address whose share it takes (manager.py)
+        self.peer: str | None = None  # an auto session's: the address whose share it takes (opening.py)
         self.bytes = 0  # encoded size of what it holds: its steps as logged (delta form), its metadata, the
         # full copies of its latest call's delta steps (``full_extra``), and what the proxy holds for it
         # between calls (its latest token prompt: proxy/call_state.py, counted by ``hold_bytes``)

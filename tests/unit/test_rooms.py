@@ -32,8 +32,6 @@ PROTOCOLS = {"typing.Protocol", "typing_extensions.Protocol"}
 
 # The mixin hosts left, each with why: the list may only shrink (issue 41 items 1-2 are another engineer's).
 KNOWN_HOSTS = {
-    "steptap.middleware.sessions.manager.SessionManager":
-        "issue 41 item 2: the session's parts (recorder, closer, replayer...) composed, another engineer's",
     "steptap.middleware.proxy.relay._Call":
         "issue 41 item 2: the model call as a pipeline of owned parts, another engineer's",
 }
@@ -41,10 +39,6 @@ KNOWN_HOSTS = {
 MAX_FUNCTION_LINES = 60
 # ``path::Class.function`` -> why it is still long. May only shrink.
 LONG_FUNCTIONS = {
-    "middleware/sessions/recording.py::Recording.record":
-        "issue 41 item 2 (another engineer): one Recorder.record(steps, CallContext)",
-    "middleware/sessions/replay.py::Replay._rebuild_sync":
-        "issue 41 item 3, SessionManager's composition (another engineer)",
     "middleware/proxy/sse.py::StreamRelay._pump": "issue 41 item 2: the call's pipeline (another engineer)",
     "middleware/proxy/relay.py::_model_call": "issue 41 item 2: the call's pipeline (another engineer)",
     "middleware/proxy/responses_request.py::input_messages":
