@@ -236,6 +236,13 @@ def specs(n: int, seed: int, exclude: set[tuple[object, ...]] | None = None,
     return out
 
 
+def instruction_text(spec: Spec) -> str:
+    """The worked call first, then the task: with the task last, the base model put the task's own numbers
+    into the example's command (greedy, in a code fence; once in 48 samples as a call), where with the task
+    first it copied the example's numbers (README, "Status": the probe's third round)."""
+    return f"{spec.example}\n\nNow {spec.instruction[0].lower()}{spec.instruction[1:]}\n"
+
+
 def write_task(spec: Spec, root: Path) -> Path:
     d = root / spec.name
     if d.exists():
@@ -243,7 +250,7 @@ def write_task(spec: Spec, root: Path) -> Path:
     (d / "environment" / "app").mkdir(parents=True)
     (d / "tests").mkdir()
     (d / "solution").mkdir()
-    (d / "instruction.md").write_text(f"{spec.instruction}\n\n{spec.example}\n")
+    (d / "instruction.md").write_text(instruction_text(spec))
     (d / "task.toml").write_text(TASK_TOML.format(name=spec.name, kind=spec.kind))
     (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
     for name, text in spec.files.items():

@@ -38,6 +38,7 @@ def test_the_held_out_split_never_appears_in_training_and_every_task_is_a_harbor
                 assert (task / part).is_file(), f"{task.name}: no {part}"
             text = (task / "instruction.md").read_text()
             assert '<tool_call>\n{"name": "bash", "arguments": {"command": ' in text  # one worked call
+            assert text.index("</tool_call>") < text.index("\n\nNow ")  # the task last (make_tasks.py: why)
     names = {split: {p.name for p in (tmp_path / split).iterdir()} for split in ("train", "test")}
     assert not names["train"] & names["test"]
 
