@@ -34,8 +34,6 @@ PROTOCOLS = {"typing.Protocol", "typing_extensions.Protocol"}
 KNOWN_HOSTS = {
     "steptap.middleware.sessions.manager.SessionManager":
         "issue 41 item 2: the session's parts (recorder, closer, replayer...) composed, another engineer's",
-    "steptap.middleware.proxy.relay._Call":
-        "issue 41 item 2: the model call as a pipeline of owned parts, another engineer's",
 }
 
 MAX_FUNCTION_LINES = 60
@@ -45,8 +43,6 @@ LONG_FUNCTIONS = {
         "issue 41 item 2 (another engineer): one Recorder.record(steps, CallContext)",
     "middleware/sessions/replay.py::Replay._rebuild_sync":
         "issue 41 item 3, SessionManager's composition (another engineer)",
-    "middleware/proxy/sse.py::StreamRelay._pump": "issue 41 item 2: the call's pipeline (another engineer)",
-    "middleware/proxy/relay.py::_model_call": "issue 41 item 2: the call's pipeline (another engineer)",
     "middleware/proxy/responses_request.py::input_messages":
         "one translation table of the Responses input items (agents' room, issue 39)",
     "middleware/proxy/messages_request.py::to_chat":
@@ -68,10 +64,8 @@ LARGE_ROOM_LINES = 400
 # Modules over LARGE_ROOM_LINES -> the one reason they hold. May only shrink.
 LARGE_ROOMS = {
     "learner/engines/verl_engine.py": "the verl engine: verl's update driven from steptap's batches",
-    "middleware/proxy/relay.py": "issue 41 item 2: the model call (another engineer)",
     "learner/daemon.py": "the learner's loop: stream, group, update, publish (issue 43 touches it)",
     "learner/engines/torch_engine.py": "the torch engine's update",
-    "middleware/proxy/capture.py": "issue 41 item 2: the capture accumulator (another engineer)",
     "middleware/records.py": "the record contract: every record type of the log, one schema version",
 }
 VAGUE_NAMES = {"util", "utils", "helper", "helpers", "misc", "common", "mixin", "mixins", "stuff"}
