@@ -61,24 +61,24 @@ class PlainReply:
 
     async def _typed(self, got: BackendReply, data: bytes, echo: Echo | None) -> web.Response | None:
         """The reply through a typed view of vLLM's bytes, or None when its shape asks for the dict path."""
-        common, latency = self.recorder.common, self.recorder.latency()
+        recorder = self.recorder
         view: replies.ReplyView | replies.CompletionView | None
         if self.endpoint == CHAT:
             view = replies.reply_view(data if echo is None else echo[0])
             steps = None if view is None else replies.steps_from_view(
-                view, None if echo is None else echo[2], latency_s=latency, **common)
+                view, None if echo is None else echo[2], latency_s=recorder.latency(), **recorder.common)
         else:
             view = replies.completion_view(data)
-            known = replies.known_prompt(common["request"])  # the ids vLLM echoes: not decoded
+            known = replies.known_prompt(recorder.common["request"])  # the ids vLLM echoes: not decoded
             steps = None if view is None else replies.steps_from_completion(
-                view, known, latency_s=latency, **common)
+                view, known, latency_s=recorder.latency(), **recorder.common)
         if view is None or steps is None:
             return None
         body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
         if body is None:
             return None
         stop = view.choices[0].stop_reason if view.choices else None
-        await self.recorder.record(steps, stop)  # durable before the reply leaves
+        await recorder.record(steps, stop)  # durable before the reply leaves
         return web.Response(body=body, status=got.status, content_type="application/json")
 
     async def reply(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:
