@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/stream_capture.py [--fixture chat_32_tokens] [--reps 80]
 
-For each event of the recorded stream (bench/fixtures/), as ``sse.StreamRelay._pump`` does for an agent that
-asked for neither token ids nor logprobs: the JSON decoded to a dict, fed to ``capture.ChatStream``, stripped
-(``capture.strip_chunk``) and re-encoded; then the step built from the reassembled reply. Prints the median
-and the fastest of ``--reps`` timings (microseconds per streamed call, and per stage), hot in one process: a
-lower bound of what these stages cost in the server, where the proxy-wide profile (``profile_top.py``)
-attributes to them also the time its event loop waits for the GIL there. Exits 1 when the reassembled reply
-does not give one ok step with a logprob per token.
+For each event of the recorded stream (bench/fixtures/), as the stream relay (``sse.StreamRelay``) does for an
+agent that asked for neither token ids nor logprobs: the JSON decoded to a dict, fed to
+``accumulator.ChatStream``, stripped (``capture.strip_chunk``) and re-encoded; then the step built from the
+reassembled reply. Prints the median and the fastest of ``--reps`` timings (microseconds per streamed call,
+and per stage), hot in one process: a lower bound of what these stages cost in the server, where the
+proxy-wide profile (``profile_top.py``) attributes to them also the time its event loop waits for the GIL
+there. Exits 1 when the reassembled reply does not give one ok step with a logprob per token.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from recorded import load
 
-from steptap.middleware.proxy import capture
+from steptap.middleware.proxy import accumulator, capture
 from steptap.middleware.proxy.capture import CHAT, Asked
 from steptap.middleware.records import json_encoder
 
@@ -55,8 +55,8 @@ def main() -> None:
     payloads = _payloads(load(args.fixture).stream)
     decoded = [msgspec.json.decode(p) for p in payloads]
 
-    def feed() -> capture.ChatStream:
-        acc = capture.ChatStream()
+    def feed() -> accumulator.ChatStream:
+        acc = accumulator.ChatStream()
         for chunk in decoded:
             acc.feed(chunk)
         return acc

@@ -1,17 +1,21 @@
-"""The model-call handlers (the other agent-facing routes are in routes.py, the SSE relay in sse.py, the
-upstream body in serving.py). ``model_call``: identify -> gate -> forward -> capture -> record once -> reply.
+"""The model-call handlers (the other agent-facing routes are in routes.py). ``model_call``: identify ->
+gate -> forward -> capture -> record once -> reply.
+
+The call is a pipeline of owned parts: a source (the backend's reply or stream, or a token-in-token-out
+turn's: the same ``BackendStream``), the protocol's translator (protocols.py), the capture accumulator
+(accumulator.py), the writer to the agent (a whole reply: plain.py; a stream: sse.py) and one record at the
+end (recorder.py). ``_Call`` picks the source and maps its failures; the parts take what they need.
 
 The agent's body is decoded once (it is recorded as the step's ``request`` anyway) and re-encoded with only
-our keys changed, never through a Struct (unknown fields would be lost). The upstream reply is parsed once;
-``capture`` builds the steps from it and strips what the agent did not ask for.
+our keys changed, never through a Struct (unknown fields would be lost); the upstream body in serving.py. The
+upstream reply is parsed once; ``capture`` builds the steps from it and strips what the agent did not ask for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -33,10 +37,13 @@ from steptap.middleware.exceptions import (
     SwapCut,
 )
 from steptap.middleware.metrics import METRICS_KEY
-from steptap.middleware.proxy import capture, replies, tito, vision
+from steptap.middleware.proxy import capture, prompts, tito, vision
 from steptap.middleware.proxy.call_state import CALL_STATES_KEY
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
+from steptap.middleware.proxy.plain import PlainReply
+from steptap.middleware.proxy.prompts import Echo
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
+from steptap.middleware.proxy.recorder import CallRecorder
 from steptap.middleware.proxy.serving import (
     SEED_DROPPED,
     _sticky_id,
@@ -46,20 +53,18 @@ from steptap.middleware.proxy.serving import (
     patch_request,
 )
 from steptap.middleware.proxy.sse import StreamRelay
-from steptap.middleware.proxy.validate import check_model_call
-from steptap.middleware.records import Step, json_encoder
+from steptap.middleware.proxy.validate import ChatView, CompletionView, check_model_call
+from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
-from steptap.middleware.sessions.manager import SessionManager
 from steptap.middleware.sessions.session import LiveSession
+from steptap.middleware.weights.gate import Ticket
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE
 
-logger = logging.getLogger("steptap.relay")
-
-_decode = msgspec.json.decode
 _encode = json_encoder.encode
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await model_call(request, CHAT)
 
@@ -83,6 +88,20 @@ async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
         return await _model_call(request, endpoint, raw, started_at, t0)
 
 
+class _Incoming(NamedTuple):
+    """The agent's call as read and checked, before it is admitted."""
+
+    endpoint: str  # the agent's
+    upstream: str  # what it is sent to: chat completions for a protocol riding on it
+    raw: bytes
+    body: dict[str, Any]
+    proto: Protocol | None  # Responses, Messages or Gemini, translated to chat
+    edge: dict[str, Any]  # what the edge check read (a token prompt's ids left out: typed when decoded)
+    view: ChatView | CompletionView
+    started_at: float
+    t0: float
+
+
 async def _model_call(
     request: web.Request, endpoint: str, raw: bytes, started_at: float, t0: float
 ) -> web.StreamResponse:
@@ -90,68 +109,93 @@ async def _model_call(
     cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
     ident = identify(request)  # a malformed session id is a 400
     body, ids = decode_body(raw, endpoint, manager, app[CALL_STATES_KEY], ident)
-    upstream_endpoint = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     try:
-        # Another protocol rides on chat completions: translated (and checked in its own format) before the
-        # rest.
-        proto = open_protocol(endpoint, body, request) if endpoint in PROTOCOL_ENDPOINTS else None
-        # A prompt decoded as token ids was typed then (strict ints): the edge check skips its 120k items
-        edge = proto.chat if proto is not None else body if not ids else {**body, "prompt": []}
-        view = check_model_call(edge, upstream_endpoint == CHAT, cfg.max_n)
+        call = _checked(request, endpoint, raw, body, ids, started_at, t0)
     except ApiError as exc:  # a refused body: the session it names records why (a failed step)
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
-    stream = bool(view.stream)
     with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-        served = await pool.route(view.model, manager.side_aliases(ident))  # refused: opens no session
+        served = await pool.route(call.view.model, manager.side_aliases(ident))  # refused: opens no session
         session = await manager.resolve(ident, request.remote)  # identify
         async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images) as pics:
             with manager.first_call(session):  # refused before its call begins: no auto session opened
-                if proto is not None:
-                    proto.prepare(None if session.trajectory.anonymous else session.id)
-                    for field in proto.dropped:
-                        app[METRICS_KEY].dropped_fields.labels(endpoint, field).inc()
-                # Images once admitted and routed (a refused call decodes none), a stored conversation's
-                # too: checked (a 400 or 429, nothing recorded) and held; stored with the step that names
-                # them (vision.py)
-                await pics.read(edge if proto is None else proto.chat)
+                await _prepare(app, call, session, pics)
             try:
-                async with manager.call(session, steps=view.n or 1, size=len(raw)), \
+                async with manager.call(session, steps=call.view.n or 1, size=len(raw)), \
                         app[SWAPPER_KEY].gate() as ticket:  # gate
                     served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                    # The session's replica, or the least loaded; an anonymous call (one step) holds no sticky
-                    # entry (it would only push named sessions out of the pool's bounded map).
-                    replica = pool.acquire(pool.pick(_sticky_id(session)))
-                    if proto is not None:
-                        await proto.adapt(replica.client, served)
-                    out, asked = patch_request(pics.upstream(proto, body), upstream_endpoint, served, cfg)
-                    call = _Call(request, upstream_endpoint, manager, session, replica, asked, t0,
-                                 common=dict(
-                        request=pics.logged(body),  # each image as its reference (stored once)
-                        sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
-                        model=view.model or served,
-                        served_model=served,
-                        backend=replica.name,
-                        started_at=started_at,
-                        policy_version=ticket.version,
-                    ))
-                    call.proto, call.spans = proto, ticket.spans
-                    if cfg.drop_seed and "seed" in (proto.chat if proto is not None else body):
-                        call.notes.append(SEED_DROPPED)  # dropped by patch_request, never sent
-                        app[METRICS_KEY].dropped_fields.labels(endpoint, "seed").inc()
-                    call.chat, call.pics, call.state = out, pics, app[CALL_STATES_KEY].of(session)
-                    call.tito = pics.tito(call.state, upstream_endpoint == CHAT and (cfg.tito or
-                                                                                    session.tito))
-                    try:
-                        payload = _upstream_body(raw, body, out) if proto is None else _encode(out)
-                        return await call.run(payload, stream)
-                    finally:
-                        pool.release(call.replica)
+                    return await _forwarded(request, call, session, pics, served, ticket)
             finally:
                 metrics = app[METRICS_KEY]
-                metrics.child(metrics.call_latency, endpoint, "true" if stream else "false").observe(
-                    time.perf_counter() - t0
-                )
+                streamed = "true" if call.view.stream else "false"
+                metrics.child(metrics.call_latency, endpoint, streamed).observe(time.perf_counter() - t0)
+
+
+def _checked(request: web.Request, endpoint: str, raw: bytes, body: dict[str, Any], ids: Any,
+             started_at: float, t0: float) -> _Incoming:
+    """The body translated (another protocol rides on chat completions, checked in its own format first)
+    and checked at the edge; an ``ApiError`` refuses it."""
+    upstream = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
+    proto = open_protocol(endpoint, body, request) if endpoint in PROTOCOL_ENDPOINTS else None
+    # A prompt decoded as token ids was typed then (strict ints): the edge check skips its 120k items
+    edge = proto.chat if proto is not None else body if not ids else {**body, "prompt": []}
+    view = check_model_call(edge, upstream == CHAT, request.app[CONFIG_KEY].max_n)
+    return _Incoming(endpoint, upstream, raw, body, proto, edge, view, started_at, t0)
+
+
+async def _prepare(app: web.Application, call: _Incoming, session: LiveSession,
+                   pics: vision.CallImages) -> None:
+    """The protocol's session-dependent parts; the images read once the call is admitted and routed (a
+    refused call decodes none), a stored conversation's too: checked (a 400 or 429, nothing recorded) and
+    held; stored with the step that names them (vision.py)."""
+    proto = call.proto
+    if proto is not None:
+        proto.prepare(None if session.trajectory.anonymous else session.id)
+        for field in proto.dropped:
+            app[METRICS_KEY].dropped_fields.labels(call.endpoint, field).inc()
+    await pics.read(call.edge if proto is None else proto.chat)
+
+
+async def _forwarded(request: web.Request, call: _Incoming, session: LiveSession, pics: vision.CallImages,
+                     served: str, ticket: Ticket) -> web.StreamResponse:
+    """The call through the gate: on the session's replica, or the least loaded (an anonymous call, one step,
+    holds no sticky entry: it would only push named sessions out of the pool's bounded map)."""
+    pool = request.app[POOL_KEY]
+    replica = pool.acquire(pool.pick(_sticky_id(session)))
+    running: _Call | None = None
+    try:
+        if call.proto is not None:
+            await call.proto.adapt(replica.client, served)
+        out, asked = patch_request(pics.upstream(call.proto, call.body), call.upstream, served,
+                                   request.app[CONFIG_KEY])
+        running = _Call(request, call.upstream, replica, asked,
+                        _recorder(request, call, session, pics, out, served, replica, ticket))
+        payload = _upstream_body(call.raw, call.body, out) if call.proto is None else _encode(out)
+        return await running.run(payload, bool(call.view.stream))
+    finally:
+        pool.release(running.replica if running is not None else replica)  # the one it ended on
+
+
+def _recorder(request: web.Request, call: _Incoming, session: LiveSession, pics: vision.CallImages,
+              out: dict[str, Any], served: str, replica: Replica, ticket: Ticket) -> CallRecorder:
+    """The call's recorder: what every step of it shares, and what it adds to them."""
+    app, cfg = request.app, request.app[CONFIG_KEY]
+    state = app[CALL_STATES_KEY].of(session)
+    recorder = CallRecorder(app, app[SESSIONS_KEY], session, state, call.upstream, call.t0, common=dict(
+        request=pics.logged(call.body),  # each image as its reference (stored once)
+        sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+        model=call.view.model or served,
+        served_model=served,
+        backend=replica.name,
+        started_at=call.started_at,
+        policy_version=ticket.version,
+    ))
+    recorder.proto, recorder.spans, recorder.chat, recorder.pics = call.proto, ticket.spans, out, pics
+    if cfg.drop_seed and "seed" in (call.proto.chat if call.proto is not None else call.body):
+        recorder.notes.append(SEED_DROPPED)  # dropped by patch_request, never sent
+        app[METRICS_KEY].dropped_fields.labels(call.endpoint, "seed").inc()
+    recorder.tito = pics.tito(state, call.upstream == CHAT and (cfg.tito or session.tito))
+    return recorder
 
 
 async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,
@@ -185,95 +229,107 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
 _RECORDED = (BackendTimeout, BackendError, BackendUnavailable, BackendCut, BackendMalformed)
 
 
-class _Call(StreamRelay):
-    """One model call on its way through: forward, relay, capture, record once."""
+class _Call:
+    """One model call on its way through: its source (the backend's, or a token-in-token-out turn's), the
+    writer to the agent, the recorder (record once); a failure of the source mapped to a failed step."""
 
-    def __init__(
-        self,
-        request: web.Request,
-        endpoint: str,
-        manager: SessionManager,
-        session: LiveSession,
-        replica: Replica,
-        asked: Asked,
-        t0: float,
-        common: dict[str, Any],
-    ) -> None:
+    def __init__(self, request: web.Request, endpoint: str, replica: Replica, asked: Asked,
+                 recorder: CallRecorder) -> None:
         self.request = request
-        self.endpoint = endpoint
-        self.manager = manager
-        self.session = session
+        self.endpoint = endpoint  # as sent upstream: chat or completions
         self.replica = replica
         self.upstream: Backend = replica.client
         self.asked = asked
-        self.t0 = t0
-        self.common = common
-        self.strip = not (asked.token_ids and asked.logprobs)
-        self.acc: capture.ChatStream | capture.CompletionStream | None = None  # a stream's chunks so far
-        self.recorded = False  # a step (good or failed) of this call is in the trajectory
-        self.proto: Protocol | None = None  # Responses / Messages riding on chat completions
-        self.tito = False  # token-in-token-out mode for this session
-        self.notes: list[str] = []  # recorded on this call's steps beside the protocol's
-        self.chat: dict[str, Any] = {}  # the chat body sent upstream
-        self.write_timeout = request.app[CONFIG_KEY].stream_write_timeout_s
-        self.heartbeat_s = request.app[CONFIG_KEY].stream_heartbeat_s
-        self.spans: Spans | None = None  # where a weight swap switched this call's tokens to a newer version
-        self.waiting = False  # the stream's pump waits on the backend: every token it sent so far is counted
-        self.pics = vision.NO_IMAGES  # the prompt's images (each step names them)
+        self.recorder = recorder
+        self.relay: StreamRelay | None = None  # the stream's relay once it began: a cut is no error body then
         self.built: tuple[bytes, list[int]] | None = None  # a TITO turn's prompt (its JSON, its ids)
 
     async def run(self, payload: bytes | Parts, stream: bool) -> web.StreamResponse:
-        if self.tito:
-            metrics = self.request.app[METRICS_KEY]
-            handles = self.proto.handles if self.proto is not None else None
-            turn = await tito.start_turn(self.session, self.state, self.chat, self.upstream, metrics, stream,
-                                         handles)
-            if not isinstance(turn, str):
-                return await self._run_tito(*turn, stream)
-            if turn != "first":  # rendered instead: the step says why
-                self.notes.append(f"token-in-token-out fell back to rendering: {turn}")
+        turn = await self._start_turn(stream) if self.recorder.tito else None
+        try:
+            if turn is not None:
+                return await self._run_turn(*turn, stream)
+            return await self._run_backend(payload, stream)
+        except asyncio.CancelledError:
+            await self._cancelled()
+            raise
+
+    async def _start_turn(self, stream: bool) -> tuple[tito.Turn, dict[str, Any]] | None:
+        """The token-in-token-out turn when this call extends the session's last, else None (rendered: the
+        step says why)."""
+        recorder = self.recorder
+        handles = recorder.proto.handles if recorder.proto is not None else None
+        turn = await tito.start_turn(recorder.session, recorder.state, recorder.chat, self.upstream,
+                                     self.request.app[METRICS_KEY], stream, handles)
+        if not isinstance(turn, str):
+            return turn
+        if turn != "first":
+            recorder.notes.append(f"token-in-token-out fell back to rendering: {turn}")
+        return None
+
+    async def _run_backend(self, payload: bytes | Parts, stream: bool) -> web.StreamResponse:
+        """The backend's reply to the call as sent: read whole, or streamed."""
+        recorder = self.recorder
         source: BackendStream | None = None
         try:
             got = await self._forward(payload, stream)  # forward
             self.request.app[POOL_KEY].call_done(self.replica, got.status)
             if isinstance(got, BackendReply):
-                return await (self._relay_plain(got) if got.status < 400
-                              else self._upstream_error(got.status, got.body))
+                return await (self._plain().relay(got) if got.status < 400
+                              else self._plain().upstream_error(got.status, got.body))
             source = got
             if got.status >= 400:
-                return await self._upstream_error(got.status, await got.read())
-            return await self._relay_stream(got, got.status)
+                return await self._plain().upstream_error(got.status, await got.read())
+            return await self._stream(got, got.status, recorder.spans)
         except BackendUnreachable:
-            self._count("backend_unreachable")  # nothing reached the backend: no step
+            recorder.count("backend_unreachable")  # nothing reached the backend: no step
             raise
         except BackendTimeout as exc:
-            if not self.recorded:
-                await self.record([self.failed(exc.message, "backend_timeout")])
+            if not recorder.recorded:
+                await recorder.record([recorder.failed(exc.message, "backend_timeout")])
             raise
         except _RECORDED as exc:  # the one place a failed call is recorded before its error leaves
-            if not self.recorded:
-                await self.record([self.failed(exc.message, exc.code.removesuffix("_reply"))])
-            raise
-        except asyncio.CancelledError:
-            # The agent hung up and the server cancelled this handler, or a weight swap cut a call that
-            # outlasted its drain bound: keep what arrived as a failed step (in a new task: this one is being
-            # cancelled). A swap's cut before the stream began ends as the protocol's error body instead.
-            if not self.recorded and self.acc is None and self.request.app[SWAPPER_KEY].take_cut():
-                await self.record([self.failed(CUT_MESSAGE, "swap_cut")])
-                raise SwapCut(CUT_MESSAGE) from None
-            if not self.recorded:
-                partial = self.acc.reply() if self.acc is not None else None
-                self.recorded = True
-                if self.request.app[SWAPPER_KEY].was_cut(asyncio.current_task()):
-                    why = ("cut by a weight swap: the call outlasted the swap's drain bound "
-                           "(--swap-drain-timeout)", "swap_cut")
-                else:
-                    why = ("agent disconnected", "client_gone")
-                self._record_later(self.failed(*why, partial))
+            if not recorder.recorded:
+                await recorder.record([recorder.failed(exc.message, exc.code.removesuffix("_reply"))])
             raise
         finally:
             if source is not None:
                 source.release()
+
+    async def _run_turn(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
+        """A token-in-token-out turn: its stream relayed as the backend's is, or its whole reply."""
+        recorder = self.recorder
+        turn.spans = recorder.spans
+        self.built = turn.encoded_prompt()
+        # the next turn's JSON continues it (tito.Turn)
+        recorder.state.hold_prompt(recorder.manager, recorder.session, self.built)
+        try:
+            if stream:
+                async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
+                    return await self._stream(source, 200, recorder.spans if turn.counted else None)
+            reply = await turn.reply(generate)
+        except (BackendStatus, BackendUnreachable, BackendTimeout, BackendCut, msgspec.DecodeError,
+                KeyError) as exc:
+            message, err = _turn_failure(self.upstream.name, exc)
+            if not recorder.recorded:
+                await recorder.record([recorder.failed(message, "backend_error")])
+            raise err from None
+        return await self._plain().reply(reply, 200, None)
+
+    def _plain(self) -> PlainReply:
+        return PlainReply(self.recorder, self.recorder.proto, self.asked, self.upstream.name, self._take_echo)
+
+    async def _stream(self, source: BackendStream, status: int, counts: Spans | None) -> web.StreamResponse:
+        cfg = self.request.app[CONFIG_KEY]
+        relay = self.relay = StreamRelay(self.request, self.recorder, self.recorder.proto, self.asked,
+                                         self.upstream.name, self._take_echo, counts,
+                                         cfg.stream_write_timeout_s, cfg.stream_heartbeat_s)
+        return await relay.run(source, status)
+
+    def _take_echo(self, data: bytes) -> Echo | None:
+        """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``)."""
+        recorder = self.recorder
+        return prompts.session_echo(data, recorder.manager, recorder.session, recorder.state, self.built)
 
     async def _forward(self, payload: bytes | Parts, stream: bool) -> BackendReply | BackendStream:
         """Send the call to the session's replica (its reply read whole, or a stream); one that cannot be
@@ -285,171 +341,40 @@ class _Call(StreamRelay):
             pool = self.request.app[POOL_KEY]
             pool.take_out(self.replica.name, exc.message, unreachable=True)
             try:
-                other = pool.pick(_sticky_id(self.session), avoid=self.replica.name)
+                other = pool.pick(_sticky_id(self.recorder.session), avoid=self.replica.name)
             except (BackendUnavailable, BackendUnreachable):
                 raise exc from None
             pool.release(self.replica)
             self.replica, self.upstream = pool.acquire(other), other.client
-            self.common["backend"] = other.name
+            self.recorder.common["backend"] = other.name
             return await (self.upstream.stream if stream else self.upstream.send)(self.endpoint, payload)
 
-    # --- token-in-token-out --------------------------------------------------------------------------------
+    async def _cancelled(self) -> None:
+        """The agent hung up and the server cancelled this handler, or a weight swap cut a call that
+        outlasted its drain bound: keep what arrived as a failed step (in a new task: this one is being
+        cancelled). A swap's cut before the stream began ends as the protocol's error body instead."""
+        recorder, swapper = self.recorder, self.request.app[SWAPPER_KEY]
+        if recorder.recorded:
+            return
+        if self.relay is None and swapper.take_cut():
+            await recorder.record([recorder.failed(CUT_MESSAGE, "swap_cut")])
+            raise SwapCut(CUT_MESSAGE) from None
+        partial = self.relay.acc.reply() if self.relay is not None else None
+        if swapper.was_cut(asyncio.current_task()):
+            why = ("cut by a weight swap: the call outlasted the swap's drain bound (--swap-drain-timeout)",
+                   "swap_cut")
+        else:
+            why = ("agent disconnected", "client_gone")
+        recorder.record_later(recorder.failed(*why, partial))
 
-    async def _run_tito(self, turn: tito.Turn, generate: dict[str, Any], stream: bool) -> web.StreamResponse:
-        base = self.upstream.name  # the replica as configured (never http://localhost)
-        turn.spans = self.spans
-        self.built = turn.encoded_prompt()
-        # the next turn's JSON continues it (tito.Turn)
-        self.state.hold_prompt(self.manager, self.session, self.built)
-        try:
-            if stream:
-                async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
-                    return await self._relay_stream(source, 200)
-            reply = await turn.reply(generate)
-        except BackendStatus as exc:
-            err = tito.backend_error(base, exc)
-            if not self.recorded:
-                await self.record([self.failed(err.message, "backend_error")])
-            raise err from None
-        except (BackendUnreachable, BackendTimeout, BackendCut) as exc:  # the client names the replica
-            if not self.recorded:
-                await self.record([self.failed(f"token-in-token-out call failed: {exc.message}",
-                                               "backend_error")])
-            raise BackendError(exc.message) from None
-        except (msgspec.DecodeError, KeyError) as exc:  # an answer that is not what the route sends
-            if not self.recorded:
-                await self.record([self.failed(f"token-in-token-out call failed: {exc!r}", "backend_error")])
-            raise BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}") from None
-        except asyncio.CancelledError:  # the agent hung up: keep what arrived as a failed step, as run() does
-            if not self.recorded and self.request.app[SWAPPER_KEY].take_cut():  # a swap's cut: an error body
-                await self.record([self.failed(CUT_MESSAGE, "swap_cut")])
-                raise SwapCut(CUT_MESSAGE) from None
-            if not self.recorded:
-                partial = self.acc.reply() if self.acc is not None else None
-                self.recorded = True
-                self._record_later(self.failed("agent disconnected", "client_gone", partial))
-            raise
-        return await self._reply_plain(reply, 200, None)
 
-    # --- capture and record -------------------------------------------------------------------------------
-
-    def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step:
-        self._count(type_)
-        return capture.failed_step(self.endpoint, message, type_, partial, latency_s=self._latency(),
-                                   **self.common)
-
-    def _count(self, type_: str) -> None:
-        self.request.app[METRICS_KEY].upstream_errors.labels(type_).inc()
-
-    def _latency(self) -> float:
-        return time.perf_counter() - self.t0
-
-    async def record(self, steps: list[Step], stop_reason: Any = None) -> None:
-        """Append this call's steps to its session; durable when it returns (before the reply completes).
-        ``stop_reason``: vLLM's for a one-choice reply (what a TITO session's next turn may extend)."""
-        self.recorded = True
-        self.request.app[SWAPPER_KEY].label(steps, self.spans)
-        for step in steps:
-            if self.proto is not None:
-                step.endpoint = self.proto.endpoint
-                step.notes = list(self.proto.notes)
-                self.proto.annotate(step)
-            if self.notes:
-                step.notes = [*step.notes, *self.notes]
-            step.images = self.pics.refs()
-        # A translated request's messages as sent upstream (images as references): continuity is judged on
-        # them (sessions/prefix.py)
-        chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None
-        async with self.pics.stored():  # the images the steps name: stored only now (the call was accepted)
-            await self.manager.record(self.session, steps,
-                                      self.state.context(chat if isinstance(chat, list) else None))
-        if self.tito:
-            tito.end_turn(self.state, self.chat, steps, stop_reason)
-
-    def _record_later(self, step: Step) -> None:
-        """A failed step recorded in the background (the agent is gone, the handler returns now); the session
-        counts it as a call in flight until it is recorded."""
-        self.manager.hold_call(self.session)
-        self.manager.spawn(self._record_quietly(step))
-
-    async def _record_quietly(self, step: Step) -> None:
-        try:
-            async with self.pics.stored():  # its request refers to them
-                await self.manager.record(self.session, [step], self.state.context())
-        except Exception:  # a background task: log it, there is no agent left to tell
-            logger.exception("could not record the failed step of session %s", self.session.id)
-        finally:
-            self.manager.release_call(self.session)
-
-    # --- replies ------------------------------------------------------------------------------------------
-
-    async def _upstream_error(self, status: int, data: bytes) -> web.Response:
-        base = self.upstream.name  # the replica as configured (never http://localhost)
-        if status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
-            endpoint = self.proto.endpoint if self.proto is not None else self.endpoint
-            self.request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
-            try:
-                message = _decode(data)["error"]["message"]
-            except (msgspec.DecodeError, KeyError, TypeError):
-                message = data[:500].decode("utf-8", "replace")
-            # recorded, so the session says why (a prompt over the context, a template that refused it); an
-            # auto session the backend never accepted a call for stays unopened (refused calls fill no session
-            # table)
-            if not self.session.pending:
-                await self.record([self.failed(f"backend {base} refused the call ({status}): {message}",
-                                               "backend_refused")])
-            if self.proto is not None:
-                data = self.proto.upstream_error(status, data)
-            return web.Response(body=data, status=status, content_type="application/json")
-        try:
-            message = _decode(data)["error"]["message"]
-        except (msgspec.DecodeError, KeyError, TypeError):
-            message = data[:200].decode("utf-8", "replace")
-        text = f"backend {base} answered {status}: {message}"
-        if status == 503:
-            await self.record([self.failed(text, "backend_error")])
-            raise BackendUnavailable(text)
-        raise BackendError(text)
-
-    async def _relay_plain(self, got: BackendReply) -> web.Response:
-        base = self.upstream.name  # the replica as configured (never http://localhost)
-        data = got.body
-        echo = self._take_echo(data) if self.endpoint == CHAT else None
-        # Typed, stripped in vLLM's bytes; else the dict path
-        if self.proto is None:
-            view: replies.ReplyView | replies.CompletionView | None
-            if self.endpoint == CHAT:
-                view = replies.reply_view(data if echo is None else echo[0])
-                steps = None if view is None else replies.steps_from_view(
-                    view, None if echo is None else echo[2], latency_s=self._latency(), **self.common)
-            else:
-                view = replies.completion_view(data)
-                known = replies.known_prompt(self.common["request"])  # the ids vLLM echoes: not decoded
-                steps = None if view is None else replies.steps_from_completion(
-                    view, known, latency_s=self._latency(), **self.common)
-            if view is not None and steps is not None:
-                body = replies.strip_reply_bytes(data, view, self.asked) if self.strip else data
-                if body is not None:
-                    stop = view.choices[0].stop_reason if view.choices else None
-                    await self.record(steps, stop)  # durable before the reply leaves
-                    return web.Response(body=body, status=got.status, content_type="application/json")
-        try:
-            reply = _decode(data if echo is None else echo[0])
-            if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
-                raise ValueError("no choices")
-        except (msgspec.DecodeError, ValueError):
-            raise BackendMalformed(f"backend {base} sent a malformed reply (not an OpenAI "
-                                   "completion)") from None
-        if echo is not None:
-            reply["prompt_token_ids"] = echo[2]
-        return await self._reply_plain(reply, got.status, data)
-
-    async def _reply_plain(self, reply: dict[str, Any], status: int, data: bytes | None) -> web.Response:
-        steps = capture.steps_from_reply(reply, self.endpoint, latency_s=self._latency(), **self.common)
-        if self.proto is not None:
-            data = self.proto.reply(reply)
-        elif self.strip or data is None:
-            capture.strip_reply(reply, self.asked, self.endpoint)
-            data = _encode(reply)
-        await self.record(steps, capture.stop_reason(reply))  # durable before the reply leaves
-        return web.Response(body=data, status=status, content_type="application/json")
+def _turn_failure(base: str, exc: Exception) -> tuple[str, BackendError]:
+    """A token-in-token-out call's failure: its step's message, and the error the agent gets."""
+    if isinstance(exc, BackendStatus):
+        err = tito.backend_error(base, exc)
+        return err.message, err
+    if isinstance(exc, DomainError):  # unreachable, timed out, cut: the client names the replica
+        return f"token-in-token-out call failed: {exc.message}", BackendError(exc.message)
+    # an answer that is not what the route sends
+    return (f"token-in-token-out call failed: {exc!r}",
+            BackendError(f"backend {base} failed a token-in-token-out call: {exc!r}"))

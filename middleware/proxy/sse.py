@@ -1,18 +1,18 @@
-"""Relaying a model call's SSE stream to the agent: the backend's lines batched per network read, each event
-fed to capture and passed on (stripped, or translated by the call's protocol), the steps recorded before
-``[DONE]``; a failure once the headers are out ends as an error event; a reader that stalls is cut.
-
-``StreamRelay`` is a mixin of relay.py's ``_Call``, which holds the call's state these methods read."""
+"""Relaying a model call's SSE stream to the agent: the source's lines batched per network read (the
+backend's ``BackendStream``, or a token-in-token-out turn's: the same interface), each event fed to the
+capture accumulator and passed on (stripped, or translated by the call's protocol), the steps recorded before
+``[DONE]`` (the call's ``CallRecorder``); a failure once the headers are out ends as an error event; a reader
+that stalls is cut."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 
-from steptap.middleware.backend.boundary import BackendStream
 from steptap.middleware.errors import error_body, status_of
 from steptap.middleware.exceptions import (
     BackendCut,
@@ -22,21 +22,18 @@ from steptap.middleware.exceptions import (
     BackendUnreachable,
     DomainError,
 )
-from steptap.middleware.proxy import capture, prompts, tito
+from steptap.middleware.proxy import accumulator, capture, tito
 from steptap.middleware.proxy.protocols import HEARTBEAT
 from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 if TYPE_CHECKING:
-    from steptap.middleware.backend.boundary import Backend
-    from steptap.middleware.proxy.call_state import CallState
+    from steptap.middleware.backend.boundary import BackendStream
     from steptap.middleware.proxy.capture import Asked
+    from steptap.middleware.proxy.prompts import Echo
     from steptap.middleware.proxy.protocols import Protocol
-    from steptap.middleware.records import Step
-    from steptap.middleware.sessions.manager import SessionManager
-    from steptap.middleware.sessions.prefix import Grown
-    from steptap.middleware.sessions.session import LiveSession
+    from steptap.middleware.proxy.recorder import CallRecorder
     from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.decode
@@ -55,146 +52,134 @@ class _AgentStalled(_AgentGone):
 
 
 class StreamRelay:
-    """``_Call``'s stream: relay, pump, the cut's end."""
+    """One streamed call's relay to the agent: ``run`` a source to the end, its steps recorded once. ``acc``
+    holds what arrived so far (a cut call's partial step)."""
 
-    request: web.Request
-    endpoint: str
-    upstream: Backend
-    asked: Asked
-    common: dict[str, Any]
-    strip: bool
-    acc: capture.ChatStream | capture.CompletionStream | None
-    proto: Protocol | None
-    write_timeout: float
-    heartbeat_s: float  # 0: none
-    spans: Spans | None
-    manager: SessionManager
-    session: LiveSession
-    state: CallState  # what the proxy holds for the session between calls
-    built: tuple[bytes, list[int]] | None  # a TITO turn's prompt (its JSON, its ids)
-    guard: _WriteGuard  # the stream's bound on each write to the agent
-    if TYPE_CHECKING:  # _Call's
-        def failed(self, message: str, type_: str, partial: dict[str, Any] | None = None) -> Step: ...
-        def _latency(self) -> float: ...
-        async def record(self, steps: list[Step], stop_reason: Any = None) -> None: ...
+    def __init__(self, request: web.Request, recorder: CallRecorder, proto: Protocol | None, asked: Asked,
+                 base: str, take_echo: Callable[[bytes], Echo | None], counts: Spans | None,
+                 write_timeout: float, heartbeat_s: float) -> None:
+        self.request = request
+        self.recorder = recorder  # the call's steps into its session
+        self.proto = proto  # the protocol's translator, or None: vLLM's events, stripped
+        self.endpoint = recorder.endpoint
+        self.asked = asked
+        self.strip = not (asked.token_ids and asked.logprobs)
+        self.base = base  # the replica as configured (never http://localhost)
+        self.take_echo = take_echo  # vLLM's echo of a chat prompt's ids taken out (prompts.session_echo)
+        # Where a keep swap splits this call, by the tokens relayed (None: vLLM reports it, or no swap can)
+        self.counts = counts
+        self.write_timeout = write_timeout
+        self.heartbeat_s = heartbeat_s  # 0: none
+        self.acc = accumulator.new_stream(self.endpoint)  # the capture accumulator
+        self.waiting = False  # the pump waits on the backend: every token it sent so far is counted
+        self.failure: tuple[str, str] | None = None  # (message, type)
+        self.upstream_error: bytes | None = None  # vLLM's own error event
+        self.done = False  # [DONE] came
+        self.echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
 
-    def _take_echo(self, data: bytes) -> tuple[bytes, bytes, list[int], Grown | None] | None:
-        """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``)."""
-        return prompts.session_echo(data, self.manager, self.session, self.state, self.built)
-
-    async def _relay_stream(self, source: Any, status: int) -> web.StreamResponse:
-        """Relay SSE events as they come (``source``: the backend's ``BackendStream``, or a token-in-token-out
-        turn's line batches); the steps are recorded before ``[DONE]``. Once the headers are out a failure can
-        no longer be an HTTP error: it is recorded as a failed step and sent as an error event."""
+    async def run(self, source: BackendStream, status: int) -> web.StreamResponse:
+        """Relay SSE events as they come; the steps are recorded before ``[DONE]``. Once the headers are out a
+        failure can no longer be an HTTP error: it is recorded as a failed step and sent as an error event."""
         out = web.StreamResponse(status=status, headers=_SSE_HEADERS)
-        acc = self.acc = capture.new_stream(self.endpoint)  # set first: from here a cut is not an error body
-        # The split is known only while the pump is caught up with vLLM (TITO: from vLLM's weight_versions;
-        # its pump also waits on derender, with tokens in hand).
-        if self.spans is not None and isinstance(source, BackendStream):
-            self.spans.counter = lambda: acc.token_counts() if self.waiting else None
+        # The split is known only while the pump is caught up with vLLM
+        if self.counts is not None:
+            acc = self.acc
+            self.counts.counter = lambda: acc.token_counts() if self.waiting else None
         await out.prepare(self.request)
-        self.guard = _WriteGuard(self.write_timeout)
+        guard = _WriteGuard(self.write_timeout)  # the bound on each write to the agent
         try:
-            return await self._relay(source, out, acc)
+            return await self._relay(source, out, guard)
         finally:
-            self.guard.close()
+            guard.close()
 
-    async def _relay(self, source: Any, out: web.StreamResponse, acc: Any) -> web.StreamResponse:
-        proto = self.proto
+    async def _relay(self, source: BackendStream, out: web.StreamResponse,
+                     guard: _WriteGuard) -> web.StreamResponse:
+        recorder = self.recorder
         try:
-            if proto is not None:
-                await _send(out, proto.start(), self.guard)
-            failure, upstream_error, done = await self._pump(source, out, acc)
+            if self.proto is not None:
+                await _send(out, self.proto.start(), guard)
+            await self._pump(source, out, guard)
         except _AgentStalled:  # it stopped reading: keep what arrived, then cut (a close would wait on it)
-            seconds = self.write_timeout
             try:
-                await self.record([self.failed(f"agent took no byte of its stream for {seconds:g}s "
-                                               "(stream_write_timeout_s)", "client_stalled", acc.reply())])
+                await recorder.record([recorder.failed(
+                    f"agent took no byte of its stream for {self.write_timeout:g}s (stream_write_timeout_s)",
+                    "client_stalled", self.acc.reply())])
             finally:  # after the record: the abort cancels this handler
                 if self.request.transport is not None:
                     self.request.transport.abort()
             return out
         except _AgentGone:  # nothing reached the agent in full; keep what arrived as a failed step
-            await self.record([self.failed("agent disconnected", "client_gone", acc.reply())])
+            await recorder.record([recorder.failed("agent disconnected", "client_gone", self.acc.reply())])
             return out
         except asyncio.CancelledError:
             if not self.request.app[SWAPPER_KEY].take_cut():
                 raise
-            await self.record([self.failed(CUT_MESSAGE, "swap_cut", acc.reply())])
-            err = {"error": {"message": CUT_MESSAGE, "type": "swap_cut", "code": "swap_cut"}}
-            tail = proto.stream_error(503, CUT_MESSAGE, "swap_cut") if proto is not None else (
-                b"data: " + _encode(err) + b"\n\n")
-            await self._end_cut(out, tail)
+            await self._cut(out)
             return out
+        await self._end(out, await self._recorded(), guard, source if self.done else None)
+        return out
+
+    async def _recorded(self) -> bytes:
+        """The stream's steps recorded (durable before ``[DONE]``); its last event."""
+        proto, acc, recorder, failure = self.proto, self.acc, self.recorder, self.failure
         try:
             if failure is None:
                 whole = acc.reply()
-                await self.record(capture.steps_from_reply(whole, self.endpoint, latency_s=self._latency(),
-                                                           **self.common),
-                                  capture.stop_reason(whole))  # durable before [DONE]
-                tail = _DONE if proto is None else proto.finish(acc.reply())
-            else:
-                await self.record([self.failed(failure[0], failure[1], acc.reply())])
-                if proto is not None:
-                    tail = proto.stream_error(502, failure[0], failure[1])
-                elif upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
-                    tail = upstream_error + _DONE
-                else:  # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
-                    tail = self._error_event(502, failure[0], failure[1], failure[1])
+                await recorder.record(recorder.steps(whole), capture.stop_reason(whole))
+                return _DONE if proto is None else proto.finish(acc.reply())
+            await recorder.record([recorder.failed(failure[0], failure[1], acc.reply())])
+            if proto is not None:
+                return proto.stream_error(502, failure[0], failure[1])
+            if self.upstream_error is not None:  # vLLM's own error event, then [DONE], as vLLM sends it
+                return self.upstream_error + _DONE
+            # a cut stream ends with an error event (the SDKs raise on it), never a clean [DONE]
+            return _error_event(502, failure[0], failure[1], failure[1])
         except DomainError as exc:
             # The headers are out and the step could not be kept (session full, log full, record too large):
             # the agent learns it from an error event and the stream ends; it never waits for a [DONE].
             status = status_of(exc)
-            tail = (proto.stream_error(status, exc.message, exc.code) if proto is not None
-                    else self._error_event(status, exc.message, exc.code))
-        await self._end(out, tail, source if done else None)
-        return out
+            return (proto.stream_error(status, exc.message, exc.code) if proto is not None
+                    else _error_event(status, exc.message, exc.code))
 
-    async def _end(self, out: web.StreamResponse, tail: bytes, source: Any) -> None:
+    async def _end(self, out: web.StreamResponse, tail: bytes, guard: _WriteGuard,
+                   source: BackendStream | None) -> None:
         """Send the stream's last event and end it; then read the end of ``source`` (the backend's reply, when
         it sent [DONE])."""
         try:
-            await _send(out, tail, self.guard)
-            await _send(out, None, self.guard)  # the end
+            await _send(out, tail, guard)
+            await _send(out, None, guard)  # the end
         except (_AgentGone, ConnectionResetError):  # aiohttp's ClientConnectionResetError is one
             if self.request.transport is not None:  # the step is recorded; a reader that stopped is cut
                 self.request.transport.abort()
             return
-        if isinstance(source, BackendStream):
+        if source is not None:
             await source.finish()  # its connection goes back to the pool
 
-    @staticmethod
-    def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
-        return b"data: " + error_body(message, status, code, type_) + b"\n\n"
-
-    async def _end_cut(self, out: web.StreamResponse, tail: bytes) -> None:
-        """A cut stream's error event and end, put on the wire together; its reader may be the slow one that
-        outlasted the drain, so waiting for it is bounded and the connection then closes behind what is
-        buffered (the transport still flushes it)."""
+    async def _cut(self, out: web.StreamResponse) -> None:
+        """A weight swap's cut: what arrived recorded, then an error event and the end, put on the wire
+        together; its reader may be the slow one that outlasted the drain, so waiting for it is bounded and
+        the connection then closes behind what is buffered (the transport still flushes it)."""
+        recorder, proto = self.recorder, self.proto
+        await recorder.record([recorder.failed(CUT_MESSAGE, "swap_cut", self.acc.reply())])
+        err = {"error": {"message": CUT_MESSAGE, "type": "swap_cut", "code": "swap_cut"}}
+        tail = proto.stream_error(503, CUT_MESSAGE, "swap_cut") if proto is not None else (
+            b"data: " + _encode(err) + b"\n\n")
         try:
             await asyncio.wait_for(out.write_eof(tail), CUT_WRITE_S)
         except (TimeoutError, ConnectionResetError):
             if self.request.transport is not None:
                 self.request.transport.close()
 
-    async def _pump(
-        self, source: Any, out: web.StreamResponse, acc: Any
-    ) -> tuple[tuple[str, str] | None, bytes | None, bool]:
-        """Feed the stream's events to the accumulator and the agent; returns (failure, vLLM's error event,
-        whether ``[DONE]`` came)."""
-        base = self.upstream.name  # the replica as configured (never http://localhost)
-        failure: tuple[str, str] | None = None  # (message, type)
-        upstream_error: bytes | None = None
-        done = False
-        # the backend's line batches (a BackendStream's, or a token-in-token-out turn's): one read loop
-        batches = source.batches if isinstance(source, BackendStream) else source
-        proto = self.proto
-        echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
+    async def _pump(self, source: BackendStream, out: web.StreamResponse, guard: _WriteGuard) -> None:
+        """Feed the source's events to the accumulator and the agent, until ``[DONE]`` (``done``) or a
+        ``failure``."""
+        base = self.base
+        batches = source.batches  # the backend's line batches: one read loop
         # Heartbeats only while the backend has sent nothing: when its first bytes are in already (the
         # reader's count of bytes fed), the first read waits on nothing, and needs no task nor timed wait
-        answered = isinstance(source, BackendStream) and source.answered
-        beating = self.heartbeat_s > 0 and not answered
-        beat = (HEARTBEAT if proto is None else proto.heartbeat) if beating else b""
+        beat = b""
+        if self.heartbeat_s > 0 and not source.answered:
+            beat = HEARTBEAT if self.proto is None else self.proto.heartbeat
         try:
             # One await per network read, not per line, and what one read brought goes out in one write (the
             # events stay exactly as vLLM framed them).
@@ -203,65 +188,74 @@ class StreamRelay:
                 # (weights/spans.py): where a keep swap splits this call.
                 self.waiting = True
                 try:
-                    lines = await (self._first_read(batches, out, beat) if beat else anext(batches))
+                    lines = await (self._first_read(batches, out, beat, guard) if beat else anext(batches))
                 except StopAsyncIteration:
                     break
                 finally:
                     self.waiting = False
                 beat = b""  # the backend answered: its tokens follow one another
-                parts: list[bytes] = []
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        if line.strip() and not line.startswith(b":"):  # blank separators, comments
-                            failure = (f"backend {base} sent a malformed stream line", "backend_malformed")
-                            break
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    try:
-                        # the echo's ids decoded from what is new (prompts.take_echo), the rest as before
-                        echo = self._take_echo(payload) if echo_left and _ECHO in payload else None
-                        chunk = _decode(payload if echo is None else echo[0])
-                        if not isinstance(chunk, dict):
-                            raise ValueError
-                    except (msgspec.DecodeError, ValueError):
-                        failure = (f"backend {base} sent a malformed stream chunk", "backend_malformed")
-                        break
-                    if echo is not None:
-                        chunk["prompt_token_ids"] = echo[2]
-                        echo_left = False
-                    if "error" in chunk and not chunk.get("choices"):
-                        upstream_error = b"data: " + payload + b"\n\n"
-                        err = chunk["error"]
-                        message = err.get("message") if isinstance(err, dict) else err
-                        failure = (f"backend {base} error mid-stream: {message}", "backend_error")
-                        continue  # vLLM follows its error event with [DONE]
-                    acc.feed(chunk)
-                    if proto is not None:
-                        parts.append(proto.feed(chunk))
-                    elif not self.strip:
-                        parts.append(b"data: " + payload + b"\n\n")
-                    elif capture.strip_chunk(chunk, self.asked, self.endpoint):
-                        parts.append(b"data: " + _encode(chunk) + b"\n\n")
+                parts = self._events(lines)
                 if parts:
-                    await _send(out, b"".join(parts), self.guard)
-                if done or (failure is not None and upstream_error is None):
+                    await _send(out, b"".join(parts), guard)
+                if self.done or (self.failure is not None and self.upstream_error is None):
                     break
         except BackendStatus as exc:  # a token-in-token-out route's error answer
-            failure = (tito.backend_error(base, exc).message, "backend_error")
+            self.failure = (tito.backend_error(base, exc).message, "backend_error")
         except (BackendTimeout, BackendCut, BackendMalformed) as exc:  # the stream's, mapped by backend/
-            failure = (exc.message, exc.code.removesuffix("_reply"))
+            self.failure = (exc.message, exc.code.removesuffix("_reply"))
         except BackendUnreachable as exc:  # a token-in-token-out call the client could not make
-            failure = (exc.message, "backend_cut")
+            self.failure = (exc.message, "backend_cut")
         finally:
             await batches.aclose()
-        if failure is None and not done:
-            failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
-        return failure, upstream_error, done
+        if self.failure is None and not self.done:
+            self.failure = (f"backend {base} ended the stream without [DONE]", "backend_cut")
 
-    async def _first_read(self, batches: Any, out: web.StreamResponse, beat: bytes) -> list[bytes]:
+    def _events(self, lines: list[bytes]) -> list[bytes]:
+        """One read's lines: each event fed to the accumulator and passed on (as it came, stripped, or
+        translated); what goes out to the agent in one write. Sets ``done``, ``failure``."""
+        proto, acc, strip, echo_left = self.proto, self.acc, self.strip, self.echo_left
+        parts: list[bytes] = []
+        for line in lines:
+            if not line.startswith(b"data:"):
+                if line.strip() and not line.startswith(b":"):  # blank separators, comments
+                    self.failure = (f"backend {self.base} sent a malformed stream line", "backend_malformed")
+                    break
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            try:
+                # the echo's ids decoded from what is new (prompts.take_echo), the rest as before
+                echo = self.take_echo(payload) if echo_left and _ECHO in payload else None
+                chunk = _decode(payload if echo is None else echo[0])
+                if not isinstance(chunk, dict):
+                    raise ValueError
+            except (msgspec.DecodeError, ValueError):
+                self.failure = (f"backend {self.base} sent a malformed stream chunk", "backend_malformed")
+                break
+            if echo is not None:
+                chunk["prompt_token_ids"] = echo[2]
+                echo_left = self.echo_left = False
+            if "error" in chunk and not chunk.get("choices"):
+                self._upstream_error(payload, chunk["error"])
+                continue  # vLLM follows its error event with [DONE]
+            acc.feed(chunk)
+            if proto is not None:
+                parts.append(proto.feed(chunk))
+            elif not strip:
+                parts.append(b"data: " + payload + b"\n\n")
+            elif capture.strip_chunk(chunk, self.asked, self.endpoint):
+                parts.append(b"data: " + _encode(chunk) + b"\n\n")
+        return parts
+
+    def _upstream_error(self, payload: bytes, err: Any) -> None:
+        self.upstream_error = b"data: " + payload + b"\n\n"
+        message = err.get("message") if isinstance(err, dict) else err
+        self.failure = (f"backend {self.base} error mid-stream: {message}", "backend_error")
+
+    async def _first_read(self, batches: Any, out: web.StreamResponse, beat: bytes,
+                          guard: _WriteGuard) -> list[bytes]:
         """The backend's first read (its prefill), with ``beat`` (an SSE comment) to the agent every
         ``heartbeat_s`` seconds meanwhile: an agent's HTTP idle timeout sees the stream alive (opencode's gave
         up after 300 s without a byte, and a CPU vLLM's prefill of several agents' first prompts took longer),
@@ -269,12 +263,16 @@ class StreamRelay:
         read: asyncio.Future[list[bytes]] = asyncio.ensure_future(anext(batches))
         try:
             while not (await asyncio.wait({read}, timeout=self.heartbeat_s))[0]:
-                await _send(out, beat, self.guard)
+                await _send(out, beat, guard)
             return read.result()
         finally:
             if not read.done():  # the agent left, or this call was cancelled: stop the read before aclose
                 read.cancel()
                 await asyncio.wait({read})
+
+
+def _error_event(status: int, message: str, code: str, type_: str | None = None) -> bytes:
+    return b"data: " + error_body(message, status, code, type_) + b"\n\n"
 
 
 class _WriteGuard:

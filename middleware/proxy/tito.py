@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from steptap.middleware.backend.boundary import Backend
+from steptap.middleware.backend.boundary import Backend, BackendStream
 from steptap.middleware.backend.client import Parts, json_parts
 from steptap.middleware.exceptions import BackendError, BackendMalformed, BackendStatus
 from steptap.middleware.proxy import derender, prompts
@@ -121,6 +121,9 @@ class Turn:
         self.prompt: list[int] = []
         self.added: list[int] = []  # the prompt after the previous reply (``request``)
         self.spans: Spans | None = None  # told vLLM's per-token weight versions (weights/spans.py)
+        # Whether a keep swap's split is the count of tokens the relay passed on (a stream on the chat route);
+        # else vLLM's weight_versions tell it (weights/spans.py)
+        self.counted = False
         # The prompt ids and the chat body, JSON-encoded once: every generate and derender body (one per chunk
         # when streamed) carries them, and at 120k ids each encode cost more than the rest of the body; they
         # go out as they are (``Parts``), never copied into a body
@@ -234,14 +237,16 @@ class Turn:
         return reply
 
     @contextlib.asynccontextmanager
-    async def stream(self, generate: dict[str, Any], metrics: Any) -> AsyncIterator[Any]:
-        """A streamed turn's source, counted by route: vLLM's chat route on the ids unless vLLM would render
-        or they hold an earlier reply's reasoning (``request``); else generate and derender (``chunks``)."""
+    async def stream(self, generate: dict[str, Any], metrics: Any) -> AsyncIterator[BackendStream]:
+        """A streamed turn's source, a ``BackendStream`` as a plain call's (the relay reads both alike),
+        counted by route: vLLM's chat route on the ids unless vLLM would render or they hold an earlier
+        reply's reasoning (``request``); else generate and derender (``chunks``)."""
         route = ("derender_content" if not derender.takes_ids(self.chat) else "derender_reasoning"
                  if self.plan.state is None or self.plan.state.reasoned else "chat")
         metrics.child(metrics.tito_streams, route).inc()
+        self.counted = route == "chat"
         if route != "chat":
-            yield self.chunks(generate)
+            yield BackendStream(200, self.chunks(generate))
             return
         ids = b'{"prompt_token_ids":' + self._json("prompt", self.prompt) + b"}"
         # the history cut to what vLLM reads of it there: it renders nothing (derender.chat_request)
@@ -252,7 +257,7 @@ class Turn:
             await source.raise_for_status()
             yield source
 
-    async def chunks(self, generate: dict[str, Any]) -> AsyncIterator[list[bytes]]:
+    async def chunks(self, generate: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
         """A streamed turn: the chat SSE lines (``data: {chunk}``), one batch per generate chunk. A malformed
         answer ends it as ``BackendMalformed`` (the relay records the failure and ends the agent's stream)."""
         try:

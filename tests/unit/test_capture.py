@@ -9,12 +9,11 @@ from typing import Any
 import msgspec
 
 from steptap.middleware.config import ProxyConfig
+from steptap.middleware.proxy.accumulator import ChatStream, CompletionStream
 from steptap.middleware.proxy.capture import (
     CHAT,
     COMPLETIONS,
     Asked,
-    ChatStream,
-    CompletionStream,
     sampling_of,
     steps_from_reply,
     strip_chunk,
