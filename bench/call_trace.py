@@ -31,7 +31,7 @@ functions over 60 lines, and the largest module under ``middleware/``.
 
     flock /tmp/steptap-heavy.lock .venv/bin/python bench/call_trace.py [--json FILE] [--details]
 
-About two minutes on 2 cores, most of it vLLM's start (bench/README.md).
+45-50 s on 2 cores at load 3-4, most of it vLLM's start (bench/README.md).
 """
 
 from __future__ import annotations
