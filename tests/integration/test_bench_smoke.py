@@ -1,9 +1,9 @@
 """The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark
 (bench/proxy_overhead.py, the long streamed reply included), the end-to-end one on the real vLLM
-(bench/end_to_end.py), the learner's throughput (bench/learner_throughput.py), the log's commit rate and the
-record path alone (bench/record_path.py). Each runs, produces numbers,
-and its own correctness checks hold. Timing thresholds are not asserted here (the machine is shared); the
-benchmarks print PASS/MISS themselves."""
+(bench/end_to_end.py), the learner's throughput (bench/learner_throughput.py), the log's commit rate, the
+record path alone (bench/record_path.py) and the model call's trace (bench/call_trace.py). Each runs, produces
+numbers, and its own correctness checks hold. Timing thresholds are not asserted here (the machine is shared);
+the benchmarks print PASS/MISS themselves."""
 
 from __future__ import annotations
 
@@ -243,3 +243,20 @@ def test_stream_capture_smallest_run():
     assert "chat_32_tokens: 34 events" in proc.stdout, proc.stdout
     for stage in ("decode", "feed", "decode + strip + encode", "steps"):
         assert any(line.strip().startswith(stage) for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_call_trace_on_the_real_vllm(vllm_server, tmp_path):
+    """The newcomer's trace (bench/call_trace.py): both calls traced, each through its own modules, and the
+    figures from the source printed."""
+    out = tmp_path / "trace.json"
+    cmd = [sys.executable, str(BENCH / "call_trace.py"), "--backend", vllm_server.url, "--json", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    chat, tito = result["calls"]["streamed chat"], result["calls"]["streamed Messages, TITO"]
+    assert {"proxy.relay", "sessions.manager", "log.wal"} <= set(chat["modules"]), chat["modules"]
+    assert {"proxy.tito", "proxy.messages"} <= set(tito["modules"]) - set(chat["modules"]), tito["modules"]
+    for call in (chat, tito):
+        assert set(call["back_edges"]) <= set(call["pairs"]) and len(call["two_way"]) * 2 == len(
+            call["back_edges"])
+    assert result["source"]["largest_module"]["lines"] > 0 and "| streamed chat |" in proc.stdout

@@ -209,6 +209,10 @@ def test_agent_homes_are_private_fresh_and_never_in_the_temp_dir(tmp_path: Path,
     with pytest.raises(agents.AgentError, match="temp directory"):
         agents.new_agent_home(Path("/tmp"))
     monkeypatch.delenv(agents.HOMES_ENV)
+    if agents.under_temp(agents.cache_root()):  # XDG_CACHE_HOME in /tmp (a fresh-clone timing): refused too
+        with pytest.raises(agents.AgentError, match="temp directory"):
+            agents.new_agent_home()
+        return
     one, two = agents.new_agent_home(), agents.new_agent_home()
     try:
         assert one != two and one.parent == two.parent
