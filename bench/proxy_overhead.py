@@ -223,7 +223,15 @@ async def _count_steps(log_dir: str) -> dict[str, int]:
 
 
 def count_log(log_dir: str, tree: str | None = None) -> dict[str, int]:
-    """The log's counts, read by this checkout's reader, or (``tree``) by the baseline's own in a child."""
+    """The log's counts, read by this checkout's reader, or (``tree``) by the baseline's own in a child;
+    ``steptap serve --workers N`` writes one log a worker (``LOG/worker-i``): their counts summed."""
+    workers = sorted(Path(log_dir).glob("worker-*"))
+    if workers:
+        total: dict[str, int] = {}
+        for w in workers:
+            for key, n in count_log(str(w), tree).items():
+                total[key] = total.get(key, 0) + n
+        return total
     if tree is None:
         return asyncio.run(_count_steps(log_dir))
     here = str(Path(__file__).parent)
@@ -280,7 +288,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     replay.url,
                     port,
                     log_dirs[name],
-                    ["--max-concurrent-calls", str(MAX_CONCURRENT_CALLS), *args.steptap_arg],
+                    ["--max-concurrent-calls", str(MAX_CONCURRENT_CALLS), *args.steptap_arg,
+                     *[a.partition("=")[2] for a in args.target_arg if a.partition("=")[0] == name]],
                     args.steptap_cmd,
                     trees[name],
                 ),
@@ -536,6 +545,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "`serve --backend ... --log ...` is appended",
     )
     p.add_argument("--steptap-arg", action="append", default=[], help="extra argument for steptap serve")
+    p.add_argument("--target-arg", action="append", default=[], metavar="TARGET=ARG",
+                   help="extra argument for one proxy's steptap serve (steptap, baseline, ...): "
+                        "--target-arg steptap=--workers --target-arg steptap=2")
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument(
         "--profile", help="record the steptap process with py-spy (raw collapsed stacks) to this file"
