@@ -254,7 +254,7 @@ def test_call_trace_on_the_real_vllm(vllm_server, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     chat, tito = result["calls"]["streamed chat"], result["calls"]["streamed Messages, TITO"]
-    assert {"proxy.relay", "sessions.manager", "log.wal"} <= set(chat["modules"]), chat["modules"]
+    assert {"proxy.relay", "sessions.recording", "log.wal"} <= set(chat["modules"]), chat["modules"]
     assert {"proxy.tito", "proxy.messages"} <= set(tito["modules"]) - set(chat["modules"]), tito["modules"]
     for call in (chat, tito):
         assert set(call["back_edges"]) <= set(call["pairs"]) and len(call["two_way"]) * 2 == len(
