@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from steptap.middleware.proxy.capture import CHAT
+from steptap.middleware.proxy.translation import reasoning_of
 
 
 class _ChatChoice:
@@ -73,7 +74,7 @@ class ChatStream(_Stream):
                 acc.role = delta["role"]
             if delta.get("content"):
                 acc.content.append(delta["content"])
-            reasoning = delta.get("reasoning_content", delta.get("reasoning"))
+            reasoning = reasoning_of(delta)
             if reasoning:
                 acc.reasoning.append(reasoning)
             for tc in delta.get("tool_calls") or ():

@@ -78,10 +78,18 @@ def parse_handle(opaque: Any) -> tuple[str, str | None] | None:
     return (response_id, session_id or None) if sep and response_id else None
 
 
+# vLLM's streaming reasoning parsers (vllm/reasoning/basic_parsers.py, 0.32) leave their start token in the
+# reasoning of a delta that carries it with more tokens, as a loaded server's coalesced deltas do
+_LEAKED_START = "<think>"
+
+
 def reasoning_of(message: dict[str, Any]) -> Any:
     """The reasoning text of a chat message or delta (vLLM names it ``reasoning_content`` or
-    ``reasoning``)."""
-    return message.get("reasoning_content") or message.get("reasoning")
+    ``reasoning``), without a start token vLLM's stream leaked into it."""
+    text = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(text, str) and text.startswith(_LEAKED_START):
+        return text[len(_LEAKED_START):] or None
+    return text
 
 
 def take_handles(messages: list[dict[str, Any]]) -> dict[int, str]:

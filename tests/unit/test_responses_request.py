@@ -11,6 +11,7 @@ import pytest
 
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import responses
+from steptap.middleware.proxy.accumulator import ChatStream
 from steptap.middleware.proxy.responses_request import translate
 
 ADD = {"type": "function", "name": "add", "parameters": {"type": "object"}}
@@ -163,6 +164,22 @@ def test_stream_with_reasoning_text_and_a_custom_call_keeps_output_indexes() -> 
     assert done[0]["item"]["content"][0]["text"] == "think" and done[0]["item"]["encrypted_content"]
     assert "response.custom_tool_call_input.done" in [e["type"] for e in parsed]
     assert [i["type"] for i in response["output"]] == ["reasoning", "message", "custom_tool_call"]
+
+
+def test_a_start_token_vllm_leaks_into_a_coalesced_reasoning_delta_is_dropped() -> None:
+    """A loaded vLLM coalesces ``<think>`` with the next tokens into one delta, and its streaming parser
+    keeps the ``<think>`` in that delta's reasoning (a stand-in chunk: the real one needs a slow reader):
+    neither the agent's reasoning item nor the recorded reply carries it."""
+    chunks = [{"choices": [{"index": 0, "delta": d}]} for d in (
+        {"reasoning_content": "<think>pl"}, {"reasoning_content": "an"}, {"content": "Hi"})]
+    events, acc = responses.EventStream(responses.Shape({"input": "x"}, "m")), ChatStream()
+    raw = events.start()
+    for chunk in chunks:
+        raw += events.feed(chunk)
+        acc.feed(chunk)
+    deltas = [e["delta"] for e in _events(raw) if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "plan"
+    assert acc.reply()["choices"][0]["message"]["reasoning"] == "plan"
 
 
 @pytest.mark.parametrize("item", [
