@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import time
 from functools import partial
@@ -50,6 +51,22 @@ logger = logging.getLogger("steptap.learner.verl")
 
 # The TrainingWorker / engine / platform APIs this module is written against
 VERL_RANGE = (">=0.9.1", "<0.10")
+
+def master_port_range(span: int = 256) -> list[int] | None:
+    """Where the workers' TCPStore listens: a random window below the machine's ephemeral range. verl's
+    default, a ``bind(0)`` port released before the store binds it, lies in that range, where any outgoing
+    connection may be given it meanwhile (seen: EADDRINUSE beside other learners and servers); random, so
+    learners started together rarely scan from one port. ``None`` (verl's pick) on an unusual range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if low - 10_000 <= 1024:
+        return None
+    start = random.randrange(low - 10_000, low - span)
+    return [start, start + span]
+
 
 try:  # the worker class must be importable (by name) in every Ray worker process
     from verl.single_controller.base.decorator import Dispatch, register
@@ -223,7 +240,8 @@ class VerlEngine:
         self.pool = pool = RayResourcePool([per_node] * c.nodes, use_gpu=not self.cpu,
                                            max_colocate_count=c.worker_cpus)
         wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-            cls=_remote_worker(), config=config), device_name="cpu" if self.cpu else "cuda")
+            cls=_remote_worker(), config=config), device_name="cpu" if self.cpu else "cuda",
+            master_port_range=master_port_range())
         wg.set_loss_fn(partial(ppo_loss, config=self.actor))
         wg.reset()
         return wg
