@@ -136,8 +136,11 @@ async def call(
     max_tokens: int = 8,
     ignore_eos: bool = False,
     prompt: str = "hello there",
+    seen: list[int] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One agent call in its own session; returns the recorded step."""
+    """One agent call in its own session; returns the recorded step. ``seen[index]``: the stream's events
+    the agent has read so far (one a token, fewer when vLLM coalesces)."""
     sid = uuid.uuid4().hex
     body = {
         "model": "tiny",
@@ -151,7 +154,14 @@ async def call(
         "ignore_eos": ignore_eos,
     }
     resp = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
-    raw = await resp.read()
+    if seen is None:
+        raw = await resp.read()
+    else:
+        parts = []
+        async for line in resp.content:
+            parts.append(line)
+            seen[index] += line.startswith(b"data: {")
+        raw = b"".join(parts)
     assert resp.status == 200, raw[:500]
     if stream:
         assert raw.rstrip().endswith(b"data: [DONE]")
@@ -481,17 +491,14 @@ async def _resume(server: Backend) -> None:
             assert resp.status == 200, await resp.text()
 
 
-async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
-    """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed."""
-    seen: dict[int, int] = {}  # a call's count, kept from a read while its relay waited on vLLM
-    while True:
-        for s in list(sw.calls.spans):
-            # None while the relay is not waiting on vLLM (its count may miss tokens: weights/spans.py)
-            now = s.counter() if s.counter is not None else None
-            if now is not None:
-                seen[id(s)] = now.get(0, 0)
-        if len(seen) >= calls and min(seen.values()) >= tokens:
-            return
+async def _read_at_least(calls: list[asyncio.Future[Any]], seen: list[int], events: int) -> None:
+    """Until the agent has read ``events`` events of every stream. Counted on the agent's side: the proxy's
+    own count (``Spans.counter``) is read only while its relay waits on vLLM, which a loaded loop, behind
+    vLLM, may never do before the streams end (seen in CI)."""
+    while min(seen) < events:
+        for c in calls:
+            if c.done():
+                raise AssertionError(f"a call ended before its stream was read this far: {c.result()}")
         await asyncio.sleep(0.01)
 
 
@@ -512,9 +519,10 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None,
                                         tmp_path / "w")
     n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
+    seen = [0] * n
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"keep {i}")) for i in range(n)]
-    await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
+                                        prompt=f"keep {i}", seen=seen, index=i)) for i in range(n)]
+    await asyncio.wait_for(_read_at_least(calls, seen, 16), 300)
     await _freeze(swap_server)
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
     assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
@@ -557,13 +565,18 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
 
     published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out,
                                         lora=True)
-    n, length = 4, 256
+    n, length, seen = 4, 640, [0] * 4
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"lora keep {i}")) for i in range(n)]
-    await asyncio.wait_for(_relayed_at_least(sw, n, 8), 300)
-    assert await asyncio.to_thread(request_swap, base_url(client), TOKEN, published, lora=True) == 2
-    served = {m["id"] for m in (await asyncio.to_thread(http_json, f"{swap_server.url}/v1/models"))["data"]}
-    st = sw.state()
+                                        prompt=f"lora keep {i}", seen=seen, index=i)) for i in range(n)]
+    await asyncio.wait_for(_read_at_least(calls, seen, 8), 300)
+    await _freeze(swap_server)  # vLLM's own pause: no call ends before the swap, however slow (a loaded CI)
+    try:
+        assert await asyncio.to_thread(request_swap, base_url(client), TOKEN, published, lora=True) == 2
+        models = await asyncio.to_thread(http_json, f"{swap_server.url}/v1/models")
+        served = {m["id"] for m in models["data"]}
+        st = sw.state()
+    finally:
+        await _resume(swap_server)
     assert st.last_paused_s == 0.0 and st.last_stall_s == 0.0 and st.in_flight == n  # none waited
     assert {f"{LORA_PREFIX}-v1", f"{LORA_PREFIX}-v2"} <= served  # both loaded while the old calls run
     new_call = await call(client)  # new calls use the new adapter at once
