@@ -87,6 +87,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "a group that waited this long is used with the members it has")] = 120.0
     min_group_members: Annotated[int, _help(
         "fewer complete members after the timeout: dropped (counted)")] = 2
+    skip_uniform_groups: Annotated[bool, _help(
+        "dynamic sampling (DAPO): a group whose members all got one reward gives a group-relative estimator "
+        "no signal; it is consumed, logged as a skipped_group row and not counted toward the batch, which "
+        "waits for groups that vary (the driver resamples)")] = False
     epochs: Annotated[int, _help("passes over each batch (PPO epochs); > 1 makes the clip matter")] = 1
     micro_batch_tokens: Annotated[int, _help("token budget of one forward/backward (padded tokens)")] = 8192
     lr: Annotated[float, _help("AdamW learning rate")] = 1e-6
@@ -192,6 +196,11 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 problems.append(f"{name} must be >= 1")
         if self.lr <= 0:
             problems.append("lr must be > 0")
+        from steptap.learner.health import BATCH_SCOPE
+
+        if self.skip_uniform_groups and self.algorithm in BATCH_SCOPE:
+            problems.append(f"skip_uniform_groups: {self.algorithm} compares a sample with the batch, not "
+                            "its group; a uniform group still teaches it")
         if not (self.health_gap_nats > 0 and self.health_stall_s > 0):
             problems.append("health_gap_nats and health_stall_s must be > 0")
         if not 0 < self.stale_decay <= 1:

@@ -208,12 +208,25 @@ class Learner:
                     pump.result()
                     raise RuntimeError("the trajectory stream ended")
             more, small = self.grouper.take(self.cfg.batch_groups - len(groups))
-            groups += more
+            groups += [g for g in more if not self._skipped(g)]
             self.untrained += [(t, "dropped_small_group") for t in small]  # consumed, never trained
             if len(groups) < self.cfg.batch_groups:
                 await asyncio.sleep(0.2)
                 await self._stalled()
         return groups
+
+    def _skipped(self, group: list[Trajectory]) -> bool:
+        """``skip_uniform_groups``: a group of one reward is consumed with the next batch, never trained, and
+        logged now (the row a lockstep driver watches to resample its task)."""
+        rewards = {round(t.reward, 9) for t in group}
+        if not self.cfg.skip_uniform_groups or len(rewards) > 1:
+            return False
+        self.untrained += [(t, "dropped_no_variance") for t in group]
+        self.grouper.counts["dropped_no_variance"] += len(group)
+        self.metrics.log_batch({"time": time.time(), "skipped_group": group[0].group_id,
+                                "cause": "no_variance", "reward": rewards.pop(), "trajectories": len(group),
+                                "policy_version": self.version})
+        return True
 
     async def _stalled(self) -> None:
         """No batch for ``health_stall_s``: what the proxies say (sessions that never finish, rewards that

@@ -27,6 +27,7 @@ from typing import Any
 from steptap.middleware.client import SteptapError, SyncSteptapClient, default_control_token
 
 TASKS = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run"]
+SKIP_SETTLE_S = 30.0  # no update and no new skipped group for this long: the learner waits for more groups
 
 
 def _version(client: SyncSteptapClient) -> int:
@@ -118,9 +119,11 @@ class Driver:
 
     def lockstep(self, groups: int) -> int:
         """``groups`` training tasks (one update's batch), then wait for the update they feed: the learner
-        trains with the machine to itself, and every group is sampled by the latest version. Each batch
-        appends its budget to the metrics file (``lockstep_*``: the episodes' wall time with their verifiers,
-        then the wait for the new version: the update, writing the adapter and the swap)."""
+        trains with the machine to itself, and every group is sampled by the latest version. With the
+        learner's ``skip_uniform_groups``, a task whose group it skipped (all one reward) runs again, up to
+        ``--resample`` times, before the wait goes on. Each batch appends its budget to the metrics file
+        (``lockstep_*``: the episodes' wall time with their verifiers, then the wait for the new version: the
+        update, writing the adapter and the swap; the tasks resampled)."""
         names = sorted(d.name for d in (self.args.data / "train").iterdir() if d.is_dir())
         chunks = [names[i:i + groups] for i in range(0, len(names), groups)]
         done = self._batches_done()
@@ -128,35 +131,78 @@ class Driver:
             for k, chunk in enumerate(chunks):
                 if (r, k) in done:  # a resumed run: its update came (a run dir alone says less)
                     continue
-                version = _version(self.client)
-                self.eval_if_due(version)
-                t0 = time.monotonic()
-                run_dir = self.args.workdir / "train" / f"r{r}-b{k}"
-                self.child = subprocess.Popen(_train_cmd(self.args, run_dir, 1, chunk))
-                if self.child.wait() != 0:
-                    return self.child.returncode
-                t1 = time.monotonic()
-                if not self._wait_update(version):
-                    print(f"loop: no update within {self.args.update_timeout:.0f} s of batch {k} of round {r}"
-                          f" (version {version}); going on", file=sys.stderr, flush=True)
-                row = {"time": time.time(), "lockstep_round": r, "lockstep_batch": k, "lockstep_tasks": chunk,
-                       "lockstep_version": version, "lockstep_episodes_s": round(t1 - t0, 1),
-                       "lockstep_update_s": round(time.monotonic() - t1, 1)}
-                with self.args.metrics_file.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                rc = self._batch(r, k, chunk)
+                if rc:
+                    return rc
         return 0
 
-    def _batches_done(self) -> set[tuple[int, int]]:
-        if not self.args.metrics_file.exists():
-            return set()
-        rows = (json.loads(line) for line in self.args.metrics_file.read_text().splitlines() if line.strip())
-        return {(r["lockstep_round"], r["lockstep_batch"]) for r in rows if "lockstep_batch" in r}
+    def _batch(self, r: int, k: int, chunk: list[str]) -> int:
+        version = _version(self.client)
+        self.eval_if_due(version)
+        t0, episodes_s, todo, resampled = time.monotonic(), 0.0, chunk, []
+        for attempt in range(self.args.resample + 1):
+            since = self._metrics_size()
+            run_dir = self.args.workdir / "train" / (f"r{r}-b{k}" + (f"-a{attempt}" if attempt else ""))
+            t1 = time.monotonic()
+            self.child = subprocess.Popen(_train_cmd(self.args, run_dir, 1, todo))
+            if self.child.wait() != 0:
+                return self.child.returncode
+            episodes_s += time.monotonic() - t1
+            outcome = self._wait_update(version, todo, since)
+            if not isinstance(outcome, list):
+                break
+            todo = outcome
+            resampled += todo if attempt < self.args.resample else []
+        if outcome is False:
+            print(f"loop: no update within {self.args.update_timeout:.0f} s of batch {k} of round {r}"
+                  f" (version {version}); going on", file=sys.stderr, flush=True)
+        elif outcome is not True:
+            print(f"loop: the learner skipped {', '.join(outcome)} (one reward for the group) after "
+                  f"{self.args.resample} resample(s); going on", file=sys.stderr, flush=True)
+        row = {"time": time.time(), "lockstep_round": r, "lockstep_batch": k, "lockstep_tasks": chunk,
+               "lockstep_version": version, "lockstep_episodes_s": round(episodes_s, 1),
+               "lockstep_update_s": round(time.monotonic() - t0 - episodes_s, 1),
+               "lockstep_resampled": resampled, "lockstep_updated": outcome is True}
+        with self.args.metrics_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        return 0
 
-    def _wait_update(self, version: int) -> bool:
+    def _rows(self, since: int = 0) -> list[dict[str, Any]]:
+        if not self.args.metrics_file.exists():
+            return []
+        with self.args.metrics_file.open("rb") as f:
+            f.seek(since)
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a row the learner is writing now
+                continue
+        return out
+
+    def _metrics_size(self) -> int:
+        return self.args.metrics_file.stat().st_size if self.args.metrics_file.exists() else 0
+
+    def _batches_done(self) -> set[tuple[int, int]]:
+        return {(r["lockstep_round"], r["lockstep_batch"]) for r in self._rows() if "lockstep_batch" in r}
+
+    def _wait_update(self, version: int, tasks: list[str], since: int) -> bool | list[str]:
+        """True when a new version came; the tasks whose groups the learner skipped (``skipped_group`` rows
+        since ``since``), once all are, or once no row has come for ``SKIP_SETTLE_S`` after one did (the
+        learner waits for more groups); False at the timeout."""
         deadline = time.monotonic() + self.args.update_timeout
+        skipped: list[str] = []
+        settled_at = 0.0
         while time.monotonic() < deadline:
             if _version(self.client) > version:
                 return True
+            now = [t for t in tasks if any(f"-{t}-" in str(row.get("skipped_group", ""))
+                                           for row in self._rows(since))]
+            if now != skipped:
+                skipped, settled_at = now, time.monotonic() + SKIP_SETTLE_S
+            if skipped and (len(skipped) == len(tasks) or time.monotonic() >= settled_at):
+                return skipped
             time.sleep(2)
         return False
 
@@ -178,12 +224,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="run G training tasks (the learner's batch_groups), then wait for the update they "
                         "feed before the next G, evaluating between: on a small CPU the learner then trains "
                         "alone instead of beside vLLM (0: every task at once, training beside the agents)")
+    p.add_argument("--resample", type=int, default=0, metavar="K",
+                   help="with --lockstep and the learner's skip_uniform_groups: run a task whose group was "
+                        "skipped (every episode one reward) again, up to K times (dynamic sampling)")
     p.add_argument("--update-timeout", type=float, default=3600.0,
                    help="with --lockstep: seconds to wait for an update before going on")
     p.add_argument("--no-eval", action="store_true", help="training only")
     args = p.parse_args(argv)
-    if args.lockstep < 0:
-        p.error("--lockstep: a number of tasks, 0 for none")
+    if args.lockstep < 0 or args.resample < 0:
+        p.error("--lockstep and --resample: a number, 0 for none")
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"
     url = os.environ.get("STEPTAP_URL")
     if not url:

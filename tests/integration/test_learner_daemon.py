@@ -107,6 +107,35 @@ async def test_stale_downweight_is_counted(make_proxy, tmp_path: Path, tiny_mode
     assert row["counts"]["trained_steps"] == 6
 
 
+async def test_uniform_groups_are_skipped_logged_and_counted(make_proxy, tmp_path: Path,
+                                                             tiny_model_dir) -> None:
+    """Dynamic sampling: group 0's members got one reward (nothing for GRPO to learn), group 1's differ. The
+    one update trains group 1; group 0 is logged as it is skipped (the row a driver resamples on) and counted
+    as consumed in the update's batch."""
+    log_dir = tmp_path / "log"
+    log = await TrajectoryLog.open(str(log_dir))
+    await log.append(PolicyVersion(version=PROXY_VERSION))
+    for g in range(2):
+        for m in range(2):
+            traj = _traj(g, m, [PROXY_VERSION])
+            traj.rewards = {"r": float(m * g)}  # group 0: 0 and 0; group 1: 0 and 1
+            await log.append(traj)
+    await log.close()
+    proxy = await make_proxy("http://127.0.0.1:9", log_dir=log_dir)
+    metrics = tmp_path / "m.jsonl"
+    await daemon._run(config_from_argv([
+        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(tiny_model_dir),
+        "--batch-groups", "1", "--group-size", "2", "--push-every", "0", "--max-updates", "1",
+        "--checkpoint-dir", str(tmp_path / "c"), "--metrics-file", str(metrics), "--skip-uniform-groups",
+        "--no-progress", "--num-threads", "1", *SYNTHETIC]))
+    skipped, update = _rows(metrics)
+    assert skipped["skipped_group"] == "g0" and skipped["cause"] == "no_variance"
+    assert skipped["reward"] == 0.0 and skipped["trajectories"] == 2
+    assert update["update"] == 1 and update["reward_mean"] == 0.5  # group 1 only
+    assert update["counts"]["dropped_no_variance"] == 2
+    assert update["health"]["groups"] == 1 and update["health"]["groups_varied"] == 1
+
+
 def test_config_file_flags_env_and_validation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "learner.toml"
     monkeypatch.chdir(tmp_path)  # its model_dir, ./tiny-model, must be a directory

@@ -9,8 +9,11 @@ episodes 0 and 1 of a group write 42 and episodes 2 and 3 write 41, and the veri
 ``{outcome 1, file 0.1}`` and ``{outcome 0, file 0.1}``. Round 1 is one group, sampled by version 0; the
 learner trains it and publishes version 1; round 2, another task, is sampled by version 1, trained, and
 version 2 is published: the recipe's driver in lockstep (loop.py ``--lockstep 1``), one group, then the update
-it feeds. The time of each part (the episodes with their verifiers, wall; vLLM's CPU; the
-learner's update; the swap) is printed: the budget of one update, in examples/pi_learns/README.md.
+it feeds. Between them a third task, whose every episode writes a wrong answer, is dynamic sampling's
+case: the learner (``skip_uniform_groups``) skips its group, the driver runs it again (``--resample 1``), it
+is skipped again and the driver goes on; no update comes of it. The time of each part (the episodes with
+their verifiers, wall; vLLM's CPU; the learner's update; the swap) is printed: the budget of one update, in
+examples/pi_learns/README.md.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     proxy = await make_proxy(long_swap.url)
     data = tmp_path / "pi"  # as make_tasks.py lays it out: train/ and test/
     names = sorted([scripted_task(data / "train", 6, 7), scripted_task(data / "train", 3, 14)])
+    # 5 * 9: every episode writes a wrong answer, one reward for the group; sorted between the two
+    uniform = scripted_task(data / "train", 5, 9)
     held_out = scripted_task(data / "test", 2, 21)
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     learner = asyncio.create_task(daemon._run(config_from_argv([
@@ -85,14 +90,15 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
         "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(long_swap.model_dir),
         "--batch-groups", "1", "--group-size", "4", "--max-updates", "2", "--num-threads", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(ckpt),
-        "--metrics-file", str(metrics), "--no-progress"])))
+        "--metrics-file", str(metrics), "--skip-uniform-groups", "--no-progress"])))
     pi = agent_cli("pi")
     monkeypatch.setenv("STEPTAP_URL", proxy.url)
     monkeypatch.setenv("STEPTAP_CONTROL_TOKEN", proxy.token)
     monkeypatch.setenv("PATH", f"{pi.parent}:{os.environ['PATH']}")
     # the recipe's driver in lockstep: round k's group, then the update it feeds, then the next
     args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=4, n=4, rounds=1,
-                              metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0)
+                              metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0,
+                              resample=1)
     client = SyncSteptapClient(proxy.url, proxy.token)
     driver = loop.Driver(args, client)
     vllm0 = cpu_of(long_swap.pid)
@@ -102,7 +108,10 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
         driver.stop()
     vllm_cpu = cpu_of(long_swap.pid) - vllm0
     await asyncio.wait_for(learner, 600)
-    rounds = [sorted(state(tmp_path / "run/train" / f"r0-b{k}"), key=lambda r: r["index"]) for k in range(2)]
+    def episodes(run: str) -> list[dict]:
+        return sorted(state(tmp_path / "run/train" / run), key=lambda r: r["index"])
+
+    rounds, skipped = [episodes("r0-b0"), episodes("r0-b2")], [episodes("r0-b1"), episodes("r0-b1-a1")]
 
     # the recipe's evaluation (loop.py: the runner's eval mode on the held-out split) at version 2
     assert (await asyncio.to_thread(client.health))["policy_version"] == 2  # the proxy serves version 2
@@ -112,7 +121,14 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     updates = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in updates if "update" in r]
     assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
-    assert len(recorded) == 8  # the two rounds' episodes, and nothing else the learner could have taken
+    assert len(recorded) == 16  # the four groups' episodes, and nothing else the learner could have taken
+    # dynamic sampling: the uniform task's group was skipped, run again (--resample 1), skipped again, and the
+    # driver went on; neither group trained, both counted in the next update's batch
+    assert [[recorded[r["session_id"]].rewards for r in lines] for lines in skipped] == [[WRONG] * 4] * 2
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["skipped_group"], r["reward"], r["policy_version"]) for r in rows if "skipped_group" in r] == [
+        (recorded[lines[0]["session_id"]].group_id, 0.1, 1) for lines in skipped]
+    assert updates[1]["counts"]["dropped_no_variance"] == 8
     for k, (lines, row) in enumerate(zip(rounds, updates, strict=True)):
         trajs = [recorded[r["session_id"]] for r in lines]
         # every episode a real pi in its own sandbox: its first call printed its own index, then it wrote
@@ -141,8 +157,10 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     assert (state_["updates"], state_["version"]) == (2, 2)
     # the driver's budget of each batch: its episodes, then the wait for the version they fed
     batches = [r for r in map(json.loads, metrics.read_text().splitlines()) if "lockstep_batch" in r]
-    assert [(b["lockstep_batch"], b["lockstep_tasks"], b["lockstep_version"]) for b in batches] == [
-        (0, [names[0]], 0), (1, [names[1]], 1)]
+    assert [(b["lockstep_batch"], b["lockstep_tasks"], b["lockstep_version"], b["lockstep_resampled"],
+             b["lockstep_updated"]) for b in batches] == [
+        (0, [names[0]], 0, [], True), (1, [uniform], 1, [uniform], False), (2, [names[1]], 1, [], True)]
+    batches = [b for b in batches if b["lockstep_updated"]]
     budget = [{"episodes_wall_s": b["lockstep_episodes_s"], "to_version_s": b["lockstep_update_s"],
                "train_s": round(u["seconds"], 1), "update_wall_s": u["wall_s"],
                "steps": u["counts"].get("trained_steps"), "seq_tokens": u["seq_tokens"]}
