@@ -100,6 +100,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "auto-created sessions idle this long are closed as timed_out")] = 60.0
     force_sampling: Annotated[dict[str, float], _help(
         "sampling values sent on every call, whatever the agent asked: temperature=1.0,top_p=1.0")] = {}
+    eval_sampling: Annotated[dict[str, float], _help(
+        "sampling values sent on every call of an eval-mode session, in place of force_sampling: "
+        "temperature=0 evaluates greedily while training samples (empty: eval sessions get force_sampling)")
+    ] = {}
     max_record_bytes: Annotated[int, _help(
         "the largest record the log takes (413 above it)")] = 64 * MIB
     max_request_bytes: Annotated[int, _help(
@@ -248,17 +252,18 @@ def generation_defaults(model_dir: str) -> dict[str, float]:
     return {k: float(data[k]) for k in keys if isinstance(data.get(k), (int, float))}
 
 
-def parse_force_sampling(text: str) -> dict[str, float]:
+def parse_force_sampling(text: str, flag: str = "--force-sampling") -> dict[str, float]:
     """``temperature=1.0,top_p=1.0`` -> ``{"temperature": 1.0, "top_p": 1.0}``."""
     allowed = {"temperature", "top_p", "top_k", "min_p"}
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep or name.strip() not in allowed:
-            raise ValueError(
-                f"--force-sampling: expected NAME=VALUE with NAME in {sorted(allowed)}, got {part!r}"
-            )
-        out[name.strip()] = float(value)
+            raise ValueError(f"{flag}: expected NAME=VALUE with NAME in {sorted(allowed)}, got {part!r}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"{flag}: {name.strip()} must be a number, got {value.strip()!r}") from None
     return out
 
 

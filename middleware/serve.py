@@ -51,6 +51,7 @@ def config_from_args(argv: list[str]) -> ProxyConfig:
     values = vars(args)
     try:
         values["force_sampling"] = parse_force_sampling(args.force_sampling)
+        values["eval_sampling"] = parse_force_sampling(args.eval_sampling, "--eval-sampling")
         for name in SECRET_ENV:
             values[name] = _secret(args, name)
     except (OSError, ValueError) as exc:

@@ -50,6 +50,7 @@ from steptap.middleware.proxy.serving import (
     _upstream_body,
     admitted_body,
     decode_body,
+    forced_sampling,
     patch_request,
 )
 from steptap.middleware.proxy.sse import StreamRelay
@@ -166,10 +167,11 @@ async def _forwarded(request: web.Request, call: _Incoming, session: LiveSession
     try:
         if call.proto is not None:
             await call.proto.adapt(replica.client, served)
-        out, asked = patch_request(pics.upstream(call.proto, call.body), call.upstream, served,
-                                   request.app[CONFIG_KEY])
+        cfg = request.app[CONFIG_KEY]
+        forced = forced_sampling(cfg, session)
+        out, asked = patch_request(pics.upstream(call.proto, call.body), call.upstream, served, cfg, forced)
         running = _Call(request, call.upstream, replica, asked,
-                        _recorder(request, call, session, pics, out, served, replica, ticket))
+                        _recorder(request, call, session, pics, out, served, replica, ticket, bool(forced)))
         payload = _upstream_body(call.raw, call.body, out) if call.proto is None else _encode(out)
         return await running.run(payload, bool(call.view.stream))
     finally:
@@ -177,13 +179,14 @@ async def _forwarded(request: web.Request, call: _Incoming, session: LiveSession
 
 
 def _recorder(request: web.Request, call: _Incoming, session: LiveSession, pics: vision.CallImages,
-              out: dict[str, Any], served: str, replica: Replica, ticket: Ticket) -> CallRecorder:
+              out: dict[str, Any], served: str, replica: Replica, ticket: Ticket,
+              forced: bool) -> CallRecorder:
     """The call's recorder: what every step of it shares, and what it adds to them."""
     app, cfg = request.app, request.app[CONFIG_KEY]
     state = app[CALL_STATES_KEY].of(session)
     recorder = CallRecorder(app, app[SESSIONS_KEY], session, state, call.upstream, call.t0, common=dict(
         request=pics.logged(call.body),  # each image as its reference (stored once)
-        sampling=capture.sampling_of(out, bool(cfg.force_sampling), cfg.sampling_defaults),
+        sampling=capture.sampling_of(out, forced, cfg.sampling_defaults),
         model=call.view.model or served,
         served_model=served,
         backend=replica.name,

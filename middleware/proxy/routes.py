@@ -19,7 +19,13 @@ from steptap.middleware.proxy import gemini, tito, vision
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.capture import CHAT
 from steptap.middleware.proxy.protocols import Messages, Protocol, anthropic_errors
-from steptap.middleware.proxy.serving import _json_object, _sticky_id, admitted_body, patch_request
+from steptap.middleware.proxy.serving import (
+    _json_object,
+    _sticky_id,
+    admitted_body,
+    forced_sampling,
+    patch_request,
+)
 from steptap.middleware.records import json_encoder
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
@@ -79,7 +85,8 @@ async def prompt_ids(request: web.Request, protocol: Callable[[dict[str, Any]], 
             async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], None) as pics:
                 await pics.read(proto.chat)
                 await proto.adapt(upstream, served)
-                out, _ = patch_request(pics.upstream(proto, body), CHAT, served, cfg)
+                forced = forced_sampling(cfg, session)
+                out, _ = patch_request(pics.upstream(proto, body), CHAT, served, cfg, forced)
                 return await _rendered_ids(upstream, out)
 
 

@@ -103,11 +103,19 @@ def decode_body(raw: bytes, endpoint: str, manager: SessionManager, states: Call
     return _json_object(raw), False
 
 
+def forced_sampling(cfg: ProxyConfig, session: LiveSession | None) -> dict[str, float]:
+    """The sampling values forced on a call of ``session``: ``eval_sampling`` for an eval-mode session when
+    set (greedy evaluation beside sampled training), else ``force_sampling``."""
+    if cfg.eval_sampling and session is not None and session.trajectory.mode == "eval":
+        return cfg.eval_sampling
+    return cfg.force_sampling
+
+
 def patch_request(
-    body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig
+    body: dict[str, Any], endpoint: str, served: str, cfg: ProxyConfig, forced: dict[str, float]
 ) -> tuple[dict[str, Any], Asked]:
-    """The body sent upstream: the agent's, with token ids and logprobs turned on and the served model
-    name."""
+    """The body sent upstream: the agent's, with token ids and logprobs turned on, the served model name and
+    the ``forced`` sampling values (``forced_sampling``)."""
     out = dict(body)  # shallow: only top-level keys change
     if body.get("model") is not None and body.get("model") != served:
         out["model"] = served
@@ -121,7 +129,7 @@ def patch_request(
             out["logprobs"] = 0  # the sampled token's logprob only
     if not asked.token_ids:
         out["return_token_ids"] = True
-    for name, value in cfg.force_sampling.items():
+    for name, value in forced.items():
         out[name] = int(value) if name == "top_k" else value
     if cfg.drop_seed:
         out.pop("seed", None)  # the caller notes it (SEED_DROPPED): a backend that dies on it never sees it

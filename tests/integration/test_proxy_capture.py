@@ -304,7 +304,8 @@ async def test_models_and_health(proxy: Proxy, vllm_server: Backend, http: aioht
 async def test_force_sampling_overrides_the_agent_and_is_recorded(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await make_proxy(vllm_server.url, force_sampling={"temperature": 0.0, "top_p": 1.0})
+    proxy = await make_proxy(vllm_server.url, force_sampling={"temperature": 0.0, "top_p": 1.0},
+                             eval_sampling={"temperature": 0.5})
     greedy = chat(vllm_server)
     _, direct = await post(http, f"{vllm_server.url}/v1/chat/completions", greedy)
     body = {**greedy, "temperature": 1.7, "top_p": 0.5, "seed": 3}
@@ -316,6 +317,16 @@ async def test_force_sampling_overrides_the_agent_and_is_recorded(
     (step,) = trajectory(proxy, "forced").steps
     assert step.request["temperature"] == 1.7  # what the agent sent
     assert (step.sampling.temperature, step.sampling.top_p, step.sampling.forced) == (0.0, 1.0, True)
+    # an eval session's calls get eval_sampling instead (greedy evaluation beside sampled training, or here
+    # the other way round): its values alone, the agent's top_p kept
+    async with http.post(f"{proxy.url}/sessions", json={"mode": "eval"}, headers=proxy.control) as resp:
+        assert resp.status == 201, await resp.text()
+        info = await resp.json()
+    status, _ = await post(http, f"{info['base_url']}/chat/completions", body,
+                           headers={"Authorization": f"Bearer {info['api_key']}"})
+    assert status == 200
+    (step,) = trajectory(proxy, info["id"]).steps
+    assert (step.sampling.temperature, step.sampling.top_p, step.sampling.forced) == (0.5, 0.5, True)
 
 
 def test_sampling_defaults_come_from_the_model_generation_config(tmp_path: Any) -> None:

@@ -234,16 +234,16 @@ def test_patch_adds_our_keys_and_keeps_unknown_fields() -> None:
         "logprobs": False,
         "temperature": 0.3,
     }
-    out, asked = _patch(body, CHAT, "tiny", cfg)
+    out, asked = _patch(body, CHAT, "tiny", cfg, {})
     assert out["vendor_field"] == {"x": [1]} and out["return_token_ids"] is True and out["logprobs"] is True
     assert out["model"] == "tiny" and body["model"] == "gpt-4o" and "return_token_ids" not in body
     assert asked == Asked(False, False)
-    out, asked = _patch({"prompt": "x", "logprobs": 2}, COMPLETIONS, "tiny", cfg)
+    out, asked = _patch({"prompt": "x", "logprobs": 2}, COMPLETIONS, "tiny", cfg, {})
     assert out["logprobs"] == 2 and asked == Asked(False, True) and "model" not in out
-    out, _ = _patch({"prompt": "x"}, COMPLETIONS, "tiny", cfg)
+    out, _ = _patch({"prompt": "x"}, COMPLETIONS, "tiny", cfg, {})
     assert out["logprobs"] == 0
     forced = ProxyConfig(backend="http://x", force_sampling={"temperature": 1.0, "top_p": 1.0})
-    out, _ = _patch(body, CHAT, "tiny", forced)
+    out, _ = _patch(body, CHAT, "tiny", forced, forced.force_sampling)
     assert out["temperature"] == 1.0 and out["top_p"] == 1.0
     s = sampling_of(out, True)
     assert (s.temperature, s.top_p, s.top_k, s.forced) == (1.0, 1.0, -1, True)

@@ -106,7 +106,7 @@ def test_the_upstream_body_is_the_agents_bytes_plus_what_the_proxy_adds() -> Non
     }
     for name, (raw, kept) in cases.items():
         body = msgspec.json.decode(raw)
-        out, _ = patch_request(body, "chat.completions", "tiny", cfg)
+        out, _ = patch_request(body, "chat.completions", "tiny", cfg, cfg.force_sampling)
         sent = _upstream_body(raw, body, out)
         if len(raw) > 65536:
             assert isinstance(sent, Parts), name

@@ -5,14 +5,16 @@ it never sees it), the agent's other keys as they were; without the flag the see
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.proxy.serving import _upstream_body, patch_request
+from steptap.middleware.proxy.serving import _upstream_body, forced_sampling, patch_request
 
 
 def _sent(raw: bytes, **cfg: object) -> dict[str, object]:
     body = msgspec.json.decode(raw)
-    out, _ = patch_request(body, "chat.completions", "tiny", ProxyConfig(backend="http://127.0.0.1:1", **cfg))
+    config = ProxyConfig(backend="http://127.0.0.1:1", **cfg)
+    out, _ = patch_request(body, "chat.completions", "tiny", config, config.force_sampling)
     sent = _upstream_body(raw, body, out)
     assert isinstance(sent, bytes)
     return dict(msgspec.json.decode(sent))
@@ -27,7 +29,7 @@ def test_the_seed_is_dropped_only_where_the_backend_dies_on_it() -> None:
     assert {k: v for k, v in kept.items() if k != "seed"} == dropped
     # the completions form too (a prompt, logprobs 0), and a body without a seed is untouched
     body = {"prompt": "hi", "seed": 1}
-    out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", drop_seed=True))
+    out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", drop_seed=True), {})
     assert out == {"prompt": "hi", "logprobs": 0, "return_token_ids": True}
     assert _sent(b'{"messages":[]}', drop_seed=True) == _sent(b'{"messages":[]}')
 
@@ -43,7 +45,8 @@ def test_max_tokens_cap_lowers_every_limit_a_call_names_and_gives_one_to_a_call_
 
     assert sampling_of(capped, False).max_tokens == 64
     body = {"prompt": "hi", "max_tokens": 500}
-    out, _ = patch_request(body, "completions", "tiny", ProxyConfig(backend="http://x:1", max_tokens_cap=100))
+    capped_cfg = ProxyConfig(backend="http://x:1", max_tokens_cap=100)
+    out, _ = patch_request(body, "completions", "tiny", capped_cfg, {})
     assert out["max_tokens"] == 100 and body["max_tokens"] == 500  # the agent's body is not changed
 
 
@@ -52,3 +55,29 @@ def test_a_negative_cap_is_refused_when_the_config_is_read() -> None:
 
     with pytest.raises(ValueError, match="max_tokens_cap must be 0"):
         ProxyConfig(backend="http://x:1", max_tokens_cap=-1)
+
+
+def test_an_eval_session_gets_eval_sampling_and_a_train_one_force_sampling() -> None:
+    from steptap.middleware.records import Trajectory
+    from steptap.middleware.sessions.session import LiveSession
+
+    cfg = ProxyConfig(backend="http://x:1", force_sampling={"temperature": 0.6},
+                      eval_sampling={"temperature": 0})
+    train, evaluation = (LiveSession(Trajectory(id=m, mode=m), None) for m in ("train", "eval"))
+    assert forced_sampling(cfg, train) == {"temperature": 0.6} == forced_sampling(cfg, None)
+    assert forced_sampling(cfg, evaluation) == {"temperature": 0}
+    out, _ = patch_request({"prompt": "hi", "temperature": 1.0}, "completions", "tiny", cfg,
+                           forced_sampling(cfg, evaluation))
+    assert out["temperature"] == 0
+    unset = ProxyConfig(backend="http://x:1", force_sampling={"temperature": 0.6})  # eval: force_sampling too
+    assert forced_sampling(unset, evaluation) == {"temperature": 0.6}
+
+
+def test_a_bad_eval_sampling_flag_is_a_usage_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from steptap.middleware.serve import config_from_args
+
+    with pytest.raises(SystemExit):
+        config_from_args(["--backend", "http://b", "--eval-sampling", "temperature=greedy"])
+    assert "--eval-sampling: temperature must be a number, got 'greedy'" in capsys.readouterr().err
+    assert config_from_args(["--backend", "http://b", "--eval-sampling", "temperature=0"]).eval_sampling == {
+        "temperature": 0.0}
