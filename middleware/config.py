@@ -18,7 +18,8 @@ DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True):
-    """Each field is a ``steptap serve`` flag (``serve.py`` generates them; the description is the help)."""
+    """Each field is a ``steptap serve`` flag (``server/serve.py`` generates them; the description is the
+    help)."""
 
     backend: Annotated[str, _help(
         "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix "

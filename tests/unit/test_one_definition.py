@@ -137,7 +137,7 @@ def test_every_generated_flag_s_help_is_its_field_s_description() -> None:
 
     from steptap.learner.config import LearnerConfig, add_config_flags
     from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.serve import add_proxy_flags
+    from steptap.middleware.server.serve import add_proxy_flags
 
     for struct, add in ((ProxyConfig, add_proxy_flags), (LearnerConfig, add_config_flags)):
         parser = argparse.ArgumentParser()
