@@ -163,8 +163,9 @@ def test_middleware_imports_follow_the_arrows() -> None:
 def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
     """The learner and the adapters talk to the proxy over HTTP (client.py) and share its record schema; they
     never import its server parts. The one exception: adapters may read a log directory through the log's
-    read-only offline reader (``steptap export --log``), and the learner seals its transfer store with the one
-    store the vLLM plugin joins through (``vllm_plugin/steptap_sealed_store.py``, torch only)."""
+    read-only offline reader (``steptap export --log``) and build Harbor's virtualenv the one way vLLM's is
+    built (``launch/venvs.py``, stdlib only), and the learner seals its transfer store with the one store the
+    vLLM plugin joins through (``vllm_plugin/steptap_sealed_store.py``, torch only)."""
     wrong = []
     for folder in ("learner", "adapters"):
         for path in _files(folder):
@@ -173,7 +174,8 @@ def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
                 part = _middleware_part(name)
                 if part is None or part == "kernel" and name.split(".")[2] not in ROOTS or name in SHARED:
                     continue
-                if folder == "adapters" and name.startswith("steptap.middleware.log.offline"):
+                if folder == "adapters" and name.startswith(("steptap.middleware.log.offline",
+                                                             "steptap.middleware.launch.venvs")):
                     continue
                 sealed = "steptap.middleware.launch.vllm_plugin.steptap_sealed_store"
                 if folder == "learner" and name.startswith(sealed):
