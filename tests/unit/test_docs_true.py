@@ -85,8 +85,8 @@ def limits_table_mismatches(text: str) -> list[str]:
 
     import msgspec
 
+    from steptap.middleware.cli.flags import flag_name as _flag
     from steptap.middleware.config import ProxyConfig, add_proxy_flags
-    from steptap.middleware.flags import flag_name as _flag
 
     parser = argparse.ArgumentParser()
     add_proxy_flags(parser)
@@ -163,7 +163,7 @@ def command_flags() -> dict[str, set[str]]:
     import ast
 
     from steptap.learner.config import add_config_flags
-    from steptap.middleware.cli import COMMANDS
+    from steptap.middleware.cli.main import COMMANDS
     from steptap.middleware.launch.up_parser import build_parser
     from steptap.middleware.server.serve import _parser as serve_parser
 

@@ -65,6 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return int(getattr(module, func_name)(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
