@@ -95,7 +95,7 @@ def steptap_cmd(
     if tree is not None:
         boot = (f"import sys; sys.path.insert(0, {tree!r}); import steptap.middleware as m; "
                 f"assert m.__file__.startswith({tree!r}), m.__file__; "
-                "from steptap.middleware.cli import main; sys.exit(main())")
+                "from steptap.middleware.cli.main import main; sys.exit(main())")
         base = [*(shlex.split(prefix) if prefix else [sys.executable]), "-c", boot]
     elif prefix:
         base = shlex.split(prefix)

@@ -2,7 +2,7 @@
 
 A config file (TOML) sets any subset of the fields; every field is also a command-line flag
 (``--lr 1e-5``, ``--lora-rank 8``, ``--no-resume``), generated from the Struct so the two never drift
-(``steptap.middleware.flags``, the one generator; a field's help is its ``msgspec.Meta`` description).
+(``steptap.middleware.cli.flags``, the one generator; a field's help is its ``msgspec.Meta`` description).
 Precedence: defaults < file < flags < ``STEPTAP_CONTROL_TOKEN`` (only when no token was given).
 """
 
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from steptap.middleware.flags import add_struct_flags
-from steptap.middleware.flags import described as _help  # a field's description is its flag's help
+from steptap.middleware.cli.flags import add_struct_flags
+from steptap.middleware.cli.flags import described as _help  # a field's description is its flag's help
 
 
 class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -9,16 +9,17 @@ from typing import Annotated, Literal
 import msgspec
 from aiohttp import web
 
+from steptap.middleware.cli.flags import add_struct_flags
+from steptap.middleware.cli.flags import described as _help  # a field's description is its flag's help
 from steptap.middleware.client.tokens import TOKEN_ENV
-from steptap.middleware.flags import add_struct_flags
-from steptap.middleware.flags import described as _help  # a field's description is its flag's help
 
 MIB = 1024 * 1024
 DEFAULT_LOG_DIR = "./steptap-log"  # a proxy that loses data by default is wrong: log locally unless told
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True):
-    """Each field is a ``steptap serve`` flag (``serve.py`` generates them; the description is the help)."""
+    """Each field is a ``steptap serve`` flag (``server/serve.py`` generates them; the description is the
+    help)."""
 
     backend: Annotated[str, _help(
         "the vLLM server: http://host:port (without /v1), or unix:PATH for one serving on a unix "

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from steptap.adapters.agent_settings import KEY_ENV
 from steptap.middleware.client import TOKEN_ENV, TOKEN_FILE_ENV
 from steptap.middleware.files import cache_root
+from steptap.middleware.launch.venvs import build_once
 from steptap.middleware.records import ProcessEnd
-from steptap.middleware.venvs import build_once
 
 if TYPE_CHECKING:
     from steptap.adapters.tasks.episode import Episode

@@ -7,8 +7,8 @@ the group, a grace period until the group is empty, then SIGKILL. Health is ``GE
 over TCP or a unix socket (``unix:PATH``), through the middleware's client (stdlib only, no ``http_proxy``).
 
 A launcher that dies hard (SIGKILL, OOM) runs no cleanup, and its children, leaders of their own sessions,
-would go on serving: every child steptap starts gets ``steptap.middleware.lifetime.die_with_parent`` (SIGTERM
-when the launcher dies, so a ``steptap vllm`` child still stops its own vLLM group in order).
+would go on serving: every child steptap starts gets ``lifetime.die_with_parent`` (SIGTERM when the launcher
+dies, so a ``steptap vllm`` child still stops its own vLLM group in order).
 
 The proxy's listening socket (``listener``) is bound by whoever starts first (``steptap up``, before vLLM's
 start-up, or ``steptap serve``) and inherited by serve: its port is never free in between.

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 
 from steptap.middleware.files import private_dir
+from steptap.middleware.launch.lifetime import die_with_parent
 from steptap.middleware.launch.private_files import open_private_log
 from steptap.middleware.launch.procs import signal_group, stop_group
-from steptap.middleware.lifetime import die_with_parent
 
 _NOISE = re.compile(r'"(GET|HEAD) /(health|metrics|v1/models)[ ?]')
 

@@ -21,6 +21,7 @@ from types import TracebackType
 
 from steptap.middleware.files import PrivateDirError, cache_root, private_dir, secret_dir
 from steptap.middleware.launch import procs
+from steptap.middleware.launch.lifetime import die_with_parent
 from steptap.middleware.launch.model_info import choose_tool_parser, served_name
 from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.plugin import BACKEND as TRANSFER_BACKEND
@@ -29,7 +30,6 @@ from steptap.middleware.launch.vision import ensure_torchvision, is_vision_model
 from steptap.middleware.launch.vllm_venv import (
     ensure_venv,
 )
-from steptap.middleware.lifetime import die_with_parent
 from steptap.middleware.model_files import ties_embeddings
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from steptap.middleware.files import cache_root
 from steptap.middleware.launch.placement import has_gpu
-from steptap.middleware.venvs import MARKER, build_once
+from steptap.middleware.launch.venvs import MARKER, build_once
 
 __all__ = ["CPU_FLAVOR", "GPU_FLAVOR", "MARKER", "default_venv", "ensure_venv"]
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.

@@ -176,7 +176,7 @@ def test_steptap_laid_out_from_the_working_tree_has_its_entry_points(tmp_path: P
     )
     subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts"), str(site)], check=True)
     probe = (
-        "import sys; from importlib.metadata import entry_points; import steptap.middleware.cli as c; "
+        "import sys; from importlib.metadata import entry_points; import steptap.middleware.cli.main as c; "
         "eps = [e for e in entry_points(group='steptap.envs') if str(e.dist._path).startswith(sys.argv[1])]; "
         "print(sorted(e.name for e in eps), c.__file__)"
     )
@@ -190,5 +190,5 @@ def test_steptap_laid_out_from_the_working_tree_has_its_entry_points(tmp_path: P
     )
     names, cli = got.stdout.rsplit(" ", 1)
     assert "tool_agent" in names and "calculator" in names
-    assert Path(cli.strip()).resolve() == (ROOT / "middleware" / "cli.py").resolve()
+    assert Path(cli.strip()).resolve() == (ROOT / "middleware" / "cli" / "main.py").resolve()
     assert (site / "bin" / "steptap").stat().st_mode & 0o111

@@ -138,7 +138,7 @@ def test_adapters_use_the_client_only_never_the_proxy_server() -> None:
         " 'frameworks.openai_agents', 'frameworks.smolagents', 'frameworks.litellm'):"
         " importlib.import_module('steptap.adapters.' + m)\n"
         "import steptap.middleware.client\n"
-        "server = ('app', 'serve', 'proxy', 'sessions', 'log', 'weights', 'launch')\n"
+        "server = ('app', 'server', 'proxy', 'sessions', 'log', 'weights', 'launch')\n"
         "print(json.dumps(sorted(m for m in server if 'steptap.middleware.' + m in sys.modules)))"
     )
     out = subprocess.run(

@@ -243,7 +243,7 @@ def test_an_open_body_checks_train_and_side_models() -> None:
 
 
 def test_serve_takes_side_models_repeated() -> None:
-    from steptap.middleware.serve import config_from_args
+    from steptap.middleware.server.serve import config_from_args
 
     config = config_from_args(["--backend", "http://b", "--side-models", "claude-haiku",
                                "--side-models", "small"])

@@ -85,8 +85,8 @@ def limits_table_mismatches(text: str) -> list[str]:
 
     import msgspec
 
+    from steptap.middleware.cli.flags import flag_name as _flag
     from steptap.middleware.config import ProxyConfig, add_proxy_flags
-    from steptap.middleware.flags import flag_name as _flag
 
     parser = argparse.ArgumentParser()
     add_proxy_flags(parser)
@@ -151,7 +151,7 @@ def _tracked() -> tuple[set[str], set[str]]:
 
 
 def _module_file(dotted: str) -> Path:
-    """``steptap.middleware.serve`` -> middleware/serve.py (or the package's __init__.py)."""
+    """``steptap.middleware.server.serve`` -> middleware/server/serve.py (or the package's __init__.py)."""
     base = ROOT.joinpath(*dotted.removeprefix("steptap.").split("."))
     return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
@@ -163,9 +163,9 @@ def command_flags() -> dict[str, set[str]]:
     import ast
 
     from steptap.learner.config import add_config_flags
-    from steptap.middleware.cli import COMMANDS
+    from steptap.middleware.cli.main import COMMANDS
     from steptap.middleware.launch.up_parser import build_parser
-    from steptap.middleware.serve import _parser as serve_parser
+    from steptap.middleware.server.serve import _parser as serve_parser
 
     learn = argparse.ArgumentParser()
     add_config_flags(learn)

@@ -260,7 +260,7 @@ def test_env_modules_use_the_client_only_never_the_proxy_server() -> None:
         "import sys, json, importlib\n"
         "for m in ('env', 'env.base', 'env.loop', 'env.dataset', 'env.runner', 'env.cli', 'env.calculator',"
         " 'export'): importlib.import_module('steptap.adapters.' + m)\n"
-        "server = ('app', 'serve', 'proxy', 'sessions', 'log', 'weights', 'launch')\n"
+        "server = ('app', 'server', 'proxy', 'sessions', 'log', 'weights', 'launch')\n"
         "heavy = ('torch', 'transformers', 'verl', 'pyarrow')\n"
         "print(json.dumps(sorted([m for m in server if 'steptap.middleware.' + m in sys.modules]"
         " + [h for h in heavy if h in sys.modules])))"

@@ -13,7 +13,7 @@ from typing import Any
 
 from steptap.learner.config import add_config_flags
 from steptap.middleware.launch.up_parser import build_parser
-from steptap.middleware.serve import _parser as serve_parser
+from steptap.middleware.server.serve import _parser as serve_parser
 
 SNAPSHOT = Path(__file__).with_name("flag_snapshot.json")
 

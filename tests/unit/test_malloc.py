@@ -1,5 +1,6 @@
-"""The proxy's allocator tuning (middleware/malloc.py): a session's growing blocks reuse the heap instead of
-fresh pages each call, counted in page faults, in a process of its own (the tuning is process-wide)."""
+"""The proxy's allocator tuning (middleware/server/malloc.py): a session's growing blocks reuse the heap
+instead of fresh pages each call, counted in page faults, in a process of its own (the tuning is
+process-wide)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 # A long session's pattern: each call's block a little larger than the last, the two before it still held
 _GROWING = """
 import resource, sys
-from steptap.middleware import malloc
+from steptap.middleware.server import malloc
 print(malloc.tune() if sys.argv[1] == "tuned" else None)
 held, before = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for i in range(40):

@@ -126,7 +126,7 @@ def test_flags_are_generated_from_a_struct_in_one_place() -> None:
         return "add_argument" in text and any(w in it for it in loops
                                               for w in ("__struct_fields__", "structs.fields"))
 
-    assert [p.relative_to(ROOT) for p in SOURCES if generates(p)] == [Path("middleware/flags.py")]
+    assert [p.relative_to(ROOT) for p in SOURCES if generates(p)] == [Path("middleware/cli/flags.py")]
 
 
 def test_every_generated_flag_s_help_is_its_field_s_description() -> None:
@@ -137,7 +137,7 @@ def test_every_generated_flag_s_help_is_its_field_s_description() -> None:
 
     from steptap.learner.config import LearnerConfig, add_config_flags
     from steptap.middleware.config import ProxyConfig
-    from steptap.middleware.serve import add_proxy_flags
+    from steptap.middleware.server.serve import add_proxy_flags
 
     for struct, add in ((ProxyConfig, add_proxy_flags), (LearnerConfig, add_config_flags)):
         parser = argparse.ArgumentParser()

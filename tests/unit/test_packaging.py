@@ -70,7 +70,7 @@ def test_proxy_side_never_imports_the_ml_stack(package: str) -> None:
 
 def test_cli_lists_every_command_without_the_ml_stack() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from steptap.middleware.cli import main; main(['--help']);"
+        [sys.executable, "-c", "import sys; from steptap.middleware.cli.main import main; main(['--help']);"
          f"print(sorted(h for h in {HEAVY!r} if h in sys.modules))"],
         capture_output=True, text=True, timeout=120, check=True,
     )
@@ -83,8 +83,9 @@ def test_cli_lists_every_command_without_the_ml_stack() -> None:
 # --- the import arrows (docs/design.md, "Layering"), read from the source with ast --------------------------
 # Within the middleware: routes -> domain -> log; proxy may use sessions and weights; sessions and weights
 # reach the log only through its protocol (no import of log/); launch/ depends on nothing but the kernel (it
-# drives the others through their command lines). The kernel (the modules directly in middleware/) imports no
-# subpackage, except the composition root (app.py, serve.py) and cli.py (lazily, by name).
+# drives the others through their command lines). The kernel (the modules directly in middleware/, and the
+# rooms every part shares: client/, cli/) imports no other room; the composition roots (app.py, server/) may
+# import every room.
 SUBPACKAGES = ("proxy", "sessions", "log", "weights", "launch", "backend", "console")
 ALLOWED = {
     "kernel": set(),
@@ -100,7 +101,7 @@ ALLOWED = {
 # (client/api.py's proxy_url) and the launchers.
 SHARED = {"steptap.middleware.backend.url", "steptap.middleware.backend.url.BackendUrl",
           "steptap.middleware.backend.url.problem"}
-ROOTS = {"app", "serve"}  # may import every part
+ROOTS = {"app", "server"}  # app.py and server/: may import every part
 ML = {"torch", "transformers", "ray", "verl", "peft", "accelerate", "vllm"}
 LAUNCH_ONLY = {"rich", "psutil"}
 
@@ -137,7 +138,7 @@ def test_middleware_imports_follow_the_arrows() -> None:
         rel = path.relative_to(ROOT / "middleware")
         if rel.parts[0] in SUBPACKAGES:
             part = rel.parts[0]
-        elif rel.stem in ROOTS or rel.stem == "cli":
+        elif rel.parts[0].removesuffix(".py") in ROOTS:
             continue
         else:
             part = "kernel"
@@ -146,7 +147,7 @@ def test_middleware_imports_follow_the_arrows() -> None:
             if target is None or name in SHARED:
                 continue
             if target == "kernel" and name.split(".")[2] in ROOTS:
-                wrong.append(f"{rel}: imports {name} (only the composition root is app/serve)")
+                wrong.append(f"{rel}: imports {name} (only the composition roots are app.py, server/)")
             elif target not in ("kernel", part) and target not in ALLOWED[part]:
                 wrong.append(f"{rel} ({part}) imports {name} ({target})")
         top = {n.split(".")[0] for n in _imports(path)}
@@ -162,8 +163,9 @@ def test_middleware_imports_follow_the_arrows() -> None:
 def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
     """The learner and the adapters talk to the proxy over HTTP (client.py) and share its record schema; they
     never import its server parts. The one exception: adapters may read a log directory through the log's
-    read-only offline reader (``steptap export --log``), and the learner seals its transfer store with the one
-    store the vLLM plugin joins through (``vllm_plugin/steptap_sealed_store.py``, torch only)."""
+    read-only offline reader (``steptap export --log``) and build Harbor's virtualenv the one way vLLM's is
+    built (``launch/venvs.py``, stdlib only), and the learner seals its transfer store with the one store the
+    vLLM plugin joins through (``vllm_plugin/steptap_sealed_store.py``, torch only)."""
     wrong = []
     for folder in ("learner", "adapters"):
         for path in _files(folder):
@@ -172,7 +174,8 @@ def test_learner_and_adapters_use_only_the_middleware_kernel() -> None:
                 part = _middleware_part(name)
                 if part is None or part == "kernel" and name.split(".")[2] not in ROOTS or name in SHARED:
                     continue
-                if folder == "adapters" and name.startswith("steptap.middleware.log.offline"):
+                if folder == "adapters" and name.startswith(("steptap.middleware.log.offline",
+                                                             "steptap.middleware.launch.venvs")):
                     continue
                 sealed = "steptap.middleware.launch.vllm_plugin.steptap_sealed_store"
                 if folder == "learner" and name.startswith(sealed):

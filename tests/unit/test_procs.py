@@ -183,7 +183,7 @@ def test_a_child_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> No
     import os
     import sys
 
-    from steptap.middleware.lifetime import die_with_parent
+    from steptap.middleware.launch.lifetime import die_with_parent
 
     assert die_with_parent() is not None  # pytest runs tests on the main thread
     script = ("import signal, sys\n"

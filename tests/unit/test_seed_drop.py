@@ -74,7 +74,7 @@ def test_an_eval_session_gets_eval_sampling_and_a_train_one_force_sampling() -> 
 
 
 def test_a_bad_eval_sampling_flag_is_a_usage_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from steptap.middleware.serve import config_from_args
+    from steptap.middleware.server.serve import config_from_args
 
     with pytest.raises(SystemExit):
         config_from_args(["--backend", "http://b", "--eval-sampling", "temperature=greedy"])

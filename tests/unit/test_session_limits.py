@@ -123,7 +123,7 @@ def test_limits_are_checked_at_start() -> None:
 
 
 def test_serve_flags_set_every_limit(capsys: pytest.CaptureFixture[str]) -> None:
-    from steptap.middleware.serve import config_from_args
+    from steptap.middleware.server.serve import config_from_args
 
     # every limit of docs/limits.md has its generated flag (flags.py), defaults from ProxyConfig
     fields = ["max_record_bytes", "max_n", "max_session_steps", "max_session_bytes", "max_concurrent_calls",

@@ -118,7 +118,7 @@ def test_tokenizer_json_alone_agrees_with_transformers(tiny_model_dir: Path, tok
 
 
 def test_cli_builds_the_model(tmp_path: Path) -> None:
-    from steptap.middleware.cli import main
+    from steptap.middleware.cli.main import main
 
     assert main(["tiny-model", str(tmp_path / "m"), "--seed", "3"]) == 0
     assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
@@ -165,7 +165,7 @@ def test_long_context_model_serves_131072_positions_and_ends_turns_early(tmp_pat
 
 
 def test_cli_builds_the_long_context_model(tmp_path: Path) -> None:
-    from steptap.middleware.cli import main
+    from steptap.middleware.cli.main import main
 
     assert main(["tiny-model", str(tmp_path / "m"), "--long-context"]) == 0
     assert json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"] == 131072

@@ -9,8 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from steptap.middleware.serve import config_from_args
-from steptap.middleware.workers import worker_urls
+from steptap.middleware.server.serve import config_from_args
+from steptap.middleware.server.workers import worker_urls
 
 STEPTAP = [sys.executable, "-m", "steptap.middleware.cli"]
 

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steptap serve: {exc}", file=sys.stderr)
             return 2
     if workers > 1:
-        from steptap.middleware.workers import run_workers
+        from steptap.middleware.server.workers import run_workers
 
         return run_workers(config, list(argv), workers)
     if "://" not in config.log or config.log.startswith("file://"):  # a local log: its directory, now
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from steptap.middleware import malloc
+    from steptap.middleware.server import malloc
 
     malloc.tune()  # a long session's growing buffers from the heap, not fresh pages each call
     try:

@@ -25,7 +25,7 @@ import time
 from steptap.middleware.auth import generate_token
 from steptap.middleware.client import TOKEN_ENV
 from steptap.middleware.config import ProxyConfig
-from steptap.middleware.lifetime import die_with_parent
+from steptap.middleware.launch.lifetime import die_with_parent
 
 SHARED_BACKENDS = "shared"  # the reason a worker refuses swaps (see above)
 

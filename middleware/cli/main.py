@@ -9,7 +9,8 @@ import sys
 # name -> ("module:function", one-line help, the install extra it needs beyond the proxy's own dependencies).
 # Each function takes argv (list[str]) and returns an exit code.
 COMMANDS: dict[str, tuple[str, str, str | None]] = {
-    "serve": ("steptap.middleware.serve:main", "run the capture proxy in front of a vLLM server", None),
+    "serve": ("steptap.middleware.server.serve:main", "run the capture proxy in front of a vLLM server",
+              None),
     "vllm": ("steptap.middleware.launch.vllm_command:main",
              "start and supervise a vLLM server in its own virtualenv", None),
     "tiny-model": ("steptap.learner.tiny_model:main", "build the offline tiny test model", "learner"),
@@ -64,6 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return int(getattr(module, func_name)(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 A launcher that dies hard (SIGKILL, the OOM killer) runs no cleanup; its children (vLLM servers, proxies,
 workers, often leaders of their own sessions) would go on holding their ports and memory, and a restart would
 find them there. Linux's ``PR_SET_PDEATHSIG`` has the kernel signal each child when its parent dies. Stdlib
-only: ``steptap serve --workers`` (the kernel) and ``launch/`` use it.
+only: ``steptap serve --workers`` (``server/workers.py``) and the rest of ``launch/`` use it.
 """
 
 from __future__ import annotations
