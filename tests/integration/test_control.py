@@ -261,7 +261,10 @@ async def test_reward_callback_results(
             assert len(traj.steps) == 2
             return result
 
-    proxy = await make_proxy(vllm_server.url, reward_fn=fn, reward_timeout_s=0.3)
+    # only "slow" is meant to time out (its sleep's deadline comes after the timeout's, on one loop: always);
+    # a callback that returns at once gets a bound no load reaches (0.3 s for all was passed once in CI)
+    timeout = 0.3 if result == "slow" else 60.0
+    proxy = await make_proxy(vllm_server.url, reward_fn=fn, reward_timeout_s=timeout)
     info = await open_session(http, proxy)
     await model_calls(http, proxy, vllm_server, info, 2)
     got, done = await req(http, "POST", f"{proxy.url}/sessions/{info['id']}/finish", None, proxy.control)
@@ -297,7 +300,9 @@ async def test_idle_sessions_time_out_and_are_delivered(
 async def test_groups_complete_when_full_or_timed_out(
     make_proxy: Any, vllm_server: Backend, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await make_proxy(vllm_server.url, group_timeout_s=0.5)
+    # "g" fills with its third finish, ten calls after it opened: a timeout far above those calls under any
+    # load (0.5 s could be reached on a loaded CI); "h" is waited for until the sweep times it out
+    proxy = await make_proxy(vllm_server.url, group_timeout_s=5.0)
     members = [await open_session(http, proxy, group_id="g", group_size=3) for _ in range(3)]
     lonely = await open_session(http, proxy, group_id="h", group_size=4)
     for m, status in zip(members, ("finished", "aborted", "finished"), strict=False):
@@ -313,11 +318,12 @@ async def test_groups_complete_when_full_or_timed_out(
     assert traj["group"]["complete"]  # the group's state is on each member too
     got, group = await req(http, "GET", f"{proxy.url}/groups/h", None, proxy.control)
     assert not group["complete"]
-    await asyncio.sleep(0.7)
-    got, group = await req(http, "GET", f"{proxy.url}/groups/h", None, proxy.control)
-    assert (
-        group["complete"] and group["reason"] == "timeout" and group["members"] == {lonely["id"]: "running"}
-    )
+    for _ in range(600):
+        got, group = await req(http, "GET", f"{proxy.url}/groups/h", None, proxy.control)
+        if group["complete"]:
+            break
+        await asyncio.sleep(0.1)
+    assert group["reason"] == "timeout" and group["members"] == {lonely["id"]: "running"}, group
     got, err = await req(http, "GET", f"{proxy.url}/groups/none", None, proxy.control)
     assert got == 404
     delivered_ids = set(await delivered(http, proxy))
