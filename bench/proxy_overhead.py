@@ -95,7 +95,9 @@ def steptap_cmd(
     if tree is not None:
         boot = (f"import sys; sys.path.insert(0, {tree!r}); import steptap.middleware as m; "
                 f"assert m.__file__.startswith({tree!r}), m.__file__; "
-                "from steptap.middleware.cli.main import main; sys.exit(main())")
+                # as ``python -m``: the command line's module at that ref, wherever its main lives
+                "import runpy; "
+                "runpy.run_module('steptap.middleware.cli', run_name='__main__', alter_sys=True)")
         base = [*(shlex.split(prefix) if prefix else [sys.executable]), "-c", boot]
     elif prefix:
         base = shlex.split(prefix)
