@@ -92,68 +92,99 @@ def _write_generated_token(path: str | None, config: ProxyConfig) -> str:
     return path
 
 
+class _Refused(Exception):
+    """What stops ``steptap serve`` before it serves: printed after ``steptap serve:``, exit status 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    from aiohttp import web
-
-    from steptap.middleware.app import create_app
-    from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
-
     argv = sys.argv[1:] if argv is None else argv
     config = config_from_args(argv)
+    workers = args_of(argv).workers
+    try:
+        _check_flags(config, workers)
+        sock = _listen(config, workers)
+        token_file = _control_token(config, argv)
+        if workers > 1:
+            from steptap.middleware.server.workers import run_workers
+
+            return run_workers(config, list(argv), workers)
+        _make_log_dir(config)
+    except _Refused as exc:
+        print(f"steptap serve: {exc}", file=sys.stderr)
+        return 2
+    _serve(config, sock, token_file)
+    return 0
+
+
+def _check_flags(config: ProxyConfig, workers: int) -> None:
+    """The flags that cannot go together, or a backend URL that is none."""
     from steptap.middleware.backend.url import problem
 
     bad = [p for p in map(problem, filter(None, [config.backend, *config.backends])) if p]
     if bad:
-        print(f"steptap serve: --backend {bad[0]}", file=sys.stderr)
-        return 2
-    workers = args_of(argv).workers
+        raise _Refused(f"--backend {bad[0]}")
     if workers > 1 and (config.listen_fd is not None or not config.port):
-        print("steptap serve: --workers share a fixed --port by SO_REUSEPORT (each worker also takes one of "
-              "the next N ports), not --port 0 or an inherited socket", file=sys.stderr)
-        return 2
+        raise _Refused("--workers share a fixed --port by SO_REUSEPORT (each worker also takes one of the "
+                       "next N ports), not --port 0 or an inherited socket")
     if workers <= 1 and config.public_url and ("{i}" in config.public_url or "{port}" in config.public_url):
-        print("steptap serve: --public-url: {i} and {port} name a worker; they need --workers N",
-              file=sys.stderr)
-        return 2
+        raise _Refused("--public-url: {i} and {port} name a worker; they need --workers N")
+
+
+def _listen(config: ProxyConfig, workers: int) -> Any:
+    """The one process's listening socket, bound now (``--port 0``: the kernel's port, into the config); None
+    for workers, which bind their own."""
     from steptap.middleware.launch.procs import listener
 
-    sock = None
-    if workers <= 1 and not (config.reuse_port or config.worker_port):
-        try:
-            sock = listener(config.host, config.port, config.listen_fd)
-        except (OSError, OverflowError) as exc:  # in use, not here, or not a port (OverflowError)
-            print(f"steptap serve: cannot listen on {config.host}:{config.port} (--host, --port): "
-                  f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
-            return 2
-        config.port = sock.getsockname()[1]  # --port 0: the one the kernel gave
-    token_file = None
-    if not config.control_token:  # generated: kept in a 0600 file, never printed; one for all workers
-        config.control_token = generate_token()
-        from steptap.middleware.files import PrivateDirError
+    if workers > 1 or config.reuse_port or config.worker_port:
+        return None
+    try:
+        sock = listener(config.host, config.port, config.listen_fd)
+    except (OSError, OverflowError) as exc:  # in use, not here, or not a port (OverflowError)
+        raise _Refused(f"cannot listen on {config.host}:{config.port} (--host, --port): "
+                       f"{getattr(exc, 'strerror', None) or exc}") from None
+    config.port = sock.getsockname()[1]
+    return sock
 
-        try:
-            token_file = _write_generated_token(args_of(argv).control_token_file, config)
-        except PrivateDirError as exc:
-            print(f"steptap serve: {exc}", file=sys.stderr)
-            return 2
-    if workers > 1:
-        from steptap.middleware.server.workers import run_workers
 
-        return run_workers(config, list(argv), workers)
-    if "://" not in config.log or config.log.startswith("file://"):  # a local log: its directory, now
-        from steptap.middleware.files import makedirs
+def _control_token(config: ProxyConfig, argv: list[str]) -> str | None:
+    """A control token generated when none was given: kept in a 0600 file, never printed, one for all
+    workers; the file's path (None: the token was given)."""
+    if config.control_token:
+        return None
+    from steptap.middleware.auth import generate_token
+    from steptap.middleware.files import PrivateDirError
 
-        try:
-            makedirs(config.log.removeprefix("file://"))
-        except OSError as exc:
-            print(f"steptap serve: --log {config.log}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+    config.control_token = generate_token()
+    try:
+        return _write_generated_token(args_of(argv).control_token_file, config)
+    except PrivateDirError as exc:
+        raise _Refused(str(exc)) from None
+
+
+def _make_log_dir(config: ProxyConfig) -> None:
+    """A local log's directory, made now (a remote log's is the store's)."""
+    if "://" in config.log and not config.log.startswith("file://"):
+        return
+    from steptap.middleware.files import makedirs
+
+    try:
+        makedirs(config.log.removeprefix("file://"))
+    except OSError as exc:
+        raise _Refused(f"--log {config.log}: {exc.strerror or exc}") from None
+
+
+def _serve(config: ProxyConfig, sock: Any, token_file: str | None) -> None:
+    """The one process (or one worker, ``--reuse-port``) serves until stopped."""
+    from aiohttp import web
+
+    from steptap.middleware.app import create_app
+    from steptap.middleware.auth import CONTROL_TOKEN_KEY
+    from steptap.middleware.server import malloc
+
     logging.basicConfig(
         level=os.environ.get("STEPTAP_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from steptap.middleware.server import malloc
-
     malloc.tune()  # a long session's growing buffers from the heap, not fresh pages each call
     try:
         import uvloop
@@ -171,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve_worker(app, config))
     else:
         web.run_app(app, sock=sock, print=None, access_log=None, backlog=backlog(config))
-    return 0
 
 
 def backlog(config: ProxyConfig) -> int:

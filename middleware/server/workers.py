@@ -63,18 +63,32 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
     if config.backends_file:
         raise SystemExit("steptap serve: --workers deals --backend URLs to workers; --backends-file is per "
                          "proxy: run one proxy per file instead")
-    backends = [b for b in [config.backend, *config.backends] if b]
-    shares = deal(backends, workers)
-    shared = len(backends) < workers
-    env = dict(os.environ)
-    # One control token for all (the learner uses one): passed by environment, never on a command line.
-    env[TOKEN_ENV] = config.control_token or generate_token()
-    generated = not config.control_token
     try:
         urls = worker_urls(config, workers)
     except ValueError as exc:
         print(f"steptap serve: {exc}", file=sys.stderr, flush=True)
         return 2
+    backends = [b for b in [config.backend, *config.backends] if b]
+    shared = len(backends) < workers
+    generated = not config.control_token
+    procs = _start(config, argv, deal(backends, workers), urls, shared)
+    print(f"steptap serve: {workers} workers on {config.base_url()} (SO_REUSEPORT); their own URLs, for the "
+          f"learner: --proxy-urls {' '.join(urls)}", flush=True)
+    if generated:
+        print("control token: generated; pass your own with --control-token or $STEPTAP_CONTROL_TOKEN to use "
+              "the control routes", flush=True)
+    if shared:
+        print(f"steptap serve: {len(backends)} replica(s) shared by {workers} workers: weight swaps are "
+              "refused (give at least as many --backend replicas as workers to train)", flush=True)
+    return _watch(procs)
+
+
+def _start(config: ProxyConfig, argv: list[str], shares: list[list[str]], urls: list[str],
+           shared: bool) -> list[subprocess.Popen[bytes]]:
+    """One ``steptap serve --reuse-port`` a worker: its share of the backends, its own log, port and URL."""
+    env = dict(os.environ)
+    # One control token for all (the learner uses one): passed by environment, never on a command line.
+    env[TOKEN_ENV] = config.control_token or generate_token()
     base = _strip(argv, {"--workers", "--backend", "--log", "--public-url", "--control-token"})
     procs: list[subprocess.Popen[bytes]] = []
     for i, (share, url) in enumerate(zip(shares, urls, strict=True)):
@@ -87,14 +101,11 @@ def run_workers(config: ProxyConfig, argv: list[str], workers: int) -> int:
             cmd += ["--refuse-swaps", SHARED_BACKENDS]
         # A SIGKILLed launcher runs no cleanup: each worker gets SIGTERM from the kernel then (procs.py).
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))  # noqa: PLW1509
-    print(f"steptap serve: {workers} workers on {config.base_url()} (SO_REUSEPORT); their own URLs, for the "
-          f"learner: --proxy-urls {' '.join(urls)}", flush=True)
-    if generated:
-        print("control token: generated; pass your own with --control-token or $STEPTAP_CONTROL_TOKEN to use "
-              "the control routes", flush=True)
-    if shared:
-        print(f"steptap serve: {len(backends)} replica(s) shared by {workers} workers: weight swaps are "
-              "refused (give at least as many --backend replicas as workers to train)", flush=True)
+    return procs
+
+
+def _watch(procs: list[subprocess.Popen[bytes]]) -> int:
+    """Until a worker exits (its status, 1 for 0) or SIGINT/SIGTERM (0); then every worker is stopped."""
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
