@@ -107,8 +107,7 @@ async def _export_proxy(url: str, token: str, out: str, mode: str | None, fmt: s
     return writer
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``steptap export``: finished trajectories -> parquet, one row per step (or Harbor's RolloutDetail)."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="steptap export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--log", help="trajectory log directory or fsspec URL (read-only, no proxy needed)")
@@ -133,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                    "IMAGES_DIR/<sha256> (the rows' images column and messages name them)")
     p.add_argument("--keep-excluded", action="store_true", help="keep the trajectories and steps curation "
                    "excluded (curation_excluded set) instead of leaving them out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``steptap export``: finished trajectories -> parquet, one row per step (or Harbor's RolloutDetail)."""
+    p = _parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     from steptap.middleware.client import SteptapError
 
@@ -140,65 +145,65 @@ def main(argv: list[str] | None = None) -> int:
     existing = existing_output(args.format, out)
     if existing and not args.overwrite:
         p.exit(2, f"steptap export: {out} already holds {len(existing)} export file(s); use --overwrite\n")
+    if args.proxy and not args.control_token:
+        p.error("--proxy needs the control token (--control-token or $STEPTAP_CONTROL_TOKEN)")
     for f in existing:
         f.unlink()
     try:
         prov = {} if args.model_dir is None else provenance(args.model_dir)
         per_format = {"rows_per_file": args.rows_per_file} if args.format == "parquet" else {}
-        if args.log:
-            from steptap.middleware.log.offline import LogReader
-
-            reader = LogReader(args.log)
-            notes = reader.annotations()
-            writer = export_trajectories(
-                reader.trajectories(mode=args.mode), out, args.format, **per_format,
-                late=notes.late, provenance=prov, keep_excluded=args.keep_excluded,
-                curation={tid: fold(marks) for tid, marks in notes.marks.items()},
-                images_dir=args.images_dir, resolve=reader.image,
-            )
-            skipped = {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes,
-                       "marks_over": notes.marks_over}
-        else:
-            if not args.control_token:
-                p.error("--proxy needs the control token (--control-token or $STEPTAP_CONTROL_TOKEN)")
-            writer = asyncio.run(
-                _export_proxy(
-                    args.proxy.rstrip("/"),
-                    args.control_token,
-                    str(out),
-                    args.mode,
-                    args.format,
-                    **per_format,
-                    provenance=prov,
-                    keep_excluded=args.keep_excluded,
-                    images_dir=args.images_dir,
-                    resolve=SyncSteptapClient(args.proxy.rstrip("/"), args.control_token).image,
-                )
-            )
-            skipped = {}
+        writer, skipped = (_from_log if args.log else _from_proxy)(args, out, prov, per_format)
     except (FileNotFoundError, ImportError, OSError, RuntimeError, SteptapError) as exc:
         p.exit(2, f"steptap export: {exc}\n")
-    print(
-        json.dumps(
-            {
-                "out": str(out),
-                "trajectories": writer.trajectories,
-                "rows": writer.rows,
-                "files": [f.name for f in writer.files],
-                "bad_rows": writer.bad_rows,
-                "late_rewards": sum(len(v) for v in writer.late.values()),
-                "excluded_trajectories": writer.excluded_trajectories,
-                "excluded_steps": writer.excluded_steps,
-                "kept_excluded": args.keep_excluded,
-                "images": writer.images,
-                "images_missing": writer.images_missing,
-                # a failed step is a parquet row (status "failed"), never a RolloutDetail turn
-                **({} if isinstance(writer, PartWriter) else {"failed_steps": writer.failed_steps}),
-                **skipped,
-            }
-        )
-    )
+    print(json.dumps(_summary(out, writer, args.keep_excluded, skipped)))
     return 0
+
+
+def _from_log(args: argparse.Namespace, out: Path, prov: dict[str, Any],
+              per_format: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """The writer of what a log holds, read offline, and what the read skipped."""
+    from steptap.middleware.log.offline import LogReader
+
+    reader = LogReader(args.log)
+    notes = reader.annotations()
+    writer = export_trajectories(
+        reader.trajectories(mode=args.mode), out, args.format, **per_format,
+        late=notes.late, provenance=prov, keep_excluded=args.keep_excluded,
+        curation={tid: fold(marks) for tid, marks in notes.marks.items()},
+        images_dir=args.images_dir, resolve=reader.image,
+    )
+    return writer, {"undecodable": reader.stats.undecodable, "corrupt_bytes": reader.stats.corrupt_bytes,
+                    "marks_over": notes.marks_over}
+
+
+def _from_proxy(args: argparse.Namespace, out: Path, prov: dict[str, Any],
+                per_format: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """The writer of a running proxy's stream (nothing skipped: the proxy sends whole records)."""
+    writer = asyncio.run(_export_proxy(
+        args.proxy.rstrip("/"), args.control_token, str(out), args.mode, args.format, **per_format,
+        provenance=prov, keep_excluded=args.keep_excluded, images_dir=args.images_dir,
+        resolve=SyncSteptapClient(args.proxy.rstrip("/"), args.control_token).image,
+    ))
+    return writer, {}
+
+
+def _summary(out: Path, writer: Any, kept_excluded: bool, skipped: dict[str, int]) -> dict[str, Any]:
+    return {
+        "out": str(out),
+        "trajectories": writer.trajectories,
+        "rows": writer.rows,
+        "files": [f.name for f in writer.files],
+        "bad_rows": writer.bad_rows,
+        "late_rewards": sum(len(v) for v in writer.late.values()),
+        "excluded_trajectories": writer.excluded_trajectories,
+        "excluded_steps": writer.excluded_steps,
+        "kept_excluded": kept_excluded,
+        "images": writer.images,
+        "images_missing": writer.images_missing,
+        # a failed step is a parquet row (status "failed"), never a RolloutDetail turn
+        **({} if isinstance(writer, PartWriter) else {"failed_steps": writer.failed_steps}),
+        **skipped,
+    }
 
 
 if __name__ == "__main__":
