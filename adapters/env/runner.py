@@ -201,17 +201,6 @@ class DatasetRunner:
     ) -> Episode:
         cfg = self.cfg
         ep = Episode(epoch=epoch, row=row.index, member=index, group_id=group_id)
-        name = cfg.env if isinstance(cfg.env, str) else row.agent_name
-        meta = {
-            "task": name or getattr(cfg.env, "__name__", None),
-            "dataset": cfg.name,
-            "row": row.index,
-            "epoch": epoch,
-            "member": index,
-            "reward_model": row.reward_model,
-            "env_kwargs": row.env_kwargs,
-            **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))},
-        }
         try:
             flow = as_flow(self._factory(row)())
             async with async_session(
@@ -221,7 +210,7 @@ class DatasetRunner:
                 group_id=group_id,
                 group_size=cfg.n,
                 mode=cfg.mode,
-                metadata=meta,
+                metadata=self._metadata(epoch, row, index),
                 idle_timeout_s=cfg.idle_timeout_s,
             ) as s:
                 ep.session_id = s.id
@@ -239,26 +228,7 @@ class DatasetRunner:
                     )
                 finally:
                     ep.steps, ep.step_rewards = ctx.calls, list(ctx.step_rewards)
-                if isinstance(reward, dict):
-                    for part, value in reward.items():
-                        s.set_reward(float(value), name=str(part))
-                elif reward is not None:
-                    s.set_reward(float(reward))
-                if cfg.judge is not None:  # JudgeError: the session ends aborted with it (an infra failure)
-                    judged = (await cfg.judge.reward(client, s.id)).rewards
-                    if None in judged:  # counted in the episode's reward, as the proxy sums them
-                        reward = {**(reward if isinstance(reward, dict) else {} if reward is None
-                                     else {"reward": reward}), cfg.judge.cfg.name: judged[None]}
-                ep.reward, ep.info = _total(reward), dict(info)
-                correct = info.get("correct")
-                ep.correct = (
-                    bool(correct)
-                    if isinstance(correct, bool)
-                    else (ep.reward is not None and ep.reward >= 1.0)
-                )
-                if cfg.mode == "eval":
-                    traj = await s.trajectory()
-                    ep.policy_version = traj.steps[-1].policy_version if traj.steps else None
+                await self._rewarded(client, s, ep, reward, info)
             ep.status = s.status or ""
         except asyncio.CancelledError:
             raise
@@ -272,6 +242,46 @@ class DatasetRunner:
         if self.on_episode is not None:
             self.on_episode(ep)
         return ep
+
+    def _metadata(self, epoch: int, row: Row, index: int) -> dict[str, Any]:
+        """The session's metadata: the task, the dataset row and the episode's place in it."""
+        cfg = self.cfg
+        name = cfg.env if isinstance(cfg.env, str) else row.agent_name
+        return {
+            "task": name or getattr(cfg.env, "__name__", None),
+            "dataset": cfg.name,
+            "row": row.index,
+            "epoch": epoch,
+            "member": index,
+            "reward_model": row.reward_model,
+            "env_kwargs": row.env_kwargs,
+            **{k: v for k, v in row.extra.items() if isinstance(v, (str, int, float, bool))},
+        }
+
+    async def _rewarded(self, client: Any, s: Any, ep: Episode, reward: Any, info: dict[str, Any]) -> None:
+        """The flow's reward (a number or named parts) and the judge's onto the session; the episode's
+        total, correctness and (eval) the version that sampled it."""
+        cfg = self.cfg
+        if isinstance(reward, dict):
+            for part, value in reward.items():
+                s.set_reward(float(value), name=str(part))
+        elif reward is not None:
+            s.set_reward(float(reward))
+        if cfg.judge is not None:  # JudgeError: the session ends aborted with it (an infra failure)
+            judged = (await cfg.judge.reward(client, s.id)).rewards
+            if None in judged:  # counted in the episode's reward, as the proxy sums them
+                reward = {**(reward if isinstance(reward, dict) else {} if reward is None
+                             else {"reward": reward}), cfg.judge.cfg.name: judged[None]}
+        ep.reward, ep.info = _total(reward), dict(info)
+        correct = info.get("correct")
+        ep.correct = (
+            bool(correct)
+            if isinstance(correct, bool)
+            else (ep.reward is not None and ep.reward >= 1.0)
+        )
+        if cfg.mode == "eval":
+            traj = await s.trajectory()
+            ep.policy_version = traj.steps[-1].policy_version if traj.steps else None
 
 
 class Tally:
