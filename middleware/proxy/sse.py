@@ -85,6 +85,7 @@ class StreamRelay:
         if self.counts is not None:
             acc = self.acc
             self.counts.counter = lambda: acc.token_counts() if self.waiting else None
+            self.counts.relayed = acc.token_counts
         await out.prepare(self.request)
         guard = _WriteGuard(self.write_timeout)  # the bound on each write to the agent
         try:

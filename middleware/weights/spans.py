@@ -28,7 +28,7 @@ from typing import Any
 class Spans:
     """One call's versions: the one it started on and, per ``keep`` swap it spanned, where the next begins."""
 
-    __slots__ = ("version", "marks", "counter", "labelled", "reported")
+    __slots__ = ("version", "marks", "counter", "relayed", "labelled", "reported")
 
     def __init__(self, version: int, labelled: bool = True) -> None:
         self.version = version
@@ -36,6 +36,8 @@ class Spans:
         # Set by the relay once the call streams: the response tokens relayed so far, per choice (None when
         # that count may miss tokens vLLM already sampled).
         self.counter: Callable[[], dict[int, int] | None] | None = None
+        # The same count at any moment: what the relay has passed on so far, at most what vLLM sent
+        self.relayed: Callable[[], dict[int, int]] | None = None
         # Whether vLLM's weight labels describe this call's weights: not on a LoRA adapter (a LoRA swap moves
         # the label while the adapter under the call stays).
         self.labelled = labelled

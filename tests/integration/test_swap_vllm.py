@@ -136,11 +136,8 @@ async def call(
     max_tokens: int = 8,
     ignore_eos: bool = False,
     prompt: str = "hello there",
-    seen: list[int] | None = None,
-    index: int = 0,
 ) -> dict[str, Any]:
-    """One agent call in its own session; returns the recorded step. ``seen[index]``: the stream's events
-    the agent has read so far (one a token, fewer when vLLM coalesces)."""
+    """One agent call in its own session; returns the recorded step."""
     sid = uuid.uuid4().hex
     body = {
         "model": "tiny",
@@ -154,14 +151,7 @@ async def call(
         "ignore_eos": ignore_eos,
     }
     resp = await client.post(f"/s/{sid}/v1/chat/completions", json=body)
-    if seen is None:
-        raw = await resp.read()
-    else:
-        parts = []
-        async for line in resp.content:
-            parts.append(line)
-            seen[index] += line.startswith(b"data: {")
-        raw = b"".join(parts)
+    raw = await resp.read()
     assert resp.status == 200, raw[:500]
     if stream:
         assert raw.rstrip().endswith(b"data: [DONE]")
@@ -491,14 +481,18 @@ async def _resume(server: Backend) -> None:
             assert resp.status == 200, await resp.text()
 
 
-async def _read_at_least(calls: list[asyncio.Future[Any]], seen: list[int], events: int) -> None:
-    """Until the agent has read ``events`` events of every stream. Counted on the agent's side: the proxy's
-    own count (``Spans.counter``) is read only while its relay waits on vLLM, which a loaded loop, behind
-    vLLM, may never do before the streams end (seen in CI)."""
-    while min(seen) < events:
-        for c in calls:
-            if c.done():
-                raise AssertionError(f"a call ended before its stream was read this far: {c.result()}")
+async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
+    """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed. Read from
+    the relay at any moment (``Spans.relayed``): the exact count (``counter``) exists only while the relay
+    waits on vLLM, which a loaded loop behind vLLM may never do (a CI hang); the agent's own count lags
+    further (the calls had ended when it read 16: another CI run)."""
+    seen: dict[int, int] = {}  # kept after a call ends and its spans leave the gate
+    while True:
+        for s in list(sw.calls.spans):
+            if s.relayed is not None:
+                seen[id(s)] = s.relayed().get(0, 0)
+        if len(seen) >= calls and min(seen.values()) >= tokens:
+            return
         await asyncio.sleep(0.01)
 
 
@@ -519,10 +513,9 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None,
                                         tmp_path / "w")
     n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
-    seen = [0] * n
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"keep {i}", seen=seen, index=i)) for i in range(n)]
-    await asyncio.wait_for(_read_at_least(calls, seen, 16), 300)
+                                        prompt=f"keep {i}")) for i in range(n)]
+    await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
     await _freeze(swap_server)
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
     assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
@@ -565,10 +558,10 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
 
     published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out,
                                         lora=True)
-    n, length, seen = 4, 640, [0] * 4
+    n, length = 4, 640
     calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"lora keep {i}", seen=seen, index=i)) for i in range(n)]
-    await asyncio.wait_for(_read_at_least(calls, seen, 8), 300)
+                                        prompt=f"lora keep {i}")) for i in range(n)]
+    await asyncio.wait_for(_relayed_at_least(sw, n, 8), 300)
     await _freeze(swap_server)  # vLLM's own pause: no call ends before the swap, however slow (a loaded CI)
     try:
         assert await asyncio.to_thread(request_swap, base_url(client), TOKEN, published, lora=True) == 2
@@ -650,7 +643,7 @@ async def test_keep_swap_splits_tito_calls_where_vllm_says(
         # Admitted together, the turns step together: the streamed ones' relayed tokens (read in process,
         # no polling of a busy vLLM) pace the generate ones, which the proxy cannot see before their reply.
         while True:
-            counts = [c.get(0, 0) for c in (s.counter() for s in list(sw.calls.spans) if s.counter) if c]
+            counts = [s.relayed().get(0, 0) for s in list(sw.calls.spans) if s.relayed is not None]
             if len(counts) == n // 2 and min(counts) >= 8:
                 return
             await asyncio.sleep(0.01)
