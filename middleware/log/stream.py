@@ -236,9 +236,11 @@ async def get_trajectories(request: web.Request) -> web.StreamResponse:
             else:
                 await resp.write(encode_message(StreamMessage(cursor=cur, end=True), fmt))
                 break
-    except (ConnectionResetError, asyncio.CancelledError):
-        logger.info("stream to consumer %s ended (client gone or shutdown) after %d trajectories",
-                    ask.consumer, sent)
+    except ConnectionResetError:  # the consumer went away mid-write: nothing to tell it, and no error of ours
+        logger.info("stream to consumer %s ended (client gone) after %d trajectories", ask.consumer, sent)
+        return resp
+    except asyncio.CancelledError:
+        logger.info("stream to consumer %s ended (shutdown) after %d trajectories", ask.consumer, sent)
         raise
     finally:
         state.streams.discard(task)

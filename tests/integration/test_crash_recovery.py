@@ -348,7 +348,12 @@ async def test_sigkill_proxy_mid_load_loses_no_step_and_delivers_each_trajectory
         proxy.stop()
 
     assert not ledger.unexpected, ledger.unexpected
-    assert "torn record" in proxy.output()  # the injected torn tail was cut, counted and reported
+    # the injected torn tail was cut, counted and reported, at the start of the last run's log (read whole:
+    # by the end its tail can be other lines)
+    logs = [p.read_text(errors="replace") for p in sorted(proxy.outdir.glob("proxy-*.log"))]
+    assert "torn record" in logs[-1]
+    # a consumer that went away mid-write ends its stream quietly (it was logged as an unhandled error once)
+    assert not [log for log in logs if "unhandled error" in log], proxy.output()
     # The kills hit sessions mid-way: some were continued after a restart (rebuilt from the log) and finished.
     assert ledger.spanned & ledger.finished, ledger
 
