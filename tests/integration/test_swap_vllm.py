@@ -481,19 +481,36 @@ async def _resume(server: Backend) -> None:
             assert resp.status == 200, await resp.text()
 
 
-async def _relayed_at_least(sw: WeightSwapper, calls: int, tokens: int) -> None:
-    """Until ``calls`` calls stream through the gate, each with ``tokens`` response tokens relayed. Read from
-    the relay at any moment (``Spans.relayed``): the exact count (``counter``) exists only while the relay
-    waits on vLLM, which a loaded loop behind vLLM may never do (a CI hang); the agent's own count lags
-    further (the calls had ended when it read 16: another CI run)."""
-    seen: dict[int, int] = {}  # kept after a call ends and its spans leave the gate
-    while True:
-        for s in list(sw.calls.spans):
-            if s.relayed is not None:
-                seen[id(s)] = s.relayed().get(0, 0)
-        if len(seen) >= calls and min(seen.values()) >= tokens:
-            return
-        await asyncio.sleep(0.01)
+async def _generating_together(
+    server: Backend, sw: WeightSwapper, start: Callable[[], list[asyncio.Future[Any]]], n: int, streams: int,
+    tokens: int,
+) -> list[asyncio.Future[Any]]:
+    """Starts ``n`` calls (``start``) so that all are generating, none finished, when it returns with vLLM
+    frozen (``_freeze``). Sent into a running vLLM, calls admitted one by one on a loaded machine do not keep
+    pace: the first had ended, all its tokens relayed, when the eighth had relayed 16 (a CI run). So they
+    queue in a frozen vLLM until its own load count (``/load``: a frozen engine publishes no other) shows
+    all ``n``, are admitted together at ``/resume`` and step together; once each of the ``streams`` streamed
+    calls has ``tokens`` relayed (read in process from the relay, ``Spans.relayed``: no polling of a busy
+    vLLM), vLLM is frozen again, far before any can finish."""
+    await _freeze(server)
+    calls = start()
+    try:
+        while (await asyncio.to_thread(http_json, f"{server.url}/load"))["server_load"] < n:
+            await asyncio.sleep(0.05)
+        await _resume(server)
+        seen: dict[int, int] = {}  # kept after a call ends and its spans leave the gate
+        while len(seen) < streams or min(seen.values()) < tokens:
+            for s in list(sw.calls.spans):
+                if s.relayed is not None:
+                    seen[id(s)] = s.relayed().get(0, 0)
+            await asyncio.sleep(0.01)
+        await _freeze(server)
+    except BaseException:
+        await _resume(server)  # the module's next test needs a running server
+        for c in calls:
+            c.cancel()
+        raise
+    return calls
 
 
 async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
@@ -513,12 +530,11 @@ async def test_keep_swap_continues_calls_in_flight_on_the_new_weights(
     published = await asyncio.to_thread(write_weights, perturbed(learner_model, seed=11), None,
                                         tmp_path / "w")
     n, length = 8, 640  # long enough that a sub-second swap lands mid-generation
-    calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"keep {i}")) for i in range(n)]
-    await asyncio.wait_for(_relayed_at_least(sw, n, 16), 300)
-    await _freeze(swap_server)
+    calls = await asyncio.wait_for(_generating_together(swap_server, sw, lambda: [asyncio.ensure_future(
+        call(client, stream=True, max_tokens=length, ignore_eos=True, prompt=f"keep {i}")) for i in range(n)],
+        n, n, 16), 300)
+    assert sw.state().in_flight == n  # the precondition, read while frozen: every call is generating
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
-    assert sw.state().in_flight == n  # the precondition: every call was generating across the swap
     steps = await asyncio.gather(*calls)  # every call succeeded (call() asserts 200 and [DONE])
     assert version == 1
     st = sw.state()
@@ -559,11 +575,11 @@ async def test_keep_lora_swap_leaves_calls_in_flight_on_the_old_adapter(
     published = await asyncio.to_thread(write_weights, lora_model(learner_model, seed=22), None, out,
                                         lora=True)
     n, length = 4, 640
-    calls = [asyncio.ensure_future(call(client, stream=True, max_tokens=length, ignore_eos=True,
-                                        prompt=f"lora keep {i}")) for i in range(n)]
-    await asyncio.wait_for(_relayed_at_least(sw, n, 8), 300)
-    await _freeze(swap_server)  # vLLM's own pause: no call ends before the swap, however slow (a loaded CI)
+    calls = await asyncio.wait_for(_generating_together(swap_server, sw, lambda: [asyncio.ensure_future(
+        call(client, stream=True, max_tokens=length, ignore_eos=True, prompt=f"lora keep {i}"))
+        for i in range(n)], n, n, 8), 300)
     try:
+        assert sw.state().in_flight == n  # read while frozen: every call is generating
         assert await asyncio.to_thread(request_swap, base_url(client), TOKEN, published, lora=True) == 2
         models = await asyncio.to_thread(http_json, f"{swap_server.url}/v1/models")
         served = {m["id"] for m in models["data"]}
@@ -629,29 +645,12 @@ async def test_keep_swap_splits_tito_calls_where_vllm_says(
         return steps[1]
 
     opened = await asyncio.gather(*(first(i) for i in range(n)))
-    # The second turns queue in a frozen vLLM and start together at /resume: sent into a running one, a
-    # turn could end before the last had started, and "all n generating" would never hold at once. A frozen
-    # engine publishes no counts, so the queue is read from the API server's own load count (``/load``).
-    await _freeze(swap_server)
-    calls = [asyncio.ensure_future(second(i, sid, msgs, stream=i % 2 == 1)) for i,
-             (sid, msgs) in enumerate(opened)]
-
-    async def generating() -> None:
-        while (await asyncio.to_thread(http_json, f"{swap_server.url}/load"))["server_load"] < n:
-            await asyncio.sleep(0.05)
-        await _resume(swap_server)
-        # Admitted together, the turns step together: the streamed ones' relayed tokens (read in process,
-        # no polling of a busy vLLM) pace the generate ones, which the proxy cannot see before their reply.
-        while True:
-            counts = [s.relayed().get(0, 0) for s in list(sw.calls.spans) if s.relayed is not None]
-            if len(counts) == n // 2 and min(counts) >= 8:
-                return
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(generating(), 300)
-    await _freeze(swap_server)  # frozen in flight before the swap begins (see _freeze)
+    # The streamed turns' relayed tokens pace the generate ones, which the proxy cannot see before their reply
+    calls = await asyncio.wait_for(_generating_together(swap_server, sw, lambda: [asyncio.ensure_future(
+        second(i, sid, msgs, stream=i % 2 == 1)) for i, (sid, msgs) in enumerate(opened)], n, n // 2, 8), 300)
+    assert sw.state().in_flight == n  # read while frozen: every second turn is generating
     version = await asyncio.to_thread(request_swap, base_url(client), TOKEN, published)
-    assert version == 1 and sw.state().in_flight == n  # every second turn was generating across the swap
+    assert version == 1
     steps = await asyncio.gather(*calls)
     tito_turns = client.app[METRICS_KEY].tito_turns.labels("tokens")._value.get()
     assert tito_turns == n  # every second turn went through generate
