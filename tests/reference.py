@@ -66,25 +66,42 @@ def reference_argmax(model_dir: str | Path, prompt_ids: list[int], response_ids:
     return logprobs.argmax(dim=-1).tolist()
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def reference_logprobs_of(model_dir: str | Path, calls: Sequence[tuple[list[int], list[int]]],
                           temperature: float = 1.0) -> list[list[float]]:
     """``reference_logprobs`` of several (prompt, response) pairs, one forward pass per token sequence: a pair
     whose ids are the start of a longer pair's prompt (an agent's earlier turn) is read from that pair's pass.
-    An agent session of 40k-token prompts costs one pass, not one per call."""
+    An agent session of 40k-token prompts costs one pass, not one per call; and a sequence that shares a start
+    with the one before (an agent whose turns do not extend each other, but keep its long system prompt) is
+    computed from that start's cached keys and values, so only its new tail is run (an exact computation:
+    causal attention at a position reads only the positions before it)."""
     import torch
+    from transformers import DynamicCache
 
     seqs = [list(p) + list(r) for p, r in calls]
     # each pair's covering sequence: the longest one that starts with all of its ids
     cover = [max((j for j, s in enumerate(seqs) if s[: len(seq)] == seq), key=lambda j: len(seqs[j]))
              for seq in seqs]
     out: list[list[float]] = [[] for _ in calls]
+    model = _load(str(Path(model_dir).resolve()), None)
+    cache, cached = DynamicCache(), []  # the keys and values of the ids in ``cached``
     for j in sorted(set(cover)):
-        model = _load(str(Path(model_dir).resolve()), None)
+        covered = [i for i, c in enumerate(cover) if c == j]
+        first = min(len(calls[i][0]) - 1 for i in covered)  # position t predicts token t+1
+        keep = min(_common(cached, seqs[j]), first)  # every logit this sequence needs comes after ``keep``
+        cache.crop(keep)
         with torch.no_grad():
-            logits = model(torch.tensor([seqs[j]])).logits[0].float()  # [T, V]
-        for i in (i for i, c in enumerate(cover) if c == j):
+            logits = model(torch.tensor([seqs[j][keep:]]), past_key_values=cache,
+                           use_cache=True).logits[0].float()  # [T - keep, V]
+        cached = seqs[j]
+        for i in covered:
             prompt, response = calls[i]
-            start = len(prompt) - 1  # position t predicts token t+1
+            start = len(prompt) - 1 - keep
             lp = torch.log_softmax(logits[start : start + len(response)] / temperature, dim=-1)
             out[i] = lp.gather(1, torch.tensor(list(response))[:, None])[:, 0].tolist()
     return out

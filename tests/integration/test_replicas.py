@@ -378,6 +378,10 @@ async def test_two_proxies_feed_one_learner_that_publishes_to_both(
     print(f"\ntwo proxies, one learner: reward {curve[0]:.3f} -> {curve[-1]:.3f} in {len(rows)} updates; "
           f"curve {[round(c, 3) for c in curve]}")
     assert len(rows) == n_updates and restarted
+    assert not any(r["counts"].get("dropped_truncated", 0) for r in rows)
+    # Every update published; each batch sampled by the last swap's weights (lockstep), the restart included
+    assert [r["policy_version"] for r in rows] == list(range(1, n_updates + 1))
+    assert [r["behaviour_version"] for r in rows] == list(range(n_updates))
     assert curve[0] < 0.15 and sum(curve[-2:]) / 2 > curve[0] + 0.3, curve
     assert max(consumed.values()) == 1, [k for k, v in consumed.items() if v > 1]  # nothing trained twice
     assert {src for src, _ in consumed} == {p1.url, p2.url}  # both streams trained on

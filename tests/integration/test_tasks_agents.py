@@ -220,7 +220,8 @@ async def test_the_sandbox_holds_against_the_agent_own_tool_calls(long_proxy: An
     tag = f"9{os.getpid()}"
     hang = (f"setsid sh -c 'sleep {tag}1' & nohup sleep {tag}2 >/dev/null 2>&1 & (sleep {tag}3 &); "
             f"sleep {tag}4; echo steptap-ran-hang-0")
-    harbor_task(suite, "hang", f"Wait. {call('pi', hang)}", ANSWER_TEST, agent_timeout=90.0)
+    # Every pi episode here ends in under 12 s on a loaded CI; the hang's steps show pi reached the sleeps
+    harbor_task(suite, "hang", f"Wait. {call('pi', hang)}", ANSWER_TEST, agent_timeout=45.0)
     harbor_task(suite, "crash", f"Answer. {call('pi', 'echo 42 > /app/answer.txt; echo steptap-ran-x-1')}",
                 "echo the verifier broke >&2\nexit 2\n")
     try:
@@ -241,6 +242,8 @@ async def test_the_sandbox_holds_against_the_agent_own_tool_calls(long_proxy: An
     # past its timeout: killed with every process it started; the verifier judged what it left
     hung = lines[("hang", 0)]
     assert hung["agent"]["timed_out"] and hung["agent"]["exit_code"] is None and hung["status"] == "finished"
+    # pi ran the command before the timeout (else the check below would hold with nothing to kill)
+    assert f"sleep {tag}4" in json.dumps([s.response for s in client.get_session(hung["session_id"]).steps])
     left = subprocess.run(["pgrep", "-f", f"sleep {tag}"], capture_output=True, text=True, check=False)
     assert left.stdout == "", left.stdout
     # a crashing verifier: an infrastructure error (run again once), never a 0, nothing trained

@@ -1,6 +1,6 @@
 """The verl engine (verl's TrainingWorker over FSDP2, on a local Ray cluster of CPU workers over gloo) against
 the torch engine: on the same batch, with the optimizer settings matched explicitly, the loss and the updated
-weights agree at world size 1 and 2, within a tolerance derived from what legitimately differs.
+weights agree at world size 2, within a tolerance derived from what legitimately differs.
 
 What differs is float32 reduction order (verl pads prompts on the left, splits micro-batches its own way and,
 at world size 2, all-reduces gradients over gloo). So the tolerance is measured, not picked: the torch engine
@@ -103,10 +103,14 @@ def _adam_first_step(w0: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return w0 - LR * g / (g.abs() + ADAM_EPS)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny_model_dir, reference,
-                                                              workers: int) -> None:
+def test_verl_engine_equals_the_torch_engine_on_the_same_batch(ray_cluster, tiny_model_dir,
+                                                              reference) -> None:
+    """At world size 2, which adds the gradients' all-reduce to what one worker does. One worker equals the
+    torch engine in test_verl_vision (the gradient norm on the same batch) and trains in the LoRA and crash
+    tests below: a second run of this batch at world size 1 re-proved that (CI time)."""
     from steptap.learner.engines.verl_engine import VerlEngine
+
+    workers = 2
 
     eng = VerlEngine(_config(str(tiny_model_dir), engine="verl", workers=workers, micro_batch_tokens=64))
     try:
