@@ -27,16 +27,8 @@ sessions/classify.py) train only in a session opened with ``train: "all"``; by d
 them packed as one sequence, and a trained side call is a sequence of its own. A ``branch`` step (a
 compaction's new history) trains as the main line does and starts a new sequence.
 
-Returns (documented choice): a step's return is the discounted sum of the per-step (process) rewards from that
-step on, plus the trajectory reward discounted from the last step,
-``return_k = sum_{j>=k} gamma^(j-k) r_j + gamma^(n-1-k) R``, with n the trajectory's step count. With no
-process rewards and gamma = 1 every step of a trajectory gets the trajectory reward. The advantage estimator
-then normalises over every trained step of the group (``group_id``), see ``algos.compute_advantages``.
-
-Step rewards (for ``algorithm = "gae"``, step-level credit with a value model): a step's own reward is its
-process rewards (``Step.rewards``, given on that step), plus the trajectory reward on the last step. A dropped
-step cannot carry credit, so its reward moves to the closest trained step before it (discounted by gamma per
-step between them); rewards before the first trained step precede every trained action and are not used.
+Returns and step rewards (what each trained step is credited with) and per-token staleness weights:
+learner/credit.py.
 """
 
 from __future__ import annotations
@@ -46,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from steptap.learner.credit import stale_weights, step_returns, step_rewards
 from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
@@ -69,8 +62,8 @@ class Sample:
     top_p: float
     top_k: int
     policy_version: int
-    ret: float  # the step's return (see module docstring)
-    reward: float = 0.0  # the step's own reward (see module docstring): GAE's r_k
+    ret: float  # the step's return (learner/credit.py)
+    reward: float = 0.0  # the step's own reward (learner/credit.py): GAE's r_k
     weight: float = 1.0  # < 1: a stale step kept with stale_mode="downweight"
     seq: int = -1
     offset: int = 0
@@ -125,16 +118,6 @@ class Batch:
         return self.sequences[s.seq].input_ids[: s.offset]
 
 
-def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[float]:
-    """Per-step discounted returns, in step order: process rewards, plus ``final_reward`` after the last."""
-    out = [0.0] * len(steps)
-    running = final_reward  # arrives with the last step (not discounted there)
-    for k in range(len(steps) - 1, -1, -1):
-        running = float(sum(steps[k].rewards.values())) + (gamma * running if k < len(steps) - 1 else running)
-        out[k] = running
-    return out
-
-
 def reproducible(sampling: Sampling) -> bool:
     """Whether the learner can recompute the distribution the tokens were drawn from: temperature and top-p /
     top-k truncation it handles (scaling, rollout correction); min_p, penalties (which depend on the tokens so
@@ -150,28 +133,6 @@ def reproducible(sampling: Sampling) -> bool:
         and not sampling.logit_bias
         and not sampling.constraints
     )
-
-
-def step_rewards(steps: list[Step], final_reward: float) -> list[float]:
-    """Each step's own reward, in step order: its process rewards, plus ``final_reward`` on the last step."""
-    out = [float(sum(s.rewards.values())) for s in steps]
-    if out:
-        out[-1] += final_reward
-    return out
-
-
-def stale_weights(versions: list[int], version: int, max_staleness: int, stale_mode: str, decay: float
-                  ) -> list[float]:
-    """Each token's staleness weight from the version that sampled it: 1 when fresh; past ``max_staleness``,
-    0 (``drop``: out of the loss) or ``decay ** (lag - max_staleness)`` (``downweight``)."""
-    if max_staleness < 0:
-        return [1.0] * len(versions)
-    out = []
-    for v in versions:
-        lag = version - v
-        out.append(1.0 if lag <= max_staleness else 0.0 if stale_mode == "drop"
-                   else decay ** (lag - max_staleness))
-    return out
 
 
 def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str,
