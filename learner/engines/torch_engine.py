@@ -62,6 +62,18 @@ class _Layout(NamedTuple):
     fresh: list[torch.Tensor]  # [L-1] bool: a trained token of a step the learner's current version sampled
 
 
+class _Before(NamedTuple):
+    """What the no-grad passes before the update found, one item per micro-batch ([B, L-1] each), and the
+    values (gae)."""
+
+    old: list[torch.Tensor]  # the logprobs the ratio is taken against: behaviour, or proximal (decoupled)
+    masks: list[torch.Tensor]  # the loss mask (rollout correction's rejection applied)
+    is_w: list[torch.Tensor | None]  # rollout correction's importance weights
+    ref: list[torch.Tensor | None]  # the reference's logprobs (kl_coef > 0)
+    is_means: list[float]
+    values: torch.Tensor  # gae: [S], the value head at each step's action boundary (zeros without it)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -279,114 +291,142 @@ class TorchEngine:
         decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
         need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
         n_tokens = int(sum(m.sum() for m in lay.mask))
-        n_seqs = len(lay.ids)
         gae = self.value_head is not None
-        values = torch.zeros(len(batch.samples))  # gae: [S] at the action boundaries, before the update
-
-        # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per
-        # micro-batch
-        old, masks, is_w, ref = [], [], [], []
-        is_means = []
         gaps: list[tuple[float, int]] = []  # the logprob gap of each micro-batch (learner/health.py)
+        before = self._before_update(batch, lay, mbs, decoupled, need_prox, gaps)
+        # Step-level advantages need every step's value, so only now (the pass above is the sync point)
+        returns = None
+        if gae:
+            step_adv, returns = algos.step_gae(batch.samples, before.values, self.cfg.gamma, self.cfg.lam)
+            self._fill_advantages(lay, batch, step_adv)
+        sums, grad_norm = self._update(batch, lay, mbs, before, returns, need_prox, n_tokens, gaps)
+        k = self.cfg.epochs
+        return StepStats(
+            loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
+            kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
+            seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
+            rollout_is_mean=sum(before.is_means) / len(before.is_means) if before.is_means else 1.0,
+            value_loss=sums["value_loss"] / k,
+            value_mean=float(before.values.mean()) if gae else 0.0,
+            logprob_gap=sum(g * n for g, n in gaps) / max(1, sum(n for _, n in gaps)),
+            gap_tokens=sum(n for _, n in gaps),
+        )
+
+    def _before_update(self, batch: Batch, lay: _Layout, mbs: list[list[int]], decoupled: bool,
+                       need_prox: bool, gaps: list[tuple[float, int]]) -> _Before:
+        """The no-grad passes before the update, per micro-batch: the logprobs the ratio is taken against
+        (behaviour, or proximal with rollout correction), the loss masks, the reference's logprobs; gae: the
+        value at each step's action boundary."""
+        gae = self.value_head is not None
+        out = _Before([], [], [], [], [], torch.zeros(len(batch.samples)))
         for mb in mbs:
             targets = self._pad([lay.ids[i][1:] for i in mb], 0)
             mask = self._pad([lay.mask[i] for i in mb], False)
             rec = self._pad([lay.recorded[i] for i in mb], 0.0)
             temp = self._pad([lay.temp[i] for i in mb], 1.0)
-            behaviour, prox = rec, None
+            behaviour, prox, logits = rec, None, None
             if gae:
                 with torch.no_grad():
-                    all_logits, hidden = self._forward(self.model, lay, mb, hidden=True)
+                    logits, hidden = self._forward(self.model, lay, mb, hidden=True)
                     idx, v = self._boundary_values(hidden, batch, mb)
-                    values[idx] = v.cpu()
+                    out.values[idx] = v.cpu()
                     del hidden
             if need_prox:
-                with torch.no_grad():
-                    # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T,
-                    # V].
-                    if not gae:
-                        all_logits = self._logits(self.model, lay, mb)
-                    logits = all_logits[mask].unsqueeze(0)  # [1, N, V]
-                    tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
-                    raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
-                    prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(logits, tg, tp)[0])
-                    samp = sampler_logprobs(logits, tg, tp,
-                                            self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
-                                            self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
-                    del logits
-                behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
-                fresh = self._pad([lay.fresh[i] for i in mb], False)
-                gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
+                behaviour, prox = self._behaviour(lay, mb, logits, targets, mask, rec, temp, gaps)
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
-                is_w.append(w)
-                is_means.append(m.get("rollout_corr/rollout_is_mean", 1.0))
-                old.append(prox)
+                out.is_w.append(w)
+                out.is_means.append(m.get("rollout_corr/rollout_is_mean", 1.0))
+                out.old.append(prox)
             else:
-                is_w.append(None)
-                old.append(behaviour)
-            masks.append(mask)
-            ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
-            all_logits = None
-        # Step-level advantages need every step's value, so only now (the pass above is the sync point)
-        if gae:
-            step_adv, returns = algos.step_gae(batch.samples, values, self.cfg.gamma, self.cfg.lam)
-            self._fill_advantages(lay, batch, step_adv)
+                out.is_w.append(None)
+                out.old.append(behaviour)
+            out.masks.append(mask)
+            out.ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
+            logits = None
+        return out
 
+    def _behaviour(self, lay: _Layout, mb: list[int], logits: torch.Tensor | None, targets: torch.Tensor,
+                   mask: torch.Tensor, rec: torch.Tensor, temp: torch.Tensor,
+                   gaps: list[tuple[float, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``mb``'s behaviour and proximal logprobs [B, T] from the weights before the update: the
+        recorded raw logprobs shifted by what temperature and truncation change (module docstring); its
+        logprob gap to vLLM's into ``gaps``. ``logits``: the gae pass's, when it ran."""
+        with torch.no_grad():
+            # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T, V]
+            if logits is None:
+                logits = self._logits(self.model, lay, mb)
+            picked = logits[mask].unsqueeze(0)  # [1, N, V]
+            tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
+            raw = token_logprobs(picked, tg, torch.ones_like(tp))[0]
+            prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(picked, tg, tp)[0])
+            samp = sampler_logprobs(picked, tg, tp,
+                                    self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
+                                    self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
+            del picked, logits
+        behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
+        fresh = self._pad([lay.fresh[i] for i in mb], False)
+        gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
+        return behaviour, prox
+
+    def _update(self, batch: Batch, lay: _Layout, mbs: list[list[int]], before: _Before,
+                returns: torch.Tensor | None, need_prox: bool, n_tokens: int,
+                gaps: list[tuple[float, int]]) -> tuple[dict[str, float], float]:
+        """``epochs`` passes over the micro-batches, one optimizer step each over the whole batch: the loss
+        figures summed over the epochs, and the last epoch's gradient norm."""
         self.model.train()
         sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0,
                 "value_loss": 0.0}
         grad_norm = 0.0
         for epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            if gae:
+            if self.value_head is not None:  # gae
                 self.value_optimizer.zero_grad(set_to_none=True)
             for j, mb in enumerate(mbs):
-                targets = self._pad([lay.ids[i][1:] for i in mb], 0)
-                temp = self._pad([lay.temp[i] for i in mb], 1.0)
-                adv = self._pad([lay.adv[i] for i in mb], 0.0)
-                logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
-                log_prob = token_logprobs(logits, targets, temp)
-                if epoch == 0 and not need_prox:  # temperature 1 everywhere: these are the raw logprobs
-                    fresh = self._pad([lay.fresh[i] for i in mb], False)
-                    gaps.append(gap_sums(log_prob.detach(), old[j], fresh))
-                entropy = self._entropy(logits, temp)
-                loss, m = algos.policy_loss(
-                    self.actor, log_prob, old[j], adv, masks[j],
-                    batch_num_tokens=n_tokens, global_batch_size=n_seqs,
-                    rollout_is_weights=is_w[j], ref_log_prob=ref[j], entropy=entropy,
-                )
-                vloss = torch.zeros(())
-                if gae:  # the head sees detached features: this loss reaches only the head
-                    idx, vpred = self._boundary_values(hidden, batch, mb)
-                    vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), values[idx].to(vpred),
-                                                self.cfg.value_clip, num_steps=len(batch.samples))
-                    sums["value_loss"] += float(vloss.detach())
-                # Gradients accumulate: each micro-batch's loss is its share of the batch's
-                (loss + vloss).backward()
-                share = float(masks[j].sum()) / max(n_tokens, 1)
-                sums["loss"] += float(loss.detach())
-                sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
-                sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
-                sums["kl_loss"] += m.get("kl_loss", 0.0) * share
-                sums["entropy"] += float((entropy.detach() * masks[j]).sum()) / max(n_tokens, 1)
-                del logits, hidden
+                # temperature 1 everywhere: the first epoch's logprobs are the raw ones, the gap's
+                gap = gaps if epoch == 0 and not need_prox else None
+                self._accumulate(batch, lay, mb, j, before, returns, n_tokens, sums, gap)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
-            self.optimizer.step()  # one optimizer step per epoch over the whole batch
+            self.optimizer.step()
             if self.value_head is not None:  # gae
                 torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
                 self.value_optimizer.step()
-        k = self.cfg.epochs
-        return StepStats(
-            loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
-            kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
-            seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
-            rollout_is_mean=sum(is_means) / len(is_means) if is_means else 1.0,
-            value_loss=sums["value_loss"] / k, value_mean=float(values.mean()) if gae else 0.0,
-            logprob_gap=sum(g * n for g, n in gaps) / max(1, sum(n for _, n in gaps)),
-            gap_tokens=sum(n for _, n in gaps),
+        return sums, grad_norm
+
+    def _accumulate(self, batch: Batch, lay: _Layout, mb: list[int], j: int, before: _Before,
+                    returns: torch.Tensor | None, n_tokens: int, sums: dict[str, float],
+                    gaps: list[tuple[float, int]] | None) -> None:
+        """Micro-batch ``j``'s forward and backward: its gradients accumulate, its loss is its share of the
+        batch's (gae: the value head's loss beside the policy's); its figures added to ``sums``."""
+        gae = returns is not None
+        targets = self._pad([lay.ids[i][1:] for i in mb], 0)
+        temp = self._pad([lay.temp[i] for i in mb], 1.0)
+        adv = self._pad([lay.adv[i] for i in mb], 0.0)
+        logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
+        log_prob = token_logprobs(logits, targets, temp)
+        if gaps is not None:
+            fresh = self._pad([lay.fresh[i] for i in mb], False)
+            gaps.append(gap_sums(log_prob.detach(), before.old[j], fresh))
+        entropy = self._entropy(logits, temp)
+        loss, m = algos.policy_loss(
+            self.actor, log_prob, before.old[j], adv, before.masks[j],
+            batch_num_tokens=n_tokens, global_batch_size=len(lay.ids),
+            rollout_is_weights=before.is_w[j], ref_log_prob=before.ref[j], entropy=entropy,
         )
+        vloss = torch.zeros(())
+        if returns is not None:  # the head sees detached features: this loss reaches only the head
+            idx, vpred = self._boundary_values(hidden, batch, mb)
+            vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), before.values[idx].to(vpred),
+                                        self.cfg.value_clip, num_steps=len(batch.samples))
+            sums["value_loss"] += float(vloss.detach())
+        (loss + vloss).backward()
+        share = float(before.masks[j].sum()) / max(n_tokens, 1)
+        sums["loss"] += float(loss.detach())
+        sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
+        sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
+        sums["kl_loss"] += m.get("kl_loss", 0.0) * share
+        sums["entropy"] += float((entropy.detach() * before.masks[j]).sum()) / max(n_tokens, 1)
 
     def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         """Per-token entropy of the temperature-scaled policy (a statistic; in the loss only with
