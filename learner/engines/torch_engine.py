@@ -42,24 +42,11 @@ import torch.nn.functional as F
 from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
+from steptap.learner.engines.torch_layout import Layout, fill_advantages, layout, micro_batches
 from steptap.learner.health import gap_sums
 from steptap.learner.rows import Batch
 
 __all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
-
-
-class _Layout(NamedTuple):
-    """The batch as next-token targets: one row per sequence, position t predicts input_ids[t + 1]."""
-
-    ids: list[torch.Tensor]  # [L] per sequence
-    mask: list[torch.Tensor]  # [L-1] bool: a trained response token
-    adv: list[torch.Tensor]  # [L-1]
-    recorded: list[torch.Tensor]  # [L-1] vLLM's raw logprobs (0 where masked)
-    temp: list[torch.Tensor]  # [L-1] sampling temperature (1 where masked)
-    top_p: list[torch.Tensor]
-    top_k: list[torch.Tensor]
-    vision: list[dict[str, Any] | None]  # a vision sequence's image inputs (rows.Sequence.vision)
-    fresh: list[torch.Tensor]  # [L-1] bool: a trained token of a step the learner's current version sampled
 
 
 class _Before(NamedTuple):
@@ -194,40 +181,9 @@ class TorchEngine:
         return None
 
     # -- layout -------------------------------------------------------------------------------------
-    def _layout(self, batch: Batch) -> _Layout:
-        gae = self.value_head is not None  # its advantages need the values first: _fill_advantages
-        advs = None if gae else algos.compute_advantages(batch.samples, self.cfg)
-        out = _Layout([], [], [], [], [], [], [], [], [])
-        for seq in batch.sequences:
-            n = len(seq.input_ids) - 1
-            ids = torch.tensor(seq.input_ids, dtype=torch.long)
-            mask, adv, rec = torch.zeros(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
-            temp, top_p, top_k = torch.ones(n), torch.ones(n), torch.zeros(n, dtype=torch.long)
-            fresh = torch.zeros(n, dtype=torch.bool)  # a trained token the current version sampled
-            for i in seq.samples:
-                s = batch.samples[i]
-                lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
-                mask[lo:hi] = torch.tensor(s.weights()) > 0  # a stale token (weight 0) is out of the loss
-                fresh[lo:hi] = mask[lo:hi] & (s.policy_version == batch.version)
-                if advs is not None:
-                    adv[lo:hi] = advs[i]
-                rec[lo:hi] = torch.tensor(s.logprobs)
-                temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k, seq.vision, fresh),
-                               strict=True):
-                getattr(out, name).append(t)
-        return out
-
-    @staticmethod
-    def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
-        """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness
-        weight)."""
-        for seq, adv in zip(batch.sequences, lay.adv, strict=False):
-            for i in seq.samples:
-                s = batch.samples[i]
-                adv[s.offset - 1 : s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(
-                    s.weights()
-                )
+    def _layout(self, batch: Batch) -> Layout:
+        gae = self.value_head is not None  # its advantages need the values first: fill_advantages
+        return layout(batch, None if gae else algos.compute_advantages(batch.samples, self.cfg))
 
     def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int],
                                                                                            torch.Tensor]:
@@ -245,29 +201,13 @@ class TorchEngine:
         assert self.value_head is not None
         return idx, self.value_head(h.detach().float()).squeeze(-1)
 
-    def _micro_batches(self, lengths: list[int], solo: list[bool] | None = None) -> list[list[int]]:
-        """Consecutive groups of sequences whose padded size (count x longest) fits the token budget; a
-        ``solo`` sequence (a vision one: its positions come from its own image grids) is a group alone."""
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        alone = solo or [False] * len(lengths)
-        for i, n in enumerate(lengths):
-            if cur and (alone[i] or alone[cur[0]]
-                        or (len(cur) + 1) * max(longest, n) > self.cfg.micro_batch_tokens):
-                groups.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
-        return groups + [cur] if cur else groups
-
     def _pad(self, rows: list[torch.Tensor], value: float | int) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(self.device)
 
-    def _logits(self, model: torch.nn.Module, lay: _Layout, mb: list[int]) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, lay: Layout, mb: list[int]) -> torch.Tensor:
         return self._forward(model, lay, mb)[0]
 
-    def _forward(self, model: torch.nn.Module, lay: _Layout, mb: list[int],
+    def _forward(self, model: torch.nn.Module, lay: Layout, mb: list[int],
                  hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, L-1, V] (position t predicts t + 1) and, when asked, the last hidden state [B, L, H], of
         the sequences ``mb``; a vision sequence (alone in its micro-batch) with its image inputs."""
@@ -287,7 +227,8 @@ class TorchEngine:
     def train_step(self, batch: Batch) -> StepStats:
         t0 = time.perf_counter()
         lay = self._layout(batch)
-        mbs = self._micro_batches([len(t) for t in lay.ids], [v is not None for v in lay.vision])
+        mbs = micro_batches([len(t) for t in lay.ids], self.cfg.micro_batch_tokens,
+                            [v is not None for v in lay.vision])
         decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
         need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
         n_tokens = int(sum(m.sum() for m in lay.mask))
@@ -298,7 +239,7 @@ class TorchEngine:
         returns = None
         if gae:
             step_adv, returns = algos.step_gae(batch.samples, before.values, self.cfg.gamma, self.cfg.lam)
-            self._fill_advantages(lay, batch, step_adv)
+            fill_advantages(lay, batch, step_adv)
         sums, grad_norm = self._update(batch, lay, mbs, before, returns, need_prox, n_tokens, gaps)
         k = self.cfg.epochs
         return StepStats(
@@ -312,7 +253,7 @@ class TorchEngine:
             gap_tokens=sum(n for _, n in gaps),
         )
 
-    def _before_update(self, batch: Batch, lay: _Layout, mbs: list[list[int]], decoupled: bool,
+    def _before_update(self, batch: Batch, lay: Layout, mbs: list[list[int]], decoupled: bool,
                        need_prox: bool, gaps: list[tuple[float, int]]) -> _Before:
         """The no-grad passes before the update, per micro-batch: the logprobs the ratio is taken against
         (behaviour, or proximal with rollout correction), the loss masks, the reference's logprobs; gae: the
@@ -346,7 +287,7 @@ class TorchEngine:
             logits = None
         return out
 
-    def _behaviour(self, lay: _Layout, mb: list[int], logits: torch.Tensor | None, targets: torch.Tensor,
+    def _behaviour(self, lay: Layout, mb: list[int], logits: torch.Tensor | None, targets: torch.Tensor,
                    mask: torch.Tensor, rec: torch.Tensor, temp: torch.Tensor,
                    gaps: list[tuple[float, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``mb``'s behaviour and proximal logprobs [B, T] from the weights before the update: the
@@ -369,7 +310,7 @@ class TorchEngine:
         gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
         return behaviour, prox
 
-    def _update(self, batch: Batch, lay: _Layout, mbs: list[list[int]], before: _Before,
+    def _update(self, batch: Batch, lay: Layout, mbs: list[list[int]], before: _Before,
                 returns: torch.Tensor | None, need_prox: bool, n_tokens: int,
                 gaps: list[tuple[float, int]]) -> tuple[dict[str, float], float]:
         """``epochs`` passes over the micro-batches, one optimizer step each over the whole batch: the loss
@@ -394,7 +335,7 @@ class TorchEngine:
                 self.value_optimizer.step()
         return sums, grad_norm
 
-    def _accumulate(self, batch: Batch, lay: _Layout, mb: list[int], j: int, before: _Before,
+    def _accumulate(self, batch: Batch, lay: Layout, mb: list[int], j: int, before: _Before,
                     returns: torch.Tensor | None, n_tokens: int, sums: dict[str, float],
                     gaps: list[tuple[float, int]] | None) -> None:
         """Micro-batch ``j``'s forward and backward: its gradients accumulate, its loss is its share of the
@@ -437,7 +378,7 @@ class TorchEngine:
             return -(logp.exp() * logp).sum(-1)
 
     @torch.no_grad()
-    def _reference_logprobs(self, lay: _Layout, mb: list[int], targets: torch.Tensor,
+    def _reference_logprobs(self, lay: Layout, mb: list[int], targets: torch.Tensor,
                             temp: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
             return token_logprobs(self._logits(self.reference, lay, mb), targets, temp)
