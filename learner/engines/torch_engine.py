@@ -1,8 +1,9 @@
 """The ``torch`` engine: one process, CPU or one GPU, a transformers causal LM, verl's losses.
 
 ``TorchEngine.train_step(batch)`` does one update on a ``rows.Batch``: lay the packed sequences out as
-next-token targets, find the behaviour logprobs (see below), compute verl advantages, then for each epoch run
-micro-batches (by token budget) forward + backward with gradient accumulation, clip, and one AdamW step.
+next-token targets (learner/engines/torch_layout.py), find the behaviour logprobs (see below), compute verl
+advantages, then for each epoch run micro-batches (by token budget) forward + backward with gradient
+accumulation, clip, and one AdamW step.
 
 Behaviour logprobs. vLLM records raw logprobs (before temperature and top-p/top-k). For a step sampled at
 temperature 1 without truncation they *are* the behaviour policy. Otherwise the learner measures, with its own
