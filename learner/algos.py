@@ -7,14 +7,14 @@ does (``ray_trainer.compute_advantage``, ``workers/utils/losses.ppo_loss``) and 
   response token, ``response_mask`` [S, T], ``index`` = group ids (numpy object array). The group index is the
   trajectory's ``group_id``, so every trained step of the group's members is normalised together (documented
   choice; with one step per trajectory this is exactly GRPO/RLOO). Step discounting is already folded into the
-  return (rows.step_returns), so verl's token-level ``gamma`` (REINFORCE++) is 1.
+  return (credit.step_returns), so verl's token-level ``gamma`` (REINFORCE++) is 1.
 - Policy loss: ``get_policy_loss_fn(name)`` with an ``ActorConfig``; the micro-batch's share of the global
   batch goes in the config's ``global_batch_info`` (batch_num_tokens, global_batch_size), as verl's ppo_loss
   does, so gradient accumulation over micro-batches equals one pass over the whole batch.
 - Step-level GAE (``algorithm = "gae"``): verl's ``compute_gae_advantage_return`` is token-level; laid out
 with
   one *column per step* instead of per token it is GAE over steps: row = trajectory, column k = its k-th
-  trained step, reward = the step's own reward (rows.step_rewards), value = the value head at the step's
+  trained step, reward = the step's own reward (credit.step_rewards), value = the value head at the step's
   action boundary. verl then discounts across steps with gamma and lambda, whitens over every trained step of
   the batch, and returns the value targets; each step's advantage is spread over its response tokens (the
   policy loss stays token-level). The value head's loss is verl's clipped ``compute_value_loss``.

@@ -27,16 +27,8 @@ sessions/classify.py) train only in a session opened with ``train: "all"``; by d
 them packed as one sequence, and a trained side call is a sequence of its own. A ``branch`` step (a
 compaction's new history) trains as the main line does and starts a new sequence.
 
-Returns (documented choice): a step's return is the discounted sum of the per-step (process) rewards from that
-step on, plus the trajectory reward discounted from the last step,
-``return_k = sum_{j>=k} gamma^(j-k) r_j + gamma^(n-1-k) R``, with n the trajectory's step count. With no
-process rewards and gamma = 1 every step of a trajectory gets the trajectory reward. The advantage estimator
-then normalises over every trained step of the group (``group_id``), see ``algos.compute_advantages``.
-
-Step rewards (for ``algorithm = "gae"``, step-level credit with a value model): a step's own reward is its
-process rewards (``Step.rewards``, given on that step), plus the trajectory reward on the last step. A dropped
-step cannot carry credit, so its reward moves to the closest trained step before it (discounted by gamma per
-step between them); rewards before the first trained step precede every trained action and are not used.
+Returns and step rewards (what each trained step is credited with) and per-token staleness weights:
+learner/credit.py.
 """
 
 from __future__ import annotations
@@ -46,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from steptap.learner.credit import stale_weights, step_returns, step_rewards
 from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import DeltaError, Expander
 from steptap.middleware.records import ImageRef, Sampling, Step, Trajectory
@@ -69,8 +62,8 @@ class Sample:
     top_p: float
     top_k: int
     policy_version: int
-    ret: float  # the step's return (see module docstring)
-    reward: float = 0.0  # the step's own reward (see module docstring): GAE's r_k
+    ret: float  # the step's return (learner/credit.py)
+    reward: float = 0.0  # the step's own reward (learner/credit.py): GAE's r_k
     weight: float = 1.0  # < 1: a stale step kept with stale_mode="downweight"
     seq: int = -1
     offset: int = 0
@@ -125,16 +118,6 @@ class Batch:
         return self.sequences[s.seq].input_ids[: s.offset]
 
 
-def step_returns(steps: list[Step], final_reward: float, gamma: float) -> list[float]:
-    """Per-step discounted returns, in step order: process rewards, plus ``final_reward`` after the last."""
-    out = [0.0] * len(steps)
-    running = final_reward  # arrives with the last step (not discounted there)
-    for k in range(len(steps) - 1, -1, -1):
-        running = float(sum(steps[k].rewards.values())) + (gamma * running if k < len(steps) - 1 else running)
-        out[k] = running
-    return out
-
-
 def reproducible(sampling: Sampling) -> bool:
     """Whether the learner can recompute the distribution the tokens were drawn from: temperature and top-p /
     top-k truncation it handles (scaling, rollout correction); min_p, penalties (which depend on the tokens so
@@ -150,28 +133,6 @@ def reproducible(sampling: Sampling) -> bool:
         and not sampling.logit_bias
         and not sampling.constraints
     )
-
-
-def step_rewards(steps: list[Step], final_reward: float) -> list[float]:
-    """Each step's own reward, in step order: its process rewards, plus ``final_reward`` on the last step."""
-    out = [float(sum(s.rewards.values())) for s in steps]
-    if out:
-        out[-1] += final_reward
-    return out
-
-
-def stale_weights(versions: list[int], version: int, max_staleness: int, stale_mode: str, decay: float
-                  ) -> list[float]:
-    """Each token's staleness weight from the version that sampled it: 1 when fresh; past ``max_staleness``,
-    0 (``drop``: out of the loss) or ``decay ** (lag - max_staleness)`` (``downweight``)."""
-    if max_staleness < 0:
-        return [1.0] * len(versions)
-    out = []
-    for v in versions:
-        lag = version - v
-        out.append(1.0 if lag <= max_staleness else 0.0 if stale_mode == "drop"
-                   else decay ** (lag - max_staleness))
-    return out
 
 
 def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str,
@@ -191,6 +152,20 @@ def _skip_reason(step: Step, lag: int, max_staleness: int, stale_mode: str,
     if (step.sampling.top_p < 1.0 or step.sampling.top_k > 0) and truncation_mode == "drop":
         return "dropped_truncated"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """``build_batch``'s options, handed down to each trajectory's steps as one value."""
+
+    version: int
+    gamma: float
+    max_staleness: int
+    stale_mode: str
+    stale_decay: float
+    truncation_mode: str
+    pack_extends: bool
+    vision: VisionFn | None
 
 
 def build_batch(
@@ -216,8 +191,9 @@ def build_batch(
     policy has no vision tower and image steps are dropped. ``dropped``: trajectories consumed but never
     trained, with why (anonymous ones, a timed-out group too small: the grouper counted them); only their
     tokens are counted here."""
+    opts = _Options(version, gamma, max_staleness, stale_mode, stale_decay, truncation_mode, pack_extends,
+                    vision)
     batch = Batch(version=version)
-    c = batch.counts
     for traj, cause in dropped:  # consumed, never trained (anonymous, a too-small group): the grouper counted
         batch.trajectory_ids.append(traj.id)
         if traj.mode == "train":
@@ -225,120 +201,152 @@ def build_batch(
             _untrained(batch, traj, cause)
     for traj in trajectories:
         batch.trajectory_ids.append(traj.id)
-        c["trajectories"] += 1
-        if traj.mode != "train":
-            c[f"dropped_{traj.mode}"] += 1
-            continue
-        _replies(batch, traj)
-        if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
-            c[f"dropped_{traj.status}"] += 1
-            if traj.status == "infra_error":  # never trained, whatever the options: counted by its cause
-                c[f"infra_error_{traj.infra_cause or 'other'}"] += 1
-            _untrained(batch, traj, f"dropped_{traj.status}")
-            continue
-        marks = (curation or {}).get(traj.id) or CurationState()
-        if marks.excluded:
-            c["dropped_curated"] += 1
-            _untrained(batch, traj, "dropped_curated")
-            continue
-        # Steps as given: full, or as logged (the client's full=False), expanded one at a time holding the
-        # latest call's in full, so a long session costs the rows its context once, not once a step
-        if marks.rewards or marks.step_rewards:
-            c["curated_reward_edits"] += 1
-            traj = edit_rewards(traj, marks)
-        steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
-        reward = traj.reward
-        expander = Expander()
-        before = (len(batch.samples), len(batch.sequences), Counter(c), Counter(batch.tokens))
-        try:
-            rets = step_returns(steps, reward, gamma)
-            rewards = step_rewards(steps, reward)
-            prev_kept: Sample | None = None
-            # (sample, step position): where a dropped step's reward goes
-            last_kept: tuple[Sample, int] | None = None
-            trained_any = False
-            for pos, (logged, ret) in enumerate(zip(steps, rets, strict=False)):
-                c["steps"] += 1
-                step = expander.full(logged)
-                versions = step.token_versions()
-                lag = version - max(versions, default=step.policy_version)  # the freshest token's
-                # Beside the main line (sessions/classify.py): never in its chain
-                side = step.call_class == "side"
-                reason = "dropped_side" if side and traj.train == "main" else (
-                    "dropped_curated_step" if step.index in marks.excluded_steps
-                    else _skip_reason(step, lag, max_staleness, stale_mode, truncation_mode))
-                inputs = None
-                if not reason and step.images:
-                    got = vision(step) if vision is not None else IMAGES_UNSUPPORTED
-                    reason, inputs = (got, None) if isinstance(got, str) else (None, got)
-                if reason:
-                    c[reason] += 1
-                    batch.tokens[reason] += len(step.response_token_ids)
-                    if last_kept is not None:  # its reward is credited to the closest trained step before it
-                        last_kept[0].reward += gamma ** (pos - last_kept[1]) * rewards[pos]
-                    if not side:
-                        prev_kept = None  # a dropped step breaks the chain: the next one starts a sequence
-                    continue
-                sample = Sample(
-                    trajectory_id=traj.id,
-                    group=traj.group_id or traj.id,
-                    step_index=step.index,
-                    response_ids=list(step.response_token_ids),
-                    logprobs=list(step.response_logprobs),
-                    temperature=step.sampling.temperature,
-                    top_p=step.sampling.top_p,
-                    top_k=step.sampling.top_k,
-                    policy_version=step.policy_version,
-                    ret=ret,
-                    reward=rewards[pos],
-                    images=list(step.images),
-                )
-                weights = stale_weights(versions, version, max_staleness, stale_mode, stale_decay)
-                kept = sum(w > 0 for w in weights)
-                batch.tokens["trained"] += kept
-                if kept < len(weights):  # tokens of a newer version kept, older ones out (stale_mode drop)
-                    batch.tokens["dropped_stale"] += len(weights) - kept
-                if len(set(versions)) > 1:  # tokens of several versions: weights per token
-                    c["spanning_steps"] += 1
-                    if any(w < 1.0 for w in weights):
-                        sample.token_weights = weights
-                        c["stale_tokens"] += sum(w < 1.0 for w in weights)
-                    sample.weight = max(weights)
-                elif max_staleness >= 0 and lag > max_staleness:  # stale_mode == "downweight"
-                    sample.weight = stale_decay ** (lag - max_staleness)
-                    c["downweighted_stale"] += 1
-                if sample.truncated:
-                    c["kept_truncated"] += 1
-                if inputs is not None:  # a sequence of its own, and none packs onto it
-                    sample.seq, sample.offset = len(batch.sequences), len(step.prompt_token_ids)
-                    batch.samples.append(sample)
-                    batch.sequences.append(Sequence(
-                        input_ids=list(step.prompt_token_ids) + list(step.response_token_ids),
-                        samples=[len(batch.samples) - 1], vision=inputs))
-                    c["vision_steps"] += 1
-                else:
-                    _place(batch, sample, None if side else prev_kept, step, pack_extends)
-                last_kept = (sample, pos)
-                if side:  # a sequence of its own; the main line's chain goes on past it
-                    c["trained_side_steps"] += 1
-                else:  # a vision step ends the chain: the next step starts a sequence
-                    prev_kept = sample if inputs is None else None
-                trained_any = True
-                c["trained_steps"] += 1
-            if trained_any:
-                batch.rewards.append(reward)
-                c["trained_trajectories"] += 1
-                batch.unrewarded += not traj.rewards and not any(s.rewards for s in steps)
-        except DeltaError:  # a damaged trajectory (a delta without its base): dropped whole, counted
-            del batch.samples[before[0]:], batch.sequences[before[1]:]
-            c.clear()
-            c.update(before[2])
-            c["dropped_unresolvable"] += 1
-            batch.tokens.clear()
-            batch.tokens.update(before[3])
-            _untrained(batch, traj, "dropped_unresolvable")
+        marks = _admitted(batch, traj, curation, train_aborted)
+        if marks is not None:
+            _add_trajectory(batch, traj, marks, opts)
     batch.tokens["generated"] += 0  # present, so a batch of nothing says 0
     return batch
+
+
+def _admitted(batch: Batch, traj: Trajectory, curation: dict[str, CurationState] | None,
+              train_aborted: bool) -> CurationState | None:
+    """A trajectory counted; its curation marks when it may train, else None (why counted by cause)."""
+    c = batch.counts
+    c["trajectories"] += 1
+    if traj.mode != "train":
+        c[f"dropped_{traj.mode}"] += 1
+        return None
+    _replies(batch, traj)
+    if traj.status != "finished" and not (train_aborted and traj.status in ("aborted", "timed_out")):
+        c[f"dropped_{traj.status}"] += 1
+        if traj.status == "infra_error":  # never trained, whatever the options: counted by its cause
+            c[f"infra_error_{traj.infra_cause or 'other'}"] += 1
+        _untrained(batch, traj, f"dropped_{traj.status}")
+        return None
+    marks = (curation or {}).get(traj.id) or CurationState()
+    if marks.excluded:
+        c["dropped_curated"] += 1
+        _untrained(batch, traj, "dropped_curated")
+        return None
+    return marks
+
+
+def _add_trajectory(batch: Batch, traj: Trajectory, marks: CurationState, opts: _Options) -> None:
+    """An admitted trajectory's steps into the batch. A damaged one (a delta without its base) is dropped
+    whole: what its steps had added (samples, sequences, counts, tokens) is taken back, then it is counted."""
+    c = batch.counts
+    if marks.rewards or marks.step_rewards:
+        c["curated_reward_edits"] += 1
+        traj = edit_rewards(traj, marks)
+    before = (len(batch.samples), len(batch.sequences), Counter(c), Counter(batch.tokens))
+    try:
+        _add_steps(batch, traj, marks, opts)
+    except DeltaError:
+        del batch.samples[before[0]:], batch.sequences[before[1]:]
+        c.clear()
+        c.update(before[2])
+        c["dropped_unresolvable"] += 1
+        batch.tokens.clear()
+        batch.tokens.update(before[3])
+        _untrained(batch, traj, "dropped_unresolvable")
+
+
+def _add_steps(batch: Batch, traj: Trajectory, marks: CurationState, opts: _Options) -> None:
+    """Each step trained (a sample, packed onto the main line's previous one when it extends it) or dropped
+    and counted. Steps as given: full, or as logged (the client's full=False), expanded one at a time holding
+    the latest call's in full, so a long session costs the rows its context once, not once a step."""
+    c = batch.counts
+    steps = sorted(traj.steps, key=lambda s: (s.index, s.choice))
+    reward = traj.reward
+    expander = Expander()
+    rets = step_returns(steps, reward, opts.gamma)
+    rewards = step_rewards(steps, reward)
+    prev_kept: Sample | None = None  # the main line's last trained step: the next may pack onto it
+    last_kept: tuple[Sample, int] | None = None  # (sample, step position): where a dropped step's reward goes
+    trained_any = False
+    for pos, (logged, ret) in enumerate(zip(steps, rets, strict=False)):
+        c["steps"] += 1
+        step = expander.full(logged)
+        versions = step.token_versions()
+        lag = opts.version - max(versions, default=step.policy_version)  # the freshest token's
+        side = step.call_class == "side"  # beside the main line (sessions/classify.py): never in its chain
+        reason, inputs = _verdict(step, traj, marks, lag, opts)
+        if reason:
+            c[reason] += 1
+            batch.tokens[reason] += len(step.response_token_ids)
+            if last_kept is not None:  # its reward is credited to the closest trained step before it
+                last_kept[0].reward += opts.gamma ** (pos - last_kept[1]) * rewards[pos]
+            if not side:
+                prev_kept = None  # a dropped step breaks the chain: the next one starts a sequence
+            continue
+        sample = _sample(batch, traj, step, ret, rewards[pos], versions, lag, opts)
+        if inputs is not None:  # a sequence of its own, and none packs onto it
+            _place_alone(batch, sample, step, inputs)
+        else:
+            _place(batch, sample, None if side else prev_kept, step, opts.pack_extends)
+        last_kept = (sample, pos)
+        if side:  # a sequence of its own; the main line's chain goes on past it
+            c["trained_side_steps"] += 1
+        else:  # a vision step ends the chain: the next step starts a sequence
+            prev_kept = sample if inputs is None else None
+        trained_any = True
+        c["trained_steps"] += 1
+    if trained_any:
+        batch.rewards.append(reward)
+        c["trained_trajectories"] += 1
+        batch.unrewarded += not traj.rewards and not any(s.rewards for s in steps)
+
+
+def _verdict(step: Step, traj: Trajectory, marks: CurationState, lag: int,
+             opts: _Options) -> tuple[str | None, dict[str, Any] | None]:
+    """Why ``step`` (full) is dropped, None when it trains; and a vision step's model inputs."""
+    if step.call_class == "side" and traj.train == "main":
+        return "dropped_side", None
+    if step.index in marks.excluded_steps:
+        return "dropped_curated_step", None
+    reason = _skip_reason(step, lag, opts.max_staleness, opts.stale_mode, opts.truncation_mode)
+    if reason or not step.images:
+        return reason, None
+    got = opts.vision(step) if opts.vision is not None else IMAGES_UNSUPPORTED
+    return (got, None) if isinstance(got, str) else (None, got)
+
+
+def _sample(batch: Batch, traj: Trajectory, step: Step, ret: float, reward: float, versions: list[int],
+            lag: int, opts: _Options) -> Sample:
+    """A trained step's sample, weighted by its tokens' staleness; its tokens counted (in the loss, or stale
+    out of it)."""
+    c = batch.counts
+    sample = Sample(
+        trajectory_id=traj.id,
+        group=traj.group_id or traj.id,
+        step_index=step.index,
+        response_ids=list(step.response_token_ids),
+        logprobs=list(step.response_logprobs),
+        temperature=step.sampling.temperature,
+        top_p=step.sampling.top_p,
+        top_k=step.sampling.top_k,
+        policy_version=step.policy_version,
+        ret=ret,
+        reward=reward,
+        images=list(step.images),
+    )
+    weights = stale_weights(versions, opts.version, opts.max_staleness, opts.stale_mode, opts.stale_decay)
+    kept = sum(w > 0 for w in weights)
+    batch.tokens["trained"] += kept
+    if kept < len(weights):  # tokens of a newer version kept, older ones out (stale_mode drop)
+        batch.tokens["dropped_stale"] += len(weights) - kept
+    if len(set(versions)) > 1:  # tokens of several versions: weights per token
+        c["spanning_steps"] += 1
+        if any(w < 1.0 for w in weights):
+            sample.token_weights = weights
+            c["stale_tokens"] += sum(w < 1.0 for w in weights)
+        sample.weight = max(weights)
+    elif opts.max_staleness >= 0 and lag > opts.max_staleness:  # stale_mode == "downweight"
+        sample.weight = opts.stale_decay ** (lag - opts.max_staleness)
+        c["downweighted_stale"] += 1
+    if sample.truncated:
+        c["kept_truncated"] += 1
+    return sample
 
 
 def _untrained(batch: Batch, traj: Trajectory, cause: str) -> None:
@@ -353,6 +361,16 @@ def _replies(batch: Batch, traj: Trajectory) -> None:
         batch.tokens["generated"] += len(s.response_token_ids)
         if s.finish_reason == "length":
             batch.cut[s.sampling.max_tokens or 0] += 1
+
+
+def _place_alone(batch: Batch, sample: Sample, step: Step, inputs: dict[str, Any]) -> None:
+    """A vision step's sample in a sequence of its own, with its image inputs (M-RoPE positions are per
+    sequence, from its own image grids)."""
+    sample.seq, sample.offset = len(batch.sequences), len(step.prompt_token_ids)
+    batch.samples.append(sample)
+    batch.sequences.append(Sequence(input_ids=list(step.prompt_token_ids) + list(step.response_token_ids),
+                                    samples=[len(batch.samples) - 1], vision=inputs))
+    batch.counts["vision_steps"] += 1
 
 
 def _place(batch: Batch, sample: Sample, prev: Sample | None, step: Step, pack_extends: bool) -> None:

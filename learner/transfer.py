@@ -140,71 +140,110 @@ def _send(weights: list[tuple[str, torch.Tensor]], proxy_url: str, control_token
     td = datetime.timedelta(seconds=timeout_s)
     store = _listen(address, td)
     secret = secrets.token_hex(32)  # this transfer's: only the proxy (and through it vLLM) learns it
-    body: dict[str, Any] = {"transfer": {"address": address, "port": store.port, "secret": secret,
-                                         "backend": backend, "timeout_s": timeout_s,
-                                         **transfer_spec(weights)}}
-    if version is not None:
-        body["version"] = int(version)
-    answer: dict[str, Any] = {}
-
-    def swap() -> None:  # the proxy answers once the workers loaded everything (or it failed)
-        try:
-            answer["version"] = SyncSteptapClient(proxy_url, control_token).transfer_weights(
-                body, timeout_s=swap_timeout_s)
-        except BaseException as exc:  # noqa: BLE001 - handed to the sending thread below
-            answer["error"] = exc
-
+    body = _swap_body(weights, address, store.port, secret, backend, timeout_s, version)
     t0 = time.monotonic()
-    thread = threading.Thread(target=swap, name="steptap-transfer-swap", daemon=True)
-    thread.start()
+    swap = _SwapCall(proxy_url, control_token, body, swap_timeout_s)
     group = None
     send_error: Exception | None = None
     try:
         prefixed = SealedStore(dist.PrefixStore(PREFIX, store), secret)
-        # Wait for the first worker to join (the proxy drains and pauses first), or the proxy's answer.
-        while not prefixed.check([WORLD_KEY]):
-            if not thread.is_alive():
-                break
-            if time.monotonic() - t0 > swap_timeout_s:
-                raise PublishError(f"no vLLM worker joined the transfer in {swap_timeout_s:g} s", None,
-                                   "transfer_timeout")
-            time.sleep(0.02)
-        else:
+        if _joined(prefixed, swap, t0, swap_timeout_s):
             world = _world(prefixed)
             try:
                 group = _group(prefixed, world, backend, td)
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                t_send = time.monotonic()
-                for i, (_, tensor) in enumerate(weights):
-                    send = tensor if tensor.is_contiguous() else tensor.contiguous()
-                    group.broadcast([send], opts).wait()
-                    if progress is not None:
-                        progress(i + 1, len(weights))
-                logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
-                            backend, time.monotonic() - t_send)
+                _broadcast(group, weights, world, backend, progress)
             except (RuntimeError, PublishError) as exc:  # a worker left or never joined, a spoiled store
                 send_error = exc
-        thread.join(swap_timeout_s)
+        swap.join()
     finally:
         if group is not None:
             group.shutdown()
-    if thread.is_alive():
-        raise PublishError(f"the proxy did not answer the transfer swap in {swap_timeout_s:g} s", None,
-                           "proxy_unreachable")
-    err = answer.get("error")
-    if isinstance(err, SteptapError):
-        raise PublishError(f"weight transfer refused ({err.status}): {err.message}", err.status, err.code)
-    if isinstance(err, OSError):
-        raise PublishError(f"proxy {proxy_url} unreachable for the weight transfer: {err}", None,
-                           "proxy_unreachable")
-    if err is not None:
-        raise PublishError(f"the weight transfer swap failed: {type(err).__name__}: {err}", None,
-                           "transfer_failed")
-    if send_error is not None:  # the proxy answered success though this side failed: never expected
-        raise PublishError(f"the weight transfer failed on the learner's side: {send_error}", None,
-                           "transfer_failed")
-    return int(answer["version"])
+    return swap.version(send_error)
+
+
+def _swap_body(weights: list[tuple[str, torch.Tensor]], address: str, port: int, secret: str, backend: str,
+               timeout_s: float, version: int | None) -> dict[str, Any]:
+    """``POST /admin/weights``'s body: where the store listens, its secret, and what the workers receive."""
+    body: dict[str, Any] = {"transfer": {"address": address, "port": port, "secret": secret,
+                                         "backend": backend, "timeout_s": timeout_s,
+                                         **transfer_spec(weights)}}
+    if version is not None:
+        body["version"] = int(version)
+    return body
+
+
+class _SwapCall:
+    """The proxy's swap, asked on a thread of its own as soon as it is made: the proxy answers only once the
+    workers loaded every tensor (or it failed), and they receive them from the broadcast this side runs
+    meanwhile."""
+
+    def __init__(self, proxy_url: str, control_token: str, body: dict[str, Any], timeout_s: float) -> None:
+        self.proxy_url = proxy_url
+        self.timeout_s = timeout_s
+        self.answer: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._ask, args=(control_token, body),
+                                       name="steptap-transfer-swap", daemon=True)
+        self.thread.start()
+
+    def _ask(self, control_token: str, body: dict[str, Any]) -> None:
+        try:
+            self.answer["version"] = SyncSteptapClient(self.proxy_url, control_token).transfer_weights(
+                body, timeout_s=self.timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the sending thread (version)
+            self.answer["error"] = exc
+
+    def answered(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join(self.timeout_s)
+
+    def version(self, send_error: Exception | None) -> int:
+        """The new policy version, or the ``PublishError`` that says which side failed and how."""
+        if self.thread.is_alive():
+            raise PublishError(f"the proxy did not answer the transfer swap in {self.timeout_s:g} s", None,
+                               "proxy_unreachable")
+        err = self.answer.get("error")
+        if isinstance(err, SteptapError):
+            raise PublishError(f"weight transfer refused ({err.status}): {err.message}", err.status, err.code)
+        if isinstance(err, OSError):
+            raise PublishError(f"proxy {self.proxy_url} unreachable for the weight transfer: {err}", None,
+                               "proxy_unreachable")
+        if err is not None:
+            raise PublishError(f"the weight transfer swap failed: {type(err).__name__}: {err}", None,
+                               "transfer_failed")
+        if send_error is not None:  # the proxy answered success though this side failed: never expected
+            raise PublishError(f"the weight transfer failed on the learner's side: {send_error}", None,
+                               "transfer_failed")
+        return int(self.answer["version"])
+
+
+def _joined(store: SealedStore, swap: _SwapCall, t0: float, swap_timeout_s: float) -> bool:
+    """Wait for the first worker to join (the proxy drains and pauses first): True; False when the proxy
+    answered first (a refusal, a failure)."""
+    while not store.check([WORLD_KEY]):
+        if swap.answered():
+            return False
+        if time.monotonic() - t0 > swap_timeout_s:
+            raise PublishError(f"no vLLM worker joined the transfer in {swap_timeout_s:g} s", None,
+                               "transfer_timeout")
+        time.sleep(0.02)
+    return True
+
+
+def _broadcast(group: Any, weights: list[tuple[str, torch.Tensor]], world: int, backend: str,
+               progress: Callable[[int, int], None] | None) -> None:
+    """Every tensor from rank 0, in the order ``transfer_spec`` announced."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    t_send = time.monotonic()
+    for i, (_, tensor) in enumerate(weights):
+        send = tensor if tensor.is_contiguous() else tensor.contiguous()
+        group.broadcast([send], opts).wait()
+        if progress is not None:
+            progress(i + 1, len(weights))
+    logger.info("sent %d tensors to %d vLLM workers over %s in %.3f s", len(weights), world - 1,
+                backend, time.monotonic() - t_send)
 
 
 def _group(store: Any, world: int, backend: str, timeout: datetime.timedelta) -> Any:

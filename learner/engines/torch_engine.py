@@ -1,8 +1,9 @@
 """The ``torch`` engine: one process, CPU or one GPU, a transformers causal LM, verl's losses.
 
 ``TorchEngine.train_step(batch)`` does one update on a ``rows.Batch``: lay the packed sequences out as
-next-token targets, find the behaviour logprobs (see below), compute verl advantages, then for each epoch run
-micro-batches (by token budget) forward + backward with gradient accumulation, clip, and one AdamW step.
+next-token targets (learner/engines/torch_layout.py), find the behaviour logprobs (see below), compute verl
+advantages, then for each epoch run micro-batches (by token budget) forward + backward with gradient
+accumulation, clip, and one AdamW step.
 
 Behaviour logprobs. vLLM records raw logprobs (before temperature and top-p/top-k). For a step sampled at
 temperature 1 without truncation they *are* the behaviour policy. Otherwise the learner measures, with its own
@@ -42,24 +43,23 @@ import torch.nn.functional as F
 from steptap.learner import algos
 from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
+from steptap.learner.engines.torch_layout import Layout, fill_advantages, layout, micro_batches
 from steptap.learner.health import gap_sums
 from steptap.learner.rows import Batch
 
 __all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
 
 
-class _Layout(NamedTuple):
-    """The batch as next-token targets: one row per sequence, position t predicts input_ids[t + 1]."""
+class _Before(NamedTuple):
+    """What the no-grad passes before the update found, one item per micro-batch ([B, L-1] each), and the
+    values (gae)."""
 
-    ids: list[torch.Tensor]  # [L] per sequence
-    mask: list[torch.Tensor]  # [L-1] bool: a trained response token
-    adv: list[torch.Tensor]  # [L-1]
-    recorded: list[torch.Tensor]  # [L-1] vLLM's raw logprobs (0 where masked)
-    temp: list[torch.Tensor]  # [L-1] sampling temperature (1 where masked)
-    top_p: list[torch.Tensor]
-    top_k: list[torch.Tensor]
-    vision: list[dict[str, Any] | None]  # a vision sequence's image inputs (rows.Sequence.vision)
-    fresh: list[torch.Tensor]  # [L-1] bool: a trained token of a step the learner's current version sampled
+    old: list[torch.Tensor]  # the logprobs the ratio is taken against: behaviour, or proximal (decoupled)
+    masks: list[torch.Tensor]  # the loss mask (rollout correction's rejection applied)
+    is_w: list[torch.Tensor | None]  # rollout correction's importance weights
+    ref: list[torch.Tensor | None]  # the reference's logprobs (kl_coef > 0)
+    is_means: list[float]
+    values: torch.Tensor  # gae: [S], the value head at each step's action boundary (zeros without it)
 
 
 def pick_device(name: str) -> torch.device:
@@ -182,40 +182,9 @@ class TorchEngine:
         return None
 
     # -- layout -------------------------------------------------------------------------------------
-    def _layout(self, batch: Batch) -> _Layout:
-        gae = self.value_head is not None  # its advantages need the values first: _fill_advantages
-        advs = None if gae else algos.compute_advantages(batch.samples, self.cfg)
-        out = _Layout([], [], [], [], [], [], [], [], [])
-        for seq in batch.sequences:
-            n = len(seq.input_ids) - 1
-            ids = torch.tensor(seq.input_ids, dtype=torch.long)
-            mask, adv, rec = torch.zeros(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
-            temp, top_p, top_k = torch.ones(n), torch.ones(n), torch.zeros(n, dtype=torch.long)
-            fresh = torch.zeros(n, dtype=torch.bool)  # a trained token the current version sampled
-            for i in seq.samples:
-                s = batch.samples[i]
-                lo, hi = s.offset - 1, s.offset - 1 + len(s.response_ids)  # targets of the response tokens
-                mask[lo:hi] = torch.tensor(s.weights()) > 0  # a stale token (weight 0) is out of the loss
-                fresh[lo:hi] = mask[lo:hi] & (s.policy_version == batch.version)
-                if advs is not None:
-                    adv[lo:hi] = advs[i]
-                rec[lo:hi] = torch.tensor(s.logprobs)
-                temp[lo:hi], top_p[lo:hi], top_k[lo:hi] = s.temperature, s.top_p, max(s.top_k, 0)
-            for name, t in zip(_Layout._fields, (ids, mask, adv, rec, temp, top_p, top_k, seq.vision, fresh),
-                               strict=True):
-                getattr(out, name).append(t)
-        return out
-
-    @staticmethod
-    def _fill_advantages(lay: _Layout, batch: Batch, step_adv: torch.Tensor) -> None:
-        """Spread each step's advantage [S] over its response tokens (scaled by each token's staleness
-        weight)."""
-        for seq, adv in zip(batch.sequences, lay.adv, strict=False):
-            for i in seq.samples:
-                s = batch.samples[i]
-                adv[s.offset - 1 : s.offset - 1 + len(s.response_ids)] = float(step_adv[i]) * torch.tensor(
-                    s.weights()
-                )
+    def _layout(self, batch: Batch) -> Layout:
+        gae = self.value_head is not None  # its advantages need the values first: fill_advantages
+        return layout(batch, None if gae else algos.compute_advantages(batch.samples, self.cfg))
 
     def _boundary_values(self, hidden: torch.Tensor, batch: Batch, mb: list[int]) -> tuple[list[int],
                                                                                            torch.Tensor]:
@@ -233,29 +202,13 @@ class TorchEngine:
         assert self.value_head is not None
         return idx, self.value_head(h.detach().float()).squeeze(-1)
 
-    def _micro_batches(self, lengths: list[int], solo: list[bool] | None = None) -> list[list[int]]:
-        """Consecutive groups of sequences whose padded size (count x longest) fits the token budget; a
-        ``solo`` sequence (a vision one: its positions come from its own image grids) is a group alone."""
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        alone = solo or [False] * len(lengths)
-        for i, n in enumerate(lengths):
-            if cur and (alone[i] or alone[cur[0]]
-                        or (len(cur) + 1) * max(longest, n) > self.cfg.micro_batch_tokens):
-                groups.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
-        return groups + [cur] if cur else groups
-
     def _pad(self, rows: list[torch.Tensor], value: float | int) -> torch.Tensor:
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(self.device)
 
-    def _logits(self, model: torch.nn.Module, lay: _Layout, mb: list[int]) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, lay: Layout, mb: list[int]) -> torch.Tensor:
         return self._forward(model, lay, mb)[0]
 
-    def _forward(self, model: torch.nn.Module, lay: _Layout, mb: list[int],
+    def _forward(self, model: torch.nn.Module, lay: Layout, mb: list[int],
                  hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, L-1, V] (position t predicts t + 1) and, when asked, the last hidden state [B, L, H], of
         the sequences ``mb``; a vision sequence (alone in its micro-batch) with its image inputs."""
@@ -275,118 +228,147 @@ class TorchEngine:
     def train_step(self, batch: Batch) -> StepStats:
         t0 = time.perf_counter()
         lay = self._layout(batch)
-        mbs = self._micro_batches([len(t) for t in lay.ids], [v is not None for v in lay.vision])
+        mbs = micro_batches([len(t) for t in lay.ids], self.cfg.micro_batch_tokens,
+                            [v is not None for v in lay.vision])
         decoupled = self.cfg.rollout_is != "none" or bool(self.cfg.rollout_rs)
         need_prox = decoupled or any(s.temperature != 1.0 or s.truncated for s in batch.samples)
         n_tokens = int(sum(m.sum() for m in lay.mask))
-        n_seqs = len(lay.ids)
         gae = self.value_head is not None
-        values = torch.zeros(len(batch.samples))  # gae: [S] at the action boundaries, before the update
-
-        # Behaviour / proximal / reference logprobs: no-grad passes before the update. [B, L-1] per
-        # micro-batch
-        old, masks, is_w, ref = [], [], [], []
-        is_means = []
         gaps: list[tuple[float, int]] = []  # the logprob gap of each micro-batch (learner/health.py)
+        before = self._before_update(batch, lay, mbs, decoupled, need_prox, gaps)
+        # Step-level advantages need every step's value, so only now (the pass above is the sync point)
+        returns = None
+        if gae:
+            step_adv, returns = algos.step_gae(batch.samples, before.values, self.cfg.gamma, self.cfg.lam)
+            fill_advantages(lay, batch, step_adv)
+        sums, grad_norm = self._update(batch, lay, mbs, before, returns, need_prox, n_tokens, gaps)
+        k = self.cfg.epochs
+        return StepStats(
+            loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
+            kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
+            seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
+            rollout_is_mean=sum(before.is_means) / len(before.is_means) if before.is_means else 1.0,
+            value_loss=sums["value_loss"] / k,
+            value_mean=float(before.values.mean()) if gae else 0.0,
+            logprob_gap=sum(g * n for g, n in gaps) / max(1, sum(n for _, n in gaps)),
+            gap_tokens=sum(n for _, n in gaps),
+        )
+
+    def _before_update(self, batch: Batch, lay: Layout, mbs: list[list[int]], decoupled: bool,
+                       need_prox: bool, gaps: list[tuple[float, int]]) -> _Before:
+        """The no-grad passes before the update, per micro-batch: the logprobs the ratio is taken against
+        (behaviour, or proximal with rollout correction), the loss masks, the reference's logprobs; gae: the
+        value at each step's action boundary."""
+        gae = self.value_head is not None
+        out = _Before([], [], [], [], [], torch.zeros(len(batch.samples)))
         for mb in mbs:
             targets = self._pad([lay.ids[i][1:] for i in mb], 0)
             mask = self._pad([lay.mask[i] for i in mb], False)
             rec = self._pad([lay.recorded[i] for i in mb], 0.0)
             temp = self._pad([lay.temp[i] for i in mb], 1.0)
-            behaviour, prox = rec, None
+            behaviour, prox, logits = rec, None, None
             if gae:
                 with torch.no_grad():
-                    all_logits, hidden = self._forward(self.model, lay, mb, hidden=True)
+                    logits, hidden = self._forward(self.model, lay, mb, hidden=True)
                     idx, v = self._boundary_values(hidden, batch, mb)
-                    values[idx] = v.cpu()
+                    out.values[idx] = v.cpu()
                     del hidden
             if need_prox:
-                with torch.no_grad():
-                    # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T,
-                    # V].
-                    if not gae:
-                        all_logits = self._logits(self.model, lay, mb)
-                    logits = all_logits[mask].unsqueeze(0)  # [1, N, V]
-                    tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
-                    raw = token_logprobs(logits, tg, torch.ones_like(tp))[0]
-                    prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(logits, tg, tp)[0])
-                    samp = sampler_logprobs(logits, tg, tp,
-                                            self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
-                                            self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
-                    del logits
-                behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
-                fresh = self._pad([lay.fresh[i] for i in mb], False)
-                gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
+                behaviour, prox = self._behaviour(lay, mb, logits, targets, mask, rec, temp, gaps)
             if decoupled:
                 w, mask, m = algos.rollout_correction(self.cfg, prox, behaviour, mask)
-                is_w.append(w)
-                is_means.append(m.get("rollout_corr/rollout_is_mean", 1.0))
-                old.append(prox)
+                out.is_w.append(w)
+                out.is_means.append(m.get("rollout_corr/rollout_is_mean", 1.0))
+                out.old.append(prox)
             else:
-                is_w.append(None)
-                old.append(behaviour)
-            masks.append(mask)
-            ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
-            all_logits = None
-        # Step-level advantages need every step's value, so only now (the pass above is the sync point)
-        if gae:
-            step_adv, returns = algos.step_gae(batch.samples, values, self.cfg.gamma, self.cfg.lam)
-            self._fill_advantages(lay, batch, step_adv)
+                out.is_w.append(None)
+                out.old.append(behaviour)
+            out.masks.append(mask)
+            out.ref.append(self._reference_logprobs(lay, mb, targets, temp) if self.cfg.kl_coef > 0 else None)
+            logits = None
+        return out
 
+    def _behaviour(self, lay: Layout, mb: list[int], logits: torch.Tensor | None, targets: torch.Tensor,
+                   mask: torch.Tensor, rec: torch.Tensor, temp: torch.Tensor,
+                   gaps: list[tuple[float, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``mb``'s behaviour and proximal logprobs [B, T] from the weights before the update: the
+        recorded raw logprobs shifted by what temperature and truncation change (module docstring); its
+        logprob gap to vLLM's into ``gaps``. ``logits``: the gae pass's, when it ran."""
+        with torch.no_grad():
+            # Only the trained positions: the sampler's sort over the vocabulary is [N, V], not [B, T, V]
+            if logits is None:
+                logits = self._logits(self.model, lay, mb)
+            picked = logits[mask].unsqueeze(0)  # [1, N, V]
+            tg, tp = targets[mask].unsqueeze(0), temp[mask].unsqueeze(0)  # [1, N]
+            raw = token_logprobs(picked, tg, torch.ones_like(tp))[0]
+            prox = torch.zeros_like(rec).masked_scatter(mask, token_logprobs(picked, tg, tp)[0])
+            samp = sampler_logprobs(picked, tg, tp,
+                                    self._pad([lay.top_p[i] for i in mb], 1.0)[mask][None],
+                                    self._pad([lay.top_k[i] for i in mb], 0)[mask][None])[0]
+            del picked, logits
+        behaviour = rec.masked_scatter(mask, rec[mask] + (samp - raw))  # [B, T]
+        fresh = self._pad([lay.fresh[i] for i in mb], False)
+        gaps.append(gap_sums(rec.masked_scatter(mask, raw), rec, fresh))
+        return behaviour, prox
+
+    def _update(self, batch: Batch, lay: Layout, mbs: list[list[int]], before: _Before,
+                returns: torch.Tensor | None, need_prox: bool, n_tokens: int,
+                gaps: list[tuple[float, int]]) -> tuple[dict[str, float], float]:
+        """``epochs`` passes over the micro-batches, one optimizer step each over the whole batch: the loss
+        figures summed over the epochs, and the last epoch's gradient norm."""
         self.model.train()
         sums = {"loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "kl_loss": 0.0, "entropy": 0.0,
                 "value_loss": 0.0}
         grad_norm = 0.0
         for epoch in range(self.cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            if gae:
+            if self.value_head is not None:  # gae
                 self.value_optimizer.zero_grad(set_to_none=True)
             for j, mb in enumerate(mbs):
-                targets = self._pad([lay.ids[i][1:] for i in mb], 0)
-                temp = self._pad([lay.temp[i] for i in mb], 1.0)
-                adv = self._pad([lay.adv[i] for i in mb], 0.0)
-                logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
-                log_prob = token_logprobs(logits, targets, temp)
-                if epoch == 0 and not need_prox:  # temperature 1 everywhere: these are the raw logprobs
-                    fresh = self._pad([lay.fresh[i] for i in mb], False)
-                    gaps.append(gap_sums(log_prob.detach(), old[j], fresh))
-                entropy = self._entropy(logits, temp)
-                loss, m = algos.policy_loss(
-                    self.actor, log_prob, old[j], adv, masks[j],
-                    batch_num_tokens=n_tokens, global_batch_size=n_seqs,
-                    rollout_is_weights=is_w[j], ref_log_prob=ref[j], entropy=entropy,
-                )
-                vloss = torch.zeros(())
-                if gae:  # the head sees detached features: this loss reaches only the head
-                    idx, vpred = self._boundary_values(hidden, batch, mb)
-                    vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), values[idx].to(vpred),
-                                                self.cfg.value_clip, num_steps=len(batch.samples))
-                    sums["value_loss"] += float(vloss.detach())
-                # Gradients accumulate: each micro-batch's loss is its share of the batch's
-                (loss + vloss).backward()
-                share = float(masks[j].sum()) / max(n_tokens, 1)
-                sums["loss"] += float(loss.detach())
-                sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
-                sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
-                sums["kl_loss"] += m.get("kl_loss", 0.0) * share
-                sums["entropy"] += float((entropy.detach() * masks[j]).sum()) / max(n_tokens, 1)
-                del logits, hidden
+                # temperature 1 everywhere: the first epoch's logprobs are the raw ones, the gap's
+                gap = gaps if epoch == 0 and not need_prox else None
+                self._accumulate(batch, lay, mb, j, before, returns, n_tokens, sums, gap)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip))
-            self.optimizer.step()  # one optimizer step per epoch over the whole batch
+            self.optimizer.step()
             if self.value_head is not None:  # gae
                 torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
                 self.value_optimizer.step()
-        k = self.cfg.epochs
-        return StepStats(
-            loss=sums["loss"] / k, pg_clipfrac=sums["pg_clipfrac"] / k, ppo_kl=sums["ppo_kl"] / k,
-            kl=sums["kl_loss"] / k, entropy=sums["entropy"] / k, grad_norm=grad_norm, tokens=n_tokens,
-            seq_tokens=sum(len(t) for t in lay.ids), seconds=time.perf_counter() - t0,
-            rollout_is_mean=sum(is_means) / len(is_means) if is_means else 1.0,
-            value_loss=sums["value_loss"] / k, value_mean=float(values.mean()) if gae else 0.0,
-            logprob_gap=sum(g * n for g, n in gaps) / max(1, sum(n for _, n in gaps)),
-            gap_tokens=sum(n for _, n in gaps),
+        return sums, grad_norm
+
+    def _accumulate(self, batch: Batch, lay: Layout, mb: list[int], j: int, before: _Before,
+                    returns: torch.Tensor | None, n_tokens: int, sums: dict[str, float],
+                    gaps: list[tuple[float, int]] | None) -> None:
+        """Micro-batch ``j``'s forward and backward: its gradients accumulate, its loss is its share of the
+        batch's (gae: the value head's loss beside the policy's); its figures added to ``sums``."""
+        gae = returns is not None
+        targets = self._pad([lay.ids[i][1:] for i in mb], 0)
+        temp = self._pad([lay.temp[i] for i in mb], 1.0)
+        adv = self._pad([lay.adv[i] for i in mb], 0.0)
+        logits, hidden = self._forward(self.model, lay, mb, hidden=gae)
+        log_prob = token_logprobs(logits, targets, temp)
+        if gaps is not None:
+            fresh = self._pad([lay.fresh[i] for i in mb], False)
+            gaps.append(gap_sums(log_prob.detach(), before.old[j], fresh))
+        entropy = self._entropy(logits, temp)
+        loss, m = algos.policy_loss(
+            self.actor, log_prob, before.old[j], adv, before.masks[j],
+            batch_num_tokens=n_tokens, global_batch_size=len(lay.ids),
+            rollout_is_weights=before.is_w[j], ref_log_prob=before.ref[j], entropy=entropy,
         )
+        vloss = torch.zeros(())
+        if returns is not None:  # the head sees detached features: this loss reaches only the head
+            idx, vpred = self._boundary_values(hidden, batch, mb)
+            vloss, _ = algos.value_loss(vpred, returns[idx].to(vpred), before.values[idx].to(vpred),
+                                        self.cfg.value_clip, num_steps=len(batch.samples))
+            sums["value_loss"] += float(vloss.detach())
+        (loss + vloss).backward()
+        share = float(before.masks[j].sum()) / max(n_tokens, 1)
+        sums["loss"] += float(loss.detach())
+        sums["pg_clipfrac"] += m.get("pg_clipfrac", 0.0) * share
+        sums["ppo_kl"] += m.get("ppo_kl", 0.0) * share
+        sums["kl_loss"] += m.get("kl_loss", 0.0) * share
+        sums["entropy"] += float((entropy.detach() * before.masks[j]).sum()) / max(n_tokens, 1)
 
     def _entropy(self, logits: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
         """Per-token entropy of the temperature-scaled policy (a statistic; in the loss only with
@@ -397,7 +379,7 @@ class TorchEngine:
             return -(logp.exp() * logp).sum(-1)
 
     @torch.no_grad()
-    def _reference_logprobs(self, lay: _Layout, mb: list[int], targets: torch.Tensor,
+    def _reference_logprobs(self, lay: Layout, mb: list[int], targets: torch.Tensor,
                             temp: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
             return token_logprobs(self._logits(self.reference, lay, mb), targets, temp)

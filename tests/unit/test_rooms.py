@@ -42,10 +42,7 @@ LONG_FUNCTIONS = {
     "middleware/proxy/messages_request.py::to_chat":
         "one translation table of the Messages blocks (the proxy's protocols)",
     "middleware/metrics.py::Metrics.__init__": "a flat list of metric declarations, one per line",
-    "learner/rows.py::build_batch": "the learner's batch assembly (issue 40's room)",
-    "learner/engines/torch_engine.py::TorchEngine.train_step": "the learner's update step (issue 40's room)",
     "learner/tiny_model.py::build_tiny_model": "a flat description of the offline test model",
-    "learner/transfer.py::_send": "the learner's collective transfer (the device room, issue 44)",
     "adapters/run.py::_parse_args": "steptap run's flat flag list (the agents room, issue 39)",
 }
 
