@@ -224,8 +224,8 @@ class Learner:
         self.untrained += [(t, "dropped_no_variance") for t in group]
         self.grouper.counts["dropped_no_variance"] += len(group)
         self.metrics.log_batch({"time": time.time(), "skipped_group": group[0].group_id,
-                                "cause": "no_variance", "reward": rewards.pop(), "trajectories": len(group),
-                                "policy_version": self.version})
+                                "cause": "no_variance", "group_reward": rewards.pop(),
+                                "trajectories": len(group), "policy_version": self.version})
         return True
 
     async def _stalled(self) -> None:

@@ -42,6 +42,10 @@ READS = (ACTIVE_SESSIONS, CALLS, STEPS, FINISHED, REWARD_SUM, REWARD_COUNT, POLI
 
 # Keys of the learner's metrics rows; the first one present wins.
 K_UPDATE = ("update", "step", "updates")
+# The learner's rows for what it consumed untrained (a group of one reward, a batch of nothing trainable): an
+# older learner wrote a skipped group's reward as "reward", which counted it as an update (and its 0 in the
+# reward curves), so `up --max-updates N` stopped N rows early
+SKIPS = {"skipped_group", "skipped_batch"}
 K_REWARD = ("reward_mean", "reward/mean", "mean_reward", "reward")
 K_LOSS = ("loss", "policy_loss", "pg_loss", "actor/pg_loss")
 K_VERSION = ("behaviour_version", "data_policy_version", "policy_version", "version")
@@ -123,9 +127,11 @@ class StatusBoard:
                 continue
             if isinstance(row, dict) and (isinstance(row.get("health"), dict) or "health_stop" in row):
                 self.batches = [*self.batches[-63:], row]
-            if isinstance(row, dict) and _first(row, K_REWARD) is not None:
+            if not isinstance(row, dict) or SKIPS & row.keys():  # consumed untrained: not an update
+                continue
+            if _first(row, K_REWARD) is not None:
                 self.rows.append(row)
-            elif isinstance(row, dict) and isinstance(row.get("eval_accuracy"), (int, float)):
+            elif isinstance(row.get("eval_accuracy"), (int, float)):
                 self.evals[int(row.get("eval_version") or 0)] = float(row["eval_accuracy"])
 
     # -- figures ---------------------------------------------------------------------------------------

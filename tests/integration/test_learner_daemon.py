@@ -130,7 +130,7 @@ async def test_uniform_groups_are_skipped_logged_and_counted(make_proxy, tmp_pat
         "--no-progress", "--num-threads", "1", *SYNTHETIC]))
     skipped, update = _rows(metrics)
     assert skipped["skipped_group"] == "g0" and skipped["cause"] == "no_variance"
-    assert skipped["reward"] == 0.0 and skipped["trajectories"] == 2
+    assert skipped["group_reward"] == 0.0 and skipped["trajectories"] == 2
     assert update["update"] == 1 and update["reward_mean"] == 0.5  # group 1 only
     assert update["counts"]["dropped_no_variance"] == 2
     assert update["health"]["groups"] == 1 and update["health"]["groups_varied"] == 1

@@ -126,8 +126,9 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     # driver went on; neither group trained, both counted in the next update's batch
     assert [[recorded[r["session_id"]].rewards for r in lines] for lines in skipped] == [[WRONG] * 4] * 2
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [(r["skipped_group"], r["reward"], r["policy_version"]) for r in rows if "skipped_group" in r] == [
-        (recorded[lines[0]["session_id"]].group_id, 0.1, 1) for lines in skipped]
+    set_aside = [(r["skipped_group"], r["group_reward"], r["policy_version"]) for r in rows
+                 if "skipped_group" in r]
+    assert set_aside == [(recorded[lines[0]["session_id"]].group_id, 0.1, 1) for lines in skipped]
     assert updates[1]["counts"]["dropped_no_variance"] == 8
     for k, (lines, row) in enumerate(zip(rounds, updates, strict=True)):
         trajs = [recorded[r["session_id"]] for r in lines]

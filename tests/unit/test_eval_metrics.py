@@ -40,6 +40,28 @@ def test_the_live_view_shows_eval_accuracy_beside_the_training_reward(tmp_path: 
     assert "eval accuracy by version v0: 0.250  v1: 0.750" in render_line(board)
 
 
+def test_the_live_view_counts_updates_not_what_the_learner_set_aside(tmp_path: Path) -> None:
+    """A skipped group's row (``skip_uniform_groups``) and a batch of nothing trainable are not updates: `up
+    --max-updates N` counts the learner's updates, and the reward curves hold only trained batches."""
+    from steptap.middleware.launch.view import StatusBoard
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"time": 1.0, "skipped_group": "g0", "cause": "no_variance", "group_reward": 0.0, "trajectories": 8,
+         "policy_version": 0},
+        {"time": 1.5, "skipped_group": "g1", "cause": "no_variance", "reward": 0.0, "trajectories": 8,
+         "policy_version": 0},  # as an older learner wrote it
+        {"time": 2.0, "skipped_batch": 8, "policy_version": 0, "counts": {"dropped_no_variance": 8}},
+        {"update": 1, "reward_mean": 0.5, "loss": 0.1, "policy_version": 1},
+        {"time": 3.0, "skipped_group": "g2", "cause": "no_variance", "reward": 1.0, "policy_version": 1},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    board = StatusBoard("http://127.0.0.1:9", path)
+    board.read_metrics()
+    assert board.updates == 1 and board.first_reward(2) == 0.5 and board.recent_reward(3) == 0.5
+    assert board.reward_by_version() == {"1": 0.5}
+
+
 def test_a_tool_environments_eval_rows_get_their_own_panel(tmp_path: Path) -> None:
     updates = [{"update": u, "policy_version": u, "reward_mean": 0.1, "loss": 0.0} for u in range(1, 5)]
     evals = [
