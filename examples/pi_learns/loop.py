@@ -21,6 +21,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,15 @@ from steptap.middleware.client import SteptapError, SyncSteptapClient, default_c
 
 TASKS = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run"]
 SKIP_SETTLE_S = 30.0  # no update and no new skipped group for this long: the learner waits for more groups
+
+
+def in_turn(names: Iterable[str]) -> list[str]:
+    """Training tasks with their kinds in turn (``product-…``, ``count-…``, ``offbyone-…``), each kind in name
+    order: sorted names would run every task of one kind before the next kind's first."""
+    kinds: dict[str, list[str]] = {}
+    for name in sorted(names):
+        kinds.setdefault(name.split("-", 1)[0], []).append(name)
+    return [name for row in zip_longest(*kinds.values()) for name in row if name is not None]
 
 
 def _version(client: SyncSteptapClient) -> int:
@@ -124,7 +135,7 @@ class Driver:
         ``--resample`` times, before the wait goes on. Each batch appends its budget to the metrics file
         (``lockstep_*``: the episodes' wall time with their verifiers, then the wait for the new version: the
         update, writing the adapter and the swap; the tasks resampled)."""
-        names = sorted(d.name for d in (self.args.data / "train").iterdir() if d.is_dir())
+        names = in_turn(d.name for d in (self.args.data / "train").iterdir() if d.is_dir())
         chunks = [names[i:i + groups] for i in range(0, len(names), groups)]
         done = self._batches_done()
         for r in range(self.args.rounds):

@@ -79,3 +79,14 @@ def test_each_kinds_verifier_pays_the_file_part_then_the_exact_outcome(kind: str
         want = sum(json.loads(case))
         hack = f"printf 'def total(items):\\n    return {want}\\n' > util.py"
         assert _verify(task, tmp_path, hack) == {"outcome": 0.0, "file": make_tasks.FILE_REWARD}
+
+
+def test_the_driver_runs_the_kinds_in_turn_and_one_kind_in_name_order(tmp_path: Path) -> None:
+    import loop  # examples/pi_learns/loop.py, on sys.path above
+    make_tasks.make(tmp_path, train=7, test=3)
+    names = [d.name for d in (tmp_path / "train").iterdir()]
+    order = loop.in_turn(names)
+    assert sorted(order) == sorted(names)
+    assert [n.split("-")[0] for n in order] == ["count", "offbyone", "product"] * 2 + ["product"]
+    products = [n for n in names if n.startswith("product-")]
+    assert loop.in_turn(reversed(products)) == sorted(products)
