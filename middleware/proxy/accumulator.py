@@ -62,35 +62,30 @@ class ChatStream(_Stream):
         return {i: len(acc.token_ids or ()) for i, acc in self.choices.items()}
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        self._header(chunk)
+        # once a streamed event: the header's and the delta's reads inline (issue 45)
+        if self.id is None:
+            self.id, self.model = chunk.get("id"), chunk.get("model")
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
         if chunk.get("prompt_token_ids") is not None:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in chunk.get("choices") or ():
-            acc = self.choices.get(ch.get("index", 0))
+            index = ch.get("index", 0)
+            acc = self.choices.get(index)
             if acc is None:
-                acc = self.choices[ch.get("index", 0)] = _ChatChoice()
-            delta = ch.get("delta") or {}
-            if delta.get("role"):
-                acc.role = delta["role"]
-            if delta.get("content"):
-                acc.content.append(delta["content"])
-            reasoning = reasoning_of(delta)
-            if reasoning:
-                acc.reasoning.append(reasoning)
-            for tc in delta.get("tool_calls") or ():
-                cur = acc.tool_calls.setdefault(
-                    tc.get("index", 0),
-                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                )
-                if tc.get("id"):
-                    cur["id"] = tc["id"]
-                if tc.get("type"):
-                    cur["type"] = tc["type"]
-                fn = tc.get("function") or {}
-                if fn.get("name"):
-                    cur["function"]["name"] += fn["name"]
-                if fn.get("arguments"):
-                    cur["function"]["arguments"] += fn["arguments"]
+                acc = self.choices[index] = _ChatChoice()
+            delta = ch.get("delta")
+            if delta:
+                if delta.get("role"):
+                    acc.role = delta["role"]
+                if delta.get("content"):
+                    acc.content.append(delta["content"])
+                if "reasoning_content" in delta or "reasoning" in delta:
+                    reasoning = reasoning_of(delta)
+                    if reasoning:
+                        acc.reasoning.append(reasoning)
+                if delta.get("tool_calls"):
+                    _feed_tools(acc, delta["tool_calls"])
             # extend in place: rebuilding the list per chunk is quadratic in the response length
             if ch.get("token_ids") is not None:
                 if acc.token_ids is None:
@@ -133,6 +128,23 @@ class ChatStream(_Stream):
             "usage": self.usage,
             "prompt_token_ids": self.prompt_token_ids,
         }
+
+
+def _feed_tools(acc: _ChatChoice, tool_calls: list[dict[str, Any]]) -> None:
+    for tc in tool_calls:
+        cur = acc.tool_calls.setdefault(
+            tc.get("index", 0),
+            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if tc.get("id"):
+            cur["id"] = tc["id"]
+        if tc.get("type"):
+            cur["type"] = tc["type"]
+        fn = tc.get("function") or {}
+        if fn.get("name"):
+            cur["function"]["name"] += fn["name"]
+        if fn.get("arguments"):
+            cur["function"]["arguments"] += fn["arguments"]
 
 
 class CompletionStream(_Stream):

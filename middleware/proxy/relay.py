@@ -14,7 +14,9 @@ upstream reply is parsed once; ``capture`` builds the steps from it and strips w
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -320,19 +322,20 @@ class _Call:
         return await self._plain().reply(reply, 200, None)
 
     def _plain(self) -> PlainReply:
-        return PlainReply(self.recorder, self.recorder.proto, self.asked, self.upstream.name, self._take_echo)
+        return PlainReply(self.recorder, self.recorder.proto, self.asked, self.upstream.name,
+                          self._take_echo())
 
     async def _stream(self, source: BackendStream, status: int, counts: Spans | None) -> web.StreamResponse:
         cfg = self.request.app[CONFIG_KEY]
         relay = self.relay = StreamRelay(self.request, self.recorder, self.recorder.proto, self.asked,
-                                         self.upstream.name, self._take_echo, counts,
+                                         self.upstream.name, self._take_echo(), counts,
                                          cfg.stream_write_timeout_s, cfg.stream_heartbeat_s)
         return await relay.run(source, status)
 
-    def _take_echo(self, data: bytes) -> Echo | None:
-        """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``)."""
-        recorder = self.recorder
-        return prompts.session_echo(data, recorder.manager, recorder.session, recorder.state, self.built)
+    def _take_echo(self) -> Callable[[bytes], Echo | None]:
+        """A chat reply or first chunk with vLLM's echo of the prompt ids taken out (``prompts``): not a bound
+        method, which the stream's relay (``self.relay``) would hold in a cycle with this call."""
+        return functools.partial(_session_echo, self.recorder, self.built)
 
     async def _forward(self, payload: bytes | Parts, stream: bool) -> BackendReply | BackendStream:
         """Send the call to the session's replica (its reply read whole, or a stream); one that cannot be
@@ -369,6 +372,10 @@ class _Call:
         else:
             why = ("agent disconnected", "client_gone")
         recorder.record_later(recorder.failed(*why, partial))
+
+
+def _session_echo(recorder: CallRecorder, built: tuple[bytes, list[int]] | None, data: bytes) -> Echo | None:
+    return prompts.session_echo(data, recorder.manager, recorder.session, recorder.state, built)
 
 
 def _turn_failure(base: str, exc: Exception) -> tuple[str, BackendError]:

@@ -186,6 +186,7 @@ def _serve(config: ProxyConfig, sock: Any, token_file: str | None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     malloc.tune()  # a long session's growing buffers from the heap, not fresh pages each call
+    malloc.tune_gc()  # no collector pass every few calls
     try:
         import uvloop
 

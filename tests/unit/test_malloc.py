@@ -46,3 +46,16 @@ def test_the_users_own_thresholds_are_kept() -> None:
     assert _run("tuned", MALLOC_MMAP_THRESHOLD_="131072")[0] == "False"
     assert _run("tuned", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1")[0] == "False"
     assert _run("tuned", GLIBC_TUNABLES="glibc.pthread.rseq=0")[0] == "True"  # another tunable
+
+
+def test_the_collectors_young_threshold_is_raised_and_the_older_ones_kept() -> None:
+    import gc
+
+    from steptap.middleware.server import malloc
+
+    before = gc.get_threshold()
+    try:
+        malloc.tune_gc()
+        assert gc.get_threshold() == (malloc.GC_YOUNG, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
