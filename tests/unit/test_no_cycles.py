@@ -36,7 +36,8 @@ def _steptap_garbage() -> Counter[str]:
     return kinds
 
 
-async def test_plain_and_streamed_calls_leave_no_reference_cycle(aiohttp_server: Any, make_proxy: Any) -> None:
+async def test_plain_and_streamed_calls_leave_no_reference_cycle(
+        aiohttp_server: Any, make_proxy: Any) -> None:
     backend = await aiohttp_server(FaultInjector().app)
     proxy = await make_proxy(str(backend.make_url("")).rstrip("/"))
     async with aiohttp.ClientSession() as http:
