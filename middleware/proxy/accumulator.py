@@ -62,11 +62,7 @@ class ChatStream(_Stream):
         return {i: len(acc.token_ids or ()) for i, acc in self.choices.items()}
 
     def feed(self, chunk: dict[str, Any]) -> None:
-        # once a streamed event: the header's and the delta's reads inline (issue 45)
-        if self.id is None:
-            self.id, self.model = chunk.get("id"), chunk.get("model")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+        self._header(chunk)
         if chunk.get("prompt_token_ids") is not None:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for ch in chunk.get("choices") or ():
@@ -80,10 +76,9 @@ class ChatStream(_Stream):
                     acc.role = delta["role"]
                 if delta.get("content"):
                     acc.content.append(delta["content"])
-                if "reasoning_content" in delta or "reasoning" in delta:
-                    reasoning = reasoning_of(delta)
-                    if reasoning:
-                        acc.reasoning.append(reasoning)
+                reasoning = reasoning_of(delta)
+                if reasoning:
+                    acc.reasoning.append(reasoning)
                 if delta.get("tool_calls"):
                     _feed_tools(acc, delta["tool_calls"])
             # extend in place: rebuilding the list per chunk is quadratic in the response length

@@ -103,22 +103,13 @@ def strip_reply(reply: dict[str, Any], asked: Asked, endpoint: str) -> None:
 def strip_chunk(chunk: dict[str, Any], asked: Asked, endpoint: str) -> bool:
     """Strip one SSE chunk in place; False when vLLM would not have sent it at all (a chunk it emits only to
     carry token ids or logprobs, e.g. while the tool parser holds text back)."""
+    strip_reply(chunk, asked, endpoint)
     if asked.token_ids or asked.logprobs or endpoint != CHAT:
-        strip_reply(chunk, asked, endpoint)
         return True
-    # A chat chunk the agent asked neither for: strip_reply's nulls inline (once a streamed event, issue 45)
-    if chunk.get("prompt_token_ids") is not None:
-        chunk["prompt_token_ids"] = None
     choices = chunk.get("choices")
-    kept = not choices or bool(chunk.get("usage"))
-    for choice in choices or ():
-        if choice.get("token_ids") is not None:
-            choice["token_ids"] = None
-        if choice.get("logprobs") is not None:
-            choice["logprobs"] = None
-        if not kept and (choice.get("finish_reason") is not None or choice.get("delta")):
-            kept = True
-    return kept
+    if not choices or chunk.get("usage"):
+        return True
+    return any(choice.get("finish_reason") is not None or choice.get("delta") for choice in choices)
 
 
 # --- reply side: steps ------------------------------------------------------------------------------------
