@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from steptap.middleware.launch.lifetime import die_with_parent
+
 
 def use_uvloop() -> str:
     """Install uvloop's policy where it is available (as the proxy does), so no side gets an unfair loop."""
@@ -68,8 +70,10 @@ class Server:
 
     def start(self, timeout: float = 30.0) -> Server:
         stderr = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (kept for the child)
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(self.env or {})}
+        # die_with_parent: a bench killed hard (Ctrl-C twice, a timeout) takes its servers with it
+        self.proc = subprocess.Popen(  # noqa: PLW1509 - benches start their servers from the main thread
+            self.cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, **(self.env or {})}, preexec_fn=die_with_parent(),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

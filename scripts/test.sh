@@ -18,7 +18,11 @@ workers() {  # workers GB_NEEDED
   if [ -n "${STEPTAP_TEST_WORKERS:-}" ]; then echo "$STEPTAP_TEST_WORKERS"; return; fi
   local free_gb
   free_gb=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo)
-  if [ "$(nproc)" -ge 2 ] && [ "${free_gb:-0}" -ge "$1" ]; then echo 2; else echo 0; fi
+  local n=0
+  if [ "$(nproc)" -ge 2 ] && [ "${free_gb:-0}" -ge "$1" ]; then n=2; fi
+  echo "[test] $n xdist workers ($(nproc) cores, ${free_gb:-?} GB available, $1 GB wanted for two;" \
+    "STEPTAP_TEST_WORKERS=N chooses)" >&2
+  echo "$n"
 }
 if [ "${1:-}" = --unit ]; then
   shift
