@@ -129,17 +129,18 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
             os.killpg(proc.pid, signal.SIGKILL)  # bwrap leads its group; its PID namespace dies with it
 
 
-def _first_line(fd: int) -> str:
+def _first_line(fd: int) -> tuple[str, float]:
     """(In a thread, which closes ``fd`` when done: nothing else may close it while a read may be under way.)
     The launcher's first status line (``started`` or ``error WHY``), or "" when the sandbox closed the pipe
-    without one (it died before the launcher ran)."""
+    without one (it died before the launcher ran), and when it was read (``time.monotonic``): the event loop
+    may see it later, a fast job's end included."""
     out = bytearray()
     try:
         while b"\n" not in out and len(out) < 4096 and (chunk := os.read(fd, 4096)):
             out += chunk
     finally:
         os.close(fd)
-    return out.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+    return out.split(b"\n", 1)[0].decode("utf-8", "replace").strip(), time.monotonic()
 
 
 def copy_tree(source: Path | None, dest: Path, exclude: frozenset[str] = frozenset()) -> None:
@@ -293,9 +294,9 @@ class LocalSandbox(Sandbox):
         try:
             # the job's time counts from its start: a sandbox slow to come up (a loaded machine) is not
             # charged to the agent, one that never comes up is the sandbox's failure
-            said = await asyncio.wait_for(asyncio.shield(first), START_TIMEOUT_S)
+            said, said_at = await asyncio.wait_for(asyncio.shield(first), START_TIMEOUT_S)
             if said.startswith("started"):
-                started_at = time.monotonic()
+                started_at = said_at
                 await asyncio.wait_for(proc.wait(), job.timeout_s)
             else:
                 await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)

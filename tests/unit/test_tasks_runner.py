@@ -75,9 +75,9 @@ async def test_a_group_is_rewarded_by_its_verifier_only(make_proxy: Any, sandbox
         assert agent is not None and verifier is not None
         assert (agent.exit_code, agent.timed_out) == (0, False)
         assert (verifier.exit_code, verifier.timed_out) == (0, False)
-        # measured from when the runner saw the sandbox start: a verifier of a few milliseconds can end
-        # before that on a loaded machine and read 0.0 (rounded to ms), so only its presence is checked
-        assert isinstance(verifier.seconds, float) and verifier.seconds >= 0
+        # timed from when the sandbox said it started (read in a thread), not from when the event loop got
+        # to it: a verifier of a few milliseconds read 0.0 on a loaded machine when timed from the loop
+        assert isinstance(verifier.seconds, float) and verifier.seconds > 0, verifier
     # each episode's folders: its logs kept, its working folder and home removed (no --keep)
     ep = tmp_path / "run" / "episodes" / "answer" / "r0-e2-a0"
     assert (ep / "verifier" / "reward.txt").read_text().strip() == "0"
