@@ -19,8 +19,6 @@ from typing import Any
 
 from aiohttp import web
 
-from steptap.middleware.launch.lifetime import die_with_parent
-
 
 def use_uvloop() -> str:
     """Install uvloop's policy where it is available (as the proxy does), so no side gets an unfair loop."""
@@ -69,6 +67,10 @@ class Server:
         self.info: dict[str, Any] = {}
 
     def start(self, timeout: float = 30.0) -> Server:
+        # imported here: a baseline tree's steptap (``--baseline REF``) comes first on the path of the
+        # processes that import this module to read its log, and an older tree may not have it
+        from steptap.middleware.launch.lifetime import die_with_parent
+
         stderr = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (kept for the child)
         # die_with_parent: a bench killed hard (Ctrl-C twice, a timeout) takes its servers with it
         self.proc = subprocess.Popen(  # noqa: PLW1509 - benches start their servers from the main thread
