@@ -1,9 +1,9 @@
 """The benchmarks in their smallest form, so that they cannot rot: the proxy benchmark
 (bench/proxy_overhead.py, the long streamed reply included), the end-to-end one on the real vLLM
 (bench/end_to_end.py), the learner's throughput (bench/learner_throughput.py), the log's commit rate, the
-record path alone (bench/record_path.py) and the model call's trace (bench/call_trace.py). Each runs, produces
-numbers, and its own correctness checks hold. Timing thresholds are not asserted here (the machine is shared);
-the benchmarks print PASS/MISS themselves."""
+record path alone (bench/record_path.py), the loop's calls a call (bench/call_counts.py) and the model
+call's trace (bench/call_trace.py). Each runs, produces numbers, and its own correctness checks hold. Timing
+thresholds are not asserted here (the machine is shared); the benchmarks print PASS/MISS themselves."""
 
 from __future__ import annotations
 
@@ -232,6 +232,19 @@ def test_record_path_smallest_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "us CPU a call" in proc.stdout and "NOT one per call" not in proc.stdout, proc.stdout
     assert "log: 144 one-step anonymous trajectories" in proc.stdout, proc.stdout  # 16 x 4 + 20 x 4 to warm
+
+
+def test_call_counts_smallest_run(tmp_path):
+    """The loop's Python calls a call (bench/call_counts.py): the difference of two profiled runs, per call,
+    enters steptap's proxy and aiohttp, and the table prints the total the JSON holds."""
+    out = tmp_path / "counts.json"
+    cmd = [sys.executable, str(BENCH / "call_counts.py"), "--calls", "20", "--json", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = json.loads(out.read_text())["steptap"]
+    assert sum(n for f, n in counts.items() if f.startswith("middleware/proxy/")) >= 10, counts
+    assert sum(n for f, n in counts.items() if f.startswith("aiohttp/")) >= 10, counts
+    assert f"| all | {sum(counts.values()):.0f} |" in proc.stdout, proc.stdout
 
 
 def test_stream_capture_smallest_run():

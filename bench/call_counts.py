@@ -1,0 +1,149 @@
+"""Python function calls a model call costs the proxy's event loop, counted (not timed): steptap against refs.
+
+    .venv/bin/python bench/call_counts.py [--baseline REF ...] [--stream] [--calls 1000] [--top 30]
+
+Timing the proxy on a shared 2-core machine needs rounds and a quiet hour; a count does not. Each target
+(this checkout, and each ``--baseline`` ref's tree as ``proxy_overhead.py`` exports it) runs ``steptap serve``
+under ``cProfile`` (the main thread: the event loop) in front of the replay upstream, and one keep-alive
+client sends sequential calls (the recorded agent body, plain or ``--stream``). It runs twice per target,
+with W and W + ``--calls`` calls, and the difference of the two profiles divided by ``--calls`` is what one
+call costs, start-up and shutdown cancelled out. A coroutine's resume counts as a call (cProfile's rule),
+the same on every side.
+
+Printed: calls a call by area (steptap's modules, aiohttp, builtins, the rest), and the functions whose
+count changed most against the first baseline. Where the time of a c=1 call is the loop's Python work (its
+syscalls counted equal: bench/README.md), the counts say where it grew; ``proxy_overhead.py`` measures what
+it costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import pstats
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recorded
+from procs import Server, free_port, python_cmd
+from proxy_overhead import CHAT, ROOT, Steptap, baseline_names, baseline_tree, steptap_cmd
+
+WARM = 50  # calls before the counted ones in both runs: first-call paths and lazy imports cancel out
+
+
+def _boot(tree: str | None, out: str) -> str:
+    """A ``python -c`` program: the event loop's thread profiled from start to exit, the stats dumped at
+    exit (``steptap serve`` stops on SIGTERM through its own shutdown)."""
+    head = f"import sys; sys.path.insert(0, {tree!r}); " if tree else "import sys; "
+    return (head + "import atexit, cProfile, runpy; p = cProfile.Profile(); "
+            f"atexit.register(lambda: (p.disable(), p.dump_stats({out!r}))); p.enable(); "
+            "runpy.run_module('steptap.middleware.cli', run_name='__main__', alter_sys=True)")
+
+
+def profile(tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str) -> pstats.Stats:
+    """``steptap serve`` (at ``tree``, or this checkout) profiled over ``n`` sequential calls."""
+    out = str(work / f"{name}.prof")
+    port = free_port()
+    cmd = steptap_cmd(upstream, port, str(work / f"{name}-log"), [], None)
+    proxy = Steptap(name, [sys.executable, "-c", _boot(tree, out), *cmd[cmd.index("serve"):]],
+                    log=str(work / f"{name}.log"))
+    proxy.port = port
+    proxy.start()
+    try:
+        body = recorded.load().agent_body(stream)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(n):
+            conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
+            reply = conn.getresponse()
+            data = reply.read()
+            if reply.status != 200:
+                raise RuntimeError(f"{name}: HTTP {reply.status}: {data[:300]!r}")
+        conn.close()
+    finally:
+        proxy.stop(timeout=30)
+    return pstats.Stats(out)
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    """A function's name without the tree it was loaded from (the same module at two refs is one row)."""
+    file, line, func = key
+    file = file.removeprefix(f"{ROOT}/")
+    for marker in ("/steptap/", "site-packages/"):
+        if marker in file:
+            file = file.split(marker, 1)[1]
+            break
+    return f"{file}:{func}" if file != "~" else re.sub(r" at 0x[0-9a-f]+", "", func)
+
+
+def per_call(short: pstats.Stats, long: pstats.Stats, n: int) -> Counter[str]:
+    """Calls per model call of each function (by file and name, lines dropped: they move between refs)."""
+    a, b = short.stats, long.stats  # type: ignore[attr-defined]
+    out: Counter[str] = Counter()
+    for key, row in b.items():
+        out[_where(key)] += (row[1] - a.get(key, (0, 0))[1]) / n
+    return out
+
+
+def area(name: str) -> str:
+    if name.startswith(("middleware/", "adapters/", "learner/")):
+        return "steptap"
+    if name.startswith(("aiohttp/", "multidict/", "yarl/")):
+        return "aiohttp"
+    if ":" not in name:
+        return "builtins"
+    return "other"
+
+
+def count(tree: str | None, upstream: str, args: argparse.Namespace, work: Path, name: str) -> Counter[str]:
+    short = profile(tree, upstream, WARM, args.stream, work, f"{name}-short")
+    long = profile(tree, upstream, WARM + args.calls, args.stream, work, f"{name}-long")
+    return per_call(short, long, args.calls)
+
+
+def table(title: str, counts: dict[str, Counter[str]], top: int) -> None:
+    names = list(counts)
+    print(f"{title}\n\n| area | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for part in ("steptap", "aiohttp", "builtins", "other", "all"):
+        cells = [sum(v for k, v in c.items() if part == "all" or area(k) == part) for c in counts.values()]
+        print(f"| {part} | " + " | ".join(f"{x:.0f}" for x in cells) + " |")
+    if len(names) > 1:
+        new, old = counts[names[0]], counts[names[1]]
+        rows = sorted(set(new) | set(old), key=lambda k: -abs(new[k] - old[k]))[:top]
+        print(f"\nMost changed against {names[1]}:\n\n| function | steptap | {names[1]} |\n|---|---:|---:|")
+        for k in rows:
+            print(f"| `{k}` | {new[k]:.1f} | {old[k]:.1f} |")
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", action="append", default=[], help="a git ref to count side by side")
+    p.add_argument("--stream", action="store_true", help="streamed calls (default: plain)")
+    p.add_argument("--calls", type=int, default=1000, help="counted calls (default 1000)")
+    p.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
+    p.add_argument("--json", help="write the counts here")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="steptap-counts-"))
+    replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()
+    calls: dict[str, Counter[str]] = {}
+    try:
+        calls["steptap"] = count(None, replay.url, args, work, "steptap")
+        for name, ref in zip(baseline_names(args.baseline), args.baseline, strict=True):
+            calls[f"{name} ({ref})"] = count(baseline_tree(ref, work, name), replay.url, args, work, name)
+    finally:
+        replay.stop()
+    kind = "streamed" if args.stream else "plain"
+    title = f"Python calls on the event loop per {kind} call ({args.calls} counted, cProfile):"
+    table(title, calls, args.top)
+    if args.json:
+        Path(args.json).write_text(json.dumps(calls, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
