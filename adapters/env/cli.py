@@ -1,6 +1,7 @@
 """``steptap env run DATA.parquet`` (GRPO groups from a dataset), ``steptap env list``, and ``steptap eval``.
 
     steptap env run data/train.parquet --n 8 --concurrency 16 --epochs 2
+    steptap env run data/train.parquet --n 8 --lockstep 4   # 4 groups, then wait for their update
     steptap eval data/test.parquet                       # accuracy by policy version, as eval sessions
     steptap eval data/test.parquet --every 5 --metrics-file runs/x/metrics.jsonl   # beside a learner
 
@@ -120,6 +121,13 @@ def main_env(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--state", help="state file of finished groups (default DATA.state.jsonl)")
     p.add_argument("--fresh", action="store_true", help="ignore (and replace) the state file: redo every row")
+    p.add_argument("--lockstep", type=int, default=0, metavar="G",
+                   help="run G groups (the learner's batch_groups), then wait for the update they feed "
+                        "before the next G: each batch is sampled by the newest weights and, on a small CPU, "
+                        "the learner trains with the machine to itself (default 0: every group at once)")
+    p.add_argument("--update-timeout", type=float, default=3600.0, metavar="S",
+                   help="with --lockstep: seconds a batch waits for its update before going on "
+                        "(default 3600)")
     add_judge_flags(p)  # a judge's reward besides the environment's (docs/judge.md)
     if argv[:1] != ["run"]:
         p.print_usage(sys.stderr)
@@ -129,12 +137,15 @@ def main_env(argv: list[str] | None = None) -> int:
     _check(p, args)
     if args.n < 1 or args.epochs < 1:
         p.error("--n and --epochs must be at least 1")
+    if args.lockstep < 0 or args.update_timeout <= 0:
+        p.error("--lockstep must be 0 or more, --update-timeout above 0")
     state = args.state or f"{args.data}.state.jsonl"
     if args.fresh and Path(state).exists():
         Path(state).unlink()
     rows = _load(p, args)
     cfg = _config(args, "train", args.n, args.epochs, state)
     cfg.judge = judge_from_args(args, p.error)
+    cfg.lockstep, cfg.update_timeout_s = args.lockstep, args.update_timeout
     report = {**_run(rows, cfg, "episodes").summary(), "state_file": state}
     print(json.dumps(report))
     return 0 if report["failed_to_start"] == 0 else 1

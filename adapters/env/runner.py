@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
@@ -47,6 +49,8 @@ class RunConfig:
     name: str = "data"  # group ids start with it
     keep_episodes: int = 10_000  # Episode objects kept in DatasetRunner.episodes (counts cover them all)
     judge: Any = None  # a judge (adapters/judge.py) scoring each episode besides its environment's reward
+    lockstep: int = 0  # groups a batch, then wait for the update they feed (0: every group at once)
+    update_timeout_s: float = 3600.0  # lockstep: how long a batch waits for its update before going on
 
 
 @dataclass
@@ -82,6 +86,9 @@ def _total(reward: Any) -> float | None:
     if isinstance(reward, dict):
         return float(sum(float(v) for v in reward.values()))
     return float(reward)
+
+
+LOCKSTEP_POLL_S = 1.0  # how often a lockstep batch asks the proxy for the policy version
 
 
 class DatasetRunner:
@@ -144,16 +151,25 @@ class DatasetRunner:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         from steptap.middleware.client import SteptapClient
 
+        todo = self.todo()
+        size = cfg.lockstep or len(todo) or 1
+        batches = [todo[i:i + size] for i in range(0, len(todo), size)]
         async with aiohttp.ClientSession(timeout=timeout) as http:
             client = SteptapClient(cfg.proxy_url, cfg.control_token, session=http)
             tasks: set[asyncio.Task[None]] = set()
             try:
-                for epoch, row in self.todo():
-                    await group_slots.acquire()
-                    task = asyncio.create_task(self._group(http, client, member_slots, epoch, row))
-                    task.add_done_callback(lambda _t: group_slots.release())
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                for k, batch in enumerate(batches):
+                    before = await self._version() if cfg.lockstep else None
+                    for epoch, row in batch:
+                        await group_slots.acquire()
+                        task = asyncio.create_task(self._group(http, client, member_slots, epoch, row))
+                        task.add_done_callback(lambda _t: group_slots.release())
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    if cfg.lockstep and k < len(batches) - 1:
+                        if tasks:
+                            await asyncio.gather(*tasks)
+                        await self._wait_update(before, k)
                 if tasks:
                     await asyncio.gather(*tasks)
             finally:
@@ -162,6 +178,33 @@ class DatasetRunner:
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
         return self.episodes
+
+    async def _version(self) -> int | None:
+        """The proxy's policy version now; None when it does not answer."""
+        from steptap.middleware.client import SteptapError, SyncSteptapClient
+
+        client = SyncSteptapClient(self.cfg.proxy_url, self.cfg.control_token)
+        try:
+            return int((await asyncio.to_thread(client.health)).get("policy_version", 0))
+        except (OSError, ValueError, TypeError, SteptapError):
+            return None
+
+    async def _wait_update(self, before: int | None, batch: int) -> None:
+        """Lockstep: after a batch, wait until the policy version passes ``before`` (the learner trained on
+        the batch and the new weights serve), so the next batch is sampled by them and the learner trains
+        with the machine to itself; past ``update_timeout_s``, or with no version to compare, go on."""
+        t0 = time.monotonic()
+        while before is not None and time.monotonic() - t0 < self.cfg.update_timeout_s:
+            now = await self._version()
+            if now is not None and now > before:
+                self.tally.waited(time.monotonic() - t0, timed_out=False)
+                print(f"steptap env run: lockstep batch {batch}: version {now} after "
+                      f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                return
+            await asyncio.sleep(LOCKSTEP_POLL_S)
+        self.tally.waited(time.monotonic() - t0, timed_out=before is not None)
+        print(f"steptap env run: lockstep batch {batch}: no new policy version after "
+              f"{time.monotonic() - t0:.0f} s; going on", file=sys.stderr, flush=True)
 
     async def _group(
         self, http: aiohttp.ClientSession, client: Any, slots: asyncio.Semaphore, epoch: int, row: Row
@@ -296,6 +339,13 @@ class Tally:
         # policy version -> [episodes, correct, reward sum, rewarded, turns sum,
         #                    episodes whose info counts calls, ... with a call, ... with a well-formed one]
         self.versions: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0, 0, 0])
+        self.lockstep_waits, self.lockstep_timeouts, self.lockstep_wait_s = 0, 0, 0.0
+
+    def waited(self, seconds: float, timed_out: bool) -> None:
+        """A lockstep batch's wait for its update (``RunConfig.lockstep``)."""
+        self.lockstep_waits += 1
+        self.lockstep_timeouts += timed_out
+        self.lockstep_wait_s += seconds
 
     def add(self, ep: Episode) -> None:
         self.episodes += 1
@@ -347,6 +397,8 @@ class Tally:
             "steps": self.steps,
             "reward_mean": self.reward_sum / self.rewarded if self.rewarded else None,
             "errors": self.errors,
+            **({"lockstep_waits": self.lockstep_waits, "lockstep_timeouts": self.lockstep_timeouts,
+                "lockstep_wait_s": round(self.lockstep_wait_s, 1)} if self.lockstep_waits else {}),
         }
 
 

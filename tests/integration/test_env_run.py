@@ -216,6 +216,7 @@ async def test_a_tool_env_dataset_is_trained_by_the_learner_with_hot_swaps_and_e
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in rows if "update" in r]
     assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
+    assert [r["behaviour_version"] for r in updates] == [0, 1]  # lockstep: the second row sampled by v1
     for r in updates:  # a whole group of two: each member's free answer trained, its forced tool call not
         assert r["trajectories"] == 2 and r["tokens"] > 0
         assert r["counts"]["trained_steps"] == 2 and r["counts"]["dropped_unreproducible"] == 2
@@ -253,7 +254,9 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
 ) -> None:  # type: ignore[no-untyped-def]
     """examples/tool_agent on the tiny model: its generated rows, its environment (the first turn forced: a
     random model writes no tool call), its learner.toml (LoRA, KL to the base) for two updates through the
-    proxy with a swap after each, and `steptap eval`'s tool-call, well-formed and turns figures."""
+    proxy with a swap after each, in lockstep as its README runs it (the second row waits for the update the
+    first feeds, so each update trains on the newest weights' samples), and `steptap eval`'s tool-call,
+    well-formed and turns figures."""
     from steptap.adapters.env.tool_agent import EVAL_SEED
     from steptap.adapters.env.tool_agent import make_rows as tool_rows
     from steptap.learner import daemon
@@ -271,8 +274,9 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--metrics-file", str(metrics), "--no-progress"])))
     run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "128"]  # the forced call: ~50
-    report = await _steptap_async(proxy, "env", "run", str(train), *run)
+    report = await _steptap_async(proxy, "env", "run", str(train), *run, "--lockstep", "1")
     assert report["episodes"] == 4 and report["finished"] == 4
+    assert (report["lockstep_waits"], report["lockstep_timeouts"]) == (1, 0), report
     await asyncio.wait_for(learner, 300)
     evaluated = await _steptap_async(proxy, "eval", str(evalset), *run[:2], "--temperature", "0", "--json",
                                      "--max-tokens", "128", "--metrics-file", str(metrics))
@@ -280,6 +284,7 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in rows if "update" in r]
     assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
+    assert [r["behaviour_version"] for r in updates] == [0, 1]  # lockstep: the second row sampled by v1
     for r in updates:  # each member's own answer trained with the KL term, its forced call not
         assert r["counts"]["trained_steps"] == 2 and r["counts"]["dropped_unreproducible"] == 2
     recorded = _recorded(proxy.log_dir, train)
