@@ -21,12 +21,11 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from steptap.adapters.env.dataset import DatasetError, env_names, read_rows
-from steptap.adapters.env.runner import DatasetRunner, RunConfig, Tally
+from steptap.adapters.env.runner import DatasetRunner, RunConfig, Tally, policy_version
 from steptap.adapters.judge import add_judge_flags, judge_from_args
 from steptap.adapters.progress import Progress
 from steptap.adapters.session import TOKEN_ENV, URL_ENV
@@ -151,20 +150,6 @@ def main_env(argv: list[str] | None = None) -> int:
     return 0 if report["failed_to_start"] == 0 else 1
 
 
-def _proxy_version(url: str, token: str) -> int | None:
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return int(json.loads(resp.read()).get("policy_version", 0))
-    except urllib.error.HTTPError as exc:  # 503: degraded backend, the body still has the version
-        try:
-            return int(json.loads(exc.read()).get("policy_version", 0))
-        except (ValueError, TypeError):
-            return None
-    except (OSError, ValueError):
-        return None
-
-
 def evaluate(rows: list[Any], cfg: RunConfig, metrics_file: str | None = None) -> dict[str, Any]:
     """One evaluation pass; returns ``{"by_version": {...}, **summary}`` and appends to ``metrics_file``."""
     tally = _run(rows, cfg, "eval")
@@ -210,7 +195,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     last: int | None = None
     try:
         while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest)
-            version = _proxy_version(cfg.proxy_url, cfg.control_token)
+            version = policy_version(cfg.proxy_url, cfg.control_token)
             if version is not None and (last is None or version >= last + args.every):
                 last = version
                 _print_report(evaluate(rows, cfg, args.metrics_file), args.json)

@@ -88,6 +88,16 @@ def _total(reward: Any) -> float | None:
     return float(reward)
 
 
+def policy_version(url: str, token: str) -> int | None:
+    """The proxy's policy version now (a 503's body has it too); None when it does not answer."""
+    from steptap.middleware.client import SteptapError, SyncSteptapClient
+
+    try:
+        return int(SyncSteptapClient(url, token).health().get("policy_version", 0))
+    except (OSError, ValueError, TypeError, SteptapError):
+        return None
+
+
 LOCKSTEP_POLL_S = 1.0  # how often a lockstep batch asks the proxy for the policy version
 
 
@@ -180,14 +190,7 @@ class DatasetRunner:
         return self.episodes
 
     async def _version(self) -> int | None:
-        """The proxy's policy version now; None when it does not answer."""
-        from steptap.middleware.client import SteptapError, SyncSteptapClient
-
-        client = SyncSteptapClient(self.cfg.proxy_url, self.cfg.control_token)
-        try:
-            return int((await asyncio.to_thread(client.health)).get("policy_version", 0))
-        except (OSError, ValueError, TypeError, SteptapError):
-            return None
+        return await asyncio.to_thread(policy_version, self.cfg.proxy_url, self.cfg.control_token)
 
     async def _wait_update(self, before: int | None, batch: int) -> None:
         """Lockstep: after a batch, wait until the policy version passes ``before`` (the learner trained on
@@ -409,4 +412,5 @@ def accuracy_by_version(episodes: list[Episode]) -> dict[int, dict[str, Any]]:
     return tally.by_version()
 
 
-__all__ = ["DatasetRunner", "Episode", "RunConfig", "Tally", "accuracy_by_version", "as_flow"]
+__all__ = ["DatasetRunner", "Episode", "RunConfig", "Tally", "accuracy_by_version", "as_flow",
+           "policy_version"]
