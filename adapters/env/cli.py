@@ -10,7 +10,9 @@ STEPTAP_CONTROL_TOKEN.
 ``env run`` keeps a state file (default ``DATA.parquet.state.jsonl``) so that a restarted run skips the groups
 already finished; ``--fresh`` starts over. ``eval --every K`` watches the proxy's policy version and evaluates
 at the start and after every K new versions, appending one row per version to the metrics file
-(``eval_accuracy``, ``eval_version``), which ``steptap plot`` draws beside the training reward.
+(``eval_accuracy``, ``eval_version``), which ``steptap plot`` draws beside the training reward; on SIGUSR1
+(what ``steptap up`` sends when its run ends on its update count) it evaluates the version then serving,
+unless it just did, and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -193,12 +196,18 @@ def main_eval(argv: list[str] | None = None) -> int:
         _print_report(report, args.json)
         return 0 if report["failed_to_start"] == 0 else 1
     last: int | None = None
+    final: list[int] = []  # SIGUSR1 (steptap up, its run over): evaluate the version now, then exit
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: final.append(signum))
     try:
-        while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest)
+        while True:  # ends with SIGTERM / Ctrl-C (steptap up stops it with the rest), or after SIGUSR1
             version = policy_version(cfg.proxy_url, cfg.control_token)
-            if version is not None and (last is None or version >= last + args.every):
+            if version is not None and (last is None or version >= last + args.every
+                                        or (final and version != last)):
                 last = version
                 _print_report(evaluate(rows, cfg, args.metrics_file), args.json)
+                continue  # asked again at once: a SIGUSR1 during the evaluation wants the version now
+            if final:
+                return 0
             time.sleep(args.poll)
     except KeyboardInterrupt:
         return 130

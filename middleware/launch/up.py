@@ -47,6 +47,8 @@ from steptap.middleware.launch.up_preflight import (
 )
 from steptap.middleware.launch.view import StatusBoard, render_line
 
+LAST_EVAL_TIMEOUT_S = 3600.0  # a run's last evaluation (pi's 50 tasks: 18 minutes on 2 cores)
+
 
 class Up:
     """One `steptap up` run: start, watch, stop, summarize. Its checks before anything starts are its
@@ -72,6 +74,8 @@ class Up:
         self.preflight = Preflight(args, self.sup, self._log)
         self.board: StatusBoard | None = None  # the live view's, once the run is up
         self.stop_reason: str | None = None
+        self.signalled = False  # Ctrl-C / SIGTERM: also ends the last evaluation's wait
+        self.by_updates = False  # ended on its update count: the last version is evaluated first (--eval)
         self.t_start = time.time()
         self.t_ready: float | None = None
         self.model_dir = ""
@@ -81,6 +85,7 @@ class Up:
 
     # -- signals ---------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signalled = True
         if self.stop_reason is None:
             self.stop_reason = f"interrupted ({signal.Signals(signum).name})"
 
@@ -324,7 +329,7 @@ class Up:
                     self.stop_reason = "the agents finished"
                     break
                 if (learner := self.sup.get("learn")) is not None and learner.returncode == 0:
-                    self.stop_reason = "the learner finished (its max_updates)"
+                    self.stop_reason, self.by_updates = "the learner finished (its max_updates)", True
                     break
                 board.poll()
                 self._check_limits(board)
@@ -339,7 +344,23 @@ class Up:
                 view.stop()
             board.poll()
             self.board = board
+        if self.by_updates:
+            self._last_eval(board)
         return None
+
+    def _last_eval(self, board: StatusBoard) -> None:
+        """A run that ended on its update count evaluates the version it ended on (``steptap eval --every``
+        does on SIGUSR1, then exits) before the stack stops: that figure is the run's result. Ctrl-C, the
+        eval's exit or ``LAST_EVAL_TIMEOUT_S`` ends the wait."""
+        child = self.sup.get("eval")
+        if child is None or child.proc is None or child.returncode is not None:
+            return
+        self._log(f"evaluating the last version before stopping (log: {child.log_path}; Ctrl-C stops now)")
+        child.proc.send_signal(signal.SIGUSR1)
+        deadline = time.time() + LAST_EVAL_TIMEOUT_S
+        while child.returncode is None and time.time() < deadline and not self.signalled:
+            time.sleep(0.5)
+        board.poll()
 
     def _header(self) -> str:
         up_s = time.time() - (self.t_ready or self.t_start)
@@ -349,7 +370,7 @@ class Up:
     def _check_limits(self, board: StatusBoard) -> None:
         a = self.args
         if a.max_updates is not None and board.updates >= a.max_updates:
-            self.stop_reason = f"reached --max-updates {a.max_updates}"
+            self.stop_reason, self.by_updates = f"reached --max-updates {a.max_updates}", True
         elif a.duration is not None and self.t_ready and time.time() - self.t_ready >= a.duration:
             self.stop_reason = f"reached --duration {a.duration:.0f} s"
         elif (

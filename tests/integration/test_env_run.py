@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -274,12 +275,28 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--metrics-file", str(metrics), "--no-progress"])))
     run = ["--env", scripted, "--n", "2", "--concurrency", "4", "--max-tokens", "128"]  # the forced call: ~50
-    report = await _steptap_async(proxy, "env", "run", str(train), *run, "--lockstep", "1")
-    assert report["episodes"] == 4 and report["finished"] == 4
-    assert (report["lockstep_waits"], report["lockstep_timeouts"]) == (1, 0), report
-    await asyncio.wait_for(learner, 300)
-    evaluated = await _steptap_async(proxy, "eval", str(evalset), *run[:2], "--temperature", "0", "--json",
-                                     "--max-tokens", "128", "--metrics-file", str(metrics))
+    # `steptap eval --every` beside the run as `steptap up --eval` starts it: version 0 at once, then (every
+    # 100: never due) the version serving when SIGUSR1 comes, as up sends it at the run's end, and exits 0
+    evaluating = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "steptap.middleware.cli", "eval", str(evalset), *run[:2], "--temperature", "0",
+        "--json", "--max-tokens", "128", "--metrics-file", str(metrics), "--every", "100", "--poll", "0.5",
+        env=_env(proxy), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:  # version 0's report first: the training starts after it, so no update lands inside it
+        first = json.loads(await asyncio.wait_for(evaluating.stdout.readline(), 300))  # type: ignore[union-attr]
+        report = await _steptap_async(proxy, "env", "run", str(train), *run, "--lockstep", "1")
+        assert report["episodes"] == 4 and report["finished"] == 4
+        assert (report["lockstep_waits"], report["lockstep_timeouts"]) == (1, 0), report
+        await asyncio.wait_for(learner, 300)
+        evaluating.send_signal(signal.SIGUSR1)
+        out, err = await asyncio.wait_for(evaluating.communicate(), 300)
+    finally:
+        if evaluating.returncode is None:
+            evaluating.kill()
+            await evaluating.wait()
+    assert evaluating.returncode == 0, err.decode()[-3000:]
+    reports = [first, *(json.loads(line) for line in out.decode().splitlines() if line.startswith("{"))]
+    assert [list(r["by_version"]) for r in reports] == [["0"], ["2"]], reports  # the start, the end
+    evaluated = reports[-1]
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in rows if "update" in r]
@@ -300,7 +317,7 @@ async def test_the_tool_agent_recipe_trains_two_updates_with_its_config_and_eval
     (version,) = evaluated["by_version"].values()
     assert version["episodes"] == 2 and version["turns_mean"] == 2.0
     assert version["tool_call_rate"] == 1.0 and version["well_formed_rate"] == 1.0
-    (row,) = [r for r in rows if "eval_tool_call_rate" in r]
+    row = [r for r in rows if "eval_tool_call_rate" in r][-1]
     assert row["eval_version"] == 2 and row["eval_well_formed_rate"] == 1.0 and row["eval_turns_mean"] == 2.0
 
 
