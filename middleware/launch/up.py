@@ -30,6 +30,7 @@ from steptap.middleware.files import private_dir
 from steptap.middleware.launch.placement import has_gpu, replica_env, replica_threads
 from steptap.middleware.launch.procs import healthy, listener, wait_until
 from steptap.middleware.launch.supervise import Child, Supervisor
+from steptap.middleware.launch.up_eval import eval_child, evaluate_last
 from steptap.middleware.launch.up_files import RunFiles, Stack, announce, summary
 from steptap.middleware.launch.up_parser import (
     STEPTAP,
@@ -39,15 +40,8 @@ from steptap.middleware.launch.up_parser import (
     learner_argv,
     serve_argv,
 )
-from steptap.middleware.launch.up_preflight import (
-    Interrupted,
-    Preflight,
-    Refused,
-    StartupError,
-)
+from steptap.middleware.launch.up_preflight import Interrupted, Preflight, Refused, StartupError
 from steptap.middleware.launch.view import StatusBoard, render_line
-
-LAST_EVAL_TIMEOUT_S = 3600.0  # a run's last evaluation (pi's 50 tasks: 18 minutes on 2 cores)
 
 
 class Up:
@@ -194,14 +188,10 @@ class Up:
         wait_until(lambda: False, timeout=3.0, should_abort=self._abort_check(child))
 
     def _start_eval(self) -> None:
-        if not self.args.eval:
-            return
-        argv = [*STEPTAP, "eval", self.args.eval, "--proxy", self.proxy_url]
-        argv += ["--every", str(self.args.eval_every), "--metrics-file", str(self.metrics_path)]
-        argv += _split(self.args.eval_args)
-        env = {**os.environ, TOKEN_ENV: self.token, "STEPTAP_MODEL": self.served_model}
-        child = self.sup.start(Child("eval", argv, self.logs / "eval.log", env=env, may_exit=True))
-        self._log(f"eval: {self.args.eval} every {self.args.eval_every} versions (log: {child.log_path})")
+        if self.args.eval:
+            child = self.sup.start(eval_child(self.args, self.proxy_url, self.token, self.served_model,
+                                              self.metrics_path, self.logs))
+            self._log(f"eval: {self.args.eval} every {self.args.eval_every} versions (log: {child.log_path})")
 
     def _start_agents(self) -> None:
         if not self.args.agents:
@@ -344,23 +334,10 @@ class Up:
                 view.stop()
             board.poll()
             self.board = board
-        if self.by_updates:
-            self._last_eval(board)
+        if self.by_updates:  # the version it ended on is the run's result
+            evaluate_last(self.sup.get("eval"), self._log, lambda: self.signalled)
+            board.poll()
         return None
-
-    def _last_eval(self, board: StatusBoard) -> None:
-        """A run that ended on its update count evaluates the version it ended on (``steptap eval --every``
-        does on SIGUSR1, then exits) before the stack stops: that figure is the run's result. Ctrl-C, the
-        eval's exit or ``LAST_EVAL_TIMEOUT_S`` ends the wait."""
-        child = self.sup.get("eval")
-        if child is None or child.proc is None or child.returncode is not None:
-            return
-        self._log(f"evaluating the last version before stopping (log: {child.log_path}; Ctrl-C stops now)")
-        child.proc.send_signal(signal.SIGUSR1)
-        deadline = time.time() + LAST_EVAL_TIMEOUT_S
-        while child.returncode is None and time.time() < deadline and not self.signalled:
-            time.sleep(0.5)
-        board.poll()
 
     def _header(self) -> str:
         up_s = time.time() - (self.t_ready or self.t_start)
