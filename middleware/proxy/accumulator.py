@@ -76,9 +76,10 @@ class ChatStream(_Stream):
                     acc.role = delta["role"]
                 if delta.get("content"):
                     acc.content.append(delta["content"])
-                reasoning = reasoning_of(delta)
-                if reasoning:
-                    acc.reasoning.append(reasoning)
+                if "reasoning_content" in delta or "reasoning" in delta:  # called only then: once a chunk
+                    reasoning = reasoning_of(delta)
+                    if reasoning:
+                        acc.reasoning.append(reasoning)
                 if delta.get("tool_calls"):
                     _feed_tools(acc, delta["tool_calls"])
             # extend in place: rebuilding the list per chunk is quadratic in the response length

@@ -82,22 +82,20 @@ def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] =
 # so stripping sets a present key to None rather than deleting it: the bytes then match a direct call.
 
 
-def _null(d: dict[str, Any], key: str) -> None:
-    if d.get(key) is not None:
-        d[key] = None
-
-
 def strip_reply(reply: dict[str, Any], asked: Asked, endpoint: str) -> None:
-    """Remove (in place) from a non-streamed reply what the agent did not ask for."""
-    if not asked.token_ids:
-        _null(reply, "prompt_token_ids")
+    """Remove (in place) from a non-streamed reply what the agent did not ask for. Runs on every streamed
+    chunk too: no helper calls (a call each is a tenth of a chunk's Python)."""
+    ids, logprobs = asked.token_ids, asked.logprobs
+    if not ids and reply.get("prompt_token_ids") is not None:
+        reply["prompt_token_ids"] = None
     for choice in reply.get("choices") or ():
-        if not asked.token_ids:
-            _null(choice, "token_ids")
-            if endpoint == COMPLETIONS:
-                _null(choice, "prompt_token_ids")
-        if not asked.logprobs:
-            _null(choice, "logprobs")
+        if not ids:
+            if choice.get("token_ids") is not None:
+                choice["token_ids"] = None
+            if endpoint == COMPLETIONS and choice.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = None
+        if not logprobs and choice.get("logprobs") is not None:
+            choice["logprobs"] = None
 
 
 def strip_chunk(chunk: dict[str, Any], asked: Asked, endpoint: str) -> bool:
@@ -109,7 +107,10 @@ def strip_chunk(chunk: dict[str, Any], asked: Asked, endpoint: str) -> bool:
     choices = chunk.get("choices")
     if not choices or chunk.get("usage"):
         return True
-    return any(choice.get("finish_reason") is not None or choice.get("delta") for choice in choices)
+    for choice in choices:  # a loop, not any(): no generator per chunk
+        if choice.get("finish_reason") is not None or choice.get("delta"):
+            return True
+    return False
 
 
 # --- reply side: steps ------------------------------------------------------------------------------------

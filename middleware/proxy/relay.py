@@ -25,7 +25,7 @@ from aiohttp import web
 from steptap.middleware.backend.boundary import Backend, BackendReply, BackendStream
 from steptap.middleware.backend.client import Parts
 from steptap.middleware.backend.pool import POOL_KEY, Replica
-from steptap.middleware.config import CONFIG_KEY
+from steptap.middleware.config import CONFIG_KEY, ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
     BackendCut,
@@ -113,7 +113,7 @@ async def _model_call(
     ident = identify(request)  # a malformed session id is a 400
     body, ids = decode_body(raw, endpoint, manager, app[CALL_STATES_KEY], ident)
     try:
-        call = _checked(request, endpoint, raw, body, ids, started_at, t0)
+        call = _checked(request, cfg, endpoint, raw, body, ids, started_at, t0)
     except ApiError as exc:  # a refused body: the session it names records why (a failed step)
         await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
         raise
@@ -134,15 +134,15 @@ async def _model_call(
                 metrics.child(metrics.call_latency, endpoint, streamed).observe(time.perf_counter() - t0)
 
 
-def _checked(request: web.Request, endpoint: str, raw: bytes, body: dict[str, Any], ids: Any,
-             started_at: float, t0: float) -> _Incoming:
+def _checked(request: web.Request, cfg: ProxyConfig, endpoint: str, raw: bytes, body: dict[str, Any],
+             ids: Any, started_at: float, t0: float) -> _Incoming:
     """The body translated (another protocol rides on chat completions, checked in its own format first)
     and checked at the edge; an ``ApiError`` refuses it."""
     upstream = CHAT if endpoint in PROTOCOL_ENDPOINTS else endpoint
     proto = open_protocol(endpoint, body, request) if endpoint in PROTOCOL_ENDPOINTS else None
     # A prompt decoded as token ids was typed then (strict ints): the edge check skips its 120k items
     edge = proto.chat if proto is not None else body if not ids else {**body, "prompt": []}
-    view = check_model_call(edge, upstream == CHAT, request.app[CONFIG_KEY].max_n)
+    view = check_model_call(edge, upstream == CHAT, cfg.max_n)
     return _Incoming(endpoint, upstream, raw, body, proto, edge, view, started_at, t0)
 
 
@@ -163,28 +163,29 @@ async def _forwarded(request: web.Request, call: _Incoming, session: LiveSession
                      served: str, ticket: Ticket) -> web.StreamResponse:
     """The call through the gate: on the session's replica, or the least loaded (an anonymous call, one step,
     holds no sticky entry: it would only push named sessions out of the pool's bounded map)."""
-    pool = request.app[POOL_KEY]
+    app = request.app
+    pool = app[POOL_KEY]
     replica = pool.acquire(pool.pick(_sticky_id(session)))
     running: _Call | None = None
     try:
         if call.proto is not None:
             await call.proto.adapt(replica.client, served)
-        cfg = request.app[CONFIG_KEY]
+        cfg = app[CONFIG_KEY]
         forced = forced_sampling(cfg, session)
         out, asked = patch_request(pics.upstream(call.proto, call.body), call.upstream, served, cfg, forced)
         running = _Call(request, call.upstream, replica, asked,
-                        _recorder(request, call, session, pics, out, served, replica, ticket, bool(forced)))
+                        _recorder(app, call, session, pics, out, served, replica, ticket, bool(forced)))
         payload = _upstream_body(call.raw, call.body, out) if call.proto is None else _encode(out)
         return await running.run(payload, bool(call.view.stream))
     finally:
         pool.release(running.replica if running is not None else replica)  # the one it ended on
 
 
-def _recorder(request: web.Request, call: _Incoming, session: LiveSession, pics: vision.CallImages,
+def _recorder(app: web.Application, call: _Incoming, session: LiveSession, pics: vision.CallImages,
               out: dict[str, Any], served: str, replica: Replica, ticket: Ticket,
               forced: bool) -> CallRecorder:
     """The call's recorder: what every step of it shares, and what it adds to them."""
-    app, cfg = request.app, request.app[CONFIG_KEY]
+    cfg = app[CONFIG_KEY]
     state = app[CALL_STATES_KEY].of(session)
     recorder = CallRecorder(app, app[SESSIONS_KEY], session, state, call.upstream, call.t0, common=dict(
         request=pics.logged(call.body),  # each image as its reference (stored once)
@@ -241,6 +242,7 @@ class _Call:
     def __init__(self, request: web.Request, endpoint: str, replica: Replica, asked: Asked,
                  recorder: CallRecorder) -> None:
         self.request = request
+        self.app = request.app  # looked up once: aiohttp finds it through the route's match each time
         self.endpoint = endpoint  # as sent upstream: chat or completions
         self.replica = replica
         self.upstream: Backend = replica.client
@@ -265,7 +267,7 @@ class _Call:
         recorder = self.recorder
         handles = recorder.proto.handles if recorder.proto is not None else None
         turn = await tito.start_turn(recorder.session, recorder.state, recorder.chat, self.upstream,
-                                     self.request.app[METRICS_KEY], stream, handles)
+                                     self.app[METRICS_KEY], stream, handles)
         if not isinstance(turn, str):
             return turn
         if turn != "first":
@@ -278,7 +280,7 @@ class _Call:
         source: BackendStream | None = None
         try:
             got = await self._forward(payload, stream)  # forward
-            self.request.app[POOL_KEY].call_done(self.replica, got.status)
+            self.app[POOL_KEY].call_done(self.replica, got.status)
             if isinstance(got, BackendReply):
                 return await (self._plain().relay(got) if got.status < 400
                               else self._plain().upstream_error(got.status, got.body))
@@ -310,7 +312,7 @@ class _Call:
         recorder.state.hold_prompt(recorder.manager, recorder.session, self.built)
         try:
             if stream:
-                async with turn.stream(generate, self.request.app[METRICS_KEY]) as source:
+                async with turn.stream(generate, self.app[METRICS_KEY]) as source:
                     return await self._stream(source, 200, recorder.spans if turn.counted else None)
             reply = await turn.reply(generate)
         except (BackendStatus, BackendUnreachable, BackendTimeout, BackendCut, msgspec.DecodeError,
@@ -326,7 +328,7 @@ class _Call:
                           self._take_echo())
 
     async def _stream(self, source: BackendStream, status: int, counts: Spans | None) -> web.StreamResponse:
-        cfg = self.request.app[CONFIG_KEY]
+        cfg = self.app[CONFIG_KEY]
         relay = self.relay = StreamRelay(self.request, self.recorder, self.recorder.proto, self.asked,
                                          self.upstream.name, self._take_echo(), counts,
                                          cfg.stream_write_timeout_s, cfg.stream_heartbeat_s)
@@ -344,7 +346,7 @@ class _Call:
         try:
             return await (self.upstream.stream if stream else self.upstream.send)(self.endpoint, payload)
         except BackendUnreachable as exc:
-            pool = self.request.app[POOL_KEY]
+            pool = self.app[POOL_KEY]
             pool.take_out(self.replica.name, exc.message, unreachable=True)
             try:
                 other = pool.pick(_sticky_id(self.recorder.session), avoid=self.replica.name)
@@ -359,7 +361,7 @@ class _Call:
         """The agent hung up and the server cancelled this handler, or a weight swap cut a call that
         outlasted its drain bound: keep what arrived as a failed step (in a new task: this one is being
         cancelled). A swap's cut before the stream began ends as the protocol's error body instead."""
-        recorder, swapper = self.recorder, self.request.app[SWAPPER_KEY]
+        recorder, swapper = self.recorder, self.app[SWAPPER_KEY]
         if recorder.recorded:
             return
         if self.relay is None and swapper.take_cut():

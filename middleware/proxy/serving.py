@@ -162,8 +162,9 @@ def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> byt
     """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs),
     the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded. A
     long body goes as ``Parts``, the agent's bytes written from where they were read (no copy)."""
-    if any(k not in out or out[k] is not v for k, v in body.items()):
-        return _encode(out)  # a value changed or went (the model name, forced sampling, logprobs, a seed)
+    for k, v in body.items():  # a loop, not any(): no generator per call
+        if k not in out or out[k] is not v:
+            return _encode(out)  # a value changed or went (the model name, forced sampling, logprobs, a seed)
     if len(out) == len(body):  # the agent asked for token ids and logprobs itself: forwarded as it came
         return raw if len(raw) < _PARTS_FROM else Parts([raw[:1], memoryview(raw)[1:]])
     end = raw.rstrip()

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from steptap.middleware.proxy.recorder import CallRecorder
     from steptap.middleware.weights.spans import Spans
 
-_decode = msgspec.json.decode
+_decode = msgspec.json.Decoder(dict[str, Any]).decode  # a chunk that is no object: a ValidationError
 _ECHO = b'"prompt_token_ids"'
 _encode = json_encoder.encode
 _DONE = b"data: [DONE]\n\n"
@@ -229,8 +229,6 @@ class StreamRelay:
                 # the echo's ids decoded from what is new (prompts.take_echo), the rest as before
                 echo = self.take_echo(payload) if echo_left and _ECHO in payload else None
                 chunk = _decode(payload if echo is None else echo[0])
-                if not isinstance(chunk, dict):
-                    raise ValueError
             except (msgspec.DecodeError, ValueError):
                 self.failure = (f"backend {self.base} sent a malformed stream chunk", "backend_malformed")
                 break
