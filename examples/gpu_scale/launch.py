@@ -14,9 +14,9 @@ container built from the task's ``environment/``; the proxy then listens on ``--
 not).
 ``--sandbox local``: bubblewrap on this machine, the proxy on loopback.
 
-GPUs as examples/gsm8k_tool/launch.py places them: replica i on GPU i, the learner's workers on
-``--learner-gpus``. Arguments after ``--`` go to ``steptap up`` unchanged. Settings and why:
-docs/gpu-scale.md.
+GPUs placed as every GPU recipe's (``steptap.middleware.launch.gpu_recipe``): replica i on GPU i, the
+learner's workers on ``--learner-gpus``. Arguments after ``--`` go to ``steptap up`` unchanged. Settings
+and why: docs/gpu-scale.md.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import argparse
 import os
 import shlex
 import sys
-import tomllib
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
+from steptap.middleware.launch import gpu_recipe
 from steptap.middleware.launch.up_parser import STEPTAP  # this interpreter's steptap, on PATH or not
 
 HERE = Path(__file__).resolve().parent
@@ -40,28 +39,9 @@ CLIS = ("codex", "claude-code", "pi")
 SAMPLING = "temperature=1.0,top_p=1.0"  # every call at the training values: nothing for truncation to drop
 
 
-def learner_settings(path: Path = CONFIG) -> dict[str, Any]:
-    with path.open("rb") as fh:
-        raw = tomllib.load(fh)
-    return raw.get("learner", raw)
-
-
-def model_dir(name: str) -> str:
-    """A local model directory: ``name`` itself, or the hub repository's snapshot in the HF cache."""
-    if Path(name).is_dir():
-        return name
-    from huggingface_hub import snapshot_download
-
-    print(f"launch: fetching {name} into the Hugging Face cache (once)", file=sys.stderr, flush=True)
-    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True, help="a folder of Harbor tasks (steptap tasks list checks it)")
-    p.add_argument("--model", default="", help=f"model directory or hub name (default ${MODEL_ENV}, else "
-                   f"{DEFAULT_MODEL})")
-    p.add_argument("--config", default=str(CONFIG), help="the learner TOML")
     p.add_argument("--agents", default=",".join(CLIS), help="the CLIs, each its own `steptap tasks run`")
     p.add_argument("--command", default="", help="a plain command as the only agent instead of the CLIs "
                    "(the instruction is its last argument)")
@@ -69,13 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--harbor-env", default="docker", help="Harbor's environment type (--sandbox harbor)")
     p.add_argument("--container-proxy", default="http://172.17.0.1:8400",
                    help="the proxy as the containers reach it; it listens there (--sandbox harbor)")
-    p.add_argument("--replicas", type=int, default=1, help="vLLM servers, replica i on GPU i")
-    p.add_argument("--backend", action="append", default=[], help="use running vLLM server(s) instead")
-    p.add_argument("--learner-gpus", default="", help="GPU indices for the learner's workers, e.g. 3 or 6,7")
-    p.add_argument("--gpu-share", type=float, default=0.0, help="vLLM's --gpu-memory-utilization (default: "
-                   "0.85 beside a learner on its own GPUs, 0.45 when they share)")
-    p.add_argument("--max-model-len", type=int, default=65536, help="vLLM's context (Claude Code's first "
-                   "prompt alone is ~44k tokens)")
+    gpu_recipe.add_arguments(p, MODEL_ENV, DEFAULT_MODEL, 65536, "vLLM's context (Claude Code's first prompt "
+                             "alone is ~44k tokens)", CONFIG)
     p.add_argument("--rounds", type=int, default=20, help="groups per task and CLI")
     p.add_argument("--limit", type=int, default=0, help="only the first N tasks (0: all)")
     p.add_argument("-n", type=int, default=0, help="episodes per group (default: learner.toml's group_size)")
@@ -83,21 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dirs", default="", help="where each run keeps its state (default: steptap tasks "
                    "run's runs/tasks-DATASET-AGENT); the same command resumes")
     p.add_argument("--updates", type=int, default=0, help="stop after this many updates (0: the rounds)")
-    p.add_argument("--learn-args", default="", help="more `steptap learn` flags")
-    p.add_argument("--print", action="store_true", help="print the steptap up command instead of running it")
     return p
-
-
-def _placement(args: argparse.Namespace) -> list[str]:
-    """The learner's GPUs, refused where a replica would sit on them."""
-    gpus = [g.strip() for g in args.learner_gpus.split(",") if g.strip()]
-    if args.backend and args.replicas > 1:
-        raise ValueError("--backend names running servers; --replicas starts them: give one of the two")
-    if gpus and not args.backend and args.replicas < 2:  # up pins replicas to GPUs only if several
-        raise ValueError("--learner-gpus needs --replicas 2 or more (one replica runs on the learner's GPUs)")
-    if gpus and any(int(g) < args.replicas for g in gpus):
-        raise ValueError(f"--learner-gpus {args.learner_gpus}: GPUs 0..{args.replicas - 1} serve replicas")
-    return gpus
 
 
 def side_by_side(commands: list[str]) -> str:
@@ -128,10 +89,10 @@ def driver(args: argparse.Namespace, n: int, concurrency: int) -> str:
 
 def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str], dict[str, str]]:
     """The ``steptap up`` argv and the environment changes it runs with."""
-    cfg = learner_settings(Path(args.config))
+    cfg = gpu_recipe.learner_settings(Path(args.config))
     groups = args.batch_groups or int(cfg.get("batch_groups", 8))
     n = args.n or int(cfg.get("group_size", 8))
-    gpus = _placement(args)
+    gpus = gpu_recipe.learner_gpus(args)
     clis = 1 if args.command else len([a for a in args.agents.split(",") if a.strip()])
     # each CLI's run keeps one update's episodes in flight, split between the CLIs
     agents = driver(args, n, max(n, groups * n // max(clis, 1)))
@@ -147,35 +108,12 @@ def up_command(args: argparse.Namespace, up_args: list[str]) -> tuple[list[str],
         if not (url.scheme == "http" and url.hostname and url.port):
             raise ValueError(f"--container-proxy {args.container_proxy!r}: http://ADDRESS:PORT")
         argv += ["--host", url.hostname, "--port", str(url.port)]
-    if args.backend:
-        argv += [a for b in args.backend for a in ("--backend", b)]
-    else:
-        share = args.gpu_share or (0.85 if gpus else 0.45)
-        vllm = ["--max-lora-rank", str(int(cfg.get("lora_rank", 16)) or 16), "--max-model-len",
-                str(args.max_model_len), "--", "--gpu-memory-utilization", str(share)]
-        argv += ["--replicas", str(args.replicas), f"--vllm-args={shlex.join(vllm)}"]
-    if args.updates:
-        argv += ["--max-updates", str(args.updates)]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
-    return argv + up_args, env
+    serve, env = gpu_recipe.serving(args, cfg, gpus, args.updates)
+    return argv + serve + up_args, env
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, up_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = build_parser()
-    args = parser.parse_args(ours)
-    try:
-        cmd, env = up_command(args, up_args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.print:  # the model as named: nothing is fetched
-        print(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)]))
-        return 0
-    at = cmd.index("--model") + 1
-    cmd[at] = model_dir(cmd[at])
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # steptap up's signals and exit status are the run's
-    return 0  # not reached
+    return gpu_recipe.main(build_parser(), up_command, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 
 from steptap.adapters.tasks.cli import _parser_run
 from steptap.learner.config import config_from_argv, load_config
+from steptap.middleware.launch import gpu_recipe
 from steptap.middleware.launch.up_parser import STEPTAP, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def test_the_learner_config_is_the_verl_engine_with_lora_and_kl_and_validates() 
 
 
 def test_launch_builds_one_tasks_run_per_cli_in_docker_behind_a_bridge_bound_proxy(tmp_path: Path) -> None:
-    cfg = launch.learner_settings()
+    cfg = gpu_recipe.learner_settings(launch.CONFIG)
     up, env = _up(["--dataset", str(tmp_path), "--replicas", "3", "--learner-gpus", "3,4", "--updates", "5"])
     assert up.replicas == 3 and up.max_updates == 5 and up.backend is None and up.task == "gpu_scale"
     assert env == {"CUDA_VISIBLE_DEVICES": "3,4"}

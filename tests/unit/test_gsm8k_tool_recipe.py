@@ -17,6 +17,7 @@ import pytest
 
 from steptap.adapters.env import read_rows
 from steptap.learner.config import config_from_argv, load_config
+from steptap.middleware.launch import gpu_recipe
 from steptap.middleware.launch.up_parser import STEPTAP, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def _up(argv: list[str]) -> tuple[object, dict[str, str]]:
 
 
 def test_launch_builds_an_up_command_up_parses_from_the_one_learner_toml(tmp_path: Path) -> None:
-    cfg = launch.learner_settings()
+    cfg = gpu_recipe.learner_settings(launch.CONFIG)
     up, env = _up(["--data", str(tmp_path), "--replicas", "3", "--learner-gpus", "3", "--updates", "20"])
     assert up.replicas == 3 and up.max_updates == 20 and up.workdir == "w" and up.backend is None
     assert env == {"CUDA_VISIBLE_DEVICES": "3"}
@@ -78,7 +79,7 @@ def test_launch_model_from_the_environment_backends_and_refusals(
     up, env = _up(["--data", str(tmp_path), "--backend", "unix:/s/v.sock", "--batch-groups", "2"])
     assert up.model == "/models/tiny" and up.backend == ["unix:/s/v.sock"] and env == {}
     assert "--batch-groups 2" in up.learn_args and "--concurrency 10" in up.agents
-    assert launch.model_dir(str(tmp_path)) == str(tmp_path)  # a directory is used as it is, nothing fetched
+    assert gpu_recipe.model_dir(str(tmp_path)) == str(tmp_path)  # a directory as it is, nothing fetched
     shared, _ = _up(["--data", str(tmp_path)])  # one replica sharing the GPU with the learner
     assert "--gpu-memory-utilization 0.45" in shared.vllm_args
     with pytest.raises(ValueError, match="needs --replicas 2 or more"):
