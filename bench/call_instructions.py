@@ -1,0 +1,126 @@
+"""CPU instructions a model call costs the proxy, counted under callgrind: the same on a loaded machine as on
+an idle one, so two refs compare in one run without rounds or a quiet hour.
+
+    .venv/bin/python bench/call_instructions.py [--baseline REF ...] [--stream] [--calls 100] [--warm 20]
+
+Each target (the floor: bench/passthrough.py; this checkout's ``steptap serve``; each ``--baseline`` ref's
+tree as ``proxy_overhead.py`` exports it) runs under ``valgrind --tool=callgrind`` (every thread of the
+process: the event loop, the log's writer) in front of the replay upstream, and one keep-alive client sends
+sequential calls (the recorded agent body, plain or ``--stream``). Each target runs twice, with W and W +
+``--calls`` calls; the difference of the two totals divided by ``--calls`` is what one call costs, start-up
+and shutdown cancelled out. Kernel time (syscalls, the log's fsync) is not counted: ``proxy_overhead.py``
+times the whole call.
+
+Printed: thousands of instructions per call, each target's ratio to the floor and to the first baseline.
+Where the work per call is Python (it is), instructions follow CPU time: at 0b2ea21 and the code of
+2026-12-04 the plain call's ratio (1.10x) was the ratio of CPU seconds ``proxy_overhead.py`` measured at
+c=1 (bench/README.md). Needs valgrind (Debian: ``apt-get install valgrind``); about 2 minutes a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recorded
+from procs import Server, free_port, python_cmd
+from proxy_overhead import CHAT, Steptap, baseline_names, baseline_tree, steptap_cmd
+
+FLOOR = "floor (passthrough)"
+
+
+def valgrind(out: Path) -> list[str]:
+    exe = shutil.which("valgrind")
+    if exe is None:
+        raise SystemExit("call_instructions.py needs valgrind (Debian: apt-get install valgrind)")
+    # one output file for the process, its threads summed; no per-instruction data (smaller, faster)
+    return [exe, "--tool=callgrind", "--dump-instr=no", f"--callgrind-out-file={out}"]
+
+
+def total(out: Path) -> int:
+    """The instructions callgrind counted in a run (its ``summary:`` or ``totals:`` line)."""
+    for line in out.read_text(errors="replace").splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"{out}: no totals line (did the process exit cleanly?)")
+
+
+def calls(url: str, n: int, stream: bool) -> None:
+    body = recorded.load().agent_body(stream)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    for _ in range(n):
+        conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
+        reply = conn.getresponse()
+        data = reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {data[:300]!r}")
+    conn.close()
+
+
+def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str) -> int:
+    """Instructions of one target's process over ``n`` sequential calls, start to exit."""
+    out = work / f"{name}.callgrind"
+    if target == FLOOR:
+        server: Server = Server(name, [*valgrind(out), *python_cmd("passthrough.py", "--backend", upstream)],
+                                log=str(work / f"{name}.log")).start(timeout=900)
+    else:
+        port = free_port()
+        # this checkout as ``python -m``, or a baseline's tree first on the path (steptap_cmd's boot code)
+        prefix = [*valgrind(out), sys.executable, *([] if tree else ["-m", "steptap.middleware.cli"])]
+        cmd = steptap_cmd(upstream, port, str(work / f"{name}-log"), [], " ".join(prefix), tree)
+        server = Steptap(name, cmd, log=str(work / f"{name}.log"))
+        server.port = port
+        server.start(timeout=900)
+    try:
+        calls(server.url, n, stream)
+    finally:
+        server.stop(timeout=600)
+    return total(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", action="append", default=[], help="a git ref to count side by side")
+    p.add_argument("--stream", action="store_true", help="streamed calls (default: plain)")
+    p.add_argument("--calls", type=int, default=100, help="counted calls (default 100)")
+    p.add_argument("--warm", type=int, default=20, help="calls before the counted ones (default 20)")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="steptap-instructions-"))
+    targets: dict[str, str | None] = {FLOOR: None, "steptap": None}
+    for name, ref in zip(baseline_names(args.baseline), args.baseline, strict=True):
+        targets[f"{name} ({ref})"] = baseline_tree(ref, work, name)
+    replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()
+    per_call: dict[str, float] = {}
+    try:
+        for i, (target, tree) in enumerate(targets.items()):
+            short = counted(target, tree, replay.url, args.warm, args.stream, work, f"t{i}-short")
+            long = counted(target, tree, replay.url, args.warm + args.calls, args.stream, work, f"t{i}-long")
+            per_call[target] = (long - short) / args.calls
+    finally:
+        replay.stop()
+    kind = "streamed" if args.stream else "plain"
+    names = list(per_call)
+    ref = names[2] if len(names) > 2 else None
+    print(f"Instructions per {kind} call ({args.calls} counted after {args.warm}, callgrind, all threads):\n")
+    print("| target | k instructions | x floor |" + (f" x {ref} |" if ref else "") + "\n|---|---:|---:|"
+          + ("---:|" if ref else ""))
+    for name, ir in per_call.items():
+        row = f"| {name} | {ir / 1e3:,.0f} | {ir / per_call[FLOOR]:.2f} |"
+        print(row + (f" {ir / per_call[ref]:.2f} |" if ref else ""))
+    if args.json:
+        figures = {"kind": kind, "calls": args.calls, "per_call": per_call}
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
