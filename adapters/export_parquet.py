@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from steptap.adapters.export_files import late_rewards, private_temp, save_images
+from steptap.adapters.export_files import TrajectoryFiles, late_rewards, private_temp
 from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.files import atomic_write, makedirs
@@ -168,36 +168,21 @@ def _step_columns(step: Step) -> dict[str, Any]:
     }
 
 
-class PartWriter:
+class PartWriter(TrajectoryFiles):
     """Parquet parts under ``out``: row groups of ``batch_rows``, a new file every ``rows_per_file`` rows.
     Each part is written under a temporary name and renamed when complete."""
 
     def __init__(self, out: str | Path, *, rows_per_file: int = 100_000, batch_rows: int = 2_000,
-                 late: dict[str, list[RewardAdded]] | None = None,
-                 provenance: dict[str, str | None] | None = None,
-                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False,
-                 images_dir: str | Path | None = None, resolve: Callable[[str], bytes | None] | None = None,
-                 ) -> None:
+                 **settings: Any) -> None:
+        super().__init__(**settings)
         self.pa = _pa()
-        # each image the rows name, written once as IMAGES_DIR/<sha256> (``resolve``: the log's or proxy's)
-        self.images_dir = makedirs(images_dir) if images_dir is not None else None
-        self.resolve = resolve
-        self.images = 0
-        self.images_missing = 0  # named by a step, held by neither the log nor the proxy (compacted)
-        self.late = late or {}
-        self.curation = curation or {}
-        self.keep_excluded = keep_excluded
-        self.provenance = provenance or {}
         # the provenance also in each file's key-value metadata (readers that drop columns keep it)
         self.schema = schema().with_metadata({"steptap.provenance": json.dumps(self.provenance)})
         self.out = makedirs(out)  # new directories 0700: the parts hold prompts and replies
         self.rows_per_file, self.batch_rows = max(1, rows_per_file), max(1, batch_rows)
         self.files: list[Path] = []
         self.rows = 0
-        self.trajectories = 0
         self.bad_rows = 0  # rows left out: a value no column holds
-        self.excluded_trajectories = 0  # left out: curation excluded them (kept with keep_excluded)
-        self.excluded_steps = 0  # steps of the others left out (or kept) for the same reason
         self._buf: list[dict[str, Any]] = []
         self._writer: Any = None
         self._tmp: Path | None = None
@@ -205,25 +190,13 @@ class PartWriter:
         self._in_file = 0
 
     def add(self, traj: Trajectory) -> None:
-        state = self.curation.get(traj.id)
-        if state is not None and state.excluded:
-            self.excluded_trajectories += 1
-            if not self.keep_excluded:
-                return
-        elif state is not None:
-            self.excluded_steps += sum(s.index in state.excluded_steps for s in traj.steps)
-        self.trajectories += 1
-        if self.images_dir is not None and self.resolve is not None:
-            self._save_images(traj)
+        written, state = self.admit(traj)
+        if not written:
+            return
         for row in step_rows(traj, self.late.get(traj.id), self.provenance, state, self.keep_excluded):
             self._buf.append(row)
             if len(self._buf) >= self.batch_rows or self._in_file + len(self._buf) >= self.rows_per_file:
                 self._flush()
-
-    def _save_images(self, traj: Trajectory) -> None:
-        assert self.images_dir is not None and self.resolve is not None
-        written, missing = save_images(traj, self.images_dir, self.resolve)
-        self.images, self.images_missing = self.images + written, self.images_missing + missing
 
     def _flush(self) -> None:
         if not self._buf:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from steptap.adapters.export_files import late_rewards, private_temp, save_images
+from steptap.adapters.export_files import TrajectoryFiles, late_rewards, private_temp
 from steptap.middleware.curation import CurationState, edit_rewards
 from steptap.middleware.delta import full_trajectory
 from steptap.middleware.files import makedirs
@@ -134,44 +134,23 @@ def trial_record(traj: Trajectory, late: list[RewardAdded] | None = None,
     }
 
 
-class RolloutWriter:
+class RolloutWriter(TrajectoryFiles):
     """``OUT/rollout_details.jsonl``, one trajectory a line (``trial_record``), written under a temporary name
     and renamed when complete; the same settings and counters as ``export_parquet.PartWriter``."""
 
-    def __init__(self, out: str | Path, *, late: dict[str, list[RewardAdded]] | None = None,
-                 provenance: dict[str, str | None] | None = None,
-                 curation: dict[str, CurationState] | None = None, keep_excluded: bool = False,
-                 images_dir: str | Path | None = None, resolve: Callable[[str], bytes | None] | None = None,
-                 ) -> None:
+    def __init__(self, out: str | Path, **settings: Any) -> None:
+        super().__init__(**settings)
         self.out = makedirs(out)  # new directories 0700: the lines hold prompts' ids
-        self.late = late or {}
-        self.curation = curation or {}
-        self.keep_excluded = keep_excluded
-        self.provenance = provenance or {}
-        self.images_dir = makedirs(images_dir) if images_dir is not None else None
-        self.resolve = resolve
-        self.images = self.images_missing = 0
         self.files = [self.out / FILE_NAME]
         self.rows = 0  # turns written
         self.bad_rows = 0  # every step fits JSON: kept for the summary's shape
-        self.trajectories = 0
-        self.excluded_trajectories = 0
-        self.excluded_steps = 0
         self.failed_steps = 0  # no completion: not a turn
         self._tmp, self._file = private_temp(self.files[0])
 
     def add(self, traj: Trajectory) -> None:
-        state = self.curation.get(traj.id)
-        if state is not None and state.excluded:
-            self.excluded_trajectories += 1
-            if not self.keep_excluded:
-                return
-        elif state is not None:
-            self.excluded_steps += sum(s.index in state.excluded_steps for s in traj.steps)
-        self.trajectories += 1
-        if self.images_dir is not None and self.resolve is not None:
-            written, missing = save_images(traj, self.images_dir, self.resolve)
-            self.images, self.images_missing = self.images + written, self.images_missing + missing
+        written, state = self.admit(traj)
+        if not written:
+            return
         record = trial_record(traj, self.late.get(traj.id), self.provenance, state, self.keep_excluded)
         details = record["agent_result"]["rollout_details"]
         self.rows += sum(len(d["completion_token_ids"]) for d in details)
