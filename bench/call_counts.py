@@ -55,18 +55,26 @@ def profile(tree: str | None, upstream: str, n: int, stream: bool, work: Path, n
     proxy.port = port
     proxy.start()
     try:
-        body = recorded.load().agent_body(stream)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        sequential(port, n, stream)
+    finally:
+        proxy.stop(timeout=30)
+    return pstats.Stats(out)
+
+
+def sequential(port: int, n: int, stream: bool, timeout: float = 60.0) -> None:
+    """``n`` calls one after the other on one keep-alive connection: the recorded agent body, plain or
+    streamed, each answered 200 and read whole."""
+    body = recorded.load().agent_body(stream)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
         for _ in range(n):
             conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
             reply = conn.getresponse()
             data = reply.read()
             if reply.status != 200:
-                raise RuntimeError(f"{name}: HTTP {reply.status}: {data[:300]!r}")
-        conn.close()
+                raise RuntimeError(f"HTTP {reply.status}: {data[:300]!r}")
     finally:
-        proxy.stop(timeout=30)
-    return pstats.Stats(out)
+        conn.close()
 
 
 def _where(key: tuple[str, int, str]) -> str:

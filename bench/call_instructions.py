@@ -20,7 +20,6 @@ c=1 (bench/README.md). Needs valgrind (Debian: ``apt-get install valgrind``); ab
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import shutil
 import sys
@@ -28,9 +27,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import recorded
+from call_counts import sequential
 from procs import Server, free_port, python_cmd
-from proxy_overhead import CHAT, Steptap, baseline_names, baseline_tree, steptap_cmd
+from proxy_overhead import Steptap, baseline_names, baseline_tree, steptap_cmd
 
 FLOOR = "floor (passthrough)"
 
@@ -51,19 +50,6 @@ def total(out: Path) -> int:
     raise RuntimeError(f"{out}: no totals line (did the process exit cleanly?)")
 
 
-def calls(url: str, n: int, stream: bool) -> None:
-    body = recorded.load().agent_body(stream)
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
-    for _ in range(n):
-        conn.request("POST", CHAT, body=body, headers={"content-type": "application/json"})
-        reply = conn.getresponse()
-        data = reply.read()
-        if reply.status != 200:
-            raise RuntimeError(f"HTTP {reply.status}: {data[:300]!r}")
-    conn.close()
-
-
 def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str) -> int:
     """Instructions of one target's process over ``n`` sequential calls, start to exit."""
     out = work / f"{name}.callgrind"
@@ -79,7 +65,7 @@ def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, 
         server.port = port
         server.start(timeout=900)
     try:
-        calls(server.url, n, stream)
+        sequential(server.port, n, stream, timeout=600)
     finally:
         server.stop(timeout=600)
     return total(out)
