@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from steptap.middleware.proxy.gemini_contents import COUNT, GENERATE, STREAM, get
-from steptap.middleware.proxy.translation import new_id, reasoning_handle, reasoning_of
+from steptap.middleware.proxy.translation import call_arguments, new_id, reasoning_handle, reasoning_of
 
 ENDPOINT = "gemini"
 METHODS = (GENERATE, STREAM, COUNT)
@@ -62,14 +62,8 @@ def models_body(openai_models: dict[str, Any]) -> dict[str, Any]:
 
 
 def _call_part(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function") or {}
-    try:
-        args = json.loads(fn.get("arguments") or "{}")
-    except ValueError:
-        args = {"_raw": fn.get("arguments")}  # the model wrote invalid JSON: keep it, visibly
-    if not isinstance(args, dict):
-        args = {"_value": args}
-    out: dict[str, Any] = {"name": fn.get("name") or "", "args": args}
+    name, args = call_arguments(call)
+    out: dict[str, Any] = {"name": name, "args": args}
     if call.get("id"):
         out["id"] = call["id"]
     return {"functionCall": out}

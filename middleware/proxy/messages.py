@@ -12,11 +12,12 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from steptap.middleware.proxy.translation import new_id as _new_id
 from steptap.middleware.proxy.translation import (
+    call_arguments,
     reasoning_handle,
     reasoning_of,
 )
+from steptap.middleware.proxy.translation import new_id as _new_id
 
 ENDPOINT = "messages"
 
@@ -67,15 +68,8 @@ def _stop(choice: dict[str, Any], stops: list[str]) -> tuple[str | None, str | N
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function") or {}
-    try:
-        args = json.loads(fn.get("arguments") or "{}")
-    except ValueError:
-        args = {"_raw": fn.get("arguments")}  # the model wrote invalid JSON: keep it, visibly
-    if not isinstance(args, dict):
-        args = {"_value": args}
-    return {"type": "tool_use", "id": call.get("id") or _new_id("toolu"), "name": fn.get("name") or "",
-            "input": args}
+    name, args = call_arguments(call)
+    return {"type": "tool_use", "id": call.get("id") or _new_id("toolu"), "name": name, "input": args}
 
 
 class Shape:

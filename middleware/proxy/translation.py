@@ -1,9 +1,11 @@
-"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``) share: their 400s,
-their ids, a message's text, the keys passed on unchanged, the reasoning handle. (What conversation a body
-holds reaches ``sessions/prefix.py`` as the relay translated it: ``SessionManager.record``'s ``chat``.)"""
+"""What the protocols that ride on chat completions (``responses.py``, ``messages.py``, ``gemini.py``) share:
+their 400s, their ids, a message's text, a tool call's arguments as an object, the keys passed on unchanged,
+the reasoning handle. (What conversation a body holds reaches ``sessions/prefix.py`` as the relay translated
+it: ``SessionManager.record``'s ``chat``.)"""
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -47,6 +49,20 @@ def carry_over(chat: dict[str, Any], body: dict[str, Any], same: tuple[str, ...]
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def call_arguments(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A chat tool call's function name and arguments as an object, for protocols whose calls carry an object
+    (Messages' ``input``, Gemini's ``args``): invalid JSON kept as ``{"_raw": text}`` and a JSON value that
+    is not an object as ``{"_value": value}`` (the model wrote it: visible, never dropped)."""
+    fn = call.get("function") or {}
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except ValueError:
+        args = {"_raw": fn.get("arguments")}
+    if not isinstance(args, dict):
+        args = {"_value": args}
+    return fn.get("name") or "", args
 
 
 def new_id(kind: str) -> str:
