@@ -11,7 +11,7 @@ import pytest
 from steptap.middleware.errors import ApiError
 from steptap.middleware.proxy import messages, messages_request, responses, tito, tito_plan
 from steptap.middleware.proxy.responses_request import to_chat as responses_to_chat
-from steptap.middleware.proxy.translation import MAX_NOTES, take_handles
+from steptap.middleware.proxy.translation import MAX_NOTES, call_arguments, take_handles
 from steptap.middleware.records import Step
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -376,3 +376,16 @@ def test_tito_new_ids_follow_the_assistant_turn_however_the_template_renders_it(
     assert tito._after_base(base, full, end) == ([7], [1, 5, 50, end, 7, 1, 6])
     assert tito._after_base(base, [1, 5, end, 7, 1, 6, 6, 8, 1, 5], end) is None  # the tail does not follow
     assert tito._after_base(base, [1, 5, end, 7], end) is None  # fewer turns
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ('{"a": 2}', {"a": 2}),
+    ("", {}),
+    ('{"a": 2', {"_raw": '{"a": 2'}),  # the model wrote invalid JSON: kept, visibly
+    ("[1, 2]", {"_value": [1, 2]}),  # valid JSON, not an object
+])
+def test_tool_call_arguments_become_an_object_whatever_the_model_wrote(arguments: str, expected: object) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    assert call_arguments(call) == ("add", expected)
+    use = messages._tool_use(call)
+    assert (use["type"], use["id"], use["name"], use["input"]) == ("tool_use", "c", "add", expected)
