@@ -384,7 +384,7 @@ def test_tito_new_ids_follow_the_assistant_turn_however_the_template_renders_it(
     ('{"a": 2', {"_raw": '{"a": 2'}),  # the model wrote invalid JSON: kept, visibly
     ("[1, 2]", {"_value": [1, 2]}),  # valid JSON, not an object
 ])
-def test_tool_call_arguments_become_an_object_whatever_the_model_wrote(arguments: str, expected: object) -> None:
+def test_tool_call_arguments_become_an_object_whatever_was_written(arguments: str, expected: object) -> None:
     call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}
     assert call_arguments(call) == ("add", expected)
     use = messages._tool_use(call)
