@@ -119,11 +119,18 @@ class Driver:
             evaluate(self.args, self.client, version)
             self.evaluated, self.next_eval = version, version + self.args.eval_every
 
+    def trained_enough(self) -> bool:
+        """``--updates N``: version N is served, so training stops (and ``main`` evaluates it)."""
+        return bool(self.args.updates) and _version(self.client) >= self.args.updates
+
     def free_running(self) -> int:
         """Every training task at once; the learner trains beside the agents as groups complete."""
         cmd = _train_cmd(self.args, self.args.workdir / "train", self.args.rounds, [])
         self.child = subprocess.Popen(cmd)
         while self.child.poll() is None:
+            if self.trained_enough():
+                self.stop()
+                return 0
             self.eval_if_due(_version(self.client))
             time.sleep(5)
         return int(self.child.returncode or 0)
@@ -142,6 +149,8 @@ class Driver:
             for k, chunk in enumerate(chunks):
                 if (r, k) in done:  # a resumed run: its update came (a run dir alone says less)
                     continue
+                if self.trained_enough():
+                    return 0
                 rc = self._batch(r, k, chunk)
                 if rc:
                     return rc
@@ -240,10 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                         "skipped (every episode one reward) again, up to K times (dynamic sampling)")
     p.add_argument("--update-timeout", type=float, default=3600.0,
                    help="with --lockstep: seconds to wait for an update before going on")
+    p.add_argument("--updates", type=int, default=0, metavar="N",
+                   help="stop training once version N is served, evaluate it, and exit (steptap up then "
+                        "stops: 'the agents finished'); steptap up's own --max-updates stops the whole stack "
+                        "at once, before an evaluation of that last version (0: the rounds decide)")
     p.add_argument("--no-eval", action="store_true", help="training only")
     args = p.parse_args(argv)
-    if args.lockstep < 0 or args.resample < 0:
-        p.error("--lockstep and --resample: a number, 0 for none")
+    if args.lockstep < 0 or args.resample < 0 or args.updates < 0:
+        p.error("--lockstep, --resample and --updates: a number, 0 for none")
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"
     url = os.environ.get("STEPTAP_URL")
     if not url:

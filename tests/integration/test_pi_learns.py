@@ -98,7 +98,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     # the recipe's driver in lockstep: round k's group, then the update it feeds, then the next
     args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=4, n=4, rounds=1,
                               metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0,
-                              resample=1)
+                              resample=1, updates=2)
     client = SyncSteptapClient(proxy.url, proxy.token)
     driver = loop.Driver(args, client)
     vllm0 = cpu_of(long_swap.pid)
@@ -115,6 +115,10 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
 
     # the recipe's evaluation (loop.py: the runner's eval mode on the held-out split) at version 2
     assert (await asyncio.to_thread(client.health))["policy_version"] == 2  # the proxy serves version 2
+    # `loop.py --updates 2`: version 2 served, so a driver trains no more (and main evaluates it); 3: not yet
+    assert await asyncio.to_thread(driver.trained_enough)
+    assert not await asyncio.to_thread(loop.Driver(argparse.Namespace(**{**vars(args), "updates": 3}),
+                                                   client).trained_enough)
     await asyncio.to_thread(loop.evaluate, args, client, 2)
 
     recorded = {t.id: t for t in LogReader(str(proxy.log_dir)).trajectories() if t.mode == "train"}
