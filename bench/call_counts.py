@@ -128,13 +128,19 @@ def table(title: str, counts: dict[str, Counter[str]], top: int) -> None:
     print()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def counting_parser(doc: str | None, calls: int) -> argparse.ArgumentParser:
+    """The options both counting benches take: refs side by side, plain or streamed, how many calls, JSON."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", action="append", default=[], help="a git ref to count side by side")
     p.add_argument("--stream", action="store_true", help="streamed calls (default: plain)")
-    p.add_argument("--calls", type=int, default=1000, help="counted calls (default 1000)")
+    p.add_argument("--calls", type=int, default=calls, help=f"counted calls (default {calls})")
+    p.add_argument("--json", help="write the figures here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = counting_parser(__doc__, 1000)
     p.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
-    p.add_argument("--json", help="write the counts here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="steptap-counts-"))
     replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()

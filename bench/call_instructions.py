@@ -19,7 +19,6 @@ c=1 (bench/README.md). Needs valgrind (Debian: ``apt-get install valgrind``); ab
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -27,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from call_counts import sequential
+from call_counts import counting_parser, sequential
 from procs import Server, free_port, python_cmd
 from proxy_overhead import Steptap, baseline_names, baseline_tree, steptap_cmd
 
@@ -72,12 +71,8 @@ def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", action="append", default=[], help="a git ref to count side by side")
-    p.add_argument("--stream", action="store_true", help="streamed calls (default: plain)")
-    p.add_argument("--calls", type=int, default=100, help="counted calls (default 100)")
+    p = counting_parser(__doc__, 100)
     p.add_argument("--warm", type=int, default=20, help="calls before the counted ones (default 20)")
-    p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="steptap-instructions-"))
     targets: dict[str, str | None] = {FLOOR: None, "steptap": None}
