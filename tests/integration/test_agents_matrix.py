@@ -65,7 +65,7 @@ ONE_SEQUENCE = {"openclaw": False}
 # default settings) sends a title call on its small-fast model with the task's first call (side by that alias;
 # which of the two is recorded first varies); opencode sends a title call (no tools) before its agent loop
 # (side: superseded by the loop's first call)
-HOPS = 6  # the chained calls before the file's write and read: each session is HOPS + 2 tool calls, an answer
+HOPS = 4  # the chained calls before the file's write and read: each session is HOPS + 2 tool calls, an answer
 MAIN_LINE = [("main", "first")] + [("main", "extends")] * (HOPS + 2)
 CLASSES = {"openclaw": [("main", "first")] + [("main", "edited")] * (HOPS + 2),
            "opencode": [("main", "supersedes")] + [("main", "extends")] * (HOPS + 2)}

@@ -19,9 +19,11 @@ from conftest import missing
 from steptap.middleware.health import diagnose
 
 ROOT = Path(__file__).resolve().parents[2]
-# A bound, not the run's length: the demo stops at --target (0.7), in 2-3 minutes of learning on a quiet
+# A bound, not the run's length: the demo stops at --target (TARGET), in 1-2 minutes of learning on a quiet
 # machine; the suite's other workers share the cores, so the bound leaves room for a slower climb.
 MINUTES = float(os.environ.get("STEPTAP_TEST_DEMO_MINUTES", "12"))
+# the last 3 updates' mean reward that ends the run: far above the start, short of the full demo's 0.85
+TARGET = 0.55
 MARGIN = 0.25  # the tiny model starts near 0.06 on this task; a working loop gets far above start + margin
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -47,7 +49,7 @@ def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
             "--minutes",
             str(MINUTES),
             "--target",
-            "0.7",
+            str(TARGET),
             "--concurrency",
             "16",
             "--out",

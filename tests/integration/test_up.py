@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -209,13 +210,15 @@ def test_failed_agents_stop_the_stack_but_finished_agents_end_it_cleanly(
 
 
 def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path: Path) -> None:
-    """Its own vLLM (the tiny model built by up): interrupted mid-start, nothing survives, vLLM's engine
-    processes included (vLLM runs in a session of its own under `steptap vllm`)."""
+    """Its own vLLM replicas (`--replicas 2`, the tiny model built by up): up starts one `steptap vllm` per
+    replica, each on its own unix socket; interrupted mid-start, nothing survives, vLLM's engine processes
+    included (vLLM runs in a session of its own under `steptap vllm`). The loop over two replicas is
+    test_replica_commands' (over `steptap vllm --replicas 2`'s servers)."""
     from steptap.middleware.launch.vllm_venv import default_venv
 
     if not (default_venv() / "bin" / "python").exists():
         missing("no vLLM virtualenv (bash scripts/setup.sh builds it)")
-    proc = _start_up(tmp_path / "up", "--no-learner")
+    proc = _start_up(tmp_path / "up", "--no-learner", "--replicas", "2")
     seen: set[int] = set()
     try:
         pids_file = tmp_path / "up" / "pids.json"
@@ -223,18 +226,22 @@ def test_ctrl_c_while_vllm_is_starting_stops_it_and_everything_under_it(tmp_path
         while True:
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "vLLM was never started"
-            if pids_file.exists() and "vllm" in pids_file.read_text():
-                vllm_pid = json.loads(pids_file.read_text())["vllm"]
-                if len(_tree(vllm_pid)) >= 2:  # steptap vllm and the server it started
-                    break
+            pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+            # each steptap vllm and the server it started
+            names = ("vllm-0", "vllm-1")
+            if set(names) <= set(pids) and all(len(_tree(pids[n])) >= 2 for n in names):
+                break
             time.sleep(0.2)
         time.sleep(1.0)
         seen = _tree(proc.pid)
+        vllm = _tree(pids["vllm-0"]) | _tree(pids["vllm-1"])
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert "interrupted (SIGINT)" in out and "ready in" not in out
-        assert not _alive(seen | _tree(vllm_pid)), f"left running: {_alive(seen)}"
+        started = re.findall(r"starting vLLM on (unix:\S+)", out)
+        assert len(set(started)) == 2, out  # a socket each
+        assert not _alive(seen | vllm), f"left running: {_alive(seen | vllm)}"
     finally:
         _kill_all(proc, seen)
 

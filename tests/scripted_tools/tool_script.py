@@ -68,9 +68,9 @@ DEFAULT_RULES = [
      '<tool_call>\n{"name": "create_goal", "arguments": {"objective": "Reach \\1."}}\n</tool_call>'),
     # A task episode (tests/integration/test_tasks_agents.py): its first call prints
     # `steptap-episode.AGENT.TOOL.ARG.K`, K the digits of the sandbox's hostname (episode-K: only a command
-    # that ran prints it); episodes 0 and 1 then write the task's answer, the others a wrong one
-    (_EPISODE + r"([01])\b", _CALL + _ANSWER.replace("N", "42")),
-    (_EPISODE + r"([2-9])\b", _CALL + _ANSWER.replace("N", "41")),
+    # that ran prints it); even episodes then write the task's answer, odd ones a wrong one
+    (_EPISODE + r"(\d*[02468])\b", _CALL + _ANSWER.replace("N", "42")),
+    (_EPISODE + r"(\d*[13579])\b", _CALL + _ANSWER.replace("N", "41")),
     (r"<tool_response>\n\s*([^\n]{0,200})", r"The tool ran. Its output: \1"),
     # a reply with a special token mid-text (the end-of-text token, not the end of the turn): what a client
     # is shown of it (tests/integration/test_special_tokens.py)

@@ -104,6 +104,18 @@ def test_default_rules_chain_calls_by_their_output_until_the_marker(tmp_path: Pa
         "The tool ran. Its output: steptap-ran-codex-42"
 
 
+def test_default_rules_answer_right_in_even_episodes_and_wrong_in_odd_ones(tmp_path: Path) -> None:
+    """A task episode's first output names its index (the sandbox's hostname digits): a group of 2 gets one
+    right answer and one wrong (tests/integration/test_tasks_agents.py, test_pi_learns.py)."""
+    rules = load_script(write_script(tmp_path / "s.json", DEFAULT_RULES))
+
+    def written(k: int) -> str:
+        reply = choose(rules, f"user\n<tool_response>\nsteptap-episode.pi.bash.command.{k}\n</tool_response>")
+        return json.loads(reply.split("\n")[1])["arguments"]["command"].split(" >")[0]  # type: ignore[union-attr]
+
+    assert [written(k) for k in (0, 1, 2, 3, 10, 11)] == ["echo 42", "echo 41"] * 3
+
+
 def test_a_filled_in_reply_is_bounded(tmp_path: Path) -> None:
     rules = load_script(write_script(tmp_path / "s.json", [(r"ECHO (.*)", r"\1\1")]))
     assert len(choose(rules, "ECHO " + "x" * 3000) or "") == 4096
