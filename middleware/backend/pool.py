@@ -152,14 +152,17 @@ class ReplicaPool:
             if rep is not None and rep.up and name != avoid:
                 self._sticky.move_to_end(session_id)
                 return rep
-        candidates = [r for r in self.healthy() if r.name != avoid]
-        if not candidates:
+        rep = None  # the least loaded healthy one (the first of equals), in one pass: every call picks twice
+        for r in self.replicas.values():
+            if r.up and r.name != avoid and (
+                    rep is None or (r.in_flight, r.calls) < (rep.in_flight, rep.calls)):
+                rep = r
+        if rep is None:
             reps = list(self.replicas.values())
             states = "; ".join(f"{r.name}: {r.reason}" for r in reps) or "none configured"
             if reps and all(r.unreachable for r in reps):
                 raise BackendUnreachable(f"no backend replica can be reached ({states})")
             raise BackendUnavailable(f"no healthy backend replica ({states})")
-        rep = min(candidates, key=lambda r: (r.in_flight, r.calls))
         if session_id is not None:
             if session_id in self._sticky:
                 self.moves += 1  # it had a replica: its prefix cache stays behind
