@@ -10,7 +10,7 @@ import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from steptap.middleware.auth import CONTROL_TOKEN_KEY, generate_token
 from steptap.middleware.backend.pool import POOL_KEY, ReplicaCollector, ReplicaPool
@@ -24,6 +24,7 @@ from steptap.middleware.proxy import gemini_routes, relay, routes, vision
 from steptap.middleware.proxy.call_state import CALL_STATES_KEY, CallStates
 from steptap.middleware.proxy.protocols import STORE_KEY
 from steptap.middleware.proxy.responses import ResponseStore
+from steptap.middleware.proxy.services import SERVICES_KEY, Services
 from steptap.middleware.sessions import control
 from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.manager import SessionManager
@@ -41,10 +42,12 @@ REWARD_KEY: web.AppKey[RewardFn | None] = web.AppKey("steptap_reward_fn")  # the
 def create_app(config: ProxyConfig, *, reward_fn: RewardFn | None = None) -> web.Application:
     # A body is recorded in its step: one larger than a log record could never be recorded (aiohttp's default
     # of 1 MiB is far too small for long agent histories); max_request_bytes bounds what one call may decode.
-    app = web.Application(middlewares=[_count_calls, error_middleware], client_max_size=config.body_limit)
+    metrics = Metrics()
+    app = web.Application(middlewares=[_call_counter(metrics), error_middleware],
+                          client_max_size=config.body_limit)
     app[CONFIG_KEY] = config
     app[CONTROL_TOKEN_KEY] = config.control_token or generate_token()
-    app[METRICS_KEY] = Metrics()
+    app[METRICS_KEY] = metrics
     app[TASKS_KEY] = set()
     app[vision.IMAGE_MEMORY_KEY] = vision.ImageMemory(config.max_image_memory)
     pool = app[POOL_KEY] = ReplicaPool(config)
@@ -103,7 +106,10 @@ async def _log_ctx(app: web.Application) -> AsyncIterator[None]:
         if reopened:
             logger.info("rebuilt %d open sessions from %s", reopened, config.log)
         app[SESSIONS_KEY] = manager
-        app[CALL_STATES_KEY] = CallStates()  # what the proxy holds for each session between its calls
+        states = app[CALL_STATES_KEY] = CallStates()  # what the proxy holds for each session between calls
+        app[SERVICES_KEY] = Services(  # what a model call uses, looked up once a call
+            config, manager, app[POOL_KEY], states, app[SWAPPER_KEY], app[METRICS_KEY],
+            app[vision.IMAGE_MEMORY_KEY])
         app[stream.LOG_KEY] = log
         app[METRICS_KEY].watch_log(log)
         yield
@@ -156,18 +162,22 @@ async def _images_ctx(app: web.Application) -> AsyncIterator[None]:
     app[vision.IMAGE_MEMORY_KEY].close()  # its decoding threads (a decode in progress is not waited for)
 
 
-@web.middleware
-async def _count_calls(request: web.Request, handler: Handler) -> web.StreamResponse:
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    finally:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
-        metrics = request.app[METRICS_KEY]
-        metrics.child(metrics.calls, route, str(status)).inc()
+def _call_counter(metrics: Metrics) -> Middleware:
+    """Every request counted by its route and status (the metrics bound here: no app lookup a request)."""
+
+    @web.middleware
+    async def count_calls(request: web.Request, handler: Handler) -> web.StreamResponse:
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            metrics.calls[route, str(status)] += 1
+
+    return count_calls

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from steptap.middleware.config import CONFIG_KEY
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 
 CONTROL_TOKEN_KEY = web.AppKey("steptap_control_token", str)
@@ -96,7 +96,7 @@ def _ip_literal(name: str) -> bool:
     return True
 
 
-def check_model_call_origin(request: web.Request) -> None:
+def check_model_call_origin(request: web.Request, cfg: ProxyConfig) -> None:
     """A model call must carry a JSON body and an allowed ``Host``. A browser may POST ``text/plain`` or a
     form cross-site without a preflight, and DNS rebinding points a foreign name at 127.0.0.1: both would
     inject prompts into the log. Allowed hosts: localhost names, this machine's name, the bind address, the
@@ -108,7 +108,6 @@ def check_model_call_origin(request: web.Request) -> None:
     header = request.headers.get("Host")
     if header is None:  # HTTP/1.0 without Host: no browser sends that
         return
-    cfg = request.app[CONFIG_KEY]
     if _host_allowed(header, cfg.host, tuple(cfg.allowed_hosts), cfg.public_url):
         return
     raise ApiError(403, f"Host {header[:100]!r} is not one this proxy serves (add it with --allowed-hosts)",

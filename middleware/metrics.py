@@ -3,7 +3,8 @@ proxies (tests, one process) keep separate counts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -126,12 +127,44 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
+class Tally(defaultdict[Any, float]):
+    """A counter family counted where it happens and exported when ``/metrics`` is read (``collect``):
+    ``tally["a", "b"] += 1`` (two labels), ``tally["a"] += 1`` (one), ``tally[()] += n`` (none). That is one
+    dict update in C, where prometheus_client's ``Counter.inc`` costs about five Python calls and a lock
+    (issue 45: the counters every model call moves, ~50 of its ~860 calls). Written on the event loop's thread
+    only, as everything that counts these runs there; read through its samples (``name_total``), as a
+    Counter is."""
+
+    # a collector is a registry's key: one tally is itself, not its counts
+    __hash__ = object.__hash__  # type: ignore[assignment]
+    __eq__ = object.__eq__
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(float)
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        registry.register(self)
+
+    def value(self, *labels: str) -> float:
+        return self.get(labels[0] if len(labels) == 1 else labels, 0.0)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        if not self.labels:
+            family.add_metric([], self.get((), 0.0))
+        for key, value in list(self.items()):
+            if self.labels:
+                family.add_metric([key] if isinstance(key, str) else list(key), value)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.calls = Counter(
-            CALLS, "HTTP calls by route and status", ["route", "status"], registry=r
-        )
+        # What every call counts is tallied (``Tally``); the rest is prometheus_client's own
+        self.calls = Tally(r, CALLS, "HTTP calls by route and status", ["route", "status"])
         self.call_latency = Histogram(
             CALL_LATENCY,
             "model call latency (proxy view)",
@@ -153,25 +186,16 @@ class Metrics:
             ["endpoint"],
             registry=r
         )
-        self.steps = Counter(STEPS, "recorded steps", ["status", "anonymous"], registry=r)
-        self.prompt_tokens = Counter(PROMPT_TOKENS, "prompt tokens of recorded steps", registry=r)
-        self.response_tokens = Counter(
-            RESPONSE_TOKENS, "response tokens of recorded steps", registry=r
-        )
-        self.replies_cut = Counter(REPLIES_CUT, "recorded steps cut by max_tokens (finish_reason length)",
-                                   registry=r)
-        self.prefix = Counter(
-            PREFIX_STEPS,
-            "steps by prefix continuity (every break counted by cause)",
-            ["cause"],
-            registry=r,
-        )
-        self.call_class = Counter(
-            CALL_CLASS_STEPS,
+        self.steps = Tally(r, STEPS, "recorded steps", ["status", "anonymous"])
+        self.prompt_tokens = Tally(r, PROMPT_TOKENS, "prompt tokens of recorded steps")
+        self.response_tokens = Tally(r, RESPONSE_TOKENS, "response tokens of recorded steps")
+        self.replies_cut = Tally(r, REPLIES_CUT, "recorded steps cut by max_tokens (finish_reason length)")
+        self.prefix = Tally(r, PREFIX_STEPS, "steps by prefix continuity (every break counted by cause)",
+                            ["cause"])
+        self.call_class = Tally(
+            r, CALL_CLASS_STEPS,
             "steps by the line of their session (main, side, branch) and the rule that decided it",
-            ["call_class", "rule"],
-            registry=r,
-        )
+            ["call_class", "rule"])
         self.tito_turns = Counter(
             TITO_TURNS,
             "token-in-token-out sessions' turns: 'tokens' when sent as ids, else the fallback's cause",
@@ -185,9 +209,7 @@ class Metrics:
             ["route"],
             registry=r,
         )
-        self.sessions_opened = Counter(
-            SESSIONS_OPENED, "sessions opened", ["anonymous"], registry=r
-        )
+        self.sessions_opened = Tally(r, SESSIONS_OPENED, "sessions opened", ["anonymous"])
         self.sessions_open = Gauge(SESSIONS_OPEN, "named sessions currently open", registry=r)
         # What open sessions hold in memory, and the calls in flight: each bounded by a limit
         # (docs/limits.md).
@@ -199,12 +221,10 @@ class Metrics:
         self.body_bytes = Gauge(
             BODY_BYTES_IN_FLIGHT, "estimated memory of the model-call bodies in flight", registry=r
         )
-        self.trajectories = Counter(
-            TRAJECTORIES, "closed trajectories by status", ["status"], registry=r
-        )
-        self.infra_errors = Counter(
-            INFRA_ERRORS, "trajectories closed as infrastructure errors (never trained), by cause", ["cause"],
-            registry=r)
+        self.trajectories = Tally(r, TRAJECTORIES, "closed trajectories by status", ["status"])
+        self.infra_errors = Tally(
+            r, INFRA_ERRORS, "trajectories closed as infrastructure errors (never trained), by cause",
+            ["cause"])
         self.rewards = Counter(REWARDS, "rewards attached", ["target", "source"], registry=r)
         self.held = Gauge(HELD_TRAJECTORIES,
                           "finished sessions waiting for their pending reward (off the stream)", registry=r)

@@ -12,7 +12,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from prometheus_client import Counter
 
 from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
@@ -27,11 +26,6 @@ LEARNER_TAIL_BYTES = 512 * 1024  # the learner's file is read from its end: boun
 LEARNER_KEYS = ("update", "time", "loss", "ppo_kl", "kl", "grad_norm", "pg_clipfrac", "entropy",
                 "reward_mean", "policy_version", "behaviour_version", "counts")
 _PUBLIC_REPLICA = ("healthy", "state", "in_flight", "calls", "taken_out")  # no URL: it may be a socket path
-
-
-def total(counter: Counter) -> float:
-    """A labelled counter's sum over its children."""
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
 
 class Rate:
@@ -70,7 +64,7 @@ def learner_rows(path: str | None, n: int = 200) -> list[dict[str, Any]]:
 
 async def run_summary(app: web.Application, index: RunIndex, rate: Rate) -> dict[str, Any]:
     manager, swapper, pool, log = app[SESSIONS_KEY], app[SWAPPER_KEY], app[POOL_KEY], app[LOG_KEY]
-    steps = total(app[METRICS_KEY].steps)
+    steps = sum(app[METRICS_KEY].steps.values())  # a Tally: steps by status
     weights = swapper.state()
     if weights.version > (index.swaps[-1]["version"] if index.swaps else 0):
         index.swaps.append({"version": weights.version, "at": weights.last_swap_at,

@@ -12,7 +12,6 @@ import msgspec
 from aiohttp import web
 
 from steptap.middleware.exceptions import BackendError, BackendMalformed, BackendUnavailable
-from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, replies
 from steptap.middleware.proxy.capture import CHAT, Asked
 from steptap.middleware.records import json_encoder
@@ -98,7 +97,7 @@ class PlainReply:
         recorder = self.recorder
         if status < 500:  # the agent's mistake, in vLLM's own OpenAI error body: pass it on unchanged
             endpoint = self.proto.endpoint if self.proto is not None else self.endpoint
-            recorder.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
+            recorder.services.metrics.refused_calls.labels(endpoint).inc()
             message = _message(data, 500)
             # recorded, so the session says why (a prompt over the context, a template that refused it); an
             # auto session the backend never accepted a call for stays unopened (refused calls fill no session

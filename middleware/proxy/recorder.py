@@ -9,17 +9,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, tito, vision
-from steptap.middleware.weights.routes import SWAPPER_KEY
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from steptap.middleware.proxy.call_state import CallState
     from steptap.middleware.proxy.protocols import Protocol
+    from steptap.middleware.proxy.services import Services
     from steptap.middleware.records import Step
-    from steptap.middleware.sessions.manager import SessionManager
     from steptap.middleware.sessions.session import LiveSession
     from steptap.middleware.weights.spans import Spans
 
@@ -30,10 +26,10 @@ class CallRecorder:
     """One call's steps into its session: ``record`` once (``recorded`` says a step is in), ``failed`` for a
     step that says why the call failed, ``record_later`` when the agent is gone."""
 
-    def __init__(self, app: web.Application, manager: SessionManager, session: LiveSession, state: CallState,
-                 endpoint: str, t0: float, common: dict[str, Any]) -> None:
-        self.app = app
-        self.manager = manager
+    def __init__(self, services: Services, session: LiveSession, state: CallState, endpoint: str, t0: float,
+                 common: dict[str, Any]) -> None:
+        self.services = services
+        self.manager = services.sessions
         self.session = session
         self.state = state  # what the proxy holds for the session between calls
         self.endpoint = endpoint  # as sent upstream: chat or completions
@@ -51,7 +47,7 @@ class CallRecorder:
         return time.perf_counter() - self.t0
 
     def count(self, type_: str) -> None:
-        self.app[METRICS_KEY].upstream_errors.labels(type_).inc()
+        self.services.metrics.upstream_errors.labels(type_).inc()
 
     def steps(self, reply: dict[str, Any]) -> list[Step]:
         """The steps of a whole (or reassembled) reply."""
@@ -66,7 +62,7 @@ class CallRecorder:
         """Append this call's steps to its session; durable when it returns (before the reply completes).
         ``stop_reason``: vLLM's for a one-choice reply (what a TITO session's next turn may extend)."""
         self.recorded = True
-        self.app[SWAPPER_KEY].label(steps, self.spans)
+        self.services.swapper.label(steps, self.spans)
         for step in steps:
             if self.proto is not None:
                 step.endpoint = self.proto.endpoint

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from steptap.middleware.backend.boundary import Backend, BackendReply, BackendStream
 from steptap.middleware.backend.client import Parts
-from steptap.middleware.backend.pool import POOL_KEY, Replica
-from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.backend.pool import Replica
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import (
     BackendCut,
@@ -38,14 +38,13 @@ from steptap.middleware.exceptions import (
     DomainError,
     SwapCut,
 )
-from steptap.middleware.metrics import METRICS_KEY
 from steptap.middleware.proxy import capture, prompts, tito, vision
-from steptap.middleware.proxy.call_state import CALL_STATES_KEY
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
 from steptap.middleware.proxy.plain import PlainReply
 from steptap.middleware.proxy.prompts import Echo
 from steptap.middleware.proxy.protocols import PROTOCOL_ENDPOINTS, Protocol, anthropic_errors, open_protocol
 from steptap.middleware.proxy.recorder import CallRecorder
+from steptap.middleware.proxy.services import SERVICES_KEY, Services
 from steptap.middleware.proxy.serving import (
     SEED_DROPPED,
     _sticky_id,
@@ -58,11 +57,9 @@ from steptap.middleware.proxy.serving import (
 from steptap.middleware.proxy.sse import StreamRelay
 from steptap.middleware.proxy.validate import ChatView, CompletionView, check_model_call
 from steptap.middleware.records import json_encoder
-from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import identify
 from steptap.middleware.sessions.session import LiveSession
 from steptap.middleware.weights.gate import Ticket
-from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.spans import Spans
 from steptap.middleware.weights.swapper import CUT_MESSAGE
 
@@ -87,8 +84,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
     started_at, t0 = time.time(), time.perf_counter()
-    async with admitted_body(request) as raw:  # origin, a writable log, the body's limits (serving.py)
-        return await _model_call(request, endpoint, raw, started_at, t0)
+    services = request.app[SERVICES_KEY]  # once a call (services.py)
+    async with admitted_body(request, services) as raw:  # origin, a writable log, the body's limits
+        return await _model_call(request, services, endpoint, raw, started_at, t0)
 
 
 class _Incoming(NamedTuple):
@@ -106,30 +104,29 @@ class _Incoming(NamedTuple):
 
 
 async def _model_call(
-    request: web.Request, endpoint: str, raw: bytes, started_at: float, t0: float
+    request: web.Request, services: Services, endpoint: str, raw: bytes, started_at: float, t0: float
 ) -> web.StreamResponse:
-    app = request.app
-    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
+    cfg, manager, pool = services.config, services.sessions, services.pool
     ident = identify(request)  # a malformed session id is a 400
-    body, ids = decode_body(raw, endpoint, manager, app[CALL_STATES_KEY], ident)
+    body, ids = decode_body(raw, endpoint, manager, services.call_states, ident)
     try:
         call = _checked(request, cfg, endpoint, raw, body, ids, started_at, t0)
     except ApiError as exc:  # a refused body: the session it names records why (a failed step)
-        await _record_refused(request, ident, endpoint, body, exc.message, started_at, t0)
+        await _record_refused(request, services, ident, endpoint, body, exc.message, started_at, t0)
         raise
     with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
         served = await pool.route(call.view.model, manager.side_aliases(ident))  # refused: opens no session
         session = await manager.resolve(ident, request.remote)  # identify
-        async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], manager.log.images) as pics:
+        async with vision.CallImages(cfg, services.images, manager.log.images) as pics:
             with manager.first_call(session):  # refused before its call begins: no auto session opened
-                await _prepare(app, call, session, pics)
+                await _prepare(services, call, session, pics)
             try:
                 async with manager.call(session, steps=call.view.n or 1, size=len(raw)), \
-                        app[SWAPPER_KEY].gate() as ticket:  # gate
+                        services.swapper.gate() as ticket:  # gate
                     served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                    return await _forwarded(request, call, session, pics, served, ticket)
+                    return await _forwarded(request, services, call, session, pics, served, ticket)
             finally:
-                metrics = app[METRICS_KEY]
+                metrics = services.metrics
                 streamed = "true" if call.view.stream else "false"
                 metrics.child(metrics.call_latency, endpoint, streamed).observe(time.perf_counter() - t0)
 
@@ -146,7 +143,7 @@ def _checked(request: web.Request, cfg: ProxyConfig, endpoint: str, raw: bytes, 
     return _Incoming(endpoint, upstream, raw, body, proto, edge, view, started_at, t0)
 
 
-async def _prepare(app: web.Application, call: _Incoming, session: LiveSession,
+async def _prepare(services: Services, call: _Incoming, session: LiveSession,
                    pics: vision.CallImages) -> None:
     """The protocol's session-dependent parts; the images read once the call is admitted and routed (a
     refused call decodes none), a stored conversation's too: checked (a 400 or 429, nothing recorded) and
@@ -155,39 +152,38 @@ async def _prepare(app: web.Application, call: _Incoming, session: LiveSession,
     if proto is not None:
         proto.prepare(None if session.trajectory.anonymous else session.id)
         for field in proto.dropped:
-            app[METRICS_KEY].dropped_fields.labels(call.endpoint, field).inc()
+            services.metrics.dropped_fields.labels(call.endpoint, field).inc()
     await pics.read(call.edge if proto is None else proto.chat)
 
 
-async def _forwarded(request: web.Request, call: _Incoming, session: LiveSession, pics: vision.CallImages,
-                     served: str, ticket: Ticket) -> web.StreamResponse:
+async def _forwarded(request: web.Request, services: Services, call: _Incoming, session: LiveSession,
+                     pics: vision.CallImages, served: str, ticket: Ticket) -> web.StreamResponse:
     """The call through the gate: on the session's replica, or the least loaded (an anonymous call, one step,
     holds no sticky entry: it would only push named sessions out of the pool's bounded map)."""
-    app = request.app
-    pool = app[POOL_KEY]
+    pool = services.pool
     replica = pool.acquire(pool.pick(_sticky_id(session)))
     running: _Call | None = None
     try:
         if call.proto is not None:
             await call.proto.adapt(replica.client, served)
-        cfg = app[CONFIG_KEY]
+        cfg = services.config
         forced = forced_sampling(cfg, session)
         out, asked = patch_request(pics.upstream(call.proto, call.body), call.upstream, served, cfg, forced)
         running = _Call(request, call.upstream, replica, asked,
-                        _recorder(app, call, session, pics, out, served, replica, ticket, bool(forced)))
+                        _recorder(services, call, session, pics, out, served, replica, ticket, bool(forced)))
         payload = _upstream_body(call.raw, call.body, out) if call.proto is None else _encode(out)
         return await running.run(payload, bool(call.view.stream))
     finally:
         pool.release(running.replica if running is not None else replica)  # the one it ended on
 
 
-def _recorder(app: web.Application, call: _Incoming, session: LiveSession, pics: vision.CallImages,
+def _recorder(services: Services, call: _Incoming, session: LiveSession, pics: vision.CallImages,
               out: dict[str, Any], served: str, replica: Replica, ticket: Ticket,
               forced: bool) -> CallRecorder:
     """The call's recorder: what every step of it shares, and what it adds to them."""
-    cfg = app[CONFIG_KEY]
-    state = app[CALL_STATES_KEY].of(session)
-    recorder = CallRecorder(app, app[SESSIONS_KEY], session, state, call.upstream, call.t0, common=dict(
+    cfg = services.config
+    state = services.call_states.of(session)
+    recorder = CallRecorder(services, session, state, call.upstream, call.t0, common=dict(
         request=pics.logged(call.body),  # each image as its reference (stored once)
         sampling=capture.sampling_of(out, forced, cfg.sampling_defaults),
         model=call.view.model or served,
@@ -199,20 +195,20 @@ def _recorder(app: web.Application, call: _Incoming, session: LiveSession, pics:
     recorder.proto, recorder.spans, recorder.chat, recorder.pics = call.proto, ticket.spans, out, pics
     if cfg.drop_seed and "seed" in (call.proto.chat if call.proto is not None else call.body):
         recorder.notes.append(SEED_DROPPED)  # dropped by patch_request, never sent
-        app[METRICS_KEY].dropped_fields.labels(call.endpoint, "seed").inc()
+        services.metrics.dropped_fields.labels(call.endpoint, "seed").inc()
     recorder.tito = pics.tito(state, call.upstream == CHAT and (cfg.tito or session.tito))
     return recorder
 
 
-async def _record_refused(request: web.Request, ident: Any, endpoint: str, body: dict[str, Any], message: str,
-                          started_at: float, t0: float) -> None:
+async def _record_refused(request: web.Request, services: Services, ident: Any, endpoint: str,
+                          body: dict[str, Any], message: str, started_at: float, t0: float) -> None:
     """A call refused before it left, in a session it names (not an anonymous one): recorded as a failed step
     with the error, so the session view says why the agent got nothing. Best effort: the refusal still leaves
     as it would (a session that cannot be reached or is full keeps nothing)."""
-    request.app[METRICS_KEY].refused_calls.labels(endpoint).inc()
+    services.metrics.refused_calls.labels(endpoint).inc()
     if ident.source == "anonymous":
         return
-    manager = request.app[SESSIONS_KEY]
+    manager = services.sessions
     try:
         session = await manager.resolve(ident, request.remote)
     except DomainError:
@@ -226,7 +222,7 @@ async def _record_refused(request: web.Request, ident: Any, endpoint: str, body:
                                model=model if isinstance(model, str) else "", started_at=started_at,
                                latency_s=time.perf_counter() - t0)
     try:
-        await manager.record(session, [step], request.app[CALL_STATES_KEY].of(session).context())
+        await manager.record(session, [step], services.call_states.of(session).context())
     except DomainError:
         pass
 
@@ -242,7 +238,7 @@ class _Call:
     def __init__(self, request: web.Request, endpoint: str, replica: Replica, asked: Asked,
                  recorder: CallRecorder) -> None:
         self.request = request
-        self.app = request.app  # looked up once: aiohttp finds it through the route's match each time
+        self.services = recorder.services
         self.endpoint = endpoint  # as sent upstream: chat or completions
         self.replica = replica
         self.upstream: Backend = replica.client
@@ -267,7 +263,7 @@ class _Call:
         recorder = self.recorder
         handles = recorder.proto.handles if recorder.proto is not None else None
         turn = await tito.start_turn(recorder.session, recorder.state, recorder.chat, self.upstream,
-                                     self.app[METRICS_KEY], stream, handles)
+                                     self.services.metrics, stream, handles)
         if not isinstance(turn, str):
             return turn
         if turn != "first":
@@ -280,7 +276,7 @@ class _Call:
         source: BackendStream | None = None
         try:
             got = await self._forward(payload, stream)  # forward
-            self.app[POOL_KEY].call_done(self.replica, got.status)
+            self.services.pool.call_done(self.replica, got.status)
             if isinstance(got, BackendReply):
                 return await (self._plain().relay(got) if got.status < 400
                               else self._plain().upstream_error(got.status, got.body))
@@ -312,7 +308,7 @@ class _Call:
         recorder.state.hold_prompt(recorder.manager, recorder.session, self.built)
         try:
             if stream:
-                async with turn.stream(generate, self.app[METRICS_KEY]) as source:
+                async with turn.stream(generate, self.services.metrics) as source:
                     return await self._stream(source, 200, recorder.spans if turn.counted else None)
             reply = await turn.reply(generate)
         except (BackendStatus, BackendUnreachable, BackendTimeout, BackendCut, msgspec.DecodeError,
@@ -328,7 +324,7 @@ class _Call:
                           self._take_echo())
 
     async def _stream(self, source: BackendStream, status: int, counts: Spans | None) -> web.StreamResponse:
-        cfg = self.app[CONFIG_KEY]
+        cfg = self.services.config
         relay = self.relay = StreamRelay(self.request, self.recorder, self.recorder.proto, self.asked,
                                          self.upstream.name, self._take_echo(), counts,
                                          cfg.stream_write_timeout_s, cfg.stream_heartbeat_s)
@@ -346,7 +342,7 @@ class _Call:
         try:
             return await (self.upstream.stream if stream else self.upstream.send)(self.endpoint, payload)
         except BackendUnreachable as exc:
-            pool = self.app[POOL_KEY]
+            pool = self.services.pool
             pool.take_out(self.replica.name, exc.message, unreachable=True)
             try:
                 other = pool.pick(_sticky_id(self.recorder.session), avoid=self.replica.name)
@@ -361,7 +357,7 @@ class _Call:
         """The agent hung up and the server cancelled this handler, or a weight swap cut a call that
         outlasted its drain bound: keep what arrived as a failed step (in a new task: this one is being
         cancelled). A swap's cut before the stream began ends as the protocol's error body instead."""
-        recorder, swapper = self.recorder, self.app[SWAPPER_KEY]
+        recorder, swapper = self.recorder, self.services.swapper
         if recorder.recorded:
             return
         if self.relay is None and swapper.take_cut():

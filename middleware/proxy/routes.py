@@ -12,13 +12,13 @@ from aiohttp import web
 from steptap.middleware.auth import is_control
 from steptap.middleware.backend.boundary import Backend
 from steptap.middleware.backend.pool import POOL_KEY
-from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import BackendMalformed, BackendStatus
 from steptap.middleware.proxy import gemini, tito, vision
 from steptap.middleware.proxy import messages as messages_api
 from steptap.middleware.proxy.capture import CHAT
 from steptap.middleware.proxy.protocols import Messages, Protocol, anthropic_errors
+from steptap.middleware.proxy.services import SERVICES_KEY
 from steptap.middleware.proxy.serving import (
     _json_object,
     _sticky_id,
@@ -71,9 +71,9 @@ async def prompt_ids(request: web.Request, protocol: Callable[[dict[str, Any]], 
     admitted as a model call is (serving.admitted_body, ``admitted``, images under ``max_image_memory``); the
     session is looked up, never opened (any replica renders alike: the session's own is used when it has
     one)."""
-    app = request.app
-    cfg, manager, pool = app[CONFIG_KEY], app[SESSIONS_KEY], app[POOL_KEY]
-    async with admitted_body(request) as raw:
+    services = request.app[SERVICES_KEY]
+    cfg, manager, pool = services.config, services.sessions, services.pool
+    async with admitted_body(request, services) as raw:
         body = _json_object(raw)
         proto = protocol(body)
         ident = identify(request)
@@ -82,7 +82,7 @@ async def prompt_ids(request: web.Request, protocol: Callable[[dict[str, Any]], 
             session = manager.peek(ident)
             upstream = pool.pick(None if session is None else _sticky_id(session)).client
             # images checked and fetched as a call's (vLLM never fetches a URL), never stored
-            async with vision.CallImages(cfg, app[vision.IMAGE_MEMORY_KEY], None) as pics:
+            async with vision.CallImages(cfg, services.images, None) as pics:
                 await pics.read(proto.chat)
                 await proto.adapt(upstream, served)
                 forced = forced_sampling(cfg, session)

@@ -11,14 +11,14 @@ from aiohttp import web
 
 from steptap.middleware.auth import check_model_call_origin
 from steptap.middleware.backend.client import Parts
-from steptap.middleware.config import CONFIG_KEY, ProxyConfig
+from steptap.middleware.config import ProxyConfig
 from steptap.middleware.errors import ApiError
 from steptap.middleware.exceptions import RecordTooLarge
 from steptap.middleware.proxy import prompts
 from steptap.middleware.proxy.call_state import CallStates
 from steptap.middleware.proxy.capture import CHAT, COMPLETIONS, Asked
+from steptap.middleware.proxy.services import Services
 from steptap.middleware.records import json_encoder
-from steptap.middleware.sessions.control import SESSIONS_KEY
 from steptap.middleware.sessions.identity import Identity
 from steptap.middleware.sessions.limits import BodyHold
 from steptap.middleware.sessions.manager import SessionManager
@@ -28,32 +28,32 @@ _decode = msgspec.json.decode
 _encode = json_encoder.encode
 
 
-def admitted_body(request: web.Request) -> AdmittedBody:
+def admitted_body(request: web.Request, services: Services) -> AdmittedBody:
     """Around an agent call that renders or generates (a model call, ``count_tokens``; ``async with
-    admitted_body(request) as raw:``), before anything is decoded: JSON from an allowed Host (415 / 403), a
-    log that can write (503: a call it cannot record is not made), the body within ``max_request_bytes``
-    (413), held against ``max_body_memory`` (429) from before it is read, and its JSON values counted against
-    ``max_json_nodes`` (413)."""
-    cfg, manager = request.app[CONFIG_KEY], request.app[SESSIONS_KEY]
-    check_model_call_origin(request)  # 415 / 403 before anything is read
+    admitted_body(request, services) as raw:``), before anything is decoded: JSON from an allowed Host (415 /
+    403), a log that can write (503: a call it cannot record is not made), the body within
+    ``max_request_bytes`` (413), held against ``max_body_memory`` (429) from before it is read, and its JSON
+    values counted against ``max_json_nodes`` (413)."""
+    cfg, manager = services.config, services.sessions
+    check_model_call_origin(request, cfg)  # 415 / 403 before anything is read
     manager.log.ensure_writable()
     if (request.content_length or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read
-    return AdmittedBody(request, manager.holdings.body_memory(request.content_length))  # 429 past it
+    return AdmittedBody(request, cfg, manager.holdings.body_memory(request.content_length))  # 429 past it
 
 
 class AdmittedBody:
     """``admitted_body``'s block: the body read on entry, its memory held until the block ends (an object, not
     a generator's context manager: every model call enters one)."""
 
-    __slots__ = ("held", "request")
+    __slots__ = ("cfg", "held", "request")
 
-    def __init__(self, request: web.Request, held: BodyHold) -> None:
-        self.request, self.held = request, held
+    def __init__(self, request: web.Request, cfg: ProxyConfig, held: BodyHold) -> None:
+        self.request, self.cfg, self.held = request, cfg, held
 
     async def __aenter__(self) -> bytes:
         try:
-            raw = await read_body(self.request)  # 413 past max_request_bytes
+            raw = await read_body(self.request, self.cfg)  # 413 past max_request_bytes
             self.held.read(raw)  # 413 past max_json_nodes, before anything is decoded
         except BaseException:
             self.held.resize(0)
@@ -64,12 +64,12 @@ class AdmittedBody:
         self.held.resize(0)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, cfg: ProxyConfig) -> bytes:
     """The request body, bounded by ``body_limit`` (``client_max_size``): a larger one is a 413."""
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise _too_large(request.app[CONFIG_KEY]) from None
+        raise _too_large(cfg) from None
 
 
 def _too_large(cfg: ProxyConfig) -> RecordTooLarge:

@@ -25,7 +25,6 @@ from steptap.middleware.exceptions import (
 from steptap.middleware.proxy import accumulator, capture, tito
 from steptap.middleware.proxy.protocols import HEARTBEAT
 from steptap.middleware.records import json_encoder
-from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ class StreamRelay:
             await recorder.record([recorder.failed("agent disconnected", "client_gone", self.acc.reply())])
             return out
         except asyncio.CancelledError:
-            if not self.request.app[SWAPPER_KEY].take_cut():
+            if not self.recorder.services.swapper.take_cut():
                 raise
             await self._cut(out)
             return out

@@ -166,9 +166,9 @@ class Closer:
     def settle(self, session: LiveSession, held: Held | None = None) -> None:
         """Bookkeeping once the Trajectory (or Held) record is durable."""
         traj = session.trajectory
-        self.metrics.child(self.metrics.trajectories, traj.status).inc()
+        self.metrics.trajectories[traj.status] += 1
         if traj.status == "infra_error":
-            self.metrics.child(self.metrics.infra_errors, traj.infra_cause or "other").inc()
+            self.metrics.infra_errors[traj.infra_cause or "other"] += 1
         if held is not None:
             self.holder.hold(held)
         elif traj.rewards:

@@ -268,10 +268,10 @@ class Recorder:
     def _count(self, steps: list[Step], anonymous: bool) -> None:
         m = self.metrics
         for step in steps:
-            m.child(m.steps, step.status, "true" if anonymous else "false").inc()
-            m.child(m.prefix, step.prefix).inc()
-            m.child(m.call_class, step.call_class, step.call_rule).inc()
-            m.prompt_tokens.inc(len(step.prompt_token_ids))
-            m.response_tokens.inc(len(step.response_token_ids))
+            m.steps[step.status, "true" if anonymous else "false"] += 1
+            m.prefix[step.prefix] += 1
+            m.call_class[step.call_class, step.call_rule] += 1
+            m.prompt_tokens[()] += len(step.prompt_token_ids)
+            m.response_tokens[()] += len(step.response_token_ids)
             if step.finish_reason == "length":  # cut by max_tokens (the run's health: middleware/health.py)
-                m.replies_cut.inc()
+                m.replies_cut[()] += 1

@@ -27,8 +27,8 @@ from steptap.middleware.backend.pool import POOL_KEY
 from steptap.middleware.config import CONFIG_KEY
 from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
 from steptap.middleware.log.stream import LOG_KEY
-from steptap.middleware.proxy.relay import SWAPPER_KEY
 from steptap.middleware.records import Step
+from steptap.middleware.weights.routes import SWAPPER_KEY
 
 pytestmark = pytest.mark.vllm
 

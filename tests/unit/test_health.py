@@ -149,14 +149,14 @@ def test_proxy_figures_name_unfinished_sessions_pending_rewards_and_aborts() -> 
 
 def test_proxy_figures_from_metrics_text() -> None:
     m = Metrics()
-    m.sessions_opened.labels("false").inc(4)
-    m.sessions_opened.labels("true").inc(9)
-    m.trajectories.labels("finished").inc(2)
-    m.trajectories.labels("aborted").inc(1)
+    m.sessions_opened["false"] += 4  # tallies (metrics.Tally), read back through the exposition text
+    m.sessions_opened["true"] += 9
+    m.trajectories["finished"] += 2
+    m.trajectories["aborted"] += 1
     m.sessions_open.set(2)
     m.held.set(1)
-    m.replies_cut.inc(3)
-    m.steps.labels("ok", "false").inc(5)
+    m.replies_cut[()] += 3
+    m.steps["ok", "false"] += 5
     p = h.proxy_figures(parse_text(m.render().decode()))
     assert (p.opened, p.finished, p.aborted, p.open, p.held, p.replies, p.cut) == (4, 2, 1, 2, 1, 5, 3)
 

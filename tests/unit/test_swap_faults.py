@@ -14,7 +14,7 @@ import aiohttp
 from faults import MODEL, FaultInjector
 from test_weights import model_dir
 
-from steptap.middleware.proxy.relay import SWAPPER_KEY
+from steptap.middleware.weights.routes import SWAPPER_KEY
 from steptap.middleware.weights.swapper import CUT_MESSAGE
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
