@@ -18,7 +18,7 @@ from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.swapper import WeightSwapper
 from steptap.middleware.weights.transfer import Transfer
 
-# Every model call passes ``async with app[SWAPPER_KEY].gate() as ticket`` (proxy/relay.py).
+# Every model call passes ``async with services.swapper.gate() as ticket`` (proxy/relay.py, services.py).
 SWAPPER_KEY = web.AppKey("steptap_swapper", WeightSwapper)
 
 
