@@ -154,8 +154,8 @@ class Tally(defaultdict[Any, float]):
         family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         if not self.labels:
             family.add_metric([], self.get((), 0.0))
-        for key, value in list(self.items()):
-            if self.labels:
+        else:
+            for key, value in list(self.items()):
                 family.add_metric([key] if isinstance(key, str) else list(key), value)
         yield family
 

@@ -29,33 +29,22 @@ TAIL_BYTES = 256 * 1024  # the learner's file is read from its end: bounded howe
 ROWS = 64  # batch rows kept: the rules read the last few (Thresholds.window)
 
 
-def _by_label(counter: Any) -> dict[str, float]:
-    """A counter with one label: its ``_total`` sample by label value."""
-    out: dict[str, float] = {}
-    for metric in counter.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                key = next(iter(s.labels.values()), "")
-                out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
 def proxy_figures(manager: SessionManager, metrics: m.Metrics) -> ProxyFigures:
     """This proxy's figures, now."""
     now_m, now = time.monotonic(), time.time()
     named = [s for s in manager.sessions.values() if not s.trajectory.anonymous]
-    closed = _by_label(metrics.trajectories)
+    closed = metrics.trajectories  # Tallies: counts by label (metrics.Tally)
     error = next((t.error for t in reversed(manager.recent.values()) if t.status != "finished" and t.error),
                  "")
     return ProxyFigures(
-        opened=int(_by_label(metrics.sessions_opened).get("false", 0)),
+        opened=int(metrics.sessions_opened.value("false")),
         finished=int(closed.get("finished", 0)),
         aborted=int(sum(v for k, v in closed.items() if k != "finished")),
         open=len(named), held=len(manager.held),
         idle_s=max((now_m - s.last_active for s in named if not s.inflight), default=0.0),
         held_s=max((now - h.at for h in manager.held.values()), default=0.0),
-        replies=int(sum(_by_label(metrics.steps).values())),
-        cut=int(sum(_by_label(metrics.replies_cut).values())),
+        replies=int(sum(metrics.steps.values())),
+        cut=int(metrics.replies_cut.value()),
         error=error or "",
     )
 

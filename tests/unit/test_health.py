@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -159,6 +160,11 @@ def test_proxy_figures_from_metrics_text() -> None:
     m.steps["ok", "false"] += 5
     p = h.proxy_figures(parse_text(m.render().decode()))
     assert (p.opened, p.finished, p.aborted, p.open, p.held, p.replies, p.cut) == (4, 2, 1, 2, 1, 5, 3)
+    # the console's own figures read the same tallies in the process (no scrape)
+    from steptap.middleware.console.vitals import proxy_figures
+
+    mine = proxy_figures(SimpleNamespace(sessions={}, recent={}, held={}), m)  # type: ignore[arg-type]
+    assert (mine.opened, mine.finished, mine.aborted, mine.replies, mine.cut) == (4, 2, 1, 5, 3)
 
 
 def test_the_check_warns_once_per_cause_and_stops_only_in_stop_mode() -> None:
