@@ -72,6 +72,23 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
                 out["mid_stall"] = max(out["mid_stall"], gap)
 
 
+async def _warm_up(backend: str, agents: int) -> float:
+    """The fleet's width of short calls straight to vLLM, before any phase: a first phase would otherwise carry
+    the server's first-call costs (kernel compilation, warm-up) as if they were its swaps'."""
+    import aiohttp
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 16}
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async def one() -> None:
+            async with http.post(f"{backend}/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                await resp.read()
+
+        await asyncio.gather(*(one() for _ in range(agents)))
+    return time.monotonic() - t0
+
+
 async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Namespace, log: str) -> dict[str,
                                                                                                           Any]:
     import aiohttp
@@ -99,11 +116,15 @@ async def _phase(backend: str, mode: str, weights: list[str], args: argparse.Nam
         k = 0
         while time.monotonic() + args.every < stop:
             await asyncio.sleep(args.every)
+            t_swap = time.monotonic()
+            # a hang shows where
+            print(f"  {mode} swap {k + 1} at {t_swap - t0:.1f} s ...", end="", flush=True)
             if args.lora:  # an adapter (--kinds lora): keep loads it beside the old one, drain pauses for it
                 await sw.swap(lora_path=weights[k % 2])
             else:
                 await sw.swap(path=weights[k % 2])
             loads.append(sw.state().last_paused_s or 0.0)
+            print(f" done in {time.monotonic() - t_swap:.2f} s", flush=True)
             k += 1
         await asyncio.sleep(max(0.0, stop - time.monotonic()))
         for a in agents:
@@ -178,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="full", help="what swaps, in order on one server: full,lora")
     ap.add_argument("--json", help="write every phase's row and the summary here")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more vLLM argument (repeatable)")
+    ap.add_argument("--workdir", help="keep the model, weights, vLLM's log and the proxies' logs here "
+                                      "(default: a temporary folder, removed)")
     args = ap.parse_args(argv)
 
     from steptap.learner.tiny_model import build_tiny_model
@@ -185,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kinds = args.kinds.split(",")
     with tempfile.TemporaryDirectory(prefix="swap-fleet-") as tmp:
-        root = Path(tmp)
+        root = Path(args.workdir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         model = Path(args.model_dir) if args.model_dir else build_tiny_model(root / "model", seed=0)
         weights = {"full": [_perturb(model, root / "w", s) for s in (1, 2)] if "full" in kinds else [],
                    "lora": [_adapter(model, root / f"a{s}", s) for s in (1, 2)] if "lora" in kinds else []}
@@ -196,12 +220,19 @@ def main(argv: list[str] | None = None) -> int:
                             extra_args=args.vllm_arg)
         server.start()
         try:
+            t_start = time.monotonic()
             server.wait_healthy(timeout=600)
+            print(f"vLLM healthy after {time.monotonic() - t_start:.1f} s (log: {root / 'vllm.log'})",
+                  flush=True)
+            print(f"warm-up: {args.agents} calls in {asyncio.run(_warm_up(server.url, args.agents)):.1f} s",
+                  flush=True)
             rows = []
             for kind in kinds:  # one server: full weights first, then adapters (LoRA routing from then on)
                 args.lora = kind == "lora"
                 for r in range(args.rounds):
                     for mode in ("drain", "keep"):
+                        print(f"{kind} {mode} phase {r + 1}: {args.agents} agents for {args.phase:g} s",
+                              flush=True)
                         row = asyncio.run(_phase(server.url, mode, weights[kind], args,
                                                  str(root / f"log-{kind}-{r}-{mode}")))
                         row["kind"] = kind

@@ -70,18 +70,18 @@ if [ "${1:-}" != "--long" ]; then  # --------------------------------- first lig
            --vllm-arg=0.3 --vllm-arg=--enforce-eager)
     ENGINES=()
     M=1
-    [ "$FIRST" = 0 ] || step first_light 150 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
+    [ "$FIRST" = 0 ] || step first_light 120 $PY scripts/gpu_first_light.py --out "$OUT_DIR/first_light"
   fi
   if [ "$FIRST" = 1 ]; then
     cp "$OUT_DIR/first_light/first_light.json" "$OUT_DIR/" 2>/dev/null || true
-    step swap_fleet $((150 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora \
-      --json "$OUT_DIR/swap_fleet.json"
-    step engines $((100 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
+    step swap_fleet $((180 * M)) $PY bench/swap_fleet.py "${FLEET[@]}" --kinds full,lora \
+      --json "$OUT_DIR/swap_fleet.json" --workdir "$OUT_DIR/swap_fleet"
+    step engines $((90 * M)) $PY scripts/gpu_engines.py --out "$OUT_DIR/engines" "${ENGINES[@]}"
     cp "$OUT_DIR/engines/gpu_engines.json" "$OUT_DIR/" 2>/dev/null || true
   fi
   if [ "$TOOL" = 1 ]; then  # the tool recipe's first updates on SmolLM2 (LoRA), as examples/tool_agent runs it
     T="$OUT_DIR/tool"
-    step tool_recipe 150 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
+    step tool_recipe 170 bash -c "$PY examples/tool_agent/make_data.py --out $T/data && steptap up \
       --model $OUT_DIR/first_light/smollm2 --config examples/tool_agent/learner.toml --no-view --workdir $T/run \
       --vllm-args='-- --gpu-memory-utilization 0.3' --max-updates 2 --agents 'steptap env run \
       $T/data/train.parquet --n 8 --concurrency 16 --max-tokens 48 --fresh' \

@@ -113,7 +113,8 @@ def main() -> int:
         extra = [] if a.dry else ["--dtype", dtype, "--gpu-memory-utilization", a.gpu_share,
                                   "--enforce-eager"]
         servers[name] = VLLMServer(path, port=free_port(), served_model_name=name, gpu=not a.dry,
-                                   threads=1, log_path=out / f"vllm-{name}.log", extra_args=extra)
+                                   threads=1, log_path=out / f"vllm-{name}.log", extra_args=extra,
+                                   max_lora_rank=0 if dtype == "float32" and not a.dry else 16)
     t0 = time.monotonic()
     ok = True
     try:

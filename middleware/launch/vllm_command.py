@@ -98,7 +98,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="with --port: serve TCP with vLLM's admin routes open to whoever reaches the port")
     p.add_argument("--served-model-name", help="default: the model's hub name or its directory's name")
     p.add_argument("--max-model-len", type=int, help="default: 2048 on CPU, the model's own on GPU")
-    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest LoRA adapter it takes (0: no LoRA, as float32 on a GPU needs)")
     parsers = ", ".join(sorted(set(TOOL_PARSERS.values())))
     p.add_argument(
         "--tool-call-parser",

@@ -41,6 +41,17 @@ def _given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def _value(args: Sequence[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (``--flag v`` or ``--flag=v``), else None."""
+    got = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            got = args[i + 1]
+        elif a.startswith(flag + "="):
+            got = a.split("=", 1)[1]
+    return got
+
+
 _FIND_VLLM = "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])"
 
 
@@ -91,6 +102,11 @@ class VLLMServer:
         self.served_model = served_model_name or served_name(self.model_dir)
         self.max_model_len = max_model_len or (None if self.gpu else 2048)
         self.max_lora_rank = max_lora_rank
+        if self.gpu and max_lora_rank and _value(extra_args, "--dtype") in ("float32", "float"):
+            # Seen on an H200 with vLLM 0.26: its LoRA kernels assert fp16/bf16 and the engine dies at start
+            raise VLLMStartError("vLLM's LoRA kernels on CUDA take float16 or bfloat16 only: serve float32 "
+                                 "without LoRA (max LoRA rank 0: `steptap vllm --max-lora-rank 0`) or pass "
+                                 "--dtype bfloat16")
         if tool_parser:
             self.tool_parser: str | None = tool_parser
             self.tool_parser_why = f"{tool_parser} (given)"
@@ -128,7 +144,8 @@ class VLLMServer:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
         cmd += ["--served-model-name", self.served_model]
         cmd += ["--uds", str(self.uds)] if self.uds else ["--host", self.host, "--port", str(self.port)]
-        cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+        if self.max_lora_rank:  # 0: no LoRA
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
         # Token-in-token-out routes
         if self.scale_out_flag and not _given(extra, "--enable-scale-out"):
             cmd += ["--enable-scale-out"]

@@ -54,3 +54,20 @@ def test_replicas_serve_on_their_own_unix_sockets_in_a_private_directory(model_d
     finally:
         if own_dir:
             Path(own_dir).rmdir()
+
+
+def test_lora_rank_zero_serves_without_lora_and_float32_lora_on_a_gpu_is_refused(model_dir: Path) -> None:
+    """vLLM 0.26's LoRA kernels on CUDA assert fp16/bf16: on the H200 a float32 server with LoRA died at
+    start. Refused before anything starts, naming both ways out; rank 0 serves without LoRA."""
+    from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError
+
+    def command(**kw: object) -> list[str]:
+        return VLLMServer(model_dir, **kw).command(Path("python"))  # type: ignore[arg-type]
+
+    cmd = command(gpu=True, max_lora_rank=0, extra_args=["--dtype", "float32"])
+    assert "--enable-lora" not in cmd and "--max-lora-rank" not in cmd
+    assert "--enable-lora" in command(gpu=False, extra_args=["--dtype=float32"])
+    for dtype in (["--dtype", "float32"], ["--dtype=float"], ["--dtype", "bfloat16", "--dtype", "float32"]):
+        with pytest.raises(VLLMStartError, match="--max-lora-rank 0.*--dtype bfloat16"):
+            VLLMServer(model_dir, gpu=True, extra_args=dtype)
+    assert "--enable-lora" in command(gpu=True, extra_args=["--dtype", "bfloat16"])
