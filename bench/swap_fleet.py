@@ -73,8 +73,8 @@ async def _agent(http: Any, url: str, i: int, tokens: int, stop: float, out: dic
 
 
 async def _warm_up(backend: str, agents: int) -> float:
-    """The fleet's width of short calls straight to vLLM, before any phase: a first phase would otherwise carry
-    the server's first-call costs (kernel compilation, warm-up) as if they were its swaps'."""
+    """The fleet's width of short calls straight to vLLM, before any phase: a first phase would otherwise
+    carry the server's first-call costs (kernel compilation, warm-up) as if they were its swaps'."""
     import aiohttp
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 16}
