@@ -63,6 +63,7 @@ class CallRecorder:
         ``stop_reason``: vLLM's for a one-choice reply (what a TITO session's next turn may extend)."""
         self.recorded = True
         self.services.swapper.label(steps, self.spans)
+        images = self.pics.refs() if self.pics.images else None  # a Step holds none by default
         for step in steps:
             if self.proto is not None:
                 step.endpoint = self.proto.endpoint
@@ -70,7 +71,8 @@ class CallRecorder:
                 self.proto.annotate(step)
             if self.notes:
                 step.notes = [*step.notes, *self.notes]
-            step.images = self.pics.refs()
+            if images is not None:
+                step.images = list(images)
         # A translated request's messages as sent upstream (images as references): continuity is judged on
         # them (sessions/prefix.py)
         chat = self.pics.logged(self.chat.get("messages")) if self.proto is not None else None

@@ -126,9 +126,8 @@ async def _model_call(
                     served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
                     return await _forwarded(request, services, call, session, pics, served, ticket)
             finally:
-                metrics = services.metrics
-                streamed = "true" if call.view.stream else "false"
-                metrics.child(metrics.call_latency, endpoint, streamed).observe(time.perf_counter() - t0)
+                services.metrics.call_latency.observe(time.perf_counter() - t0, endpoint,
+                                                      "true" if call.view.stream else "false")
 
 
 def _checked(request: web.Request, cfg: ProxyConfig, endpoint: str, raw: bytes, body: dict[str, Any],
