@@ -122,12 +122,14 @@ class LogIndex:
     def appended(self, record: LogRecord, segno: int, offset: int) -> None:
         """A record just committed at (``segno``, ``offset`` after it)."""
         if isinstance(record, Step):
-            self._refers(record.images, segno)
+            if record.images:
+                self._refers(record.images, segno)
         elif isinstance(record, SessionOpened):
             self.open_sessions.setdefault(record.trajectory_id, segno)
         elif isinstance(record, Trajectory) and record.status != "running":
             for step in record.steps:  # an anonymous call's steps live in its trajectory record
-                self._refers(step.images, segno)
+                if step.images:
+                    self._refers(step.images, segno)
             self._finished(record.id, record.step_refs, segno, offset)
         elif isinstance(record, HeldDropped):  # a held session (still open for compaction) ended untrained
             self.open_sessions.pop(record.trajectory_id, None)
@@ -162,7 +164,7 @@ class LogIndex:
     def _finished(self, trajectory_id: str, refs: list[Any], segno: int, end: int) -> None:
         self.open_sessions.pop(trajectory_id, None)
         self._ends.append(cursor_key(segno, end))
-        self._firsts.append(first_segment(refs, segno))
+        self._firsts.append(first_segment(refs, segno) if refs else segno)
 
     def _refers(self, images: list[Any], segno: int) -> None:
         """A record in ``segno`` names these images: compaction keeps them while it is kept (images.py)."""

@@ -170,7 +170,7 @@ def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> byt
     end = raw.rstrip()
     if not body or not end.endswith(b"}"):
         return _encode(out)
-    added = b",".join(_encode(k) + b":" + _encode(out[k]) for k in out if k not in body)
+    added = b",".join([_encode(k) + b":" + _encode(out[k]) for k in out if k not in body])
     if len(end) < _PARTS_FROM:
         return b"".join((end[:-1], b",", added, b"}"))
     # the first part short: aiohttp joins only that one with the headers

@@ -90,10 +90,15 @@ def check_model_call(body: dict[str, Any], chat: bool, max_n: int) -> ChatView |
     view: ChatView | CompletionView = check(body, ChatView) if chat else check(body, CompletionView)
     if chat:
         messages = body.get("messages")
-        if messages is not None and not (
-            isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
-        ):
-            raise ApiError(400, "invalid request: `messages` must be a list of objects",
-                           "invalid_request_body")
+        if messages is not None:
+            # a loop, not all() over a generator: one resume a message on every call
+            ok = isinstance(messages, list)
+            for m in messages if ok else ():
+                if not isinstance(m, dict):
+                    ok = False
+                    break
+            if not ok:
+                raise ApiError(400, "invalid request: `messages` must be a list of objects",
+                               "invalid_request_body")
     check_sampling(view, max_n)
     return view
