@@ -85,20 +85,20 @@ def check_sampling(view: _Sampling, max_n: int) -> None:
             raise ApiError(400, f"{name} must not be negative, got {value}", "invalid_sampling")
 
 
+def _not_objects() -> ApiError:
+    return ApiError(400, "invalid request: `messages` must be a list of objects", "invalid_request_body")
+
+
 def check_model_call(body: dict[str, Any], chat: bool, max_n: int) -> ChatView | CompletionView:
     """The edge check of ``/v1/chat/completions`` (``chat``) and ``/v1/completions`` bodies."""
     view: ChatView | CompletionView = check(body, ChatView) if chat else check(body, CompletionView)
     if chat:
         messages = body.get("messages")
         if messages is not None:
-            # a loop, not all() over a generator: one resume a message on every call
-            ok = isinstance(messages, list)
-            for m in messages if ok else ():
+            if not isinstance(messages, list):
+                raise _not_objects()
+            for m in messages:  # a loop, not all() over a generator: one resume a message on every call
                 if not isinstance(m, dict):
-                    ok = False
-                    break
-            if not ok:
-                raise ApiError(400, "invalid request: `messages` must be a list of objects",
-                               "invalid_request_body")
+                    raise _not_objects()
     check_sampling(view, max_n)
     return view
