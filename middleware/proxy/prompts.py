@@ -72,7 +72,7 @@ def decode_completion(raw: bytes, held: tuple[bytes, list[int]] | None
     return body, (prompt, ids), grown
 
 
-_ECHO = b'"prompt_token_ids"'
+ECHO_KEY = b'"prompt_token_ids"'  # the key of vLLM's echo of a chat prompt's ids
 
 
 def _array_at(raw: bytes, key: bytes) -> tuple[int, int] | None:
@@ -121,7 +121,7 @@ def take_echo(data: bytes, held: tuple[bytes, list[int]] | None
     prompt + reply + its new messages) and how they were built (``prefix.extends``); None: no echo of ids
     there (or more than one key of that name), decode it whole. A ``"prompt_token_ids":`` in ``data`` is a
     key (a quote in a string is escaped), and an array of ids ends at its first ``]``."""
-    found = _array_at(data, _ECHO)
+    found = _array_at(data, ECHO_KEY)
     if found is None:
         return None
     at, end = found

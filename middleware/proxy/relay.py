@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -65,28 +65,47 @@ from steptap.middleware.weights.swapper import CUT_MESSAGE
 
 _encode = json_encoder.encode
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await model_call(request, CHAT)
+
+async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
+    """One model call, from the agent's bytes to its reply (one coroutine: each frame of the chain is
+    resumed at every wait of the call)."""
+    started_at, t0 = time.time(), time.perf_counter()
+    services = request.app[SERVICES_KEY]  # once a call (services.py)
+    async with admitted_body(request, services) as raw:  # origin, a writable log, the body's limits
+        cfg, manager, pool = services.config, services.sessions, services.pool
+        ident = identify(request)  # a malformed session id is a 400
+        body, ids = decode_body(raw, endpoint, manager, services.call_states, ident)
+        try:
+            call = _checked(request, cfg, endpoint, raw, body, ids, started_at, t0)
+        except ApiError as exc:  # a refused body: the session it names records why (a failed step)
+            await _record_refused(request, services, ident, endpoint, body, exc.message, started_at, t0)
+            raise
+        with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
+            # refused here: no session opened
+            served = await pool.route(call.view.model, manager.side_aliases(ident))
+            session = await manager.resolve(ident, request.remote)  # identify
+            async with vision.CallImages(cfg, services.images, manager.log.images) as pics:
+                with manager.first_call(session):  # refused before its call begins: no auto session opened
+                    await _prepare(services, call, session, pics)
+                try:
+                    async with manager.call(session, steps=call.view.n or 1, size=len(raw)), \
+                            services.swapper.gate() as ticket:  # gate
+                        served = ticket.served_model or served  # LoRA mode: the current adapter serves
+                        return await _forwarded(request, services, call, session, pics, served, ticket)
+                finally:
+                    services.metrics.call_latency.observe(time.perf_counter() - t0, endpoint,
+                                                          "true" if call.view.stream else "false")
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await model_call(request, COMPLETIONS)
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    return await model_call(request, "responses")
+# The routes' handlers: partials, not coroutines that await model_call (one frame fewer a call)
+chat_completions = functools.partial(model_call, endpoint=CHAT)
+completions = functools.partial(model_call, endpoint=COMPLETIONS)
+responses = functools.partial(model_call, endpoint="responses")
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API: every error leaves in Anthropic's shape (its SDK parses no other)."""
     return await anthropic_errors(request, model_call(request, "messages"))
-
-
-async def model_call(request: web.Request, endpoint: str) -> web.StreamResponse:
-    started_at, t0 = time.time(), time.perf_counter()
-    services = request.app[SERVICES_KEY]  # once a call (services.py)
-    async with admitted_body(request, services) as raw:  # origin, a writable log, the body's limits
-        return await _model_call(request, services, endpoint, raw, started_at, t0)
 
 
 class _Incoming(NamedTuple):
@@ -101,33 +120,6 @@ class _Incoming(NamedTuple):
     view: ChatView | CompletionView
     started_at: float
     t0: float
-
-
-async def _model_call(
-    request: web.Request, services: Services, endpoint: str, raw: bytes, started_at: float, t0: float
-) -> web.StreamResponse:
-    cfg, manager, pool = services.config, services.sessions, services.pool
-    ident = identify(request)  # a malformed session id is a 400
-    body, ids = decode_body(raw, endpoint, manager, services.call_states, ident)
-    try:
-        call = _checked(request, cfg, endpoint, raw, body, ids, started_at, t0)
-    except ApiError as exc:  # a refused body: the session it names records why (a failed step)
-        await _record_refused(request, services, ident, endpoint, body, exc.message, started_at, t0)
-        raise
-    with manager.admitted(request.remote):  # a 429 beyond max_concurrent_calls or max_calls_per_peer
-        served = await pool.route(call.view.model, manager.side_aliases(ident))  # refused: opens no session
-        session = await manager.resolve(ident, request.remote)  # identify
-        async with vision.CallImages(cfg, services.images, manager.log.images) as pics:
-            with manager.first_call(session):  # refused before its call begins: no auto session opened
-                await _prepare(services, call, session, pics)
-            try:
-                async with manager.call(session, steps=call.view.n or 1, size=len(raw)), \
-                        services.swapper.gate() as ticket:  # gate
-                    served = ticket.served_model or served  # LoRA mode: the current adapter serves every call
-                    return await _forwarded(request, services, call, session, pics, served, ticket)
-            finally:
-                services.metrics.call_latency.observe(time.perf_counter() - t0, endpoint,
-                                                      "true" if call.view.stream else "false")
 
 
 def _checked(request: web.Request, cfg: ProxyConfig, endpoint: str, raw: bytes, body: dict[str, Any],
@@ -246,15 +238,20 @@ class _Call:
         self.relay: StreamRelay | None = None  # the stream's relay once it began: a cut is no error body then
         self.built: tuple[bytes, list[int]] | None = None  # a TITO turn's prompt (its JSON, its ids)
 
-    async def run(self, payload: bytes | Parts, stream: bool) -> web.StreamResponse:
-        turn = await self._start_turn(stream) if self.recorder.tito else None
+    def run(self, payload: bytes | Parts, stream: bool) -> Awaitable[web.StreamResponse]:
+        """The call to its end: a token-in-token-out turn, or the backend's reply (a cancel ends as
+        ``_cancelled`` says in either)."""
+        return self._run_tito(payload, stream) if self.recorder.tito else self._run_backend(payload, stream)
+
+    async def _run_tito(self, payload: bytes | Parts, stream: bool) -> web.StreamResponse:
         try:
+            turn = await self._start_turn(stream)
             if turn is not None:
                 return await self._run_turn(*turn, stream)
-            return await self._run_backend(payload, stream)
         except asyncio.CancelledError:
             await self._cancelled()
             raise
+        return await self._run_backend(payload, stream)  # rendered: the first turn, or a fallback
 
     async def _start_turn(self, stream: bool) -> tuple[tito.Turn, dict[str, Any]] | None:
         """The token-in-token-out turn when this call extends the session's last, else None (rendered: the
@@ -293,6 +290,9 @@ class _Call:
         except _RECORDED as exc:  # the one place a failed call is recorded before its error leaves
             if not recorder.recorded:
                 await recorder.record([recorder.failed(exc.message, exc.code.removesuffix("_reply"))])
+            raise
+        except asyncio.CancelledError:
+            await self._cancelled()
             raise
         finally:
             if source is not None:

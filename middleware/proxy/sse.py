@@ -23,6 +23,7 @@ from steptap.middleware.exceptions import (
     DomainError,
 )
 from steptap.middleware.proxy import accumulator, capture, tito
+from steptap.middleware.proxy.prompts import ECHO_KEY
 from steptap.middleware.proxy.protocols import HEARTBEAT
 from steptap.middleware.records import json_encoder
 from steptap.middleware.weights.swapper import CUT_MESSAGE, CUT_WRITE_S
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from steptap.middleware.weights.spans import Spans
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode  # a chunk that is no object: a ValidationError
-_ECHO = b'"prompt_token_ids"'
 _encode = json_encoder.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -74,7 +74,7 @@ class StreamRelay:
         self.failure: tuple[str, str] | None = None  # (message, type)
         self.upstream_error: bytes | None = None  # vLLM's own error event
         self.done = False  # [DONE] came
-        self.echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids once, in the first chunk
+        self.echo_left = self.endpoint == capture.CHAT  # vLLM echoes the prompt ids in its first chunk
 
     async def run(self, source: BackendStream, status: int) -> web.StreamResponse:
         """Relay SSE events as they come; the steps are recorded before ``[DONE]``. Once the headers are out a
@@ -224,16 +224,19 @@ class StreamRelay:
             if payload == b"[DONE]":
                 self.done = True
                 break
+            echo = None
             try:
-                # the echo's ids decoded from what is new (prompts.take_echo), the rest as before
-                echo = self.take_echo(payload) if echo_left and _ECHO in payload else None
+                if echo_left:  # vLLM's first chunk: the echo's ids decoded from what is new (prompts.py)
+                    echo_left = self.echo_left = False  # a later chunk is never searched (one holding ids is
+                    # decoded whole); find, not ``in``: bytes' ``in`` formats and drops a TypeError each time
+                    if payload.find(ECHO_KEY) >= 0:
+                        echo = self.take_echo(payload)
                 chunk = _decode(payload if echo is None else echo[0])
             except (msgspec.DecodeError, ValueError):
                 self.failure = (f"backend {self.base} sent a malformed stream chunk", "backend_malformed")
                 break
             if echo is not None:
                 chunk["prompt_token_ids"] = echo[2]
-                echo_left = self.echo_left = False
             if "error" in chunk and not chunk.get("choices"):
                 self._upstream_error(payload, chunk["error"])
                 continue  # vLLM follows its error event with [DONE]
