@@ -48,19 +48,29 @@ BAD_KEPT = 65_536
 
 
 class Changes:
-    """What followers wait on: set (and replaced) after every commit, and once more when the log closes."""
+    """What followers wait on (``event``): set after the next commit, and when the log closes. Made when a
+    follower asks for it: a commit nobody follows (most of them) makes and sets none."""
 
     def __init__(self, closed: bool = False) -> None:
-        self.event = asyncio.Event()
+        self._event: asyncio.Event | None = None
         self.closed = closed  # no commit will come any more (closed, read-only, or its writer died)
 
+    @property
+    def event(self) -> asyncio.Event:
+        """Set by the next commit (take it before reading: a commit during the read sets it)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
     def committed(self) -> None:
-        self.event.set()
-        self.event = asyncio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     def close(self) -> None:
         self.closed = True
-        self.event.set()
+        if self._event is not None:
+            self._event.set()
 
 
 class Reader:

@@ -57,7 +57,7 @@ class LiveSession:
     """An open session as the proxy holds it: its trajectory so far, its key, and its calls in flight."""
 
     __slots__ = ("__weakref__", "bytes", "closing", "conversation", "drained", "full", "full_extra",
-                 "full_sizes", "inflight", "key", "last_active", "late", "line", "lock", "norms", "peer",
+                 "full_sizes", "inflight", "key", "last_active", "late", "line", "_lock", "norms", "peer",
                  "pending", "sealed", "starts", "tito", "trajectory")
 
     def __init__(self, trajectory: Trajectory, key: str | None) -> None:
@@ -88,11 +88,18 @@ class LiveSession:
         self.norms = Norms()  # its latest message lists, normalized (prefix.py)
         self.starts: dict[int, str | asyncio.Task[tuple[str, str]]] = {}  # index -> where its Step record
         # starts (its append while in flight): the closing Trajectory record refers to it
-        self.lock = asyncio.Lock()  # serialises rewards and closing: a 200'd reward is in the trajectory
+        self._lock: asyncio.Lock | None = None  # made when first taken: an anonymous call never takes it
 
     @property
     def id(self) -> str:
         return self.trajectory.id
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Serialises rewards and closing: a 200'd reward is in the trajectory."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
 
 NOT_LOGGED = "log_write_failed"  # the error type of a step whose record is not in the log

@@ -7,8 +7,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -81,40 +80,10 @@ class Gate:
         """Until no call is through the gate."""
         await self._idle.wait()
 
-    @asynccontextmanager
-    async def gate(self) -> AsyncIterator[Ticket]:
-        """Around every model call: waits while a swap runs, then yields the version that samples it."""
-        if not self._open.is_set():
-            self.held += 1
-            if self._first_held_at is None:
-                self._first_held_at = time.monotonic()
-            try:
-                while not self._open.is_set():  # another swap may start before this task runs again
-                    await self._open.wait()
-            finally:
-                self.held -= 1
-        # No await between the check above and this increment: a swap cannot slip in between.
-        self.in_flight += 1
-        self._idle.clear()
-        task = asyncio.current_task()
-        if task is not None:
-            self._calls.add(task)
-        version, adapter = self.served.version, self.served.lora_name
-        spans = Spans(version, labelled=adapter is None)
-        self.spans.add(spans)
-        if adapter is not None:
-            self.adapters.hold(adapter)
-        try:
-            yield Ticket(version, adapter, spans)
-        finally:
-            self.spans.discard(spans)
-            self.spanning_calls += bool(spans.marks)
-            if adapter is not None:
-                self.adapters.release(adapter)
-            self._calls.discard(task)
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+    def gate(self) -> Pass:
+        """Around every model call (``async with gate.gate() as ticket``): waits while a swap runs, then
+        yields the version that samples it."""
+        return Pass(self)
 
     def mark(self, version: int) -> None:
         """Every call in flight: its tokens from here on are ``version``'s (vLLM is paused: none is
@@ -179,3 +148,49 @@ class Gate:
         self._cut.discard(task)  # once: a second cancellation (the server shutting down) is a real one
         task.uncancel()
         return True
+
+
+class Pass:
+    """One call through the gate (``Gate.gate``), until its block ends: an object, not a generator's context
+    manager (every model call enters one: a third of the cost, and no generator frame resumed twice)."""
+
+    __slots__ = ("adapter", "gate", "spans", "task")
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> Ticket:
+        gate = self.gate
+        if not gate._open.is_set():
+            gate.held += 1
+            if gate._first_held_at is None:
+                gate._first_held_at = time.monotonic()
+            try:
+                while not gate._open.is_set():  # another swap may start before this task runs again
+                    await gate._open.wait()
+            finally:
+                gate.held -= 1
+        # No await between the check above and this increment: a swap cannot slip in between.
+        gate.in_flight += 1
+        gate._idle.clear()
+        task = self.task = asyncio.current_task()
+        if task is not None:
+            gate._calls.add(task)
+        version, adapter = gate.served.version, gate.served.lora_name
+        spans = self.spans = Spans(version, labelled=adapter is None)
+        gate.spans.add(spans)
+        self.adapter = adapter
+        if adapter is not None:
+            gate.adapters.hold(adapter)
+        return Ticket(version, adapter, spans)
+
+    async def __aexit__(self, *exc: object) -> None:
+        gate, spans = self.gate, self.spans
+        gate.spans.discard(spans)
+        gate.spanning_calls += bool(spans.marks)
+        if self.adapter is not None:
+            gate.adapters.release(self.adapter)
+        gate._calls.discard(self.task)
+        gate.in_flight -= 1
+        if gate.in_flight == 0:
+            gate._idle.set()
