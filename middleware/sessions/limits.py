@@ -131,13 +131,14 @@ class Holdings:
         self.bytes_held += size
 
 
+_ALL_BUT_NODES = bytes(range(256)).translate(None, b",{[")  # every byte that opens no value
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def json_nodes(raw: bytes, cap: int) -> int:
     """An upper bound on the JSON values in ``raw``, counted without decoding: commas and openings; when that
     passes ``cap``, counted again outside strings (braces and commas in text are not values)."""
-    quick = len(raw) - len(raw.translate(None, b",{["))  # one pass (three counts took twice as long)
+    quick = len(raw.translate(None, _ALL_BUT_NODES))  # one pass, keeping only ",{[" (0.8x deleting them)
     if quick <= cap:
         return quick
     bare = _JSON_STRING.sub(b"", raw)
