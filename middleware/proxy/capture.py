@@ -37,11 +37,6 @@ _CONSTRAINT_KEYS = (
 )
 
 
-# The float scalars of ``Sampling`` and the value each has when neither the request nor the defaults set it
-_SCALARS = (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0), ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
-
-
 def constraints_of(body: dict[str, Any]) -> list[str]:
     """The request keys (present and non-empty) that constrain decoding beyond temperature and truncation."""
     found = [k for k in _CONSTRAINT_KEYS if body.get(k)]
@@ -58,15 +53,21 @@ def sampling_of(body: dict[str, Any], forced: bool, defaults: dict[str, float] =
     """The sampling parameters sent to vLLM (after forcing). A value the request omits is what vLLM applies:
     ``defaults`` (the model's generation_config, ``--model-dir``), else OpenAI's (temperature 1, top_p 1,
     top_k disabled, no penalties). The body's types were checked at the edge (``validate``)."""
-    top_k = body.get("top_k", defaults.get("top_k"))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    bias = body.get("logit_bias")
-    scalars = {}
-    for key, neutral in _SCALARS:  # a loop, not a helper per key: six calls fewer on every model call
-        value = body.get(key, defaults.get(key))
-        scalars[key] = neutral if value is None else float(value)
-    return Sampling(
-        **scalars,
+    get, default = body.get, defaults.get  # straight-line: no loop, dict or ** on every model call
+    top_k = get("top_k", default("top_k"))
+    max_tokens = get("max_completion_tokens", get("max_tokens"))
+    bias = get("logit_bias")
+    temperature, top_p = get("temperature", default("temperature")), get("top_p", default("top_p"))
+    min_p, presence = get("min_p", default("min_p")), get("presence_penalty", default("presence_penalty"))
+    frequency = get("frequency_penalty", default("frequency_penalty"))
+    repetition = get("repetition_penalty", default("repetition_penalty"))
+    return Sampling(  # a value neither the request nor the defaults set is the neutral one
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        min_p=0.0 if min_p is None else float(min_p),
+        presence_penalty=0.0 if presence is None else float(presence),
+        frequency_penalty=0.0 if frequency is None else float(frequency),
+        repetition_penalty=1.0 if repetition is None else float(repetition),
         top_k=-1 if top_k is None or top_k <= 0 else int(top_k),
         max_tokens=None if max_tokens is None else int(max_tokens),
         forced=forced,

@@ -4,6 +4,7 @@ as the agent's own bytes where it can be."""
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 import msgspec
@@ -162,15 +163,18 @@ def _upstream_body(raw: bytes, body: dict[str, Any], out: dict[str, Any]) -> byt
     """The bytes sent upstream: when the proxy only added keys the agent did not send (token ids, logprobs),
     the agent's own bytes with those keys appended (no re-encode of a long history); else ``out`` encoded. A
     long body goes as ``Parts``, the agent's bytes written from where they were read (no copy)."""
-    for k, v in body.items():  # a loop, not any(): no generator per call
-        if k not in out or out[k] is not v:
-            return _encode(out)  # a value changed or went (the model name, forced sampling, logprobs, a seed)
+    # One C pass (an unchanged value is the same object: compared at once): False when a value changed or
+    # went (the model name, forced sampling, logprobs, a seed). A value set equal to the agent's is the same
+    # on the wire.
+    if not body.items() <= out.items():
+        return _encode(out)
     if len(out) == len(body):  # the agent asked for token ids and logprobs itself: forwarded as it came
         return raw if len(raw) < _PARTS_FROM else Parts([raw[:1], memoryview(raw)[1:]])
     end = raw.rstrip()
     if not body or not end.endswith(b"}"):
         return _encode(out)
-    added = b",".join([_encode(k) + b":" + _encode(out[k]) for k in out if k not in body])
+    # ``out`` is ``dict(body)`` with keys set: with none gone, the added ones follow the agent's, in order
+    added = b",".join([_encode(k) + b":" + _encode(v) for k, v in islice(out.items(), len(body), None)])
     if len(end) < _PARTS_FROM:
         return b"".join((end[:-1], b",", added, b"}"))
     # the first part short: aiohttp joins only that one with the headers

@@ -68,21 +68,31 @@ def check(body: dict[str, Any], view: type[T]) -> T:
         raise ApiError(400, f"invalid request: {exc}", "invalid_request_body") from None
 
 
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_COUNTS = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
 def check_sampling(view: _Sampling, max_n: int) -> None:
     """Ranges the proxy relies on: finite numbers, ``n`` in ``[1, max_n]``, non-negative token counts."""
     if view.n is not None and not 1 <= view.n <= max_n:
         raise ApiError(400, f"n must be between 1 and {max_n}, got {view.n}", "invalid_n")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
-        value = getattr(view, name)
-        if value is not None and not math.isfinite(value):
-            raise ApiError(400, f"{name} must be a finite number, got {value}", "invalid_sampling")
-    if view.logit_bias is not None and not all(math.isfinite(v) for v in view.logit_bias.values()):
-        raise ApiError(400, "logit_bias values must be finite numbers", "invalid_sampling")
-    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
-        value = getattr(view, name)
-        if value is not None and value < 0:
-            raise ApiError(400, f"{name} must not be negative, got {value}", "invalid_sampling")
+    floats = (view.temperature, view.top_p, view.min_p, view.presence_penalty, view.frequency_penalty,
+              view.repetition_penalty)
+    # One C pass on every call (a sum of finite values is finite unless it overflows); the names only when
+    # it is not: a loop over six getattrs was a tenth of the edge check's bytecode
+    if not math.isfinite(sum(filter(None, floats))):
+        for name, value in zip(_FLOATS, floats, strict=True):
+            if value is not None and not math.isfinite(value):
+                raise ApiError(400, f"{name} must be a finite number, got {value}", "invalid_sampling")
+    if view.logit_bias and not math.isfinite(sum(view.logit_bias.values())):
+        for v in view.logit_bias.values():
+            if not math.isfinite(v):
+                raise ApiError(400, "logit_bias values must be finite numbers", "invalid_sampling")
+    counts = (view.max_tokens, view.max_completion_tokens, view.min_tokens)
+    if min(filter(None, counts), default=0) < 0:
+        for name, value in zip(_COUNTS, counts, strict=True):
+            if value is not None and value < 0:
+                raise ApiError(400, f"{name} must not be negative, got {value}", "invalid_sampling")
 
 
 def _not_objects() -> ApiError:

@@ -81,3 +81,23 @@ def test_a_bad_eval_sampling_flag_is_a_usage_error_naming_it(capsys: pytest.Capt
     assert "--eval-sampling: temperature must be a number, got 'greedy'" in capsys.readouterr().err
     assert config_from_args(["--backend", "http://b", "--eval-sampling", "temperature=0"]).eval_sampling == {
         "temperature": 0.0}
+
+
+def test_the_agents_own_bytes_go_upstream_when_only_keys_were_added() -> None:
+    """Token ids and logprobs turned on are appended to the agent's bytes (its history is not encoded
+    again); a value set equal to the agent's keeps them too; a changed or dropped one re-encodes the body."""
+    raw = b'{"model": "tiny",  "messages": [{"role": "user", "content": "hi"}], "temperature": 0.6}'
+    body = msgspec.json.decode(raw)
+    forced = {"temperature": 0.6}
+    config = ProxyConfig(backend="http://127.0.0.1:1")
+    out, _ = patch_request(body, "chat.completions", "tiny", config, forced)
+    sent = _upstream_body(raw, body, out)
+    assert isinstance(sent, bytes) and sent.startswith(raw[:-1])  # the agent's spacing kept: not re-encoded
+    assert msgspec.json.decode(sent) == {**body, "logprobs": True, "return_token_ids": True}
+    assert list(msgspec.json.decode(sent))[-2:] == ["logprobs", "return_token_ids"]
+    for forced, cfg in (({"temperature": 0.2}, {}), ({}, {"drop_seed": True})):
+        with_seed = {**body, "seed": 3}
+        out, _ = patch_request(with_seed, "chat.completions", "tiny", ProxyConfig(backend="http://127.0.0.1:1",
+                                                                                   **cfg), forced)
+        sent = _upstream_body(msgspec.json.encode(with_seed), with_seed, out)
+        assert isinstance(sent, bytes) and msgspec.json.decode(sent) == out  # encoded from what changed
