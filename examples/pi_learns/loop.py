@@ -32,13 +32,17 @@ TASKS = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run"]
 SKIP_SETTLE_S = 30.0  # no update and no new skipped group for this long: the learner waits for more groups
 
 
-def in_turn(names: Iterable[str]) -> list[str]:
+def in_turn(names: Iterable[str], first: str | None = None) -> list[str]:
     """Training tasks with their kinds in turn (``product-…``, ``count-…``, ``offbyone-…``), each kind in name
-    order: sorted names would run every task of one kind before the next kind's first."""
+    order: sorted names would run every task of one kind before the next kind's first. ``first``: that kind's
+    tasks all come before the others' (a curriculum)."""
     kinds: dict[str, list[str]] = {}
     for name in sorted(names):
         kinds.setdefault(name.split("-", 1)[0], []).append(name)
-    return [name for row in zip_longest(*kinds.values()) for name in row if name is not None]
+    if first is not None and first not in kinds:
+        raise ValueError(f"no training task of the kind {first!r} (kinds: {', '.join(kinds)})")
+    head = kinds.pop(first, []) if first is not None else []
+    return head + [name for row in zip_longest(*kinds.values()) for name in row if name is not None]
 
 
 def _version(client: SyncSteptapClient) -> int:
@@ -142,7 +146,7 @@ class Driver:
         ``--resample`` times, before the wait goes on. Each batch appends its budget to the metrics file
         (``lockstep_*``: the episodes' wall time with their verifiers, then the wait for the new version: the
         update, writing the adapter and the swap; the tasks resampled)."""
-        names = in_turn(d.name for d in (self.args.data / "train").iterdir() if d.is_dir())
+        names = in_turn((d.name for d in (self.args.data / "train").iterdir() if d.is_dir()), self.args.first)
         chunks = [names[i:i + groups] for i in range(0, len(names), groups)]
         done = self._batches_done()
         for r in range(self.args.rounds):
@@ -247,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resample", type=int, default=0, metavar="K",
                    help="with --lockstep and the learner's skip_uniform_groups: run a task whose group was "
                         "skipped (every episode one reward) again, up to K times (dynamic sampling)")
+    p.add_argument("--first", metavar="KIND", default=None,
+                   help="with --lockstep: every training task of KIND (product, count, offbyone) before the "
+                        "other kinds' in each round, a curriculum (default: the kinds in turn)")
     p.add_argument("--update-timeout", type=float, default=3600.0,
                    help="with --lockstep: seconds to wait for an update before going on")
     p.add_argument("--updates", type=int, default=0, metavar="N",
@@ -257,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.lockstep < 0 or args.resample < 0 or args.updates < 0:
         p.error("--lockstep, --resample and --updates: a number, 0 for none")
+    if args.first is not None and not args.lockstep:
+        p.error("--first orders the lockstep batches: it needs --lockstep")
+    if args.first is not None:
+        try:
+            in_turn((d.name for d in (args.data / "train").iterdir() if d.is_dir()), args.first)
+        except (ValueError, OSError) as e:
+            p.error(f"--first: {e}")
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"
     url = os.environ.get("STEPTAP_URL")
     if not url:

@@ -90,3 +90,8 @@ def test_the_driver_runs_the_kinds_in_turn_and_one_kind_in_name_order(tmp_path: 
     assert [n.split("-")[0] for n in order] == ["count", "offbyone", "product"] * 2 + ["product"]
     products = [n for n in names if n.startswith("product-")]
     assert loop.in_turn(reversed(products)) == sorted(products)
+    first = loop.in_turn(names, first="product")  # a curriculum: every product task, then the rest in turn
+    assert [n.split("-")[0] for n in first] == ["product"] * 3 + ["count", "offbyone"] * 2
+    assert first[:3] == sorted(products)
+    with pytest.raises(ValueError, match="'sum'"):
+        loop.in_turn(names, first="sum")
