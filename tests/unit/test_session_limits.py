@@ -226,3 +226,29 @@ def _openings_and_commas(value: Any) -> int:
     if items is None:
         return 0
     return 1 + max(0, len(items) - 1) + sum(_openings_and_commas(v) for v in items)
+
+
+@pytest.mark.parametrize("cap", [10**6, 40])
+def test_a_small_body_is_charged_its_worst_case_and_a_large_one_its_count(cap: int) -> None:
+    from steptap.middleware.exceptions import RequestTooComplex
+    from steptap.middleware.metrics import Metrics
+    from steptap.middleware.sessions.limits import CALL_COPIES, NODE_BYTES, SMALL_BODY, Holdings
+    holdings = Holdings(ProxyConfig(max_json_nodes=cap), Metrics())
+    small = json.dumps({"messages": [{"role": "user", "content": "x" * 100}]}).encode()
+    large = json.dumps({"messages": [{"role": "user", "content": "x" * SMALL_BODY}]}).encode()
+    with holdings.body_memory(len(small)) as hold:
+        hold.read(small)
+        # uncounted (a value per byte) while the cap is above its length; counted when it is not
+        nodes = len(small) if cap >= len(small) else json_nodes(small, cap)
+        assert hold.size == holdings.body_bytes == CALL_COPIES * len(small) + NODE_BYTES * nodes
+    with holdings.body_memory(len(large)) as hold:
+        hold.read(large)
+        assert hold.size == CALL_COPIES * len(large) + NODE_BYTES * json_nodes(large, cap) < NODE_BYTES * len(large)
+    assert holdings.body_bytes == 0
+    bomb = b"[" + b"{}," * 100 + b"{}]"  # under SMALL_BODY, 101 values: past a cap below that, still a 413
+    with holdings.body_memory(len(bomb)) as hold:
+        if cap < 101:
+            with pytest.raises(RequestTooComplex):
+                hold.read(bomb)
+        else:
+            hold.read(bomb)
