@@ -3,7 +3,8 @@
 Rows written by ``steptap eval --metrics-file`` (``eval_version``, ``eval_accuracy``) are drawn on the reward
 panel at the update that published that policy version (version 0: before the first update). A tool
 environment's eval rows (``eval_tool_call_rate``, ``eval_well_formed_rate``, ``eval_turns_mean``) get a panel
-of their own: held-out accuracy, the two rates and the turns per episode, by update."""
+of their own: held-out accuracy, the two rates and the turns per episode, by update, and with
+``eval_accuracy_by_kind`` (a task family's kinds, examples/pi_learns) each kind's accuracy."""
 
 from __future__ import annotations
 
@@ -45,10 +46,23 @@ TOOL_SERIES = (  # (key, label, colour): a tool environment's held-out series
 )
 
 
+def kind_points(rows: list[dict], evals: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each task kind's held-out accuracy (``eval_accuracy_by_kind``), by update; none for a single kind (its
+    line is the accuracy's)."""
+    kinds = sorted({k for e in evals for k in e.get("eval_accuracy_by_kind") or {}})
+    if len(kinds) < 2:
+        return {}
+    by_kind = [e.get("eval_accuracy_by_kind") or {} for e in evals]
+    pairs = list(zip(evals, by_kind, strict=True))
+    return {k: eval_points(rows, [{**e, "kind": b.get(k)} for e, b in pairs], "kind") for k in kinds}
+
+
 def _tool_panel(ax: Any, rows: list[dict], evals: list[dict]) -> None:
     for key, label, colour in TOOL_SERIES:
         pts = eval_points(rows, evals, key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ms=4, color=colour, label=label)
+    for kind, pts in kind_points(rows, evals).items():  # a task family's kinds, dotted under the accuracy
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=":", marker=".", label=f"accuracy: {kind}")
     ax.set_ylabel("held-out (greedy)")
     ax.set_ylim(-0.05, 1.05)
     turns = eval_points(rows, evals, "eval_turns_mean")

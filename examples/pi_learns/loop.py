@@ -8,7 +8,8 @@ sandboxes; the learner trains complete groups as they come) and, at policy versi
 ``--eval-every`` versions after, ``steptap tasks run DATA/test --mode eval --agent pi -n 1 --limit L``: eval
 sessions, never trained on. Each evaluation appends one row per policy version that answered to the metrics
 file (``eval_version``, ``eval_accuracy`` = pass@1, ``eval_tool_call_rate``: episodes whose pi made at least
-one tool call, ``eval_turns_mean``: model calls per episode), which ``steptap plot`` draws. Both runs keep
+one tool call, ``eval_turns_mean``: model calls per episode, ``eval_accuracy_by_kind``: the pass rate of each
+kind of task, by its name's first word), which ``steptap plot`` draws. Both runs keep
 their state under ``--workdir``: the same command resumes them.
 """
 
@@ -26,9 +27,11 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from steptap.adapters.tasks import report
 from steptap.middleware.client import SteptapError, SyncSteptapClient, default_control_token
 
 TASKS = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run"]
+PASS_THRESHOLD = 1.0  # `steptap tasks run`'s default --threshold: an episode passes with the exact outcome
 SKIP_SETTLE_S = 30.0  # no update and no new skipped group for this long: the learner waits for more groups
 
 
@@ -55,15 +58,19 @@ def _version(client: SyncSteptapClient) -> int:
 def eval_rows(summary: dict[str, Any], client: SyncSteptapClient, run_dir: Path) -> list[dict[str, Any]]:
     """One metrics row per policy version that answered: pass@1, the tool-call rate and turns per episode."""
     per: dict[int, dict[str, list[float]]] = {}
-    for line in (run_dir / "state.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    kinds: dict[int, dict[str, list[bool]]] = {}
+    lines = (run_dir / "state.jsonl").read_text().splitlines()
+    for rec in report.latest([json.loads(line) for line in lines]):  # an episode retried: its last attempt
         if rec.get("status") != "finished" or rec.get("policy_version") is None:
             continue
         steps = client.get_session(rec["session_id"]).steps
         called = any((s.response or {}).get("tool_calls") for s in steps)
-        row = per.setdefault(int(rec["policy_version"]), {"calls": [], "turns": []})
+        version = int(rec["policy_version"])
+        row = per.setdefault(version, {"calls": [], "turns": []})
         row["calls"].append(1.0 if called else 0.0)
         row["turns"].append(float(len(steps)))
+        kinds.setdefault(version, {}).setdefault(rec["task"].split("-", 1)[0], []).append(
+            report.passed(rec, PASS_THRESHOLD))
     out = []
     for version, figures in sorted(summary.get("by_version", {}).items(), key=lambda kv: int(kv[0])):
         got = per.get(int(version), {"calls": [], "turns": []})
@@ -71,7 +78,9 @@ def eval_rows(summary: dict[str, Any], client: SyncSteptapClient, run_dir: Path)
         out.append({"time": time.time(), "eval_version": int(version), "eval_accuracy": figures["pass@1"],
                     "eval_episodes": figures["episodes"],
                     "eval_tool_call_rate": sum(got["calls"]) / n if n else None,
-                    "eval_turns_mean": sum(got["turns"]) / n if n else None})
+                    "eval_turns_mean": sum(got["turns"]) / n if n else None,
+                    "eval_accuracy_by_kind": {k: sum(v) / len(v)
+                                              for k, v in sorted(kinds.get(int(version), {}).items())}})
     return out
 
 

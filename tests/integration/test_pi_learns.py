@@ -98,7 +98,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     # the recipe's driver in lockstep: round k's group, then the update it feeds, then the next
     args = argparse.Namespace(data=data, workdir=tmp_path / "run", eval_limit=5, concurrency=2, n=2, rounds=1,
                               metrics_file=metrics, agent_timeout=600.0, no_eval=True, update_timeout=600.0,
-                              resample=1, updates=2)
+                              resample=1, updates=2, first=None)
     client = SyncSteptapClient(proxy.url, proxy.token)
     driver = loop.Driver(args, client)
     vllm0 = cpu_of(long_swap.pid)
@@ -157,7 +157,7 @@ async def test_two_updates_of_the_recipe_through_the_real_pi(make_proxy, long_sw
     # one held-out episode (episode 0: the script's right answer), sampled by version 2, pi's two tool calls
     assert {k: v for k, v in evaluated.items() if k != "time"} == {
         "eval_version": 2, "eval_accuracy": 1.0, "eval_episodes": 1, "eval_tool_call_rate": 1.0,
-        "eval_turns_mean": 3.0}, (held_out, evaluated)
+        "eval_turns_mean": 3.0, "eval_accuracy_by_kind": {"product": 1.0}}, (held_out, evaluated)
     state_ = checkpoint.load_latest(str(ckpt))
     assert (state_["updates"], state_["version"]) == (2, 2)
     # the driver's budget of each batch: its episodes, then the wait for the version they fed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from steptap.learner.plot import eval_points, main
+from steptap.learner.plot import eval_points, kind_points, main
 
 
 def test_eval_rows_land_on_the_update_that_published_their_version(tmp_path: Path) -> None:
@@ -21,6 +21,24 @@ def test_eval_rows_land_on_the_update_that_published_their_version(tmp_path: Pat
     metrics.write_text("".join(json.dumps(r) + "\n" for r in [*updates, *evals]))
     assert main([str(metrics), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_task_familys_kinds_get_a_line_each(tmp_path: Path) -> None:
+    updates = [{"update": u, "policy_version": u, "reward_mean": 0.1, "loss": 0.0} for u in range(1, 6)]
+    evals = [
+        {"eval_version": 0, "eval_accuracy": 0.0, "eval_tool_call_rate": 0.0,
+         "eval_accuracy_by_kind": {"count": 0.0, "product": 0.0}},
+        {"eval_version": 5, "eval_accuracy": 0.5, "eval_tool_call_rate": 1.0,
+         "eval_accuracy_by_kind": {"count": 0.25, "product": 1.0, "offbyone": 0.0}},  # a kind first seen at 5
+    ]
+    assert kind_points(updates, evals) == {"count": [(0, 0.0), (5, 0.25)], "offbyone": [(5, 0.0)],
+                                           "product": [(0, 0.0), (5, 1.0)]}
+    one = [{**e, "eval_accuracy_by_kind": {"product": e["eval_accuracy"]}} for e in evals]
+    assert kind_points(updates, one) == {}  # one kind: its line is the accuracy's
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*updates, *evals]))
+    assert main([str(metrics), "-o", str(tmp_path / "k.png")]) == 0
+    assert (tmp_path / "k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_live_view_shows_eval_accuracy_beside_the_training_reward(tmp_path: Path) -> None:
