@@ -52,9 +52,11 @@ def kind_points(rows: list[dict], evals: list[dict]) -> dict[str, list[tuple[int
     kinds = sorted({k for e in evals for k in e.get("eval_accuracy_by_kind") or {}})
     if len(kinds) < 2:
         return {}
-    by_kind = [e.get("eval_accuracy_by_kind") or {} for e in evals]
-    pairs = list(zip(evals, by_kind, strict=True))
-    return {k: eval_points(rows, [{**e, "kind": b.get(k)} for e, b in pairs], "kind") for k in kinds}
+    out = {}
+    for k in kinds:  # each kind's figure as an eval row's own key, for eval_points
+        figures = [{**e, "kind": (e.get("eval_accuracy_by_kind") or {}).get(k)} for e in evals]
+        out[k] = eval_points(rows, figures, "kind")
+    return out
 
 
 def _tool_panel(ax: Any, rows: list[dict], evals: list[dict]) -> None:

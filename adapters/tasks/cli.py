@@ -49,8 +49,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=None, metavar="NAME", help="only this task (repeated)")
     p.add_argument("--limit", type=int, default=None, help="only the first N tasks")
     p.add_argument("--concurrency", type=int, default=None, help="episodes (or checks) at once")
-    p.add_argument("--threshold", type=float, default=1.0,
-                   help="the reward at or above which an episode passes (default 1.0)")
+    p.add_argument("--threshold", type=float, default=report.PASS_THRESHOLD,
+                   help=f"the reward at or above which an episode passes (default {report.PASS_THRESHOLD})")
     p.add_argument("--expose", action="append", default=[], type=Path, metavar="PATH",
                    help="another host folder the sandbox shows read-only (a toolchain; repeated)")
     p.add_argument("--keep", action="store_true", help="keep each episode's working folder and home")

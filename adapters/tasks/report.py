@@ -9,6 +9,8 @@ import math
 from collections import Counter, defaultdict
 from typing import Any
 
+PASS_THRESHOLD = 1.0  # the reward at or above which an episode passes, unless the run says otherwise
+
 
 def latest(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each episode's last attempt (an infrastructure error retried counts once, by its retry's outcome)."""

@@ -31,7 +31,6 @@ from steptap.adapters.tasks import report
 from steptap.middleware.client import SteptapError, SyncSteptapClient, default_control_token
 
 TASKS = [sys.executable, "-m", "steptap.middleware.cli", "tasks", "run"]
-PASS_THRESHOLD = 1.0  # `steptap tasks run`'s default --threshold: an episode passes with the exact outcome
 SKIP_SETTLE_S = 30.0  # no update and no new skipped group for this long: the learner waits for more groups
 
 
@@ -46,6 +45,11 @@ def in_turn(names: Iterable[str], first: str | None = None) -> list[str]:
         raise ValueError(f"no training task of the kind {first!r} (kinds: {', '.join(kinds)})")
     head = kinds.pop(first, []) if first is not None else []
     return head + [name for row in zip_longest(*kinds.values()) for name in row if name is not None]
+
+
+def train_names(data: Path) -> list[str]:
+    """The training tasks' names (make_tasks.py's ``--out``: ``train/<task>/``)."""
+    return [d.name for d in (data / "train").iterdir() if d.is_dir()]
 
 
 def _version(client: SyncSteptapClient) -> int:
@@ -70,7 +74,7 @@ def eval_rows(summary: dict[str, Any], client: SyncSteptapClient, run_dir: Path)
         row["calls"].append(1.0 if called else 0.0)
         row["turns"].append(float(len(steps)))
         kinds.setdefault(version, {}).setdefault(rec["task"].split("-", 1)[0], []).append(
-            report.passed(rec, PASS_THRESHOLD))
+            report.passed(rec, report.PASS_THRESHOLD))  # the runner's default: the exact outcome
     out = []
     for version, figures in sorted(summary.get("by_version", {}).items(), key=lambda kv: int(kv[0])):
         got = per.get(int(version), {"calls": [], "turns": []})
@@ -155,7 +159,7 @@ class Driver:
         ``--resample`` times, before the wait goes on. Each batch appends its budget to the metrics file
         (``lockstep_*``: the episodes' wall time with their verifiers, then the wait for the new version: the
         update, writing the adapter and the swap; the tasks resampled)."""
-        names = in_turn((d.name for d in (self.args.data / "train").iterdir() if d.is_dir()), self.args.first)
+        names = in_turn(train_names(self.args.data), self.args.first)
         chunks = [names[i:i + groups] for i in range(0, len(names), groups)]
         done = self._batches_done()
         for r in range(self.args.rounds):
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--first orders the lockstep batches: it needs --lockstep")
     if args.first is not None:
         try:
-            in_turn((d.name for d in (args.data / "train").iterdir() if d.is_dir()), args.first)
+            in_turn(train_names(args.data), args.first)
         except (ValueError, OSError) as e:
             p.error(f"--first: {e}")
     args.metrics_file = args.metrics_file or args.workdir / "metrics.jsonl"

@@ -188,14 +188,14 @@ class BodyHold:
         its copies, and ``NODE_BYTES`` a decoded value; a body up to ``SMALL_BODY`` bytes a value per byte)
         would pass ``max_body_memory``."""
         cfg = self.holdings.config
-        nodes = len(raw)
-        if nodes > SMALL_BODY or nodes > cfg.max_json_nodes:
-            nodes = json_nodes(raw, cfg.max_json_nodes)
-        if nodes > cfg.max_json_nodes:
+        size, cap = len(raw), cfg.max_json_nodes
+        # a body can hold no more values than bytes: under both bounds, no count and no 413 to find
+        nodes = size if size <= SMALL_BODY and size <= cap else json_nodes(raw, cap)
+        if nodes > cap:
             raise RequestTooComplex(
                 f"request body has more than {cfg.max_json_nodes} JSON values (max_json_nodes)"
             )
-        self.resize(CALL_COPIES * len(raw) + NODE_BYTES * nodes)
+        self.resize(CALL_COPIES * size + NODE_BYTES * nodes)
 
     def resize(self, size: int) -> None:
         h = self.holdings
