@@ -199,12 +199,17 @@ def load(url: str) -> dict[str, Any]:
     return join_tensors(doc["state"], tensors)
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def restore_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """The trained weights of an engine's checkpoint state into ``model`` (built as the learner built it)."""
     missing = set(trainable_state(model)) - set(state["model"])
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[:3]}): "
                          "was it written with other LoRA settings?")
     model.load_state_dict(state["model"], strict=False)
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    restore_model(model, state)
     optimizer.load_state_dict(state["optimizer"])
     if "rng" in state:
         torch.set_rng_state(state["rng"])

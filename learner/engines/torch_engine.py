@@ -47,7 +47,8 @@ from steptap.learner.engines.torch_layout import Layout, fill_advantages, layout
 from steptap.learner.health import gap_sums
 from steptap.learner.rows import Batch
 
-__all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
+__all__ = ["StepStats", "TorchEngine", "model_class", "pick_device", "policy_model", "sampler_logprobs",
+           "token_logprobs"]
 
 
 class _Before(NamedTuple):
@@ -94,11 +95,36 @@ def sampler_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Te
     return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=-30.0)
 
 
+def model_class(model_dir: str | Path) -> Any:
+    """transformers' auto class for ``model_dir``: image-text-to-text for a vision-language model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from steptap.learner.vision import vision_config
+
+    return AutoModelForImageTextToText if vision_config(model_dir) is not None else AutoModelForCausalLM
+
+
+def policy_model(cfg: LearnerConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model the learner trains: ``cfg.model_dir``'s weights, inside a LoRA adapter when ``lora_rank`` > 0
+    (``steptap trained-model`` builds the same one to load a checkpoint into)."""
+    from steptap.learner.vision import lora_targets
+
+    model = model_class(cfg.model_dir).from_pretrained(cfg.model_dir, dtype=dtype).to(device)
+    if cfg.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                 lora_dropout=cfg.lora_dropout,
+                                                 target_modules=lora_targets(cfg.lora_targets, cfg.model_dir),
+                                                 task_type="CAUSAL_LM"))
+    return model
+
+
 class TorchEngine:
     def __init__(self, cfg: LearnerConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        from steptap.learner.vision import lora_targets, vision_config
+        from steptap.learner.vision import vision_config
 
         self.cfg = cfg
         self.device = pick_device(cfg.device)
@@ -111,21 +137,12 @@ class TorchEngine:
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         vcfg = vision_config(cfg.model_dir)
-        vl = vcfg is not None
-        auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
         self.image_token_id = int(vcfg["image_token_id"]) if vcfg else -1
-        model = auto.from_pretrained(cfg.model_dir, dtype=dtype).to(self.device)
+        model = policy_model(cfg, dtype, self.device)
         self.reference = None
-        if cfg.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                                     lora_dropout=cfg.lora_dropout,
-                                                     target_modules=lora_targets(cfg.lora_targets,
-                                                                                 cfg.model_dir),
-                                                     task_type="CAUSAL_LM"))
-        elif cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just disables the adapter)
-            ref = auto.from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
+        if cfg.lora_rank == 0 and cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just
+            # disables the adapter)
+            ref = model_class(cfg.model_dir).from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
             self.reference = ref.to(self.device).eval().requires_grad_(False)
         self.model = model
         self.model.config.use_cache = False
