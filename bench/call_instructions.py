@@ -2,6 +2,7 @@
 an idle one, so two refs compare in one run without rounds or a quiet hour.
 
     .venv/bin/python bench/call_instructions.py [--baseline REF ...] [--stream] [--calls 100] [--warm 20]
+        [--cache]
 
 Each target (the floor: bench/passthrough.py; this checkout's ``steptap serve``; each ``--baseline`` ref's
 tree as ``proxy_overhead.py`` exports it) runs under ``valgrind --tool=callgrind`` (every thread of the
@@ -14,7 +15,9 @@ times the whole call.
 Printed: thousands of instructions per call, each target's ratio to the floor and to the first baseline.
 Where the work per call is Python (it is), instructions follow CPU time: at 0b2ea21 and the code of
 2026-12-04 the plain call's ratio (1.10x) was the ratio of CPU seconds ``proxy_overhead.py`` measured at
-c=1 (bench/README.md). Needs valgrind (Debian: ``apt-get install valgrind``); about 2 minutes a target.
+c=1 (bench/README.md). ``--cache`` adds callgrind's cache simulation: first-level data misses per
+call, what instructions alone miss where one version touches more memory a call. Needs valgrind (Debian:
+``apt-get install valgrind``); about 2 minutes a target (longer with ``--cache``).
 """
 
 from __future__ import annotations
@@ -33,32 +36,38 @@ from proxy_overhead import Steptap, baseline_names, baseline_tree, steptap_cmd
 FLOOR = "floor (passthrough)"
 
 
-def valgrind(out: Path) -> list[str]:
+def valgrind(out: Path, cache: bool = False) -> list[str]:
     exe = shutil.which("valgrind")
     if exe is None:
         raise SystemExit("call_instructions.py needs valgrind (Debian: apt-get install valgrind)")
     # one output file for the process, its threads summed; no per-instruction data (smaller, faster)
-    return [exe, "--tool=callgrind", "--dump-instr=no", f"--callgrind-out-file={out}"]
+    return [exe, "--tool=callgrind", "--dump-instr=no", f"--callgrind-out-file={out}",
+            *(["--cache-sim=yes"] if cache else [])]
 
 
-def total(out: Path) -> int:
-    """The instructions callgrind counted in a run (its ``summary:`` or ``totals:`` line)."""
+def totals(out: Path) -> dict[str, int]:
+    """The events callgrind counted in a run (its ``summary:`` or ``totals:`` line under ``events:``):
+    ``Ir`` (instructions), and with the cache simulation ``D1mr``/``D1mw`` (first-level data misses) etc."""
+    events: list[str] = []
     for line in out.read_text(errors="replace").splitlines():
-        if line.startswith(("summary:", "totals:")):
-            return int(line.split()[1])
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith(("summary:", "totals:")):
+            return dict(zip(events or ["Ir"], map(int, line.split()[1:]), strict=False))
     raise RuntimeError(f"{out}: no totals line (did the process exit cleanly?)")
 
 
-def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str) -> int:
-    """Instructions of one target's process over ``n`` sequential calls, start to exit."""
+def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str,
+            cache: bool = False) -> dict[str, int]:
+    """callgrind's events of one target's process over ``n`` sequential calls, start to exit."""
     out = work / f"{name}.callgrind"
     if target == FLOOR:
-        server: Server = Server(name, [*valgrind(out), *python_cmd("passthrough.py", "--backend", upstream)],
-                                log=str(work / f"{name}.log")).start(timeout=900)
+        cmd = [*valgrind(out, cache), *python_cmd("passthrough.py", "--backend", upstream)]
+        server: Server = Server(name, cmd, log=str(work / f"{name}.log")).start(timeout=900)
     else:
         port = free_port()
         # this checkout as ``python -m``, or a baseline's tree first on the path (steptap_cmd's boot code)
-        prefix = [*valgrind(out), sys.executable, *([] if tree else ["-m", "steptap.middleware.cli"])]
+        prefix = [*valgrind(out, cache), sys.executable, *([] if tree else ["-m", "steptap.middleware.cli"])]
         cmd = steptap_cmd(upstream, port, str(work / f"{name}-log"), [], " ".join(prefix), tree)
         server = Steptap(name, cmd, log=str(work / f"{name}.log"))
         server.port = port
@@ -67,12 +76,14 @@ def counted(target: str, tree: str | None, upstream: str, n: int, stream: bool, 
         sequential(server.port, n, stream, timeout=600)
     finally:
         server.stop(timeout=600)
-    return total(out)
+    return totals(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = counting_parser(__doc__, 100)
     p.add_argument("--warm", type=int, default=20, help="calls before the counted ones (default 20)")
+    p.add_argument("--cache", action="store_true",
+                   help="simulate the caches too: first-level data misses per call (slower)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="steptap-instructions-"))
     targets: dict[str, str | None] = {FLOOR: None, "steptap": None}
@@ -80,24 +91,32 @@ def main(argv: list[str] | None = None) -> int:
         targets[f"{name} ({ref})"] = baseline_tree(ref, work, name)
     replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()
     per_call: dict[str, float] = {}
+    misses: dict[str, float] = {}  # --cache: first-level data misses (reads + writes) per call
     try:
         for i, (target, tree) in enumerate(targets.items()):
-            short = counted(target, tree, replay.url, args.warm, args.stream, work, f"t{i}-short")
-            long = counted(target, tree, replay.url, args.warm + args.calls, args.stream, work, f"t{i}-long")
-            per_call[target] = (long - short) / args.calls
+            short = counted(target, tree, replay.url, args.warm, args.stream, work, f"t{i}-short", args.cache)
+            long = counted(target, tree, replay.url, args.warm + args.calls, args.stream, work, f"t{i}-long",
+                           args.cache)
+            per_call[target] = (long["Ir"] - short["Ir"]) / args.calls
+            if args.cache:
+                misses[target] = sum(long.get(e, 0) - short.get(e, 0) for e in ("D1mr", "D1mw")) / args.calls
     finally:
         replay.stop()
     kind = "streamed" if args.stream else "plain"
     names = list(per_call)
     ref = names[2] if len(names) > 2 else None
     print(f"Instructions per {kind} call ({args.calls} counted after {args.warm}, callgrind, all threads):\n")
-    print("| target | k instructions | x floor |" + (f" x {ref} |" if ref else "") + "\n|---|---:|---:|"
-          + ("---:|" if ref else ""))
+    print("| target | k instructions | x floor |" + (f" x {ref} |" if ref else "")
+          + (" k D1 misses |" + (f" x {ref} |" if ref else "") if misses else "")
+          + "\n|---|---:|---:|" + ("---:|" if ref else "") + ("---:|" * (1 + bool(ref)) if misses else ""))
     for name, ir in per_call.items():
-        row = f"| {name} | {ir / 1e3:,.0f} | {ir / per_call[FLOOR]:.2f} |"
-        print(row + (f" {ir / per_call[ref]:.2f} |" if ref else ""))
+        row = f"| {name} | {ir / 1e3:,.0f} | {ir / per_call[FLOOR]:.2f} |" + (f" {ir / per_call[ref]:.2f} |"
+                                                                                if ref else "")
+        if misses:
+            row += f" {misses[name] / 1e3:,.1f} |" + (f" {misses[name] / misses[ref]:.2f} |" if ref else "")
+        print(row)
     if args.json:
-        figures = {"kind": kind, "calls": args.calls, "per_call": per_call}
+        figures = {"kind": kind, "calls": args.calls, "per_call": per_call, "d1_misses": misses or None}
         Path(args.json).write_text(json.dumps(figures, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0
