@@ -20,12 +20,12 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from steptap.middleware import files
 
 SOURCE_FILE = "steptap-source.json"
 
@@ -94,31 +94,26 @@ def convert(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        # gguf_file is resolved inside the first argument's folder: the package folder holds only this model.
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        eos_id = tokenizer.convert_tokens_to_ids(src.eos_token)
-        if eos_id is None or eos_id == tokenizer.unk_token_id:
-            raise PretrainedError(f"{src.eos_token!r} is not a token of the converted tokenizer")
-        # The converted tokenizer reports the turn *start* as eos; generation must stop at the turn's end.
-        tokenizer.eos_token = src.eos_token
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = src.eos_token
-        model.config.eos_token_id = eos_id
-        model.generation_config.eos_token_id = eos_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # gguf_file is resolved inside the first argument's folder: the package folder holds only this model.
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    eos_id = tokenizer.convert_tokens_to_ids(src.eos_token)
+    if eos_id is None or eos_id == tokenizer.unk_token_id:
+        raise PretrainedError(f"{src.eos_token!r} is not a token of the converted tokenizer")
+    # The converted tokenizer reports the turn *start* as eos; generation must stop at the turn's end.
+    tokenizer.eos_token = src.eos_token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = src.eos_token
+    model.config.eos_token_id = eos_id
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / SOURCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    files.replace_dir(out, fill)
     return out
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import msgspec
 
 from steptap.learner import checkpoint
 from steptap.learner.config import LearnerConfig
+from steptap.middleware import files
 
 SOURCE_FILE = "steptap-trained.json"
 
@@ -89,21 +88,17 @@ def write(url: str, out_dir: str | Path, *, model_dir: str | None = None, adapte
         raise TrainedModelError(str(exc)) from None
     if cfg.lora_rank > 0 and not adapter:
         model = model.merge_and_unload()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    tokenizer = None if adapter else AutoTokenizer.from_pretrained(cfg.model_dir)
+    source = {"checkpoint": url, "version": state.get("version"), "updates": state.get("updates"),
+              "base": str(Path(cfg.model_dir).resolve()), "adapter": adapter, "lora_rank": cfg.lora_rank}
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp))  # an adapter: adapter_config.json + adapter_model.safetensors
-        if not adapter:
-            AutoTokenizer.from_pretrained(cfg.model_dir).save_pretrained(str(tmp))
-        source = {"checkpoint": url, "version": state.get("version"), "updates": state.get("updates"),
-                  "base": str(Path(cfg.model_dir).resolve()), "adapter": adapter,
-                  "lora_rank": cfg.lora_rank}
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    files.replace_dir(out, fill)
     return out
 
 

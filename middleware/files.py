@@ -14,7 +14,10 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -185,8 +188,26 @@ def sync_tree(path: StrPath) -> None:
     fsync_path(root)
 
 
+def replace_dir(path: StrPath, fill: Callable[[Path], None]) -> Path:
+    """``path`` replaced by a directory that ``fill(tmp)`` writes beside it, moved into place only once
+    complete: an interrupted write (a model conversion or export) never leaves a half-written directory
+    that looks whole."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        fill(tmp)
+        sync_tree(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 __all__ = [
     "DIR_MODE", "FILE_MODE", "append_durable", "atomic_write", "datasync", "fsync_path", "makedirs",
-    "private_dir", "sync_tree",
+    "private_dir", "replace_dir", "sync_tree",
     "write_all",
 ]

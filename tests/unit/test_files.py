@@ -90,3 +90,21 @@ def test_atomic_write_never_follows_a_planted_temp_name(tmp_path: Path) -> None:
     (tmp_path / f".f.tmp-{os.getpid()}").symlink_to(victim)
     files.atomic_write(target, "new")
     assert victim.read_text() == "keep me" and target.read_text() == "new" and not target.is_symlink()
+
+
+def test_replace_dir_moves_a_complete_directory_into_place_or_leaves_the_old(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.replace_dir(out, broken)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary folder left beside it
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    files.replace_dir(out, lambda tmp: (tmp / "config.json").write_text("{}"))
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
