@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ from steptap.learner.config import LearnerConfig
 from steptap.middleware import files
 
 SOURCE_FILE = "steptap-trained.json"
+# never copied from the base: its weights and config (save_pretrained writes them anew), its provenance
+WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+BASE_OWN = {"config.json", "steptap-source.json"}
 
 
 class TrainedModelError(ValueError):
@@ -67,11 +71,12 @@ def write(url: str, out_dir: str | Path, *, model_dir: str | None = None, adapte
           force: bool = False) -> Path:
     """Write the policy of checkpoint ``url`` into ``out_dir``; returns it."""
     import torch
-    from transformers import AutoTokenizer
 
     from steptap.learner.engines.torch_engine import policy_model
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise TrainedModelError(f"{out} is a file, not a directory")
     if out.exists() and any(out.iterdir()) and not force:
         raise TrainedModelError(f"{out} is not empty: pass --force to replace it")
     state = _load(url)
@@ -88,14 +93,16 @@ def write(url: str, out_dir: str | Path, *, model_dir: str | None = None, adapte
         raise TrainedModelError(str(exc)) from None
     if cfg.lora_rank > 0 and not adapter:
         model = model.merge_and_unload()
-    tokenizer = None if adapter else AutoTokenizer.from_pretrained(cfg.model_dir)
+    base = Path(cfg.model_dir)
     source = {"checkpoint": url, "version": state.get("version"), "updates": state.get("updates"),
-              "base": str(Path(cfg.model_dir).resolve()), "adapter": adapter, "lora_rank": cfg.lora_rank}
+              "base": str(base.resolve()), "adapter": adapter, "lora_rank": cfg.lora_rank}
 
     def fill(tmp: Path) -> None:
+        if not adapter:  # the base's tokenizer, chat template, processor: everything but weights and config
+            for f in base.iterdir():
+                if f.is_file() and f.name not in BASE_OWN and not f.name.endswith(WEIGHTS):
+                    shutil.copy2(f, tmp / f.name)
         model.save_pretrained(str(tmp))  # an adapter: adapter_config.json + adapter_model.safetensors
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
     files.replace_dir(out, fill)

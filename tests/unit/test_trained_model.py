@@ -61,7 +61,9 @@ def test_the_merged_model_computes_the_trained_policy(run: dict, tmp_path: Path,
     base = _logits(AutoModelForCausalLM.from_pretrained(run["base"], dtype=torch.float32))
     assert (got - base).abs().max() > 1e-2  # the adapter moved it: the base alone would not pass above
     assert not any("lora" in k for k in model.state_dict())
-    assert (out / "tokenizer.json").is_file()
+    base = Path(run["base"])
+    assert {p.name for p in base.iterdir()} <= {p.name for p in out.iterdir()}  # tokenizer, template...
+    assert (out / "tokenizer_config.json").read_bytes() == (base / "tokenizer_config.json").read_bytes()
     source = json.loads((out / trained.SOURCE_FILE).read_text())
     assert source["version"] == 2 and source["adapter"] is False and source["lora_rank"] == 4
 
@@ -90,6 +92,7 @@ def test_unusable_inputs_are_one_line_errors(run: dict, tmp_path: Path,
     full.mkdir()
     (full / "keep.txt").write_text("mine")
     assert "not empty: pass --force" in error(str(run["root"]), str(full))
+    assert "is a file" in error(str(run["root"]), str(full / "keep.txt"), "--force")
     assert (full / "keep.txt").read_text() == "mine"  # nothing replaced without --force
     assert "not a steptap checkpoint" in error(str(tmp_path / "nothing"), str(tmp_path / "o1"))
     moved = tmp_path / "moved-base"
