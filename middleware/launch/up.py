@@ -280,6 +280,9 @@ class Up:
             self._report_failure(failed)
         path = self.files.write_summary(self._summary(failed))
         self._log(f"stopped: {self.stop_reason}. Summary: {path}")
+        checkpoints = self.workdir / "checkpoints"
+        if (checkpoints / "latest.json").is_file():  # what a user asks next: the trained model
+            self._log(f"the trained policy as a model directory: steptap trained-model {checkpoints} DIR")
         return rc
 
     def _announce(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -70,6 +71,18 @@ def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     assert summary["end_reward"] >= summary["start_reward"] + MARGIN, summary
     assert summary["policy_versions"] and summary["policy_versions"] >= 2, summary  # weights really swapped
     assert summary["learning_minutes"] <= MINUTES + 1.0
+
+    # What a user takes away: the run's newest checkpoint as a model directory (steptap trained-model), which
+    # steptap up names when it stops
+    assert f"steptap trained-model {out.resolve() / 'checkpoints'} DIR" in proc.stdout + proc.stderr
+    model = tmp_path / "trained"
+    done = subprocess.run([sys.executable, "-m", "steptap.middleware.cli", "trained-model",
+                           str(out / "checkpoints"), str(model)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    source = json.loads((model / "steptap-trained.json").read_text())
+    assert source["updates"] >= summary["updates"] - 1 and source["version"] >= 1, source
+    assert (model / "config.json").is_file() and (model / "model.safetensors").stat().st_size > 0
 
     png = out / "curves.png"
     assert png.stat().st_size > 5000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
