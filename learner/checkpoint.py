@@ -205,7 +205,12 @@ def restore_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[:3]}): "
                          "was it written with other LoRA settings?")
-    model.load_state_dict(state["model"], strict=False)
+    try:
+        model.load_state_dict(state["model"], strict=False)
+    except RuntimeError as exc:  # torch's size mismatches: the same names, other shapes
+        first = str(exc).split("\n\t", 2)[1] if "\n\t" in str(exc) else str(exc)
+        raise ValueError(f"checkpoint's tensors do not fit this model ({first.strip()}): was it written with "
+                         "other LoRA settings or for another model?") from None
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

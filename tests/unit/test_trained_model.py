@@ -85,8 +85,9 @@ def test_unusable_inputs_are_one_line_errors(run: dict, tmp_path: Path,
     def error(*argv: str) -> str:
         assert trained.main(list(argv)) == 1
         err = capsys.readouterr().err
-        assert err.startswith("steptap trained-model: ") and "Traceback" not in err
-        return err
+        last = err.strip().splitlines()[-1]  # after transformers' loading bar, where a model was loaded
+        assert last.startswith("steptap trained-model: ") and "Traceback" not in err
+        return last
 
     full = tmp_path / "full"
     full.mkdir()
@@ -98,6 +99,13 @@ def test_unusable_inputs_are_one_line_errors(run: dict, tmp_path: Path,
     moved = tmp_path / "moved-base"
     assert "pass --model-dir" in error(str(run["root"]), str(tmp_path / "o2"), "--model-dir", str(moved))
     assert not (tmp_path / "o2").exists()
+    # a checkpoint whose config does not match its tensors (other targets, another rank): named, not a traceback
+    for field, value in (("lora_targets", ["q_proj", "k_proj", "v_proj"]), ("lora_rank", 8)):
+        state = checkpoint.load_latest(str(run["root"]))
+        state["config"][field] = value
+        bent = tmp_path / f"bent-{field}"
+        checkpoint.save(str(bent), state, keep=1)
+        assert "other LoRA settings" in error(str(bent), str(tmp_path / f"o-{field}"))
     # the run's base found elsewhere: --model-dir, and --force replaces a full directory
     shutil.copytree(run["base"], moved)
     assert trained.main([str(run["root"]), str(full), "--model-dir", str(moved), "--force"]) == 0
