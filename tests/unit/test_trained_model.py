@@ -99,7 +99,7 @@ def test_unusable_inputs_are_one_line_errors(run: dict, tmp_path: Path,
     moved = tmp_path / "moved-base"
     assert "pass --model-dir" in error(str(run["root"]), str(tmp_path / "o2"), "--model-dir", str(moved))
     assert not (tmp_path / "o2").exists()
-    # a checkpoint whose config does not match its tensors (other targets, another rank): named, not a traceback
+    # a checkpoint whose config does not fit its tensors (other targets, another rank): named, no traceback
     for field, value in (("lora_targets", ["q_proj", "k_proj", "v_proj"]), ("lora_rank", 8)):
         state = checkpoint.load_latest(str(run["root"]))
         state["config"][field] = value
