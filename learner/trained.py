@@ -30,7 +30,7 @@ from steptap.middleware import files
 
 SOURCE_FILE = "steptap-trained.json"
 # never copied from the base: its weights and config (save_pretrained writes them anew), its provenance
-WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth", ".gguf")
 BASE_OWN = {"config.json", "steptap-source.json"}
 
 
