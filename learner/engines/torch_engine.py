@@ -140,8 +140,8 @@ class TorchEngine:
         self.image_token_id = int(vcfg["image_token_id"]) if vcfg else -1
         model = policy_model(cfg, dtype, self.device)
         self.reference = None
-        if cfg.lora_rank == 0 and cfg.kl_coef > 0:  # full fine-tuning needs its own frozen copy (LoRA just
-            # disables the adapter)
+        # full fine-tuning needs its own frozen copy for the KL (LoRA just disables the adapter)
+        if cfg.lora_rank == 0 and cfg.kl_coef > 0:
             ref = model_class(cfg.model_dir).from_pretrained(cfg.reference_dir or cfg.model_dir, dtype=dtype)
             self.reference = ref.to(self.device).eval().requires_grad_(False)
         self.model = model
