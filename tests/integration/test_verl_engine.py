@@ -161,9 +161,9 @@ def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_
     from steptap.learner.engines.verl_engine import VerlEngine
 
     targets = ("q_proj", "v_proj")
-    eng = VerlEngine(_config(str(tiny_model_dir), engine="verl", workers=1, micro_batch_tokens=64,
-                             lora_rank=4,
-                             lora_alpha=8, lora_targets=targets, kl_coef=0.1, lr=1e-2))
+    cfg = _config(str(tiny_model_dir), engine="verl", workers=1, micro_batch_tokens=64, lora_rank=4,
+                  lora_alpha=8, lora_targets=targets, kl_coef=0.1, lr=1e-2)
+    eng = VerlEngine(cfg)
     try:
         first = eng.train_step(reference["batch"])
         second = eng.train_step(reference["batch"])
@@ -190,6 +190,20 @@ def test_verl_lora_trains_the_adapter_publishes_it_and_takes_kl_to_the_base(ray_
     loaded = PeftModel.from_pretrained(model, str(out))
     for k, v in get_peft_model_state_dict(loaded).items():
         assert torch.equal(v, saved[k])
+    # The verl workers' state as a checkpoint, then a model directory (steptap trained-model): the adapter
+    # merged computes what the published adapter on its base computes
+    from steptap.learner import checkpoint, trained
+
+    checkpoint.save(str(tmp_path / "ckpt"), {"engine": {"model": state}, "version": 1, "updates": 2,
+                                             "config": cfg.as_dict()}, keep=1)
+    assert trained.main([str(tmp_path / "ckpt"), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 33, 40, 100, 200]])
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+        torch.testing.assert_close(got, loaded(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        bare = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))(input_ids=ids).logits
+    assert (got - bare).abs().max() > 1e-3  # the merge carried the trained adapter, not the base alone
 
 
 # --- crash and --resume on the verl engine, through the daemon on a real proxy and stream -------------------
@@ -262,3 +276,12 @@ async def test_a_crashed_verl_learner_resumes_its_version_and_cursor(ray_cluster
     # The resumed run started from run 1's checkpointed weights (not the model dir's) and moved them.
     before, after = state["engine"]["model"], resumed["engine"]["model"]
     assert set(before) == set(after) and any(not torch.equal(after[k], before[k]) for k in before)
+    # The verl checkpoint as a model directory (steptap trained-model): the workers' weights, as HF reads them
+    from transformers import AutoModelForCausalLM
+
+    from steptap.learner import trained
+
+    assert trained.main([str(ckpt), str(tmp_path / "trained")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=torch.float32).state_dict()
+    for k, v in after.items():
+        torch.testing.assert_close(loaded[k], v.float(), rtol=0, atol=0, msg=k)
