@@ -72,7 +72,7 @@ def write(url: str, out_dir: str | Path, *, model_dir: str | None = None, adapte
     """Write the policy of checkpoint ``url`` into ``out_dir``; returns it."""
     import torch
 
-    from steptap.learner.engines.torch_engine import policy_model
+    from steptap.learner.policy import policy_model
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -45,10 +45,10 @@ from steptap.learner.config import LearnerConfig
 from steptap.learner.engines.base import StepStats
 from steptap.learner.engines.torch_layout import Layout, fill_advantages, layout, micro_batches
 from steptap.learner.health import gap_sums
+from steptap.learner.policy import model_class, policy_model
 from steptap.learner.rows import Batch
 
-__all__ = ["StepStats", "TorchEngine", "model_class", "pick_device", "policy_model", "sampler_logprobs",
-           "token_logprobs"]
+__all__ = ["StepStats", "TorchEngine", "pick_device", "sampler_logprobs", "token_logprobs"]
 
 
 class _Before(NamedTuple):
@@ -93,31 +93,6 @@ def sampler_logprobs(logits: torch.Tensor, targets: torch.Tensor, temp: torch.Te
     kept = torch.full_like(scaled, float("-inf")).scatter(-1, order, kept_sorted)
     logp = F.log_softmax(kept, dim=-1)
     return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=-30.0)
-
-
-def model_class(model_dir: str | Path) -> Any:
-    """transformers' auto class for ``model_dir``: image-text-to-text for a vision-language model."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from steptap.learner.vision import vision_config
-
-    return AutoModelForImageTextToText if vision_config(model_dir) is not None else AutoModelForCausalLM
-
-
-def policy_model(cfg: LearnerConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model the learner trains: ``cfg.model_dir``'s weights, inside a LoRA adapter when ``lora_rank`` > 0
-    (``steptap trained-model`` builds the same one to load a checkpoint into)."""
-    from steptap.learner.vision import lora_targets
-
-    model = model_class(cfg.model_dir).from_pretrained(cfg.model_dir, dtype=dtype).to(device)
-    if cfg.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                                 lora_dropout=cfg.lora_dropout,
-                                                 target_modules=lora_targets(cfg.lora_targets, cfg.model_dir),
-                                                 task_type="CAUSAL_LM"))
-    return model
 
 
 class TorchEngine:
