@@ -36,29 +36,70 @@ from proxy_overhead import CHAT, ROOT, Steptap, baseline_names, baseline_tree, s
 WARM = 50  # calls before the counted ones in both runs: first-call paths and lazy imports cancel out
 
 
-def _boot(tree: str | None, out: str) -> str:
+def _boot(tree: str | None, out: str, opcodes: bool) -> str:
     """A ``python -c`` program: the event loop's thread profiled from start to exit, the stats dumped at
-    exit (``steptap serve`` stops on SIGTERM through its own shutdown)."""
+    exit (``steptap serve`` stops on SIGTERM through its own shutdown). With ``opcodes``, every thread's
+    bytecodes are counted by function instead (``sys.settrace`` with opcode events: slow, but a count)."""
     head = f"import sys; sys.path.insert(0, {tree!r}); " if tree else "import sys; "
-    return (head + "import atexit, cProfile, runpy; p = cProfile.Profile(); "
-            f"atexit.register(lambda: (p.disable(), p.dump_stats({out!r}))); p.enable(); "
-            "runpy.run_module('steptap.middleware.cli', run_name='__main__', alter_sys=True)")
+    run = "runpy.run_module('steptap.middleware.cli', run_name='__main__', alter_sys=True)"
+    if not opcodes:
+        return (head + "import atexit, cProfile, runpy; p = cProfile.Profile(); "
+                f"atexit.register(lambda: (p.disable(), p.dump_stats({out!r}))); p.enable(); " + run)
+    return head + f"import runpy; sys.path.append({str(Path(__file__).parent)!r}); " \
+        f"import call_counts; call_counts.trace_opcodes({out!r}); " + run
 
 
-def profile(tree: str | None, upstream: str, n: int, stream: bool, work: Path, name: str) -> pstats.Stats:
-    """``steptap serve`` (at ``tree``, or this checkout) profiled over ``n`` sequential calls."""
+def trace_opcodes(out: str) -> None:
+    """Count the bytecodes each function runs, in every thread, until exit; written to ``out`` as JSON rows
+    ``[file, line, name, count]``. A thread has its own counter (no lost increments between threads)."""
+    import atexit
+    import threading
+
+    counters: dict[int, Counter[tuple[str, int, str]]] = {}
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202 (sys.settrace's signature)
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        code = frame.f_code
+        key = (code.co_filename, code.co_firstlineno, code.co_qualname)
+        mine = counters.setdefault(threading.get_ident(), Counter())
+
+        def local(frame, event, arg):  # noqa: ANN001, ANN202
+            if event == "opcode":
+                mine[key] += 1
+            return local
+        return local
+
+    def dump() -> None:
+        sys.settrace(None)
+        total: Counter[tuple[str, int, str]] = Counter()
+        for c in list(counters.values()):
+            total.update(c)
+        Path(out).write_text(json.dumps([[*k, v] for k, v in total.items()]))
+
+    atexit.register(dump)
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+
+
+def profile(tree: str | None, upstream: str, n: int, args: argparse.Namespace, work: Path,
+            name: str) -> dict[tuple[str, int, str], float]:
+    """``steptap serve`` (at ``tree``, or this checkout) over ``n`` sequential calls: each function's calls
+    (cProfile, the loop's thread) or, with ``--opcodes``, its bytecodes (every thread)."""
     out = str(work / f"{name}.prof")
     port = free_port()
     cmd = steptap_cmd(upstream, port, str(work / f"{name}-log"), [], None)
-    proxy = Steptap(name, [sys.executable, "-c", _boot(tree, out), *cmd[cmd.index("serve"):]],
+    proxy = Steptap(name, [sys.executable, "-c", _boot(tree, out, args.opcodes), *cmd[cmd.index("serve"):]],
                     log=str(work / f"{name}.log"))
     proxy.port = port
     proxy.start()
     try:
-        sequential(port, n, stream)
+        sequential(port, n, args.stream)
     finally:
-        proxy.stop(timeout=30)
-    return pstats.Stats(out)
+        proxy.stop(timeout=120)
+    if args.opcodes:
+        return {(f, line, func): c for f, line, func, c in json.loads(Path(out).read_text())}
+    return {key: row[1] for key, row in pstats.Stats(out).stats.items()}  # type: ignore[attr-defined]
 
 
 def sequential(port: int, n: int, stream: bool, timeout: float = 60.0) -> None:
@@ -88,12 +129,12 @@ def _where(key: tuple[str, int, str]) -> str:
     return f"{file}:{func}" if file != "~" else re.sub(r" at 0x[0-9a-f]+", "", func)
 
 
-def per_call(short: pstats.Stats, long: pstats.Stats, n: int) -> Counter[str]:
-    """Calls per model call of each function (by file and name, lines dropped: they move between refs)."""
-    a, b = short.stats, long.stats  # type: ignore[attr-defined]
+def per_call(short: dict[tuple[str, int, str], float], long: dict[tuple[str, int, str], float],
+             n: int) -> Counter[str]:
+    """Per model call, each function's count (by file and name, lines dropped: they move between refs)."""
     out: Counter[str] = Counter()
-    for key, row in b.items():
-        out[_where(key)] += (row[1] - a.get(key, (0, 0))[1]) / n
+    for key, value in long.items():
+        out[_where(key)] += (value - short.get(key, 0)) / n
     return out
 
 
@@ -108,8 +149,8 @@ def area(name: str) -> str:
 
 
 def count(tree: str | None, upstream: str, args: argparse.Namespace, work: Path, name: str) -> Counter[str]:
-    short = profile(tree, upstream, WARM, args.stream, work, f"{name}-short")
-    long = profile(tree, upstream, WARM + args.calls, args.stream, work, f"{name}-long")
+    short = profile(tree, upstream, WARM, args, work, f"{name}-short")
+    long = profile(tree, upstream, WARM + args.calls, args, work, f"{name}-long")
     return per_call(short, long, args.calls)
 
 
@@ -141,6 +182,9 @@ def counting_parser(doc: str | None, calls: int) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = counting_parser(__doc__, 1000)
     p.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
+    p.add_argument("--opcodes", action="store_true",
+                   help="count bytecodes run by each function, in every thread, instead of calls (slow: "
+                        "use --calls 200)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="steptap-counts-"))
     replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()
@@ -152,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         replay.stop()
     kind = "streamed" if args.stream else "plain"
-    title = f"Python calls on the event loop per {kind} call ({args.calls} counted, cProfile):"
+    what = "Bytecodes run (every thread)" if args.opcodes else "Python calls on the event loop"
+    how = "sys.settrace" if args.opcodes else "cProfile"
+    title = f"{what} per {kind} call ({args.calls} counted, {how}):"
     table(title, calls, args.top)
     if args.json:
         Path(args.json).write_text(json.dumps(calls, indent=1))

@@ -234,17 +234,23 @@ def test_record_path_smallest_run(tmp_path):
     assert "log: 144 one-step anonymous trajectories" in proc.stdout, proc.stdout  # 16 x 4 + 20 x 4 to warm
 
 
-def test_call_counts_smallest_run(tmp_path):
-    """The loop's Python calls a call (bench/call_counts.py): the difference of two profiled runs, per call,
-    enters steptap's proxy and aiohttp, and the table prints the total the JSON holds."""
+@pytest.mark.parametrize("mode", ["calls", "opcodes"])
+def test_call_counts_smallest_run(tmp_path, mode):
+    """The loop's Python calls a call (bench/call_counts.py), or every thread's bytecodes (``--opcodes``): the
+    difference of two profiled runs, per call, enters steptap's proxy and aiohttp, and the table prints the
+    total the JSON holds. Bytecodes are counted in the log's writer thread too."""
     out = tmp_path / "counts.json"
     cmd = [sys.executable, str(BENCH / "call_counts.py"), "--calls", "20", "--json", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd + (["--opcodes"] if mode == "opcodes" else []), check=False, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = json.loads(out.read_text())["steptap"]
-    assert sum(n for f, n in counts.items() if f.startswith("middleware/proxy/")) >= 10, counts
-    assert sum(n for f, n in counts.items() if f.startswith("aiohttp/")) >= 10, counts
+    least = 10 if mode == "calls" else 1000
+    assert sum(n for f, n in counts.items() if f.startswith("middleware/proxy/")) >= least, counts
+    assert sum(n for f, n in counts.items() if f.startswith("aiohttp/")) >= least, counts
     assert f"| all | {sum(counts.values()):.0f} |" in proc.stdout, proc.stdout
+    if mode == "opcodes":
+        assert counts.get("middleware/log/writer.py:CommitThread._run", 0) > 0, counts
 
 
 def test_stream_capture_smallest_run():
