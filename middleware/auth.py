@@ -102,7 +102,9 @@ def check_model_call_origin(request: web.Request, cfg: ProxyConfig) -> None:
     inject prompts into the log. Allowed hosts: localhost names, this machine's name, the bind address, the
     public URL's host, ``--allowed-hosts``; bound to every address (0.0.0.0, ::), any IP literal too
     (rebinding needs a name)."""
-    if request.content_type.lower() != "application/json":  # parameters (charset) aside
+    # the exact header first: aiohttp parses it anew for every request (parameters, charset aside)
+    if request.headers.get("Content-Type") != "application/json" and \
+            request.content_type.lower() != "application/json":
         raise ApiError(415, f"model calls take Content-Type: application/json, not "
                             f"{request.headers.get('Content-Type') or 'none'!r}", "unsupported_media_type")
     header = request.headers.get("Host")

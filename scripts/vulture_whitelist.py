@@ -26,6 +26,7 @@ _.init_transfer_engine, _.trainer_send_weights, iterator, trainer_args
 max_completion_tokens, top_logprobs, return_token_ids, echo  # proxy/validate.py: checked at the edge
 finished_at  # records.Trajectory: part of the record the learner and export read
 mime  # records.ImageRef: part of the record (the image bytes' type, for readers and export)
+logprob  # proxy/replies._Logprob: read by name through operator.attrgetter (a C loop a reply)
 
 
 # aiohttp's Payload interface (backend/client.py: Parts): called by aiohttp's client, never by name here

@@ -35,11 +35,13 @@ _CONSTRAINT_KEYS = (
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "bad_words", "allowed_token_ids", "logits_processors", "vllm_xargs",
 )
+_CONSTRAINT_SET = frozenset(_CONSTRAINT_KEYS)
 
 
 def constraints_of(body: dict[str, Any]) -> list[str]:
     """The request keys (present and non-empty) that constrain decoding beyond temperature and truncation."""
-    found = [k for k in _CONSTRAINT_KEYS if body.get(k)]
+    present = _CONSTRAINT_SET.intersection(body)  # one C pass; most calls name none (no loop over the keys)
+    found = [k for k in _CONSTRAINT_KEYS if k in present and body[k]] if present else []
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         found.append("response_format")

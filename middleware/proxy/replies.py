@@ -21,6 +21,7 @@ makes ``None`` come back, and the caller takes the dict path of ``capture.py``.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -104,14 +105,20 @@ def _logprobs(raw: msgspec.Raw) -> list[float] | None:
     lp = _logprobs_decoder.decode(raw) if len(raw) else None
     if lp is None or lp.content is None:
         return None
-    return [item.logprob for item in lp.content]
+    return list(map(_logprob, lp.content))  # in C: no bytecode a token
+
+
+_logprob = attrgetter("logprob")
 
 
 def _text_logprobs(raw: msgspec.Raw) -> list[float] | None:
     lp = _text_logprobs_decoder.decode(raw) if len(raw) else None
     if lp is None or lp.token_logprobs is None:
         return None
-    return [float("nan") if v is None else v for v in lp.token_logprobs]
+    values = lp.token_logprobs
+    if None not in values:  # one C scan; a None (no logprob: an echoed prompt's first token) is rare
+        return values  # type: ignore[return-value]
+    return [float("nan") if v is None else v for v in values]
 
 
 def reply_view(data: bytes) -> ReplyView | None:

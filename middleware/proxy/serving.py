@@ -38,9 +38,10 @@ def admitted_body(request: web.Request, services: Services) -> AdmittedBody:
     cfg, manager = services.config, services.sessions
     check_model_call_origin(request, cfg)  # 415 / 403 before anything is read
     manager.log.ensure_writable()
-    if (request.content_length or 0) > cfg.body_limit:
+    declared = request.content_length
+    if (declared or 0) > cfg.body_limit:
         raise _too_large(cfg)  # declared: refused before a byte is read
-    return AdmittedBody(request, cfg, manager.holdings.body_memory(request.content_length))  # 429 past it
+    return AdmittedBody(request, cfg, manager.holdings.body_memory(declared))  # 429 past it
 
 
 class AdmittedBody:
