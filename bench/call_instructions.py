@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = counting_parser(__doc__, 100)
     p.add_argument("--warm", type=int, default=20, help="calls before the counted ones (default 20)")
     p.add_argument("--cache", action="store_true",
-                   help="simulate the caches too: first-level data misses per call (slower)")
+                   help="simulate the caches too: first-level data and instruction misses per call (slower)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="steptap-instructions-"))
     targets: dict[str, str | None] = {FLOOR: None, "steptap": None}
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     replay = Server("replay", python_cmd("replay_upstream.py"), log=str(work / "replay.log")).start()
     per_call: dict[str, float] = {}
     misses: dict[str, float] = {}  # --cache: first-level data misses (reads + writes) per call
+    i_misses: dict[str, float] = {}  # --cache: first-level instruction misses per call
     try:
         for i, (target, tree) in enumerate(targets.items()):
             short = counted(target, tree, replay.url, args.warm, args.stream, work, f"t{i}-short", args.cache)
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             per_call[target] = (long["Ir"] - short["Ir"]) / args.calls
             if args.cache:
                 misses[target] = sum(long.get(e, 0) - short.get(e, 0) for e in ("D1mr", "D1mw")) / args.calls
+                i_misses[target] = (long.get("I1mr", 0) - short.get("I1mr", 0)) / args.calls
     finally:
         replay.stop()
     kind = "streamed" if args.stream else "plain"
@@ -115,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         columns.append(("k D1 misses", lambda n: f"{misses[n] / 1e3:,.1f}"))
         if ref:
             columns.append((f"x {ref}", lambda n: f"{misses[n] / misses[ref]:.2f}"))
+        columns.append(("k I1 misses", lambda n: f"{i_misses[n] / 1e3:,.1f}"))
+        if ref:
+            columns.append((f"x {ref}", lambda n: f"{i_misses[n] / max(i_misses[ref], 1):.2f}"))
     print("| target | " + " | ".join(h for h, _ in columns) + " |\n|---|" + "---:|" * len(columns))
     for name in per_call:
         print(f"| {name} | " + " | ".join(cell(name) for _, cell in columns) + " |")
     if args.json:
-        figures = {"kind": kind, "calls": args.calls, "per_call": per_call, "d1_misses": misses or None}
+        figures = {"kind": kind, "calls": args.calls, "per_call": per_call, "d1_misses": misses or None,
+                   "i1_misses": i_misses or None}
         Path(args.json).write_text(json.dumps(figures, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -332,6 +332,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         runs: list[dict[str, Any]] = []
         sent = dict.fromkeys(proxies, 0)
         for rnd in range(args.rounds):
+            if args.fresh_proxies and rnd:
+                # new processes each round, started in the round's order: a process's own layout (hash seed,
+                # addresses) or its place in the start order can tilt a whole run by a few % at c=1
+                for name in [t for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+                             if t in started]:
+                    started[name].stop(timeout=30)
+                    started[name].start(timeout=args.start_timeout)
+                    pids[name] = started[name].pid
             for mode, c in configs:
                 stream = mode != "plain"
                 fx = fixtures["long" if mode == "long" else "short"]
@@ -534,6 +542,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "on a session path per worker (/s/<id>/v1)",
     )
     p.add_argument(
+        "--fresh-proxies",
+        action="store_true",
+        help="restart every proxy before each round after the first (in the round's order), so that no one "
+        "process's layout or start order tilts the run",
+    )
+    p.add_argument(
         "--no-interleave-c1",
         dest="interleave_c1",
         action="store_false",
@@ -578,6 +592,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.targets) - set(TARGETS) - set(names)
     if bad:
         p.error(f"unknown targets {sorted(bad)}")
+    if args.fresh_proxies and args.profile:
+        p.error("--profile follows one process: not with --fresh-proxies")
     return args
 
 
