@@ -340,6 +340,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     started[name].stop(timeout=30)
                     started[name].start(timeout=args.start_timeout)
                     pids[name] = started[name].pid
+                    result.setdefault("restarts", dict.fromkeys(started, 0))[name] += 1
             for mode, c in configs:
                 stream = mode != "plain"
                 fx = fixtures["long" if mode == "long" else "short"]

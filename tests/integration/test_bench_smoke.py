@@ -157,10 +157,11 @@ def test_benchmark_tiny_run_produces_numbers_and_checks_hold(tmp_path):
 def test_benchmark_runs_an_older_ref_side_by_side(tmp_path):
     """``--baseline REF``: the proxy at a git ref (here this checkout's HEAD, exported) served beside this
     checkout's, its own log counted by its own reader, its bodies checked, its ratios to the same pass-through
-    and steptap's to it in the summary."""
+    and steptap's to it in the summary. Two rounds with ``--fresh-proxies``: each proxy restarted once, its
+    log kept across the restart (every call sent is a step in it)."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(BENCH / "proxy_overhead.py"), "--baseline", "HEAD",
-           "--targets", "passthrough,steptap,baseline", "--rounds", "1", "--seconds", "20",
+           "--targets", "passthrough,steptap,baseline", "--rounds", "2", "--fresh-proxies", "--seconds", "20",
            "--requests", "12", "--warmup", "2", "--concurrency", "1,2", "--modes", "plain,stream",
            "--long-concurrency", "", "--out", str(out), "--quiet", "--budget", str(tmp_path / "none.json")]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=280)
@@ -169,10 +170,11 @@ def test_benchmark_runs_an_older_ref_side_by_side(tmp_path):
     assert result["problems"] == [] and result["baselines"] == {"baseline": "HEAD"}
     rows = {(r["mode"], r["concurrency"], r["target"]): r for r in result["summary"]["configs"]}
     assert {t for _, _, t in rows} == {"passthrough", "steptap", "baseline"}
-    assert all(r["calls"] == 12 for r in rows.values()), rows
+    assert all(r["calls"] == 2 * 12 for r in rows.values()), rows  # both rounds
     for name in ("steptap", "baseline"):  # each its own log: one step per call sent to it
         log = result["logs"][name]
-        assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 4 * (12 + 2), log
+        assert log["one_step_per_call"] and log["steps"] == log["calls_sent"] == 2 * 4 * (12 + 2), log
+    assert result["restarts"] == {"steptap": 1, "baseline": 1}, result.get("restarts")
     keys = {"plain c=1", "plain c=2", "stream c=1", "stream c=2"}
     assert set(result["summary"]["baselines"]["baseline"]) == keys
     assert set(result["summary"]["vs_baseline"]["baseline"]) == keys
