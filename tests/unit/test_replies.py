@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,19 @@ COMPLETION = (
     b'"usage":{"prompt_tokens":4,"total_tokens":7,"completion_tokens":3,"prompt_tokens_details":null,'
     b'"completion_tokens_details":null},"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
 )
+
+
+def test_a_completions_logprob_of_null_is_nan_and_the_others_kept() -> None:
+    """A token without a logprob (vLLM writes null: an echoed prompt's first token) is NaN in the step; a
+    reply without one keeps its list as decoded."""
+    nulled = COMPLETION.replace(b'"token_logprobs":[-7.895388603210449,', b'"token_logprobs":[null,')
+    for data, first in ((COMPLETION, -7.895388603210449), (nulled, None)):
+        view = replies.completion_view(data)
+        assert view is not None
+        (step,) = replies.steps_from_completion(view, [101, 102, 103, 104], **COMMON)
+        lps = step.response_logprobs
+        assert lps[1:] == [-8.496853828430176, -8.146806716918945]
+        assert math.isnan(lps[0]) if first is None else lps[0] == first
 
 
 @pytest.mark.parametrize("asked", ASKED)
