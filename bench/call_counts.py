@@ -23,6 +23,7 @@ import http.client
 import json
 import pstats
 import re
+import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             calls[f"{name} ({ref})"] = count(baseline_tree(ref, work, name), replay.url, args, work, name)
     finally:
         replay.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the profiles and the logs: counted above, not kept
     kind = "streamed" if args.stream else "plain"
     what = "Bytecodes run (every thread)" if args.opcodes else "Python calls on the event loop"
     how = "sys.settrace" if args.opcodes else "cProfile"

@@ -8,6 +8,7 @@ thresholds are not asserted here (the machine is shared); the benchmarks print P
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -241,11 +242,14 @@ def test_call_counts_smallest_run(tmp_path, mode):
     """The loop's Python calls a call (bench/call_counts.py), or every thread's bytecodes (``--opcodes``): the
     difference of two profiled runs, per call, enters steptap's proxy and aiohttp, and the table prints the
     total the JSON holds. Bytecodes are counted in the log's writer thread too."""
-    out = tmp_path / "counts.json"
+    out, scratch = tmp_path / "counts.json", tmp_path / "tmp"
+    scratch.mkdir()
     cmd = [sys.executable, str(BENCH / "call_counts.py"), "--calls", "20", "--json", str(out)]
     proc = subprocess.run(cmd + (["--opcodes"] if mode == "opcodes" else []), check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not any(scratch.iterdir()), list(scratch.iterdir())  # its profiles and logs removed
     counts = json.loads(out.read_text())["steptap"]
     least = 10 if mode == "calls" else 1000
     assert sum(n for f, n in counts.items() if f.startswith("middleware/proxy/")) >= least, counts
