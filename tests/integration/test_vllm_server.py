@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -243,12 +244,15 @@ def test_failed_start_raises_quickly_with_the_log_tail(tmp_path: Path) -> None:
 
 def test_a_sigkilled_steptap_vllm_takes_its_server_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`steptap vllm` killed with SIGKILL runs no cleanup; its healthy server (its own session) must not go on
-    answering /health and holding memory: the kernel signals it when its launcher dies (issue 25, item 13)."""
+    answering /health and holding memory: the kernel signals it when its launcher dies (issue 25, item 13).
+    The launcher's socket folder, which a SIGKILL leaves, is made in a scratch TMPDIR the test removes (short:
+    a socket's path is at most 107 bytes)."""
+    scratch = tempfile.mkdtemp(prefix="st-")
     cli = subprocess.Popen(
         [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--threads",
          "1",
          "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "TMPDIR": scratch},
     )
     pgid = None
     try:
@@ -272,3 +276,4 @@ def test_a_sigkilled_steptap_vllm_takes_its_server_with_it(tiny_model_dir: Path,
             cli.wait()
         if pgid is not None and process_group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
