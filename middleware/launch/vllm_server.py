@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -125,6 +127,9 @@ class VLLMServer:
         self.transfer = True
         self.scale_out_flag = True  # start(): False for a vLLM without --enable-scale-out (0.26)
         self.process: subprocess.Popen[bytes] | None = None
+        # vLLM's own IPC sockets (VLLM_RPC_BASE_PATH): a folder of this server's, removed at stop, where vLLM
+        # left a few sockets in the temp folder at every start (unless the user names a place for them)
+        self.rpc_dir: str | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
         self.vision = is_vision_model(self.model_dir)
@@ -175,6 +180,8 @@ class VLLMServer:
                 # which nobind never does. Healthy in 50 s instead of 107 s on a loaded 2-core machine.
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.update(self.extra_env)
+        if self.rpc_dir is not None:
+            env.setdefault("VLLM_RPC_BASE_PATH", self.rpc_dir)
         if self.torchvision is not None:  # first, before any given PYTHONPATH
             paths = (str(self.torchvision), env.get("PYTHONPATH"))
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -238,15 +245,26 @@ class VLLMServer:
         private_dir(self.log_path.parent)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
-        with open(fd, "wb") as log:
-            # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
-            # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its
-            # engine)
-            self.process = subprocess.Popen(  # noqa: PLW1509 - set only from the main thread (lifetime.py)
-                self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),
-            )
+        if "VLLM_RPC_BASE_PATH" not in os.environ and "VLLM_RPC_BASE_PATH" not in self.extra_env:
+            self.rpc_dir = tempfile.mkdtemp(prefix="steptap-vllm-rpc-")  # 0700
+        try:
+            with open(fd, "wb") as log:
+                # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
+                # die_with_parent: a launcher killed hard takes the server with it (SIGTERM: vLLM stops its
+                # engine)
+                self.process = subprocess.Popen(  # noqa: PLW1509 - set only from the main thread (lifetime.py)
+                    self.command(python), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),
+                )
+        except BaseException:
+            self._remove_rpc_dir()
+            raise
         return self
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -280,6 +298,7 @@ class VLLMServer:
         self.forced = procs.stop_group(self.process, grace) or self.forced
         if self.uds is not None:
             self.uds.unlink(missing_ok=True)
+        self._remove_rpc_dir()  # the group is gone: no process of it holds a socket there
         return self.process.returncode
 
     def kill(self) -> None:

@@ -184,13 +184,15 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
     """`steptap vllm` interrupted once the server's whole tree exists (API server, and the engine core with
     its worker inside: vLLM's "uni" executor, VLLMServer.environment): every process goes. Interrupted before
     it is healthy because a second healthy server would double the suite's time; the session fixture checks
-    the healthy stop on teardown."""
+    the healthy stop on teardown. vLLM's IPC sockets go in the server's own folder, removed with it: the
+    temp folder (TMPDIR, a scratch one here) is empty after."""
     port = free_port()
+    scratch = Path(tempfile.mkdtemp(prefix="st-"))
     cli = subprocess.Popen(
         [sys.executable, "-m", "steptap.middleware.cli", "vllm", "--model", str(tiny_model_dir), "--port",
          str(port),
          "--insecure-tcp", "--threads", "1", "--max-model-len", "512", "--log", str(tmp_path / "vllm.log")],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
         match = None
@@ -207,12 +209,17 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
             time.sleep(0.5)
         pids = _group_pids(pgid)
         assert len(pids) >= 2
+        (rpc,) = scratch.glob("steptap-vllm-rpc-*")
+        assert any(rpc.iterdir()), "vLLM made no IPC socket in the server's folder"
         t0 = time.monotonic()
         cli.send_signal(signal.SIGINT)
         code = cli.wait(timeout=60)
+        left = sorted(scratch.iterdir())
     finally:
         if cli.poll() is None:
             cli.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert not left, left
     assert time.monotonic() - t0 < 35  # SIGTERM grace (20 s) plus SIGKILL wait (10 s) at the very worst
     assert "SIGINT, stopping the server" in cli.stderr.read()
     # Mid-startup, vLLM's API process ignores SIGTERM until its engine handshake ends (measured: still up
