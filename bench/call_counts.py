@@ -63,7 +63,10 @@ def trace_opcodes(out: str) -> None:
         frame.f_trace_lines = False
         code = frame.f_code
         key = (code.co_filename, code.co_firstlineno, code.co_qualname)
-        mine = counters.setdefault(threading.get_ident(), Counter())
+        tid = threading.get_ident()
+        mine = counters.get(tid)
+        if mine is None:  # a thread's first frame: its counter (one dict write, made once)
+            mine = counters[tid] = Counter()
 
         def local(frame, event, arg):  # noqa: ANN001, ANN202
             if event == "opcode":

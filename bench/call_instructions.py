@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             columns.append((f"x {ref}", lambda n: f"{misses[n] / misses[ref]:.2f}"))
         columns.append(("k I1 misses", lambda n: f"{i_misses[n] / 1e3:,.1f}"))
         if ref:
-            columns.append((f"x {ref}", lambda n: f"{i_misses[n] / max(i_misses[ref], 1):.2f}"))
+            columns.append((f"x {ref}", lambda n: f"{i_misses[n] / i_misses[ref]:.2f}"))
     print("| target | " + " | ".join(h for h, _ in columns) + " |\n|---|" + "---:|" * len(columns))
     for name in per_call:
         print(f"| {name} | " + " | ".join(cell(name) for _, cell in columns) + " |")

@@ -331,20 +331,21 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         targets = [t for t in [*TARGETS, *baselines] if t in args.targets]
         runs: list[dict[str, Any]] = []
         sent = dict.fromkeys(proxies, 0)
+        if args.fresh_proxies:
+            result["restarts"] = dict.fromkeys(started, 0)
         for rnd in range(args.rounds):
+            order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
             if args.fresh_proxies and rnd:
                 # new processes each round, started in the round's order: a process's own layout (hash seed,
                 # addresses) or its place in the start order can tilt a whole run by a few % at c=1
-                for name in [t for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]
-                             if t in started]:
+                for name in [t for t in order if t in started]:
                     started[name].stop(timeout=30)
                     started[name].start(timeout=args.start_timeout)
                     pids[name] = started[name].pid
-                    result.setdefault("restarts", dict.fromkeys(started, 0))[name] += 1
+                    result["restarts"][name] += 1
             for mode, c in configs:
                 stream = mode != "plain"
                 fx = fixtures["long" if mode == "long" else "short"]
-                order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
                 # c=1 with interleaving: one run calls the targets in turn, call after call; else one run
                 # each.
                 groups = [order] if c == 1 and args.interleave_c1 else [[t] for t in order]
