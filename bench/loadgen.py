@@ -10,7 +10,8 @@ share its event loop. A command:
 ``concurrency`` workers each send a request, read the whole reply, and send the next, over one keep-alive
 pool: first ``warmup`` calls (not timed), then until ``requests`` calls or ``seconds`` have passed, whichever
 comes first. With ``"targets": [{"name", "url"}, ...]`` instead of ``url``, each worker calls the targets in
-turn, call after call (the orchestrator does this at concurrency 1, so every target sees the same noise).
+turn, call after call (the orchestrator does this at concurrency 1, so every target sees the same noise);
+``"block": B`` makes it B timed calls to one target before the next (its caches warm between them).
 A URL may hold ``{worker}``: each worker then calls its own URL (one agent session each).
 
 The result holds, per target, calls, errors, every latency (ms, request sent to last byte read) and the
@@ -102,6 +103,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
     body = cmd["body"].encode()
     headers = {"Content-Type": "application/json", **cmd.get("headers", {})}
     concurrency = int(cmd["concurrency"])
+    block = max(1, int(cmd.get("block", 1)))  # calls to one target before the next
     limit_n, limit_s = int(cmd["requests"]), float(cmd["seconds"])
     tallies = {n: _Tally() for n in names}
 
@@ -143,7 +145,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
             mine, k = urls_of(i), i
             while left[0] > 0:
                 left[0] -= 1
-                await one(*mine[k % len(mine)], timed=False)
+                await one(*mine[k % len(mine)], timed=False)  # each target its warm-up share
                 k += 1
 
         await asyncio.gather(*(warm_worker(i) for i in range(concurrency)))
@@ -162,7 +164,7 @@ async def run(cmd: dict[str, Any]) -> dict[str, Any]:
             mine, k = urls_of(i), i
             while done[0] < limit_n and time.perf_counter() < deadline:
                 done[0] += 1
-                await one(*mine[k % len(mine)], timed=True)
+                await one(*mine[k // block % len(mine)], timed=True)
                 k += 1
                 last[0] = time.perf_counter()
 

@@ -359,6 +359,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         body=fx.agent_body(stream).decode(),
                         headers={"Authorization": "Bearer EMPTY"},
                         concurrency=c,
+                        block=args.c1_block,
                         warmup=max(args.warmup, c),  # at least one call per worker: its connection open
                         requests=args.requests * len(group),
                         seconds=args.seconds * len(group),
@@ -554,6 +555,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         dest="interleave_c1",
         action="store_false",
         help="at c=1, one run per target instead of one run calling the targets in turn",
+    )
+    p.add_argument(
+        "--c1-block",
+        type=int,
+        default=1,
+        metavar="N",
+        help="at c=1 interleaved, N calls to a target before the next (default 1: every call another "
+        "target's, so each call finds its caches as the others left them; 50 keeps them warm)",
     )
     p.add_argument("--fixture", default=recorded.DEFAULT_FIXTURE)
     p.add_argument("--long-fixture", default=recorded.LONG_FIXTURE)
