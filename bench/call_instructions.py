@@ -15,9 +15,11 @@ times the whole call.
 Printed: thousands of instructions per call, each target's ratio to the floor and to the first baseline.
 Where the work per call is Python (it is), instructions follow CPU time: at 0b2ea21 and the code of
 2026-12-04 the plain call's ratio (1.10x) was the ratio of CPU seconds ``proxy_overhead.py`` measured at
-c=1 (bench/README.md). ``--cache`` adds callgrind's cache simulation: first-level data misses per
-call, what instructions alone miss where one version touches more memory a call. Needs valgrind (Debian:
-``apt-get install valgrind``); about 2 minutes a target (longer with ``--cache``).
+c=1 (bench/README.md). ``--cache`` adds callgrind's cache simulation: first-level data and instruction
+misses per call, and last-level misses with the last level the size of this machine's L2 (a process's own
+core's cache; callgrind's default, the shared L3, is larger than anything a call touches), what instructions
+alone miss where one version touches more memory a call. Needs valgrind (Debian: ``apt-get install
+valgrind``); about 2 minutes a target (longer with ``--cache``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,28 @@ from proxy_overhead import Steptap, baseline_names, baseline_tree, steptap_cmd
 FLOOR = "floor (passthrough)"
 
 
+L2 = Path("/sys/devices/system/cpu/cpu0/cache/index2")
+
+
+def l2_geometry() -> str | None:
+    """This machine's L2 as callgrind's ``--LL`` wants it (size,ways,line), or None where sysfs has none."""
+    try:
+        size, ways, line = ((L2 / f).read_text().strip() for f in ("size", "ways_of_associativity",
+                                                                    "coherency_line_size"))
+    except OSError:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return f"{int(size.rstrip('KM')) * units.get(size[-1], 1)},{ways},{line}"
+
+
 def valgrind(out: Path, cache: bool = False) -> list[str]:
     exe = shutil.which("valgrind")
     if exe is None:
         raise SystemExit("call_instructions.py needs valgrind (Debian: apt-get install valgrind)")
+    ll = l2_geometry() if cache else None
     # one output file for the process, its threads summed; no per-instruction data (smaller, faster)
     return [exe, "--tool=callgrind", "--dump-instr=no", f"--callgrind-out-file={out}",
-            *(["--cache-sim=yes"] if cache else [])]
+            *(["--cache-sim=yes"] if cache else []), *([f"--LL={ll}"] if ll else [])]
 
 
 def totals(out: Path) -> dict[str, int]:
@@ -93,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     per_call: dict[str, float] = {}
     misses: dict[str, float] = {}  # --cache: first-level data misses (reads + writes) per call
     i_misses: dict[str, float] = {}  # --cache: first-level instruction misses per call
+    ll_misses: dict[str, float] = {}  # --cache: last-level (L2-sized) misses per call: data and instructions
     try:
         for i, (target, tree) in enumerate(targets.items()):
             short = counted(target, tree, replay.url, args.warm, args.stream, work, f"t{i}-short", args.cache)
@@ -102,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.cache:
                 misses[target] = sum(long.get(e, 0) - short.get(e, 0) for e in ("D1mr", "D1mw")) / args.calls
                 i_misses[target] = (long.get("I1mr", 0) - short.get("I1mr", 0)) / args.calls
+                ll_misses[target] = sum(long.get(e, 0) - short.get(e, 0) for e in ("DLmr", "DLmw", "ILmr")) \
+                    / args.calls
     finally:
         replay.stop()
     kind = "streamed" if args.stream else "plain"
@@ -120,12 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         columns.append(("k I1 misses", lambda n: f"{i_misses[n] / 1e3:,.1f}"))
         if ref:
             columns.append((f"x {ref}", lambda n: f"{i_misses[n] / i_misses[ref]:.2f}"))
+        ll = l2_geometry() or "callgrind's default"
+        columns.append((f"k LL misses ({ll})", lambda n: f"{ll_misses[n] / 1e3:,.2f}"))
+        if ref:
+            columns.append((f"x {ref}", lambda n: f"{ll_misses[n] / ll_misses[ref]:.2f}"))
     print("| target | " + " | ".join(h for h, _ in columns) + " |\n|---|" + "---:|" * len(columns))
     for name in per_call:
         print(f"| {name} | " + " | ".join(cell(name) for _, cell in columns) + " |")
     if args.json:
         figures = {"kind": kind, "calls": args.calls, "per_call": per_call, "d1_misses": misses or None,
-                   "i1_misses": i_misses or None}
+                   "i1_misses": i_misses or None, "ll_misses": ll_misses or None,
+                   "ll": l2_geometry() if misses else None}
         Path(args.json).write_text(json.dumps(figures, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return 0
