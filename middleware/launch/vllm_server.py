@@ -9,8 +9,10 @@ files).
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +39,31 @@ from steptap.middleware.model_files import ties_embeddings
 
 class VLLMStartError(RuntimeError):
     """The server did not come up; the message carries the end of its log."""
+
+
+TEMP_PREFIX = "steptap-vllm-"
+# vLLM binds its IPC sockets at <VLLM_RPC_BASE_PATH>/<uuid4>: the whole path within sockaddr_un's 107 bytes
+_SOCKET_PATH_MAX = 107
+_PAST_PARENT = len("/" + TEMP_PREFIX + "xxxxxxxx/") + 36  # the folder mkdtemp makes, then a uuid4
+
+
+def temp_parent() -> str | None:
+    """Where a server's own folder goes: the temp folder, or ``/tmp`` where the temp folder's path is too
+    long for vLLM's socket paths in it; None where neither fits (vLLM then keeps its defaults)."""
+    for parent in (tempfile.gettempdir(), "/tmp"):
+        if len(parent) + _PAST_PARENT <= _SOCKET_PATH_MAX and os.access(parent, os.W_OK | os.X_OK):
+            return parent
+    return None
+
+
+def inductor_cache_dir() -> str:
+    """Where torch's inductor keeps its compile cache when nothing names a place: ``torchinductor_<user>`` in
+    this process's temp folder (torch's ``default_cache_dir``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def _given(args: Sequence[str], flag: str) -> bool:
@@ -127,9 +154,9 @@ class VLLMServer:
         self.transfer = True
         self.scale_out_flag = True  # start(): False for a vLLM without --enable-scale-out (0.26)
         self.process: subprocess.Popen[bytes] | None = None
-        # vLLM's own IPC sockets (VLLM_RPC_BASE_PATH): a folder of this server's, removed at stop, where vLLM
-        # left a few sockets in the temp folder at every start (unless the user names a place for them)
-        self.rpc_dir: str | None = None
+        # A folder of this server's, removed at stop: vLLM's temp folder and its IPC sockets' (unless the user
+        # names theirs). In the shared temp folder every start left a few sockets and a torch FileStore file.
+        self.temp_dir: str | None = None
         self.forced = False  # whether stop() had to SIGKILL what SIGTERM left
         self.ties_embeddings = ties_embeddings(self.model_dir)
         self.vision = is_vision_model(self.model_dir)
@@ -180,8 +207,12 @@ class VLLMServer:
                 # which nobind never does. Healthy in 50 s instead of 107 s on a loaded 2-core machine.
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.update(self.extra_env)
-        if self.rpc_dir is not None:
-            env.setdefault("VLLM_RPC_BASE_PATH", self.rpc_dir)
+        if self.temp_dir is not None:
+            env.setdefault("VLLM_RPC_BASE_PATH", self.temp_dir)
+            if "TMPDIR" not in self.extra_env:
+                # inductor's compile cache stays where it was (the temp folder's), kept from start to start
+                env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+                env["TMPDIR"] = self.temp_dir
         if self.torchvision is not None:  # first, before any given PYTHONPATH
             paths = (str(self.torchvision), env.get("PYTHONPATH"))
             env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -245,8 +276,8 @@ class VLLMServer:
         private_dir(self.log_path.parent)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)  # an existing log keeps its old mode otherwise
-        if "VLLM_RPC_BASE_PATH" not in os.environ and "VLLM_RPC_BASE_PATH" not in self.extra_env:
-            self.rpc_dir = tempfile.mkdtemp(prefix="steptap-vllm-rpc-")  # 0700
+        parent = temp_parent()
+        self.temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent) if parent else None  # 0700
         try:
             with open(fd, "wb") as log:
                 # A new session: a Ctrl-C at the terminal reaches us, and we stop the whole group in order.
@@ -257,14 +288,14 @@ class VLLMServer:
                     env=self.environment(), start_new_session=True, preexec_fn=die_with_parent(),
                 )
         except BaseException:
-            self._remove_rpc_dir()
+            self._remove_temp_dir()
             raise
         return self
 
-    def _remove_rpc_dir(self) -> None:
-        if self.rpc_dir is not None:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
-            self.rpc_dir = None
+    def _remove_temp_dir(self) -> None:
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -298,7 +329,7 @@ class VLLMServer:
         self.forced = procs.stop_group(self.process, grace) or self.forced
         if self.uds is not None:
             self.uds.unlink(missing_ok=True)
-        self._remove_rpc_dir()  # the group is gone: no process of it holds a socket there
+        self._remove_temp_dir()  # the group is gone: no process of it holds a file there
         return self.process.returncode
 
     def kill(self) -> None:

@@ -1,6 +1,7 @@
 """A shortened run of the demo (scripts/demo.sh, set-up skipped): the whole loop on the tiny model, with its
 own vLLM server (the learner swaps weights into it), the proxy, the learner and the digits agent population,
-all under `steptap up`. It must raise the mean reward clearly, then leave a PNG and a summary, and no process.
+all under `steptap up`. It must raise the mean reward clearly, then leave a PNG and a summary, and no process
+and nothing in the temp folder (a scratch TMPDIR here; inductor's compile cache kept where it always is).
 
 Slow (a vLLM start plus a few minutes of learning on two cores), but it runs in CI: it is the main job's
 check. The full demo (10 minutes) is not run here."""
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -18,6 +21,7 @@ import pytest
 from conftest import missing
 
 from steptap.middleware.health import diagnose
+from steptap.middleware.launch.vllm_server import inductor_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 # A bound, not the run's length: the demo stops at --target (TARGET), in 1-2 minutes of learning on a quiet
@@ -36,34 +40,32 @@ def _vllm_venv_ready() -> bool:
     return (default_venv() / "bin" / "python").exists()
 
 
+def _demo(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "scripts/demo.sh", "--skip-setup", "--minutes", str(MINUTES), "--target", str(TARGET),
+         "--concurrency", "16", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=int(MINUTES * 60 + 900), check=False,
+    )
+
+
 @pytest.mark.timeout(int(MINUTES * 60 + 900))
 def test_short_demo_raises_the_reward(tmp_path: Path) -> None:
     if not _vllm_venv_ready():
         missing("the vLLM virtualenv is missing (bash scripts/setup.sh builds it)")
     out = tmp_path / "demo"
+    scratch = Path(tempfile.mkdtemp(prefix="st-"))  # short: vLLM's socket paths must fit in 107 bytes
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # warm, as a user's second run finds it
     before = {p.pid for p in psutil.process_iter()}
-    proc = subprocess.run(
-        [
-            "bash",
-            "scripts/demo.sh",
-            "--skip-setup",
-            "--minutes",
-            str(MINUTES),
-            "--target",
-            str(TARGET),
-            "--concurrency",
-            "16",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=int(MINUTES * 60 + 900),
-        check=False,
-    )
+    try:
+        proc = _demo(out, env)
+        # vLLM's IPC sockets and torch's FileStore went in its own folder, removed when it stopped
+        left = sorted(scratch.iterdir())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     text = proc.stdout[-6000:] + proc.stderr[-6000:]
     assert proc.returncode == 0, text
+    assert not left, left
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] >= 3, summary

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,14 @@ from reference import reference_logprobs
 
 from steptap.middleware.launch.model_info import pick_tool_parser
 from steptap.middleware.launch.procs import process_group_alive
-from steptap.middleware.launch.vllm_server import VLLMServer, VLLMStartError, ties_embeddings
+from steptap.middleware.launch.vllm_server import (
+    TEMP_PREFIX,
+    VLLMServer,
+    VLLMStartError,
+    inductor_cache_dir,
+    temp_parent,
+    ties_embeddings,
+)
 from steptap.middleware.launch.vllm_venv import MARKER, default_venv, ensure_venv
 
 LOGPROB_TOL = 1e-4  # measured agreement is ~1e-6 (float32 on both sides); 1e-4 leaves room for kernel order
@@ -81,10 +89,34 @@ def test_command_and_environment_for_cpu(tiny_model_dir: Path, tmp_path: Path) -
         env["VLLM_SERVER_DEV_MODE"] == env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == env["HF_HUB_OFFLINE"] == "1"
     )
     assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    # started: vLLM's temp folder and sockets in the server's own folder, inductor's cache where it was
+    server.temp_dir = str(tmp_path / "own")
+    env = server.environment()
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == server.temp_dir
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == os.environ.get("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    assert inductor_cache_dir().startswith(tempfile.gettempdir() + os.sep + "torchinductor_")
+    mine = VLLMServer(tiny_model_dir, gpu=False, env={"TMPDIR": str(tmp_path)})
+    mine.temp_dir = str(tmp_path / "own")
+    assert mine.environment()["TMPDIR"] == str(tmp_path)  # the user's own, kept
     # A flag given after `--` wins over our default.
     override = VLLMServer(tiny_model_dir, gpu=False, extra_args=["--dtype", "bfloat16"],
                           tool_parser="llama3_json")
     assert "float32" not in override.command(Path("p")) and "llama3_json" in override.command(Path("p"))
+
+
+def test_the_servers_own_folder_goes_where_vllms_socket_paths_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM binds sockets at <folder>/<uuid4>, within 107 bytes: a temp folder whose path is too long for that
+    (a deep pytest tmp_path failed vLLM's start) gives way to /tmp."""
+    short = tempfile.mkdtemp(prefix="st-")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        assert temp_parent() == short
+        made = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+        assert len(os.path.join(made, str(uuid.uuid4()))) <= 107
+        monkeypatch.setattr(tempfile, "tempdir", os.path.join(short, "x" * 60))
+        assert temp_parent() == "/tmp"
+    finally:
+        shutil.rmtree(short)
 
 
 def test_middleware_module_imports_no_ml_stack() -> None:
@@ -209,7 +241,7 @@ def test_ctrl_c_on_steptap_vllm_stops_the_whole_server(tiny_model_dir: Path, tmp
             time.sleep(0.5)
         pids = _group_pids(pgid)
         assert len(pids) >= 2
-        (rpc,) = scratch.glob("steptap-vllm-rpc-*")
+        (rpc,) = scratch.glob("steptap-vllm-*")
         assert any(rpc.iterdir()), "vLLM made no IPC socket in the server's folder"
         t0 = time.monotonic()
         cli.send_signal(signal.SIGINT)
