@@ -72,8 +72,9 @@ def resolve(req: dict[str, Any]) -> dict[str, Any]:
     from harbor.agents.factory import AgentFactory
 
     config = _config(req)
-    agent = AgentFactory.create_agent_from_config(config.agent, logs_dir=Path(tempfile.mkdtemp()))
-    connection = agent.model_connection
+    with tempfile.TemporaryDirectory(prefix="steptap-harbor-") as logs:  # a preflight runs no agent
+        agent = AgentFactory.create_agent_from_config(config.agent, logs_dir=Path(logs))
+        connection = agent.model_connection
     api_format = connection.model_api_format
     return {"base_url": connection.resolved_base_url,
             "api_format": getattr(api_format, "value", api_format)}

@@ -53,16 +53,20 @@ def test_check_runs_harbor_oracle_and_noop_in_the_container(harbor_env: dict[str
     assert out.stdout.splitlines()[1].split() == ["answer", "1.000", "0.000", "ok"]
 
 
-def test_harbor_installed_agents_take_the_session_url(harbor_env: dict[str, str], tmp_path: Path) -> None:
+def test_harbor_installed_agents_take_the_session_url(harbor_env: dict[str, str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each of Harbor's own agents for the four CLIs, built by Harbor from the request an episode sends,
     resolves its model endpoint to the episode's session URL as the containers reach the proxy (no container
-    is started: what a real docker run would hand the CLI)."""
+    is started: what a real docker run would hand the CLI), and leaves nothing in the temp folder."""
     import asyncio
 
     from steptap.adapters.tasks.containers import HARBOR_AGENTS, HarborSettings, preflight
 
     python = Path(harbor_env["STEPTAP_HARBOR_PYTHON"])
     h = HarborSettings(container_proxy="http://172.17.0.1:8400", python=python)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the drivers' temp folder
 
     async def resolve_all() -> list[str]:  # side by side: each is a Harbor process's start
         return list(await asyncio.gather(*(preflight(agent, h, "http://127.0.0.1:8400", "tiny",
@@ -71,6 +75,7 @@ def test_harbor_installed_agents_take_the_session_url(harbor_env: dict[str, str]
     resolved = dict(zip(HARBOR_AGENTS, asyncio.run(resolve_all()), strict=True))
     assert resolved == {"claude-code": "http://172.17.0.1:8400/s/preflight",
                         **{a: "http://172.17.0.1:8400/s/preflight/v1" for a in ("codex", "openclaw", "pi")}}
+    assert list(scratch.iterdir()) == []  # each preflight's logs folder removed (one was left a call)
 
 
 def _task(root: Path, name: str, instruction: str, test_sh: str) -> Path:
