@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,11 +42,17 @@ def browser() -> Iterator[Any]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--window-size=1400,1300"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    # the browser's own temp files (its singleton socket's folder outlived quit()) in a folder removed after
+    scratch = tempfile.mkdtemp(prefix="st-chrome-")
+    service = Service(DRIVER, env={**os.environ, "TMPDIR": scratch})
     try:
-        yield driver
+        driver = webdriver.Chrome(service=service, options=options)
+        try:
+            yield driver
+        finally:
+            driver.quit()
     finally:
-        driver.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 async def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
