@@ -193,6 +193,25 @@ def missing(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def pins_differ(python: Path, constraints: Path) -> dict[str, tuple[str, str | None]]:
+    """The packages of a pip constraints file (``name==version`` lines) that the virtualenv of ``python``
+    holds at another version or not at all: name -> (pinned, installed)."""
+    import re
+    import subprocess
+
+    def canonical(name: str) -> str:  # PEP 503
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    lines = [ln for ln in constraints.read_text().splitlines() if ln and not ln.startswith("#")]
+    pins = {canonical(name): version for name, version in (ln.split("==") for ln in lines)}
+    code = ("import json, importlib.metadata as m; "
+            "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    installed = {canonical(name): version for name, version in json.loads(out.stdout).items()}
+    return {name: (version, installed.get(name)) for name, version in pins.items()
+            if installed.get(name) != version}
+
+
 def _unavailable(reason: str) -> None:
     missing(f"vLLM server unavailable: {reason}")
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from steptap.adapters.tasks.format import Task
 
 HARBOR = "harbor==0.25.0"
+HARBOR_CONSTRAINTS = Path(__file__).with_name("harbor-constraints.txt")  # what Harbor pulls in, pinned
 PYTHON_ENV = "STEPTAP_HARBOR_PYTHON"  # the Python of a Harbor install of your own
 PATH_ENV = "STEPTAP_HARBOR_PYTHONPATH"  # where Harbor finds environments and agents named by import path
 # Harbor's exceptions that are the infrastructure's, by cause; anything else that ends a trial without a
@@ -94,7 +95,7 @@ def install(python: str | None = None) -> Path:
         raise HarborError("Harbor needs Python >= 3.12 and none was found (python3.12 or python3.13 on PATH, "
                           "or pyenv's): pass --python PATH")
     return build_once(venv_dir(), python=base, installs=[[HARBOR]], removals=[], imports="harbor",
-                      label="Harbor") / "bin" / "python"
+                      label="Harbor", constraints=HARBOR_CONSTRAINTS) / "bin" / "python"
 
 
 def harbor_python() -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import missing
+from conftest import missing, pins_differ
 
 from steptap.middleware.client import SyncSteptapClient
 
@@ -44,6 +44,17 @@ def harbor_env() -> dict[str, str]:
 def steptap(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "steptap.middleware.cli", "tasks", *args],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=900, check=False)
+
+
+def test_harbors_venv_holds_the_pinned_versions(harbor_env: dict[str, str]) -> None:
+    """Harbor's virtualenv is built under HARBOR_CONSTRAINTS: what harbor==0.25.0 pulls in (litellm, openai,
+    ...) at the pinned versions, whatever has been released since."""
+    from steptap.adapters.tasks.containers import HARBOR_CONSTRAINTS
+
+    assert "\nlitellm==" in HARBOR_CONSTRAINTS.read_text()
+    python = Path(harbor_env["STEPTAP_HARBOR_PYTHON"])
+    assert pins_differ(python, HARBOR_CONSTRAINTS) == {}, (
+        f"{python.parent.parent} was built before these pins (remove it: the next run rebuilds it)")
 
 
 def test_check_runs_harbor_oracle_and_noop_in_the_container(harbor_env: dict[str, str]) -> None:

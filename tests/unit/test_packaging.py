@@ -210,6 +210,17 @@ def test_every_subpackage_is_in_the_wheel_mapping() -> None:
     assert on_disk == listed, f"missing from pyproject: {on_disk - listed}; stale: {listed - on_disk}"
 
 
+def test_the_virtualenvs_pins_ship_in_the_package() -> None:
+    """The constraints files the vLLM and Harbor virtualenvs are built under are package data: found beside
+    their modules in the installed package (scripts/test.sh installs the wheel), one pin a line."""
+    from steptap.adapters.tasks.containers import HARBOR_CONSTRAINTS
+    from steptap.middleware.launch.vllm_venv import CPU_CONSTRAINTS
+
+    for pins in (CPU_CONSTRAINTS, HARBOR_CONSTRAINTS):
+        lines = [ln for ln in pins.read_text().splitlines() if ln and not ln.startswith("#")]
+        assert len(lines) > 50 and all(ln.count("==") == 1 and " " not in ln for ln in lines), pins
+
+
 # --- one client for vLLM (backend/) -------------------------------------------------------------------------
 # Routes only vLLM serves (the proxy serves /v1/models and /health itself, so those cannot tell).
 VLLM_ROUTES = ("/pause", "/resume", "/is_paused", "/collective_rpc", "reset_prefix_cache",
