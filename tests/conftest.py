@@ -196,11 +196,9 @@ def missing(reason: str) -> NoReturn:
 def pins_differ(python: Path, constraints: Path) -> dict[str, tuple[str, str | None]]:
     """The packages of a pip constraints file (``name==version`` lines) that the virtualenv of ``python``
     holds at another version or not at all: name -> (pinned, installed)."""
-    import re
     import subprocess
 
-    def canonical(name: str) -> str:  # PEP 503
-        return re.sub(r"[-_.]+", "-", name).lower()
+    from packaging.utils import canonicalize_name as canonical  # PEP 503, as pip compares names
 
     lines = [ln for ln in constraints.read_text().splitlines() if ln and not ln.startswith("#")]
     pins = {canonical(name): version for name, version in (ln.split("==") for ln in lines)}
