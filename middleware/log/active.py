@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -19,6 +20,10 @@ from steptap.middleware.log.segments import HEADER, create_segment, seg_name
 from steptap.middleware.log.stats import LogStats
 from steptap.middleware.log.table import SegmentTable
 from steptap.middleware.log.writer import Written
+
+# A lone record is synced on the loop only while the disk's last sync took less than this (a local SSD:
+# 0.1-0.2 ms); past it, syncs go to the writer thread until one is quick again
+INLINE_SYNC_S = 0.002
 
 
 class ActiveSegment:
@@ -44,6 +49,14 @@ class ActiveSegment:
     def unsynced(self) -> bool:
         """Whether groups were written (durability ``os``) and not synced yet."""
         return self._unsynced
+
+    def inline(self, size: int) -> bool:
+        """Whether a lone frame of ``size`` bytes may be written and synced on the loop (``writer.py``'s
+        ``write_now``): with durability ``fsync`` (no timed sync shares the file), when it fits this segment
+        (a roll's syncs and file creation stay off the loop), and while the disk's last sync took under
+        ``INLINE_SYNC_S`` (a slow disk leaves the loop free for everything else)."""
+        return (self.fsync and self.table.active[1] + size <= self.segment_bytes
+                and self.stats.last_sync_s < INLINE_SYNC_S)
 
     def write(self, frames: list[bytes]) -> Written:
         """Writer thread: write ``frames`` as one group (see the module's doc); returns the position after
@@ -84,9 +97,11 @@ class ActiveSegment:
         if not buf:
             return
         # At the committed end; with fsync, written and synced by one system call where the platform can.
+        t0 = time.perf_counter()
         files.write_all(self._fd, b"".join(buf), self.table.active[1], dsync=self.fsync)
         if self.fsync:
             self.stats.commits += 1
+            self.stats.last_sync_s = time.perf_counter() - t0
         else:
             self._unsynced = True
         self.table.grow(sum(len(b) for b in buf))

@@ -14,6 +14,7 @@ class LogStats(msgspec.Struct, kw_only=True):
     torn_bytes: int = 0
     corrupt_records: int = 0  # bad frames inside sealed segments (the rest of each is skipped)
     last_batch_records: int = 0
+    last_sync_s: float = 0.0  # how long the latest group's write and sync took (durability fsync)
     segments: int = 0  # retained local segments
     uploads: int = 0  # sealed segments uploaded to the remote URL
     active_uploads: int = 0  # uploads of the active segment's committed part (timer)

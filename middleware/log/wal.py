@@ -199,26 +199,29 @@ class TrajectoryLog:
         it exceeds ``max_record_bytes``; ``LogUnavailable`` while the log cannot write (``degraded``)."""
         return (await self.append_at(record))[1]
 
-    async def append_at(self, record: LogRecord) -> tuple[str, str]:
+    async def append_at(self, record: LogRecord, *, alone: bool = False) -> tuple[str, str]:
         """Like ``append``; returns the cursors where the record starts (what a ``StepRef`` names) and
-        ends."""
+        ends. ``alone``: the caller is all the loop has to do (the one model call in flight), so the record
+        may be synced on the loop (``ActiveSegment.inline``)."""
         self._check_open()
-        return await self._queue(msgpack_encoder.encode(record), record)
+        return await self._queue(msgpack_encoder.encode(record), record, alone)
 
-    async def append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]:
+    async def append_encoded(self, payload: bytes, record: LogRecord, *,
+                             alone: bool = False) -> tuple[str, str]:
         """``append_at`` of a record its caller already encoded: ``payload`` is ``record``'s msgpack bytes
         (what ``msgpack_encoder.encode(record)`` gives), written as they are; ``record`` is what the log's
         index reads once it is committed. A caller that measures a record encodes it once."""
         self._check_open()
-        return await self._queue(payload, record)
+        return await self._queue(payload, record, alone)
 
     def _check_open(self) -> None:
         if self.changes.closed:
             raise LogClosedError("trajectory log is closed (or opened read-only)")
         self.health.ensure_writable()
 
-    def _queue(self, payload: bytes, record: LogRecord) -> asyncio.Future[tuple[str, str]]:
-        """Hand the record's frame to the writer thread; the future resolves once its group is durable."""
+    def _queue(self, payload: bytes, record: LogRecord, alone: bool) -> asyncio.Future[tuple[str, str]]:
+        """Hand the record's frame to the writer thread, or sync it here (``alone``, where the active segment
+        takes it inline); the future resolves once it is durable."""
         if len(payload) > self.max_record_bytes:
             raise RecordTooLarge(
                 f"the record is {len(payload)} bytes, above the trajectory log's limit of "
@@ -226,7 +229,8 @@ class TrajectoryLog:
             )
         fut: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         assert self._writer is not None  # set by open() whenever the log is not closed
-        self._writer.put((frame(payload), record, fut))
+        item = (frame(payload), record, fut)
+        (self._writer.write_now if alone and self.active.inline(len(item[0])) else self._writer.put)(item)
         return fut
 
     def _committed(self, batch: list[Item], written: Written) -> None:

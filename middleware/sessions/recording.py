@@ -97,7 +97,8 @@ class Recorder:
         self._count(steps, traj.anonymous)
         # Tasks, so the closing Trajectory record can wait for the ones in flight; concurrent appends share
         # one group commit.
-        tasks = [asyncio.ensure_future(self.writer.append_at(form)) for form in forms]
+        alone = len(forms) == 1 and self.holdings.calls_inflight == 1  # nothing to group it with
+        tasks = [asyncio.ensure_future(self.writer.append_at(form, alone=alone)) for form in forms]
         for form, task in zip(forms, tasks, strict=True):
             session.starts[form.index] = task
         try:
@@ -262,7 +263,7 @@ class Recorder:
                                  f"above max_record_bytes={self.config.max_record_bytes}")
         self._count(steps, True)
         session.closing = True
-        await self._append_encoded(payload, traj)
+        await self._append_encoded(payload, traj, alone=self.holdings.calls_inflight == 1)
         self._settle(session)
 
     def _count(self, steps: list[Step], anonymous: bool) -> None:

@@ -43,10 +43,12 @@ class Log(Protocol):
 
     async def append(self, record: LogRecord) -> str: ...
 
-    async def append_at(self, record: LogRecord) -> tuple[str, str]: ...  # where it starts, where it ends
+    # where it starts, where it ends; ``alone``: the one model call in flight appends it (synced on the loop)
+    async def append_at(self, record: LogRecord, *, alone: bool = False) -> tuple[str, str]: ...
 
     # ``append_at`` of a record the caller encoded (its msgpack bytes), written as they are
-    async def append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]: ...
+    async def append_encoded(self, payload: bytes, record: LogRecord, *,
+                             alone: bool = False) -> tuple[str, str]: ...
 
     def ensure_writable(self) -> None: ...  # raises while the log cannot write (a 503)
 

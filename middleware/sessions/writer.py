@@ -29,15 +29,17 @@ class Writer:
     async def append(self, record: LogRecord) -> str:
         return (await self.append_at(record))[1]
 
-    async def append_at(self, record: LogRecord) -> tuple[str, str]:
+    async def append_at(self, record: LogRecord, *, alone: bool = False) -> tuple[str, str]:
+        """``alone``: the one model call in flight appends it (the log may sync it on the loop)."""
         t0 = time.perf_counter()
-        cursors = await self.log.append_at(record)
+        cursors = await self.log.append_at(record, alone=alone)
         self.metrics.log_commit.observe(time.perf_counter() - t0)
         return cursors
 
-    async def append_encoded(self, payload: bytes, record: LogRecord) -> tuple[str, str]:
+    async def append_encoded(self, payload: bytes, record: LogRecord, *,
+                             alone: bool = False) -> tuple[str, str]:
         """``append_at`` of a record already encoded (``payload``: its msgpack bytes, written as is)."""
         t0 = time.perf_counter()
-        cursors = await self.log.append_encoded(payload, record)
+        cursors = await self.log.append_encoded(payload, record, alone=alone)
         self.metrics.log_commit.observe(time.perf_counter() - t0)
         return cursors

@@ -526,8 +526,9 @@ async def test_an_intact_frame_above_the_readers_limit_is_never_cut(
     await log.close()
 
 
+@pytest.mark.parametrize("alone", [False, True])  # through the writer thread, and synced on the loop
 async def test_a_failed_write_degrades_the_log_until_a_probe_write_succeeds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, alone: bool
 ) -> None:
     from faults import DiskFullInjector
 
@@ -540,7 +541,7 @@ async def test_a_failed_write_degrades_the_log_until_a_probe_write_succeeds(
     await log.append(_traj(0))
     disk.full = True
     with pytest.raises(LogUnavailable) as err:
-        await log.append(_traj(1))
+        await log.append_at(_traj(1), alone=alone)
     assert status_of(err.value) == 503 and log.degraded and "No space left" in (log.degraded_reason or "")
     refused = disk.refused
     with pytest.raises(LogUnavailable):  # refused at once: nothing reaches the disk while degraded
@@ -557,7 +558,7 @@ async def test_a_failed_write_degrades_the_log_until_a_probe_write_succeeds(
             break
         await asyncio.sleep(0.01)
     assert not log.degraded and log.degraded_reason is None
-    await log.append(_traj(3))
+    await log.append_at(_traj(3), alone=alone)
     await log.close()
     log = await TrajectoryLog.open(str(tmp_path))
     assert log.stats.torn_records == 0 and [r.id for r in log.records()] == ["t0", "t3"]
@@ -691,4 +692,66 @@ async def test_a_held_session_keeps_its_segments_off_the_stream_until_it_ends(tm
     c = await log.append(HeldDropped(trajectory_id="held"))
     assert await log.compact(c) != []  # ended: its segments may go
     assert "held" not in [t.id async for _, t in log.follow(None, until_idle=0)]
+    await log.close()
+
+
+def _writer_callbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that hand work back to this loop (``call_soon_threadsafe``), as they call."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    calls: list[str] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(threading.current_thread().name)
+        return real(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    return calls
+
+
+async def test_a_lone_record_is_synced_on_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``alone`` (the one model call in flight): written and synced on the loop, durable when the append
+    returns, with no hand-off from the writer thread; not while the disk's last sync was slow, nor when the
+    record would roll the segment over (a roll's syncs stay off the loop)."""
+    log = await TrajectoryLog.open(str(tmp_path), segment_bytes=4096)
+    calls = _writer_callbacks(monkeypatch)
+    for i in range(3):
+        log.stats.last_sync_s = 0.0  # a quick disk, whatever this machine's is
+        cursor = await log.append_at(_traj(i), alone=True)
+        seg, off = parse_cursor(cursor[1])
+        assert (tmp_path / f"seg-{seg:08d}.log").stat().st_size == off  # on disk when it returned
+    assert log.stats.commits == 3 and [n for n in calls if n == "steptap-wal-writer"] == []
+    assert log.stats.last_sync_s > 0  # each sync timed
+
+    log.stats.last_sync_s = 1.0  # the disk's last sync took a second: the writer thread syncs it
+    await log.append_at(_traj(3), alone=True)
+    assert [n for n in calls if n == "steptap-wal-writer"] == ["steptap-wal-writer"]
+    await log.append_at(_traj(4))  # not alone: the writer thread, as ever
+    assert len([n for n in calls if n == "steptap-wal-writer"]) == 2
+
+    segments = len(_segs(tmp_path))
+    while len(_segs(tmp_path)) == segments:  # alone, up to the record that rolls the segment over
+        log.stats.last_sync_s = 0.0
+        await log.append_at(_traj(10 + log.stats.records), alone=True)
+    assert len([n for n in calls if n == "steptap-wal-writer"]) == 3  # the roll's record went to the thread
+    ids = [r.id for r in log.records()]
+    await log.close()
+    assert ids == [f"t{i}" for i in range(5)] + [f"t{10 + i}" for i in range(5, len(ids))]
+
+
+async def test_lone_records_keep_the_log_in_append_order_among_groups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone record is synced on the loop only while the writer thread holds nothing (queued or in hand);
+    otherwise it queues behind the thread's, so the log holds every record in the order it was appended."""
+    log = await TrajectoryLog.open(str(tmp_path))
+    calls = _writer_callbacks(monkeypatch)
+    for rounds in range(3):
+        # the first append of a round finds the thread idle (synced on the loop), the rest queue behind it
+        log.stats.last_sync_s = 0.0
+        await asyncio.gather(*(log.append_at(_traj(100 * rounds + i), alone=i % 3 == 0) for i in range(30)))
+    groups = len([n for n in calls if n == "steptap-wal-writer"])
+    assert log.stats.records == 90 and log.stats.commits == groups + 3  # one sync on the loop a round
+    assert [r.id for r in log.records()] == [f"t{100 * r + i}" for r in range(3) for i in range(30)]
     await log.close()
