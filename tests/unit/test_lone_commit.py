@@ -5,12 +5,11 @@ call and a named session's; the steps built by capture from a vLLM-shaped reply.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 
 import pytest
 from test_choice_steps import call_steps
+from test_wal import writer_callbacks
 
 from steptap.middleware.config import ProxyConfig
 from steptap.middleware.log import active
@@ -31,15 +30,7 @@ async def test_a_lone_calls_record_is_synced_on_the_loop(tmp_path: Path, monkeyp
     manager = SessionManager(ProxyConfig(log=str(tmp_path / "log")), log, Metrics(), None, set())
     named = await manager.open(session_id="named")
     anon = await manager.resolve(Identity(source="anonymous"))
-    loop = asyncio.get_running_loop()
-    handed: list[str] = []  # the threads that hand work back to the loop
-    real = loop.call_soon_threadsafe
-
-    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
-        handed.append(threading.current_thread().name)
-        return real(callback, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    handed = writer_callbacks(monkeypatch)  # the threads that hand work back to the loop
     commits = log.stats.commits
     calls = [manager.admitted(f"peer{i}") for i in range(inflight)]  # the calls in flight (429 bounds)
     for session in (named, anon):

@@ -643,27 +643,15 @@ async def test_durability_os_writes_before_append_returns_and_syncs_on_a_timer(t
         await TrajectoryLog.open(str(tmp_path / "x"), durability="never")
 
 
-async def test_a_group_reaches_the_loop_in_one_callback(tmp_path: Path) -> None:
+async def test_a_group_reaches_the_loop_in_one_callback(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer thread hands each group back with one ``call_soon_threadsafe`` (not one per record, and no
     writer task in between): callbacks from the thread = groups committed (+1 when it stops)."""
-    import threading
-
-    loop = asyncio.get_running_loop()
-    calls: list[str] = []
-    real = loop.call_soon_threadsafe
-
-    def counting(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(threading.current_thread().name)
-        return real(callback, *args, **kwargs)
-
     log = await TrajectoryLog.open(str(tmp_path))
-    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-    try:
-        for rounds in range(3):
-            await asyncio.gather(*(log.append(_traj(100 * rounds + i)) for i in range(50)))
-        await log.close()
-    finally:
-        del loop.call_soon_threadsafe  # back to the class's method
+    calls = writer_callbacks(monkeypatch)
+    for rounds in range(3):
+        await asyncio.gather(*(log.append(_traj(100 * rounds + i)) for i in range(50)))
+    await log.close()
     from_writer = [name for name in calls if name == "steptap-wal-writer"]
     assert log.stats.records == 150
     assert len(from_writer) == log.stats.commits + 1  # one per group (each group one sync), one at stop
@@ -695,7 +683,7 @@ async def test_a_held_session_keeps_its_segments_off_the_stream_until_it_ends(tm
     await log.close()
 
 
-def _writer_callbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def writer_callbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads that hand work back to this loop (``call_soon_threadsafe``), as they call."""
     import threading
 
@@ -716,7 +704,7 @@ async def test_a_lone_record_is_synced_on_the_loop(tmp_path: Path, monkeypatch: 
     returns, with no hand-off from the writer thread; not while the disk's last sync was slow, nor when the
     record would roll the segment over (a roll's syncs stay off the loop)."""
     log = await TrajectoryLog.open(str(tmp_path), segment_bytes=4096)
-    calls = _writer_callbacks(monkeypatch)
+    calls = writer_callbacks(monkeypatch)
     for i in range(3):
         log.stats.last_sync_s = 0.0  # a quick disk, whatever this machine's is
         cursor = await log.append_at(_traj(i), alone=True)
@@ -746,7 +734,7 @@ async def test_lone_records_keep_the_log_in_append_order_among_groups(
     """A lone record is synced on the loop only while the writer thread holds nothing (queued or in hand);
     otherwise it queues behind the thread's, so the log holds every record in the order it was appended."""
     log = await TrajectoryLog.open(str(tmp_path))
-    calls = _writer_callbacks(monkeypatch)
+    calls = writer_callbacks(monkeypatch)
     for rounds in range(3):
         # the first append of a round finds the thread idle (synced on the loop), the rest queue behind it
         log.stats.last_sync_s = 0.0
