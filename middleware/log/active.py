@@ -55,8 +55,13 @@ class ActiveSegment:
         ``write_now``): with durability ``fsync`` (no timed sync shares the file), when it fits this segment
         (a roll's syncs and file creation stay off the loop), and while the disk's last sync took under
         ``INLINE_SYNC_S`` (a slow disk leaves the loop free for everything else)."""
-        return (self.fsync and self.table.active[1] + size <= self.segment_bytes
+        return (self.fsync and not self._rolls(self.table.active[1], size)
                 and self.stats.last_sync_s < INLINE_SYNC_S)
+
+    def _rolls(self, pos: int, size: int) -> bool:
+        """Whether a frame of ``size`` bytes at ``pos`` starts the next segment (one larger than a segment
+        goes alone into an empty one)."""
+        return pos > len(HEADER) and pos + size > self.segment_bytes
 
     def write(self, frames: list[bytes]) -> Written:
         """Writer thread: write ``frames`` as one group (see the module's doc); returns the position after
@@ -73,7 +78,7 @@ class ActiveSegment:
         segno, pos = self.table.active
         try:
             for fr in frames:
-                if pos > len(HEADER) and pos + len(fr) > self.segment_bytes:
+                if self._rolls(pos, len(fr)):
                     self._flush(buf)
                     committed, buf = len(positions), []
                     sealed.append(self.roll())

@@ -82,12 +82,7 @@ class CommitThread:
         if self._queued or self._failed:
             self.put(item)
             return
-        try:
-            written = self._write([item[0]])
-        except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this record, as the thread would
-            written = ([], [], exc)
-        self._failed = written[2] is not None
-        self._committed([item], written)
+        self._committed([item], self._written([item[0]]))
 
     def stop(self) -> None:
         """Write what is queued, then end (``stopped`` resolves)."""
@@ -127,20 +122,23 @@ class CommitThread:
                         break
                     batch.append(nxt)
                     size += len(nxt[0])
-                written: Written
-                if self._failed:
-                    written = ([], [], NotWritten("an earlier group of the log failed"))
-                else:
-                    try:
-                        written = self._write([item[0] for item in batch])
-                    except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group
-                        written = ([], [], exc)
-                    self._failed = written[2] is not None
+                written: Written = (([], [], NotWritten("an earlier group of the log failed")) if self._failed
+                                    else self._written([item[0] for item in batch]))
                 self._call(self._handed_back, batch, written)
             self._call(_resolve, self.stopped)
         except BaseException as exc:  # noqa: BLE001 - report it on the loop: nothing may wait forever
             self._call(self._died, exc, batch)
             self._call(_resolve, self.stopped)
+
+    def _written(self, frames: list[bytes]) -> Written:
+        """``frames`` written as one group (in the thread, or on the loop for ``write_now``); a failed group
+        stops the writes until ``resume``."""
+        try:
+            written = self._write(frames)
+        except Exception as exc:  # noqa: BLE001 - a bug, not the disk: fail this group
+            written = ([], [], exc)
+        self._failed = written[2] is not None
+        return written
 
     def _handed_back(self, batch: list[Item], written: Written) -> None:
         """On the loop: a group from the thread."""
